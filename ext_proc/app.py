@@ -1,0 +1,87 @@
+"""Composition root: config -> router -> gRPC server + admin HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+from aiohttp import web
+
+from ext_proc.admin import make_admin_app
+from ext_proc.config import Config, split_host_port
+from ext_proc.policy import make_policy
+from ext_proc.router import Router
+from ext_proc.server import ExtProcService, add_services, grpc_options
+
+log = logging.getLogger("gorgo")
+
+# How often lost completions are looked for; cheap (stops at the first young record).
+EXPIRE_INTERVAL_S = 5.0
+# SIGTERM: in-flight streams get this long to finish before the server stops.
+DRAIN_GRACE_S = 5.0
+
+
+def build_router(cfg: Config) -> Router:
+    rng = random.Random(cfg.seed)
+    return Router(
+        cfg.backend_ids,
+        make_policy(cfg.policy, rng),
+        clock=time.monotonic,
+        request_timeout_s=cfg.request_timeout_s,
+    )
+
+
+@dataclass
+class Running:
+    router: Router
+    ext_proc: ExtProcService
+    grpc_port: int
+    admin_port: int
+
+
+async def _expire_loop(router: Router) -> None:
+    while True:
+        await asyncio.sleep(EXPIRE_INTERVAL_S)
+        for c in router.expire():
+            log.warning("request %s on %s: no completion seen, expired", c.request_id, c.backend)
+
+
+@contextlib.asynccontextmanager
+async def running_service(cfg: Config) -> AsyncIterator[Running]:
+    """Start the ext_proc gRPC server and admin HTTP; stop them on exit."""
+    router = build_router(cfg)
+    server = grpc.aio.server(options=grpc_options(cfg.envoy.max_body_bytes))
+    ext_proc = add_services(server, router)
+    host, port = split_host_port(cfg.listen.grpc, "listen.grpc")
+    grpc_port = server.add_insecure_port(f"{host}:{port}")
+    if port and grpc_port != port:
+        raise OSError(f"listen.grpc: cannot bind {cfg.listen.grpc} (port in use?)")
+    await server.start()
+
+    admin_app = make_admin_app(
+        router, lambda: {"active_ext_proc_streams": ext_proc.active_streams}
+    )
+    runner = web.AppRunner(admin_app, access_log=None)
+    await runner.setup()
+    admin_host, admin_port = split_host_port(cfg.listen.admin, "listen.admin")
+    site = web.TCPSite(runner, admin_host, admin_port)
+    try:
+        await site.start()
+    except OSError as e:
+        await server.stop(None)
+        await runner.cleanup()
+        raise OSError(f"listen.admin: cannot bind {cfg.listen.admin}: {e.strerror}") from e
+    bound_admin = site._server.sockets[0].getsockname()[1] if site._server else admin_port  # type: ignore[union-attr]
+    expirer = asyncio.create_task(_expire_loop(router))
+    try:
+        yield Running(router, ext_proc, grpc_port, bound_admin)
+    finally:
+        expirer.cancel()
+        await server.stop(DRAIN_GRACE_S)
+        await runner.cleanup()

@@ -1,0 +1,201 @@
+"""One YAML file configures the service, and the Envoy config is generated from it.
+
+Every section is a frozen dataclass; `load_config` validates types and keys and raises
+`ConfigError` naming the offending key (e.g. `envoy.max_body_bytes`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import types
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
+
+import yaml
+
+_BACKEND_ID = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, unknown or of the wrong type or range."""
+
+
+@dataclass(frozen=True)
+class Backend:
+    # Backend id = Envoy cluster name = value of the routing header.
+    id: str
+    # host:port where Envoy reaches this backend's engine (through its WAN link locally).
+    address: str
+    region: str = ""
+    # RTT assumed until the first probe answers (ms).
+    rtt_prior_ms: float = 50.0
+
+
+@dataclass(frozen=True)
+class Listen:
+    grpc: str = "127.0.0.1:50051"
+    # Admin HTTP (/healthz, /state): loopback by default, it shows internal state.
+    admin: str = "127.0.0.1:9180"
+
+
+@dataclass(frozen=True)
+class EnvoySettings:
+    listen: str = "127.0.0.1:10000"
+    admin: str = "127.0.0.1:9901"
+    # Where Envoy reaches the ext_proc; defaults to listen.grpc.
+    ext_proc_address: str = ""
+    # Whole-body buffering for routing: 128k-token prompts are ~0.5 MB of text, JSON
+    # escaping and multimodal parts can multiply that; 16 MiB leaves room.
+    max_body_bytes: int = 16 * 1024 * 1024
+    # Per-message ext_proc deadline. One Python process answering a burst of new
+    # streams needs slack beyond its ~1 ms typical reply; past it Envoy fails open.
+    message_timeout_ms: int = 1000
+    # Concurrent LLM streams: each holds an ext_proc gRPC stream until its first token.
+    max_concurrent_streams: int = 100_000
+    # Long generations stream for minutes; Envoy's 15 s default route timeout cuts them.
+    route_timeout_s: float = 600.0
+    # Upstream connect timeout; a WAN hop costs one RTT (<0.5 s) per attempt.
+    connect_timeout_s: float = 5.0
+
+
+@dataclass(frozen=True)
+class Config:
+    backends: tuple[Backend, ...]
+    policy: str = "least_request"
+    seed: int = 0
+    listen: Listen = field(default_factory=Listen)
+    envoy: EnvoySettings = field(default_factory=EnvoySettings)
+    # In-flight records whose completion never arrives (lost access log) expire after
+    # this long, so the in-flight table stays bounded.
+    request_timeout_s: float = 900.0
+
+    @property
+    def backend_ids(self) -> tuple[str, ...]:
+        return tuple(b.id for b in self.backends)
+
+    @property
+    def ext_proc_address(self) -> str:
+        return self.envoy.ext_proc_address or self.listen.grpc
+
+
+T = TypeVar("T")
+
+
+def split_host_port(value: str, key: str) -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ConfigError(f"{key}: expected host:port, got {value!r}")
+    return host, int(port)
+
+
+def _convert(value: Any, typ: Any, key: str) -> Any:
+    origin = get_origin(typ)
+    if dataclasses.is_dataclass(typ) and isinstance(typ, type):
+        return _build(typ, value, key)
+    if origin is tuple:
+        (item_type, _ellipsis) = get_args(typ)
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list, got {type(value).__name__}")
+        return tuple(_convert(v, item_type, f"{key}[{i}]") for i, v in enumerate(value))
+    if origin in (Union, types.UnionType):
+        raise ConfigError(f"{key}: unsupported union type")  # not used by the schema
+    if typ is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        return float(value)
+    if typ is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        return value
+    if typ is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+        return value
+    if typ is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected true or false, got {value!r}")
+        return value
+    raise ConfigError(f"{key}: unsupported type {typ!r}")
+
+
+def _build(cls: type[T], raw: Any, prefix: str) -> T:
+    where = prefix or "config"
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{where}: expected a mapping, got {type(raw).__name__}")
+    hints = get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    unknown = sorted(set(raw) - set(fields))
+    if unknown:
+        dotted = f"{prefix}.{unknown[0]}" if prefix else str(unknown[0])
+        raise ConfigError(f"{dotted}: unknown key (expected one of: {', '.join(fields)})")
+    kwargs: dict[str, Any] = {}
+    for name, f in fields.items():
+        key = f"{prefix}.{name}" if prefix else name
+        if name in raw:
+            kwargs[name] = _convert(raw[name], hints[name], key)
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ConfigError(f"{key}: required key is missing")
+    return cls(**kwargs)
+
+
+def _validate(cfg: Config) -> None:
+    if not cfg.backends:
+        raise ConfigError("backends: at least one backend is required")
+    seen: set[str] = set()
+    for i, b in enumerate(cfg.backends):
+        if not _BACKEND_ID.match(b.id):
+            raise ConfigError(
+                f"backends[{i}].id: {b.id!r} must be lowercase letters, digits, '.', '_' or "
+                "'-' (it becomes an Envoy cluster name and a header value)"
+            )
+        if b.id in seen:
+            raise ConfigError(f"backends[{i}].id: duplicate backend id {b.id!r}")
+        seen.add(b.id)
+        split_host_port(b.address, f"backends[{i}].address")
+        if b.rtt_prior_ms < 0:
+            raise ConfigError(f"backends[{i}].rtt_prior_ms: must be >= 0")
+    split_host_port(cfg.listen.grpc, "listen.grpc")
+    split_host_port(cfg.listen.admin, "listen.admin")
+    split_host_port(cfg.envoy.listen, "envoy.listen")
+    split_host_port(cfg.envoy.admin, "envoy.admin")
+    split_host_port(cfg.ext_proc_address, "envoy.ext_proc_address")
+    for key, value in (
+        ("envoy.max_body_bytes", cfg.envoy.max_body_bytes),
+        ("envoy.message_timeout_ms", cfg.envoy.message_timeout_ms),
+        ("envoy.max_concurrent_streams", cfg.envoy.max_concurrent_streams),
+    ):
+        if value <= 0:
+            raise ConfigError(f"{key}: must be > 0, got {value}")
+    if cfg.request_timeout_s <= 0:
+        raise ConfigError("request_timeout_s: must be > 0")
+    from ext_proc.policy import POLICIES  # late import: policies import config types
+
+    if cfg.policy not in POLICIES:
+        raise ConfigError(
+            f"policy: unknown policy {cfg.policy!r} (known: {', '.join(sorted(POLICIES))})"
+        )
+
+
+def config_from_dict(raw: Any) -> Config:
+    cfg = _build(Config, raw, "")
+    _validate(cfg)
+    return cfg
+
+
+def load_config(path: str | Path) -> Config:
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as e:
+        raise ConfigError(f"{p}: cannot read config file: {e.strerror}") from e
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{p}: not valid YAML: {e}") from e
+    try:
+        return config_from_dict(raw if raw is not None else {})
+    except ConfigError as e:
+        raise ConfigError(f"{p}: {e}") from e

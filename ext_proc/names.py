@@ -1,0 +1,23 @@
+"""Header, span and metric names, defined once."""
+
+# Routing: set by the ext_proc on the request, read by Envoy's cluster_header route.
+HEADER_BACKEND = "x-gorgo-backend"
+# Gateway API Inference Extension endpoint-picker header (stripped from clients too).
+HEADER_GATEWAY_ENDPOINT = "x-gateway-destination-endpoint"
+# Client-sent copies of these are removed before routing.
+ROUTING_HEADERS = (HEADER_BACKEND, HEADER_GATEWAY_ENDPOINT)
+
+HEADER_SESSION = "x-session-id"
+HEADER_REQUEST_ID = "x-request-id"
+
+# Envoy's gRPC service paths we serve (their wire names, fixed by Envoy).
+EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+ACCESS_LOG_SERVICE = "envoy.service.accesslog.v3.AccessLogService"
+
+# Name of the access log Envoy streams to us; completion records come from it.
+ACCESS_LOG_NAME = "gorgo"
+
+# Envoy route names: the access-log service tells policy-routed and fail-open requests
+# apart by them.
+ROUTE_GORGO = "gorgo"
+ROUTE_FALLBACK = "fallback"

@@ -1,0 +1,115 @@
+"""A streaming OpenAI client that times each request as a user would see it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from ext_proc.names import HEADER_BACKEND
+
+
+@dataclass
+class Result:
+    id: str
+    backend: str = ""
+    status: int = 0
+    ttft_ms: float | None = None
+    e2e_ms: float | None = None
+    itl_ms: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+    input_tokens: int = 0
+    cached_tokens: int = 0
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200 and not self.error
+
+
+def chat_body(content: str, max_tokens: int, stream: bool = True, **extra: Any) -> dict[str, Any]:
+    return {
+        "model": "default",
+        "stream": stream,
+        "max_tokens": max_tokens,
+        "stream_options": {"include_usage": True},
+        "messages": [{"role": "user", "content": content}],
+        **extra,
+    }
+
+
+async def send_chat(
+    session: aiohttp.ClientSession,
+    url: str,
+    body: dict[str, Any],
+    request_id: str,
+    headers: dict[str, str] | None = None,
+    timeout_s: float = 600.0,
+) -> Result:
+    """POST a chat request; TTFT is the first content token, ITL the gaps between chunks."""
+    result = Result(request_id)
+    start = time.perf_counter()
+    last: float | None = None
+    try:
+        async with session.post(
+            f"{url}/v1/chat/completions",
+            json=body,
+            headers=headers or {},
+            timeout=aiohttp.ClientTimeout(total=timeout_s),
+        ) as resp:
+            result.status = resp.status
+            result.backend = resp.headers.get(HEADER_BACKEND, "")
+            if resp.status != 200:
+                result.error = (await resp.text())[:200]
+                return result
+            if not body.get("stream"):
+                data = await resp.json()
+                result.ttft_ms = (time.perf_counter() - start) * 1e3
+                _usage(result, data.get("usage"))
+                return result
+            async for raw in resp.content:
+                line = raw.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                payload = line[5:].strip()
+                if payload == b"[DONE]":
+                    break
+                chunk = json.loads(payload)
+                now = time.perf_counter()
+                if chunk.get("choices") and chunk["choices"][0].get("delta", {}).get("content"):
+                    if result.ttft_ms is None:
+                        result.ttft_ms = (now - start) * 1e3
+                    elif last is not None:
+                        result.itl_ms.append((now - last) * 1e3)
+                    last = now
+                _usage(result, chunk.get("usage"))
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        result.error = f"{type(e).__name__}: {e}"
+    finally:
+        result.e2e_ms = (time.perf_counter() - start) * 1e3
+    return result
+
+
+def _usage(result: Result, usage: Any) -> None:
+    if not isinstance(usage, dict):
+        return
+    result.input_tokens = int(usage.get("prompt_tokens", 0))
+    result.output_tokens = int(usage.get("completion_tokens", 0))
+    details = usage.get("prompt_tokens_details") or {}
+    result.cached_tokens = int(details.get("cached_tokens", 0) or 0)
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear-interpolated percentile (q in 0..100); nan for no values."""
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    pos = (len(s) - 1) * q / 100.0
+    lo = int(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
