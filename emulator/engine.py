@@ -437,6 +437,8 @@ class Engine:
                 body = json.loads(raw)
             except ValueError as exc:  # includes bad UTF-8
                 raise BadRequest(f"request body is not valid JSON: {exc}") from None
+            except RecursionError:
+                raise BadRequest("request body is not valid JSON: nested too deeply") from None
             if kind == "chat":
                 req = parse_chat(body, self.cfg)
             elif kind == "completion":
@@ -470,8 +472,8 @@ class Engine:
         return web.json_response(body, dumps=_dumps)
 
     def _client_gone(self, request: web.Request) -> None:
-        # Only reached without handler cancellation (e.g. aiohttp's test server): the write
-        # failed. Returning the prepared response lets aiohttp close quietly, without a 500.
+        # Only reached under a runner without handler_cancellation: the write failed.
+        # Returning the prepared response lets aiohttp close quietly, without a 500.
         log.debug("%s: client went away during %s", self.cfg.name, request.path)
 
     async def _open_sse(self, request: web.Request) -> web.StreamResponse:

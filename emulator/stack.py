@@ -7,6 +7,7 @@ benchmarks, so they all exercise the same wiring.
 
 from __future__ import annotations
 
+import ctypes
 import shutil
 import signal
 import socket
@@ -86,6 +87,19 @@ class _ExplicitPorts(StackPorts):
 
     def wan(self, i: int) -> int:
         return self.wan_ports[i]
+
+
+def _die_with_parent() -> None:
+    """In the child: get SIGTERM when the parent dies, even by SIGKILL, so a killed
+    `gorgo up` (or test run) never leaves engines, links or Envoy behind (Linux only)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
+
+
+_PR_SET_PDEATHSIG = 1
 
 
 def free_ports(n: int) -> list[int]:
@@ -224,7 +238,11 @@ class Stack:
         log = open(self.workdir / f"{name}.log", "ab")  # noqa: SIM115 - closed in stop()
         self._logs[name] = log
         self.procs[name] = subprocess.Popen(
-            argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+            argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            preexec_fn=_die_with_parent,
         )
 
     def _gorgo(self, *args: str) -> list[str]:

@@ -116,7 +116,8 @@ def parse_body(api: str, body: bytes) -> LlmRequest:
         max_out = _optional_int(decoded, "max_tokens")
     elif api == GENERATE:
         prompt = _generate_prompt(decoded)
-        params = decoded.get("sampling_params") or {}
+        params = decoded.get("sampling_params")
+        params = {} if params is None else params
         if not isinstance(params, dict):
             raise ParseError("sampling_params: expected an object")
         max_out = _optional_int(params, "max_new_tokens")

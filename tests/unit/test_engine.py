@@ -164,9 +164,7 @@ async def test_stream_chat_with_usage(server: EngineServer, http: aiohttp.Client
     assert end_s < prefill_s(prompt_tokens) + (n_tokens - 1) * DECODE_MS / 1000 + 0.25
 
 
-async def test_stream_chat_without_usage(
-    server: EngineServer, http: aiohttp.ClientSession
-) -> None:
+async def test_stream_chat_without_usage(server: EngineServer, http: aiohttp.ClientSession) -> None:
     body = {"messages": MESSAGES, "max_completion_tokens": 3, "stream": True}
     async with http.post(f"{server.url}/v1/chat/completions", json=body) as resp:
         events = await read_sse(resp)
@@ -279,8 +277,16 @@ async def test_generate_stream(server: EngineServer, http: aiohttp.ClientSession
         ("/v1/chat/completions", b'{"messages": "hi"}', "messages"),
         ("/v1/chat/completions", b'{"messages": [1]}', "messages[0]"),
         ("/v1/chat/completions", b'{"messages": [{"content": "x"}]}', "messages[0].role"),
-        ("/v1/chat/completions", b'{"messages": [{"role": "user"}], "max_tokens": "5"}', "max_tokens"),
-        ("/v1/chat/completions", b'{"messages": [{"role": "user"}], "max_tokens": 0}', "max_tokens"),
+        (
+            "/v1/chat/completions",
+            b'{"messages": [{"role": "user"}], "max_tokens": "5"}',
+            "max_tokens",
+        ),
+        (
+            "/v1/chat/completions",
+            b'{"messages": [{"role": "user"}], "max_tokens": 0}',
+            "max_tokens",
+        ),
         ("/v1/chat/completions", b'{"messages": [{"role": "user"}], "stream": "yes"}', "stream"),
         (
             "/v1/chat/completions",
@@ -293,8 +299,13 @@ async def test_generate_stream(server: EngineServer, http: aiohttp.ClientSession
         ("/generate", b'{"sampling_params": {}}', "text"),
         ("/generate", b'{"text": ["a"]}', "text"),
         ("/generate", b'{"text": "a", "sampling_params": []}', "sampling_params"),
-        ("/generate", b'{"text": "a", "sampling_params": {"max_new_tokens": 1.5}}', "max_new_tokens"),
+        (
+            "/generate",
+            b'{"text": "a", "sampling_params": {"max_new_tokens": 1.5}}',
+            "max_new_tokens",
+        ),
         ("/generate", b"\xff\xfe", "JSON"),
+        ("/generate", b"[" * 100_000, "JSON"),
     ],
 )
 async def test_bad_input_is_400_naming_the_problem(
@@ -418,7 +429,9 @@ def free_port() -> int:
 async def test_serve_engine_runs_until_cancelled(http: aiohttp.ClientSession) -> None:
     port = free_port()
     ready = asyncio.Event()
-    task = asyncio.create_task(serve_engine(EngineConfig(name="ap-seoul"), "127.0.0.1", port, ready))
+    task = asyncio.create_task(
+        serve_engine(EngineConfig(name="ap-seoul"), "127.0.0.1", port, ready)
+    )
     async with asyncio.timeout(2):
         await ready.wait()
     async with http.get(f"http://127.0.0.1:{port}/health") as resp:

@@ -1,0 +1,216 @@
+"""The real grpc.aio service over a real channel, driven with scripted ext_proc messages."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import aiohttp
+import grpc
+import pytest
+from google.protobuf.duration_pb2 import Duration
+
+from ext_proc import codec
+from ext_proc.app import Running, running_service
+from ext_proc.config import config_from_dict
+from ext_proc.names import ACCESS_LOG_SERVICE, EXT_PROC_SERVICE
+from ext_proc.proto import envoy_wire_pb2 as pb
+
+pytestmark = pytest.mark.component
+
+BACKENDS = ["us-ashburn", "eu-frankfurt", "ap-seoul"]
+CHAT = json.dumps({"messages": [{"role": "user", "content": "hello"}], "stream": True}).encode()
+
+
+@dataclass
+class Harness:
+    svc: Running
+    channel: grpc.aio.Channel
+
+    def process(self) -> grpc.aio.StreamStreamCall:  # type: ignore[type-arg]
+        return self.channel.stream_stream(
+            f"/{EXT_PROC_SERVICE}/Process",
+            request_serializer=pb.ProcessingRequest.SerializeToString,
+            response_deserializer=pb.ProcessingResponse.FromString,
+        )()
+
+    async def access_log(self, *entries: pb.HTTPAccessLogEntry) -> None:
+        msg = pb.StreamAccessLogsMessage()
+        msg.identifier.log_name = "gorgo"
+        msg.http_logs.log_entry.extend(entries)
+        call = self.channel.stream_unary(
+            f"/{ACCESS_LOG_SERVICE}/StreamAccessLogs",
+            request_serializer=pb.StreamAccessLogsMessage.SerializeToString,
+            response_deserializer=pb.StreamAccessLogsResponse.FromString,
+        )
+        await call(iter([msg]))
+
+    async def state(self) -> dict:  # type: ignore[type-arg]
+        async with aiohttp.ClientSession() as s:
+            async with s.get(f"http://127.0.0.1:{self.svc.admin_port}/state") as r:
+                return await r.json()  # type: ignore[no-any-return]
+
+
+@pytest.fixture
+async def harness() -> AsyncIterator[Harness]:
+    cfg = config_from_dict(
+        {
+            "policy": "round_robin",
+            "listen": {"grpc": "127.0.0.1:0", "admin": "127.0.0.1:0"},
+            "backends": [{"id": b, "address": f"127.0.0.1:{i + 1}"} for i, b in enumerate(BACKENDS)],
+        }
+    )
+    async with running_service(cfg) as svc:
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{svc.grpc_port}")
+        yield Harness(svc, channel)
+        await channel.close()
+        # nothing leaked: every stream ended and nothing is left in flight
+        await asyncio.sleep(0.05)
+        assert svc.ext_proc.active_streams == 0
+        assert not svc.router.state.in_flight
+        for b in svc.router.state.backends.values():
+            assert (b.in_flight, b.waiting_first_byte) == (0, 0)
+
+
+def headers(path: str, rid: str = "rid-1", eos: bool = False, **extra: str) -> pb.ProcessingRequest:
+    req = pb.ProcessingRequest()
+    h = req.request_headers
+    h.end_of_stream = eos
+    for k, v in {":path": path, ":method": "POST", "x-request-id": rid, **extra}.items():
+        h.headers.headers.add(key=k, raw_value=v.encode())
+    return req
+
+
+def body(data: bytes, response: bool = False) -> pb.ProcessingRequest:
+    req = pb.ProcessingRequest()
+    b = req.response_body if response else req.request_body
+    b.body = data
+    b.end_of_stream = not response
+    return req
+
+
+def response_headers(status: int) -> pb.ProcessingRequest:
+    req = pb.ProcessingRequest()
+    req.response_headers.headers.headers.add(key=":status", raw_value=str(status).encode())
+    return req
+
+
+def log_entry(rid: str, code: int, e2e_ms: int, route: str = "gorgo", backend: str = "") -> pb.HTTPAccessLogEntry:
+    e = pb.HTTPAccessLogEntry()
+    e.request.request_id = rid
+    e.response.response_code.value = code
+    e.common_properties.route_name = route
+    e.common_properties.time_to_last_downstream_tx_byte.CopyFrom(Duration(nanos=e2e_ms * 1_000_000))
+    if backend:
+        e.response.response_headers["x-gorgo-backend"] = backend
+    return e
+
+
+async def test_full_request_routes_then_leaves_the_body_path(harness: Harness) -> None:
+    call = harness.process()
+    await call.write(headers("/v1/chat/completions", "r1"))
+    r = await call.read()
+    assert r.WhichOneof("response") == "request_headers"
+
+    await call.write(body(CHAT))
+    r = await call.read()
+    common = r.request_body.response
+    assert common.clear_route_cache
+    (opt,) = common.header_mutation.set_headers
+    assert opt.header.key == "x-gorgo-backend" and opt.header.raw_value == b"us-ashburn"
+
+    await call.write(response_headers(200))
+    assert (await call.read()).WhichOneof("response") == "response_headers"
+    await call.write(body(b"data: {}\n\n", response=True))
+    assert (await call.read()).WhichOneof("response") == "response_body"
+    # the server closed the stream after the first chunk: later chunks bypass Python
+    assert await call.read() == grpc.aio.EOF
+    assert await call.code() == grpc.StatusCode.OK
+
+    state = await harness.state()
+    ashburn = state["backends"]["us-ashburn"]
+    assert (ashburn["in_flight"], ashburn["waiting_first_byte"], len(ashburn["last_ttft_ms"])) == (1, 0, 1)
+
+    await harness.access_log(log_entry("r1", 200, 750))
+    state = await harness.state()
+    assert state["backends"]["us-ashburn"]["completed"] == 1
+    assert state["backends"]["us-ashburn"]["last_e2e_ms"] == [750.0]
+    assert state["in_flight"] == 0
+
+
+async def test_cancel_before_first_byte_closes_the_loop(harness: Harness) -> None:
+    call = harness.process()
+    await call.write(headers("/v1/chat/completions", "r2"))
+    await call.read()
+    await call.write(body(CHAT))
+    await call.read()
+    assert len(harness.svc.router.state.in_flight) == 1
+    call.cancel()
+    for _ in range(100):
+        if not harness.svc.router.state.in_flight:
+            break
+        await asyncio.sleep(0.01)
+    assert harness.svc.router.state.backends["us-ashburn"].errors == 1
+
+
+async def test_upstream_error_status_is_recorded_from_the_access_log(harness: Harness) -> None:
+    call = harness.process()
+    await call.write(headers("/v1/chat/completions", "r3"))
+    await call.read()
+    await call.write(body(CHAT))
+    await call.read()
+    await call.write(response_headers(503))
+    await call.read()
+    await call.write(body(b"oops", response=True))
+    await call.read()
+    await harness.access_log(log_entry("r3", 503, 20))
+    assert harness.svc.router.state.backends["us-ashburn"].errors == 1
+
+
+@pytest.mark.parametrize(
+    "script",
+    [
+        [headers("/v1/models")],  # not an LLM call
+        [headers("/v1/chat/completions", eos=True)],  # no body
+        [headers("/v1/chat/completions"), body(b"{broken")],  # unreadable body
+        [headers("/v1/chat/completions"), body(b'{"messages": 3}')],
+    ],
+)
+async def test_unroutable_requests_go_to_the_fallback_route(
+    harness: Harness, script: list[pb.ProcessingRequest]
+) -> None:
+    call = harness.process()
+    for msg in script:
+        await call.write(msg)
+        r = await call.read()
+        which = r.WhichOneof("response")
+        assert not getattr(r, which).response.HasField("header_mutation")
+    assert await call.read() == grpc.aio.EOF
+    assert await call.code() == grpc.StatusCode.OK
+    assert harness.svc.router.decisions == 0
+
+
+async def test_fallback_completions_are_counted_per_backend(harness: Harness) -> None:
+    await harness.access_log(log_entry("x", 200, 5, route="fallback", backend="ap-seoul"))
+    assert harness.svc.router.state.backends["ap-seoul"].fallback_completed == 1
+
+
+async def test_many_concurrent_streams(harness: Harness) -> None:
+    async def one(i: int) -> str:
+        call = harness.process()
+        await call.write(headers("/v1/chat/completions", f"c{i}"))
+        await call.read()
+        await call.write(body(CHAT))
+        r = await call.read()
+        await call.write(response_headers(200))
+        await call.read()
+        await call.write(body(b"x", response=True))
+        await call.read()
+        await harness.access_log(log_entry(f"c{i}", 200, 1))
+        return r.request_body.response.header_mutation.set_headers[0].header.raw_value.decode()
+
+    chosen = await asyncio.gather(*(one(i) for i in range(60)))
+    assert sorted(set(chosen)) == sorted(BACKENDS)
+    assert sum(b.completed for b in harness.svc.router.state.backends.values()) == 60

@@ -1,0 +1,113 @@
+"""Our minimal proto against envoy-data-plane's complete Envoy schema, both directions."""
+
+from envoy_data_plane.envoy.config.core.v3 import HeaderMap, HeaderValue
+from envoy_data_plane.envoy.data.accesslog.v3 import (
+    AccessLogCommon,
+    HttpAccessLogEntry,
+    HttpRequestProperties,
+    HttpResponseProperties,
+)
+from envoy_data_plane.envoy.service.accesslog.v3 import (
+    StreamAccessLogsMessage,
+    StreamAccessLogsMessageHttpAccessLogEntries,
+)
+from envoy_data_plane.envoy.service.ext_proc.v3 import (
+    HttpBody,
+    HttpHeaders,
+    ProcessingRequest,
+    ProcessingResponse,
+)
+
+from ext_proc import codec
+
+
+def test_envoy_request_headers_decode() -> None:
+    theirs = ProcessingRequest(
+        request_headers=HttpHeaders(
+            headers=HeaderMap(
+                headers=[
+                    HeaderValue(key=":path", raw_value=b"/v1/chat/completions"),
+                    HeaderValue(key="x-request-id", raw_value=b"r1"),
+                    HeaderValue(key="legacy", value="v"),
+                ]
+            ),
+            end_of_stream=False,
+        ),
+        observability_mode=False,
+    )
+    p = codec.decode(codec.ProcessingRequest.FromString(bytes(theirs)))
+    assert p.name == codec.REQUEST_HEADERS
+    assert p.headers == {":path": "/v1/chat/completions", "x-request-id": "r1", "legacy": "v"}
+    assert not p.end_of_stream
+
+
+def test_envoy_bodies_decode() -> None:
+    for field, name in (("request_body", codec.REQUEST_BODY), ("response_body", codec.RESPONSE_BODY)):
+        theirs = ProcessingRequest(**{field: HttpBody(body=b'{"a": 1}', end_of_stream=True)})
+        p = codec.decode(codec.ProcessingRequest.FromString(bytes(theirs)))
+        assert (p.name, p.body, p.end_of_stream) == (name, b'{"a": 1}', True)
+
+
+def test_routing_response_reads_back_in_envoys_schema() -> None:
+    ours = codec.continue_response(
+        codec.REQUEST_BODY,
+        set_headers={"x-gorgo-backend": "eu-frankfurt"},
+        remove_headers=["x-drop"],
+        clear_route_cache=True,
+    )
+    theirs = ProcessingResponse.parse(ours.SerializeToString())
+    common = theirs.request_body.response
+    assert common.clear_route_cache is True
+    (opt,) = common.header_mutation.set_headers
+    assert (opt.header.key, opt.header.raw_value, opt.header.value) == (
+        "x-gorgo-backend",
+        b"eu-frankfurt",
+        "",
+    )
+    assert opt.append_action.name == "OVERWRITE_IF_EXISTS_OR_ADD"
+    assert common.header_mutation.remove_headers == ["x-drop"]
+
+
+def test_every_phase_gets_its_own_response_field() -> None:
+    for phase in (codec.REQUEST_HEADERS, codec.RESPONSE_HEADERS, codec.RESPONSE_BODY):
+        theirs = ProcessingResponse.parse(codec.continue_response(phase).SerializeToString())
+        assert getattr(theirs, phase) is not None
+        assert theirs.is_set(phase)
+
+
+def test_immediate_response_reads_back() -> None:
+    ours = codec.immediate_response(429, b'{"error": 1}', {"retry-after": "1"}, details="shed")
+    theirs = ProcessingResponse.parse(ours.SerializeToString())
+    ir = theirs.immediate_response
+    assert (int(ir.status.code), ir.body, ir.details) == (429, b'{"error": 1}', "shed")
+    assert ir.headers.set_headers[0].header.raw_value == b"1"
+
+
+def test_access_log_entries_decode() -> None:
+    from datetime import timedelta
+
+    entry = HttpAccessLogEntry(
+        common_properties=AccessLogCommon(
+            upstream_cluster="gorgo_fallback",
+            route_name="fallback",
+            time_to_last_downstream_tx_byte=timedelta(milliseconds=1234, microseconds=500),
+            time_to_first_downstream_tx_byte=timedelta(milliseconds=100),
+        ),
+        request=HttpRequestProperties(request_id="r9", path="/v1/chat/completions"),
+        response=HttpResponseProperties(
+            response_code=503, response_headers={"x-gorgo-backend": "ap-seoul"}
+        ),
+    )
+    msg = StreamAccessLogsMessage(
+        http_logs=StreamAccessLogsMessageHttpAccessLogEntries(log_entry=[entry])
+    )
+    (e,) = codec.access_log_entries(codec.StreamAccessLogsMessage.FromString(bytes(msg)))
+    assert (e.request_id, e.upstream_cluster, e.route_name, e.backend, e.response_code) == (
+        "r9",
+        "gorgo_fallback",
+        "fallback",
+        "ap-seoul",
+        503,
+    )
+    assert e.e2e_ms == 1234.5
+    assert e.first_tx_ms == 100.0

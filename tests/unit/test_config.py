@@ -1,0 +1,94 @@
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from emulator.stack import StackSettings, envoy_binary
+from ext_proc.config import ConfigError, config_from_dict, load_config
+from ext_proc.envoy_config import build_envoy_config, render_envoy_config
+
+ROOT = Path(__file__).resolve().parents[2]
+BACKEND = {"id": "a", "address": "127.0.0.1:1"}
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        ({}, "backends: required key is missing"),
+        ({"backends": []}, "backends: at least one backend"),
+        ({"backends": [BACKEND], "polcy": "x"}, "polcy: unknown key"),
+        ({"backends": [BACKEND], "policy": "nope"}, "policy: unknown policy 'nope'"),
+        ({"backends": [BACKEND], "envoy": {"max_body_bytes": "big"}}, "envoy.max_body_bytes"),
+        ({"backends": [BACKEND], "envoy": {"message_timeout_ms": 0}}, "message_timeout_ms"),
+        ({"backends": [BACKEND], "listen": {"grpc": "nohost"}}, "listen.grpc: expected host:port"),
+        ({"backends": [{"id": "a"}]}, r"backends\[0\].address: required"),
+        ({"backends": [{"id": "A b", "address": "h:1"}]}, r"backends\[0\].id"),
+        ({"backends": [BACKEND, BACKEND]}, r"backends\[1\].id: duplicate"),
+        ({"backends": [{**BACKEND, "rtt_prior_ms": True}]}, "rtt_prior_ms: expected a number"),
+        ({"backends": "a"}, "backends: expected a list"),
+    ],
+)
+def test_bad_config_names_the_key(raw: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        config_from_dict(raw)
+
+
+def test_load_config_reports_file_and_yaml_errors(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("backends: [")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+
+
+def test_shipped_envoy_config_is_generated_from_the_shipped_gorgo_config() -> None:
+    """envoy/front-door.yaml cannot drift from config/gorgo.yaml."""
+    cfg = load_config(ROOT / "config/gorgo.yaml")
+    assert (ROOT / "envoy/front-door.yaml").read_text() == render_envoy_config(cfg), (
+        "regenerate: gorgo envoy-config --config config/gorgo.yaml > envoy/front-door.yaml"
+    )
+    # and the local stack (`gorgo up`) runs exactly this fleet
+    assert cfg == StackSettings().gorgo_config()
+
+
+def test_envoy_config_has_one_cluster_per_backend_and_fails_open() -> None:
+    cfg = load_config(ROOT / "config/gorgo.yaml")
+    envoy = build_envoy_config(cfg)
+    clusters = {c["name"]: c for c in envoy["static_resources"]["clusters"]}
+    assert set(clusters) == {*cfg.backend_ids, "gorgo_fallback", "gorgo_ext_proc"}
+    fallback = clusters["gorgo_fallback"]
+    assert fallback["lb_policy"] == "LEAST_REQUEST"
+    assert len(fallback["load_assignment"]["endpoints"][0]["lb_endpoints"]) == 3
+    listener = envoy["static_resources"]["listeners"][0]
+    assert listener["per_connection_buffer_limit_bytes"] >= 4 * 1024 * 1024
+    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    ext_proc = hcm["http_filters"][0]["typed_config"]
+    assert ext_proc["failure_mode_allow"] is True
+    routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
+    assert routes[0]["route"] == {"cluster_header": "x-gorgo-backend", "timeout": "600.0s"}
+    assert routes[-1]["route"]["cluster"] == "gorgo_fallback"
+    stripped = {m["remove"] for m in hcm["early_header_mutation_extensions"][0]["typed_config"]["mutations"]}
+    assert stripped == {"x-gorgo-backend", "x-gateway-destination-endpoint"}
+
+
+def test_hostnames_make_dns_clusters() -> None:
+    cfg = config_from_dict({"backends": [{"id": "a", "address": "engine-a:30000"}]})
+    clusters = build_envoy_config(cfg)["static_resources"]["clusters"]
+    assert clusters[0]["type"] == "STRICT_DNS"
+
+
+def test_real_envoy_accepts_the_generated_config(tmp_path: Path) -> None:
+    path = tmp_path / "envoy.yaml"
+    path.write_text(render_envoy_config(load_config(ROOT / "config/gorgo.yaml")))
+    out = subprocess.run(
+        [envoy_binary(), "--mode", "validate", "-c", str(path), "--disable-hot-restart"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "OK" in out.stdout
+    assert "deprecated" not in (out.stdout + out.stderr).lower()
+    assert yaml.safe_load(path.read_text())["admin"]

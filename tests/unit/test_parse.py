@@ -1,0 +1,99 @@
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ext_proc.parse import CHAT, COMPLETIONS, GENERATE, ParseError, api_for_path, parse_body
+from ext_proc.tokens import count_tokens, render_chat
+
+
+def body(obj: object) -> bytes:
+    return json.dumps(obj).encode()
+
+
+@pytest.mark.parametrize(
+    ("path", "api"),
+    [
+        ("/v1/chat/completions", CHAT),
+        ("/v1/chat/completions?x=1", CHAT),
+        ("/v1/completions/", COMPLETIONS),
+        ("/generate", GENERATE),
+        ("/v1/models", None),
+        ("/", None),
+        ("", None),
+    ],
+)
+def test_api_for_path(path: str, api: str | None) -> None:
+    assert api_for_path(path) == api
+
+
+def test_chat_counts_the_rendered_prompt_and_reads_fields() -> None:
+    messages = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "hello "}, {"type": "image"}]},
+    ]
+    req = parse_body(
+        CHAT,
+        body({"model": "m", "messages": messages, "stream": True, "max_tokens": 7, "user": "u1"}),
+    )
+    assert req.prompt == "system\nbe brief\nuser\nhello \nassistant\n"
+    assert req.input_tokens == count_tokens(render_chat(messages)) == 10  # ceil(37 bytes / 4)
+    assert (req.stream, req.max_output_tokens, req.model, req.user) == (True, 7, "m", "u1")
+
+
+def test_max_completion_tokens_wins_over_max_tokens() -> None:
+    req = parse_body(
+        CHAT,
+        body({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 3,
+              "max_tokens": 9}),
+    )  # fmt: skip
+    assert req.max_output_tokens == 3
+
+
+def test_completions_and_generate() -> None:
+    c = parse_body(COMPLETIONS, body({"prompt": ["ab", "cd"], "max_tokens": 2}))
+    assert (c.prompt, c.input_tokens, c.stream) == ("abcd", 1, False)
+    g = parse_body(GENERATE, body({"text": "12345", "sampling_params": {"max_new_tokens": 4}}))
+    assert (g.prompt, g.input_tokens, g.max_output_tokens) == ("12345", 2, 4)
+
+
+@pytest.mark.parametrize(
+    ("api", "raw", "names"),
+    [
+        (CHAT, b"{not json", "invalid JSON"),
+        (CHAT, b"\xff\xfe", "body"),
+        (CHAT, b"[1, 2]", "expected a JSON object"),
+        (CHAT, body({"messages": []}), "messages"),
+        (CHAT, body({"messages": "hi"}), "messages"),
+        (CHAT, body({"messages": [1]}), "messages[0]"),
+        (CHAT, body({"messages": [{"content": 5}]}), "messages[0].content"),
+        (CHAT, body({"messages": [{"content": "x"}], "max_tokens": -1}), "max_tokens"),
+        (CHAT, body({"messages": [{"content": "x"}], "max_tokens": True}), "max_tokens"),
+        (CHAT, body({"messages": [{"content": "x"}], "stream": "yes"}), "stream"),
+        (CHAT, body({"messages": [{"content": "x"}], "user": 3}), "user"),
+        (COMPLETIONS, body({"prompt": 3}), "prompt"),
+        (GENERATE, body({"text": None}), "text"),
+        (GENERATE, body({"text": "x", "sampling_params": []}), "sampling_params"),
+        (CHAT, b"[" * 100_000, "body"),
+    ],
+)
+def test_bad_bodies_raise_an_error_naming_the_field(api: str, raw: bytes, names: str) -> None:
+    with pytest.raises(ParseError, match=names.replace("[", r"\[").replace("]", r"\]")):
+        parse_body(api, raw)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=300) | st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner,
+                                                                max_size=4),
+    max_leaves=20,
+).map(lambda v: json.dumps(v).encode()))  # fmt: skip
+def test_any_body_parses_or_raises_parse_error(raw: bytes) -> None:
+    for api in (CHAT, COMPLETIONS, GENERATE):
+        try:
+            req = parse_body(api, raw)
+        except ParseError:
+            continue
+        assert req.input_tokens == count_tokens(req.prompt) >= 0

@@ -1,0 +1,144 @@
+import random
+from collections import Counter
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ext_proc.parse import CHAT, parse_body
+from ext_proc.policy import POLICIES, Candidate, RouteRequest, make_policy
+from ext_proc.router import Router
+from ext_proc.state import CANCELLED, ERROR, EXPIRED, OK
+from tests.fakes import FakeClock
+
+BACKENDS = ("a", "b", "c")
+
+
+def make_router(policy: str = "least_request", timeout_s: float = 60.0) -> tuple[Router, FakeClock]:
+    clock = FakeClock()
+    return Router(BACKENDS, make_policy(policy, random.Random(1)), clock, timeout_s), clock
+
+
+def req(rid: str) -> RouteRequest:
+    llm = parse_body(CHAT, b'{"messages": [{"role": "user", "content": "hello world"}]}')
+    return RouteRequest(rid, llm, None)
+
+
+def test_lifecycle_counts_ttft_and_e2e() -> None:
+    router, clock = make_router()
+    d = router.decide(req("r1"))
+    b = router.state.backends[d.backend]
+    assert (b.in_flight, b.waiting_first_byte) == (1, 1)
+    assert d.input_tokens == 7
+    clock.advance(0.25)
+    assert router.first_byte("r1") == pytest.approx(250.0)
+    assert router.first_byte("r1") is None  # only the first byte counts
+    assert (b.in_flight, b.waiting_first_byte) == (1, 0)
+    clock.advance(1.0)
+    done = router.complete("r1", OK, e2e_ms=1300.0)
+    assert done is not None
+    assert (done.status, done.ttft_ms, done.e2e_ms) == (OK, pytest.approx(250.0), 1300.0)
+    assert (b.in_flight, b.completed, list(b.recent_e2e_ms)) == (0, 1, [1300.0])
+    assert router.complete("r1", OK) is None  # idempotent: the loop closes once
+
+
+def test_cancel_before_first_byte_releases_everything() -> None:
+    router, clock = make_router()
+    d = router.decide(req("r1"))
+    clock.advance(0.1)
+    done = router.complete("r1", CANCELLED)
+    assert done is not None and done.ttft_ms is None and done.e2e_ms == pytest.approx(100.0)
+    b = router.state.backends[d.backend]
+    assert (b.in_flight, b.waiting_first_byte, b.errors, b.completed) == (0, 0, 1, 0)
+    assert not router.state.in_flight
+
+
+def test_lost_completions_expire_oldest_first() -> None:
+    router, clock = make_router(timeout_s=10.0)
+    router.decide(req("old"))
+    clock.advance(6)
+    router.decide(req("young"))
+    clock.advance(5)
+    expired = router.expire()
+    assert [(c.request_id, c.status) for c in expired] == [("old", EXPIRED)]
+    assert list(router.state.in_flight) == ["young"]
+
+
+def test_reused_request_id_does_not_leak_in_flight() -> None:
+    router, _ = make_router()
+    router.decide(req("dup"))
+    router.decide(req("dup"))
+    router.complete("dup", OK)
+    assert sum(b.in_flight for b in router.state.backends.values()) == 0
+    assert sum(b.waiting_first_byte for b in router.state.backends.values()) == 0
+
+
+def test_round_robin_cycles() -> None:
+    router, _ = make_router("round_robin")
+    assert [router.decide(req(f"r{i}")).backend for i in range(6)] == list(BACKENDS) * 2
+
+
+def test_least_request_spreads_then_follows_completions() -> None:
+    router, _ = make_router("least_request")
+    first = [router.decide(req(f"r{i}")).backend for i in range(3)]
+    assert sorted(first) == sorted(BACKENDS)
+    router.complete("r1", OK)
+    assert router.decide(req("r3")).backend == first[1]
+
+
+def test_random_uses_every_backend() -> None:
+    router, _ = make_router("random")
+    counts = Counter(router.decide(req(f"r{i}")).backend for i in range(300))
+    assert set(counts) == set(BACKENDS) and min(counts.values()) > 60
+
+
+def test_error_completion_counts_as_error() -> None:
+    router, _ = make_router()
+    d = router.decide(req("r"))
+    router.complete("r", ERROR)
+    assert router.state.backends[d.backend].errors == 1
+
+
+def test_snapshot_shows_recent_decisions_without_prompt() -> None:
+    router, _ = make_router()
+    router.decide(req("r1"))
+    snap = router.snapshot()
+    assert snap["decisions"] == 1 and snap["recent_decisions"][0]["request_id"] == "r1"
+    assert "hello" not in repr(snap)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.sampled_from(sorted(POLICIES)),
+    st.lists(st.tuples(st.integers(0, 3), st.integers(0, 3)), min_size=1, max_size=8),
+    st.integers(0, 2**32),
+)
+def test_a_policy_always_returns_one_of_its_candidates(
+    name: str, loads: list[tuple[int, int]], seed: int
+) -> None:
+    policy = make_policy(name, random.Random(seed))
+    candidates = [Candidate(f"b{i}", n, min(n, w)) for i, (n, w) in enumerate(loads)]
+    for i in range(5):
+        assert policy.choose(req(f"r{i}"), candidates) in {c.backend_id for c in candidates}
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from("dfcx"), st.integers(0, 5)), max_size=60))
+def test_in_flight_accounting_stays_consistent(ops: list[tuple[str, int]]) -> None:
+    """Random decide/first-byte/complete/expire sequences: counters match the table."""
+    router, clock = make_router(timeout_s=3.0)
+    for op, n in ops:
+        rid = f"r{n}"
+        if op == "d":
+            router.decide(req(rid))
+        elif op == "f":
+            router.first_byte(rid)
+        elif op == "c":
+            router.complete(rid, OK)
+        else:
+            clock.advance(1.0)
+            router.expire()
+        for b in router.state.backends.values():
+            recs = [r for r in router.state.in_flight.values() if r.backend == b.id]
+            assert b.in_flight == len(recs) >= 0
+            assert b.waiting_first_byte == sum(r.first_byte_s is None for r in recs)
