@@ -313,7 +313,9 @@ class Stack:
             while not _http_ok(url):
                 self._check_alive()
                 if time.monotonic() > deadline:
-                    raise StackError(f"not ready after {timeout_s:.0f} s: {url} (logs in {self.workdir})")
+                    raise StackError(
+                        f"not ready after {timeout_s:.0f} s: {url} (logs in {self.workdir})"
+                    )
                 time.sleep(0.05)
         for i in range(len(self.settings.regions)):
             wait_port(self.settings.ports.wan(i), deadline)

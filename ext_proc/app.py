@@ -64,9 +64,7 @@ async def running_service(cfg: Config) -> AsyncIterator[Running]:
         raise OSError(f"listen.grpc: cannot bind {cfg.listen.grpc} (port in use?)")
     await server.start()
 
-    admin_app = make_admin_app(
-        router, lambda: {"active_ext_proc_streams": ext_proc.active_streams}
-    )
+    admin_app = make_admin_app(router, lambda: {"active_ext_proc_streams": ext_proc.active_streams})
     runner = web.AppRunner(admin_app, access_log=None)
     await runner.setup()
     admin_host, admin_port = split_host_port(cfg.listen.admin, "listen.admin")
@@ -77,7 +75,7 @@ async def running_service(cfg: Config) -> AsyncIterator[Running]:
         await server.stop(None)
         await runner.cleanup()
         raise OSError(f"listen.admin: cannot bind {cfg.listen.admin}: {e.strerror}") from e
-    bound_admin = site._server.sockets[0].getsockname()[1] if site._server else admin_port  # type: ignore[union-attr]
+    bound_admin = int(runner.addresses[0][1])
     expirer = asyncio.create_task(_expire_loop(router))
     try:
         yield Running(router, ext_proc, grpc_port, bound_admin)

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
+from typing import Any
 
 from ext_proc.config import ConfigError, load_config, split_host_port
 
@@ -59,11 +61,15 @@ def _envoy_config(args: argparse.Namespace) -> int:
 def _engine(args: argparse.Namespace) -> int:
     from emulator.engine import EngineConfig, serve_engine
 
-    cfg = EngineConfig.zero_delay(args.name) if args.zero_delay else EngineConfig(
-        name=args.name,
-        prefill_base_ms=args.prefill_base_ms,
-        prefill_tokens_per_s=args.prefill_tokens_per_s,
-        decode_ms_per_token=args.decode_ms_per_token,
+    cfg = (
+        EngineConfig.zero_delay(args.name)
+        if args.zero_delay
+        else EngineConfig(
+            name=args.name,
+            prefill_base_ms=args.prefill_base_ms,
+            prefill_tokens_per_s=args.prefill_tokens_per_s,
+            decode_ms_per_token=args.decode_ms_per_token,
+        )
     )
     return _run_forever(serve_engine(cfg, args.host, args.port))
 
@@ -80,16 +86,14 @@ def _wan(args: argparse.Namespace) -> int:
     return _run_forever(serve_wan(lhost, lport, thost, tport, args.rtt_ms))
 
 
-def _run_forever(coro: object) -> int:
+def _run_forever(coro: Coroutine[Any, Any, None]) -> int:
     async def main() -> None:
-        task = asyncio.ensure_future(coro)  # type: ignore[arg-type]
+        task = asyncio.ensure_future(coro)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, task.cancel)
-        try:
+        with contextlib.suppress(asyncio.CancelledError):
             await task
-        except asyncio.CancelledError:
-            pass
 
     try:
         asyncio.run(main())

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from google.protobuf.duration_pb2 import Duration
+
 from ext_proc.names import HEADER_BACKEND
 
 try:
@@ -85,9 +87,7 @@ def continue_response(
     if set_headers or remove_headers:
         common.header_mutation.CopyFrom(_mutation(set_headers or {}, remove_headers))
     resp = pb.ProcessingResponse()
-    if phase in (REQUEST_HEADERS, RESPONSE_HEADERS):
-        getattr(resp, phase).response.CopyFrom(common)
-    elif phase in (REQUEST_BODY, RESPONSE_BODY):
+    if phase in (REQUEST_HEADERS, RESPONSE_HEADERS, REQUEST_BODY, RESPONSE_BODY):
         getattr(resp, phase).response.CopyFrom(common)
     elif phase in (REQUEST_TRAILERS, RESPONSE_TRAILERS):
         getattr(resp, phase).SetInParent()
@@ -126,8 +126,8 @@ class AccessLogEntry:
     first_tx_ms: float | None
 
 
-def _ms(d: object) -> float:
-    return d.seconds * 1e3 + d.nanos / 1e6  # type: ignore[attr-defined]
+def _ms(d: Duration) -> float:
+    return float(d.seconds * 1e3 + d.nanos / 1e6)
 
 
 def access_log_entries(msg: pb.StreamAccessLogsMessage) -> list[AccessLogEntry]:

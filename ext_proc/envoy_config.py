@@ -100,11 +100,7 @@ def _ext_proc_cluster(cfg: Config) -> dict[str, Any]:
             "endpoints": [
                 {
                     "lb_endpoints": [
-                        {
-                            "endpoint": {
-                                "address": _socket(cfg.ext_proc_address, "ext_proc_address")
-                            }
-                        }
+                        {"endpoint": {"address": _socket(cfg.ext_proc_address, "ext_proc_address")}}
                     ]
                 }
             ],

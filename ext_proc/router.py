@@ -55,8 +55,7 @@ class Router:
 
     def candidates(self) -> tuple[Candidate, ...]:
         return tuple(
-            Candidate(b.id, b.in_flight, b.waiting_first_byte)
-            for b in self.state.backends.values()
+            Candidate(b.id, b.in_flight, b.waiting_first_byte) for b in self.state.backends.values()
         )
 
     def decide(self, request: RouteRequest) -> Decision:

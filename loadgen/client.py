@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from collections.abc import Sequence
@@ -88,7 +87,7 @@ async def send_chat(
                         result.itl_ms.append((now - last) * 1e3)
                     last = now
                 _usage(result, chunk.get("usage"))
-    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+    except (TimeoutError, aiohttp.ClientError) as e:
         result.error = f"{type(e).__name__}: {e}"
     finally:
         result.e2e_ms = (time.perf_counter() - start) * 1e3

@@ -56,7 +56,9 @@ def make_policy(name: str, rng: random.Random) -> Policy:
     try:
         factory = POLICIES[name]
     except KeyError:
-        raise ValueError(f"unknown policy {name!r} (known: {', '.join(sorted(POLICIES))})") from None
+        raise ValueError(
+            f"unknown policy {name!r} (known: {', '.join(sorted(POLICIES))})"
+        ) from None
     return factory(rng)
 
 

@@ -12,7 +12,6 @@ import grpc
 import pytest
 from google.protobuf.duration_pb2 import Duration
 
-from ext_proc import codec
 from ext_proc.app import Running, running_service
 from ext_proc.config import config_from_dict
 from ext_proc.names import ACCESS_LOG_SERVICE, EXT_PROC_SERVICE
@@ -48,9 +47,9 @@ class Harness:
         await call(iter([msg]))
 
     async def state(self) -> dict:  # type: ignore[type-arg]
-        async with aiohttp.ClientSession() as s:
-            async with s.get(f"http://127.0.0.1:{self.svc.admin_port}/state") as r:
-                return await r.json()  # type: ignore[no-any-return]
+        url = f"http://127.0.0.1:{self.svc.admin_port}/state"
+        async with aiohttp.ClientSession() as s, s.get(url) as r:
+            return await r.json()  # type: ignore[no-any-return]
 
 
 @pytest.fixture
@@ -59,7 +58,9 @@ async def harness() -> AsyncIterator[Harness]:
         {
             "policy": "round_robin",
             "listen": {"grpc": "127.0.0.1:0", "admin": "127.0.0.1:0"},
-            "backends": [{"id": b, "address": f"127.0.0.1:{i + 1}"} for i, b in enumerate(BACKENDS)],
+            "backends": [
+                {"id": b, "address": f"127.0.0.1:{i + 1}"} for i, b in enumerate(BACKENDS)
+            ],
         }
     )
     async with running_service(cfg) as svc:
@@ -97,7 +98,9 @@ def response_headers(status: int) -> pb.ProcessingRequest:
     return req
 
 
-def log_entry(rid: str, code: int, e2e_ms: int, route: str = "gorgo", backend: str = "") -> pb.HTTPAccessLogEntry:
+def log_entry(
+    rid: str, code: int, e2e_ms: int, route: str = "gorgo", backend: str = ""
+) -> pb.HTTPAccessLogEntry:
     e = pb.HTTPAccessLogEntry()
     e.request.request_id = rid
     e.response.response_code.value = code
@@ -131,7 +134,11 @@ async def test_full_request_routes_then_leaves_the_body_path(harness: Harness) -
 
     state = await harness.state()
     ashburn = state["backends"]["us-ashburn"]
-    assert (ashburn["in_flight"], ashburn["waiting_first_byte"], len(ashburn["last_ttft_ms"])) == (1, 0, 1)
+    assert (ashburn["in_flight"], ashburn["waiting_first_byte"], len(ashburn["last_ttft_ms"])) == (
+        1,
+        0,
+        1,
+    )
 
     await harness.access_log(log_entry("r1", 200, 750))
     state = await harness.state()

@@ -42,7 +42,10 @@ def test_envoy_request_headers_decode() -> None:
 
 
 def test_envoy_bodies_decode() -> None:
-    for field, name in (("request_body", codec.REQUEST_BODY), ("response_body", codec.RESPONSE_BODY)):
+    for field, name in (
+        ("request_body", codec.REQUEST_BODY),
+        ("response_body", codec.RESPONSE_BODY),
+    ):
         theirs = ProcessingRequest(**{field: HttpBody(body=b'{"a": 1}', end_of_stream=True)})
         p = codec.decode(codec.ProcessingRequest.FromString(bytes(theirs)))
         assert (p.name, p.body, p.end_of_stream) == (name, b'{"a": 1}', True)

@@ -69,7 +69,9 @@ def test_envoy_config_has_one_cluster_per_backend_and_fails_open() -> None:
     routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
     assert routes[0]["route"] == {"cluster_header": "x-gorgo-backend", "timeout": "600.0s"}
     assert routes[-1]["route"]["cluster"] == "gorgo_fallback"
-    stripped = {m["remove"] for m in hcm["early_header_mutation_extensions"][0]["typed_config"]["mutations"]}
+    stripped = {
+        m["remove"] for m in hcm["early_header_mutation_extensions"][0]["typed_config"]["mutations"]
+    }
     assert stripped == {"x-gorgo-backend", "x-gateway-destination-endpoint"}
 
 

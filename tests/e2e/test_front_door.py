@@ -1,0 +1,123 @@
+"""Requests through a real Envoy front door, routed by the real ext_proc service."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import urllib.request
+from typing import Any
+
+import aiohttp
+import pytest
+
+from emulator.stack import Stack
+from loadgen.client import Result, chat_body, send_chat
+from tests.e2e.conftest import FAST_REGIONS, start_stack
+
+pytestmark = pytest.mark.e2e
+
+IDS = [r.id for r in FAST_REGIONS]
+
+
+def get_json(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=5) as r:
+        return json.load(r)
+
+
+def engine_counts(stack: Stack) -> dict[str, int]:
+    return {
+        r.id: get_json(f"{stack.engine_url(i)}/stats")["requests_total"]
+        for i, r in enumerate(FAST_REGIONS)
+    }
+
+
+def router_state(stack: Stack) -> Any:
+    return get_json(f"{stack.admin_url}/state")
+
+
+async def chats(
+    url: str, bodies: list[dict[str, Any]], headers: dict[str, str] | None = None
+) -> list[Result]:
+    async with aiohttp.ClientSession() as s:
+        return [await send_chat(s, url, b, f"t{i}", headers) for i, b in enumerate(bodies)]
+
+
+def wait_for(predicate: Any, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.05)
+
+
+def test_requests_go_where_the_policy_chose(stack: Stack) -> None:
+    before = engine_counts(stack)
+    decisions_before = router_state(stack)["decisions"]
+    results = asyncio.run(chats(stack.front_door_url, [chat_body("hi " * 50, 5)] * 6))
+    assert all(r.ok for r in results), [r.error for r in results]
+    # round robin over three backends: each served two, and the header names the server
+    seen = [r.backend for r in results]
+    assert sorted(seen) == sorted(IDS * 2)
+    after = engine_counts(stack)
+    assert {b: after[b] - before[b] for b in IDS} == {b: 2 for b in IDS}
+    state = router_state(stack)
+    assert state["decisions"] - decisions_before == 6
+    # completion learned from the access log: nothing stays in flight
+    wait_for(lambda: router_state(stack)["in_flight"] == 0)
+
+
+def test_streamed_responses_arrive_whole(stack: Stack) -> None:
+    (r,) = asyncio.run(chats(stack.front_door_url, [chat_body("hello", 40)]))
+    assert r.ok and r.output_tokens == 40 and len(r.itl_ms) == 39
+    assert r.ttft_ms is not None and r.e2e_ms is not None and r.e2e_ms > r.ttft_ms
+
+
+def test_client_sent_routing_headers_have_no_effect(stack: Stack) -> None:
+    forged = {"x-gorgo-backend": "ap-seoul", "x-gateway-destination-endpoint": "127.0.0.1:1"}
+    results = asyncio.run(chats(stack.front_door_url, [chat_body("x", 2)] * 6, forged))
+    assert all(r.ok for r in results)
+    assert sorted(r.backend for r in results) == sorted(IDS * 2)
+
+
+def test_prompt_over_one_mib_is_routed(stack: Stack) -> None:
+    decisions = router_state(stack)["decisions"]
+    big = "abc " * (300 * 1024)  # 1.2 MiB
+    (r,) = asyncio.run(chats(stack.front_door_url, [chat_body(big, 3)]))
+    assert r.ok, r.error
+    assert r.backend in IDS
+    assert r.input_tokens > 300 * 1024
+    assert router_state(stack)["decisions"] == decisions + 1
+
+
+def test_unreadable_body_is_answered_by_a_backend_via_the_fallback(stack: Stack) -> None:
+    req = urllib.request.Request(
+        f"{stack.front_door_url}/v1/chat/completions",
+        data=b'{"messages": [oops',
+        headers={"content-type": "application/json"},
+    )
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=10)
+    assert e.value.code == 400
+    assert e.value.headers["x-gorgo-backend"] in IDS  # echoed even on the fallback route
+    assert "invalid" in e.value.read().decode().lower()
+    wait_for(
+        lambda: sum(b["fallback_completed"] for b in router_state(stack)["backends"].values()) >= 1
+    )
+
+
+def test_router_killed_requests_still_succeed_then_routing_resumes() -> None:
+    stack = start_stack()
+    try:
+        stack.kill("gorgo-serve")
+        results = asyncio.run(chats(stack.front_door_url, [chat_body("x", 3)] * 5))
+        assert all(r.ok for r in results), [r.error for r in results]
+        assert all(r.backend in IDS for r in results)  # fallback route served them
+        stack.start_router()
+        stack.wait_router_ready()
+        results = asyncio.run(chats(stack.front_door_url, [chat_body("x", 3)] * 3))
+        assert all(r.ok for r in results)
+        state = router_state(stack)
+        assert state["decisions"] == 3  # the new process routed every one of them
+        wait_for(lambda: sum(b["completed"] for b in router_state(stack)["backends"].values()) == 3)
+    finally:
+        stack.stop()
