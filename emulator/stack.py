@@ -146,9 +146,12 @@ class StackSettings:
     # Engine timing; zero_delay makes an engine answer at once (overhead benchmarks).
     engine_args: Sequence[str] = ()
     workdir: Path | None = None
-    # Set False for a stack without the router in the path (Envoy alone, for baselines).
-    with_router: bool = True
+    # False: Envoy reaches the engines directly (benchmarks that measure the proxy alone).
+    wan_links: bool = True
     seed: int = 0
+
+    def backend_port(self, i: int) -> int:
+        return self.ports.wan(i) if self.wan_links else self.ports.engine(i)
 
     def gorgo_config(self) -> Config:
         p = self.ports
@@ -164,7 +167,7 @@ class StackSettings:
                 "backends": [
                     {
                         "id": r.id,
-                        "address": f"127.0.0.1:{p.wan(i)}",
+                        "address": f"127.0.0.1:{self.backend_port(i)}",
                         "rtt_prior_ms": r.rtt_ms,
                     }
                     for i, r in enumerate(self.regions)
@@ -273,12 +276,16 @@ class Stack:
         cfg_path = self.workdir / "gorgo.yaml"
         self._spawn("gorgo-serve", self._gorgo("serve", "--config", str(cfg_path)))
 
-    def start_envoy(self) -> None:
+    def start_envoy(self, name: str = "envoy", config_text: str | None = None) -> None:
+        """Start an Envoy; the front door by default, or another config (benchmarks)."""
+        path = self.workdir / f"{name}.yaml"
+        if config_text is not None:
+            path.write_text(config_text)
         self._spawn(
-            "envoy",
+            name,
             [
                 envoy_binary(),
-                "-c", str(self.workdir / "envoy.yaml"),
+                "-c", str(path),
                 "--disable-hot-restart",
                 "--log-level", "warn",
             ],
@@ -294,9 +301,9 @@ class Stack:
         try:
             for i in range(len(self.settings.regions)):
                 self.start_engine(i)
-                self.start_wan(i)
-            if self.settings.with_router:
-                self.start_router()
+                if self.settings.wan_links:
+                    self.start_wan(i)
+            self.start_router()
             self.start_envoy()
             self.wait_ready(timeout_s)
         except BaseException:
@@ -305,8 +312,7 @@ class Stack:
 
     def wait_ready(self, timeout_s: float) -> None:
         urls = [f"{self.engine_url(i)}/health" for i in range(len(self.settings.regions))]
-        if self.settings.with_router:
-            urls.append(f"{self.admin_url}/healthz")
+        urls.append(f"{self.admin_url}/healthz")
         urls.append(f"{self.envoy_admin_url}/ready")
         deadline = time.monotonic() + timeout_s
         for url in urls:
@@ -318,7 +324,7 @@ class Stack:
                     )
                 time.sleep(0.05)
         for i in range(len(self.settings.regions)):
-            wait_port(self.settings.ports.wan(i), deadline)
+            wait_port(self.settings.backend_port(i), deadline)
 
     def wait_router_ready(self, timeout_s: float = 15.0) -> None:
         deadline = time.monotonic() + timeout_s

@@ -7,9 +7,10 @@ but cannot be read raises `ParseError` with a reason that names the bad field.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
+
+import orjson
 
 from ext_proc.tokens import count_tokens, render_chat
 
@@ -99,13 +100,11 @@ def _generate_prompt(body: dict[str, Any]) -> str:
 def parse_body(api: str, body: bytes) -> LlmRequest:
     """Parse the body of a request to `api` (see `api_for_path`)."""
     try:
-        decoded = json.loads(body)
-    except UnicodeDecodeError as e:
-        raise ParseError(f"body: not UTF-8 ({e.reason})") from e
-    except json.JSONDecodeError as e:
-        raise ParseError(f"body: invalid JSON at line {e.lineno} column {e.colno}: {e.msg}") from e
-    except RecursionError as e:
-        raise ParseError("body: JSON nested too deeply") from e
+        # orjson: 2-3x faster than json on long prompts; rejects non-UTF-8 and nesting
+        # deeper than 1024 with JSONDecodeError.
+        decoded = orjson.loads(body)
+    except orjson.JSONDecodeError as e:
+        raise ParseError(f"body: invalid JSON: {e}") from e
     if not isinstance(decoded, dict):
         raise ParseError(f"body: expected a JSON object, got {type(decoded).__name__}")
     if api == CHAT:

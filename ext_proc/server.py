@@ -1,10 +1,12 @@
 """The gRPC shell: Envoy's ext_proc stream and its access-log stream.
 
 One `StreamSession` per ext_proc stream (= one HTTP request), one method per phase. The
-server loop only receives, dispatches and sends. After the first response body chunk the
-session ends the stream: Envoy treats a stream the server closed as "processing
-complete", so later chunks flow without touching Python. Completion (E2E, status) then
-arrives through Envoy's gRPC access log.
+server loop only receives, dispatches and sends. With the generated Envoy config a request
+costs three messages: request headers (path, request id, session), the buffered request
+body (routing), and the first response body chunk (TTFT). The session then ends the
+stream: Envoy treats a stream the server closed as "processing complete", so later chunks
+flow without touching Python. Completion (E2E, status) arrives through Envoy's gRPC access
+log. Configs that also send response headers or trailers work too.
 """
 
 from __future__ import annotations
@@ -59,21 +61,23 @@ class StreamSession:
         return codec.continue_response(codec.REQUEST_HEADERS)
 
     def on_request_body(self, p: codec.Phase) -> codec.ProcessingResponse:
-        self.body += p.body
-        if not p.end_of_stream:
+        if not p.end_of_stream:  # only if a config streams the body: gather it
+            self.body += p.body
             return codec.continue_response(codec.REQUEST_BODY)
+        body = bytes(self.body + p.body) if self.body else p.body
+        self.body = bytearray()
         api = api_for_path(self.path)
-        assert api is not None  # on_request_headers ended non-LLM streams
+        if api is None:  # a config that skips request headers: we cannot route
+            self.done = True
+            return codec.continue_response(codec.REQUEST_BODY)
         try:
-            llm = parse_body(api, bytes(self.body))
+            llm = parse_body(api, body)
         except ParseError as e:
             # Never break the request on a body we cannot read: the fallback route takes it
             # and the backend gives the client its own error.
             log.info("request %s: unparseable body, fallback route: %s", self.request_id, e)
             self.done = True
             return codec.continue_response(codec.REQUEST_BODY)
-        finally:
-            self.body = bytearray()
         session_key = self.session_header or llm.user
         self.decision = self.router.decide(RouteRequest(self.request_id, llm, session_key))
         return codec.continue_response(
