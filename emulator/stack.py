@@ -148,6 +148,8 @@ class StackSettings:
     workdir: Path | None = None
     # False: Envoy reaches the engines directly (benchmarks that measure the proxy alone).
     wan_links: bool = True
+    # Envoy worker threads; 0 = one per core (Envoy's default).
+    envoy_concurrency: int = 0
     seed: int = 0
 
     def backend_port(self, i: int) -> int:
@@ -288,6 +290,7 @@ class Stack:
                 "-c", str(path),
                 "--disable-hot-restart",
                 "--log-level", "warn",
+                *(["--concurrency", str(c)] if (c := self.settings.envoy_concurrency) else []),
             ],
         )  # fmt: skip
 

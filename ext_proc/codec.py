@@ -40,6 +40,21 @@ class Phase:
     end_of_stream: bool
 
 
+@dataclass(frozen=True)
+class StreamInfo:
+    """What a stream's first message says about the filter that opened it."""
+
+    # Observability mode: Envoy does not wait for (and ignores) our replies.
+    observe_only: bool
+    # The filter will send response body chunks (the stream can time the first token).
+    sends_response_body: bool
+
+
+def stream_info(first: pb.ProcessingRequest) -> StreamInfo:
+    mode = first.protocol_config.response_body_mode
+    return StreamInfo(first.observability_mode, mode != pb.ProcessingMode.NONE)
+
+
 def _header_map(m: pb.HeaderMap) -> dict[str, str]:
     # Envoy sends raw_value (bytes); `value` only for old configs. Repeated keys: last wins,
     # which is all routing needs (we read single-valued headers).

@@ -108,17 +108,21 @@ def _ext_proc_cluster(cfg: Config) -> dict[str, Any]:
     }
 
 
-def _ext_proc_filter(cfg: Config) -> dict[str, Any]:
-    return {
+def _ext_proc_filters(cfg: Config) -> list[dict[str, Any]]:
+    """Two ext_proc filters to the same service: one routes (Envoy waits for it), one
+    observes the first response chunk without holding it (observability mode)."""
+    typed = f"{_API}.extensions.filters.http.ext_proc.v3.ExternalProcessor"
+    grpc_service = {"envoy_grpc": {"cluster_name": EXT_PROC_CLUSTER}}
+    route = {
         "name": "envoy.filters.http.ext_proc",
         "typed_config": {
-            _TYPE: f"{_API}.extensions.filters.http.ext_proc.v3.ExternalProcessor",
-            "grpc_service": {"envoy_grpc": {"cluster_name": EXT_PROC_CLUSTER}},
+            _TYPE: typed,
+            "grpc_service": grpc_service,
             # Fail open: if the router is down or slow, Envoy forwards the request without
             # the routing header and the fallback route serves it.
             "failure_mode_allow": True,
             "message_timeout": f"{cfg.envoy.message_timeout_ms / 1000}s",
-            # Three messages per request, each a gRPC round trip on the request's path.
+            # Two messages, each one gRPC round trip on the request's path.
             "processing_mode": {
                 # Needed even though routing reads the body: with headers skipped Envoy
                 # forwards them at once and a body-phase route change is ignored.
@@ -127,14 +131,33 @@ def _ext_proc_filter(cfg: Config) -> dict[str, Any]:
                 # upstream is chosen. Bounded by the listener's buffer limit.
                 "request_body_mode": "BUFFERED",
                 "request_trailer_mode": "SKIP",
-                # Status comes from the access log; the first body chunk is TTFT.
                 "response_header_mode": "SKIP",
-                # Only the first chunk reaches us; the server then closes the stream.
+                "response_body_mode": "NONE",
+                "response_trailer_mode": "SKIP",
+            },
+        },
+    }
+    observe = {
+        "name": "gorgo.observe",
+        "typed_config": {
+            _TYPE: typed,
+            "grpc_service": grpc_service,
+            "failure_mode_allow": True,
+            # Envoy sends and does not wait: timing the first token never delays it.
+            "observability_mode": True,
+            "processing_mode": {
+                "request_header_mode": "SEND",  # carries the request id
+                "request_body_mode": "NONE",
+                "request_trailer_mode": "SKIP",
+                "response_header_mode": "SKIP",
+                # The first chunk is TTFT; the server then closes the stream, so no later
+                # chunk reaches Python.
                 "response_body_mode": "STREAMED",
                 "response_trailer_mode": "SKIP",
             },
         },
     }
+    return [route, observe]
 
 
 def _access_log() -> dict[str, Any]:
@@ -217,7 +240,7 @@ def build_envoy_config(cfg: Config, ext_proc: bool = True) -> dict[str, Any]:
         "access_log": [_access_log()] if ext_proc else [],
         "route_config": _route(cfg),
         "http_filters": [
-            *([_ext_proc_filter(cfg)] if ext_proc else []),
+            *(_ext_proc_filters(cfg) if ext_proc else []),
             {
                 "name": "envoy.filters.http.router",
                 "typed_config": {_TYPE: f"{_API}.extensions.filters.http.router.v3.Router"},

@@ -1,12 +1,15 @@
-"""The gRPC shell: Envoy's ext_proc stream and its access-log stream.
+"""The gRPC shell: Envoy's ext_proc streams and its access-log stream.
 
-One `StreamSession` per ext_proc stream (= one HTTP request), one method per phase. The
-server loop only receives, dispatches and sends. With the generated Envoy config a request
-costs three messages: request headers (path, request id, session), the buffered request
-body (routing), and the first response body chunk (TTFT). The session then ends the
-stream: Envoy treats a stream the server closed as "processing complete", so later chunks
-flow without touching Python. Completion (E2E, status) arrives through Envoy's gRPC access
-log. Configs that also send response headers or trailers work too.
+One `StreamSession` per ext_proc stream, one method per phase; the server loop only
+receives, dispatches and sends. The generated Envoy config runs two ext_proc filters per
+request, so the router never sits on the token path:
+- routing (blocking): request headers (path, request id, session), then the buffered body;
+  the reply names the backend, and the server closes the stream.
+- observing (observability mode: Envoy does not wait for us): request headers (request
+  id), then the first response body chunk = TTFT; the server closes the stream, so later
+  chunks never reach Python.
+Completion (E2E, status) arrives through Envoy's gRPC access log. A single filter that does
+both (a mesh's own settings) works too: the stream stays open until the first chunk.
 """
 
 from __future__ import annotations
@@ -33,43 +36,47 @@ from ext_proc.state import CANCELLED, ERROR, OK
 
 log = logging.getLogger("gorgo.server")
 
+Reply = codec.ProcessingResponse | None
+
 
 class StreamSession:
-    """The life of one HTTP request as seen through its ext_proc stream."""
+    """One HTTP request as seen through one ext_proc stream."""
 
-    def __init__(self, router: Router) -> None:
+    def __init__(self, router: Router, info: codec.StreamInfo) -> None:
         self.router = router
+        self.info = info
         self.path = ""
         self.request_id = ""
         self.session_header: str | None = None
         self.body = bytearray()
         self.decision: Decision | None = None
-        self.status_code = 0
         self.first_byte_seen = False
         # True once nothing more is needed from this stream: the server then closes it.
         self.done = False
 
     # -- phases -------------------------------------------------------------------------
 
-    def on_request_headers(self, p: codec.Phase) -> codec.ProcessingResponse:
+    def on_request_headers(self, p: codec.Phase) -> Reply:
         self.path = p.headers.get(":path", "")
         self.request_id = p.headers.get(HEADER_REQUEST_ID, "")
         self.session_header = p.headers.get(HEADER_SESSION)
-        if api_for_path(self.path) is None or p.end_of_stream or not self.request_id:
-            # Not an LLM call (or nothing to read): Envoy's fallback route serves it.
+        if api_for_path(self.path) is None or not self.request_id:
+            # Not an LLM call: Envoy's fallback route serves it, nothing to observe.
             self.done = True
-        return codec.continue_response(codec.REQUEST_HEADERS)
+        elif p.end_of_stream and not self.info.observe_only:
+            self.done = True  # no body to route on: the fallback route serves it
+        return self._reply(codec.REQUEST_HEADERS)
 
-    def on_request_body(self, p: codec.Phase) -> codec.ProcessingResponse:
+    def on_request_body(self, p: codec.Phase) -> Reply:
         if not p.end_of_stream:  # only if a config streams the body: gather it
             self.body += p.body
-            return codec.continue_response(codec.REQUEST_BODY)
+            return self._reply(codec.REQUEST_BODY)
         body = bytes(self.body + p.body) if self.body else p.body
         self.body = bytearray()
         api = api_for_path(self.path)
-        if api is None:  # a config that skips request headers: we cannot route
-            self.done = True
-            return codec.continue_response(codec.REQUEST_BODY)
+        if self.info.observe_only or api is None:  # no headers seen: we cannot route
+            self.done = not self.info.sends_response_body
+            return self._reply(codec.REQUEST_BODY)
         try:
             llm = parse_body(api, body)
         except ParseError as e:
@@ -77,52 +84,55 @@ class StreamSession:
             # and the backend gives the client its own error.
             log.info("request %s: unparseable body, fallback route: %s", self.request_id, e)
             self.done = True
-            return codec.continue_response(codec.REQUEST_BODY)
+            return self._reply(codec.REQUEST_BODY)
         session_key = self.session_header or llm.user
         self.decision = self.router.decide(RouteRequest(self.request_id, llm, session_key))
+        self.done = not self.info.sends_response_body
         return codec.continue_response(
             codec.REQUEST_BODY,
             set_headers={HEADER_BACKEND: self.decision.backend},
             clear_route_cache=True,
         )
 
-    def on_response_headers(self, p: codec.Phase) -> codec.ProcessingResponse:
-        status = p.headers.get(":status", "0")
-        self.status_code = int(status) if status.isdigit() else 0
+    def on_response_headers(self, p: codec.Phase) -> Reply:
         if p.end_of_stream:  # no body will follow: the headers were the first byte
             self._first_byte()
-        return codec.continue_response(codec.RESPONSE_HEADERS)
+        return self._reply(codec.RESPONSE_HEADERS)
 
-    def on_response_body(self, p: codec.Phase) -> codec.ProcessingResponse:
+    def on_response_body(self, p: codec.Phase) -> Reply:
         self._first_byte()
-        return codec.continue_response(codec.RESPONSE_BODY)
+        return self._reply(codec.RESPONSE_BODY)
 
-    def on_trailers(self, p: codec.Phase) -> codec.ProcessingResponse:
-        return codec.continue_response(p.name)
+    def on_trailers(self, p: codec.Phase) -> Reply:
+        return self._reply(p.name)
 
-    def finish(self, cancelled: bool) -> None:
-        """Always runs when the stream ends. A request that never saw its first byte is
-        closed here; one that did is closed by its access-log entry (or expiry)."""
-        if self.decision is None or self.first_byte_seen:
-            return
-        self.router.complete(self.request_id, CANCELLED if cancelled else ERROR)
+    def finish(self) -> None:
+        """Always runs when the stream ends, however it ends. A stream that watched for the
+        first response byte and ends without it means the request ended without a body
+        (client gone, upstream reset): it is closed here. All others are closed by their
+        access-log entry (or, if that is lost, by expiry)."""
+        if self.info.sends_response_body and not self.first_byte_seen and self.request_id:
+            self.router.complete(self.request_id, CANCELLED)
 
     # -- helpers ------------------------------------------------------------------------
 
     def _first_byte(self) -> None:
-        if self.decision is not None and not self.first_byte_seen:
+        if not self.first_byte_seen and self.request_id:
             self.first_byte_seen = True
             self.router.first_byte(self.request_id)
         self.done = True
 
-    def handle(self, req: codec.ProcessingRequest) -> codec.ProcessingResponse:
+    def _reply(self, phase: str) -> Reply:
+        return None if self.info.observe_only else codec.continue_response(phase)
+
+    def handle(self, req: codec.ProcessingRequest) -> Reply:
         p = codec.decode(req)
         handler = self._handlers.get(p.name)
         if handler is None:
             raise ValueError(f"unexpected ext_proc message {p.name!r}")
         return handler(self, p)
 
-    _handlers: dict[str, Callable[[StreamSession, codec.Phase], codec.ProcessingResponse]] = {
+    _handlers: dict[str, Callable[[StreamSession, codec.Phase], Reply]] = {
         codec.REQUEST_HEADERS: on_request_headers,
         codec.REQUEST_BODY: on_request_body,
         codec.RESPONSE_HEADERS: on_response_headers,
@@ -140,18 +150,21 @@ class ExtProcService:
     async def process(
         self, requests: AsyncIterator[codec.ProcessingRequest], context: Any
     ) -> AsyncIterator[codec.ProcessingResponse]:
-        session = StreamSession(self.router)
+        session: StreamSession | None = None
         self.active_streams += 1
-        cancelled = True
         try:
             async for req in requests:
-                yield session.handle(req)
+                if session is None:
+                    session = StreamSession(self.router, codec.stream_info(req))
+                reply = session.handle(req)
+                if reply is not None:
+                    yield reply
                 if session.done:
                     break
-            cancelled = False
         finally:
             self.active_streams -= 1
-            session.finish(cancelled)
+            if session is not None:
+                session.finish()
 
 
 class AccessLogService:

@@ -75,11 +75,19 @@ async def harness() -> AsyncIterator[Harness]:
             assert (b.in_flight, b.waiting_first_byte) == (0, 0)
 
 
-def headers(path: str, rid: str = "rid-1", eos: bool = False, **extra: str) -> pb.ProcessingRequest:
-    req = pb.ProcessingRequest()
+def headers(
+    path: str, rid: str = "rid-1", eos: bool = False, observe: bool = False, watch: bool = False
+) -> pb.ProcessingRequest:
+    """A stream's first message, as the routing filter (or the observer) sends it."""
+    req = pb.ProcessingRequest(observability_mode=observe)
+    req.protocol_config.request_body_mode = (
+        pb.ProcessingMode.NONE if observe else pb.ProcessingMode.BUFFERED
+    )
+    if observe or watch:
+        req.protocol_config.response_body_mode = pb.ProcessingMode.STREAMED
     h = req.request_headers
     h.end_of_stream = eos
-    for k, v in {":path": path, ":method": "POST", "x-request-id": rid, **extra}.items():
+    for k, v in {":path": path, ":method": "POST", "x-request-id": rid}.items():
         h.headers.headers.add(key=k, raw_value=v.encode())
     return req
 
@@ -89,12 +97,6 @@ def body(data: bytes, response: bool = False) -> pb.ProcessingRequest:
     b = req.response_body if response else req.request_body
     b.body = data
     b.end_of_stream = not response
-    return req
-
-
-def response_headers(status: int) -> pb.ProcessingRequest:
-    req = pb.ProcessingRequest()
-    req.response_headers.headers.headers.add(key=":status", raw_value=str(status).encode())
     return req
 
 
@@ -111,29 +113,40 @@ def log_entry(
     return e
 
 
-async def test_full_request_routes_then_leaves_the_body_path(harness: Harness) -> None:
-    call = harness.process()
-    await call.write(headers("/v1/chat/completions", "r1"))
-    r = await call.read()
-    assert r.WhichOneof("response") == "request_headers"
-
+async def route(h: Harness, rid: str) -> str:
+    """The routing filter's stream: headers, then the body; returns the chosen backend."""
+    call = h.process()
+    await call.write(headers("/v1/chat/completions", rid))
+    assert (await call.read()).WhichOneof("response") == "request_headers"
     await call.write(body(CHAT))
     r = await call.read()
     common = r.request_body.response
     assert common.clear_route_cache
     (opt,) = common.header_mutation.set_headers
-    assert opt.header.key == "x-gorgo-backend" and opt.header.raw_value == b"us-ashburn"
+    assert opt.header.key == "x-gorgo-backend"
+    # routing done and the filter sends no response phases: the server closed the stream
+    assert await call.read() == grpc.aio.EOF
+    assert await call.code() == grpc.StatusCode.OK
+    return opt.header.raw_value.decode()
 
-    await call.write(response_headers(200))
-    assert (await call.read()).WhichOneof("response") == "response_headers"
+
+async def observe_first_chunk(h: Harness, rid: str) -> None:
+    """The observer's stream: Envoy does not wait, and we never reply."""
+    call = h.process()
+    await call.write(headers("/v1/chat/completions", rid, observe=True))
     await call.write(body(b"data: {}\n\n", response=True))
-    assert (await call.read()).WhichOneof("response") == "response_body"
-    # the server closed the stream after the first chunk: later chunks bypass Python
+    # no replies; the server closed after the first chunk, so later chunks skip Python
     assert await call.read() == grpc.aio.EOF
     assert await call.code() == grpc.StatusCode.OK
 
-    state = await harness.state()
-    ashburn = state["backends"]["us-ashburn"]
+
+async def test_route_observe_complete(harness: Harness) -> None:
+    assert await route(harness, "r1") == "us-ashburn"
+    ashburn = (await harness.state())["backends"]["us-ashburn"]
+    assert (ashburn["in_flight"], ashburn["waiting_first_byte"]) == (1, 1)
+
+    await observe_first_chunk(harness, "r1")
+    ashburn = (await harness.state())["backends"]["us-ashburn"]
     assert (ashburn["in_flight"], ashburn["waiting_first_byte"], len(ashburn["last_ttft_ms"])) == (
         1,
         0,
@@ -147,14 +160,27 @@ async def test_full_request_routes_then_leaves_the_body_path(harness: Harness) -
     assert state["in_flight"] == 0
 
 
-async def test_cancel_before_first_byte_closes_the_loop(harness: Harness) -> None:
+async def test_one_filter_doing_both_keeps_the_stream_until_the_first_chunk(
+    harness: Harness,
+) -> None:
     call = harness.process()
-    await call.write(headers("/v1/chat/completions", "r2"))
+    await call.write(headers("/v1/chat/completions", "r5", watch=True))
     await call.read()
     await call.write(body(CHAT))
-    await call.read()
-    assert len(harness.svc.router.state.in_flight) == 1
-    call.cancel()
+    assert (await call.read()).request_body.response.header_mutation.set_headers
+    await call.write(body(b"data: {}\n\n", response=True))
+    assert (await call.read()).WhichOneof("response") == "response_body"
+    assert await call.read() == grpc.aio.EOF
+    assert len(harness.svc.router.state.backends["us-ashburn"].recent_ttft_ms) == 1
+    await harness.access_log(log_entry("r5", 200, 9))
+
+
+async def test_cancel_before_first_byte_closes_the_loop(harness: Harness) -> None:
+    await route(harness, "r2")
+    call = harness.process()
+    await call.write(headers("/v1/chat/completions", "r2", observe=True))
+    await asyncio.sleep(0.05)
+    call.cancel()  # the client went away before the first token
     for _ in range(100):
         if not harness.svc.router.state.in_flight:
             break
@@ -163,15 +189,8 @@ async def test_cancel_before_first_byte_closes_the_loop(harness: Harness) -> Non
 
 
 async def test_upstream_error_status_is_recorded_from_the_access_log(harness: Harness) -> None:
-    call = harness.process()
-    await call.write(headers("/v1/chat/completions", "r3"))
-    await call.read()
-    await call.write(body(CHAT))
-    await call.read()
-    await call.write(response_headers(503))
-    await call.read()
-    await call.write(body(b"oops", response=True))
-    await call.read()
+    await route(harness, "r3")
+    await observe_first_chunk(harness, "r3")
     await harness.access_log(log_entry("r3", 503, 20))
     assert harness.svc.router.state.backends["us-ashburn"].errors == 1
 
@@ -206,18 +225,13 @@ async def test_fallback_completions_are_counted_per_backend(harness: Harness) ->
 
 async def test_many_concurrent_streams(harness: Harness) -> None:
     async def one(i: int) -> str:
-        call = harness.process()
-        await call.write(headers("/v1/chat/completions", f"c{i}"))
-        await call.read()
-        await call.write(body(CHAT))
-        r = await call.read()
-        await call.write(response_headers(200))
-        await call.read()
-        await call.write(body(b"x", response=True))
-        await call.read()
+        backend = await route(harness, f"c{i}")
+        await observe_first_chunk(harness, f"c{i}")
         await harness.access_log(log_entry(f"c{i}", 200, 1))
-        return r.request_body.response.header_mutation.set_headers[0].header.raw_value.decode()
+        return backend
 
     chosen = await asyncio.gather(*(one(i) for i in range(60)))
     assert sorted(set(chosen)) == sorted(BACKENDS)
-    assert sum(b.completed for b in harness.svc.router.state.backends.values()) == 60
+    backends = harness.svc.router.state.backends.values()
+    assert sum(b.completed for b in backends) == 60
+    assert sum(len(b.recent_ttft_ms) for b in backends) == min(60, 3 * 16)

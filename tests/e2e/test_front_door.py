@@ -64,6 +64,11 @@ def test_requests_go_where_the_policy_chose(stack: Stack) -> None:
     assert state["decisions"] - decisions_before == 6
     # completion learned from the access log: nothing stays in flight
     wait_for(lambda: router_state(stack)["in_flight"] == 0)
+    # the observer timed every first token; the access log gave every E2E
+    for b in IDS:
+        s = router_state(stack)["backends"][b]
+        assert len(s["last_ttft_ms"]) >= 2 and len(s["last_e2e_ms"]) >= 2
+        assert all(0 < t < e for t, e in zip(s["last_ttft_ms"], s["last_e2e_ms"], strict=False))
 
 
 def test_streamed_responses_arrive_whole(stack: Stack) -> None:
