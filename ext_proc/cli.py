@@ -168,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("bench", help="benchmarks")
     bench = s.add_subparsers(dest="bench", required=True, metavar="BENCH")
     b = bench.add_parser("overhead", help="Envoy alone vs Envoy + gorgo ext_proc")
-    b.add_argument("--requests", type=int, default=200, help="requests per measurement")
+    b.add_argument("--requests", type=int, default=500, help="requests per measurement")
     b.set_defaults(func=_bench)
     return p
 

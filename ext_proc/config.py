@@ -53,8 +53,6 @@ class EnvoySettings:
     # Per-message ext_proc deadline. One Python process answering a burst of new
     # streams needs slack beyond its ~1 ms typical reply; past it Envoy fails open.
     message_timeout_ms: int = 1000
-    # Concurrent LLM streams: each holds an ext_proc gRPC stream until its first token.
-    max_concurrent_streams: int = 100_000
     # Long generations stream for minutes; Envoy's 15 s default route timeout cuts them.
     route_timeout_s: float = 600.0
     # Upstream connect timeout; a WAN hop costs one RTT (<0.5 s) per attempt.
@@ -165,7 +163,6 @@ def _validate(cfg: Config) -> None:
     for key, value in (
         ("envoy.max_body_bytes", cfg.envoy.max_body_bytes),
         ("envoy.message_timeout_ms", cfg.envoy.message_timeout_ms),
-        ("envoy.max_concurrent_streams", cfg.envoy.max_concurrent_streams),
     ):
         if value <= 0:
             raise ConfigError(f"{key}: must be > 0, got {value}")
