@@ -1,123 +1,127 @@
-"""A first emulated SGLang engine: SGLang's HTTP wire format with simple, configurable timing.
+"""The emulated SGLang engine: SGLang's HTTP wire format, timed by the engine model.
 
-Three layers, kept apart so a later faithful continuous-batching model can replace only the
-timing:
-- `SimpleTiming`: pure, clock-free arithmetic (how long prefill and each decode step take);
-- `parse_*`: pure validation of request bodies into a `GenRequest` (bad input -> `BadRequest`,
-  always answered with HTTP 400 naming the bad field);
-- `Engine` / `make_app` / `serve_engine`: the aiohttp shell that sleeps and writes chunks.
+Three layers:
+- `emulator.model.EngineModel`: pure scheduler (continuous batching, chunked prefill,
+  radix prefix cache), shared with the offline simulator;
+- `parse_*`: pure validation of request bodies into a `GenRequest` (bad input ->
+  `BadRequest`, always answered with HTTP 400 naming the bad field);
+- `ModelRunner` / `Engine` / `make_app` / `serve_engine`: the aiohttp shell. One task
+  advances the model on the event loop's clock and hands each emitted token to the
+  request's handler, which writes it.
 
-Every request is served independently (no batching, no queueing): request r's first token
-leaves at prefill_s(input tokens) after arrival and each further token decode_s_per_token()
-later. The engine always emits exactly max_tokens tokens (as with ignore_eos); each token is
-the 4-byte piece "tok ", so `count_tokens(output_text) == output_tokens`.
+The engine always emits exactly max_tokens tokens (as with `ignore_eos`); each token is the
+4-byte piece "tok ", so `count_tokens(output_text) == output_tokens`. The prefix cache
+holds prompt blocks only (not generated text).
 """
 
 from __future__ import annotations
 
 import asyncio
+import bisect
+import contextlib
 import json
 import logging
-import math
+import random
 import secrets
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from aiohttp import web
 
-from ext_proc.tokens import count_tokens, render_chat
+from emulator.model import DEFAULT_PROFILE, Emission, EngineModel, EngineProfile, load_profile
+from ext_proc.tokens import APPROX, Tokenizer, block_hashes_of_ids, render_chat
 
 log = logging.getLogger(__name__)
 
 ENGINE_ID_HEADER = "x-engine-id"
-TOKEN_PIECE = "tok "  # 4 UTF-8 bytes: exactly one token under count_tokens
+TOKEN_PIECE = "tok "  # 4 UTF-8 bytes: exactly one token under the approximate tokenizer
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
 GENERATE_PATH = "/generate"
 # Long-context prompts (128k tokens ~ 512 KiB of text, more as JSON) exceed aiohttp's 1 MiB
 # default body limit; a real engine accepts them.
 MAX_BODY_BYTES = 64 * 1024 * 1024
+# The event loop's timers wake up to 1 ms late (epoll's millisecond timeout is rounded up):
+# sleep until this long before a step ends, then yield until it is due.
+WAKE_EARLY_S = 0.0015
+# Emission lag samples kept for /server_info (a ring: the recent past).
+LAG_SAMPLES = 100_000
 
 Kind = Literal["chat", "completion", "generate"]
 
 
+def zero_delay_profile(base: EngineProfile) -> EngineProfile:
+    """Every step takes no time: isolates proxy overhead in benchmarks."""
+    return replace(
+        base,
+        name=f"{base.name}+zero-delay",
+        prefill_base_ms=0.0,
+        prefill_tokens_per_s=float("inf"),
+        decode_base_ms=0.0,
+        decode_batch_ms=0.0,
+        decode_per_request_ms=0.0,
+        decode_per_1k_context_ms=0.0,
+        no_cuda_graph_ms=0.0,
+        jitter_sigma=0.0,
+    )
+
+
+@dataclass
+class Faults:
+    """Fault injection, for reliability tests; all off by default."""
+
+    # Share of generation requests answered with HTTP 500 at once.
+    error_rate: float = 0.0
+    # Share of generation requests held for stall_ms before they reach the scheduler.
+    stall_rate: float = 0.0
+    stall_ms: float = 0.0
+
+    def validate(self) -> None:
+        for key in ("error_rate", "stall_rate"):
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v <= 1:
+                raise ValueError(f"{key} must be a number in [0, 1], got {v!r}")
+        if (
+            isinstance(self.stall_ms, bool)
+            or not isinstance(self.stall_ms, int | float)
+            or self.stall_ms < 0
+        ):
+            raise ValueError(f"stall_ms must be a number >= 0, got {self.stall_ms!r}")
+
+
 @dataclass
 class EngineConfig:
-    """One emulated backend. Defaults follow DESIGN.md section 7 at light load."""
+    """One emulated backend."""
 
     name: str  # backend id, e.g. "us-ashburn"; echoed in x-engine-id
-    prefill_base_ms: float = 20.0  # fixed cost of a prefill batch
-    prefill_tokens_per_s: float = 12000.0  # prefill throughput (P in DESIGN.md)
-    decode_ms_per_token: float = 10.0  # ITL at light load (paper: median 9-10 ms)
+    profile: EngineProfile = field(default_factory=lambda: load_profile(DEFAULT_PROFILE))
     default_max_tokens: int = 16  # when the request names no limit
-    max_tokens_cap: int = 4096  # requested limits above this are clamped
+    max_tokens_cap: int = 32768  # requested limits above this are clamped
     model: str = "emulated"  # served model name (/v1/models, responses)
+    seed: int = 0  # step-time jitter and fault draws
+    tokenizer: Tokenizer = APPROX
+    faults: Faults = field(default_factory=Faults)
 
     def __post_init__(self) -> None:
         if not self.name:
             raise ValueError("EngineConfig.name must be a non-empty backend id")
-        for f in ("prefill_base_ms", "decode_ms_per_token"):
-            value = getattr(self, f)
-            if not (value >= 0 and math.isfinite(value)):
-                raise ValueError(f"EngineConfig.{f} must be finite and >= 0, got {value!r}")
-        if not self.prefill_tokens_per_s > 0:  # inf is allowed: instant prefill
-            raise ValueError(
-                f"EngineConfig.prefill_tokens_per_s must be > 0, got {self.prefill_tokens_per_s!r}"
-            )
         if self.max_tokens_cap < 1:
             raise ValueError(f"EngineConfig.max_tokens_cap must be >= 1, got {self.max_tokens_cap}")
-        if self.default_max_tokens < 1:  # clamped to max_tokens_cap like any request
+        if self.default_max_tokens < 1:
             raise ValueError(
                 f"EngineConfig.default_max_tokens must be >= 1, got {self.default_max_tokens}"
             )
+        self.faults.validate()
 
     @classmethod
     def zero_delay(cls, name: str, **overrides: Any) -> EngineConfig:
-        """No prefill or decode delay at all: isolates proxy overhead in benchmarks."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(overrides) - known)
-        if unknown:
-            raise TypeError(f"unknown EngineConfig field(s): {', '.join(unknown)}")
-        params: dict[str, Any] = {
-            "prefill_base_ms": 0.0,
-            "prefill_tokens_per_s": math.inf,
-            "decode_ms_per_token": 0.0,
-        }
-        params.update(overrides)
-        return cls(name=name, **params)
-
-
-class SimpleTiming:
-    """Per-request timing with no batching: prefill = base + tokens / throughput, then a
-    constant time per decoded token. Pure and clock-free, so the faithful model can replace
-    it behind the same two methods."""
-
-    def __init__(
-        self, prefill_base_ms: float, prefill_tokens_per_s: float, decode_ms_per_token: float
-    ) -> None:
-        self._prefill_base_s = prefill_base_ms / 1000.0
-        self._prefill_tokens_per_s = prefill_tokens_per_s
-        self._decode_s = decode_ms_per_token / 1000.0
-
-    @classmethod
-    def from_config(cls, cfg: EngineConfig) -> SimpleTiming:
-        return cls(cfg.prefill_base_ms, cfg.prefill_tokens_per_s, cfg.decode_ms_per_token)
-
-    def prefill_s(self, input_tokens: int) -> float:
-        """Time from arrival to the first output token."""
-        return self._prefill_base_s + input_tokens / self._prefill_tokens_per_s
-
-    def decode_s_per_token(self) -> float:
-        """Time between consecutive output tokens."""
-        return self._decode_s
-
-    def token_offset_s(self, input_tokens: int, token_index: int) -> float:
-        """When output token `token_index` (0-based) is ready, relative to arrival. The first
-        token comes out of prefill; each later one costs one decode step."""
-        return self.prefill_s(input_tokens) + token_index * self._decode_s
+        """No prefill or decode time at all: isolates proxy overhead in benchmarks."""
+        return cls(
+            name=name, profile=zero_delay_profile(load_profile(DEFAULT_PROFILE)), **overrides
+        )
 
 
 class BadRequest(Exception):
@@ -138,6 +142,17 @@ class GenRequest:
     stream: bool
     include_usage: bool
     model: str
+    # Chained hashes of the prompt's full cache blocks (what the prefix cache matches).
+    blocks: tuple[int, ...] = ()
+
+
+def _text_prompt(text: str, cfg: EngineConfig) -> tuple[int, tuple[int, ...]]:
+    tok = cfg.tokenizer
+    return tok.count(text), tuple(tok.block_hashes(text, cfg.profile.block_tokens))
+
+
+def _ids_prompt(ids: list[int], cfg: EngineConfig) -> tuple[int, tuple[int, ...]]:
+    return len(ids), tuple(block_hashes_of_ids(ids, cfg.profile.block_tokens))
 
 
 def _is_int(value: Any) -> bool:
@@ -190,11 +205,11 @@ def _openai_common(body: Mapping[str, Any], cfg: EngineConfig) -> tuple[int, boo
     return min(max_tokens, cfg.max_tokens_cap), stream, include_usage, _model(body, cfg)
 
 
-def _token_ids(value: list[Any], field: str) -> int:
+def _token_ids(value: list[Any], field: str) -> list[int]:
     """A list of token ids counts one token per id."""
     if not all(_is_int(t) for t in value):
         raise BadRequest(f"'{field}' must be a list of integer token ids")
-    return len(value)
+    return value
 
 
 def parse_chat(body: Any, cfg: EngineConfig) -> GenRequest:
@@ -218,14 +233,8 @@ def parse_chat(body: Any, cfg: EngineConfig) -> GenRequest:
                 f"got {type(content).__name__}"
             )
     max_tokens, stream, include_usage, model = _openai_common(body, cfg)
-    return GenRequest(
-        kind="chat",
-        input_tokens=count_tokens(render_chat(messages)),
-        output_tokens=max_tokens,
-        stream=stream,
-        include_usage=include_usage,
-        model=model,
-    )
+    input_tokens, blocks = _text_prompt(render_chat(messages), cfg)
+    return GenRequest("chat", input_tokens, max_tokens, stream, include_usage, model, blocks)
 
 
 def parse_completion(body: Any, cfg: EngineConfig) -> GenRequest:
@@ -237,24 +246,17 @@ def parse_completion(body: Any, cfg: EngineConfig) -> GenRequest:
     if prompt is None:
         raise BadRequest("missing required field 'prompt'")
     if isinstance(prompt, str):
-        input_tokens = count_tokens(prompt)
+        input_tokens, blocks = _text_prompt(prompt, cfg)
     elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-        input_tokens = count_tokens("".join(prompt))
+        input_tokens, blocks = _text_prompt("".join(prompt), cfg)
     elif isinstance(prompt, list) and prompt:
-        input_tokens = _token_ids(prompt, "prompt")
+        input_tokens, blocks = _ids_prompt(_token_ids(prompt, "prompt"), cfg)
     else:
         raise BadRequest(
             "'prompt' must be a string, a non-empty list of strings or a list of token ids"
         )
     max_tokens, stream, include_usage, model = _openai_common(body, cfg)
-    return GenRequest(
-        kind="completion",
-        input_tokens=input_tokens,
-        output_tokens=max_tokens,
-        stream=stream,
-        include_usage=include_usage,
-        model=model,
-    )
+    return GenRequest("completion", input_tokens, max_tokens, stream, include_usage, model, blocks)
 
 
 def parse_generate(body: Any, cfg: EngineConfig) -> GenRequest:
@@ -267,11 +269,11 @@ def parse_generate(body: Any, cfg: EngineConfig) -> GenRequest:
     if text is not None:
         if not isinstance(text, str):
             raise BadRequest(f"'text' must be a string, got {type(text).__name__}")
-        input_tokens = count_tokens(text)
+        input_tokens, blocks = _text_prompt(text, cfg)
     elif input_ids is not None:
         if not isinstance(input_ids, list) or not input_ids:
             raise BadRequest("'input_ids' must be a non-empty list of integer token ids")
-        input_tokens = _token_ids(input_ids, "input_ids")
+        input_tokens, blocks = _ids_prompt(_token_ids(input_ids, "input_ids"), cfg)
     else:
         raise BadRequest("missing required field 'text'")
     params = body.get("sampling_params")
@@ -289,6 +291,7 @@ def parse_generate(body: Any, cfg: EngineConfig) -> GenRequest:
         stream=_opt_bool(body, "stream"),
         include_usage=False,
         model=cfg.model,
+        blocks=blocks,
     )
 
 
@@ -303,12 +306,12 @@ def _sse(obj: Any) -> bytes:
 SSE_DONE = b"data: [DONE]\n\n"
 
 
-def _usage(req: GenRequest) -> dict[str, Any]:
+def _usage(req: GenRequest, cached_tokens: int) -> dict[str, Any]:
     return {
         "prompt_tokens": req.input_tokens,
         "completion_tokens": req.output_tokens,
         "total_tokens": req.input_tokens + req.output_tokens,
-        "prompt_tokens_details": {"cached_tokens": 0},
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 
@@ -354,12 +357,12 @@ class _OpenAIFormatter:
         choice.update(logprobs=None, finish_reason="length")
         return self._envelope([choice], chunk=True)
 
-    def usage_chunk(self) -> dict[str, Any]:
+    def usage_chunk(self, cached_tokens: int) -> dict[str, Any]:
         out = self._envelope([], chunk=True)
-        out["usage"] = _usage(self.req)
+        out["usage"] = _usage(self.req, cached_tokens)
         return out
 
-    def full(self) -> dict[str, Any]:
+    def full(self, cached_tokens: int) -> dict[str, Any]:
         text = TOKEN_PIECE * self.req.output_tokens
         if self.chat:
             choice: dict[str, Any] = {
@@ -370,11 +373,13 @@ class _OpenAIFormatter:
             choice = {"index": 0, "text": text}
         choice.update(logprobs=None, finish_reason="length")
         out = self._envelope([choice], chunk=False)
-        out["usage"] = _usage(self.req)
+        out["usage"] = _usage(self.req, cached_tokens)
         return out
 
 
-def _generate_body(req: GenRequest, rid: str, tokens_done: int) -> dict[str, Any]:
+def _generate_body(
+    req: GenRequest, rid: str, tokens_done: int, cached_tokens: int
+) -> dict[str, Any]:
     """SGLang native response after `tokens_done` tokens (text is cumulative, as SGLang's)."""
     finished = tokens_done >= req.output_tokens
     return {
@@ -383,7 +388,7 @@ def _generate_body(req: GenRequest, rid: str, tokens_done: int) -> dict[str, Any
             "id": rid,
             "prompt_tokens": req.input_tokens,
             "completion_tokens": tokens_done,
-            "cached_tokens": 0,
+            "cached_tokens": cached_tokens,
             "finish_reason": {"type": "length", "length": req.output_tokens} if finished else None,
         },
     }
@@ -397,6 +402,39 @@ def error_response(status: int, message: str) -> web.Response:
     )
 
 
+# Histogram buckets (seconds), SGLang-like ranges.
+TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+ITL_BUCKETS_S = (0.002, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.25)
+
+
+@dataclass
+class Histogram:
+    buckets: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)
+    total: float = 0.0
+    n: int = 0
+
+    def __post_init__(self) -> None:
+        self.counts = [0] * len(self.buckets)
+
+    def observe(self, value: float) -> None:
+        self.n += 1
+        self.total += value
+        i = bisect.bisect_left(self.buckets, value)
+        if i < len(self.buckets):  # above the last bucket: counted in +Inf only
+            self.counts[i] += 1
+
+    def prometheus(self, name: str, labels: str) -> list[str]:
+        lines, cumulative = [f"# TYPE {name} histogram"], 0
+        for upper, count in zip(self.buckets, self.counts, strict=True):
+            cumulative += count
+            lines.append(f'{name}_bucket{{{labels},le="{upper}"}} {cumulative}')
+        lines.append(f'{name}_bucket{{{labels},le="+Inf"}} {self.n}')
+        lines.append(f"{name}_sum{{{labels}}} {self.total}")
+        lines.append(f"{name}_count{{{labels}}} {self.n}")
+        return lines
+
+
 @dataclass
 class EngineStats:
     """Counters behind GET /stats. Only generation requests count: health checks and RTT
@@ -404,33 +442,119 @@ class EngineStats:
 
     requests_total: int = 0  # generation requests received, valid or not
     bad_requests_total: int = 0
+    injected_errors_total: int = 0
     completed_total: int = 0  # responses fully written
     in_flight: int = 0  # valid requests being prefilled or decoded
     requests_by_path: Counter[str] = field(default_factory=Counter)
+    tokens_written: int = 0
+    # How late each token left relative to the model's schedule (ms).
+    lag_ms: deque[float] = field(default_factory=lambda: deque(maxlen=LAG_SAMPLES))
+    ttft_s: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS_S))
+    itl_s: Histogram = field(default_factory=lambda: Histogram(ITL_BUCKETS_S))
+
+
+class TokenChannel:
+    """One request's emissions: the runner pushes, the handler takes all that are ready.
+    Lighter than an asyncio.Queue, and a handler that fell behind writes a batch at once."""
+
+    __slots__ = ("_items", "_waiter")
+
+    def __init__(self) -> None:
+        self._items: list[Emission] = []
+        self._waiter: asyncio.Future[None] | None = None
+
+    def push(self, e: Emission) -> None:
+        self._items.append(e)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def take(self) -> list[Emission]:
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        items, self._items = self._items, []
+        return items
+
+
+class ModelRunner:
+    """Drives the engine model on the event loop's clock. One task sleeps until the
+    running step ends, advances the model, and hands each emission to its request."""
+
+    def __init__(self, model: EngineModel) -> None:
+        self.model = model
+        self._channels: dict[str, TokenChannel] = {}
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    def submit(self, rid: str, req: GenRequest) -> TokenChannel:
+        channel = TokenChannel()
+        self._channels[rid] = channel
+        now = asyncio.get_running_loop().time()
+        self.model.submit(rid, req.input_tokens, max(1, req.output_tokens), req.blocks, now)
+        self._wake.set()
+        return channel
+
+    def release(self, rid: str) -> None:
+        """The handler is done with rid (finished, or the client went away)."""
+        if self._channels.pop(rid, None) is not None:
+            self.model.cancel(rid, asyncio.get_running_loop().time())
+            self._wake.set()
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            due_s = self.model.next_event_s()
+            if due_s is None:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            delay_s = due_s - loop.time()
+            if delay_s > WAKE_EARLY_S:
+                await asyncio.sleep(delay_s - WAKE_EARLY_S)
+            while loop.time() < due_s:  # the last stretch: yield to other tasks, not epoll
+                await asyncio.sleep(0)
+            for e in self.model.advance(loop.time()):
+                channel = self._channels.get(e.rid)
+                if channel is not None:
+                    channel.push(e)
 
 
 class Engine:
-    """HTTP shell around SimpleTiming; one instance per emulated backend."""
+    """HTTP shell around the model runner; one instance per emulated backend."""
 
-    def __init__(self, cfg: EngineConfig, timing: SimpleTiming | None = None) -> None:
+    def __init__(self, cfg: EngineConfig) -> None:
         self.cfg = cfg
-        self.timing = timing or SimpleTiming.from_config(cfg)
+        self.rng = random.Random(cfg.seed)
+        self.runner = ModelRunner(EngineModel(cfg.profile, random.Random(cfg.seed)))
         self.stats = EngineStats()
+        self.started_cpu_s = time.process_time()
 
     # -- plumbing ---------------------------------------------------------------------
 
     async def add_engine_header(self, request: web.Request, response: web.StreamResponse) -> None:
         response.headers[ENGINE_ID_HEADER] = self.cfg.name
 
-    async def _sleep_until(self, deadline: float) -> None:
-        delay_s = deadline - asyncio.get_running_loop().time()
-        if delay_s > 0:  # zero-delay engines must not yield per token
-            await asyncio.sleep(delay_s)
+    async def on_startup(self, app: web.Application) -> None:
+        self.runner.start()
+
+    async def on_cleanup(self, app: web.Application) -> None:
+        await self.runner.stop()
 
     async def _serve(self, request: web.Request, kind: Kind) -> web.StreamResponse:
         self.stats.requests_total += 1
         self.stats.requests_by_path[request.path] += 1
-        arrival = asyncio.get_running_loop().time()
         try:
             raw = await request.read()
             try:
@@ -448,77 +572,97 @@ class Engine:
         except BadRequest as exc:
             self.stats.bad_requests_total += 1
             return error_response(400, exc.message)
+        faults = self.cfg.faults
+        if faults.error_rate and self.rng.random() < faults.error_rate:
+            self.stats.injected_errors_total += 1
+            return error_response(500, "injected fault: internal error")
+        if faults.stall_rate and self.rng.random() < faults.stall_rate:
+            await asyncio.sleep(faults.stall_ms / 1000)
 
+        rid = secrets.token_hex(16)
         self.stats.in_flight += 1
-        # finally: a client that disconnects mid-stream (handler cancelled, or a write that
-        # fails) must not stay counted in flight.
+        arrival_s = asyncio.get_running_loop().time()
+        channel = self.runner.submit(rid, req)
+        # finally: a client that disconnects (handler cancelled, or a write that fails)
+        # leaves the scheduler at once and is not counted in flight.
         try:
             if not req.stream:
-                return await self._respond_whole(req, arrival)
-            if kind == "generate":
-                return await self._stream_generate(request, req, arrival)
-            return await self._stream_openai(request, req, arrival)
+                return await self._respond_whole(req, rid, channel, arrival_s)
+            return await self._stream(request, req, rid, channel, arrival_s)
         finally:
+            self.runner.release(rid)
             self.stats.in_flight -= 1
 
-    async def _respond_whole(self, req: GenRequest, arrival: float) -> web.Response:
-        last = max(req.output_tokens - 1, 0)
-        await self._sleep_until(arrival + self.timing.token_offset_s(req.input_tokens, last))
+    def _record(self, batch: list[Emission], arrival_s: float, last_s: float) -> float:
+        """Account tokens about to be written: lag against the schedule, TTFT or ITL.
+        Returns the time of the last one."""
+        now_s = asyncio.get_running_loop().time()
+        stats = self.stats
+        for e in batch:
+            stats.lag_ms.append((now_s - e.time_s) * 1e3)
+            if e.index == 0:
+                stats.ttft_s.observe(e.time_s - arrival_s)
+            else:
+                stats.itl_s.observe(e.time_s - last_s)
+            last_s = e.time_s
+        stats.tokens_written += len(batch)
+        return last_s
+
+    async def _respond_whole(
+        self, req: GenRequest, rid: str, channel: TokenChannel, arrival_s: float
+    ) -> web.Response:
+        last_s = arrival_s
+        while True:
+            batch = await channel.take()
+            last_s = self._record(batch, arrival_s, last_s)
+            if batch[-1].finished:
+                break
+        cached = batch[-1].cached_tokens
         if req.kind == "generate":
-            body = _generate_body(req, secrets.token_hex(16), req.output_tokens)
+            body = _generate_body(req, rid, req.output_tokens, cached)
         else:
-            body = _OpenAIFormatter(req).full()
+            body = _OpenAIFormatter(req).full(cached)
         self.stats.completed_total += 1
         return web.json_response(body, dumps=_dumps)
 
-    def _client_gone(self, request: web.Request) -> None:
-        # Only reached under a runner without handler_cancellation: the write failed.
-        # Returning the prepared response lets aiohttp close quietly, without a 500.
-        log.debug("%s: client went away during %s", self.cfg.name, request.path)
-
-    async def _open_sse(self, request: web.Request) -> web.StreamResponse:
+    async def _stream(
+        self,
+        request: web.Request,
+        req: GenRequest,
+        rid: str,
+        channel: TokenChannel,
+        arrival_s: float,
+    ) -> web.StreamResponse:
         resp = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
         await resp.prepare(request)  # headers leave now, before prefill
-        return resp
-
-    async def _stream_openai(
-        self, request: web.Request, req: GenRequest, arrival: float
-    ) -> web.StreamResponse:
         fmt = _OpenAIFormatter(req)
-        resp = await self._open_sse(request)
+        # Every chunk after the first is the same bytes: encode it once per response.
+        first_chunk, next_chunk = _sse(fmt.token_chunk(0)), _sse(fmt.token_chunk(1))
         try:
-            for i in range(req.output_tokens):
-                await self._sleep_until(arrival + self.timing.token_offset_s(req.input_tokens, i))
-                await resp.write(_sse(fmt.token_chunk(i)))
-            tail = _sse(fmt.final_chunk())
-            if req.include_usage:
-                tail += _sse(fmt.usage_chunk())
-            await resp.write(tail + SSE_DONE)
+            last_s, finished = arrival_s, False
+            while not finished:
+                batch = await channel.take()
+                last_s = self._record(batch, arrival_s, last_s)
+                out = bytearray()
+                for e in batch:
+                    if req.kind == "generate":
+                        done = min(e.index + 1, req.output_tokens)
+                        out += _sse(_generate_body(req, rid, done, e.cached_tokens))
+                    else:
+                        out += first_chunk if e.index == 0 else next_chunk
+                    finished = e.finished
+                if finished:
+                    if req.kind != "generate":
+                        out += _sse(fmt.final_chunk())
+                        if req.include_usage:
+                            out += _sse(fmt.usage_chunk(batch[-1].cached_tokens))
+                    out += SSE_DONE
+                await resp.write(bytes(out))
             await resp.write_eof()
         except ConnectionResetError:
-            self._client_gone(request)
-            return resp
-        self.stats.completed_total += 1
-        return resp
-
-    async def _stream_generate(
-        self, request: web.Request, req: GenRequest, arrival: float
-    ) -> web.StreamResponse:
-        rid = secrets.token_hex(16)
-        resp = await self._open_sse(request)
-        try:
-            if req.output_tokens == 0:  # prefill only: one chunk when prefill ends
-                await self._sleep_until(arrival + self.timing.prefill_s(req.input_tokens))
-                await resp.write(_sse(_generate_body(req, rid, 0)))
-            for i in range(req.output_tokens):
-                await self._sleep_until(arrival + self.timing.token_offset_s(req.input_tokens, i))
-                await resp.write(_sse(_generate_body(req, rid, i + 1)))
-            await resp.write(SSE_DONE)
-            await resp.write_eof()
-        except ConnectionResetError:
-            self._client_gone(request)
+            log.debug("%s: client went away during %s", self.cfg.name, request.path)
             return resp
         self.stats.completed_total += 1
         return resp
@@ -547,6 +691,106 @@ class Engine:
         }
         return web.json_response({"object": "list", "data": [model]})
 
+    def _load(self) -> dict[str, Any]:
+        m = self.runner.model
+        cap = self.cfg.profile.kv_capacity_tokens
+        return {
+            "num_running_reqs": m.num_running,
+            "num_waiting_reqs": m.num_waiting,
+            "num_used_tokens": m.used_tokens,
+            "max_total_num_tokens": cap,
+            "token_usage": round(m.used_tokens / cap, 6),
+            "cache_hit_rate": round(m.cache_hit_rate, 6),
+        }
+
+    async def loads(self, request: web.Request) -> web.Response:
+        return web.json_response({"loads": [{"dp_rank": 0, **self._load()}]})
+
+    def timing(self) -> dict[str, Any]:
+        """Emission lag against the model's schedule and CPU per token written."""
+        lags = sorted(self.stats.lag_ms)
+
+        def q(p: float) -> float | None:
+            return round(lags[min(len(lags) - 1, int(p * len(lags)))], 4) if lags else None
+
+        cpu_s = time.process_time() - self.started_cpu_s
+        tokens = self.stats.tokens_written
+        return {
+            "tokens_written": tokens,
+            "lag_ms_p50": q(0.50),
+            "lag_ms_p95": q(0.95),
+            "lag_ms_p99": q(0.99),
+            "lag_ms_max": round(lags[-1], 4) if lags else None,
+            "cpu_s": round(cpu_s, 4),
+            "cpu_us_per_token": round(cpu_s / tokens * 1e6, 2) if tokens else None,
+        }
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        p = self.cfg.profile
+        return web.json_response(
+            {
+                "name": self.cfg.name,
+                "model_path": self.cfg.model,
+                "engine_profile": p.name,
+                "tokenizer": self.cfg.tokenizer.name,
+                "max_total_num_tokens": p.kv_capacity_tokens,
+                "max_running_requests": p.max_running_requests,
+                "chunked_prefill_size": p.chunk_tokens,
+                "page_size": p.block_tokens,
+                "faults": vars(self.cfg.faults),
+                "load": self._load(),
+                "timing": self.timing(),
+            }
+        )
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        freed = self.runner.model.flush_cache()
+        return web.Response(text=f"Cache flushed ({freed} tokens freed).\n")
+
+    async def set_faults(self, request: web.Request) -> web.Response:
+        """POST /faults {"error_rate": .., "stall_rate": .., "stall_ms": ..}."""
+        try:
+            raw = await request.json()
+        except ValueError:
+            return error_response(400, "body must be a JSON object")
+        if not isinstance(raw, dict):
+            return error_response(400, "body must be a JSON object")
+        known = set(vars(self.cfg.faults))
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            return error_response(400, f"unknown fault {unknown[0]!r} (known: {sorted(known)})")
+        faults = replace(self.cfg.faults, **raw)
+        try:
+            faults.validate()
+        except ValueError as e:
+            return error_response(400, str(e))
+        self.cfg.faults = faults
+        return web.json_response(vars(faults))
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        labels = f'model_name="{self.cfg.model}",engine_id="{self.cfg.name}"'
+        load = self._load()
+        lines = []
+        for name, value in (
+            ("sglang:num_running_reqs", load["num_running_reqs"]),
+            ("sglang:num_queue_reqs", load["num_waiting_reqs"]),
+            ("sglang:num_used_tokens", load["num_used_tokens"]),
+            ("sglang:max_total_num_tokens", load["max_total_num_tokens"]),
+            ("sglang:token_usage", load["token_usage"]),
+            ("sglang:cache_hit_rate", load["cache_hit_rate"]),
+        ):
+            lines += [f"# TYPE {name} gauge", f"{name}{{{labels}}} {value}"]
+        s = self.stats
+        for name, value in (
+            ("sglang:prompt_tokens_total", self.runner.model.stats.prompt_tokens),
+            ("sglang:generation_tokens_total", s.tokens_written),
+            ("sglang:num_requests_total", s.requests_total),
+        ):
+            lines += [f"# TYPE {name} counter", f"{name}{{{labels}}} {value}"]
+        lines += s.ttft_s.prometheus("sglang:time_to_first_token_seconds", labels)
+        lines += s.itl_s.prometheus("sglang:inter_token_latency_seconds", labels)
+        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
+
     async def stats_handler(self, request: web.Request) -> web.Response:
         s = self.stats
         return web.json_response(
@@ -554,6 +798,7 @@ class Engine:
                 "name": self.cfg.name,
                 "requests_total": s.requests_total,
                 "bad_requests_total": s.bad_requests_total,
+                "injected_errors_total": s.injected_errors_total,
                 "completed_total": s.completed_total,
                 "in_flight": s.in_flight,
                 "requests_by_path": dict(s.requests_by_path),
@@ -570,11 +815,19 @@ def make_app(cfg: EngineConfig) -> web.Application:
     app = web.Application(client_max_size=MAX_BODY_BYTES)
     app[ENGINE_KEY] = engine
     app.on_response_prepare.append(engine.add_engine_header)
+    app.on_startup.append(engine.on_startup)
+    app.on_cleanup.append(engine.on_cleanup)
     app.router.add_post(CHAT_PATH, engine.chat)
     app.router.add_post(COMPLETIONS_PATH, engine.completions)
     app.router.add_post(GENERATE_PATH, engine.generate)
     app.router.add_get("/health", engine.health)
     app.router.add_get("/v1/models", engine.models)
+    app.router.add_get("/v1/loads", engine.loads)
+    app.router.add_get("/server_info", engine.server_info)
+    app.router.add_get("/get_server_info", engine.server_info)
+    app.router.add_post("/flush_cache", engine.flush_cache)
+    app.router.add_get("/metrics", engine.metrics)
+    app.router.add_post("/faults", engine.set_faults)
     app.router.add_get("/stats", engine.stats_handler)
     return app
 

@@ -150,6 +150,9 @@ class StackSettings:
     wan_links: bool = True
     # Envoy worker threads; 0 = one per core (Envoy's default).
     envoy_concurrency: int = 0
+    # WAN links follow this RTT profile (emulator/wan.py: network, paper) when the region
+    # is in it, with jitter; otherwise each link is a constant Region.rtt_ms.
+    rtt_profile: str | None = None
     seed: int = 0
 
     def backend_port(self, i: int) -> int:
@@ -218,6 +221,8 @@ class Stack:
     def ready_line(self) -> str:
         p = self.settings.ports
         fleet = ", ".join(f"{r.id} ({r.rtt_ms:g} ms RTT)" for r in self.settings.regions)
+        if self.settings.rtt_profile:
+            fleet += f" [{self.settings.rtt_profile} RTT profile]"
         return (
             f"gorgo up: ready. front door {self.front_door_url} | envoy admin "
             f"{self.envoy_admin_url} | ext_proc gRPC 127.0.0.1:{p.grpc} | gorgo admin "
@@ -264,13 +269,17 @@ class Stack:
     def start_wan(self, i: int) -> None:
         r = self.settings.regions[i]
         p = self.settings.ports
+        profile = self.settings.rtt_profile
+        delay = (
+            ["--profile", profile, "--region", r.id, "--seed", str(self.settings.seed + i)]
+            if profile
+            else ["--rtt-ms", str(r.rtt_ms)]
+        )
         self._spawn(
             f"wan-{r.id}",
             self._gorgo(
-                "wan",
-                "--listen", f"127.0.0.1:{p.wan(i)}",
-                "--target", f"127.0.0.1:{p.engine(i)}",
-                "--rtt-ms", str(r.rtt_ms),
+                "wan", "--listen", f"127.0.0.1:{p.wan(i)}", "--target", f"127.0.0.1:{p.engine(i)}",
+                *delay,
             ),
         )  # fmt: skip
 
@@ -402,6 +411,13 @@ def _http_ok(url: str) -> bool:
             return bool(r.status == 200)
     except (urllib.error.URLError, OSError):
         return False
+
+
+def regions_for_profile(profile: str) -> tuple[Region, ...]:
+    """The default fleet with the profile's mean RTTs (raises ValueError if unknown)."""
+    from emulator.wan import rtt_profile_ms
+
+    return tuple(Region(r.id, rtt_profile_ms(profile, r.id)[0]) for r in DEFAULT_REGIONS)
 
 
 def run_until_signalled(settings: StackSettings) -> int:

@@ -1,17 +1,30 @@
-"""A user-space WAN delay link: a TCP proxy that delays each direction by rtt_ms / 2.
+"""A user-space WAN delay link: a TCP proxy that delays each direction by about rtt_ms / 2.
 
 netem is not available here, so WAN latency is emulated in user space. For every accepted
 connection the link opens one connection to the target and runs two pipes (client->target,
-target->client). A pipe stamps each chunk it reads with `due = read time + one-way delay`
-(the delay in force at read time, so `set_rtt_ms` affects only data read afterwards) and a
-writer task sends the chunks in order, each no earlier than its due time. Order is kept
-even when the RTT drops: a chunk never overtakes the one before it.
+target->client). A pipe stamps each chunk it reads with a due time and a writer task sends
+the chunks in order, each no earlier than its due time.
+
+Delay: `DelayModel` (pure, seeded RNG) draws one RTT sample per chunk from a lognormal with
+the configured mean (`rtt_ms`) and std (`jitter_ms`; 0 = constant), adds `spike_ms` with
+probability `spike_probability`, and delays the chunk by half of it. Order is kept: due =
+max(previous due in that direction, read time + delay), so a chunk never overtakes the one
+before it, whether jitter or a lowered RTT would let it. The two halves of a round trip are
+drawn independently, so a measured round trip has the configured mean and a std of about
+jitter_ms / sqrt(2).
+
+Run-time change: `WanLink.settings` / `set_rtt_ms`, or the optional HTTP control endpoint
+on 127.0.0.1:`control_port` (`GET /rtt`, `POST /rtt` with a JSON object of settings).
+Changes apply to bytes read from then on; data already queued keeps its due time.
+
+`RTT_PROFILES` holds the named region RTTs of DESIGN 7 (`network`, `paper`).
 
 Connection setup: the local accept is instant, but a real TCP handshake costs one RTT
 before the client can send. With `handshake=True` (the default) bytes the client sends
-during its first RTT are treated as sent at accept + RTT, so a fresh connection's first
-request/response takes 2 RTT and later ones take 1 RTT, as over a real WAN. A target that
-refuses the connection closes the client's connection at once (no RST delay is modelled).
+during its first RTT (one sample) are treated as sent at accept + RTT, so a fresh
+connection's first request/response takes 2 RTT and later ones take 1 RTT, as over a real
+WAN. A target that refuses the connection closes the client's connection at once (no RST
+delay is modelled).
 
 Backpressure: each pipe holds at most `max_buffered_bytes` in its delay queue; when full
 it stops reading, so the sender's TCP window closes. The bound must exceed the
@@ -24,9 +37,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import math
+import random
 from collections import deque
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from aiohttp import web
 
 log = logging.getLogger(__name__)
 
@@ -35,12 +55,139 @@ DEFAULT_MAX_BUFFERED_BYTES = 4 * 1024 * 1024  # see module docstring: bandwidth-
 # A blackholed target should not hold a client forever; a real SYN gives up after ~2 min,
 # tests and the local stack want a clear failure much sooner.
 CONNECT_TIMEOUT_S = 10.0
+# The control endpoint changes the link's behaviour and has no authentication: loopback only.
+CONTROL_HOST = "127.0.0.1"
+
+# Small jitter for the `network` profile: enough that samples are not all equal, far below
+# the region gaps the router must tell apart.
+NETWORK_JITTER_FRACTION = 0.05
+
+# profile -> region -> (mean_ms, std_ms) of the round-trip time (DESIGN 7).
+RTT_PROFILES: dict[str, dict[str, tuple[float, float]]] = {
+    "network": {
+        region: (mean_ms, mean_ms * NETWORK_JITTER_FRACTION)
+        for region, mean_ms in (("us-ashburn", 1.0), ("eu-frankfurt", 90.0), ("ap-seoul", 180.0))
+    },
+    # The GORGO paper's probe readings (mean +- std).
+    "paper": {
+        "us-ashburn": (37.0, 8.0),
+        "eu-frankfurt": (279.0, 80.0),
+        "ap-seoul": (456.0, 138.0),
+    },
+}
 
 
-def _check_rtt_ms(rtt_ms: float) -> float:
-    if not (math.isfinite(rtt_ms) and rtt_ms >= 0):
-        raise ValueError(f"rtt_ms must be finite and >= 0, got {rtt_ms!r}")
-    return float(rtt_ms)
+def rtt_profile_ms(profile: str, region: str) -> tuple[float, float]:
+    """(mean_ms, std_ms) of `region` in RTT profile `profile`; ValueError names what is
+    unknown and lists the known names."""
+    regions = RTT_PROFILES.get(profile)
+    if regions is None:
+        raise ValueError(
+            f"unknown RTT profile {profile!r}; known profiles: {', '.join(sorted(RTT_PROFILES))}"
+        )
+    if region not in regions:
+        raise ValueError(
+            f"unknown region {region!r} in RTT profile {profile!r}; "
+            f"known regions: {', '.join(sorted(regions))}"
+        )
+    return regions[region]
+
+
+class SettingError(ValueError):
+    """A bad delay setting; `key` names it (as in `DelaySettings` and the control API)."""
+
+    def __init__(self, key: str, problem: str) -> None:
+        super().__init__(f"{key} {problem}")
+        self.key = key
+        self.problem = problem
+
+
+def _check_non_negative(key: str, value: float) -> None:
+    if not (math.isfinite(value) and value >= 0):
+        raise SettingError(key, f"must be finite and >= 0, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DelaySettings:
+    """What a link adds to each chunk: an RTT sample (lognormal, mean rtt_ms, std
+    jitter_ms) plus spike_ms with probability spike_probability. Validated on creation."""
+
+    rtt_ms: float
+    jitter_ms: float = 0.0
+    spike_probability: float = 0.0
+    spike_ms: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check_non_negative("rtt_ms", self.rtt_ms)
+        _check_non_negative("jitter_ms", self.jitter_ms)
+        _check_non_negative("spike_ms", self.spike_ms)
+        if not 0.0 <= self.spike_probability <= 1.0:  # also rejects NaN
+            raise SettingError(
+                "spike_probability", f"must be in [0, 1], got {self.spike_probability!r}"
+            )
+        if self.jitter_ms > 0 and self.rtt_ms == 0:
+            raise SettingError(
+                "jitter_ms", "must be 0 when rtt_ms is 0 (a lognormal needs a mean > 0)"
+            )
+
+    def as_dict(self) -> dict[str, float]:
+        return dataclasses.asdict(self)
+
+    def merged(self, changes: Mapping[str, object]) -> DelaySettings:
+        """These settings with `changes` (e.g. parsed JSON) applied; SettingError names the
+        first unknown key or non-number value, or the setting that fails validation."""
+        known = [f.name for f in dataclasses.fields(self)]
+        clean: dict[str, float] = {}
+        for key, value in changes.items():
+            if key not in known:
+                raise SettingError(key, f"is not a setting; known: {', '.join(known)}")
+            # bool is an int subclass, but `true` is no RTT.
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise SettingError(key, f"must be a number, got {value!r}")
+            clean[key] = float(value)
+        return dataclasses.replace(self, **clean)
+
+
+class DelayModel:
+    """Pure delay logic: one RTT sample per chunk from `settings`, drawn with the injected
+    `rng`. Settings may be replaced at any time; the next sample uses them."""
+
+    def __init__(self, settings: DelaySettings, rng: random.Random) -> None:
+        self._rng = rng
+        self.settings = settings
+
+    @property
+    def settings(self) -> DelaySettings:
+        return self._settings
+
+    @settings.setter
+    def settings(self, settings: DelaySettings) -> None:
+        self._settings = settings
+        self._mu = self._sigma = 0.0  # unused when jitter_ms is 0: samples are constant
+        # Lognormal parameters from mean m and std s: sigma^2 = ln(1 + s^2/m^2),
+        # mu = ln(m) - sigma^2/2 (then E = m and Var = s^2 exactly).
+        if settings.jitter_ms > 0:
+            sigma2 = math.log1p((settings.jitter_ms / settings.rtt_ms) ** 2)
+            self._mu = math.log(settings.rtt_ms) - sigma2 / 2
+            self._sigma = math.sqrt(sigma2)
+
+    def sample_rtt_ms(self) -> float:
+        """One round-trip sample in ms, spike included if one hits."""
+        s = self._settings
+        rtt_ms = self._rng.lognormvariate(self._mu, self._sigma) if s.jitter_ms > 0 else s.rtt_ms
+        # Draw only when spikes are on, so a constant link uses no randomness at all.
+        if s.spike_probability > 0 and self._rng.random() < s.spike_probability:
+            rtt_ms += s.spike_ms
+        return rtt_ms
+
+    def one_way_delay_s(self) -> float:
+        """The delay of one chunk in one direction: half an RTT sample."""
+        return self.sample_rtt_ms() / 2000.0
+
+    def due_s(self, read_s: float, previous_due_s: float = -math.inf) -> float:
+        """When a chunk read at read_s may be sent: never before the previous chunk in the
+        same direction (previous_due_s), so order holds whatever the samples."""
+        return max(previous_due_s, read_s + self.one_way_delay_s())
 
 
 class _DelayQueue:
@@ -71,8 +218,10 @@ class _DelayQueue:
 
 class WanLink:
     """Listen on listen_host:listen_port and forward each connection to target_host:
-    target_port with rtt_ms / 2 of delay in each direction. listen_port=0 picks a free
-    port (read it from `port` after start())."""
+    target_port with about rtt_ms / 2 of delay in each direction (see the module
+    docstring for jitter and spikes). listen_port=0 picks a free port (read it from `port`
+    after start()). control_port (0 or None = off) serves the HTTP control endpoint on
+    127.0.0.1. seed makes the delay samples repeatable."""
 
     def __init__(
         self,
@@ -82,6 +231,11 @@ class WanLink:
         target_port: int,
         rtt_ms: float,
         *,
+        jitter_ms: float = 0.0,
+        spike_probability: float = 0.0,
+        spike_ms: float = 0.0,
+        seed: int | None = None,
+        control_port: int | None = None,
         handshake: bool = True,
         max_buffered_bytes: int = DEFAULT_MAX_BUFFERED_BYTES,
         connect_timeout_s: float = CONNECT_TIMEOUT_S,
@@ -92,26 +246,42 @@ class WanLink:
         self.listen_port = listen_port
         self.target_host = target_host
         self.target_port = target_port
-        self._rtt_ms = _check_rtt_ms(rtt_ms)
+        self._model = DelayModel(
+            DelaySettings(rtt_ms, jitter_ms, spike_probability, spike_ms), random.Random(seed)
+        )
+        self.control_port = control_port or None
         self.handshake = handshake
         self.max_buffered_bytes = max_buffered_bytes
         self.connect_timeout_s = connect_timeout_s
         self._server: asyncio.Server | None = None
+        self._control: web.AppRunner | None = None
         self._connections: set[asyncio.Task[None]] = set()
 
     # -- configuration ----------------------------------------------------------------
 
     @property
-    def rtt_ms(self) -> float:
-        return self._rtt_ms
+    def settings(self) -> DelaySettings:
+        """Assign new settings to apply them to data read from now on (data already
+        queued keeps its due time)."""
+        return self._model.settings
 
-    def set_rtt_ms(self, rtt_ms: float) -> None:
-        """New RTT for data read from now on (data already queued keeps its due time)."""
-        self._rtt_ms = _check_rtt_ms(rtt_ms)
+    @settings.setter
+    def settings(self, settings: DelaySettings) -> None:
+        self._model.settings = settings
 
     @property
-    def one_way_s(self) -> float:
-        return self._rtt_ms / 2000.0
+    def rtt_ms(self) -> float:
+        return self._model.settings.rtt_ms
+
+    @property
+    def jitter_ms(self) -> float:
+        return self._model.settings.jitter_ms
+
+    def set_rtt_ms(self, rtt_ms: float, jitter_ms: float | None = None) -> None:
+        """New RTT mean (and std, if given; None keeps the current jitter_ms) for data
+        read from now on. Raises SettingError (a ValueError) naming a bad value."""
+        jitter = self.jitter_ms if jitter_ms is None else jitter_ms
+        self.settings = dataclasses.replace(self.settings, rtt_ms=rtt_ms, jitter_ms=jitter)
 
     @property
     def port(self) -> int:
@@ -130,15 +300,24 @@ class WanLink:
     async def start(self) -> None:
         if self._server is not None:
             raise RuntimeError("WanLink already started")
-        self._server = await asyncio.start_server(
-            self._on_accept, self.listen_host, self.listen_port
-        )
+        server = await asyncio.start_server(self._on_accept, self.listen_host, self.listen_port)
+        if self.control_port is not None:
+            try:
+                self._control = await _start_control(self, self.control_port)
+            except BaseException:
+                server.close()
+                await server.wait_closed()
+                raise
+        self._server = server
 
     async def stop(self) -> None:
-        """Stop listening and close every proxied connection (both sides)."""
+        """Stop listening (and the control endpoint) and close every proxied connection."""
         server, self._server = self._server, None
+        control, self._control = self._control, None
         if server is not None:
             server.close()
+        if control is not None:
+            await control.cleanup()
         tasks = list(self._connections)
         for task in tasks:
             task.cancel()
@@ -167,7 +346,8 @@ class WanLink:
         loop = asyncio.get_running_loop()
         accepted_s = loop.time()
         # The client could not send before its handshake's RTT had elapsed.
-        client_may_send_s = accepted_s + (self._rtt_ms / 1000.0 if self.handshake else 0.0)
+        handshake_s = self._model.sample_rtt_ms() / 1000.0 if self.handshake else 0.0
+        client_may_send_s = accepted_s + handshake_s
         target_writer: asyncio.StreamWriter | None = None
         tasks: list[asyncio.Task[None]] = []
         try:
@@ -211,10 +391,11 @@ class WanLink:
         self, reader: asyncio.StreamReader, queue: _DelayQueue, may_send_s: float
     ) -> None:
         loop = asyncio.get_running_loop()
+        due_s = -math.inf
         while True:
             data = await reader.read(READ_CHUNK_BYTES)
-            sent_s = max(loop.time(), may_send_s)
-            await queue.put(sent_s + self.one_way_s, data or None)
+            due_s = self._model.due_s(max(loop.time(), may_send_s), due_s)
+            await queue.put(due_s, data or None)
             if not data:
                 return
 
@@ -235,6 +416,56 @@ class WanLink:
             await writer.drain()
 
 
+# -- control endpoint -----------------------------------------------------------------
+# aiohttp is imported only when the endpoint is used: the CLI imports this module for its
+# help text (RTT_PROFILES) and should stay quick to start.
+
+
+def make_control_app(link: WanLink) -> web.Application:
+    """`GET /rtt` -> the link's settings as JSON; `POST /rtt` with a JSON object of any of
+    rtt_ms, jitter_ms, spike_probability, spike_ms -> applies them all or none and returns
+    the new settings; 400 with {"error", "key"} naming the bad key otherwise."""
+    from aiohttp import web
+
+    def bad_request(error: str, key: str | None = None) -> web.Response:
+        return web.json_response({"error": error, "key": key}, status=400)
+
+    async def get_rtt(request: web.Request) -> web.Response:
+        return web.json_response(link.settings.as_dict())
+
+    async def post_rtt(request: web.Request) -> web.Response:
+        try:
+            changes = await request.json()
+        except ValueError as exc:
+            return bad_request(f"body must be a JSON object: {exc}")
+        if not isinstance(changes, dict):
+            return bad_request(f"body must be a JSON object, got {type(changes).__name__}")
+        try:
+            link.settings = link.settings.merged(changes)
+        except SettingError as exc:
+            return bad_request(str(exc), exc.key)
+        log.info("wan link -> %s:%d: settings now %s", link.target_host, link.target_port, changes)
+        return web.json_response(link.settings.as_dict())
+
+    app = web.Application()
+    app.router.add_get("/rtt", get_rtt)
+    app.router.add_post("/rtt", post_rtt)
+    return app
+
+
+async def _start_control(link: WanLink, port: int) -> web.AppRunner:
+    from aiohttp import web
+
+    runner = web.AppRunner(make_control_app(link), access_log=None)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, CONTROL_HOST, port).start()
+    except BaseException:
+        await runner.cleanup()
+        raise
+    return runner
+
+
 async def serve_wan(
     listen_host: str,
     listen_port: int,
@@ -243,19 +474,42 @@ async def serve_wan(
     rtt_ms: float,
     ready: asyncio.Event | None = None,
     *,
+    jitter_ms: float = 0.0,
+    seed: int | None = None,
+    spike_probability: float = 0.0,
+    spike_ms: float = 0.0,
+    control_port: int | None = None,
     handshake: bool = True,
 ) -> None:
-    """Run one WAN link until cancelled; `ready` is set once it accepts connections."""
-    link = WanLink(listen_host, listen_port, target_host, target_port, rtt_ms, handshake=handshake)
+    """Run one WAN link until cancelled; `ready` is set once it accepts connections (and
+    the control endpoint, if control_port is set, is up)."""
+    link = WanLink(
+        listen_host,
+        listen_port,
+        target_host,
+        target_port,
+        rtt_ms,
+        jitter_ms=jitter_ms,
+        spike_probability=spike_probability,
+        spike_ms=spike_ms,
+        seed=seed,
+        control_port=control_port,
+        handshake=handshake,
+    )
     await link.start()
     try:
+        s = link.settings
         log.info(
-            "wan link %s:%d -> %s:%d rtt %.1f ms",
+            "wan link %s:%d -> %s:%d rtt %g ms, jitter %g ms, spikes %g ms at p=%g%s",
             listen_host,
             link.port,
             target_host,
             target_port,
-            rtt_ms,
+            s.rtt_ms,
+            s.jitter_ms,
+            s.spike_ms,
+            s.spike_probability,
+            f", control http://{CONTROL_HOST}:{control_port}/rtt" if control_port else "",
         )
         if ready is not None:
             ready.set()

@@ -69,7 +69,7 @@ def format_table(results: list[Result]) -> str:
 
 
 def run_demo(requests: int, concurrency: int, policy: str, seed: int = 0) -> int:
-    stack = Stack(StackSettings(policy=policy))
+    stack = Stack(StackSettings(policy=policy, rtt_profile="network"))
     try:
         print("starting the local stack (Envoy, gorgo serve, 3 engines, 3 WAN links)...")
         stack.start()

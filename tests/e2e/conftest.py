@@ -9,9 +9,18 @@ from emulator.stack import Region, Stack, StackPorts, StackSettings
 # Small RTTs and fast engines keep the tier quick; the network profile itself is tested
 # with the WAN link's own tests.
 FAST_REGIONS = (Region("us-ashburn", 1.0), Region("eu-frankfurt", 6.0), Region("ap-seoul", 12.0))
-FAST_ENGINE = (
-    "--prefill-base-ms", "2", "--prefill-tokens-per-s", "10000000", "--decode-ms-per-token", "1",
-)  # fmt: skip
+FAST_ENGINE = tuple(
+    arg
+    for setting in (
+        "prefill_base_ms=2",
+        "prefill_tokens_per_s=10000000",
+        "decode_base_ms=1",
+        "decode_batch_ms=0",
+        "decode_per_request_ms=0",
+        "decode_per_1k_context_ms=0",
+    )
+    for arg in ("--set", setting)
+)
 
 
 def start_stack(policy: str = "round_robin") -> Stack:

@@ -1,0 +1,466 @@
+"""The engine model: an SGLang-like scheduler on one GPU group, as pure code.
+
+No sockets, no sleeping: time comes from the caller and randomness from an injected RNG,
+so the live emulated engine (`gorgo engine`, wall clock) and the offline simulator
+(virtual clock) run the very same schedule.
+
+What it models:
+- FCFS waiting queue; at most `max_running_requests` admitted; a request is admitted only
+  when the KV pool can hold its prompt and its output (LRU-evicting unused cache blocks).
+- Prefill runs before decode (SGLang's default priority). Prompts are prefilled in chunks
+  of `chunk_tokens`; several short prompts share one chunk; a long prompt holds the GPU
+  until its last chunk, delaying every running decode.
+- Continuous batching: each decode step emits one token for every running request.
+- A radix prefix cache over blocks of `block_tokens` tokens (chained block hashes): a new
+  prompt reuses the longest cached prefix; blocks in use by running requests are pinned;
+  unpinned leaves are evicted least recently used first.
+- Step times from the profile's formulas, times a seedable lognormal jitter.
+
+The model answers, through `advance`, when each request's first and later tokens are
+emitted and how many of its prompt tokens were cached.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+DEFAULT_PROFILE = "l40s-qwen3.5-35b-a3b-fp8"
+
+
+@dataclass(frozen=True)
+class EngineProfile:
+    name: str
+    prefill_base_ms: float
+    prefill_tokens_per_s: float
+    prefill_context_tokens: float
+    chunk_tokens: int
+    decode_base_ms: float
+    decode_batch_ms: float
+    decode_batch_fraction: float
+    decode_per_request_ms: float
+    decode_per_1k_context_ms: float
+    no_cuda_graph_batch: int
+    no_cuda_graph_ms: float
+    kv_capacity_tokens: int
+    max_running_requests: int
+    block_tokens: int
+    jitter_sigma: float
+
+    def prefill_ms(self, uncached_tokens: float, cached_tokens: float) -> float:
+        """One request's share of a prefill step (without the step's base cost)."""
+        u, c = uncached_tokens, cached_tokens
+        return u / self.prefill_tokens_per_s * 1e3 * (1 + (c + u / 2) / self.prefill_context_tokens)
+
+    def decode_ms(self, batch: int, context_tokens: int) -> float:
+        ms = (
+            self.decode_base_ms
+            + self.decode_batch_ms * (1 - (1 - self.decode_batch_fraction) ** batch)
+            + self.decode_per_request_ms * batch
+            + self.decode_per_1k_context_ms * context_tokens / 1000
+        )
+        return ms + (self.no_cuda_graph_ms if batch > self.no_cuda_graph_batch else 0.0)
+
+    def lone_ttft_ms(self, input_tokens: int, cached_tokens: int = 0) -> float:
+        """TTFT of a request alone on an idle engine (no jitter): its chunked prefill."""
+        done, ms = cached_tokens, 0.0
+        while done < input_tokens:
+            u = min(self.chunk_tokens, input_tokens - done)
+            ms += self.prefill_base_ms + self.prefill_ms(u, done)
+            done += u
+        return ms
+
+
+def load_profile(name_or_path: str = DEFAULT_PROFILE) -> EngineProfile:
+    """A built-in profile by name (emulator/profiles/NAME.yaml) or a YAML file path."""
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml") or path.exists():
+        try:
+            text = path.read_text()
+        except OSError as e:
+            raise ValueError(f"engine profile {name_or_path}: {e.strerror}") from e
+    else:
+        ref = resources.files("emulator.profiles").joinpath(f"{name_or_path}.yaml")
+        if not ref.is_file():
+            known = sorted(
+                p.name.removesuffix(".yaml")
+                for p in resources.files("emulator.profiles").iterdir()
+                if p.name.endswith(".yaml")
+            )
+            raise ValueError(f"unknown engine profile {name_or_path!r} (known: {', '.join(known)})")
+        text = ref.read_text()
+    return profile_from_dict(yaml.safe_load(text), str(name_or_path))
+
+
+def profile_from_dict(raw: Any, where: str = "profile") -> EngineProfile:
+    if not isinstance(raw, dict):
+        raise ValueError(f"{where}: expected a mapping")
+    names = {f.name: f for f in fields(EngineProfile)}
+    unknown = sorted(set(raw) - set(names))
+    if unknown:
+        raise ValueError(f"{where}: unknown key {unknown[0]!r}")
+    missing = sorted(set(names) - set(raw))
+    if missing:
+        raise ValueError(f"{where}: missing key {missing[0]!r}")
+    values: dict[str, Any] = {}
+    for key, f in names.items():
+        v = raw[key]
+        if f.type == "str":
+            values[key] = str(v)
+            continue
+        if isinstance(v, bool) or not isinstance(v, int | float) or v < 0:
+            raise ValueError(f"{where}: {key} must be a non-negative number, got {v!r}")
+        values[key] = int(v) if f.type == "int" else float(v)
+    for key in ("chunk_tokens", "block_tokens", "max_running_requests", "kv_capacity_tokens"):
+        if values[key] < 1:
+            raise ValueError(f"{where}: {key} must be >= 1")
+    if values["prefill_tokens_per_s"] <= 0:
+        raise ValueError(f"{where}: prefill_tokens_per_s must be > 0")
+    return EngineProfile(**values)
+
+
+# ---------------------------------------------------------------------------------------
+# Radix prefix cache over chained block hashes.
+
+
+@dataclass
+class _Node:
+    parent: int | None
+    children: int = 0
+    refs: int = 0
+    last_used_s: float = 0.0
+
+
+class PrefixCache:
+    """Blocks keyed by chained hash (a hash names a block *and* its whole prefix), so the
+    dict is a radix tree over blocks: a node's parent is the block before it."""
+
+    def __init__(self, block_tokens: int) -> None:
+        self.block_tokens = block_tokens
+        self.nodes: dict[int, _Node] = {}
+        # Eviction candidates (unpinned leaves), oldest first; stale entries are skipped.
+        self._lru: list[tuple[float, int, int]] = []
+        self._seq = 0
+
+    @property
+    def tokens(self) -> int:
+        return len(self.nodes) * self.block_tokens
+
+    @property
+    def evictable_tokens(self) -> int:
+        return sum(1 for n in self.nodes.values() if n.refs == 0) * self.block_tokens
+
+    def match(self, blocks: Sequence[int]) -> int:
+        """How many leading blocks are cached."""
+        n = 0
+        for h in blocks:
+            if h not in self.nodes:
+                break
+            n += 1
+        return n
+
+    def acquire(self, blocks: Sequence[int], now_s: float) -> None:
+        """Insert what is missing and pin the whole path (a request is using it)."""
+        parent: int | None = None
+        for h in blocks:
+            node = self.nodes.get(h)
+            if node is None:
+                node = _Node(parent)
+                self.nodes[h] = node
+                if parent is not None:
+                    self.nodes[parent].children += 1
+            node.refs += 1
+            node.last_used_s = now_s
+            parent = h
+
+    def release(self, blocks: Sequence[int], now_s: float) -> None:
+        for h in blocks:
+            node = self.nodes.get(h)
+            if node is None:
+                continue
+            node.refs -= 1
+            node.last_used_s = now_s
+            self._maybe_candidate(h, node)
+
+    def evict(self, need_tokens: int) -> int:
+        """Evict unpinned leaves, least recently used first, until need_tokens are freed
+        or nothing more can go. Returns tokens freed."""
+        freed = 0
+        while freed < need_tokens and self._lru:
+            last_used_s, _, h = heapq.heappop(self._lru)
+            node = self.nodes.get(h)
+            if node is None or node.refs or node.children or node.last_used_s != last_used_s:
+                continue  # stale entry
+            del self.nodes[h]
+            freed += self.block_tokens
+            if node.parent is not None:
+                parent = self.nodes[node.parent]
+                parent.children -= 1
+                self._maybe_candidate(node.parent, parent)
+        return freed
+
+    def clear_unpinned(self) -> int:
+        freed = 0
+        while True:
+            got = self.evict(len(self.nodes) * self.block_tokens or 1)
+            freed += got
+            if not got:
+                return freed
+
+    def _maybe_candidate(self, h: int, node: _Node) -> None:
+        if node.refs == 0 and node.children == 0:
+            self._seq += 1
+            heapq.heappush(self._lru, (node.last_used_s, self._seq, h))
+
+
+# ---------------------------------------------------------------------------------------
+# Scheduler.
+
+WAITING, PREFILL, DECODE, DONE = "waiting", "prefill", "decode", "done"
+
+
+@dataclass
+class _Request:
+    rid: str
+    blocks: tuple[int, ...]
+    input_tokens: int
+    output_tokens: int
+    arrival_s: float
+    state: str = WAITING
+    cached_tokens: int = 0
+    # Prompt tokens whose KV exists (cached + prefilled so far).
+    prefilled_tokens: int = 0
+    generated: int = 0
+    # Blocks this request pinned in the cache.
+    pinned: tuple[int, ...] = ()
+
+    def private_kv_tokens(self, block_tokens: int) -> int:
+        """KV reserved outside the shared cache: the prompt's partial tail and the output."""
+        return self.input_tokens - len(self.blocks) * block_tokens + self.output_tokens
+
+
+@dataclass(frozen=True)
+class Emission:
+    """Token `index` (0 = first) of request `rid` is emitted at `time_s`."""
+
+    rid: str
+    index: int
+    time_s: float
+    finished: bool
+    # Prompt tokens served from the prefix cache (known from the first token on).
+    cached_tokens: int
+
+
+@dataclass
+class _Step:
+    start_s: float
+    end_s: float
+    kind: str  # PREFILL or DECODE
+    # PREFILL: (request, tokens prefilled by this step); DECODE: requests decoded.
+    prefill: list[tuple[_Request, int]]
+    decode: list[_Request]
+
+
+@dataclass
+class ModelStats:
+    requests_admitted: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    tokens_emitted: int = 0
+    prefill_steps: int = 0
+    decode_steps: int = 0
+
+
+class EngineModel:
+    def __init__(self, profile: EngineProfile, rng: random.Random) -> None:
+        self.profile = profile
+        self.rng = rng
+        self.cache = PrefixCache(profile.block_tokens)
+        self.waiting: deque[_Request] = deque()
+        # Admitted requests still prefilling, in admission order (FCFS within chunks).
+        self.prefilling: deque[_Request] = deque()
+        self.decoding: dict[str, _Request] = {}
+        self.requests: dict[str, _Request] = {}
+        self.step: _Step | None = None
+        self.stats = ModelStats()
+        # KV tokens held by admitted requests beyond their pinned cache blocks.
+        self._private_kv_tokens = 0
+
+    # -- inputs -------------------------------------------------------------------------
+
+    def submit(
+        self,
+        rid: str,
+        input_tokens: int,
+        output_tokens: int,
+        blocks: Sequence[int],
+        now_s: float,
+    ) -> None:
+        """A request arrives. `blocks`: chained hashes of its prompt's full blocks."""
+        if rid in self.requests:
+            raise ValueError(f"request id {rid!r} already in the engine")
+        if input_tokens < 1 or output_tokens < 1:
+            raise ValueError("a request needs at least one input and one output token")
+        full_blocks = input_tokens // self.profile.block_tokens
+        req = _Request(rid, tuple(blocks[:full_blocks]), input_tokens, output_tokens, now_s)
+        self.requests[rid] = req
+        self.waiting.append(req)
+        if self.step is None or self.step.start_s >= now_s:
+            # Idle, or a step that starts this very instant: (re)plan so requests arriving
+            # together are scheduled together.
+            self.step = None
+            self._plan(now_s)
+
+    def cancel(self, rid: str, now_s: float) -> None:
+        """The client went away: drop the request wherever it is."""
+        req = self.requests.pop(rid, None)
+        if req is None:
+            return
+        if req.state == WAITING:
+            self.waiting.remove(req)
+        else:
+            if req.state == PREFILL:
+                self.prefilling.remove(req)
+                if self.step is not None:
+                    self.step.prefill = [(r, n) for r, n in self.step.prefill if r is not req]
+            else:
+                self.decoding.pop(rid, None)
+                if self.step is not None and req in self.step.decode:
+                    self.step.decode.remove(req)
+            self._free(req, now_s)
+        req.state = DONE
+        if self.step is None:
+            self._plan(now_s)
+
+    # -- time -------------------------------------------------------------------------------
+
+    def next_event_s(self) -> float | None:
+        """When the running step ends (None: idle)."""
+        return None if self.step is None else self.step.end_s
+
+    def advance(self, now_s: float) -> list[Emission]:
+        """Complete every step that ends at or before now_s; return their emissions."""
+        out: list[Emission] = []
+        while self.step is not None and self.step.end_s <= now_s:
+            step, self.step = self.step, None
+            self._complete(step, out)
+            self._plan(step.end_s)
+        return out
+
+    # -- metrics --------------------------------------------------------------------------
+
+    @property
+    def num_running(self) -> int:
+        return len(self.prefilling) + len(self.decoding)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def used_tokens(self) -> int:
+        return self.cache.tokens + self._private_kv_tokens
+
+    @property
+    def cache_hit_rate(self) -> float:
+        s = self.stats
+        return s.cached_tokens / s.prompt_tokens if s.prompt_tokens else 0.0
+
+    def flush_cache(self) -> int:
+        """Drop every unpinned cached block (SGLang's /flush_cache). Returns tokens freed."""
+        return self.cache.clear_unpinned()
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _jitter(self) -> float:
+        sigma = self.profile.jitter_sigma
+        return math.exp(self.rng.gauss(0.0, sigma)) if sigma > 0 else 1.0
+
+    def _admit(self, now_s: float) -> None:
+        """FCFS admission while a slot and KV room exist (head-of-line blocking)."""
+        p = self.profile
+        while self.waiting and self.num_running < p.max_running_requests:
+            req = self.waiting[0]
+            # At least one prompt token is always computed (it yields the first logits).
+            matched = min(self.cache.match(req.blocks), (req.input_tokens - 1) // p.block_tokens)
+            private = req.private_kv_tokens(p.block_tokens)
+            new_tokens = (len(req.blocks) - matched) * p.block_tokens + private
+            need = new_tokens - (p.kv_capacity_tokens - self.used_tokens)
+            # Wait for running requests to free KV; alone on the engine, a request larger
+            # than the pool is admitted anyway rather than blocking the queue forever.
+            if need > 0 and self.cache.evict(need) < need and self.num_running:
+                return
+            self.waiting.popleft()
+            req.cached_tokens = matched * p.block_tokens
+            req.prefilled_tokens = req.cached_tokens
+            req.pinned = req.blocks
+            self.cache.acquire(req.blocks, now_s)
+            self._private_kv_tokens += private
+            req.state = PREFILL
+            self.prefilling.append(req)
+            self.stats.requests_admitted += 1
+            self.stats.prompt_tokens += req.input_tokens
+            self.stats.cached_tokens += req.cached_tokens
+
+    def _plan(self, now_s: float) -> None:
+        """Choose the next step: prefill first (chunked), else one decode step."""
+        p = self.profile
+        self._admit(now_s)
+        if self.prefilling:
+            budget = p.chunk_tokens
+            batch: list[tuple[_Request, int]] = []
+            ms = p.prefill_base_ms
+            for req in self.prefilling:
+                if budget <= 0:
+                    break
+                n = min(budget, req.input_tokens - req.prefilled_tokens)
+                ms += p.prefill_ms(n, req.prefilled_tokens)
+                batch.append((req, n))
+                budget -= n
+            self.step = _Step(now_s, now_s + ms * self._jitter() / 1e3, PREFILL, batch, [])
+        elif self.decoding:
+            reqs = list(self.decoding.values())
+            context = sum(r.input_tokens + r.generated for r in reqs)
+            ms = p.decode_ms(len(reqs), context)
+            self.step = _Step(now_s, now_s + ms * self._jitter() / 1e3, DECODE, [], reqs)
+
+    def _complete(self, step: _Step, out: list[Emission]) -> None:
+        t = step.end_s
+        if step.kind == PREFILL:
+            self.stats.prefill_steps += 1
+        else:
+            self.stats.decode_steps += 1
+        for req, n in step.prefill:
+            req.prefilled_tokens += n
+            if req.prefilled_tokens >= req.input_tokens:
+                self.prefilling.remove(req)
+                req.state = DECODE
+                self.decoding[req.rid] = req
+                self._emit(req, t, out)
+        for req in step.decode:
+            self._emit(req, t, out)
+
+    def _emit(self, req: _Request, t: float, out: list[Emission]) -> None:
+        req.generated += 1
+        finished = req.generated >= req.output_tokens
+        out.append(Emission(req.rid, req.generated - 1, t, finished, req.cached_tokens))
+        self.stats.tokens_emitted += 1
+        if finished:
+            self.decoding.pop(req.rid, None)
+            self.requests.pop(req.rid, None)
+            req.state = DONE
+            self._free(req, t)
+
+    def _free(self, req: _Request, now_s: float) -> None:
+        self._private_kv_tokens -= req.private_kv_tokens(self.profile.block_tokens)
+        self.cache.release(req.pinned, now_s)
+        req.pinned = ()

@@ -1,0 +1,194 @@
+"""The emulated engine against an independent, real client: the official `openai` package
+(AsyncOpenAI over real HTTP on 127.0.0.1; no mocks)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import replace
+
+import openai
+import pytest
+from openai import AsyncOpenAI
+from openai.types import Completion, CompletionUsage
+from openai.types.chat import ChatCompletion, ChatCompletionChunk, ChatCompletionMessageParam
+
+from emulator.engine import ENGINE_ID_HEADER, EngineConfig, EngineServer, Faults
+from emulator.model import load_profile
+from ext_proc.tokens import count_tokens, render_chat
+
+FAST = replace(
+    load_profile(),
+    name="fast-test",
+    prefill_base_ms=1.0,
+    prefill_tokens_per_s=1e6,
+    decode_base_ms=1.0,
+    decode_batch_ms=0.0,
+    decode_per_request_ms=0.0,
+    decode_per_1k_context_ms=0.0,
+    no_cuda_graph_ms=0.0,
+    jitter_sigma=0.0,
+)
+BLOCK = FAST.block_tokens
+NAME = "eu-frankfurt"
+MODEL = "emulated"
+
+
+def filler(n_tokens: int, salt: str) -> str:
+    """ASCII text of exactly n_tokens tokens (4 bytes each), distinct per salt."""
+    return "".join(f"{salt}{i:07d}|" for i in range(n_tokens))[: 4 * n_tokens]
+
+
+@pytest.fixture
+async def server() -> AsyncIterator[EngineServer]:
+    srv = EngineServer(EngineConfig(name=NAME, profile=FAST), "127.0.0.1", 0)
+    await srv.start()
+    try:
+        yield srv
+        assert srv.engine.stats.in_flight == 0
+    finally:
+        await srv.stop()
+
+
+@pytest.fixture
+async def client(server: EngineServer) -> AsyncIterator[AsyncOpenAI]:
+    async with AsyncOpenAI(
+        base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=10.0
+    ) as c:
+        yield c
+
+
+async def stream_chat(
+    client: AsyncOpenAI, messages: list[ChatCompletionMessageParam], max_tokens: int
+) -> list[ChatCompletionChunk]:
+    stream = await client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=max_tokens,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    return [chunk async for chunk in stream]
+
+
+def cached_of(usage: CompletionUsage | None) -> int:
+    assert usage is not None
+    assert usage.prompt_tokens_details is not None
+    cached = usage.prompt_tokens_details.cached_tokens
+    assert cached is not None
+    return cached
+
+
+async def test_chat_stream_with_usage(client: AsyncOpenAI) -> None:
+    messages: list[ChatCompletionMessageParam] = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": filler(400, "chat")},
+    ]
+    prompt_tokens = count_tokens(render_chat(messages))
+    chunks = await stream_chat(client, messages, 6)
+
+    assert len({c.id for c in chunks}) == 1
+    assert chunks[0].choices[0].delta.role == "assistant"
+    content = [
+        c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content
+    ]
+    assert len(content) == 6
+    assert count_tokens("".join(content)) == 6
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert [f for f in finishes if f] == ["length"]
+
+    *_, last = chunks
+    assert last.choices == []
+    assert last.usage is not None
+    assert last.usage.prompt_tokens == prompt_tokens
+    assert last.usage.completion_tokens == 6
+    assert last.usage.total_tokens == prompt_tokens + 6
+    assert cached_of(last.usage) == 0
+    assert all(c.usage is None for c in chunks[:-1])
+
+    # The same chat again: its prompt blocks come from the prefix cache.
+    *_, again = await stream_chat(client, messages, 2)
+    cached = cached_of(again.usage)
+    assert prompt_tokens - BLOCK <= cached < prompt_tokens
+    assert again.usage is not None and again.usage.completion_tokens == 2
+
+
+async def test_completion_stream_with_usage(client: AsyncOpenAI) -> None:
+    prompt = filler(500, "cmpl")
+
+    async def once(max_tokens: int) -> tuple[str, CompletionUsage | None]:
+        stream = await client.completions.create(
+            model=MODEL,
+            prompt=prompt,
+            max_tokens=max_tokens,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        chunks: list[Completion] = [c async for c in stream]
+        assert len({c.id for c in chunks}) == 1
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+        assert [f for f in finishes if f] == ["length"]
+        return text, chunks[-1].usage
+
+    text, usage = await once(4)
+    assert text == "tok " * 4
+    assert usage is not None
+    assert (usage.prompt_tokens, usage.completion_tokens) == (500, 4)
+    assert cached_of(usage) == 0
+
+    text, usage = await once(3)
+    assert text == "tok " * 3
+    assert cached_of(usage) == (500 - 1) // BLOCK * BLOCK
+
+
+async def test_non_streaming_chat_and_completion(client: AsyncOpenAI) -> None:
+    chat = await client.chat.completions.create(
+        model="my-model",
+        messages=[{"role": "user", "content": "Hello there."}],
+        max_completion_tokens=5,
+    )
+    assert isinstance(chat, ChatCompletion)
+    assert chat.object == "chat.completion"
+    assert chat.model == "my-model"
+    assert chat.choices[0].message.role == "assistant"
+    assert chat.choices[0].message.content == "tok " * 5
+    assert chat.choices[0].finish_reason == "length"
+    assert chat.usage is not None
+    assert chat.usage.prompt_tokens == count_tokens(render_chat([{"content": "Hello there."}]))
+    assert chat.usage.completion_tokens == 5
+
+    cmpl = await client.completions.create(model=MODEL, prompt="abcd" * 10, max_tokens=3)
+    assert cmpl.object == "text_completion"
+    assert cmpl.choices[0].text == "tok " * 3
+    assert cmpl.choices[0].finish_reason == "length"
+    assert cmpl.usage is not None
+    assert (cmpl.usage.prompt_tokens, cmpl.usage.completion_tokens) == (10, 3)
+    assert cmpl.usage.total_tokens == 13
+
+
+async def test_raw_response_headers_and_models(client: AsyncOpenAI) -> None:
+    raw = await client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=1
+    )
+    assert raw.headers[ENGINE_ID_HEADER] == NAME
+    parsed = raw.parse()
+    assert parsed.choices[0].message.content == "tok "
+    models = [m.id async for m in client.models.list()]
+    assert models == [MODEL]
+
+
+async def test_errors_surface_as_openai_exceptions(
+    server: EngineServer, client: AsyncOpenAI
+) -> None:
+    with pytest.raises(openai.BadRequestError) as bad:
+        await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=0
+        )
+    assert bad.value.status_code == 400
+    assert "max_tokens" in bad.value.message
+
+    server.cfg.faults = Faults(error_rate=1.0)
+    with pytest.raises(openai.InternalServerError) as err:
+        await client.completions.create(model=MODEL, prompt="hi", max_tokens=1)
+    assert err.value.status_code == 500
+    assert "fault" in err.value.message
