@@ -59,9 +59,7 @@ def run_engine_bench(streams: int = 64, output_tokens: int = 256, prompt_tokens:
                     print("gorgo bench engine: the engine did not start", file=sys.stderr)
                     return 1
                 time.sleep(0.05)
-        print(
-            f"{streams} concurrent streams x {output_tokens} tokens, {prompt_tokens}-token prompts..."
-        )
+        print(f"{streams} streams x {output_tokens} tokens, {prompt_tokens}-token prompts...")
         t0 = time.perf_counter()
         tokens = asyncio.run(_drive(url, streams, output_tokens, prompt_tokens))
         wall_s = time.perf_counter() - t0
