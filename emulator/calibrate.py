@@ -176,7 +176,7 @@ def table(points: list[LoadPoint]) -> str:
     return "\n".join(lines)
 
 
-RATES_RPS = [0.1, 0.25, 0.5, 0.75, 1.0, 1.1, 1.2]
+RATES_RPS = [0.1, 0.2, 0.3, 0.4, 0.45, 0.5, 0.6]
 
 
 def run_calibration(profile_name: str, out_dir: Path, requests: int) -> int:

@@ -21,6 +21,7 @@ import bisect
 import contextlib
 import json
 import logging
+import math
 import random
 import secrets
 import time
@@ -84,12 +85,9 @@ class Faults:
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v <= 1:
                 raise ValueError(f"{key} must be a number in [0, 1], got {v!r}")
-        if (
-            isinstance(self.stall_ms, bool)
-            or not isinstance(self.stall_ms, int | float)
-            or self.stall_ms < 0
-        ):
-            raise ValueError(f"stall_ms must be a number >= 0, got {self.stall_ms!r}")
+        v = self.stall_ms
+        if isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v < math.inf:
+            raise ValueError(f"stall_ms must be a finite number >= 0, got {v!r}")
 
 
 @dataclass
@@ -146,9 +144,12 @@ class GenRequest:
     blocks: tuple[int, ...] = ()
 
 
-def _text_prompt(text: str, cfg: EngineConfig) -> tuple[int, tuple[int, ...]]:
+def _text_prompt(text: str, cfg: EngineConfig, field: str) -> tuple[int, tuple[int, ...]]:
     tok = cfg.tokenizer
-    return tok.count(text), tuple(tok.block_hashes(text, cfg.profile.block_tokens))
+    n = tok.count(text)
+    if n == 0:
+        raise BadRequest(f"'{field}' is empty: a prompt needs at least one token")
+    return n, tuple(tok.block_hashes(text, cfg.profile.block_tokens))
 
 
 def _ids_prompt(ids: list[int], cfg: EngineConfig) -> tuple[int, tuple[int, ...]]:
@@ -233,7 +234,7 @@ def parse_chat(body: Any, cfg: EngineConfig) -> GenRequest:
                 f"got {type(content).__name__}"
             )
     max_tokens, stream, include_usage, model = _openai_common(body, cfg)
-    input_tokens, blocks = _text_prompt(render_chat(messages), cfg)
+    input_tokens, blocks = _text_prompt(render_chat(messages), cfg, "messages")
     return GenRequest("chat", input_tokens, max_tokens, stream, include_usage, model, blocks)
 
 
@@ -246,9 +247,9 @@ def parse_completion(body: Any, cfg: EngineConfig) -> GenRequest:
     if prompt is None:
         raise BadRequest("missing required field 'prompt'")
     if isinstance(prompt, str):
-        input_tokens, blocks = _text_prompt(prompt, cfg)
+        input_tokens, blocks = _text_prompt(prompt, cfg, "prompt")
     elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-        input_tokens, blocks = _text_prompt("".join(prompt), cfg)
+        input_tokens, blocks = _text_prompt("".join(prompt), cfg, "prompt")
     elif isinstance(prompt, list) and prompt:
         input_tokens, blocks = _ids_prompt(_token_ids(prompt, "prompt"), cfg)
     else:
@@ -269,7 +270,7 @@ def parse_generate(body: Any, cfg: EngineConfig) -> GenRequest:
     if text is not None:
         if not isinstance(text, str):
             raise BadRequest(f"'text' must be a string, got {type(text).__name__}")
-        input_tokens, blocks = _text_prompt(text, cfg)
+        input_tokens, blocks = _text_prompt(text, cfg, "text")
     elif input_ids is not None:
         if not isinstance(input_ids, list) or not input_ids:
             raise BadRequest("'input_ids' must be a non-empty list of integer token ids")
@@ -582,10 +583,10 @@ class Engine:
         rid = secrets.token_hex(16)
         self.stats.in_flight += 1
         arrival_s = asyncio.get_running_loop().time()
-        channel = self.runner.submit(rid, req)
         # finally: a client that disconnects (handler cancelled, or a write that fails)
         # leaves the scheduler at once and is not counted in flight.
         try:
+            channel = self.runner.submit(rid, req)
             if not req.stream:
                 return await self._respond_whole(req, rid, channel, arrival_s)
             return await self._stream(request, req, rid, channel, arrival_s)

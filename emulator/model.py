@@ -168,9 +168,9 @@ class PrefixCache:
             n += 1
         return n
 
-    def acquire(self, blocks: Sequence[int], now_s: float) -> None:
-        """Insert what is missing and pin the whole path (a request is using it)."""
-        parent: int | None = None
+    def acquire(self, blocks: Sequence[int], now_s: float, parent: int | None = None) -> None:
+        """Insert what is missing and pin the path (a request is using it). `blocks`
+        continue the path after `parent` (None: from the root)."""
         for h in blocks:
             node = self.nodes.get(h)
             if node is None:
@@ -240,12 +240,12 @@ class _Request:
     # Prompt tokens whose KV exists (cached + prefilled so far).
     prefilled_tokens: int = 0
     generated: int = 0
-    # Blocks this request pinned in the cache.
-    pinned: tuple[int, ...] = ()
-
-    def private_kv_tokens(self, block_tokens: int) -> int:
-        """KV reserved outside the shared cache: the prompt's partial tail and the output."""
-        return self.input_tokens - len(self.blocks) * block_tokens + self.output_tokens
+    # Leading blocks pinned in the cache: the matched prefix, then each block as its
+    # prefill completes (only computed KV is shared).
+    pinned: int = 0
+    # KV reserved at admission and not yet in the cache: uncomputed full blocks, the
+    # prompt's partial tail and the whole output.
+    reserved_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -292,8 +292,8 @@ class EngineModel:
         self.requests: dict[str, _Request] = {}
         self.step: _Step | None = None
         self.stats = ModelStats()
-        # KV tokens held by admitted requests beyond their pinned cache blocks.
-        self._private_kv_tokens = 0
+        # KV reserved by admitted requests beyond what they hold in the cache.
+        self._reserved_tokens = 0
 
     # -- inputs -------------------------------------------------------------------------
 
@@ -368,7 +368,7 @@ class EngineModel:
 
     @property
     def used_tokens(self) -> int:
-        return self.cache.tokens + self._private_kv_tokens
+        return self.cache.tokens + self._reserved_tokens
 
     @property
     def cache_hit_rate(self) -> float:
@@ -392,19 +392,20 @@ class EngineModel:
             req = self.waiting[0]
             # At least one prompt token is always computed (it yields the first logits).
             matched = min(self.cache.match(req.blocks), (req.input_tokens - 1) // p.block_tokens)
-            private = req.private_kv_tokens(p.block_tokens)
-            new_tokens = (len(req.blocks) - matched) * p.block_tokens + private
-            need = new_tokens - (p.kv_capacity_tokens - self.used_tokens)
+            # Pin the matched prefix first, so making room cannot evict it.
+            self.cache.acquire(req.blocks[:matched], now_s)
+            reserve = req.input_tokens - matched * p.block_tokens + req.output_tokens
+            need = reserve - (p.kv_capacity_tokens - self.used_tokens)
             # Wait for running requests to free KV; alone on the engine, a request larger
             # than the pool is admitted anyway rather than blocking the queue forever.
             if need > 0 and self.cache.evict(need) < need and self.num_running:
+                self.cache.release(req.blocks[:matched], now_s)
                 return
             self.waiting.popleft()
-            req.cached_tokens = matched * p.block_tokens
-            req.prefilled_tokens = req.cached_tokens
-            req.pinned = req.blocks
-            self.cache.acquire(req.blocks, now_s)
-            self._private_kv_tokens += private
+            req.pinned = matched
+            req.cached_tokens = req.prefilled_tokens = matched * p.block_tokens
+            req.reserved_tokens = reserve
+            self._reserved_tokens += reserve
             req.state = PREFILL
             self.prefilling.append(req)
             self.stats.requests_admitted += 1
@@ -441,6 +442,7 @@ class EngineModel:
             self.stats.decode_steps += 1
         for req, n in step.prefill:
             req.prefilled_tokens += n
+            self._cache_computed_blocks(req, t)
             if req.prefilled_tokens >= req.input_tokens:
                 self.prefilling.remove(req)
                 req.state = DECODE
@@ -460,7 +462,19 @@ class EngineModel:
             req.state = DONE
             self._free(req, t)
 
+    def _cache_computed_blocks(self, req: _Request, now_s: float) -> None:
+        """Share the full blocks this request's prefill has computed so far."""
+        done = min(len(req.blocks), req.prefilled_tokens // self.profile.block_tokens)
+        if done > req.pinned:
+            parent = req.blocks[req.pinned - 1] if req.pinned else None
+            self.cache.acquire(req.blocks[req.pinned : done], now_s, parent)
+            moved = (done - req.pinned) * self.profile.block_tokens
+            req.reserved_tokens -= moved
+            self._reserved_tokens -= moved
+            req.pinned = done
+
     def _free(self, req: _Request, now_s: float) -> None:
-        self._private_kv_tokens -= req.private_kv_tokens(self.profile.block_tokens)
-        self.cache.release(req.pinned, now_s)
-        req.pinned = ()
+        self._reserved_tokens -= req.reserved_tokens
+        req.reserved_tokens = 0
+        self.cache.release(req.blocks[: req.pinned], now_s)
+        req.pinned = 0

@@ -438,11 +438,6 @@ async def test_bad_input_is_400_naming_the_problem(
     assert server.engine.stats.bad_requests_total == 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="engine bug: an empty prompt (0 tokens) passes parse_* but EngineModel.submit "
-    "raises ValueError after in_flight was incremented: HTTP 500 and in_flight stays 1",
-)
 @pytest.mark.parametrize(
     ("path", "body"), [(COMPLETIONS, {"prompt": ""}), (GENERATE, {"text": ""})]
 )
@@ -710,12 +705,6 @@ async def test_flush_cache_makes_chat_uncached(
     assert await cached() > 2 * BLOCK
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="engine-model bug: PrefixCache.acquire inserts a prompt's blocks at admission, "
-    "before their KV is computed; a request cancelled during its first prefill chunk "
-    "leaves its whole prompt cached",
-)
 async def test_cancelled_prefill_caches_only_computed_blocks(
     http: aiohttp.ClientSession,
 ) -> None:

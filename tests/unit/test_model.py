@@ -198,3 +198,28 @@ def test_profile_file_errors_name_the_key(tmp_path) -> None:  # type: ignore[no-
         profile_from_dict({**raw, "chunk": 1})
     with pytest.raises(ValueError, match="unknown engine profile 'nope'"):
         load_profile("nope")
+
+
+def test_admission_never_evicts_the_prefix_it_matched() -> None:
+    tight = replace(PROFILE, kv_capacity_tokens=4 * BT)
+    m = EngineModel(tight, random.Random(0))
+    prompt = blocks(3, 3)
+    m.submit("a", 3 * BT, 1, prompt, now_s=0.0)
+    run(m)
+    # needs room for 1 uncomputed block + 100 output tokens: evicting its own cached
+    # prefix would be the only way, so it must keep (and report) exactly what stays cached
+    m.submit("b", 3 * BT, 100, prompt, now_s=1.0)
+    first = run(m)[0]
+    assert first.cached_tokens == 2 * BT
+    assert m.cache.match(prompt) >= 2
+
+
+def test_only_computed_blocks_are_shared() -> None:
+    m = EngineModel(PROFILE, random.Random(0))
+    prompt = blocks(4, 16_384 // BT)
+    m.submit("long", 16_384, 1, prompt, now_s=0.0)
+    first_chunk_end = m.next_event_s()
+    assert first_chunk_end is not None
+    m.advance(first_chunk_end)  # one 4,096-token chunk done
+    m.cancel("long", first_chunk_end)
+    assert m.cache.match(prompt) == 4096 // BT

@@ -1,0 +1,51 @@
+"""The official openai client, an independent real client, through the Envoy front door."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from emulator.stack import Stack
+from tests.e2e.conftest import FAST_REGIONS
+
+pytestmark = pytest.mark.e2e
+
+
+async def test_openai_client_streams_chat_and_completions_through_envoy(stack: Stack) -> None:
+    client = openai.AsyncOpenAI(base_url=f"{stack.front_door_url}/v1", api_key="unused")
+    try:
+        # Round robin over 3 backends: the 1st and 4th identical prompts meet on one
+        # backend, whose prefix cache then serves most of the prompt.
+        prompt = "The same long system prompt, word after word. " * 120
+        usages = []
+        for _ in range(4):
+            stream = await client.chat.completions.create(
+                model="m",
+                messages=[{"role": "user", "content": prompt}],
+                max_tokens=5,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+            text, usage = "", None
+            async for chunk in stream:
+                if chunk.choices and chunk.choices[0].delta.content:
+                    text += chunk.choices[0].delta.content
+                if chunk.usage is not None:
+                    usage = chunk.usage
+            assert text == "tok " * 5
+            assert usage is not None and usage.completion_tokens == 5
+            usages.append(usage)
+        assert usages[0].prompt_tokens_details.cached_tokens == 0
+        assert usages[3].prompt_tokens_details.cached_tokens > usages[0].prompt_tokens / 2
+
+        completion = await client.completions.create(model="m", prompt="hello", max_tokens=3)
+        assert completion.choices[0].text == "tok " * 3
+        assert completion.usage is not None and completion.usage.prompt_tokens == 2
+
+        raw = await client.chat.completions.with_raw_response.create(
+            model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+        )
+        assert raw.headers["x-gorgo-backend"] in {r.id for r in FAST_REGIONS}
+        assert raw.parse().choices[0].message.content == "tok tok "
+    finally:
+        await client.close()
