@@ -33,7 +33,8 @@ def make_tokenizer_json(path: Path) -> Path:
     """A small real tokenizer built locally (word level), nothing downloaded."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    vocab = {"[UNK]": 0, **{w: i + 1 for i, w in enumerate(["the", "cat", "sat", "on", "a", "mat"])}}
+    words = ["the", "cat", "sat", "on", "a", "mat"]
+    vocab = {"[UNK]": 0, **{w: i + 1 for i, w in enumerate(words)}}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     out = path / "tokenizer.json"
@@ -56,6 +57,6 @@ def test_tokenizer_errors_name_the_file(tmp_path: Path) -> None:
         load_tokenizer(tmp_path / "missing.json")
     bad = tmp_path / "bad.json"
     bad.write_text("{}")
-    with pytest.raises(ValueError, match="not a tokenizer.json"):
+    with pytest.raises(ValueError, match=r"not a tokenizer\.json"):
         load_tokenizer(bad)
     assert load_tokenizer(None) is APPROX and load_tokenizer("") is APPROX
