@@ -92,7 +92,11 @@ def _key_values(items: Sequence[str], flag: str) -> dict[str, Any]:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ValueError(f"{flag} {item!r}: expected KEY=VALUE")
-        out[key] = yaml.safe_load(value)
+        parsed = yaml.safe_load(value)
+        if isinstance(parsed, str):  # YAML reads "1e6" as a string; a number was meant
+            with contextlib.suppress(ValueError):
+                parsed = float(parsed)
+        out[key] = parsed
     return out
 
 
