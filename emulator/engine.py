@@ -32,7 +32,8 @@ from typing import Any, Literal
 
 from aiohttp import web
 
-from emulator.model import DEFAULT_PROFILE, Emission, EngineModel, EngineProfile, load_profile
+from emulator.model import Emission, EngineModel
+from ext_proc.profile import DEFAULT_PROFILE, EngineProfile, load_profile
 from ext_proc.tokens import APPROX, Tokenizer, block_hashes_of_ids, render_chat
 
 log = logging.getLogger(__name__)

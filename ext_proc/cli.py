@@ -60,7 +60,7 @@ def _envoy_config(args: argparse.Namespace) -> int:
 
 def _engine(args: argparse.Namespace) -> int:
     from emulator.engine import EngineConfig, Faults, serve_engine, zero_delay_profile
-    from emulator.model import load_profile, profile_from_dict
+    from ext_proc.profile import load_profile, profile_from_dict
     from ext_proc.tokens import load_tokenizer
 
     try:
@@ -223,7 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="run one emulated SGLang engine",
         description="An emulated SGLang engine: OpenAI and native wire format, timed by the "
         "engine model (continuous batching, chunked prefill, radix prefix cache). Profiles: "
-        "built-in names from emulator/profiles/ (default l40s-qwen3.5-35b-a3b-fp8: 2x L40S, "
+        "built-in names from ext_proc/profiles/ (default l40s-qwen3.5-35b-a3b-fp8: 2x L40S, "
         "Qwen3.5-35B-A3B FP8) or a YAML file; docs/engine-model.md explains the constants. "
         "Faults can also be changed at run time: POST /faults with the same names.",
     )

@@ -33,7 +33,7 @@ from emulator.engine import (
     serve_engine,
     zero_delay_profile,
 )
-from emulator.model import EngineProfile, load_profile
+from ext_proc.profile import EngineProfile, load_profile
 from ext_proc.tokens import count_tokens, render_chat
 
 DEFAULT = load_profile()

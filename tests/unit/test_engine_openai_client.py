@@ -13,7 +13,7 @@ from openai.types import Completion, CompletionUsage
 from openai.types.chat import ChatCompletion, ChatCompletionChunk, ChatCompletionMessageParam
 
 from emulator.engine import ENGINE_ID_HEADER, EngineConfig, EngineServer, Faults
-from emulator.model import load_profile
+from ext_proc.profile import load_profile
 from ext_proc.tokens import count_tokens, render_chat
 
 FAST = replace(
