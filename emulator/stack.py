@@ -140,7 +140,7 @@ def envoy_binary() -> str:
 
 @dataclass
 class StackSettings:
-    policy: str = "least_request"
+    policy: str = "gorgo"
     regions: Sequence[Region] = DEFAULT_REGIONS
     ports: StackPorts = field(default_factory=StackPorts)
     # Engine timing; zero_delay makes an engine answer at once (overhead benchmarks).

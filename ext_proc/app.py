@@ -16,7 +16,7 @@ from aiohttp import web
 
 from ext_proc.admin import make_admin_app
 from ext_proc.config import Config, split_host_port
-from ext_proc.policy import make_policy
+from ext_proc.probe import Prober
 from ext_proc.router import Router
 from ext_proc.server import ExtProcService, add_services, grpc_options
 
@@ -32,13 +32,7 @@ DRAIN_GRACE_S = 5.0
 
 
 def build_router(cfg: Config) -> Router:
-    rng = random.Random(cfg.seed)
-    return Router(
-        cfg.backend_ids,
-        make_policy(cfg.policy, rng),
-        clock=time.monotonic,
-        request_timeout_s=cfg.request_timeout_s,
-    )
+    return Router(cfg, clock=time.monotonic, rng=random.Random(cfg.seed))
 
 
 @dataclass
@@ -81,6 +75,8 @@ async def running_service(cfg: Config) -> AsyncIterator[Running]:
         raise OSError(f"listen.admin: cannot bind {cfg.listen.admin}: {e.strerror}") from e
     bound_admin = int(runner.addresses[0][1])
     expirer = asyncio.create_task(_expire_loop(router))
+    prober = Prober(cfg, router)
+    await prober.start()
     # Start-up objects never die: keep them out of the collector's scans, and collect the
     # young generation less often, so GC pauses do not land on requests' tails.
     gc.collect()
@@ -90,5 +86,6 @@ async def running_service(cfg: Config) -> AsyncIterator[Running]:
         yield Running(router, ext_proc, grpc_port, bound_admin)
     finally:
         expirer.cancel()
+        await prober.stop()
         await server.stop(DRAIN_GRACE_S)
         await runner.cleanup()

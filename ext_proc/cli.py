@@ -298,7 +298,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=_wan)
 
     s = sub.add_parser("up", help="run the whole local stack (Envoy, gorgo, 3 regions)")
-    s.add_argument("--policy", default="least_request", choices=policies)
+    s.add_argument("--policy", default="gorgo", choices=policies)
     s.add_argument(
         "--rtt-profile",
         default="network",
@@ -310,7 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("demo", help="start the local stack, send requests, print a table")
     s.add_argument("--requests", type=int, default=100)
     s.add_argument("--concurrency", type=int, default=8)
-    s.add_argument("--policy", default="least_request", choices=policies)
+    s.add_argument("--policy", default="gorgo", choices=policies)
     s.set_defaults(func=_demo)
 
     s = sub.add_parser("bench", help="benchmarks")

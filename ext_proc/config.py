@@ -16,6 +16,8 @@ from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
+from ext_proc.profile import DEFAULT_PROFILE, load_profile
+
 _BACKEND_ID = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
 
 
@@ -32,6 +34,66 @@ class Backend:
     region: str = ""
     # RTT assumed until the first probe answers (ms).
     rtt_prior_ms: float = 50.0
+    # Engine profile (ext_proc/profiles/NAME.yaml or a file): turns tokens into ms.
+    engine_profile: str = DEFAULT_PROFILE
+    # KV cache the prefix index mirrors for this backend; 0 = the profile's KV pool.
+    kv_capacity_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class TimeWeights:
+    """Weights of the time-form cost (gorgo): both terms are ms of TTFT, so 1.0 each is
+    the physical starting point; the tuner moves them."""
+
+    rtt: float = 1.0
+    queue: float = 1.0
+
+
+@dataclass(frozen=True)
+class TokenWeights:
+    """Weights of the paper's token-form cost (gorgo_tokens), its initial values."""
+
+    rtt: float = 0.5
+    queue: float = 0.1
+
+
+@dataclass(frozen=True)
+class Routing:
+    # Prefix-index granularity (tokens per hashed block). 256 = the ART-Chat traces'
+    # blocks; a 128k-token prompt is 512 blocks, hashed in ~0.3-0.6 ms.
+    block_tokens: int = 256
+    # Costs within tie_ms, or within tie_fraction of the best, count as a tie and are
+    # broken at random (a fixed order herds requests onto one backend).
+    tie_ms: float = 1.0
+    tie_fraction: float = 0.02
+    # Refit each backend's prefill coefficients from observed TTFTs (least squares).
+    refit_prefill: bool = False
+    # session_affinity without a session key: hash of the first this-many prompt tokens.
+    affinity_prefix_tokens: int = 256
+    # prefix_cache baseline: follow the best cache match when it covers at least this
+    # share of the prompt, unless load is imbalanced (max - min in flight > balance_abs
+    # and max > balance_rel * min); then least request.
+    prefix_min_fraction: float = 0.5
+    balance_abs: int = 4
+    balance_rel: float = 1.5
+
+
+@dataclass(frozen=True)
+class Probes:
+    # RTT probe period per backend: fresh enough to follow a changing WAN within seconds
+    # (the paper's 30 s was too slow), cheap (one small GET per backend).
+    interval_s: float = 2.0
+    timeout_s: float = 2.0
+    # EWMA weight of a new RTT sample (the paper's 0.3).
+    ewma_alpha: float = 0.3
+    # Consecutive probe failures before a backend is suspect (not chosen while others
+    # are healthy); one success clears it.
+    suspect_after: int = 2
+    path: str = "/health"
+    # Scrape each engine's Prometheus /metrics this often (0 = off); values older than
+    # metrics_stale_s are ignored.
+    metrics_interval_s: float = 0.0
+    metrics_stale_s: float = 10.0
 
 
 @dataclass(frozen=True)
@@ -62,8 +124,12 @@ class EnvoySettings:
 @dataclass(frozen=True)
 class Config:
     backends: tuple[Backend, ...]
-    policy: str = "least_request"
+    policy: str = "gorgo"
     seed: int = 0
+    weights: TimeWeights = field(default_factory=TimeWeights)
+    token_weights: TokenWeights = field(default_factory=TokenWeights)
+    routing: Routing = field(default_factory=Routing)
+    probes: Probes = field(default_factory=Probes)
     listen: Listen = field(default_factory=Listen)
     envoy: EnvoySettings = field(default_factory=EnvoySettings)
     # In-flight records whose completion never arrives (lost access log) expire after
@@ -155,6 +221,12 @@ def _validate(cfg: Config) -> None:
         split_host_port(b.address, f"backends[{i}].address")
         if b.rtt_prior_ms < 0:
             raise ConfigError(f"backends[{i}].rtt_prior_ms: must be >= 0")
+        if b.kv_capacity_tokens < 0:
+            raise ConfigError(f"backends[{i}].kv_capacity_tokens: must be >= 0")
+        try:
+            load_profile(b.engine_profile)
+        except ValueError as e:
+            raise ConfigError(f"backends[{i}].engine_profile: {e}") from e
     split_host_port(cfg.listen.grpc, "listen.grpc")
     split_host_port(cfg.listen.admin, "listen.admin")
     split_host_port(cfg.envoy.listen, "envoy.listen")
@@ -168,6 +240,35 @@ def _validate(cfg: Config) -> None:
             raise ConfigError(f"{key}: must be > 0, got {value}")
     if cfg.request_timeout_s <= 0:
         raise ConfigError("request_timeout_s: must be > 0")
+    positive: dict[str, float] = {
+        "weights.rtt": cfg.weights.rtt,
+        "weights.queue": cfg.weights.queue,
+        "token_weights.rtt": cfg.token_weights.rtt,
+        "token_weights.queue": cfg.token_weights.queue,
+        "routing.block_tokens": cfg.routing.block_tokens,
+        "routing.affinity_prefix_tokens": cfg.routing.affinity_prefix_tokens,
+        "routing.balance_rel": cfg.routing.balance_rel,
+        "probes.interval_s": cfg.probes.interval_s,
+        "probes.timeout_s": cfg.probes.timeout_s,
+        "probes.suspect_after": cfg.probes.suspect_after,
+        "probes.metrics_stale_s": cfg.probes.metrics_stale_s,
+    }
+    for key, number in positive.items():
+        if number <= 0:
+            raise ConfigError(f"{key}: must be > 0, got {number}")
+    non_negative: dict[str, float] = {
+        "routing.tie_ms": cfg.routing.tie_ms,
+        "routing.tie_fraction": cfg.routing.tie_fraction,
+        "routing.balance_abs": cfg.routing.balance_abs,
+        "probes.metrics_interval_s": cfg.probes.metrics_interval_s,
+    }
+    for key, number in non_negative.items():
+        if number < 0:
+            raise ConfigError(f"{key}: must be >= 0, got {number}")
+    if not 0 < cfg.probes.ewma_alpha <= 1:
+        raise ConfigError(f"probes.ewma_alpha: must be in (0, 1], got {cfg.probes.ewma_alpha}")
+    if not 0 <= cfg.routing.prefix_min_fraction <= 1:
+        raise ConfigError("routing.prefix_min_fraction: must be in [0, 1]")
     from ext_proc.policy import POLICIES  # late import: policies import config types
 
     if cfg.policy not in POLICIES:

@@ -1,21 +1,32 @@
-"""The routing core: decide, observe the first byte, observe completion.
+"""The routing core: compute each backend's features, let the policy choose, record the
+dispatch, and learn from the first byte and the completion.
 
-Pure and synchronous with an injected clock, so the live service and (later) the offline
+Pure and synchronous with an injected clock and RNG, so the live service and the offline
 simulator drive the very same object.
 """
 
 from __future__ import annotations
 
+import random
+import zlib
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ext_proc.policy import Candidate, Policy, RouteRequest
-from ext_proc.state import Completion, FleetState, InFlight
+from ext_proc.config import Config
+from ext_proc.cost import PrefillModel, QueueItem, queue_ms
+from ext_proc.policy import Candidate, Policy, RouteRequest, make_policy
+from ext_proc.prefix import Hashes, PrefixIndex, as_hashes
+from ext_proc.profile import EngineProfile, load_profile
+from ext_proc.state import OK, Completion, FleetState, InFlight
+from ext_proc.tokens import APPROX, BYTES_PER_TOKEN, Tokenizer
 
 # How many recent decisions /state shows.
 RECENT_DECISIONS = 8
+# A block the router believed cached for this long that the engine no longer had was
+# evicted (any prefill that could still be computing it is long over): see `learn_cached`.
+SETTLED_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -25,6 +36,7 @@ class Decision:
     policy: str
     input_tokens: int
     candidates: tuple[Candidate, ...]
+    scores: dict[str, float]
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -33,7 +45,10 @@ class Decision:
             "policy": self.policy,
             "input_tokens": self.input_tokens,
             "candidates": [
-                {"backend": c.backend_id, "in_flight": c.in_flight} for c in self.candidates
+                {**c.as_json(), "score": round(self.scores[c.backend_id], 3)}
+                if c.backend_id in self.scores
+                else c.as_json()
+                for c in self.candidates
             ],
         }
 
@@ -41,57 +56,208 @@ class Decision:
 class Router:
     def __init__(
         self,
-        backend_ids: Sequence[str],
-        policy: Policy,
+        cfg: Config,
         clock: Callable[[], float],
-        request_timeout_s: float,
+        rng: random.Random,
+        tokenizer: Tokenizer = APPROX,
+        policy: Policy | None = None,
     ) -> None:
-        self.policy = policy
+        self.cfg = cfg
         self.clock = clock
-        self.request_timeout_s = request_timeout_s
-        self.state = FleetState(backend_ids)
+        self.tokenizer = tokenizer
+        self.policy = policy or make_policy(cfg.policy, rng, cfg)
+        self.state = FleetState((b.id, b.rtt_prior_ms) for b in cfg.backends)
+        self.profiles: dict[str, EngineProfile] = {
+            b.id: load_profile(b.engine_profile) for b in cfg.backends
+        }
+        self.prefill = {
+            b: PrefillModel(p, cfg.routing.refit_prefill) for b, p in self.profiles.items()
+        }
+        self.index = PrefixIndex(
+            {
+                b.id: b.kv_capacity_tokens or self.profiles[b.id].kv_capacity_tokens
+                for b in cfg.backends
+            },
+            cfg.routing.block_tokens,
+        )
         self.decisions = 0
         self.recent: deque[Decision] = deque(maxlen=RECENT_DECISIONS)
 
-    def candidates(self) -> tuple[Candidate, ...]:
-        return tuple(
-            Candidate(b.id, b.in_flight, b.waiting_first_byte) for b in self.state.backends.values()
+    # -- features -----------------------------------------------------------------------
+
+    def prompt_blocks(self, request: RouteRequest) -> Hashes:
+        if request.llm is None:
+            return as_hashes([])
+        return as_hashes(
+            self.tokenizer.block_hashes(request.llm.prompt, self.cfg.routing.block_tokens)
         )
+
+    def affinity_key(self, request: RouteRequest) -> str:
+        if request.session_key:
+            return request.session_key
+        if request.llm is None:
+            return request.request_id
+        head = request.llm.prompt[: self.cfg.routing.affinity_prefix_tokens * BYTES_PER_TOKEN]
+        return f"prompt:{zlib.crc32(head.encode()):08x}"
+
+    def candidates(self, request: RouteRequest, blocks: Hashes) -> tuple[Candidate, ...]:
+        now_s = self.clock()
+        input_tokens = request.llm.input_tokens if request.llm else 0
+        matched = self.index.match(blocks)
+        bt = self.cfg.routing.block_tokens
+        healthy = [b for b in self.state.backends.values() if not b.suspect]
+        out = []
+        for b in healthy or self.state.backends.values():  # all suspect: try them all
+            # At least one prompt token is always computed.
+            cached = min(matched[b.id] * bt, max(0, input_tokens - 1))
+            uncached = input_tokens - cached
+            out.append(
+                Candidate(
+                    backend_id=b.id,
+                    in_flight=b.in_flight,
+                    waiting_first_byte=b.waiting_first_byte,
+                    queued_tokens=b.queued_tokens,
+                    rtt_ms=b.rtt_ms,
+                    queue_ms=self.queue_ms(b.id, now_s),
+                    prefill_ms=self.prefill[b.id].prefill_ms(uncached, cached),
+                    cached_tokens=cached,
+                    uncached_tokens=uncached,
+                )
+            )
+        return tuple(out)
+
+    def queue_ms(self, backend: str, now_s: float) -> float:
+        b = self.state.backends[backend]
+        profile = self.profiles[backend]
+        items = [
+            QueueItem(r.prefill_ms, r.input_tokens, r.first_byte_s is None, r.dispatched_s)
+            for r in b.records.values()
+        ]
+        decoding = [r for r in b.records.values() if r.first_byte_s is not None]
+        step_ms = profile.decode_ms(len(decoding), sum(r.input_tokens for r in decoding))
+        own_ms = queue_ms(items, step_ms, now_s, b.rtt_ms / 2)
+        fresh = (
+            b.metrics_at_s is not None and now_s - b.metrics_at_s <= self.cfg.probes.metrics_stale_s
+        )
+        if fresh and items:
+            # The engine's own queue count, priced at the mean prefill we owe per request
+            # there: catches load we did not route (other routers, direct clients).
+            per_request_ms = sum(it.prefill_ms for it in items) / len(items)
+            own_ms = max(own_ms, b.metrics_queue_reqs * per_request_ms)
+        return own_ms
+
+    # -- decisions ------------------------------------------------------------------------
 
     def decide(self, request: RouteRequest) -> Decision:
         """Choose a backend and record the dispatch."""
-        candidates = self.candidates()
-        backend = self.policy.choose(request, candidates)
-        if backend not in self.state.backends:
-            raise ValueError(f"policy {self.policy.name!r} chose unknown backend {backend!r}")
-        tokens = request.llm.input_tokens if request.llm else 0
-        self.state.dispatch(InFlight(request.request_id, backend, self.clock(), tokens))
-        decision = Decision(request.request_id, backend, self.policy.name, tokens, candidates)
+        if not request.affinity_key:
+            request = RouteRequest(
+                request.request_id, request.llm, request.session_key, self.affinity_key(request)
+            )
+        blocks = self.prompt_blocks(request)
+        candidates = self.candidates(request, blocks)
+        choice = self.policy.choose(request, candidates)
+        chosen = next((c for c in candidates if c.backend_id == choice.backend_id), None)
+        if chosen is None:
+            raise ValueError(
+                f"policy {self.policy.name!r} chose {choice.backend_id!r}, not a candidate"
+            )
+        now_s = self.clock()
+        held = blocks[: chosen.cached_tokens // self.cfg.routing.block_tokens]
+        rec = InFlight(
+            request_id=request.request_id,
+            backend=chosen.backend_id,
+            dispatched_s=now_s,
+            input_tokens=chosen.cached_tokens + chosen.uncached_tokens,
+            cached_tokens=chosen.cached_tokens,
+            prefill_ms=chosen.prefill_ms,
+            rtt_ms=chosen.rtt_ms,
+            queue_ms=chosen.queue_ms,
+            blocks=blocks,
+            matched_last_used_s=self.index.last_used_s(chosen.backend_id, held),
+        )
+        self.state.dispatch(rec)
+        self.index.insert(chosen.backend_id, blocks, now_s)
+        decision = Decision(
+            request.request_id,
+            chosen.backend_id,
+            self.policy.name,
+            rec.input_tokens,
+            candidates,
+            choice.scores,
+        )
         self.decisions += 1
         self.recent.append(decision)
         return decision
 
+    # -- learning -------------------------------------------------------------------------
+
     def first_byte(self, request_id: str) -> float | None:
-        """First response body byte seen: returns TTFT in ms as the proxy saw it."""
-        return self.state.first_byte(request_id, self.clock())
+        """First response byte seen: TTFT in ms as the proxy saw it."""
+        seen = self.state.first_byte(request_id, self.clock())
+        if seen is None:
+            return None
+        ttft_ms, rec = seen
+        if rec.queue_ms == 0 and rec.input_tokens:
+            # Met no queue: TTFT = RTT + prefill, a clean sample for the prefill model.
+            self.prefill[rec.backend].observe(
+                rec.input_tokens - rec.cached_tokens, rec.cached_tokens, ttft_ms - rec.rtt_ms
+            )
+        return ttft_ms
+
+    def learn_cached(self, rec: InFlight, reported_cached_tokens: int) -> int:
+        """The engine reported how much of the prompt it had cached. If that is less than
+        the index claimed, the engine evicted a block the index still holds; an LRU cache
+        evicts older blocks first, so everything not used since that block goes too.
+        Returns how many index blocks were dropped."""
+        bt = self.cfg.routing.block_tokens
+        held = rec.matched_last_used_s
+        kept = reported_cached_tokens // bt
+        if held is None or kept >= len(held):
+            return 0
+        missing_last_used_s = float(held[kept])
+        if rec.dispatched_s - missing_last_used_s < SETTLED_S:
+            return 0  # maybe still being computed by an earlier request: not evidence
+        return self.index.trim(rec.backend, missing_last_used_s)
 
     def complete(
-        self, request_id: str, status: str, e2e_ms: float | None = None
+        self,
+        request_id: str,
+        status: str,
+        e2e_ms: float | None = None,
+        cached_tokens: int | None = None,
     ) -> Completion | None:
         """Close the loop for one request; idempotent (a second call returns None)."""
-        return self.state.complete(request_id, self.clock(), status, e2e_ms)
+        done = self.state.complete(request_id, self.clock(), status, e2e_ms)
+        if done is not None and status == OK and cached_tokens is not None:
+            self.learn_cached(done.record, cached_tokens)
+        return done
+
+    def record_probe(self, backend: str, rtt_ms: float | None) -> None:
+        p = self.cfg.probes
+        self.state.record_probe(backend, rtt_ms, p.ewma_alpha, p.suspect_after)
 
     def record_fallback(self, backend: str) -> None:
         self.state.record_fallback(backend)
 
     def expire(self) -> list[Completion]:
-        return self.state.expire(self.clock(), self.request_timeout_s)
+        return self.state.expire(self.clock(), self.cfg.request_timeout_s)
 
     def snapshot(self) -> dict[str, Any]:
+        now_s = self.clock()
+        backends = {}
+        for b in self.state.backends.values():
+            backends[b.id] = {
+                **b.as_json(),
+                "queue_ms": round(self.queue_ms(b.id, now_s), 3),
+                "cached_tokens": self.index.size_blocks(b.id) * self.cfg.routing.block_tokens,
+            }
+        weights = getattr(self.policy, "weights", None)
         return {
             "policy": self.policy.name,
+            "weights": None if weights is None else {"rtt": weights.rtt, "queue": weights.queue},
             "decisions": self.decisions,
             "in_flight": len(self.state.in_flight),
-            "backends": {b.id: b.as_json() for b in self.state.backends.values()},
+            "backends": backends,
             "recent_decisions": [d.as_json() for d in self.recent],
         }

@@ -1,4 +1,5 @@
-"""Fleet state as the router sees it: per-backend counters and the in-flight table.
+"""Fleet state as the router sees it: per-backend counters, RTT, health, and the in-flight
+table.
 
 Pure and synchronous; every time comes from the caller (seconds on one monotonic clock).
 """
@@ -9,6 +10,9 @@ from collections import OrderedDict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
+import numpy.typing as npt
 
 # How many recent TTFT/E2E samples /state shows per backend.
 RECENT_SAMPLES = 16
@@ -25,26 +29,55 @@ class InFlight:
     backend: str
     dispatched_s: float
     input_tokens: int
+    cached_tokens: int = 0
+    # The decision's estimates, kept to learn from the outcome.
+    prefill_ms: float = 0.0
+    rtt_ms: float = 0.0
+    queue_ms: float = 0.0
+    # The prompt's prefix blocks (for trimming the index) and when the chosen backend had
+    # last used each block it was believed to hold.
+    blocks: npt.NDArray[np.uint64] | None = None
+    matched_last_used_s: npt.NDArray[np.float64] | None = None
     first_byte_s: float | None = None
 
 
 @dataclass
 class BackendState:
     id: str
+    rtt_prior_ms: float
+    rtt_ms: float = 0.0
+    rtt_samples: int = 0
+    probe_failures: int = 0
+    suspect: bool = False
     in_flight: int = 0
     # Dispatched and not yet past the first response byte (still queued or prefilling).
     waiting_first_byte: int = 0
+    # Prompt tokens of the requests in flight (the paper's queue load, in tokens).
+    queued_tokens: int = 0
     completed: int = 0
     errors: int = 0
     # Requests that reached this backend by Envoy's fallback route, not by our decision.
     fallback_completed: int = 0
+    # Engine-reported load from its /metrics, and when it was read (None: never).
+    metrics_queue_reqs: float = 0.0
+    metrics_running_reqs: float = 0.0
+    metrics_at_s: float | None = None
     recent_ttft_ms: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_SAMPLES))
     recent_e2e_ms: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_SAMPLES))
+    # This backend's share of the in-flight table.
+    records: dict[str, InFlight] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.rtt_ms = self.rtt_prior_ms
 
     def as_json(self) -> dict[str, Any]:
         return {
+            "rtt_ms": round(self.rtt_ms, 3),
+            "rtt_samples": self.rtt_samples,
+            "suspect": self.suspect,
             "in_flight": self.in_flight,
             "waiting_first_byte": self.waiting_first_byte,
+            "queued_tokens": self.queued_tokens,
             "completed": self.completed,
             "errors": self.errors,
             "fallback_completed": self.fallback_completed,
@@ -60,13 +93,16 @@ class Completion:
     status: str
     ttft_ms: float | None
     e2e_ms: float
+    record: InFlight
 
 
 class FleetState:
     """Per-backend counters plus the in-flight table, kept consistent with each other."""
 
-    def __init__(self, backend_ids: Iterable[str]) -> None:
-        self.backends: dict[str, BackendState] = {b: BackendState(b) for b in backend_ids}
+    def __init__(self, backends: Iterable[tuple[str, float]]) -> None:
+        self.backends: dict[str, BackendState] = {
+            b: BackendState(b, rtt_prior_ms) for b, rtt_prior_ms in backends
+        }
         # Insertion order = dispatch order, so the oldest records expire first.
         self.in_flight: OrderedDict[str, InFlight] = OrderedDict()
 
@@ -76,11 +112,14 @@ class FleetState:
             self._release(old)
         self.in_flight[rec.request_id] = rec
         b = self.backends[rec.backend]
+        b.records[rec.request_id] = rec
         b.in_flight += 1
         b.waiting_first_byte += 1
+        b.queued_tokens += rec.input_tokens
 
-    def first_byte(self, request_id: str, now_s: float) -> float | None:
-        """Mark the first response byte; returns TTFT in ms (None if unknown or repeated)."""
+    def first_byte(self, request_id: str, now_s: float) -> tuple[float, InFlight] | None:
+        """Mark the first response byte: TTFT in ms and the record (None if unknown or
+        repeated)."""
         rec = self.in_flight.get(request_id)
         if rec is None or rec.first_byte_s is not None:
             return None
@@ -89,7 +128,7 @@ class FleetState:
         b.waiting_first_byte -= 1
         ttft_ms = (now_s - rec.dispatched_s) * 1000.0
         b.recent_ttft_ms.append(ttft_ms)
-        return ttft_ms
+        return ttft_ms, rec
 
     def complete(
         self, request_id: str, now_s: float, status: str, e2e_ms: float | None = None
@@ -107,11 +146,36 @@ class FleetState:
         else:
             b.errors += 1
         ttft_ms = None if rec.first_byte_s is None else (rec.first_byte_s - rec.dispatched_s) * 1e3
-        return Completion(request_id, rec.backend, status, ttft_ms, measured_e2e_ms)
+        return Completion(request_id, rec.backend, status, ttft_ms, measured_e2e_ms, rec)
 
     def record_fallback(self, backend: str) -> None:
         if backend in self.backends:
             self.backends[backend].fallback_completed += 1
+
+    def record_probe(
+        self, backend: str, rtt_ms: float | None, alpha: float, suspect_after: int
+    ) -> None:
+        """An RTT probe answered in rtt_ms, or failed (None)."""
+        b = self.backends[backend]
+        if rtt_ms is None:
+            b.probe_failures += 1
+            b.suspect = b.probe_failures >= suspect_after
+            return
+        b.probe_failures = 0
+        b.suspect = False
+        # The first sample replaces the configured prior; later ones are smoothed.
+        b.rtt_ms = rtt_ms if b.rtt_samples == 0 else alpha * rtt_ms + (1 - alpha) * b.rtt_ms
+        b.rtt_samples += 1
+
+    def record_metrics(
+        self, backend: str, queue_reqs: float, running_reqs: float, now_s: float
+    ) -> None:
+        b = self.backends[backend]
+        b.metrics_queue_reqs, b.metrics_running_reqs, b.metrics_at_s = (
+            queue_reqs,
+            running_reqs,
+            now_s,
+        )
 
     def expire(self, now_s: float, timeout_s: float) -> list[Completion]:
         """Close records older than timeout_s (their completion was lost)."""
@@ -127,6 +191,8 @@ class FleetState:
 
     def _release(self, rec: InFlight) -> None:
         b = self.backends[rec.backend]
+        del b.records[rec.request_id]
         b.in_flight -= 1
+        b.queued_tokens -= rec.input_tokens
         if rec.first_byte_s is None:
             b.waiting_first_byte -= 1

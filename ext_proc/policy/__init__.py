@@ -1,8 +1,9 @@
 """The one plugin seam: a registry of named routing policies.
 
-The framework builds one `Candidate` per backend with its features; a policy only chooses
-among them. Register a policy class with `@register("name")`; it is then selectable as
-`policy: name` in the config.
+The framework builds one `Candidate` per healthy backend with every feature a policy may
+want (load, RTT, queue and prefill estimates, cached tokens); a policy only chooses among
+them. Register a policy class with `@register("name")`; it is then selectable as
+`policy: name` in the config and `--policy name` in the simulator.
 """
 
 from __future__ import annotations
@@ -10,9 +11,12 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ext_proc.parse import LlmRequest
+
+if TYPE_CHECKING:
+    from ext_proc.config import Config
 
 
 @dataclass(frozen=True)
@@ -20,6 +24,25 @@ class Candidate:
     backend_id: str
     in_flight: int
     waiting_first_byte: int
+    # Prompt tokens of the requests in flight there (the paper's load, in tokens).
+    queued_tokens: int = 0
+    rtt_ms: float = 0.0
+    queue_ms: float = 0.0
+    prefill_ms: float = 0.0
+    cached_tokens: int = 0
+    uncached_tokens: int = 0
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "backend": self.backend_id,
+            "in_flight": self.in_flight,
+            "queued_tokens": self.queued_tokens,
+            "rtt_ms": round(self.rtt_ms, 3),
+            "queue_ms": round(self.queue_ms, 3),
+            "prefill_ms": round(self.prefill_ms, 3),
+            "cached_tokens": self.cached_tokens,
+            "uncached_tokens": self.uncached_tokens,
+        }
 
 
 @dataclass(frozen=True)
@@ -28,17 +51,26 @@ class RouteRequest:
     # None when the request is not an LLM call or its body could not be read.
     llm: LlmRequest | None
     session_key: str | None
+    # What session_affinity hashes: the session key, else a digest of the prompt's head.
+    affinity_key: str = ""
+
+
+@dataclass(frozen=True)
+class Choice:
+    backend_id: str
+    # The policy's score per backend (lower is better), for the decision's explanation.
+    scores: dict[str, float]
 
 
 class Policy(Protocol):
     name: str
 
-    def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> str:
-        """Return the backend_id of one of `candidates` (never empty)."""
+    def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Choice:
+        """Pick one of `candidates` (never empty)."""
         ...
 
 
-PolicyFactory = Callable[[random.Random], Policy]
+PolicyFactory = Callable[[random.Random, "Config"], Policy]
 POLICIES: dict[str, PolicyFactory] = {}
 
 
@@ -52,15 +84,25 @@ def register(name: str) -> Callable[[PolicyFactory], PolicyFactory]:
     return add
 
 
-def make_policy(name: str, rng: random.Random) -> Policy:
+def make_policy(name: str, rng: random.Random, cfg: Config) -> Policy:
     try:
         factory = POLICIES[name]
     except KeyError:
         raise ValueError(
             f"unknown policy {name!r} (known: {', '.join(sorted(POLICIES))})"
         ) from None
-    return factory(rng)
+    return factory(rng, cfg)
+
+
+def pick_min(
+    scores: dict[str, float], rng: random.Random, tie_abs: float = 0.0, tie_frac: float = 0.0
+) -> str:
+    """The lowest score; scores within tie_abs or tie_frac of it tie and one is drawn at
+    random, so equal backends share load instead of herding onto the first."""
+    best = min(scores.values())
+    slack = max(tie_abs, tie_frac * abs(best))
+    return rng.choice([b for b, s in scores.items() if s <= best + slack])
 
 
 # Built-in policies register themselves on import.
-from ext_proc.policy import basic  # noqa: E402,F401
+from ext_proc.policy import baselines, gorgo  # noqa: E402,F401

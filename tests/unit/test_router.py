@@ -5,6 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ext_proc.config import Config, config_from_dict
 from ext_proc.parse import CHAT, parse_body
 from ext_proc.policy import POLICIES, Candidate, RouteRequest, make_policy
 from ext_proc.router import Router
@@ -14,9 +15,22 @@ from tests.fakes import FakeClock
 BACKENDS = ("a", "b", "c")
 
 
+def make_config(policy: str = "least_request", timeout_s: float = 60.0, **extra: object) -> Config:
+    return config_from_dict(
+        {
+            "policy": policy,
+            "request_timeout_s": timeout_s,
+            "backends": [
+                {"id": b, "address": f"127.0.0.1:{i + 1}"} for i, b in enumerate(BACKENDS)
+            ],
+            **extra,
+        }
+    )
+
+
 def make_router(policy: str = "least_request", timeout_s: float = 60.0) -> tuple[Router, FakeClock]:
     clock = FakeClock()
-    return Router(BACKENDS, make_policy(policy, random.Random(1)), clock, timeout_s), clock
+    return Router(make_config(policy, timeout_s), clock, random.Random(1)), clock
 
 
 def req(rid: str) -> RouteRequest:
@@ -116,10 +130,14 @@ def test_snapshot_shows_recent_decisions_without_prompt() -> None:
 def test_a_policy_always_returns_one_of_its_candidates(
     name: str, loads: list[tuple[int, int]], seed: int
 ) -> None:
-    policy = make_policy(name, random.Random(seed))
-    candidates = [Candidate(f"b{i}", n, min(n, w)) for i, (n, w) in enumerate(loads)]
+    policy = make_policy(name, random.Random(seed), make_config())
+    candidates = [
+        Candidate(f"b{i}", n, min(n, w), n * 100, 10.0 * w, 5.0 * n, 20.0, 64 * w, 100)
+        for i, (n, w) in enumerate(loads)
+    ]
     for i in range(5):
-        assert policy.choose(req(f"r{i}"), candidates) in {c.backend_id for c in candidates}
+        chosen = policy.choose(req(f"r{i}"), candidates).backend_id
+        assert chosen in {c.backend_id for c in candidates}
 
 
 @settings(max_examples=100, deadline=None)

@@ -1,0 +1,112 @@
+"""Cost terms: what it would take, in milliseconds, to get a request's first token from
+each backend. The framework computes the terms; policies weigh and compare them.
+
+    cost_i = w_rtt * RTT_i + w_queue * Tqueue_i + Tprefill_i(uncached tokens)   (time form)
+    cost_i = w_rtt * RTT_i + uncached_tokens_i + w_queue * queued_tokens_i       (token form,
+                                                                  the GORGO paper's code)
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from ext_proc.profile import EngineProfile
+
+
+@dataclass(frozen=True)
+class Weights:
+    rtt: float
+    queue: float
+
+
+def time_cost_ms(w: Weights, rtt_ms: float, queue_ms: float, prefill_ms: float) -> float:
+    return w.rtt * rtt_ms + w.queue * queue_ms + prefill_ms
+
+
+def token_cost(w: Weights, rtt_ms: float, uncached_tokens: int, queued_tokens: int) -> float:
+    return w.rtt * rtt_ms + uncached_tokens + w.queue * queued_tokens
+
+
+class PrefillModel:
+    """Milliseconds to prefill U uncached tokens after C cached ones, on one backend:
+    base + per_token_ms * U * (1 + (C + U/2) / context_tokens) (the profile's form).
+
+    With refit on, the two coefficients are refitted by least squares from observed TTFTs
+    of requests that met no queue (TTFT - RTT = prefill), over the most recent samples.
+    """
+
+    # Samples kept for the fit, and how many are needed before it replaces the profile.
+    SAMPLES = 256
+    MIN_SAMPLES = 32
+
+    def __init__(self, profile: EngineProfile, refit: bool = False) -> None:
+        self.profile = profile
+        self.refit = refit
+        self.base_ms = profile.prefill_base_ms
+        self.per_token_ms = 1000.0 / profile.prefill_tokens_per_s
+        self._work: deque[float] = deque(maxlen=self.SAMPLES)
+        self._observed_ms: deque[float] = deque(maxlen=self.SAMPLES)
+
+    def _work_units(self, uncached: float, cached: float) -> float:
+        return uncached * (1 + (cached + uncached / 2) / self.profile.prefill_context_tokens)
+
+    def prefill_ms(self, uncached_tokens: int, cached_tokens: int) -> float:
+        if uncached_tokens <= 0:
+            return 0.0
+        # One base cost per chunk: a long prompt is prefilled in several steps.
+        chunks = -(-uncached_tokens // self.profile.chunk_tokens)
+        return chunks * self.base_ms + self.per_token_ms * self._work_units(
+            uncached_tokens, cached_tokens
+        )
+
+    def observe(self, uncached_tokens: int, cached_tokens: int, prefill_ms: float) -> None:
+        """A clean sample: the request met no queue, so TTFT - RTT was its prefill."""
+        if not self.refit or uncached_tokens <= 0:
+            return
+        chunks = -(-uncached_tokens // self.profile.chunk_tokens)
+        self._work.append(self._work_units(uncached_tokens, cached_tokens) / chunks)
+        self._observed_ms.append(prefill_ms / chunks)
+        if len(self._work) >= self.MIN_SAMPLES:
+            self._fit()
+
+    def _fit(self) -> None:
+        x = np.array(self._work)
+        y = np.array(self._observed_ms)
+        if np.ptp(x) <= 0:
+            return  # all samples alike: the slope is not identifiable
+        slope, intercept = np.polyfit(x, y, 1)
+        # Keep the fit physical: noise on few samples can give a negative base or slope.
+        if slope > 0:
+            self.per_token_ms = float(slope)
+            self.base_ms = float(max(0.0, intercept))
+
+
+@dataclass(frozen=True)
+class QueueItem:
+    """One request in flight on a backend, as the queue estimate needs it."""
+
+    prefill_ms: float
+    input_tokens: int
+    waiting_first_byte: bool
+    dispatched_s: float
+
+
+def queue_ms(
+    items: list[QueueItem], decode_step_ms: float, now_s: float, one_way_ms: float
+) -> float:
+    """Time a new request would wait on this backend before its own prefill starts.
+
+    Prefill runs before decode (FCFS), so the wait is the prefill still owed to requests
+    dispatched earlier and not yet past their first token, minus what the engine has done
+    since the oldest of them arrived, plus on average half a decode step already running.
+    """
+    pending = [it for it in items if it.waiting_first_byte]
+    if not pending:
+        return decode_step_ms / 2 if items else 0.0
+    owed_ms = sum(it.prefill_ms for it in pending)
+    oldest_arrival_s = min(it.dispatched_s for it in pending) + one_way_ms / 1000
+    done_ms = max(0.0, (now_s - oldest_arrival_s) * 1000)
+    return max(0.0, owed_ms - done_ms) + (decode_step_ms / 2 if len(items) > len(pending) else 0.0)

@@ -1,0 +1,235 @@
+"""GORGO's cost, its features, and how the policies use them."""
+
+import random
+from collections import Counter
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ext_proc.cost import PrefillModel, QueueItem, Weights, queue_ms, time_cost_ms, token_cost
+from ext_proc.parse import CHAT, parse_body
+from ext_proc.policy import RouteRequest
+from ext_proc.profile import load_profile
+from ext_proc.router import SETTLED_S, Router
+from ext_proc.state import OK, InFlight
+from tests.fakes import FakeClock
+from tests.unit.test_router import make_config
+
+PROFILE = load_profile()
+
+
+def chat(text: str, user: str | None = None) -> RouteRequest:
+    body = {"messages": [{"role": "user", "content": text}]}
+    if user:
+        body["user"] = user
+    import json
+
+    return RouteRequest(f"r{random.random()}", parse_body(CHAT, json.dumps(body).encode()), user)
+
+
+def router(policy: str = "gorgo", **extra: object) -> tuple[Router, FakeClock]:
+    clock = FakeClock()
+    cfg = make_config(
+        policy,
+        backends=[
+            {"id": "near", "address": "127.0.0.1:1", "rtt_prior_ms": 1},
+            {"id": "mid", "address": "127.0.0.1:2", "rtt_prior_ms": 90},
+            {"id": "far", "address": "127.0.0.1:3", "rtt_prior_ms": 180},
+        ],
+        **extra,
+    )
+    return Router(cfg, clock, random.Random(0)), clock
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.floats(0.05, 2),
+    st.floats(0.05, 2),
+    st.floats(0, 500),
+    st.floats(0, 5000),
+    st.floats(0, 5000),
+    st.integers(0, 100_000),
+    st.integers(0, 100_000),
+    st.integers(0, 50_000),
+)
+def test_cost_never_falls_when_queue_or_uncached_tokens_grow(
+    w_rtt: float, w_q: float, rtt: float, q1: float, q2: float, u1: int, u2: int, cached: int
+) -> None:
+    w = Weights(w_rtt, w_q)
+    model = PrefillModel(PROFILE)
+    lo_q, hi_q = sorted((q1, q2))
+    lo_u, hi_u = sorted((u1, u2))
+    p_lo, p_hi = model.prefill_ms(lo_u, cached), model.prefill_ms(hi_u, cached)
+    assert p_lo <= p_hi
+    assert time_cost_ms(w, rtt, lo_q, p_lo) <= time_cost_ms(w, rtt, hi_q, p_hi)
+    assert token_cost(w, rtt, lo_u, int(lo_q)) <= token_cost(w, rtt, hi_u, int(hi_q))
+
+
+def test_prefill_model_matches_the_profile_formula() -> None:
+    m = PrefillModel(PROFILE)
+    assert m.prefill_ms(10_000, 0) == pytest.approx(3 * 20 + 10_000 / 12 * (1 + 5_000 / 30_000))
+    assert m.prefill_ms(0, 5_000) == 0
+
+
+def test_prefill_refit_recovers_the_true_coefficients() -> None:
+    m = PrefillModel(PROFILE, refit=True)
+    rng = random.Random(0)
+    for _ in range(200):  # a faster GPU: 10 ms base, 20k tokens/s
+        u, c = rng.randrange(100, 4000), rng.randrange(0, 20_000)
+        work = u * (1 + (c + u / 2) / PROFILE.prefill_context_tokens)
+        m.observe(u, c, (10 + work / 20) * rng.uniform(0.98, 1.02))
+    assert m.base_ms == pytest.approx(10, abs=2)
+    assert m.per_token_ms == pytest.approx(0.05, rel=0.05)
+
+
+def test_queue_estimate_counts_prefill_still_owed() -> None:
+    item = QueueItem(prefill_ms=400, input_tokens=4000, waiting_first_byte=True, dispatched_s=10.0)
+    assert queue_ms([], 20, 10.0, 0) == 0
+    assert queue_ms([item], 20, 10.0, 0) == 400
+    assert queue_ms([item, item], 20, 10.1, 0) == pytest.approx(700)  # 100 ms done
+    decoding = QueueItem(0, 100, waiting_first_byte=False, dispatched_s=0)
+    assert queue_ms([decoding], 20, 10.0, 0) == 10  # half a decode step on average
+
+
+def test_equal_caches_and_load_the_nearest_wins() -> None:
+    r, _ = router()
+    for i in range(5):  # idle fleet, nothing cached anywhere: the nearest region
+        d = r.decide(chat(f"unique prompt {i} " * 50))
+        assert d.backend == "near"
+        near = next(c for c in d.candidates if c.backend_id == "near")
+        assert (near.rtt_ms, near.queue_ms, near.cached_tokens) == (1, 0, 0)
+        r.complete(d.request_id, OK)
+    # queued prefill on near: once it outweighs the RTT gap, the next region takes over
+    for i in range(20):
+        r.decide(chat(f"long document {i} " * 3000))
+    assert Counter(d.backend for d in r.recent)["mid"] > 0
+
+
+def test_a_session_follows_its_cache_unless_that_backend_is_overloaded() -> None:
+    r, clock = router()
+    history = "a long shared conversation so far. " * 400  # ~3.5k tokens
+    first = r.decide(chat(history))
+    r.first_byte(first.request_id)
+    r.complete(first.request_id, OK)
+    # second turn: the prefix is cached where the first went; even if that is not the
+    # nearest region, the cached prefill it saves outweighs the RTT
+    r.state.backends["near"].rtt_ms = 150  # make "near" no longer the obvious choice
+    second = r.decide(chat(history + " and one more question"))
+    assert second.backend == first.backend
+    held = next(c for c in second.candidates if c.backend_id == first.backend)
+    assert held.cached_tokens >= 3000 and held.uncached_tokens < 600
+    r.complete(second.request_id, OK)
+    # now that backend has 30 s of prefill queued: the session moves
+    for i in range(3):
+        r.state.dispatch(InFlight(f"load{i}", first.backend, clock(), 40_000, prefill_ms=10_000))
+    third = r.decide(chat(history + " and yet another question"))
+    assert third.backend != first.backend
+    held = next(c for c in third.candidates if c.backend_id == first.backend)
+    assert held.queue_ms > 25_000
+
+
+def test_suspect_backends_are_not_chosen_while_others_are_healthy() -> None:
+    r, _ = router()
+    for _ in range(2):
+        r.record_probe("near", None)
+    assert r.state.backends["near"].suspect
+    assert all(r.decide(chat(f"x{i}")).backend != "near" for i in range(20))
+    r.record_probe("near", 1.2)  # one success clears it
+    assert not r.state.backends["near"].suspect
+    for name in ("mid", "far"):
+        r.record_probe(name, None)
+        r.record_probe(name, None)
+    r.record_probe("near", None)
+    r.record_probe("near", None)
+    # every backend suspect: still route (to someone) rather than fail
+    assert r.decide(chat("y")).backend in {"near", "mid", "far"}
+
+
+def test_probes_smooth_rtt_after_replacing_the_prior() -> None:
+    r, _ = router()
+    r.record_probe("mid", 100)
+    assert r.state.backends["mid"].rtt_ms == 100  # first sample replaces the prior
+    r.record_probe("mid", 200)
+    assert r.state.backends["mid"].rtt_ms == pytest.approx(0.3 * 200 + 0.7 * 100)
+
+
+def test_near_ties_are_broken_at_random() -> None:
+    clock = FakeClock()
+    cfg = make_config(
+        "gorgo",
+        backends=[
+            {"id": f"b{i}", "address": f"127.0.0.1:{i + 1}", "rtt_prior_ms": 50} for i in range(3)
+        ],
+    )
+    r = Router(cfg, clock, random.Random(0))
+    counts = Counter()
+    for i in range(300):
+        d = r.decide(chat(f"p{i}"))
+        counts[d.backend] += 1
+        r.complete(d.request_id, OK)
+    assert set(counts) == {"b0", "b1", "b2"} and min(counts.values()) > 60
+
+
+def test_paper_token_form_uses_its_own_weights() -> None:
+    r, _ = router("gorgo_tokens")
+    d = r.decide(chat("hello " * 100))
+    assert d.policy == "gorgo_tokens"
+    near = next(c for c in d.candidates if c.backend_id == "near")
+    assert d.scores["near"] == pytest.approx(0.5 * 1 + near.uncached_tokens + 0.1 * 0)
+
+
+def test_session_affinity_is_sticky_and_spreads_sessions() -> None:
+    r, _ = router("session_affinity")
+    first = {u: r.decide(chat("hi", user=u)).backend for u in (f"user{i}" for i in range(30))}
+    again = {u: r.decide(chat("different text", user=u)).backend for u in first}
+    assert first == again
+    assert len(set(first.values())) == 3
+
+
+def test_prefix_cache_baseline_follows_the_match_until_imbalanced() -> None:
+    r, _ = router("prefix_cache")
+    doc = "shared document text. " * 300
+    home = r.decide(chat(doc)).backend
+    assert r.decide(chat(doc + "q1")).backend == home
+    for i in range(8):  # pile requests on home: imbalance
+        r.decide(RouteRequest(f"pile{i}", chat(doc + f"q{i}").llm, None))
+    assert r.decide(chat(doc + "last")).backend != home
+
+
+def test_decisions_explain_every_term_without_the_prompt() -> None:
+    r, _ = router()
+    r.decide(chat("secret words here " * 10))
+    snap = r.snapshot()
+    (d,) = snap["recent_decisions"]
+    for c in d["candidates"]:
+        assert {"rtt_ms", "queue_ms", "prefill_ms", "cached_tokens", "score"} <= set(c)
+    assert "secret" not in repr(snap)
+    assert snap["weights"] == {"rtt": 1.0, "queue": 1.0}
+
+
+def test_learn_cached_trims_only_settled_evidence() -> None:
+    r, clock = router()
+    doc, other = "document " * 2000, "other text " * 2000
+    d_other = r.decide(chat(other))
+    r.complete(d_other.request_id, OK)
+    clock.advance(1)
+    d1 = r.decide(chat(doc))
+    r.complete(d1.request_id, OK)
+    assert d1.backend == d_other.backend == "near"
+    other_blocks = r.prompt_blocks(chat(other))
+    clock.advance(SETTLED_S + 1)
+    d2 = r.decide(chat(doc))
+    assert d2.backend == "near"
+    rec = r.state.in_flight[d2.request_id]
+    assert rec.cached_tokens > 4000
+    # The engine reports nothing cached: it evicted doc's blocks, so `other`, used even
+    # earlier, is gone too (LRU). Doc's blocks stay: this very dispatch re-touched them
+    # and its prefill computes them.
+    dropped = r.learn_cached(rec, 0)
+    assert dropped == len(other_blocks) > 0
+    assert r.index.match(other_blocks)["near"] == 0
+    assert r.index.match(r.prompt_blocks(chat(doc)))["near"] == len(rec.blocks)
+    # a report right after a dispatch (prefill may still be running) is not evidence
+    d3 = r.decide(chat(doc + " more"))
+    assert r.learn_cached(r.state.in_flight[d3.request_id], 0) == 0
