@@ -186,6 +186,12 @@ def _bench_overhead(args: argparse.Namespace) -> int:
     return run_overhead_bench(requests=args.requests)
 
 
+def _bench_decide(args: argparse.Namespace) -> int:
+    from loadgen.bench_decide import run_decide_bench
+
+    return run_decide_bench(args.iterations)
+
+
 def _bench_engine(args: argparse.Namespace) -> int:
     from loadgen.bench_engine import run_engine_bench
 
@@ -318,6 +324,9 @@ def build_parser() -> argparse.ArgumentParser:
     b = bench.add_parser("overhead", help="Envoy alone vs Envoy + gorgo ext_proc")
     b.add_argument("--requests", type=int, default=500, help="requests per measurement")
     b.set_defaults(func=_bench_overhead)
+    b = bench.add_parser("decide", help="decision latency and prefix-index memory")
+    b.add_argument("--iterations", type=int, default=300, help="decisions per measurement")
+    b.set_defaults(func=_bench_decide)
     b = bench.add_parser("engine", help="live engine: emission lag vs the model, CPU per token")
     b.add_argument("--streams", type=int, default=64)
     b.add_argument("--output-tokens", type=int, default=256)

@@ -68,7 +68,15 @@ class PrefixIndex:
 
     def match(self, blocks: Hashes) -> dict[str, int]:
         """Per backend, how many leading blocks of the prompt it holds (one pass each)."""
-        return {b: _leading_true(s.positions(blocks)[1]) for b, s in self._backends.items()}
+        if not len(blocks):
+            return dict.fromkeys(self._backends, 0)
+        out = {}
+        for b, s in self._backends.items():
+            # Most backends do not hold a given prompt at all: one scalar probe settles it.
+            n = len(s.keys)
+            i = int(np.searchsorted(s.keys, blocks[0])) if n else 0
+            out[b] = _leading_true(s.positions(blocks)[1]) if i < n and s.keys[i] == blocks[0] else 0
+        return out
 
     def last_used_s(self, backend: str, blocks: Hashes) -> npt.NDArray[np.float64]:
         """When backend last used each of these blocks (held ones only, in order)."""
