@@ -8,6 +8,7 @@ benchmarks, so they all exercise the same wiring.
 from __future__ import annotations
 
 import ctypes
+import json
 import shutil
 import signal
 import socket
@@ -153,6 +154,11 @@ class StackSettings:
     # WAN links follow this RTT profile (emulator/wan.py: network, paper) when the region
     # is in it, with jitter; otherwise each link is a constant Region.rtt_ms.
     rtt_profile: str | None = None
+    # Give each WAN link an HTTP control port (GET/POST /rtt) to change its delay.
+    wan_control: bool = False
+    # Router settings the tests and benchmarks tune (see ext_proc/config.py).
+    probe_interval_s: float = 2.0
+    metrics_interval_s: float = 0.0
     seed: int = 0
 
     def backend_port(self, i: int) -> int:
@@ -165,6 +171,10 @@ class StackSettings:
                 "policy": self.policy,
                 "seed": self.seed,
                 "listen": {"grpc": f"127.0.0.1:{p.grpc}", "admin": f"127.0.0.1:{p.admin}"},
+                "probes": {
+                    "interval_s": self.probe_interval_s,
+                    "metrics_interval_s": self.metrics_interval_s,
+                },
                 "envoy": {
                     "listen": f"127.0.0.1:{p.front_door}",
                     "admin": f"127.0.0.1:{p.envoy_admin}",
@@ -198,6 +208,7 @@ class Stack:
             self.workdir = settings.workdir
             self.workdir.mkdir(parents=True, exist_ok=True)
         self.config = settings.gorgo_config()
+        self.wan_control_ports = free_ports(len(settings.regions)) if settings.wan_control else []
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self._logs: dict[str, IO[bytes]] = {}
 
@@ -217,6 +228,15 @@ class Stack:
 
     def engine_url(self, i: int) -> str:
         return f"http://127.0.0.1:{self.settings.ports.engine(i)}"
+
+    def set_rtt_ms(self, i: int, rtt_ms: float) -> None:
+        """Change region i's WAN delay at run time (needs wan_control)."""
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{self.wan_control_ports[i]}/rtt",
+            data=json.dumps({"rtt_ms": rtt_ms, "jitter_ms": 0}).encode(),
+            headers={"content-type": "application/json"},
+        )
+        urllib.request.urlopen(req, timeout=5).close()
 
     def ready_line(self) -> str:
         p = self.settings.ports
@@ -275,6 +295,8 @@ class Stack:
             if profile
             else ["--rtt-ms", str(r.rtt_ms)]
         )
+        if self.wan_control_ports:
+            delay += ["--control-port", str(self.wan_control_ports[i])]
         self._spawn(
             f"wan-{r.id}",
             self._gorgo(
@@ -337,6 +359,8 @@ class Stack:
                 time.sleep(0.05)
         for i in range(len(self.settings.regions)):
             wait_port(self.settings.backend_port(i), deadline)
+        for port in self.wan_control_ports:
+            wait_port(port, deadline)
 
     def wait_router_ready(self, timeout_s: float = 15.0) -> None:
         deadline = time.monotonic() + timeout_s

@@ -75,7 +75,9 @@ class PrefixIndex:
             # Most backends do not hold a given prompt at all: one scalar probe settles it.
             n = len(s.keys)
             i = int(np.searchsorted(s.keys, blocks[0])) if n else 0
-            out[b] = _leading_true(s.positions(blocks)[1]) if i < n and s.keys[i] == blocks[0] else 0
+            out[b] = (
+                _leading_true(s.positions(blocks)[1]) if i < n and s.keys[i] == blocks[0] else 0
+            )
         return out
 
     def last_used_s(self, backend: str, blocks: Hashes) -> npt.NDArray[np.float64]:

@@ -24,6 +24,9 @@ from ext_proc.tokens import APPROX, BYTES_PER_TOKEN, Tokenizer
 
 # How many recent decisions /state shows.
 RECENT_DECISIONS = 8
+# Weight of a new dispatch in a backend's mean prefill estimate (prices engine-reported
+# queue lengths): about the last 20 requests.
+PREFILL_EWMA = 0.05
 # A block the router believed cached for this long that the engine no longer had was
 # evicted (any prefill that could still be computing it is long over): see `learn_cached`.
 SETTLED_S = 30.0
@@ -139,11 +142,11 @@ class Router:
         fresh = (
             b.metrics_at_s is not None and now_s - b.metrics_at_s <= self.cfg.probes.metrics_stale_s
         )
-        if fresh and items:
-            # The engine's own queue count, priced at the mean prefill we owe per request
-            # there: catches load we did not route (other routers, direct clients).
-            per_request_ms = sum(it.prefill_ms for it in items) / len(items)
-            own_ms = max(own_ms, b.metrics_queue_reqs * per_request_ms)
+        if fresh:
+            # The engine's own count of requests waiting, priced at the mean prefill of
+            # what we sent there lately: catches load we did not route (other routers,
+            # direct clients).
+            own_ms = max(own_ms, b.metrics_queue_reqs * b.mean_prefill_ms)
         return own_ms
 
     # -- decisions ------------------------------------------------------------------------
@@ -178,6 +181,8 @@ class Router:
         )
         self.state.dispatch(rec)
         self.index.insert(chosen.backend_id, blocks, now_s)
+        b = self.state.backends[chosen.backend_id]
+        b.mean_prefill_ms += PREFILL_EWMA * (chosen.prefill_ms - b.mean_prefill_ms)
         decision = Decision(
             request.request_id,
             chosen.backend_id,

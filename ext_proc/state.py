@@ -62,6 +62,8 @@ class BackendState:
     metrics_queue_reqs: float = 0.0
     metrics_running_reqs: float = 0.0
     metrics_at_s: float | None = None
+    # Running mean of the prefill estimates of requests sent here (ms).
+    mean_prefill_ms: float = 100.0
     recent_ttft_ms: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_SAMPLES))
     recent_e2e_ms: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_SAMPLES))
     # This backend's share of the in-flight table.
