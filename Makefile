@@ -50,7 +50,9 @@ check: lint types test
 bench-overhead: venv
 	$(VENV)/bin/gorgo bench overhead
 
-bench: bench-overhead
+# The paper's experiment in the simulator: regenerates docs/results.md and its figures.
+bench: venv
+	$(VENV)/bin/gorgo bench results
 
 clean:
 	rm -rf $(VENV) ext_proc/proto/*_pb2.py ext_proc/proto/*_pb2.pyi .pytest_cache .mypy_cache

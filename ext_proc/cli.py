@@ -186,6 +186,43 @@ def _bench_overhead(args: argparse.Namespace) -> int:
     return run_overhead_bench(requests=args.requests)
 
 
+def _simulate(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from loadgen.sim_cli import run_simulate_command
+    from loadgen.simulate import SimSettings
+    from loadgen.traces import TraceError, read_trace
+
+    try:
+        trace = read_trace(args.trace)
+        base = SimSettings(
+            rtt_profile=args.rtt_profile, engine_profile=args.engine_profile, seed=args.seed
+        )
+        base.config()  # validates the profiles before hours of simulation
+    except (TraceError, ValueError) as e:
+        print(f"gorgo simulate: {e}", file=sys.stderr)
+        return 2
+    return run_simulate_command(
+        trace,
+        args.policy or ["gorgo"],
+        args.time_scale or [1.0],
+        Path(args.out),
+        base,
+        args.start_s,
+        args.duration_s,
+        args.limit,
+        str(args.trace),
+    )
+
+
+def _bench_results(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from loadgen.bench_results import run_results_bench
+
+    return run_results_bench(args.trace, Path(args.out), Path(args.img), Path(args.work))
+
+
 def _bench_decide(args: argparse.Namespace) -> int:
     from loadgen.bench_decide import run_decide_bench
 
@@ -204,6 +241,10 @@ def _bench_engine_model(args: argparse.Namespace) -> int:
     from emulator.calibrate import run_calibration
 
     return run_calibration(args.profile, Path(args.out), args.requests)
+
+
+# The conversation trace beside the checkout (shared/ sits next to the project).
+DEFAULT_TRACE = "../shared/traces/mooncake-fast25/conversation_trace.jsonl"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -319,11 +360,37 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--policy", default="gorgo", choices=policies)
     s.set_defaults(func=_demo)
 
+    s = sub.add_parser(
+        "simulate",
+        help="replay a trace offline on a virtual clock, policies side by side",
+        description="The same router and engine model as the live fleet, on a virtual "
+        "clock: one result file per policy and time_scale, summary.md and figures in --out.",
+    )
+    s.add_argument("trace", help="Mooncake or ART-Chat JSONL trace")
+    s.add_argument("--policy", action="append", choices=policies, help="repeatable")
+    s.add_argument(
+        "--time-scale", action="append", type=float, help="repeatable; 2 = half the rate"
+    )
+    s.add_argument("--rtt-profile", default="network", choices=["network", "paper"])
+    s.add_argument("--engine-profile", default="l40s-qwen3.5-35b-a3b-fp8")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--start-s", type=float, default=0.0, help="window start (trace time)")
+    s.add_argument("--duration-s", type=float, default=None, help="window length")
+    s.add_argument("--limit", type=int, default=None, help="at most this many requests")
+    s.add_argument("--out", default="out/sim", help="output directory")
+    s.set_defaults(func=_simulate)
+
     s = sub.add_parser("bench", help="benchmarks")
     bench = s.add_subparsers(dest="bench", required=True, metavar="BENCH")
     b = bench.add_parser("overhead", help="Envoy alone vs Envoy + gorgo ext_proc")
     b.add_argument("--requests", type=int, default=500, help="requests per measurement")
     b.set_defaults(func=_bench_overhead)
+    b = bench.add_parser("results", help="the paper's experiment in the simulator")
+    b.add_argument("--trace", default=DEFAULT_TRACE, help="Mooncake conversation trace")
+    b.add_argument("--out", default="docs/results.md")
+    b.add_argument("--img", default="docs/img")
+    b.add_argument("--work", default="out/bench", help="result files of every run")
+    b.set_defaults(func=_bench_results)
     b = bench.add_parser("decide", help="decision latency and prefix-index memory")
     b.add_argument("--iterations", type=int, default=300, help="decisions per measurement")
     b.set_defaults(func=_bench_decide)

@@ -11,7 +11,7 @@ import random
 import zlib
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ext_proc.config import Config
@@ -89,6 +89,8 @@ class Router:
     # -- features -----------------------------------------------------------------------
 
     def prompt_blocks(self, request: RouteRequest) -> Hashes:
+        if request.blocks is not None:
+            return as_hashes(list(request.blocks))
         if request.llm is None:
             return as_hashes([])
         return as_hashes(
@@ -154,9 +156,7 @@ class Router:
     def decide(self, request: RouteRequest) -> Decision:
         """Choose a backend and record the dispatch."""
         if not request.affinity_key:
-            request = RouteRequest(
-                request.request_id, request.llm, request.session_key, self.affinity_key(request)
-            )
+            request = replace(request, affinity_key=self.affinity_key(request))
         blocks = self.prompt_blocks(request)
         candidates = self.candidates(request, blocks)
         choice = self.policy.choose(request, candidates)

@@ -42,6 +42,10 @@ def chat_body(content: str, max_tokens: int, stream: bool = True, **extra: Any) 
     }
 
 
+CHAT_PATH = "/v1/chat/completions"
+COMPLETIONS_PATH = "/v1/completions"
+
+
 async def send_chat(
     session: aiohttp.ClientSession,
     url: str,
@@ -50,13 +54,30 @@ async def send_chat(
     headers: dict[str, str] | None = None,
     timeout_s: float = 600.0,
 ) -> Result:
-    """POST a chat request; TTFT is the first content token, ITL the gaps between chunks."""
+    """POST a chat request (see send_stream)."""
+    return await send_stream(session, url, CHAT_PATH, body, request_id, headers, timeout_s)
+
+
+async def send_stream(
+    session: aiohttp.ClientSession,
+    url: str,
+    path: str,
+    body: dict[str, Any],
+    request_id: str,
+    headers: dict[str, str] | None = None,
+    timeout_s: float = 600.0,
+) -> Result:
+    """POST an OpenAI request (chat or completions) and time it as a user would see it:
+    TTFT at the first chunk with content (`choices[0].delta.content` for chat,
+    `choices[0].text` for completions), ITL the gaps between content chunks, E2E at the
+    end of the stream. Failures (HTTP status, connection, timeout, a malformed or cut-off
+    stream) are returned in `error`, never raised."""
     result = Result(request_id)
     start = time.perf_counter()
     last: float | None = None
     try:
         async with session.post(
-            f"{url}/v1/chat/completions",
+            f"{url}{path}",
             json=body,
             headers=headers or {},
             timeout=aiohttp.ClientTimeout(total=timeout_s),
@@ -64,34 +85,50 @@ async def send_chat(
             result.status = resp.status
             result.backend = resp.headers.get(HEADER_BACKEND, "")
             if resp.status != 200:
-                result.error = (await resp.text())[:200]
+                text = (await resp.text()).strip()[:200]
+                result.error = f"HTTP {resp.status}: {text}" if text else f"HTTP {resp.status}"
                 return result
             if not body.get("stream"):
                 data = await resp.json()
                 result.ttft_ms = (time.perf_counter() - start) * 1e3
                 _usage(result, data.get("usage"))
                 return result
+            done = False
             async for raw in resp.content:
                 line = raw.strip()
                 if not line.startswith(b"data:"):
                     continue
                 payload = line[5:].strip()
                 if payload == b"[DONE]":
+                    done = True
                     break
                 chunk = json.loads(payload)
                 now = time.perf_counter()
-                if chunk.get("choices") and chunk["choices"][0].get("delta", {}).get("content"):
+                if _has_content(chunk):
                     if result.ttft_ms is None:
                         result.ttft_ms = (now - start) * 1e3
                     elif last is not None:
                         result.itl_ms.append((now - last) * 1e3)
                     last = now
                 _usage(result, chunk.get("usage"))
+            if not done:
+                result.error = "stream ended before data: [DONE]"
     except (TimeoutError, aiohttp.ClientError) as e:
-        result.error = f"{type(e).__name__}: {e}"
+        result.error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+    except ValueError as e:  # a chunk that is not JSON, an over-long SSE line
+        result.error = f"bad response stream: {e}"
     finally:
         result.e2e_ms = (time.perf_counter() - start) * 1e3
     return result
+
+
+def _has_content(chunk: Any) -> bool:
+    choices = chunk.get("choices") if isinstance(chunk, dict) else None
+    if not choices or not isinstance(choices[0], dict):
+        return False
+    choice = choices[0]
+    delta = choice.get("delta")
+    return bool(choice.get("text") or (isinstance(delta, dict) and delta.get("content")))
 
 
 def _usage(result: Result, usage: Any) -> None:

@@ -53,6 +53,9 @@ class RouteRequest:
     session_key: str | None
     # What session_affinity hashes: the session key, else a digest of the prompt's head.
     affinity_key: str = ""
+    # The prompt's prefix-block hashes when the caller already has them (the simulator
+    # derives them from a trace's block ids); None: the router hashes the prompt text.
+    blocks: Any = None
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,133 @@
+"""The result schema shared by `gorgo replay` and `gorgo simulate` (DESIGN section 5).
+
+    {"meta": {...},
+     "summary": {"requests", "ok", "errors",
+                 "ttft_ms": {p50, p90, p95, p99, mean}, "e2e_ms": {...}, "itl_ms": {...},
+                 "cache_hit_rate"},
+     "requests": [{"id", "backend", "ttft_ms", "e2e_ms", "input_tokens", "output_tokens",
+                   "cached_tokens", "status", "error"}, ...]}
+
+ITL statistics are over every inter-token gap of every successful request.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+QUANTILES = (50, 90, 95, 99)
+
+
+@dataclass
+class RequestResult:
+    id: str
+    backend: str = ""
+    ttft_ms: float | None = None
+    e2e_ms: float | None = None
+    input_tokens: int = 0
+    output_tokens: int = 0
+    cached_tokens: int = 0
+    status: str = "ok"
+    error: str = ""
+    # Not in the file: inter-token gaps feed the ITL summary.
+    itl_ms: list[float] = field(default_factory=list, repr=False)
+
+    def row(self) -> dict[str, Any]:
+        out = asdict(self)
+        del out["itl_ms"]
+        for key in ("ttft_ms", "e2e_ms"):
+            if out[key] is not None:
+                out[key] = round(out[key], 3)
+        return out
+
+
+def stats(values: Sequence[float] | np.ndarray) -> dict[str, float | None]:
+    arr = np.asarray(values, dtype=float)
+    if not len(arr):
+        empty: dict[str, float | None] = {f"p{q}": None for q in QUANTILES}
+        empty["mean"] = None
+        return empty
+    out: dict[str, float | None] = {
+        f"p{q}": round(float(np.percentile(arr, q)), 3) for q in QUANTILES
+    }
+    out["mean"] = round(float(arr.mean()), 3)
+    return out
+
+
+def summarize(
+    results: Sequence[RequestResult], itl_ms: Iterable[float] | None = None
+) -> dict[str, Any]:
+    ok = [r for r in results if r.status == "ok"]
+    gaps = list(itl_ms) if itl_ms is not None else [g for r in ok for g in r.itl_ms]
+    prompt = sum(r.input_tokens for r in ok)
+    return {
+        "requests": len(results),
+        "ok": len(ok),
+        "errors": len(results) - len(ok),
+        "ttft_ms": stats([r.ttft_ms for r in ok if r.ttft_ms is not None]),
+        "e2e_ms": stats([r.e2e_ms for r in ok if r.e2e_ms is not None]),
+        "itl_ms": stats(gaps),
+        "cache_hit_rate": round(sum(r.cached_tokens for r in ok) / prompt, 4) if prompt else None,
+    }
+
+
+def write_result(
+    path: str | Path,
+    results: Sequence[RequestResult],
+    meta: dict[str, Any],
+    itl_ms: Iterable[float] | None = None,
+) -> dict[str, Any]:
+    doc = {
+        "meta": meta,
+        "summary": summarize(results, itl_ms),
+        "requests": [r.row() for r in results],
+    }
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_suffix(p.suffix + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=1))
+    tmp.replace(p)  # atomic: a reader never sees half a file
+    return doc
+
+
+def write_csv(path: str | Path, results: Sequence[RequestResult]) -> None:
+    with Path(path).open("w", newline="") as f:
+        fields = list(RequestResult("x").row())
+        w = csv.DictWriter(f, fieldnames=fields)
+        w.writeheader()
+        for r in results:
+            w.writerow(r.row())
+
+
+def read_result(path: str | Path) -> dict[str, Any]:
+    doc: dict[str, Any] = json.loads(Path(path).read_text())
+    return doc
+
+
+def fmt(v: float | None, digits: int = 0) -> str:
+    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.{digits}f}"
+
+
+def table(rows: Sequence[tuple[str, dict[str, Any]]]) -> str:
+    """A markdown table: one row per (label, summary)."""
+    head = (
+        "| run | requests | errors | TTFT p50 | TTFT p95 | TTFT p99 | E2E p50 | E2E p95 | "
+        "E2E p99 | ITL p50 | cache hit |\n|---|---|---|---|---|---|---|---|---|---|---|"
+    )
+    lines = [head]
+    for label, s in rows:
+        t, e, i = s["ttft_ms"], s["e2e_ms"], s["itl_ms"]
+        hit = s.get("cache_hit_rate")
+        lines.append(
+            f"| {label} | {s['requests']} | {s['errors']} | {fmt(t['p50'])} | {fmt(t['p95'])} | "
+            f"{fmt(t['p99'])} | {fmt(e['p50'])} | {fmt(e['p95'])} | {fmt(e['p99'])} | "
+            f"{fmt(i['p50'], 1)} | {'-' if hit is None else f'{hit:.1%}'} |"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,170 @@
+"""`gorgo simulate`: every policy side by side on a trace, on a virtual clock.
+
+Writes one result file per policy and time_scale (the shared schema), `summary.md` with
+the side-by-side table, and figures: the TTFT CDF per policy (per time_scale) and p95
+TTFT / p95 E2E against time_scale.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from loadgen.results import read_result, table, write_result
+from loadgen.simulate import SimSettings, simulate
+from loadgen.traces import TraceRequest, window
+
+
+def run_simulations(
+    trace: Sequence[TraceRequest],
+    policies: Sequence[str],
+    time_scales: Sequence[float],
+    out_dir: Path,
+    base: SimSettings,
+    label: str = "",
+) -> dict[tuple[str, float], dict[str, Any]]:
+    """Simulate each (policy, time_scale); write the result files; return their summaries."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    summaries: dict[tuple[str, float], dict[str, Any]] = {}
+    for ts in time_scales:
+        for policy in policies:
+            settings = SimSettings(
+                policy=policy,
+                time_scale=ts,
+                rtt_profile=base.rtt_profile,
+                engine_profile=base.engine_profile,
+                seed=base.seed,
+                regions=base.regions,
+                router=base.router,
+            )
+            t0 = time.perf_counter()
+            res = simulate(trace, settings)
+            wall_s = time.perf_counter() - t0
+            meta = {
+                "mode": "simulate",
+                "label": label,
+                "policy": policy,
+                "time_scale": ts,
+                "rtt_profile": base.rtt_profile,
+                "engine_profile": base.engine_profile,
+                "seed": base.seed,
+                "requests": len(trace),
+                "wall_s": round(wall_s, 2),
+            }
+            doc = write_result(out_dir / f"{policy}-ts{ts:g}.json", res.requests, meta, res.itl_ms)
+            summaries[(policy, ts)] = doc["summary"]
+            s = doc["summary"]
+            print(
+                f"  {policy:<16} time_scale {ts:<4g} TTFT p50/p95 {s['ttft_ms']['p50']:.0f}/"
+                f"{s['ttft_ms']['p95']:.0f} ms  E2E p95 {s['e2e_ms']['p95']:.0f} ms  "
+                f"({wall_s:.1f} s)",
+                file=sys.stderr,
+                flush=True,
+            )
+    return summaries
+
+
+def summary_markdown(
+    summaries: dict[tuple[str, float], dict[str, Any]], title: str, note: str = ""
+) -> str:
+    scales = sorted({ts for _, ts in summaries})
+    parts = [f"## {title}\n"]
+    if note:
+        parts.append(note + "\n")
+    for ts in scales:
+        rows = [(p, s) for (p, t), s in summaries.items() if t == ts]
+        parts.append(f"time_scale {ts:g} (ms):\n\n{table(rows)}\n")
+    return "\n".join(parts)
+
+
+def write_figures(out_dir: Path, summaries: dict[tuple[str, float], dict[str, Any]]) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    paths: list[Path] = []
+    policies = sorted({p for p, _ in summaries})
+    scales = sorted({ts for _, ts in summaries})
+    for ts in scales:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for p in policies:
+            doc = read_result(out_dir / f"{p}-ts{ts:g}.json")
+            ttft = np.sort([r["ttft_ms"] for r in doc["requests"] if r["ttft_ms"] is not None])
+            ax.plot(ttft / 1000, np.linspace(0, 1, len(ttft)), label=p)
+        ax.set_xscale("log")
+        ax.set_xlabel("TTFT (s)")
+        ax.set_ylabel("share of requests")
+        ax.set_title(f"TTFT CDF, time_scale {ts:g}")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        paths.append(out_dir / f"ttft-cdf-ts{ts:g}.png")
+        fig.savefig(paths[-1], dpi=100)
+        plt.close(fig)
+    if len(scales) > 1:
+        fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+        for p in policies:
+            axes[0].plot(
+                scales,
+                [summaries[(p, ts)]["ttft_ms"]["p95"] / 1000 for ts in scales],
+                marker="o",
+                label=p,
+            )
+            axes[1].plot(
+                scales,
+                [summaries[(p, ts)]["e2e_ms"]["p95"] / 1000 for ts in scales],
+                marker="o",
+                label=p,
+            )
+        for ax, what in zip(axes, ("TTFT", "E2E"), strict=True):
+            ax.set_xlabel("time_scale (larger = lighter load)")
+            ax.set_ylabel(f"p95 {what} (s)")
+            ax.set_yscale("log")
+            ax.grid(alpha=0.3)
+        axes[0].legend(fontsize=8)
+        fig.tight_layout()
+        paths.append(out_dir / "p95-vs-time-scale.png")
+        fig.savefig(paths[-1], dpi=100)
+        plt.close(fig)
+    return paths
+
+
+def run_simulate_command(
+    trace: Sequence[TraceRequest],
+    policies: Sequence[str],
+    time_scales: Sequence[float],
+    out_dir: Path,
+    base: SimSettings,
+    start_s: float,
+    duration_s: float | None,
+    limit: int | None,
+    trace_name: str,
+) -> int:
+    sliced = window(trace, start_s, duration_s, limit)
+    if not sliced:
+        print("gorgo simulate: the window holds no requests", file=sys.stderr)
+        return 2
+    print(
+        f"simulating {len(sliced)} requests x {len(policies)} policies x "
+        f"{len(time_scales)} time_scales...",
+        file=sys.stderr,
+    )
+    summaries = run_simulations(sliced, policies, time_scales, out_dir, base)
+    note = (
+        f"Trace `{trace_name}`, window start {start_s:g} s, "
+        f"{'whole' if duration_s is None else f'{duration_s:g} s'}"
+        f"{'' if limit is None else f', at most {limit} requests'} ({len(sliced)} requests); "
+        f"RTT profile `{base.rtt_profile}`, engine profile `{base.engine_profile}`, seed "
+        f"{base.seed}."
+    )
+    md = summary_markdown(summaries, "Simulated policies side by side", note)
+    (out_dir / "summary.md").write_text(md)
+    print(md)
+    for p in write_figures(out_dir, summaries):
+        print(f"wrote {p}", file=sys.stderr)
+    return 0
