@@ -1,0 +1,77 @@
+"""The offline simulator: complete, deterministic, and driving the real router."""
+
+from pathlib import Path
+
+import pytest
+
+from loadgen.results import summarize
+from loadgen.simulate import SimSettings, simulate
+from loadgen.traces import read_trace, scaled, synthetic, window
+
+SLICE = Path(__file__).resolve().parents[2] / "loadgen/data/mooncake-conversation-head400.jsonl"
+
+
+@pytest.fixture(scope="module")
+def trace():  # type: ignore[no-untyped-def]
+    return window(read_trace(SLICE), limit=150)
+
+
+def test_every_request_completes_with_sane_timings(trace) -> None:  # type: ignore[no-untyped-def]
+    res = simulate(trace, SimSettings(policy="gorgo", time_scale=3.0))
+    assert [r.id for r in res.requests] == [r.id for r in trace]
+    for r, t in zip(res.requests, trace, strict=True):
+        assert r.status == "ok" and r.backend in {"us-ashburn", "eu-frankfurt", "ap-seoul"}
+        assert r.ttft_ms is not None and r.e2e_ms is not None
+        assert 0 < r.ttft_ms <= r.e2e_ms
+        assert (r.input_tokens, r.output_tokens) == (t.input_tokens, t.output_tokens)
+        assert 0 <= r.cached_tokens < r.input_tokens
+    # the router's books are closed: nothing left in flight
+    assert not res.router.state.in_flight
+    assert sum(b.completed for b in res.router.state.backends.values()) == len(trace)
+    assert len(res.itl_ms) == sum(t.output_tokens - 1 for t in trace)
+
+
+def test_deterministic_for_a_seed(trace) -> None:  # type: ignore[no-untyped-def]
+    def run(seed: int) -> list[tuple[str, float | None]]:
+        res = simulate(trace[:60], SimSettings(policy="gorgo", time_scale=3.0, seed=seed))
+        return [(r.backend, r.ttft_ms) for r in res.requests]
+
+    assert run(1) == run(1)
+    assert run(1) != run(2)
+
+
+def test_lighter_load_lowers_ttft(trace) -> None:  # type: ignore[no-untyped-def]
+    heavy = summarize(simulate(trace, SimSettings(policy="least_request", time_scale=1.0)).requests)
+    light = summarize(simulate(trace, SimSettings(policy="least_request", time_scale=6.0)).requests)
+    assert light["ttft_ms"]["p95"] < heavy["ttft_ms"]["p95"]
+
+
+def test_cache_aware_policies_reuse_prefixes() -> None:
+    # 30 sessions of 4 turns, each turn carrying its history: a cache-aware router hits
+    trace = synthetic(sessions=30, turns=4, rate_rps=1.0, system_tokens=512, turn_tokens=1500)
+    hits = {}
+    for policy in ("gorgo", "session_affinity", "random"):
+        res = simulate(trace, SimSettings(policy=policy, time_scale=1.0))
+        hits[policy] = summarize(res.requests)["cache_hit_rate"]
+    assert hits["gorgo"] > hits["random"] + 0.1
+    assert hits["session_affinity"] > hits["random"] + 0.1
+
+
+def test_the_paper_rtt_profile_slows_distant_regions(trace) -> None:  # type: ignore[no-untyped-def]
+    net = simulate(
+        trace[:40], SimSettings(policy="round_robin", time_scale=6.0, rtt_profile="network")
+    )
+    paper = simulate(
+        trace[:40], SimSettings(policy="round_robin", time_scale=6.0, rtt_profile="paper")
+    )
+    seoul = [
+        (a.ttft_ms, b.ttft_ms)
+        for a, b in zip(net.requests, paper.requests, strict=True)
+        if a.backend == "ap-seoul"
+    ]
+    assert seoul and all(b > a for a, b in seoul if a is not None and b is not None)
+
+
+def test_scaled_stretches_arrivals() -> None:
+    t = synthetic(sessions=3, turns=2)
+    assert [r.arrival_s * 2 for r in t] == [r.arrival_s for r in scaled(t, 2)]
