@@ -186,6 +186,28 @@ def _bench_overhead(args: argparse.Namespace) -> int:
     return run_overhead_bench(requests=args.requests)
 
 
+def _replay(args: argparse.Namespace) -> int:
+    from loadgen.replay import ReplayOptions, run_replay
+
+    return run_replay(
+        ReplayOptions(
+            trace=args.trace,
+            url=args.url,
+            api=args.api,
+            time_scale=args.time_scale,
+            max_concurrency=args.max_concurrency,
+            start_s=args.start_s,
+            duration_s=args.duration_s,
+            limit=args.limit,
+            out=args.out,
+            csv=args.csv,
+            plot=args.plot,
+            timeout_s=args.timeout_s,
+            progress=not args.quiet,
+        )
+    )
+
+
 def _simulate(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -359,6 +381,41 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--concurrency", type=int, default=8)
     s.add_argument("--policy", default="gorgo", choices=policies)
     s.set_defaults(func=_demo)
+
+    s = sub.add_parser(
+        "replay",
+        help="replay a trace live against an OpenAI endpoint (open loop)",
+        description="Send a trace's requests at their arrival times (times --time-scale), "
+        "streaming, whether or not earlier ones finished; only --max-concurrency holds a "
+        "request back, and how late it went out (slip) is recorded. Mooncake rows get "
+        "synthesized prompts of their exact token counts; ART-Chat rows send their own "
+        "body. Exit code 1 if every request failed, 2 for a bad trace or option.",
+    )
+    s.add_argument("trace", help="Mooncake or ART-Chat JSONL trace")
+    s.add_argument("--url", required=True, help="endpoint, e.g. http://127.0.0.1:10000")
+    s.add_argument(
+        "--api",
+        default="completions",
+        choices=["completions", "chat"],
+        help="Mooncake rows go to /v1/completions or /v1/chat/completions",
+    )
+    s.add_argument("--time-scale", type=float, default=1.0, metavar="X", help="2 = half the rate")
+    s.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=256,
+        metavar="N",
+        help="at most N requests in flight; later arrivals wait (slip)",
+    )
+    s.add_argument("--start-s", type=float, default=0.0, help="window start (trace time)")
+    s.add_argument("--duration-s", type=float, default=None, help="window length (trace time)")
+    s.add_argument("--limit", type=int, default=None, help="at most this many requests")
+    s.add_argument("--out", metavar="FILE.json", help="result file (the shared schema)")
+    s.add_argument("--csv", metavar="FILE.csv", help="one row per request")
+    s.add_argument("--plot", metavar="FILE.png", help="TTFT CDF and TTFT over time")
+    s.add_argument("--timeout-s", type=float, default=600.0, help="per-request timeout")
+    s.add_argument("--quiet", action="store_true", help="no progress line on stderr")
+    s.set_defaults(func=_replay)
 
     s = sub.add_parser(
         "simulate",

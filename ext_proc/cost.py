@@ -89,24 +89,62 @@ class QueueItem:
     """One request in flight on a backend, as the queue estimate needs it."""
 
     prefill_ms: float
-    input_tokens: int
-    waiting_first_byte: bool
+    # KV the request holds until it finishes: prompt + expected output tokens.
+    kv_tokens: int
+    output_tokens: int
     dispatched_s: float
+    # None while it waits for its first token.
+    first_byte_s: float | None
+
+    def remaining_ms(self, now_s: float, step_ms: float) -> float:
+        """Until it finishes and frees its KV."""
+        if self.first_byte_s is None:
+            return self.prefill_ms + self.output_tokens * step_ms
+        done = (now_s - self.first_byte_s) * 1000 / step_ms if step_ms > 0 else self.output_tokens
+        return max(0.0, self.output_tokens - done) * step_ms
 
 
 def queue_ms(
-    items: list[QueueItem], decode_step_ms: float, now_s: float, one_way_ms: float
+    items: list[QueueItem],
+    decode_step_ms: float,
+    now_s: float,
+    one_way_ms: float,
+    kv_capacity_tokens: int,
+    need_kv_tokens: int,
 ) -> float:
     """Time a new request would wait on this backend before its own prefill starts.
 
     Prefill runs before decode (FCFS), so the wait is the prefill still owed to requests
-    dispatched earlier and not yet past their first token, minus what the engine has done
-    since the oldest of them arrived, plus on average half a decode step already running.
+    dispatched earlier and not yet past their first token (the oldest one credited with
+    the time since it arrived, never more than its own prefill: an engine blocked on KV
+    makes no progress), plus on average half a decode step already running.
+    When the KV pool cannot hold the new request next to what is in flight, it is not
+    admitted until enough requests finish: the wait is at least that long.
     """
-    pending = [it for it in items if it.waiting_first_byte]
-    if not pending:
-        return decode_step_ms / 2 if items else 0.0
-    owed_ms = sum(it.prefill_ms for it in pending)
-    oldest_arrival_s = min(it.dispatched_s for it in pending) + one_way_ms / 1000
-    done_ms = max(0.0, (now_s - oldest_arrival_s) * 1000)
-    return max(0.0, owed_ms - done_ms) + (decode_step_ms / 2 if len(items) > len(pending) else 0.0)
+    pending = [it for it in items if it.first_byte_s is None]
+    half_step_ms = decode_step_ms / 2 if len(items) > len(pending) else 0.0
+    prefill_wait_ms = 0.0
+    if pending:
+        head = min(pending, key=lambda it: it.dispatched_s)
+        elapsed_ms = max(0.0, (now_s - head.dispatched_s) * 1000 - one_way_ms)
+        others_ms = sum(it.prefill_ms for it in pending) - head.prefill_ms
+        prefill_wait_ms = others_ms + max(0.0, head.prefill_ms - elapsed_ms)
+    return max(
+        prefill_wait_ms + half_step_ms,
+        kv_wait_ms(items, decode_step_ms, now_s, kv_capacity_tokens, need_kv_tokens),
+    )
+
+
+def kv_wait_ms(
+    items: list[QueueItem], step_ms: float, now_s: float, capacity_tokens: int, need_tokens: int
+) -> float:
+    """How long until the requests finishing first free enough KV for need_tokens."""
+    excess = sum(it.kv_tokens for it in items) + need_tokens - capacity_tokens
+    if excess <= 0:
+        return 0.0
+    freed, wait_ms = 0, 0.0
+    for remaining_ms, kv in sorted((it.remaining_ms(now_s, step_ms), it.kv_tokens) for it in items):
+        freed, wait_ms = freed + kv, remaining_ms
+        if freed >= excess:
+            break
+    return wait_ms

@@ -24,6 +24,8 @@ from ext_proc.tokens import APPROX, BYTES_PER_TOKEN, Tokenizer
 
 # How many recent decisions /state shows.
 RECENT_DECISIONS = 8
+# Output budget assumed when a request names no max tokens (KV and decode estimates).
+DEFAULT_OUTPUT_TOKENS = 256
 # Weight of a new dispatch in a backend's mean prefill estimate (prices engine-reported
 # queue lengths): about the last 20 requests.
 PREFILL_EWMA = 0.05
@@ -97,6 +99,11 @@ class Router:
             self.tokenizer.block_hashes(request.llm.prompt, self.cfg.routing.block_tokens)
         )
 
+    def output_tokens(self, request: RouteRequest) -> int:
+        """The request's output budget (its max tokens), else a typical chat answer."""
+        llm = request.llm
+        return llm.max_output_tokens if llm and llm.max_output_tokens else DEFAULT_OUTPUT_TOKENS
+
     def affinity_key(self, request: RouteRequest) -> str:
         if request.session_key:
             return request.session_key
@@ -108,6 +115,7 @@ class Router:
     def candidates(self, request: RouteRequest, blocks: Hashes) -> tuple[Candidate, ...]:
         now_s = self.clock()
         input_tokens = request.llm.input_tokens if request.llm else 0
+        need_kv = input_tokens + self.output_tokens(request)
         matched = self.index.match(blocks)
         bt = self.cfg.routing.block_tokens
         healthy = [b for b in self.state.backends.values() if not b.suspect]
@@ -123,7 +131,7 @@ class Router:
                     waiting_first_byte=b.waiting_first_byte,
                     queued_tokens=b.queued_tokens,
                     rtt_ms=b.rtt_ms,
-                    queue_ms=self.queue_ms(b.id, now_s),
+                    queue_ms=self.queue_ms(b.id, now_s, need_kv),
                     prefill_ms=self.prefill[b.id].prefill_ms(uncached, cached),
                     cached_tokens=cached,
                     uncached_tokens=uncached,
@@ -131,16 +139,23 @@ class Router:
             )
         return tuple(out)
 
-    def queue_ms(self, backend: str, now_s: float) -> float:
+    def queue_ms(self, backend: str, now_s: float, need_kv_tokens: int = 0) -> float:
         b = self.state.backends[backend]
         profile = self.profiles[backend]
         items = [
-            QueueItem(r.prefill_ms, r.input_tokens, r.first_byte_s is None, r.dispatched_s)
+            QueueItem(
+                r.prefill_ms,
+                r.input_tokens + r.output_tokens,
+                r.output_tokens,
+                r.dispatched_s,
+                r.first_byte_s,
+            )
             for r in b.records.values()
         ]
         decoding = [r for r in b.records.values() if r.first_byte_s is not None]
         step_ms = profile.decode_ms(len(decoding), sum(r.input_tokens for r in decoding))
-        own_ms = queue_ms(items, step_ms, now_s, b.rtt_ms / 2)
+        capacity = self.index.capacity_blocks[backend] * self.cfg.routing.block_tokens
+        own_ms = queue_ms(items, step_ms, now_s, b.rtt_ms / 2, capacity, need_kv_tokens)
         fresh = (
             b.metrics_at_s is not None and now_s - b.metrics_at_s <= self.cfg.probes.metrics_stale_s
         )
@@ -172,6 +187,7 @@ class Router:
             backend=chosen.backend_id,
             dispatched_s=now_s,
             input_tokens=chosen.cached_tokens + chosen.uncached_tokens,
+            output_tokens=self.output_tokens(request),
             cached_tokens=chosen.cached_tokens,
             prefill_ms=chosen.prefill_ms,
             rtt_ms=chosen.rtt_ms,

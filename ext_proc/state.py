@@ -29,6 +29,7 @@ class InFlight:
     backend: str
     dispatched_s: float
     input_tokens: int
+    output_tokens: int = 0
     cached_tokens: int = 0
     # The decision's estimates, kept to learn from the outcome.
     prefill_ms: float = 0.0

@@ -83,13 +83,29 @@ def test_prefill_refit_recovers_the_true_coefficients() -> None:
     assert m.per_token_ms == pytest.approx(0.05, rel=0.05)
 
 
+BIG_KV = 10**9
+
+
 def test_queue_estimate_counts_prefill_still_owed() -> None:
-    item = QueueItem(prefill_ms=400, input_tokens=4000, waiting_first_byte=True, dispatched_s=10.0)
-    assert queue_ms([], 20, 10.0, 0) == 0
-    assert queue_ms([item], 20, 10.0, 0) == 400
-    assert queue_ms([item, item], 20, 10.1, 0) == pytest.approx(700)  # 100 ms done
-    decoding = QueueItem(0, 100, waiting_first_byte=False, dispatched_s=0)
-    assert queue_ms([decoding], 20, 10.0, 0) == 10  # half a decode step on average
+    item = QueueItem(
+        prefill_ms=400, kv_tokens=4100, output_tokens=100, dispatched_s=10.0, first_byte_s=None
+    )
+    assert queue_ms([], 20, 10.0, 0, BIG_KV, 100) == 0
+    assert queue_ms([item], 20, 10.0, 0, BIG_KV, 100) == 400
+    assert queue_ms([item, item], 20, 10.1, 0, BIG_KV, 100) == pytest.approx(700)  # 100 ms done
+    # long past its own prefill (blocked engine): the head owes nothing, the rest is owed
+    assert queue_ms([item, item], 20, 30.0, 0, BIG_KV, 100) == pytest.approx(400)
+    decoding = QueueItem(0, 200, 100, dispatched_s=0, first_byte_s=9.0)
+    assert queue_ms([decoding], 20, 10.0, 0, BIG_KV, 100) == 10  # half a decode step
+
+
+def test_a_full_kv_pool_waits_for_the_first_finishers() -> None:
+    # two decoding requests hold 6k tokens each of an 12k pool; a 3k-token request must
+    # wait until one of them finishes: the one with 10 tokens left (10 steps of 20 ms)
+    soon = QueueItem(0, 6000, 500, dispatched_s=0.0, first_byte_s=100.0 - 490 * 0.02)
+    later = QueueItem(0, 6000, 500, dispatched_s=0.0, first_byte_s=100.0 - 100 * 0.02)
+    assert queue_ms([soon, later], 20, 100.0, 0, 12_000, 3000) == pytest.approx(200)
+    assert queue_ms([soon, later], 20, 100.0, 0, 20_000, 3000) == 10  # fits: no wait
 
 
 def test_equal_caches_and_load_the_nearest_wins() -> None:
