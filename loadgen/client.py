@@ -24,6 +24,8 @@ class Result:
     output_tokens: int = 0
     input_tokens: int = 0
     cached_tokens: int = 0
+    # Chunks that carried content (output tokens when the server reports no usage).
+    chunks: int = 0
     error: str = ""
 
     @property
@@ -62,7 +64,7 @@ async def send_stream(
     session: aiohttp.ClientSession,
     url: str,
     path: str,
-    body: dict[str, Any],
+    body: dict[str, Any] | bytes,
     request_id: str,
     headers: dict[str, str] | None = None,
     timeout_s: float = 600.0,
@@ -70,16 +72,19 @@ async def send_stream(
     """POST an OpenAI request (chat or completions) and time it as a user would see it:
     TTFT at the first chunk with content (`choices[0].delta.content` for chat,
     `choices[0].text` for completions), ITL the gaps between content chunks, E2E at the
-    end of the stream. Failures (HTTP status, connection, timeout, a malformed or cut-off
-    stream) are returned in `error`, never raised."""
+    end of the stream. `body` is a JSON object, or one already encoded (a load generator
+    encodes ahead of the send time). A JSON response is a whole answer; anything else is
+    read as a server-sent event stream. Failures (HTTP status, connection, timeout, a
+    malformed or cut-off stream) are returned in `error`, never raised."""
     result = Result(request_id)
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
     start = time.perf_counter()
     last: float | None = None
     try:
         async with session.post(
             f"{url}{path}",
-            json=body,
-            headers=headers or {},
+            data=data,
+            headers={"content-type": "application/json", **(headers or {})},
             timeout=aiohttp.ClientTimeout(total=timeout_s),
         ) as resp:
             result.status = resp.status
@@ -88,10 +93,10 @@ async def send_stream(
                 text = (await resp.text()).strip()[:200]
                 result.error = f"HTTP {resp.status}: {text}" if text else f"HTTP {resp.status}"
                 return result
-            if not body.get("stream"):
-                data = await resp.json()
+            if resp.content_type == "application/json":
+                whole = await resp.json()
                 result.ttft_ms = (time.perf_counter() - start) * 1e3
-                _usage(result, data.get("usage"))
+                _usage(result, whole.get("usage"))
                 return result
             done = False
             async for raw in resp.content:
@@ -105,6 +110,7 @@ async def send_stream(
                 chunk = json.loads(payload)
                 now = time.perf_counter()
                 if _has_content(chunk):
+                    result.chunks += 1
                     if result.ttft_ms is None:
                         result.ttft_ms = (now - start) * 1e3
                     elif last is not None:
@@ -115,7 +121,7 @@ async def send_stream(
                 result.error = "stream ended before data: [DONE]"
     except (TimeoutError, aiohttp.ClientError) as e:
         result.error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-    except ValueError as e:  # a chunk that is not JSON, an over-long SSE line
+    except (ValueError, TypeError) as e:  # a chunk that is not JSON, an over-long line
         result.error = f"bad response stream: {e}"
     finally:
         result.e2e_ms = (time.perf_counter() - start) * 1e3

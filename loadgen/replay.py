@@ -1,0 +1,619 @@
+"""`gorgo replay`: live, open-loop replay of a trace against an OpenAI endpoint.
+
+Open loop on the trace's clock: request i is sent at start + arrival_i * time_scale,
+whether or not earlier requests have finished. The one exception is the concurrency cap
+(as in the GORGO paper's client): while `max_concurrency` requests are in flight, the next
+one waits for a free slot, in arrival order, and how late it went out (its *slip*) is
+recorded. Slip also catches a client that cannot keep up (a busy event loop).
+
+Pure core (no sockets, no clock of its own): `build_request` turns a trace row into an
+HTTP request, `OpenLoop` decides who may be sent when, `simulate_open_loop` drives it on
+a virtual clock, `Progress` renders the status line. The asyncio shell (`replay`,
+`run_replay`) adds sockets and timers; results use the shared schema of
+`loadgen.results`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import heapq
+import itertools
+import json
+import math
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, TextIO
+
+import aiohttp
+
+from ext_proc.names import HEADER_SESSION
+from loadgen.client import CHAT_PATH, COMPLETIONS_PATH, Result, percentile, send_stream
+from loadgen.results import RequestResult, summarize, table, write_csv, write_result
+from loadgen.traces import PromptSynth, TraceError, TraceRequest, read_trace, scaled, window
+
+APIS = ("completions", "chat")
+# The paper's client capped in-flight requests; 256 matches one engine's
+# max_running_requests, far above what a 3-region fleet serves at time_scale 1.
+DEFAULT_MAX_CONCURRENCY = 256
+# A user-visible refresh rate that costs nothing next to the streams.
+PROGRESS_INTERVAL_S = 0.25
+# Bodies are synthesized and JSON-encoded ahead of their send time on a worker thread:
+# in a burst (Mooncake has 10-16 rows on one timestamp) each request's own CPU work would
+# delay every later one (measured at 17 req/s: slip p95 25 ms without, 9 ms with). Bodies
+# for the next 2 s of the schedule, at most 256 of them (256 x a 126k-token prompt is
+# the worst case: ~130 MB; Mooncake's mean prompt makes it ~12 MB).
+PREPARE_AHEAD_S = 2.0
+PREPARE_AHEAD_MAX = 256
+DEFAULT_TIMEOUT_S = 600.0
+
+
+# ---------------------------------------------------------------------------------------
+# Requests.
+
+
+@dataclass(frozen=True)
+class HttpRequest:
+    path: str
+    body: dict[str, Any]
+    headers: dict[str, str]
+
+    def encoded(self) -> Encoded:
+        return Encoded(self.path, json.dumps(self.body).encode(), self.headers)
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """A request ready to go: its JSON body already encoded (done ahead of time)."""
+
+    path: str
+    data: bytes
+    headers: dict[str, str]
+
+
+def build_request(r: TraceRequest, api: str, synth: PromptSynth) -> HttpRequest:
+    """The request a trace row sends. Mooncake rows: a synthesized prompt of exactly
+    r.input_tokens tokens, r.output_tokens out (ignore_eos), to /v1/completions, or as one
+    user message to /v1/chat/completions. ART-Chat rows send their own chat body. Always
+    streamed with a usage chunk; the session rides in `x-session-id`."""
+    if api not in APIS:
+        raise ValueError(f"api must be one of {', '.join(APIS)}, got {api!r}")
+    headers = {HEADER_SESSION: r.session}
+    stream = {"stream": True, "stream_options": {"include_usage": True}}
+    if r.body is not None:
+        body = {**r.body, **stream, "max_tokens": r.output_tokens}
+        options = r.body.get("stream_options")
+        if isinstance(options, dict):
+            body["stream_options"] = {**options, "include_usage": True}
+        if "max_completion_tokens" in body:
+            body["max_completion_tokens"] = r.output_tokens
+        return HttpRequest(CHAT_PATH, body, headers)
+    text = synth.prompt(r)
+    common = {"model": "default", "max_tokens": r.output_tokens, "ignore_eos": True, **stream}
+    if api == "chat":
+        return HttpRequest(
+            CHAT_PATH, {**common, "messages": [{"role": "user", "content": text}]}, headers
+        )
+    return HttpRequest(COMPLETIONS_PATH, {**common, "prompt": text}, headers)
+
+
+# ---------------------------------------------------------------------------------------
+# Scheduling: pure, on whatever clock the caller passes in (seconds since the start).
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    index: int  # position in the schedule
+    due_s: float
+    sent_s: float
+    # Waited for a free slot: the cap was full at its due time.
+    throttled: bool
+
+    @property
+    def slip_s(self) -> float:
+        return self.sent_s - self.due_s
+
+
+class OpenLoop:
+    """Who may be sent when. Requests go in order, each at its due time or, while
+    max_concurrency are in flight, at the first completion after it."""
+
+    def __init__(self, due_s: Sequence[float], max_concurrency: int) -> None:
+        if max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
+        if any(b < a for a, b in itertools.pairwise(due_s)):
+            raise ValueError("due times must be sorted")
+        self.due_s = list(due_s)
+        self.max_concurrency = max_concurrency
+        self.in_flight = 0
+        self.next = 0  # index of the next request to send
+        # The next request was due while the cap was full: it waits for a slot.
+        self._next_waited = False
+
+    @property
+    def pending(self) -> int:
+        return len(self.due_s) - self.next
+
+    def wait_s(self, now_s: float) -> float | None:
+        """Seconds until the next request may go (0: now); None when everything was sent
+        or the cap is full (the next completion changes that)."""
+        if self.next >= len(self.due_s) or self.in_flight >= self.max_concurrency:
+            return None
+        return max(0.0, self.due_s[self.next] - now_s)
+
+    def send(self, now_s: float) -> Dispatch:
+        if self.wait_s(now_s) != 0.0:
+            raise RuntimeError("nothing may be sent now")
+        i, due = self.next, self.due_s[self.next]
+        throttled, self._next_waited = self._next_waited, False
+        self.next += 1
+        self.in_flight += 1
+        return Dispatch(i, due, max(now_s, due), throttled)
+
+    def done(self, now_s: float) -> None:
+        """A request finished (any outcome): its slot is free."""
+        if self.in_flight <= 0:
+            raise RuntimeError("done() without a request in flight")
+        # Only a completion ends a full cap: if the next request was already due then,
+        # it waited for this slot.
+        if (
+            self.in_flight == self.max_concurrency
+            and self.next < len(self.due_s)
+            and self.due_s[self.next] < now_s
+        ):
+            self._next_waited = True
+        self.in_flight -= 1
+
+
+def simulate_open_loop(
+    due_s: Sequence[float], service_s: Sequence[float], max_concurrency: int
+) -> list[Dispatch]:
+    """Drive OpenLoop on a virtual clock: request i takes service_s[i] once sent. What the
+    live replay would do with perfectly punctual timers (tests, what-if on a trace)."""
+    loop = OpenLoop(due_s, max_concurrency)
+    finishing: list[float] = []
+    out: list[Dispatch] = []
+    now = 0.0
+    while loop.pending:
+        wait = loop.wait_s(now)
+        if wait == 0.0:
+            d = loop.send(now)
+            out.append(d)
+            heapq.heappush(finishing, now + service_s[d.index])
+            continue
+        timer = math.inf if wait is None else loop.due_s[loop.next]  # exact: no now + wait
+        if finishing and finishing[0] <= timer:
+            now = heapq.heappop(finishing)
+            loop.done(now)
+        else:
+            now = timer
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# Progress line.
+
+
+@dataclass
+class Progress:
+    total: int
+    duration_s: float  # the schedule's last due time
+    done: int = 0
+    errors: int = 0
+    in_flight: int = 0
+    ttft_ms: list[float] = field(default_factory=list)
+    slip_ms: list[float] = field(default_factory=list)
+
+    def sent(self, slip_s: float) -> None:
+        self.in_flight += 1
+        self.slip_ms.append(slip_s * 1e3)
+
+    def finished(self, ok: bool, ttft_ms: float | None) -> None:
+        self.in_flight -= 1
+        self.done += 1
+        if not ok:
+            self.errors += 1
+        elif ttft_ms is not None:
+            self.ttft_ms.append(ttft_ms)
+
+    def line(self, elapsed_s: float) -> str:
+        def ms(values: list[float], q: float) -> str:
+            return "-" if not values else f"{percentile(values, q):.0f}"
+
+        slip_max = f"{max(self.slip_ms):.0f}" if self.slip_ms else "-"
+        return (
+            f"replay {self.done}/{self.total} done | {self.in_flight} in flight | "
+            f"{self.errors} errors | TTFT p50 {ms(self.ttft_ms, 50)} p95 {ms(self.ttft_ms, 95)} "
+            f"ms | slip p95 {ms(self.slip_ms, 95)} max {slip_max} ms | "
+            f"{elapsed_s:.0f}/{self.duration_s:.0f} s"
+        )
+
+
+# ---------------------------------------------------------------------------------------
+# The asyncio shell.
+
+
+@dataclass
+class Sent:
+    request: TraceRequest
+    dispatch: Dispatch
+    # When the POST started (after the body was ready), seconds since the start; slip is
+    # measured to here.
+    sent_s: float
+    result: RequestResult
+
+    @property
+    def slip_s(self) -> float:
+        return self.sent_s - self.dispatch.due_s
+
+
+@dataclass
+class ReplayRun:
+    sent: list[Sent]
+    planned: int
+    started_at: str
+    wall_s: float
+    interrupted: bool
+
+    @property
+    def results(self) -> list[RequestResult]:
+        return [s.result for s in self.sent]
+
+
+def to_result(r: TraceRequest, res: Result) -> RequestResult:
+    """Client measurements -> a result row. Token counts are the server's usage report
+    (output falls back to content chunks when it sends none)."""
+    return RequestResult(
+        id=r.id,
+        backend=res.backend,
+        ttft_ms=res.ttft_ms,
+        e2e_ms=res.e2e_ms,
+        input_tokens=res.input_tokens,
+        output_tokens=res.output_tokens or res.chunks,
+        cached_tokens=res.cached_tokens,
+        status="ok" if res.ok else "error",
+        error="" if res.ok else (res.error or f"HTTP {res.status}"),
+        itl_ms=res.itl_ms,
+    )
+
+
+class _Writer:
+    """The progress line: `\\r`-refreshed on stderr, at most every PROGRESS_INTERVAL_S."""
+
+    def __init__(self, out: TextIO | None) -> None:
+        self.out = out
+        self._width = 0
+
+    def show(self, text: str) -> None:
+        if self.out is None:
+            return
+        self.out.write("\r" + text.ljust(self._width))
+        self.out.flush()
+        self._width = len(text)
+
+    def end(self) -> None:
+        if self.out is not None and self._width:
+            self.out.write("\n")
+            self.out.flush()
+
+
+async def replay(
+    trace: Sequence[TraceRequest],
+    url: str,
+    *,
+    api: str = "completions",
+    max_concurrency: int = DEFAULT_MAX_CONCURRENCY,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    progress: TextIO | None = None,
+    stop: asyncio.Event | None = None,
+) -> ReplayRun:
+    """Send `trace` (arrivals already windowed and scaled) to `url`, open loop. Setting
+    `stop` ends the run early: nothing more is sent, requests in flight are cancelled and
+    recorded as errors."""
+    loop = asyncio.get_running_loop()
+    stop = stop or asyncio.Event()
+    due = [r.arrival_s for r in trace]
+    plan = OpenLoop(due, max_concurrency)
+    status = Progress(len(trace), due[-1] if due else 0.0)
+    writer = _Writer(progress)
+    synth = PromptSynth()
+    freed = asyncio.Event()  # a slot came free (or stop was asked)
+    sent: list[Sent] = []
+    tasks: set[asyncio.Task[None]] = set()
+    prepared: dict[int, asyncio.Future[Encoded]] = {}
+    started_at = datetime.now(UTC).isoformat(timespec="seconds")
+    pool = ThreadPoolExecutor(1, thread_name_prefix="gorgo-replay-prompts")
+    next_prepare = 0
+    t0 = 0.0
+
+    def now_s() -> float:
+        return loop.time() - t0
+
+    def prepare_ahead(horizon_s: float) -> None:
+        nonlocal next_prepare
+        while (
+            next_prepare < len(trace)
+            and next_prepare - plan.next < PREPARE_AHEAD_MAX
+            and due[next_prepare] <= horizon_s
+        ):
+            r = trace[next_prepare]
+            prepared[next_prepare] = loop.run_in_executor(pool, prepare, r)
+            next_prepare += 1
+
+    def prepare(r: TraceRequest) -> Encoded:
+        return build_request(r, api, synth).encoded()
+
+    async def body_for(i: int) -> Encoded:
+        fut = prepared.pop(i, None)
+        return await fut if fut is not None else prepare(trace[i])
+
+    async def one(session: aiohttp.ClientSession, d: Dispatch) -> None:
+        r = trace[d.index]
+        item: Sent | None = None
+        try:
+            req = await body_for(d.index)
+            item = Sent(r, d, now_s(), RequestResult(r.id))
+            status.sent(item.slip_s)
+            res = await send_stream(session, url, req.path, req.data, r.id, req.headers, timeout_s)
+        except asyncio.CancelledError:
+            res = Result(r.id, error="cancelled: the replay was interrupted")
+        except Exception as e:  # building the body failed; keep the run going
+            res = Result(r.id, error=f"cannot build the request: {e}")
+        finally:
+            plan.done(now_s())
+            freed.set()
+        if item is None:  # never got as far as the POST
+            item = Sent(r, d, now_s(), RequestResult(r.id))
+            status.sent(item.slip_s)
+        item.result = to_result(r, res)
+        sent.append(item)
+        status.finished(item.result.status == "ok", item.result.ttft_ms)
+
+    async def ticker() -> None:
+        while True:
+            writer.show(status.line(max(0.0, now_s())))
+            await asyncio.sleep(PROGRESS_INTERVAL_S)
+
+    async def pause(event: asyncio.Event, timeout: float | None) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(event.wait(), timeout)
+
+    stopper = asyncio.ensure_future(stop.wait())
+    stopper.add_done_callback(lambda _: freed.set())
+    wall0 = time.perf_counter()
+    connector = aiohttp.TCPConnector(limit=max_concurrency)
+    try:
+        async with aiohttp.ClientSession(connector=connector) as session:
+            # The first bodies are ready before the clock starts.
+            prepare_ahead(PREPARE_AHEAD_S)
+            if prepared:
+                await asyncio.wait(list(prepared.values()))
+            t0 = loop.time()
+            tick = asyncio.ensure_future(ticker())
+            try:
+                while plan.pending and not stop.is_set():
+                    prepare_ahead(now_s() + PREPARE_AHEAD_S)
+                    wait = plan.wait_s(now_s())
+                    if wait == 0.0:
+                        task = asyncio.ensure_future(one(session, plan.send(now_s())))
+                        tasks.add(task)
+                        task.add_done_callback(tasks.discard)
+                    elif wait is None:
+                        freed.clear()
+                        await freed.wait()
+                    else:
+                        # Wake at the due time, or earlier to keep bodies prepared ahead.
+                        await pause(stop, min(wait, PREPARE_AHEAD_S / 2))
+                while tasks and not stop.is_set():
+                    await asyncio.wait({*tasks, stopper}, return_when=asyncio.FIRST_COMPLETED)
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+            finally:
+                tick.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await tick
+                writer.show(status.line(max(0.0, now_s())))
+                writer.end()
+    finally:
+        stopper.cancel()
+        for fut in prepared.values():
+            fut.cancel()
+        pool.shutdown(wait=False, cancel_futures=True)
+    sent.sort(key=lambda s: s.dispatch.index)
+    return ReplayRun(
+        sent=sent,
+        planned=len(trace),
+        started_at=started_at,
+        wall_s=time.perf_counter() - wall0,
+        interrupted=stop.is_set(),
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# Outputs.
+
+
+def slip_summary(run: ReplayRun) -> dict[str, float | int | None]:
+    slips = [s.slip_s * 1e3 for s in run.sent]
+    return {
+        "p50": round(percentile(slips, 50), 3) if slips else None,
+        "p95": round(percentile(slips, 95), 3) if slips else None,
+        "max": round(max(slips), 3) if slips else None,
+        "throttled": sum(s.dispatch.throttled for s in run.sent),
+    }
+
+
+def plot_run(path: str | Path, run: ReplayRun, title: str) -> None:
+    """TTFT CDF (left) and TTFT over the run (right; errors as red marks at the bottom)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [s for s in run.sent if s.result.status == "ok" and s.result.ttft_ms is not None]
+    ttft_s = sorted(s.result.ttft_ms / 1e3 for s in ok if s.result.ttft_ms is not None)
+    fig, (cdf, over) = plt.subplots(1, 2, figsize=(11, 4))
+    if ttft_s:
+        cdf.plot(ttft_s, [(i + 1) / len(ttft_s) for i in range(len(ttft_s))])
+    cdf.set_xlabel("TTFT (s)")
+    cdf.set_ylabel("fraction of requests")
+    cdf.set_title("TTFT CDF")
+    cdf.grid(alpha=0.3)
+    over.scatter(
+        [s.sent_s for s in ok],
+        [s.result.ttft_ms / 1e3 for s in ok if s.result.ttft_ms is not None],
+        s=6,
+        alpha=0.6,
+        label="ok",
+    )
+    failed = [s.sent_s for s in run.sent if s.result.status != "ok"]
+    if failed:
+        over.scatter(failed, [0.0] * len(failed), s=12, marker="x", color="red", label="error")
+        over.legend()
+    over.set_xlabel("send time (s since start)")
+    over.set_ylabel("TTFT (s)")
+    over.set_title("TTFT over time")
+    over.grid(alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(p, dpi=120)
+    plt.close(fig)
+
+
+@dataclass(frozen=True)
+class ReplayOptions:
+    trace: str
+    url: str
+    api: str = "completions"
+    time_scale: float = 1.0
+    max_concurrency: int = DEFAULT_MAX_CONCURRENCY
+    start_s: float = 0.0
+    duration_s: float | None = None
+    limit: int | None = None
+    out: str | None = None
+    csv: str | None = None
+    plot: str | None = None
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    progress: bool = True
+
+    def problems(self) -> list[str]:
+        out = []
+        if not self.url.startswith(("http://", "https://")):
+            out.append(f"--url must start with http:// or https://, got {self.url!r}")
+        if self.api not in APIS:
+            out.append(f"--api must be one of {', '.join(APIS)}, got {self.api!r}")
+        if not (self.time_scale > 0 and math.isfinite(self.time_scale)):
+            out.append(f"--time-scale must be > 0, got {self.time_scale}")
+        if self.max_concurrency < 1:
+            out.append(f"--max-concurrency must be >= 1, got {self.max_concurrency}")
+        if not self.start_s >= 0:
+            out.append(f"--start-s must be >= 0, got {self.start_s}")
+        if self.duration_s is not None and not self.duration_s > 0:
+            out.append(f"--duration-s must be > 0, got {self.duration_s}")
+        if self.limit is not None and self.limit < 1:
+            out.append(f"--limit must be >= 1, got {self.limit}")
+        if not self.timeout_s > 0:
+            out.append(f"--timeout-s must be > 0, got {self.timeout_s}")
+        return out
+
+
+def run_replay(opts: ReplayOptions, stdout: TextIO | None = None) -> int:
+    """`gorgo replay`. Exit codes: 0 done (some requests may have failed), 1 every request
+    failed, 2 bad options or trace, 130 interrupted (partial results are still written)."""
+    stdout = stdout or sys.stdout
+    problems = opts.problems()
+    if problems:
+        print(f"gorgo replay: {'; '.join(problems)}", file=sys.stderr)
+        return 2
+    try:
+        trace = read_trace(opts.trace)
+    except TraceError as e:
+        print(f"gorgo replay: {e}", file=sys.stderr)
+        return 2
+    chosen = window(trace, opts.start_s, opts.duration_s, opts.limit)
+    if not chosen:
+        print(
+            f"gorgo replay: {opts.trace}: no requests in the window (start {opts.start_s} s, "
+            f"duration {opts.duration_s} s)",
+            file=sys.stderr,
+        )
+        return 2
+    schedule = scaled(chosen, opts.time_scale)
+
+    async def main() -> ReplayRun:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        handled: list[signal.Signals] = []
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+                loop.add_signal_handler(sig, stop.set)
+                handled.append(sig)
+        try:
+            return await replay(
+                schedule,
+                opts.url.rstrip("/"),
+                api=opts.api,
+                max_concurrency=opts.max_concurrency,
+                timeout_s=opts.timeout_s,
+                progress=sys.stderr if opts.progress else None,
+                stop=stop,
+            )
+        finally:
+            for sig in handled:
+                loop.remove_signal_handler(sig)
+
+    run = asyncio.run(main())
+    results = run.results
+    slip = slip_summary(run)
+    meta = {
+        "tool": "gorgo replay",
+        "trace": str(opts.trace),
+        "url": opts.url,
+        "api": opts.api,
+        "time_scale": opts.time_scale,
+        "window": {"start_s": opts.start_s, "duration_s": opts.duration_s, "limit": opts.limit},
+        "max_concurrency": opts.max_concurrency,
+        "started_at": run.started_at,
+        "requests_planned": run.planned,
+        "requests_sent": len(run.sent),
+        "interrupted": run.interrupted,
+        "slip_ms": slip,
+        "wall_s": round(run.wall_s, 3),
+    }
+    if opts.out:
+        write_result(opts.out, results, meta)
+    if opts.csv:
+        write_csv(opts.csv, results)
+    label = f"{Path(opts.trace).name} x{opts.time_scale:g}"
+    if opts.plot:
+        plot_run(opts.plot, run, f"{label} -> {opts.url}")
+    print(table([(label, summarize(results))]), file=stdout)
+    print(
+        f"slip p50 {slip['p50']} ms, p95 {slip['p95']} ms, max {slip['max']} ms; "
+        f"{slip['throttled']} requests waited for a slot (max concurrency "
+        f"{opts.max_concurrency}); wall {run.wall_s:.1f} s",
+        file=stdout,
+    )
+    if run.interrupted:
+        print(
+            f"gorgo replay: interrupted after {len(run.sent)}/{run.planned} requests",
+            file=sys.stderr,
+        )
+        return 130
+    failed = [r for r in results if r.status != "ok"]
+    if results and len(failed) == len(results):
+        print(
+            f"gorgo replay: every request failed, e.g. {failed[0].error} (is {opts.url} up?)",
+            file=sys.stderr,
+        )
+        return 1
+    return 0

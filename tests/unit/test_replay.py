@@ -1,0 +1,201 @@
+"""The replay's pure core: requests from trace rows, open-loop scheduling and slip."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from ext_proc.tokens import count_tokens
+from loadgen.client import Result
+from loadgen.replay import (
+    OpenLoop,
+    Progress,
+    ReplayOptions,
+    build_request,
+    simulate_open_loop,
+    to_result,
+)
+from loadgen.traces import PromptSynth, TraceRequest
+
+
+def sent(due: list[float], service: list[float], cap: int) -> list[tuple[float, bool]]:
+    return [(d.sent_s, d.throttled) for d in simulate_open_loop(due, service, cap)]
+
+
+def test_open_loop_never_waits_for_earlier_requests() -> None:
+    # a 10 s request does not hold back the ones after it
+    assert sent([0.0, 0.1, 0.2], [10.0, 1.0, 1.0], cap=8) == [
+        (0.0, False),
+        (0.1, False),
+        (0.2, False),
+    ]
+
+
+def test_a_full_cap_holds_arrivals_until_a_slot_frees_in_order() -> None:
+    ds = simulate_open_loop([0.0, 0.0, 0.0], [1.0, 1.0, 1.0], max_concurrency=1)
+    assert [(d.index, d.sent_s, d.throttled) for d in ds] == [
+        (0, 0.0, False),
+        (1, 1.0, True),
+        (2, 2.0, True),
+    ]
+    assert [d.slip_s for d in ds] == [0.0, 1.0, 2.0]
+    # cap 2: the third arrival waits for the first completion, the fourth is on time
+    assert sent([0.0, 0.5, 0.6, 3.0], [1.0, 1.0, 1.0, 1.0], cap=2) == [
+        (0.0, False),
+        (0.5, False),
+        (1.0, True),
+        (3.0, False),
+    ]
+
+
+def test_an_arrival_at_the_instant_a_slot_frees_is_on_time() -> None:
+    assert sent([0.0, 1.0], [1.0, 1.0], cap=1) == [(0.0, False), (1.0, False)]
+
+
+@given(
+    st.lists(st.tuples(st.floats(0, 5), st.floats(0.01, 3)), min_size=1, max_size=40),
+    st.integers(1, 5),
+)
+def test_schedule_invariants(rows: list[tuple[float, float]], cap: int) -> None:
+    due = sorted(a for a, _ in rows)
+    service = [s for _, s in rows]
+    ds = simulate_open_loop(due, service, cap)
+    assert [d.index for d in ds] == list(range(len(due)))  # all, in arrival order
+    finish = [d.sent_s + service[d.index] for d in ds]
+    for d in ds:
+        assert d.sent_s >= d.due_s and d.slip_s >= 0
+        running = sum(1 for e in ds[: d.index] if finish[e.index] > d.sent_s)
+        assert running < cap  # a slot was free when it went
+        # with punctual timers, only the cap makes a request late, and then it goes
+        # the instant a slot frees
+        assert d.throttled == (d.slip_s > 0)
+        if d.throttled:
+            assert d.sent_s in finish[: d.index]
+    if cap >= len(due):
+        assert all(d.slip_s == 0 for d in ds)
+
+
+def test_open_loop_rejects_misuse() -> None:
+    with pytest.raises(ValueError, match="max_concurrency"):
+        OpenLoop([0.0], 0)
+    with pytest.raises(ValueError, match="sorted"):
+        OpenLoop([1.0, 0.0], 1)
+    plan = OpenLoop([1.0], 1)
+    assert plan.wait_s(0.25) == 0.75
+    with pytest.raises(RuntimeError):
+        plan.send(0.5)  # not due yet
+    with pytest.raises(RuntimeError):
+        plan.done(0.5)  # nothing in flight
+    plan.send(1.0)
+    assert plan.wait_s(1.0) is None and plan.pending == 0
+
+
+def mooncake_row(n_in: int = 1300, n_out: int = 17) -> TraceRequest:
+    return TraceRequest(3, 0.0, n_in, n_out, (0, 5, 6), 512, "s5")
+
+
+def test_mooncake_rows_become_streamed_completions_of_exact_length() -> None:
+    req = build_request(mooncake_row(), "completions", PromptSynth())
+    assert req.path == "/v1/completions"
+    assert req.headers == {"x-session-id": "s5"}
+    prompt = req.body.pop("prompt")
+    assert count_tokens(prompt) == 1300
+    assert req.body == {
+        "model": "default",
+        "max_tokens": 17,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+
+
+def test_chat_api_sends_the_same_text_as_one_user_message() -> None:
+    synth = PromptSynth()
+    chat = build_request(mooncake_row(), "chat", synth)
+    completion = build_request(mooncake_row(), "completions", synth)
+    assert chat.path == "/v1/chat/completions"
+    assert chat.body["messages"] == [{"role": "user", "content": completion.body["prompt"]}]
+    assert chat.body["max_tokens"] == 17 and chat.body["ignore_eos"] and chat.body["stream"]
+    with pytest.raises(ValueError, match="api"):
+        build_request(mooncake_row(), "generate", synth)
+
+
+def test_art_chat_rows_send_their_own_body_streamed_with_usage() -> None:
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "hi"}],
+        "stream": False,
+        "stream_options": {"continuous_usage_stats": True},
+        "max_completion_tokens": 99,
+        "temperature": 0.3,
+    }
+    r = TraceRequest(0, 0.0, 5, 99, (0,), 256, "uabc", body)
+    req = build_request(r, "completions", PromptSynth())  # the row's own API wins
+    assert req.path == "/v1/chat/completions" and req.headers == {"x-session-id": "uabc"}
+    assert req.body == {
+        "model": "m",
+        "messages": [{"role": "user", "content": "hi"}],
+        "stream": True,
+        "stream_options": {"continuous_usage_stats": True, "include_usage": True},
+        "max_completion_tokens": 99,
+        "max_tokens": 99,
+        "temperature": 0.3,
+    }
+    assert body["stream"] is False  # the trace's own row is left alone
+
+
+def test_client_results_map_to_the_shared_schema() -> None:
+    r = mooncake_row()
+    ok = Result("t3", "eu", 200, 12.5, 80.0, [1.0, 2.0], 17, 1300, 512, chunks=17)
+    row = to_result(r, ok)
+    assert (row.status, row.error, row.backend, row.ttft_ms, row.itl_ms) == (
+        "ok",
+        "",
+        "eu",
+        12.5,
+        [1.0, 2.0],
+    )
+    assert (row.input_tokens, row.output_tokens, row.cached_tokens) == (1300, 17, 512)
+    # no usage chunk from the server: content chunks stand in for output tokens
+    assert to_result(r, Result("t3", status=200, chunks=9)).output_tokens == 9
+    assert to_result(r, Result("t3", status=503)).error == "HTTP 503"
+    down = to_result(r, Result("t3", error="ClientConnectorError: refused"))
+    assert (down.status, down.error) == ("error", "ClientConnectorError: refused")
+
+
+def test_progress_line() -> None:
+    p = Progress(total=4, duration_s=60.0)
+    assert "0/4 done" in p.line(0.0) and "TTFT p50 - p95 - ms" in p.line(0.0)
+    for slip_s in (0.0, 0.002, 0.030):
+        p.sent(slip_s)
+    p.finished(True, 100.0)
+    p.finished(False, None)
+    line = p.line(12.0)
+    assert "2/4 done | 1 in flight | 1 errors | TTFT p50 100 p95 100 ms" in line
+    assert "slip p95 27 max 30 ms | 12/60 s" in line
+
+
+def test_options_are_checked() -> None:
+    assert ReplayOptions("t.jsonl", "http://h:1").problems() == []
+    bad = ReplayOptions(
+        "t.jsonl",
+        "h:1",
+        api="x",
+        time_scale=0.0,
+        max_concurrency=0,
+        start_s=-1.0,
+        duration_s=0.0,
+        limit=0,
+        timeout_s=0.0,
+    ).problems()
+    assert [p.split()[0] for p in bad] == [
+        "--url",
+        "--api",
+        "--time-scale",
+        "--max-concurrency",
+        "--start-s",
+        "--duration-s",
+        "--limit",
+        "--timeout-s",
+    ]
