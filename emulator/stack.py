@@ -156,6 +156,8 @@ class StackSettings:
     rtt_profile: str | None = None
     # Give each WAN link an HTTP control port (GET/POST /rtt) to change its delay.
     wan_control: bool = False
+    # Engine profile (name or YAML) for the engines and the router's estimates alike.
+    engine_profile: str | None = None
     # Router settings the tests and benchmarks tune (see ext_proc/config.py).
     probe_interval_s: float = 2.0
     metrics_interval_s: float = 0.0
@@ -184,6 +186,7 @@ class StackSettings:
                         "id": r.id,
                         "address": f"127.0.0.1:{self.backend_port(i)}",
                         "rtt_prior_ms": r.rtt_ms,
+                        **({"engine_profile": self.engine_profile} if self.engine_profile else {}),
                     }
                     for i, r in enumerate(self.regions)
                 ],
@@ -283,8 +286,18 @@ class Stack:
         port = self.settings.ports.engine(i)
         self._spawn(
             f"engine-{r.id}",
-            self._gorgo("engine", "--name", r.id, "--port", str(port), *self.settings.engine_args),
-        )
+            self._gorgo(
+                "engine",
+                "--name",
+                r.id,
+                "--port",
+                str(port),
+                "--seed",
+                str(self.settings.seed + i),
+                *(["--profile", p] if (p := self.settings.engine_profile) else []),
+                *self.settings.engine_args,
+            ),
+        )  # fmt: skip
 
     def start_wan(self, i: int) -> None:
         r = self.settings.regions[i]

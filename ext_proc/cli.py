@@ -245,6 +245,34 @@ def _bench_results(args: argparse.Namespace) -> int:
     return run_results_bench(args.trace, Path(args.out), Path(args.img), Path(args.work))
 
 
+def _bench_parity(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from loadgen.bench_live import run_parity
+
+    return run_parity(
+        args.trace,
+        args.policy or ["gorgo", "least_request"],
+        args.start_s,
+        args.duration_s,
+        args.time_scale,
+        Path(args.results),
+        Path(args.work),
+    )
+
+
+def _bench_live(args: argparse.Namespace) -> int:
+    from loadgen.bench_live import run_live_side_by_side
+
+    return run_live_side_by_side(
+        args.trace,
+        args.policy or ["gorgo", "least_request", "session_affinity", "prefix_cache"],
+        args.start_s,
+        args.duration_s,
+        args.time_scale,
+    )
+
+
 def _bench_decide(args: argparse.Namespace) -> int:
     from loadgen.bench_decide import run_decide_bench
 
@@ -448,6 +476,20 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--img", default="docs/img")
     b.add_argument("--work", default="out/bench", help="result files of every run")
     b.set_defaults(func=_bench_results)
+    for name, func, help_text, duration in (
+        ("parity", _bench_parity, "live replay vs simulator on one slice", 300.0),
+        ("live", _bench_live, "policies side by side on isolated live fleets", 120.0),
+    ):
+        b = bench.add_parser(name, help=help_text)
+        b.add_argument("--trace", default=DEFAULT_TRACE)
+        b.add_argument("--policy", action="append", choices=policies, help="repeatable")
+        b.add_argument("--start-s", type=float, default=600.0, help="slice start (trace time)")
+        b.add_argument("--duration-s", type=float, default=duration, help="slice length")
+        b.add_argument("--time-scale", type=float, default=1.0)
+        if name == "parity":
+            b.add_argument("--results", default="docs/results.md", help="where to write it")
+            b.add_argument("--work", default="out/bench", help="result files")
+        b.set_defaults(func=func)
     b = bench.add_parser("decide", help="decision latency and prefix-index memory")
     b.add_argument("--iterations", type=int, default=300, help="decisions per measurement")
     b.set_defaults(func=_bench_decide)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from loadgen.bench_live import parity_block
 from loadgen.sim_cli import run_simulations, summary_markdown, write_figures
 from loadgen.simulate import SimSettings
 from loadgen.traces import TraceRequest, read_trace, window
@@ -110,6 +111,9 @@ def run_results_bench(
     parts.append(f"![TTFT CDF at time_scale 3]({rel}/results-ttft-cdf-ts3.png)\n")
     for section in extra_sections:
         parts.append(section(trace, work_dir))
+    carried = parity_block(out_md)
+    if carried:  # measured live by `gorgo bench parity`, not regenerated here
+        parts.append(carried + "\n")
     parts.append(f"\n_Generated in {time.perf_counter() - t0:.0f} s._\n")
     out_md.write_text("\n".join(parts))
     print(f"wrote {out_md}", file=sys.stderr)

@@ -1,0 +1,189 @@
+"""Live benchmarks through real Envoy and emulated fleets.
+
+- `gorgo bench parity`: the same trace slice replayed live and simulated, per policy; the
+  simulator's TTFT p50/p95 should agree with live within 15 %. Writes the comparison into
+  docs/results.md (between markers, kept when `make bench` regenerates the rest).
+- `gorgo bench live`: several policies at once, each on its own isolated fleet, all fed
+  the same slice (as the paper did); prints the side-by-side table.
+
+Both use a faster engine profile (prefill x4) so a 5-minute slice runs at time_scale 1
+without saturating the fleet, and so wall time stays near the slice's length.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from emulator.stack import DEFAULT_REGIONS, Stack, StackPorts, StackSettings
+from ext_proc.profile import load_profile
+from loadgen.replay import replay
+from loadgen.results import summarize, table, write_result
+from loadgen.simulate import SimSettings, simulate
+from loadgen.traces import TraceRequest, read_trace, scaled, window
+
+PARITY_TOLERANCE = 0.15
+PARITY_START = "<!-- parity:start -->"
+PARITY_END = "<!-- parity:end -->"
+
+
+def fast_profile_file(directory: Path, prefill_speedup: float = 4.0) -> str:
+    p = load_profile()
+    raw = {
+        **vars(p),
+        "name": f"{p.name}-prefill-x{prefill_speedup:g}",
+        "prefill_tokens_per_s": p.prefill_tokens_per_s * prefill_speedup,
+    }
+    path = directory / "profile.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return str(path)
+
+
+def _stack(policy: str, profile: str, seed: int) -> Stack:
+    return Stack(
+        StackSettings(
+            policy=policy,
+            regions=DEFAULT_REGIONS,
+            ports=StackPorts.ephemeral(len(DEFAULT_REGIONS)),
+            rtt_profile="network",
+            engine_profile=profile,
+            seed=seed,
+        )
+    )
+
+
+async def _replay_on(stacks: Sequence[Stack], trace: Sequence[TraceRequest]) -> list[Any]:
+    return list(
+        await asyncio.gather(
+            *(replay(trace, s.front_door_url, max_concurrency=512) for s in stacks)
+        )
+    )
+
+
+def _slice(
+    trace_path: str, start_s: float, duration_s: float, time_scale: float
+) -> list[TraceRequest]:
+    return scaled(window(read_trace(trace_path), start_s, duration_s), time_scale)
+
+
+def run_parity(
+    trace_path: str,
+    policies: Sequence[str],
+    start_s: float,
+    duration_s: float,
+    time_scale: float,
+    results_md: Path,
+    out_dir: Path,
+) -> int:
+    chosen = window(read_trace(trace_path), start_s, duration_s)
+    live_trace = scaled(chosen, time_scale)
+    rows: list[tuple[str, dict[str, Any]]] = []
+    lines = []
+    worst = 0.0
+    with tempfile.TemporaryDirectory(prefix="gorgo-parity-") as tmp:
+        profile = fast_profile_file(Path(tmp))
+        for policy in policies:
+            print(f"{policy}: live replay of {len(chosen)} requests...", file=sys.stderr)
+            stack = _stack(policy, profile, seed=0)
+            stack.start()
+            try:
+                (run,) = asyncio.run(_replay_on([stack], live_trace))
+            finally:
+                stack.stop()
+            live = write_result(
+                out_dir / f"parity-live-{policy}.json",
+                run.results,
+                {"mode": "replay", "policy": policy},
+            )["summary"]
+            print(f"{policy}: simulating the same slice...", file=sys.stderr)
+            sim_res = simulate(
+                chosen, SimSettings(policy=policy, time_scale=time_scale, engine_profile=profile)
+            )
+            sim = write_result(
+                out_dir / f"parity-sim-{policy}.json",
+                sim_res.requests,
+                {"mode": "simulate", "policy": policy},
+                sim_res.itl_ms,
+            )["summary"]
+            rows += [(f"{policy} live", live), (f"{policy} simulated", sim)]
+            for q in ("p50", "p95"):
+                diff = sim["ttft_ms"][q] / live["ttft_ms"][q] - 1
+                worst = max(worst, abs(diff))
+                lines.append(
+                    f"| {policy} | TTFT {q} | {live['ttft_ms'][q]:.0f} | {sim['ttft_ms'][q]:.0f} | "
+                    f"{diff:+.1%} |"
+                )
+    md = "\n".join(
+        [
+            PARITY_START,
+            "## Simulator against live replay",
+            "",
+            f"`gorgo bench parity`: {len(chosen)} requests of the conversation trace "
+            f"({start_s:g}-{start_s + duration_s:g} s) replayed live through Envoy, the "
+            f"router and the emulated fleet, and simulated, at time_scale {time_scale:g}; "
+            "engines and simulator alike run the default profile with prefill x4 (so the "
+            "slice loads the fleet without saturating it in real time). Target: TTFT p50 "
+            f"and p95 within {PARITY_TOLERANCE:.0%}.",
+            "",
+            "| policy | metric | live (ms) | simulated (ms) | simulated vs live |",
+            "|---|---|---|---|---|",
+            *lines,
+            "",
+            table(rows),
+            "",
+            f"Largest disagreement: {worst:.1%}.",
+            PARITY_END,
+        ]
+    )
+    print(md)
+    _splice(results_md, md)
+    return 0 if worst <= PARITY_TOLERANCE else 1
+
+
+def _splice(path: Path, block: str) -> None:
+    """Replace the parity block of path (or append it)."""
+    text = path.read_text() if path.exists() else "# Results\n"
+    if PARITY_START in text and PARITY_END in text:
+        head, rest = text.split(PARITY_START, 1)
+        tail = rest.split(PARITY_END, 1)[1]
+        text = head + block + tail
+    else:
+        text = text.rstrip() + "\n\n" + block + "\n"
+    path.write_text(text)
+
+
+def parity_block(path: Path) -> str:
+    """The parity block of an existing results file ('' if none), to carry it over."""
+    if not path.exists():
+        return ""
+    text = path.read_text()
+    if PARITY_START not in text or PARITY_END not in text:
+        return ""
+    return PARITY_START + text.split(PARITY_START, 1)[1].split(PARITY_END, 1)[0] + PARITY_END
+
+
+def run_live_side_by_side(
+    trace_path: str, policies: Sequence[str], start_s: float, duration_s: float, time_scale: float
+) -> int:
+    live_trace = _slice(trace_path, start_s, duration_s, time_scale)
+    with tempfile.TemporaryDirectory(prefix="gorgo-live-") as tmp:
+        profile = fast_profile_file(Path(tmp))
+        stacks = [_stack(p, profile, seed=0) for p in policies]
+        print(
+            f"{len(policies)} isolated fleets, {len(live_trace)} requests each...", file=sys.stderr
+        )
+        try:
+            for s in stacks:
+                s.start()
+            runs = asyncio.run(_replay_on(stacks, live_trace))
+        finally:
+            for s in stacks:
+                s.stop()
+    print(table([(p, summarize(run.results)) for p, run in zip(policies, runs, strict=True)]))
+    return 0
