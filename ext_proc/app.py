@@ -16,8 +16,9 @@ from aiohttp import web
 
 from ext_proc.admin import make_admin_app
 from ext_proc.config import Config, split_host_port
+from ext_proc.policy import make_policy
 from ext_proc.probe import Prober
-from ext_proc.router import Router
+from ext_proc.router import Router, make_tuner
 from ext_proc.server import ExtProcService, add_services, grpc_options
 
 log = logging.getLogger("gorgo")
@@ -32,7 +33,10 @@ DRAIN_GRACE_S = 5.0
 
 
 def build_router(cfg: Config) -> Router:
-    return Router(cfg, clock=time.monotonic, rng=random.Random(cfg.seed))
+    rng = random.Random(cfg.seed)
+    policy = make_policy(cfg.policy, rng, cfg)
+    tuner = make_tuner(cfg, random.Random(rng.random()), policy)
+    return Router(cfg, clock=time.monotonic, rng=rng, policy=policy, tuner=tuner)
 
 
 @dataclass

@@ -79,6 +79,18 @@ class Routing:
 
 
 @dataclass(frozen=True)
+class TunerConfig:
+    # off | paired (default: parent and child on interleaved traffic) | paper (the
+    # published method, to reproduce it). Only policies with weights are tuned.
+    mode: str = "paired"
+    # Weights, sigma and history are saved here after every step and restored on start
+    # ("" = not persisted).
+    state_file: str = ""
+    # paired: completions per arm per round.
+    arm_size: int = 24
+
+
+@dataclass(frozen=True)
 class Probes:
     # RTT probe period per backend: fresh enough to follow a changing WAN within seconds
     # (the paper's 30 s was too slow), cheap (one small GET per backend).
@@ -129,6 +141,7 @@ class Config:
     weights: TimeWeights = field(default_factory=TimeWeights)
     token_weights: TokenWeights = field(default_factory=TokenWeights)
     routing: Routing = field(default_factory=Routing)
+    tuner: TunerConfig = field(default_factory=TunerConfig)
     probes: Probes = field(default_factory=Probes)
     listen: Listen = field(default_factory=Listen)
     envoy: EnvoySettings = field(default_factory=EnvoySettings)
@@ -265,6 +278,10 @@ def _validate(cfg: Config) -> None:
     for key, number in non_negative.items():
         if number < 0:
             raise ConfigError(f"{key}: must be >= 0, got {number}")
+    if cfg.tuner.mode not in ("off", "paired", "paper"):
+        raise ConfigError(f"tuner.mode: expected off, paired or paper, got {cfg.tuner.mode!r}")
+    if cfg.tuner.arm_size < 4:
+        raise ConfigError(f"tuner.arm_size: must be >= 4, got {cfg.tuner.arm_size}")
     if not 0 < cfg.probes.ewma_alpha <= 1:
         raise ConfigError(f"probes.ewma_alpha: must be in (0, 1], got {cfg.probes.ewma_alpha}")
     if not 0 <= cfg.routing.prefix_min_fraction <= 1:

@@ -21,6 +21,7 @@ from ext_proc.prefix import Hashes, PrefixIndex, as_hashes
 from ext_proc.profile import EngineProfile, load_profile
 from ext_proc.state import OK, Completion, FleetState, InFlight
 from ext_proc.tokens import APPROX, BYTES_PER_TOKEN, Tokenizer
+from ext_proc.tuner import PAPER, Tuner, TunerSettings
 
 # How many recent decisions /state shows.
 RECENT_DECISIONS = 8
@@ -58,6 +59,17 @@ class Decision:
         }
 
 
+def make_tuner(cfg: Config, rng: random.Random, policy: Policy) -> Tuner | None:
+    """The tuner the config asks for, for a policy with weights (else None)."""
+    weights = getattr(policy, "weights", None)
+    if cfg.tuner.mode == "off" or weights is None:
+        return None
+    paper_bounds = cfg.tuner.mode == PAPER or policy.name == "gorgo_tokens"
+    base = TunerSettings.paper() if paper_bounds else TunerSettings()
+    settings = replace(base, mode=cfg.tuner.mode, arm_size=cfg.tuner.arm_size)
+    return Tuner(settings, weights, rng, cfg.tuner.state_file or None)
+
+
 class Router:
     def __init__(
         self,
@@ -66,11 +78,14 @@ class Router:
         rng: random.Random,
         tokenizer: Tokenizer = APPROX,
         policy: Policy | None = None,
+        tuner: Tuner | None = None,
     ) -> None:
         self.cfg = cfg
         self.clock = clock
         self.tokenizer = tokenizer
         self.policy = policy or make_policy(cfg.policy, rng, cfg)
+        # Only a policy with weights can be tuned.
+        self.tuner = tuner if hasattr(self.policy, "weights") else None
         self.state = FleetState((b.id, b.rtt_prior_ms) for b in cfg.backends)
         self.profiles: dict[str, EngineProfile] = {
             b.id: load_profile(b.engine_profile) for b in cfg.backends
@@ -174,6 +189,8 @@ class Router:
             request = replace(request, affinity_key=self.affinity_key(request))
         blocks = self.prompt_blocks(request)
         candidates = self.candidates(request, blocks)
+        if self.tuner is not None:  # the tuner's arm for this request sets the weights
+            self.policy.weights = self.tuner.weights_for(request.request_id)  # type: ignore[attr-defined]
         choice = self.policy.choose(request, candidates)
         chosen = next((c for c in candidates if c.backend_id == choice.backend_id), None)
         if chosen is None:
@@ -250,8 +267,15 @@ class Router:
     ) -> Completion | None:
         """Close the loop for one request; idempotent (a second call returns None)."""
         done = self.state.complete(request_id, self.clock(), status, e2e_ms)
-        if done is not None and status == OK and cached_tokens is not None:
+        if done is None:
+            return None
+        if status == OK and cached_tokens is not None:
             self.learn_cached(done.record, cached_tokens)
+        if self.tuner is not None:
+            ok = status == OK
+            self.tuner.observe(
+                request_id, done.ttft_ms if ok else None, done.e2e_ms if ok else None
+            )
         return done
 
     def record_probe(self, backend: str, rtt_ms: float | None) -> None:
@@ -273,10 +297,11 @@ class Router:
                 "queue_ms": round(self.queue_ms(b.id, now_s), 3),
                 "cached_tokens": self.index.size_blocks(b.id) * self.cfg.routing.block_tokens,
             }
-        weights = getattr(self.policy, "weights", None)
+        weights = self.tuner.weights if self.tuner else getattr(self.policy, "weights", None)
         return {
             "policy": self.policy.name,
             "weights": None if weights is None else {"rtt": weights.rtt, "queue": weights.queue},
+            "tuner": None if self.tuner is None else self.tuner.snapshot(),
             "decisions": self.decisions,
             "in_flight": len(self.state.in_flight),
             "backends": backends,

@@ -21,9 +21,9 @@ from emulator.stack import DEFAULT_REGIONS
 from emulator.wan import DelayModel, DelaySettings, rtt_profile_ms
 from ext_proc.config import Config, config_from_dict
 from ext_proc.parse import COMPLETIONS, LlmRequest
-from ext_proc.policy import RouteRequest
+from ext_proc.policy import RouteRequest, make_policy
 from ext_proc.profile import DEFAULT_PROFILE, load_profile
-from ext_proc.router import Router
+from ext_proc.router import Router, make_tuner
 from ext_proc.state import OK
 from loadgen.results import RequestResult
 from loadgen.traces import TraceRequest
@@ -44,6 +44,8 @@ class SimSettings:
     regions: Sequence[str] = tuple(r.id for r in DEFAULT_REGIONS)
     # Extra router config (weights, routing, probes), merged into the generated config.
     router: dict[str, Any] = field(default_factory=dict)
+    # Tune the weights online: "off", "paired" or "paper" (the router config's tuner mode).
+    tune: str = "off"
 
     def config(self) -> Config:
         raw: dict[str, Any] = {
@@ -59,6 +61,7 @@ class SimSettings:
                 for i, r in enumerate(self.regions)
             ],
         }
+        raw["tuner"] = {"mode": self.tune}
         raw.update(self.router)
         return config_from_dict(raw)
 
@@ -90,7 +93,12 @@ class Simulation:
         self.now_s = 0.0
         cfg = settings.config()
         rng = random.Random(settings.seed)
-        self.router = Router(cfg, clock=lambda: self.now_s, rng=random.Random(rng.random()))
+        policy_rng = random.Random(rng.random())
+        policy = make_policy(cfg.policy, policy_rng, cfg)
+        tuner = make_tuner(cfg, random.Random(rng.random()), policy)
+        self.router = Router(
+            cfg, clock=lambda: self.now_s, rng=policy_rng, policy=policy, tuner=tuner
+        )
         profile = load_profile(settings.engine_profile)
         self.engines = {
             r: EngineModel(profile, random.Random(rng.random())) for r in settings.regions

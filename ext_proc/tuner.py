@@ -1,0 +1,339 @@
+"""Online tuning of the cost weights by a (1+1) evolution strategy in log space.
+
+Pure: time comes from the caller's completions, randomness from an injected RNG. The same
+object runs in `gorgo serve` (fed by Envoy's access log) and in `gorgo simulate`.
+
+Two modes:
+
+- `paper`: the GORGO paper's method, kept to reproduce it. The current weights serve all
+  traffic; every `rescore_every` completions the score is the p95 TTFT of the last
+  `window` completions; a child is kept if its score is at most 0.5 % *worse* than the
+  parent's (the paper's tolerance sign), the parent's score is never re-measured, and
+  sigma follows Rechenberg's 1/5 rule with no bounds.
+- `paired` (default): parent and child run at the same time on interleaved traffic (a hash
+  of the request id picks the arm), so both face the same load; every round re-measures
+  the parent; a child wins only if a bootstrap over the round's samples says it is better
+  with `confidence`, and only if its p95 E2E is not worse than the parent's by more than
+  `e2e_guard`; sigma stays within [sigma_min, sigma_max]. After `freeze_after` rounds in
+  a row without a better child at minimal sigma, the parent is frozen (all traffic); if
+  its p95 later drifts above `drift` x what it earned, exploration resumes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+import zlib
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ext_proc.cost import Weights
+
+log = logging.getLogger("gorgo.tuner")
+
+PAPER = "paper"
+PAIRED = "paired"
+PARENT, CHILD = "parent", "child"
+
+
+@dataclass(frozen=True)
+class TunerSettings:
+    mode: str = PAIRED
+    sigma0: float = 0.5
+    # 1/5 rule: over the last `success_window` outcomes, sigma /= factor when more than a
+    # fifth succeeded, sigma *= factor when fewer.
+    success_window: int = 8
+    factor: float = 0.817
+    # Bounds of each weight (log-space search, clipped). Defaults suit the time form,
+    # where 1.0 is the physical weight of a millisecond of RTT or queue; `paper` mode
+    # uses the paper's bounds.
+    rtt_bounds: tuple[float, float] = (0.05, 4.0)
+    queue_bounds: tuple[float, float] = (0.05, 4.0)
+    # paper mode: score = p95 TTFT over the last `window` completions, every `rescore_every`.
+    window: int = 128
+    rescore_every: int = 32
+    # paired mode: samples per arm per round (a round costs 2x this many completions).
+    arm_size: int = 24
+    sigma_min: float = 0.05
+    sigma_max: float = 1.0
+    confidence: float = 0.8
+    bootstrap: int = 300
+    e2e_guard: float = 0.05
+    freeze_after: int = 6
+    drift: float = 1.5
+
+    @staticmethod
+    def paper() -> TunerSettings:
+        return TunerSettings(mode=PAPER, rtt_bounds=(0.05, 2.0), queue_bounds=(0.05, 0.5))
+
+
+@dataclass
+class Step:
+    """One decision of the tuner, for /state and the convergence plot."""
+
+    samples: int
+    parent: tuple[float, float]
+    child: tuple[float, float]
+    accepted: bool
+    sigma: float
+    parent_p95_ms: float | None
+    child_p95_ms: float | None
+    note: str = ""
+
+
+@dataclass
+class TunerState:
+    parent: tuple[float, float]
+    child: tuple[float, float]
+    sigma: float
+    samples: int = 0
+    outcomes: list[bool] = field(default_factory=list)
+    parent_score_ms: float | None = None
+    frozen: bool = False
+    earned_p95_ms: float | None = None
+    stale_rounds: int = 0
+    history: list[dict[str, Any]] = field(default_factory=list)
+
+
+def _p95(values: Sequence[float] | np.ndarray) -> float:
+    return float(np.percentile(np.asarray(values, dtype=float), 95))
+
+
+class Tuner:
+    HISTORY = 500
+
+    def __init__(
+        self,
+        settings: TunerSettings,
+        initial: Weights,
+        rng: random.Random,
+        state_path: str | Path | None = None,
+    ) -> None:
+        self.s = settings
+        self.rng = rng
+        self.state_path = Path(state_path) if state_path else None
+        init = self._clip((initial.rtt, initial.queue))
+        self.state = self._restore() or TunerState(init, init, settings.sigma0)
+        st = self.state
+        # paper mode scores the initial weights first; paired mode starts a child at once
+        if st.child == st.parent and not st.frozen and settings.mode == PAIRED:
+            st.child = self._mutate(st.parent)
+        # Arms of requests in flight, and this round's samples per arm: (ttft, e2e).
+        self._arm: dict[str, str] = {}
+        self._round: dict[str, list[tuple[float, float]]] = {PARENT: [], CHILD: []}
+        self._recent: deque[float] = deque(maxlen=settings.window)
+        self._since_score = 0
+
+    # -- serving ----------------------------------------------------------------------
+
+    def arm_for(self, request_id: str) -> str:
+        if self.s.mode == PAPER:
+            return CHILD  # the weights under evaluation serve everything
+        if self.state.frozen:
+            return PARENT
+        # A hash, not alternation: arrivals correlated with the order cannot bias an arm.
+        return CHILD if zlib.crc32(request_id.encode()) & 1 else PARENT
+
+    def weights_for(self, request_id: str) -> Weights:
+        arm = self.arm_for(request_id)
+        self._arm[request_id] = arm
+        w = self.state.child if arm == CHILD else self.state.parent
+        return Weights(*w)
+
+    @property
+    def weights(self) -> Weights:
+        return Weights(*self.state.parent)
+
+    # -- learning ---------------------------------------------------------------------
+
+    def observe(self, request_id: str, ttft_ms: float | None, e2e_ms: float | None) -> Step | None:
+        """A request completed. Returns the step taken, if this completion ended one."""
+        arm = self._arm.pop(request_id, None)
+        if arm is None or ttft_ms is None:
+            return None
+        self.state.samples += 1
+        if self.s.mode == PAPER:
+            return self._observe_paper(ttft_ms)
+        self._round[arm].append((ttft_ms, e2e_ms if e2e_ms is not None else ttft_ms))
+        if self.state.frozen:
+            return self._watch_frozen()
+        if min(len(v) for v in self._round.values()) >= self.s.arm_size:
+            return self._paired_round()
+        return None
+
+    def _observe_paper(self, ttft_ms: float) -> Step | None:
+        self._recent.append(ttft_ms)
+        self._since_score += 1
+        if self._since_score < self.s.rescore_every or len(self._recent) < self.s.window:
+            return None
+        self._since_score = 0
+        score = _p95(self._recent)
+        st = self.state
+        if st.parent_score_ms is None:  # the first window scores the initial weights
+            st.parent_score_ms = score
+            step = self._record(False, score, None, "parent scored")
+            st.child = self._mutate(st.parent)
+            return step
+        # The paper's test: a child up to 0.5 % worse is still accepted (sign error), and
+        # the parent's score stands from whenever it was measured.
+        accepted = score <= st.parent_score_ms * 1.005
+        if accepted:
+            st.parent, st.parent_score_ms = st.child, score
+        return self._finish_round(accepted, st.parent_score_ms, score, bounded=False)
+
+    def _paired_round(self) -> Step:
+        parent = np.array(self._round[PARENT], dtype=float)
+        child = np.array(self._round[CHILD], dtype=float)
+        self._round = {PARENT: [], CHILD: []}
+        p95_parent, p95_child = _p95(parent[:, 0]), _p95(child[:, 0])
+        better = self._confidence_better(parent[:, 0], child[:, 0])
+        e2e_ok = _p95(child[:, 1]) <= _p95(parent[:, 1]) * (1 + self.s.e2e_guard)
+        accepted = better >= self.s.confidence and e2e_ok
+        note = f"P(child better) {better:.2f}" + ("" if e2e_ok else ", E2E guard")
+        st = self.state
+        if accepted:
+            st.parent, st.earned_p95_ms, st.stale_rounds = st.child, p95_child, 0
+        else:
+            st.earned_p95_ms = p95_parent
+            at_min = st.sigma <= self.s.sigma_min * 1.0001
+            st.stale_rounds = st.stale_rounds + 1 if at_min else 0
+        step = self._finish_round(accepted, p95_parent, p95_child, bounded=True, note=note)
+        if st.stale_rounds >= self.s.freeze_after:
+            st.frozen, st.child = True, st.parent
+            step.note += "; frozen"
+            self._save()
+        return step
+
+    def _watch_frozen(self) -> Step | None:
+        samples = self._round[PARENT]
+        if len(samples) < 2 * self.s.arm_size:
+            return None
+        p95 = _p95([t for t, _ in samples])
+        self._round[PARENT] = []
+        st = self.state
+        if st.earned_p95_ms is not None and p95 > self.s.drift * st.earned_p95_ms:
+            st.frozen, st.sigma, st.stale_rounds = False, self.s.sigma0, 0
+            st.child = self._mutate(st.parent)
+            return self._record(False, p95, None, "drift: exploring again")
+        return None
+
+    def _confidence_better(self, parent: np.ndarray, child: np.ndarray) -> float:
+        """Bootstrap probability that the child's p95 TTFT is below the parent's."""
+        rng = np.random.default_rng(self.rng.getrandbits(32))
+        b = self.s.bootstrap
+        ps = np.percentile(rng.choice(parent, (b, len(parent))), 95, axis=1)
+        cs = np.percentile(rng.choice(child, (b, len(child))), 95, axis=1)
+        return float(np.mean(cs < ps))
+
+    def _finish_round(
+        self,
+        accepted: bool,
+        parent_ms: float | None,
+        child_ms: float | None,
+        bounded: bool,
+        note: str = "",
+    ) -> Step:
+        st = self.state
+        st.outcomes = [*st.outcomes, accepted][-self.s.success_window :]
+        if len(st.outcomes) >= self.s.success_window:
+            rate = sum(st.outcomes) / len(st.outcomes)
+            if rate > 0.2:
+                st.sigma /= self.s.factor
+            elif rate < 0.2:
+                st.sigma *= self.s.factor
+        if bounded:
+            st.sigma = min(self.s.sigma_max, max(self.s.sigma_min, st.sigma))
+        step = self._record(accepted, parent_ms, child_ms, note)
+        st.child = self._mutate(st.parent)
+        self._save()
+        return step
+
+    def _record(
+        self, accepted: bool, parent_ms: float | None, child_ms: float | None, note: str
+    ) -> Step:
+        st = self.state
+        step = Step(st.samples, st.parent, st.child, accepted, st.sigma, parent_ms, child_ms, note)
+        st.history = [*st.history, asdict(step)][-self.HISTORY :]
+        return step
+
+    # -- weights ----------------------------------------------------------------------
+
+    def _clip(self, w: tuple[float, float]) -> tuple[float, float]:
+        (rlo, rhi), (qlo, qhi) = self.s.rtt_bounds, self.s.queue_bounds
+        return (min(rhi, max(rlo, w[0])), min(qhi, max(qlo, w[1])))
+
+    def _mutate(self, w: tuple[float, float]) -> tuple[float, float]:
+        sigma = self.state.sigma
+        return self._clip(
+            (
+                math.exp(math.log(w[0]) + sigma * self.rng.gauss(0, 1)),
+                math.exp(math.log(w[1]) + sigma * self.rng.gauss(0, 1)),
+            )
+        )
+
+    # -- operations -------------------------------------------------------------------
+
+    def freeze(self) -> None:
+        self.state.frozen, self.state.child = True, self.state.parent
+        self._save()
+
+    def unfreeze(self) -> None:
+        st = self.state
+        st.frozen, st.sigma, st.stale_rounds = False, self.s.sigma0, 0
+        st.child = self._mutate(st.parent)
+        self._save()
+
+    def set_weights(self, w: Weights) -> None:
+        st = self.state
+        st.parent = st.child = self._clip((w.rtt, w.queue))
+        st.parent_score_ms, st.earned_p95_ms = None, None
+        if not st.frozen and self.s.mode == PAIRED:
+            st.child = self._mutate(st.parent)
+        self._round = {PARENT: [], CHILD: []}
+        self._save()
+
+    def snapshot(self) -> dict[str, Any]:
+        st = self.state
+        return {
+            "mode": self.s.mode,
+            "weights": {"rtt": st.parent[0], "queue": st.parent[1]},
+            "child": {"rtt": st.child[0], "queue": st.child[1]},
+            "sigma": st.sigma,
+            "samples": st.samples,
+            "frozen": st.frozen,
+            "arm_sizes": {k: len(v) for k, v in self._round.items()},
+            "recent_steps": st.history[-10:],
+        }
+
+    def _save(self) -> None:
+        if self.state_path is None:
+            return
+        doc = {"mode": self.s.mode, **asdict(self.state)}
+        tmp = self.state_path.with_suffix(self.state_path.suffix + ".tmp")
+        tmp.write_text(json.dumps(doc))
+        tmp.replace(self.state_path)  # atomic: a crash leaves the old file or the new one
+
+    def _restore(self) -> TunerState | None:
+        p = self.state_path
+        if p is None or not p.exists():
+            return None
+        try:
+            raw = json.loads(p.read_text())
+            if raw.pop("mode") != self.s.mode:
+                log.warning("tuner state %s is for another mode: starting from config", p)
+                return None
+            st = TunerState(**raw)
+            st.parent, st.child = self._clip(tuple(st.parent)), self._clip(tuple(st.child))  # type: ignore[arg-type]
+            if not all(math.isfinite(v) and v > 0 for v in (*st.parent, *st.child, st.sigma)):
+                raise ValueError("weights and sigma must be positive numbers")
+            return st
+        except (ValueError, TypeError, KeyError, json.JSONDecodeError) as e:
+            log.error("tuner state %s is corrupt (%s): starting from the configured weights", p, e)
+            return None
