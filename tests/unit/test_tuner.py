@@ -1,0 +1,134 @@
+"""The (1+1)-ES tuner: bounds, the 1/5 rule, both modes' acceptance, persistence."""
+
+import json
+import random
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ext_proc.cost import Weights
+from ext_proc.tuner import CHILD, PAIRED, PAPER, PARENT, Tuner, TunerSettings
+
+PAIRED_S = TunerSettings(arm_size=8, bootstrap=200)
+
+
+def feed(t: Tuner, ttft_for, n: int, e2e_for=None, start: int = 0) -> None:  # type: ignore[no-untyped-def]
+    """n requests: each is routed (gets an arm), then completes with the given timings."""
+    for i in range(start, start + n):
+        rid = f"r{i}"
+        w = t.weights_for(rid)
+        arm = CHILD if w == Weights(*t.state.child) and t.arm_for(rid) == CHILD else PARENT
+        ttft = ttft_for(w, arm)
+        t.observe(rid, ttft, e2e_for(w, arm) if e2e_for else ttft * 5)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2**31), st.sampled_from([PAIRED, PAPER]))
+def test_weights_and_sigma_stay_in_bounds(seed: int, mode: str) -> None:
+    s = TunerSettings(mode=mode, arm_size=4, window=16, rescore_every=4, bootstrap=50)
+    rng = random.Random(seed)
+    t = Tuner(s, Weights(1.0, 1.0), random.Random(seed))
+    feed(t, lambda w, arm: rng.uniform(100, 5000), 400)
+    for w in (t.state.parent, t.state.child):
+        assert s.rtt_bounds[0] <= w[0] <= s.rtt_bounds[1]
+        assert s.queue_bounds[0] <= w[1] <= s.queue_bounds[1]
+    if mode == PAIRED:
+        assert s.sigma_min <= t.state.sigma <= s.sigma_max
+
+
+def test_one_fifth_rule_moves_sigma_as_specified() -> None:
+    t = Tuner(PAIRED_S, Weights(1.0, 1.0), random.Random(0))
+    t.state.outcomes = [False] * 7
+    t._finish_round(False, 1.0, 1.0, bounded=True)  # 0 of 8 succeeded: shrink
+    assert t.state.sigma == pytest.approx(0.5 * 0.817)
+    t.state.outcomes = [True, True, False, False, False, False, False]
+    t._finish_round(False, 1.0, 1.0, bounded=True)  # 2 of 8 > 1/5: grow
+    assert t.state.sigma == pytest.approx(0.5)
+    t.state.outcomes = [True, False, False, False, False, False, False]
+    t._finish_round(False, 1.0, 1.0, bounded=True)  # 1 of 8 < 1/5: shrink
+    assert t.state.sigma == pytest.approx(0.5 * 0.817)
+    t.state.sigma = 0.9
+    t.state.outcomes = [True] * 7
+    t._finish_round(True, 1.0, 1.0, bounded=True)
+    assert t.state.sigma == PAIRED_S.sigma_max  # bounded in paired mode
+
+
+def test_paired_accepts_a_clearly_better_child_and_moves_towards_it() -> None:
+    # TTFT falls as w_queue rises (up to the bound): the tuner should climb w_queue
+    rng = random.Random(1)
+    t = Tuner(replace(PAIRED_S, arm_size=16), Weights(1.0, 0.1), random.Random(3))
+    feed(t, lambda w, arm: 1000 / w.queue * rng.uniform(0.9, 1.1), 1200)
+    assert t.state.parent[1] > 0.5
+    assert any(h["accepted"] for h in t.state.history)
+
+
+def test_paired_rejects_noise_and_respects_the_e2e_guard() -> None:
+    rng = random.Random(2)
+    # pure noise: no child is better; the 80 % bootstrap confidence lets few through
+    t = Tuner(PAIRED_S, Weights(1.0, 1.0), random.Random(4))
+    feed(t, lambda w, arm: rng.uniform(100, 1000), 800)
+    steps = t.state.history
+    assert len(steps) >= 40 and sum(h["accepted"] for h in steps) <= 0.3 * len(steps)
+    # a child with better TTFT but much worse E2E is rejected
+    g = Tuner(PAIRED_S, Weights(1.0, 1.0), random.Random(5))
+    feed(
+        g,
+        lambda w, arm: 500 if arm == CHILD else 1000,
+        200,
+        e2e_for=lambda w, arm: 20_000 if arm == CHILD else 10_000,
+    )
+    assert not any(h["accepted"] for h in g.state.history)
+    assert all("E2E guard" in h["note"] for h in g.state.history)
+
+
+def test_paper_mode_accepts_a_child_half_a_percent_worse() -> None:
+    s = TunerSettings.paper()
+    s = replace(s, window=8, rescore_every=8)
+    t = Tuner(s, Weights(0.5, 0.1), random.Random(0))
+    assert t.state.child == t.state.parent  # the initial weights are scored first
+    feed(t, lambda w, arm: 1000.0, 8)
+    assert t.state.parent_score_ms == 1000.0 and t.state.child != t.state.parent
+    child = t.state.child
+    feed(t, lambda w, arm: 1004.0, 8, start=8)  # 0.4 % worse: the paper keeps it
+    assert t.state.parent == child and t.state.parent_score_ms == 1004.0
+    assert s.rtt_bounds == (0.05, 2.0) and s.queue_bounds == (0.05, 0.5)
+
+
+def test_freezes_when_nothing_better_turns_up_and_resumes_on_drift() -> None:
+    s = replace(PAIRED_S, sigma0=0.05, freeze_after=3)
+    t = Tuner(s, Weights(1.0, 1.0), random.Random(0))
+    feed(t, lambda w, arm: 1000.0 if arm == PARENT else 2000.0, 200)
+    assert t.state.frozen and t.arm_for("any") == PARENT
+    feed(t, lambda w, arm: 4000.0, 32, start=1000)  # p95 doubles: drift
+    assert not t.state.frozen and t.state.sigma == s.sigma0
+
+
+def test_state_survives_a_restart_and_a_corrupt_file(tmp_path: Path) -> None:
+    path = tmp_path / "tuner.json"
+    t = Tuner(PAIRED_S, Weights(1.0, 1.0), random.Random(0), path)
+    t.set_weights(Weights(2.5, 0.3))
+    feed(t, lambda w, arm: 1000.0, 40)
+    saved = json.loads(path.read_text())
+    again = Tuner(PAIRED_S, Weights(1.0, 1.0), random.Random(1), path)
+    assert again.state.parent == tuple(saved["parent"]) == t.state.parent
+    # saved after every step: what the last step knew (samples since then are not)
+    assert again.state.sigma == saved["sigma"] and again.state.samples == saved["samples"] == 32
+    path.write_text("{not json")
+    fresh = Tuner(PAIRED_S, Weights(1.0, 1.0), random.Random(2), path)
+    assert fresh.state.parent == (1.0, 1.0)
+    path.write_text(json.dumps({**saved, "sigma": -1}))
+    assert Tuner(PAIRED_S, Weights(0.7, 0.7), random.Random(2), path).state.parent == (0.7, 0.7)
+    assert not list(tmp_path.glob("*.tmp"))  # atomic writes leave no debris
+
+
+def test_freeze_unfreeze_and_set_from_operations() -> None:
+    t = Tuner(PAIRED_S, Weights(1.0, 1.0), random.Random(0))
+    t.freeze()
+    assert t.snapshot()["frozen"] and t.weights_for("x") == Weights(1.0, 1.0)
+    t.set_weights(Weights(100, 0.001))  # clipped into bounds
+    assert t.weights == Weights(4.0, 0.05)
+    t.unfreeze()
+    assert not t.state.frozen and t.state.child != t.state.parent
