@@ -235,3 +235,36 @@ async def test_many_concurrent_streams(harness: Harness) -> None:
     backends = harness.svc.router.state.backends.values()
     assert sum(b.completed for b in backends) == 60
     assert sum(len(b.recent_ttft_ms) for b in backends) == min(60, 3 * 16)
+
+
+async def test_admin_tuner_freeze_set_and_errors(harness: Harness) -> None:
+    url = f"http://127.0.0.1:{harness.svc.admin_port}"
+    async with aiohttp.ClientSession() as s:
+        async with s.get(f"{url}/state") as r:
+            state = await r.json()
+        assert state["tuner"] is None  # round_robin has no weights to tune
+        async with s.post(f"{url}/tuner", json={"action": "freeze"}) as r:
+            assert r.status == 409
+    # the same admin API on a gorgo router
+    cfg = config_from_dict(
+        {
+            "policy": "gorgo",
+            "listen": {"grpc": "127.0.0.1:0", "admin": "127.0.0.1:0"},
+            "backends": [{"id": "a", "address": "127.0.0.1:1"}],
+        }
+    )
+    async with running_service(cfg) as svc, aiohttp.ClientSession() as s:
+        url = f"http://127.0.0.1:{svc.admin_port}"
+        async with s.post(
+            f"{url}/tuner", json={"action": "set", "weights": {"rtt": 0.7, "queue": 2}}
+        ) as r:
+            assert r.status == 200 and (await r.json())["weights"] == {"rtt": 0.7, "queue": 2.0}
+        async with s.post(f"{url}/tuner", json={"action": "freeze"}) as r:
+            assert (await r.json())["frozen"] is True
+        async with s.get(f"{url}/state") as r:
+            state = await r.json()
+        assert state["weights"] == {"rtt": 0.7, "queue": 2.0}
+        assert state["tuner"]["mode"] == "paired" and state["tuner"]["frozen"]
+        for bad in ({"action": "jump"}, {"action": "set", "weights": {"rtt": -1, "queue": 1}}, []):
+            async with s.post(f"{url}/tuner", json=bad) as r:
+                assert r.status == 400 and "error" in await r.json()
