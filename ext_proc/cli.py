@@ -218,7 +218,10 @@ def _simulate(args: argparse.Namespace) -> int:
     try:
         trace = read_trace(args.trace)
         base = SimSettings(
-            rtt_profile=args.rtt_profile, engine_profile=args.engine_profile, seed=args.seed
+            rtt_profile=args.rtt_profile,
+            engine_profile=args.engine_profile,
+            seed=args.seed,
+            tune=args.tune,
         )
         base.config()  # validates the profiles before hours of simulation
     except (TraceError, ValueError) as e:
@@ -463,6 +466,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--duration-s", type=float, default=None, help="window length")
     s.add_argument("--limit", type=int, default=None, help="at most this many requests")
     s.add_argument("--out", default="out/sim", help="output directory")
+    s.add_argument(
+        "--tune",
+        default="off",
+        choices=["off", "paired", "paper"],
+        help="tune gorgo's weights online while simulating; writes a convergence plot",
+    )
     s.set_defaults(func=_simulate)
 
     s = sub.add_parser("bench", help="benchmarks")

@@ -88,12 +88,16 @@ def tune(trace: Sequence[TraceRequest], ts: float, mode: str, seed: int) -> Traj
 
 
 def convergence_figure(t: Trajectory, path: Path) -> None:
+    convergence_plot(t.history, f"{t.mode} mode, seed {t.seed}", path)
+
+
+def convergence_plot(h: Sequence[dict[str, Any]], title: str, path: Path) -> None:
+    """Weights, sigma and the windowed p95 against completed requests."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    h = t.history
     xs = [s["samples"] for s in h]
     fig, (a1, a2) = plt.subplots(2, 1, figsize=(7, 5), sharex=True)
     a1.plot(xs, [s["parent"][0] for s in h], label="w_rtt")
@@ -111,7 +115,7 @@ def convergence_figure(t: Trajectory, path: Path) -> None:
     a2.set_xlabel("completed requests")
     a2.legend(fontsize=8)
     a2.grid(alpha=0.3)
-    fig.suptitle(f"Tuner convergence ({t.mode} mode, seed {t.seed})")
+    fig.suptitle(f"Tuner convergence ({title})")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -39,10 +39,20 @@ def run_simulations(
                 seed=base.seed,
                 regions=base.regions,
                 router=base.router,
+                tune=base.tune,
             )
             t0 = time.perf_counter()
             res = simulate(trace, settings)
             wall_s = time.perf_counter() - t0
+            tuner = res.router.tuner
+            if tuner is not None:
+                from loadgen.bench_tuner import convergence_plot
+
+                convergence_plot(
+                    tuner.state.history,
+                    f"{policy}, {base.tune} mode",
+                    out_dir / f"tuner-{policy}-ts{ts:g}.png",
+                )
             meta = {
                 "mode": "simulate",
                 "label": label,
@@ -51,6 +61,10 @@ def run_simulations(
                 "rtt_profile": base.rtt_profile,
                 "engine_profile": base.engine_profile,
                 "seed": base.seed,
+                "tune": base.tune,
+                "final_weights": None
+                if tuner is None
+                else {"rtt": tuner.state.parent[0], "queue": tuner.state.parent[1]},
                 "requests": len(trace),
                 "wall_s": round(wall_s, 2),
             }
