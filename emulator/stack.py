@@ -156,8 +156,13 @@ class StackSettings:
     rtt_profile: str | None = None
     # Give each WAN link an HTTP control port (GET/POST /rtt) to change its delay.
     wan_control: bool = False
+    # How Envoy applies decisions: "cluster" or "endpoint_picker" (ext_proc/config.py).
+    envoy_mode: str = "cluster"
     # Engine profile (name or YAML) for the engines and the router's estimates alike.
     engine_profile: str | None = None
+    # The router's weight tuner: paired by default, "off" for static weights (benchmarks
+    # that compare against the simulator's static runs).
+    tuner_mode: str = "paired"
     # Router settings the tests and benchmarks tune (see ext_proc/config.py).
     probe_interval_s: float = 2.0
     metrics_interval_s: float = 0.0
@@ -173,6 +178,7 @@ class StackSettings:
                 "policy": self.policy,
                 "seed": self.seed,
                 "listen": {"grpc": f"127.0.0.1:{p.grpc}", "admin": f"127.0.0.1:{p.admin}"},
+                "tuner": {"mode": self.tuner_mode},
                 "probes": {
                     "interval_s": self.probe_interval_s,
                     "metrics_interval_s": self.metrics_interval_s,
@@ -180,6 +186,7 @@ class StackSettings:
                 "envoy": {
                     "listen": f"127.0.0.1:{p.front_door}",
                     "admin": f"127.0.0.1:{p.envoy_admin}",
+                    "mode": self.envoy_mode,
                 },
                 "backends": [
                     {

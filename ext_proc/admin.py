@@ -9,6 +9,7 @@ from aiohttp import web
 
 from ext_proc.cost import Weights
 from ext_proc.router import Router
+from ext_proc.telemetry import Telemetry
 
 TUNER_ACTIONS = ("freeze", "unfreeze", "set")
 
@@ -17,7 +18,9 @@ def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": message}, status=status)
 
 
-def make_admin_app(router: Router, extra_state: Callable[[], dict[str, Any]]) -> web.Application:
+def make_admin_app(
+    router: Router, telemetry: Telemetry, extra_state: Callable[[], dict[str, Any]]
+) -> web.Application:
     async def healthz(_: web.Request) -> web.Response:
         return web.Response(text="ok\n")
 
@@ -51,8 +54,15 @@ def make_admin_app(router: Router, extra_state: Callable[[], dict[str, Any]]) ->
             t.set_weights(Weights(float(w["rtt"]), float(w["queue"])))
         return web.json_response(t.snapshot())
 
+    async def metrics(_: web.Request) -> web.Response:
+        return web.Response(
+            body=telemetry.metrics.render(),
+            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"},
+        )
+
     app = web.Application()
     app.router.add_get("/healthz", healthz)
+    app.router.add_get("/metrics", metrics)
     app.router.add_get("/state", state)
     app.router.add_post("/tuner", tuner)
     return app

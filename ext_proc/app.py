@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import grpc
 from aiohttp import web
+from opentelemetry.sdk.trace.export import SpanExporter
 
 from ext_proc.admin import make_admin_app
 from ext_proc.config import Config, split_host_port
@@ -20,6 +21,7 @@ from ext_proc.policy import make_policy
 from ext_proc.probe import Prober
 from ext_proc.router import Router, make_tuner
 from ext_proc.server import ExtProcService, add_services, grpc_options
+from ext_proc.telemetry import Telemetry
 
 log = logging.getLogger("gorgo")
 
@@ -45,28 +47,35 @@ class Running:
     ext_proc: ExtProcService
     grpc_port: int
     admin_port: int
+    telemetry: Telemetry
 
 
-async def _expire_loop(router: Router) -> None:
+async def _expire_loop(router: Router, telemetry: Telemetry) -> None:
     while True:
         await asyncio.sleep(EXPIRE_INTERVAL_S)
         for c in router.expire():
+            telemetry.completed(c)
             log.warning("request %s on %s: no completion seen, expired", c.request_id, c.backend)
 
 
 @contextlib.asynccontextmanager
-async def running_service(cfg: Config) -> AsyncIterator[Running]:
+async def running_service(
+    cfg: Config, exporter: SpanExporter | None = None
+) -> AsyncIterator[Running]:
     """Start the ext_proc gRPC server and admin HTTP; stop them on exit."""
     router = build_router(cfg)
+    telemetry = Telemetry(cfg.telemetry, router, exporter)
     server = grpc.aio.server(options=grpc_options(cfg.envoy.max_body_bytes))
-    ext_proc = add_services(server, router)
+    ext_proc = add_services(server, router, telemetry)
     host, port = split_host_port(cfg.listen.grpc, "listen.grpc")
     grpc_port = server.add_insecure_port(f"{host}:{port}")
     if port and grpc_port != port:
         raise OSError(f"listen.grpc: cannot bind {cfg.listen.grpc} (port in use?)")
     await server.start()
 
-    admin_app = make_admin_app(router, lambda: {"active_ext_proc_streams": ext_proc.active_streams})
+    admin_app = make_admin_app(
+        router, telemetry, lambda: {"active_ext_proc_streams": ext_proc.active_streams}
+    )
     runner = web.AppRunner(admin_app, access_log=None)
     await runner.setup()
     admin_host, admin_port = split_host_port(cfg.listen.admin, "listen.admin")
@@ -78,7 +87,7 @@ async def running_service(cfg: Config) -> AsyncIterator[Running]:
         await runner.cleanup()
         raise OSError(f"listen.admin: cannot bind {cfg.listen.admin}: {e.strerror}") from e
     bound_admin = int(runner.addresses[0][1])
-    expirer = asyncio.create_task(_expire_loop(router))
+    expirer = asyncio.create_task(_expire_loop(router, telemetry))
     prober = Prober(cfg, router)
     await prober.start()
     # Start-up objects never die: keep them out of the collector's scans, and collect the
@@ -87,9 +96,10 @@ async def running_service(cfg: Config) -> AsyncIterator[Running]:
     gc.freeze()
     gc.set_threshold(GC_GEN0_THRESHOLD)
     try:
-        yield Running(router, ext_proc, grpc_port, bound_admin)
+        yield Running(router, ext_proc, grpc_port, bound_admin, telemetry)
     finally:
         expirer.cancel()
         await prober.stop()
         await server.stop(DRAIN_GRACE_S)
         await runner.cleanup()
+        telemetry.shutdown()

@@ -96,8 +96,10 @@ def continue_response(
     set_headers: Mapping[str, str] | None = None,
     remove_headers: Iterable[str] = (),
     clear_route_cache: bool = False,
+    dynamic_metadata: Mapping[str, Mapping[str, str]] | None = None,
 ) -> pb.ProcessingResponse:
-    """CONTINUE for `phase`, optionally mutating headers and re-selecting the route."""
+    """CONTINUE for `phase`, optionally mutating headers, re-selecting the route and
+    setting dynamic metadata ({namespace: {key: value}})."""
     common = pb.CommonResponse(clear_route_cache=clear_route_cache)
     if set_headers or remove_headers:
         common.header_mutation.CopyFrom(_mutation(set_headers or {}, remove_headers))
@@ -108,6 +110,8 @@ def continue_response(
         getattr(resp, phase).SetInParent()
     else:
         raise ValueError(f"no response for phase {phase!r}")
+    if dynamic_metadata:
+        resp.dynamic_metadata.update({ns: dict(kv) for ns, kv in dynamic_metadata.items()})
     return resp
 
 

@@ -131,6 +131,25 @@ class EnvoySettings:
     route_timeout_s: float = 600.0
     # Upstream connect timeout; a WAN hop costs one RTT (<0.5 s) per attempt.
     connect_timeout_s: float = 5.0
+    # How the decision reaches Envoy. "cluster": header x-gorgo-backend names a cluster
+    # per backend (cluster_header route). "endpoint_picker": the Gateway API Inference
+    # Extension protocol: header x-gateway-destination-endpoint and the envoy.lb dynamic
+    # metadata name the endpoint inside one cluster (Envoy's override_host policy).
+    mode: str = "cluster"
+    # OTLP/gRPC collector (host:port) for Envoy's own spans; "" = no Envoy tracing.
+    tracing_endpoint: str = ""
+    # Share of requests Envoy traces (percent).
+    tracing_sample_percent: float = 100.0
+
+
+@dataclass(frozen=True)
+class Telemetry:
+    # OTLP/gRPC endpoint for the router's decision spans ("" = the standard
+    # OTEL_EXPORTER_OTLP_ENDPOINT variable, and if that is unset too, no export).
+    otlp_endpoint: str = ""
+    # Share of decisions traced; a decision under a sampled Envoy span follows Envoy's.
+    sample_ratio: float = 1.0
+    service_name: str = "gorgo"
 
 
 @dataclass(frozen=True)
@@ -143,6 +162,7 @@ class Config:
     routing: Routing = field(default_factory=Routing)
     tuner: TunerConfig = field(default_factory=TunerConfig)
     probes: Probes = field(default_factory=Probes)
+    telemetry: Telemetry = field(default_factory=Telemetry)
     listen: Listen = field(default_factory=Listen)
     envoy: EnvoySettings = field(default_factory=EnvoySettings)
     # In-flight records whose completion never arrives (lost access log) expire after
@@ -278,6 +298,16 @@ def _validate(cfg: Config) -> None:
     for key, number in non_negative.items():
         if number < 0:
             raise ConfigError(f"{key}: must be >= 0, got {number}")
+    if cfg.envoy.mode not in ("cluster", "endpoint_picker"):
+        raise ConfigError(
+            f"envoy.mode: expected cluster or endpoint_picker, got {cfg.envoy.mode!r}"
+        )
+    if cfg.envoy.tracing_endpoint:
+        split_host_port(cfg.envoy.tracing_endpoint, "envoy.tracing_endpoint")
+    if not 0 <= cfg.envoy.tracing_sample_percent <= 100:
+        raise ConfigError("envoy.tracing_sample_percent: must be in [0, 100]")
+    if not 0 <= cfg.telemetry.sample_ratio <= 1:
+        raise ConfigError("telemetry.sample_ratio: must be in [0, 1]")
     if cfg.tuner.mode not in ("off", "paired", "paper"):
         raise ConfigError(f"tuner.mode: expected off, paired or paper, got {cfg.tuner.mode!r}")
     if cfg.tuner.arm_size < 4:

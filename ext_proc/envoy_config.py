@@ -15,6 +15,8 @@ from ext_proc.config import Backend, Config, split_host_port
 from ext_proc.names import (
     ACCESS_LOG_NAME,
     HEADER_BACKEND,
+    HEADER_GATEWAY_ENDPOINT,
+    LB_METADATA_NAMESPACE,
     ROUTE_FALLBACK,
     ROUTE_GORGO,
     ROUTING_HEADERS,
@@ -22,6 +24,9 @@ from ext_proc.names import (
 
 EXT_PROC_CLUSTER = "gorgo_ext_proc"
 FALLBACK_CLUSTER = "gorgo_fallback"
+# endpoint_picker mode: one cluster of every backend, the endpoint picked per request.
+POOL_CLUSTER = "gorgo_pool"
+OTEL_CLUSTER = "otel_collector"
 # Endpoint metadata that names each endpoint's backend id, so the response can echo the
 # backend even when the fallback cluster (all backends) served the request.
 METADATA_NAMESPACE = "gorgo"
@@ -82,32 +87,6 @@ def _cluster(name: str, backends: list[Backend], cfg: Config, lb: str) -> dict[s
     }
 
 
-def _ext_proc_cluster(cfg: Config) -> dict[str, Any]:
-    host, _port = split_host_port(cfg.ext_proc_address, "envoy.ext_proc_address")
-    return {
-        "name": EXT_PROC_CLUSTER,
-        "type": "STATIC" if _is_ip(host) else "STRICT_DNS",
-        "connect_timeout": "1s",
-        "circuit_breakers": _circuit_breakers(),
-        "typed_extension_protocol_options": {
-            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-                _TYPE: f"{_API}.extensions.upstreams.http.v3.HttpProtocolOptions",
-                "explicit_http_config": {"http2_protocol_options": {}},
-            }
-        },
-        "load_assignment": {
-            "cluster_name": EXT_PROC_CLUSTER,
-            "endpoints": [
-                {
-                    "lb_endpoints": [
-                        {"endpoint": {"address": _socket(cfg.ext_proc_address, "ext_proc_address")}}
-                    ]
-                }
-            ],
-        },
-    }
-
-
 def _ext_proc_filters(cfg: Config) -> list[dict[str, Any]]:
     """Two ext_proc filters to the same service: one routes (Envoy waits for it), one
     observes the first response chunk without holding it (observability mode)."""
@@ -122,6 +101,12 @@ def _ext_proc_filters(cfg: Config) -> list[dict[str, Any]]:
             # the routing header and the fallback route serves it.
             "failure_mode_allow": True,
             "message_timeout": f"{cfg.envoy.message_timeout_ms / 1000}s",
+            # endpoint_picker: accept the envoy.lb dynamic metadata override_host reads.
+            **(
+                {"metadata_options": {"receiving_namespaces": {"untyped": [LB_METADATA_NAMESPACE]}}}
+                if cfg.envoy.mode == "endpoint_picker"
+                else {}
+            ),
             # Two messages, each one gRPC round trip on the request's path.
             "processing_mode": {
                 # Needed even though routing reads the body: with headers skipped Envoy
@@ -178,31 +163,118 @@ def _access_log() -> dict[str, Any]:
     }
 
 
+def _pool_cluster(cfg: Config) -> dict[str, Any]:
+    """endpoint_picker mode: every backend in one cluster; Envoy's override_host policy
+    sends each request to the endpoint the router named (header or envoy.lb metadata),
+    and falls back to least request when none is named."""
+    c = _cluster(POOL_CLUSTER, list(cfg.backends), cfg, "LEAST_REQUEST")
+    del c["lb_policy"]
+    lb = "type.googleapis.com/envoy.extensions.load_balancing_policies"
+    c["load_balancing_policy"] = {
+        "policies": [
+            {
+                "typed_extension_config": {
+                    "name": "envoy.load_balancing_policies.override_host",
+                    "typed_config": {
+                        _TYPE: f"{lb}.override_host.v3.OverrideHost",
+                        "override_host_sources": [
+                            {"header": HEADER_GATEWAY_ENDPOINT},
+                            {
+                                "metadata": {
+                                    "key": LB_METADATA_NAMESPACE,
+                                    "path": [{"key": HEADER_GATEWAY_ENDPOINT}],
+                                }
+                            },
+                        ],
+                        "fallback_policy": {
+                            "policies": [
+                                {
+                                    "typed_extension_config": {
+                                        "name": "envoy.load_balancing_policies.least_request",
+                                        "typed_config": {
+                                            _TYPE: f"{lb}.least_request.v3.LeastRequest"
+                                        },
+                                    }
+                                }
+                            ]
+                        },
+                    },
+                }
+            }
+        ]
+    }
+    return c
+
+
+def _tracing(cfg: Config) -> dict[str, Any]:
+    return {
+        "random_sampling": {"value": cfg.envoy.tracing_sample_percent},
+        "provider": {
+            "name": "envoy.tracers.opentelemetry",
+            "typed_config": {
+                _TYPE: f"{_API}.config.trace.v3.OpenTelemetryConfig",
+                "grpc_service": {"envoy_grpc": {"cluster_name": OTEL_CLUSTER}},
+                "service_name": "gorgo-envoy",
+            },
+        },
+    }
+
+
+def _grpc_cluster(name: str, address: str, key: str) -> dict[str, Any]:
+    host, _port = split_host_port(address, key)
+    return {
+        "name": name,
+        "type": "STATIC" if _is_ip(host) else "STRICT_DNS",
+        "connect_timeout": "1s",
+        "circuit_breakers": _circuit_breakers(),
+        "typed_extension_protocol_options": {
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                _TYPE: f"{_API}.extensions.upstreams.http.v3.HttpProtocolOptions",
+                "explicit_http_config": {"http2_protocol_options": {}},
+            }
+        },
+        "load_assignment": {
+            "cluster_name": name,
+            "endpoints": [{"lb_endpoints": [{"endpoint": {"address": _socket(address, key)}}]}],
+        },
+    }
+
+
 def _route(cfg: Config) -> dict[str, Any]:
     timeout = f"{cfg.envoy.route_timeout_s}s"
+    if cfg.envoy.mode == "endpoint_picker":
+        routes: list[dict[str, Any]] = [
+            {
+                "name": ROUTE_GORGO,
+                "match": {"prefix": "/"},
+                "route": {"cluster": POOL_CLUSTER, "timeout": timeout},
+            }
+        ]
+    else:
+        routes = [
+            {
+                "name": ROUTE_GORGO,
+                "match": {
+                    "prefix": "/",
+                    "headers": [{"name": HEADER_BACKEND, "present_match": True}],
+                },
+                "route": {"cluster_header": HEADER_BACKEND, "timeout": timeout},
+            },
+            {
+                # No routing header: the router failed open, skipped a non-LLM call, or
+                # could not read the body. Least-request over all.
+                "name": ROUTE_FALLBACK,
+                "match": {"prefix": "/"},
+                "route": {"cluster": FALLBACK_CLUSTER, "timeout": timeout},
+            },
+        ]
     return {
         "name": "gorgo",
         "virtual_hosts": [
             {
                 "name": "llm",
                 "domains": ["*"],
-                "routes": [
-                    {
-                        "name": ROUTE_GORGO,
-                        "match": {
-                            "prefix": "/",
-                            "headers": [{"name": HEADER_BACKEND, "present_match": True}],
-                        },
-                        "route": {"cluster_header": HEADER_BACKEND, "timeout": timeout},
-                    },
-                    {
-                        # No routing header: the router failed open, skipped a non-LLM
-                        # call, or could not read the body. Least-request over all.
-                        "name": ROUTE_FALLBACK,
-                        "match": {"prefix": "/"},
-                        "route": {"cluster": FALLBACK_CLUSTER, "timeout": timeout},
-                    },
-                ],
+                "routes": routes,
                 "response_headers_to_add": [
                     {
                         "header": {
@@ -247,6 +319,20 @@ def build_envoy_config(cfg: Config, ext_proc: bool = True) -> dict[str, Any]:
             },
         ],
     }
+    if cfg.envoy.tracing_endpoint:
+        hcm["tracing"] = _tracing(cfg)
+    if cfg.envoy.mode == "endpoint_picker":
+        clusters = [_pool_cluster(cfg)]
+    else:
+        clusters = [
+            *(_cluster(b.id, [b], cfg, "ROUND_ROBIN") for b in backends),
+            _cluster(FALLBACK_CLUSTER, backends, cfg, "LEAST_REQUEST"),
+        ]
+    clusters.append(_grpc_cluster(EXT_PROC_CLUSTER, cfg.ext_proc_address, "envoy.ext_proc_address"))
+    if cfg.envoy.tracing_endpoint:
+        clusters.append(
+            _grpc_cluster(OTEL_CLUSTER, cfg.envoy.tracing_endpoint, "envoy.tracing_endpoint")
+        )
     return {
         "admin": {"address": _socket(cfg.envoy.admin, "envoy.admin")},
         "static_resources": {
@@ -269,19 +355,18 @@ def build_envoy_config(cfg: Config, ext_proc: bool = True) -> dict[str, Any]:
                     ],
                 }
             ],
-            "clusters": [
-                *(_cluster(b.id, [b], cfg, "ROUND_ROBIN") for b in backends),
-                _cluster(FALLBACK_CLUSTER, backends, cfg, "LEAST_REQUEST"),
-                _ext_proc_cluster(cfg),
-            ],
+            "clusters": clusters,
         },
     }
 
 
 def render_envoy_config(cfg: Config, ext_proc: bool = True) -> str:
-    header = (
-        "# Generated by `gorgo envoy-config` from the gorgo config; do not edit by hand.\n"
-        "# Front door: ext_proc picks the backend (x-gorgo-backend -> cluster_header route),\n"
-        "# fail-open fallback route, completion reported over the gRPC access log.\n"
+    picker = cfg.envoy.mode == "endpoint_picker"
+    header = "# Generated by `gorgo envoy-config` from the gorgo config; do not edit by hand.\n" + (
+        "# Endpoint picker: ext_proc names the endpoint (x-gateway-destination-endpoint,\n"
+        "# envoy.lb metadata) inside one override_host cluster; least request otherwise.\n"
+        if picker
+        else "# Front door: ext_proc picks the backend (x-gorgo-backend -> cluster_header\n"
+        "# route), fail-open fallback route, completion reported over the gRPC access log.\n"
     )
     return header + yaml.safe_dump(build_envoy_config(cfg, ext_proc), sort_keys=False, width=100)

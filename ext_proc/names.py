@@ -7,6 +7,9 @@ HEADER_GATEWAY_ENDPOINT = "x-gateway-destination-endpoint"
 # Client-sent copies of these are removed before routing.
 ROUTING_HEADERS = (HEADER_BACKEND, HEADER_GATEWAY_ENDPOINT)
 
+# Gateway API Inference Extension: the dynamic-metadata namespace override_host reads.
+LB_METADATA_NAMESPACE = "envoy.lb"
+
 HEADER_SESSION = "x-session-id"
 HEADER_REQUEST_ID = "x-request-id"
 

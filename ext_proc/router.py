@@ -43,6 +43,9 @@ class Decision:
     input_tokens: int
     candidates: tuple[Candidate, ...]
     scores: dict[str, float]
+    # The weights the policy used (None: a policy without weights) and the tuner's arm.
+    weights: tuple[float, float] | None = None
+    arm: str | None = None
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -87,6 +90,7 @@ class Router:
         # Only a policy with weights can be tuned.
         self.tuner = tuner if hasattr(self.policy, "weights") else None
         self.state = FleetState((b.id, b.rtt_prior_ms) for b in cfg.backends)
+        self.addresses = {b.id: b.address for b in cfg.backends}
         self.profiles: dict[str, EngineProfile] = {
             b.id: load_profile(b.engine_profile) for b in cfg.backends
         }
@@ -189,9 +193,12 @@ class Router:
             request = replace(request, affinity_key=self.affinity_key(request))
         blocks = self.prompt_blocks(request)
         candidates = self.candidates(request, blocks)
+        arm = None
         if self.tuner is not None:  # the tuner's arm for this request sets the weights
+            arm = self.tuner.arm_for(request.request_id)
             self.policy.weights = self.tuner.weights_for(request.request_id)  # type: ignore[attr-defined]
         choice = self.policy.choose(request, candidates)
+        w = getattr(self.policy, "weights", None)
         chosen = next((c for c in candidates if c.backend_id == choice.backend_id), None)
         if chosen is None:
             raise ValueError(
@@ -223,6 +230,8 @@ class Router:
             rec.input_tokens,
             candidates,
             choice.scores,
+            None if w is None else (w.rtt, w.queue),
+            arm,
         )
         self.decisions += 1
         self.recent.append(decision)

@@ -25,14 +25,17 @@ from ext_proc.names import (
     ACCESS_LOG_SERVICE,
     EXT_PROC_SERVICE,
     HEADER_BACKEND,
+    HEADER_GATEWAY_ENDPOINT,
     HEADER_REQUEST_ID,
     HEADER_SESSION,
+    LB_METADATA_NAMESPACE,
     ROUTE_FALLBACK,
 )
 from ext_proc.parse import ParseError, api_for_path, parse_body
 from ext_proc.policy import RouteRequest
 from ext_proc.router import Decision, Router
 from ext_proc.state import CANCELLED, ERROR, OK
+from ext_proc.telemetry import Telemetry
 
 log = logging.getLogger("gorgo.server")
 
@@ -42,9 +45,18 @@ Reply = codec.ProcessingResponse | None
 class StreamSession:
     """One HTTP request as seen through one ext_proc stream."""
 
-    def __init__(self, router: Router, info: codec.StreamInfo) -> None:
+    def __init__(
+        self,
+        router: Router,
+        telemetry: Telemetry,
+        info: codec.StreamInfo,
+        trace_carrier: dict[str, str],
+    ) -> None:
         self.router = router
+        self.telemetry = telemetry
         self.info = info
+        # W3C trace context of Envoy's request span (from the gRPC metadata).
+        self.trace_carrier = trace_carrier
         self.path = ""
         self.request_id = ""
         self.session_header: str | None = None
@@ -87,7 +99,16 @@ class StreamSession:
             return self._reply(codec.REQUEST_BODY)
         session_key = self.session_header or llm.user
         self.decision = self.router.decide(RouteRequest(self.request_id, llm, session_key))
+        self.telemetry.decided(self.decision, session_key, self.trace_carrier)
         self.done = not self.info.sends_response_body
+        if self.router.cfg.envoy.mode == "endpoint_picker":
+            # Gateway API Inference Extension: the endpoint, for override_host.
+            endpoint = self.router.addresses[self.decision.backend]
+            return codec.continue_response(
+                codec.REQUEST_BODY,
+                set_headers={HEADER_GATEWAY_ENDPOINT: endpoint},
+                dynamic_metadata={LB_METADATA_NAMESPACE: {HEADER_GATEWAY_ENDPOINT: endpoint}},
+            )
         return codec.continue_response(
             codec.REQUEST_BODY,
             set_headers={HEADER_BACKEND: self.decision.backend},
@@ -112,14 +133,14 @@ class StreamSession:
         (client gone, upstream reset): it is closed here. All others are closed by their
         access-log entry (or, if that is lost, by expiry)."""
         if self.info.sends_response_body and not self.first_byte_seen and self.request_id:
-            self.router.complete(self.request_id, CANCELLED)
+            self.telemetry.completed(self.router.complete(self.request_id, CANCELLED))
 
     # -- helpers ------------------------------------------------------------------------
 
     def _first_byte(self) -> None:
         if not self.first_byte_seen and self.request_id:
             self.first_byte_seen = True
-            self.router.first_byte(self.request_id)
+            self.telemetry.first_byte(self.request_id, self.router.first_byte(self.request_id))
         self.done = True
 
     def _reply(self, phase: str) -> Reply:
@@ -142,9 +163,14 @@ class StreamSession:
     }
 
 
+# gRPC metadata keys that carry Envoy's trace context.
+TRACE_KEYS = ("traceparent", "tracestate")
+
+
 class ExtProcService:
-    def __init__(self, router: Router) -> None:
+    def __init__(self, router: Router, telemetry: Telemetry) -> None:
         self.router = router
+        self.telemetry = telemetry
         self.active_streams = 0
 
     async def process(
@@ -155,7 +181,11 @@ class ExtProcService:
         try:
             async for req in requests:
                 if session is None:
-                    session = StreamSession(self.router, codec.stream_info(req))
+                    metadata = context.invocation_metadata() or ()
+                    carrier = {k: v for k, v in metadata if k in TRACE_KEYS}
+                    session = StreamSession(
+                        self.router, self.telemetry, codec.stream_info(req), carrier
+                    )
                 reply = session.handle(req)
                 if reply is not None:
                     yield reply
@@ -170,8 +200,9 @@ class ExtProcService:
 class AccessLogService:
     """Receives Envoy's access-log entries: the completion of every request."""
 
-    def __init__(self, router: Router) -> None:
+    def __init__(self, router: Router, telemetry: Telemetry) -> None:
         self.router = router
+        self.telemetry = telemetry
 
     async def stream_access_logs(
         self, requests: AsyncIterator[codec.StreamAccessLogsMessage], context: Any
@@ -184,13 +215,15 @@ class AccessLogService:
     def observe(self, e: codec.AccessLogEntry) -> None:
         status = OK if 200 <= e.response_code < 300 else ERROR
         done = self.router.complete(e.request_id, status, e.e2e_ms)
+        self.telemetry.completed(done)
         if done is None and e.route_name == ROUTE_FALLBACK:
             self.router.record_fallback(e.backend)
+            self.telemetry.fallback(e.backend)
 
 
-def add_services(server: grpc.aio.Server, router: Router) -> ExtProcService:
-    ext_proc = ExtProcService(router)
-    access_log = AccessLogService(router)
+def add_services(server: grpc.aio.Server, router: Router, telemetry: Telemetry) -> ExtProcService:
+    ext_proc = ExtProcService(router, telemetry)
+    access_log = AccessLogService(router, telemetry)
     server.add_generic_rpc_handlers(
         (
             grpc.method_handlers_generic_handler(

@@ -54,6 +54,7 @@ def _stack(policy: str, profile: str, seed: int) -> Stack:
             rtt_profile="network",
             engine_profile=profile,
             seed=seed,
+            tuner_mode="off",  # static weights, as the simulator's runs
         )
     )
 

@@ -1,0 +1,245 @@
+"""Observability of every decision: an OpenTelemetry span and Prometheus metrics.
+
+The span `gorgo.route` starts when the router decides and ends when the request is
+closed (completion, cancellation or expiry); it is a child of Envoy's request span when
+the ext_proc call carries a `traceparent`. It never holds prompt text: only counts,
+terms, ids and a hash of the session key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from opentelemetry import trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
+from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+from opentelemetry.trace import Span, Status, StatusCode
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from ext_proc.config import Telemetry as TelemetryConfig
+from ext_proc.router import Decision, Router
+from ext_proc.state import OK, Completion
+
+SPAN_NAME = "gorgo.route"
+# Attribute names (docs/operations.md lists them all).
+A_POLICY = "gorgo.policy"
+A_BACKEND = "gorgo.backend"
+A_INPUT_TOKENS = "gorgo.input_tokens"
+A_SESSION_HASH = "gorgo.session_hash"
+A_WEIGHT_RTT = "gorgo.weights.rtt"
+A_WEIGHT_QUEUE = "gorgo.weights.queue"
+A_WEIGHTS_VERSION = "gorgo.weights.version"
+A_TUNER_ARM = "gorgo.tuner.arm"
+A_REQUEST_ID = "gorgo.request_id"
+A_CANDIDATE = "gorgo.candidate.{backend}.{field}"
+A_TTFT_MS = "gorgo.ttft_ms"
+A_E2E_MS = "gorgo.e2e_ms"
+A_STATUS = "gorgo.status"
+CANDIDATE_FIELDS = ("rtt_ms", "queue_ms", "prefill_ms", "cached_tokens", "cost")
+
+# Buckets (seconds / ms) sized for LLM latencies: TTFT from 10 ms to minutes.
+LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+TERM_BUCKETS_MS = (0.5, 1, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000)
+
+
+def session_hash(key: str | None) -> str:
+    """A stable, non-reversible tag for a session key (never the key itself)."""
+    return "" if not key else hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+class _LiveGauges(Collector):
+    """Gauges read from the router at scrape time (no bookkeeping on the request path)."""
+
+    def __init__(self, router: Router) -> None:
+        self.router = router
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        in_flight = GaugeMetricFamily("gorgo_in_flight", "Requests in flight", labels=["backend"])
+        rtt = GaugeMetricFamily("gorgo_rtt_ms", "Smoothed probe RTT (ms)", labels=["backend"])
+        suspect = GaugeMetricFamily("gorgo_suspect", "1 if probes fail", labels=["backend"])
+        for b in self.router.state.backends.values():
+            in_flight.add_metric([b.id], b.in_flight)
+            rtt.add_metric([b.id], b.rtt_ms)
+            suspect.add_metric([b.id], 1.0 if b.suspect else 0.0)
+        weights = GaugeMetricFamily("gorgo_weight", "Current cost weights", labels=["name"])
+        w = (
+            self.router.tuner.weights
+            if self.router.tuner
+            else getattr(self.router.policy, "weights", None)
+        )
+        if w is not None:
+            weights.add_metric(["rtt"], w.rtt)
+            weights.add_metric(["queue"], w.queue)
+        yield from (in_flight, rtt, suspect, weights)
+
+
+class Metrics:
+    def __init__(self, router: Router) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.decisions = Counter(
+            "gorgo_decisions", "Routing decisions", ["backend", "policy"], registry=r
+        )
+        self.ttft = Histogram(
+            "gorgo_ttft_seconds",
+            "TTFT seen at the proxy",
+            ["backend"],
+            buckets=LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "gorgo_e2e_seconds",
+            "End-to-end time",
+            ["backend"],
+            buckets=LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.term = Histogram(
+            "gorgo_cost_term_ms",
+            "Cost terms of the chosen backend (ms)",
+            ["term"],
+            buckets=TERM_BUCKETS_MS,
+            registry=r,
+        )
+        self.prompt_tokens = Counter("gorgo_prompt_tokens", "Prompt tokens routed", registry=r)
+        self.cached_tokens = Counter(
+            "gorgo_prefix_cached_tokens",
+            "Prompt tokens the chosen backend held (index)",
+            registry=r,
+        )
+        self.completions = Counter(
+            "gorgo_completions", "Requests closed, by status", ["backend", "status"], registry=r
+        )
+        self.fallback = Counter(
+            "gorgo_fallback", "Requests the fail-open route served", ["backend"], registry=r
+        )
+        r.register(_LiveGauges(router))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class Telemetry:
+    """Spans and metrics for decisions. `exporter`: injected in tests; otherwise OTLP over
+    gRPC when an endpoint is configured (config or OTEL_EXPORTER_OTLP_ENDPOINT)."""
+
+    def __init__(
+        self, cfg: TelemetryConfig, router: Router, exporter: SpanExporter | None = None
+    ) -> None:
+        self.router = router
+        self.metrics = Metrics(router)
+        self._spans: dict[str, Span] = {}
+        endpoint = cfg.otlp_endpoint or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", "")
+        if exporter is None and endpoint:
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+            exporter = OTLPSpanExporter(endpoint=endpoint, insecure=True)
+        self.provider: TracerProvider | None = None
+        self._tracer: trace.Tracer | None = None
+        if exporter is not None:
+            self.provider = TracerProvider(
+                resource=Resource.create({"service.name": cfg.service_name}),
+                sampler=ParentBased(TraceIdRatioBased(cfg.sample_ratio)),
+            )
+            # Batched: export never runs on the request path.
+            self.provider.add_span_processor(BatchSpanProcessor(exporter))
+            self._tracer = self.provider.get_tracer("gorgo")
+
+    # -- hooks the shell calls --------------------------------------------------------
+
+    def decided(
+        self, d: Decision, session_key: str | None, carrier: Mapping[str, str] | None = None
+    ) -> None:
+        m = self.metrics
+        m.decisions.labels(d.backend, d.policy).inc()
+        chosen = next(c for c in d.candidates if c.backend_id == d.backend)
+        m.term.labels("rtt").observe(chosen.rtt_ms)
+        m.term.labels("queue").observe(chosen.queue_ms)
+        m.term.labels("prefill").observe(chosen.prefill_ms)
+        m.prompt_tokens.inc(d.input_tokens)
+        m.cached_tokens.inc(chosen.cached_tokens)
+        if self._tracer is None:
+            return
+        ctx = TraceContextTextMapPropagator().extract(dict(carrier or {}))
+        span = self._tracer.start_span(
+            SPAN_NAME, context=ctx, attributes=self._attributes(d, session_key)
+        )
+        if span.is_recording():
+            self._spans[d.request_id] = span
+
+    def first_byte(self, request_id: str, ttft_ms: float | None) -> None:
+        rec = self.router.state.in_flight.get(request_id)
+        if ttft_ms is None or rec is None:
+            return
+        self.metrics.ttft.labels(rec.backend).observe(ttft_ms / 1000)
+        span = self._spans.get(request_id)
+        if span is not None:
+            span.set_attribute(A_TTFT_MS, round(ttft_ms, 3))
+
+    def completed(self, c: Completion | None) -> None:
+        if c is None:
+            return
+        self.metrics.completions.labels(c.backend, c.status).inc()
+        if c.status == OK:
+            self.metrics.e2e.labels(c.backend).observe(c.e2e_ms / 1000)
+        span = self._spans.pop(c.request_id, None)
+        if span is None:
+            return
+        span.set_attribute(A_E2E_MS, round(c.e2e_ms, 3))
+        span.set_attribute(A_STATUS, c.status)
+        if c.ttft_ms is not None:
+            span.set_attribute(A_TTFT_MS, round(c.ttft_ms, 3))
+        if c.status != OK:
+            span.set_status(Status(StatusCode.ERROR, c.status))
+        span.end()
+
+    def fallback(self, backend: str) -> None:
+        self.metrics.fallback.labels(backend or "unknown").inc()
+
+    def shutdown(self) -> None:
+        """End what is still open and flush the exporter."""
+        for span in self._spans.values():
+            span.set_attribute(A_STATUS, "shutdown")
+            span.end()
+        self._spans.clear()
+        if self.provider is not None:
+            self.provider.shutdown()
+
+    # -- attributes ---------------------------------------------------------------------
+
+    def _attributes(self, d: Decision, session_key: str | None) -> dict[str, Any]:
+        attrs: dict[str, Any] = {
+            A_REQUEST_ID: d.request_id,
+            A_POLICY: d.policy,
+            A_BACKEND: d.backend,
+            A_INPUT_TOKENS: d.input_tokens,
+            A_SESSION_HASH: session_hash(session_key),
+        }
+        if d.weights is not None:
+            attrs[A_WEIGHT_RTT] = d.weights[0]
+            attrs[A_WEIGHT_QUEUE] = d.weights[1]
+        tuner = self.router.tuner
+        if tuner is not None:
+            attrs[A_WEIGHTS_VERSION] = len(tuner.state.history)
+            attrs[A_TUNER_ARM] = d.arm or ""
+        for c in d.candidates:
+            values = {
+                "rtt_ms": c.rtt_ms,
+                "queue_ms": c.queue_ms,
+                "prefill_ms": c.prefill_ms,
+                "cached_tokens": c.cached_tokens,
+                "cost": d.scores.get(c.backend_id, 0.0),
+            }
+            for f, v in values.items():
+                attrs[A_CANDIDATE.format(backend=c.backend_id, field=f)] = (
+                    round(v, 3) if isinstance(v, float) else v
+                )
+        return attrs
