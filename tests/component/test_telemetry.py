@@ -1,0 +1,204 @@
+"""Decision spans over the real OTLP protocol, and Prometheus /metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import grpc
+import pytest
+from google.protobuf.duration_pb2 import Duration
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+from ext_proc.app import Running, running_service
+from ext_proc.config import config_from_dict
+from ext_proc.names import ACCESS_LOG_SERVICE, EXT_PROC_SERVICE
+from ext_proc.proto import envoy_wire_pb2 as pb
+
+pytestmark = pytest.mark.component
+
+GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "decision_span.json"
+SECRET = "SECRET-PROMPT-TEXT"
+TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+ENVOY_SPAN_ID = "00f067aa0ba902b7"
+
+
+class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
+    """An in-process OTLP/gRPC trace receiver."""
+
+    def __init__(self) -> None:
+        self.requests: list[trace_service_pb2.ExportTraceServiceRequest] = []
+
+    async def Export(self, request: Any, context: Any) -> Any:  # noqa: N802 - the gRPC name
+        self.requests.append(request)
+        return trace_service_pb2.ExportTraceServiceResponse()
+
+    def spans(self) -> list[Any]:
+        return [s for r in self.requests for rs in r.resource_spans for ss in rs.scope_spans for s in ss.spans]
+
+
+@pytest.fixture
+async def receiver() -> AsyncIterator[tuple[Receiver, int]]:
+    server = grpc.aio.server()
+    rec = Receiver()
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(rec, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    yield rec, port
+    await server.stop(None)
+
+
+def _config(otlp_port: int) -> Any:
+    return config_from_dict(
+        {
+            "policy": "gorgo",
+            "tuner": {"mode": "off"},
+            "listen": {"grpc": "127.0.0.1:0", "admin": "127.0.0.1:0"},
+            "telemetry": {"otlp_endpoint": f"127.0.0.1:{otlp_port}"},
+            "backends": [
+                {"id": "us-ashburn", "address": "127.0.0.1:1", "rtt_prior_ms": 1},
+                {"id": "ap-seoul", "address": "127.0.0.1:2", "rtt_prior_ms": 180},
+            ],
+        }
+    )
+
+
+async def _one_request(svc: Running, rid: str, traceparent: str | None) -> None:
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{svc.grpc_port}")
+    process = channel.stream_stream(
+        f"/{EXT_PROC_SERVICE}/Process",
+        request_serializer=pb.ProcessingRequest.SerializeToString,
+        response_deserializer=pb.ProcessingResponse.FromString,
+    )
+    metadata = (("traceparent", traceparent),) if traceparent else None
+    # the routing filter's stream
+    call = process(metadata=metadata)
+    req = pb.ProcessingRequest()
+    req.protocol_config.request_body_mode = pb.ProcessingMode.BUFFERED
+    for k, v in {":path": "/v1/chat/completions", "x-request-id": rid, "x-session-id": "alice"}.items():
+        req.request_headers.headers.headers.add(key=k, raw_value=v.encode())
+    await call.write(req)
+    await call.read()
+    body = pb.ProcessingRequest()
+    body.request_body.body = json.dumps({"messages": [{"role": "user", "content": SECRET * 40}]}).encode()
+    body.request_body.end_of_stream = True
+    await call.write(body)
+    await call.read()
+    # the observer: first chunk
+    obs = process(metadata=metadata)
+    h = pb.ProcessingRequest(observability_mode=True)
+    h.protocol_config.response_body_mode = pb.ProcessingMode.STREAMED
+    h.request_headers.headers.headers.add(key="x-request-id", raw_value=rid.encode())
+    await obs.write(h)
+    chunk = pb.ProcessingRequest()
+    chunk.response_body.body = b"data: {}\n\n"
+    await obs.write(chunk)
+    await obs.read()
+    # completion through the access log
+    msg = pb.StreamAccessLogsMessage()
+    e = msg.http_logs.log_entry.add()
+    e.request.request_id = rid
+    e.response.response_code.value = 200
+    e.common_properties.route_name = "gorgo"
+    e.common_properties.time_to_last_downstream_tx_byte.CopyFrom(Duration(nanos=250_000_000))
+    log = channel.stream_unary(
+        f"/{ACCESS_LOG_SERVICE}/StreamAccessLogs",
+        request_serializer=pb.StreamAccessLogsMessage.SerializeToString,
+        response_deserializer=pb.StreamAccessLogsResponse.FromString,
+    )
+    await log(iter([msg]))
+    await channel.close()
+
+
+def _normalize(span: Any) -> dict[str, Any]:
+    """A span without ids, times or measured values: what must stay stable."""
+    attrs = {}
+    for kv in span.attributes:
+        v = kv.value
+        kind = v.WhichOneof("value")
+        value = getattr(v, kind)
+        if kv.key in ("gorgo.ttft_ms", "gorgo.e2e_ms") or ".queue_ms" in kv.key:
+            value = f"<{kind}>"  # measured: present and typed, value varies
+        attrs[kv.key] = value
+    return {"name": span.name, "kind": span.kind, "attributes": dict(sorted(attrs.items()))}
+
+
+async def test_decision_span_continues_envoys_trace(receiver: tuple[Receiver, int]) -> None:
+    rec, port = receiver
+    async with running_service(_config(port)) as svc:
+        await _one_request(svc, "req-1", f"00-{TRACE_ID}-{ENVOY_SPAN_ID}-01")
+    # leaving running_service flushed the batch exporter
+    (span,) = rec.spans()
+    assert span.trace_id.hex() == TRACE_ID
+    assert span.parent_span_id.hex() == ENVOY_SPAN_ID
+    assert span.end_time_unix_nano > span.start_time_unix_nano
+    got = _normalize(span)
+    assert SECRET not in json.dumps(got) and "alice" not in json.dumps(got)
+    if not GOLDEN.exists():  # first run writes the golden file; review it before committing
+        GOLDEN.write_text(json.dumps(got, indent=1) + "\n")
+    assert got == json.loads(GOLDEN.read_text())
+
+
+async def test_without_traceparent_a_new_trace_starts_and_without_endpoint_nothing_exports(
+    receiver: tuple[Receiver, int],
+) -> None:
+    rec, port = receiver
+    async with running_service(_config(port)) as svc:
+        await _one_request(svc, "req-2", None)
+    (span,) = rec.spans()
+    assert span.trace_id.hex() != TRACE_ID and not span.parent_span_id
+    cfg = _config(port)
+    no_export = config_from_dict(
+        {"backends": [{"id": b.id, "address": b.address} for b in cfg.backends],
+         "listen": {"grpc": "127.0.0.1:0", "admin": "127.0.0.1:0"}}
+    )  # fmt: skip
+    async with running_service(no_export) as svc:
+        await _one_request(svc, "req-3", f"00-{TRACE_ID}-{ENVOY_SPAN_ID}-01")
+        assert svc.telemetry.provider is None
+    assert len(rec.spans()) == 1
+
+
+def parse_prometheus(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """A strict-enough parser of the text format: every sample line must parse."""
+    out = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name_labels, value = line.rsplit(" ", 1)
+        if "{" in name_labels:
+            name, labels = name_labels.split("{", 1)
+            pairs = tuple(
+                tuple(p.split("=", 1)) for p in labels.rstrip("}").split(",") if p
+            )
+            pairs = tuple((k, v.strip('"')) for k, v in pairs)
+        else:
+            name, pairs = name_labels, ()
+        out[(name, pairs)] = float(value)
+    return out
+
+
+async def test_metrics_count_what_was_routed(receiver: tuple[Receiver, int]) -> None:
+    _, port = receiver
+    async with running_service(_config(port)) as svc:
+        for i in range(3):
+            await _one_request(svc, f"m{i}", None)
+        async with aiohttp.ClientSession() as s:
+            async with s.get(f"http://127.0.0.1:{svc.admin_port}/metrics") as r:
+                assert r.status == 200 and r.headers["content-type"].startswith("text/plain")
+                m = parse_prometheus(await r.text())
+    decisions = sum(v for (n, _), v in m.items() if n == "gorgo_decisions_total")
+    assert decisions == 3
+    assert m[("gorgo_completions_total", (("backend", "us-ashburn"), ("status", "ok")))] == 3
+    assert m[("gorgo_ttft_seconds_count", (("backend", "us-ashburn"),))] == 3
+    assert m[("gorgo_e2e_seconds_count", (("backend", "us-ashburn"),))] == 3
+    assert m[("gorgo_e2e_seconds_sum", (("backend", "us-ashburn"),))] == pytest.approx(0.75)
+    assert m[("gorgo_cost_term_ms_count", (("term", "prefill"),))] == 3
+    assert m[("gorgo_prompt_tokens_total", ())] > 0
+    assert m[("gorgo_in_flight", (("backend", "us-ashburn"),))] == 0
+    assert m[("gorgo_weight", (("name", "rtt"),))] == 1.0
+    assert ("gorgo_rtt_ms", (("backend", "ap-seoul"),)) in m
+    await asyncio.sleep(0)
