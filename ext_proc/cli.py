@@ -47,14 +47,14 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _envoy_config(args: argparse.Namespace) -> int:
-    from ext_proc.envoy_config import render_envoy_config
+    from ext_proc.envoy_config import render_envoy_config, render_mesh_snippet
 
     try:
         cfg = load_config(args.config)
     except ConfigError as e:
         print(f"gorgo envoy-config: {e}", file=sys.stderr)
         return 2
-    sys.stdout.write(render_envoy_config(cfg))
+    sys.stdout.write(render_mesh_snippet(cfg) if args.mesh_snippet else render_envoy_config(cfg))
     return 0
 
 
@@ -261,6 +261,7 @@ def _bench_parity(args: argparse.Namespace) -> int:
         args.time_scale,
         Path(args.results),
         Path(args.work),
+        args.reuse_live,
     )
 
 
@@ -316,6 +317,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("envoy-config", help="print the Envoy front-door config for a gorgo config")
     s.add_argument("--config", required=True, help="gorgo YAML config file")
+    s.add_argument(
+        "--mesh-snippet",
+        action="store_true",
+        help="print only the router's fragments, to paste into an existing Envoy",
+    )
     s.set_defaults(func=_envoy_config)
 
     s = sub.add_parser(
@@ -498,6 +504,11 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "parity":
             b.add_argument("--results", default="docs/results.md", help="where to write it")
             b.add_argument("--work", default="out/bench", help="result files")
+            b.add_argument(
+                "--reuse-live",
+                action="store_true",
+                help="reuse the live result files in --work (only re-simulate)",
+            )
         b.set_defaults(func=func)
     b = bench.add_parser("decide", help="decision latency and prefix-index memory")
     b.add_argument("--iterations", type=int, default=300, help="decisions per measurement")

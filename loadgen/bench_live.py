@@ -24,7 +24,7 @@ import yaml
 from emulator.stack import DEFAULT_REGIONS, Stack, StackPorts, StackSettings
 from ext_proc.profile import load_profile
 from loadgen.replay import replay
-from loadgen.results import summarize, table, write_result
+from loadgen.results import read_result, summarize, table, write_result
 from loadgen.simulate import SimSettings, simulate
 from loadgen.traces import TraceRequest, read_trace, scaled, window
 
@@ -73,6 +73,11 @@ def _slice(
     return scaled(window(read_trace(trace_path), start_s, duration_s), time_scale)
 
 
+# The simulator side runs with several seeds (its jitter and tie-breaking): a p95 over a
+# thousand bursty requests moves by several percent from seed to seed.
+PARITY_SEEDS = (0, 1, 2, 3, 4)
+
+
 def run_parity(
     trace_path: str,
     policies: Sequence[str],
@@ -81,6 +86,7 @@ def run_parity(
     time_scale: float,
     results_md: Path,
     out_dir: Path,
+    reuse_live: bool = False,
 ) -> int:
     chosen = window(read_trace(trace_path), start_s, duration_s)
     live_trace = scaled(chosen, time_scale)
@@ -90,35 +96,38 @@ def run_parity(
     with tempfile.TemporaryDirectory(prefix="gorgo-parity-") as tmp:
         profile = fast_profile_file(Path(tmp))
         for policy in policies:
-            print(f"{policy}: live replay of {len(chosen)} requests...", file=sys.stderr)
-            stack = _stack(policy, profile, seed=0)
-            stack.start()
-            try:
-                (run,) = asyncio.run(_replay_on([stack], live_trace))
-            finally:
-                stack.stop()
-            live = write_result(
-                out_dir / f"parity-live-{policy}.json",
-                run.results,
-                {"mode": "replay", "policy": policy},
-            )["summary"]
-            print(f"{policy}: simulating the same slice...", file=sys.stderr)
-            sim_res = simulate(
-                chosen, SimSettings(policy=policy, time_scale=time_scale, engine_profile=profile)
-            )
-            sim = write_result(
-                out_dir / f"parity-sim-{policy}.json",
-                sim_res.requests,
-                {"mode": "simulate", "policy": policy},
-                sim_res.itl_ms,
-            )["summary"]
-            rows += [(f"{policy} live", live), (f"{policy} simulated", sim)]
+            live_file = out_dir / f"parity-live-{policy}.json"
+            if reuse_live and live_file.exists():
+                live = read_result(live_file)["summary"]
+            else:
+                print(f"{policy}: live replay of {len(chosen)} requests...", file=sys.stderr)
+                stack = _stack(policy, profile, seed=0)
+                stack.start()
+                try:
+                    (run,) = asyncio.run(_replay_on([stack], live_trace))
+                finally:
+                    stack.stop()
+                meta = {"mode": "replay", "policy": policy}
+                live = write_result(live_file, run.results, meta)["summary"]
+            print(f"{policy}: simulating the same slice, seeds {PARITY_SEEDS}...", file=sys.stderr)
+            sims = []
+            for seed in PARITY_SEEDS:
+                settings = SimSettings(
+                    policy=policy, time_scale=time_scale, engine_profile=profile, seed=seed
+                )
+                res = simulate(chosen, settings)
+                meta: dict[str, Any] = {"mode": "simulate", "policy": policy, "seed": seed}
+                path = out_dir / f"parity-sim-{policy}-seed{seed}.json"
+                sims.append(write_result(path, res.requests, meta, res.itl_ms)["summary"])
+            rows += [(f"{policy} live", live), (f"{policy} simulated (seed 0)", sims[0])]
             for q in ("p50", "p95"):
-                diff = sim["ttft_ms"][q] / live["ttft_ms"][q] - 1
+                values = [s["ttft_ms"][q] for s in sims]
+                mean = sum(values) / len(values)
+                diff = mean / live["ttft_ms"][q] - 1
                 worst = max(worst, abs(diff))
                 lines.append(
-                    f"| {policy} | TTFT {q} | {live['ttft_ms'][q]:.0f} | {sim['ttft_ms'][q]:.0f} | "
-                    f"{diff:+.1%} |"
+                    f"| {policy} | TTFT {q} | {live['ttft_ms'][q]:.0f} | {mean:.0f} "
+                    f"({min(values):.0f}-{max(values):.0f}) | {diff:+.1%} |"
                 )
     md = "\n".join(
         [
@@ -132,7 +141,7 @@ def run_parity(
             "slice loads the fleet without saturating it in real time). Target: TTFT p50 "
             f"and p95 within {PARITY_TOLERANCE:.0%}.",
             "",
-            "| policy | metric | live (ms) | simulated (ms) | simulated vs live |",
+            "| policy | metric | live (ms) | simulated, mean of 5 seeds (range) | sim vs live |",
             "|---|---|---|---|---|",
             *lines,
             "",

@@ -1,0 +1,44 @@
+"""Endpoint-picker mode through real Envoy: override_host sends each request to the
+endpoint the router named (Gateway API Inference Extension protocol)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from emulator.stack import Stack, StackPorts, StackSettings
+from tests.e2e.conftest import FAST_ENGINE, FAST_REGIONS
+from tests.e2e.test_front_door import chats, engine_counts, router_state
+
+pytestmark = pytest.mark.e2e
+
+IDS = [r.id for r in FAST_REGIONS]
+
+
+def test_override_host_routes_to_the_picked_endpoint() -> None:
+    stack = Stack(
+        StackSettings(
+            policy="round_robin",
+            regions=FAST_REGIONS,
+            ports=StackPorts.ephemeral(len(FAST_REGIONS)),
+            engine_args=FAST_ENGINE,
+            envoy_mode="endpoint_picker",
+        )
+    )
+    stack.start()
+    try:
+        from loadgen.client import chat_body
+
+        before = engine_counts(stack)
+        forged = {"x-gateway-destination-endpoint": f"127.0.0.1:{stack.settings.backend_port(2)}"}
+        results = asyncio.run(chats(stack.front_door_url, [chat_body("hi", 3)] * 6, forged))
+        assert all(r.ok for r in results), [r.error for r in results]
+        # round robin's choices, not the client's forged endpoint
+        assert sorted(r.backend for r in results) == sorted(IDS * 2)
+        after = engine_counts(stack)
+        assert {b: after[b] - before[b] for b in IDS} == {b: 2 for b in IDS}
+        decided = [d["backend"] for d in router_state(stack)["recent_decisions"]]
+        assert decided[-6:] == [r.backend for r in results]
+    finally:
+        stack.stop()

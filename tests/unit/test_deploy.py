@@ -1,0 +1,475 @@
+"""The deployment files hang together: docker-compose.yml, the Dockerfile, the compose and
+mesh configs and the Envoy configs generated from them, and the Kubernetes examples.
+
+No Docker engine or cluster here: the files are checked statically, and the Envoy configs
+by `envoy --mode validate` (which resolves no DNS, so STRICT_DNS host names pass)."""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+import shlex
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+import yaml
+
+from emulator.stack import envoy_binary
+from ext_proc.config import Config, config_from_dict, load_config, split_host_port
+from ext_proc.envoy_config import (
+    EXT_PROC_CLUSTER,
+    build_envoy_config,
+    build_mesh_snippet,
+    render_envoy_config,
+    render_mesh_snippet,
+)
+from ext_proc.names import HEADER_BACKEND
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE_FILE = ROOT / "docker-compose.yml"
+COMPOSE_CONFIG = "config/compose/gorgo.yaml"
+REGIONS = ("us-ashburn", "eu-frankfurt", "ap-seoul")
+
+# Compose interpolation: ${VAR}, ${VAR:-default}, ${VAR-default}.
+_VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::?-([^}]*))?\}")
+
+
+def _interpolate(value: Any) -> Any:
+    """The file as Compose reads it with none of the variables set (their defaults)."""
+    if isinstance(value, str):
+        return _VAR.sub(lambda m: m.group(2) or "", value)
+    if isinstance(value, list):
+        return [_interpolate(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _interpolate(v) for k, v in value.items()}
+    return value
+
+
+@pytest.fixture(scope="module")
+def services() -> dict[str, dict[str, Any]]:
+    compose = _interpolate(yaml.safe_load(COMPOSE_FILE.read_text()))
+    svcs: dict[str, dict[str, Any]] = compose["services"]
+    return svcs
+
+
+@pytest.fixture(scope="module")
+def cfg() -> Config:
+    return load_config(ROOT / COMPOSE_CONFIG)
+
+
+def _args(svc: dict[str, Any]) -> list[str]:
+    command = svc.get("command", [])
+    return shlex.split(command) if isinstance(command, str) else [str(a) for a in command]
+
+
+def _flag(svc: dict[str, Any], name: str) -> str:
+    args = _args(svc)
+    for i, a in enumerate(args):
+        if a == name:
+            return args[i + 1]
+        if a.startswith(name + "="):
+            return a.split("=", 1)[1]
+    raise AssertionError(f"{name} missing from {args}")
+
+
+def _container_ports(svc: dict[str, Any]) -> set[int]:
+    return {int(str(p).rsplit(":", 1)[-1].split("/")[0]) for p in svc.get("ports", [])}
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def _port(address: str) -> int:
+    return split_host_port(address, address)[1]
+
+
+def _host(address: str) -> str:
+    return split_host_port(address, address)[0]
+
+
+def _socket_addresses(node: Any) -> list[tuple[str, int]]:
+    """Every socket_address in an Envoy config."""
+    if isinstance(node, dict):
+        if "socket_address" in node:
+            sa = node["socket_address"]
+            return [(sa["address"], sa["port_value"])]
+        return [a for v in node.values() for a in _socket_addresses(v)]
+    if isinstance(node, list):
+        return [a for v in node for a in _socket_addresses(v)]
+    return []
+
+
+# -- docker-compose.yml --------------------------------------------------------------------
+
+
+def test_compose_has_the_documented_services(services: dict[str, dict[str, Any]]) -> None:
+    expected = {"envoy", "gorgo", "jaeger", "loadgen"}
+    expected |= {f"{kind}-{r}" for kind in ("engine", "wan", "sglang") for r in REGIONS}
+    assert expected <= set(services)
+    assert services["envoy"]["image"] == "envoyproxy/envoy:v1.40-latest"
+    assert services["loadgen"]["profiles"] == ["loadgen"]
+    for r in REGIONS:
+        sglang = services[f"sglang-{r}"]
+        assert sglang["profiles"] == ["gpu"]
+        assert sglang["image"].startswith("lmsysorg/sglang")
+        assert "sglang.launch_server" in _args(sglang)
+        devices = sglang["deploy"]["resources"]["reservations"]["devices"]
+        assert devices[0]["capabilities"] == ["gpu"]
+    # one GPU each, a different one per region
+    gpus = [services[f"sglang-{r}"]["deploy"]["resources"]["reservations"]["devices"][0]
+            ["device_ids"][0] for r in REGIONS]  # fmt: skip
+    assert len(set(gpus)) == len(REGIONS)
+
+
+def test_build_contexts_and_mounted_files_exist(services: dict[str, dict[str, Any]]) -> None:
+    compose = yaml.safe_load(COMPOSE_FILE.read_text())
+    named_volumes = set(compose.get("volumes") or {})
+    for name, svc in services.items():
+        build = svc.get("build")
+        if build is not None:
+            context = ROOT / (build if isinstance(build, str) else build.get("context", "."))
+            assert context.is_dir(), name
+            dockerfile = "Dockerfile" if isinstance(build, str) else build["dockerfile"]
+            assert (context / dockerfile).is_file(), name
+        for volume in svc.get("volumes", []):
+            source = volume.split(":")[0]
+            if source.startswith(("./", "/", "~")):
+                assert source.startswith("./"), f"{name}: host path outside the repo: {volume}"
+                assert (ROOT / source).exists(), f"{name}: {source} does not exist"
+            else:
+                assert source in named_volumes, f"{name}: undeclared volume {source}"
+
+
+def test_every_referenced_service_exists(services: dict[str, dict[str, Any]], cfg: Config) -> None:
+    referenced: dict[str, str] = {}
+    for name, svc in services.items():
+        deps = svc.get("depends_on", [])
+        for dep in deps if isinstance(deps, list) else deps.keys():
+            referenced[dep] = f"{name}.depends_on"
+        for arg in _args(svc):
+            value = arg.split("=", 1)[1] if arg.startswith("--") and "=" in arg else arg
+            if value.startswith("http://"):
+                referenced[urlsplit(value).hostname or ""] = f"{name} command"
+        if any(a.startswith("--target") for a in _args(svc)):
+            referenced[_host(_flag(svc, "--target"))] = f"{name} --target"
+        for key, value in (svc.get("environment") or {}).items():
+            if str(value).startswith("http://"):
+                referenced[urlsplit(value).hostname or ""] = f"{name} {key}"
+    for b in cfg.backends:
+        referenced[_host(b.address)] = f"{COMPOSE_CONFIG} backend {b.id}"
+    referenced[_host(cfg.ext_proc_address)] = "envoy.ext_proc_address"
+    referenced[_host(cfg.envoy.tracing_endpoint)] = "envoy.tracing_endpoint"
+    referenced[_host(cfg.telemetry.otlp_endpoint)] = "telemetry.otlp_endpoint"
+    generated = yaml.safe_load((ROOT / "envoy/compose/envoy.yaml").read_text())
+    for host, _port_value in _socket_addresses(generated):
+        if not _is_ip(host):
+            referenced[host] = "envoy/compose/envoy.yaml"
+    missing = {host: where for host, where in referenced.items() if host not in services}
+    assert not missing, f"not a compose service: {missing}"
+
+
+def test_gpu_profile_addresses_name_the_sglang_services(
+    services: dict[str, dict[str, Any]],
+) -> None:
+    """The documented exports that point the WAN links at the SGLang containers."""
+    text = COMPOSE_FILE.read_text()
+    exports = dict(re.findall(r"^#\s+export (GORGO_[A-Z_]+_ADDR)=(\S+)$", text, re.M))
+    assert set(exports) == {f"GORGO_{r.upper().replace('-', '_')}_ADDR" for r in REGIONS}
+    for r in REGIONS:
+        address = exports[f"GORGO_{r.upper().replace('-', '_')}_ADDR"]
+        assert _host(address) == f"sglang-{r}"
+        assert _port(address) == int(_flag(services[f"sglang-{r}"], "--port"))
+        # and the WAN link of that region is the one the variable steers
+        raw = yaml.safe_load(text)["services"][f"wan-{r}"]["command"]
+        assert any(f"GORGO_{r.upper().replace('-', '_')}_ADDR" in a for a in raw)
+
+
+def test_ports_agree_between_compose_config_and_envoy(
+    services: dict[str, dict[str, Any]], cfg: Config
+) -> None:
+    envoy = yaml.safe_load((ROOT / "envoy/compose/envoy.yaml").read_text())
+    listener_port = envoy["static_resources"]["listeners"][0]["address"]["socket_address"]
+    admin_port = envoy["admin"]["address"]["socket_address"]["port_value"]
+    assert listener_port["port_value"] == _port(cfg.envoy.listen)
+    assert admin_port == _port(cfg.envoy.admin)
+    assert _container_ports(services["envoy"]) == {_port(cfg.envoy.listen), admin_port}
+    # gorgo: gRPC and admin as configured, and Envoy dials that gRPC port
+    grpc_port, admin = _port(cfg.listen.grpc), _port(cfg.listen.admin)
+    assert _container_ports(services["gorgo"]) == {grpc_port, admin}
+    assert cfg.ext_proc_address == f"gorgo:{grpc_port}"
+    assert f"127.0.0.1:{admin}/healthz" in " ".join(services["gorgo"]["healthcheck"]["test"])
+    # both listen on all interfaces inside their containers
+    for address in (cfg.listen.grpc, cfg.listen.admin, cfg.envoy.listen):
+        assert _host(address) == "0.0.0.0"
+    # the config and the compose file mount where `gorgo serve --config` reads
+    config_arg = _flag(services["gorgo"], "--config")
+    assert f"./{COMPOSE_CONFIG}:{config_arg}:ro" in services["gorgo"]["volumes"]
+    assert "./envoy/compose/envoy.yaml:/etc/envoy/envoy.yaml:ro" in services["envoy"]["volumes"]
+    # OTLP: both exporters reach Jaeger's OTLP/gRPC port
+    jaeger_ports = {int(p) for p in services["jaeger"]["expose"]}
+    otlp_env = urlsplit(services["gorgo"]["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"])
+    for address in (cfg.telemetry.otlp_endpoint, cfg.envoy.tracing_endpoint):
+        assert _host(address) == "jaeger" and _port(address) in jaeger_ports
+    assert otlp_env.hostname == "jaeger" and otlp_env.port in jaeger_ports
+    assert services["jaeger"]["environment"]["COLLECTOR_OTLP_ENABLED"] == "true"
+    # the load generator goes through the front door
+    url = urlsplit(_flag(services["loadgen"], "--url"))
+    assert (url.hostname, url.port) == ("envoy", _port(cfg.envoy.listen))
+    # backend -> WAN link -> engine, region by region
+    assert [b.id for b in cfg.backends] == list(REGIONS)
+    for b in cfg.backends:
+        wan = services[_host(b.address)]
+        assert _port(b.address) == _port(_flag(wan, "--listen"))
+        assert _flag(wan, "--region") == b.id == b.region
+        engine_name = _host(_flag(wan, "--target"))
+        engine = services[engine_name]
+        assert engine_name == f"engine-{b.id}"
+        assert _port(_flag(wan, "--target")) == int(_flag(engine, "--port"))
+        assert _flag(engine, "--name") == b.id
+        assert _flag(engine, "--host") == "0.0.0.0"
+
+
+def test_compose_variables_are_documented() -> None:
+    text = COMPOSE_FILE.read_text()
+    used = set(_VAR.findall(text))
+    names = {name for name, _default in used}
+    header = "".join(line for line in text.splitlines(keepends=True) if line.startswith("#"))
+    readme = (ROOT / "README.md").read_text()
+    for name in names:
+        assert re.search(rf"#\s+{name}\s", header), f"{name} not in the compose comment block"
+        assert name in readme, f"{name} not in README.md"
+
+
+def test_dockerfile_builds_like_the_makefile() -> None:
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    makefile = (ROOT / "Makefile").read_text()
+    assert re.search(r"^FROM \$\{PYTHON_IMAGE\}", dockerfile, re.M)
+    assert "ARG PYTHON_IMAGE=python:3.11-slim" in dockerfile
+    # the same protoc invocation as `make proto` (PROTO_SRC spelled out)
+    recipe = re.search(r"-m grpc_tools\.protoc (.+?)\$\(PROTO_SRC\)", makefile, re.S)
+    assert recipe is not None
+    make_args = recipe.group(1).replace("\\\n", " ").split()
+    docker = re.search(r"-m grpc_tools\.protoc (.+?)ext_proc/proto/envoy_wire\.proto", dockerfile,
+                       re.S)  # fmt: skip
+    assert docker is not None
+    assert docker.group(1).replace("\\\n", " ").split() == make_args
+    assert "pip install -c constraints.txt ." in dockerfile
+    assert re.search(r"^USER (?!root|0)\S+", dockerfile, re.M)
+    assert 'ENTRYPOINT ["gorgo"]' in dockerfile
+    for source in re.findall(r"^COPY (?!--from)(.+) \S+$", dockerfile, re.M):
+        for path in source.split():
+            assert (ROOT / path).exists(), f"COPY {path}: missing"
+    lines = (ROOT / ".dockerignore").read_text().splitlines()
+    ignored = [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+    for pattern in (".venv", ".git", "ext_proc/proto/*_pb2.py"):
+        assert pattern in ignored
+    for needed in ("README.md", "LICENSE", "pyproject.toml", "constraints.txt", "ext_proc"):
+        assert needed not in ignored
+
+
+# -- generated Envoy configs -----------------------------------------------------------------
+
+GENERATED: list[tuple[str, str, Callable[[Config], str]]] = [
+    (COMPOSE_CONFIG, "envoy/compose/envoy.yaml", render_envoy_config),
+    ("config/mesh/gorgo.yaml", "envoy/mesh/gorgo-filters.yaml", render_mesh_snippet),
+    ("config/mesh/endpoint-picker.yaml", "envoy/mesh/endpoint-picker.yaml", render_envoy_config),
+]
+
+
+@pytest.mark.parametrize(("config", "output", "render"), GENERATED, ids=[g[1] for g in GENERATED])
+def test_generated_envoy_files_do_not_drift(
+    config: str, output: str, render: Callable[[Config], str]
+) -> None:
+    flag = " --mesh-snippet" if render is render_mesh_snippet else ""
+    assert (ROOT / output).read_text() == render(load_config(ROOT / config)), (
+        f"regenerate: gorgo envoy-config{flag} --config {config} > {output}"
+    )
+
+
+def test_endpoint_picker_example_names_endpoints_by_ip() -> None:
+    """override_host compares the picked address with resolved endpoint addresses."""
+    cfg = load_config(ROOT / "config/mesh/endpoint-picker.yaml")
+    assert cfg.envoy.mode == "endpoint_picker"
+    assert all(_is_ip(_host(b.address)) for b in cfg.backends)
+
+
+def test_mesh_snippet_is_cut_from_the_front_door() -> None:
+    cfg = load_config(ROOT / "config/mesh/gorgo.yaml")
+    snippet = yaml.safe_load((ROOT / "envoy/mesh/gorgo-filters.yaml").read_text())
+    assert {"http_filters", "access_log", "routes", "clusters"} <= set(snippet)
+    full = build_envoy_config(cfg)
+    hcm = full["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+    hcm = hcm["typed_config"]
+    assert snippet["http_filters"] == hcm["http_filters"][:-1]
+    assert [f["name"] for f in snippet["http_filters"]] == [
+        "envoy.filters.http.ext_proc",
+        "gorgo.observe",
+    ]
+    assert snippet["access_log"] == hcm["access_log"]
+    assert snippet["routes"][0]["route"]["cluster_header"] == HEADER_BACKEND
+    names = [c["name"] for c in snippet["clusters"]]
+    assert EXT_PROC_CLUSTER in names and set(cfg.backend_ids) <= set(names)
+    assert snippet == build_mesh_snippet(cfg)
+
+
+def _paste_snippet(snippet: dict[str, Any]) -> dict[str, Any]:
+    """An Envoy that already serves a web app, with the snippet pasted in as docs/envoy.md
+    says: listener limit, HCM fields, filters before the router, routes and response
+    header on the LLM virtual host, clusters."""
+    hcm_type = (
+        "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3"
+        ".HttpConnectionManager"
+    )
+    web_host = {"socket_address": {"address": "127.0.0.1", "port_value": 18081}}
+    llm_vhost: dict[str, Any] = {"name": "llm", "domains": ["llm.example.com"], "routes": []}
+    hcm: dict[str, Any] = {
+        "@type": hcm_type,
+        "stat_prefix": "ingress",
+        "route_config": {
+            "name": "ingress",
+            "virtual_hosts": [
+                llm_vhost,
+                {
+                    "name": "web",
+                    "domains": ["*"],
+                    "routes": [{"match": {"prefix": "/"}, "route": {"cluster": "web"}}],
+                },
+            ],
+        },
+        "http_filters": [
+            {
+                "name": "envoy.filters.http.router",
+                "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
+                },
+            }
+        ],
+    }
+    listener: dict[str, Any] = {
+        "name": "ingress",
+        "address": {"socket_address": {"address": "0.0.0.0", "port_value": 18080}},
+        "filter_chains": [
+            {"filters": [{"name": "envoy.filters.network.http_connection_manager",
+                          "typed_config": hcm}]}
+        ],
+    }  # fmt: skip
+    clusters: list[dict[str, Any]] = [
+        {
+            "name": "web",
+            "type": "STATIC",
+            "load_assignment": {
+                "cluster_name": "web",
+                "endpoints": [{"lb_endpoints": [{"endpoint": {"address": web_host}}]}],
+            },
+        }
+    ]
+    # the steps
+    listener["per_connection_buffer_limit_bytes"] = snippet["per_connection_buffer_limit_bytes"]
+    hcm["early_header_mutation_extensions"] = snippet["early_header_mutation_extensions"]
+    hcm["access_log"] = snippet["access_log"]
+    hcm["http_filters"][:0] = snippet["http_filters"]
+    llm_vhost["routes"] = snippet["routes"]
+    llm_vhost["response_headers_to_add"] = snippet["response_headers_to_add"]
+    clusters += snippet["clusters"]
+    return {"static_resources": {"listeners": [listener], "clusters": clusters}}
+
+
+def _validate(path: Path) -> None:
+    out = subprocess.run(
+        [envoy_binary(), "--mode", "validate", "-c", str(path), "--disable-hot-restart"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "deprecated" not in (out.stdout + out.stderr).lower()
+
+
+@pytest.mark.parametrize("path", ["envoy/compose/envoy.yaml", "envoy/mesh/endpoint-picker.yaml"])
+def test_real_envoy_accepts_the_shipped_config(path: str) -> None:
+    """Host names (STRICT_DNS clusters: wan-us-ashburn, gorgo, jaeger) are not resolved by
+    validate mode, so the compose config validates outside Docker."""
+    _validate(ROOT / path)
+
+
+def test_real_envoy_accepts_the_snippet_pasted_into_an_existing_config(tmp_path: Path) -> None:
+    snippet = yaml.safe_load((ROOT / "envoy/mesh/gorgo-filters.yaml").read_text())
+    path = tmp_path / "existing-envoy.yaml"
+    path.write_text(yaml.safe_dump(_paste_snippet(snippet), sort_keys=False))
+    _validate(path)
+
+
+# -- Kubernetes examples --------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def k8s() -> dict[str, dict[str, Any]]:
+    docs: dict[str, dict[str, Any]] = {}
+    for path in sorted((ROOT / "deploy/k8s").glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            assert doc["apiVersion"] and doc["metadata"]["name"], path
+            docs[f"{doc['kind']}/{doc['metadata']['name']}"] = doc
+    return docs
+
+
+def test_k8s_service_deployment_and_config_ports_agree(k8s: dict[str, dict[str, Any]]) -> None:
+    config_map = k8s["ConfigMap/gorgo-config"]
+    cfg = config_from_dict(yaml.safe_load(config_map["data"]["gorgo.yaml"]))
+    pod = k8s["Deployment/gorgo"]["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    container_ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    service_ports = {p["name"]: p for p in k8s["Service/gorgo"]["spec"]["ports"]}
+    assert container_ports == {"grpc": _port(cfg.listen.grpc), "admin": _port(cfg.listen.admin)}
+    for name, port in service_ports.items():
+        assert port["targetPort"] == name
+        assert port["port"] == container_ports[name]
+    assert k8s["Deployment/gorgo"]["spec"]["replicas"] == 1
+    # the config is mounted where the container reads it
+    config_path = container["args"][container["args"].index("--config") + 1]
+    mount = next(m for m in container["volumeMounts"] if m["name"] == "config")
+    assert config_path == f"{mount['mountPath']}/gorgo.yaml"
+    volume = next(v for v in pod["volumes"] if v["name"] == "config")
+    assert volume["configMap"]["name"] == config_map["metadata"]["name"]
+    labels = k8s["Deployment/gorgo"]["spec"]["template"]["metadata"]["labels"]
+    assert k8s["Service/gorgo"]["spec"]["selector"].items() <= labels.items()
+    assert container["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": "admin"}
+
+
+def test_envoy_gateway_policy_attaches_gorgo(k8s: dict[str, dict[str, Any]]) -> None:
+    cfg = config_from_dict(yaml.safe_load(k8s["ConfigMap/gorgo-config"]["data"]["gorgo.yaml"]))
+    grpc = next(p for p in k8s["Service/gorgo"]["spec"]["ports"] if p["name"] == "grpc")
+    policy = k8s["EnvoyExtensionPolicy/gorgo"]["spec"]
+    assert policy["targetRefs"] == [
+        {"group": "gateway.networking.k8s.io", "kind": "HTTPRoute", "name": "llm"}
+    ]
+    (ext_proc,) = policy["extProc"]
+    assert ext_proc["backendRefs"] == [{"name": "gorgo", "port": grpc["port"]}]
+    assert ext_proc["failOpen"] is True
+    assert ext_proc["processingMode"] == {
+        "request": {"body": "Buffered"},
+        "response": {"body": "Streamed"},
+    }
+    # completions come back over the gRPC access log, to the same Service
+    sink = k8s["EnvoyProxy/gorgo-proxy"]["spec"]["telemetry"]["accessLog"]["settings"][0]
+    als = sink["sinks"][0]["als"]
+    assert als["backendRefs"] == [{"name": "gorgo", "port": grpc["port"]}]
+    assert als["http"]["responseHeaders"] == [HEADER_BACKEND]
+    gateway = k8s["Gateway/llm"]["spec"]
+    assert gateway["infrastructure"]["parametersRef"]["name"] == "gorgo-proxy"
+    # one rule per backend id, on the header gorgo sets, plus the fallback rule
+    rules = k8s["HTTPRoute/llm"]["spec"]["rules"]
+    matched = [r["matches"][0]["headers"][0] for r in rules if "matches" in r]
+    assert {h["name"] for h in matched} == {HEADER_BACKEND}
+    assert [h["value"] for h in matched] == list(cfg.backend_ids)
+    assert "matches" not in rules[-1] and len(rules[-1]["backendRefs"]) == len(cfg.backends)
+    early = k8s["ClientTrafficPolicy/gorgo"]["spec"]["headers"]["earlyRequestHeaders"]
+    assert set(early["remove"]) == {"x-gorgo-backend", "x-gateway-destination-endpoint"}
