@@ -107,8 +107,9 @@ def run_parity(
                     (run,) = asyncio.run(_replay_on([stack], live_trace))
                 finally:
                     stack.stop()
-                meta = {"mode": "replay", "policy": policy}
-                live = write_result(live_file, run.results, meta)["summary"]
+                live = write_result(live_file, run.results, {"mode": "replay", "policy": policy})[
+                    "summary"
+                ]
             print(f"{policy}: simulating the same slice, seeds {PARITY_SEEDS}...", file=sys.stderr)
             sims = []
             for seed in PARITY_SEEDS:
@@ -116,8 +117,8 @@ def run_parity(
                     policy=policy, time_scale=time_scale, engine_profile=profile, seed=seed
                 )
                 res = simulate(chosen, settings)
-                meta: dict[str, Any] = {"mode": "simulate", "policy": policy, "seed": seed}
                 path = out_dir / f"parity-sim-{policy}-seed{seed}.json"
+                meta = {"mode": "simulate", "policy": policy, "seed": seed}
                 sims.append(write_result(path, res.requests, meta, res.itl_ms)["summary"])
             rows += [(f"{policy} live", live), (f"{policy} simulated (seed 0)", sims[0])]
             for q in ("p50", "p95"):

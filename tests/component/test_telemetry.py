@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+import os
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -33,23 +35,31 @@ class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
     def __init__(self) -> None:
         self.requests: list[trace_service_pb2.ExportTraceServiceRequest] = []
 
-    async def Export(self, request: Any, context: Any) -> Any:  # noqa: N802 - the gRPC name
+    def Export(self, request: Any, context: Any) -> Any:
         self.requests.append(request)
         return trace_service_pb2.ExportTraceServiceResponse()
 
     def spans(self) -> list[Any]:
-        return [s for r in self.requests for rs in r.resource_spans for ss in rs.scope_spans for s in ss.spans]
+        return [
+            s
+            for r in self.requests
+            for rs in r.resource_spans
+            for ss in rs.scope_spans
+            for s in ss.spans
+        ]
 
 
 @pytest.fixture
-async def receiver() -> AsyncIterator[tuple[Receiver, int]]:
-    server = grpc.aio.server()
+def receiver() -> Iterator[tuple[Receiver, int]]:
+    # A thread-pool server, not one on the test's event loop: the service flushes its
+    # exporter synchronously at shutdown, from that loop.
+    server = grpc.server(ThreadPoolExecutor(max_workers=2))
     rec = Receiver()
     trace_service_pb2_grpc.add_TraceServiceServicer_to_server(rec, server)
     port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
+    server.start()
     yield rec, port
-    await server.stop(None)
+    server.stop(None)
 
 
 def _config(otlp_port: int) -> Any:
@@ -79,12 +89,14 @@ async def _one_request(svc: Running, rid: str, traceparent: str | None) -> None:
     call = process(metadata=metadata)
     req = pb.ProcessingRequest()
     req.protocol_config.request_body_mode = pb.ProcessingMode.BUFFERED
-    for k, v in {":path": "/v1/chat/completions", "x-request-id": rid, "x-session-id": "alice"}.items():
+    headers = {":path": "/v1/chat/completions", "x-request-id": rid, "x-session-id": "alice"}
+    for k, v in headers.items():
         req.request_headers.headers.headers.add(key=k, raw_value=v.encode())
     await call.write(req)
     await call.read()
     body = pb.ProcessingRequest()
-    body.request_body.body = json.dumps({"messages": [{"role": "user", "content": SECRET * 40}]}).encode()
+    prompt = {"messages": [{"role": "user", "content": SECRET * 40}]}
+    body.request_body.body = json.dumps(prompt).encode()
     body.request_body.end_of_stream = True
     await call.write(body)
     await call.read()
@@ -92,7 +104,8 @@ async def _one_request(svc: Running, rid: str, traceparent: str | None) -> None:
     obs = process(metadata=metadata)
     h = pb.ProcessingRequest(observability_mode=True)
     h.protocol_config.response_body_mode = pb.ProcessingMode.STREAMED
-    h.request_headers.headers.headers.add(key="x-request-id", raw_value=rid.encode())
+    for k, v in headers.items():
+        h.request_headers.headers.headers.add(key=k, raw_value=v.encode())
     await obs.write(h)
     chunk = pb.ProcessingRequest()
     chunk.response_body.body = b"data: {}\n\n"
@@ -138,7 +151,7 @@ async def test_decision_span_continues_envoys_trace(receiver: tuple[Receiver, in
     assert span.end_time_unix_nano > span.start_time_unix_nano
     got = _normalize(span)
     assert SECRET not in json.dumps(got) and "alice" not in json.dumps(got)
-    if not GOLDEN.exists():  # first run writes the golden file; review it before committing
+    if os.environ.get("GORGO_UPDATE_GOLDEN"):  # regenerate on purpose, then review the diff
         GOLDEN.write_text(json.dumps(got, indent=1) + "\n")
     assert got == json.loads(GOLDEN.read_text())
 
@@ -171,9 +184,7 @@ def parse_prometheus(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]],
         name_labels, value = line.rsplit(" ", 1)
         if "{" in name_labels:
             name, labels = name_labels.split("{", 1)
-            pairs = tuple(
-                tuple(p.split("=", 1)) for p in labels.rstrip("}").split(",") if p
-            )
+            pairs = tuple(tuple(p.split("=", 1)) for p in labels.rstrip("}").split(",") if p)
             pairs = tuple((k, v.strip('"')) for k, v in pairs)
         else:
             name, pairs = name_labels, ()
@@ -186,10 +197,10 @@ async def test_metrics_count_what_was_routed(receiver: tuple[Receiver, int]) -> 
     async with running_service(_config(port)) as svc:
         for i in range(3):
             await _one_request(svc, f"m{i}", None)
-        async with aiohttp.ClientSession() as s:
-            async with s.get(f"http://127.0.0.1:{svc.admin_port}/metrics") as r:
-                assert r.status == 200 and r.headers["content-type"].startswith("text/plain")
-                m = parse_prometheus(await r.text())
+        url = f"http://127.0.0.1:{svc.admin_port}/metrics"
+        async with aiohttp.ClientSession() as s, s.get(url) as r:
+            assert r.status == 200 and r.headers["content-type"].startswith("text/plain")
+            m = parse_prometheus(await r.text())
     decisions = sum(v for (n, _), v in m.items() if n == "gorgo_decisions_total")
     assert decisions == 3
     assert m[("gorgo_completions_total", (("backend", "us-ashburn"), ("status", "ok")))] == 3
