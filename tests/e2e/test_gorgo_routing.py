@@ -54,8 +54,13 @@ def rtt(stack: Stack, backend: str) -> float:
 
 
 def test_idle_fleet_equal_caches_the_nearest_wins(gorgo_stack: Stack) -> None:
-    wait_for(lambda: rtt(gorgo_stack, SEOUL) > 8)  # probes have measured the links
+    # regions far enough apart that probe noise on a busy machine cannot reorder them
+    gorgo_stack.set_rtt_ms(1, 60)
+    gorgo_stack.set_rtt_ms(2, 120)
+    wait_for(lambda: rtt(gorgo_stack, FRANKFURT) > 40, timeout_s=10)
     for i in range(4):  # one at a time: equal (empty) caches, no load
+        # idle means idle: the previous request's completion has reached the router
+        wait_for(lambda: router_state(gorgo_stack)["in_flight"] == 0)
         (r,) = asyncio.run(chats(gorgo_stack.front_door_url, [words(300, f"solo{i}")]))
         assert r.ok and r.backend == ASHBURN
 
