@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hmac
 from collections.abc import Callable
 from typing import Any
 
@@ -19,8 +20,23 @@ def _error(status: int, message: str) -> web.Response:
 
 
 def make_admin_app(
-    router: Router, telemetry: Telemetry, extra_state: Callable[[], dict[str, Any]]
+    router: Router,
+    telemetry: Telemetry,
+    extra_state: Callable[[], dict[str, Any]],
+    token: str = "",
 ) -> web.Application:
+    @web.middleware
+    async def require_token(request: web.Request, handler: Any) -> web.StreamResponse:
+        # Reads stay open on loopback; anything that changes state needs the token.
+        if (
+            token
+            and request.method != "GET"
+            and not hmac.compare_digest(request.headers.get("Authorization", ""), f"Bearer {token}")
+        ):
+            return _error(401, "admin token required: Authorization: Bearer <token>")
+        response: web.StreamResponse = await handler(request)
+        return response
+
     async def healthz(_: web.Request) -> web.Response:
         return web.Response(text="ok\n")
 
@@ -60,7 +76,7 @@ def make_admin_app(
             headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"},
         )
 
-    app = web.Application()
+    app = web.Application(middlewares=[require_token])
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/state", state)

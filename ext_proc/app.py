@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import gc
 import logging
+import os
 import random
 import time
 from collections.abc import AsyncIterator
@@ -74,7 +75,10 @@ async def running_service(
     await server.start()
 
     admin_app = make_admin_app(
-        router, telemetry, lambda: {"active_ext_proc_streams": ext_proc.active_streams}
+        router,
+        telemetry,
+        lambda: {"active_ext_proc_streams": ext_proc.active_streams},
+        cfg.listen.admin_token or os.environ.get("GORGO_ADMIN_TOKEN", ""),
     )
     runner = web.AppRunner(admin_app, access_log=None)
     await runner.setup()

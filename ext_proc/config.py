@@ -68,6 +68,13 @@ class Routing:
     tie_fraction: float = 0.02
     # Refit each backend's prefill coefficients from observed TTFTs (least squares).
     refit_prefill: bool = False
+    # Passive health: this many failed requests in a row (5xx, reset) eject a backend for
+    # eject_s, doubling while it keeps failing when re-admitted (0 = never eject).
+    eject_after_errors: int = 2
+    eject_s: float = 5.0
+    # Shed load: when every backend's queue estimate exceeds this (ms), answer 429 with
+    # Retry-After instead of queueing (0 = never shed).
+    shed_queue_ms: float = 0.0
     # session_affinity without a session key: hash of the first this-many prompt tokens.
     affinity_prefix_tokens: int = 256
     # prefix_cache baseline: follow the best cache match when it covers at least this
@@ -113,6 +120,9 @@ class Listen:
     grpc: str = "127.0.0.1:50051"
     # Admin HTTP (/healthz, /state): loopback by default, it shows internal state.
     admin: str = "127.0.0.1:9180"
+    # Bearer token required by admin calls that change state (POST /tuner); "" = none
+    # (the GORGO_ADMIN_TOKEN environment variable is used when this is empty).
+    admin_token: str = ""
 
 
 @dataclass(frozen=True)
@@ -292,6 +302,9 @@ def _validate(cfg: Config) -> None:
     non_negative: dict[str, float] = {
         "routing.tie_ms": cfg.routing.tie_ms,
         "routing.tie_fraction": cfg.routing.tie_fraction,
+        "routing.eject_after_errors": cfg.routing.eject_after_errors,
+        "routing.eject_s": cfg.routing.eject_s,
+        "routing.shed_queue_ms": cfg.routing.shed_queue_ms,
         "routing.balance_abs": cfg.routing.balance_abs,
         "probes.metrics_interval_s": cfg.probes.metrics_interval_s,
     }

@@ -7,6 +7,7 @@ simulator drive the very same object.
 
 from __future__ import annotations
 
+import logging
 import random
 import zlib
 from collections import deque
@@ -22,6 +23,8 @@ from ext_proc.profile import EngineProfile, load_profile
 from ext_proc.state import OK, Completion, FleetState, InFlight
 from ext_proc.tokens import APPROX, BYTES_PER_TOKEN, Tokenizer
 from ext_proc.tuner import PAPER, Tuner, TunerSettings
+
+log = logging.getLogger("gorgo.router")
 
 # How many recent decisions /state shows.
 RECENT_DECISIONS = 8
@@ -137,7 +140,7 @@ class Router:
         need_kv = input_tokens + self.output_tokens(request)
         matched = self.index.match(blocks)
         bt = self.cfg.routing.block_tokens
-        healthy = [b for b in self.state.backends.values() if not b.suspect]
+        healthy = [b for b in self.state.backends.values() if self.state.available(b, now_s)]
         out = []
         for b in healthy or self.state.backends.values():  # all suspect: try them all
             # At least one prompt token is always computed.
@@ -186,6 +189,17 @@ class Router:
         return own_ms
 
     # -- decisions ------------------------------------------------------------------------
+
+    def should_shed(self, request: RouteRequest) -> float | None:
+        """With shedding on: seconds to wait before retrying when every backend's queue
+        estimate is past the bound (None: serve the request)."""
+        bound_ms = self.cfg.routing.shed_queue_ms
+        if not bound_ms:
+            return None
+        now_s = self.clock()
+        need = (request.llm.input_tokens if request.llm else 0) + self.output_tokens(request)
+        least_ms = min(self.queue_ms(b, now_s, need) for b in self.state.backends)
+        return least_ms / 1000 if least_ms > bound_ms else None
 
     def decide(self, request: RouteRequest) -> Decision:
         """Choose a backend and record the dispatch."""
@@ -275,9 +289,19 @@ class Router:
         cached_tokens: int | None = None,
     ) -> Completion | None:
         """Close the loop for one request; idempotent (a second call returns None)."""
-        done = self.state.complete(request_id, self.clock(), status, e2e_ms)
+        now_s = self.clock()
+        done = self.state.complete(request_id, now_s, status, e2e_ms)
         if done is None:
             return None
+        r = self.cfg.routing
+        if r.eject_after_errors and self.state.eject_failing(
+            done.backend, now_s, r.eject_after_errors, r.eject_s
+        ):
+            log.warning(
+                "backend %s ejected: %d failed requests in a row",
+                done.backend,
+                r.eject_after_errors,
+            )
         if status == OK and cached_tokens is not None:
             self.learn_cached(done.record, cached_tokens)
         if self.tuner is not None:

@@ -14,7 +14,9 @@ both (a mesh's own settings) works too: the stream stays open until the first ch
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -34,7 +36,7 @@ from ext_proc.names import (
 from ext_proc.parse import ParseError, api_for_path, parse_body
 from ext_proc.policy import RouteRequest
 from ext_proc.router import Decision, Router
-from ext_proc.state import CANCELLED, ERROR, OK
+from ext_proc.state import CANCELLED, CLIENT_ERROR, ERROR, OK
 from ext_proc.telemetry import Telemetry
 
 log = logging.getLogger("gorgo.server")
@@ -98,7 +100,17 @@ class StreamSession:
             self.done = True
             return self._reply(codec.REQUEST_BODY)
         session_key = self.session_header or llm.user
-        self.decision = self.router.decide(RouteRequest(self.request_id, llm, session_key))
+        route_request = RouteRequest(self.request_id, llm, session_key)
+        retry_s = self.router.should_shed(route_request)
+        if retry_s is not None:  # every backend is past the queue bound: shed, honestly
+            self.done = True
+            log.warning("request %s shed: every queue past the bound", self.request_id)
+            error = {"message": "all backends overloaded, retry later", "type": "overloaded"}
+            headers = {"retry-after": str(max(1, math.ceil(retry_s)))}
+            headers["content-type"] = "application/json"
+            body = json.dumps({"error": {**error, "code": 429}}).encode()
+            return codec.immediate_response(429, body, headers, details="gorgo_shed")
+        self.decision = self.router.decide(route_request)
         self.telemetry.decided(self.decision, session_key, self.trace_carrier)
         self.done = not self.info.sends_response_body
         if self.router.cfg.envoy.mode == "endpoint_picker":
@@ -213,7 +225,8 @@ class AccessLogService:
         return codec.StreamAccessLogsResponse()
 
     def observe(self, e: codec.AccessLogEntry) -> None:
-        status = OK if 200 <= e.response_code < 300 else ERROR
+        code = e.response_code
+        status = OK if 200 <= code < 300 else CLIENT_ERROR if 400 <= code < 500 else ERROR
         done = self.router.complete(e.request_id, status, e.e2e_ms)
         self.telemetry.completed(done)
         if done is None and e.route_name == ROUTE_FALLBACK:

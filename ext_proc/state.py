@@ -19,6 +19,8 @@ RECENT_SAMPLES = 16
 
 OK = "ok"
 ERROR = "error"
+# The backend answered 4xx: the request's fault, not the backend's.
+CLIENT_ERROR = "client_error"
 CANCELLED = "cancelled"
 EXPIRED = "expired"
 
@@ -50,6 +52,11 @@ class BackendState:
     rtt_samples: int = 0
     probe_failures: int = 0
     suspect: bool = False
+    # Passive health: requests that failed in a row, and until when the backend is out
+    # of rotation because of them (None: in rotation).
+    request_failures: int = 0
+    ejections: int = 0
+    ejected_until_s: float | None = None
     in_flight: int = 0
     # Dispatched and not yet past the first response byte (still queued or prefilling).
     waiting_first_byte: int = 0
@@ -78,6 +85,7 @@ class BackendState:
             "rtt_ms": round(self.rtt_ms, 3),
             "rtt_samples": self.rtt_samples,
             "suspect": self.suspect,
+            "ejected": self.ejected_until_s is not None,
             "in_flight": self.in_flight,
             "waiting_first_byte": self.waiting_first_byte,
             "queued_tokens": self.queued_tokens,
@@ -148,8 +156,28 @@ class FleetState:
             b.recent_e2e_ms.append(measured_e2e_ms)
         else:
             b.errors += 1
+        if status in (OK, ERROR):  # a cancelled client says nothing about the backend
+            b.request_failures = 0 if status == OK else b.request_failures + 1
         ttft_ms = None if rec.first_byte_s is None else (rec.first_byte_s - rec.dispatched_s) * 1e3
         return Completion(request_id, rec.backend, status, ttft_ms, measured_e2e_ms, rec)
+
+    def available(self, b: BackendState, now_s: float) -> bool:
+        """In rotation: probes answer, and not ejected for failing requests. An ejection
+        ends by itself; the next request there then tests the backend (half-open)."""
+        if b.ejected_until_s is not None and now_s >= b.ejected_until_s:
+            b.ejected_until_s = None
+        return not b.suspect and b.ejected_until_s is None
+
+    def eject_failing(self, backend: str, now_s: float, after: int, base_s: float) -> bool:
+        """Eject a backend whose last `after` requests failed, for base_s doubling with
+        each ejection in a row (at most 16x). Returns True if it was ejected now."""
+        b = self.backends[backend]
+        if b.request_failures < after or b.ejected_until_s is not None:
+            return False
+        b.ejections += 1
+        b.ejected_until_s = now_s + base_s * 2 ** min(b.ejections - 1, 4)
+        b.request_failures = 0
+        return True
 
     def record_fallback(self, backend: str) -> None:
         if backend in self.backends:
