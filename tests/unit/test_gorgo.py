@@ -29,6 +29,7 @@ def chat(text: str, user: str | None = None) -> RouteRequest:
 
 
 def router(policy: str = "gorgo", **extra: object) -> tuple[Router, FakeClock]:
+    """Three regions 1 / 90 / 180 ms away; extra config keys merged in."""
     clock = FakeClock()
     cfg = make_config(
         policy,

@@ -1,0 +1,157 @@
+"""Passive ejection, load shedding, and hostile input never breaking a stream."""
+
+import json
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ext_proc import codec
+from ext_proc.config import Telemetry as TelemetryConfig
+from ext_proc.proto import envoy_wire_pb2 as pb
+from ext_proc.router import Router
+from ext_proc.server import StreamSession
+from ext_proc.state import CANCELLED, CLIENT_ERROR, ERROR, OK
+from ext_proc.telemetry import Telemetry
+from tests.unit.test_gorgo import chat, router
+
+
+def fail(r: Router, status: str) -> str:
+    d = r.decide(chat(f"p{random.random()}"))
+    r.complete(d.request_id, status)
+    return d.backend
+
+
+def test_two_failures_in_a_row_eject_a_backend_until_it_cools_down() -> None:
+    r, clock = router()
+    assert fail(r, ERROR) == "near"
+    assert fail(r, ERROR) == "near"  # second failure in a row: ejected
+    assert r.state.backends["near"].ejected_until_s == clock() + 5.0
+    assert all(fail(r, OK) != "near" for _ in range(5))
+    clock.advance(5.1)  # cooled down: back in rotation (half-open)
+    assert fail(r, ERROR) == "near"
+    assert fail(r, ERROR) == "near"
+    # failing again right away: twice as long this time
+    assert r.state.backends["near"].ejected_until_s == pytest.approx(clock() + 10.0)
+
+
+def test_client_errors_and_cancellations_do_not_eject() -> None:
+    r, _ = router()
+    for status in (CLIENT_ERROR, CANCELLED, CLIENT_ERROR, CANCELLED, ERROR, OK, ERROR):
+        assert fail(r, status) == "near"
+    assert r.state.backends["near"].ejected_until_s is None
+
+
+def test_shedding_only_when_every_queue_is_past_the_bound() -> None:
+    r, _ = router(routing={"shed_queue_ms": 2000})
+    assert r.should_shed(chat("hello")) is None
+    from ext_proc.state import InFlight
+
+    for b in ("near", "mid"):
+        r.state.dispatch(InFlight(f"x-{b}", b, r.clock(), 1000, prefill_ms=5000))
+    assert r.should_shed(chat("hello")) is None  # far is still free
+    r.state.dispatch(InFlight("x-far", "far", r.clock(), 1000, prefill_ms=3000))
+    wait_s = r.should_shed(chat("hello"))
+    assert wait_s == pytest.approx(3.0)  # the shortest queue's wait
+
+
+def _session(r: Router) -> StreamSession:
+    info = codec.StreamInfo(observe_only=False, sends_response_body=True)
+    return StreamSession(r, Telemetry(TelemetryConfig(), r), info, {})
+
+
+def test_shed_requests_get_429_with_retry_after() -> None:
+    r, _ = router(routing={"shed_queue_ms": 1})
+    from ext_proc.state import InFlight
+
+    for b in ("near", "mid", "far"):
+        r.state.dispatch(InFlight(f"x-{b}", b, r.clock(), 1000, prefill_ms=2500))
+    s = _session(r)
+    h = pb.ProcessingRequest()
+    for k, v in {":path": "/v1/chat/completions", "x-request-id": "shed-me"}.items():
+        h.request_headers.headers.headers.add(key=k, raw_value=v.encode())
+    s.handle(h)
+    b = pb.ProcessingRequest()
+    b.request_body.body = b'{"messages": [{"role": "user", "content": "hi"}]}'
+    b.request_body.end_of_stream = True
+    resp = s.handle(b)
+    assert resp is not None and resp.WhichOneof("response") == "immediate_response"
+    ir = resp.immediate_response
+    assert ir.status.code == 429
+    assert json.loads(ir.body)["error"]["type"] == "overloaded"
+    headers = {h.header.key: h.header.raw_value for h in ir.headers.set_headers}
+    assert headers["retry-after"] == b"3"
+    assert "shed-me" not in r.state.in_flight
+
+
+PATHS = st.sampled_from(["/v1/chat/completions", "/v1/completions", "/generate", "/x", ""])
+JSONISH = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=30),
+    lambda inner: (
+        st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=12), inner, max_size=5)
+    ),
+    max_leaves=30,
+)
+BODIES = (
+    st.binary(max_size=2000)
+    | JSONISH.map(lambda v: json.dumps(v).encode())
+    | st.builds(
+        lambda msgs, extra: json.dumps({"messages": msgs, **extra}).encode(),
+        st.lists(
+            st.dictionaries(st.sampled_from(["role", "content", "x"]), JSONISH, max_size=3),
+            max_size=4,
+        ),
+        st.dictionaries(
+            st.sampled_from(["max_tokens", "stream", "user", "model", "prompt"]),
+            JSONISH,
+            max_size=3,
+        ),
+    )
+    | st.integers(1, 200).map(lambda n: b"[" * n * 50)  # deep nesting
+    | st.just(b"\xff\xfe\x00garbage")
+)
+
+
+@settings(max_examples=10_000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(PATHS, BODIES, st.booleans())
+def test_no_input_breaks_the_stream(path: str, body: bytes, split: bool) -> None:
+    """10,000 generated bodies: every message gets a reply (route or fall back), never an
+    exception; nothing stays in flight once the request is closed."""
+    r, _ = ROUTER
+    s = _session(r)
+    h = pb.ProcessingRequest()
+    for k, v in {":path": path, "x-request-id": "fuzz"}.items():
+        h.request_headers.headers.headers.add(key=k, raw_value=v.encode())
+    assert s.handle(h) is not None
+    if s.done:
+        return
+    parts = [body[: len(body) // 2], body[len(body) // 2 :]] if split else [body]
+    for i, part in enumerate(parts):
+        m = pb.ProcessingRequest()
+        m.request_body.body = part
+        m.request_body.end_of_stream = i == len(parts) - 1
+        resp = s.handle(m)
+        assert resp is not None and resp.WhichOneof("response") == "request_body"
+    r.complete("fuzz", OK)
+    assert not r.state.in_flight
+
+
+ROUTER = router()
+
+
+def test_a_ten_megabyte_body_is_routed() -> None:
+    r, _ = router()
+    s = _session(r)
+    h = pb.ProcessingRequest()
+    for k, v in {":path": "/v1/completions", "x-request-id": "big"}.items():
+        h.request_headers.headers.headers.add(key=k, raw_value=v.encode())
+    s.handle(h)
+    m = pb.ProcessingRequest()
+    m.request_body.body = json.dumps({"prompt": "word " * 2_000_000}).encode()  # ~10 MB
+    m.request_body.end_of_stream = True
+    resp = s.handle(m)
+    assert resp is not None
+    (opt,) = resp.request_body.response.header_mutation.set_headers
+    assert opt.header.key == "x-gorgo-backend"
+    assert r.state.in_flight["big"].input_tokens == 2_500_000
