@@ -268,3 +268,25 @@ async def test_admin_tuner_freeze_set_and_errors(harness: Harness) -> None:
         for bad in ({"action": "jump"}, {"action": "set", "weights": {"rtt": -1, "queue": 1}}, []):
             async with s.post(f"{url}/tuner", json=bad) as r:
                 assert r.status == 400 and "error" in await r.json()
+
+
+async def test_admin_token_guards_state_changes_only() -> None:
+    cfg = config_from_dict(
+        {
+            "policy": "gorgo",
+            "listen": {"grpc": "127.0.0.1:0", "admin": "127.0.0.1:0", "admin_token": "s3cret"},
+            "backends": [{"id": "a", "address": "127.0.0.1:1"}],
+        }
+    )
+    async with running_service(cfg) as svc, aiohttp.ClientSession() as s:
+        url = f"http://127.0.0.1:{svc.admin_port}"
+        async with s.get(f"{url}/state") as r:
+            assert r.status == 200  # reads stay open (loopback)
+        async with s.post(f"{url}/tuner", json={"action": "freeze"}) as r:
+            assert r.status == 401
+        bad = {"Authorization": "Bearer wrong"}
+        async with s.post(f"{url}/tuner", json={"action": "freeze"}, headers=bad) as r:
+            assert r.status == 401
+        good = {"Authorization": "Bearer s3cret"}
+        async with s.post(f"{url}/tuner", json={"action": "freeze"}, headers=good) as r:
+            assert r.status == 200 and (await r.json())["frozen"]

@@ -1,0 +1,116 @@
+"""Faults through real Envoy and the emulated fleet: the router never fails a request and
+follows the fleet when a region fails, slows down, or comes back."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+
+import pytest
+
+from emulator.stack import Stack, StackPorts, StackSettings
+from loadgen.client import chat_body
+from tests.e2e.conftest import FAST_ENGINE, FAST_REGIONS
+from tests.e2e.test_front_door import chats, router_state, wait_for
+
+pytestmark = pytest.mark.e2e
+
+ASHBURN = FAST_REGIONS[0].id
+
+
+@pytest.fixture
+def stack() -> Iterator[Stack]:
+    s = Stack(
+        StackSettings(
+            policy="gorgo",
+            regions=FAST_REGIONS,
+            ports=StackPorts.ephemeral(len(FAST_REGIONS)),
+            engine_args=FAST_ENGINE,
+            wan_control=True,
+            probe_interval_s=0.2,
+            tuner_mode="off",
+        )
+    )
+    s.start()
+    yield s
+    s.stop()
+
+
+def post_json(url: str, body: dict[str, object]) -> None:
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"content-type": "application/json"}
+    )
+    urllib.request.urlopen(req, timeout=5).close()
+
+
+def test_a_backend_answering_5xx_is_avoided_within_3_requests(stack: Stack) -> None:
+    url = stack.front_door_url
+    wait_for(lambda: router_state(stack)["backends"][ASHBURN]["rtt_samples"] > 0)
+    post_json(f"{stack.engine_url(0)}/faults", {"error_rate": 1.0})
+    results = []
+    for i in range(8):  # one at a time, so each completion is seen before the next decision
+        wait_for(lambda: router_state(stack)["in_flight"] == 0)
+        (r,) = asyncio.run(chats(url, [chat_body(f"q{i} " * 20, 2)]))
+        results.append(r)
+    failed_on_ashburn = [i for i, r in enumerate(results) if r.backend == ASHBURN]
+    assert len(failed_on_ashburn) <= 3 and failed_on_ashburn == list(range(len(failed_on_ashburn)))
+    assert all(r.ok for r in results[3:])
+    # recovered: re-admitted once its ejection cools down
+    post_json(f"{stack.engine_url(0)}/faults", {"error_rate": 0.0})
+    time.sleep(5.5)
+    wait_for(lambda: router_state(stack)["in_flight"] == 0)
+    (r,) = asyncio.run(chats(url, [chat_body("back", 2)]))
+    assert r.ok and r.backend == ASHBURN
+
+
+def test_a_link_whose_rtt_grows_is_followed_within_10_s(stack: Stack) -> None:
+    wait_for(lambda: router_state(stack)["backends"][ASHBURN]["rtt_samples"] > 0)
+    start = time.monotonic()
+    stack.set_rtt_ms(0, 200)  # ashburn becomes the farthest region
+    wait_for(lambda: router_state(stack)["backends"][ASHBURN]["rtt_ms"] > 100, timeout_s=10)
+    (r,) = asyncio.run(chats(stack.front_door_url, [chat_body("after", 2)]))
+    assert r.ok and r.backend != ASHBURN
+    assert time.monotonic() - start < 10
+
+
+def test_router_killed_during_load_fails_no_request_and_resumes_within_2_s(stack: Stack) -> None:
+    url = stack.front_door_url
+    results: list[object] = []
+    stop = threading.Event()
+
+    def load() -> None:  # a steady stream of requests while the router dies and returns
+        while not stop.is_set():
+            results.extend(asyncio.run(chats(url, [chat_body("load " * 30, 4)] * 4)))
+
+    t = threading.Thread(target=load)
+    t.start()
+    try:
+        time.sleep(0.5)
+        stack.kill("gorgo-serve", signal.SIGKILL)
+        time.sleep(1.0)
+        restarted = time.monotonic()
+        stack.start_router()
+        stack.wait_router_ready()
+        wait_for(lambda: router_state(stack)["decisions"] > 0, timeout_s=5)
+        resumed_s = time.monotonic() - restarted
+        time.sleep(0.5)
+    finally:
+        stop.set()
+        t.join(timeout=30)
+    assert results and all(r.ok for r in results), [r.error for r in results if not r.ok]
+    assert resumed_s < 2.0
+
+
+def test_sigterm_stops_the_router_cleanly_within_the_drain_deadline(stack: Stack) -> None:
+    (r,) = asyncio.run(chats(stack.front_door_url, [chat_body("x", 2)]))
+    assert r.ok
+    proc = stack.procs["gorgo-serve"]
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=10)
+    assert proc.returncode == 0 and time.monotonic() - t0 < 7  # drain deadline 5 s
