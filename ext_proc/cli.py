@@ -277,6 +277,12 @@ def _bench_live(args: argparse.Namespace) -> int:
     )
 
 
+def _bench_load(args: argparse.Namespace) -> int:
+    from loadgen.bench_load import run_load_bench
+
+    return run_load_bench(args.streams, args.duration_s)
+
+
 def _bench_decide(args: argparse.Namespace) -> int:
     from loadgen.bench_decide import run_decide_bench
 
@@ -510,6 +516,10 @@ def build_parser() -> argparse.ArgumentParser:
                 help="reuse the live result files in --work (only re-simulate)",
             )
         b.set_defaults(func=func)
+    b = bench.add_parser("load", help="concurrent streams through one router: errors, CPU, memory")
+    b.add_argument("--streams", type=int, default=200)
+    b.add_argument("--duration-s", type=float, default=60.0)
+    b.set_defaults(func=_bench_load)
     b = bench.add_parser("decide", help="decision latency and prefix-index memory")
     b.add_argument("--iterations", type=int, default=300, help="decisions per measurement")
     b.set_defaults(func=_bench_decide)
