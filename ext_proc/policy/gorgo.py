@@ -31,7 +31,15 @@ class Gorgo:
         scores = {
             c.backend_id: time_cost_ms(w, c.rtt_ms, c.queue_ms, c.prefill_ms) for c in candidates
         }
-        return Choice(pick_min(scores, self._rng, self._tie_ms, self._tie_frac), scores)
+        # Costs this close are within the estimates' error: among them take the backend
+        # with the fewest requests in flight (its decode batch, hence everyone's ITL and
+        # E2E, grows least), at random among equals.
+        best = min(scores.values())
+        slack = max(self._tie_ms, self._tie_frac * best)
+        tied = [c for c in candidates if scores[c.backend_id] <= best + slack]
+        fewest = min(c.in_flight for c in tied)
+        chosen = self._rng.choice([c for c in tied if c.in_flight == fewest])
+        return Choice(chosen.backend_id, scores)
 
 
 @register("gorgo_tokens")

@@ -55,9 +55,7 @@ def rtt(stack: Stack, backend: str) -> float:
 
 def test_idle_fleet_equal_caches_the_nearest_wins(gorgo_stack: Stack) -> None:
     # regions far enough apart that probe noise on a busy machine cannot reorder them
-    gorgo_stack.set_rtt_ms(1, 60)
-    gorgo_stack.set_rtt_ms(2, 120)
-    wait_for(lambda: rtt(gorgo_stack, FRANKFURT) > 40, timeout_s=10)
+    spread_regions(gorgo_stack)
     for i in range(4):  # one at a time: equal (empty) caches, no load
         # idle means idle: the previous request's completion has reached the router
         wait_for(lambda: router_state(gorgo_stack)["in_flight"] == 0)
@@ -90,8 +88,16 @@ def test_a_session_follows_its_cache_unless_that_backend_is_overloaded(gorgo_sta
     assert home in where and set(where) - {home}
 
 
+def spread_regions(stack: Stack) -> None:
+    """Regions 1 / 60 / 120 ms away: costs differ beyond gorgo's 20 % tie band and any
+    probe noise on a busy machine, so the nearest region wins an idle fleet."""
+    stack.set_rtt_ms(1, 60)
+    stack.set_rtt_ms(2, 120)
+    wait_for(lambda: rtt(stack, FRANKFURT) > 40 and rtt(stack, SEOUL) > 80, timeout_s=10)
+
+
 def test_a_backend_whose_probes_fail_stops_being_chosen(gorgo_stack: Stack) -> None:
-    wait_for(lambda: rtt(gorgo_stack, SEOUL) > 8)
+    spread_regions(gorgo_stack)
     gorgo_stack.kill("wan-us-ashburn")  # its link is gone: probes and requests fail
     wait_for(lambda: router_state(gorgo_stack)["backends"][ASHBURN]["suspect"], timeout_s=5)
     results = asyncio.run(

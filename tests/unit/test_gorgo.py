@@ -226,7 +226,7 @@ def test_decisions_explain_every_term_without_the_prompt() -> None:
 
 
 def test_learn_cached_trims_only_settled_evidence() -> None:
-    r, clock = router()
+    r, clock = router(routing={"tie_fraction": 0.0})  # the nearest, deterministically
     doc, other = "document " * 2000, "other text " * 2000
     d_other = r.decide(chat(other))
     r.complete(d_other.request_id, OK)
