@@ -10,6 +10,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -31,16 +32,7 @@ def run_simulations(
     summaries: dict[tuple[str, float], dict[str, Any]] = {}
     for ts in time_scales:
         for policy in policies:
-            settings = SimSettings(
-                policy=policy,
-                time_scale=ts,
-                rtt_profile=base.rtt_profile,
-                engine_profile=base.engine_profile,
-                seed=base.seed,
-                regions=base.regions,
-                router=base.router,
-                tune=base.tune,
-            )
+            settings = replace(base, policy=policy, time_scale=ts)
             t0 = time.perf_counter()
             res = simulate(trace, settings)
             wall_s = time.perf_counter() - t0
