@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import replace
 
 import openai
 import pytest
@@ -13,21 +12,9 @@ from openai.types import Completion, CompletionUsage
 from openai.types.chat import ChatCompletion, ChatCompletionChunk, ChatCompletionMessageParam
 
 from emulator.engine import ENGINE_ID_HEADER, EngineConfig, EngineServer, Faults
-from ext_proc.profile import load_profile
 from ext_proc.tokens import count_tokens, render_chat
+from tests.unit.test_engine import FAST
 
-FAST = replace(
-    load_profile(),
-    name="fast-test",
-    prefill_base_ms=1.0,
-    prefill_tokens_per_s=1e6,
-    decode_base_ms=1.0,
-    decode_batch_ms=0.0,
-    decode_per_request_ms=0.0,
-    decode_per_1k_context_ms=0.0,
-    no_cuda_graph_ms=0.0,
-    jitter_sigma=0.0,
-)
 BLOCK = FAST.block_tokens
 NAME = "eu-frankfurt"
 MODEL = "emulated"
