@@ -23,7 +23,7 @@ from ext_proc.router import Router
 
 log = logging.getLogger("gorgo.probe")
 
-_METRIC_LINE = re.compile(r"^(sglang:num_queue_reqs|sglang:num_running_reqs)(?:\{[^}]*\})?\s+(\S+)")
+_QUEUE_LINE = re.compile(r"^sglang:num_queue_reqs(?:\{[^}]*\})?\s+(\S+)")
 
 
 class Prober:
@@ -104,17 +104,11 @@ class Prober:
                     url, timeout=aiohttp.ClientTimeout(total=self.cfg.probes.timeout_s)
                 ) as resp:
                     text = await resp.text()
-                values = {
-                    m.group(1): float(m.group(2))
-                    for m in map(_METRIC_LINE.match, text.splitlines())
-                    if m
-                }
-                self.router.state.record_metrics(
-                    b.id,
-                    values.get("sglang:num_queue_reqs", 0.0),
-                    values.get("sglang:num_running_reqs", 0.0),
-                    self.router.clock(),
+                # Summed over label sets (one per data-parallel rank, if any).
+                queued = sum(
+                    float(m.group(1)) for m in map(_QUEUE_LINE.match, text.splitlines()) if m
                 )
+                self.router.state.record_metrics(b.id, queued, self.router.clock())
             except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as e:
                 log.debug("metrics of %s: %s", b.id, e)
             await asyncio.sleep(self.cfg.probes.metrics_interval_s)

@@ -68,7 +68,6 @@ class BackendState:
     fallback_completed: int = 0
     # Engine-reported load from its /metrics, and when it was read (None: never).
     metrics_queue_reqs: float = 0.0
-    metrics_running_reqs: float = 0.0
     metrics_at_s: float | None = None
     # Running mean of the prefill estimates of requests sent here (ms).
     mean_prefill_ms: float = 100.0
@@ -198,15 +197,9 @@ class FleetState:
         b.rtt_ms = rtt_ms if b.rtt_samples == 0 else alpha * rtt_ms + (1 - alpha) * b.rtt_ms
         b.rtt_samples += 1
 
-    def record_metrics(
-        self, backend: str, queue_reqs: float, running_reqs: float, now_s: float
-    ) -> None:
+    def record_metrics(self, backend: str, queue_reqs: float, now_s: float) -> None:
         b = self.backends[backend]
-        b.metrics_queue_reqs, b.metrics_running_reqs, b.metrics_at_s = (
-            queue_reqs,
-            running_reqs,
-            now_s,
-        )
+        b.metrics_queue_reqs, b.metrics_at_s = queue_reqs, now_s
 
     def expire(self, now_s: float, timeout_s: float) -> list[Completion]:
         """Close records older than timeout_s (their completion was lost)."""

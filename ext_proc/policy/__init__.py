@@ -97,14 +97,19 @@ def make_policy(name: str, rng: random.Random, cfg: Config) -> Policy:
     return factory(rng, cfg)
 
 
+def near_ties(scores: dict[str, float], tie_abs: float = 0.0, tie_frac: float = 0.0) -> list[str]:
+    """The backends whose score is within tie_abs or tie_frac of the lowest."""
+    best = min(scores.values())
+    slack = max(tie_abs, tie_frac * abs(best))
+    return [b for b, s in scores.items() if s <= best + slack]
+
+
 def pick_min(
     scores: dict[str, float], rng: random.Random, tie_abs: float = 0.0, tie_frac: float = 0.0
 ) -> str:
-    """The lowest score; scores within tie_abs or tie_frac of it tie and one is drawn at
-    random, so equal backends share load instead of herding onto the first."""
-    best = min(scores.values())
-    slack = max(tie_abs, tie_frac * abs(best))
-    return rng.choice([b for b, s in scores.items() if s <= best + slack])
+    """The lowest score; near-ties are drawn at random, so equal backends share load
+    instead of herding onto the first."""
+    return rng.choice(near_ties(scores, tie_abs, tie_frac))
 
 
 # Built-in policies register themselves on import.

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from ext_proc.config import Config
 from ext_proc.cost import Weights, time_cost_ms, token_cost
-from ext_proc.policy import Candidate, Choice, RouteRequest, pick_min, register
+from ext_proc.policy import Candidate, Choice, RouteRequest, near_ties, pick_min, register
 
 
 @register("gorgo")
@@ -34,9 +34,8 @@ class Gorgo:
         # Costs this close are within the estimates' error: among them take the backend
         # with the fewest requests in flight (its decode batch, hence everyone's ITL and
         # E2E, grows least), at random among equals.
-        best = min(scores.values())
-        slack = max(self._tie_ms, self._tie_frac * best)
-        tied = [c for c in candidates if scores[c.backend_id] <= best + slack]
+        tied_ids = set(near_ties(scores, self._tie_ms, self._tie_frac))
+        tied = [c for c in candidates if c.backend_id in tied_ids]
         fewest = min(c.in_flight for c in tied)
         chosen = self._rng.choice([c for c in tied if c.in_flight == fewest])
         return Choice(chosen.backend_id, scores)
