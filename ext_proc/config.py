@@ -144,6 +144,9 @@ class EnvoySettings:
     route_timeout_s: float = 600.0
     # Upstream connect timeout; a WAN hop costs one RTT (<0.5 s) per attempt.
     connect_timeout_s: float = 5.0
+    # A request whose backend cannot be reached (connection refused or reset before the
+    # request was sent) is retried this many times on other backends (0 = never).
+    connect_retries: int = 2
     # How the decision reaches Envoy. "cluster": header x-gorgo-backend names a cluster
     # per backend (cluster_header route). "endpoint_picker": the Gateway API Inference
     # Extension protocol: header x-gateway-destination-endpoint and the envoy.lb dynamic
@@ -309,6 +312,7 @@ def _validate(cfg: Config) -> None:
         "routing.eject_s": cfg.routing.eject_s,
         "routing.shed_queue_ms": cfg.routing.shed_queue_ms,
         "routing.balance_abs": cfg.routing.balance_abs,
+        "envoy.connect_retries": cfg.envoy.connect_retries,
         "probes.metrics_interval_s": cfg.probes.metrics_interval_s,
     }
     for key, number in non_negative.items():

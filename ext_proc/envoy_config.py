@@ -66,14 +66,23 @@ def _circuit_breakers() -> dict[str, Any]:
                 "max_connections": limit,
                 "max_pending_requests": limit,
                 "max_requests": limit,
-                "max_retries": 3,
+                # Concurrent retries: only connect failures are retried (no backend did
+                # any work), so a dead backend under load must not exhaust this.
+                "max_retries": limit,
             }
         ]
     }
 
 
-def _cluster(name: str, backends: list[Backend], cfg: Config, lb: str) -> dict[str, Any]:
-    dns = any(not _is_ip(split_host_port(b.address, b.id)[0]) for b in backends)
+def _cluster(
+    name: str, backends: list[Backend], cfg: Config, lb: str, standby: list[Backend] | None = None
+) -> dict[str, Any]:
+    """A cluster of `backends`; `standby` backends sit at priority 1, used only by a retry
+    (previous_priorities) or when every priority-0 host is down."""
+    dns = any(not _is_ip(split_host_port(b.address, b.id)[0]) for b in [*backends, *(standby or [])])
+    endpoints: list[dict[str, Any]] = [{"lb_endpoints": [_endpoint(b) for b in backends]}]
+    if standby:
+        endpoints.append({"priority": 1, "lb_endpoints": [_endpoint(b) for b in standby]})
     return {
         "name": name,
         "type": "STRICT_DNS" if dns else "STATIC",
@@ -82,9 +91,39 @@ def _cluster(name: str, backends: list[Backend], cfg: Config, lb: str) -> dict[s
         "circuit_breakers": _circuit_breakers(),
         "load_assignment": {
             "cluster_name": name,
-            "endpoints": [{"lb_endpoints": [_endpoint(b) for b in backends]}],
+            "endpoints": endpoints,
         },
     }
+
+
+def _retry_policy(cfg: Config, other_priorities: bool) -> dict[str, Any]:
+    """Retry on another backend when the chosen one cannot be reached: the request never
+    got there, so nothing runs twice. 5xx answers are not retried (the backend may have
+    worked); the router ejects a backend that keeps failing instead."""
+    policy: dict[str, Any] = {
+        "retry_on": "connect-failure,refused-stream,reset-before-request",
+        "num_retries": cfg.envoy.connect_retries,
+        "retry_host_predicate": [
+            {
+                "name": "envoy.retry_host_predicates.previous_hosts",
+                "typed_config": {
+                    _TYPE: f"{_API}.extensions.retry.host.previous_hosts.v3"
+                    ".PreviousHostsPredicate"
+                },
+            }
+        ],
+        "host_selection_retry_max_attempts": 5,
+    }
+    if other_priorities:  # cluster mode: the chosen backend is priority 0, the rest 1
+        policy["retry_priority"] = {
+            "name": "envoy.retry_priorities.previous_priorities",
+            "typed_config": {
+                _TYPE: f"{_API}.extensions.retry.priority.previous_priorities.v3"
+                ".PreviousPrioritiesConfig",
+                "update_frequency": 1,
+            },
+        }
+    return policy
 
 
 def _ext_proc_filters(cfg: Config) -> list[dict[str, Any]]:
@@ -240,6 +279,12 @@ def _grpc_cluster(name: str, address: str, key: str) -> dict[str, Any]:
     }
 
 
+def _retries(cfg: Config, other_priorities: bool) -> dict[str, Any]:
+    if not cfg.envoy.connect_retries:
+        return {}
+    return {"retry_policy": _retry_policy(cfg, other_priorities)}
+
+
 def _route(cfg: Config) -> dict[str, Any]:
     timeout = f"{cfg.envoy.route_timeout_s}s"
     if cfg.envoy.mode == "endpoint_picker":
@@ -247,7 +292,11 @@ def _route(cfg: Config) -> dict[str, Any]:
             {
                 "name": ROUTE_GORGO,
                 "match": {"prefix": "/"},
-                "route": {"cluster": POOL_CLUSTER, "timeout": timeout},
+                "route": {
+                    "cluster": POOL_CLUSTER,
+                    "timeout": timeout,
+                    **_retries(cfg, other_priorities=False),
+                },
             }
         ]
     else:
@@ -258,14 +307,22 @@ def _route(cfg: Config) -> dict[str, Any]:
                     "prefix": "/",
                     "headers": [{"name": HEADER_BACKEND, "present_match": True}],
                 },
-                "route": {"cluster_header": HEADER_BACKEND, "timeout": timeout},
+                "route": {
+                    "cluster_header": HEADER_BACKEND,
+                    "timeout": timeout,
+                    **_retries(cfg, other_priorities=True),
+                },
             },
             {
                 # No routing header: the router failed open, skipped a non-LLM call, or
                 # could not read the body. Least-request over all.
                 "name": ROUTE_FALLBACK,
                 "match": {"prefix": "/"},
-                "route": {"cluster": FALLBACK_CLUSTER, "timeout": timeout},
+                "route": {
+                    "cluster": FALLBACK_CLUSTER,
+                    "timeout": timeout,
+                    **_retries(cfg, other_priorities=False),
+                },
             },
         ]
     return {
@@ -325,7 +382,12 @@ def build_envoy_config(cfg: Config, ext_proc: bool = True) -> dict[str, Any]:
         clusters = [_pool_cluster(cfg)]
     else:
         clusters = [
-            *(_cluster(b.id, [b], cfg, "ROUND_ROBIN") for b in backends),
+            # Each backend's cluster holds the others as standby, so a connect failure is
+            # retried on another backend (Envoy's retries stay inside one cluster).
+            *(
+                _cluster(b.id, [b], cfg, "LEAST_REQUEST", [o for o in backends if o is not b])
+                for b in backends
+            ),
             _cluster(FALLBACK_CLUSTER, backends, cfg, "LEAST_REQUEST"),
         ]
     clusters.append(_grpc_cluster(EXT_PROC_CLUSTER, cfg.ext_proc_address, "envoy.ext_proc_address"))

@@ -50,6 +50,13 @@ class Decision:
     weights: tuple[float, float] | None = None
     arm: str | None = None
 
+    def ranked(self) -> list[str]:
+        """The chosen backend, then the others from best score to worst: where a retry
+        should go when the chosen one cannot be reached."""
+        others = [c.backend_id for c in self.candidates if c.backend_id != self.backend]
+        others.sort(key=lambda b: self.scores.get(b, float("inf")))
+        return [self.backend, *others]
+
     def as_json(self) -> dict[str, Any]:
         return {
             "request_id": self.request_id,
@@ -287,10 +294,15 @@ class Router:
         status: str,
         e2e_ms: float | None = None,
         cached_tokens: int | None = None,
+        served_by: str | None = None,
     ) -> Completion | None:
-        """Close the loop for one request; idempotent (a second call returns None)."""
+        """Close the loop for one request; idempotent (a second call returns None).
+        served_by: the backend that answered, when known (Envoy may have retried a connect
+        failure on another one)."""
         now_s = self.clock()
-        done = self.state.complete(request_id, now_s, status, e2e_ms)
+        rec = self.state.in_flight.get(request_id)
+        reached = rec is None or not served_by or served_by == rec.backend
+        done = self.state.complete(request_id, now_s, status, e2e_ms, reached)
         if done is None:
             return None
         r = self.cfg.routing
@@ -298,7 +310,7 @@ class Router:
             done.backend, now_s, r.eject_after_errors, r.eject_s
         ):
             log.warning(
-                "backend %s ejected: %d failed requests in a row",
+                "backend %s ejected: %d failed or unreachable requests in a row",
                 done.backend,
                 r.eject_after_errors,
             )

@@ -114,8 +114,10 @@ class StreamSession:
         self.telemetry.decided(self.decision, session_key, self.trace_carrier)
         self.done = not self.info.sends_response_body
         if self.router.cfg.envoy.mode == "endpoint_picker":
-            # Gateway API Inference Extension: the endpoint, for override_host.
-            endpoint = self.router.addresses[self.decision.backend]
+            # Gateway API Inference Extension: the endpoint for override_host, then the
+            # next best ones, which Envoy tries in order if a connect attempt fails.
+            ranked = self.decision.ranked()[: 1 + self.router.cfg.envoy.connect_retries]
+            endpoint = ",".join(self.router.addresses[b] for b in ranked)
             return codec.continue_response(
                 codec.REQUEST_BODY,
                 set_headers={HEADER_GATEWAY_ENDPOINT: endpoint},
@@ -227,7 +229,7 @@ class AccessLogService:
     def observe(self, e: codec.AccessLogEntry) -> None:
         code = e.response_code
         status = OK if 200 <= code < 300 else CLIENT_ERROR if 400 <= code < 500 else ERROR
-        done = self.router.complete(e.request_id, status, e.e2e_ms)
+        done = self.router.complete(e.request_id, status, e.e2e_ms, served_by=e.backend)
         self.telemetry.completed(done)
         if done is None and e.route_name == ROUTE_FALLBACK:
             self.router.record_fallback(e.backend)

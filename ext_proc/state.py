@@ -64,6 +64,8 @@ class BackendState:
     queued_tokens: int = 0
     completed: int = 0
     errors: int = 0
+    # Requests sent here that Envoy retried elsewhere because it could not connect.
+    failovers: int = 0
     # Requests that reached this backend by Envoy's fallback route, not by our decision.
     fallback_completed: int = 0
     # Engine-reported load from its /metrics, and when it was read (None: never).
@@ -90,6 +92,7 @@ class BackendState:
             "queued_tokens": self.queued_tokens,
             "completed": self.completed,
             "errors": self.errors,
+            "failovers": self.failovers,
             "fallback_completed": self.fallback_completed,
             "last_ttft_ms": [round(v, 3) for v in self.recent_ttft_ms],
             "last_e2e_ms": [round(v, 3) for v in self.recent_e2e_ms],
@@ -141,9 +144,16 @@ class FleetState:
         return ttft_ms, rec
 
     def complete(
-        self, request_id: str, now_s: float, status: str, e2e_ms: float | None = None
+        self,
+        request_id: str,
+        now_s: float,
+        status: str,
+        e2e_ms: float | None = None,
+        reached: bool = True,
     ) -> Completion | None:
-        """Close a request's record. Returns None if it was not in flight (already closed)."""
+        """Close a request's record. Returns None if it was not in flight (already closed).
+        reached=False: Envoy could not connect to the chosen backend and another one
+        served the request; that counts against the chosen backend's health."""
         rec = self.in_flight.pop(request_id, None)
         if rec is None:
             return None
@@ -155,7 +165,10 @@ class FleetState:
             b.recent_e2e_ms.append(measured_e2e_ms)
         else:
             b.errors += 1
-        if status in (OK, ERROR):  # a cancelled client says nothing about the backend
+        if not reached:
+            b.failovers += 1
+            b.request_failures += 1
+        elif status in (OK, ERROR):  # a cancelled client says nothing about the backend
             b.request_failures = 0 if status == OK else b.request_failures + 1
         ttft_ms = None if rec.first_byte_s is None else (rec.first_byte_s - rec.dispatched_s) * 1e3
         return Completion(request_id, rec.backend, status, ttft_ms, measured_e2e_ms, rec)

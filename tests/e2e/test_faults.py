@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from emulator.stack import Stack, StackPorts, StackSettings
+from emulator.stack import Region, Stack, StackPorts, StackSettings
 from loadgen.client import chat_body
 from tests.e2e.conftest import FAST_ENGINE, FAST_REGIONS
 from tests.e2e.test_front_door import chats, router_state, wait_for
@@ -117,3 +117,42 @@ def test_sigterm_stops_the_router_cleanly_within_the_drain_deadline(stack: Stack
     proc.send_signal(signal.SIGTERM)
     proc.wait(timeout=10)
     assert proc.returncode == 0 and time.monotonic() - t0 < 7  # drain deadline 5 s
+
+
+@pytest.mark.parametrize("envoy_mode", ["cluster", "endpoint_picker"])
+def test_connect_failures_are_retried_on_another_backend_and_the_backend_avoided(
+    envoy_mode: str,
+) -> None:
+    # Probes slow enough that only the requests themselves can reveal the dead backend;
+    # regions far enough apart that the nearest wins every decision while it is in rotation.
+    regions = [Region(r.id, rtt_ms) for r, rtt_ms in zip(FAST_REGIONS, (1.0, 60.0, 120.0))]
+    s = Stack(
+        StackSettings(
+            policy="gorgo",
+            regions=regions,
+            ports=StackPorts.ephemeral(len(FAST_REGIONS)),
+            engine_args=FAST_ENGINE,
+            probe_interval_s=60,
+            tuner_mode="off",
+            envoy_mode=envoy_mode,
+        )
+    )
+    s.start()
+    try:
+        s.kill("wan-us-ashburn")  # the nearest region now refuses connections
+        results = []
+        for i in range(6):
+            wait_for(lambda: router_state(s)["in_flight"] == 0)
+            (r,) = asyncio.run(chats(s.front_door_url, [chat_body(f"c{i} " * 20, 2)]))
+            results.append(r)
+        assert all(r.ok for r in results), [r.error for r in results]
+        assert ASHBURN not in {r.backend for r in results}
+        state = router_state(s)
+        decided = [d["backend"] for d in state["recent_decisions"]][-6:]
+        tried = [i for i, b in enumerate(decided) if b == ASHBURN]
+        # chosen at first (nothing said it was down), then ejected after 2 failovers
+        assert tried == [0, 1], decided
+        assert state["backends"][ASHBURN]["failovers"] == 2
+        assert state["backends"][ASHBURN]["ejected"]
+    finally:
+        s.stop()

@@ -27,6 +27,7 @@ BACKEND = {"id": "a", "address": "127.0.0.1:1"}
         ({"backends": [BACKEND, BACKEND]}, r"backends\[1\].id: duplicate"),
         ({"backends": [{**BACKEND, "rtt_prior_ms": True}]}, "rtt_prior_ms: expected a number"),
         ({"backends": "a"}, "backends: expected a list"),
+        ({"backends": [BACKEND], "envoy": {"connect_retries": -1}}, "envoy.connect_retries"),
     ],
 )
 def test_bad_config_names_the_key(raw: dict[str, object], message: str) -> None:
@@ -67,12 +68,34 @@ def test_envoy_config_has_one_cluster_per_backend_and_fails_open() -> None:
     ext_proc = hcm["http_filters"][0]["typed_config"]
     assert ext_proc["failure_mode_allow"] is True
     routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
-    assert routes[0]["route"] == {"cluster_header": "x-gorgo-backend", "timeout": "600.0s"}
+    assert routes[0]["route"]["cluster_header"] == "x-gorgo-backend"
+    assert routes[0]["route"]["timeout"] == "600.0s"
     assert routes[-1]["route"]["cluster"] == "gorgo_fallback"
+    # connect failures go to another backend: each backend's cluster holds the others at
+    # priority 1, and a retry skips the priority it already tried
+    retry = routes[0]["route"]["retry_policy"]
+    assert retry["retry_on"] == "connect-failure,refused-stream,reset-before-request"
+    assert retry["num_retries"] == 2
+    assert retry["retry_priority"]["name"] == "envoy.retry_priorities.previous_priorities"
+    for b in cfg.backends:
+        priorities = clusters[b.id]["load_assignment"]["endpoints"]
+        first = [e["endpoint"]["address"]["socket_address"] for e in priorities[0]["lb_endpoints"]]
+        assert [f"{a['address']}:{a['port_value']}" for a in first] == [b.address]
+        assert priorities[1]["priority"] == 1
+        assert len(priorities[1]["lb_endpoints"]) == len(cfg.backends) - 1
+    assert "retry_priority" not in routes[-1]["route"]["retry_policy"]
     stripped = {
         m["remove"] for m in hcm["early_header_mutation_extensions"][0]["typed_config"]["mutations"]
     }
     assert stripped == {"x-gorgo-backend", "x-gateway-destination-endpoint"}
+
+
+def test_connect_retries_zero_means_no_retry_policy() -> None:
+    cfg = config_from_dict({"backends": [BACKEND], "envoy": {"connect_retries": 0}})
+    routes = build_envoy_config(cfg)["static_resources"]["listeners"][0]["filter_chains"][0][
+        "filters"
+    ][0]["typed_config"]["route_config"]["virtual_hosts"][0]["routes"]
+    assert all("retry_policy" not in r["route"] for r in routes)
 
 
 def test_hostnames_make_dns_clusters() -> None:

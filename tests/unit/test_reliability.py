@@ -43,6 +43,30 @@ def test_client_errors_and_cancellations_do_not_eject() -> None:
     assert r.state.backends["near"].ejected_until_s is None
 
 
+def test_requests_another_backend_served_count_against_the_chosen_one() -> None:
+    r, clock = router()
+    for _ in range(2):  # Envoy could not connect to near and retried on mid: status ok
+        d = r.decide(chat(f"p{random.random()}"))
+        assert d.backend == "near"
+        assert r.complete(d.request_id, OK, served_by="mid") is not None
+    near = r.state.backends["near"]
+    assert (near.failovers, near.ejected_until_s) == (2, clock() + 5.0)
+    # a request near served itself resets the count; served_by "" (unknown) is not evidence
+    clock.advance(5.1)
+    d = r.decide(chat("back"))
+    r.complete(d.request_id, OK, served_by="")
+    assert (near.failovers, near.request_failures) == (2, 0)
+
+
+def test_ranked_puts_the_choice_first_then_best_scores() -> None:
+    r, _ = router()
+    d = r.decide(chat("hello"))
+    ranked = d.ranked()
+    assert ranked[0] == d.backend and sorted(ranked) == sorted(r.state.backends)
+    rest = [d.scores[b] for b in ranked[1:]]
+    assert rest == sorted(rest)
+
+
 def test_shedding_only_when_every_queue_is_past_the_bound() -> None:
     r, _ = router(routing={"shed_queue_ms": 2000})
     assert r.should_shed(chat("hello")) is None
