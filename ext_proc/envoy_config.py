@@ -79,7 +79,8 @@ def _cluster(
 ) -> dict[str, Any]:
     """A cluster of `backends`; `standby` backends sit at priority 1, used only by a retry
     (previous_priorities) or when every priority-0 host is down."""
-    dns = any(not _is_ip(split_host_port(b.address, b.id)[0]) for b in [*backends, *(standby or [])])
+    every = [*backends, *(standby or [])]
+    dns = any(not _is_ip(split_host_port(b.address, b.id)[0]) for b in every)
     endpoints: list[dict[str, Any]] = [{"lb_endpoints": [_endpoint(b) for b in backends]}]
     if standby:
         endpoints.append({"priority": 1, "lb_endpoints": [_endpoint(b) for b in standby]})
@@ -107,8 +108,7 @@ def _retry_policy(cfg: Config, other_priorities: bool) -> dict[str, Any]:
             {
                 "name": "envoy.retry_host_predicates.previous_hosts",
                 "typed_config": {
-                    _TYPE: f"{_API}.extensions.retry.host.previous_hosts.v3"
-                    ".PreviousHostsPredicate"
+                    _TYPE: f"{_API}.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"
                 },
             }
         ],

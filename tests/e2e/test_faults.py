@@ -125,7 +125,9 @@ def test_connect_failures_are_retried_on_another_backend_and_the_backend_avoided
 ) -> None:
     # Probes slow enough that only the requests themselves can reveal the dead backend;
     # regions far enough apart that the nearest wins every decision while it is in rotation.
-    regions = [Region(r.id, rtt_ms) for r, rtt_ms in zip(FAST_REGIONS, (1.0, 60.0, 120.0))]
+    regions = [
+        Region(r.id, rtt_ms) for r, rtt_ms in zip(FAST_REGIONS, (1.0, 60.0, 120.0), strict=True)
+    ]
     s = Stack(
         StackSettings(
             policy="gorgo",
