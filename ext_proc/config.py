@@ -75,6 +75,11 @@ class Routing:
     # eject_s, doubling while it keeps failing when re-admitted (0 = never eject).
     eject_after_errors: int = 2
     eject_s: float = 5.0
+    # Stall detection: a request still waiting for its first token past its estimated
+    # TTFT by more than max(this grace, that estimate) makes its backend's queue estimate
+    # grow with the lateness, so a stalled backend is avoided while it still answers
+    # probes (0 = off).
+    stall_grace_ms: float = 500.0
     # Shed load: when every backend's queue estimate exceeds this (ms), answer 429 with
     # Retry-After instead of queueing (0 = never shed).
     shed_queue_ms: float = 0.0
@@ -311,6 +316,7 @@ def _validate(cfg: Config) -> None:
         "routing.eject_after_errors": cfg.routing.eject_after_errors,
         "routing.eject_s": cfg.routing.eject_s,
         "routing.shed_queue_ms": cfg.routing.shed_queue_ms,
+        "routing.stall_grace_ms": cfg.routing.stall_grace_ms,
         "routing.balance_abs": cfg.routing.balance_abs,
         "envoy.connect_retries": cfg.envoy.connect_retries,
         "probes.metrics_interval_s": cfg.probes.metrics_interval_s,

@@ -95,6 +95,8 @@ class QueueItem:
     dispatched_s: float
     # None while it waits for its first token.
     first_byte_s: float | None
+    # When its first token was expected (dispatch + estimated TTFT); None: no estimate.
+    due_s: float | None = None
 
     def remaining_ms(self, now_s: float, step_ms: float) -> float:
         """Until it finishes and frees its KV."""
@@ -111,6 +113,7 @@ def queue_ms(
     one_way_ms: float,
     kv_capacity_tokens: int,
     need_kv_tokens: int,
+    stall_grace_ms: float = 0.0,
 ) -> float:
     """Time a new request would wait on this backend before its own prefill starts.
 
@@ -120,6 +123,9 @@ def queue_ms(
     makes no progress), plus on average half a decode step already running.
     When the KV pool cannot hold the new request next to what is in flight, it is not
     admitted until enough requests finish: the wait is at least that long.
+    A request whose first token is late by more than max(stall_grace_ms, its own estimate)
+    means the backend is stalled or far slower than modelled: everything behind it waits
+    at least as long again, so the excess lateness is added (0 grace = off).
     """
     pending = [it for it in items if it.first_byte_s is None]
     half_step_ms = decode_step_ms / 2 if len(items) > len(pending) else 0.0
@@ -129,10 +135,22 @@ def queue_ms(
         elapsed_ms = max(0.0, (now_s - head.dispatched_s) * 1000 - one_way_ms)
         others_ms = sum(it.prefill_ms for it in pending) - head.prefill_ms
         prefill_wait_ms = others_ms + max(0.0, head.prefill_ms - elapsed_ms)
+        if stall_grace_ms:
+            prefill_wait_ms += max(late_ms(it, now_s, stall_grace_ms) for it in pending)
     return max(
         prefill_wait_ms + half_step_ms,
         kv_wait_ms(items, decode_step_ms, now_s, kv_capacity_tokens, need_kv_tokens),
     )
+
+
+def late_ms(item: QueueItem, now_s: float, grace_ms: float) -> float:
+    """How far past its due time, beyond the grace, a request still waits for its first
+    token (0 when on time or without an estimate)."""
+    if item.due_s is None:
+        return 0.0
+    due_in_ms = (item.due_s - item.dispatched_s) * 1000
+    over_ms = (now_s - item.due_s) * 1000
+    return max(0.0, over_ms - max(grace_ms, due_in_ms))
 
 
 def kv_wait_ms(

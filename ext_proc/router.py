@@ -178,13 +178,15 @@ class Router:
                 r.output_tokens,
                 r.dispatched_s,
                 r.first_byte_s,
+                r.dispatched_s + (r.rtt_ms + r.queue_ms + r.prefill_ms) / 1000,
             )
             for r in b.records.values()
         ]
         decoding = [r for r in b.records.values() if r.first_byte_s is not None]
         step_ms = profile.decode_ms(len(decoding), sum(r.input_tokens for r in decoding))
         capacity = self.index.capacity_blocks[backend] * self.cfg.routing.block_tokens
-        own_ms = queue_ms(items, step_ms, now_s, b.rtt_ms / 2, capacity, need_kv_tokens)
+        grace_ms = self.cfg.routing.stall_grace_ms
+        own_ms = queue_ms(items, step_ms, now_s, b.rtt_ms / 2, capacity, need_kv_tokens, grace_ms)
         fresh = (
             b.metrics_at_s is not None and now_s - b.metrics_at_s <= self.cfg.probes.metrics_stale_s
         )

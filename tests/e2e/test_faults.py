@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import pytest
 
 from emulator.stack import Region, Stack, StackPorts, StackSettings
-from loadgen.client import chat_body
+from loadgen.client import Result, chat_body
 from tests.e2e.conftest import FAST_ENGINE, FAST_REGIONS
 from tests.e2e.test_front_door import chats, router_state, wait_for
 from tests.e2e.test_gorgo_routing import spread_regions
@@ -67,6 +67,31 @@ def test_a_backend_answering_5xx_is_avoided_within_3_requests(stack: Stack) -> N
     time.sleep(5.5)
     wait_for(lambda: router_state(stack)["in_flight"] == 0)
     (r,) = asyncio.run(chats(url, [chat_body("back", 2)]))
+    assert r.ok and r.backend == ASHBURN
+
+
+def test_a_stalled_backend_is_avoided_within_3_requests(stack: Stack) -> None:
+    url = stack.front_door_url
+    spread_regions(stack)
+    # ashburn still answers probes but holds every generation for 3 s
+    post_json(f"{stack.engine_url(0)}/faults", {"stall_rate": 1.0, "stall_ms": 3000})
+
+    async def arrivals() -> list[Result]:  # one request every 0.5 s, not waiting for any
+        async def one(i: int) -> Result:
+            await asyncio.sleep(0.5 * i)
+            (r,) = await chats(url, [chat_body(f"s{i} " * 20, 2)])
+            return r
+
+        return await asyncio.gather(*(one(i) for i in range(8)))
+
+    results = asyncio.run(arrivals())
+    assert all(r.ok for r in results), [r.error for r in results]
+    stalled = [i for i, r in enumerate(results) if r.backend == ASHBURN]
+    assert len(stalled) <= 3 and stalled == list(range(len(stalled))), stalled
+    # the stall is over and its requests answered: ashburn is chosen again
+    post_json(f"{stack.engine_url(0)}/faults", {"stall_rate": 0.0})
+    wait_for(lambda: router_state(stack)["in_flight"] == 0)
+    (r,) = asyncio.run(chats(url, [chat_body("after the stall", 2)]))
     assert r.ok and r.backend == ASHBURN
 
 

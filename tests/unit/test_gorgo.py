@@ -100,6 +100,31 @@ def test_queue_estimate_counts_prefill_still_owed() -> None:
     assert queue_ms([decoding], 20, 10.0, 0, BIG_KV, 100) == 10  # half a decode step
 
 
+def test_a_late_first_token_grows_the_queue_estimate_past_the_grace() -> None:
+    # due 0.1 s after dispatch; grace 500 ms: lateness counts from 0.6 s on
+    item = QueueItem(100, 4100, 100, dispatched_s=10.0, first_byte_s=None, due_s=10.1)
+    assert queue_ms([item], 20, 10.6, 0, BIG_KV, 100, stall_grace_ms=500) == 0
+    assert queue_ms([item], 20, 12.6, 0, BIG_KV, 100, stall_grace_ms=500) == pytest.approx(2000)
+    assert queue_ms([item], 20, 12.6, 0, BIG_KV, 100, stall_grace_ms=0) == 0  # off
+    # a long estimate is its own grace: 3 s due, late only after 6 s
+    slow = QueueItem(3000, 4100, 100, dispatched_s=10.0, first_byte_s=None, due_s=13.0)
+    assert queue_ms([slow], 20, 15.9, 0, BIG_KV, 100, stall_grace_ms=500) == 0
+    assert queue_ms([slow], 20, 17.0, 0, BIG_KV, 100, stall_grace_ms=500) == pytest.approx(1000)
+
+
+def test_a_stalled_backend_is_avoided_while_it_answers_probes() -> None:
+    r, clock = router()
+    stuck = r.decide(chat("first"))
+    assert stuck.backend == "near"
+    clock.advance(0.3)
+    assert r.decide(chat("second")).backend == "near"  # not late yet
+    clock.advance(1.0)  # the first request is over a second late: near is stalled
+    assert r.decide(chat("third")).backend != "near"
+    r.first_byte(stuck.request_id)  # it answers at last
+    r.first_byte(r.recent[1].request_id)
+    assert r.decide(chat("fourth")).backend == "near"
+
+
 def test_a_full_kv_pool_waits_for_the_first_finishers() -> None:
     # two decoding requests hold 6k tokens each of an 12k pool; a 3k-token request must
     # wait until one of them finishes: the one with 10 tokens left (10 steps of 20 ms)
