@@ -75,6 +75,10 @@ class Routing:
     # eject_s, doubling while it keeps failing when re-admitted (0 = never eject).
     eject_after_errors: int = 2
     eject_s: float = 5.0
+    # A body the router cannot read (bad JSON, wrong types): "route" sends it on by the
+    # fallback route and the backend answers it; "reject" answers 400 with a JSON error
+    # naming the problem, without loading a backend.
+    unreadable_body: str = "route"
     # Stall detection: a request still waiting for its first token past its estimated
     # TTFT by more than max(this grace, that estimate) makes its backend's queue estimate
     # grow with the lateness, so a stalled backend is avoided while it still answers
@@ -327,6 +331,11 @@ def _validate(cfg: Config) -> None:
     if cfg.envoy.mode not in ("cluster", "endpoint_picker"):
         raise ConfigError(
             f"envoy.mode: expected cluster or endpoint_picker, got {cfg.envoy.mode!r}"
+        )
+    if cfg.routing.unreadable_body not in ("route", "reject"):
+        raise ConfigError(
+            "routing.unreadable_body: expected route or reject, "
+            f"got {cfg.routing.unreadable_body!r}"
         )
     if cfg.envoy.tracing_endpoint:
         split_host_port(cfg.envoy.tracing_endpoint, "envoy.tracing_endpoint")

@@ -54,7 +54,9 @@ def _optional_int(body: dict[str, Any], *keys: str) -> int | None:
         if value is None:
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ParseError(f"{key}: expected a non-negative integer, got {value!r}")
+            # Name the type, not the value: a misplaced prompt must not reach the logs.
+            got = value if isinstance(value, int) else type(value).__name__
+            raise ParseError(f"{key}: expected a non-negative integer, got {got}")
         return value
     return None
 

@@ -94,10 +94,13 @@ class StreamSession:
         try:
             llm = parse_body(api, body)
         except ParseError as e:
+            self.done = True
+            if self.router.cfg.routing.unreadable_body == "reject":
+                log.info("request %s: unreadable body, rejected: %s", self.request_id, e)
+                return json_error(400, "invalid_request_error", f"invalid request body: {e}")
             # Never break the request on a body we cannot read: the fallback route takes it
             # and the backend gives the client its own error.
-            log.info("request %s: unparseable body, fallback route: %s", self.request_id, e)
-            self.done = True
+            log.info("request %s: unreadable body, fallback route: %s", self.request_id, e)
             return self._reply(codec.REQUEST_BODY)
         session_key = self.session_header or llm.user
         route_request = RouteRequest(self.request_id, llm, session_key)
@@ -105,11 +108,10 @@ class StreamSession:
         if retry_s is not None:  # every backend is past the queue bound: shed, honestly
             self.done = True
             log.warning("request %s shed: every queue past the bound", self.request_id)
-            error = {"message": "all backends overloaded, retry later", "type": "overloaded"}
-            headers = {"retry-after": str(max(1, math.ceil(retry_s)))}
-            headers["content-type"] = "application/json"
-            body = json.dumps({"error": {**error, "code": 429}}).encode()
-            return codec.immediate_response(429, body, headers, details="gorgo_shed")
+            retry_after = {"retry-after": str(max(1, math.ceil(retry_s)))}
+            return json_error(
+                429, "overloaded", "all backends overloaded, retry later", retry_after
+            )
         self.decision = self.router.decide(route_request)
         self.telemetry.decided(self.decision, session_key, self.trace_carrier)
         self.done = not self.info.sends_response_body
@@ -175,6 +177,15 @@ class StreamSession:
         codec.REQUEST_TRAILERS: on_trailers,
         codec.RESPONSE_TRAILERS: on_trailers,
     }
+
+
+def json_error(
+    status: int, kind: str, message: str, headers: dict[str, str] | None = None
+) -> codec.ProcessingResponse:
+    """Answer the client directly, in the OpenAI error shape its SDK already parses."""
+    body = json.dumps({"error": {"message": message, "type": kind, "code": status}}).encode()
+    all_headers = {**(headers or {}), "content-type": "application/json"}
+    return codec.immediate_response(status, body, all_headers, details=f"gorgo_{kind}")
 
 
 # gRPC metadata keys that carry Envoy's trace context.

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from ext_proc import codec
 from ext_proc.config import Telemetry as TelemetryConfig
+from ext_proc.parse import ParseError, api_for_path, parse_body
 from ext_proc.proto import envoy_wire_pb2 as pb
 from ext_proc.router import Router
 from ext_proc.server import StreamSession
@@ -138,11 +139,12 @@ BODIES = (
 
 
 @settings(max_examples=10_000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(PATHS, BODIES, st.booleans())
-def test_no_input_breaks_the_stream(path: str, body: bytes, split: bool) -> None:
-    """10,000 generated bodies: every message gets a reply (route or fall back), never an
-    exception; nothing stays in flight once the request is closed."""
-    r, _ = ROUTER
+@given(PATHS, BODIES, st.booleans(), st.booleans())
+def test_no_input_breaks_the_stream(path: str, body: bytes, split: bool, reject: bool) -> None:
+    """10,000 generated bodies: every message gets a reply, never an exception; an
+    unreadable body falls back (routing.unreadable_body: route) or is answered 400 with a
+    JSON error naming the problem (reject); nothing stays in flight once closed."""
+    r, _ = REJECTING if reject else ROUTER
     s = _session(r)
     h = pb.ProcessingRequest()
     for k, v in {":path": path, "x-request-id": "fuzz"}.items():
@@ -156,12 +158,27 @@ def test_no_input_breaks_the_stream(path: str, body: bytes, split: bool) -> None
         m.request_body.body = part
         m.request_body.end_of_stream = i == len(parts) - 1
         resp = s.handle(m)
-        assert resp is not None and resp.WhichOneof("response") == "request_body"
+        assert resp is not None
+    try:
+        parse_body(api_for_path(path) or "", body)
+    except ParseError as e:
+        if reject:
+            assert resp.WhichOneof("response") == "immediate_response"
+            assert resp.immediate_response.status.code == 400
+            error = json.loads(resp.immediate_response.body)["error"]
+            assert error["type"] == "invalid_request_error" and str(e) in error["message"]
+        else:  # no routing header: the fallback route serves it
+            assert not resp.request_body.response.header_mutation.set_headers
+    else:
+        assert resp.request_body.response.header_mutation.set_headers[0].header.key == (
+            "x-gorgo-backend"
+        )
     r.complete("fuzz", OK)
     assert not r.state.in_flight
 
 
 ROUTER = router()
+REJECTING = router(routing={"unreadable_body": "reject"})
 
 
 def test_a_ten_megabyte_body_is_routed() -> None:
