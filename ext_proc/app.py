@@ -11,6 +11,7 @@ import random
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 from aiohttp import web
@@ -42,6 +43,28 @@ def build_router(cfg: Config) -> Router:
     return Router(cfg, clock=time.monotonic, rng=rng, policy=policy, tuner=tuner)
 
 
+def _read_pem(path: str, key: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as e:
+        raise OSError(f"{key}: cannot read {path}: {e.strerror}") from e
+
+
+def server_credentials(cfg: Config) -> grpc.ServerCredentials | None:
+    """TLS for the gRPC port when listen.tls names a certificate (mTLS with a client CA)."""
+    tls = cfg.listen.tls
+    if not tls.cert_file:
+        return None
+    key = _read_pem(tls.key_file, "listen.tls.key_file")
+    cert = _read_pem(tls.cert_file, "listen.tls.cert_file")
+    client_ca = (
+        _read_pem(tls.client_ca_file, "listen.tls.client_ca_file") if tls.client_ca_file else None
+    )
+    return grpc.ssl_server_credentials(
+        [(key, cert)], root_certificates=client_ca, require_client_auth=client_ca is not None
+    )
+
+
 @dataclass
 class Running:
     router: Router
@@ -69,7 +92,11 @@ async def running_service(
     server = grpc.aio.server(options=grpc_options(cfg.envoy.max_body_bytes))
     ext_proc = add_services(server, router, telemetry)
     host, port = split_host_port(cfg.listen.grpc, "listen.grpc")
-    grpc_port = server.add_insecure_port(f"{host}:{port}")
+    credentials = server_credentials(cfg)
+    if credentials is None:
+        grpc_port = server.add_insecure_port(f"{host}:{port}")
+    else:
+        grpc_port = server.add_secure_port(f"{host}:{port}", credentials)
     if port and grpc_port != port:
         raise OSError(f"listen.grpc: cannot bind {cfg.listen.grpc} (port in use?)")
     await server.start()

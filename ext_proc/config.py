@@ -128,8 +128,33 @@ class Probes:
 
 
 @dataclass(frozen=True)
+class ServerTls:
+    """TLS on the ext_proc's gRPC port (PEM files). All empty: plaintext, for loopback or a
+    trusted pod network."""
+
+    cert_file: str = ""
+    key_file: str = ""
+    # Set: every client (Envoy) must present a certificate signed by this CA (mTLS).
+    client_ca_file: str = ""
+
+
+@dataclass(frozen=True)
+class ClientTls:
+    """How Envoy reaches the ext_proc over TLS (paths as Envoy sees them)."""
+
+    # Set: TLS, the ext_proc's certificate verified against this CA.
+    ca_file: str = ""
+    # Envoy's client certificate, for an ext_proc that requires mTLS.
+    cert_file: str = ""
+    key_file: str = ""
+    # SNI and the name the certificate must carry; "" = the host of ext_proc_address.
+    server_name: str = ""
+
+
+@dataclass(frozen=True)
 class Listen:
     grpc: str = "127.0.0.1:50051"
+    tls: ServerTls = field(default_factory=ServerTls)
     # Admin HTTP (/healthz, /state): loopback by default, it shows internal state.
     admin: str = "127.0.0.1:9180"
     # Bearer token required by admin calls that change state (POST /tuner); "" = none
@@ -143,6 +168,7 @@ class EnvoySettings:
     admin: str = "127.0.0.1:9901"
     # Where Envoy reaches the ext_proc; defaults to listen.grpc.
     ext_proc_address: str = ""
+    ext_proc_tls: ClientTls = field(default_factory=ClientTls)
     # Whole-body buffering for routing: 128k-token prompts are ~0.5 MB of text, JSON
     # escaping and multimodal parts can multiply that; 16 MiB leaves room.
     max_body_bytes: int = 16 * 1024 * 1024
@@ -332,6 +358,7 @@ def _validate(cfg: Config) -> None:
         raise ConfigError(
             f"envoy.mode: expected cluster or endpoint_picker, got {cfg.envoy.mode!r}"
         )
+    _validate_tls(cfg)
     if cfg.routing.unreadable_body not in ("route", "reject"):
         raise ConfigError(
             "routing.unreadable_body: expected route or reject, "
@@ -357,6 +384,19 @@ def _validate(cfg: Config) -> None:
         raise ConfigError(
             f"policy: unknown policy {cfg.policy!r} (known: {', '.join(sorted(POLICIES))})"
         )
+
+
+def _validate_tls(cfg: Config) -> None:
+    for key, tls in (
+        ("listen.tls", cfg.listen.tls),
+        ("envoy.ext_proc_tls", cfg.envoy.ext_proc_tls),
+    ):
+        if bool(tls.cert_file) != bool(tls.key_file):
+            raise ConfigError(f"{key}: cert_file and key_file go together (one is missing)")
+    if cfg.listen.tls.client_ca_file and not cfg.listen.tls.cert_file:
+        raise ConfigError("listen.tls.client_ca_file: mTLS needs cert_file and key_file too")
+    if cfg.envoy.ext_proc_tls.cert_file and not cfg.envoy.ext_proc_tls.ca_file:
+        raise ConfigError("envoy.ext_proc_tls.cert_file: a client certificate needs ca_file")
 
 
 def config_from_dict(raw: Any) -> Config:

@@ -285,6 +285,37 @@ def _retries(cfg: Config, other_priorities: bool) -> dict[str, Any]:
     return {"retry_policy": _retry_policy(cfg, other_priorities)}
 
 
+def _ext_proc_tls(cfg: Config) -> dict[str, Any]:
+    """Envoy -> ext_proc over TLS (mTLS with a client certificate)."""
+    tls = cfg.envoy.ext_proc_tls
+    name = tls.server_name or split_host_port(cfg.ext_proc_address, "envoy.ext_proc_address")[0]
+    common: dict[str, Any] = {
+        "alpn_protocols": ["h2"],
+        "validation_context": {
+            "trusted_ca": {"filename": tls.ca_file},
+            # Envoy checks no name unless told to: the certificate must carry this one.
+            "match_typed_subject_alt_names": [
+                {"san_type": "IP_ADDRESS" if _is_ip(name) else "DNS", "matcher": {"exact": name}}
+            ],
+        },
+    }
+    if tls.cert_file:
+        common["tls_certificates"] = [
+            {
+                "certificate_chain": {"filename": tls.cert_file},
+                "private_key": {"filename": tls.key_file},
+            }
+        ]
+    return {
+        "name": "envoy.transport_sockets.tls",
+        "typed_config": {
+            _TYPE: f"{_API}.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
+            **({} if _is_ip(name) else {"sni": name}),
+            "common_tls_context": common,
+        },
+    }
+
+
 def _route(cfg: Config) -> dict[str, Any]:
     timeout = f"{cfg.envoy.route_timeout_s}s"
     if cfg.envoy.mode == "endpoint_picker":
@@ -390,7 +421,12 @@ def build_envoy_config(cfg: Config, ext_proc: bool = True) -> dict[str, Any]:
             ),
             _cluster(FALLBACK_CLUSTER, backends, cfg, "LEAST_REQUEST"),
         ]
-    clusters.append(_grpc_cluster(EXT_PROC_CLUSTER, cfg.ext_proc_address, "envoy.ext_proc_address"))
+    ext_proc_cluster = _grpc_cluster(
+        EXT_PROC_CLUSTER, cfg.ext_proc_address, "envoy.ext_proc_address"
+    )
+    if cfg.envoy.ext_proc_tls.ca_file:
+        ext_proc_cluster["transport_socket"] = _ext_proc_tls(cfg)
+    clusters.append(ext_proc_cluster)
     if cfg.envoy.tracing_endpoint:
         clusters.append(
             _grpc_cluster(OTEL_CLUSTER, cfg.envoy.tracing_endpoint, "envoy.tracing_endpoint")

@@ -28,6 +28,19 @@ BACKEND = {"id": "a", "address": "127.0.0.1:1"}
         ({"backends": [{**BACKEND, "rtt_prior_ms": True}]}, "rtt_prior_ms: expected a number"),
         ({"backends": "a"}, "backends: expected a list"),
         ({"backends": [BACKEND], "envoy": {"connect_retries": -1}}, "envoy.connect_retries"),
+        ({"backends": [BACKEND], "listen": {"tls": {"cert_file": "c"}}}, "listen.tls: cert_file"),
+        (
+            {"backends": [BACKEND], "listen": {"tls": {"client_ca_file": "ca"}}},
+            "listen.tls.client_ca_file: mTLS needs",
+        ),
+        (
+            {"backends": [BACKEND], "envoy": {"ext_proc_tls": {"cert_file": "c", "key_file": "k"}}},
+            "envoy.ext_proc_tls.cert_file: a client certificate needs ca_file",
+        ),
+        (
+            {"backends": [BACKEND], "routing": {"unreadable_body": "drop"}},
+            "routing.unreadable_body: expected route or reject",
+        ),
     ],
 )
 def test_bad_config_names_the_key(raw: dict[str, object], message: str) -> None:
@@ -98,6 +111,25 @@ def test_connect_retries_zero_means_no_retry_policy() -> None:
     assert all("retry_policy" not in r["route"] for r in routes)
 
 
+def test_ext_proc_tls_checks_the_server_name_and_sends_the_client_certificate() -> None:
+    tls = {"ca_file": "/ca.pem", "cert_file": "/c.pem", "key_file": "/k.pem"}
+    for address, san_type in (("gorgo:50051", "DNS"), ("10.0.0.7:50051", "IP_ADDRESS")):
+        cfg = config_from_dict(
+            {"backends": [BACKEND], "envoy": {"ext_proc_address": address, "ext_proc_tls": tls}}
+        )
+        clusters = {c["name"]: c for c in build_envoy_config(cfg)["static_resources"]["clusters"]}
+        socket = clusters["gorgo_ext_proc"]["transport_socket"]["typed_config"]
+        common = socket["common_tls_context"]
+        (san,) = common["validation_context"]["match_typed_subject_alt_names"]
+        host = address.split(":")[0]
+        assert san == {"san_type": san_type, "matcher": {"exact": host}}
+        assert socket.get("sni") == (host if san_type == "DNS" else None)
+        assert common["tls_certificates"][0]["certificate_chain"] == {"filename": "/c.pem"}
+    plain = config_from_dict({"backends": [BACKEND]})
+    clusters = build_envoy_config(plain)["static_resources"]["clusters"]
+    assert all("transport_socket" not in c for c in clusters)
+
+
 def test_hostnames_make_dns_clusters() -> None:
     cfg = config_from_dict({"backends": [{"id": "a", "address": "engine-a:30000"}]})
     clusters = build_envoy_config(cfg)["static_resources"]["clusters"]
@@ -117,3 +149,15 @@ def test_real_envoy_accepts_the_generated_config(tmp_path: Path) -> None:
     assert "OK" in out.stdout
     assert "deprecated" not in (out.stdout + out.stderr).lower()
     assert yaml.safe_load(path.read_text())["admin"]
+
+
+def test_unreadable_tls_files_are_named(tmp_path: Path) -> None:
+    from ext_proc.app import server_credentials
+
+    missing = str(tmp_path / "nope.pem")
+    cfg = config_from_dict(
+        {"backends": [BACKEND], "listen": {"tls": {"cert_file": missing, "key_file": missing}}}
+    )
+    with pytest.raises(OSError, match=r"listen.tls.key_file: cannot read .*nope.pem"):
+        server_credentials(cfg)
+    assert server_credentials(config_from_dict({"backends": [BACKEND]})) is None
