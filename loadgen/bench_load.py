@@ -6,14 +6,18 @@ whether its memory stays flat (bounded prefix index and in-flight table).
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import sys
 import time
+import urllib.request
 from dataclasses import dataclass
+from typing import Any
 
 import aiohttp
 
 from emulator.stack import DEFAULT_REGIONS, Region, Stack, StackPorts, StackSettings
+from ext_proc.profile import load_profile
 from loadgen.client import chat_body, send_chat
 
 # Engines that stream for a few seconds per request: 200 streams stay open at once.
@@ -36,6 +40,11 @@ class LoadReport:
     rss_start_mb: float
     rss_end_mb: float
     rss_samples_mb: list[float]
+    # From the router's /state at the end: prompt tokens its prefix index holds, against
+    # what the backends' KV pools can hold, and requests still in flight.
+    index_tokens: int = 0
+    index_capacity_tokens: int = 0
+    in_flight_end: int = 0
 
     def lines(self) -> list[str]:
         return [
@@ -44,6 +53,8 @@ class LoadReport:
             f"router CPU per request: {self.cpu_ms_per_request:.3f} ms",
             f"router RSS: {self.rss_start_mb:.1f} MB at start, {self.rss_end_mb:.1f} MB at end "
             f"(samples: {', '.join(f'{v:.1f}' for v in self.rss_samples_mb)})",
+            f"prefix index at the end: {self.index_tokens} tokens (capacity "
+            f"{self.index_capacity_tokens}); {self.in_flight_end} requests in flight",
         ]
 
 
@@ -77,7 +88,9 @@ async def _closed_loop(
             nonlocal requests, errors, timeouts
             n = 0
             while time.monotonic() < deadline:
-                body = chat_body(f"client {i} turn {n} " * 40, 200)
+                # ~900 tokens, unique per request: 3 new prefix blocks each, so the
+                # router's prefix index fills up and must stay bounded.
+                body = chat_body(f"client {i} turn {n} " * 200, 200)
                 r = await send_chat(s, url, body, f"c{i}-{n}", timeout_s=60)
                 requests += 1
                 if not r.ok:
@@ -92,6 +105,17 @@ async def _closed_loop(
 
         await asyncio.gather(sampler(), *(client(i) for i in range(streams)))
     return requests, errors, timeouts, samples
+
+
+def _settled_state(admin_url: str, wait_s: float = 5.0) -> dict[str, Any]:
+    """The router's /state once the last completions (access log) have arrived."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        with urllib.request.urlopen(f"{admin_url}/state", timeout=5) as r:
+            state: dict[str, Any] = json.load(r)
+        if state["in_flight"] == 0 or time.monotonic() > deadline:
+            return state
+        time.sleep(0.1)
 
 
 def run_load(streams: int = 200, duration_s: float = 60.0) -> LoadReport:
@@ -112,8 +136,13 @@ def run_load(streams: int = 200, duration_s: float = 60.0) -> LoadReport:
             _closed_loop(stack.front_door_url, streams, duration_s, pid)
         )
         cpu_s, rss1 = _proc_cpu_s(pid) - cpu0, _proc_rss_mb(pid)
+        state = _settled_state(stack.admin_url)
     finally:
         stack.stop()
+    capacity = sum(
+        b.kv_capacity_tokens or load_profile(b.engine_profile).kv_capacity_tokens
+        for b in stack.config.backends
+    )
     return LoadReport(
         streams,
         duration_s,
@@ -124,6 +153,9 @@ def run_load(streams: int = 200, duration_s: float = 60.0) -> LoadReport:
         rss0,
         rss1,
         samples,
+        sum(b["cached_tokens"] for b in state["backends"].values()),
+        capacity,
+        state["in_flight"],
     )
 
 
