@@ -131,6 +131,22 @@ async def running_service(
     finally:
         expirer.cancel()
         await prober.stop()
+        closed_before = _closed(router)
+        log.info(
+            "stopping: %d ext_proc streams open, %d requests in flight; draining for up to %.0f s",
+            ext_proc.active_streams,
+            len(router.state.in_flight),
+            DRAIN_GRACE_S,
+        )
         await server.stop(DRAIN_GRACE_S)
+        log.info(
+            "stopped: %d requests completed while draining, %d still in flight",
+            _closed(router) - closed_before,
+            len(router.state.in_flight),
+        )
         await runner.cleanup()
         telemetry.shutdown()
+
+
+def _closed(router: Router) -> int:
+    return sum(b.completed + b.errors for b in router.state.backends.values())

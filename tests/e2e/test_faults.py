@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import signal
 import threading
 import time
@@ -134,14 +135,30 @@ def test_router_killed_during_load_fails_no_request_and_resumes_within_2_s(stack
     assert resumed_s < 2.0
 
 
-def test_sigterm_stops_the_router_cleanly_within_the_drain_deadline(stack: Stack) -> None:
-    (r,) = asyncio.run(chats(stack.front_door_url, [chat_body("x", 2)]))
-    assert r.ok
+def test_sigterm_drains_in_flight_requests_within_the_deadline(stack: Stack) -> None:
+    # every engine holds a request 1.5 s: one is still in flight when SIGTERM arrives
+    for i in range(len(FAST_REGIONS)):
+        post_json(f"{stack.engine_url(i)}/faults", {"stall_rate": 1.0, "stall_ms": 1500})
     proc = stack.procs["gorgo-serve"]
-    t0 = time.monotonic()
-    proc.send_signal(signal.SIGTERM)
+    t0 = 0.0
+
+    async def request_then_sigterm() -> Result:
+        nonlocal t0
+        pending = asyncio.ensure_future(chats(stack.front_door_url, [chat_body("drain", 2)]))
+        await asyncio.sleep(0.5)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        (r,) = await pending
+        return r
+
+    r = asyncio.run(request_then_sigterm())
     proc.wait(timeout=10)
-    assert proc.returncode == 0 and time.monotonic() - t0 < 7  # drain deadline 5 s
+    assert r.ok and proc.returncode == 0
+    assert time.monotonic() - t0 < 7  # drain deadline 5 s
+    log = (stack.workdir / "gorgo-serve.log").read_text()
+    # the request's stream was open at SIGTERM, and its completion was recorded in the drain
+    assert re.search(r"stopping: [1-9]\d* ext_proc streams open, 1 requests in flight", log)
+    assert "stopped: 1 requests completed while draining, 0 still in flight" in log, log
 
 
 @pytest.mark.parametrize("envoy_mode", ["cluster", "endpoint_picker"])

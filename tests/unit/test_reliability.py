@@ -1,6 +1,7 @@
 """Passive ejection, load shedding, and hostile input never breaking a stream."""
 
 import json
+import logging
 import random
 
 import pytest
@@ -175,6 +176,33 @@ def test_no_input_breaks_the_stream(path: str, body: bytes, split: bool, reject:
         )
     r.complete("fuzz", OK)
     assert not r.state.in_flight
+
+
+@pytest.mark.parametrize("mode", ["route", "reject"])
+def test_no_prompt_text_reaches_the_logs(mode: str, caplog: pytest.LogCaptureFixture) -> None:
+    secret = "SECRET-PROMPT-TEXT"
+    r, _ = router(routing={"unreadable_body": mode})
+    bodies = [
+        json.dumps({"messages": [{"role": "user", "content": secret}]}).encode(),
+        json.dumps({"messages": [{"content": "x"}], "max_tokens": secret}).encode(),
+        json.dumps({"messages": secret}).encode(),
+        json.dumps({"prompt": {"text": secret}}).encode(),
+        b'{"messages": [{"content": "' + secret.encode() + b'"}',  # truncated JSON
+        secret.encode(),
+    ]
+    caplog.set_level(logging.DEBUG)
+    for i, body in enumerate(bodies):
+        s = _session(r)
+        h = pb.ProcessingRequest()
+        for k, v in {":path": "/v1/chat/completions", "x-request-id": f"s{i}"}.items():
+            h.request_headers.headers.headers.add(key=k, raw_value=v.encode())
+        s.handle(h)
+        m = pb.ProcessingRequest()
+        m.request_body.body = body
+        m.request_body.end_of_stream = True
+        s.handle(m)
+    assert "unreadable body" in caplog.text  # the failures were logged...
+    assert secret not in caplog.text  # ...without the prompt
 
 
 ROUTER = router()
