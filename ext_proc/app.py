@@ -32,8 +32,10 @@ EXPIRE_INTERVAL_S = 5.0
 # Objects allocated between young-generation collections (Python's default: 700). Each
 # request allocates a few hundred; 20k keeps collections to about one per 50 requests.
 GC_GEN0_THRESHOLD = 20_000
-# SIGTERM: in-flight streams get this long to finish before the server stops.
+# SIGTERM: requests in flight get this long to complete (their completions recorded),
+# then open streams get STOP_GRACE_S before they are cancelled.
 DRAIN_GRACE_S = 5.0
+STOP_GRACE_S = 0.5
 
 
 def build_router(cfg: Config) -> Router:
@@ -138,7 +140,13 @@ async def running_service(
             len(router.state.in_flight),
             DRAIN_GRACE_S,
         )
-        await server.stop(DRAIN_GRACE_S)
+        # New requests fail open to Envoy's fallback route; the access log stays open so
+        # the requests already routed can report their completion.
+        ext_proc.draining = True
+        deadline = time.monotonic() + DRAIN_GRACE_S
+        while router.state.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await server.stop(STOP_GRACE_S)
         log.info(
             "stopped: %d requests completed while draining, %d still in flight",
             _closed(router) - closed_before,

@@ -197,10 +197,14 @@ class ExtProcService:
         self.router = router
         self.telemetry = telemetry
         self.active_streams = 0
+        # Shutting down: new streams are closed at once, and Envoy takes the fallback.
+        self.draining = False
 
     async def process(
         self, requests: AsyncIterator[codec.ProcessingRequest], context: Any
     ) -> AsyncIterator[codec.ProcessingResponse]:
+        if self.draining:
+            return
         session: StreamSession | None = None
         self.active_streams += 1
         try:
