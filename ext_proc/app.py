@@ -157,4 +157,4 @@ async def running_service(
 
 
 def _closed(router: Router) -> int:
-    return sum(b.completed + b.errors for b in router.state.backends.values())
+    return sum(b.completed + b.errors + b.failovers for b in router.state.backends.values())

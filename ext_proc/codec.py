@@ -143,6 +143,8 @@ class AccessLogEntry:
     e2e_ms: float | None
     # Request start to the first byte sent downstream (response headers).
     first_tx_ms: float | None
+    # Upstream attempts: more than 1 when Envoy retried (a connect failure).
+    attempts: int = 1
 
 
 def _ms(d: Duration) -> float:
@@ -166,6 +168,7 @@ def access_log_entries(msg: pb.StreamAccessLogsMessage) -> list[AccessLogEntry]:
                 first_tx_ms=_ms(c.time_to_first_downstream_tx_byte)
                 if c.HasField("time_to_first_downstream_tx_byte")
                 else None,
+                attempts=c.upstream_request_attempt_count or 1,
             )
         )
     return out

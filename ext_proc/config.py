@@ -395,8 +395,21 @@ def _validate_tls(cfg: Config) -> None:
             raise ConfigError(f"{key}: cert_file and key_file go together (one is missing)")
     if cfg.listen.tls.client_ca_file and not cfg.listen.tls.cert_file:
         raise ConfigError("listen.tls.client_ca_file: mTLS needs cert_file and key_file too")
-    if cfg.envoy.ext_proc_tls.cert_file and not cfg.envoy.ext_proc_tls.ca_file:
-        raise ConfigError("envoy.ext_proc_tls.cert_file: a client certificate needs ca_file")
+    client = cfg.envoy.ext_proc_tls
+    if (client.cert_file or client.server_name) and not client.ca_file:
+        raise ConfigError("envoy.ext_proc_tls: cert_file and server_name need ca_file")
+    # One file configures both sides of the generated Envoy config: a mismatch would make
+    # every request fail open silently.
+    if cfg.listen.tls.cert_file and not client.ca_file:
+        raise ConfigError(
+            "envoy.ext_proc_tls.ca_file: required when listen.tls is set (the generated "
+            "Envoy config would speak plaintext to a TLS port)"
+        )
+    if cfg.listen.tls.client_ca_file and not client.cert_file:
+        raise ConfigError(
+            "envoy.ext_proc_tls.cert_file: required when listen.tls.client_ca_file is set "
+            "(the router would refuse Envoy without a client certificate)"
+        )
 
 
 def config_from_dict(raw: Any) -> Config:

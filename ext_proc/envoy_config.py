@@ -77,13 +77,14 @@ def _circuit_breakers() -> dict[str, Any]:
 def _cluster(
     name: str, backends: list[Backend], cfg: Config, lb: str, standby: list[Backend] | None = None
 ) -> dict[str, Any]:
-    """A cluster of `backends`; `standby` backends sit at priority 1, used only by a retry
-    (previous_priorities) or when every priority-0 host is down."""
+    """A cluster of `backends`; each `standby` backend sits at its own priority (1, 2, ...),
+    used only by a retry (previous_priorities moves each retry one priority on) or when
+    every higher priority is down."""
     every = [*backends, *(standby or [])]
     dns = any(not _is_ip(split_host_port(b.address, b.id)[0]) for b in every)
     endpoints: list[dict[str, Any]] = [{"lb_endpoints": [_endpoint(b) for b in backends]}]
-    if standby:
-        endpoints.append({"priority": 1, "lb_endpoints": [_endpoint(b) for b in standby]})
+    for priority, b in enumerate(standby or [], start=1):
+        endpoints.append({"priority": priority, "lb_endpoints": [_endpoint(b)]})
     return {
         "name": name,
         "type": "STRICT_DNS" if dns else "STATIC",
@@ -114,7 +115,7 @@ def _retry_policy(cfg: Config, other_priorities: bool) -> dict[str, Any]:
         ],
         "host_selection_retry_max_attempts": 5,
     }
-    if other_priorities:  # cluster mode: the chosen backend is priority 0, the rest 1
+    if other_priorities:  # cluster mode: the chosen backend is priority 0, standbys 1, 2..
         policy["retry_priority"] = {
             "name": "envoy.retry_priorities.previous_priorities",
             "typed_config": {
@@ -409,14 +410,16 @@ def build_envoy_config(cfg: Config, ext_proc: bool = True) -> dict[str, Any]:
     }
     if cfg.envoy.tracing_endpoint:
         hcm["tracing"] = _tracing(cfg)
+    by_rtt = sorted(backends, key=lambda b: b.rtt_prior_ms)
     if cfg.envoy.mode == "endpoint_picker":
         clusters = [_pool_cluster(cfg)]
     else:
         clusters = [
-            # Each backend's cluster holds the others as standby, so a connect failure is
-            # retried on another backend (Envoy's retries stay inside one cluster).
+            # Each backend's cluster holds the others as standby, nearest first, so a
+            # connect failure is retried on another backend (Envoy's retries stay inside
+            # one cluster) and each further retry on yet another.
             *(
-                _cluster(b.id, [b], cfg, "LEAST_REQUEST", [o for o in backends if o is not b])
+                _cluster(b.id, [b], cfg, "ROUND_ROBIN", [o for o in by_rtt if o is not b])
                 for b in backends
             ),
             _cluster(FALLBACK_CLUSTER, backends, cfg, "LEAST_REQUEST"),

@@ -126,7 +126,7 @@ def parse_body(api: str, body: bytes) -> LlmRequest:
         raise ParseError(f"unknown api {api!r}")
     stream = decoded.get("stream", False)
     if not isinstance(stream, bool):
-        raise ParseError(f"stream: expected true or false, got {stream!r}")
+        raise ParseError(f"stream: expected true or false, got {type(stream).__name__}")
     return LlmRequest(
         api=api,
         prompt=prompt,

@@ -116,6 +116,7 @@ class Router:
         )
         self.decisions = 0
         self.recent: deque[Decision] = deque(maxlen=RECENT_DECISIONS)
+        self.sees_first_bytes = False
 
     # -- features -----------------------------------------------------------------------
 
@@ -178,14 +179,20 @@ class Router:
                 r.output_tokens,
                 r.dispatched_s,
                 r.first_byte_s,
-                r.dispatched_s + (r.rtt_ms + r.queue_ms + r.prefill_ms) / 1000,
+                # Due: when its first token should have come. Only a streamed response
+                # shows its first token; a non-streamed one answers at the end.
+                r.dispatched_s + (r.rtt_ms + r.queue_ms + r.prefill_ms) / 1000
+                if r.streaming
+                else None,
             )
             for r in b.records.values()
         ]
         decoding = [r for r in b.records.values() if r.first_byte_s is not None]
         step_ms = profile.decode_ms(len(decoding), sum(r.input_tokens for r in decoding))
         capacity = self.index.capacity_blocks[backend] * self.cfg.routing.block_tokens
-        grace_ms = self.cfg.routing.stall_grace_ms
+        # No first byte ever seen means none is observed (an Envoy without the observing
+        # filter): lateness would then be noise.
+        grace_ms = self.cfg.routing.stall_grace_ms if self.sees_first_bytes else 0.0
         own_ms = queue_ms(items, step_ms, now_s, b.rtt_ms / 2, capacity, need_kv_tokens, grace_ms)
         fresh = (
             b.metrics_at_s is not None and now_s - b.metrics_at_s <= self.cfg.probes.metrics_stale_s
@@ -241,6 +248,7 @@ class Router:
             queue_ms=chosen.queue_ms,
             blocks=blocks,
             matched_last_used_s=self.index.last_used_s(chosen.backend_id, held),
+            streaming=request.llm.stream if request.llm else True,
         )
         self.state.dispatch(rec)
         self.index.insert(chosen.backend_id, blocks, now_s)
@@ -267,6 +275,7 @@ class Router:
         seen = self.state.first_byte(request_id, self.clock())
         if seen is None:
             return None
+        self.sees_first_bytes = True
         ttft_ms, rec = seen
         if rec.queue_ms == 0 and rec.input_tokens:
             # Met no queue: TTFT = RTT + prefill, a clean sample for the prefill model.
@@ -307,6 +316,8 @@ class Router:
         done = self.state.complete(request_id, now_s, status, e2e_ms, reached)
         if done is None:
             return None
+        if not reached and served_by in self.state.backends and done.record.blocks is not None:
+            self.index.insert(served_by, done.record.blocks, now_s)  # its KV is there now
         r = self.cfg.routing
         if r.eject_after_errors and self.state.eject_failing(
             done.backend, now_s, r.eject_after_errors, r.eject_s
@@ -316,7 +327,7 @@ class Router:
                 done.backend,
                 r.eject_after_errors,
             )
-        if status == OK and cached_tokens is not None:
+        if reached and status == OK and cached_tokens is not None:
             self.learn_cached(done.record, cached_tokens)
         if self.tuner is not None:
             ok = status == OK

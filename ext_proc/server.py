@@ -244,7 +244,11 @@ class AccessLogService:
     def observe(self, e: codec.AccessLogEntry) -> None:
         code = e.response_code
         status = OK if 200 <= code < 300 else CLIENT_ERROR if 400 <= code < 500 else ERROR
-        done = self.router.complete(e.request_id, status, e.e2e_ms, served_by=e.backend)
+        # Another backend than the one decided can answer because Envoy retried a connect
+        # failure (a failover), or because the router answered too late and Envoy failed
+        # open (not the backend's fault): only the first takes several attempts.
+        served_by = e.backend if e.attempts > 1 else None
+        done = self.router.complete(e.request_id, status, e.e2e_ms, served_by=served_by)
         self.telemetry.completed(done)
         if done is None and e.route_name == ROUTE_FALLBACK:
             self.router.record_fallback(e.backend)

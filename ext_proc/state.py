@@ -42,6 +42,9 @@ class InFlight:
     blocks: npt.NDArray[np.uint64] | None = None
     matched_last_used_s: npt.NDArray[np.float64] | None = None
     first_byte_s: float | None = None
+    # The client asked for a stream: the first response byte is the first token. Without
+    # a stream it comes only when generation ends.
+    streaming: bool = True
 
 
 @dataclass
@@ -160,15 +163,15 @@ class FleetState:
         self._release(rec)
         b = self.backends[rec.backend]
         measured_e2e_ms = e2e_ms if e2e_ms is not None else (now_s - rec.dispatched_s) * 1000.0
-        if status == OK:
+        if not reached:  # another backend's outcome: only the failure to connect is ours
+            b.failovers += 1
+            b.request_failures += 1
+        elif status == OK:
             b.completed += 1
             b.recent_e2e_ms.append(measured_e2e_ms)
         else:
             b.errors += 1
-        if not reached:
-            b.failovers += 1
-            b.request_failures += 1
-        elif status in (OK, ERROR):  # a cancelled client says nothing about the backend
+        if reached and status in (OK, ERROR):  # a cancelled client says nothing about the backend
             b.request_failures = 0 if status == OK else b.request_failures + 1
         ttft_ms = None if rec.first_byte_s is None else (rec.first_byte_s - rec.dispatched_s) * 1e3
         return Completion(request_id, rec.backend, status, ttft_ms, measured_e2e_ms, rec)

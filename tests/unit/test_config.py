@@ -35,7 +35,19 @@ BACKEND = {"id": "a", "address": "127.0.0.1:1"}
         ),
         (
             {"backends": [BACKEND], "envoy": {"ext_proc_tls": {"cert_file": "c", "key_file": "k"}}},
-            "envoy.ext_proc_tls.cert_file: a client certificate needs ca_file",
+            "envoy.ext_proc_tls: cert_file and server_name need ca_file",
+        ),
+        (
+            {"backends": [BACKEND], "listen": {"tls": {"cert_file": "c", "key_file": "k"}}},
+            "envoy.ext_proc_tls.ca_file: required when listen.tls is set",
+        ),
+        (
+            {
+                "backends": [BACKEND],
+                "listen": {"tls": {"cert_file": "c", "key_file": "k", "client_ca_file": "ca"}},
+                "envoy": {"ext_proc_tls": {"ca_file": "ca"}},
+            },
+            "envoy.ext_proc_tls.cert_file: required when listen.tls.client_ca_file is set",
         ),
         (
             {"backends": [BACKEND], "routing": {"unreadable_body": "drop"}},
@@ -90,12 +102,18 @@ def test_envoy_config_has_one_cluster_per_backend_and_fails_open() -> None:
     assert retry["retry_on"] == "connect-failure,refused-stream,reset-before-request"
     assert retry["num_retries"] == 2
     assert retry["retry_priority"]["name"] == "envoy.retry_priorities.previous_priorities"
+    nearest_first = [b.id for b in sorted(cfg.backends, key=lambda b: b.rtt_prior_ms)]
     for b in cfg.backends:
         priorities = clusters[b.id]["load_assignment"]["endpoints"]
-        first = [e["endpoint"]["address"]["socket_address"] for e in priorities[0]["lb_endpoints"]]
-        assert [f"{a['address']}:{a['port_value']}" for a in first] == [b.address]
-        assert priorities[1]["priority"] == 1
-        assert len(priorities[1]["lb_endpoints"]) == len(cfg.backends) - 1
+        # one backend per priority: the chosen one, then the others nearest first, so each
+        # retry moves on to a backend not tried yet
+        order = [
+            p["lb_endpoints"][0]["metadata"]["filter_metadata"]["gorgo"]["backend"]
+            for p in priorities
+        ]
+        assert order == [b.id, *(o for o in nearest_first if o != b.id)]
+        assert [p.get("priority", 0) for p in priorities] == list(range(len(cfg.backends)))
+        assert all(len(p["lb_endpoints"]) == 1 for p in priorities)
     assert "retry_priority" not in routes[-1]["route"]["retry_policy"]
     stripped = {
         m["remove"] for m in hcm["early_header_mutation_extensions"][0]["typed_config"]["mutations"]
@@ -156,7 +174,11 @@ def test_unreadable_tls_files_are_named(tmp_path: Path) -> None:
 
     missing = str(tmp_path / "nope.pem")
     cfg = config_from_dict(
-        {"backends": [BACKEND], "listen": {"tls": {"cert_file": missing, "key_file": missing}}}
+        {
+            "backends": [BACKEND],
+            "listen": {"tls": {"cert_file": missing, "key_file": missing}},
+            "envoy": {"ext_proc_tls": {"ca_file": "/ca.pem"}},
+        }
     )
     with pytest.raises(OSError, match=r"listen.tls.key_file: cannot read .*nope.pem"):
         server_credentials(cfg)

@@ -20,7 +20,7 @@ PROFILE = load_profile()
 
 
 def chat(text: str, user: str | None = None) -> RouteRequest:
-    body = {"messages": [{"role": "user", "content": text}]}
+    body: dict[str, object] = {"messages": [{"role": "user", "content": text}], "stream": True}
     if user:
         body["user"] = user
     import json
@@ -114,6 +114,9 @@ def test_a_late_first_token_grows_the_queue_estimate_past_the_grace() -> None:
 
 def test_a_stalled_backend_is_avoided_while_it_answers_probes() -> None:
     r, clock = router()
+    warm = r.decide(chat("warm-up"))
+    r.first_byte(warm.request_id)  # first bytes are observed: lateness means something
+    r.complete(warm.request_id, OK)
     stuck = r.decide(chat("first"))
     assert stuck.backend == "near"
     clock.advance(0.3)
@@ -121,8 +124,24 @@ def test_a_stalled_backend_is_avoided_while_it_answers_probes() -> None:
     clock.advance(1.0)  # the first request is over a second late: near is stalled
     assert r.decide(chat("third")).backend != "near"
     r.first_byte(stuck.request_id)  # it answers at last
-    r.first_byte(r.recent[1].request_id)
+    r.first_byte(r.recent[-2].request_id)
     assert r.decide(chat("fourth")).backend == "near"
+
+
+def test_lateness_counts_only_for_streams_and_once_first_bytes_are_observed() -> None:
+    r, clock = router()
+    stuck = r.decide(chat("first"))
+    clock.advance(2.0)  # no first byte ever seen: maybe no observer, lateness is no signal
+    assert r.decide(chat("second")).backend == "near"
+    r.first_byte(stuck.request_id)
+    for d in list(r.recent):
+        r.first_byte(d.request_id)
+        r.complete(d.request_id, OK)
+    body = b'{"messages": [{"role": "user", "content": "x"}], "stream": false}'
+    whole = r.decide(RouteRequest("whole", parse_body(CHAT, body), None))
+    assert whole.backend == "near"
+    clock.advance(2.0)  # a non-streamed answer comes whole, at the end: not late
+    assert r.decide(chat("third")).backend == "near"
 
 
 def test_a_full_kv_pool_waits_for_the_first_finishers() -> None:

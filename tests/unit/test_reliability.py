@@ -13,7 +13,7 @@ from ext_proc.config import Telemetry as TelemetryConfig
 from ext_proc.parse import ParseError, api_for_path, parse_body
 from ext_proc.proto import envoy_wire_pb2 as pb
 from ext_proc.router import Router
-from ext_proc.server import StreamSession
+from ext_proc.server import AccessLogService, StreamSession
 from ext_proc.state import CANCELLED, CLIENT_ERROR, ERROR, OK
 from ext_proc.telemetry import Telemetry
 from tests.unit.test_gorgo import chat, router
@@ -53,11 +53,37 @@ def test_requests_another_backend_served_count_against_the_chosen_one() -> None:
         assert r.complete(d.request_id, OK, served_by="mid") is not None
     near = r.state.backends["near"]
     assert (near.failovers, near.ejected_until_s) == (2, clock() + 5.0)
+    assert near.completed == 0  # mid's answers are not near's
+    # a long prompt served by mid after a failover: its blocks are cached on mid now
+    d = r.decide(chat("long prompt " * 2000))
+    served = "far" if d.backend != "far" else "mid"
+    r.complete(d.request_id, OK, served_by=served)
+    assert r.index.match(r.prompt_blocks(chat("long prompt " * 2000)))[served] > 0
     # a request near served itself resets the count; served_by "" (unknown) is not evidence
     clock.advance(5.1)
     d = r.decide(chat("back"))
     r.complete(d.request_id, OK, served_by="")
     assert (near.failovers, near.request_failures) == (2, 0)
+
+
+def test_only_a_retried_request_counts_as_a_failover() -> None:
+    r, _ = router()
+    log = AccessLogService(r, Telemetry(TelemetryConfig(), r))
+
+    def served_elsewhere(attempts: int) -> None:
+        d = r.decide(chat(f"p{random.random()}"))
+        other = "mid" if d.backend != "mid" else "far"
+        log.observe(
+            codec.AccessLogEntry(d.request_id, other, other, "gorgo", 200, 5.0, 1.0, attempts)
+        )
+
+    # one attempt: the router answered too late and Envoy failed open, not near's fault
+    served_elsewhere(1)
+    served_elsewhere(1)
+    assert r.state.backends["near"].failovers == 0
+    assert r.state.backends["near"].ejected_until_s is None
+    served_elsewhere(2)  # Envoy retried a connect failure elsewhere
+    assert r.state.backends["near"].failovers == 1
 
 
 def test_ranked_puts_the_choice_first_then_best_scores() -> None:
@@ -187,6 +213,7 @@ def test_no_prompt_text_reaches_the_logs(mode: str, caplog: pytest.LogCaptureFix
         json.dumps({"messages": [{"content": "x"}], "max_tokens": secret}).encode(),
         json.dumps({"messages": secret}).encode(),
         json.dumps({"prompt": {"text": secret}}).encode(),
+        json.dumps({"messages": [{"content": "x"}], "stream": secret}).encode(),
         b'{"messages": [{"content": "' + secret.encode() + b'"}',  # truncated JSON
         secret.encode(),
     ]
