@@ -27,6 +27,7 @@ import yaml
 
 from ext_proc.config import Config, config_from_dict
 from ext_proc.envoy_config import render_envoy_config
+from ext_proc.files import write_atomic
 
 
 @dataclass(frozen=True)
@@ -333,7 +334,7 @@ class Stack:
         """Start an Envoy; the front door by default, or another config (benchmarks)."""
         path = self.workdir / f"{name}.yaml"
         if config_text is not None:
-            path.write_text(config_text)
+            write_atomic(path, config_text)
         self._spawn(
             name,
             [
@@ -346,8 +347,8 @@ class Stack:
         )  # fmt: skip
 
     def write_configs(self) -> None:
-        (self.workdir / "gorgo.yaml").write_text(config_yaml(self.config))
-        (self.workdir / "envoy.yaml").write_text(render_envoy_config(self.config))
+        write_atomic(self.workdir / "gorgo.yaml", config_yaml(self.config))
+        write_atomic(self.workdir / "envoy.yaml", render_envoy_config(self.config))
 
     def start(self, timeout_s: float = 30.0) -> None:
         self.check_ports()

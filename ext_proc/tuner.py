@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from ext_proc.cost import Weights
+from ext_proc.files import write_atomic
 
 log = logging.getLogger("gorgo.tuner")
 
@@ -316,9 +317,7 @@ class Tuner:
         if self.state_path is None:
             return
         doc = {"mode": self.s.mode, **asdict(self.state)}
-        tmp = self.state_path.with_suffix(self.state_path.suffix + ".tmp")
-        tmp.write_text(json.dumps(doc))
-        tmp.replace(self.state_path)  # atomic: a crash leaves the old file or the new one
+        write_atomic(self.state_path, json.dumps(doc))
 
     def _restore(self) -> TunerState | None:
         p = self.state_path

@@ -22,6 +22,8 @@ from typing import Any
 
 import numpy as np
 
+from ext_proc.files import write_atomic
+
 QUANTILES = (50, 90, 95, 99)
 
 
@@ -91,9 +93,7 @@ def write_result(
     }
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_suffix(p.suffix + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=1))
-    tmp.replace(p)  # atomic: a reader never sees half a file
+    write_atomic(p, json.dumps(doc, indent=1))
     return doc
 
 

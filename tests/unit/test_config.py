@@ -183,3 +183,13 @@ def test_unreadable_tls_files_are_named(tmp_path: Path) -> None:
     with pytest.raises(OSError, match=r"listen.tls.key_file: cannot read .*nope.pem"):
         server_credentials(cfg)
     assert server_credentials(config_from_dict({"backends": [BACKEND]})) is None
+
+
+def test_write_atomic_replaces_whole_and_leaves_no_temporary(tmp_path: Path) -> None:
+    from ext_proc.files import write_atomic
+
+    target = tmp_path / "gorgo.yaml"
+    target.write_text("old")
+    write_atomic(target, "new: 1\n")
+    assert target.read_text() == "new: 1\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["gorgo.yaml"]
