@@ -276,13 +276,7 @@ class Router:
         if seen is None:
             return None
         self.sees_first_bytes = True
-        ttft_ms, rec = seen
-        if rec.queue_ms == 0 and rec.input_tokens:
-            # Met no queue: TTFT = RTT + prefill, a clean sample for the prefill model.
-            self.prefill[rec.backend].observe(
-                rec.input_tokens - rec.cached_tokens, rec.cached_tokens, ttft_ms - rec.rtt_ms
-            )
-        return ttft_ms
+        return seen[0]
 
     def learn_cached(self, rec: InFlight, reported_cached_tokens: int) -> int:
         """The engine reported how much of the prompt it had cached. If that is less than
@@ -311,8 +305,8 @@ class Router:
         served_by: the backend that answered, when known (Envoy may have retried a connect
         failure on another one)."""
         now_s = self.clock()
-        rec = self.state.in_flight.get(request_id)
-        reached = rec is None or not served_by or served_by == rec.backend
+        pending = self.state.in_flight.get(request_id)
+        reached = pending is None or not served_by or served_by == pending.backend
         done = self.state.complete(request_id, now_s, status, e2e_ms, reached)
         if done is None:
             return None
@@ -327,8 +321,18 @@ class Router:
                 done.backend,
                 r.eject_after_errors,
             )
-        if reached and status == OK and cached_tokens is not None:
-            self.learn_cached(done.record, cached_tokens)
+        rec = done.record
+        if reached and status == OK:  # learn only from what the chosen backend did
+            if rec.queue_ms == 0 and rec.input_tokens and done.ttft_ms is not None:
+                # Met no queue: TTFT = RTT + prefill, a clean sample for the prefill model
+                # (taken at completion: only then is it known Envoy did not retry elsewhere).
+                self.prefill[rec.backend].observe(
+                    rec.input_tokens - rec.cached_tokens,
+                    rec.cached_tokens,
+                    done.ttft_ms - rec.rtt_ms,
+                )
+            if cached_tokens is not None:
+                self.learn_cached(rec, cached_tokens)
         if self.tuner is not None:
             ok = status == OK
             self.tuner.observe(

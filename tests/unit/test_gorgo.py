@@ -294,3 +294,22 @@ def test_learn_cached_trims_only_settled_evidence() -> None:
     # a report right after a dispatch (prefill may still be running) is not evidence
     d3 = r.decide(chat(doc + " more"))
     assert r.learn_cached(r.state.in_flight[d3.request_id], 0) == 0
+
+
+def test_prefill_learns_at_completion_and_only_from_the_chosen_backend() -> None:
+    r, clock = router(routing={"refit_prefill": True})
+    samples = r.prefill["near"]._work
+
+    def unqueued(served_by: str | None) -> None:
+        d = r.decide(chat(f"sample {random.random()} " * 20))
+        assert d.backend == "near"
+        clock.advance(0.2)
+        r.first_byte(d.request_id)
+        before = len(samples)
+        r.complete(d.request_id, OK, served_by=served_by)
+        assert before == len(samples) - (served_by is None)  # learned at completion only
+        clock.advance(60)  # let the queue drain
+
+    unqueued("mid")  # Envoy retried elsewhere: that TTFT is not near's prefill
+    unqueued(None)
+    assert len(samples) == 1
