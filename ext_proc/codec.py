@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from google.protobuf.duration_pb2 import Duration
 
-from ext_proc.names import HEADER_BACKEND
+from ext_proc.names import EXT_PROC_ATTRIBUTES, HEADER_BACKEND, REQUEST_ID_ATTRIBUTE
 
 try:
     from ext_proc.proto import envoy_wire_pb2 as pb
@@ -53,6 +53,15 @@ class StreamInfo:
 def stream_info(first: pb.ProcessingRequest) -> StreamInfo:
     mode = first.protocol_config.response_body_mode
     return StreamInfo(first.observability_mode, mode != pb.ProcessingMode.NONE)
+
+
+def request_id_attribute(req: pb.ProcessingRequest) -> str:
+    """The request id Envoy sent as an attribute ("" if absent)."""
+    attrs = req.attributes.get(EXT_PROC_ATTRIBUTES)
+    if attrs is None:
+        return ""
+    value = attrs.fields.get(REQUEST_ID_ATTRIBUTE)
+    return value.string_value if value is not None else ""
 
 
 def _header_map(m: pb.HeaderMap) -> dict[str, str]:

@@ -17,6 +17,7 @@ from ext_proc.names import (
     HEADER_BACKEND,
     HEADER_GATEWAY_ENDPOINT,
     LB_METADATA_NAMESPACE,
+    REQUEST_ID_ATTRIBUTE,
     ROUTE_FALLBACK,
     ROUTE_GORGO,
     ROUTING_HEADERS,
@@ -170,8 +171,12 @@ def _ext_proc_filters(cfg: Config) -> list[dict[str, Any]]:
             "failure_mode_allow": True,
             # Envoy sends and does not wait: timing the first token never delays it.
             "observability_mode": True,
+            # No request phase: the stream opens with the first response chunk, which
+            # carries the request id as an attribute, so nothing of this filter competes
+            # with the routing stream while Envoy waits for the decision.
+            "response_attributes": [REQUEST_ID_ATTRIBUTE],
             "processing_mode": {
-                "request_header_mode": "SEND",  # carries the request id
+                "request_header_mode": "SKIP",
                 "request_body_mode": "NONE",
                 "request_trailer_mode": "SKIP",
                 "response_header_mode": "SKIP",

@@ -12,6 +12,10 @@ LB_METADATA_NAMESPACE = "envoy.lb"
 
 HEADER_SESSION = "x-session-id"
 HEADER_REQUEST_ID = "x-request-id"
+# The same id as an Envoy attribute (the observer filter gets no request headers), and the
+# attributes namespace Envoy's ext_proc filter sends them under.
+REQUEST_ID_ATTRIBUTE = "request.id"
+EXT_PROC_ATTRIBUTES = "envoy.filters.http.ext_proc"
 
 # Envoy's gRPC service paths we serve (their wire names, fixed by Envoy).
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"

@@ -5,9 +5,9 @@ receives, dispatches and sends. The generated Envoy config runs two ext_proc fil
 request, so the router never sits on the token path:
 - routing (blocking): request headers (path, request id, session), then the buffered body;
   the reply names the backend, and the server closes the stream.
-- observing (observability mode: Envoy does not wait for us): request headers (request
-  id), then the first response body chunk = TTFT; the server closes the stream, so later
-  chunks never reach Python.
+- observing (observability mode: Envoy does not wait for us): the stream opens with the
+  first response body chunk = TTFT, the request id as an attribute; the server closes the
+  stream, so later chunks never reach Python.
 Completion (E2E, status) arrives through Envoy's gRPC access log. A single filter that does
 both (a mesh's own settings) works too: the stream stays open until the first chunk.
 """
@@ -163,6 +163,8 @@ class StreamSession:
         return None if self.info.observe_only else codec.continue_response(phase)
 
     def handle(self, req: codec.ProcessingRequest) -> Reply:
+        if not self.request_id and req.attributes:  # the observer: no request headers
+            self.request_id = codec.request_id_attribute(req)
         p = codec.decode(req)
         handler = self._handlers.get(p.name)
         if handler is None:
@@ -243,7 +245,17 @@ class AccessLogService:
 
     def observe(self, e: codec.AccessLogEntry) -> None:
         code = e.response_code
-        status = OK if 200 <= code < 300 else CLIENT_ERROR if 400 <= code < 500 else ERROR
+        # 0: nothing was sent to the client, which went away first (an upstream failure
+        # gets Envoy's own 5xx). A cancellation says nothing about the backend.
+        status = (
+            OK
+            if 200 <= code < 300
+            else CLIENT_ERROR
+            if 400 <= code < 500
+            else CANCELLED
+            if code == 0
+            else ERROR
+        )
         # Another backend than the one decided can answer because Envoy retried a connect
         # failure (a failover), or because the router answered too late and Envoy failed
         # open (not the backend's fault): only the first takes several attempts.

@@ -131,10 +131,14 @@ async def route(h: Harness, rid: str) -> str:
 
 
 async def observe_first_chunk(h: Harness, rid: str) -> None:
-    """The observer's stream: Envoy does not wait, and we never reply."""
+    """The observer's stream, as Envoy opens it: the first response chunk, the request id
+    as an attribute, no request headers. Envoy does not wait, and we never reply."""
     call = h.process()
-    await call.write(headers("/v1/chat/completions", rid, observe=True))
-    await call.write(body(b"data: {}\n\n", response=True))
+    first = body(b"data: {}\n\n", response=True)
+    first.observability_mode = True
+    first.protocol_config.response_body_mode = pb.ProcessingMode.STREAMED
+    first.attributes["envoy.filters.http.ext_proc"].update({"request.id": rid})
+    await call.write(first)
     # no replies; the server closed after the first chunk, so later chunks skip Python
     assert await call.read() == grpc.aio.EOF
     assert await call.code() == grpc.StatusCode.OK
@@ -186,6 +190,15 @@ async def test_cancel_before_first_byte_closes_the_loop(harness: Harness) -> Non
             break
         await asyncio.sleep(0.01)
     assert harness.svc.router.state.backends["us-ashburn"].errors == 1
+
+
+async def test_a_client_gone_before_any_response_is_a_cancellation(harness: Harness) -> None:
+    for rid in ("g1", "g2", "g3"):  # Envoy logs status 0: nothing was sent to the client
+        await route(harness, rid)
+        await harness.access_log(log_entry(rid, 0, 30))
+    ashburn = harness.svc.router.state.backends["us-ashburn"]
+    assert not harness.svc.router.state.in_flight
+    assert (ashburn.request_failures, ashburn.ejected_until_s) == (0, None)
 
 
 async def test_upstream_error_status_is_recorded_from_the_access_log(harness: Harness) -> None:

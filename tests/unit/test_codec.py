@@ -17,6 +17,7 @@ from envoy_data_plane.envoy.service.ext_proc.v3 import (
     ProcessingRequest,
     ProcessingResponse,
 )
+from envoy_data_plane.google.protobuf import Struct, Value
 
 from ext_proc import codec
 
@@ -114,3 +115,20 @@ def test_access_log_entries_decode() -> None:
     )
     assert e.e2e_ms == 1234.5
     assert e.first_tx_ms == 100.0
+
+
+def test_request_id_attribute_from_the_observer_first_message() -> None:
+    """The observer's stream opens with the first response chunk and the request id as a
+    response attribute (field 9, a map of Struct)."""
+    theirs = ProcessingRequest(
+        response_body=HttpBody(body=b"data: {}", end_of_stream=False),
+        attributes={
+            "envoy.filters.http.ext_proc": Struct(
+                fields={"request.id": Value(string_value="abc-1")}
+            )
+        },
+        observability_mode=True,
+    )
+    ours = codec.ProcessingRequest.FromString(bytes(theirs))
+    assert codec.request_id_attribute(ours) == "abc-1"
+    assert codec.request_id_attribute(codec.ProcessingRequest()) == ""
