@@ -244,18 +244,7 @@ class AccessLogService:
         return codec.StreamAccessLogsResponse()
 
     def observe(self, e: codec.AccessLogEntry) -> None:
-        code = e.response_code
-        # 0: nothing was sent to the client, which went away first (an upstream failure
-        # gets Envoy's own 5xx). A cancellation says nothing about the backend.
-        status = (
-            OK
-            if 200 <= code < 300
-            else CLIENT_ERROR
-            if 400 <= code < 500
-            else CANCELLED
-            if code == 0
-            else ERROR
-        )
+        status = status_for(e.response_code)
         # Another backend than the one decided can answer because Envoy retried a connect
         # failure (a failover), or because the router answered too late and Envoy failed
         # open (not the backend's fault): only the first takes several attempts.
@@ -265,6 +254,16 @@ class AccessLogService:
         if done is None and e.route_name == ROUTE_FALLBACK:
             self.router.record_fallback(e.backend)
             self.telemetry.fallback(e.backend)
+
+
+def status_for(code: int) -> str:
+    if 200 <= code < 300:
+        return OK
+    if 400 <= code < 500:
+        return CLIENT_ERROR
+    # 0: nothing was sent to the client, which went away first (an upstream failure gets
+    # Envoy's own 5xx). A cancellation says nothing about the backend.
+    return CANCELLED if code == 0 else ERROR
 
 
 def add_services(server: grpc.aio.Server, router: Router, telemetry: Telemetry) -> ExtProcService:
