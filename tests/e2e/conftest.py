@@ -1,6 +1,7 @@
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import pytest
 
@@ -23,15 +24,24 @@ FAST_ENGINE = tuple(
 )
 
 
-def start_stack(policy: str = "round_robin") -> Stack:
-    stack = Stack(
-        StackSettings(
-            policy=policy,
-            regions=FAST_REGIONS,
-            ports=StackPorts.ephemeral(len(FAST_REGIONS)),
-            engine_args=FAST_ENGINE,
-        )
+def fast_settings(
+    policy: str = "round_robin",
+    regions: Sequence[Region] = FAST_REGIONS,
+    engine_args: Sequence[str] = FAST_ENGINE,
+    **extra: Any,
+) -> StackSettings:
+    """The e2e tier's local stack: fast regions and engines on free ports."""
+    return StackSettings(
+        policy=policy,
+        regions=regions,
+        ports=StackPorts.ephemeral(len(regions)),
+        engine_args=engine_args,
+        **extra,
     )
+
+
+def start_stack(policy: str = "round_robin") -> Stack:
+    stack = Stack(fast_settings(policy))
     stack.start()
     return stack
 

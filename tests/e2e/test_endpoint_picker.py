@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 
-from emulator.stack import Stack, StackPorts, StackSettings
-from tests.e2e.conftest import FAST_ENGINE, FAST_REGIONS
+from emulator.stack import Stack
+from tests.e2e.conftest import FAST_REGIONS, fast_settings
 from tests.e2e.test_front_door import chats, engine_counts, router_state
 
 pytestmark = pytest.mark.e2e
@@ -17,15 +17,7 @@ IDS = [r.id for r in FAST_REGIONS]
 
 
 def test_override_host_routes_to_the_picked_endpoint() -> None:
-    stack = Stack(
-        StackSettings(
-            policy="round_robin",
-            regions=FAST_REGIONS,
-            ports=StackPorts.ephemeral(len(FAST_REGIONS)),
-            engine_args=FAST_ENGINE,
-            envoy_mode="endpoint_picker",
-        )
-    )
+    stack = Stack(fast_settings("round_robin", envoy_mode="endpoint_picker"))
     stack.start()
     try:
         from loadgen.client import chat_body

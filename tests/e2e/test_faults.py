@@ -14,9 +14,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from emulator.stack import Region, Stack, StackPorts, StackSettings
+from emulator.stack import Region, Stack
 from loadgen.client import Result, chat_body
-from tests.e2e.conftest import FAST_ENGINE, FAST_REGIONS
+from tests.e2e.conftest import FAST_REGIONS, fast_settings
 from tests.e2e.test_front_door import chats, router_state, wait_for
 from tests.e2e.test_gorgo_routing import spread_regions
 
@@ -27,17 +27,7 @@ ASHBURN, FRANKFURT, SEOUL = (r.id for r in FAST_REGIONS)
 
 @pytest.fixture
 def stack() -> Iterator[Stack]:
-    s = Stack(
-        StackSettings(
-            policy="gorgo",
-            regions=FAST_REGIONS,
-            ports=StackPorts.ephemeral(len(FAST_REGIONS)),
-            engine_args=FAST_ENGINE,
-            wan_control=True,
-            probe_interval_s=0.2,
-            tuner_mode="off",
-        )
-    )
+    s = Stack(fast_settings("gorgo", wan_control=True, probe_interval_s=0.2, tuner_mode="off"))
     s.start()
     yield s
     s.stop()
@@ -180,14 +170,8 @@ def test_connect_failures_are_retried_on_another_backend_and_the_backend_avoided
         Region(r.id, rtt_ms) for r, rtt_ms in zip(FAST_REGIONS, (1.0, 60.0, 120.0), strict=True)
     ]
     s = Stack(
-        StackSettings(
-            policy="gorgo",
-            regions=regions,
-            ports=StackPorts.ephemeral(len(FAST_REGIONS)),
-            engine_args=FAST_ENGINE,
-            probe_interval_s=60,
-            tuner_mode="off",
-            envoy_mode=envoy_mode,
+        fast_settings(
+            "gorgo", regions, probe_interval_s=60, tuner_mode="off", envoy_mode=envoy_mode
         )
     )
     s.start()

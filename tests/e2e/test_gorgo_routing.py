@@ -9,9 +9,9 @@ from collections.abc import Iterator
 import aiohttp
 import pytest
 
-from emulator.stack import Stack, StackPorts, StackSettings
+from emulator.stack import Stack
 from loadgen.client import Result, chat_body, send_chat
-from tests.e2e.conftest import FAST_REGIONS
+from tests.e2e.conftest import FAST_REGIONS, fast_settings
 from tests.e2e.test_front_door import router_state, wait_for
 
 pytestmark = pytest.mark.e2e
@@ -22,10 +22,9 @@ ASHBURN, FRANKFURT, SEOUL = (r.id for r in FAST_REGIONS)
 @pytest.fixture
 def gorgo_stack() -> Iterator[Stack]:
     stack = Stack(
-        StackSettings(
-            policy="gorgo",
-            regions=FAST_REGIONS,
-            ports=StackPorts.ephemeral(len(FAST_REGIONS)),
+        fast_settings(
+            "gorgo",
+            engine_args=(),  # the default engine profile: prefill long enough to queue
             wan_control=True,
             probe_interval_s=0.2,  # follow RTT changes within a second
         )

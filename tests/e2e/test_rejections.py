@@ -11,9 +11,9 @@ from collections.abc import Iterator
 import aiohttp
 import pytest
 
-from emulator.stack import Stack, StackPorts, StackSettings
+from emulator.stack import Stack
 from loadgen.client import chat_body
-from tests.e2e.conftest import FAST_ENGINE, FAST_REGIONS
+from tests.e2e.conftest import fast_settings
 from tests.e2e.test_front_door import router_state
 
 pytestmark = pytest.mark.e2e
@@ -21,15 +21,7 @@ pytestmark = pytest.mark.e2e
 
 @pytest.fixture(scope="module")
 def stack() -> Iterator[Stack]:
-    s = Stack(
-        StackSettings(
-            policy="gorgo",
-            regions=FAST_REGIONS,
-            ports=StackPorts.ephemeral(len(FAST_REGIONS)),
-            engine_args=FAST_ENGINE,
-            tuner_mode="off",
-        )
-    )
+    s = Stack(fast_settings("gorgo", tuner_mode="off"))
     # Reject unreadable bodies; shed once every queue estimate is past 1 ms (any backlog).
     routing = dataclasses.replace(s.config.routing, unreadable_body="reject", shed_queue_ms=1.0)
     s.config = dataclasses.replace(s.config, routing=routing)

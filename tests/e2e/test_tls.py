@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from emulator.stack import Stack, StackPorts, StackSettings, free_ports
+from emulator.stack import Stack, free_ports
 from ext_proc.config import ClientTls, Config, ServerTls
 from ext_proc.envoy_config import render_envoy_config
 from loadgen.client import chat_body
 from tests.certs import Ca
-from tests.e2e.conftest import FAST_ENGINE, FAST_REGIONS
+from tests.e2e.conftest import FAST_REGIONS, fast_settings
 from tests.e2e.test_front_door import chats, router_state, wait_for
 
 pytestmark = pytest.mark.e2e
@@ -35,14 +35,7 @@ def test_mtls_routes_and_an_envoy_without_a_client_certificate_fails_open(
     ca = Ca(tmp_path)
     server = ca.issue("gorgo-ext-proc")
     envoy_client = ca.issue("envoy")
-    s = Stack(
-        StackSettings(
-            policy="round_robin",
-            regions=FAST_REGIONS,
-            ports=StackPorts.ephemeral(len(FAST_REGIONS)),
-            engine_args=FAST_ENGINE,
-        )
-    )
+    s = Stack(fast_settings("round_robin"))
     s.config = with_tls(
         s.config,
         ServerTls(str(server.cert), str(server.key), client_ca_file=str(ca.pem.cert)),
