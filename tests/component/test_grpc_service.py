@@ -16,6 +16,7 @@ from ext_proc.app import Running, running_service
 from ext_proc.config import config_from_dict
 from ext_proc.names import ACCESS_LOG_SERVICE, EXT_PROC_SERVICE
 from ext_proc.proto import envoy_wire_pb2 as pb
+from tests.messages import body, headers
 
 pytestmark = pytest.mark.component
 
@@ -73,31 +74,6 @@ async def harness() -> AsyncIterator[Harness]:
         assert not svc.router.state.in_flight
         for b in svc.router.state.backends.values():
             assert (b.in_flight, b.waiting_first_byte) == (0, 0)
-
-
-def headers(
-    path: str, rid: str = "rid-1", eos: bool = False, observe: bool = False, watch: bool = False
-) -> pb.ProcessingRequest:
-    """A stream's first message, as the routing filter (or the observer) sends it."""
-    req = pb.ProcessingRequest(observability_mode=observe)
-    req.protocol_config.request_body_mode = (
-        pb.ProcessingMode.NONE if observe else pb.ProcessingMode.BUFFERED
-    )
-    if observe or watch:
-        req.protocol_config.response_body_mode = pb.ProcessingMode.STREAMED
-    h = req.request_headers
-    h.end_of_stream = eos
-    for k, v in {":path": path, ":method": "POST", "x-request-id": rid}.items():
-        h.headers.headers.add(key=k, raw_value=v.encode())
-    return req
-
-
-def body(data: bytes, response: bool = False) -> pb.ProcessingRequest:
-    req = pb.ProcessingRequest()
-    b = req.response_body if response else req.request_body
-    b.body = data
-    b.end_of_stream = not response
-    return req
 
 
 def log_entry(

@@ -11,11 +11,11 @@ from hypothesis import strategies as st
 from ext_proc import codec
 from ext_proc.config import Telemetry as TelemetryConfig
 from ext_proc.parse import ParseError, api_for_path, parse_body
-from ext_proc.proto import envoy_wire_pb2 as pb
 from ext_proc.router import Router
 from ext_proc.server import AccessLogService, StreamSession
 from ext_proc.state import CANCELLED, CLIENT_ERROR, ERROR, OK
 from ext_proc.telemetry import Telemetry
+from tests.messages import body, headers
 from tests.unit.test_gorgo import chat, router
 
 
@@ -120,20 +120,14 @@ def test_shed_requests_get_429_with_retry_after() -> None:
     for b in ("near", "mid", "far"):
         r.state.dispatch(InFlight(f"x-{b}", b, r.clock(), 1000, prefill_ms=2500))
     s = _session(r)
-    h = pb.ProcessingRequest()
-    for k, v in {":path": "/v1/chat/completions", "x-request-id": "shed-me"}.items():
-        h.request_headers.headers.headers.add(key=k, raw_value=v.encode())
-    s.handle(h)
-    b = pb.ProcessingRequest()
-    b.request_body.body = b'{"messages": [{"role": "user", "content": "hi"}]}'
-    b.request_body.end_of_stream = True
-    resp = s.handle(b)
+    s.handle(headers("/v1/chat/completions", "shed-me"))
+    resp = s.handle(body(b'{"messages": [{"role": "user", "content": "hi"}]}'))
     assert resp is not None and resp.WhichOneof("response") == "immediate_response"
     ir = resp.immediate_response
     assert ir.status.code == 429
     assert json.loads(ir.body)["error"]["type"] == "overloaded"
-    headers = {h.header.key: h.header.raw_value for h in ir.headers.set_headers}
-    assert headers["retry-after"] == b"3"
+    answered = {h.header.key: h.header.raw_value for h in ir.headers.set_headers}
+    assert answered["retry-after"] == b"3"
     assert "shed-me" not in r.state.in_flight
 
 
@@ -167,27 +161,21 @@ BODIES = (
 
 @settings(max_examples=10_000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(PATHS, BODIES, st.booleans(), st.booleans())
-def test_no_input_breaks_the_stream(path: str, body: bytes, split: bool, reject: bool) -> None:
+def test_no_input_breaks_the_stream(path: str, data: bytes, split: bool, reject: bool) -> None:
     """10,000 generated bodies: every message gets a reply, never an exception; an
     unreadable body falls back (routing.unreadable_body: route) or is answered 400 with a
     JSON error naming the problem (reject); nothing stays in flight once closed."""
     r, _ = REJECTING if reject else ROUTER
     s = _session(r)
-    h = pb.ProcessingRequest()
-    for k, v in {":path": path, "x-request-id": "fuzz"}.items():
-        h.request_headers.headers.headers.add(key=k, raw_value=v.encode())
-    assert s.handle(h) is not None
+    assert s.handle(headers(path, "fuzz")) is not None
     if s.done:
         return
-    parts = [body[: len(body) // 2], body[len(body) // 2 :]] if split else [body]
+    parts = [data[: len(data) // 2], data[len(data) // 2 :]] if split else [data]
     for i, part in enumerate(parts):
-        m = pb.ProcessingRequest()
-        m.request_body.body = part
-        m.request_body.end_of_stream = i == len(parts) - 1
-        resp = s.handle(m)
+        resp = s.handle(body(part, eos=i == len(parts) - 1))
         assert resp is not None
     try:
-        parse_body(api_for_path(path) or "", body)
+        parse_body(api_for_path(path) or "", data)
     except ParseError as e:
         if reject:
             assert resp.WhichOneof("response") == "immediate_response"
@@ -218,16 +206,10 @@ def test_no_prompt_text_reaches_the_logs(mode: str, caplog: pytest.LogCaptureFix
         secret.encode(),
     ]
     caplog.set_level(logging.DEBUG)
-    for i, body in enumerate(bodies):
+    for i, data in enumerate(bodies):
         s = _session(r)
-        h = pb.ProcessingRequest()
-        for k, v in {":path": "/v1/chat/completions", "x-request-id": f"s{i}"}.items():
-            h.request_headers.headers.headers.add(key=k, raw_value=v.encode())
-        s.handle(h)
-        m = pb.ProcessingRequest()
-        m.request_body.body = body
-        m.request_body.end_of_stream = True
-        s.handle(m)
+        s.handle(headers("/v1/chat/completions", f"s{i}"))
+        s.handle(body(data))
     assert "unreadable body" in caplog.text  # the failures were logged...
     assert secret not in caplog.text  # ...without the prompt
 
@@ -239,14 +221,8 @@ REJECTING = router(routing={"unreadable_body": "reject"})
 def test_a_ten_megabyte_body_is_routed() -> None:
     r, _ = router()
     s = _session(r)
-    h = pb.ProcessingRequest()
-    for k, v in {":path": "/v1/completions", "x-request-id": "big"}.items():
-        h.request_headers.headers.headers.add(key=k, raw_value=v.encode())
-    s.handle(h)
-    m = pb.ProcessingRequest()
-    m.request_body.body = json.dumps({"prompt": "word " * 2_000_000}).encode()  # ~10 MB
-    m.request_body.end_of_stream = True
-    resp = s.handle(m)
+    s.handle(headers("/v1/completions", "big"))
+    resp = s.handle(body(json.dumps({"prompt": "word " * 2_000_000}).encode()))  # ~10 MB
     assert resp is not None
     (opt,) = resp.request_body.response.header_mutation.set_headers
     assert opt.header.key == "x-gorgo-backend"
