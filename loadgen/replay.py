@@ -8,9 +8,9 @@ recorded. Slip also catches a client that cannot keep up (a busy event loop).
 
 Pure core (no sockets, no clock of its own): `build_request` turns a trace row into an
 HTTP request, `OpenLoop` decides who may be sent when, `simulate_open_loop` drives it on
-a virtual clock, `Progress` renders the status line. The asyncio shell (`replay`,
-`run_replay`) adds sockets and timers; results use the shared schema of
-`loadgen.results`.
+a virtual clock, `Progress` renders the status line. The asyncio shell (`Replay`, run
+by `replay`, and `run_replay`) adds sockets and timers; results use the shared schema
+of `loadgen.results`; the `--plot` figure is drawn by `loadgen.plots`.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ import aiohttp
 
 from ext_proc.names import HEADER_SESSION
 from loadgen.client import CHAT_PATH, COMPLETIONS_PATH, Result, percentile, send_stream
+from loadgen.plots import plot_run
 from loadgen.results import RequestResult, summarize, table, write_csv, write_result
 from loadgen.traces import PromptSynth, TraceError, TraceRequest, read_trace, scaled, window
 
@@ -303,6 +304,169 @@ class _Writer:
             self.out.flush()
 
 
+async def _pause(event: asyncio.Event, timeout: float | None) -> None:
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(event.wait(), timeout)
+
+
+class Replay:
+    """One live run of `replay()`: its options, the schedule, the results so far and the
+    progress state. `run` schedules and dispatches, `one` sends one request, `show`
+    renders the progress line, `finish` collects the results."""
+
+    def __init__(
+        self,
+        trace: Sequence[TraceRequest],
+        url: str,
+        *,
+        api: str,
+        max_concurrency: int,
+        timeout_s: float,
+        progress: TextIO | None,
+        stop: asyncio.Event | None,
+    ) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.trace = trace
+        self.url = url
+        self.api = api
+        self.max_concurrency = max_concurrency
+        self.timeout_s = timeout_s
+        self.stop = stop or asyncio.Event()
+        self.due = [r.arrival_s for r in trace]
+        self.plan = OpenLoop(self.due, max_concurrency)
+        self.status = Progress(len(trace), self.due[-1] if self.due else 0.0)
+        self.writer = _Writer(progress)
+        self.synth = PromptSynth()
+        self.freed = asyncio.Event()  # a slot came free (or stop was asked)
+        self.sent: list[Sent] = []
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.prepared: dict[int, asyncio.Future[Encoded]] = {}
+        self.started_at = datetime.now(UTC).isoformat(timespec="seconds")
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="gorgo-replay-prompts")
+        self.next_prepare = 0
+        self.t0 = 0.0  # the loop's clock when the schedule started
+
+    def now_s(self) -> float:
+        return self.loop.time() - self.t0
+
+    # Bodies, prepared ahead on the worker thread (see PREPARE_AHEAD_S).
+
+    def prepare_ahead(self, horizon_s: float) -> None:
+        while (
+            self.next_prepare < len(self.trace)
+            and self.next_prepare - self.plan.next < PREPARE_AHEAD_MAX
+            and self.due[self.next_prepare] <= horizon_s
+        ):
+            r = self.trace[self.next_prepare]
+            self.prepared[self.next_prepare] = self.loop.run_in_executor(self.pool, self.prepare, r)
+            self.next_prepare += 1
+
+    def prepare(self, r: TraceRequest) -> Encoded:
+        return build_request(r, self.api, self.synth).encoded()
+
+    async def body_for(self, i: int) -> Encoded:
+        fut = self.prepared.pop(i, None)
+        return await fut if fut is not None else self.prepare(self.trace[i])
+
+    # The steps.
+
+    async def run(self) -> ReplayRun:
+        stopper = asyncio.ensure_future(self.stop.wait())
+        stopper.add_done_callback(lambda _: self.freed.set())
+        wall0 = time.perf_counter()
+        connector = aiohttp.TCPConnector(limit=self.max_concurrency)
+        try:
+            async with aiohttp.ClientSession(connector=connector) as session:
+                # The first bodies are ready before the clock starts.
+                self.prepare_ahead(PREPARE_AHEAD_S)
+                if self.prepared:
+                    await asyncio.wait(list(self.prepared.values()))
+                self.t0 = self.loop.time()
+                tick = asyncio.ensure_future(self.ticker())
+                try:
+                    await self.dispatch(session)
+                    while self.tasks and not self.stop.is_set():
+                        await asyncio.wait(
+                            {*self.tasks, stopper}, return_when=asyncio.FIRST_COMPLETED
+                        )
+                    for task in self.tasks:
+                        task.cancel()
+                    await asyncio.gather(*self.tasks, return_exceptions=True)
+                finally:
+                    tick.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await tick
+                    self.show()
+                    self.writer.end()
+        finally:
+            stopper.cancel()
+            for fut in self.prepared.values():
+                fut.cancel()
+            self.pool.shutdown(wait=False, cancel_futures=True)
+        return self.finish(wall0)
+
+    async def dispatch(self, session: aiohttp.ClientSession) -> None:
+        """Send the schedule, each request at its due time or when a slot frees, until
+        everything was sent or stop was asked."""
+        plan = self.plan
+        while plan.pending and not self.stop.is_set():
+            self.prepare_ahead(self.now_s() + PREPARE_AHEAD_S)
+            wait = plan.wait_s(self.now_s())
+            if wait == 0.0:
+                task = asyncio.ensure_future(self.one(session, plan.send(self.now_s())))
+                self.tasks.add(task)
+                task.add_done_callback(self.tasks.discard)
+            elif wait is None:
+                self.freed.clear()
+                await self.freed.wait()
+            else:
+                # Wake at the due time, or earlier to keep bodies prepared ahead.
+                await _pause(self.stop, min(wait, PREPARE_AHEAD_S / 2))
+
+    async def one(self, session: aiohttp.ClientSession, d: Dispatch) -> None:
+        r = self.trace[d.index]
+        item: Sent | None = None
+        try:
+            req = await self.body_for(d.index)
+            item = Sent(r, d, self.now_s(), RequestResult(r.id))
+            self.status.sent(item.slip_s)
+            res = await send_stream(
+                session, self.url, req.path, req.data, r.id, req.headers, self.timeout_s
+            )
+        except asyncio.CancelledError:
+            res = Result(r.id, error="cancelled: the replay was interrupted")
+        except Exception as e:  # building the body failed; keep the run going
+            res = Result(r.id, error=f"cannot build the request: {e}")
+        finally:
+            self.plan.done(self.now_s())
+            self.freed.set()
+        if item is None:  # never got as far as the POST
+            item = Sent(r, d, self.now_s(), RequestResult(r.id))
+            self.status.sent(item.slip_s)
+        item.result = to_result(r, res)
+        self.sent.append(item)
+        self.status.finished(item.result.status == "ok", item.result.ttft_ms)
+
+    def show(self) -> None:
+        self.writer.show(self.status.line(max(0.0, self.now_s())))
+
+    async def ticker(self) -> None:
+        while True:
+            self.show()
+            await asyncio.sleep(PROGRESS_INTERVAL_S)
+
+    def finish(self, wall0: float) -> ReplayRun:
+        """The run's results, in schedule order; `wall0` is its perf_counter start."""
+        self.sent.sort(key=lambda s: s.dispatch.index)
+        return ReplayRun(
+            sent=self.sent,
+            planned=len(self.trace),
+            started_at=self.started_at,
+            wall_s=time.perf_counter() - wall0,
+            interrupted=self.stop.is_set(),
+        )
+
+
 async def replay(
     trace: Sequence[TraceRequest],
     url: str,
@@ -316,124 +480,15 @@ async def replay(
     """Send `trace` (arrivals already windowed and scaled) to `url`, open loop. Setting
     `stop` ends the run early: nothing more is sent, requests in flight are cancelled and
     recorded as errors."""
-    loop = asyncio.get_running_loop()
-    stop = stop or asyncio.Event()
-    due = [r.arrival_s for r in trace]
-    plan = OpenLoop(due, max_concurrency)
-    status = Progress(len(trace), due[-1] if due else 0.0)
-    writer = _Writer(progress)
-    synth = PromptSynth()
-    freed = asyncio.Event()  # a slot came free (or stop was asked)
-    sent: list[Sent] = []
-    tasks: set[asyncio.Task[None]] = set()
-    prepared: dict[int, asyncio.Future[Encoded]] = {}
-    started_at = datetime.now(UTC).isoformat(timespec="seconds")
-    pool = ThreadPoolExecutor(1, thread_name_prefix="gorgo-replay-prompts")
-    next_prepare = 0
-    t0 = 0.0
-
-    def now_s() -> float:
-        return loop.time() - t0
-
-    def prepare_ahead(horizon_s: float) -> None:
-        nonlocal next_prepare
-        while (
-            next_prepare < len(trace)
-            and next_prepare - plan.next < PREPARE_AHEAD_MAX
-            and due[next_prepare] <= horizon_s
-        ):
-            r = trace[next_prepare]
-            prepared[next_prepare] = loop.run_in_executor(pool, prepare, r)
-            next_prepare += 1
-
-    def prepare(r: TraceRequest) -> Encoded:
-        return build_request(r, api, synth).encoded()
-
-    async def body_for(i: int) -> Encoded:
-        fut = prepared.pop(i, None)
-        return await fut if fut is not None else prepare(trace[i])
-
-    async def one(session: aiohttp.ClientSession, d: Dispatch) -> None:
-        r = trace[d.index]
-        item: Sent | None = None
-        try:
-            req = await body_for(d.index)
-            item = Sent(r, d, now_s(), RequestResult(r.id))
-            status.sent(item.slip_s)
-            res = await send_stream(session, url, req.path, req.data, r.id, req.headers, timeout_s)
-        except asyncio.CancelledError:
-            res = Result(r.id, error="cancelled: the replay was interrupted")
-        except Exception as e:  # building the body failed; keep the run going
-            res = Result(r.id, error=f"cannot build the request: {e}")
-        finally:
-            plan.done(now_s())
-            freed.set()
-        if item is None:  # never got as far as the POST
-            item = Sent(r, d, now_s(), RequestResult(r.id))
-            status.sent(item.slip_s)
-        item.result = to_result(r, res)
-        sent.append(item)
-        status.finished(item.result.status == "ok", item.result.ttft_ms)
-
-    async def ticker() -> None:
-        while True:
-            writer.show(status.line(max(0.0, now_s())))
-            await asyncio.sleep(PROGRESS_INTERVAL_S)
-
-    async def pause(event: asyncio.Event, timeout: float | None) -> None:
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(event.wait(), timeout)
-
-    stopper = asyncio.ensure_future(stop.wait())
-    stopper.add_done_callback(lambda _: freed.set())
-    wall0 = time.perf_counter()
-    connector = aiohttp.TCPConnector(limit=max_concurrency)
-    try:
-        async with aiohttp.ClientSession(connector=connector) as session:
-            # The first bodies are ready before the clock starts.
-            prepare_ahead(PREPARE_AHEAD_S)
-            if prepared:
-                await asyncio.wait(list(prepared.values()))
-            t0 = loop.time()
-            tick = asyncio.ensure_future(ticker())
-            try:
-                while plan.pending and not stop.is_set():
-                    prepare_ahead(now_s() + PREPARE_AHEAD_S)
-                    wait = plan.wait_s(now_s())
-                    if wait == 0.0:
-                        task = asyncio.ensure_future(one(session, plan.send(now_s())))
-                        tasks.add(task)
-                        task.add_done_callback(tasks.discard)
-                    elif wait is None:
-                        freed.clear()
-                        await freed.wait()
-                    else:
-                        # Wake at the due time, or earlier to keep bodies prepared ahead.
-                        await pause(stop, min(wait, PREPARE_AHEAD_S / 2))
-                while tasks and not stop.is_set():
-                    await asyncio.wait({*tasks, stopper}, return_when=asyncio.FIRST_COMPLETED)
-                for task in tasks:
-                    task.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
-            finally:
-                tick.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await tick
-                writer.show(status.line(max(0.0, now_s())))
-                writer.end()
-    finally:
-        stopper.cancel()
-        for fut in prepared.values():
-            fut.cancel()
-        pool.shutdown(wait=False, cancel_futures=True)
-    sent.sort(key=lambda s: s.dispatch.index)
-    return ReplayRun(
-        sent=sent,
-        planned=len(trace),
-        started_at=started_at,
-        wall_s=time.perf_counter() - wall0,
-        interrupted=stop.is_set(),
-    )
+    return await Replay(
+        trace,
+        url,
+        api=api,
+        max_concurrency=max_concurrency,
+        timeout_s=timeout_s,
+        progress=progress,
+        stop=stop,
+    ).run()
 
 
 # ---------------------------------------------------------------------------------------
@@ -448,45 +503,6 @@ def slip_summary(run: ReplayRun) -> dict[str, float | int | None]:
         "max": round(max(slips), 3) if slips else None,
         "throttled": sum(s.dispatch.throttled for s in run.sent),
     }
-
-
-def plot_run(path: str | Path, run: ReplayRun, title: str) -> None:
-    """TTFT CDF (left) and TTFT over the run (right; errors as red marks at the bottom)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    ok = [s for s in run.sent if s.result.status == "ok" and s.result.ttft_ms is not None]
-    ttft_s = sorted(s.result.ttft_ms / 1e3 for s in ok if s.result.ttft_ms is not None)
-    fig, (cdf, over) = plt.subplots(1, 2, figsize=(11, 4))
-    if ttft_s:
-        cdf.plot(ttft_s, [(i + 1) / len(ttft_s) for i in range(len(ttft_s))])
-    cdf.set_xlabel("TTFT (s)")
-    cdf.set_ylabel("fraction of requests")
-    cdf.set_title("TTFT CDF")
-    cdf.grid(alpha=0.3)
-    over.scatter(
-        [s.sent_s for s in ok],
-        [s.result.ttft_ms / 1e3 for s in ok if s.result.ttft_ms is not None],
-        s=6,
-        alpha=0.6,
-        label="ok",
-    )
-    failed = [s.sent_s for s in run.sent if s.result.status != "ok"]
-    if failed:
-        over.scatter(failed, [0.0] * len(failed), s=12, marker="x", color="red", label="error")
-        over.legend()
-    over.set_xlabel("send time (s since start)")
-    over.set_ylabel("TTFT (s)")
-    over.set_title("TTFT over time")
-    over.grid(alpha=0.3)
-    fig.suptitle(title)
-    fig.tight_layout()
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(p, dpi=120)
-    plt.close(fig)
 
 
 @dataclass(frozen=True)
