@@ -15,7 +15,7 @@ venv: $(STAMP) $(PROTO_OUT)
 $(STAMP): pyproject.toml constraints.txt
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev]'
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[harness,dev]'
 	touch $@
 
 # Our own minimal proto (Envoy's field numbers), compiled at build time.

@@ -22,10 +22,7 @@ from typing import Any
 
 from aiohttp import web
 
-# Faults and zero_delay_profile are imported from here by `gorgo engine` (ext_proc/cli.py).
 from emulator.engine_config import EngineConfig
-from emulator.engine_config import Faults as Faults
-from emulator.engine_config import zero_delay_profile as zero_delay_profile
 from emulator.model import EngineModel
 from emulator.runner import EngineStats, ModelRunner, TokenChannel
 from emulator.wire import (

@@ -25,7 +25,7 @@ from typing import IO
 
 import yaml
 
-from ext_proc.config import Config, config_from_dict
+from ext_proc.config import Config, config_as_dict, config_from_dict
 from ext_proc.envoy_config import render_envoy_config
 from ext_proc.files import write_atomic
 
@@ -432,11 +432,7 @@ class Stack:
 
 
 def config_yaml(cfg: Config) -> str:
-    from dataclasses import asdict
-
-    raw = asdict(cfg)
-    raw["backends"] = [dict(b) for b in raw["backends"]]
-    return yaml.safe_dump(raw, sort_keys=False)
+    return yaml.safe_dump(config_as_dict(cfg), sort_keys=False)
 
 
 def wait_port(port: int, deadline: float) -> None:

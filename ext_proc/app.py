@@ -5,25 +5,30 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import json
 import logging
 import os
 import random
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 from aiohttp import web
 from opentelemetry.sdk.trace.export import SpanExporter
 
 from ext_proc.admin import make_admin_app
-from ext_proc.config import Config, split_host_port
-from ext_proc.policy import make_policy
+from ext_proc.config import Config, TunerMode, split_host_port
+from ext_proc.files import write_atomic
+from ext_proc.policy import policy_info
 from ext_proc.probe import Prober
-from ext_proc.router import Router, make_tuner
+from ext_proc.router import Router, build_router, tuner_settings
 from ext_proc.server import ExtProcService, add_services, grpc_options
 from ext_proc.telemetry import Telemetry
+from ext_proc.tuner import TunerSettings, TunerState, state_from_doc
 
 log = logging.getLogger("gorgo")
 
@@ -38,11 +43,44 @@ DRAIN_GRACE_S = 5.0
 STOP_GRACE_S = 0.5
 
 
-def build_router(cfg: Config) -> Router:
-    rng = random.Random(cfg.seed)
-    policy = make_policy(cfg.policy, rng, cfg)
-    tuner = make_tuner(cfg, random.Random(rng.random()), policy)
-    return Router(cfg, clock=time.monotonic, rng=rng, policy=policy, tuner=tuner)
+class TunerStateFile:
+    """Persists the tuner's state (tuner.state_file): restored at start; each new state
+    written atomically by one worker thread, in order, off the event loop."""
+
+    def __init__(self, path: str) -> None:
+        self.path = Path(path)
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tuner-state")
+
+    def load(self, settings: TunerSettings) -> TunerState | None:
+        if not self.path.exists():
+            return None
+        try:
+            state = state_from_doc(json.loads(self.path.read_text()), settings)
+        except (ValueError, OSError) as e:
+            log.error(
+                "tuner state %s is corrupt (%s): starting from the configured weights",
+                self.path,
+                e,
+            )
+            return None
+        if state is None:
+            log.warning("tuner state %s is for another mode: starting from config", self.path)
+        return state
+
+    def save(self, doc: dict[str, Any]) -> None:
+        self._writer.submit(write_atomic, self.path, json.dumps(doc))
+
+    def close(self) -> None:
+        self._writer.shutdown(wait=True)
+
+
+def make_router(cfg: Config, state_file: TunerStateFile | None = None) -> Router:
+    """The service's router: the shared factory on the monotonic clock, seeded by the
+    config, with the tuner's state restored from and saved to its file."""
+    settings = tuner_settings(cfg, policy_info(cfg.policy))
+    restored = state_file.load(settings) if state_file is not None else None
+    sink = state_file.save if state_file is not None else None
+    return build_router(cfg, time.monotonic, random.Random(cfg.seed), restored, sink)
 
 
 def _read_pem(path: str, key: str) -> bytes:
@@ -76,11 +114,10 @@ class Running:
     telemetry: Telemetry
 
 
-async def _expire_loop(router: Router, telemetry: Telemetry) -> None:
+async def _expire_loop(router: Router) -> None:
     while True:
         await asyncio.sleep(EXPIRE_INTERVAL_S)
         for c in router.expire():
-            telemetry.completed(c)
             log.warning("request %s on %s: no completion seen, expired", c.request_id, c.backend)
 
 
@@ -89,8 +126,11 @@ async def running_service(
     cfg: Config, exporter: SpanExporter | None = None
 ) -> AsyncIterator[Running]:
     """Start the ext_proc gRPC server and admin HTTP; stop them on exit."""
-    router = build_router(cfg)
+    tuned = cfg.tuner.state_file and cfg.tuner.mode != TunerMode.OFF
+    state_file = TunerStateFile(cfg.tuner.state_file) if tuned else None
+    router = make_router(cfg, state_file)
     telemetry = Telemetry(cfg.telemetry, router, exporter)
+    router.subscribe(telemetry)
     server = grpc.aio.server(options=grpc_options(cfg.envoy.max_body_bytes))
     ext_proc = add_services(server, router, telemetry)
     host, port = split_host_port(cfg.listen.grpc, "listen.grpc")
@@ -120,7 +160,7 @@ async def running_service(
         await runner.cleanup()
         raise OSError(f"listen.admin: cannot bind {cfg.listen.admin}: {e.strerror}") from e
     bound_admin = int(runner.addresses[0][1])
-    expirer = asyncio.create_task(_expire_loop(router, telemetry))
+    expirer = asyncio.create_task(_expire_loop(router))
     prober = Prober(cfg, router)
     await prober.start()
     # Start-up objects never die: keep them out of the collector's scans, and collect the
@@ -154,6 +194,8 @@ async def running_service(
         )
         await runner.cleanup()
         telemetry.shutdown()
+        if state_file is not None:
+            state_file.close()
 
 
 def _closed(router: Router) -> int:

@@ -23,6 +23,14 @@ RESPONSE_HEADERS = "response_headers"
 RESPONSE_BODY = "response_body"
 REQUEST_TRAILERS = "request_trailers"
 RESPONSE_TRAILERS = "response_trailers"
+PHASES = (
+    REQUEST_HEADERS,
+    REQUEST_BODY,
+    RESPONSE_HEADERS,
+    RESPONSE_BODY,
+    REQUEST_TRAILERS,
+    RESPONSE_TRAILERS,
+)
 
 ProcessingRequest = pb.ProcessingRequest
 ProcessingResponse = pb.ProcessingResponse
@@ -143,15 +151,12 @@ class AccessLogEntry:
     """What we learn from Envoy's gRPC access log at the end of a request."""
 
     request_id: str
-    upstream_cluster: str
     # The backend id Envoy echoed in the response (set for fallback-routed requests too).
     backend: str
     route_name: str
     response_code: int
     # Request start (downstream first byte) to last byte sent downstream.
     e2e_ms: float | None
-    # Request start to the first byte sent downstream (response headers).
-    first_tx_ms: float | None
     # Upstream attempts: more than 1 when Envoy retried (a connect failure).
     attempts: int = 1
 
@@ -167,15 +172,11 @@ def access_log_entries(msg: pb.StreamAccessLogsMessage) -> list[AccessLogEntry]:
         out.append(
             AccessLogEntry(
                 request_id=e.request.request_id,
-                upstream_cluster=c.upstream_cluster,
                 backend=e.response.response_headers.get(HEADER_BACKEND, ""),
                 route_name=c.route_name,
                 response_code=e.response.response_code.value,
                 e2e_ms=_ms(c.time_to_last_downstream_tx_byte)
                 if c.HasField("time_to_last_downstream_tx_byte")
-                else None,
-                first_tx_ms=_ms(c.time_to_first_downstream_tx_byte)
-                if c.HasField("time_to_first_downstream_tx_byte")
                 else None,
                 attempts=c.upstream_request_attempt_count or 1,
             )

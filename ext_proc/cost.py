@@ -2,7 +2,7 @@
 each backend. The framework computes the terms; policies weigh and compare them.
 
     cost_i = w_rtt * RTT_i + w_queue * Tqueue_i + Tprefill_i(uncached tokens)   (time form)
-    cost_i = w_rtt * RTT_i + uncached_tokens_i + w_queue * queued_tokens_i       (token form,
+    cost_i = w_rtt * RTT_i + uncached_tokens_i + w_queue * in_flight_tokens_i    (token form,
                                                                   the GORGO paper's code)
 """
 
@@ -26,8 +26,8 @@ def time_cost_ms(w: Weights, rtt_ms: float, queue_ms: float, prefill_ms: float) 
     return w.rtt * rtt_ms + w.queue * queue_ms + prefill_ms
 
 
-def token_cost(w: Weights, rtt_ms: float, uncached_tokens: int, queued_tokens: int) -> float:
-    return w.rtt * rtt_ms + uncached_tokens + w.queue * queued_tokens
+def token_cost(w: Weights, rtt_ms: float, uncached_tokens: int, in_flight_tokens: int) -> float:
+    return w.rtt * rtt_ms + uncached_tokens + w.queue * in_flight_tokens
 
 
 class PrefillModel:
@@ -106,7 +106,7 @@ class QueueItem:
         return max(0.0, self.output_tokens - done) * step_ms
 
 
-def queue_ms(
+def estimate_queue_ms(
     items: list[QueueItem],
     decode_step_ms: float,
     now_s: float,

@@ -114,10 +114,6 @@ class PrefixIndex:
         s.keep(~stale)
         return int(stale.sum())
 
-    def forget(self, backend: str) -> None:
-        """Drop everything known about backend (its engine restarted or flushed)."""
-        self._backends[backend] = _BackendBlocks()
-
     def size_blocks(self, backend: str) -> int:
         return len(self._backends[backend].keys)
 

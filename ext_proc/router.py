@@ -1,41 +1,34 @@
-"""The routing core: compute each backend's features, let the policy choose, record the
-dispatch, and learn from the first byte and the completion.
+"""The routing core: compute each backend's features, let the policy choose with the
+router's weights, record the dispatch, and close every request through one path.
 
-Pure and synchronous with an injected clock and RNG, so the live service and the offline
-simulator drive the very same object.
+Pure and synchronous with an injected clock: the live service and the offline simulator
+build it with the same factory (`build_router`) and drive the very same object. What
+learns from outcomes subscribes to the lifecycle events (`ext_proc.lifecycle`).
 """
 
 from __future__ import annotations
 
-import logging
 import random
-import zlib
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ext_proc.config import Config
-from ext_proc.cost import PrefillModel, QueueItem, queue_ms
-from ext_proc.policy import Candidate, Policy, RouteRequest, make_policy
+from ext_proc.config import Config, TunerMode
+from ext_proc.cost import PrefillModel, QueueItem, Weights, estimate_queue_ms
+from ext_proc.learners import Ejector, PrefillLearner, PrefixLearner, TunerLearner
+from ext_proc.lifecycle import Closed, Dispatched, FirstByte, Listener, Status
+from ext_proc.policy import Candidate, Policy, PolicyInfo, RouteRequest, make_policy, policy_info
 from ext_proc.prefix import Hashes, PrefixIndex, as_hashes
 from ext_proc.profile import EngineProfile, load_profile
-from ext_proc.state import OK, Completion, FleetState, InFlight
-from ext_proc.tokens import APPROX, BYTES_PER_TOKEN, Tokenizer
-from ext_proc.tuner import PAPER, Tuner, TunerSettings
-
-log = logging.getLogger("gorgo.router")
+from ext_proc.state import FleetState, InFlight
+from ext_proc.tokens import APPROX
+from ext_proc.tuner import StateSink, Tuner, TunerSettings, TunerState
 
 # How many recent decisions /state shows.
 RECENT_DECISIONS = 8
 # Output budget assumed when a request names no max tokens (KV and decode estimates).
 DEFAULT_OUTPUT_TOKENS = 256
-# Weight of a new dispatch in a backend's mean prefill estimate (prices engine-reported
-# queue lengths): about the last 20 requests.
-PREFILL_EWMA = 0.05
-# A block the router believed cached for this long that the engine no longer had was
-# evicted (any prefill that could still be computing it is long over): see `learn_cached`.
-SETTLED_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -47,8 +40,12 @@ class Decision:
     candidates: tuple[Candidate, ...]
     scores: dict[str, float]
     # The weights the policy used (None: a policy without weights) and the tuner's arm.
-    weights: tuple[float, float] | None = None
+    weights: Weights | None = None
     arm: str | None = None
+
+    @property
+    def chosen(self) -> Candidate:
+        return next(c for c in self.candidates if c.backend_id == self.backend)
 
     def ranked(self) -> list[str]:
         """The chosen backend, then the others from best score to worst: where a retry
@@ -72,15 +69,11 @@ class Decision:
         }
 
 
-def make_tuner(cfg: Config, rng: random.Random, policy: Policy) -> Tuner | None:
-    """The tuner the config asks for, for a policy with weights (else None)."""
-    weights = getattr(policy, "weights", None)
-    if cfg.tuner.mode == "off" or weights is None:
-        return None
-    paper_bounds = cfg.tuner.mode == PAPER or policy.name == "gorgo_tokens"
-    base = TunerSettings.paper() if paper_bounds else TunerSettings()
-    settings = replace(base, mode=cfg.tuner.mode, arm_size=cfg.tuner.arm_size)
-    return Tuner(settings, weights, rng, cfg.tuner.state_file or None)
+@dataclass(frozen=True)
+class Shed:
+    """Admission refused: every backend's queue is past the bound."""
+
+    retry_after_s: float
 
 
 class Router:
@@ -88,19 +81,20 @@ class Router:
         self,
         cfg: Config,
         clock: Callable[[], float],
-        rng: random.Random,
-        tokenizer: Tokenizer = APPROX,
-        policy: Policy | None = None,
+        policy: Policy,
+        weights: Weights | None = None,
         tuner: Tuner | None = None,
     ) -> None:
+        """`weights`: the starting cost weights of a weighted policy (None for the
+        others); `tuner`: moves them online (only with weights)."""
+        if tuner is not None and weights is None:
+            raise ValueError(f"policy {policy.name!r} has no weights to tune")
         self.cfg = cfg
         self.clock = clock
-        self.tokenizer = tokenizer
-        self.policy = policy or make_policy(cfg.policy, rng, cfg)
-        # Only a policy with weights can be tuned.
-        self.tuner = tuner if hasattr(self.policy, "weights") else None
+        self.policy = policy
+        self.tuner = tuner
+        self._weights = weights
         self.state = FleetState((b.id, b.rtt_prior_ms) for b in cfg.backends)
-        self.addresses = {b.id: b.address for b in cfg.backends}
         self.profiles: dict[str, EngineProfile] = {
             b.id: load_profile(b.engine_profile) for b in cfg.backends
         }
@@ -117,6 +111,22 @@ class Router:
         self.decisions = 0
         self.recent: deque[Decision] = deque(maxlen=RECENT_DECISIONS)
         self.sees_first_bytes = False
+        # The learners, in the order they hear each event; more can subscribe.
+        self.listeners: list[Listener] = [
+            PrefixLearner(self.index, cfg.routing.block_tokens),
+            PrefillLearner(self.prefill),
+            Ejector(self.state, cfg.routing),
+        ]
+        if tuner is not None:
+            self.listeners.append(TunerLearner(tuner, cfg.request_timeout_s * 1000))
+
+    def subscribe(self, listener: Listener) -> None:
+        self.listeners.append(listener)
+
+    @property
+    def weights(self) -> Weights | None:
+        """The weights serving traffic now (the tuner's parent when tuning)."""
+        return self.tuner.weights if self.tuner is not None else self._weights
 
     # -- features -----------------------------------------------------------------------
 
@@ -125,27 +135,21 @@ class Router:
             return as_hashes(list(request.blocks))
         if request.llm is None:
             return as_hashes([])
-        return as_hashes(
-            self.tokenizer.block_hashes(request.llm.prompt, self.cfg.routing.block_tokens)
-        )
+        return as_hashes(APPROX.block_hashes(request.llm.prompt, self.cfg.routing.block_tokens))
 
     def output_tokens(self, request: RouteRequest) -> int:
         """The request's output budget (its max tokens), else a typical chat answer."""
         llm = request.llm
         return llm.max_output_tokens if llm and llm.max_output_tokens else DEFAULT_OUTPUT_TOKENS
 
-    def affinity_key(self, request: RouteRequest) -> str:
-        if request.session_key:
-            return request.session_key
-        if request.llm is None:
-            return request.request_id
-        head = request.llm.prompt[: self.cfg.routing.affinity_prefix_tokens * BYTES_PER_TOKEN]
-        return f"prompt:{zlib.crc32(head.encode()):08x}"
+    def _kv_tokens(self, request: RouteRequest) -> int:
+        """KV the request will hold: its prompt and its output budget."""
+        return (request.llm.input_tokens if request.llm else 0) + self.output_tokens(request)
 
     def candidates(self, request: RouteRequest, blocks: Hashes) -> tuple[Candidate, ...]:
         now_s = self.clock()
         input_tokens = request.llm.input_tokens if request.llm else 0
-        need_kv = input_tokens + self.output_tokens(request)
+        need_kv = self._kv_tokens(request)
         matched = self.index.match(blocks)
         bt = self.cfg.routing.block_tokens
         healthy = [b for b in self.state.backends.values() if self.state.available(b, now_s)]
@@ -159,9 +163,9 @@ class Router:
                     backend_id=b.id,
                     in_flight=b.in_flight,
                     waiting_first_byte=b.waiting_first_byte,
-                    queued_tokens=b.queued_tokens,
+                    in_flight_tokens=b.in_flight_tokens,
                     rtt_ms=b.rtt_ms,
-                    queue_ms=self.queue_ms(b.id, now_s, need_kv),
+                    queue_ms=self.queue_estimate_ms(b.id, now_s, need_kv),
                     prefill_ms=self.prefill[b.id].prefill_ms(uncached, cached),
                     cached_tokens=cached,
                     uncached_tokens=uncached,
@@ -169,7 +173,9 @@ class Router:
             )
         return tuple(out)
 
-    def queue_ms(self, backend: str, now_s: float, need_kv_tokens: int = 0) -> float:
+    def queue_estimate_ms(self, backend: str, now_s: float, need_kv_tokens: int = 0) -> float:
+        """How long a new request needing need_kv_tokens of KV would wait on `backend`
+        before its own prefill starts."""
         b = self.state.backends[backend]
         profile = self.profiles[backend]
         items = [
@@ -193,7 +199,9 @@ class Router:
         # No first byte ever seen means none is observed (an Envoy without the observing
         # filter): lateness would then be noise.
         grace_ms = self.cfg.routing.stall_grace_ms if self.sees_first_bytes else 0.0
-        own_ms = queue_ms(items, step_ms, now_s, b.rtt_ms / 2, capacity, need_kv_tokens, grace_ms)
+        own_ms = estimate_queue_ms(
+            items, step_ms, now_s, b.rtt_ms / 2, capacity, need_kv_tokens, grace_ms
+        )
         fresh = (
             b.metrics_at_s is not None and now_s - b.metrics_at_s <= self.cfg.probes.metrics_stale_s
         )
@@ -204,31 +212,29 @@ class Router:
             own_ms = max(own_ms, b.metrics_queue_reqs * b.mean_prefill_ms)
         return own_ms
 
-    # -- decisions ------------------------------------------------------------------------
+    # -- admission and decisions --------------------------------------------------------
 
-    def should_shed(self, request: RouteRequest) -> float | None:
-        """With shedding on: seconds to wait before retrying when every backend's queue
-        estimate is past the bound (None: serve the request)."""
+    def admit(self, request: RouteRequest) -> Shed | None:
+        """The admission step before a decision. With shedding on, a request is refused
+        when every backend's queue estimate is past the bound (None: admitted)."""
         bound_ms = self.cfg.routing.shed_queue_ms
         if not bound_ms:
             return None
         now_s = self.clock()
-        need = (request.llm.input_tokens if request.llm else 0) + self.output_tokens(request)
-        least_ms = min(self.queue_ms(b, now_s, need) for b in self.state.backends)
-        return least_ms / 1000 if least_ms > bound_ms else None
+        need = self._kv_tokens(request)
+        least_ms = min(self.queue_estimate_ms(b, now_s, need) for b in self.state.backends)
+        return Shed(least_ms / 1000) if least_ms > bound_ms else None
 
     def decide(self, request: RouteRequest) -> Decision:
         """Choose a backend and record the dispatch."""
-        if not request.affinity_key:
-            request = replace(request, affinity_key=self.affinity_key(request))
         blocks = self.prompt_blocks(request)
         candidates = self.candidates(request, blocks)
         arm = None
+        weights = self._weights
         if self.tuner is not None:  # the tuner's arm for this request sets the weights
             arm = self.tuner.arm_for(request.request_id)
-            self.policy.weights = self.tuner.weights_for(request.request_id)  # type: ignore[attr-defined]
-        choice = self.policy.choose(request, candidates)
-        w = getattr(self.policy, "weights", None)
+            weights = self.tuner.weights_for(request.request_id)
+        choice = self.policy.choose(request, candidates, weights)
         chosen = next((c for c in candidates if c.backend_id == choice.backend_id), None)
         if chosen is None:
             raise ValueError(
@@ -251,9 +257,6 @@ class Router:
             streaming=request.llm.stream if request.llm else True,
         )
         self.state.dispatch(rec)
-        self.index.insert(chosen.backend_id, blocks, now_s)
-        b = self.state.backends[chosen.backend_id]
-        b.mean_prefill_ms += PREFILL_EWMA * (chosen.prefill_ms - b.mean_prefill_ms)
         decision = Decision(
             request.request_id,
             chosen.backend_id,
@@ -261,84 +264,72 @@ class Router:
             rec.input_tokens,
             candidates,
             choice.scores,
-            None if w is None else (w.rtt, w.queue),
+            weights,
             arm,
         )
         self.decisions += 1
         self.recent.append(decision)
+        event = Dispatched(request, decision, rec, now_s)
+        for listener in self.listeners:
+            listener.on_dispatch(event)
         return decision
 
-    # -- learning -------------------------------------------------------------------------
+    # -- the lifecycle ------------------------------------------------------------------
 
-    def first_byte(self, request_id: str) -> float | None:
-        """First response byte seen: TTFT in ms as the proxy saw it."""
-        seen = self.state.first_byte(request_id, self.clock())
+    def first_byte(self, request_id: str) -> FirstByte | None:
+        """The first response byte reached the proxy (None: not in flight, or seen)."""
+        now_s = self.clock()
+        seen = self.state.first_byte(request_id, now_s)
         if seen is None:
             return None
         self.sees_first_bytes = True
-        return seen[0]
+        ttft_ms, rec = seen
+        event = FirstByte(request_id, rec.backend, ttft_ms, now_s)
+        for listener in self.listeners:
+            listener.on_first_byte(event)
+        return event
 
-    def learn_cached(self, rec: InFlight, reported_cached_tokens: int) -> int:
-        """The engine reported how much of the prompt it had cached. If that is less than
-        the index claimed, the engine evicted a block the index still holds; an LRU cache
-        evicts older blocks first, so everything not used since that block goes too.
-        Returns how many index blocks were dropped."""
-        bt = self.cfg.routing.block_tokens
-        held = rec.matched_last_used_s
-        kept = reported_cached_tokens // bt
-        if held is None or kept >= len(held):
-            return 0
-        missing_last_used_s = float(held[kept])
-        if rec.dispatched_s - missing_last_used_s < SETTLED_S:
-            return 0  # maybe still being computed by an earlier request: not evidence
-        return self.index.trim(rec.backend, missing_last_used_s)
-
-    def complete(
+    def close(
         self,
         request_id: str,
-        status: str,
+        status: Status,
         e2e_ms: float | None = None,
         cached_tokens: int | None = None,
         served_by: str | None = None,
-    ) -> Completion | None:
-        """Close the loop for one request; idempotent (a second call returns None).
-        served_by: the backend that answered, when known (Envoy may have retried a connect
-        failure on another one)."""
+    ) -> Closed | None:
+        """The one way a request ends, however it ends; idempotent (a second call returns
+        None). served_by: the backend that answered, when known: if it is not the chosen
+        one (Envoy retried a connect failure elsewhere), the request failed over."""
         now_s = self.clock()
         pending = self.state.in_flight.get(request_id)
-        reached = pending is None or not served_by or served_by == pending.backend
-        done = self.state.complete(request_id, now_s, status, e2e_ms, reached)
-        if done is None:
+        if pending is not None and served_by and served_by != pending.backend:
+            status = Status.FAILED_OVER
+        else:
+            served_by = None
+        closed = self.state.close(request_id, now_s, status, e2e_ms)
+        if closed is None:
             return None
-        if not reached and served_by in self.state.backends and done.record.blocks is not None:
-            self.index.insert(served_by, done.record.blocks, now_s)  # its KV is there now
-        r = self.cfg.routing
-        if r.eject_after_errors and self.state.eject_failing(
-            done.backend, now_s, r.eject_after_errors, r.eject_s
-        ):
-            log.warning(
-                "backend %s ejected: %d failed or unreachable requests in a row",
-                done.backend,
-                r.eject_after_errors,
-            )
-        rec = done.record
-        if reached and status == OK:  # learn only from what the chosen backend did
-            if rec.queue_ms == 0 and rec.input_tokens and done.ttft_ms is not None:
-                # Met no queue: TTFT = RTT + prefill, a clean sample for the prefill model
-                # (taken at completion: only then is it known Envoy did not retry elsewhere).
-                self.prefill[rec.backend].observe(
-                    rec.input_tokens - rec.cached_tokens,
-                    rec.cached_tokens,
-                    done.ttft_ms - rec.rtt_ms,
-                )
-            if cached_tokens is not None:
-                self.learn_cached(rec, cached_tokens)
-        if self.tuner is not None:
-            ok = status == OK
-            self.tuner.observe(
-                request_id, done.ttft_ms if ok else None, done.e2e_ms if ok else None
-            )
-        return done
+        rec, measured_e2e_ms = closed
+        ttft_ms = None if rec.first_byte_s is None else (rec.first_byte_s - rec.dispatched_s) * 1e3
+        event = Closed(
+            request_id,
+            rec.backend,
+            status,
+            ttft_ms,
+            measured_e2e_ms,
+            rec,
+            now_s,
+            served_by if served_by in self.state.backends else None,
+            cached_tokens,
+        )
+        for listener in self.listeners:
+            listener.on_close(event)
+        return event
+
+    def expire(self) -> list[Closed]:
+        """Close the requests whose completion never arrived (request_timeout_s)."""
+        overdue = self.state.overdue(self.clock(), self.cfg.request_timeout_s)
+        return [c for rid in overdue if (c := self.close(rid, Status.EXPIRED)) is not None]
 
     def record_probe(self, backend: str, rtt_ms: float | None) -> None:
         p = self.cfg.probes
@@ -347,25 +338,60 @@ class Router:
     def record_fallback(self, backend: str) -> None:
         self.state.record_fallback(backend)
 
-    def expire(self) -> list[Completion]:
-        return self.state.expire(self.clock(), self.cfg.request_timeout_s)
-
     def snapshot(self) -> dict[str, Any]:
         now_s = self.clock()
         backends = {}
         for b in self.state.backends.values():
             backends[b.id] = {
                 **b.as_json(),
-                "queue_ms": round(self.queue_ms(b.id, now_s), 3),
+                "queue_ms": round(self.queue_estimate_ms(b.id, now_s), 3),
                 "cached_tokens": self.index.size_blocks(b.id) * self.cfg.routing.block_tokens,
             }
-        weights = self.tuner.weights if self.tuner else getattr(self.policy, "weights", None)
+        w = self.weights
         return {
             "policy": self.policy.name,
-            "weights": None if weights is None else {"rtt": weights.rtt, "queue": weights.queue},
+            "weights": None if w is None else {"rtt": w.rtt, "queue": w.queue},
             "tuner": None if self.tuner is None else self.tuner.snapshot(),
             "decisions": self.decisions,
             "in_flight": len(self.state.in_flight),
             "backends": backends,
             "recent_decisions": [d.as_json() for d in self.recent],
         }
+
+
+def tuner_settings(cfg: Config, info: PolicyInfo) -> TunerSettings:
+    """The tuner's settings for a weighted policy: the paper's bounds in paper mode, else
+    the policy's own (or the time form's defaults)."""
+    bounds = getattr(info.params, "TUNER_BOUNDS", None)
+    if cfg.tuner.mode == TunerMode.PAPER:
+        base = TunerSettings.paper()
+    elif bounds is not None:
+        base = TunerSettings(rtt_bounds=bounds[0], queue_bounds=bounds[1])
+    else:
+        base = TunerSettings()
+    return replace(base, mode=cfg.tuner.mode, arm_size=cfg.tuner.arm_size)
+
+
+def build_router(
+    cfg: Config,
+    clock: Callable[[], float],
+    rng: random.Random,
+    tuner_state: TunerState | None = None,
+    tuner_sink: StateSink | None = None,
+    listeners: Iterable[Listener] = (),
+) -> Router:
+    """The one way to build a router, for `gorgo serve` and the simulator alike: the
+    policy and the tuner each get an RNG drawn from `rng`, in that order."""
+    info = policy_info(cfg.policy)
+    params = cfg.policy_params()
+    policy = make_policy(cfg.policy, random.Random(rng.random()), params)
+    tuner_rng = random.Random(rng.random())
+    weights: Weights | None = params.weights if info.weighted else None
+    tuner = None
+    if weights is not None and cfg.tuner.mode != TunerMode.OFF:
+        settings = tuner_settings(cfg, info)
+        tuner = Tuner(settings, weights, tuner_rng, tuner_state, tuner_sink)
+    router = Router(cfg, clock, policy, weights, tuner)
+    for listener in listeners:
+        router.subscribe(listener)
+    return router

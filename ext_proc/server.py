@@ -1,8 +1,10 @@
 """The gRPC shell: Envoy's ext_proc streams and its access-log stream.
 
-One `StreamSession` per ext_proc stream, one method per phase; the server loop only
-receives, dispatches and sends. The generated Envoy config runs two ext_proc filters per
-request, so the router never sits on the token path:
+One session per ext_proc stream, its type chosen from the stream's first message (routing,
+observing, pass-through), one method per phase; the server loop only receives, dispatches
+and sends. How a decision is encoded for Envoy is chosen once, at startup. The generated
+Envoy config runs two ext_proc filters per request, so the router never sits on the token
+path:
 - routing (blocking): request headers (path, request id, session), then the buffered body;
   the reply names the backend, and the server closes the stream.
 - observing (observability mode: Envoy does not wait for us): the stream opens with the
@@ -18,11 +20,13 @@ import json
 import logging
 import math
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import grpc
 
 from ext_proc import codec
+from ext_proc.config import Config, EnvoyMode, UnreadableBody
+from ext_proc.lifecycle import Status
 from ext_proc.names import (
     ACCESS_LOG_SERVICE,
     EXT_PROC_SERVICE,
@@ -36,7 +40,6 @@ from ext_proc.names import (
 from ext_proc.parse import ParseError, api_for_path, parse_body
 from ext_proc.policy import RouteRequest
 from ext_proc.router import Decision, Router
-from ext_proc.state import CANCELLED, CLIENT_ERROR, ERROR, OK
 from ext_proc.telemetry import Telemetry
 
 log = logging.getLogger("gorgo.server")
@@ -44,92 +47,97 @@ log = logging.getLogger("gorgo.server")
 Reply = codec.ProcessingResponse | None
 
 
-class StreamSession:
-    """One HTTP request as seen through one ext_proc stream."""
+# -- how a decision reaches Envoy (chosen once, at startup) ------------------------------
 
-    def __init__(
-        self,
-        router: Router,
-        telemetry: Telemetry,
-        info: codec.StreamInfo,
-        trace_carrier: dict[str, str],
-    ) -> None:
-        self.router = router
-        self.telemetry = telemetry
+
+class ClusterHeaderEncoder:
+    """The backend's cluster in x-gorgo-backend (as raw_value) with clear_route_cache:
+    the route's cluster_header picks it up."""
+
+    def encode(self, d: Decision) -> codec.ProcessingResponse:
+        return codec.continue_response(
+            codec.REQUEST_BODY, set_headers={HEADER_BACKEND: d.backend}, clear_route_cache=True
+        )
+
+
+class EndpointPickerEncoder:
+    """Gateway API Inference Extension: the endpoint for override_host, then the next
+    best ones, which Envoy tries in order if a connect attempt fails."""
+
+    def __init__(self, addresses: dict[str, str], connect_retries: int) -> None:
+        self.addresses = addresses
+        self.connect_retries = connect_retries
+
+    def encode(self, d: Decision) -> codec.ProcessingResponse:
+        ranked = d.ranked()[: 1 + self.connect_retries]
+        endpoint = ",".join(self.addresses[b] for b in ranked)
+        return codec.continue_response(
+            codec.REQUEST_BODY,
+            set_headers={HEADER_GATEWAY_ENDPOINT: endpoint},
+            dynamic_metadata={LB_METADATA_NAMESPACE: {HEADER_GATEWAY_ENDPOINT: endpoint}},
+        )
+
+
+DecisionEncoder = ClusterHeaderEncoder | EndpointPickerEncoder
+
+
+def decision_encoder(cfg: Config) -> DecisionEncoder:
+    if cfg.envoy.mode == EnvoyMode.ENDPOINT_PICKER:
+        return EndpointPickerEncoder(
+            {b.id: b.address for b in cfg.backends}, cfg.envoy.connect_retries
+        )
+    return ClusterHeaderEncoder()
+
+
+# -- one session type per role, chosen from the stream's first message --------------------
+
+
+class Session:
+    """One HTTP request as seen through one ext_proc stream: one method per phase; a
+    phase without a method is acknowledged and nothing else happens."""
+
+    def __init__(self, info: codec.StreamInfo) -> None:
         self.info = info
-        # W3C trace context of Envoy's request span (from the gRPC metadata).
-        self.trace_carrier = trace_carrier
-        self.path = ""
-        self.request_id = ""
-        self.session_header: str | None = None
-        self.body = bytearray()
-        self.decision: Decision | None = None
-        self.first_byte_seen = False
         # True once nothing more is needed from this stream: the server then closes it.
         self.done = False
 
-    # -- phases -------------------------------------------------------------------------
+    def handle(self, p: codec.Phase) -> Reply:
+        handler = self._handlers.get(p.name)
+        if handler is None:
+            if p.name not in codec.PHASES:
+                raise ValueError(f"unexpected ext_proc message {p.name!r}")
+            return self._reply(p.name)
+        return handler(self, p)
 
-    def on_request_headers(self, p: codec.Phase) -> Reply:
-        self.path = p.headers.get(":path", "")
-        self.request_id = p.headers.get(HEADER_REQUEST_ID, "")
-        self.session_header = p.headers.get(HEADER_SESSION)
-        if api_for_path(self.path) is None or not self.request_id:
-            # Not an LLM call: Envoy's fallback route serves it, nothing to observe.
-            self.done = True
-        elif p.end_of_stream and not self.info.observe_only:
-            self.done = True  # no body to route on: the fallback route serves it
-        return self._reply(codec.REQUEST_HEADERS)
+    def finish(self) -> None:
+        """Always runs when the stream ends, however it ends."""
 
-    def on_request_body(self, p: codec.Phase) -> Reply:
-        if not p.end_of_stream:  # only if a config streams the body: gather it
-            self.body += p.body
-            return self._reply(codec.REQUEST_BODY)
-        body = bytes(self.body + p.body) if self.body else p.body
-        self.body = bytearray()
-        api = api_for_path(self.path)
-        if self.info.observe_only or api is None:  # no headers seen: we cannot route
-            self.done = not self.info.sends_response_body
-            return self._reply(codec.REQUEST_BODY)
-        try:
-            llm = parse_body(api, body)
-        except ParseError as e:
-            self.done = True
-            if self.router.cfg.routing.unreadable_body == "reject":
-                log.info("request %s: unreadable body, rejected: %s", self.request_id, e)
-                return json_error(400, "invalid_request_error", f"invalid request body: {e}")
-            # Never break the request on a body we cannot read: the fallback route takes it
-            # and the backend gives the client its own error.
-            log.info("request %s: unreadable body, fallback route: %s", self.request_id, e)
-            return self._reply(codec.REQUEST_BODY)
-        session_key = self.session_header or llm.user
-        route_request = RouteRequest(self.request_id, llm, session_key)
-        retry_s = self.router.should_shed(route_request)
-        if retry_s is not None:  # every backend is past the queue bound: shed, honestly
-            self.done = True
-            log.warning("request %s shed: every queue past the bound", self.request_id)
-            retry_after = {"retry-after": str(max(1, math.ceil(retry_s)))}
-            return json_error(
-                429, "overloaded", "all backends overloaded, retry later", retry_after
-            )
-        self.decision = self.router.decide(route_request)
-        self.telemetry.decided(self.decision, session_key, self.trace_carrier)
-        self.done = not self.info.sends_response_body
-        if self.router.cfg.envoy.mode == "endpoint_picker":
-            # Gateway API Inference Extension: the endpoint for override_host, then the
-            # next best ones, which Envoy tries in order if a connect attempt fails.
-            ranked = self.decision.ranked()[: 1 + self.router.cfg.envoy.connect_retries]
-            endpoint = ",".join(self.router.addresses[b] for b in ranked)
-            return codec.continue_response(
-                codec.REQUEST_BODY,
-                set_headers={HEADER_GATEWAY_ENDPOINT: endpoint},
-                dynamic_metadata={LB_METADATA_NAMESPACE: {HEADER_GATEWAY_ENDPOINT: endpoint}},
-            )
-        return codec.continue_response(
-            codec.REQUEST_BODY,
-            set_headers={HEADER_BACKEND: self.decision.backend},
-            clear_route_cache=True,
-        )
+    def _reply(self, phase: str) -> Reply:
+        # Observability mode: Envoy neither waits for nor reads our replies.
+        return None if self.info.observe_only else codec.continue_response(phase)
+
+    _handlers: ClassVar[dict[str, Callable[[Any, codec.Phase], Reply]]] = {}
+
+
+class PassThroughSession(Session):
+    """Not an LLM call (or no request id): Envoy's fallback route serves it; nothing to
+    decide or observe, so the stream ends after the first reply."""
+
+    def handle(self, p: codec.Phase) -> Reply:
+        self.done = True
+        return self._reply(p.name)
+
+
+class _FirstByteWatcher(Session):
+    """A stream that may see the response: its first byte is the TTFT; a stream that
+    watched for it and ends without it means the request ended without a body (client
+    gone, upstream reset), and the request is closed as cancelled."""
+
+    def __init__(self, router: Router, info: codec.StreamInfo, request_id: str) -> None:
+        super().__init__(info)
+        self.router = router
+        self.request_id = request_id
+        self.first_byte_seen = False
 
     def on_response_headers(self, p: codec.Phase) -> Reply:
         if p.end_of_stream:  # no body will follow: the headers were the first byte
@@ -140,45 +148,130 @@ class StreamSession:
         self._first_byte()
         return self._reply(codec.RESPONSE_BODY)
 
-    def on_trailers(self, p: codec.Phase) -> Reply:
-        return self._reply(p.name)
-
-    def finish(self) -> None:
-        """Always runs when the stream ends, however it ends. A stream that watched for the
-        first response byte and ends without it means the request ended without a body
-        (client gone, upstream reset): it is closed here. All others are closed by their
-        access-log entry (or, if that is lost, by expiry)."""
-        if self.info.sends_response_body and not self.first_byte_seen and self.request_id:
-            self.telemetry.completed(self.router.complete(self.request_id, CANCELLED))
-
-    # -- helpers ------------------------------------------------------------------------
-
     def _first_byte(self) -> None:
         if not self.first_byte_seen and self.request_id:
             self.first_byte_seen = True
-            self.telemetry.first_byte(self.request_id, self.router.first_byte(self.request_id))
+            self.router.first_byte(self.request_id)
         self.done = True
 
-    def _reply(self, phase: str) -> Reply:
-        return None if self.info.observe_only else codec.continue_response(phase)
+    def finish(self) -> None:
+        # All other requests are closed by their access-log entry (or, if lost, expiry).
+        if self.info.sends_response_body and not self.first_byte_seen and self.request_id:
+            self.router.close(self.request_id, Status.CANCELLED)
 
-    def handle(self, req: codec.ProcessingRequest) -> Reply:
-        if not self.request_id and req.attributes:  # the observer: no request headers
-            self.request_id = codec.request_id_attribute(req)
-        p = codec.decode(req)
-        handler = self._handlers.get(p.name)
-        if handler is None:
-            raise ValueError(f"unexpected ext_proc message {p.name!r}")
-        return handler(self, p)
 
-    _handlers: dict[str, Callable[[StreamSession, codec.Phase], Reply]] = {
+class ObservingSession(_FirstByteWatcher):
+    """The observing filter (observability mode: Envoy does not wait): the stream opens
+    with the first response chunk, the request id as an attribute (or, in older configs,
+    with the request headers)."""
+
+    def on_request_headers(self, p: codec.Phase) -> Reply:
+        self.request_id = p.headers.get(HEADER_REQUEST_ID, "")
+        return None
+
+    def on_request_body(self, p: codec.Phase) -> Reply:
+        self.done = not self.info.sends_response_body
+        return None
+
+    _handlers: ClassVar[dict[str, Callable[[Any, codec.Phase], Reply]]] = {
         codec.REQUEST_HEADERS: on_request_headers,
         codec.REQUEST_BODY: on_request_body,
-        codec.RESPONSE_HEADERS: on_response_headers,
-        codec.RESPONSE_BODY: on_response_body,
-        codec.REQUEST_TRAILERS: on_trailers,
-        codec.RESPONSE_TRAILERS: on_trailers,
+        codec.RESPONSE_HEADERS: _FirstByteWatcher.on_response_headers,
+        codec.RESPONSE_BODY: _FirstByteWatcher.on_response_body,
     }
+
+
+class RoutingSession(_FirstByteWatcher):
+    """The routing filter: request headers (path, request id, session), then the body;
+    the reply names the backend. A single filter that also sends the response (a mesh's
+    own settings) keeps the stream open until the first chunk."""
+
+    def __init__(
+        self,
+        router: Router,
+        encoder: DecisionEncoder,
+        info: codec.StreamInfo,
+        trace_context: tuple[tuple[str, str], ...],
+    ) -> None:
+        super().__init__(router, info, "")
+        self.encoder = encoder
+        # W3C trace context of Envoy's request span (from the gRPC metadata).
+        self.trace_context = trace_context
+        self.path = ""
+        self.session_header: str | None = None
+        self.body = bytearray()
+        self.decision: Decision | None = None
+
+    def on_request_headers(self, p: codec.Phase) -> Reply:
+        self.path = p.headers.get(":path", "")
+        self.request_id = p.headers.get(HEADER_REQUEST_ID, "")
+        self.session_header = p.headers.get(HEADER_SESSION)
+        if p.end_of_stream:
+            self.done = True  # no body to route on: the fallback route serves it
+        return self._reply(codec.REQUEST_HEADERS)
+
+    def on_request_body(self, p: codec.Phase) -> Reply:
+        if not p.end_of_stream:  # only if a config streams the body: gather it
+            self.body += p.body
+            return self._reply(codec.REQUEST_BODY)
+        body = bytes(self.body + p.body) if self.body else p.body
+        self.body = bytearray()
+        api = api_for_path(self.path)
+        assert api is not None  # a routing session is opened for LLM paths only
+        try:
+            llm = parse_body(api, body)
+        except ParseError as e:
+            self.done = True
+            if self.router.cfg.routing.unreadable_body == UnreadableBody.REJECT:
+                log.info("request %s: unreadable body, rejected: %s", self.request_id, e)
+                return json_error(400, "invalid_request_error", f"invalid request body: {e}")
+            # Never break the request on a body we cannot read: the fallback route takes it
+            # and the backend gives the client its own error.
+            log.info("request %s: unreadable body, fallback route: %s", self.request_id, e)
+            return self._reply(codec.REQUEST_BODY)
+        request = RouteRequest(
+            self.request_id, llm, self.session_header or llm.user, trace_context=self.trace_context
+        )
+        shed = self.router.admit(request)
+        if shed is not None:  # every backend is past the queue bound: shed, honestly
+            self.done = True
+            log.warning("request %s shed: every queue past the bound", self.request_id)
+            retry_after = {"retry-after": str(max(1, math.ceil(shed.retry_after_s)))}
+            return json_error(
+                429, "overloaded", "all backends overloaded, retry later", retry_after
+            )
+        self.decision = self.router.decide(request)
+        self.done = not self.info.sends_response_body
+        return self.encoder.encode(self.decision)
+
+    _handlers: ClassVar[dict[str, Callable[[Any, codec.Phase], Reply]]] = {
+        codec.REQUEST_HEADERS: on_request_headers,
+        codec.REQUEST_BODY: on_request_body,
+        codec.RESPONSE_HEADERS: _FirstByteWatcher.on_response_headers,
+        codec.RESPONSE_BODY: _FirstByteWatcher.on_response_body,
+    }
+
+
+def open_session(
+    router: Router,
+    encoder: DecisionEncoder,
+    first: codec.ProcessingRequest,
+    phase: codec.Phase,
+    trace_context: tuple[tuple[str, str], ...] = (),
+) -> Session:
+    """The session for a stream, from its first message (`phase`, decoded) (Envoy AI
+    Gateway's processorForPath + passThroughProcessor pattern)."""
+    info = codec.stream_info(first)
+    if info.observe_only:
+        return ObservingSession(router, info, codec.request_id_attribute(first))
+    headers = phase.headers
+    if (
+        phase.name == codec.REQUEST_HEADERS
+        and api_for_path(headers.get(":path", "")) is not None
+        and headers.get(HEADER_REQUEST_ID)
+    ):
+        return RoutingSession(router, encoder, info, trace_context)
+    return PassThroughSession(info)
 
 
 def json_error(
@@ -195,9 +288,9 @@ TRACE_KEYS = ("traceparent", "tracestate")
 
 
 class ExtProcService:
-    def __init__(self, router: Router, telemetry: Telemetry) -> None:
+    def __init__(self, router: Router, encoder: DecisionEncoder) -> None:
         self.router = router
-        self.telemetry = telemetry
+        self.encoder = encoder
         self.active_streams = 0
         # Shutting down: new streams are closed at once, and Envoy takes the fallback.
         self.draining = False
@@ -207,17 +300,16 @@ class ExtProcService:
     ) -> AsyncIterator[codec.ProcessingResponse]:
         if self.draining:
             return
-        session: StreamSession | None = None
+        session: Session | None = None
         self.active_streams += 1
         try:
             async for req in requests:
+                phase = codec.decode(req)
                 if session is None:
                     metadata = context.invocation_metadata() or ()
-                    carrier = {k: v for k, v in metadata if k in TRACE_KEYS}
-                    session = StreamSession(
-                        self.router, self.telemetry, codec.stream_info(req), carrier
-                    )
-                reply = session.handle(req)
+                    carrier = tuple((k, v) for k, v in metadata if k in TRACE_KEYS)
+                    session = open_session(self.router, self.encoder, req, phase, carrier)
+                reply = session.handle(phase)
                 if reply is not None:
                     yield reply
                 if session.done:
@@ -244,30 +336,30 @@ class AccessLogService:
         return codec.StreamAccessLogsResponse()
 
     def observe(self, e: codec.AccessLogEntry) -> None:
-        status = status_for(e.response_code)
         # Another backend than the one decided can answer because Envoy retried a connect
         # failure (a failover), or because the router answered too late and Envoy failed
         # open (not the backend's fault): only the first takes several attempts.
         served_by = e.backend if e.attempts > 1 else None
-        done = self.router.complete(e.request_id, status, e.e2e_ms, served_by=served_by)
-        self.telemetry.completed(done)
-        if done is None and e.route_name == ROUTE_FALLBACK:
+        closed = self.router.close(
+            e.request_id, status_for(e.response_code), e.e2e_ms, served_by=served_by
+        )
+        if closed is None and e.route_name == ROUTE_FALLBACK:
             self.router.record_fallback(e.backend)
             self.telemetry.fallback(e.backend)
 
 
-def status_for(code: int) -> str:
+def status_for(code: int) -> Status:
     if 200 <= code < 300:
-        return OK
+        return Status.OK
     if 400 <= code < 500:
-        return CLIENT_ERROR
+        return Status.CLIENT_ERROR
     # 0: nothing was sent to the client, which went away first (an upstream failure gets
     # Envoy's own 5xx). A cancellation says nothing about the backend.
-    return CANCELLED if code == 0 else ERROR
+    return Status.CANCELLED if code == 0 else Status.ERROR
 
 
 def add_services(server: grpc.aio.Server, router: Router, telemetry: Telemetry) -> ExtProcService:
-    ext_proc = ExtProcService(router, telemetry)
+    ext_proc = ExtProcService(router, decision_encoder(router.cfg))
     access_log = AccessLogService(router, telemetry)
     server.add_generic_rpc_handlers(
         (

@@ -14,15 +14,13 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from ext_proc.lifecycle import Status
+
 # How many recent TTFT/E2E samples /state shows per backend.
 RECENT_SAMPLES = 16
-
-OK = "ok"
-ERROR = "error"
-# The backend answered 4xx: the request's fault, not the backend's.
-CLIENT_ERROR = "client_error"
-CANCELLED = "cancelled"
-EXPIRED = "expired"
+# Weight of a new dispatch in a backend's mean prefill estimate (prices engine-reported
+# queue lengths): about the last 20 requests.
+PREFILL_EWMA = 0.05
 
 
 @dataclass
@@ -63,8 +61,9 @@ class BackendState:
     in_flight: int = 0
     # Dispatched and not yet past the first response byte (still queued or prefilling).
     waiting_first_byte: int = 0
-    # Prompt tokens of the requests in flight (the paper's queue load, in tokens).
-    queued_tokens: int = 0
+    # Prompt tokens of the requests in flight, decoding ones included (the paper's queue
+    # load, in tokens).
+    in_flight_tokens: int = 0
     completed: int = 0
     errors: int = 0
     # Requests sent here that Envoy retried elsewhere because it could not connect.
@@ -92,7 +91,7 @@ class BackendState:
             "ejected": self.ejected_until_s is not None,
             "in_flight": self.in_flight,
             "waiting_first_byte": self.waiting_first_byte,
-            "queued_tokens": self.queued_tokens,
+            "in_flight_tokens": self.in_flight_tokens,
             "completed": self.completed,
             "errors": self.errors,
             "failovers": self.failovers,
@@ -100,16 +99,6 @@ class BackendState:
             "last_ttft_ms": [round(v, 3) for v in self.recent_ttft_ms],
             "last_e2e_ms": [round(v, 3) for v in self.recent_e2e_ms],
         }
-
-
-@dataclass(frozen=True)
-class Completion:
-    request_id: str
-    backend: str
-    status: str
-    ttft_ms: float | None
-    e2e_ms: float
-    record: InFlight
 
 
 class FleetState:
@@ -131,7 +120,8 @@ class FleetState:
         b.records[rec.request_id] = rec
         b.in_flight += 1
         b.waiting_first_byte += 1
-        b.queued_tokens += rec.input_tokens
+        b.in_flight_tokens += rec.input_tokens
+        b.mean_prefill_ms += PREFILL_EWMA * (rec.prefill_ms - b.mean_prefill_ms)
 
     def first_byte(self, request_id: str, now_s: float) -> tuple[float, InFlight] | None:
         """Mark the first response byte: TTFT in ms and the record (None if unknown or
@@ -146,35 +136,29 @@ class FleetState:
         b.recent_ttft_ms.append(ttft_ms)
         return ttft_ms, rec
 
-    def complete(
-        self,
-        request_id: str,
-        now_s: float,
-        status: str,
-        e2e_ms: float | None = None,
-        reached: bool = True,
-    ) -> Completion | None:
-        """Close a request's record. Returns None if it was not in flight (already closed).
-        reached=False: Envoy could not connect to the chosen backend and another one
-        served the request; that counts against the chosen backend's health."""
+    def close(
+        self, request_id: str, now_s: float, status: Status, e2e_ms: float | None = None
+    ) -> tuple[InFlight, float] | None:
+        """Close a request's record: the record and its E2E in ms (measured here when the
+        caller has none). None if it was not in flight (already closed)."""
         rec = self.in_flight.pop(request_id, None)
         if rec is None:
             return None
         self._release(rec)
         b = self.backends[rec.backend]
         measured_e2e_ms = e2e_ms if e2e_ms is not None else (now_s - rec.dispatched_s) * 1000.0
-        if not reached:  # another backend's outcome: only the failure to connect is ours
+        if status == Status.FAILED_OVER:  # only the failure to connect was the chosen one's
             b.failovers += 1
             b.request_failures += 1
-        elif status == OK:
+        elif status == Status.OK:
             b.completed += 1
             b.recent_e2e_ms.append(measured_e2e_ms)
         else:
             b.errors += 1
-        if reached and status in (OK, ERROR):  # a cancelled client says nothing about the backend
-            b.request_failures = 0 if status == OK else b.request_failures + 1
-        ttft_ms = None if rec.first_byte_s is None else (rec.first_byte_s - rec.dispatched_s) * 1e3
-        return Completion(request_id, rec.backend, status, ttft_ms, measured_e2e_ms, rec)
+        # A cancelled client or a bad request says nothing about the backend.
+        if status in (Status.OK, Status.ERROR):
+            b.request_failures = 0 if status == Status.OK else b.request_failures + 1
+        return rec, measured_e2e_ms
 
     def available(self, b: BackendState, now_s: float) -> bool:
         """In rotation: probes answer, and not ejected for failing requests. An ejection
@@ -217,22 +201,19 @@ class FleetState:
         b = self.backends[backend]
         b.metrics_queue_reqs, b.metrics_at_s = queue_reqs, now_s
 
-    def expire(self, now_s: float, timeout_s: float) -> list[Completion]:
-        """Close records older than timeout_s (their completion was lost)."""
-        expired: list[Completion] = []
-        while self.in_flight:
-            rec = next(iter(self.in_flight.values()))
+    def overdue(self, now_s: float, timeout_s: float) -> list[str]:
+        """Requests in flight for timeout_s or longer (their completion was lost)."""
+        overdue: list[str] = []
+        for rec in self.in_flight.values():  # dispatch order: stop at the first young one
             if now_s - rec.dispatched_s < timeout_s:
                 break
-            done = self.complete(rec.request_id, now_s, EXPIRED)
-            if done is not None:
-                expired.append(done)
-        return expired
+            overdue.append(rec.request_id)
+        return overdue
 
     def _release(self, rec: InFlight) -> None:
         b = self.backends[rec.backend]
         del b.records[rec.request_id]
         b.in_flight -= 1
-        b.queued_tokens -= rec.input_tokens
+        b.in_flight_tokens -= rec.input_tokens
         if rec.first_byte_s is None:
             b.waiting_first_byte -= 1

@@ -1,8 +1,8 @@
 """Observability of every decision: an OpenTelemetry span and Prometheus metrics.
 
-The span `gorgo.route` starts when the router decides and ends when the request is
-closed (completion, cancellation or expiry); it is a child of Envoy's request span when
-the ext_proc call carries a `traceparent`. It never holds prompt text: only counts,
+A lifecycle listener of the router: the span `gorgo.route` starts at the dispatch and
+ends when the request is closed (however it ends); it is a child of Envoy's request span
+when the ext_proc call carries a `traceparent`. It never holds prompt text: only counts,
 terms, ids and a hash of the session key.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from typing import Any
 
 from opentelemetry import trace
@@ -18,15 +18,16 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
-from opentelemetry.trace import Span, Status, StatusCode
+from opentelemetry.trace import Span, StatusCode
+from opentelemetry.trace import Status as SpanStatus
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from ext_proc.config import Telemetry as TelemetryConfig
+from ext_proc.config import TelemetryConfig
+from ext_proc.lifecycle import Closed, Dispatched, FirstByte, Listener, Status
 from ext_proc.router import Decision, Router
-from ext_proc.state import OK, Completion
 
 SPAN_NAME = "gorgo.route"
 # Attribute names (docs/operations.md lists them all).
@@ -70,11 +71,7 @@ class _LiveGauges(Collector):
             rtt.add_metric([b.id], b.rtt_ms)
             suspect.add_metric([b.id], 1.0 if b.suspect else 0.0)
         weights = GaugeMetricFamily("gorgo_weight", "Current cost weights", labels=["name"])
-        w = (
-            self.router.tuner.weights
-            if self.router.tuner
-            else getattr(self.router.policy, "weights", None)
-        )
+        w = self.router.weights
         if w is not None:
             weights.add_metric(["rtt"], w.rtt)
             weights.add_metric(["queue"], w.queue)
@@ -127,9 +124,10 @@ class Metrics:
         return generate_latest(self.registry)
 
 
-class Telemetry:
-    """Spans and metrics for decisions. `exporter`: injected in tests; otherwise OTLP over
-    gRPC when an endpoint is configured (config or OTEL_EXPORTER_OTLP_ENDPOINT)."""
+class Telemetry(Listener):
+    """Spans and metrics for decisions, subscribed to the router's lifecycle. `exporter`:
+    injected in tests; otherwise OTLP over gRPC when an endpoint is configured (config or
+    OTEL_EXPORTER_OTLP_ENDPOINT)."""
 
     def __init__(
         self, cfg: TelemetryConfig, router: Router, exporter: SpanExporter | None = None
@@ -153,14 +151,13 @@ class Telemetry:
             self.provider.add_span_processor(BatchSpanProcessor(exporter))
             self._tracer = self.provider.get_tracer("gorgo")
 
-    # -- hooks the shell calls --------------------------------------------------------
+    # -- lifecycle ----------------------------------------------------------------------
 
-    def decided(
-        self, d: Decision, session_key: str | None, carrier: Mapping[str, str] | None = None
-    ) -> None:
+    def on_dispatch(self, e: Dispatched) -> None:
+        d = e.decision
         m = self.metrics
         m.decisions.labels(d.backend, d.policy).inc()
-        chosen = next(c for c in d.candidates if c.backend_id == d.backend)
+        chosen = d.chosen
         m.term.labels("rtt").observe(chosen.rtt_ms)
         m.term.labels("queue").observe(chosen.queue_ms)
         m.term.labels("prefill").observe(chosen.prefill_ms)
@@ -168,38 +165,37 @@ class Telemetry:
         m.cached_tokens.inc(chosen.cached_tokens)
         if self._tracer is None:
             return
-        ctx = TraceContextTextMapPropagator().extract(dict(carrier or {}))
+        ctx = TraceContextTextMapPropagator().extract(dict(e.request.trace_context))
         span = self._tracer.start_span(
-            SPAN_NAME, context=ctx, attributes=self._attributes(d, session_key)
+            SPAN_NAME, context=ctx, attributes=self._attributes(d, e.request.session_key)
         )
         if span.is_recording():
             self._spans[d.request_id] = span
 
-    def first_byte(self, request_id: str, ttft_ms: float | None) -> None:
-        rec = self.router.state.in_flight.get(request_id)
-        if ttft_ms is None or rec is None:
-            return
-        self.metrics.ttft.labels(rec.backend).observe(ttft_ms / 1000)
-        span = self._spans.get(request_id)
+    def on_first_byte(self, e: FirstByte) -> None:
+        self.metrics.ttft.labels(e.backend).observe(e.ttft_ms / 1000)
+        span = self._spans.get(e.request_id)
         if span is not None:
-            span.set_attribute(A_TTFT_MS, round(ttft_ms, 3))
+            span.set_attribute(A_TTFT_MS, round(e.ttft_ms, 3))
 
-    def completed(self, c: Completion | None) -> None:
-        if c is None:
-            return
+    def on_close(self, c: Closed) -> None:
         self.metrics.completions.labels(c.backend, c.status).inc()
-        if c.status == OK:
+        if c.status == Status.OK:
             self.metrics.e2e.labels(c.backend).observe(c.e2e_ms / 1000)
         span = self._spans.pop(c.request_id, None)
         if span is None:
             return
         span.set_attribute(A_E2E_MS, round(c.e2e_ms, 3))
-        span.set_attribute(A_STATUS, c.status)
+        span.set_attribute(A_STATUS, str(c.status))
         if c.ttft_ms is not None:
             span.set_attribute(A_TTFT_MS, round(c.ttft_ms, 3))
-        if c.status != OK:
-            span.set_status(Status(StatusCode.ERROR, c.status))
+        if c.status != Status.OK:
+            span.set_status(SpanStatus(StatusCode.ERROR, str(c.status)))
         span.end()
+
+    @property
+    def open_spans(self) -> int:
+        return len(self._spans)
 
     def fallback(self, backend: str) -> None:
         self.metrics.fallback.labels(backend or "unknown").inc()
@@ -224,8 +220,8 @@ class Telemetry:
             A_SESSION_HASH: session_hash(session_key),
         }
         if d.weights is not None:
-            attrs[A_WEIGHT_RTT] = d.weights[0]
-            attrs[A_WEIGHT_QUEUE] = d.weights[1]
+            attrs[A_WEIGHT_RTT] = d.weights.rtt
+            attrs[A_WEIGHT_QUEUE] = d.weights.queue
         tuner = self.router.tuner
         if tuner is not None:
             attrs[A_WEIGHTS_VERSION] = len(tuner.state.history)

@@ -1,7 +1,8 @@
 """Online tuning of the cost weights by a (1+1) evolution strategy in log space.
 
-Pure: time comes from the caller's completions, randomness from an injected RNG. The same
-object runs in `gorgo serve` (fed by Envoy's access log) and in `gorgo simulate`.
+Pure: time comes from the caller's completions, randomness from an injected RNG, and its
+state goes to an injected sink (the shell persists it; see `state_from_doc` to restore).
+The same object runs in `gorgo serve` (fed by Envoy's access log) and in `gorgo simulate`.
 
 Two modes:
 
@@ -21,32 +22,33 @@ Two modes:
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import random
 import zlib
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from ext_proc.config import TunerMode
 from ext_proc.cost import Weights
-from ext_proc.files import write_atomic
 
 log = logging.getLogger("gorgo.tuner")
 
-PAPER = "paper"
-PAIRED = "paired"
+PAPER = TunerMode.PAPER
+PAIRED = TunerMode.PAIRED
 PARENT, CHILD = "parent", "child"
+Bounds = tuple[tuple[float, float], tuple[float, float]]
+# Receives the tuner's state (a JSON-able dict) after every step.
+StateSink = Callable[[dict[str, Any]], None]
 
 
 @dataclass(frozen=True)
 class TunerSettings:
-    mode: str = PAIRED
+    mode: TunerMode = PAIRED
     sigma0: float = 0.5
     # 1/5 rule: over the last `success_window` outcomes, sigma /= factor when more than a
     # fifth succeeded, sigma *= factor when fewer.
@@ -73,6 +75,10 @@ class TunerSettings:
     @staticmethod
     def paper() -> TunerSettings:
         return TunerSettings(mode=PAPER, rtt_bounds=(0.05, 2.0), queue_bounds=(0.05, 0.5))
+
+    def clip(self, w: tuple[float, float]) -> tuple[float, float]:
+        (rlo, rhi), (qlo, qhi) = self.rtt_bounds, self.queue_bounds
+        return (min(rhi, max(rlo, w[0])), min(qhi, max(qlo, w[1])))
 
 
 @dataclass
@@ -115,13 +121,14 @@ class Tuner:
         settings: TunerSettings,
         initial: Weights,
         rng: random.Random,
-        state_path: str | Path | None = None,
+        restored: TunerState | None = None,
+        sink: StateSink | None = None,
     ) -> None:
         self.s = settings
         self.rng = rng
-        self.state_path = Path(state_path) if state_path else None
-        init = self._clip((initial.rtt, initial.queue))
-        self.state = self._restore() or TunerState(init, init, settings.sigma0)
+        self._sink = sink
+        init = settings.clip((initial.rtt, initial.queue))
+        self.state = restored or TunerState(init, init, settings.sigma0)
         st = self.state
         # paper mode scores the initial weights first; paired mode starts a child at once
         if st.child == st.parent and not st.frozen and settings.mode == PAIRED:
@@ -153,6 +160,10 @@ class Tuner:
         return Weights(*self.state.parent)
 
     # -- learning ---------------------------------------------------------------------
+
+    def forget(self, request_id: str) -> None:
+        """A request closed without saying anything about its weights (cancelled)."""
+        self._arm.pop(request_id, None)
 
     def observe(self, request_id: str, ttft_ms: float | None, e2e_ms: float | None) -> Step | None:
         """A request completed. Returns the step taken, if this completion ended one."""
@@ -266,13 +277,9 @@ class Tuner:
 
     # -- weights ----------------------------------------------------------------------
 
-    def _clip(self, w: tuple[float, float]) -> tuple[float, float]:
-        (rlo, rhi), (qlo, qhi) = self.s.rtt_bounds, self.s.queue_bounds
-        return (min(rhi, max(rlo, w[0])), min(qhi, max(qlo, w[1])))
-
     def _mutate(self, w: tuple[float, float]) -> tuple[float, float]:
         sigma = self.state.sigma
-        return self._clip(
+        return self.s.clip(
             (
                 math.exp(math.log(w[0]) + sigma * self.rng.gauss(0, 1)),
                 math.exp(math.log(w[1]) + sigma * self.rng.gauss(0, 1)),
@@ -293,7 +300,7 @@ class Tuner:
 
     def set_weights(self, w: Weights) -> None:
         st = self.state
-        st.parent = st.child = self._clip((w.rtt, w.queue))
+        st.parent = st.child = self.s.clip((w.rtt, w.queue))
         st.parent_score_ms, st.earned_p95_ms = None, None
         if not st.frozen and self.s.mode == PAIRED:
             st.child = self._mutate(st.parent)
@@ -314,25 +321,27 @@ class Tuner:
         }
 
     def _save(self) -> None:
-        if self.state_path is None:
-            return
-        doc = {"mode": self.s.mode, **asdict(self.state)}
-        write_atomic(self.state_path, json.dumps(doc))
+        if self._sink is not None:
+            self._sink({"mode": str(self.s.mode), **asdict(self.state)})
 
-    def _restore(self) -> TunerState | None:
-        p = self.state_path
-        if p is None or not p.exists():
+    @property
+    def in_flight_arms(self) -> int:
+        """Requests whose arm is remembered until they close."""
+        return len(self._arm)
+
+
+def state_from_doc(doc: Any, settings: TunerSettings) -> TunerState | None:
+    """A saved state (the sink's dict) for these settings. None if it was saved in
+    another mode; ValueError if it is not a valid state."""
+    try:
+        raw = dict(doc)
+        if raw.pop("mode") != settings.mode:
             return None
-        try:
-            raw = json.loads(p.read_text())
-            if raw.pop("mode") != self.s.mode:
-                log.warning("tuner state %s is for another mode: starting from config", p)
-                return None
-            st = TunerState(**raw)
-            st.parent, st.child = self._clip(tuple(st.parent)), self._clip(tuple(st.child))  # type: ignore[arg-type]
-            if not all(math.isfinite(v) and v > 0 for v in (*st.parent, *st.child, st.sigma)):
-                raise ValueError("weights and sigma must be positive numbers")
-            return st
-        except (ValueError, TypeError, KeyError, json.JSONDecodeError) as e:
-            log.error("tuner state %s is corrupt (%s): starting from the configured weights", p, e)
-            return None
+        st = TunerState(**raw)
+        st.parent = settings.clip(tuple(st.parent))  # type: ignore[arg-type]
+        st.child = settings.clip(tuple(st.child))  # type: ignore[arg-type]
+    except (ValueError, TypeError, KeyError) as e:
+        raise ValueError(f"not a tuner state: {e}") from e
+    if not all(math.isfinite(v) and v > 0 for v in (*st.parent, *st.child, st.sigma)):
+        raise ValueError("weights and sigma must be positive numbers")
+    return st

@@ -18,10 +18,10 @@ import numpy as np
 
 from ext_proc.app import GC_GEN0_THRESHOLD
 from ext_proc.config import config_from_dict
+from ext_proc.lifecycle import Status
 from ext_proc.parse import CHAT, parse_body
 from ext_proc.policy import RouteRequest
-from ext_proc.router import Router
-from ext_proc.state import OK
+from ext_proc.router import Router, build_router
 from loadgen.client import percentile
 
 # Targets from the issue (p99, decide only).
@@ -40,7 +40,7 @@ def _router(n_backends: int) -> Router:
         }
     )
     clock_s = [0.0]
-    return Router(cfg, lambda: clock_s[0], random.Random(0))
+    return build_router(cfg, lambda: clock_s[0], random.Random(0))
 
 
 def _text(tokens: int, seed: int) -> str:
@@ -79,7 +79,7 @@ def measure(n_backends: int, tokens: int, iterations: int) -> tuple[list[float],
         t1 = time.perf_counter()
         d = router.decide(RouteRequest(f"r{i}", llm, None))
         t2 = time.perf_counter()
-        router.complete(d.request_id, OK)
+        router.close(d.request_id, Status.OK)
         decide_ms.append((t2 - t1) * 1e3)
         full_ms.append((t2 - t0) * 1e3)
     return decide_ms, full_ms

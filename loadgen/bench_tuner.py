@@ -40,7 +40,7 @@ def static_run(
         policy="gorgo",
         time_scale=ts,
         seed=seed,
-        router={"weights": {"rtt": w.rtt, "queue": w.queue}},
+        router={"policies": {"gorgo": {"weights": {"rtt": w.rtt, "queue": w.queue}}}},
     )
     res = simulate(trace, s)
     return summarize(res.requests, res.itl_ms)

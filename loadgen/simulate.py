@@ -20,11 +20,11 @@ from emulator.model import EngineModel
 from emulator.stack import DEFAULT_REGIONS
 from emulator.wan import DelayModel, DelaySettings, rtt_profile_ms
 from ext_proc.config import Config, config_from_dict
+from ext_proc.lifecycle import Status
 from ext_proc.parse import COMPLETIONS, LlmRequest
-from ext_proc.policy import RouteRequest, make_policy
+from ext_proc.policy import RouteRequest
 from ext_proc.profile import DEFAULT_PROFILE, load_profile
-from ext_proc.router import Router, make_tuner
-from ext_proc.state import OK
+from ext_proc.router import Router, build_router
 from loadgen.results import RequestResult
 from loadgen.traces import TraceRequest
 
@@ -93,12 +93,9 @@ class Simulation:
         self.now_s = 0.0
         cfg = settings.config()
         rng = random.Random(settings.seed)
-        policy_rng = random.Random(rng.random())
-        policy = make_policy(cfg.policy, policy_rng, cfg)
-        tuner = make_tuner(cfg, random.Random(rng.random()), policy)
-        self.router = Router(
-            cfg, clock=lambda: self.now_s, rng=policy_rng, policy=policy, tuner=tuner
-        )
+        # The service's own factory, on the virtual clock (it draws the policy's and the
+        # tuner's RNGs from `rng` first).
+        self.router = build_router(cfg, lambda: self.now_s, rng)
         profile = load_profile(settings.engine_profile)
         self.engines = {
             r: EngineModel(profile, random.Random(rng.random())) for r in settings.regions
@@ -166,7 +163,7 @@ class Simulation:
         llm = LlmRequest(COMPLETIONS, "", r.input_tokens, r.output_tokens, True, None, None)
         per = max(1, r.block_tokens // self.router_block_tokens)
         blocks = _sub_blocks(r.block_ids, per, 1)[: r.input_tokens // self.router_block_tokens]
-        d = self.router.decide(RouteRequest(r.id, llm, r.session, r.session, blocks))
+        d = self.router.decide(RouteRequest(r.id, llm, r.session, blocks))
         self.results[r.id] = RequestResult(
             r.id, d.backend, input_tokens=r.input_tokens, output_tokens=r.output_tokens
         )
@@ -194,7 +191,7 @@ class Simulation:
 
     def _done(self, rid: str) -> None:
         res = self.results[rid]
-        self.router.complete(rid, OK, res.e2e_ms, cached_tokens=res.cached_tokens)
+        self.router.close(rid, Status.OK, res.e2e_ms, cached_tokens=res.cached_tokens)
         del self._last_emit_s[rid]
         if self.hook is not None:
             self.hook(res, self.router)

@@ -5,19 +5,24 @@ from __future__ import annotations
 import random
 import zlib
 from collections.abc import Sequence
+from dataclasses import dataclass
 
-from ext_proc.config import Config
-from ext_proc.policy import Candidate, Choice, RouteRequest, pick_min, register
+from ext_proc.config import bounded
+from ext_proc.cost import Weights
+from ext_proc.policy import Candidate, Choice, NoParams, RouteRequest, pick_min, register
+from ext_proc.tokens import BYTES_PER_TOKEN
 
 
 @register("round_robin")
 class RoundRobin:
     name = "round_robin"
 
-    def __init__(self, rng: random.Random, cfg: Config) -> None:
+    def __init__(self, rng: random.Random, params: NoParams) -> None:
         self._next = 0
 
-    def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Choice:
+    def choose(
+        self, request: RouteRequest, candidates: Sequence[Candidate], weights: Weights | None
+    ) -> Choice:
         chosen = candidates[self._next % len(candidates)]
         self._next += 1
         return Choice(chosen.backend_id, {})
@@ -27,10 +32,12 @@ class RoundRobin:
 class UniformRandom:
     name = "random"
 
-    def __init__(self, rng: random.Random, cfg: Config) -> None:
+    def __init__(self, rng: random.Random, params: NoParams) -> None:
         self._rng = rng
 
-    def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Choice:
+    def choose(
+        self, request: RouteRequest, candidates: Sequence[Candidate], weights: Weights | None
+    ) -> Choice:
         return Choice(self._rng.choice(candidates).backend_id, {})
 
 
@@ -40,10 +47,12 @@ class LeastRequest:
 
     name = "least_request"
 
-    def __init__(self, rng: random.Random, cfg: Config) -> None:
+    def __init__(self, rng: random.Random, params: NoParams) -> None:
         self._rng = rng
 
-    def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Choice:
+    def choose(
+        self, request: RouteRequest, candidates: Sequence[Candidate], weights: Weights | None
+    ) -> Choice:
         scores = {c.backend_id: float(c.in_flight) for c in candidates}
         return Choice(pick_min(scores, self._rng), scores)
 
@@ -54,26 +63,44 @@ class LeastLoad:
 
     name = "least_load"
 
-    def __init__(self, rng: random.Random, cfg: Config) -> None:
+    def __init__(self, rng: random.Random, params: NoParams) -> None:
         self._rng = rng
 
-    def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Choice:
-        scores = {c.backend_id: float(c.queued_tokens) for c in candidates}
+    def choose(
+        self, request: RouteRequest, candidates: Sequence[Candidate], weights: Weights | None
+    ) -> Choice:
+        scores = {c.backend_id: float(c.in_flight_tokens) for c in candidates}
         return Choice(pick_min(scores, self._rng), scores)
 
 
-@register("session_affinity")
+@dataclass(frozen=True)
+class SessionAffinityParams:
+    # Without a session key: hash the first this-many prompt tokens.
+    prefix_tokens: int = bounded(256, gt=0)
+
+
+@register("session_affinity", params=SessionAffinityParams)
 class SessionAffinity:
     """Rendezvous hashing of the session key (else the prompt's head) over the healthy
     backends: a session stays put, and only its share moves when a backend leaves."""
 
     name = "session_affinity"
 
-    def __init__(self, rng: random.Random, cfg: Config) -> None:
-        self._rng = rng
+    def __init__(self, rng: random.Random, params: SessionAffinityParams) -> None:
+        self._p = params
 
-    def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Choice:
-        key = request.affinity_key.encode()
+    def affinity_key(self, request: RouteRequest) -> str:
+        if request.session_key:
+            return request.session_key
+        if request.llm is None:
+            return request.request_id
+        head = request.llm.prompt[: self._p.prefix_tokens * BYTES_PER_TOKEN]
+        return f"prompt:{zlib.crc32(head.encode()):08x}"
+
+    def choose(
+        self, request: RouteRequest, candidates: Sequence[Candidate], weights: Weights | None
+    ) -> Choice:
+        key = self.affinity_key(request).encode()
         # crc32, not hash(): the same session maps the same way in every process.
         scores = {
             c.backend_id: -float(zlib.crc32(c.backend_id.encode(), zlib.crc32(key)))
@@ -82,24 +109,36 @@ class SessionAffinity:
         return Choice(min(scores, key=lambda b: scores[b]), scores)
 
 
-@register("prefix_cache")
+@dataclass(frozen=True)
+class PrefixCacheParams:
+    # Follow the best cache match when it covers at least this share of the prompt,
+    # unless load is imbalanced (max - min in flight > balance_abs and max > balance_rel
+    # x min); then least request.
+    min_fraction: float = bounded(0.5, ge=0.0, le=1.0)
+    balance_abs: int = bounded(4, ge=0)
+    balance_rel: float = bounded(1.5, gt=0.0)
+
+
+@register("prefix_cache", params=PrefixCacheParams)
 class PrefixCache:
     """The paper's cache baseline: the longest cached prefix, unless load is imbalanced
     or the best match covers too little of the prompt; then fewest requests in flight."""
 
     name = "prefix_cache"
 
-    def __init__(self, rng: random.Random, cfg: Config) -> None:
+    def __init__(self, rng: random.Random, params: PrefixCacheParams) -> None:
         self._rng = rng
-        self._r = cfg.routing
+        self._p = params
 
-    def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Choice:
+    def choose(
+        self, request: RouteRequest, candidates: Sequence[Candidate], weights: Weights | None
+    ) -> Choice:
         loads = [c.in_flight for c in candidates]
         lo, hi = min(loads), max(loads)
-        imbalanced = hi - lo > self._r.balance_abs and hi > self._r.balance_rel * lo
+        imbalanced = hi - lo > self._p.balance_abs and hi > self._p.balance_rel * lo
         best = max(candidates, key=lambda c: c.cached_tokens)
         tokens = best.cached_tokens + best.uncached_tokens
-        if not imbalanced and tokens and best.cached_tokens >= self._r.prefix_min_fraction * tokens:
+        if not imbalanced and tokens and best.cached_tokens >= self._p.min_fraction * tokens:
             scores = {c.backend_id: -float(c.cached_tokens) for c in candidates}
             return Choice(pick_min(scores, self._rng), scores)
         scores = {c.backend_id: float(c.in_flight) for c in candidates}

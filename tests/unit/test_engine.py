@@ -23,16 +23,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from emulator.engine import (
-    ENGINE_ID_HEADER,
-    ENGINE_KEY,
-    EngineConfig,
-    EngineServer,
-    Faults,
-    make_app,
-    serve_engine,
-    zero_delay_profile,
-)
+from emulator.engine import ENGINE_ID_HEADER, ENGINE_KEY, EngineServer, make_app, serve_engine
+from emulator.engine_config import EngineConfig, Faults, zero_delay_profile
 from ext_proc.profile import EngineProfile, load_profile
 from ext_proc.tokens import count_tokens, render_chat
 

@@ -11,7 +11,8 @@ from openai import AsyncOpenAI
 from openai.types import Completion, CompletionUsage
 from openai.types.chat import ChatCompletion, ChatCompletionChunk, ChatCompletionMessageParam
 
-from emulator.engine import ENGINE_ID_HEADER, EngineConfig, EngineServer, Faults
+from emulator.engine import ENGINE_ID_HEADER, EngineServer
+from emulator.engine_config import EngineConfig, Faults
 from ext_proc.tokens import count_tokens, render_chat
 from tests.unit.test_engine import FAST
 

@@ -7,12 +7,21 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ext_proc.cost import PrefillModel, QueueItem, Weights, queue_ms, time_cost_ms, token_cost
+from ext_proc.cost import (
+    PrefillModel,
+    QueueItem,
+    Weights,
+    estimate_queue_ms,
+    time_cost_ms,
+    token_cost,
+)
+from ext_proc.learners import SETTLED_S
+from ext_proc.lifecycle import Status
 from ext_proc.parse import CHAT, parse_body
 from ext_proc.policy import RouteRequest
 from ext_proc.profile import load_profile
-from ext_proc.router import SETTLED_S, Router
-from ext_proc.state import OK, InFlight
+from ext_proc.router import Router, build_router
+from ext_proc.state import InFlight
 from tests.fakes import FakeClock
 from tests.unit.test_router import make_config
 
@@ -40,7 +49,7 @@ def router(policy: str = "gorgo", **extra: object) -> tuple[Router, FakeClock]:
         ],
         **extra,
     )
-    return Router(cfg, clock, random.Random(0)), clock
+    return build_router(cfg, clock, random.Random(0)), clock
 
 
 @settings(max_examples=200, deadline=None)
@@ -91,32 +100,38 @@ def test_queue_estimate_counts_prefill_still_owed() -> None:
     item = QueueItem(
         prefill_ms=400, kv_tokens=4100, output_tokens=100, dispatched_s=10.0, first_byte_s=None
     )
-    assert queue_ms([], 20, 10.0, 0, BIG_KV, 100) == 0
-    assert queue_ms([item], 20, 10.0, 0, BIG_KV, 100) == 400
-    assert queue_ms([item, item], 20, 10.1, 0, BIG_KV, 100) == pytest.approx(700)  # 100 ms done
+    assert estimate_queue_ms([], 20, 10.0, 0, BIG_KV, 100) == 0
+    assert estimate_queue_ms([item], 20, 10.0, 0, BIG_KV, 100) == 400
+    assert estimate_queue_ms([item, item], 20, 10.1, 0, BIG_KV, 100) == pytest.approx(
+        700
+    )  # 100 ms done
     # long past its own prefill (blocked engine): the head owes nothing, the rest is owed
-    assert queue_ms([item, item], 20, 30.0, 0, BIG_KV, 100) == pytest.approx(400)
+    assert estimate_queue_ms([item, item], 20, 30.0, 0, BIG_KV, 100) == pytest.approx(400)
     decoding = QueueItem(0, 200, 100, dispatched_s=0, first_byte_s=9.0)
-    assert queue_ms([decoding], 20, 10.0, 0, BIG_KV, 100) == 10  # half a decode step
+    assert estimate_queue_ms([decoding], 20, 10.0, 0, BIG_KV, 100) == 10  # half a decode step
 
 
 def test_a_late_first_token_grows_the_queue_estimate_past_the_grace() -> None:
     # due 0.1 s after dispatch; grace 500 ms: lateness counts from 0.6 s on
     item = QueueItem(100, 4100, 100, dispatched_s=10.0, first_byte_s=None, due_s=10.1)
-    assert queue_ms([item], 20, 10.6, 0, BIG_KV, 100, stall_grace_ms=500) == 0
-    assert queue_ms([item], 20, 12.6, 0, BIG_KV, 100, stall_grace_ms=500) == pytest.approx(2000)
-    assert queue_ms([item], 20, 12.6, 0, BIG_KV, 100, stall_grace_ms=0) == 0  # off
+    assert estimate_queue_ms([item], 20, 10.6, 0, BIG_KV, 100, stall_grace_ms=500) == 0
+    assert estimate_queue_ms([item], 20, 12.6, 0, BIG_KV, 100, stall_grace_ms=500) == pytest.approx(
+        2000
+    )
+    assert estimate_queue_ms([item], 20, 12.6, 0, BIG_KV, 100, stall_grace_ms=0) == 0  # off
     # a long estimate is its own grace: 3 s due, late only after 6 s
     slow = QueueItem(3000, 4100, 100, dispatched_s=10.0, first_byte_s=None, due_s=13.0)
-    assert queue_ms([slow], 20, 15.9, 0, BIG_KV, 100, stall_grace_ms=500) == 0
-    assert queue_ms([slow], 20, 17.0, 0, BIG_KV, 100, stall_grace_ms=500) == pytest.approx(1000)
+    assert estimate_queue_ms([slow], 20, 15.9, 0, BIG_KV, 100, stall_grace_ms=500) == 0
+    assert estimate_queue_ms([slow], 20, 17.0, 0, BIG_KV, 100, stall_grace_ms=500) == pytest.approx(
+        1000
+    )
 
 
 def test_a_stalled_backend_is_avoided_while_it_answers_probes() -> None:
     r, clock = router()
     warm = r.decide(chat("warm-up"))
     r.first_byte(warm.request_id)  # first bytes are observed: lateness means something
-    r.complete(warm.request_id, OK)
+    r.close(warm.request_id, Status.OK)
     stuck = r.decide(chat("first"))
     assert stuck.backend == "near"
     clock.advance(0.3)
@@ -136,7 +151,7 @@ def test_lateness_counts_only_for_streams_and_once_first_bytes_are_observed() ->
     r.first_byte(stuck.request_id)
     for d in list(r.recent):
         r.first_byte(d.request_id)
-        r.complete(d.request_id, OK)
+        r.close(d.request_id, Status.OK)
     body = b'{"messages": [{"role": "user", "content": "x"}], "stream": false}'
     whole = r.decide(RouteRequest("whole", parse_body(CHAT, body), None))
     assert whole.backend == "near"
@@ -149,8 +164,8 @@ def test_a_full_kv_pool_waits_for_the_first_finishers() -> None:
     # wait until one of them finishes: the one with 10 tokens left (10 steps of 20 ms)
     soon = QueueItem(0, 6000, 500, dispatched_s=0.0, first_byte_s=100.0 - 490 * 0.02)
     later = QueueItem(0, 6000, 500, dispatched_s=0.0, first_byte_s=100.0 - 100 * 0.02)
-    assert queue_ms([soon, later], 20, 100.0, 0, 12_000, 3000) == pytest.approx(200)
-    assert queue_ms([soon, later], 20, 100.0, 0, 20_000, 3000) == 10  # fits: no wait
+    assert estimate_queue_ms([soon, later], 20, 100.0, 0, 12_000, 3000) == pytest.approx(200)
+    assert estimate_queue_ms([soon, later], 20, 100.0, 0, 20_000, 3000) == 10  # fits: no wait
 
 
 def test_equal_caches_and_load_the_nearest_wins() -> None:
@@ -160,7 +175,7 @@ def test_equal_caches_and_load_the_nearest_wins() -> None:
         assert d.backend == "near"
         near = next(c for c in d.candidates if c.backend_id == "near")
         assert (near.rtt_ms, near.queue_ms, near.cached_tokens) == (1, 0, 0)
-        r.complete(d.request_id, OK)
+        r.close(d.request_id, Status.OK)
     # queued prefill on near: once it outweighs the RTT gap, the next region takes over
     for i in range(20):
         r.decide(chat(f"long document {i} " * 3000))
@@ -172,7 +187,7 @@ def test_a_session_follows_its_cache_unless_that_backend_is_overloaded() -> None
     history = "a long shared conversation so far. " * 400  # ~3.5k tokens
     first = r.decide(chat(history))
     r.first_byte(first.request_id)
-    r.complete(first.request_id, OK)
+    r.close(first.request_id, Status.OK)
     # second turn: the prefix is cached where the first went; even if that is not the
     # nearest region, the cached prefill it saves outweighs the RTT
     r.state.backends["near"].rtt_ms = 150  # make "near" no longer the obvious choice
@@ -180,7 +195,7 @@ def test_a_session_follows_its_cache_unless_that_backend_is_overloaded() -> None
     assert second.backend == first.backend
     held = next(c for c in second.candidates if c.backend_id == first.backend)
     assert held.cached_tokens >= 3000 and held.uncached_tokens < 600
-    r.complete(second.request_id, OK)
+    r.close(second.request_id, Status.OK)
     # now that backend has 30 s of prefill queued: the session moves
     for i in range(3):
         r.state.dispatch(InFlight(f"load{i}", first.backend, clock(), 40_000, prefill_ms=10_000))
@@ -223,12 +238,12 @@ def test_near_ties_are_broken_at_random() -> None:
             {"id": f"b{i}", "address": f"127.0.0.1:{i + 1}", "rtt_prior_ms": 50} for i in range(3)
         ],
     )
-    r = Router(cfg, clock, random.Random(0))
+    r = build_router(cfg, clock, random.Random(0))
     counts = Counter()
     for i in range(300):
         d = r.decide(chat(f"p{i}"))
         counts[d.backend] += 1
-        r.complete(d.request_id, OK)
+        r.close(d.request_id, Status.OK)
     assert set(counts) == {"b0", "b1", "b2"} and min(counts.values()) > 60
 
 
@@ -270,13 +285,13 @@ def test_decisions_explain_every_term_without_the_prompt() -> None:
 
 
 def test_learn_cached_trims_only_settled_evidence() -> None:
-    r, clock = router(routing={"tie_fraction": 0.0})  # the nearest, deterministically
+    r, clock = router(policies={"gorgo": {"tie_fraction": 0.0}})  # the nearest, always
     doc, other = "document " * 2000, "other text " * 2000
     d_other = r.decide(chat(other))
-    r.complete(d_other.request_id, OK)
+    r.close(d_other.request_id, Status.OK)
     clock.advance(1)
     d1 = r.decide(chat(doc))
-    r.complete(d1.request_id, OK)
+    r.close(d1.request_id, Status.OK)
     assert d1.backend == d_other.backend == "near"
     other_blocks = r.prompt_blocks(chat(other))
     clock.advance(SETTLED_S + 1)
@@ -287,13 +302,16 @@ def test_learn_cached_trims_only_settled_evidence() -> None:
     # The engine reports nothing cached: it evicted doc's blocks, so `other`, used even
     # earlier, is gone too (LRU). Doc's blocks stay: this very dispatch re-touched them
     # and its prefill computes them.
-    dropped = r.learn_cached(rec, 0)
-    assert dropped == len(other_blocks) > 0
+    assert r.index.match(other_blocks)["near"] == len(other_blocks) > 0
+    r.close(d2.request_id, Status.OK, cached_tokens=0)
     assert r.index.match(other_blocks)["near"] == 0
-    assert r.index.match(r.prompt_blocks(chat(doc)))["near"] == len(rec.blocks)
+    doc_blocks = r.prompt_blocks(chat(doc))
+    assert r.index.match(doc_blocks)["near"] == len(rec.blocks)
     # a report right after a dispatch (prefill may still be running) is not evidence
+    r.decide(RouteRequest("fresh-other", chat(other).llm, None))
     d3 = r.decide(chat(doc + " more"))
-    assert r.learn_cached(r.state.in_flight[d3.request_id], 0) == 0
+    r.close(d3.request_id, Status.OK, cached_tokens=0)
+    assert r.index.match(other_blocks)["near"] == len(other_blocks)
 
 
 def test_prefill_learns_at_completion_and_only_from_the_chosen_backend() -> None:
@@ -306,7 +324,7 @@ def test_prefill_learns_at_completion_and_only_from_the_chosen_backend() -> None
         clock.advance(0.2)
         r.first_byte(d.request_id)
         before = len(samples)
-        r.complete(d.request_id, OK, served_by=served_by)
+        r.close(d.request_id, Status.OK, served_by=served_by)
         assert before == len(samples) - (served_by is None)  # learned at completion only
         clock.advance(60)  # let the queue drain
 

@@ -9,38 +9,47 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ext_proc import codec
-from ext_proc.config import Telemetry as TelemetryConfig
+from ext_proc.config import TelemetryConfig
+from ext_proc.lifecycle import Status
 from ext_proc.parse import ParseError, api_for_path, parse_body
 from ext_proc.router import Router
-from ext_proc.server import AccessLogService, StreamSession
-from ext_proc.state import CANCELLED, CLIENT_ERROR, ERROR, OK
+from ext_proc.server import AccessLogService, Session, decision_encoder, open_session
+from ext_proc.state import InFlight
 from ext_proc.telemetry import Telemetry
 from tests.messages import body, headers
 from tests.unit.test_gorgo import chat, router
 
 
-def fail(r: Router, status: str) -> str:
+def fail(r: Router, status: Status) -> str:
     d = r.decide(chat(f"p{random.random()}"))
-    r.complete(d.request_id, status)
+    r.close(d.request_id, status)
     return d.backend
 
 
 def test_two_failures_in_a_row_eject_a_backend_until_it_cools_down() -> None:
     r, clock = router()
-    assert fail(r, ERROR) == "near"
-    assert fail(r, ERROR) == "near"  # second failure in a row: ejected
+    assert fail(r, Status.ERROR) == "near"
+    assert fail(r, Status.ERROR) == "near"  # second failure in a row: ejected
     assert r.state.backends["near"].ejected_until_s == clock() + 5.0
-    assert all(fail(r, OK) != "near" for _ in range(5))
+    assert all(fail(r, Status.OK) != "near" for _ in range(5))
     clock.advance(5.1)  # cooled down: back in rotation (half-open)
-    assert fail(r, ERROR) == "near"
-    assert fail(r, ERROR) == "near"
+    assert fail(r, Status.ERROR) == "near"
+    assert fail(r, Status.ERROR) == "near"
     # failing again right away: twice as long this time
     assert r.state.backends["near"].ejected_until_s == pytest.approx(clock() + 10.0)
 
 
 def test_client_errors_and_cancellations_do_not_eject() -> None:
     r, _ = router()
-    for status in (CLIENT_ERROR, CANCELLED, CLIENT_ERROR, CANCELLED, ERROR, OK, ERROR):
+    for status in (
+        Status.CLIENT_ERROR,
+        Status.CANCELLED,
+        Status.CLIENT_ERROR,
+        Status.CANCELLED,
+        Status.ERROR,
+        Status.OK,
+        Status.ERROR,
+    ):
         assert fail(r, status) == "near"
     assert r.state.backends["near"].ejected_until_s is None
 
@@ -50,19 +59,20 @@ def test_requests_another_backend_served_count_against_the_chosen_one() -> None:
     for _ in range(2):  # Envoy could not connect to near and retried on mid: status ok
         d = r.decide(chat(f"p{random.random()}"))
         assert d.backend == "near"
-        assert r.complete(d.request_id, OK, served_by="mid") is not None
+        closed = r.close(d.request_id, Status.OK, served_by="mid")
+        assert closed is not None and closed.status == Status.FAILED_OVER
     near = r.state.backends["near"]
     assert (near.failovers, near.ejected_until_s) == (2, clock() + 5.0)
     assert near.completed == 0  # mid's answers are not near's
     # a long prompt served by mid after a failover: its blocks are cached on mid now
     d = r.decide(chat("long prompt " * 2000))
     served = "far" if d.backend != "far" else "mid"
-    r.complete(d.request_id, OK, served_by=served)
+    r.close(d.request_id, Status.OK, served_by=served)
     assert r.index.match(r.prompt_blocks(chat("long prompt " * 2000)))[served] > 0
     # a request near served itself resets the count; served_by "" (unknown) is not evidence
     clock.advance(5.1)
     d = r.decide(chat("back"))
-    r.complete(d.request_id, OK, served_by="")
+    r.close(d.request_id, Status.OK, served_by="")
     assert (near.failovers, near.request_failures) == (2, 0)
 
 
@@ -73,9 +83,7 @@ def test_only_a_retried_request_counts_as_a_failover() -> None:
     def served_elsewhere(attempts: int) -> None:
         d = r.decide(chat(f"p{random.random()}"))
         other = "mid" if d.backend != "mid" else "far"
-        log.observe(
-            codec.AccessLogEntry(d.request_id, other, other, "gorgo", 200, 5.0, 1.0, attempts)
-        )
+        log.observe(codec.AccessLogEntry(d.request_id, other, "gorgo", 200, 5.0, attempts))
 
     # one attempt: the router answered too late and Envoy failed open, not near's fault
     served_elsewhere(1)
@@ -97,26 +105,41 @@ def test_ranked_puts_the_choice_first_then_best_scores() -> None:
 
 def test_shedding_only_when_every_queue_is_past_the_bound() -> None:
     r, _ = router(routing={"shed_queue_ms": 2000})
-    assert r.should_shed(chat("hello")) is None
-    from ext_proc.state import InFlight
-
+    assert r.admit(chat("hello")) is None
     for b in ("near", "mid"):
         r.state.dispatch(InFlight(f"x-{b}", b, r.clock(), 1000, prefill_ms=5000))
-    assert r.should_shed(chat("hello")) is None  # far is still free
+    assert r.admit(chat("hello")) is None  # far is still free
     r.state.dispatch(InFlight("x-far", "far", r.clock(), 1000, prefill_ms=3000))
-    wait_s = r.should_shed(chat("hello"))
-    assert wait_s == pytest.approx(3.0)  # the shortest queue's wait
+    shed = r.admit(chat("hello"))
+    assert shed is not None and shed.retry_after_s == pytest.approx(3.0)  # the shortest wait
 
 
-def _session(r: Router) -> StreamSession:
-    info = codec.StreamInfo(observe_only=False, sends_response_body=True)
-    return StreamSession(r, Telemetry(TelemetryConfig(), r), info, {})
+class Stream:
+    """Feeds ext_proc messages as the server loop does: the first one opens the session
+    its role calls for."""
+
+    def __init__(self, r: Router) -> None:
+        self.router = r
+        self.session: Session | None = None
+
+    def handle(self, req: codec.ProcessingRequest) -> codec.ProcessingResponse | None:
+        phase = codec.decode(req)
+        if self.session is None:
+            encoder = decision_encoder(self.router.cfg)
+            self.session = open_session(self.router, encoder, req, phase)
+        return self.session.handle(phase)
+
+    @property
+    def done(self) -> bool:
+        return self.session is not None and self.session.done
+
+
+def _session(r: Router) -> Stream:
+    return Stream(r)
 
 
 def test_shed_requests_get_429_with_retry_after() -> None:
     r, _ = router(routing={"shed_queue_ms": 1})
-    from ext_proc.state import InFlight
-
     for b in ("near", "mid", "far"):
         r.state.dispatch(InFlight(f"x-{b}", b, r.clock(), 1000, prefill_ms=2500))
     s = _session(r)
@@ -188,7 +211,7 @@ def test_no_input_breaks_the_stream(path: str, data: bytes, split: bool, reject:
         assert resp.request_body.response.header_mutation.set_headers[0].header.key == (
             "x-gorgo-backend"
         )
-    r.complete("fuzz", OK)
+    r.close("fuzz", Status.OK)
     assert not r.state.in_flight
 
 

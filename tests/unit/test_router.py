@@ -6,20 +6,22 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ext_proc.config import Config, config_from_dict
+from ext_proc.lifecycle import Status
 from ext_proc.parse import CHAT, parse_body
 from ext_proc.policy import POLICIES, Candidate, RouteRequest, make_policy
-from ext_proc.router import Router
-from ext_proc.state import CANCELLED, ERROR, EXPIRED, OK
+from ext_proc.router import Router, build_router
 from tests.fakes import FakeClock
 
 BACKENDS = ("a", "b", "c")
 
 
 def make_config(policy: str = "least_request", timeout_s: float = 60.0, **extra: object) -> Config:
+    """Three backends; static weights unless a test asks for a tuner."""
     return config_from_dict(
         {
             "policy": policy,
             "request_timeout_s": timeout_s,
+            "tuner": {"mode": "off"},
             "backends": [
                 {"id": b, "address": f"127.0.0.1:{i + 1}"} for i, b in enumerate(BACKENDS)
             ],
@@ -30,7 +32,7 @@ def make_config(policy: str = "least_request", timeout_s: float = 60.0, **extra:
 
 def make_router(policy: str = "least_request", timeout_s: float = 60.0) -> tuple[Router, FakeClock]:
     clock = FakeClock()
-    return Router(make_config(policy, timeout_s), clock, random.Random(1)), clock
+    return build_router(make_config(policy, timeout_s), clock, random.Random(1)), clock
 
 
 def req(rid: str) -> RouteRequest:
@@ -45,22 +47,23 @@ def test_lifecycle_counts_ttft_and_e2e() -> None:
     assert (b.in_flight, b.waiting_first_byte) == (1, 1)
     assert d.input_tokens == 7
     clock.advance(0.25)
-    assert router.first_byte("r1") == pytest.approx(250.0)
+    first = router.first_byte("r1")
+    assert first is not None and (first.backend, first.ttft_ms) == (d.backend, pytest.approx(250.0))
     assert router.first_byte("r1") is None  # only the first byte counts
     assert (b.in_flight, b.waiting_first_byte) == (1, 0)
     clock.advance(1.0)
-    done = router.complete("r1", OK, e2e_ms=1300.0)
+    done = router.close("r1", Status.OK, e2e_ms=1300.0)
     assert done is not None
-    assert (done.status, done.ttft_ms, done.e2e_ms) == (OK, pytest.approx(250.0), 1300.0)
+    assert (done.status, done.ttft_ms, done.e2e_ms) == (Status.OK, pytest.approx(250.0), 1300.0)
     assert (b.in_flight, b.completed, list(b.recent_e2e_ms)) == (0, 1, [1300.0])
-    assert router.complete("r1", OK) is None  # idempotent: the loop closes once
+    assert router.close("r1", Status.OK) is None  # idempotent: the loop closes once
 
 
 def test_cancel_before_first_byte_releases_everything() -> None:
     router, clock = make_router()
     d = router.decide(req("r1"))
     clock.advance(0.1)
-    done = router.complete("r1", CANCELLED)
+    done = router.close("r1", Status.CANCELLED)
     assert done is not None and done.ttft_ms is None and done.e2e_ms == pytest.approx(100.0)
     b = router.state.backends[d.backend]
     assert (b.in_flight, b.waiting_first_byte, b.errors, b.completed) == (0, 0, 1, 0)
@@ -74,7 +77,7 @@ def test_lost_completions_expire_oldest_first() -> None:
     router.decide(req("young"))
     clock.advance(5)
     expired = router.expire()
-    assert [(c.request_id, c.status) for c in expired] == [("old", EXPIRED)]
+    assert [(c.request_id, c.status) for c in expired] == [("old", Status.EXPIRED)]
     assert list(router.state.in_flight) == ["young"]
 
 
@@ -82,7 +85,7 @@ def test_reused_request_id_does_not_leak_in_flight() -> None:
     router, _ = make_router()
     router.decide(req("dup"))
     router.decide(req("dup"))
-    router.complete("dup", OK)
+    router.close("dup", Status.OK)
     assert sum(b.in_flight for b in router.state.backends.values()) == 0
     assert sum(b.waiting_first_byte for b in router.state.backends.values()) == 0
 
@@ -96,7 +99,7 @@ def test_least_request_spreads_then_follows_completions() -> None:
     router, _ = make_router("least_request")
     first = [router.decide(req(f"r{i}")).backend for i in range(3)]
     assert sorted(first) == sorted(BACKENDS)
-    router.complete("r1", OK)
+    router.close("r1", Status.OK)
     assert router.decide(req("r3")).backend == first[1]
 
 
@@ -109,7 +112,7 @@ def test_random_uses_every_backend() -> None:
 def test_error_completion_counts_as_error() -> None:
     router, _ = make_router()
     d = router.decide(req("r"))
-    router.complete("r", ERROR)
+    router.close("r", Status.ERROR)
     assert router.state.backends[d.backend].errors == 1
 
 
@@ -130,13 +133,14 @@ def test_snapshot_shows_recent_decisions_without_prompt() -> None:
 def test_a_policy_always_returns_one_of_its_candidates(
     name: str, loads: list[tuple[int, int]], seed: int
 ) -> None:
-    policy = make_policy(name, random.Random(seed), make_config())
+    policy = make_policy(name, random.Random(seed))
+    weights = make_config().policy_params(name).weights if POLICIES[name].weighted else None
     candidates = [
         Candidate(f"b{i}", n, min(n, w), n * 100, 10.0 * w, 5.0 * n, 20.0, 64 * w, 100)
         for i, (n, w) in enumerate(loads)
     ]
     for i in range(5):
-        chosen = policy.choose(req(f"r{i}"), candidates).backend_id
+        chosen = policy.choose(req(f"r{i}"), candidates, weights).backend_id
         assert chosen in {c.backend_id for c in candidates}
 
 
@@ -152,7 +156,7 @@ def test_in_flight_accounting_stays_consistent(ops: list[tuple[str, int]]) -> No
         elif op == "f":
             router.first_byte(rid)
         elif op == "c":
-            router.complete(rid, OK)
+            router.close(rid, Status.OK)
         else:
             clock.advance(1.0)
             router.expire()

@@ -4,11 +4,13 @@ import json
 import random
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ext_proc.app import TunerStateFile
 from ext_proc.cost import Weights
 from ext_proc.tuner import CHILD, PAIRED, PAPER, PARENT, Tuner, TunerSettings
 
@@ -107,20 +109,29 @@ def test_freezes_when_nothing_better_turns_up_and_resumes_on_drift() -> None:
 
 
 def test_state_survives_a_restart_and_a_corrupt_file(tmp_path: Path) -> None:
-    path = tmp_path / "tuner.json"
-    t = Tuner(PAIRED_S, Weights(1.0, 1.0), random.Random(0), path)
+    """The pure tuner hands every new state to its sink; the service's state file writes
+    them in order off the event loop and restores the last one."""
+    docs: list[dict[str, Any]] = []
+    t = Tuner(PAIRED_S, Weights(1.0, 1.0), random.Random(0), sink=docs.append)
     t.set_weights(Weights(2.5, 0.3))
     feed(t, lambda w, arm: 1000.0, 40)
+    path = tmp_path / "tuner.json"
+    state_file = TunerStateFile(str(path))
+    for doc in docs:
+        state_file.save(doc)
+    state_file.close()
     saved = json.loads(path.read_text())
-    again = Tuner(PAIRED_S, Weights(1.0, 1.0), random.Random(1), path)
+    assert saved == json.loads(json.dumps(docs[-1]))  # the last state, not an older one
+    again = Tuner(PAIRED_S, Weights(1.0, 1.0), random.Random(1), state_file.load(PAIRED_S))
     assert again.state.parent == tuple(saved["parent"]) == t.state.parent
     # saved after every step: what the last step knew (samples since then are not)
     assert again.state.sigma == saved["sigma"] and again.state.samples == saved["samples"] == 32
     path.write_text("{not json")
-    fresh = Tuner(PAIRED_S, Weights(1.0, 1.0), random.Random(2), path)
-    assert fresh.state.parent == (1.0, 1.0)
+    assert state_file.load(PAIRED_S) is None
     path.write_text(json.dumps({**saved, "sigma": -1}))
-    assert Tuner(PAIRED_S, Weights(0.7, 0.7), random.Random(2), path).state.parent == (0.7, 0.7)
+    assert state_file.load(PAIRED_S) is None
+    path.write_text(json.dumps({**saved, "mode": "paper"}))
+    assert state_file.load(PAIRED_S) is None  # another mode's state is not restored
     assert not list(tmp_path.glob("*.tmp"))  # atomic writes leave no debris
 
 

@@ -1,0 +1,242 @@
+"""The emulator's `gorgo` subcommands (`engine`, `wan`, `up`, `bench engine-model`),
+contributed to the router's command line through the `gorgo.commands` entry-point group:
+the router never imports the emulator.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import signal
+import sys
+from collections.abc import Coroutine, Sequence
+from typing import Any
+
+from ext_proc.cli import Commands
+from ext_proc.config import ConfigError, split_host_port
+
+
+def _engine(args: argparse.Namespace) -> int:
+    from emulator.engine import serve_engine
+    from emulator.engine_config import EngineConfig, Faults, zero_delay_profile
+    from ext_proc.profile import load_profile, profile_from_dict
+    from ext_proc.tokens import load_tokenizer
+
+    try:
+        profile = load_profile(args.profile)
+        if args.set:
+            raw = {**vars(profile), **_key_values(args.set, "--set")}
+            profile = profile_from_dict(raw, f"{args.profile} with --set")
+        if args.zero_delay:
+            profile = zero_delay_profile(profile)
+        cfg = EngineConfig(
+            name=args.name,
+            profile=profile,
+            seed=args.seed,
+            tokenizer=load_tokenizer(args.tokenizer),
+            faults=Faults(args.error_rate, args.stall_rate, args.stall_ms),
+        )
+    except ValueError as e:
+        print(f"gorgo engine: {e}", file=sys.stderr)
+        return 2
+    return _run_forever(serve_engine(cfg, args.host, args.port))
+
+
+def _key_values(items: Sequence[str], flag: str) -> dict[str, Any]:
+    """KEY=VALUE pairs, values parsed as YAML scalars (numbers stay numbers)."""
+    import yaml
+
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"{flag} {item!r}: expected KEY=VALUE")
+        parsed = yaml.safe_load(value)
+        if isinstance(parsed, str):  # YAML reads "1e6" as a string; a number was meant
+            with contextlib.suppress(ValueError):
+                parsed = float(parsed)
+        out[key] = parsed
+    return out
+
+
+def _wan(args: argparse.Namespace) -> int:
+    from emulator.wan import DelaySettings, SettingError, rtt_profile_ms, serve_wan
+
+    def usage_error(message: object) -> int:
+        print(f"gorgo wan: {message}", file=sys.stderr)
+        return 2
+
+    try:
+        lhost, lport = split_host_port(args.listen, "--listen")
+        thost, tport = split_host_port(args.target, "--target")
+    except ConfigError as e:
+        return usage_error(e)
+    # argparse makes --rtt-ms and --profile exclusive and requires one; the rest is here.
+    if args.profile is not None:
+        if args.region is None:
+            return usage_error("--region is required with --profile")
+        if args.jitter_ms is not None:
+            return usage_error("--jitter-ms goes with --rtt-ms; --profile sets its own jitter")
+        try:
+            rtt_ms, jitter_ms = rtt_profile_ms(args.profile, args.region)
+        except ValueError as e:
+            return usage_error(f"--region: {e}")
+    else:
+        if args.region is not None:
+            return usage_error("--region goes with --profile, not --rtt-ms")
+        rtt_ms, jitter_ms = args.rtt_ms, args.jitter_ms or 0.0
+    try:
+        DelaySettings(rtt_ms, jitter_ms, args.spike_probability, args.spike_ms)
+    except SettingError as e:
+        return usage_error(f"--{e.key.replace('_', '-')} {e.problem}")
+    if not 0 <= args.control_port <= 65535:
+        return usage_error(f"--control-port must be in 0..65535, got {args.control_port}")
+    return _run_forever(
+        serve_wan(
+            lhost,
+            lport,
+            thost,
+            tport,
+            rtt_ms,
+            jitter_ms=jitter_ms,
+            seed=args.seed,
+            spike_probability=args.spike_probability,
+            spike_ms=args.spike_ms,
+            control_port=args.control_port,
+        )
+    )
+
+
+def _run_forever(coro: Coroutine[Any, Any, None]) -> int:
+    async def main() -> None:
+        task = asyncio.ensure_future(coro)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, task.cancel)
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    try:
+        asyncio.run(main())
+    except OSError as e:
+        print(f"gorgo: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _up(args: argparse.Namespace) -> int:
+    from emulator.stack import StackSettings, regions_for_profile, run_until_signalled
+
+    regions = regions_for_profile(args.rtt_profile)
+    return run_until_signalled(
+        StackSettings(policy=args.policy, regions=regions, rtt_profile=args.rtt_profile)
+    )
+
+
+def _bench_engine_model(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from emulator.calibrate import run_calibration
+
+    return run_calibration(args.profile, Path(args.out), args.requests)
+
+
+def add_commands(commands: Commands) -> None:
+    sub = commands.sub
+    policies = commands.policies
+    s = sub.add_parser(
+        "engine",
+        help="run one emulated SGLang engine",
+        description="An emulated SGLang engine: OpenAI and native wire format, timed by the "
+        "engine model (continuous batching, chunked prefill, radix prefix cache). Profiles: "
+        "built-in names from ext_proc/profiles/ (default l40s-qwen3.5-35b-a3b-fp8: 2x L40S, "
+        "Qwen3.5-35B-A3B FP8) or a YAML file; docs/engine-model.md explains the constants. "
+        "Faults can also be changed at run time: POST /faults with the same names.",
+    )
+    s.add_argument("--name", required=True, help="backend id reported by the engine")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=30000)
+    s.add_argument("--profile", default="l40s-qwen3.5-35b-a3b-fp8", help="profile name or YAML")
+    s.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one profile constant (repeatable), e.g. --set prefill_tokens_per_s=1e6",
+    )
+    s.add_argument("--seed", type=int, default=0, help="seeds step jitter and fault draws")
+    s.add_argument("--tokenizer", default="", help="local tokenizer.json (default: 4 bytes/token)")
+    s.add_argument("--zero-delay", action="store_true", help="every step takes no time")
+    s.add_argument("--error-rate", type=float, default=0.0, help="share answered with HTTP 500")
+    s.add_argument("--stall-rate", type=float, default=0.0, help="share held before scheduling")
+    s.add_argument("--stall-ms", type=float, default=0.0, help="how long a stalled request waits")
+    s.set_defaults(func=_engine)
+
+    from emulator.wan import RTT_PROFILES
+
+    profiles_help = "; ".join(
+        f"{name}: "
+        + ", ".join(f"{region} {mean:g}+-{std:g}" for region, (mean, std) in rtts.items())
+        for name, rtts in RTT_PROFILES.items()
+    )
+    s = sub.add_parser(
+        "wan",
+        help="run a TCP link that delays each direction by RTT/2",
+        description="A TCP proxy that delays each chunk of bytes by half an RTT sample "
+        "(lognormal, mean and std as given, plus rare spikes), keeping byte order.",
+    )
+    s.add_argument("--listen", required=True, help="host:port to accept on")
+    s.add_argument("--target", required=True, help="host:port to forward to")
+    rtt = s.add_mutually_exclusive_group(required=True)
+    rtt.add_argument("--rtt-ms", type=float, metavar="MS", help="mean round-trip time to add")
+    rtt.add_argument(
+        "--profile",
+        choices=sorted(RTT_PROFILES),
+        help="take the RTT of --region from a named profile (RTT mean+-std in ms; "
+        f"{profiles_help})",
+    )
+    s.add_argument("--region", metavar="ID", help="region id in --profile (required with it)")
+    s.add_argument(
+        "--jitter-ms",
+        type=float,
+        metavar="MS",
+        help="std of the lognormal RTT samples, with --rtt-ms (default 0: constant)",
+    )
+    s.add_argument("--seed", type=int, metavar="N", help="seed the delay samples (repeatable)")
+    s.add_argument(
+        "--spike-probability",
+        type=float,
+        default=0.0,
+        metavar="P",
+        help="chance per chunk of bytes that a delay spike hits, 0..1 (default 0: none)",
+    )
+    s.add_argument(
+        "--spike-ms", type=float, default=0.0, metavar="MS", help="RTT added when a spike hits"
+    )
+    s.add_argument(
+        "--control-port",
+        type=int,
+        default=0,
+        metavar="PORT",
+        help="serve GET/POST /rtt on 127.0.0.1:PORT to read or change rtt_ms, jitter_ms, "
+        "spike_probability and spike_ms at run time (default 0: off)",
+    )
+    s.set_defaults(func=_wan)
+
+    s = sub.add_parser("up", help="run the whole local stack (Envoy, gorgo, 3 regions)")
+    s.add_argument("--policy", default="gorgo", choices=policies)
+    s.add_argument(
+        "--rtt-profile",
+        default="network",
+        choices=["network", "paper"],
+        help="WAN delays: network = 1/90/180 ms, paper = 37/279/456 ms (with jitter)",
+    )
+    s.set_defaults(func=_up)
+
+    bench = commands.bench()
+    b = bench.add_parser("engine-model", help="engine model vs calibration targets, figures")
+    b.add_argument("--profile", default="l40s-qwen3.5-35b-a3b-fp8")
+    b.add_argument("--requests", type=int, default=600, help="requests per load point")
+    b.add_argument("--out", default="docs/img", help="directory for the PNG figures")
+    b.set_defaults(func=_bench_engine_model)

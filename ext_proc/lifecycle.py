@@ -1,0 +1,80 @@
+"""One request's lifecycle as events: dispatched, first byte, closed.
+
+The router emits them; everything that learns from outcomes (the prefix index, the
+prefill model, ejection, the tuner) and telemetry subscribes as a `Listener`, in the
+spirit of llm-d's request-control hooks (PreRequest, ResponseComplete). Every request the
+router dispatched is closed exactly once, whatever ends it, and every listener hears it.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ext_proc.policy import RouteRequest
+    from ext_proc.router import Decision
+    from ext_proc.state import InFlight
+
+
+class Status(enum.StrEnum):
+    """How a request was closed."""
+
+    OK = "ok"
+    # The backend failed it (5xx, reset, an error inside the stream).
+    ERROR = "error"
+    # The backend answered 4xx: the request's fault, not the backend's.
+    CLIENT_ERROR = "client_error"
+    # The client went away: says nothing about the backend.
+    CANCELLED = "cancelled"
+    # No completion arrived within request_timeout_s (a lost access-log entry).
+    EXPIRED = "expired"
+    # Envoy could not connect to the chosen backend and another one served it.
+    FAILED_OVER = "failed_over"
+
+
+@dataclass(frozen=True)
+class Dispatched:
+    request: RouteRequest
+    decision: Decision
+    record: InFlight
+    now_s: float
+
+
+@dataclass(frozen=True)
+class FirstByte:
+    """The first response byte reached the proxy: for a stream, the first token."""
+
+    request_id: str
+    backend: str
+    ttft_ms: float
+    now_s: float
+
+
+@dataclass(frozen=True)
+class Closed:
+    request_id: str
+    backend: str
+    status: Status
+    ttft_ms: float | None
+    e2e_ms: float
+    record: InFlight
+    now_s: float
+    # The backend that answered when it was not the chosen one (status FAILED_OVER).
+    served_by: str | None = None
+    # Prompt tokens the engine reported it had cached, when it reports them.
+    cached_tokens: int | None = None
+
+
+class Listener:
+    """Subscribe to the lifecycle: override what you need (the rest do nothing)."""
+
+    def on_dispatch(self, e: Dispatched) -> None:
+        pass
+
+    def on_first_byte(self, e: FirstByte) -> None:
+        pass
+
+    def on_close(self, e: Closed) -> None:
+        pass

@@ -1,0 +1,248 @@
+"""The load generator's `gorgo` subcommands (`demo`, `replay`, `simulate`, `bench ...`),
+contributed to the router's command line through the `gorgo.commands` entry-point group:
+the router never imports the load generator.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ext_proc.cli import Commands
+
+# The conversation trace beside the checkout (shared/ sits next to the project).
+DEFAULT_TRACE = "../shared/traces/mooncake-fast25/conversation_trace.jsonl"
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from loadgen.demo import run_demo
+
+    return run_demo(requests=args.requests, concurrency=args.concurrency, policy=args.policy)
+
+
+def _bench_overhead(args: argparse.Namespace) -> int:
+    from loadgen.bench_overhead import run_overhead_bench
+
+    return run_overhead_bench(requests=args.requests)
+
+
+def _replay(args: argparse.Namespace) -> int:
+    from loadgen.replay import ReplayOptions, run_replay
+
+    return run_replay(
+        ReplayOptions(
+            trace=args.trace,
+            url=args.url,
+            api=args.api,
+            time_scale=args.time_scale,
+            max_concurrency=args.max_concurrency,
+            start_s=args.start_s,
+            duration_s=args.duration_s,
+            limit=args.limit,
+            out=args.out,
+            csv=args.csv,
+            plot=args.plot,
+            timeout_s=args.timeout_s,
+            progress=not args.quiet,
+        )
+    )
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from loadgen.sim_cli import run_simulate_command
+    from loadgen.simulate import SimSettings
+    from loadgen.traces import TraceError, read_trace
+
+    try:
+        trace = read_trace(args.trace)
+        base = SimSettings(
+            rtt_profile=args.rtt_profile,
+            engine_profile=args.engine_profile,
+            seed=args.seed,
+            tune=args.tune,
+        )
+        base.config()  # validates the profiles before hours of simulation
+    except (TraceError, ValueError) as e:
+        print(f"gorgo simulate: {e}", file=sys.stderr)
+        return 2
+    return run_simulate_command(
+        trace,
+        args.policy or ["gorgo"],
+        args.time_scale or [1.0],
+        Path(args.out),
+        base,
+        args.start_s,
+        args.duration_s,
+        args.limit,
+        str(args.trace),
+    )
+
+
+def _bench_results(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from loadgen.bench_results import run_results_bench
+
+    return run_results_bench(args.trace, Path(args.out), Path(args.img), Path(args.work))
+
+
+def _bench_parity(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from loadgen.bench_live import run_parity
+
+    return run_parity(
+        args.trace,
+        args.policy or ["gorgo", "least_request"],
+        args.start_s,
+        args.duration_s,
+        args.time_scale,
+        Path(args.results),
+        Path(args.work),
+        args.reuse_live,
+    )
+
+
+def _bench_live(args: argparse.Namespace) -> int:
+    from loadgen.bench_live import run_live_side_by_side
+
+    return run_live_side_by_side(
+        args.trace,
+        args.policy or ["gorgo", "least_request", "session_affinity", "prefix_cache"],
+        args.start_s,
+        args.duration_s,
+        args.time_scale,
+    )
+
+
+def _bench_load(args: argparse.Namespace) -> int:
+    from loadgen.bench_load import run_load_bench
+
+    return run_load_bench(args.streams, args.duration_s)
+
+
+def _bench_decide(args: argparse.Namespace) -> int:
+    from loadgen.bench_decide import run_decide_bench
+
+    return run_decide_bench(args.iterations)
+
+
+def _bench_engine(args: argparse.Namespace) -> int:
+    from loadgen.bench_engine import run_engine_bench
+
+    return run_engine_bench(args.streams, args.output_tokens, args.prompt_tokens)
+
+
+def add_commands(commands: Commands) -> None:
+    sub = commands.sub
+    policies = commands.policies
+    s = sub.add_parser("demo", help="start the local stack, send requests, print a table")
+    s.add_argument("--requests", type=int, default=100)
+    s.add_argument("--concurrency", type=int, default=8)
+    s.add_argument("--policy", default="gorgo", choices=policies)
+    s.set_defaults(func=_demo)
+
+    s = sub.add_parser(
+        "replay",
+        help="replay a trace live against an OpenAI endpoint (open loop)",
+        description="Send a trace's requests at their arrival times (times --time-scale), "
+        "streaming, whether or not earlier ones finished; only --max-concurrency holds a "
+        "request back, and how late it went out (slip) is recorded. Mooncake rows get "
+        "synthesized prompts of their exact token counts; ART-Chat rows send their own "
+        "body. Exit code 1 if every request failed, 2 for a bad trace or option.",
+    )
+    s.add_argument("trace", help="Mooncake or ART-Chat JSONL trace")
+    s.add_argument("--url", required=True, help="endpoint, e.g. http://127.0.0.1:10000")
+    s.add_argument(
+        "--api",
+        default="completions",
+        choices=["completions", "chat"],
+        help="Mooncake rows go to /v1/completions or /v1/chat/completions",
+    )
+    s.add_argument("--time-scale", type=float, default=1.0, metavar="X", help="2 = half the rate")
+    s.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=256,
+        metavar="N",
+        help="at most N requests in flight; later arrivals wait (slip)",
+    )
+    s.add_argument("--start-s", type=float, default=0.0, help="window start (trace time)")
+    s.add_argument("--duration-s", type=float, default=None, help="window length (trace time)")
+    s.add_argument("--limit", type=int, default=None, help="at most this many requests")
+    s.add_argument("--out", metavar="FILE.json", help="result file (the shared schema)")
+    s.add_argument("--csv", metavar="FILE.csv", help="one row per request")
+    s.add_argument("--plot", metavar="FILE.png", help="TTFT CDF and TTFT over time")
+    s.add_argument("--timeout-s", type=float, default=600.0, help="per-request timeout")
+    s.add_argument("--quiet", action="store_true", help="no progress line on stderr")
+    s.set_defaults(func=_replay)
+
+    s = sub.add_parser(
+        "simulate",
+        help="replay a trace offline on a virtual clock, policies side by side",
+        description="The same router and engine model as the live fleet, on a virtual "
+        "clock: one result file per policy and time_scale, summary.md and figures in --out.",
+    )
+    s.add_argument("trace", help="Mooncake or ART-Chat JSONL trace")
+    s.add_argument("--policy", action="append", choices=policies, help="repeatable")
+    s.add_argument(
+        "--time-scale", action="append", type=float, help="repeatable; 2 = half the rate"
+    )
+    s.add_argument("--rtt-profile", default="network", choices=["network", "paper"])
+    s.add_argument("--engine-profile", default="l40s-qwen3.5-35b-a3b-fp8")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--start-s", type=float, default=0.0, help="window start (trace time)")
+    s.add_argument("--duration-s", type=float, default=None, help="window length")
+    s.add_argument("--limit", type=int, default=None, help="at most this many requests")
+    s.add_argument("--out", default="out/sim", help="output directory")
+    s.add_argument(
+        "--tune",
+        default="off",
+        choices=["off", "paired", "paper"],
+        help="tune gorgo's weights online while simulating; writes a convergence plot",
+    )
+    s.set_defaults(func=_simulate)
+
+    bench = commands.bench()
+    b = bench.add_parser("overhead", help="Envoy alone vs Envoy + gorgo ext_proc")
+    b.add_argument("--requests", type=int, default=500, help="requests per measurement")
+    b.set_defaults(func=_bench_overhead)
+    b = bench.add_parser("results", help="the paper's experiment in the simulator")
+    b.add_argument("--trace", default=DEFAULT_TRACE, help="Mooncake conversation trace")
+    b.add_argument("--out", default="docs/results.md")
+    b.add_argument("--img", default="docs/img")
+    b.add_argument("--work", default="out/bench", help="result files of every run")
+    b.set_defaults(func=_bench_results)
+    for name, func, help_text, duration in (
+        ("parity", _bench_parity, "live replay vs simulator on one slice", 300.0),
+        ("live", _bench_live, "policies side by side on isolated live fleets", 120.0),
+    ):
+        b = bench.add_parser(name, help=help_text)
+        b.add_argument("--trace", default=DEFAULT_TRACE)
+        b.add_argument("--policy", action="append", choices=policies, help="repeatable")
+        b.add_argument("--start-s", type=float, default=600.0, help="slice start (trace time)")
+        b.add_argument("--duration-s", type=float, default=duration, help="slice length")
+        b.add_argument("--time-scale", type=float, default=1.0)
+        if name == "parity":
+            b.add_argument("--results", default="docs/results.md", help="where to write it")
+            b.add_argument("--work", default="out/bench", help="result files")
+            b.add_argument(
+                "--reuse-live",
+                action="store_true",
+                help="reuse the live result files in --work (only re-simulate)",
+            )
+        b.set_defaults(func=func)
+    b = bench.add_parser("load", help="concurrent streams through one router: errors, CPU, memory")
+    b.add_argument("--streams", type=int, default=200)
+    b.add_argument("--duration-s", type=float, default=60.0)
+    b.set_defaults(func=_bench_load)
+    b = bench.add_parser("decide", help="decision latency and prefix-index memory")
+    b.add_argument("--iterations", type=int, default=300, help="decisions per measurement")
+    b.set_defaults(func=_bench_decide)
+    b = bench.add_parser("engine", help="live engine: emission lag vs the model, CPU per token")
+    b.add_argument("--streams", type=int, default=64)
+    b.add_argument("--output-tokens", type=int, default=256)
+    b.add_argument("--prompt-tokens", type=int, default=1024)
+    b.set_defaults(func=_bench_engine)

@@ -1,0 +1,118 @@
+"""One request lifecycle: every way a request ends goes through one closing path, and
+every listener (learners, telemetry) hears it exactly once."""
+
+import random
+
+import pytest
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from ext_proc.config import TelemetryConfig
+from ext_proc.cost import Weights
+from ext_proc.lifecycle import Closed, Dispatched, FirstByte, Listener, Status
+from ext_proc.policy import make_policy
+from ext_proc.router import Router, build_router
+from ext_proc.telemetry import Telemetry
+from ext_proc.tuner import Tuner, TunerSettings
+from tests.fakes import FakeClock
+from tests.unit.test_gorgo import chat
+from tests.unit.test_router import make_config
+
+
+class Recorder(Listener):
+    def __init__(self) -> None:
+        self.events: list[tuple[str, str, object]] = []
+
+    def on_dispatch(self, e: Dispatched) -> None:
+        self.events.append(("dispatch", e.request.request_id, e.decision.backend))
+
+    def on_first_byte(self, e: FirstByte) -> None:
+        self.events.append(("first_byte", e.request_id, e.ttft_ms))
+
+    def on_close(self, e: Closed) -> None:
+        self.events.append(("close", e.request_id, e.status))
+
+
+def tuned_router(timeout_s: float = 60.0) -> tuple[Router, FakeClock, Telemetry]:
+    clock = FakeClock()
+    cfg = make_config("gorgo", timeout_s, tuner={"mode": "paired", "arm_size": 8})
+    router = build_router(cfg, clock, random.Random(0))
+    telemetry = Telemetry(TelemetryConfig(), router, InMemorySpanExporter())
+    router.subscribe(telemetry)
+    return router, clock, telemetry
+
+
+def test_ten_thousand_expired_requests_leave_every_table_empty() -> None:
+    """In waves of 200 (each decision prices every request in flight, so one wave of
+    10,000 would only make the test slow): nothing accumulates across waves."""
+    router, clock, telemetry = tuned_router(timeout_s=10.0)
+    assert router.tuner is not None
+    expired = []
+    for _wave in range(50):
+        for i in range(200):
+            router.decide(chat(f"prompt {i % 50}"))
+        assert router.tuner.in_flight_arms == 200 and telemetry.open_spans == 200
+        clock.advance(10.0)
+        expired += router.expire()
+    assert len(expired) == 10_000 and {c.status for c in expired} == {Status.EXPIRED}
+    assert not router.state.in_flight
+    for b in router.state.backends.values():
+        assert (b.records, b.in_flight, b.waiting_first_byte, b.in_flight_tokens) == ({}, 0, 0, 0)
+        assert router.queue_estimate_ms(b.id, clock()) == 0
+    assert router.tuner.in_flight_arms == 0  # the arm table does not grow forever
+    assert telemetry.open_spans == 0  # every span ended
+    # ...and the expired requests counted against the arms that routed them
+    assert router.tuner.state.samples == 10_000
+    counts = telemetry.metrics.completions.labels
+    assert sum(counts(b, "expired")._value.get() for b in router.state.backends) == 10_000
+
+
+@pytest.mark.parametrize(
+    ("how", "status"),
+    [
+        ("ok", Status.OK),
+        ("error", Status.ERROR),
+        ("client_error", Status.CLIENT_ERROR),
+        ("cancelled", Status.CANCELLED),
+        ("expired", Status.EXPIRED),
+        ("failed_over", Status.FAILED_OVER),
+    ],
+)
+def test_every_ending_reaches_every_listener_once(how: str, status: Status) -> None:
+    router, clock, _ = tuned_router(timeout_s=5.0)
+    rec = Recorder()
+    router.subscribe(rec)
+    d = router.decide(chat("hello"))
+    clock.advance(0.2)
+    first = router.first_byte(d.request_id)
+    assert isinstance(first, FirstByte) and first.backend == d.backend
+    assert first.ttft_ms == pytest.approx(200.0)
+    clock.advance(6.0)
+    if how == "expired":
+        router.expire()
+    elif how == "failed_over":
+        other = next(b for b in router.state.backends if b != d.backend)
+        router.close(d.request_id, Status.OK, served_by=other)
+    else:
+        router.close(d.request_id, Status(how))
+    router.close(d.request_id, Status.OK)  # a second close is a no-op
+    router.expire()
+    assert rec.events == [
+        ("dispatch", d.request_id, d.backend),
+        ("first_byte", d.request_id, pytest.approx(200.0)),
+        ("close", d.request_id, status),
+    ]
+    assert router.tuner is not None and router.tuner.in_flight_arms == 0
+    # what a failure says about the weights: errors count against the arm, the client's
+    # own doing (cancelled, 4xx) does not
+    counted = status not in (Status.CANCELLED, Status.CLIENT_ERROR)
+    assert router.tuner.state.samples == (1 if counted else 0)
+
+
+def test_a_tuner_needs_a_weighted_policy() -> None:
+    cfg = make_config("least_request")
+    tuner = Tuner(TunerSettings(), Weights(1, 1), random.Random(0))
+    with pytest.raises(ValueError, match="has no weights to tune"):
+        Router(cfg, FakeClock(), make_policy("least_request", random.Random(0)), None, tuner)
+    # the factory builds no tuner for it, whatever the tuner mode
+    paired = make_config("least_request", tuner={"mode": "paired"})
+    assert build_router(paired, FakeClock(), random.Random(0)).tuner is None
