@@ -1,17 +1,22 @@
-# GORGO image: `gorgo serve` (the ext_proc service), and the same CLI for the emulated
-# engines (`gorgo engine`), WAN links (`gorgo wan`) and the load generator (`gorgo replay`)
-# that docker-compose.yml runs.
+# GORGO images, two targets from one file:
+#   router (default): `gorgo serve` and `gorgo envoy-config` only; the router package and
+#     its runtime dependencies, nothing of the emulator, the load generator or their
+#     plotting.
+#   full: the same CLI plus the harness subcommands that docker-compose.yml runs for the
+#     emulated engines (`gorgo engine`), WAN links (`gorgo wan`) and the load generator
+#     (`gorgo replay`), with the `harness` extra.
 #
-#   docker build -t gorgo-router .
+#   docker build -t gorgo-router .                      # the router
+#   docker build --target full -t gorgo-full .          # router + harness
 #   docker run --rm -v $PWD/config/compose/gorgo.yaml:/etc/gorgo/gorgo.yaml:ro gorgo-router
 #
-# Two stages: the build stage compiles the protobuf classes (grpcio-tools is a build tool
-# only) and installs the project into a virtual environment; the final stage copies that
-# environment, so no compiler, pip cache or grpcio-tools ships.
+# The build stages compile the protobuf classes (grpcio-tools is a build tool only) and
+# install into a virtual environment; the final stages copy that environment, so no
+# compiler, pip cache or grpcio-tools ships.
 
 ARG PYTHON_IMAGE=python:3.11-slim
 
-FROM ${PYTHON_IMAGE} AS build
+FROM ${PYTHON_IMAGE} AS build-router
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
 # Versions pinned by constraints.txt, as `make venv` does. The protoc venv layer is reused
@@ -22,24 +27,39 @@ RUN python -m venv /opt/protoc \
     && python -m venv /opt/gorgo
 COPY README.md LICENSE ./
 COPY ext_proc ext_proc
-COPY emulator emulator
-COPY loadgen loadgen
 # Protobuf classes generated at build time, exactly as the Makefile's `proto` target does
 # (the repository holds only our own .proto; the generated files are never committed).
 RUN /opt/protoc/bin/python -m grpc_tools.protoc -Iext_proc/proto --python_out=ext_proc/proto \
         --pyi_out=ext_proc/proto ext_proc/proto/envoy_wire.proto \
     && /opt/gorgo/bin/pip install -c constraints.txt . \
-    && cd / && /opt/gorgo/bin/python -c "import ext_proc.proto.envoy_wire_pb2, ext_proc.cli"
+    && cd / && /opt/gorgo/bin/gorgo serve --help > /dev/null
 
-FROM ${PYTHON_IMAGE}
+FROM build-router AS build-full
+COPY emulator emulator
+COPY loadgen loadgen
+RUN /opt/gorgo/bin/pip install -c constraints.txt '.[harness]' \
+    && cd / && /opt/gorgo/bin/gorgo engine --help > /dev/null
+
+FROM ${PYTHON_IMAGE} AS full
+LABEL org.opencontainers.image.title="gorgo-full" \
+      org.opencontainers.image.description="GORGO router with its emulated fleet and load generator" \
+      org.opencontainers.image.licenses="Apache-2.0"
+ENV PATH=/opt/gorgo/bin:$PATH PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+COPY --from=build-full /opt/gorgo /opt/gorgo
+# Unprivileged user with a home (matplotlib and tokenizers write caches there).
+RUN useradd --create-home --uid 10001 --user-group gorgo
+USER gorgo
+WORKDIR /home/gorgo
+ENTRYPOINT ["gorgo"]
+
+# Last, so that a plain `docker build` makes the router image.
+FROM ${PYTHON_IMAGE} AS router
 LABEL org.opencontainers.image.title="gorgo-router" \
       org.opencontainers.image.description="Envoy ext_proc routing extension for LLM fleets (GORGO)" \
       org.opencontainers.image.licenses="Apache-2.0"
-ENV PATH=/opt/gorgo/bin:$PATH \
-    PYTHONUNBUFFERED=1 \
-    PYTHONDONTWRITEBYTECODE=1
-COPY --from=build /opt/gorgo /opt/gorgo
-# Unprivileged user with a home (matplotlib and tokenizers write caches there).
+ENV PATH=/opt/gorgo/bin:$PATH PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+COPY --from=build-router /opt/gorgo /opt/gorgo
+# Unprivileged user with a home (tokenizers writes a cache there).
 RUN useradd --create-home --uid 10001 --user-group gorgo
 USER gorgo
 WORKDIR /home/gorgo

@@ -77,8 +77,10 @@ class TunerStateFile:
 def make_router(cfg: Config, state_file: TunerStateFile | None = None) -> Router:
     """The service's router: the shared factory on the monotonic clock, seeded by the
     config, with the tuner's state restored from and saved to its file."""
-    settings = tuner_settings(cfg, policy_info(cfg.policy))
-    restored = state_file.load(settings) if state_file is not None else None
+    info = policy_info(cfg.policy)
+    restored = None
+    if state_file is not None and info.weighted:
+        restored = state_file.load(tuner_settings(cfg, info))
     sink = state_file.save if state_file is not None else None
     return build_router(cfg, time.monotonic, random.Random(cfg.seed), restored, sink)
 

@@ -362,7 +362,9 @@ class Router:
 def tuner_settings(cfg: Config, info: PolicyInfo) -> TunerSettings:
     """The tuner's settings for a weighted policy: the paper's bounds in paper mode, else
     the policy's own (or the time form's defaults)."""
-    bounds = getattr(info.params, "TUNER_BOUNDS", None)
+    if not info.weighted:
+        raise ValueError(f"policy {info.name!r} has no weights to tune")
+    bounds = info.params.TUNER_BOUNDS
     if cfg.tuner.mode == TunerMode.PAPER:
         base = TunerSettings.paper()
     elif bounds is not None:

@@ -5,7 +5,7 @@ import pytest
 import yaml
 
 from emulator.stack import StackSettings, envoy_binary
-from ext_proc.config import ConfigError, config_from_dict, load_config
+from ext_proc.config import ConfigError, EnvoyMode, config_as_dict, config_from_dict, load_config
 from ext_proc.envoy_config import build_envoy_config, render_envoy_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -53,11 +53,60 @@ BACKEND = {"id": "a", "address": "127.0.0.1:1"}
             {"backends": [BACKEND], "routing": {"unreadable_body": "drop"}},
             "routing.unreadable_body: expected route or reject",
         ),
+        ({"backends": [BACKEND], "envoy": {"mode": "x"}}, "envoy.mode: expected cluster or"),
+        ({"backends": [BACKEND], "tuner": {"mode": "on"}}, "tuner.mode: expected off or paired"),
+        ({"backends": [BACKEND], "tuner": {"arm_size": 3}}, "tuner.arm_size: must be >= 4"),
+        ({"backends": [BACKEND], "probes": {"ewma_alpha": 2}}, "probes.ewma_alpha: must be <= 1"),
+        ({"backends": [BACKEND], "probes": {"ewma_alpha": 0}}, "probes.ewma_alpha: must be > 0"),
+        ({"backends": [{**BACKEND, "rtt_prior_ms": -1}]}, r"backends\[0\].rtt_prior_ms: must"),
+        # keys that moved name their new place
+        ({"backends": [BACKEND], "weights": {"rtt": 1}}, "weights: moved to policies.gorgo"),
+        ({"backends": [BACKEND], "token_weights": {}}, "moved to policies.gorgo_tokens.weights"),
+        (
+            {"backends": [BACKEND], "routing": {"tie_fraction": 0.1}},
+            "routing.tie_fraction: moved to policies.gorgo.tie_fraction",
+        ),
+        (
+            {"backends": [BACKEND], "routing": {"prefix_min_fraction": 0.1}},
+            "routing.prefix_min_fraction: moved to policies.prefix_cache.min_fraction",
+        ),
+        # each policy's own parameters, decoded strictly
+        ({"backends": [BACKEND], "policies": {"nope": {}}}, "policies.nope: unknown policy"),
+        (
+            {"backends": [BACKEND], "policies": {"gorgo": {"tie": 1}}},
+            "policies.gorgo.tie: unknown key",
+        ),
+        (
+            {"backends": [BACKEND], "policies": {"gorgo": {"weights": {"rtt": 0}}}},
+            "policies.gorgo.weights.rtt: must be > 0",
+        ),
+        (
+            {"backends": [BACKEND], "policies": {"prefix_cache": {"min_fraction": 2}}},
+            "policies.prefix_cache.min_fraction: must be <= 1",
+        ),
+        ({"backends": [BACKEND], "policies": []}, "policies: expected a mapping"),
     ],
 )
 def test_bad_config_names_the_key(raw: dict[str, object], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         config_from_dict(raw)
+
+
+def test_policy_parameters_and_a_round_trip() -> None:
+    cfg = config_from_dict(
+        {
+            "backends": [BACKEND],
+            "envoy": {"mode": "endpoint_picker"},
+            "policies": {"gorgo": {"weights": {"queue": 2}}, "prefix_cache": {"balance_abs": 9}},
+        }
+    )
+    assert cfg.envoy.mode == EnvoyMode.ENDPOINT_PICKER
+    gorgo = cfg.policy_params()
+    assert (gorgo.weights.rtt, gorgo.weights.queue, gorgo.tie_fraction) == (1.0, 2.0, 0.2)
+    assert cfg.policy_params("prefix_cache").balance_abs == 9
+    assert cfg.policy_params("gorgo_tokens").weights.rtt == 0.5  # not configured: defaults
+    # the plain form (what `gorgo up` writes) reads back to the same config
+    assert config_from_dict(yaml.safe_load(yaml.safe_dump(config_as_dict(cfg)))) == cfg
 
 
 def test_load_config_reports_file_and_yaml_errors(tmp_path: Path) -> None:

@@ -140,6 +140,10 @@ def test_build_contexts_and_mounted_files_exist(services: dict[str, dict[str, An
             assert context.is_dir(), name
             dockerfile = "Dockerfile" if isinstance(build, str) else build["dockerfile"]
             assert (context / dockerfile).is_file(), name
+            # the router runs the slim image; the harness (engines, links, load) the full one
+            target = build.get("target")
+            assert target == ("router" if svc["command"][0] == "serve" else "full"), name
+            assert f"AS {target}" in (context / dockerfile).read_text(), name
         for volume in svc.get("volumes", []):
             source = volume.split(":")[0]
             if source.startswith(("./", "/", "~")):
@@ -263,6 +267,14 @@ def test_dockerfile_builds_like_the_makefile() -> None:
     assert docker is not None
     assert docker.group(1).replace("\\\n", " ").split() == make_args
     assert "pip install -c constraints.txt ." in dockerfile
+    # The router image holds the router alone; the full one adds the harness.
+    stages = dict(re.findall(r"^FROM \S+ AS (\S+)\n(.*?)(?=^FROM |\Z)", dockerfile, re.M | re.S))
+    assert set(stages) == {"build-router", "build-full", "full", "router"}
+    assert "COPY ext_proc" in stages["build-router"]
+    assert "emulator" not in stages["build-router"] and "loadgen" not in stages["build-router"]
+    assert "'.[harness]'" in stages["build-full"]
+    assert "--from=build-router" in stages["router"] and "--from=build-full" in stages["full"]
+    assert re.findall(r"^FROM \S+ AS (\S+)", dockerfile, re.M)[-1] == "router"  # the default
     assert re.search(r"^USER (?!root|0)\S+", dockerfile, re.M)
     assert 'ENTRYPOINT ["gorgo"]' in dockerfile
     for source in re.findall(r"^COPY (?!--from)(.+) \S+$", dockerfile, re.M):
