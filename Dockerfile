@@ -40,30 +40,27 @@ COPY loadgen loadgen
 RUN /opt/gorgo/bin/pip install -c constraints.txt '.[harness]' \
     && cd / && /opt/gorgo/bin/gorgo engine --help > /dev/null
 
-FROM ${PYTHON_IMAGE} AS full
-LABEL org.opencontainers.image.title="gorgo-full" \
-      org.opencontainers.image.description="GORGO router with its emulated fleet and load generator" \
-      org.opencontainers.image.licenses="Apache-2.0"
+# What both images run on: an unprivileged user with a home (tokenizers and matplotlib
+# write caches there), the environment's bin on PATH.
+FROM ${PYTHON_IMAGE} AS runtime
 ENV PATH=/opt/gorgo/bin:$PATH PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
-COPY --from=build-full /opt/gorgo /opt/gorgo
-# Unprivileged user with a home (matplotlib and tokenizers write caches there).
 RUN useradd --create-home --uid 10001 --user-group gorgo
 USER gorgo
 WORKDIR /home/gorgo
 ENTRYPOINT ["gorgo"]
 
+FROM runtime AS full
+LABEL org.opencontainers.image.title="gorgo-full" \
+      org.opencontainers.image.description="GORGO router with its emulated fleet and load generator" \
+      org.opencontainers.image.licenses="Apache-2.0"
+COPY --from=build-full /opt/gorgo /opt/gorgo
+
 # Last, so that a plain `docker build` makes the router image.
-FROM ${PYTHON_IMAGE} AS router
+FROM runtime AS router
 LABEL org.opencontainers.image.title="gorgo-router" \
       org.opencontainers.image.description="Envoy ext_proc routing extension for LLM fleets (GORGO)" \
       org.opencontainers.image.licenses="Apache-2.0"
-ENV PATH=/opt/gorgo/bin:$PATH PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 COPY --from=build-router /opt/gorgo /opt/gorgo
-# Unprivileged user with a home (tokenizers writes a cache there).
-RUN useradd --create-home --uid 10001 --user-group gorgo
-USER gorgo
-WORKDIR /home/gorgo
 # ext_proc + access-log gRPC, admin HTTP (/healthz, /metrics, /state).
 EXPOSE 50051 9180
-ENTRYPOINT ["gorgo"]
 CMD ["serve", "--config", "/etc/gorgo/gorgo.yaml"]

@@ -269,7 +269,7 @@ def test_dockerfile_builds_like_the_makefile() -> None:
     assert "pip install -c constraints.txt ." in dockerfile
     # The router image holds the router alone; the full one adds the harness.
     stages = dict(re.findall(r"^FROM \S+ AS (\S+)\n(.*?)(?=^FROM |\Z)", dockerfile, re.M | re.S))
-    assert set(stages) == {"build-router", "build-full", "full", "router"}
+    assert set(stages) == {"build-router", "build-full", "runtime", "full", "router"}
     assert "COPY ext_proc" in stages["build-router"]
     assert "emulator" not in stages["build-router"] and "loadgen" not in stages["build-router"]
     assert "'.[harness]'" in stages["build-full"]
