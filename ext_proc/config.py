@@ -73,6 +73,21 @@ class TunerMode(enum.StrEnum):
     PAPER = "paper"
 
 
+class EngineKind(enum.StrEnum):
+    """Which engine serves a backend: what its probe path and metrics are."""
+
+    SGLANG = "sglang"
+    VLLM = "vllm"
+
+
+# A path each engine answers without work, the default RTT probe: SGLang's /health runs a
+# one-token generation (python/sglang/srt/entrypoints/http_server.py, unless
+# SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION is false), so it would time the engine's queue;
+# its /v1/models is answered by the HTTP process alone. vLLM's /health only checks that the
+# engine process is alive.
+PROBE_PATH = {EngineKind.SGLANG: "/v1/models", EngineKind.VLLM: "/health"}
+
+
 class UnreadableBody(enum.StrEnum):
     # Send it on by the fallback route; the backend answers it.
     ROUTE = "route"
@@ -117,6 +132,8 @@ class Backend:
     # host:port where Envoy reaches this backend's engine (through its WAN link locally).
     address: str
     region: str = ""
+    # The engine behind it (sglang or vllm): its probe path and metric names.
+    engine: EngineKind = EngineKind.SGLANG
     # RTT assumed until the first probe answers (ms).
     rtt_prior_ms: float = bounded(50.0, **NON_NEGATIVE)
     # Engine profile (ext_proc/profiles/NAME.yaml or a file): turns tokens into ms.
@@ -170,7 +187,10 @@ class Probes:
     # Consecutive probe failures before a backend is suspect (not chosen while others
     # are healthy); one success clears it.
     suspect_after: int = bounded(2, **POSITIVE)
-    path: str = "/health"
+    # What the probe GETs; "" = each engine's path that does no work (PROBE_PATH). Another
+    # path is checked against that one now and then: one much slower makes the engine
+    # work, and a warning says so.
+    path: str = ""
     # Scrape each engine's Prometheus /metrics this often (0 = off); values older than
     # metrics_stale_s are ignored.
     metrics_interval_s: float = bounded(0.0, **NON_NEGATIVE)
@@ -275,6 +295,9 @@ class Config:
     @property
     def ext_proc_address(self) -> str:
         return self.envoy.ext_proc_address or self.listen.grpc
+
+    def probe_path(self, b: Backend) -> str:
+        return self.probes.path or PROBE_PATH[b.engine]
 
     def policy_params(self, name: str | None = None) -> Any:
         """The decoded parameters of a policy (the configured one by default)."""

@@ -3,6 +3,11 @@
 Understands OpenAI `/v1/chat/completions` and `/v1/completions` and SGLang's native
 `/generate`. Anything else is not an LLM request (`None`); a body that claims to be one
 but cannot be read raises `ParseError` with a reason that names the bad field.
+
+A prompt is text or token ids (`prompt: [ints]`, `/generate` `input_ids`: their length is
+exact). A list of prompts (`prompt: [str, ...]` or `[[ints], ...]`, `text: [...]`,
+`input_ids: [[...], ...]`) is a batch the engine runs as separate sequences, each with its
+own prefix: it is kept as several prompts, never joined into one.
 """
 
 from __future__ import annotations
@@ -29,18 +34,31 @@ class ParseError(ValueError):
     """The body of an LLM request cannot be understood."""
 
 
+# Text, or token ids.
+Prompt = str | tuple[int, ...]
+
+
 @dataclass(frozen=True)
 class LlmRequest:
     api: str
-    # The prompt as the engine will see it (rendered chat). Used for token counting and
-    # prefix hashing only: never logged, traced or exposed.
-    prompt: str
-    input_tokens: int
+    # The prompts as the engine will see them (one, or a batch; a chat is rendered). Used
+    # for token counting and prefix hashing only: never logged, traced or exposed.
+    prompts: tuple[Prompt, ...]
+    # Tokens of each prompt (exact for token ids).
+    prompt_tokens: tuple[int, ...]
     max_output_tokens: int | None
     stream: bool
     model: str | None
     # OpenAI `user` field: the session key when no x-session-id header is sent.
     user: str | None
+
+    @property
+    def input_tokens(self) -> int:
+        return sum(self.prompt_tokens)
+
+
+def prompt_tokens(prompt: Prompt) -> int:
+    return len(prompt) if isinstance(prompt, tuple) else count_tokens(prompt)
 
 
 def api_for_path(path: str) -> str | None:
@@ -81,22 +99,36 @@ def _chat_prompt(body: dict[str, Any]) -> str:
     return render_chat(messages)
 
 
-def _completion_prompt(body: dict[str, Any]) -> str:
-    prompt = body.get("prompt")
-    if isinstance(prompt, str):
-        return prompt
-    if isinstance(prompt, list) and all(isinstance(p, str) for p in prompt):
-        return "".join(prompt)
-    raise ParseError("prompt: expected a string or a list of strings")
+def _is_ids(value: Any) -> bool:
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value)
+    )
 
 
-def _generate_prompt(body: dict[str, Any]) -> str:
-    text = body.get("text")
-    if isinstance(text, str):
-        return text
-    if isinstance(text, list) and all(isinstance(p, str) for p in text):
-        return "".join(text)
-    raise ParseError("text: expected a string or a list of strings")
+def _prompts(value: Any, key: str, text: bool = True) -> tuple[Prompt, ...]:
+    """A prompt field: a string, token ids, or a batch of either (ids only: text=False)."""
+    if _is_ids(value):
+        return (tuple(value),)
+    if isinstance(value, list) and value and all(_is_ids(p) for p in value):
+        return tuple(tuple(p) for p in value)
+    if text and isinstance(value, str):
+        return (value,)
+    if text and isinstance(value, list) and value and all(isinstance(p, str) for p in value):
+        return tuple(value)
+    what = (
+        "a string, a list of token ids, or a non-empty list of either"
+        if text
+        else ("a list of token ids, or a non-empty list of them")
+    )
+    raise ParseError(f"{key}: expected {what}")
+
+
+def _generate_prompts(body: dict[str, Any]) -> tuple[Prompt, ...]:
+    if body.get("input_ids") is not None:
+        return _prompts(body["input_ids"], "input_ids", text=False)
+    return _prompts(body.get("text"), "text")
 
 
 def parse_body(api: str, body: bytes) -> LlmRequest:
@@ -109,14 +141,15 @@ def parse_body(api: str, body: bytes) -> LlmRequest:
         raise ParseError(f"body: invalid JSON: {e}") from e
     if not isinstance(decoded, dict):
         raise ParseError(f"body: expected a JSON object, got {type(decoded).__name__}")
+    prompts: tuple[Prompt, ...]
     if api == CHAT:
-        prompt = _chat_prompt(decoded)
+        prompts = (_chat_prompt(decoded),)
         max_out = _optional_int(decoded, "max_completion_tokens", "max_tokens")
     elif api == COMPLETIONS:
-        prompt = _completion_prompt(decoded)
+        prompts = _prompts(decoded.get("prompt"), "prompt")
         max_out = _optional_int(decoded, "max_tokens")
     elif api == GENERATE:
-        prompt = _generate_prompt(decoded)
+        prompts = _generate_prompts(decoded)
         params = decoded.get("sampling_params")
         params = {} if params is None else params
         if not isinstance(params, dict):
@@ -129,10 +162,26 @@ def parse_body(api: str, body: bytes) -> LlmRequest:
         raise ParseError(f"stream: expected true or false, got {type(stream).__name__}")
     return LlmRequest(
         api=api,
-        prompt=prompt,
-        input_tokens=count_tokens(prompt),
+        prompts=prompts,
+        prompt_tokens=tuple(prompt_tokens(p) for p in prompts),
         max_output_tokens=max_out,
         stream=stream,
         model=_optional_str(decoded, "model"),
         user=_optional_str(decoded, "user"),
     )
+
+
+def is_error_event(chunk: bytes) -> bool:
+    """Whether a response's first body chunk is an error event inside an HTTP 200 stream
+    (SGLang sends `data: {"error": {...}}` then `data: [DONE]` when a request fails after
+    its stream began, python/sglang/srt/entrypoints/openai/serving_chat.py)."""
+    if not chunk.startswith(b"data:"):
+        return False
+    event = chunk[5:].split(b"\n", 1)[0].strip()
+    if not event.startswith(b'{"error"') and b'"error"' not in event[:64]:
+        return False  # cheap test first: the first chunk of a normal stream is a delta
+    try:
+        decoded = orjson.loads(event)
+    except orjson.JSONDecodeError:
+        return False
+    return isinstance(decoded, dict) and "error" in decoded and "choices" not in decoded

@@ -1,10 +1,13 @@
-"""Active RTT probes and optional engine-metrics scraping: the async shell that feeds the
-router's RTT and load features.
+"""Active RTT probes and engine-metrics scrapes: the async shell that feeds the router's
+RTT and load features.
 
 Each backend is probed with a small GET over a kept-alive connection, the same network
-path Envoy uses, every `probes.interval_s`. A sample taken on a freshly opened connection
-includes the TCP handshake (a second RTT) and is not used; failures count towards marking
-the backend suspect.
+path Envoy uses, every `probes.interval_s`, on a path the engine answers without work
+(`PROBE_PATH`, per engine), so the sample is the network's round trip and not the
+engine's queue. A sample taken on a freshly opened connection includes the TCP handshake
+(a second RTT) and is not used; failures count towards marking the backend suspect. A
+configured path other than the engine's own is compared, every few probes, with that one:
+a path answered much more slowly makes the engine work, and a warning says so.
 """
 
 from __future__ import annotations
@@ -12,18 +15,25 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import re
+import statistics
 import time
+from collections import deque
 from types import SimpleNamespace
 
 import aiohttp
 
-from ext_proc.config import Backend, Config
+from ext_proc.config import PROBE_PATH, Backend, Config
+from ext_proc.engine_metrics import MetricsError, parse_engine_metrics
 from ext_proc.router import Router
 
 log = logging.getLogger("gorgo.probe")
 
-_QUEUE_LINE = re.compile(r"^sglang:num_queue_reqs(?:\{[^}]*\})?\s+(\S+)")
+# Compare a configured probe path with the engine's no-work path every this many probes,
+# over this many recent pairs; warn when the median is this much slower.
+COMPARE_EVERY = 5
+COMPARE_PAIRS = 5
+SLOWER_FACTOR = 2.0
+SLOWER_MARGIN_MS = 10.0
 
 
 class Prober:
@@ -32,6 +42,8 @@ class Prober:
         self.router = router
         self._tasks: list[asyncio.Task[None]] = []
         self._session: aiohttp.ClientSession | None = None
+        # Backends whose configured probe path was found to make the engine work.
+        self.slow_paths: dict[str, str] = {}
 
     async def start(self) -> None:
         trace = aiohttp.TraceConfig()
@@ -59,12 +71,12 @@ class Prober:
     ) -> None:
         ctx.trace_request_ctx["new_connection"] = True
 
-    async def probe_once(self, b: Backend) -> float | None:
+    async def probe_once(self, b: Backend, path: str | None = None) -> float | None:
         """One probe: RTT in ms, or None if it failed. A sample that had to open a
         connection is not an RTT (it includes the handshake): it is retried at once."""
         assert self._session is not None
         p = self.cfg.probes
-        url = f"http://{b.address}{p.path}"
+        url = f"http://{b.address}{path or self.cfg.probe_path(b)}"
         for _ in range(2):
             ctx: dict[str, bool] = {}
             start = time.perf_counter()
@@ -82,8 +94,12 @@ class Prober:
         return None
 
     async def _probe_loop(self, b: Backend) -> None:
+        path = self.cfg.probe_path(b)
+        reference = PROBE_PATH[b.engine]
+        pairs: deque[tuple[float, float]] = deque(maxlen=COMPARE_PAIRS)
+        n = 0
         while True:
-            rtt_ms = await self.probe_once(b)
+            rtt_ms = await self.probe_once(b, path)
             was_suspect = self.router.state.backends[b.id].suspect
             self.router.record_probe(b.id, rtt_ms)
             now_suspect = self.router.state.backends[b.id].suspect
@@ -93,7 +109,35 @@ class Prober:
                     b.id,
                     "suspect: probes fail" if now_suspect else "healthy again",
                 )
+            n += 1
+            if path != reference and rtt_ms is not None and n % COMPARE_EVERY == 1:
+                ref_ms = await self.probe_once(b, reference)
+                if ref_ms is not None:
+                    pairs.append((rtt_ms, ref_ms))
+                    self._check_path(b, path, reference, pairs)
             await asyncio.sleep(self.cfg.probes.interval_s)
+
+    def _check_path(
+        self, b: Backend, path: str, reference: str, pairs: deque[tuple[float, float]]
+    ) -> None:
+        if len(pairs) < COMPARE_PAIRS or b.id in self.slow_paths:
+            return
+        probe_ms = statistics.median(p for p, _ in pairs)
+        ref_ms = statistics.median(r for _, r in pairs)
+        if probe_ms > SLOWER_FACTOR * ref_ms + SLOWER_MARGIN_MS:
+            self.slow_paths[b.id] = path
+            log.warning(
+                "backend %s: probes of %s answer in %.0f ms, %s in %.0f ms: %s makes the "
+                "engine work, so its RTT includes the engine's queue; set probes.path to a "
+                "path the engine answers without work (empty: the engine's own, %s)",
+                b.id,
+                path,
+                probe_ms,
+                reference,
+                ref_ms,
+                path,
+                reference,
+            )
 
     async def _metrics_loop(self, b: Backend) -> None:
         assert self._session is not None
@@ -104,11 +148,11 @@ class Prober:
                     url, timeout=aiohttp.ClientTimeout(total=self.cfg.probes.timeout_s)
                 ) as resp:
                     text = await resp.text()
-                # Summed over label sets (one per data-parallel rank, if any).
-                queued = sum(
-                    float(m.group(1)) for m in map(_QUEUE_LINE.match, text.splitlines()) if m
-                )
-                self.router.state.record_metrics(b.id, queued, self.router.clock())
-            except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as e:
+                    if resp.status != 200:
+                        raise MetricsError(f"HTTP {resp.status}")
+                report = parse_engine_metrics(text)
+                self.router.state.record_engine_report(b.id, report, self.router.clock())
+            except (aiohttp.ClientError, TimeoutError, OSError, MetricsError) as e:
+                # The last report stands until it is stale: then the router's own count.
                 log.debug("metrics of %s: %s", b.id, e)
             await asyncio.sleep(self.cfg.probes.metrics_interval_s)

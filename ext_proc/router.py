@@ -14,15 +14,18 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
+import numpy as np
+
 from ext_proc.config import Config, TunerMode
 from ext_proc.cost import PrefillModel, QueueItem, Weights, estimate_queue_ms
+from ext_proc.engine_metrics import EngineReport
 from ext_proc.learners import Ejector, PrefillLearner, PrefixLearner, TunerLearner
 from ext_proc.lifecycle import Closed, Dispatched, FirstByte, Listener, Status
 from ext_proc.policy import Candidate, Policy, PolicyInfo, RouteRequest, make_policy, policy_info
 from ext_proc.prefix import Hashes, PrefixIndex, as_hashes
 from ext_proc.profile import EngineProfile, load_profile
 from ext_proc.state import FleetState, InFlight
-from ext_proc.tokens import APPROX
+from ext_proc.tokens import APPROX, block_hashes_of_ids
 from ext_proc.tuner import StateSink, Tuner, TunerSettings, TunerState
 
 # How many recent decisions /state shows.
@@ -130,12 +133,19 @@ class Router:
 
     # -- features -----------------------------------------------------------------------
 
-    def prompt_blocks(self, request: RouteRequest) -> Hashes:
+    def prompt_blocks(self, request: RouteRequest) -> list[Hashes]:
+        """Each prompt's prefix-block hashes (one list per prompt of a batch)."""
         if request.blocks is not None:
-            return as_hashes(list(request.blocks))
+            return [as_hashes(list(request.blocks))]
         if request.llm is None:
-            return as_hashes([])
-        return as_hashes(APPROX.block_hashes(request.llm.prompt, self.cfg.routing.block_tokens))
+            return []
+        bt = self.cfg.routing.block_tokens
+        return [
+            as_hashes(
+                block_hashes_of_ids(p, bt) if isinstance(p, tuple) else APPROX.block_hashes(p, bt)
+            )
+            for p in request.llm.prompts
+        ]
 
     def output_tokens(self, request: RouteRequest) -> int:
         """The request's output budget (its max tokens), else a typical chat answer."""
@@ -146,17 +156,20 @@ class Router:
         """KV the request will hold: its prompt and its output budget."""
         return (request.llm.input_tokens if request.llm else 0) + self.output_tokens(request)
 
-    def candidates(self, request: RouteRequest, blocks: Hashes) -> tuple[Candidate, ...]:
+    def candidates(self, request: RouteRequest, blocks: list[Hashes]) -> tuple[Candidate, ...]:
         now_s = self.clock()
-        input_tokens = request.llm.input_tokens if request.llm else 0
+        lengths = request.llm.prompt_tokens if request.llm else ()
+        input_tokens = sum(lengths)
         need_kv = self._kv_tokens(request)
-        matched = self.index.match(blocks)
+        matched = [self.index.match(prompt) for prompt in blocks]
         bt = self.cfg.routing.block_tokens
         healthy = [b for b in self.state.backends.values() if self.state.available(b, now_s)]
         out = []
         for b in healthy or self.state.backends.values():  # all suspect: try them all
-            # At least one prompt token is always computed.
-            cached = min(matched[b.id] * bt, max(0, input_tokens - 1))
+            # Each prompt's own leading match; at least one token of each is computed.
+            cached = sum(
+                min(m[b.id] * bt, max(0, n - 1)) for m, n in zip(matched, lengths, strict=False)
+            )
             uncached = input_tokens - cached
             out.append(
                 Candidate(
@@ -202,15 +215,20 @@ class Router:
         own_ms = estimate_queue_ms(
             items, step_ms, now_s, b.rtt_ms / 2, capacity, need_kv_tokens, grace_ms
         )
-        fresh = (
-            b.metrics_at_s is not None and now_s - b.metrics_at_s <= self.cfg.probes.metrics_stale_s
-        )
-        if fresh:
+        report = self.fresh_engine_report(backend, now_s)
+        if report is not None and report.waiting is not None:
             # The engine's own count of requests waiting, priced at the mean prefill of
             # what we sent there lately: catches load we did not route (other routers,
             # direct clients).
-            own_ms = max(own_ms, b.metrics_queue_reqs * b.mean_prefill_ms)
+            own_ms = max(own_ms, report.waiting * b.mean_prefill_ms)
         return own_ms
+
+    def fresh_engine_report(self, backend: str, now_s: float) -> EngineReport | None:
+        """The engine's last load report, unless older than probes.metrics_stale_s."""
+        b = self.state.backends[backend]
+        if b.engine_at_s is None or now_s - b.engine_at_s > self.cfg.probes.metrics_stale_s:
+            return None
+        return b.engine
 
     # -- admission and decisions --------------------------------------------------------
 
@@ -229,6 +247,7 @@ class Router:
         """Choose a backend and record the dispatch."""
         blocks = self.prompt_blocks(request)
         candidates = self.candidates(request, blocks)
+        bt = self.cfg.routing.block_tokens
         arm = None
         weights = self._weights
         if self.tuner is not None:  # the tuner's arm for this request sets the weights
@@ -241,7 +260,9 @@ class Router:
                 f"policy {self.policy.name!r} chose {choice.backend_id!r}, not a candidate"
             )
         now_s = self.clock()
-        held = blocks[: chosen.cached_tokens // self.cfg.routing.block_tokens]
+        # The engine reports one cached count per request: it says which blocks it lost
+        # only for a single prompt.
+        held = blocks[0][: chosen.cached_tokens // bt] if len(blocks) == 1 else None
         rec = InFlight(
             request_id=request.request_id,
             backend=chosen.backend_id,
@@ -252,8 +273,10 @@ class Router:
             prefill_ms=chosen.prefill_ms,
             rtt_ms=chosen.rtt_ms,
             queue_ms=chosen.queue_ms,
-            blocks=blocks,
-            matched_last_used_s=self.index.last_used_s(chosen.backend_id, held),
+            blocks=np.concatenate(blocks) if blocks else None,
+            matched_last_used_s=None
+            if held is None
+            else self.index.last_used_s(chosen.backend_id, held),
             streaming=request.llm.stream if request.llm else True,
         )
         self.state.dispatch(rec)
@@ -346,6 +369,10 @@ class Router:
                 **b.as_json(),
                 "queue_ms": round(self.queue_estimate_ms(b.id, now_s), 3),
                 "cached_tokens": self.index.size_blocks(b.id) * self.cfg.routing.block_tokens,
+                # What the engine last said of its load, and how old that is (None: never).
+                "engine": None
+                if b.engine is None or b.engine_at_s is None
+                else {**b.engine.as_json(), "age_s": round(now_s - b.engine_at_s, 3)},
             }
         w = self.weights
         return {

@@ -37,7 +37,7 @@ from ext_proc.names import (
     LB_METADATA_NAMESPACE,
     ROUTE_FALLBACK,
 )
-from ext_proc.parse import ParseError, api_for_path, parse_body
+from ext_proc.parse import ParseError, api_for_path, is_error_event, parse_body
 from ext_proc.policy import RouteRequest
 from ext_proc.router import Decision, Router
 from ext_proc.telemetry import Telemetry
@@ -145,13 +145,19 @@ class _FirstByteWatcher(Session):
         return self._reply(codec.RESPONSE_HEADERS)
 
     def on_response_body(self, p: codec.Phase) -> Reply:
-        self._first_byte()
+        self._first_byte(p.body)
         return self._reply(codec.RESPONSE_BODY)
 
-    def _first_byte(self) -> None:
+    def _first_byte(self, chunk: bytes = b"") -> None:
         if not self.first_byte_seen and self.request_id:
             self.first_byte_seen = True
-            self.router.first_byte(self.request_id)
+            if is_error_event(chunk):
+                # An error inside a 200 stream: not a first token, and the backend's
+                # failure (the access log's 200 that follows finds it closed).
+                log.info("request %s: error event in the stream", self.request_id)
+                self.router.close(self.request_id, Status.ERROR)
+            else:
+                self.router.first_byte(self.request_id)
         self.done = True
 
     def finish(self) -> None:

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from ext_proc.engine_metrics import EngineReport
 from ext_proc.lifecycle import Status
 
 # How many recent TTFT/E2E samples /state shows per backend.
@@ -70,9 +71,10 @@ class BackendState:
     failovers: int = 0
     # Requests that reached this backend by Envoy's fallback route, not by our decision.
     fallback_completed: int = 0
-    # Engine-reported load from its /metrics, and when it was read (None: never).
-    metrics_queue_reqs: float = 0.0
-    metrics_at_s: float | None = None
+    # The engine's last report of its own load (/metrics), and when it was read (None:
+    # never).
+    engine: EngineReport | None = None
+    engine_at_s: float | None = None
     # Running mean of the prefill estimates of requests sent here (ms).
     mean_prefill_ms: float = 100.0
     recent_ttft_ms: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_SAMPLES))
@@ -197,9 +199,9 @@ class FleetState:
         b.rtt_ms = rtt_ms if b.rtt_samples == 0 else alpha * rtt_ms + (1 - alpha) * b.rtt_ms
         b.rtt_samples += 1
 
-    def record_metrics(self, backend: str, queue_reqs: float, now_s: float) -> None:
+    def record_engine_report(self, backend: str, report: EngineReport, now_s: float) -> None:
         b = self.backends[backend]
-        b.metrics_queue_reqs, b.metrics_at_s = queue_reqs, now_s
+        b.engine, b.engine_at_s = report, now_s
 
     def overdue(self, now_s: float, timeout_s: float) -> list[str]:
         """Requests in flight for timeout_s or longer (their completion was lost)."""

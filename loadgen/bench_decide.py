@@ -67,7 +67,7 @@ def measure(n_backends: int, tokens: int, iterations: int) -> tuple[list[float],
     # the measured prompt's history is cached on a third of the backends
     req0 = RouteRequest("seed", parse_body(CHAT, body), None)
     for i in range(0, n_backends, 3):
-        router.index.insert(f"b{i}", router.prompt_blocks(req0), 1.0)
+        router.index.insert(f"b{i}", router.prompt_blocks(req0)[0], 1.0)
     # as the service runs: start-up objects frozen out of the collector (ext_proc/app.py)
     gc.collect()
     gc.freeze()

@@ -160,7 +160,7 @@ class Simulation:
         return SimResult(self.s, ordered, self.itl_ms, self.router)
 
     def _arrive(self, r: TraceRequest) -> None:
-        llm = LlmRequest(COMPLETIONS, "", r.input_tokens, r.output_tokens, True, None, None)
+        llm = LlmRequest(COMPLETIONS, ("",), (r.input_tokens,), r.output_tokens, True, None, None)
         per = max(1, r.block_tokens // self.router_block_tokens)
         blocks = _sub_blocks(r.block_ids, per, 1)[: r.input_tokens // self.router_block_tokens]
         d = self.router.decide(RouteRequest(r.id, llm, r.session, blocks))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import zlib
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -94,8 +95,12 @@ class SessionAffinity:
             return request.session_key
         if request.llm is None:
             return request.request_id
-        head = request.llm.prompt[: self._p.prefix_tokens * BYTES_PER_TOKEN]
-        return f"prompt:{zlib.crc32(head.encode()):08x}"
+        first = request.llm.prompts[0]
+        if isinstance(first, tuple):  # token ids
+            head = array("q", first[: self._p.prefix_tokens]).tobytes()
+        else:
+            head = first[: self._p.prefix_tokens * BYTES_PER_TOKEN].encode()
+        return f"prompt:{zlib.crc32(head):08x}"
 
     def choose(
         self, request: RouteRequest, candidates: Sequence[Candidate], weights: Weights | None

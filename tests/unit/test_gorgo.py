@@ -293,7 +293,7 @@ def test_learn_cached_trims_only_settled_evidence() -> None:
     d1 = r.decide(chat(doc))
     r.close(d1.request_id, Status.OK)
     assert d1.backend == d_other.backend == "near"
-    other_blocks = r.prompt_blocks(chat(other))
+    other_blocks = r.prompt_blocks(chat(other))[0]
     clock.advance(SETTLED_S + 1)
     d2 = r.decide(chat(doc))
     assert d2.backend == "near"
@@ -305,7 +305,7 @@ def test_learn_cached_trims_only_settled_evidence() -> None:
     assert r.index.match(other_blocks)["near"] == len(other_blocks) > 0
     r.close(d2.request_id, Status.OK, cached_tokens=0)
     assert r.index.match(other_blocks)["near"] == 0
-    doc_blocks = r.prompt_blocks(chat(doc))
+    doc_blocks = r.prompt_blocks(chat(doc))[0]
     assert r.index.match(doc_blocks)["near"] == len(rec.blocks)
     # a report right after a dispatch (prefill may still be running) is not evidence
     r.decide(RouteRequest("fresh-other", chat(other).llm, None))

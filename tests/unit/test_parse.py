@@ -37,7 +37,7 @@ def test_chat_counts_the_rendered_prompt_and_reads_fields() -> None:
         CHAT,
         body({"model": "m", "messages": messages, "stream": True, "max_tokens": 7, "user": "u1"}),
     )
-    assert req.prompt == "system\nbe brief\nuser\nhello \nassistant\n"
+    assert req.prompts == ("system\nbe brief\nuser\nhello \nassistant\n",)
     assert req.input_tokens == count_tokens(render_chat(messages)) == 10  # ceil(37 bytes / 4)
     assert (req.stream, req.max_output_tokens, req.model, req.user) == (True, 7, "m", "u1")
 
@@ -52,10 +52,28 @@ def test_max_completion_tokens_wins_over_max_tokens() -> None:
 
 
 def test_completions_and_generate() -> None:
-    c = parse_body(COMPLETIONS, body({"prompt": ["ab", "cd"], "max_tokens": 2}))
-    assert (c.prompt, c.input_tokens, c.stream) == ("abcd", 1, False)
+    c = parse_body(COMPLETIONS, body({"prompt": "abcd", "max_tokens": 2}))
+    assert (c.prompts, c.input_tokens, c.stream) == (("abcd",), 1, False)
     g = parse_body(GENERATE, body({"text": "12345", "sampling_params": {"max_new_tokens": 4}}))
-    assert (g.prompt, g.input_tokens, g.max_output_tokens) == ("12345", 2, 4)
+    assert (g.prompts, g.input_tokens, g.max_output_tokens) == (("12345",), 2, 4)
+
+
+def test_token_id_prompts_count_exactly() -> None:
+    c = parse_body(COMPLETIONS, body({"prompt": [5, 6, 7, 8, 9]}))
+    assert (c.prompts, c.prompt_tokens, c.input_tokens) == (((5, 6, 7, 8, 9),), (5,), 5)
+    g = parse_body(GENERATE, body({"input_ids": [1, 2, 3], "text": "ignored when ids are given"}))
+    assert (g.prompts, g.input_tokens) == (((1, 2, 3),), 3)
+
+
+def test_a_list_of_prompts_is_a_batch_not_one_prompt() -> None:
+    c = parse_body(COMPLETIONS, body({"prompt": ["ab", "cdefgh"]}))
+    assert (c.prompts, c.prompt_tokens, c.input_tokens) == (("ab", "cdefgh"), (1, 2), 3)
+    ids = parse_body(COMPLETIONS, body({"prompt": [[1, 2], [3, 4, 5]]}))
+    assert (ids.prompts, ids.prompt_tokens) == (((1, 2), (3, 4, 5)), (2, 3))
+    g = parse_body(GENERATE, body({"input_ids": [[1], [2, 3]]}))
+    assert g.prompt_tokens == (1, 2)
+    t = parse_body(GENERATE, body({"text": ["a", "b"]}))
+    assert t.prompts == ("a", "b")
 
 
 @pytest.mark.parametrize(
@@ -73,6 +91,11 @@ def test_completions_and_generate() -> None:
         (CHAT, body({"messages": [{"content": "x"}], "stream": "yes"}), "stream"),
         (CHAT, body({"messages": [{"content": "x"}], "user": 3}), "user"),
         (COMPLETIONS, body({"prompt": 3}), "prompt"),
+        (COMPLETIONS, body({"prompt": []}), "prompt"),
+        (COMPLETIONS, body({"prompt": [1, "a"]}), "prompt"),
+        (COMPLETIONS, body({"prompt": [-1]}), "prompt"),
+        (COMPLETIONS, body({"prompt": [[1], "a"]}), "prompt"),
+        (GENERATE, body({"input_ids": "x"}), "input_ids"),
         (GENERATE, body({"text": None}), "text"),
         (GENERATE, body({"text": "x", "sampling_params": []}), "sampling_params"),
         (CHAT, b"[" * 100_000, "body"),
@@ -96,4 +119,5 @@ def test_any_body_parses_or_raises_parse_error(raw: bytes) -> None:
             req = parse_body(api, raw)
         except ParseError:
             continue
-        assert req.input_tokens == count_tokens(req.prompt) >= 0
+        counted = [len(p) if isinstance(p, tuple) else count_tokens(p) for p in req.prompts]
+        assert req.input_tokens == sum(counted) >= 0 and len(req.prompts) >= 1

@@ -1,0 +1,68 @@
+"""What an engine says about its own load, read from its Prometheus `/metrics` page.
+
+Parsed with prometheus_client's text parser (not regexes), for SGLang's and vLLM's names.
+An engine with several ranks reports a gauge once per rank: within a data-parallel rank
+the tensor/pipeline ranks report the same scheduler's queue (SGLang with metrics for all
+schedulers: the max is the queue), and data-parallel ranks are separate schedulers (the
+queue is their sum). A metric the page does not carry is unknown (None), never 0.
+Pure: text in, report out.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+from prometheus_client.parser import text_string_to_metric_families
+
+# Metric names per engine (SGLang: python/sglang/srt/metrics/collector.py; vLLM:
+# vllm/v1/metrics/loggers.py, and the real vLLM's page in tests/fixtures/vllm/).
+WAITING = ("sglang:num_queue_reqs", "vllm:num_requests_waiting")
+RUNNING = ("sglang:num_running_reqs", "vllm:num_requests_running")
+# Share of the KV pool held by running requests (0-1); evictable cached blocks excluded.
+KV_USAGE = ("sglang:token_usage", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+# The label that tells data-parallel schedulers apart, per engine.
+DP_LABELS = ("dp_rank", "engine")
+
+
+@dataclass(frozen=True)
+class EngineReport:
+    """One reading of an engine's load (None: the page did not say)."""
+
+    waiting: float | None
+    running: float | None
+    kv_usage: float | None
+
+    def as_json(self) -> dict[str, float | None]:
+        return {"waiting": self.waiting, "running": self.running, "kv_usage": self.kv_usage}
+
+
+class MetricsError(ValueError):
+    """The page is not Prometheus text."""
+
+
+def _aggregate(by_rank: dict[str, list[float]], fraction: bool) -> float:
+    per_rank = [max(values) for values in by_rank.values()]  # the same queue per TP rank
+    return sum(per_rank) / len(per_rank) if fraction else sum(per_rank)
+
+
+def parse_engine_metrics(text: str) -> EngineReport:
+    samples: dict[str, dict[str, list[float]]] = {}
+    wanted = set(WAITING + RUNNING + KV_USAGE)
+    try:
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                if s.name not in wanted:
+                    continue
+                rank = next((s.labels[k] for k in DP_LABELS if k in s.labels), "")
+                samples.setdefault(s.name, defaultdict(list))[rank].append(float(s.value))
+    except ValueError as e:  # the parser's error for a malformed line
+        raise MetricsError(f"not Prometheus text: {e}") from e
+
+    def read(names: tuple[str, ...], fraction: bool = False) -> float | None:
+        for name in names:
+            if name in samples:
+                return _aggregate(samples[name], fraction)
+        return None
+
+    return EngineReport(read(WAITING), read(RUNNING), read(KV_USAGE, fraction=True))
