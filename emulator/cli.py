@@ -16,26 +16,97 @@ from typing import Any
 from ext_proc.cli import Commands
 from ext_proc.config import ConfigError, split_host_port
 
+# Launch flags each engine has, by flavor: (flag, setting). The twin takes the real
+# engine's names, so one command line serves both; the other engine's name is an error.
+ENGINE_FLAGS = {
+    "sglang": {
+        "page_size": "--page-size",
+        "max_running_requests": "--max-running-requests",
+        "context_length": "--context-length",
+        "enable_cache_report": "--enable-cache-report",
+        "stream_response_default_include_usage": "--stream-response-default-include-usage",
+        "enable_metrics": "--enable-metrics",
+    },
+    "vllm": {
+        "block_size": "--block-size",
+        "max_num_seqs": "--max-num-seqs",
+        "max_model_len": "--max-model-len",
+        "enable_prompt_tokens_details": "--enable-prompt-tokens-details",
+        "enable_force_include_usage": "--enable-force-include-usage",
+    },
+}
+
+
+def _flavor_setting(args: argparse.Namespace, sglang: str, vllm: str) -> Any:
+    """The value of one engine setting, from the flavor's own flag; the other engine's
+    flag is refused with a message naming the right one."""
+    mine, other = (sglang, vllm) if args.flavor == "sglang" else (vllm, sglang)
+    other_flavor = "vllm" if args.flavor == "sglang" else "sglang"
+    if getattr(args, other) not in (None, False):
+        raise ValueError(
+            f"{ENGINE_FLAGS[other_flavor][other]} is {other_flavor}'s flag; "
+            f"{args.flavor}'s is {ENGINE_FLAGS[args.flavor][mine]}"
+        )
+    return getattr(args, mine)
+
 
 def _engine(args: argparse.Namespace) -> int:
+    import os
+
     from emulator.engine import serve_engine
-    from emulator.engine_config import EngineConfig, Faults, zero_delay_profile
+    from emulator.engine_config import (
+        DEFAULT_PAGE_TOKENS,
+        EngineConfig,
+        Faults,
+        zero_delay_profile,
+    )
+    from emulator.kv_publisher import KvEventsConfig
     from ext_proc.profile import load_profile, profile_from_dict
     from ext_proc.tokens import load_tokenizer
 
     try:
         profile = load_profile(args.profile)
-        if args.set:
-            raw = {**vars(profile), **_key_values(args.set, "--set")}
-            profile = profile_from_dict(raw, f"{args.profile} with --set")
+        overrides = _key_values(args.set, "--set") if args.set else {}
+        page = _flavor_setting(args, "page_size", "block_size")
+        if page is not None or "block_tokens" not in overrides:
+            overrides["block_tokens"] = page or DEFAULT_PAGE_TOKENS[args.flavor]
+        slots = _flavor_setting(args, "max_running_requests", "max_num_seqs")
+        if slots is not None:
+            overrides["max_running_requests"] = slots
+        profile = profile_from_dict({**vars(profile), **overrides}, f"{args.profile} with flags")
         if args.zero_delay:
             profile = zero_delay_profile(profile)
+        health_env = os.environ.get("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "true")
         cfg = EngineConfig(
             name=args.name,
             profile=profile,
             seed=args.seed,
+            model=args.served_model_name or ("default" if args.flavor == "sglang" else "tiny"),
             tokenizer=load_tokenizer(args.tokenizer),
-            faults=Faults(args.error_rate, args.stall_rate, args.stall_ms),
+            faults=Faults(
+                args.error_rate,
+                args.stall_rate,
+                args.stall_ms,
+                args.stream_error_rate,
+                args.stream_error_after,
+            ),
+            flavor=args.flavor,
+            cache_report=bool(
+                _flavor_setting(args, "enable_cache_report", "enable_prompt_tokens_details")
+            ),
+            default_include_usage=bool(
+                _flavor_setting(
+                    args, "stream_response_default_include_usage", "enable_force_include_usage"
+                )
+            ),
+            # vLLM always serves /metrics; SGLang only with --enable-metrics.
+            enable_metrics=args.flavor == "vllm" or args.enable_metrics,
+            context_length=_flavor_setting(args, "context_length", "max_model_len"),
+            kv_events=KvEventsConfig.parse(args.kv_events_config, args.flavor)
+            if args.kv_events_config
+            else None,
+            warmup_s=args.warmup_s,
+            health_generation=health_env.lower() not in ("0", "false", "no"),
         )
     except ValueError as e:
         print(f"gorgo engine: {e}", file=sys.stderr)
@@ -130,7 +201,13 @@ def _up(args: argparse.Namespace) -> int:
 
     regions = regions_for_profile(args.rtt_profile)
     return run_until_signalled(
-        StackSettings(policy=args.policy, regions=regions, rtt_profile=args.rtt_profile)
+        StackSettings(
+            policy=args.policy,
+            regions=regions,
+            rtt_profile=args.rtt_profile,
+            flavor=args.flavor,
+            real_engine=args.engine == "vllm",
+        )
     )
 
 
@@ -147,16 +224,21 @@ def add_commands(commands: Commands) -> None:
     policies = commands.policies
     s = sub.add_parser(
         "engine",
-        help="run one emulated SGLang engine",
-        description="An emulated SGLang engine: OpenAI and native wire format, timed by the "
-        "engine model (continuous batching, chunked prefill, radix prefix cache). Profiles: "
-        "built-in names from ext_proc/profiles/ (default l40s-qwen3.5-35b-a3b-fp8: 2x L40S, "
-        "Qwen3.5-35B-A3B FP8) or a YAML file; docs/engine-model.md explains the constants. "
-        "Faults can also be changed at run time: POST /faults with the same names.",
+        help="run one emulated engine (SGLang's or vLLM's twin)",
+        description="An emulated engine: SGLang's (--flavor sglang, the default) or vLLM's "
+        "(--flavor vllm) wire format, health, metrics, errors and KV events, timed by the "
+        "engine model (continuous batching, chunked prefill, radix prefix cache). The "
+        "engines' own launch flags set what they set on the real engine; docs/engine-model.md "
+        "lists every behaviour with the engine's source it comes from. Profiles: built-in "
+        "names from ext_proc/profiles/ (default l40s-qwen3.5-35b-a3b-fp8: 2x L40S, "
+        "Qwen3.5-35B-A3B FP8) or a YAML file. Faults can also be changed at run time: "
+        "POST /faults with the same names.",
     )
+    s.add_argument("--flavor", choices=["sglang", "vllm"], default="sglang")
     s.add_argument("--name", required=True, help="backend id reported by the engine")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=30000)
+    s.add_argument("--served-model-name", default="", help="model name (/v1/models, responses)")
     s.add_argument("--profile", default="l40s-qwen3.5-35b-a3b-fp8", help="profile name or YAML")
     s.add_argument(
         "--set",
@@ -165,12 +247,64 @@ def add_commands(commands: Commands) -> None:
         metavar="KEY=VALUE",
         help="override one profile constant (repeatable), e.g. --set prefill_tokens_per_s=1e6",
     )
+    g = s.add_argument_group("the engines' own flags (each flavor takes its engine's names)")
+    g.add_argument("--page-size", type=int, help="sglang: tokens per KV page (default 1)")
+    g.add_argument("--block-size", type=int, help="vllm: tokens per KV block (CPU default 128)")
+    g.add_argument("--max-running-requests", type=int, help="sglang: batch slots")
+    g.add_argument("--max-num-seqs", type=int, help="vllm: batch slots")
+    g.add_argument("--context-length", type=int, help="sglang: longest prompt + output")
+    g.add_argument("--max-model-len", type=int, help="vllm: longest prompt + output")
+    g.add_argument(
+        "--enable-cache-report",
+        action="store_true",
+        help="sglang: usage.prompt_tokens_details.cached_tokens",
+    )
+    g.add_argument(
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        help="vllm: usage.prompt_tokens_details.cached_tokens",
+    )
+    g.add_argument(
+        "--stream-response-default-include-usage",
+        action="store_true",
+        help="sglang: a usage chunk in every stream",
+    )
+    g.add_argument(
+        "--enable-force-include-usage", action="store_true", help="vllm: usage in every stream"
+    )
+    g.add_argument("--enable-metrics", action="store_true", help="sglang: serve /metrics")
+    g.add_argument(
+        "--kv-events-config",
+        default="",
+        metavar="JSON",
+        help='KV cache events, e.g. \'{"publisher": "zmq", "endpoint": "tcp://*:5557"}\' '
+        '(vllm also needs "enable_kv_cache_events": true; sglang: "encoding": "array" for '
+        "the tagged-array events of releases before 2026)",
+    )
+    s.add_argument(
+        "--warmup-s",
+        type=float,
+        default=0.0,
+        help="sglang: /health answers 503 this long after start (the engine's warmup)",
+    )
     s.add_argument("--seed", type=int, default=0, help="seeds step jitter and fault draws")
     s.add_argument("--tokenizer", default="", help="local tokenizer.json (default: 4 bytes/token)")
     s.add_argument("--zero-delay", action="store_true", help="every step takes no time")
     s.add_argument("--error-rate", type=float, default=0.0, help="share answered with HTTP 500")
     s.add_argument("--stall-rate", type=float, default=0.0, help="share held before scheduling")
     s.add_argument("--stall-ms", type=float, default=0.0, help="how long a stalled request waits")
+    s.add_argument(
+        "--stream-error-rate",
+        type=float,
+        default=0.0,
+        help="share of streams that fail inside their HTTP 200 (an error event, then [DONE])",
+    )
+    s.add_argument(
+        "--stream-error-after",
+        type=int,
+        default=0,
+        help="tokens before a failing stream's error event (0: it is the first chunk)",
+    )
     s.set_defaults(func=_engine)
 
     from emulator.wan import RTT_PROFILES
@@ -231,6 +365,19 @@ def add_commands(commands: Commands) -> None:
         default="network",
         choices=["network", "paper"],
         help="WAN delays: network = 1/90/180 ms, paper = 37/279/456 ms (with jitter)",
+    )
+    s.add_argument(
+        "--engine",
+        default="emulated",
+        choices=["emulated", "vllm"],
+        help="emulated engines (the default), or real vLLM instances serving a tiny local "
+        "model on this machine's CPU (installed on first use by `make vllm`)",
+    )
+    s.add_argument(
+        "--flavor",
+        default="sglang",
+        choices=["sglang", "vllm"],
+        help="which engine the emulated backends are the twin of",
     )
     s.set_defaults(func=_up)
 

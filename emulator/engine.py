@@ -1,5 +1,7 @@
-"""The emulated SGLang engine's HTTP layer: the aiohttp routes of one backend, `Engine`,
-`make_app`, `EngineServer` and `serve_engine`.
+"""The emulated engine's HTTP layer: the aiohttp routes of one backend, `Engine`,
+`make_app`, `EngineServer` and `serve_engine`. One flavor per engine it twins: `sglang`
+(the default) or `vllm`; docs/engine-model.md lists every behaviour with the engine's
+source file (or the measurement on the real vLLM) it comes from.
 
 Three layers under it:
 - `emulator.model.EngineModel`: pure scheduler (continuous batching, chunked prefill,
@@ -14,15 +16,18 @@ The prefix cache holds prompt blocks only (not generated text).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import secrets
+import time
 from dataclasses import replace
 from typing import Any
 
 from aiohttp import web
 
-from emulator.engine_config import EngineConfig
+from emulator.engine_config import SGLANG, VLLM, VLLM_VERSION, EngineConfig
+from emulator.kv_publisher import DEFAULT_BUFFER_STEPS, KvEventEmitter, KvEventPublisher
 from emulator.model import EngineModel
 from emulator.runner import EngineStats, ModelRunner, TokenChannel
 from emulator.wire import (
@@ -47,9 +52,9 @@ GENERATE_PATH = "/generate"
 MAX_BODY_BYTES = 64 * 1024 * 1024
 
 
-def error_response(status: int, message: str) -> web.Response:
-    """OpenAI-style error response."""
-    return web.json_response(error_body(status, message), status=status)
+# SGLang's /health generation must see output within this long (SGLANG_HEALTH_CHECK_TIMEOUT,
+# python/sglang/srt/entrypoints/http_server.py), else 503.
+HEALTH_CHECK_TIMEOUT_S = 20.0
 
 
 class Engine:
@@ -58,8 +63,28 @@ class Engine:
     def __init__(self, cfg: EngineConfig) -> None:
         self.cfg = cfg
         self.rng = random.Random(cfg.seed)
-        self.runner = ModelRunner(EngineModel(cfg.profile, random.Random(cfg.seed)))
+        self.publisher = KvEventPublisher(cfg.kv_events) if cfg.kv_events else None
+        emitter = (
+            KvEventEmitter(self.publisher, cfg.profile.block_tokens, cfg.flavor)
+            if self.publisher
+            else None
+        )
+        self.runner = ModelRunner(EngineModel(cfg.profile, random.Random(cfg.seed)), emitter)
         self.stats = EngineStats()
+        self.started_s = 0.0
+        self._health_seq = 0
+
+    def error_response(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        kind: Kind = "chat",
+        err_type: str | None = None,
+    ) -> web.Response:
+        """An error before any stream, in the flavor's shape."""
+        body = error_body(self.cfg, status, message, param, kind, err_type)
+        return web.json_response(body, status=status, dumps=dumps)
 
     # -- plumbing ---------------------------------------------------------------------
 
@@ -67,10 +92,34 @@ class Engine:
         response.headers[ENGINE_ID_HEADER] = self.cfg.name
 
     async def on_startup(self, app: web.Application) -> None:
+        self.started_s = asyncio.get_running_loop().time()
         self.runner.start()
+        if self.publisher is not None:
+            if self.cfg.flavor == SGLANG and self.runner.model.cache.events is not None:
+                # SGLang's radix cache resets at construction, and the scheduler
+                # publishes what the cache recorded with its first batch
+                # (scheduler_metrics_mixin.py _publish_kv_events): seq 0 opens with
+                # AllBlocksCleared, followed by the first request's blocks.
+                self.runner.model.cache.events.append(("cleared",))
+            if self.publisher.cfg.replay_endpoint:
+                # Both engines' ZmqEventPublisher answers replays on a ROUTER socket.
+                app[REPLAY_TASK] = asyncio.create_task(self._serve_replays())
 
     async def on_cleanup(self, app: web.Application) -> None:
         await self.runner.stop()
+        task = app.get(REPLAY_TASK)
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self.publisher is not None:
+            self.publisher.close()
+
+    async def _serve_replays(self) -> None:
+        assert self.publisher is not None
+        while True:
+            self.publisher.serve_replays()
+            await asyncio.sleep(0.05)
 
     async def _serve(self, request: web.Request, kind: Kind) -> web.StreamResponse:
         self.stats.requests_total += 1
@@ -79,16 +128,19 @@ class Engine:
             req = parse_request(kind, await request.read(), self.cfg)
         except BadRequest as exc:
             self.stats.bad_requests_total += 1
-            return error_response(400, exc.message)
+            return self.error_response(exc.status, exc.message, exc.param, kind, exc.err_type)
         faults = self.cfg.faults
         if faults.error_rate and self.rng.random() < faults.error_rate:
             self.stats.injected_errors_total += 1
-            return error_response(500, "injected fault: internal error")
+            return self.error_response(500, "Internal server error: injected fault", kind=kind)
         if faults.stall_rate and self.rng.random() < faults.stall_rate:
             await asyncio.sleep(faults.stall_ms / 1000)
 
-        rid = secrets.token_hex(16)
+        # SGLang's rid is a uuid4 hex; vLLM's ids carry 16 hex digits (chatcmpl-<16>,
+        # tests/fixtures/vllm/sse-chat.txt).
+        rid = secrets.token_hex(16 if self.cfg.flavor == SGLANG else 8)
         self.stats.in_flight += 1
+        self.stats.prompt_tokens += req.input_tokens
         arrival_s = asyncio.get_running_loop().time()
         # finally: a client that disconnects (handler cancelled, or a write that fails)
         # leaves the scheduler at once and is not counted in flight.
@@ -110,7 +162,7 @@ class Engine:
             last_s = self.stats.record(batch, arrival_s, last_s)
             if batch[-1].finished:
                 break
-        body = response_body(req, rid, batch[-1].cached_tokens)
+        body = response_body(req, rid, batch[-1].cached_tokens, self.cfg)
         self.stats.completed_total += 1
         return web.json_response(body, dumps=dumps)
 
@@ -122,17 +174,42 @@ class Engine:
         channel: TokenChannel,
         arrival_s: float,
     ) -> web.StreamResponse:
-        resp = web.StreamResponse(
-            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        # Both engines answer with Starlette's StreamingResponse(media_type=
+        # "text/event-stream"), which adds the charset and no cache header (the real
+        # vLLM's headers: tests/fixtures/vllm/routes.json).
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
+        # vLLM's StreamingResponse sends its headers at once; SGLang runs the generator to
+        # its first output before it answers (serving_chat.py), so they leave with the
+        # first token.
+        if self.cfg.flavor == VLLM:
+            await resp.prepare(request)
+        encoder = StreamEncoder(req, rid, self.cfg)
+        faults = self.cfg.faults
+        fail_after = (
+            faults.stream_error_after
+            if faults.stream_error_rate and self.rng.random() < faults.stream_error_rate
+            else None
         )
-        await resp.prepare(request)  # headers leave now, before prefill
-        encoder = StreamEncoder(req, rid)
         try:
-            last_s, finished = arrival_s, False
+            last_s, finished, written = arrival_s, False, 0
             while not finished:
                 batch = await channel.take()
+                if fail_after is not None and written + len(batch) > fail_after:
+                    batch = batch[: fail_after - written]
+                    out = encoder.encode(batch)[0] if batch else b""
+                    self.stats.injected_errors_total += 1
+                    if not resp.prepared:
+                        await resp.prepare(request)
+                    cached = batch[-1].cached_tokens if batch else 0
+                    error = encoder.error_event(500, "injected fault: stream", fail_after, cached)
+                    await resp.write(out + error)
+                    await resp.write_eof()
+                    return resp
                 last_s = self.stats.record(batch, arrival_s, last_s)
                 out, finished = encoder.encode(batch)
+                written += len(batch)
+                if not resp.prepared:
+                    await resp.prepare(request)
                 await resp.write(out)
             await resp.write_eof()
         except ConnectionResetError:
@@ -153,97 +230,263 @@ class Engine:
         return await self._serve(request, "generate")
 
     async def health(self, request: web.Request) -> web.Response:
+        """SGLang (/health and /health_generate share one handler, http_server.py): 503
+        while starting; then a one-token generation through the scheduler's queue, 200 as
+        soon as the engine produces any output, 503 after HEALTH_CHECK_TIMEOUT_S. With
+        SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false, /health answers at once. vLLM:
+        200 while the engine process lives (serve/instrumentator/health.py)."""
+        if self.cfg.flavor == VLLM:
+            return web.Response(status=200)
+        loop = asyncio.get_running_loop()
+        if loop.time() - self.started_s < self.cfg.warmup_s:
+            return web.Response(status=503)
+        if request.path == "/health" and not self.cfg.health_generation:
+            return web.Response(status=200)
+        self._health_seq += 1
+        rid = f"HEALTH_CHECK_{self._health_seq}"
+        probe = GenRequest("generate", 1, 1, False, False, self.cfg.model)
+        channel = self.runner.submit(rid, probe)
+        try:
+            await asyncio.wait_for(channel.take(), HEALTH_CHECK_TIMEOUT_S)
+            return web.Response(status=200)
+        except TimeoutError:
+            return web.Response(status=503)
+        finally:
+            self.runner.release(rid)
+
+    async def ping(self, request: web.Request) -> web.Response:
+        """SGLang's /ping answers 200 from the HTTP process; vLLM's is its /health."""
         return web.Response(status=200)
 
     async def models(self, request: web.Request) -> web.Response:
-        model = {
+        """Answered without the scheduler in both engines (a probe path that does no work)."""
+        ctx = self.cfg.context_length
+        model: dict[str, Any] = {
             "id": self.cfg.model,
             "object": "model",
-            "created": 0,
-            "owned_by": "sglang",
+            "created": int(time.time()),
+            "owned_by": self.cfg.flavor,
             "root": self.cfg.model,
+            "parent": None,
+            "max_model_len": ctx,
         }
+        if self.cfg.flavor == VLLM:
+            # vLLM's ModelPermission, every field (tests/fixtures/vllm/routes.json).
+            model["permission"] = [
+                {
+                    "id": f"modelperm-{secrets.token_hex(8)}",
+                    "object": "model_permission",
+                    "created": model["created"],
+                    "allow_create_engine": False,
+                    "allow_sampling": True,
+                    "allow_logprobs": True,
+                    "allow_search_indices": False,
+                    "allow_view": True,
+                    "allow_fine_tuning": False,
+                    "organization": "*",
+                    "group": None,
+                    "is_blocking": False,
+                }
+            ]
         return web.json_response({"object": "list", "data": [model]})
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        """SGLang /get_model_info (/model_info): from the HTTP process."""
+        return web.json_response(
+            {
+                "model_path": self.cfg.model,
+                "tokenizer_path": self.cfg.model,
+                "is_generation": True,
+                "preferred_sampling_params": None,
+                "weight_version": "default",
+            }
+        )
 
     def _load(self) -> dict[str, Any]:
         m = self.runner.model
         cap = self.cfg.profile.kv_capacity_tokens
+        # SGLang: used = total - (available + evictable): cached blocks nobody holds are
+        # free to reuse and do not count (scheduler_runtime_checker_mixin.py).
+        used = m.used_tokens - m.cache.evictable_tokens
         return {
+            "dp_rank": 0,
             "num_running_reqs": m.num_running,
             "num_waiting_reqs": m.num_waiting,
-            "num_used_tokens": m.used_tokens,
+            "num_used_tokens": used,
+            "num_total_tokens": used,
             "max_total_num_tokens": cap,
-            "token_usage": round(m.used_tokens / cap, 6),
+            "token_usage": round(used / cap, 6),
             "cache_hit_rate": round(m.cache_hit_rate, 6),
+            "max_running_requests": self.cfg.profile.max_running_requests,
         }
 
     async def loads(self, request: web.Request) -> web.Response:
-        return web.json_response({"loads": [{"dp_rank": 0, **self._load()}]})
+        """SGLang /v1/loads (v1_loads.py)."""
+        return web.json_response(
+            {
+                "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "version": "emulated",
+                "accelerator": None,
+                "num_accelerators": 1,
+                "loads": [self._load()],
+            }
+        )
+
+    async def get_load(self, request: web.Request) -> web.Response:
+        """SGLang /get_load: per DP rank, requests and tokens."""
+        load = self._load()
+        return web.json_response(
+            [
+                {
+                    "dp_rank": 0,
+                    "num_reqs": load["num_running_reqs"] + load["num_waiting_reqs"],
+                    "num_waiting_reqs": load["num_waiting_reqs"],
+                    "num_tokens": load["num_used_tokens"],
+                }
+            ]
+        )
+
+    async def vllm_load(self, request: web.Request) -> web.Response:
+        """vLLM /load: {"server_load": requests in flight} (serve/instrumentator/basic.py)."""
+        return web.json_response({"server_load": self.stats.in_flight})
+
+    async def version(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": VLLM_VERSION})
+
+    async def kv_event_sources(self, request: web.Request) -> web.Response:
+        """vLLM /kv_event_sources: the --kv-events-config per DP rank, as given (the real
+        one: tests/fixtures/vllm/routes.json; vLLM's KVEventsConfig defaults otherwise)."""
+        kv = self.cfg.kv_events
+        return web.json_response(
+            {
+                "0": {
+                    "enable_kv_cache_events": kv is not None,
+                    "publisher": "null" if kv is None else "zmq",
+                    "endpoint": "tcp://*:5557" if kv is None else kv.endpoint,
+                    "replay_endpoint": (kv.replay_endpoint or None) if kv else None,
+                    "buffer_steps": DEFAULT_BUFFER_STEPS if kv is None else kv.buffer_steps,
+                    "hwm": 100_000,
+                    "max_queue_size": 100_000,
+                    "topic": "" if kv is None else kv.topic,
+                }
+            }
+        )
 
     async def server_info(self, request: web.Request) -> web.Response:
         p = self.cfg.profile
         return web.json_response(
             {
                 "name": self.cfg.name,
+                "flavor": self.cfg.flavor,
                 "model_path": self.cfg.model,
+                "served_model_name": self.cfg.model,
                 "engine_profile": p.name,
                 "tokenizer": self.cfg.tokenizer.name,
                 "max_total_num_tokens": p.kv_capacity_tokens,
                 "max_running_requests": p.max_running_requests,
                 "chunked_prefill_size": p.chunk_tokens,
                 "page_size": p.block_tokens,
+                "context_length": self.cfg.context_length,
+                "enable_cache_report": self.cfg.cache_report,
+                "enable_metrics": self.cfg.enable_metrics,
+                "kv_events_config": None
+                if self.cfg.kv_events is None
+                else vars(self.cfg.kv_events),
                 "faults": vars(self.cfg.faults),
-                "load": self._load(),
+                "internal_states": [{"load": self._load()}],
                 "timing": self.stats.timing(),
+                "version": "emulated",
             }
         )
 
     async def flush_cache(self, request: web.Request) -> web.Response:
-        freed = self.runner.model.flush_cache()
-        return web.Response(text=f"Cache flushed ({freed} tokens freed).\n")
+        """SGLang /flush_cache: refused (400) while requests run, as the scheduler does;
+        vLLM's dev-mode /reset_prefix_cache answers {"success": true}
+        (tests/fixtures/vllm/timings-reset.json). The KV events of the reset are not
+        published now: both engines publish cache events with their next scheduled step
+        (the real vLLM sends AllBlocksCleared in one message with the next BlockStored,
+        kv_events-reset.jsonl)."""
+        m = self.runner.model
+        if self.cfg.flavor == SGLANG and (m.num_running or m.num_waiting):
+            return web.Response(status=400, text=FLUSH_TEXT)
+        freed = m.flush_cache()
+        if self.cfg.flavor == VLLM:
+            return web.json_response({"success": True})
+        return web.Response(text=f"{FLUSH_TEXT}({freed} tokens freed.)\n")
 
     async def set_faults(self, request: web.Request) -> web.Response:
-        """POST /faults {"error_rate": .., "stall_rate": .., "stall_ms": ..}."""
+        """POST /faults {"error_rate": .., "stall_rate": .., "stall_ms": .., ...}."""
         try:
             raw = await request.json()
         except ValueError:
-            return error_response(400, "body must be a JSON object")
+            return self.error_response(400, "body must be a JSON object")
         if not isinstance(raw, dict):
-            return error_response(400, "body must be a JSON object")
+            return self.error_response(400, "body must be a JSON object")
         known = set(vars(self.cfg.faults))
         unknown = sorted(set(raw) - known)
         if unknown:
-            return error_response(400, f"unknown fault {unknown[0]!r} (known: {sorted(known)})")
+            return self.error_response(
+                400, f"unknown fault {unknown[0]!r} (known: {sorted(known)})"
+            )
         faults = replace(self.cfg.faults, **raw)
         try:
             faults.validate()
         except ValueError as e:
-            return error_response(400, str(e))
+            return self.error_response(400, str(e))
         self.cfg.faults = faults
         return web.json_response(vars(faults))
 
     async def metrics(self, request: web.Request) -> web.Response:
-        labels = f'model_name="{self.cfg.model}",engine_id="{self.cfg.name}"'
+        """Prometheus text with each engine's names and labels: SGLang's scheduler gauges
+        carry model_name, engine_type, tp_rank, pp_rank (metrics/collector.py); vLLM's
+        model_name and engine (v1/metrics/loggers.py)."""
+        if self.cfg.flavor == SGLANG and not self.cfg.enable_metrics:
+            raise web.HTTPNotFound()  # SGLang mounts /metrics only with --enable-metrics
         load = self._load()
-        lines = []
-        for name, value in (
-            ("sglang:num_running_reqs", load["num_running_reqs"]),
-            ("sglang:num_queue_reqs", load["num_waiting_reqs"]),
-            ("sglang:num_used_tokens", load["num_used_tokens"]),
-            ("sglang:max_total_num_tokens", load["max_total_num_tokens"]),
-            ("sglang:token_usage", load["token_usage"]),
-            ("sglang:cache_hit_rate", load["cache_hit_rate"]),
-        ):
-            lines += [f"# TYPE {name} gauge", f"{name}{{{labels}}} {value}"]
+        m = self.runner.model
         s = self.stats
-        for name, value in (
-            ("sglang:prompt_tokens_total", self.runner.model.stats.prompt_tokens),
-            ("sglang:generation_tokens_total", s.tokens_written),
-            ("sglang:num_requests_total", s.requests_total),
-        ):
+        gauges: tuple[tuple[str, Any], ...]
+        counters: tuple[tuple[str, int], ...]
+        if self.cfg.flavor == SGLANG:
+            labels = f'model_name="{self.cfg.model}",engine_type="unified",tp_rank="0",pp_rank="0"'
+            gauges = (
+                ("sglang:num_running_reqs", load["num_running_reqs"]),
+                ("sglang:num_queue_reqs", load["num_waiting_reqs"]),
+                ("sglang:num_used_tokens", load["num_used_tokens"]),
+                ("sglang:max_total_num_tokens", load["max_total_num_tokens"]),
+                ("sglang:token_usage", load["token_usage"]),
+                ("sglang:cache_hit_rate", load["cache_hit_rate"]),
+            )
+            counters = (
+                ("sglang:prompt_tokens_total", s.prompt_tokens),
+                ("sglang:generation_tokens_total", s.tokens_written),
+                ("sglang:cached_tokens_total", m.stats.cached_tokens),
+                ("sglang:num_requests_total", s.requests_total),
+            )
+            ttft, itl = "sglang:time_to_first_token_seconds", "sglang:inter_token_latency_seconds"
+        else:
+            labels = f'engine="0",model_name="{self.cfg.model}"'
+            gauges = (
+                ("vllm:num_requests_running", load["num_running_reqs"]),
+                ("vllm:num_requests_waiting", load["num_waiting_reqs"]),
+                ("vllm:kv_cache_usage_perc", load["token_usage"]),
+            )
+            counters = (
+                ("vllm:prompt_tokens_total", s.prompt_tokens),
+                ("vllm:generation_tokens_total", s.tokens_written),
+                ("vllm:prefix_cache_queries_total", m.stats.prompt_tokens),
+                ("vllm:prefix_cache_hits_total", m.stats.cached_tokens),
+                ("vllm:prompt_tokens_cached_total", m.stats.cached_tokens),
+            )
+            ttft, itl = "vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds"
+        lines = []
+        for name, value in gauges:
+            lines += [f"# TYPE {name} gauge", f"{name}{{{labels}}} {value}"]
+        for name, value in counters:
+            # prometheus_client (both engines) declares a counter by its _total name.
             lines += [f"# TYPE {name} counter", f"{name}{{{labels}}} {value}"]
-        lines += s.ttft_s.prometheus("sglang:time_to_first_token_seconds", labels)
-        lines += s.itl_s.prometheus("sglang:inter_token_latency_seconds", labels)
+        lines += s.ttft_s.prometheus(ttft, labels)
+        lines += s.itl_s.prometheus(itl, labels)
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
     async def stats_handler(self, request: web.Request) -> web.Response:
@@ -261,6 +504,13 @@ class Engine:
         )
 
 
+FLUSH_TEXT = (
+    "Cache flushed.\nPlease check backend logs for more details. (When there are running or "
+    "waiting requests, the operation will not be performed.)\n"
+)
+REPLAY_TASK: web.AppKey[asyncio.Task[None]] = web.AppKey("gorgo_kv_replay", asyncio.Task)
+
+
 ENGINE_KEY: web.AppKey[Engine] = web.AppKey("gorgo_engine", Engine)
 
 
@@ -274,14 +524,27 @@ def make_app(cfg: EngineConfig) -> web.Application:
     app.on_cleanup.append(engine.on_cleanup)
     app.router.add_post(CHAT_PATH, engine.chat)
     app.router.add_post(COMPLETIONS_PATH, engine.completions)
-    app.router.add_post(GENERATE_PATH, engine.generate)
     app.router.add_get("/health", engine.health)
     app.router.add_get("/v1/models", engine.models)
-    app.router.add_get("/v1/loads", engine.loads)
-    app.router.add_get("/server_info", engine.server_info)
-    app.router.add_get("/get_server_info", engine.server_info)
-    app.router.add_post("/flush_cache", engine.flush_cache)
     app.router.add_get("/metrics", engine.metrics)
+    app.router.add_get("/server_info", engine.server_info)
+    if cfg.flavor == SGLANG:
+        app.router.add_post(GENERATE_PATH, engine.generate)
+        app.router.add_get("/health_generate", engine.health)
+        app.router.add_get("/ping", engine.ping)
+        app.router.add_get("/get_model_info", engine.model_info)
+        app.router.add_get("/model_info", engine.model_info)
+        app.router.add_get("/v1/loads", engine.loads)
+        app.router.add_get("/get_load", engine.get_load)
+        app.router.add_get("/get_server_info", engine.server_info)
+        app.router.add_route("*", "/flush_cache", engine.flush_cache)
+    else:
+        app.router.add_get("/ping", engine.health)
+        app.router.add_get("/load", engine.vllm_load)
+        app.router.add_get("/version", engine.version)
+        app.router.add_get("/kv_event_sources", engine.kv_event_sources)
+        app.router.add_post("/reset_prefix_cache", engine.flush_cache)
+    # The emulator's own: fault injection and counters (no engine has them).
     app.router.add_post("/faults", engine.set_faults)
     app.router.add_get("/stats", engine.stats_handler)
     return app

@@ -1,5 +1,6 @@
-"""What one emulated engine is configured with: backend id, engine profile, token limits,
-served model name, tokenizer and fault injection."""
+"""What one emulated engine is configured with: which engine it is the twin of (flavor),
+backend id, engine profile, token limits, served model name, tokenizer, the engine's own
+launch options (cache report, metrics, KV events) and fault injection."""
 
 from __future__ import annotations
 
@@ -7,8 +8,17 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from emulator.kv_publisher import KvEventsConfig
 from ext_proc.profile import DEFAULT_PROFILE, EngineProfile, load_profile
 from ext_proc.tokens import APPROX, Tokenizer
+
+SGLANG, VLLM = "sglang", "vllm"
+FLAVORS = (SGLANG, VLLM)
+# The vLLM release the vllm flavor is the twin of (../shared/real-engines.md).
+VLLM_VERSION = "0.32.0"
+# The engines' default page (block) sizes: SGLang 1 token (server_args.py), vLLM 128 on
+# this machine's CPU build (../shared/real-engines.md: hits in 128-token blocks).
+DEFAULT_PAGE_TOKENS = {SGLANG: 1, VLLM: 128}
 
 
 def zero_delay_profile(base: EngineProfile) -> EngineProfile:
@@ -36,9 +46,21 @@ class Faults:
     # Share of generation requests held for stall_ms before they reach the scheduler.
     stall_rate: float = 0.0
     stall_ms: float = 0.0
+    # Share of streamed requests that fail inside their HTTP 200 stream: an error event
+    # after stream_error_after tokens (0: as the first chunk), then [DONE].
+    stream_error_rate: float = 0.0
+    stream_error_after: int = 0
 
     def validate(self) -> None:
-        for key in ("error_rate", "stall_rate"):
+        if (
+            isinstance(self.stream_error_after, bool)
+            or not isinstance(self.stream_error_after, int)
+            or self.stream_error_after < 0
+        ):
+            raise ValueError(
+                f"stream_error_after must be an integer >= 0, got {self.stream_error_after!r}"
+            )
+        for key in ("error_rate", "stall_rate", "stream_error_rate"):
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v <= 1:
                 raise ValueError(f"{key} must be a number in [0, 1], got {v!r}")
@@ -59,10 +81,31 @@ class EngineConfig:
     seed: int = 0  # step-time jitter and fault draws
     tokenizer: Tokenizer = APPROX
     faults: Faults = field(default_factory=Faults)
+    # Which engine this is the twin of: sglang or vllm.
+    flavor: str = SGLANG
+    # prompt_tokens_details in usage: SGLang --enable-cache-report, vLLM
+    # --enable-prompt-tokens-details.
+    cache_report: bool = False
+    # Usage in every stream, asked for or not: SGLang --stream-response-default-include-
+    # usage, vLLM --enable-force-include-usage.
+    default_include_usage: bool = False
+    # /metrics: SGLang only with --enable-metrics; vLLM always.
+    enable_metrics: bool = False
+    # Longest prompt + output: SGLang --context-length, vLLM --max-model-len (None: the
+    # model's, unbounded here).
+    context_length: int | None = None
+    # --kv-events-config (None: no events).
+    kv_events: KvEventsConfig | None = None
+    # SGLang: /health answers 503 for this long after start (its warmup), then runs a
+    # one-token generation per call unless SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false.
+    warmup_s: float = 0.0
+    health_generation: bool = True
 
     def __post_init__(self) -> None:
         if not self.name:
             raise ValueError("EngineConfig.name must be a non-empty backend id")
+        if self.flavor not in FLAVORS:
+            raise ValueError(f"flavor must be one of {', '.join(FLAVORS)}, got {self.flavor!r}")
         if self.max_tokens_cap < 1:
             raise ValueError(f"EngineConfig.max_tokens_cap must be >= 1, got {self.max_tokens_cap}")
         if self.default_max_tokens < 1:

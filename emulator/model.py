@@ -28,6 +28,7 @@ import random
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from ext_proc.profile import EngineProfile
 
@@ -50,6 +51,9 @@ class PrefixCache:
     def __init__(self, block_tokens: int) -> None:
         self.block_tokens = block_tokens
         self.nodes: dict[int, _Node] = {}
+        # When not None, what changes is recorded here in order, for the engine's KV
+        # events: ("stored", hash, parent), ("removed", hash), ("cleared",).
+        self.events: list[tuple[Any, ...]] | None = None
         # Eviction candidates (unpinned leaves), oldest first; stale entries are skipped.
         self._lru: list[tuple[float, int, int]] = []
         self._seq = 0
@@ -81,6 +85,8 @@ class PrefixCache:
                 self.nodes[h] = node
                 if parent is not None:
                     self.nodes[parent].children += 1
+                if self.events is not None:
+                    self.events.append(("stored", h, parent))
             node.refs += 1
             node.last_used_s = now_s
             parent = h
@@ -105,6 +111,8 @@ class PrefixCache:
                 continue  # stale entry
             del self.nodes[h]
             freed += self.block_tokens
+            if self.events is not None:
+                self.events.append(("removed", h))
             if node.parent is not None:
                 parent = self.nodes[node.parent]
                 parent.children -= 1
@@ -112,12 +120,17 @@ class PrefixCache:
         return freed
 
     def clear_unpinned(self) -> int:
+        mark = None if self.events is None else len(self.events)
         freed = 0
         while True:
             got = self.evict(len(self.nodes) * self.block_tokens or 1)
             freed += got
             if not got:
-                return freed
+                break
+        if mark is not None and self.events is not None and not self.nodes:
+            del self.events[mark:]  # everything went: one event says so
+            self.events.append(("cleared",))
+        return freed
 
     def _maybe_candidate(self, h: int, node: _Node) -> None:
         if node.refs == 0 and node.children == 0:

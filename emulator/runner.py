@@ -13,6 +13,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from emulator.kv_publisher import KvEventEmitter
 from emulator.model import Emission, EngineModel
 from emulator.wire import GenRequest
 
@@ -69,6 +70,9 @@ class EngineStats:
     in_flight: int = 0  # valid requests being prefilled or decoded
     requests_by_path: Counter[str] = field(default_factory=Counter)
     tokens_written: int = 0
+    # Prompt tokens of the generation requests served (SGLang's health probe is sent with
+    # log_metrics=False: not in sglang:prompt_tokens_total).
+    prompt_tokens: int = 0
     # How late each token left relative to the model's schedule (ms).
     lag_ms: deque[float] = field(default_factory=lambda: deque(maxlen=LAG_SAMPLES))
     ttft_s: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS_S))
@@ -139,9 +143,14 @@ class ModelRunner:
     """Drives the engine model on the event loop's clock. One task sleeps until the
     running step ends, advances the model, and hands each emission to its request."""
 
-    def __init__(self, model: EngineModel) -> None:
+    def __init__(self, model: EngineModel, events: KvEventEmitter | None = None) -> None:
         self.model = model
+        # KV events: the model records its cache changes, published after each step.
+        self.events = events
+        if events is not None:
+            model.cache.events = []
         self._channels: dict[str, TokenChannel] = {}
+        self._blocks: dict[str, tuple[int, ...]] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -158,6 +167,9 @@ class ModelRunner:
         channel = TokenChannel()
         self._channels[rid] = channel
         now = asyncio.get_running_loop().time()
+        if self.events is not None:
+            self.events.register(req.blocks, req.token_ids)
+            self._blocks[rid] = req.blocks
         self.model.submit(rid, req.input_tokens, max(1, req.output_tokens), req.blocks, now)
         self._wake.set()
         return channel
@@ -166,7 +178,19 @@ class ModelRunner:
         """The handler is done with rid (finished, or the client went away)."""
         if self._channels.pop(rid, None) is not None:
             self.model.cancel(rid, asyncio.get_running_loop().time())
+            if self.events is not None:
+                self.events.unregister(self._blocks.pop(rid, ()))
             self._wake.set()
+
+    def publish_events(self) -> None:
+        """Publish what the cache recorded since the last call (one batch). Called when a
+        step ends, as the engines publish with each scheduled step (SGLang
+        scheduler_metrics_mixin.py _publish_kv_events; vLLM with the step's outputs):
+        what admission or a flush changed goes with the next step's batch."""
+        changes = self.model.cache.events
+        if self.events is not None and changes:
+            self.model.cache.events = []
+            self.events.emit(changes)
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -185,3 +209,4 @@ class ModelRunner:
                 channel = self._channels.get(e.rid)
                 if channel is not None:
                     channel.push(e)
+            self.publish_events()

@@ -7,8 +7,10 @@ benchmarks, so they all exercise the same wiring.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
+import os
 import shutil
 import signal
 import socket
@@ -28,6 +30,7 @@ import yaml
 from ext_proc.config import Config, config_as_dict, config_from_dict
 from ext_proc.envoy_config import render_envoy_config
 from ext_proc.files import write_atomic
+from ext_proc.profile import DEFAULT_PROFILE, load_profile
 
 
 @dataclass(frozen=True)
@@ -147,6 +150,15 @@ class StackSettings:
     ports: StackPorts = field(default_factory=StackPorts)
     # Engine timing; zero_delay makes an engine answer at once (overhead benchmarks).
     engine_args: Sequence[str] = ()
+    # Which engine the emulated backends are the twin of: "sglang" or "vllm". Each runs
+    # with the flags the router relies on (metrics, cache report), as a real fleet should.
+    flavor: str = "sglang"
+    # Real vLLM instances (CPU, a tiny local model built on first use) instead of emulated
+    # engines, from this virtual environment (`make vllm` makes it); the regions listed
+    # get a small KV pool, so queueing and eviction show.
+    real_engine: bool = False
+    vllm_venv: Path = Path(__file__).resolve().parents[1] / ".venv-vllm"
+    vllm_small_pool: Sequence[int] = (1,)
     workdir: Path | None = None
     # False: Envoy reaches the engines directly (benchmarks that measure the proxy alone).
     wan_links: bool = True
@@ -167,6 +179,8 @@ class StackSettings:
     # Router settings the tests and benchmarks tune (see ext_proc/config.py).
     probe_interval_s: float = 2.0
     metrics_interval_s: float = 0.0
+    # "" = each engine's path that does no work (ext_proc/config.py PROBE_PATH).
+    probe_path: str = ""
     seed: int = 0
 
     def backend_port(self, i: int) -> int:
@@ -183,6 +197,7 @@ class StackSettings:
                 "probes": {
                     "interval_s": self.probe_interval_s,
                     "metrics_interval_s": self.metrics_interval_s,
+                    "path": self.probe_path,
                 },
                 "envoy": {
                     "listen": f"127.0.0.1:{p.front_door}",
@@ -193,6 +208,7 @@ class StackSettings:
                     {
                         "id": r.id,
                         "address": f"127.0.0.1:{self.backend_port(i)}",
+                        "engine": "vllm" if self.real_engine else self.flavor,
                         "rtt_prior_ms": r.rtt_ms,
                         **({"engine_profile": self.engine_profile} if self.engine_profile else {}),
                     }
@@ -204,6 +220,11 @@ class StackSettings:
 
 class StackError(RuntimeError):
     pass
+
+
+# A real vLLM takes ~30 s to a healthy /health here, ~35 s with another starting beside it
+# (tests/fixtures/vllm/README.md): room for three at once on two cores.
+VLLM_START_S = 240.0
 
 
 class Stack:
@@ -222,6 +243,10 @@ class Stack:
         self.wan_control_ports = free_ports(len(settings.regions)) if settings.wan_control else []
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self._logs: dict[str, IO[bytes]] = {}
+        # Real vLLM engines publish their KV events to these loopback ports (the engine
+        # connects; a subscriber binds), one per region.
+        self.kv_ports = free_ports(len(settings.regions)) if settings.real_engine else []
+        self._groups: list[int] = []
 
     # -- URLs ---------------------------------------------------------------------------
 
@@ -275,7 +300,11 @@ class Stack:
                 + " (another `gorgo up` running? stop it, or free the ports)"
             )
 
-    def _spawn(self, name: str, argv: list[str]) -> None:
+    def _spawn(
+        self, name: str, argv: list[str], env: dict[str, str] | None = None, group: bool = False
+    ) -> None:
+        """group: the child leads a process group of its own, which stop() ends whole (a
+        real vLLM spawns its engine core and workers)."""
         log = open(self.workdir / f"{name}.log", "ab")  # noqa: SIM115 - closed in stop()
         self._logs[name] = log
         self.procs[name] = subprocess.Popen(
@@ -283,13 +312,20 @@ class Stack:
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
+            env=None if env is None else {**os.environ, **env},
             preexec_fn=_die_with_parent,
+            start_new_session=group,
         )
+        if group:
+            self._groups.append(self.procs[name].pid)
 
     def _gorgo(self, *args: str) -> list[str]:
         return [sys.executable, "-m", "ext_proc.cli", *args]
 
     def start_engine(self, i: int) -> None:
+        if self.settings.real_engine:
+            self.start_vllm(i)
+            return
         r = self.settings.regions[i]
         port = self.settings.ports.engine(i)
         self._spawn(
@@ -303,9 +339,46 @@ class Stack:
                 "--seed",
                 str(self.settings.seed + i),
                 *(["--profile", p] if (p := self.settings.engine_profile) else []),
+                *self.flavor_flags(),
                 *self.settings.engine_args,
             ),
         )  # fmt: skip
+
+    def flavor_flags(self) -> list[str]:
+        """The real engine's flags the router relies on: cached-token reports, metrics, and
+        the profile's cache granularity (the engines' own defaults, 1-token pages for
+        SGLang, would make the emulator's radix cache needlessly fine)."""
+        page = str(load_profile(self.settings.engine_profile or DEFAULT_PROFILE).block_tokens)
+        if self.settings.flavor == "vllm":
+            return ["--flavor", "vllm", "--block-size", page, "--enable-prompt-tokens-details"]
+        return ["--flavor", "sglang", "--page-size", page, "--enable-cache-report",
+                "--enable-metrics"]  # fmt: skip
+
+    def start_vllm(self, i: int) -> None:
+        """A real vLLM serving the tiny model, on core i % cores (the default binds every
+        instance to core 0)."""
+        from emulator.vllm.serve import EngineSpec
+        from emulator.vllm.tiny import ensure_tiny_model
+
+        venv = self.settings.vllm_venv
+        if not (venv / "bin" / "python").exists():
+            raise StackError(f"no vLLM environment at {venv}: run `make vllm` first")
+        small = i in self.settings.vllm_small_pool
+        spec = EngineSpec(
+            venv=venv,
+            model=ensure_tiny_model(venv),
+            port=self.settings.ports.engine(i),
+            kv_port=self.kv_ports[i],
+            work_dir=self.workdir / f"vllm-{self.settings.regions[i].id}",
+            threads_bind=str(i % (os.cpu_count() or 1)),
+            # 160 blocks of 32 tokens: 5,120 tokens, just over max_model_len / block_size
+            block_size=32 if small else None,
+            num_blocks=160 if small else None,
+        )
+        for d in ("cache", "tmp"):
+            (spec.work_dir / d).mkdir(parents=True, exist_ok=True)
+        name = f"engine-{self.settings.regions[i].id}"
+        self._spawn(name, spec.argv(), spec.env_overrides(), group=True)
 
     def start_wan(self, i: int) -> None:
         r = self.settings.regions[i]
@@ -351,6 +424,8 @@ class Stack:
         write_atomic(self.workdir / "envoy.yaml", render_envoy_config(self.config))
 
     def start(self, timeout_s: float = 30.0) -> None:
+        if self.settings.real_engine:
+            timeout_s = max(timeout_s, VLLM_START_S)
         self.check_ports()
         self.write_configs()
         try:
@@ -415,6 +490,10 @@ class Stack:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        for pgid in self._groups:  # what a real vLLM left of its engine core and workers
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pgid, signal.SIGKILL)
+        self._groups.clear()
         self.procs.clear()
         for log in self._logs.values():
             log.close()

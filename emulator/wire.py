@@ -9,14 +9,15 @@ The engine always emits exactly max_tokens tokens (as with `ignore_eos`); each t
 
 from __future__ import annotations
 
+import hashlib
 import json
-import secrets
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from http import HTTPStatus
 from typing import Any, Literal
 
-from emulator.engine_config import EngineConfig
+from emulator.engine_config import SGLANG, VLLM, VLLM_VERSION, EngineConfig
 from emulator.model import Emission
 from ext_proc.tokens import block_hashes_of_ids, render_chat
 
@@ -26,11 +27,30 @@ Kind = Literal["chat", "completion", "generate"]
 
 
 class BadRequest(Exception):
-    """Invalid request body; `message` names what is wrong. Answered with HTTP 400."""
+    """Invalid request; `message` names what is wrong, `param` the field (vLLM says which),
+    `err_type` the error type the engines write. Answered with HTTP 400."""
 
-    def __init__(self, message: str) -> None:
+    status = 400
+    err_type = "BadRequestError"
+
+    def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.message = message
+        self.param = param
+
+
+class InvalidBody(BadRequest):
+    """A body that does not fit the request schema (not JSON, a missing field, a wrong
+    type). Both engines answer it from their RequestValidationError handler with type "Bad
+    Request" (SGLang http_server.py; vLLM serve/exception_handling/handlers/validation.py),
+    vLLM naming the field as "body.<loc>" (tests/fixtures/vllm/errors.json)."""
+
+    err_type = "Bad Request"
+
+    def __init__(self, message: str, loc: str = "") -> None:
+        # pydantic's loc: messages[0].role -> body.messages.0.role
+        dotted = loc.replace("[", ".").replace("]", "")
+        super().__init__(message, f"body.{dotted}" if dotted else "body")
 
 
 @dataclass(frozen=True)
@@ -45,18 +65,25 @@ class GenRequest:
     model: str
     # Chained hashes of the prompt's full cache blocks (what the prefix cache matches).
     blocks: tuple[int, ...] = ()
+    # The prompt's token ids, when the engine publishes KV events (they carry them).
+    token_ids: tuple[int, ...] = ()
 
 
-def _text_prompt(text: str, cfg: EngineConfig, field: str) -> tuple[int, tuple[int, ...]]:
+Prompt = tuple[int, tuple[int, ...], tuple[int, ...]]  # tokens, block hashes, token ids
+
+
+def _text_prompt(text: str, cfg: EngineConfig, field: str) -> Prompt:
     tok = cfg.tokenizer
     n = tok.count(text)
     if n == 0:
         raise BadRequest(f"'{field}' is empty: a prompt needs at least one token")
-    return n, tuple(tok.block_hashes(text, cfg.profile.block_tokens))
+    # Token ids only when KV events must carry them (a 128k prompt is 128k ints).
+    ids = tuple(tok.ids(text)) if cfg.kv_events is not None else ()
+    return n, tuple(tok.block_hashes(text, cfg.profile.block_tokens)), ids
 
 
-def _ids_prompt(ids: list[int], cfg: EngineConfig) -> tuple[int, tuple[int, ...]]:
-    return len(ids), tuple(block_hashes_of_ids(ids, cfg.profile.block_tokens))
+def _ids_prompt(ids: list[int], cfg: EngineConfig) -> Prompt:
+    return len(ids), tuple(block_hashes_of_ids(ids, cfg.profile.block_tokens)), tuple(ids)
 
 
 def _is_int(value: Any) -> bool:
@@ -68,7 +95,9 @@ def _opt_bool(body: Mapping[str, Any], key: str, where: str = "") -> bool:
     if value is None:
         return False
     if not isinstance(value, bool):
-        raise BadRequest(f"'{where}{key}' must be a boolean, got {type(value).__name__}")
+        raise InvalidBody(
+            f"'{where}{key}' must be a boolean, got {type(value).__name__}", where + key
+        )
     return value
 
 
@@ -77,19 +106,34 @@ def _opt_int(body: Mapping[str, Any], key: str, minimum: int, where: str = "") -
     if value is None:
         return None
     if not _is_int(value):
-        raise BadRequest(f"'{where}{key}' must be an integer, got {type(value).__name__}")
+        raise InvalidBody(
+            f"'{where}{key}' must be an integer, got {type(value).__name__}", where + key
+        )
     if value < minimum:
-        raise BadRequest(f"'{where}{key}' must be >= {minimum}, got {value}")
+        raise BadRequest(f"'{where}{key}' must be >= {minimum}, got {value}", where + key)
     return int(value)
+
+
+class UnknownModel(BadRequest):
+    """vLLM answers a request for a model it does not serve with 404 (SGLang accepts any
+    name and echoes it)."""
+
+    status = 404
+    err_type = "NotFoundError"
 
 
 def _model(body: Mapping[str, Any], cfg: EngineConfig) -> str:
     value = body.get("model")
     if value is None:
-        return cfg.model
+        return cfg.model if cfg.flavor == VLLM else "default"
     if not isinstance(value, str):
-        raise BadRequest(f"'model' must be a string, got {type(value).__name__}")
-    return value or cfg.model
+        raise InvalidBody(f"'model' must be a string, got {type(value).__name__}", "model")
+    if cfg.flavor == VLLM and value != cfg.model:
+        # The real one's words (tests/fixtures/vllm/errors.json).
+        raise UnknownModel(
+            f"The model `{value}` does not exist. Valid aliases: {cfg.model}.", "model"
+        )
+    return value
 
 
 def _openai_common(body: Mapping[str, Any], cfg: EngineConfig) -> tuple[int, bool, bool, str]:
@@ -101,91 +145,118 @@ def _openai_common(body: Mapping[str, Any], cfg: EngineConfig) -> tuple[int, boo
         max_tokens = cfg.default_max_tokens
     stream = _opt_bool(body, "stream")
     options = body.get("stream_options")
-    include_usage = False
+    include_usage = cfg.default_include_usage
     if options is not None:
         if not isinstance(options, Mapping):
-            raise BadRequest(f"'stream_options' must be an object, got {type(options).__name__}")
-        include_usage = _opt_bool(options, "include_usage", "stream_options.")
+            raise InvalidBody(
+                f"'stream_options' must be an object, got {type(options).__name__}",
+                "stream_options",
+            )
+        asked = _opt_bool(options, "include_usage", "stream_options.")
+        if cfg.flavor == VLLM and "include_usage" not in options:
+            asked = True  # vLLM's StreamOptions.include_usage defaults to true
+        include_usage = asked or include_usage
     return min(max_tokens, cfg.max_tokens_cap), stream, include_usage, _model(body, cfg)
 
 
 def _token_ids(value: list[Any], field: str) -> list[int]:
     """A list of token ids counts one token per id."""
     if not all(_is_int(t) for t in value):
-        raise BadRequest(f"'{field}' must be a list of integer token ids")
+        raise InvalidBody(f"'{field}' must be a list of integer token ids", field)
     return value
 
 
 def parse_chat(body: Any, cfg: EngineConfig) -> GenRequest:
     """Validate a /v1/chat/completions body; input tokens = tokens of the rendered chat."""
     if not isinstance(body, Mapping):
-        raise BadRequest(f"request body must be a JSON object, got {type(body).__name__}")
+        raise InvalidBody(f"request body must be a JSON object, got {type(body).__name__}")
     messages = body.get("messages")
     if messages is None:
-        raise BadRequest("missing required field 'messages'")
-    if not isinstance(messages, list) or not messages:
-        raise BadRequest("'messages' must be a non-empty list of message objects")
+        raise InvalidBody("missing required field 'messages'", "messages")
+    if not isinstance(messages, list):
+        raise InvalidBody("'messages' must be a non-empty list of message objects", "messages")
+    if not messages:
+        raise BadRequest("'messages' must be a non-empty list of message objects", "messages")
     for i, message in enumerate(messages):
         if not isinstance(message, Mapping):
-            raise BadRequest(f"'messages[{i}]' must be an object, got {type(message).__name__}")
+            raise InvalidBody(
+                f"'messages[{i}]' must be an object, got {type(message).__name__}",
+                f"messages[{i}]",
+            )
         if not isinstance(message.get("role"), str):
-            raise BadRequest(f"'messages[{i}].role' must be a string")
+            raise InvalidBody(f"'messages[{i}].role' must be a string", f"messages[{i}].role")
         content = message.get("content")
         if content is not None and not isinstance(content, str | list):
-            raise BadRequest(
+            raise InvalidBody(
                 f"'messages[{i}].content' must be a string, a list of parts or null, "
-                f"got {type(content).__name__}"
+                f"got {type(content).__name__}",
+                f"messages[{i}].content",
             )
     max_tokens, stream, include_usage, model = _openai_common(body, cfg)
-    input_tokens, blocks = _text_prompt(render_chat(messages), cfg, "messages")
-    return GenRequest("chat", input_tokens, max_tokens, stream, include_usage, model, blocks)
+    input_tokens, blocks, ids = _text_prompt(render_chat(messages), cfg, "messages")
+    return GenRequest("chat", input_tokens, max_tokens, stream, include_usage, model, blocks, ids)
 
 
 def parse_completion(body: Any, cfg: EngineConfig) -> GenRequest:
     """Validate a /v1/completions body. `prompt` is a string, a list of strings (counted as
     their concatenation: the emulator answers one choice), or a list of token ids."""
     if not isinstance(body, Mapping):
-        raise BadRequest(f"request body must be a JSON object, got {type(body).__name__}")
+        raise InvalidBody(f"request body must be a JSON object, got {type(body).__name__}")
     prompt = body.get("prompt")
     if prompt is None:
-        raise BadRequest("missing required field 'prompt'")
+        raise InvalidBody("missing required field 'prompt'", "prompt")
     if isinstance(prompt, str):
-        input_tokens, blocks = _text_prompt(prompt, cfg, "prompt")
+        input_tokens, blocks, ids = _text_prompt(prompt, cfg, "prompt")
     elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-        input_tokens, blocks = _text_prompt("".join(prompt), cfg, "prompt")
+        input_tokens, blocks, ids = _text_prompt("".join(prompt), cfg, "prompt")
     elif isinstance(prompt, list) and prompt:
-        input_tokens, blocks = _ids_prompt(_token_ids(prompt, "prompt"), cfg)
+        input_tokens, blocks, ids = _ids_prompt(_token_ids(prompt, "prompt"), cfg)
     else:
-        raise BadRequest(
-            "'prompt' must be a string, a non-empty list of strings or a list of token ids"
+        raise InvalidBody(
+            "'prompt' must be a string, a non-empty list of strings or a list of token ids",
+            "prompt",
         )
     max_tokens, stream, include_usage, model = _openai_common(body, cfg)
-    return GenRequest("completion", input_tokens, max_tokens, stream, include_usage, model, blocks)
+    return GenRequest(
+        "completion", input_tokens, max_tokens, stream, include_usage, model, blocks, ids
+    )
 
 
 def parse_generate(body: Any, cfg: EngineConfig) -> GenRequest:
     """Validate a native SGLang /generate body: `text` (or `input_ids`), `sampling_params`,
     `stream`. max_new_tokens may be 0 (prefill only, as SGLang allows)."""
+    # Schema errors are answered by SGLang's validation handler (a flat ErrorResponse);
+    # the rest are ValueErrors inside /generate: {"error": {"message"}} (http_server.py).
     if not isinstance(body, Mapping):
-        raise BadRequest(f"request body must be a JSON object, got {type(body).__name__}")
+        raise InvalidBody(f"request body must be a JSON object, got {type(body).__name__}")
     text = body.get("text")
     input_ids = body.get("input_ids")
     if text is not None:
         if not isinstance(text, str):
-            raise BadRequest(f"'text' must be a string, got {type(text).__name__}")
-        input_tokens, blocks = _text_prompt(text, cfg, "text")
+            raise InvalidBody(f"'text' must be a string, got {type(text).__name__}", "text")
+        input_tokens, blocks, ids = _text_prompt(text, cfg, "text")
     elif input_ids is not None:
         if not isinstance(input_ids, list) or not input_ids:
-            raise BadRequest("'input_ids' must be a non-empty list of integer token ids")
-        input_tokens, blocks = _ids_prompt(_token_ids(input_ids, "input_ids"), cfg)
+            raise InvalidBody(
+                "'input_ids' must be a non-empty list of integer token ids", "input_ids"
+            )
+        input_tokens, blocks, ids = _ids_prompt(_token_ids(input_ids, "input_ids"), cfg)
     else:
         raise BadRequest("missing required field 'text'")
     params = body.get("sampling_params")
     if params is None:
         params = {}
     if not isinstance(params, Mapping):
-        raise BadRequest(f"'sampling_params' must be an object, got {type(params).__name__}")
-    max_new_tokens = _opt_int(params, "max_new_tokens", 0, "sampling_params.")
+        raise InvalidBody(
+            f"'sampling_params' must be an object, got {type(params).__name__}",
+            "sampling_params",
+        )
+    # sampling_params is a free dict to the schema: SGLang checks its values itself
+    # (SamplingParams.verify, a ValueError).
+    try:
+        max_new_tokens = _opt_int(params, "max_new_tokens", 0, "sampling_params.")
+    except InvalidBody as exc:
+        raise BadRequest(exc.message) from None
     if max_new_tokens is None:
         max_new_tokens = cfg.default_max_tokens
     return GenRequest(
@@ -196,27 +267,85 @@ def parse_generate(body: Any, cfg: EngineConfig) -> GenRequest:
         include_usage=False,
         model=cfg.model,
         blocks=blocks,
+        token_ids=ids,
     )
 
 
 def decode_json(raw: bytes) -> Any:
-    """A request body's JSON value; not JSON at all -> BadRequest."""
+    """A request body's JSON value; not JSON at all -> InvalidBody."""
     try:
         return json.loads(raw)
     except ValueError as exc:  # includes bad UTF-8
-        raise BadRequest(f"request body is not valid JSON: {exc}") from None
+        pos = getattr(exc, "pos", getattr(exc, "start", 0))
+        raise _json_invalid(pos, getattr(exc, "msg", None) or str(exc)) from None
     except RecursionError:
-        raise BadRequest("request body is not valid JSON: nested too deeply") from None
+        raise _json_invalid(0, "nested too deeply") from None
+
+
+def _json_invalid(pos: int, reason: str) -> InvalidBody:
+    """pydantic's json_invalid error, at loc body.<offset>, in the real vLLM's words
+    (tests/fixtures/vllm/errors.json; SGLang's handler prints the same pydantic error)."""
+    return InvalidBody(
+        "1 validation error:\n  {'type': 'json_invalid', "
+        f"'loc': 'body.{pos}', 'msg': 'JSON decode error', 'input': '<dict of 0 items>', "
+        f"'ctx': {{'error': '{reason}'}}}}",
+        str(pos),
+    )
 
 
 def parse_request(kind: Kind, raw: bytes, cfg: EngineConfig) -> GenRequest:
     """Validate the raw body of a request for endpoint `kind`."""
     body = decode_json(raw)
     if kind == "chat":
-        return parse_chat(body, cfg)
-    if kind == "completion":
-        return parse_completion(body, cfg)
-    return parse_generate(body, cfg)
+        req = parse_chat(body, cfg)
+    elif kind == "completion":
+        req = parse_completion(body, cfg)
+    else:
+        req = parse_generate(body, cfg)
+    return _check_context(req, cfg)
+
+
+def _check_context(req: GenRequest, cfg: EngineConfig) -> GenRequest:
+    """The context-length checks, in each engine's words (SGLang tokenizer_manager.py
+    _validate_one_request; vLLM 0.32 as measured here, tests/fixtures/vllm/errors.json).
+    Returns the request, its output shortened where the engine does that."""
+    ctx, n, m = cfg.context_length, req.input_tokens, req.output_tokens
+    if ctx is None:
+        return req
+    if cfg.flavor == SGLANG:
+        if n >= ctx:
+            raise BadRequest(
+                f"The input ({n} tokens) is longer than the model's context length ({ctx} tokens)."
+            )
+        if n + m > ctx:
+            raise BadRequest(
+                "Requested token count exceeds the model's maximum context length of "
+                f"{ctx} tokens. You requested a total of {n + m} tokens: {n} tokens from the "
+                f"input messages and {m} tokens for the completion. Please reduce the number "
+                "of tokens in the input messages or the completion to fit within the limit."
+            )
+        return req
+    # vLLM 0.32: a limit above the whole context is refused; a prompt that leaves no room
+    # is refused (it tokenizes at most ctx + 1 tokens, hence "at least"); otherwise a limit
+    # that does not fit is shortened to what does (200, finish_reason length).
+    if m > ctx:
+        raise BadRequest(
+            f"max_tokens={m} cannot be greater than max_model_len={ctx}. Please request "
+            f"fewer output tokens. (parameter=max_tokens, value={m})",
+            "max_tokens",
+        )
+    if n >= ctx:
+        seen = min(n, ctx + 1)
+        raise BadRequest(
+            f"This model's maximum context length is {ctx} tokens. However, your prompt "
+            f"contains at least {seen} input tokens, which exceeds this limit even without "
+            f"any output tokens. Please reduce the length of the input prompt. "
+            f"(parameter=input_tokens, value={seen})",
+            "input_tokens",
+        )
+    if n + m > ctx:
+        return replace(req, output_tokens=ctx - n)
+    return req
 
 
 def dumps(obj: Any) -> str:
@@ -232,23 +361,79 @@ def sse(obj: Any) -> bytes:
 SSE_DONE = b"data: [DONE]\n\n"
 
 
-def _usage(req: GenRequest, cached_tokens: int) -> dict[str, Any]:
-    return {
+def _without_none(obj: Any) -> Any:
+    """What pydantic's exclude_none leaves of a JSON object."""
+    if isinstance(obj, dict):
+        return {k: _without_none(v) for k, v in obj.items() if v is not None}
+    return obj
+
+
+def system_fingerprint(cfg: EngineConfig) -> str:
+    """vLLM's system_fingerprint, vllm-<version>-<8 hex> (the real one here writes
+    vllm-0.32.0-81df5d86); the hex part is a stand-in, stable per served model."""
+    return f"vllm-{VLLM_VERSION}-{hashlib.sha256(cfg.model.encode()).hexdigest()[:8]}"
+
+
+def usage(
+    req: GenRequest, cached_tokens: int, cfg: EngineConfig, stream: bool = False
+) -> dict[str, Any]:
+    """The usage object. prompt_tokens_details is there only when the engine was started
+    with its cache-report flag. SGLang (--enable-cache-report, openai/usage_processor.py)
+    reports {"cached_tokens": N} for N > 0 and null otherwise. vLLM
+    (--enable-prompt-tokens-details; chat_completion/serving.py, completion/serving.py and
+    the real one, tests/fixtures/vllm/) reports the count, 0 included, with
+    created_cache_tokens (the prompt's full blocks it wrote to the cache; null on
+    /v1/completions) and multimodal_tokens; its stream's usage chunk leaves nulls out."""
+    out: dict[str, Any] = {
         "prompt_tokens": req.input_tokens,
-        "completion_tokens": req.output_tokens,
         "total_tokens": req.input_tokens + req.output_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+        "completion_tokens": req.output_tokens,
     }
+    details: dict[str, Any] | None = None
+    if cfg.flavor == SGLANG:
+        if cfg.cache_report and cached_tokens:
+            details = {"cached_tokens": cached_tokens}
+        out["prompt_tokens_details"] = details
+        out["reasoning_tokens"] = 0
+        return out
+    if cfg.cache_report:
+        bt = cfg.profile.block_tokens
+        created = (
+            max(0, req.input_tokens // bt * bt - cached_tokens) if req.kind == "chat" else None
+        )
+        details = {
+            "cached_tokens": cached_tokens,
+            "created_cache_tokens": created,
+            "multimodal_tokens": None,
+        }
+    out["prompt_tokens_details"] = details
+    out["completion_tokens_details"] = None
+    return _without_none(out) if stream else out
 
 
 class OpenAIFormatter:
-    """Builds the JSON objects of one OpenAI-style response (all chunks share one id)."""
+    """Builds the JSON objects of one OpenAI-style response, in the flavor's shapes.
 
-    def __init__(self, req: GenRequest) -> None:
+    SGLang (openai/serving_chat.py, serving_completions.py): the id is the request id;
+    chat deltas always carry reasoning_content; every choice carries matched_stop; chat
+    ends with a separate chunk holding finish_reason, completions put it on the last
+    token's chunk. vLLM (chat_completion/serving.py, completion/serving.py, and the real
+    one: tests/fixtures/vllm/sse-chat.txt, routes.json): ids are chatcmpl-/cmpl-
+    prefixed; chunks hold only the fields the server set (token_ids: null on token
+    chunks, prompt_token_ids and prompt_text: null on the role chunk); finish_reason
+    (with stop_reason) rides on the last token's chunk; system_fingerprint is on the last
+    message (the usage chunk when there is one).
+    """
+
+    def __init__(self, req: GenRequest, cfg: EngineConfig, rid: str) -> None:
         self.req = req
+        self.cfg = cfg
+        self.sglang = cfg.flavor == SGLANG
         self.chat = req.kind == "chat"
-        self.id = ("chatcmpl-" if self.chat else "cmpl-") + secrets.token_hex(12)
+        prefix = "" if self.sglang else ("chatcmpl-" if self.chat else "cmpl-")
+        self.id = prefix + rid
         self.created = int(time.time())
+        self.fingerprint = None if self.sglang else system_fingerprint(cfg)
 
     def _envelope(self, choices: list[dict[str, Any]], chunk: bool) -> dict[str, Any]:
         if self.chat:
@@ -263,43 +448,118 @@ class OpenAIFormatter:
             "choices": choices,
         }
 
-    def token_chunk(self, index: int) -> dict[str, Any]:
-        """Chunk carrying output token `index`; the first chat chunk also carries the role."""
-        if self.chat:
-            delta: dict[str, Any] = {"content": TOKEN_PIECE}
-            if index == 0:
-                delta = {"role": "assistant", "content": TOKEN_PIECE}
-            choice: dict[str, Any] = {"index": 0, "delta": delta}
-        else:
-            choice = {"index": 0, "text": TOKEN_PIECE}
-        choice.update(logprobs=None, finish_reason=None)
-        return self._envelope([choice], chunk=True)
+    def _choice(self, body: dict[str, Any], finish_reason: str | None) -> dict[str, Any]:
+        choice = {"index": 0, **body, "logprobs": None, "finish_reason": finish_reason}
+        if self.sglang:
+            choice["matched_stop"] = None  # max_tokens reached: no stop matched
+        elif finish_reason is not None:
+            choice["stop_reason"] = None
+        return choice
 
-    def final_chunk(self) -> dict[str, Any]:
-        if self.chat:
-            choice: dict[str, Any] = {"index": 0, "delta": {}}
-        else:
-            choice = {"index": 0, "text": ""}
-        choice.update(logprobs=None, finish_reason="length")
-        return self._envelope([choice], chunk=True)
+    def _delta(self, **fields: Any) -> dict[str, Any]:
+        return {"reasoning_content": None, **fields} if self.sglang else fields
 
-    def usage_chunk(self, cached_tokens: int) -> dict[str, Any]:
+    def role_chunk(self) -> dict[str, Any]:
+        """The chat stream's first chunk: the role and empty content."""
+        delta = self._delta(role="assistant", content="")
+        out = self._envelope([self._choice({"delta": delta}, None)], chunk=True)
+        if not self.sglang:
+            out.update(prompt_token_ids=None, prompt_text=None)
+        return out
+
+    def token_chunk(self, last: bool) -> dict[str, Any]:
+        """A chunk carrying one output token; on the last one the finish reason, where
+        the flavor puts it there."""
+        finish = "length" if last and not (self.sglang and self.chat) else None
+        if self.chat:
+            body: dict[str, Any] = {"delta": self._delta(content=TOKEN_PIECE)}
+        else:
+            body = {"text": TOKEN_PIECE}
+        choice = self._choice(body, finish)
+        if not self.sglang:
+            if not self.chat:
+                choice["stop_reason"] = None  # completions set it on every chunk
+            choice["token_ids"] = None
+            if not self.chat:
+                choice["prompt_token_ids"] = None
+        out = self._envelope([choice], chunk=True)
+        if self.fingerprint is not None and last and not self.req.include_usage:
+            out["system_fingerprint"] = self.fingerprint
+        return out
+
+    def finish_chunk(self) -> dict[str, Any] | None:
+        """SGLang chat's separate last chunk: no content, the finish reason."""
+        if not (self.sglang and self.chat):
+            return None
+        return self._envelope([self._choice({"delta": self._delta()}, "length")], chunk=True)
+
+    def usage_chunk(self, cached_tokens: int, req: GenRequest | None = None) -> dict[str, Any]:
+        """The last chunk, choices [] and the usage of `req` (default: the whole
+        response)."""
         out = self._envelope([], chunk=True)
-        out["usage"] = _usage(self.req, cached_tokens)
+        u = usage(req or self.req, cached_tokens, self.cfg, stream=not self.sglang)
+        # SGLang's completions usage chunk is written without null fields.
+        if self.sglang and not self.chat and u.get("prompt_tokens_details") is None:
+            u.pop("prompt_tokens_details", None)
+        out["usage"] = u
+        if self.fingerprint is not None:
+            out["system_fingerprint"] = self.fingerprint
         return out
 
     def full(self, cached_tokens: int) -> dict[str, Any]:
         text = TOKEN_PIECE * self.req.output_tokens
+        u = usage(self.req, cached_tokens, self.cfg)
+        if self.sglang:
+            if self.chat:
+                message = {
+                    "role": "assistant",
+                    "content": text,
+                    "reasoning_content": None,
+                    "tool_calls": None,
+                }
+                body: dict[str, Any] = {"message": message}
+            else:
+                body = {"text": text}
+            out = self._envelope([self._choice(body, "length")], chunk=False)
+            out["usage"] = u
+            out["metadata"] = {"weight_version": "default"}
+            return out
+        # vLLM: every field of the response model, nulls included (routes.json).
         if self.chat:
             choice: dict[str, Any] = {
                 "index": 0,
-                "message": {"role": "assistant", "content": text},
+                "message": {
+                    "role": "assistant",
+                    "content": text,
+                    "refusal": None,
+                    "annotations": None,
+                    "audio": None,
+                    "function_call": None,
+                    "reasoning": None,
+                },
+                "logprobs": None,
+                "finish_reason": "length",
+                "stop_reason": None,
+                "token_ids": None,
+                "routed_experts": None,
             }
         else:
-            choice = {"index": 0, "text": text}
-        choice.update(logprobs=None, finish_reason="length")
+            choice = {
+                "index": 0,
+                "text": text,
+                "logprobs": None,
+                "finish_reason": "length",
+                "stop_reason": None,
+                "token_ids": None,
+                "prompt_logprobs": None,
+                "prompt_token_ids": None,
+                "routed_experts": None,
+            }
         out = self._envelope([choice], chunk=False)
-        out["usage"] = _usage(self.req, cached_tokens)
+        out.update(service_tier=None, system_fingerprint=self.fingerprint, usage=u)
+        if self.chat:
+            out.update(prompt_logprobs=None, prompt_token_ids=None, prompt_text=None)
+        out.update(kv_transfer_params=None, ec_transfer_params=None, metrics=None)
         return out
 
 
@@ -320,23 +580,23 @@ def generate_body(
     }
 
 
-def response_body(req: GenRequest, rid: str, cached_tokens: int) -> dict[str, Any]:
+def response_body(req: GenRequest, rid: str, cached_tokens: int, cfg: EngineConfig) -> Any:
     """The whole (non-streamed) response once all of req's tokens are out."""
     if req.kind == "generate":
         return generate_body(req, rid, req.output_tokens, cached_tokens)
-    return OpenAIFormatter(req).full(cached_tokens)
+    return OpenAIFormatter(req, cfg, rid).full(cached_tokens)
 
 
 class StreamEncoder:
     """The SSE bytes of one streamed response, written a batch of emissions at a time."""
 
-    def __init__(self, req: GenRequest, rid: str) -> None:
+    def __init__(self, req: GenRequest, rid: str, cfg: EngineConfig) -> None:
         self.req = req
         self.rid = rid
-        self.fmt = OpenAIFormatter(req)
-        # Every chunk after the first is the same bytes: encode it once per response.
-        self._first_chunk = sse(self.fmt.token_chunk(0))
-        self._next_chunk = sse(self.fmt.token_chunk(1))
+        self.fmt = OpenAIFormatter(req, cfg, rid)
+        # Every token chunk but the last is the same bytes: encode it once per response.
+        self._chunk = sse(self.fmt.token_chunk(last=False))
+        self._role = sse(self.fmt.role_chunk()) if req.kind == "chat" else b""
 
     def encode(self, batch: list[Emission]) -> tuple[bytes, bool]:
         """The bytes carrying `batch`, and whether they end the response."""
@@ -348,18 +608,80 @@ class StreamEncoder:
                 done = min(e.index + 1, req.output_tokens)
                 out += sse(generate_body(req, self.rid, done, e.cached_tokens))
             else:
-                out += self._first_chunk if e.index == 0 else self._next_chunk
+                if e.index == 0:
+                    out += self._role
+                out += sse(self.fmt.token_chunk(last=True)) if e.finished else self._chunk
             finished = e.finished
         if finished:
             if req.kind != "generate":
-                out += sse(self.fmt.final_chunk())
+                finish = self.fmt.finish_chunk()
+                if finish is not None:
+                    out += sse(finish)
                 if req.include_usage:
                     out += sse(self.fmt.usage_chunk(batch[-1].cached_tokens))
             out += SSE_DONE
         return bytes(out), finished
 
+    def error_event(
+        self, status: int, message: str, tokens_sent: int = 0, cached_tokens: int = 0
+    ) -> bytes:
+        """An error inside the stream (HTTP stays 200), then the end. SGLang's abort
+        with a status breaks out of its loop, and what follows the loop still runs: the
+        usage chunk (of the tokens sent) when asked for (serving_chat.py,
+        serving_completions.py); vLLM goes straight to [DONE] (chat_completion/serving.py)."""
+        out = sse(stream_error_body(self.fmt.cfg, status, message))
+        if self.fmt.sglang and self.req.kind != "generate" and self.req.include_usage:
+            sent = replace(self.req, output_tokens=tokens_sent)
+            out += sse(self.fmt.usage_chunk(cached_tokens, sent))
+        return out + SSE_DONE
 
-def error_body(status: int, message: str) -> dict[str, Any]:
-    """OpenAI-style error body."""
-    kind = "invalid_request_error" if status < 500 else "internal_error"
-    return {"error": {"message": message, "type": kind, "code": status}}
+
+def _error_type(status: int) -> str:
+    if status == 404:
+        return "NotFoundError"
+    return "BadRequestError" if status < 500 else "InternalServerError"
+
+
+def error_body(
+    cfg: EngineConfig,
+    status: int,
+    message: str,
+    param: str | None = None,
+    kind: Kind = "chat",
+    err_type: str | None = None,
+) -> dict[str, Any]:
+    """An error answered before any stream. SGLang: a flat ErrorResponse (OpenAI routes,
+    serving_base.py create_error_response, and any route's schema errors, http_server.py
+    validation_exception_handler), with no param; /generate's own errors
+    {"error": {"message"}} (http_server.py). vLLM: {"error": {...}} naming the param
+    (engine/protocol.py ErrorResponse; tests/fixtures/vllm/errors.json)."""
+    err_type = err_type or _error_type(status)
+    if cfg.flavor == SGLANG:
+        if kind == "generate" and err_type != InvalidBody.err_type:
+            return {"error": {"message": message}}
+        return {
+            "object": "error",
+            "message": message,
+            "type": err_type,
+            "param": None,
+            "code": status,
+        }
+    return {"error": {"message": message, "type": err_type, "param": param, "code": status}}
+
+
+def stream_error_body(cfg: EngineConfig, status: int, message: str) -> dict[str, Any]:
+    """The error event of a stream that already began: {"error": <the error object>}.
+    SGLang's abort with a status names the status (type HTTPStatus.name, e.g.
+    INTERNAL_SERVER_ERROR; serving_chat.py); vLLM dumps its ErrorResponse
+    (create_streaming_error_response)."""
+    if cfg.flavor == SGLANG:
+        return {
+            "error": {
+                "object": "error",
+                "message": message,
+                "type": HTTPStatus(status).name,
+                "param": None,
+                "code": status,
+            }
+        }
+    return error_body(cfg, status, message)

@@ -6,8 +6,8 @@ path Envoy uses, every `probes.interval_s`, on a path the engine answers without
 (`PROBE_PATH`, per engine), so the sample is the network's round trip and not the
 engine's queue. A sample taken on a freshly opened connection includes the TCP handshake
 (a second RTT) and is not used; failures count towards marking the backend suspect. A
-configured path other than the engine's own is compared, every few probes, with that one:
-a path answered much more slowly makes the engine work, and a warning says so.
+configured path other than the engine's own is compared with that one on every probe: a
+path answered much more slowly makes the engine work, and a warning says so.
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ from ext_proc.router import Router
 
 log = logging.getLogger("gorgo.probe")
 
-# Compare a configured probe path with the engine's no-work path every this many probes,
-# over this many recent pairs; warn when the median is this much slower.
-COMPARE_EVERY = 5
-COMPARE_PAIRS = 5
+# A configured probe path other than the engine's no-work path is checked against it on
+# every probe (one more small GET, only when misconfigured), over the last few pairs; a
+# median this much slower warns.
+COMPARE_PAIRS = 3
 SLOWER_FACTOR = 2.0
 SLOWER_MARGIN_MS = 10.0
 
@@ -69,7 +69,9 @@ class Prober:
     async def _on_new_connection(
         session: aiohttp.ClientSession, ctx: SimpleNamespace, params: object
     ) -> None:
-        ctx.trace_request_ctx["new_connection"] = True
+        # Only probes carry a context to mark; a metrics scrape shares the session.
+        if isinstance(ctx.trace_request_ctx, dict):
+            ctx.trace_request_ctx["new_connection"] = True
 
     async def probe_once(self, b: Backend, path: str | None = None) -> float | None:
         """One probe: RTT in ms, or None if it failed. A sample that had to open a
@@ -97,7 +99,6 @@ class Prober:
         path = self.cfg.probe_path(b)
         reference = PROBE_PATH[b.engine]
         pairs: deque[tuple[float, float]] = deque(maxlen=COMPARE_PAIRS)
-        n = 0
         while True:
             rtt_ms = await self.probe_once(b, path)
             was_suspect = self.router.state.backends[b.id].suspect
@@ -109,8 +110,7 @@ class Prober:
                     b.id,
                     "suspect: probes fail" if now_suspect else "healthy again",
                 )
-            n += 1
-            if path != reference and rtt_ms is not None and n % COMPARE_EVERY == 1:
+            if path != reference and rtt_ms is not None and b.id not in self.slow_paths:
                 ref_ms = await self.probe_once(b, reference)
                 if ref_ms is not None:
                     pairs.append((rtt_ms, ref_ms))

@@ -14,12 +14,20 @@ renders the same messages gets the same tokens.
 
 from __future__ import annotations
 
+import sys
 from array import array
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
 BYTES_PER_TOKEN = 4
+_LITTLE_ENDIAN = sys.byteorder == "little"
+
+
+def _swapped(data: bytes) -> array[int]:
+    a = array("I", data)
+    a.byteswap()
+    return a
 
 
 def count_tokens(text: str | bytes) -> int:
@@ -66,16 +74,25 @@ class Tokenizer(Protocol):
 
     def count(self, text: str) -> int: ...
 
+    def ids(self, text: str) -> list[int]: ...
+
     def block_hashes(self, text: str, block_tokens: int) -> list[int]: ...
 
 
 class ApproxTokenizer:
-    """The default: 4 UTF-8 bytes per token."""
+    """The default: 4 UTF-8 bytes per token. Its token ids are those 4 bytes read as a
+    little-endian uint32 (the last token zero-padded): deterministic, and any two texts
+    with a common 4-byte-aligned prefix share their leading ids, as real tokens do."""
 
     name = "approx-4-bytes"
 
     def count(self, text: str) -> int:
         return count_tokens(text)
+
+    def ids(self, text: str) -> list[int]:
+        data = text.encode("utf-8")
+        data += b"\0" * (-len(data) % BYTES_PER_TOKEN)
+        return list(array("I", data)) if _LITTLE_ENDIAN else list(_swapped(data))
 
     def block_hashes(self, text: str, block_tokens: int) -> list[int]:
         return block_hashes_of_bytes(text.encode("utf-8"), block_tokens)

@@ -113,7 +113,7 @@ def _socket_addresses(node: Any) -> list[tuple[str, int]]:
 
 def test_compose_has_the_documented_services(services: dict[str, dict[str, Any]]) -> None:
     expected = {"envoy", "gorgo", "jaeger", "loadgen"}
-    expected |= {f"{kind}-{r}" for kind in ("engine", "wan", "sglang") for r in REGIONS}
+    expected |= {f"{kind}-{r}" for kind in ("engine", "wan", "sglang", "vllm") for r in REGIONS}
     assert expected <= set(services)
     assert services["envoy"]["image"] == "envoyproxy/envoy:v1.40-latest"
     assert services["loadgen"]["profiles"] == ["loadgen"]
@@ -124,6 +124,21 @@ def test_compose_has_the_documented_services(services: dict[str, dict[str, Any]]
         assert "sglang.launch_server" in _args(sglang)
         devices = sglang["deploy"]["resources"]["reservations"]["devices"]
         assert devices[0]["capabilities"] == ["gpu"]
+        # the flags the router relies on (docs/envoy.md): load reports, cached-token
+        # reports, KV events
+        args = _args(sglang)
+        for flag in ("--enable-metrics", "--enable-cache-report", "--kv-events-config"):
+            assert flag in args, (r, flag)
+        vllm = services[f"vllm-{r}"]
+        assert vllm["profiles"] == ["gpu-vllm"] and vllm["image"].startswith("vllm/vllm-openai")
+        vargs = _args(vllm)
+        for flag in ("--enable-prefix-caching", "--enable-prompt-tokens-details"):
+            assert flag in vargs, (r, flag)
+        assert '"enable_kv_cache_events": true' in " ".join(vargs)
+        # the emulated twin runs with the same flags as the real SGLang
+        engine_args = _args(services[f"engine-{r}"])
+        for flag in ("--enable-metrics", "--enable-cache-report", "--page-size"):
+            assert flag in engine_args, (r, flag)
     # one GPU each, a different one per region
     gpus = [services[f"sglang-{r}"]["deploy"]["resources"]["reservations"]["devices"][0]
             ["device_ids"][0] for r in REGIONS]  # fmt: skip

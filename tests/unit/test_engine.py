@@ -1,4 +1,5 @@
-"""The emulated SGLang engine over real HTTP on 127.0.0.1 (no mocks).
+"""The emulated engine over real HTTP on 127.0.0.1 (no mocks), in its default flavor, the
+twin of SGLang; tests/unit/test_flavors.py sets the two flavors side by side.
 
 Timing comes from `emulator.model.EngineModel`. Tests where timing is not the point run a
 fast profile (1 ms steps); tests about timing run the real default profile and only check
@@ -68,6 +69,18 @@ async def running(cfg: EngineConfig, *, check_idle: bool = True) -> AsyncIterato
         await srv.stop()
 
 
+def error_message(data: dict[str, Any]) -> str:
+    """The message of an SGLang error body: its OpenAI routes answer a flat ErrorResponse
+    (serving_base.py create_error_response), its own routes {"error": {"message"}}."""
+    if "error" in data:
+        return str(data["error"]["message"])
+    assert data["object"] == "error"
+    return str(data["message"])
+
+
+RID = re.compile(r"^[0-9a-f]{32}$")  # SGLang's request id, a uuid4 hex: no chatcmpl- prefix
+
+
 def fast_cfg(**overrides: Any) -> EngineConfig:
     kwargs: dict[str, Any] = {
         "name": NAME,
@@ -83,6 +96,23 @@ def fast_cfg(**overrides: Any) -> EngineConfig:
 async def server() -> AsyncIterator[EngineServer]:
     async with running(fast_cfg()) as srv:
         yield srv
+
+
+@pytest.fixture
+async def reporting() -> AsyncIterator[EngineServer]:
+    """An engine started with SGLang's --enable-cache-report: usage carries cached_tokens."""
+    async with running(fast_cfg(cache_report=True)) as srv:
+        yield srv
+
+
+def cached_of(usage: dict[str, Any]) -> int:
+    """SGLang reports prompt_tokens_details only for a cache hit (usage_processor.py):
+    null stands for 0."""
+    details = usage["prompt_tokens_details"]
+    if details is None:
+        return 0
+    assert details["cached_tokens"] > 0
+    return int(details["cached_tokens"])
 
 
 @pytest.fixture
@@ -232,10 +262,16 @@ async def test_stream_chat_with_usage(server: EngineServer, http: aiohttp.Client
         chunks = json_chunks(await read_sse(resp))
 
     assert len({c["id"] for c in chunks}) == 1
-    assert chunks[0]["id"].startswith("chatcmpl-")
+    # SGLang's id is the request id (serving_chat.py: meta_info["id"]), unprefixed.
+    assert RID.match(chunks[0]["id"])
     assert all(c["object"] == "chat.completion.chunk" for c in chunks)
     assert all(c["model"] == "m" for c in chunks)
-    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    # The first chunk: role and empty content, reasoning_content always there (null).
+    assert chunks[0]["choices"][0]["delta"] == {
+        "reasoning_content": None,
+        "role": "assistant",
+        "content": "",
+    }
     assert all("role" not in c["choices"][0]["delta"] for c in chunks[1:] if c["choices"])
 
     content = [c for c in chunks if c["choices"] and c["choices"][0]["delta"].get("content")]
@@ -245,15 +281,21 @@ async def test_stream_chat_with_usage(server: EngineServer, http: aiohttp.Client
 
     finals = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
     assert [c["choices"][0]["finish_reason"] for c in finals] == ["length"]
-    assert finals[0]["choices"][0]["delta"] == {}
+    # SGLang chat: finish_reason on a separate chunk without content, after the last
+    # token's (serving_chat.py), then the usage chunk.
+    assert finals[0] is chunks[-2]
+    assert finals[0]["choices"][0]["delta"] == {"reasoning_content": None}
+    assert finals[0]["choices"][0]["matched_stop"] is None
     usage_chunk = chunks[-1]
     assert usage_chunk["choices"] == []
     prompt_tokens = count_tokens(render_chat(MESSAGES))
+    # Without --enable-cache-report, prompt_tokens_details is null (usage_processor.py).
     assert usage_chunk["usage"] == {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": n_tokens,
         "total_tokens": prompt_tokens + n_tokens,
-        "prompt_tokens_details": {"cached_tokens": 0},
+        "prompt_tokens_details": None,
+        "reasoning_tokens": 0,
     }
 
 
@@ -275,18 +317,21 @@ async def test_chat_whole_response_and_cap(
         assert resp.headers[ENGINE_ID_HEADER] == NAME
         data = await resp.json()
     assert data["object"] == "chat.completion"
-    assert data["id"].startswith("chatcmpl-")
+    assert RID.match(data["id"])  # SGLang: the request id, unprefixed
     assert data["model"] == "m"
     choice = data["choices"][0]
     assert choice["message"]["role"] == "assistant"
     assert count_tokens(choice["message"]["content"]) == CAP
     assert choice["finish_reason"] == "length"
+    assert choice["matched_stop"] is None
+    assert data["metadata"] == {"weight_version": "default"}
     prompt_tokens = count_tokens(render_chat(MESSAGES))
     assert data["usage"] == {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": CAP,
         "total_tokens": prompt_tokens + CAP,
-        "prompt_tokens_details": {"cached_tokens": 0},
+        "prompt_tokens_details": None,  # no --enable-cache-report
+        "reasoning_tokens": 0,
     }
 
 
@@ -294,7 +339,9 @@ async def test_chat_default_max_tokens(server: EngineServer, http: aiohttp.Clien
     async with http.post(f"{server.url}{CHAT}", json={"messages": MESSAGES}) as r:
         data = await r.json()
     assert data["usage"]["completion_tokens"] == 5
-    assert data["model"] == "emulated"
+    # SGLang echoes the request's model, "default" when it names none (protocol.py
+    # DEFAULT_MODEL_NAME), whatever the served name.
+    assert data["model"] == "default"
 
 
 # -- OpenAI completions ----------------------------------------------------------------
@@ -307,7 +354,7 @@ async def test_completions_whole(server: EngineServer, http: aiohttp.ClientSessi
         assert resp.status == 200
         data = await resp.json()
     assert data["object"] == "text_completion"
-    assert data["id"].startswith("cmpl-")
+    assert RID.match(data["id"])  # SGLang: the request id, unprefixed
     assert data["choices"][0]["text"] == "tok " * 4
     assert data["choices"][0]["finish_reason"] == "length"
     assert data["usage"]["prompt_tokens"] == count_tokens("".join(prompt))
@@ -322,22 +369,26 @@ async def test_completions_stream(server: EngineServer, http: aiohttp.ClientSess
     text = "".join(c["choices"][0]["text"] for c in s.chunks if c["choices"])
     assert count_tokens(text) == 6
     assert len(s.content_chunks) == 6
-    assert [c["choices"][0]["finish_reason"] for c in s.chunks if c["choices"]] == [None] * 6 + [
+    # SGLang completions: finish_reason on the last token's chunk, no separate chunk
+    # (serving_completions.py).
+    assert [c["choices"][0]["finish_reason"] for c in s.chunks if c["choices"]] == [None] * 5 + [
         "length"
     ]
     assert s.usage["prompt_tokens"] == 1000
     assert s.usage["completion_tokens"] == 6
+    # Written with exclude_none: the null prompt_tokens_details is left out.
+    assert "prompt_tokens_details" not in s.usage
 
 
 async def test_completions_token_id_prompt(
-    server: EngineServer, http: aiohttp.ClientSession
+    reporting: EngineServer, http: aiohttp.ClientSession
 ) -> None:
     body = {"prompt": list(range(300)), "max_tokens": 2}
     for expect_cached in (0, (300 - 1) // BLOCK * BLOCK):
-        async with http.post(f"{server.url}{COMPLETIONS}", json=body) as resp:
+        async with http.post(f"{reporting.url}{COMPLETIONS}", json=body) as resp:
             data = await resp.json()
         assert data["usage"]["prompt_tokens"] == 300
-        assert data["usage"]["prompt_tokens_details"]["cached_tokens"] == expect_cached
+        assert cached_of(data["usage"]) == expect_cached
 
 
 # -- SGLang native ---------------------------------------------------------------------
@@ -388,45 +439,70 @@ async def test_generate_input_ids_and_zero_new_tokens(
 # -- errors ----------------------------------------------------------------------------
 
 
+# What SGLang answers a bad body with: a schema error goes to its RequestValidationError
+# handler, a flat ErrorResponse of type "Bad Request" on every route (http_server.py); a
+# check in an OpenAI handler is a flat "BadRequestError" (serving_base.py); a ValueError
+# inside /generate is {"error": {"message"}} (http_server.py _create_error_response).
+SCHEMA, CHECK, NATIVE = "Bad Request", "BadRequestError", None
+
+
 @pytest.mark.parametrize(
-    ("path", "raw", "needle"),
+    ("path", "raw", "needle", "err_type"),
     [
-        (CHAT, b"{not json", "JSON"),
-        (CHAT, b"[1, 2]", "object"),
-        (CHAT, b'{"model": "m"}', "messages"),
-        (CHAT, b'{"messages": "hi"}', "messages"),
-        (CHAT, b'{"messages": [1]}', "messages[0]"),
-        (CHAT, b'{"messages": [{"content": "x"}]}', "messages[0].role"),
-        (CHAT, b'{"messages": [{"role": "user"}], "max_tokens": "5"}', "max_tokens"),
-        (CHAT, b'{"messages": [{"role": "user"}], "max_tokens": 0}', "max_tokens"),
-        (CHAT, b'{"messages": [{"role": "user"}], "stream": "yes"}', "stream"),
+        (CHAT, b"{not json", "JSON", SCHEMA),
+        (CHAT, b"[1, 2]", "object", SCHEMA),
+        (CHAT, b'{"model": "m"}', "messages", SCHEMA),
+        (CHAT, b'{"messages": "hi"}', "messages", SCHEMA),
+        (CHAT, b'{"messages": []}', "messages", CHECK),
+        (CHAT, b'{"messages": [1]}', "messages[0]", SCHEMA),
+        (CHAT, b'{"messages": [{"content": "x"}]}', "messages[0].role", SCHEMA),
+        (CHAT, b'{"messages": [{"role": "user"}], "max_tokens": "5"}', "max_tokens", SCHEMA),
+        (CHAT, b'{"messages": [{"role": "user"}], "max_tokens": 0}', "max_tokens", CHECK),
+        (CHAT, b'{"messages": [{"role": "user"}], "stream": "yes"}', "stream", SCHEMA),
         (
             CHAT,
             b'{"messages": [{"role": "user"}], "stream_options": {"include_usage": 1}}',
             "stream_options.include_usage",
+            SCHEMA,
         ),
-        (COMPLETIONS, b'{"max_tokens": 3}', "prompt"),
-        (COMPLETIONS, b'{"prompt": 42}', "prompt"),
-        (COMPLETIONS, b'{"prompt": "x", "model": 7}', "model"),
-        (GENERATE, b'{"sampling_params": {}}', "text"),
-        (GENERATE, b'{"text": ["a"]}', "text"),
-        (GENERATE, b'{"text": "a", "sampling_params": []}', "sampling_params"),
-        (GENERATE, b'{"text": "a", "sampling_params": {"max_new_tokens": 1.5}}', "max_new_tokens"),
-        (GENERATE, b"\xff\xfe", "JSON"),
-        (GENERATE, b"[" * 100_000, "JSON"),
+        (COMPLETIONS, b'{"max_tokens": 3}', "prompt", SCHEMA),
+        (COMPLETIONS, b'{"prompt": 42}', "prompt", SCHEMA),
+        (COMPLETIONS, b'{"prompt": "x", "model": 7}', "model", SCHEMA),
+        (GENERATE, b'{"sampling_params": {}}', "text", NATIVE),
+        (GENERATE, b'{"text": ["a"]}', "text", SCHEMA),
+        (GENERATE, b'{"text": "a", "sampling_params": []}', "sampling_params", SCHEMA),
+        (
+            GENERATE,
+            b'{"text": "a", "sampling_params": {"max_new_tokens": 1.5}}',
+            "max_new_tokens",
+            NATIVE,
+        ),
+        (GENERATE, b"\xff\xfe", "JSON", SCHEMA),
+        (GENERATE, b"[" * 100_000, "JSON", SCHEMA),
     ],
 )
 async def test_bad_input_is_400_naming_the_problem(
-    server: EngineServer, http: aiohttp.ClientSession, path: str, raw: bytes, needle: str
+    server: EngineServer,
+    http: aiohttp.ClientSession,
+    path: str,
+    raw: bytes,
+    needle: str,
+    err_type: str | None,
 ) -> None:
     headers = {"Content-Type": "application/json"}
     async with http.post(f"{server.url}{path}", data=raw, headers=headers) as resp:
         assert resp.status == 400
         assert resp.headers[ENGINE_ID_HEADER] == NAME
         data = await resp.json()
-    assert data["error"]["type"] == "invalid_request_error"
-    assert data["error"]["code"] == 400
-    assert needle in data["error"]["message"]
+    if err_type is NATIVE:
+        assert set(data) == {"error"}
+        assert set(data["error"]) == {"message"}
+    else:
+        assert set(data) == {"object", "message", "type", "param", "code"}
+        assert data["type"] == err_type
+        assert data["code"] == 400
+        assert data["param"] is None  # SGLang's handlers do not say which
+    assert needle in error_message(data)
     assert server.engine.stats.bad_requests_total == 1
 
 
@@ -550,7 +626,7 @@ async def test_zero_delay_engine_is_fast(http: aiohttp.ClientSession) -> None:
             events = await read_sse(resp)
         # The default profile would take ~16 s for 2000 tokens.
         assert time.perf_counter() - start < 3.0
-        assert len(events) == 2000 + 2  # tokens, final chunk, [DONE]
+        assert len(events) == 1 + 2000 + 2  # role chunk, tokens, finish chunk, [DONE]
         chunks = json_chunks(events)
         assert sum(1 for c in chunks if c["choices"][0]["delta"].get("content")) == 2000
 
@@ -585,16 +661,19 @@ async def test_serve_engine_runs_until_cancelled(http: aiohttp.ClientSession) ->
 
 
 async def test_stream_timing_is_never_early(http: aiohttp.ClientSession) -> None:
-    """Default profile: headers leave at once, the first token after the modelled
-    prefill, later tokens one decode step apart (lower bounds; the box may be slow)."""
+    """Default profile: the first token after the modelled prefill, later tokens one
+    decode step apart (lower bounds; the box may be slow). SGLang runs the stream's
+    generator to its first output before it answers (serving_chat.py "kick-start"), so
+    the headers leave with the first token, not before the prefill."""
     prompt_tokens, n_tokens = 2000, 8
     async with running(EngineConfig(name=NAME)) as srv:
         body = {"prompt": filler(prompt_tokens, "t"), "max_tokens": n_tokens}
         s = await stream(http, srv.url, COMPLETIONS, body)
     lone_ttft_s = DEFAULT.lone_ttft_ms(prompt_tokens) / 1e3  # ~0.19 s
     min_step_s = DEFAULT.decode_ms(1, prompt_tokens) / 1e3  # ~7.7 ms
-    assert s.headers_s < s.ttft_s
-    assert s.ttft_s >= 0.9 * lone_ttft_s  # jitter sigma is 2%
+    assert s.headers_s >= 0.9 * lone_ttft_s  # jitter sigma is 2%
+    assert s.headers_s <= s.ttft_s
+    assert s.ttft_s >= 0.9 * lone_ttft_s
     assert s.end_s - s.ttft_s >= 0.9 * (n_tokens - 1) * min_step_s
     assert s.end_s < lone_ttft_s + n_tokens * min_step_s + 1.5  # generous
     assert len(s.content_chunks) == n_tokens
@@ -609,39 +688,43 @@ async def test_repeated_prompt_is_cached_and_faster(http: aiohttp.ClientSession)
     messages = long_chat(8000, "repeat")
     prompt_tokens = count_tokens(render_chat(messages))
     body = {"messages": messages, "max_tokens": 3, "stream_options": {"include_usage": True}}
-    async with running(EngineConfig(name=NAME)) as srv:
+    async with running(EngineConfig(name=NAME, cache_report=True)) as srv:
         cold = await stream(http, srv.url, CHAT, body)
         warm = await stream(http, srv.url, CHAT, body)
         loads = (await get_json(http, f"{srv.url}/v1/loads"))["loads"][0]
+        cache_tokens = srv.engine.runner.model.cache.tokens
 
     assert cold.usage["prompt_tokens"] == warm.usage["prompt_tokens"] == prompt_tokens
-    assert cold.usage["prompt_tokens_details"]["cached_tokens"] == 0
-    cached = warm.usage["prompt_tokens_details"]["cached_tokens"]
+    assert cold.usage["prompt_tokens_details"] is None  # no hit: null
+    cached = cached_of(warm.usage)
     assert prompt_tokens - BLOCK <= cached < prompt_tokens
     assert cached % BLOCK == 0
     assert warm.ttft_s < cold.ttft_s
     assert cold.ttft_s >= 0.9 * DEFAULT.lone_ttft_ms(prompt_tokens) / 1e3
     assert loads["cache_hit_rate"] == pytest.approx(cached / (2 * prompt_tokens), abs=1e-5)
-    assert loads["num_used_tokens"] >= prompt_tokens - BLOCK  # the cached prompt stays
+    assert cache_tokens >= prompt_tokens - BLOCK  # the cached prompt stays
+    # ... but nobody holds it: SGLang's num_used_tokens leaves evictable cache out
+    # (scheduler_runtime_checker_mixin.py _get_token_info).
+    assert loads["num_used_tokens"] == 0
 
 
 async def test_shared_prefix_is_partially_cached(
-    server: EngineServer, http: aiohttp.ClientSession
+    reporting: EngineServer, http: aiohttp.ClientSession
 ) -> None:
     """A later turn of a chat reuses the earlier turn's blocks (render_chat keeps each
     turn a byte prefix of the next)."""
     first = long_chat(600, "turns")
     second = [*first, {"role": "assistant", "content": "tok " * 5}, *long_chat(300, "next")]
     opts = {"max_tokens": 2, "stream_options": {"include_usage": True}}
-    a = await stream(http, server.url, CHAT, {"messages": first, **opts})
-    b = await stream(http, server.url, CHAT, {"messages": second, **opts})
-    assert a.usage["prompt_tokens_details"]["cached_tokens"] == 0
+    a = await stream(http, reporting.url, CHAT, {"messages": first, **opts})
+    b = await stream(http, reporting.url, CHAT, {"messages": second, **opts})
+    assert cached_of(a.usage) == 0
     first_prompt = count_tokens(render_chat(first))
     # The first turn's whole rendered prompt is a byte prefix of the second's; only its
     # full blocks were cached.
     shared_blocks = len(render_chat(first)) // (4 * BLOCK)
-    assert b.usage["prompt_tokens_details"]["cached_tokens"] == shared_blocks * BLOCK
-    assert b.usage["prompt_tokens_details"]["cached_tokens"] < first_prompt
+    assert cached_of(b.usage) == shared_blocks * BLOCK
+    assert cached_of(b.usage) < first_prompt
 
 
 async def test_generate_reports_cached_tokens_and_flush_cache_resets(
@@ -666,32 +749,34 @@ async def test_generate_reports_cached_tokens_and_flush_cache_resets(
     assert await cached_whole() == warm
     assert await cached_streamed() == [warm, warm]
 
+    cache = server.engine.runner.model.cache
+    assert cache.tokens == 1000 // BLOCK * BLOCK  # only the cached full blocks remain
+    # Evictable cache is not "used" to SGLang (scheduler_runtime_checker_mixin.py).
     used = (await get_json(http, f"{server.url}/v1/loads"))["loads"][0]["num_used_tokens"]
-    assert used == 1000 // BLOCK * BLOCK  # only the cached full blocks remain
+    assert used == 0
     async with http.post(f"{server.url}/flush_cache") as resp:
         assert resp.status == 200
         assert resp.headers[ENGINE_ID_HEADER] == NAME
         assert "flushed" in (await resp.text()).lower()
-    loads = (await get_json(http, f"{server.url}/v1/loads"))["loads"][0]
-    assert loads["num_used_tokens"] == 0
+    assert cache.tokens == 0
 
     assert await cached_streamed() == [0, 0]
     assert await cached_whole() == warm
 
 
 async def test_flush_cache_makes_chat_uncached(
-    server: EngineServer, http: aiohttp.ClientSession
+    reporting: EngineServer, http: aiohttp.ClientSession
 ) -> None:
     body = {"messages": long_chat(500, "chat-flush"), "max_tokens": 1}
     body["stream_options"] = {"include_usage": True}
 
     async def cached() -> int:
-        s = await stream(http, server.url, CHAT, body)
-        return int(s.usage["prompt_tokens_details"]["cached_tokens"])
+        s = await stream(http, reporting.url, CHAT, body)
+        return cached_of(s.usage)
 
     assert await cached() == 0
     assert await cached() > 2 * BLOCK
-    async with http.post(f"{server.url}/flush_cache") as resp:
+    async with http.post(f"{reporting.url}/flush_cache") as resp:
         assert resp.status == 200
     assert await cached() == 0
     assert await cached() > 2 * BLOCK
@@ -702,16 +787,22 @@ async def test_cancelled_prefill_caches_only_computed_blocks(
 ) -> None:
     messages = long_chat(8000, "cancel")
     body = {"messages": messages, "max_tokens": 2, "stream_options": {"include_usage": True}}
-    async with running(EngineConfig(name=NAME)) as srv:
-        resp = await http.post(f"{srv.url}{CHAT}", json={**body, "stream": True})
-        await asyncio.sleep(0.1)  # inside the first ~0.38 s prefill chunk
-        resp.close()
+    async with running(EngineConfig(name=NAME, cache_report=True)) as srv:
+        # SGLang answers a stream with its first token: the client leaves before any
+        # headers came, inside the first ~0.38 s prefill chunk.
+        post = asyncio.create_task(http.post(f"{srv.url}{CHAT}", json={**body, "stream": True}))
+        await asyncio.sleep(0.1)
+        assert not post.done()
+        assert srv.engine.stats.in_flight == 1
+        post.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await post
         async with asyncio.timeout(1):
             while srv.engine.stats.in_flight:
                 await asyncio.sleep(0.005)
         again = await stream(http, srv.url, CHAT, body)
     # At most the chunk that was running when the client left can have been computed.
-    assert again.usage["prompt_tokens_details"]["cached_tokens"] <= DEFAULT.chunk_tokens
+    assert cached_of(again.usage) <= DEFAULT.chunk_tokens
 
 
 # -- metrics, loads, server info ---------------------------------------------------------
@@ -785,8 +876,10 @@ async def get_metrics(http: aiohttp.ClientSession, url: str) -> Metrics:
     types, samples = parse_prometheus(text)
     metrics = Metrics(types, samples)
     for s in samples:
-        assert s.labels.get("engine_id") == NAME
+        # SGLang's scheduler labels (scheduler_metrics_mixin.py init_metrics).
         assert s.labels.get("model_name") == "emulated"
+        assert s.labels.get("engine_type") == "unified"
+        assert (s.labels.get("tp_rank"), s.labels.get("pp_rank")) == ("0", "0")
     for family, kind in types.items():
         if kind != "histogram":
             continue
@@ -804,14 +897,20 @@ REQUIRED_METRICS = {
     "sglang:num_queue_reqs": "gauge",
     "sglang:num_used_tokens": "gauge",
     "sglang:cache_hit_rate": "gauge",
+    # prometheus_client declares a counter under its _total name.
+    "sglang:prompt_tokens_total": "counter",
+    "sglang:num_requests_total": "counter",
     "sglang:time_to_first_token_seconds": "histogram",
     "sglang:inter_token_latency_seconds": "histogram",
 }
 
 
-async def test_metrics_are_prometheus_text_and_grow(
-    server: EngineServer, http: aiohttp.ClientSession
-) -> None:
+async def test_metrics_are_prometheus_text_and_grow(http: aiohttp.ClientSession) -> None:
+    async with running(fast_cfg(enable_metrics=True)) as server:  # SGLang --enable-metrics
+        await _metrics_grow(server, http)
+
+
+async def _metrics_grow(server: EngineServer, http: aiohttp.ClientSession) -> None:
     before = await get_metrics(http, server.url)
     for name, kind in REQUIRED_METRICS.items():
         assert before.types[name] == kind
@@ -843,27 +942,34 @@ async def test_metrics_are_prometheus_text_and_grow(
     assert after.value("sglang:time_to_first_token_seconds_sum") > 0
     assert after.value("sglang:inter_token_latency_seconds_sum") > 0
     assert after.value("sglang:num_running_reqs") == 0
-    assert after.value("sglang:num_used_tokens") == prompt_tokens // BLOCK * BLOCK
+    # The prompt's blocks stay cached, evictable: not "used" to SGLang.
+    assert server.engine.runner.model.cache.tokens == prompt_tokens // BLOCK * BLOCK
+    assert after.value("sglang:num_used_tokens") == 0
     cached = (prompt_tokens - 1) // BLOCK * BLOCK
     hit_rate = after.value("sglang:cache_hit_rate")
     assert hit_rate == pytest.approx(cached / (2 * prompt_tokens), abs=1e-5)
     assert after.value("sglang:max_total_num_tokens") == FAST.kv_capacity_tokens
 
 
+# SGLang's GetLoadsReqOutput core fields (v1_loads.py).
 LOAD_FIELDS = {
+    "dp_rank",
     "num_running_reqs",
     "num_waiting_reqs",
     "num_used_tokens",
+    "num_total_tokens",
     "max_total_num_tokens",
     "token_usage",
     "cache_hit_rate",
+    "max_running_requests",
 }
 
 
 async def test_loads_and_server_info(server: EngineServer, http: aiohttp.ClientSession) -> None:
     loads = await get_json(http, f"{server.url}/v1/loads")
+    assert set(loads) == {"timestamp", "version", "accelerator", "num_accelerators", "loads"}
     (load,) = loads["loads"]
-    assert set(load) == {"dp_rank", *LOAD_FIELDS}
+    assert set(load) == LOAD_FIELDS
     assert load["dp_rank"] == 0
     assert load["max_total_num_tokens"] == FAST.kv_capacity_tokens
     assert load["num_running_reqs"] == load["num_waiting_reqs"] == load["num_used_tokens"] == 0
@@ -878,8 +984,10 @@ async def test_loads_and_server_info(server: EngineServer, http: aiohttp.ClientS
     assert info["max_running_requests"] == FAST.max_running_requests
     assert info["chunked_prefill_size"] == FAST.chunk_tokens
     assert info["page_size"] == FAST.block_tokens
-    assert info["faults"] == {"error_rate": 0.0, "stall_rate": 0.0, "stall_ms": 0.0}
-    assert set(info["load"]) == LOAD_FIELDS
+    assert info["faults"] == NO_FAULTS
+    # SGLang's server_info carries the schedulers' state, one per DP rank.
+    (state,) = info["internal_states"]
+    assert set(state["load"]) == LOAD_FIELDS
     timing = info["timing"]
     assert timing["tokens_written"] == 0
     assert timing["lag_ms_p50"] is None and timing["lag_ms_max"] is None
@@ -899,15 +1007,22 @@ async def test_loads_and_server_info(server: EngineServer, http: aiohttp.ClientS
         assert lags == sorted(lags)
         assert timing["cpu_s"] >= 0
         assert timing["cpu_us_per_token"] > 0
-        load = info["load"]
+        load = info["internal_states"][0]["load"]
         assert load["num_running_reqs"] == 0
-        assert load["num_used_tokens"] > 0  # the prompt's blocks stay cached
-        assert load["token_usage"] == pytest.approx(
-            load["num_used_tokens"] / FAST.kv_capacity_tokens, abs=1e-6
-        )
+        # The prompt's blocks stay cached but evictable: not used (SGLang's count).
+        assert server.engine.runner.model.cache.tokens > 0
+        assert load["num_used_tokens"] == load["token_usage"] == 0
 
 
 # -- faults ----------------------------------------------------------------------------
+
+NO_FAULTS = {
+    "error_rate": 0.0,
+    "stall_rate": 0.0,
+    "stall_ms": 0.0,
+    "stream_error_rate": 0.0,
+    "stream_error_after": 0,
+}
 
 
 async def test_injected_errors_are_500_json(http: aiohttp.ClientSession) -> None:
@@ -922,9 +1037,13 @@ async def test_injected_errors_are_500_json(http: aiohttp.ClientSession) -> None
                 assert resp.headers[ENGINE_ID_HEADER] == NAME
                 assert resp.content_type == "application/json"
                 data = await resp.json()
-            assert data["error"]["code"] == 500
-            assert data["error"]["type"] == "internal_error"
-            assert "fault" in data["error"]["message"]
+            if path == GENERATE:  # http_server.py: {"error": {"message"}}
+                assert set(data["error"]) == {"message"}
+            else:  # serving_base.py handle_request: an exception is a 500 ErrorResponse
+                assert (data["object"], data["code"]) == ("error", 500)
+                assert data["type"] == "InternalServerError"
+                assert data["message"].startswith("Internal server error: ")
+            assert "fault" in error_message(data)
         stats = await get_json(http, f"{srv.url}/stats")
         assert stats["injected_errors_total"] == 3
         assert stats["completed_total"] == 0
@@ -952,7 +1071,7 @@ async def test_set_faults_rejects_bad_input(
     async with http.post(f"{server.url}/faults", data=raw) as resp:
         assert resp.status == 400
         data = await resp.json()
-    assert needle in data["error"]["message"]
+    assert needle in error_message(data)
     assert server.cfg.faults == Faults()  # nothing applied
 
 
@@ -962,14 +1081,19 @@ async def test_set_faults_applies_and_clears(
     body = {"messages": MESSAGES, "max_tokens": 2}
     async with http.post(f"{server.url}/faults", json={"error_rate": 1.0}) as resp:
         assert resp.status == 200
-        assert await resp.json() == {"error_rate": 1.0, "stall_rate": 0.0, "stall_ms": 0.0}
+        assert await resp.json() == {**NO_FAULTS, "error_rate": 1.0}
     assert (await get_json(http, f"{server.url}/server_info"))["faults"]["error_rate"] == 1.0
     async with http.post(f"{server.url}{CHAT}", json=body) as resp:
         assert resp.status == 500
 
     # A partial update keeps the other fields.
     async with http.post(f"{server.url}/faults", json={"stall_rate": 1, "stall_ms": 300}) as resp:
-        assert await resp.json() == {"error_rate": 1.0, "stall_rate": 1, "stall_ms": 300}
+        assert await resp.json() == {
+            **NO_FAULTS,
+            "error_rate": 1.0,
+            "stall_rate": 1,
+            "stall_ms": 300,
+        }
     async with http.post(f"{server.url}/faults", json={"error_rate": 0}) as resp:
         assert resp.status == 200
     start = time.perf_counter()
@@ -1031,7 +1155,7 @@ async def test_many_concurrent_streams_all_complete(http: aiohttp.ClientSession)
         info = await get_json(http, f"{srv.url}/server_info")
         assert info["timing"]["tokens_written"] == n_streams * n_tokens
         assert info["timing"]["lag_ms_p50"] >= 0
-        assert info["load"]["num_running_reqs"] == 0
+        assert info["internal_states"][0]["load"]["num_running_reqs"] == 0
 
 
 def test_fast_profile_is_a_valid_profile() -> None:

@@ -1,5 +1,6 @@
 """The emulated engine against an independent, real client: the official `openai` package
-(AsyncOpenAI over real HTTP on 127.0.0.1; no mocks)."""
+(AsyncOpenAI over real HTTP on 127.0.0.1; no mocks), in both flavors, each started with
+its cache-report flag (SGLang --enable-cache-report, vLLM --enable-prompt-tokens-details)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from openai.types import Completion, CompletionUsage
 from openai.types.chat import ChatCompletion, ChatCompletionChunk, ChatCompletionMessageParam
 
 from emulator.engine import ENGINE_ID_HEADER, EngineServer
-from emulator.engine_config import EngineConfig, Faults
+from emulator.engine_config import FLAVORS, SGLANG, VLLM, EngineConfig, Faults
 from ext_proc.tokens import count_tokens, render_chat
 from tests.unit.test_engine import FAST
 
@@ -26,9 +27,10 @@ def filler(n_tokens: int, salt: str) -> str:
     return "".join(f"{salt}{i:07d}|" for i in range(n_tokens))[: 4 * n_tokens]
 
 
-@pytest.fixture
-async def server() -> AsyncIterator[EngineServer]:
-    srv = EngineServer(EngineConfig(name=NAME, profile=FAST), "127.0.0.1", 0)
+@pytest.fixture(params=FLAVORS)
+async def server(request: pytest.FixtureRequest) -> AsyncIterator[EngineServer]:
+    cfg = EngineConfig(name=NAME, profile=FAST, flavor=request.param, cache_report=True)
+    srv = EngineServer(cfg, "127.0.0.1", 0)
     await srv.start()
     try:
         yield srv
@@ -58,15 +60,22 @@ async def stream_chat(
     return [chunk async for chunk in stream]
 
 
-def cached_of(usage: CompletionUsage | None) -> int:
+def cached_of(usage: CompletionUsage | None, flavor: str) -> int:
+    """cached_tokens as the flavor reports it: SGLang leaves prompt_tokens_details null
+    unless there was a hit (usage_processor.py), vLLM reports 0 too (the real one:
+    tests/fixtures/vllm/sse-chat.txt)."""
     assert usage is not None
-    assert usage.prompt_tokens_details is not None
+    if usage.prompt_tokens_details is None:
+        assert flavor == SGLANG
+        return 0
     cached = usage.prompt_tokens_details.cached_tokens
     assert cached is not None
+    assert cached > 0 or flavor == VLLM
     return cached
 
 
-async def test_chat_stream_with_usage(client: AsyncOpenAI) -> None:
+async def test_chat_stream_with_usage(server: EngineServer, client: AsyncOpenAI) -> None:
+    flavor = server.cfg.flavor
     messages: list[ChatCompletionMessageParam] = [
         {"role": "system", "content": "You are terse."},
         {"role": "user", "content": filler(400, "chat")},
@@ -90,17 +99,22 @@ async def test_chat_stream_with_usage(client: AsyncOpenAI) -> None:
     assert last.usage.prompt_tokens == prompt_tokens
     assert last.usage.completion_tokens == 6
     assert last.usage.total_tokens == prompt_tokens + 6
-    assert cached_of(last.usage) == 0
+    assert cached_of(last.usage, flavor) == 0
     assert all(c.usage is None for c in chunks[:-1])
+    if flavor == VLLM:  # vLLM's own field: the prompt's full blocks it wrote
+        assert last.usage.prompt_tokens_details is not None
+        created = (last.usage.prompt_tokens_details.model_extra or {})["created_cache_tokens"]
+        assert created == prompt_tokens // BLOCK * BLOCK
 
     # The same chat again: its prompt blocks come from the prefix cache.
     *_, again = await stream_chat(client, messages, 2)
-    cached = cached_of(again.usage)
+    cached = cached_of(again.usage, flavor)
     assert prompt_tokens - BLOCK <= cached < prompt_tokens
     assert again.usage is not None and again.usage.completion_tokens == 2
 
 
-async def test_completion_stream_with_usage(client: AsyncOpenAI) -> None:
+async def test_completion_stream_with_usage(server: EngineServer, client: AsyncOpenAI) -> None:
+    flavor = server.cfg.flavor
     prompt = filler(500, "cmpl")
 
     async def once(max_tokens: int) -> tuple[str, CompletionUsage | None]:
@@ -122,22 +136,25 @@ async def test_completion_stream_with_usage(client: AsyncOpenAI) -> None:
     assert text == "tok " * 4
     assert usage is not None
     assert (usage.prompt_tokens, usage.completion_tokens) == (500, 4)
-    assert cached_of(usage) == 0
+    assert cached_of(usage, flavor) == 0
 
     text, usage = await once(3)
     assert text == "tok " * 3
-    assert cached_of(usage) == (500 - 1) // BLOCK * BLOCK
+    assert cached_of(usage, flavor) == (500 - 1) // BLOCK * BLOCK
 
 
-async def test_non_streaming_chat_and_completion(client: AsyncOpenAI) -> None:
+async def test_non_streaming_chat_and_completion(server: EngineServer, client: AsyncOpenAI) -> None:
+    # SGLang answers (and echoes) any model name; vLLM only its served one.
+    model = "my-model" if server.cfg.flavor == SGLANG else MODEL
     chat = await client.chat.completions.create(
-        model="my-model",
+        model=model,
         messages=[{"role": "user", "content": "Hello there."}],
         max_completion_tokens=5,
     )
     assert isinstance(chat, ChatCompletion)
     assert chat.object == "chat.completion"
-    assert chat.model == "my-model"
+    assert chat.model == model
+    assert chat.id.startswith("chatcmpl-") == (server.cfg.flavor == VLLM)
     assert chat.choices[0].message.role == "assistant"
     assert chat.choices[0].message.content == "tok " * 5
     assert chat.choices[0].finish_reason == "length"
@@ -152,6 +169,7 @@ async def test_non_streaming_chat_and_completion(client: AsyncOpenAI) -> None:
     assert cmpl.usage is not None
     assert (cmpl.usage.prompt_tokens, cmpl.usage.completion_tokens) == (10, 3)
     assert cmpl.usage.total_tokens == 13
+    assert cmpl.id.startswith("cmpl-") == (server.cfg.flavor == VLLM)
 
 
 async def test_raw_response_headers_and_models(client: AsyncOpenAI) -> None:
@@ -174,6 +192,14 @@ async def test_errors_surface_as_openai_exceptions(
         )
     assert bad.value.status_code == 400
     assert "max_tokens" in bad.value.message
+
+    if server.cfg.flavor == VLLM:
+        with pytest.raises(openai.NotFoundError) as missing:
+            await client.chat.completions.create(
+                model="no-such-model", messages=[{"role": "user", "content": "hi"}]
+            )
+        assert missing.value.status_code == 404
+        assert "no-such-model" in missing.value.message
 
     server.cfg.faults = Faults(error_rate=1.0)
     with pytest.raises(openai.InternalServerError) as err:

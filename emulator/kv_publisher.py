@@ -1,0 +1,299 @@
+"""KV cache events as the engines publish them (`--kv-events-config`), for the emulated
+engine.
+
+What the real engines do (`../shared/real-engines.md`; SGLang
+python/sglang/srt/disaggregation/kv_events.py, vLLM vllm/distributed/kv_events.py):
+- a ZMQ PUB socket; an endpoint `tcp://*:PORT` binds (subscribers connect), a concrete
+  address connects (the subscriber binds);
+- one multipart message per batch: topic, the sequence number as 8 bytes big-endian
+  (from 0 at each start), and the msgpack payload `[timestamp, [event, ...], dp_rank]`;
+- events `BlockStored` (block_hashes, parent_block_hash, token_ids, block_size, lora_id,
+  medium), `BlockRemoved` (block_hashes, medium) and `AllBlocksCleared`, as maps with a
+  "type" key (vLLM; SGLang since 2026) or as tagged arrays (SGLang before: `encoding:
+  array`);
+- SGLang's replay endpoint: a ROUTER socket; a DEALER sends `[b"", start_seq]` and gets
+  `[b"", seq, payload]` for every buffered batch from start_seq on, then a seq of -1.
+
+The emulated engine's blocks carry SHA-256-chained 64-bit hashes of their token ids (as
+SGLang's page hashes are made, python/sglang/srt/mem_cache/utils.py); subscribers should
+not rely on hash values but on the token ids each BlockStored carries.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import zmq
+
+log = logging.getLogger(__name__)
+
+MAP, ARRAY = "map", "array"
+# The flavors (emulator.engine_config imports this module, so not from there).
+SGLANG_FLAVOR, VLLM_FLAVOR = "sglang", "vllm"
+UINT64_MASK = (1 << 64) - 1
+# How many batches the replay endpoint keeps (SGLang's buffer_steps default).
+DEFAULT_BUFFER_STEPS = 10_000
+END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
+
+
+@dataclass(frozen=True)
+class KvEventsConfig:
+    """The engines' --kv-events-config JSON, the keys the emulator honours."""
+
+    endpoint: str
+    topic: str = ""
+    replay_endpoint: str = ""
+    buffer_steps: int = DEFAULT_BUFFER_STEPS
+    # SGLang: map (2026) or array (tagged arrays, before); vLLM: always map.
+    encoding: str = MAP
+    medium: str = "GPU"
+
+    @staticmethod
+    def parse(raw: str, flavor: str) -> KvEventsConfig | None:
+        """From the flag's JSON; None when events are not enabled."""
+        try:
+            doc = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--kv-events-config: not JSON: {e}") from e
+        if not isinstance(doc, dict):
+            raise ValueError("--kv-events-config: expected a JSON object")
+        if flavor == "vllm" and not doc.get("enable_kv_cache_events", False):
+            return None  # vLLM publishes only when asked
+        publisher = doc.get("publisher", "zmq")
+        if publisher == "null":
+            return None
+        if publisher != "zmq":
+            raise ValueError(f"--kv-events-config: publisher {publisher!r}: only zmq is emulated")
+        endpoint = doc.get("endpoint", "tcp://*:5557")
+        encoding = doc.get("encoding", MAP)
+        if encoding not in (MAP, ARRAY) or (flavor == "vllm" and encoding != MAP):
+            raise ValueError(f"--kv-events-config: encoding {encoding!r} (sglang: map or array)")
+        return KvEventsConfig(
+            endpoint=str(endpoint),
+            topic=str(doc.get("topic", "")),
+            replay_endpoint=str(doc.get("replay_endpoint") or ""),
+            buffer_steps=int(doc.get("buffer_steps", DEFAULT_BUFFER_STEPS)),
+            encoding=encoding,
+        )
+
+
+def page_hash(parent: int | None, token_ids: Sequence[int]) -> int:
+    """SHA-256 over the parent's hash and the page's tokens as uint32, as a signed int64."""
+    h = hashlib.sha256()
+    if parent is not None:
+        h.update(parent.to_bytes(8, "big", signed=True))
+    for t in token_ids:
+        h.update((t & 0xFFFFFFFF).to_bytes(4, "little"))
+    return int.from_bytes(h.digest()[:8], "big", signed=True)
+
+
+def wire_hash(h: int, flavor: str) -> int:
+    """A page hash as the flavor publishes it: SGLang a signed int64 (hash_str_to_int64),
+    vLLM an unsigned 64-bit int (maybe_convert_block_hash; the real one here sends values
+    >= 2**63: tests/fixtures/vllm/kv_events.jsonl)."""
+    return h & UINT64_MASK if flavor == VLLM_FLAVOR else h
+
+
+def stored_event(
+    cfg: KvEventsConfig,
+    hashes: Sequence[int],
+    parent: int | None,
+    token_ids: Sequence[int],
+    block_size: int,
+    flavor: str = SGLANG_FLAVOR,
+) -> Any:
+    hashes = [wire_hash(h, flavor) for h in hashes]
+    parent = None if parent is None else wire_hash(parent, flavor)
+    if cfg.encoding == ARRAY:
+        return ["BlockStored", hashes, parent, list(token_ids), block_size, None, cfg.medium]
+    event: dict[str, Any] = {
+        "type": "BlockStored",
+        "block_hashes": hashes,
+        "parent_block_hash": parent,
+        "token_ids": list(token_ids),
+        "block_size": block_size,
+        "lora_id": None,
+        "medium": cfg.medium,
+    }
+    if flavor == VLLM_FLAVOR:
+        # The real vLLM's further fields (tests/fixtures/vllm/kv_events.jsonl): no LoRA,
+        # no extra keys per block, one full-attention KV cache group.
+        event.update(
+            lora_name=None,
+            extra_keys=[None] * len(hashes),
+            group_idx=0,
+            kv_cache_spec_kind="full_attention",
+        )
+    return event
+
+
+def removed_event(cfg: KvEventsConfig, hashes: Sequence[int], flavor: str = SGLANG_FLAVOR) -> Any:
+    hashes = [wire_hash(h, flavor) for h in hashes]
+    if cfg.encoding == ARRAY:
+        return ["BlockRemoved", hashes, cfg.medium]
+    event: dict[str, Any] = {"type": "BlockRemoved", "block_hashes": hashes, "medium": cfg.medium}
+    if flavor == VLLM_FLAVOR:
+        event["group_idx"] = 0
+    return event
+
+
+def cleared_event(cfg: KvEventsConfig) -> Any:
+    return ["AllBlocksCleared"] if cfg.encoding == ARRAY else {"type": "AllBlocksCleared"}
+
+
+class KvEventPublisher:
+    """ZMQ publisher of event batches, with SGLang's replay endpoint when configured."""
+
+    def __init__(self, cfg: KvEventsConfig, dp_rank: int = 0) -> None:
+        self.cfg = cfg
+        self.dp_rank = dp_rank
+        self.seq = 0
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        self._pub = self._ctx.socket(zmq.PUB)
+        self._pub.setsockopt(zmq.LINGER, 0)
+        _bind_or_connect(self._pub, cfg.endpoint)
+        self._buffer: deque[tuple[bytes, bytes]] = deque(maxlen=max(1, cfg.buffer_steps))
+        self._replay: zmq.Socket[bytes] | None = None
+        if cfg.replay_endpoint:
+            self._replay = self._ctx.socket(zmq.ROUTER)
+            self._replay.setsockopt(zmq.LINGER, 0)
+            _bind_or_connect(self._replay, cfg.replay_endpoint)
+
+    def publish(self, events: list[Any]) -> None:
+        if not events:
+            return
+        payload = msgpack.packb([time.time(), events, self.dp_rank], use_bin_type=True)
+        seq = self.seq.to_bytes(8, "big", signed=True)
+        self.seq += 1
+        self._buffer.append((seq, payload))
+        self._pub.send_multipart([self.cfg.topic.encode(), seq, payload])
+
+    def serve_replays(self) -> int:
+        """Answer pending replay requests (non-blocking). Returns how many were served."""
+        if self._replay is None:
+            return 0
+        served = 0
+        while True:
+            try:
+                frames = self._replay.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return served
+            if len(frames) < 3:
+                continue
+            identity, start = frames[0], int.from_bytes(frames[-1], "big", signed=True)
+            for seq, payload in self._buffer:
+                if int.from_bytes(seq, "big", signed=True) >= start:
+                    self._replay.send_multipart([identity, b"", seq, payload])
+            self._replay.send_multipart([identity, b"", END_OF_REPLAY, b""])
+            served += 1
+
+    def close(self) -> None:
+        self._pub.close()
+        if self._replay is not None:
+            self._replay.close()
+
+
+def _bind_or_connect(sock: zmq.Socket[bytes], endpoint: str) -> None:
+    # As the engines do: a wildcard host binds; a concrete address connects.
+    if endpoint.startswith("tcp://*") or endpoint.startswith("ipc://"):
+        sock.bind(endpoint)
+    else:
+        sock.connect(endpoint)
+
+
+class KvEventEmitter:
+    """Turns the engine model's cache changes into published batches.
+
+    The model's blocks are keyed by its own chained hashes; what a subscriber sees is
+    each block's page hash (`page_hash`, chained over the block's token ids) and its token
+    ids, which the engine learns from the requests it admits (`register` at submit,
+    `unregister` at release)."""
+
+    def __init__(
+        self, publisher: KvEventPublisher, block_tokens: int, flavor: str = SGLANG_FLAVOR
+    ) -> None:
+        self.publisher = publisher
+        self.cfg = publisher.cfg
+        self.block_tokens = block_tokens
+        self.flavor = flavor
+        # Model hash -> (published hash, token ids): blocks in the cache, and the blocks
+        # of requests in flight (counted by how many of them carry each).
+        self._blocks: dict[int, tuple[int, tuple[int, ...]]] = {}
+        self._pending: dict[int, int] = {}
+        self._stored: set[int] = set()
+
+    def register(self, blocks: Sequence[int], token_ids: Sequence[int]) -> None:
+        bt, parent = self.block_tokens, None
+        for i, h in enumerate(blocks):
+            if h not in self._blocks:
+                tokens = tuple(token_ids[i * bt : (i + 1) * bt])
+                self._blocks[h] = (page_hash(parent, tokens), tokens)
+            parent = self._blocks[h][0]
+            self._pending[h] = self._pending.get(h, 0) + 1
+
+    def unregister(self, blocks: Sequence[int]) -> None:
+        for h in blocks:
+            n = self._pending.get(h, 0) - 1
+            if n > 0:
+                self._pending[h] = n
+                continue
+            self._pending.pop(h, None)
+            if h not in self._stored:
+                self._blocks.pop(h, None)
+
+    def emit(self, changes: list[tuple[Any, ...]]) -> None:
+        """Publish one batch for the model's recorded changes, in order. Consecutive
+        stores along one chain go in one BlockStored, as the engines batch them."""
+        events: list[Any] = []
+        run: list[int] = []  # model hashes of the current BlockStored
+        run_parent: list[int | None] = [None]  # the model hash its first block follows
+
+        def flush() -> None:
+            if run:
+                first = run_parent[0]
+                parent = None if first is None else self._blocks[first][0]
+                hashes = [self._blocks[h][0] for h in run]
+                tokens = [t for h in run for t in self._blocks[h][1]]
+                events.append(
+                    stored_event(self.cfg, hashes, parent, tokens, self.block_tokens, self.flavor)
+                )
+                run.clear()
+
+        for change in changes:
+            kind = change[0]
+            if kind == "stored":
+                _, h, parent = change
+                if h not in self._blocks:
+                    continue  # a block whose request left already: nothing to say
+                self._stored.add(h)
+                if run and parent != run[-1]:
+                    flush()
+                if not run:
+                    run_parent[0] = parent
+                run.append(h)
+                continue
+            flush()
+            if kind == "removed":
+                h = change[1]
+                self._stored.discard(h)
+                published = self._blocks.get(h)
+                if h not in self._pending:
+                    self._blocks.pop(h, None)
+                if published is not None:
+                    events.append(removed_event(self.cfg, [published[0]], self.flavor))
+            else:
+                for h in self._stored:
+                    if h not in self._pending:
+                        self._blocks.pop(h, None)
+                self._stored.clear()
+                events.append(cleared_event(self.cfg))
+        flush()
+        self.publisher.publish(events)

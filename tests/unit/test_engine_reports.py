@@ -1,0 +1,81 @@
+"""The router reads what real engines say: their /metrics pages (a real vLLM's, captured
+here, and an SGLang page written from SGLang's source) and their KV events (the real
+vLLM's, captured here), with the same code that reads the emulator's."""
+
+import base64
+import json
+from pathlib import Path
+
+import pytest
+
+from ext_proc.engine_metrics import MetricsError, parse_engine_metrics
+from ext_proc.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, decode_message
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+VLLM = FIXTURES / "vllm"
+
+
+def test_a_real_vllm_metrics_page() -> None:
+    # captured while three streams were running (tests/fixtures/vllm/README.md)
+    for page in ("metrics.txt", "metrics-busy.txt"):
+        r = parse_engine_metrics((VLLM / page).read_text())
+        assert (r.running, r.waiting) == (3.0, 0.0), page
+        assert r.kv_usage is not None and 0 < r.kv_usage < 0.05
+    # the small pool under six 2k-token prompts: requests wait for KV, the pool is full
+    small = parse_engine_metrics((VLLM / "metrics-small-pool-busy.txt").read_text())
+    assert (small.running, small.waiting) == (2.0, 4.0)
+    assert small.kv_usage == pytest.approx(0.805, abs=0.001)
+
+
+def test_an_sglang_page_written_from_its_source() -> None:
+    page = (FIXTURES / "sglang" / "metrics-tp2-dp2.txt").read_text()
+    r = parse_engine_metrics(page)
+    # the same scheduler's queue appears once per TP rank: max within a DP rank, summed
+    # over DP ranks
+    assert (r.waiting, r.running) == (10.0, 21.0)
+    assert r.kv_usage == pytest.approx((0.42 + 0.21) / 2)
+
+
+def test_a_missing_metric_is_unknown_and_garbage_is_an_error() -> None:
+    only_running = "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 2\n"
+    r = parse_engine_metrics(only_running)
+    assert (r.running, r.waiting, r.kv_usage) == (2.0, None, None)  # unknown, never 0
+    assert parse_engine_metrics("").waiting is None
+    with pytest.raises(MetricsError):
+        parse_engine_metrics("this is { not prometheus")
+
+
+def captured_batches(name: str) -> list:
+    rows = [json.loads(line) for line in (VLLM / name).read_text().splitlines() if line]
+    out = []
+    for row in rows:
+        frames = [
+            row["topic"].encode(),
+            int(row["seq"]).to_bytes(8, "big", signed=True),
+            base64.b64decode(row["payload_b64"]),
+        ]
+        out.append(decode_message(frames))
+    return out
+
+
+def test_the_real_vllm_kv_events_decode() -> None:
+    batches = captured_batches("kv_events.jsonl")
+    assert [b.seq for b in batches] == list(range(len(batches)))  # from 0, no gap
+    stored = [e for b in batches for e in b.events if isinstance(e, BlockStored)]
+    assert stored, "the captured requests stored blocks"
+    for e in stored:
+        assert e.block_size == 128  # vLLM's CPU block
+        assert len(e.token_ids) == len(e.block_hashes) * e.block_size
+        assert e.medium in (None, "GPU")
+    # a chain: each later store of a prompt continues from a block stored before it
+    known = {h for e in stored for h in e.block_hashes}
+    assert any(e.parent_block_hash in known for e in stored)
+
+
+def test_real_vllm_eviction_and_reset_events_decode() -> None:
+    small = captured_batches("kv_events-small-pool.jsonl")
+    removed = [e for b in small for e in b.events if isinstance(e, BlockRemoved)]
+    assert removed, "the 5,120-token pool evicted under six 2k-token prompts"
+    reset = captured_batches("kv_events-reset.jsonl")
+    kinds = {type(e) for b in reset for e in b.events}
+    assert kinds & {AllBlocksCleared, BlockRemoved}
