@@ -279,6 +279,11 @@ class Stack:
         fleet = ", ".join(f"{r.id} ({r.rtt_ms:g} ms RTT)" for r in self.settings.regions)
         if self.settings.rtt_profile:
             fleet += f" [{self.settings.rtt_profile} RTT profile]"
+        fleet += (
+            " | engines: real vLLM (tiny local model)"
+            if self.settings.real_engine
+            else f" | engines: emulated {self.settings.flavor}"
+        )
         return (
             f"gorgo up: ready. front door {self.front_door_url} | envoy admin "
             f"{self.envoy_admin_url} | ext_proc gRPC 127.0.0.1:{p.grpc} | gorgo admin "

@@ -17,7 +17,7 @@ from ext_proc.cost import (
 )
 from ext_proc.learners import SETTLED_S
 from ext_proc.lifecycle import Status
-from ext_proc.parse import CHAT, parse_body
+from ext_proc.parse import CHAT, COMPLETIONS, parse_body
 from ext_proc.policy import RouteRequest
 from ext_proc.profile import load_profile
 from ext_proc.router import Router, build_router
@@ -331,3 +331,39 @@ def test_prefill_learns_at_completion_and_only_from_the_chosen_backend() -> None
     unqueued("mid")  # Envoy retried elsewhere: that TTFT is not near's prefill
     unqueued(None)
     assert len(samples) == 1
+
+
+def completion(prompt: object, rid: str) -> RouteRequest:
+    import json
+
+    return RouteRequest(rid, parse_body(COMPLETIONS, json.dumps({"prompt": prompt}).encode()), None)
+
+
+def test_token_id_prompts_are_routed_by_their_exact_length_and_prefix() -> None:
+    r, clock = router(policies={"gorgo": {"tie_fraction": 0.0}})
+    ids = list(range(1, 3001))  # 3,000 tokens: 11 full blocks of 256
+    d1 = r.decide(completion(ids, "a"))
+    assert d1.input_tokens == 3000
+    r.close("a", Status.OK)
+    clock.advance(1)
+    d2 = r.decide(completion([*ids, 7, 7, 7], "b"))  # the same ids, extended
+    chosen = d2.chosen
+    assert d2.backend == d1.backend and chosen.cached_tokens == 11 * 256
+    assert chosen.cached_tokens + chosen.uncached_tokens == 3003
+
+
+def test_a_batch_is_matched_prompt_by_prompt_not_as_one_joined_prompt() -> None:
+    r, clock = router(policies={"gorgo": {"tie_fraction": 0.0}})
+    a, b = "first document " * 400, "second document " * 400  # ~1,500 / 1,600 tokens
+    for i, doc in enumerate((a, b)):
+        r.decide(completion(doc, f"warm{i}"))
+        r.close(f"warm{i}", Status.OK)
+    clock.advance(1)
+    batch = r.decide(completion([a, b], "batch"))
+    c = batch.chosen
+    # each prompt's own prefix is cached (all but its partial last block)
+    per_prompt = [(len(p.encode()) // 4 // 256) * 256 for p in (a, b)]
+    assert c.cached_tokens == sum(per_prompt) > 0
+    assert c.cached_tokens + c.uncached_tokens == batch.input_tokens
+    joined = r.decide(completion(a + b, "joined"))  # one prompt: only a's blocks lead it
+    assert joined.chosen.cached_tokens < c.cached_tokens

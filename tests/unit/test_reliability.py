@@ -250,3 +250,31 @@ def test_a_ten_megabyte_body_is_routed() -> None:
     (opt,) = resp.request_body.response.header_mutation.set_headers
     assert opt.header.key == "x-gorgo-backend"
     assert r.state.in_flight["big"].input_tokens == 2_500_000
+
+
+def observer_chunk(rid: str, data: bytes) -> codec.ProcessingRequest:
+    """The observing filter's first message: the first response chunk, the request id as
+    an attribute."""
+    req = body(data, response=True, eos=False)
+    req.observability_mode = True
+    req.protocol_config.response_body_mode = codec.pb.ProcessingMode.STREAMED
+    req.attributes["envoy.filters.http.ext_proc"].fields["request.id"].string_value = rid
+    return req
+
+
+def test_an_error_event_as_the_first_chunk_is_a_failure_not_a_ttft() -> None:
+    r, clock = router()
+    for i in range(2):
+        d = r.decide(chat(f"p{i}"))
+        clock.advance(0.05)
+        event = b'data: {"error": {"object": "error", "message": "boom", "code": 500}}\n\n'
+        Stream(r).handle(observer_chunk(d.request_id, event))
+        assert d.request_id not in r.state.in_flight  # closed as an error, at once
+        assert not r.state.backends[d.backend].recent_ttft_ms  # not a first token
+        # the access log's 200 that follows finds it closed
+        assert r.close(d.request_id, Status.OK) is None
+    near = r.state.backends["near"]
+    assert near.errors == 2 and near.ejected_until_s is not None  # two in a row: ejected
+    d = r.decide(chat("fine"))
+    Stream(r).handle(observer_chunk(d.request_id, b'data: {"id": "x", "choices": []}\n\n'))
+    assert r.state.backends[d.backend].recent_ttft_ms  # a normal first chunk is timed
