@@ -231,10 +231,12 @@ class Engine:
 
     async def health(self, request: web.Request) -> web.Response:
         """SGLang (/health and /health_generate share one handler, http_server.py): 503
-        while starting; then a one-token generation through the scheduler's queue, 200 as
-        soon as the engine produces any output, 503 after HEALTH_CHECK_TIMEOUT_S. With
-        SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false, /health answers at once. vLLM:
-        200 while the engine process lives (serve/instrumentator/health.py)."""
+        while starting; then it submits a one-token generation and, every second (it
+        sleeps first), checks whether the engine produced any output since it began: 200
+        then, 503 after HEALTH_CHECK_TIMEOUT_S. So it takes at least a second, longer while
+        a long prefill holds the engine. With SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=
+        false, /health answers at once. vLLM: 200 while the engine process lives
+        (serve/instrumentator/health.py)."""
         if self.cfg.flavor == VLLM:
             return web.Response(status=200)
         loop = asyncio.get_running_loop()
@@ -245,11 +247,13 @@ class Engine:
         self._health_seq += 1
         rid = f"HEALTH_CHECK_{self._health_seq}"
         probe = GenRequest("generate", 1, 1, False, False, self.cfg.model)
-        channel = self.runner.submit(rid, probe)
+        tic = loop.time()
+        self.runner.submit(rid, probe)
         try:
-            await asyncio.wait_for(channel.take(), HEALTH_CHECK_TIMEOUT_S)
-            return web.Response(status=200)
-        except TimeoutError:
+            while loop.time() < tic + HEALTH_CHECK_TIMEOUT_S:
+                await asyncio.sleep(self.cfg.health_poll_s)
+                if self.runner.last_output_s > tic:
+                    return web.Response(status=200)
             return web.Response(status=503)
         finally:
             self.runner.release(rid)

@@ -100,6 +100,9 @@ class EngineConfig:
     # one-token generation per call unless SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false.
     warmup_s: float = 0.0
     health_generation: bool = True
+    # How often SGLang's /health looks for output (it sleeps 1 s, then checks: so it
+    # takes at least 1 s). Tests shorten it.
+    health_poll_s: float = 1.0
 
     def __post_init__(self) -> None:
         if not self.name:

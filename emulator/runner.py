@@ -151,6 +151,9 @@ class ModelRunner:
             model.cache.events = []
         self._channels: dict[str, TokenChannel] = {}
         self._blocks: dict[str, tuple[int, ...]] = {}
+        # When the model last emitted any token (loop time): SGLang's /health is happy
+        # with any output since it began.
+        self.last_output_s = float("-inf")
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -205,8 +208,11 @@ class ModelRunner:
                 await asyncio.sleep(delay_s - WAKE_EARLY_S)
             while loop.time() < due_s:  # the last stretch: yield to other tasks, not epoll
                 await asyncio.sleep(0)
-            for e in self.model.advance(loop.time()):
+            emissions = self.model.advance(loop.time())
+            for e in emissions:
                 channel = self._channels.get(e.rid)
                 if channel is not None:
                     channel.push(e)
+            if emissions:
+                self.last_output_s = loop.time()
             self.publish_events()

@@ -27,7 +27,7 @@ from typing import IO
 
 import yaml
 
-from ext_proc.config import Config, config_as_dict, config_from_dict
+from ext_proc.config import PROBE_PATH, Config, EngineKind, config_as_dict, config_from_dict
 from ext_proc.envoy_config import render_envoy_config
 from ext_proc.files import write_atomic
 from ext_proc.profile import DEFAULT_PROFILE, load_profile
@@ -446,7 +446,10 @@ class Stack:
             raise
 
     def wait_ready(self, timeout_s: float) -> None:
-        urls = [f"{self.engine_url(i)}/health" for i in range(len(self.settings.regions))]
+        # Each engine's path that does no work (an emulated SGLang's /health generates and
+        # takes a second), the same as the router's probes.
+        path = PROBE_PATH[EngineKind(self.config.backends[0].engine)]
+        urls = [f"{self.engine_url(i)}{path}" for i in range(len(self.settings.regions))]
         urls.append(f"{self.admin_url}/healthz")
         urls.append(f"{self.envoy_admin_url}/ready")
         deadline = time.monotonic() + timeout_s

@@ -43,7 +43,20 @@ async def _drive(url: str, streams: int, output_tokens: int, prompt_tokens: int)
 def run_engine_bench(streams: int = 64, output_tokens: int = 256, prompt_tokens: int = 1024) -> int:
     (port,) = free_ports(1)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ext_proc.cli", "engine", "--name", "bench", "--port", str(port)],
+        # the local stack's cache granularity (the profile's 64-token blocks, not SGLang's
+        # default 1-token pages)
+        [
+            sys.executable,
+            "-m",
+            "ext_proc.cli",
+            "engine",
+            "--name",
+            "bench",
+            "--port",
+            str(port),
+            "--page-size",
+            "64",
+        ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -52,7 +65,7 @@ def run_engine_bench(streams: int = 64, output_tokens: int = 256, prompt_tokens:
         deadline = time.monotonic() + 20
         while True:
             try:
-                urllib.request.urlopen(f"{url}/health", timeout=1).close()
+                urllib.request.urlopen(f"{url}/v1/models", timeout=1).close()
                 break
             except OSError:
                 if time.monotonic() > deadline or proc.poll() is not None:

@@ -4,8 +4,9 @@ The emulated SGLang's /health runs a one-token generation that queues behind eve
 in front of it, as the real one does (python/sglang/srt/entrypoints/http_server.py). The
 router's default probe path for SGLang (/v1/models) is answered without the scheduler, so
 through `gorgo up`'s stack, idle and under load, /state shows each backend's RTT within
-10 % + 5 ms of its WAN link's 1 / 90 / 180 ms. Probing /health instead reads the queue,
-and the router says so.
+10 % + 5 ms of its WAN link's 1 / 90 / 180 ms. Probing /health instead reads a second or
+more (SGLang looks for output once a second) and the engine's queue, and the router says
+so.
 """
 
 from __future__ import annotations
@@ -100,7 +101,13 @@ def test_probing_health_reads_the_queue_and_is_flagged() -> None:
     stack = stack_with("/health")
     stack.start()
     try:
-        wait_for(lambda: all(router_state(stack)["backends"][b]["rtt_samples"] >= 3 for b in IDS))
+        # each /health probe takes a second or more (SGLang looks for output once a second)
+        wait_for(
+            lambda: all(router_state(stack)["backends"][b]["rtt_samples"] >= 3 for b in IDS), 20
+        )
+        idle = sample_rtts(stack, 1.0)
+        print(f"rtt_ms probing /health idle {idle}")
+        assert all(v > 900 for v in idle.values()), idle  # a second, not the network
         log = stack.workdir / "gorgo-serve.log"
 
         async def busy() -> dict[str, float]:

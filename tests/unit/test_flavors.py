@@ -653,18 +653,27 @@ async def test_sglang_health_during_warmup(http: aiohttp.ClientSession) -> None:
         assert srv.engine.runner.model.stats.requests_admitted == 1  # the one-token probe
 
 
+POLL_S = 0.1  # SGLang's health poll is 1 s; scaled down here
+
+
 @pytest.mark.parametrize("health_generation", [True, False])
-async def test_sglang_health_waits_behind_the_queue(
+async def test_sglang_health_polls_for_any_output(
     health_generation: bool, http: aiohttp.ClientSession
 ) -> None:
-    """/health submits a one-token generation (max_new_tokens 1, http_server.py
-    health_generate): behind a ~0.53 s prefill it takes as long as that prefill. With
+    """/health submits a one-token generation (max_new_tokens 1) and then, sleeping a
+    poll interval (1 s) before each look, answers 200 once the engine produced any output
+    since it began (http_server.py health_generate: last_receive_tstamp > tic). So it
+    takes at least one poll, and as many as a long prefill holds every output back. With
     SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false /health answers at once;
     /health_generate generates regardless."""
-    cfg = cfg_of(SGLANG, profile=SLOW, health_generation=health_generation)
+    cfg = cfg_of(SGLANG, profile=SLOW, health_generation=health_generation, health_poll_s=POLL_S)
     async with running(cfg) as srv:
         status, _, idle_s = await timed_get(http, f"{srv.url}/health")
-        assert status == 200 and idle_s < 0.2  # idle: one tiny step
+        assert status == 200
+        if health_generation:
+            assert POLL_S <= idle_s < 2 * POLL_S  # idle: its own token, seen at the first look
+        else:
+            assert idle_s < POLL_S
         for path in ("/health", "/health_generate"):
             body = {"prompt": filler(4000, path), "max_tokens": 1}  # no prefix hit
             long = asyncio.create_task(post_json(http, f"{srv.url}{COMPLETIONS}", body))
@@ -678,8 +687,22 @@ async def test_sglang_health_waits_behind_the_queue(
                 assert took_s < 0.25 * SLOW_PREFILL_S
                 assert not done_at_answer
             else:
-                # The probe queued behind the prefill: the rest of it (~0.48 s).
-                assert took_s >= 0.8 * (SLOW_PREFILL_S - 0.05)
+                # No output until the prefill (~0.48 s more) ends: the looks before find
+                # nothing; the first look after it answers.
+                assert SLOW_PREFILL_S - 0.05 <= took_s < SLOW_PREFILL_S + POLL_S + 0.1
+
+
+async def test_sglang_health_is_happy_with_anyones_output(http: aiohttp.ClientSession) -> None:
+    """Any output counts, not only the probe's: while a long decode streams, /health
+    answers at its first look even though its own token waits in the queue."""
+    cfg = cfg_of(SGLANG, health_poll_s=POLL_S)
+    async with running(cfg) as srv:
+        body = {"prompt": "abcd" * 10, "max_tokens": 400, "stream": False}
+        long = asyncio.create_task(post_json(http, f"{srv.url}{COMPLETIONS}", body))
+        await asyncio.sleep(0.05)
+        status, _, took_s = await timed_get(http, f"{srv.url}/health")
+        assert status == 200 and POLL_S <= took_s < 2 * POLL_S
+        assert (await long)[0] == 200
 
 
 async def test_vllm_health_is_immediate(http: aiohttp.ClientSession) -> None:
