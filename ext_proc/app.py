@@ -23,6 +23,7 @@ from opentelemetry.sdk.trace.export import SpanExporter
 from ext_proc.admin import make_admin_app
 from ext_proc.config import Config, TunerMode, split_host_port
 from ext_proc.files import write_atomic
+from ext_proc.kv_client import KvEventClients
 from ext_proc.policy import policy_info
 from ext_proc.probe import Prober
 from ext_proc.router import Router, build_router, tuner_settings
@@ -165,6 +166,8 @@ async def running_service(
     expirer = asyncio.create_task(_expire_loop(router))
     prober = Prober(cfg, router)
     await prober.start()
+    kv_events = KvEventClients(cfg, router)
+    await kv_events.start()
     # Start-up objects never die: keep them out of the collector's scans, and collect the
     # young generation less often, so GC pauses do not land on requests' tails.
     gc.collect()
@@ -175,6 +178,7 @@ async def running_service(
     finally:
         expirer.cancel()
         await prober.stop()
+        await kv_events.stop()
         closed_before = _closed(router)
         log.info(
             "stopping: %d ext_proc streams open, %d requests in flight; draining for up to %.0f s",

@@ -126,6 +126,19 @@ def _policies(raw: Any, _typ: Any, key: str) -> dict[str, Any]:
 
 
 @dataclass(frozen=True)
+class KvEventsSource:
+    """Where a backend's engine publishes its KV cache events (its --kv-events-config)."""
+
+    # The engine's endpoint as configured there: tcp://*:PORT (the engine binds; the
+    # router connects to the backend's host) or tcp://HOST:PORT (the engine connects; the
+    # router binds it). "" = no events: the router's own estimate serves this backend.
+    endpoint: str = ""
+    topic: str = ""
+    # SGLang's replay endpoint (ROUTER), to fetch what a gap lost; "" = none (reset).
+    replay_endpoint: str = ""
+
+
+@dataclass(frozen=True)
 class Backend:
     # Backend id = Envoy cluster name = value of the routing header.
     id: str
@@ -140,6 +153,8 @@ class Backend:
     engine_profile: str = DEFAULT_PROFILE
     # KV cache the prefix index mirrors for this backend; 0 = the profile's KV pool.
     kv_capacity_tokens: int = bounded(0, **NON_NEGATIVE)
+    # The engine's KV cache events: with them, what the engine really holds.
+    kv_events: KvEventsSource = field(default_factory=KvEventsSource)
 
 
 @dataclass(frozen=True)
@@ -163,6 +178,9 @@ class Routing:
     # Shed load: when every backend's queue estimate exceeds this (ms), answer 429 with
     # Retry-After instead of queueing (0 = never shed).
     shed_queue_ms: float = bounded(0.0, **NON_NEGATIVE)
+    # With KV events: a prompt dispatched this recently counts as cached where it went,
+    # until the engine's own events say what it stored (they follow within a step).
+    optimistic_ttl_s: float = bounded(10.0, **NON_NEGATIVE)
 
 
 @dataclass(frozen=True)
@@ -395,6 +413,13 @@ def _validate(cfg: Config) -> None:
             raise ConfigError(f"backends[{i}].id: duplicate backend id {b.id!r}")
         seen.add(b.id)
         split_host_port(b.address, f"backends[{i}].address")
+        for key in ("endpoint", "replay_endpoint"):
+            value = getattr(b.kv_events, key)
+            if value and not re.match(r"^tcp://(\*|[^:/]+|\[[0-9a-fA-F:]+\]):\d{1,5}$", value):
+                raise ConfigError(
+                    f"backends[{i}].kv_events.{key}: expected tcp://HOST:PORT or "
+                    f"tcp://*:PORT, got {value!r}"
+                )
         try:
             load_profile(b.engine_profile)
         except ValueError as e:

@@ -18,7 +18,9 @@ import numpy as np
 
 from ext_proc.config import Config, TunerMode
 from ext_proc.cost import PrefillModel, QueueItem, Weights, estimate_queue_ms
+from ext_proc.engine_index import Applied, EngineBlocks, chain_keys
 from ext_proc.engine_metrics import EngineReport
+from ext_proc.kv_events import EventBatch
 from ext_proc.learners import Ejector, PrefillLearner, PrefixLearner, TunerLearner
 from ext_proc.lifecycle import Closed, Dispatched, FirstByte, Listener, Status
 from ext_proc.policy import Candidate, Policy, PolicyInfo, RouteRequest, make_policy, policy_info
@@ -114,6 +116,10 @@ class Router:
         self.decisions = 0
         self.recent: deque[Decision] = deque(maxlen=RECENT_DECISIONS)
         self.sees_first_bytes = False
+        # Backends whose engine publishes KV events: what it reports holding, and whether
+        # that stream is up now (the shell says so; down, the router's own estimate serves).
+        self.engine_blocks = {b.id: EngineBlocks() for b in cfg.backends if b.kv_events.endpoint}
+        self.precise: set[str] = set()
         # The learners, in the order they hear each event; more can subscribe.
         self.listeners: list[Listener] = [
             PrefixLearner(self.index, cfg.routing.block_tokens),
@@ -156,6 +162,24 @@ class Router:
         """KV the request will hold: its prompt and its output budget."""
         return (request.llm.input_tokens if request.llm else 0) + self.output_tokens(request)
 
+    def _precise_cached(
+        self, backend: str, request: RouteRequest, blocks: list[Hashes], now_s: float
+    ) -> list[float]:
+        """Per prompt, the tokens the engine's own events say it holds, or that this router
+        sent there within optimistic_ttl_s (not yet confirmed by an event)."""
+        engine = self.engine_blocks[backend]
+        prompts = request.llm.prompts if request.llm else ()
+        bs = engine.block_size or self.cfg.routing.block_tokens
+        since_s = now_s - self.cfg.routing.optimistic_ttl_s
+        out = []
+        for prompt, prompt_blocks in zip(prompts, blocks, strict=False):
+            ids = prompt if isinstance(prompt, tuple) else APPROX.ids(prompt)
+            reported = engine.cached_tokens(chain_keys(ids, bs))
+            recent = self.index.last_used_s(backend, prompt_blocks)
+            optimistic = _leading(recent >= since_s) * self.cfg.routing.block_tokens
+            out.append(max(reported, optimistic))
+        return out
+
     def candidates(self, request: RouteRequest, blocks: list[Hashes]) -> tuple[Candidate, ...]:
         now_s = self.clock()
         lengths = request.llm.prompt_tokens if request.llm else ()
@@ -166,9 +190,13 @@ class Router:
         healthy = [b for b in self.state.backends.values() if self.state.available(b, now_s)]
         out = []
         for b in healthy or self.state.backends.values():  # all suspect: try them all
+            if b.id in self.precise and request.blocks is None:
+                per_prompt = self._precise_cached(b.id, request, blocks, now_s)
+            else:
+                per_prompt = [m[b.id] * bt for m in matched]
             # Each prompt's own leading match; at least one token of each is computed.
             cached = sum(
-                min(m[b.id] * bt, max(0, n - 1)) for m, n in zip(matched, lengths, strict=False)
+                min(int(c), max(0, n - 1)) for c, n in zip(per_prompt, lengths, strict=False)
             )
             uncached = input_tokens - cached
             out.append(
@@ -354,6 +382,20 @@ class Router:
         overdue = self.state.overdue(self.clock(), self.cfg.request_timeout_s)
         return [c for rid in overdue if (c := self.close(rid, Status.EXPIRED)) is not None]
 
+    # -- the engines' KV events ----------------------------------------------------------
+
+    def apply_kv_events(self, backend: str, batch: EventBatch) -> Applied:
+        """One batch from the backend's engine, in order (see EngineBlocks.apply)."""
+        return self.engine_blocks[backend].apply(batch)
+
+    def set_event_stream(self, backend: str, up: bool) -> None:
+        """The backend's event stream is up (its state is the engine's) or down (the
+        router's own estimate serves it until it is back)."""
+        if up:
+            self.precise.add(backend)
+        else:
+            self.precise.discard(backend)
+
     def record_probe(self, backend: str, rtt_ms: float | None) -> None:
         p = self.cfg.probes
         self.state.record_probe(backend, rtt_ms, p.ewma_alpha, p.suspect_after)
@@ -373,6 +415,7 @@ class Router:
                 "engine": None
                 if b.engine is None or b.engine_at_s is None
                 else {**b.engine.as_json(), "age_s": round(now_s - b.engine_at_s, 3)},
+                **self._prefix_state(b.id),
             }
         w = self.weights
         return {
@@ -384,6 +427,28 @@ class Router:
             "backends": backends,
             "recent_decisions": [d.as_json() for d in self.recent],
         }
+
+    def _prefix_state(self, backend: str) -> dict[str, Any]:
+        engine = self.engine_blocks.get(backend)
+        out: dict[str, Any] = {
+            "prefix_state": "precise" if backend in self.precise else "approximate"
+        }
+        if engine is not None:
+            out["kv_events"] = {
+                "up": backend in self.precise,
+                "blocks": engine.blocks,
+                "block_size": engine.block_size,
+                "last_seq": engine.last_seq,
+                "last_event_ts": engine.last_ts,
+                "gaps": engine.gaps,
+                "resets": engine.resets,
+            }
+        return out
+
+
+def _leading(hit: Any) -> int:
+    """How many leading entries of a boolean array are true."""
+    return len(hit) if hit.all() else int(np.argmin(hit))
 
 
 def tuner_settings(cfg: Config, info: PolicyInfo) -> TunerSettings:
