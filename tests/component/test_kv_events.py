@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
