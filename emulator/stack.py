@@ -178,7 +178,7 @@ class StackSettings:
     tuner_mode: str = "paired"
     # Router settings the tests and benchmarks tune (see ext_proc/config.py).
     probe_interval_s: float = 2.0
-    metrics_interval_s: float = 0.0
+    metrics_interval_s: float = 1.0
     # "" = each engine's path that does no work (ext_proc/config.py PROBE_PATH).
     probe_path: str = ""
     seed: int = 0

@@ -209,9 +209,10 @@ class Probes:
     # path is checked against that one now and then: one much slower makes the engine
     # work, and a warning says so.
     path: str = ""
-    # Scrape each engine's Prometheus /metrics this often (0 = off); values older than
-    # metrics_stale_s are ignored.
-    metrics_interval_s: float = bounded(0.0, **NON_NEGATIVE)
+    # Scrape each engine's Prometheus /metrics this often (0 = off; down to 0.1 s: a page
+    # costs the engine 10-20 ms of CPU, measured on the real vLLM here); a report older
+    # than metrics_stale_s ages out to the router's own estimate.
+    metrics_interval_s: float = bounded(1.0, **NON_NEGATIVE)
     metrics_stale_s: float = bounded(10.0, **POSITIVE)
 
 
@@ -432,6 +433,9 @@ def _validate(cfg: Config) -> None:
     if cfg.envoy.tracing_endpoint:
         split_host_port(cfg.envoy.tracing_endpoint, "envoy.tracing_endpoint")
     _validate_tls(cfg)
+    interval_s = cfg.probes.metrics_interval_s
+    if 0 < interval_s < 0.1:
+        raise ConfigError(f"probes.metrics_interval_s: at least 0.1 (or 0 = off), got {interval_s}")
     from ext_proc.policy import POLICIES  # late import: policies import config types
 
     if cfg.policy not in POLICIES:

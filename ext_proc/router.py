@@ -244,11 +244,16 @@ class Router:
             items, step_ms, now_s, b.rtt_ms / 2, capacity, need_kv_tokens, grace_ms
         )
         report = self.fresh_engine_report(backend, now_s)
-        if report is not None and report.waiting is not None:
-            # The engine's own count of requests waiting, priced at the mean prefill of
-            # what we sent there lately: catches load we did not route (other routers,
-            # direct clients).
-            own_ms = max(own_ms, report.waiting * b.mean_prefill_ms)
+        if report is not None and report.waiting is not None and b.engine_at_s is not None:
+            # The engine's own count of requests waiting (load this router did not route:
+            # other routers, direct clients), priced at the mean prefill of what we sent
+            # there lately, plus what this router sent there since that report.
+            since = sum(
+                r.prefill_ms
+                for r in b.records.values()
+                if r.dispatched_s > b.engine_at_s and r.first_byte_s is None
+            )
+            own_ms = max(own_ms, report.waiting * b.mean_prefill_ms + since)
         return own_ms
 
     def fresh_engine_report(self, backend: str, now_s: float) -> EngineReport | None:

@@ -16,6 +16,8 @@ both (a mesh's own settings) works too: the stream stays open until the first ch
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
 import math
@@ -43,6 +45,10 @@ from ext_proc.router import Decision, Router
 from ext_proc.telemetry import Telemetry
 
 log = logging.getLogger("gorgo.server")
+
+# How long a streamed request's completion waits for its first-chunk message when the
+# access-log entry arrives first (they travel over two gRPC streams).
+COMPLETION_GRACE_S = 0.25
 
 Reply = codec.ProcessingResponse | None
 
@@ -342,6 +348,19 @@ class AccessLogService:
         return codec.StreamAccessLogsResponse()
 
     def observe(self, e: codec.AccessLogEntry) -> None:
+        rec = self.router.state.in_flight.get(e.request_id)
+        answered = 200 <= e.response_code < 300  # a body went out: its first chunk may lag
+        if rec is not None and rec.streaming and rec.first_byte_s is None and answered:
+            # The entry travels over another gRPC stream than the observer's first-chunk
+            # message and can overtake it (a response over within milliseconds): close a
+            # moment later so the TTFT is not lost; the first byte came before the end.
+            rec.ended_e2e_ms = e.e2e_ms
+            with contextlib.suppress(RuntimeError):  # no loop (a test calling directly)
+                asyncio.get_running_loop().call_later(COMPLETION_GRACE_S, self._close, e)
+                return
+        self._close(e)
+
+    def _close(self, e: codec.AccessLogEntry) -> None:
         # Another backend than the one decided can answer because Envoy retried a connect
         # failure (a failover), or because the router answered too late and Envoy failed
         # open (not the backend's fault): only the first takes several attempts.

@@ -44,6 +44,9 @@ class InFlight:
     # The client asked for a stream: the first response byte is the first token. Without
     # a stream it comes only when generation ends.
     streaming: bool = True
+    # The response already ended this long after it began (Envoy's E2E), before its first
+    # byte was reported: the first byte cannot have come later.
+    ended_e2e_ms: float | None = None
 
 
 @dataclass
@@ -131,10 +134,12 @@ class FleetState:
         rec = self.in_flight.get(request_id)
         if rec is None or rec.first_byte_s is not None:
             return None
-        rec.first_byte_s = now_s
+        ttft_ms = (now_s - rec.dispatched_s) * 1000.0
+        if rec.ended_e2e_ms is not None:
+            ttft_ms = min(ttft_ms, rec.ended_e2e_ms)
+        rec.first_byte_s = rec.dispatched_s + ttft_ms / 1000.0
         b = self.backends[rec.backend]
         b.waiting_first_byte -= 1
-        ttft_ms = (now_s - rec.dispatched_s) * 1000.0
         b.recent_ttft_ms.append(ttft_ms)
         return ttft_ms, rec
 

@@ -278,3 +278,29 @@ def test_an_error_event_as_the_first_chunk_is_a_failure_not_a_ttft() -> None:
     d = r.decide(chat("fine"))
     Stream(r).handle(observer_chunk(d.request_id, b'data: {"id": "x", "choices": []}\n\n'))
     assert r.state.backends[d.backend].recent_ttft_ms  # a normal first chunk is timed
+
+
+async def test_an_access_log_entry_that_overtakes_the_first_chunk_waits_for_it() -> None:
+    """The entry and the observer's first-chunk message travel over two gRPC streams: when
+    the entry wins, the close waits a moment so the TTFT is still learned, never later
+    than the response's end."""
+    import asyncio
+
+    from ext_proc.server import COMPLETION_GRACE_S
+
+    r, clock = router()
+    log = AccessLogService(r, Telemetry(TelemetryConfig(), r))
+    d = r.decide(chat("quick"))
+    clock.advance(0.010)
+    log.observe(codec.AccessLogEntry(d.request_id, d.backend, "gorgo", 200, 6.0, 1))
+    assert d.request_id in r.state.in_flight  # not closed yet: its first chunk may follow
+    clock.advance(0.002)
+    first = r.first_byte(d.request_id)  # the observer's message, late
+    assert first is not None and first.ttft_ms == 6.0  # not after the response's end
+    await asyncio.sleep(COMPLETION_GRACE_S + 0.05)
+    assert d.request_id not in r.state.in_flight
+    assert list(r.state.backends[d.backend].recent_e2e_ms) == [6.0]
+    # an error or a client gone sends no body to wait for: closed at once
+    d2 = r.decide(chat("gone"))
+    log.observe(codec.AccessLogEntry(d2.request_id, d2.backend, "gorgo", 0, 3.0, 1))
+    assert d2.request_id not in r.state.in_flight
