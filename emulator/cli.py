@@ -207,6 +207,7 @@ def _up(args: argparse.Namespace) -> int:
             rtt_profile=args.rtt_profile,
             flavor=args.flavor,
             real_engine=args.engine == "vllm",
+            kv_events=args.kv_events,
         )
     )
 
@@ -378,6 +379,12 @@ def add_commands(commands: Commands) -> None:
         default="sglang",
         choices=["sglang", "vllm"],
         help="which engine the emulated backends are the twin of",
+    )
+    s.add_argument(
+        "--kv-events",
+        action="store_true",
+        help="emulated engines publish their KV cache events and the router subscribes: "
+        "its prefix state is the engines' own (/state prefix_state: precise)",
     )
     s.set_defaults(func=_up)
 

@@ -438,6 +438,8 @@ class Engine:
         except ValueError as e:
             return self.error_response(400, str(e))
         self.cfg.faults = faults
+        if self.publisher is not None:
+            self.publisher.set_down(faults.kv_events_down)
         return web.json_response(vars(faults))
 
     async def metrics(self, request: web.Request) -> web.Response:

@@ -50,8 +50,12 @@ class Faults:
     # after stream_error_after tokens (0: as the first chunk), then [DONE].
     stream_error_rate: float = 0.0
     stream_error_after: int = 0
+    # The KV event stream is down: batches are numbered and kept for replay, not sent.
+    kv_events_down: bool = False
 
     def validate(self) -> None:
+        if not isinstance(self.kv_events_down, bool):
+            raise ValueError(f"kv_events_down must be true or false, got {self.kv_events_down!r}")
         if (
             isinstance(self.stream_error_after, bool)
             or not isinstance(self.stream_error_after, int)

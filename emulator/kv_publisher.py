@@ -157,15 +157,14 @@ class KvEventPublisher:
         self.dp_rank = dp_rank
         self.seq = 0
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-        self._pub = self._ctx.socket(zmq.PUB)
-        self._pub.setsockopt(zmq.LINGER, 0)
-        _bind_or_connect(self._pub, cfg.endpoint)
+        self._pub: zmq.Socket[bytes] | None = None
+        self.set_down(False)
         self._buffer: deque[tuple[bytes, bytes]] = deque(maxlen=max(1, cfg.buffer_steps))
         self._replay: zmq.Socket[bytes] | None = None
         if cfg.replay_endpoint:
             self._replay = self._ctx.socket(zmq.ROUTER)
             self._replay.setsockopt(zmq.LINGER, 0)
-            _bind_or_connect(self._replay, cfg.replay_endpoint)
+            self._replay.bind(cfg.replay_endpoint)  # the replay socket always binds
 
     def publish(self, events: list[Any]) -> None:
         if not events:
@@ -174,7 +173,19 @@ class KvEventPublisher:
         seq = self.seq.to_bytes(8, "big", signed=True)
         self.seq += 1
         self._buffer.append((seq, payload))
-        self._pub.send_multipart([self.cfg.topic.encode(), seq, payload])
+        if self._pub is not None:
+            self._pub.send_multipart([self.cfg.topic.encode(), seq, payload])
+
+    def set_down(self, down: bool) -> None:
+        """Fault injection: with the stream down, batches are numbered and kept for replay
+        but not sent (subscribers see a gap when it is back)."""
+        if down and self._pub is not None:
+            self._pub.close()
+            self._pub = None
+        elif not down and self._pub is None:
+            self._pub = self._ctx.socket(zmq.PUB)
+            self._pub.setsockopt(zmq.LINGER, 0)
+            _bind_or_connect(self._pub, self.cfg.endpoint)
 
     def serve_replays(self) -> int:
         """Answer pending replay requests (non-blocking). Returns how many were served."""
@@ -196,7 +207,7 @@ class KvEventPublisher:
             served += 1
 
     def close(self) -> None:
-        self._pub.close()
+        self.set_down(True)
         if self._replay is not None:
             self._replay.close()
 

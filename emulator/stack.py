@@ -159,6 +159,10 @@ class StackSettings:
     real_engine: bool = False
     vllm_venv: Path = Path(__file__).resolve().parents[1] / ".venv-vllm"
     vllm_small_pool: Sequence[int] = (1,)
+    # Emulated engines publish their KV cache events (a replay endpoint too) and the router
+    # subscribes: its prefix state is then the engines' own.
+    kv_events: bool = False
+    kv_ports: list[int] = field(default_factory=list)
     workdir: Path | None = None
     # False: Envoy reaches the engines directly (benchmarks that measure the proxy alone).
     wan_links: bool = True
@@ -182,6 +186,18 @@ class StackSettings:
     # "" = each engine's path that does no work (ext_proc/config.py PROBE_PATH).
     probe_path: str = ""
     seed: int = 0
+
+    def kv_event_ports(self, i: int) -> tuple[int, int]:
+        """Where region i's engine publishes (events, replay): free ports, chosen once."""
+        if not self.kv_ports:
+            self.kv_ports = free_ports(2 * len(self.regions))
+        return self.kv_ports[2 * i], self.kv_ports[2 * i + 1]
+
+    def _kv_events_of(self, i: int) -> dict[str, object]:
+        if not self.kv_events or self.real_engine:
+            return {}
+        pub, replay = self.kv_event_ports(i)
+        return {"kv_events": {"endpoint": f"tcp://*:{pub}", "replay_endpoint": f"tcp://*:{replay}"}}
 
     def backend_port(self, i: int) -> int:
         return self.ports.wan(i) if self.wan_links else self.ports.engine(i)
@@ -208,6 +224,7 @@ class StackSettings:
                     {
                         "id": r.id,
                         "address": f"127.0.0.1:{self.backend_port(i)}",
+                        **self._kv_events_of(i),
                         "engine": "vllm" if self.real_engine else self.flavor,
                         "rtt_prior_ms": r.rtt_ms,
                         **({"engine_profile": self.engine_profile} if self.engine_profile else {}),
@@ -344,20 +361,29 @@ class Stack:
                 "--seed",
                 str(self.settings.seed + i),
                 *(["--profile", p] if (p := self.settings.engine_profile) else []),
-                *self.flavor_flags(),
+                *self.flavor_flags(i),
                 *self.settings.engine_args,
             ),
         )  # fmt: skip
 
-    def flavor_flags(self) -> list[str]:
+    def flavor_flags(self, i: int) -> list[str]:
         """The real engine's flags the router relies on: cached-token reports, metrics, and
         the profile's cache granularity (the engines' own defaults, 1-token pages for
         SGLang, would make the emulator's radix cache needlessly fine)."""
         page = str(load_profile(self.settings.engine_profile or DEFAULT_PROFILE).block_tokens)
+        events = []
+        if self.settings.kv_events:
+            pub, replay = self.settings.kv_event_ports(i)
+            spec = {"publisher": "zmq", "endpoint": f"tcp://*:{pub}",
+                    "replay_endpoint": f"tcp://*:{replay}"}  # fmt: skip
+            if self.settings.flavor == "vllm":
+                spec["enable_kv_cache_events"] = True  # type: ignore[assignment]
+            events = ["--kv-events-config", json.dumps(spec)]
         if self.settings.flavor == "vllm":
-            return ["--flavor", "vllm", "--block-size", page, "--enable-prompt-tokens-details"]
+            return ["--flavor", "vllm", "--block-size", page, "--enable-prompt-tokens-details",
+                    *events]  # fmt: skip
         return ["--flavor", "sglang", "--page-size", page, "--enable-cache-report",
-                "--enable-metrics"]  # fmt: skip
+                "--enable-metrics", *events]  # fmt: skip
 
     def start_vllm(self, i: int) -> None:
         """A real vLLM serving the tiny model, on core i % cores (the default binds every

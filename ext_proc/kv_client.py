@@ -5,7 +5,8 @@ whether the stream is up: a ZMQ socket monitor reports the connection to the eng
 publisher as it opens and drops, so a dead stream is known at once (not from silence: an
 idle engine publishes nothing). A gap in the sequence numbers is replayed from the
 engine's replay endpoint when it has one (SGLang's ROUTER: `[b"", start_seq]` ->
-`[b"", seq, payload]`..., then seq -1), else that backend's state is reset.
+`[b"", seq, payload]`..., then seq -1), else that backend's state is reset. With a replay
+endpoint a (re)started router also replays from the start, so it is warm at once.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from urllib.parse import urlsplit
 
 import zmq
@@ -28,6 +30,8 @@ log = logging.getLogger("gorgo.kv_events")
 # How long a replay may take before the backend is reset instead.
 REPLAY_TIMEOUT_S = 2.0
 END_OF_REPLAY = -1
+# How often the receive loop looks up from the socket for a catch-up after a reconnect.
+RECONNECT_CHECK_S = 0.1
 _UP_EVENTS = (zmq.EVENT_CONNECTED, zmq.EVENT_ACCEPTED)
 
 
@@ -37,6 +41,12 @@ class KvEventClients:
         self.router = router
         self._ctx = zmq.asyncio.Context()
         self._tasks: list[asyncio.Task[None]] = []
+        # Per backend: connected publishers, and whether the state caught up at start.
+        self._peers: dict[str, int] = {}
+        self._synced: dict[str, bool] = {}
+        # Streams that dropped, and those back since (a catch-up replay is due).
+        self._dropped: dict[str, bool] = {}
+        self._reconnected: set[str] = set()
 
     async def start(self) -> None:
         for b in self.cfg.backends:
@@ -57,19 +67,51 @@ class KvEventClients:
         sock = self._ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt_string(zmq.SUBSCRIBE, b.kv_events.topic)
-        monitor = sock.get_monitor_socket(
-            zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
-        )
+        events = zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
+        monitor = sock.get_monitor_socket(events)
         (sock.bind if bind else sock.connect)(address)
+        self._synced[b.id] = not b.kv_events.replay_endpoint
         watch = asyncio.create_task(self._watch(b.id, monitor))
         try:
+            if b.kv_events.replay_endpoint:
+                # Warm start: what the engine published before this router began (its
+                # replay buffer) rebuilds the state; live batches wait in the socket.
+                t0 = time.monotonic()
+                ok = await self._replay(b, 0)
+                log.info(
+                    "kv events of %s: %s in %.2f s (%d blocks)",
+                    b.id,
+                    "replayed from the start" if ok else "no replay: starting cold",
+                    time.monotonic() - t0,
+                    self.router.engine_blocks[b.id].blocks,
+                )
+                self._synced[b.id] = True
+                self._update(b.id)
+            replayed_through = self.router.engine_blocks[b.id].last_seq
             while True:
-                frames = await sock.recv_multipart()
+                if b.id in self._reconnected:
+                    # Back after a drop: what was published meanwhile is in the replay
+                    # buffer (the next live batch would only show the gap later).
+                    self._reconnected.discard(b.id)
+                    if b.kv_events.replay_endpoint:
+                        engine = self.router.engine_blocks[b.id]
+                        start = (engine.last_seq if engine.last_seq is not None else -1) + 1
+                        if await self._replay(b, start):
+                            replayed_through = engine.last_seq
+                    self._synced[b.id] = True
+                    self._update(b.id)
+                try:
+                    frames = await asyncio.wait_for(sock.recv_multipart(), RECONNECT_CHECK_S)
+                except TimeoutError:
+                    continue
                 try:
                     batch = decode_message(frames)
                 except KvEventError as e:
                     log.warning("kv events of %s: %s", b.id, e)
                     continue
+                if replayed_through is not None and batch.seq <= replayed_through:
+                    continue  # already applied from the replay
+                replayed_through = None
                 applied = self.router.apply_kv_events(b.id, batch)
                 if applied.restarted:
                     log.warning("kv events of %s: sequence went back: engine restarted", b.id)
@@ -82,22 +124,31 @@ class KvEventClients:
             monitor.close()
             sock.close()
 
+    def _update(self, backend: str) -> None:
+        """Precise while the stream is up and the state has caught up with the engine."""
+        up = self._peers.get(backend, 0) > 0 and self._synced.get(backend, False)
+        if up != (backend in self.router.precise):
+            log.warning(
+                "kv events of %s %s",
+                backend,
+                "up: precise prefix state" if up else "down: approximate prefix state",
+            )
+            self.router.set_event_stream(backend, up)
+
     async def _watch(self, backend: str, monitor: zmq.asyncio.Socket) -> None:
-        peers = 0
         while True:
             event = parse_monitor_message(await monitor.recv_multipart())["event"]
             if event in _UP_EVENTS:
-                peers += 1
+                self._peers[backend] = self._peers.get(backend, 0) + 1
+                if self._dropped.pop(backend, False):
+                    self._reconnected.add(backend)
             elif event == zmq.EVENT_DISCONNECTED:
-                peers = max(0, peers - 1)
-            up = peers > 0
-            if up != (backend in self.router.precise):
-                log.warning(
-                    "kv events of %s %s",
-                    backend,
-                    "up: precise prefix state" if up else "down: approximate prefix state",
-                )
-                self.router.set_event_stream(backend, up)
+                self._peers[backend] = max(0, self._peers.get(backend, 0) - 1)
+                if self._peers[backend] == 0:
+                    # Not precise again until what was missed is caught up.
+                    self._dropped[backend] = True
+                    self._synced[backend] = False
+            self._update(backend)
 
     async def _recover(self, b: Backend, batch: EventBatch) -> None:
         """Events before `batch` were lost: replay them (the replay includes `batch`), or

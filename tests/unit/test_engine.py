@@ -1022,6 +1022,7 @@ NO_FAULTS = {
     "stall_ms": 0.0,
     "stream_error_rate": 0.0,
     "stream_error_after": 0,
+    "kv_events_down": False,
 }
 
 
