@@ -200,6 +200,9 @@ def _up(args: argparse.Namespace) -> int:
     from emulator.stack import StackSettings, regions_for_profile, run_until_signalled
 
     regions = regions_for_profile(args.rtt_profile)
+    if not 1 <= args.front_doors <= len(regions):
+        print(f"gorgo up: --front-doors must be 1..{len(regions)}", file=sys.stderr)
+        return 2
     return run_until_signalled(
         StackSettings(
             policy=args.policy,
@@ -207,7 +210,8 @@ def _up(args: argparse.Namespace) -> int:
             rtt_profile=args.rtt_profile,
             flavor=args.flavor,
             real_engine=args.engine == "vllm",
-            kv_events=args.kv_events,
+            kv_events=args.kv_events or args.front_doors > 1,
+            front_door_regions=[r.id for r in regions[1 : args.front_doors]],
         )
     )
 
@@ -379,6 +383,15 @@ def add_commands(commands: Commands) -> None:
         default="sglang",
         choices=["sglang", "vllm"],
         help="which engine the emulated backends are the twin of",
+    )
+    s.add_argument(
+        "--front-doors",
+        type=int,
+        default=1,
+        metavar="N",
+        help="an Envoy and a router in each of the first N regions, each reaching every "
+        "backend at its own RTTs; the routers share the engines' KV events (implies "
+        "--kv-events). Default 1: one front door in us-ashburn (the paper's setup)",
     )
     s.add_argument(
         "--kv-events",

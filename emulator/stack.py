@@ -27,6 +27,7 @@ from typing import IO
 
 import yaml
 
+from emulator.wan import region_rtt_ms
 from ext_proc.config import PROBE_PATH, Config, EngineKind, config_as_dict, config_from_dict
 from ext_proc.envoy_config import render_envoy_config
 from ext_proc.files import write_atomic
@@ -163,6 +164,10 @@ class StackSettings:
     # subscribes: its prefix state is then the engines' own.
     kv_events: bool = False
     kv_ports: list[int] = field(default_factory=list)
+    # More front doors, one per region named (each an Envoy and a router of its own, with
+    # WAN links to every backend at that region's RTTs, emulator/wan.py REGION_RTT_MS);
+    # the first front door is the stack's own (its regions' RTTs).
+    front_door_regions: Sequence[str] = ()
     workdir: Path | None = None
     # False: Envoy reaches the engines directly (benchmarks that measure the proxy alone).
     wan_links: bool = True
@@ -264,6 +269,7 @@ class Stack:
         # connects; a subscriber binds), one per region.
         self.kv_ports = free_ports(len(settings.regions)) if settings.real_engine else []
         self._groups: list[int] = []
+        self.doors = [FrontDoor(region, self) for region in settings.front_door_regions]
 
     # -- URLs ---------------------------------------------------------------------------
 
@@ -304,7 +310,11 @@ class Stack:
         return (
             f"gorgo up: ready. front door {self.front_door_url} | envoy admin "
             f"{self.envoy_admin_url} | ext_proc gRPC 127.0.0.1:{p.grpc} | gorgo admin "
-            f"{self.admin_url}/state | backends: {fleet} | logs {self.workdir}"
+            f"{self.admin_url}/state | backends: {fleet}"
+            + "".join(
+                f" | front door {d.region} {d.url} (admin {d.admin_url}/state)" for d in self.doors
+            )
+            + f" | logs {self.workdir}"
         )
 
     # -- lifecycle ----------------------------------------------------------------------
@@ -466,7 +476,14 @@ class Stack:
                     self.start_wan(i)
             self.start_router()
             self.start_envoy()
+            for door in self.doors:
+                door.start(self)
             self.wait_ready(timeout_s)
+            for door in self.doors:
+                for url in (f"{door.admin_url}/healthz", f"{door.envoy_admin_url}/ready"):
+                    while not _http_ok(url):
+                        self._check_alive()
+                        time.sleep(0.05)
         except BaseException:
             self.stop()
             raise
@@ -542,6 +559,57 @@ class Stack:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class FrontDoor:
+    """One more front door: an Envoy and a router in `region`, reaching every backend over
+    WAN links of its own at that region's RTTs; the engines (and their KV events) are the
+    stack's."""
+
+    def __init__(self, region: str, stack: Stack) -> None:
+        self.region = region
+        regions = stack.settings.regions
+        ports = free_ports(4 + len(regions))
+        self.front_door, self.envoy_admin, self.grpc, self.admin = ports[:4]
+        self.links = ports[4:]
+        raw = config_as_dict(stack.config)
+        raw["listen"].update(grpc=f"127.0.0.1:{self.grpc}", admin=f"127.0.0.1:{self.admin}")
+        raw["envoy"].update(
+            listen=f"127.0.0.1:{self.front_door}", admin=f"127.0.0.1:{self.envoy_admin}"
+        )
+        raw["envoy"]["ext_proc_address"] = ""
+        for b, r, link in zip(raw["backends"], regions, self.links, strict=True):
+            b["address"] = f"127.0.0.1:{link}"
+            b["rtt_prior_ms"] = region_rtt_ms(region, r.id)
+        self.config = config_from_dict(raw)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.front_door}"
+
+    @property
+    def admin_url(self) -> str:
+        return f"http://127.0.0.1:{self.admin}"
+
+    @property
+    def envoy_admin_url(self) -> str:
+        return f"http://127.0.0.1:{self.envoy_admin}"
+
+    def start(self, stack: Stack) -> None:
+        name = f"door-{self.region}"
+        for i, (r, link) in enumerate(zip(stack.settings.regions, self.links, strict=True)):
+            stack._spawn(
+                f"{name}-wan-{r.id}",
+                stack._gorgo(
+                    "wan", "--listen", f"127.0.0.1:{link}",
+                    "--target", f"127.0.0.1:{stack.settings.ports.engine(i)}",
+                    "--rtt-ms", str(region_rtt_ms(self.region, r.id)),
+                ),
+            )  # fmt: skip
+        cfg_path = stack.workdir / f"{name}-gorgo.yaml"
+        write_atomic(cfg_path, config_yaml(self.config))
+        stack._spawn(f"{name}-gorgo-serve", stack._gorgo("serve", "--config", str(cfg_path)))
+        stack.start_envoy(f"{name}-envoy", render_envoy_config(self.config))
 
 
 def config_yaml(cfg: Config) -> str:

@@ -63,6 +63,27 @@ CONTROL_HOST = "127.0.0.1"
 NETWORK_JITTER_FRACTION = 0.05
 
 # profile -> region -> (mean_ms, std_ms) of the round-trip time (DESIGN 7).
+# RTT between regions (ms): a front door in each region reaches every backend; the
+# `network` profile's row for us-ashburn is its single-proxy RTTs, and Frankfurt-Seoul is
+# about the public-internet round trip between them.
+REGION_RTT_MS: dict[tuple[str, str], float] = {
+    ("us-ashburn", "us-ashburn"): 1.0,
+    ("us-ashburn", "eu-frankfurt"): 90.0,
+    ("us-ashburn", "ap-seoul"): 180.0,
+    ("eu-frankfurt", "eu-frankfurt"): 1.0,
+    ("eu-frankfurt", "ap-seoul"): 250.0,
+    ("ap-seoul", "ap-seoul"): 1.0,
+}
+
+
+def region_rtt_ms(a: str, b: str) -> float:
+    """The round trip between two regions of REGION_RTT_MS (symmetric)."""
+    try:
+        return REGION_RTT_MS[(a, b)] if (a, b) in REGION_RTT_MS else REGION_RTT_MS[(b, a)]
+    except KeyError:
+        raise ValueError(f"no RTT known between {a!r} and {b!r}") from None
+
+
 RTT_PROFILES: dict[str, dict[str, tuple[float, float]]] = {
     "network": {
         region: (mean_ms, mean_ms * NETWORK_JITTER_FRACTION)

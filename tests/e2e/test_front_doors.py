@@ -1,0 +1,103 @@
+"""A front door per region (issue 14, done-when 1): a session's first turn enters through
+one region's Envoy and router, its second through another's; the second router, seeing the
+engines' own KV events, sends it to the backend that holds the conversation's prefix."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import aiohttp
+import pytest
+
+from emulator.stack import DEFAULT_REGIONS, Stack
+from loadgen.client import Result, send_chat
+from tests.e2e.conftest import fast_settings
+from tests.e2e.test_front_door import wait_for
+
+pytestmark = pytest.mark.e2e
+IDS = [r.id for r in DEFAULT_REGIONS]
+
+
+@pytest.fixture(params=[True, False], ids=["shared-kv-events", "private-estimates"])
+def three_doors(request: pytest.FixtureRequest) -> Iterator[Stack]:
+    stack = Stack(
+        fast_settings(
+            "gorgo",
+            regions=DEFAULT_REGIONS,  # 1 / 90 / 180 ms from us-ashburn
+            engine_args=(),  # the default profile: prefill is worth routing for
+            kv_events=request.param,
+            front_door_regions=("eu-frankfurt", "ap-seoul"),
+            probe_interval_s=0.5,
+            tuner_mode="off",
+        )
+    )
+    stack.start()
+    yield stack
+    stack.stop()
+
+
+def ask(url: str, messages: list[dict[str, str]], session: str) -> Result:
+    body = {
+        "model": "default",
+        "stream": True,
+        "max_tokens": 4,
+        "stream_options": {"include_usage": True},
+        "messages": messages,
+    }
+
+    async def run() -> Result:
+        async with aiohttp.ClientSession() as s:
+            return await send_chat(s, url, body, f"{session}-{len(messages)}",
+                                   {"x-session-id": session})  # fmt: skip
+
+    return asyncio.run(run())
+
+
+def test_the_second_turn_finds_its_prefix_through_another_front_door(three_doors: Stack) -> None:
+    stack = three_doors
+    shared = stack.settings.kv_events
+    seoul = stack.doors[1]
+    for url in (stack.admin_url, seoul.admin_url):
+        wait_for(
+            lambda u=url: all(
+                router_state_at(u)["backends"][b]["prefix_state"]
+                == ("precise" if shared else "approximate")
+                for b in IDS
+            ),
+            10,
+        )
+    turn1 = [{"role": "user", "content": "a long conversation so far " * 1100}]  # ~7k tokens
+    first = ask(stack.front_door_url, turn1, "s1")  # through us-ashburn's front door
+    assert first.ok, first.error
+    turn2 = [
+        *turn1,
+        {"role": "assistant", "content": "tok " * 4},
+        {"role": "user", "content": "and?"},
+    ]
+    if shared:  # the engine's events reach seoul's router too
+        wait_for(
+            lambda: (
+                router_state_at(seoul.admin_url)["backends"][first.backend]["kv_events"]["blocks"]
+                > 0
+            )
+        )
+    second = ask(seoul.url, turn2, "s1")  # through ap-seoul's front door
+    assert second.ok, second.error
+    print(
+        f"turn 1 via us-ashburn -> {first.backend} ({first.input_tokens} tokens); turn 2 via "
+        f"ap-seoul -> {second.backend}: {second.cached_tokens} of {second.input_tokens} cached"
+    )
+    if shared:
+        assert second.backend == first.backend
+        assert second.cached_tokens >= 0.9 * first.input_tokens
+    else:  # seoul's router knows only what it routed itself: the prefix is lost
+        assert second.backend != first.backend and second.cached_tokens == 0
+
+
+def router_state_at(admin_url: str) -> dict:
+    import json
+    import urllib.request
+
+    with urllib.request.urlopen(f"{admin_url}/state", timeout=5) as resp:
+        return dict(json.loads(resp.read()))
