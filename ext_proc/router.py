@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import random
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -163,22 +163,42 @@ class Router:
         return (request.llm.input_tokens if request.llm else 0) + self.output_tokens(request)
 
     def _precise_cached(
-        self, backend: str, request: RouteRequest, blocks: list[Hashes], now_s: float
+        self,
+        backend: str,
+        keys_of: Callable[[int], list[list[int]]],
+        blocks: list[Hashes],
+        now_s: float,
     ) -> list[float]:
         """Per prompt, the tokens the engine's own events say it holds, or that this router
         sent there within optimistic_ttl_s (not yet confirmed by an event)."""
         engine = self.engine_blocks[backend]
-        prompts = request.llm.prompts if request.llm else ()
-        bs = engine.block_size or self.cfg.routing.block_tokens
         since_s = now_s - self.cfg.routing.optimistic_ttl_s
         out = []
-        for prompt, prompt_blocks in zip(prompts, blocks, strict=False):
-            ids = prompt if isinstance(prompt, tuple) else APPROX.ids(prompt)
-            reported = engine.cached_tokens(chain_keys(ids, bs))
+        for keys, prompt_blocks in zip(
+            keys_of(engine.block_size or self.cfg.routing.block_tokens), blocks, strict=False
+        ):
+            reported = engine.cached_tokens(keys)
             recent = self.index.last_used_s(backend, prompt_blocks)
             optimistic = _leading(recent >= since_s) * self.cfg.routing.block_tokens
             out.append(max(reported, optimistic))
         return out
+
+    @staticmethod
+    def _keys_by_block_size(request: RouteRequest) -> Callable[[int], list[list[int]]]:
+        """Each prompt's chain keys at a block size, tokenized and chained once per
+        decision whatever the number of backends."""
+        prompts = request.llm.prompts if request.llm else ()
+        ids: list[Sequence[int]] = []
+        cache: dict[int, list[list[int]]] = {}
+
+        def keys_of(block_size: int) -> list[list[int]]:
+            if not ids:
+                ids.extend(p if isinstance(p, tuple) else APPROX.ids(p) for p in prompts)
+            if block_size not in cache:
+                cache[block_size] = [chain_keys(p, block_size) for p in ids]
+            return cache[block_size]
+
+        return keys_of
 
     def candidates(self, request: RouteRequest, blocks: list[Hashes]) -> tuple[Candidate, ...]:
         now_s = self.clock()
@@ -188,10 +208,11 @@ class Router:
         matched = [self.index.match(prompt) for prompt in blocks]
         bt = self.cfg.routing.block_tokens
         healthy = [b for b in self.state.backends.values() if self.state.available(b, now_s)]
+        keys_of = self._keys_by_block_size(request)
         out = []
         for b in healthy or self.state.backends.values():  # all suspect: try them all
             if b.id in self.precise and request.blocks is None:
-                per_prompt = self._precise_cached(b.id, request, blocks, now_s)
+                per_prompt = self._precise_cached(b.id, keys_of, blocks, now_s)
             else:
                 per_prompt = [m[b.id] * bt for m in matched]
             # Each prompt's own leading match; at least one token of each is computed.

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -76,6 +77,41 @@ class _LiveGauges(Collector):
             weights.add_metric(["rtt"], w.rtt)
             weights.add_metric(["queue"], w.queue)
         yield from (in_flight, rtt, suspect, weights)
+        yield from self._prefix_state()
+
+    def _prefix_state(self) -> Iterable[GaugeMetricFamily]:
+        """Per backend: whether its prefix state is the engine's own, and its event stream."""
+        precise = GaugeMetricFamily(
+            "gorgo_prefix_state_precise",
+            "1 while the prefix state comes from the engine's KV events, 0: the router's own",
+            labels=["backend"],
+        )
+        blocks = GaugeMetricFamily(
+            "gorgo_kv_event_blocks", "Blocks the engine reports holding", labels=["backend"]
+        )
+        gaps = GaugeMetricFamily(
+            "gorgo_kv_event_gaps", "Gaps seen in the engine's event sequence", labels=["backend"]
+        )
+        resets = GaugeMetricFamily(
+            "gorgo_kv_event_resets", "Times the engine's state was reset", labels=["backend"]
+        )
+        lag = GaugeMetricFamily(
+            "gorgo_kv_event_age_seconds",
+            "Seconds since the engine's last event batch was stamped",
+            labels=["backend"],
+        )
+        now = time.time()  # event batches carry the engine's wall-clock stamp
+        for b in self.router.state.backends:
+            precise.add_metric([b], 1.0 if b in self.router.precise else 0.0)
+            engine = self.router.engine_blocks.get(b)
+            if engine is None:
+                continue
+            blocks.add_metric([b], engine.blocks)
+            gaps.add_metric([b], engine.gaps)
+            resets.add_metric([b], engine.resets)
+            if engine.last_ts is not None:
+                lag.add_metric([b], max(0.0, now - engine.last_ts))
+        yield from (precise, blocks, gaps, resets, lag)
 
 
 class Metrics:

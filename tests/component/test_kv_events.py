@@ -47,6 +47,17 @@ async def state_of(http: aiohttp.ClientSession, admin_port: int) -> dict[str, An
         return dict((await r.json())["backends"]["a"])
 
 
+async def metric(http: aiohttp.ClientSession, admin_port: int, name: str) -> float:
+    async with http.get(f"http://127.0.0.1:{admin_port}/metrics") as r:
+        text = await r.text()
+    (value,) = [
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(f'{name}{{backend="a"}}')
+    ]
+    return value
+
+
 async def until(check: Any, timeout_s: float = 5.0) -> None:
     for _ in range(int(timeout_s / 0.05)):
         if await check():
@@ -93,6 +104,8 @@ async def test_precise_state_follows_the_engine_and_falls_back_when_its_stream_d
             assert reported > 0 and c.cached_tokens == reported
             kv = (await state_of(http, svc.admin_port))["kv_events"]
             assert kv["blocks"] > 0 and kv["block_size"] == FAST.block_tokens
+            assert await metric(http, svc.admin_port, "gorgo_prefix_state_precise") == 1.0
+            assert await metric(http, svc.admin_port, "gorgo_kv_event_blocks") == kv["blocks"]
 
             await srv.stop()  # the event stream dies with the engine
 
@@ -100,6 +113,7 @@ async def test_precise_state_follows_the_engine_and_falls_back_when_its_stream_d
                 return (await state_of(http, svc.admin_port))["prefix_state"] == "approximate"
 
             await until(approximate, 2.0)
+            assert await metric(http, svc.admin_port, "gorgo_prefix_state_precise") == 0.0
             srv = engine(port, kv_port)  # back, restarted: its sequence starts at 0 again
             await srv.start()
             await until(precise)
