@@ -115,6 +115,24 @@ class EngineBlocks:
             self._held[key] = weight
         return 0
 
+    def apply_keyed(self, block_size: int, changes: Sequence[tuple[object, ...]]) -> None:
+        """Changes from an engine whose blocks are already keyed as the caller keys
+        prompts (the simulator's engine models: trace block ids): ("stored", key, parent),
+        ("removed", key), ("cleared",)."""
+        self.block_size = block_size
+        for change in changes:
+            if change[0] == "stored":
+                key = int(change[1])  # type: ignore[call-overload]
+                self._by_engine_hash[key] = key
+                self._held[key] = 1.0
+            elif change[0] == "removed":
+                key = int(change[1])  # type: ignore[call-overload]
+                self._by_engine_hash.pop(key, None)
+                self._held.pop(key, None)
+            else:
+                self._by_engine_hash.clear()
+                self._held.clear()
+
     def cached_tokens(self, keys: Sequence[int]) -> float:
         """Tokens of the leading blocks the engine holds (weighted by tier), for a prompt
         keyed with `chain_keys` at this engine's block size."""

@@ -192,6 +192,8 @@ class Router:
         cache: dict[int, list[list[int]]] = {}
 
         def keys_of(block_size: int) -> list[list[int]]:
+            if request.engine_keys is not None:
+                return [list(request.engine_keys)]
             if not ids:
                 ids.extend(p if isinstance(p, tuple) else APPROX.ids(p) for p in prompts)
             if block_size not in cache:
@@ -211,7 +213,7 @@ class Router:
         keys_of = self._keys_by_block_size(request)
         out = []
         for b in healthy or self.state.backends.values():  # all suspect: try them all
-            if b.id in self.precise and request.blocks is None:
+            if b.id in self.precise and (request.blocks is None or request.engine_keys is not None):
                 per_prompt = self._precise_cached(b.id, keys_of, blocks, now_s)
             else:
                 per_prompt = [m[b.id] * bt for m in matched]

@@ -62,6 +62,7 @@ def _simulate(args: argparse.Namespace) -> int:
             engine_profile=args.engine_profile,
             seed=args.seed,
             tune=args.tune,
+            prefix_state=args.prefix_state,
         )
         base.config()  # validates the profiles before hours of simulation
     except (TraceError, ValueError) as e:
@@ -202,6 +203,13 @@ def add_commands(commands: Commands) -> None:
         default="off",
         choices=["off", "paired", "paper"],
         help="tune gorgo's weights online while simulating; writes a convergence plot",
+    )
+    s.add_argument(
+        "--prefix-state",
+        default="approximate",
+        choices=["approximate", "precise"],
+        help="the router's prefix state: its own estimate, or the engines' own cache changes "
+        "(as their KV events would deliver them)",
     )
     s.set_defaults(func=_simulate)
 

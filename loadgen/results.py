@@ -38,6 +38,9 @@ class RequestResult:
     cached_tokens: int = 0
     status: str = "ok"
     error: str = ""
+    # What the router predicted the chosen engine had cached (the simulator: to measure
+    # its prefix state against the engine's report); None where not known.
+    predicted_cached_tokens: int | None = None
     # Not in the file: inter-token gaps feed the ITL summary.
     itl_ms: list[float] = field(default_factory=list, repr=False)
 

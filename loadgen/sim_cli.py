@@ -14,7 +14,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from loadgen.results import read_result, table, write_result
+from loadgen.results import RequestResult, read_result, table, write_result
 from loadgen.simulate import SimSettings, simulate
 from loadgen.traces import TraceRequest, window
 
@@ -66,11 +66,23 @@ def run_simulations(
             print(
                 f"  {policy:<16} time_scale {ts:<4g} TTFT p50/p95 {s['ttft_ms']['p50']:.0f}/"
                 f"{s['ttft_ms']['p95']:.0f} ms  E2E p95 {s['e2e_ms']['p95']:.0f} ms  "
+                f"cache prediction error {prediction_error(res.requests):.2%}  "
                 f"({wall_s:.1f} s)",
                 file=sys.stderr,
                 flush=True,
             )
     return summaries
+
+
+def prediction_error(requests: Sequence[RequestResult]) -> float:
+    """Mean |predicted - engine-reported cached tokens| per request, as a share of its
+    prompt: how well the router knows what the engine it chose holds."""
+    errors = [
+        abs(r.predicted_cached_tokens - r.cached_tokens) / r.input_tokens
+        for r in requests
+        if r.input_tokens and r.predicted_cached_tokens is not None
+    ]
+    return sum(errors) / len(errors) if errors else float("nan")
 
 
 def summary_markdown(

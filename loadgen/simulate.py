@@ -20,6 +20,7 @@ from emulator.model import EngineModel
 from emulator.stack import DEFAULT_REGIONS
 from emulator.wan import DelayModel, DelaySettings, rtt_profile_ms
 from ext_proc.config import Config, config_from_dict
+from ext_proc.engine_index import EngineBlocks
 from ext_proc.lifecycle import Status
 from ext_proc.parse import COMPLETIONS, LlmRequest
 from ext_proc.policy import RouteRequest
@@ -28,7 +29,7 @@ from ext_proc.router import Router, build_router
 from loadgen.results import RequestResult
 from loadgen.traces import TraceRequest
 
-_ARRIVE, _AT_ENGINE, _STEP, _FIRST_BYTE, _DONE, _PROBE = range(6)
+_ARRIVE, _AT_ENGINE, _STEP, _FIRST_BYTE, _DONE, _PROBE, _KV_EVENTS = range(7)
 
 # Called after each completion with (request result, the router): the tuner's hook.
 CompletionHook = Callable[[RequestResult, Router], None]
@@ -46,6 +47,9 @@ class SimSettings:
     router: dict[str, Any] = field(default_factory=dict)
     # Tune the weights online: "off", "paired" or "paper" (the router config's tuner mode).
     tune: str = "off"
+    # "approximate": the router's own estimate of what each engine caches; "precise": the
+    # engines' own cache changes reach it (as KV events would, one WAN half-trip later).
+    prefix_state: str = "approximate"
 
     def config(self) -> Config:
         raw: dict[str, Any] = {
@@ -107,6 +111,11 @@ class Simulation:
             for r in settings.regions
         }
         self.engine_block_tokens = profile.block_tokens
+        if settings.prefix_state == "precise":
+            for r in settings.regions:
+                self.engines[r].cache.events = []
+                self.router.engine_blocks[r] = EngineBlocks()
+                self.router.precise.add(r)
         self.router_block_tokens = cfg.routing.block_tokens
         self.probe_interval_s = cfg.probes.interval_s
         self._events: list[tuple[float, int, int, Any]] = []
@@ -141,6 +150,7 @@ class Simulation:
                 engine = self.engines[backend]
                 blocks = _sub_blocks(r.block_ids, r.block_tokens // self.engine_block_tokens, 0)
                 engine.submit(r.id, r.input_tokens, r.output_tokens, blocks, t)
+                self._publish_cache_changes(backend, t)
                 self._schedule_step(backend)
             elif kind == _STEP:
                 backend, due = data
@@ -156,16 +166,36 @@ class Simulation:
                 link = self.links[data]
                 self.router.record_probe(data, link.sample_rtt_ms())
                 self._push(t + self.probe_interval_s, _PROBE, data)
+            elif kind == _KV_EVENTS:
+                backend, changes = data
+                self.router.engine_blocks[backend].apply_keyed(self.engine_block_tokens, changes)
         ordered = [self.results[r.id] for r in self.trace]
         return SimResult(self.s, ordered, self.itl_ms, self.router)
+
+    def _publish_cache_changes(self, backend: str, t: float) -> None:
+        """Precise mode: the engine's cache changes reach the router a half-trip later (the
+        mean: no draw, so the seeded delays of requests stay what they are)."""
+        cache = self.engines[backend].cache
+        if cache.events:
+            one_way_s = rtt_profile_ms(self.s.rtt_profile, backend)[0] / 2000
+            self._push(t + one_way_s, _KV_EVENTS, (backend, cache.events))
+            cache.events = []
 
     def _arrive(self, r: TraceRequest) -> None:
         llm = LlmRequest(COMPLETIONS, ("",), (r.input_tokens,), r.output_tokens, True, None, None)
         per = max(1, r.block_tokens // self.router_block_tokens)
         blocks = _sub_blocks(r.block_ids, per, 1)[: r.input_tokens // self.router_block_tokens]
-        d = self.router.decide(RouteRequest(r.id, llm, r.session, blocks))
+        engine_keys = None
+        if self.s.prefix_state == "precise":
+            per_engine = r.block_tokens // self.engine_block_tokens
+            engine_keys = _sub_blocks(r.block_ids, per_engine, 0)
+        d = self.router.decide(RouteRequest(r.id, llm, r.session, blocks, engine_keys))
         self.results[r.id] = RequestResult(
-            r.id, d.backend, input_tokens=r.input_tokens, output_tokens=r.output_tokens
+            r.id,
+            d.backend,
+            input_tokens=r.input_tokens,
+            output_tokens=r.output_tokens,
+            predicted_cached_tokens=d.chosen.cached_tokens,
         )
         self._arrival_s[r.id] = self.now_s
         one_way_s = self.links[d.backend].one_way_delay_s()
@@ -187,6 +217,7 @@ class Simulation:
                 done_s = t + link.one_way_delay_s()
                 res.e2e_ms = max(res.ttft_ms or 0.0, (done_s - self._arrival_s[e.rid]) * 1000)
                 self._push(max(done_s, t), _DONE, e.rid)
+        self._publish_cache_changes(backend, t)
         self._schedule_step(backend)
 
     def _done(self, rid: str) -> None:

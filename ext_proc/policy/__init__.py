@@ -58,6 +58,9 @@ class RouteRequest:
     # The prompt's prefix-block hashes when the caller already has them (the simulator
     # derives them from a trace's block ids); None: the router hashes the prompt text.
     blocks: Any = None
+    # The prompt's blocks as the engine keys them, when the caller knows (the simulator,
+    # whose engine models key blocks by trace ids); None: derived from the prompt's tokens.
+    engine_keys: Any = None
     # The caller's W3C trace context (traceparent, tracestate), passed through untouched
     # to the telemetry listener so the decision span joins Envoy's trace.
     trace_context: tuple[tuple[str, str], ...] = ()
