@@ -157,26 +157,26 @@ def run_parity(
     return 0 if worst <= PARITY_TOLERANCE else 1
 
 
-def _splice(path: Path, block: str) -> None:
-    """Replace the parity block of path (or append it)."""
+def _splice(path: Path, block: str, start: str = PARITY_START, end: str = PARITY_END) -> None:
+    """Replace the marked block of path (or append it)."""
     text = path.read_text() if path.exists() else "# Results\n"
-    if PARITY_START in text and PARITY_END in text:
-        head, rest = text.split(PARITY_START, 1)
-        tail = rest.split(PARITY_END, 1)[1]
+    if start in text and end in text:
+        head, rest = text.split(start, 1)
+        tail = rest.split(end, 1)[1]
         text = head + block + tail
     else:
         text = text.rstrip() + "\n\n" + block + "\n"
     path.write_text(text)
 
 
-def parity_block(path: Path) -> str:
-    """The parity block of an existing results file ('' if none), to carry it over."""
+def parity_block(path: Path, start: str = PARITY_START, end: str = PARITY_END) -> str:
+    """A marked block of an existing results file ('' if none), to carry it over."""
     if not path.exists():
         return ""
     text = path.read_text()
-    if PARITY_START not in text or PARITY_END not in text:
+    if start not in text or end not in text:
         return ""
-    return PARITY_START + text.split(PARITY_START, 1)[1].split(PARITY_END, 1)[0] + PARITY_END
+    return start + text.split(start, 1)[1].split(end, 1)[0] + end
 
 
 def run_live_side_by_side(

@@ -18,6 +18,10 @@ from typing import Any
 
 from ext_proc.cost import Weights
 from loadgen.bench_live import parity_block
+
+# The prefix-state and fleet-view measurements (issue 14), carried over like parity's.
+FLEET_VIEW_START = "<!-- fleet-view:start -->"
+FLEET_VIEW_END = "<!-- fleet-view:end -->"
 from loadgen.bench_tuner import static_run, tuner_section
 from loadgen.sim_cli import run_simulations, summary_markdown, write_figures
 from loadgen.simulate import SimSettings
@@ -124,6 +128,9 @@ def run_results_bench(
     carried = parity_block(out_md)
     if carried:  # measured live by `gorgo bench parity`, not regenerated here
         parts.append(carried + "\n")
+    fleet_view = parity_block(out_md, FLEET_VIEW_START, FLEET_VIEW_END)
+    if fleet_view:  # measured separately (its commands are in the block)
+        parts.append(fleet_view + "\n")
     parts.append(f"\n_Generated in {time.perf_counter() - t0:.0f} s._\n")
     out_md.write_text("\n".join(parts))
     print(f"wrote {out_md}", file=sys.stderr)
