@@ -19,13 +19,14 @@ from typing import Any
 from ext_proc.cost import Weights
 from loadgen.bench_live import parity_block
 
-# The prefix-state and fleet-view measurements (issue 14), carried over like parity's.
-FLEET_VIEW_START = "<!-- fleet-view:start -->"
-FLEET_VIEW_END = "<!-- fleet-view:end -->"
 from loadgen.bench_tuner import static_run, tuner_section
 from loadgen.sim_cli import run_simulations, summary_markdown, write_figures
 from loadgen.simulate import SimSettings
 from loadgen.traces import read_trace, window
+
+# The prefix-state and fleet-view measurements (issue 14), carried over like parity's.
+FLEET_VIEW_START = "<!-- fleet-view:start -->"
+FLEET_VIEW_END = "<!-- fleet-view:end -->"
 
 POLICIES = (
     "gorgo",
