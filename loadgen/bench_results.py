@@ -18,7 +18,6 @@ from typing import Any
 
 from ext_proc.cost import Weights
 from loadgen.bench_live import parity_block
-
 from loadgen.bench_tuner import static_run, tuner_section
 from loadgen.sim_cli import run_simulations, summary_markdown, write_figures
 from loadgen.simulate import SimSettings
