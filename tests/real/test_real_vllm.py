@@ -66,7 +66,7 @@ def fleet() -> Iterator[tuple[Stack, Collected]]:
             ports=StackPorts.ephemeral(len(REGIONS)),
             real_engine=True,
             probe_interval_s=0.5,
-            metrics_interval_s=0.5,
+            metrics_interval_s=0.2,
             tuner_mode="off",
         )
     )
@@ -170,7 +170,8 @@ def test_the_router_reads_the_real_metrics(fleet: tuple[Stack, Collected]) -> No
     watcher = threading.Thread(target=watch)
     watcher.start()
     try:
-        results = chats(stack, [document(130, f"w{i}") for i in range(6)], max_tokens=64)
+        # long enough outputs (ignore_eos) that several scrapes see them running
+        results = chats(stack, [document(130, f"w{i}") for i in range(6)], max_tokens=600)
     finally:
         done.set()
         watcher.join()
