@@ -12,7 +12,6 @@ endpoint a (re)started router also replays from the start, so it is warm at once
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from urllib.parse import urlsplit
@@ -21,6 +20,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from ext_proc.aio import cancel_and_wait
 from ext_proc.config import Backend, Config, split_host_port
 from ext_proc.kv_events import EventBatch, KvEventError, decode_message, subscriber_address
 from ext_proc.router import Router
@@ -54,11 +54,7 @@ class KvEventClients:
                 self._tasks.append(asyncio.create_task(self._run(b)))
 
     async def stop(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        await cancel_and_wait(self._tasks)
         self._ctx.destroy(linger=0)
 
     async def _run(self, b: Backend) -> None:

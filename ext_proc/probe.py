@@ -13,7 +13,6 @@ path answered much more slowly makes the engine work, and a warning says so.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import statistics
 import time
@@ -22,6 +21,7 @@ from types import SimpleNamespace
 
 import aiohttp
 
+from ext_proc.aio import cancel_and_wait
 from ext_proc.config import PROBE_PATH, Backend, Config
 from ext_proc.engine_metrics import MetricsError, parse_engine_metrics
 from ext_proc.router import Router
@@ -57,11 +57,7 @@ class Prober:
                 self._tasks.append(asyncio.create_task(self._metrics_loop(b)))
 
     async def stop(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        await cancel_and_wait(self._tasks)
         if self._session is not None:
             await self._session.close()
 
