@@ -63,6 +63,7 @@ def _simulate(args: argparse.Namespace) -> int:
             seed=args.seed,
             tune=args.tune,
             prefix_state=args.prefix_state,
+            routers=args.routers,
         )
         base.config()  # validates the profiles before hours of simulation
     except (TraceError, ValueError) as e:
@@ -210,6 +211,14 @@ def add_commands(commands: Commands) -> None:
         choices=["approximate", "precise"],
         help="the router's prefix state: its own estimate, or the engines' own cache changes "
         "(as their KV events would deliver them)",
+    )
+    s.add_argument(
+        "--routers",
+        type=int,
+        default=1,
+        metavar="N",
+        help="routers deciding side by side, each session through one of them (with "
+        "--prefix-state precise they share the engines' view; else each knows its own)",
     )
     s.set_defaults(func=_simulate)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import heapq
 import random
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,6 +51,11 @@ class SimSettings:
     # "approximate": the router's own estimate of what each engine caches; "precise": the
     # engines' own cache changes reach it (as KV events would, one WAN half-trip later).
     prefix_state: str = "approximate"
+    # Routers deciding side by side (replicas, or one per region's front door), each with
+    # its own state; a session always goes through the same one (crc32 of its key). With
+    # precise state they all see every engine's cache changes; approximate, each knows only
+    # what it dispatched.
+    routers: int = 1
 
     def config(self) -> Config:
         raw: dict[str, Any] = {
@@ -111,11 +117,18 @@ class Simulation:
             for r in settings.regions
         }
         self.engine_block_tokens = profile.block_tokens
+        # More routers draw their RNGs after the engines', so one router runs as before.
+        self.routers = [self.router] + [
+            build_router(cfg, lambda: self.now_s, random.Random(rng.random()))
+            for _ in range(settings.routers - 1)
+        ]
+        self._router_of: dict[str, Router] = {}
         if settings.prefix_state == "precise":
             for r in settings.regions:
                 self.engines[r].cache.events = []
-                self.router.engine_blocks[r] = EngineBlocks()
-                self.router.precise.add(r)
+                for router in self.routers:
+                    router.engine_blocks[r] = EngineBlocks()
+                    router.precise.add(r)
         self.router_block_tokens = cfg.routing.block_tokens
         self.probe_interval_s = cfg.probes.interval_s
         self._events: list[tuple[float, int, int, Any]] = []
@@ -158,17 +171,23 @@ class Simulation:
                     continue  # replanned since: a newer event stands for this engine
                 self._step(backend, t)
             elif kind == _FIRST_BYTE:
-                self.router.first_byte(data)
+                # a one-token answer's completion can reach the proxy first: then no router
+                # holds it any more
+                if (router := self._router_of.get(data)) is not None:
+                    router.first_byte(data)
             elif kind == _DONE:
                 self._done(data)
                 pending -= 1
             elif kind == _PROBE:
                 link = self.links[data]
-                self.router.record_probe(data, link.sample_rtt_ms())
+                rtt_ms = link.sample_rtt_ms()
+                for router in self.routers:
+                    router.record_probe(data, rtt_ms)
                 self._push(t + self.probe_interval_s, _PROBE, data)
             elif kind == _KV_EVENTS:
                 backend, changes = data
-                self.router.engine_blocks[backend].apply_keyed(self.engine_block_tokens, changes)
+                for router in self.routers:
+                    router.engine_blocks[backend].apply_keyed(self.engine_block_tokens, changes)
         ordered = [self.results[r.id] for r in self.trace]
         return SimResult(self.s, ordered, self.itl_ms, self.router)
 
@@ -189,7 +208,9 @@ class Simulation:
         if self.s.prefix_state == "precise":
             per_engine = r.block_tokens // self.engine_block_tokens
             engine_keys = _sub_blocks(r.block_ids, per_engine, 0)
-        d = self.router.decide(RouteRequest(r.id, llm, r.session, blocks, engine_keys))
+        router = self.routers[zlib.crc32((r.session or r.id).encode()) % len(self.routers)]
+        self._router_of[r.id] = router
+        d = router.decide(RouteRequest(r.id, llm, r.session, blocks, engine_keys))
         self.results[r.id] = RequestResult(
             r.id,
             d.backend,
@@ -222,7 +243,7 @@ class Simulation:
 
     def _done(self, rid: str) -> None:
         res = self.results[rid]
-        self.router.close(rid, Status.OK, res.e2e_ms, cached_tokens=res.cached_tokens)
+        self._router_of.pop(rid).close(rid, Status.OK, res.e2e_ms, cached_tokens=res.cached_tokens)
         del self._last_emit_s[rid]
         if self.hook is not None:
             self.hook(res, self.router)

@@ -92,3 +92,16 @@ def test_precise_prefix_state_predicts_what_the_engines_report(trace) -> None:  
     assert all(r.predicted_cached_tokens is not None for r in precise.requests)
     assert any(r.cached_tokens > 0 for r in precise.requests)  # the trace reuses prefixes
     assert precise.router.precise == {"us-ashburn", "eu-frankfurt", "ap-seoul"}
+
+
+def test_several_routers_share_the_load_and_close_what_they_dispatched(trace) -> None:  # type: ignore[no-untyped-def]
+    from loadgen.simulate import Simulation
+
+    sim = Simulation(trace, SimSettings(policy="gorgo", time_scale=3.0, routers=3))
+    res = sim.run()
+    assert all(r.status == "ok" for r in res.requests)
+    decisions = [router.decisions for router in sim.routers]
+    assert sum(decisions) == len(trace) and min(decisions) > 0  # every router decided some
+    for router in sim.routers:  # each closed exactly what it dispatched
+        assert not router.state.in_flight
+        assert sum(b.completed for b in router.state.backends.values()) == router.decisions
