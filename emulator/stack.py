@@ -265,9 +265,6 @@ class Stack:
         self.wan_control_ports = free_ports(len(settings.regions)) if settings.wan_control else []
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self._logs: dict[str, IO[bytes]] = {}
-        # Real vLLM engines publish their KV events to these loopback ports (the engine
-        # connects; a subscriber binds), one per region.
-        self.kv_ports = free_ports(len(settings.regions)) if settings.real_engine else []
         self._groups: list[int] = []
         self.doors = [FrontDoor(region, self) for region in settings.front_door_regions]
 
@@ -284,6 +281,11 @@ class Stack:
     @property
     def envoy_admin_url(self) -> str:
         return f"http://127.0.0.1:{self.settings.ports.envoy_admin}"
+
+    @property
+    def kv_ports(self) -> list[int]:
+        """Where each region's engine publishes its KV events."""
+        return [self.settings.kv_event_ports(i)[0] for i in range(len(self.settings.regions))]
 
     def engine_url(self, i: int) -> str:
         return f"http://127.0.0.1:{self.settings.ports.engine(i)}"
@@ -409,7 +411,8 @@ class Stack:
             venv=venv,
             model=ensure_tiny_model(venv),
             port=self.settings.ports.engine(i),
-            kv_port=self.kv_ports[i],
+            # the engine connects to this loopback port; a subscriber binds it
+            kv_port=self.settings.kv_event_ports(i)[0],
             work_dir=self.workdir / f"vllm-{self.settings.regions[i].id}",
             threads_bind=str(i % (os.cpu_count() or 1)),
             # 160 blocks of 32 tokens: 5,120 tokens, just over max_model_len / block_size
