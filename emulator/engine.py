@@ -309,13 +309,11 @@ class Engine:
     def _load(self) -> dict[str, Any]:
         m = self.runner.model
         cap = self.cfg.profile.kv_capacity_tokens
-        # SGLang: used = total - (available + evictable): cached blocks nobody holds are
-        # free to reuse and do not count (scheduler_runtime_checker_mixin.py).
-        used = m.used_tokens - m.cache.evictable_tokens
+        used = m.held_tokens
         return {
             "dp_rank": 0,
-            "num_running_reqs": m.num_running,
-            "num_waiting_reqs": m.num_waiting,
+            "num_running_reqs": m.num_started,
+            "num_waiting_reqs": m.num_queued,
             "num_used_tokens": used,
             "num_total_tokens": used,
             "max_total_num_tokens": cap,

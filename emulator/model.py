@@ -283,6 +283,34 @@ class EngineModel:
         return len(self.waiting)
 
     @property
+    def num_queued(self) -> int:
+        """Requests whose prefill has not begun: what the engines report as waiting (SGLang
+        `num_queue_reqs` = len(waiting_queue), managers/scheduler_metrics_mixin.py; vLLM
+        `num_requests_waiting`, v1/core/sched/scheduler.py: a request leaves `waiting` when
+        its first chunk is scheduled). Here admission to the chunked-prefill queue comes
+        first (it reserves KV), so admitted requests no step has reached yet count too."""
+        step = self.step
+        in_step = {r.rid for r, _ in step.prefill} if step is not None else set()
+        not_begun = sum(
+            1
+            for r in self.prefilling
+            if r.prefilled_tokens == r.cached_tokens and r.rid not in in_step
+        )
+        return len(self.waiting) + not_begun
+
+    @property
+    def num_started(self) -> int:
+        """Requests prefilling or decoding: what the engines report as running."""
+        return self.num_running + self.num_waiting - self.num_queued
+
+    @property
+    def held_tokens(self) -> int:
+        """KV held by requests: cached blocks nobody holds are free to reuse and do not
+        count (SGLang: used = total - (available + evictable),
+        scheduler_runtime_checker_mixin.py; vLLM's kv_cache_usage_perc likewise)."""
+        return self.used_tokens - self.cache.evictable_tokens
+
+    @property
     def used_tokens(self) -> int:
         return self.cache.tokens + self._reserved_tokens
 

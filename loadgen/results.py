@@ -41,6 +41,8 @@ class RequestResult:
     # What the router predicted the chosen engine had cached (the simulator: to measure
     # its prefix state against the engine's report); None where not known.
     predicted_cached_tokens: int | None = None
+    # The client's region, where sessions come from several (simulated front doors).
+    region: str | None = None
     # Not in the file: inter-token gaps feed the ITL summary.
     itl_ms: list[float] = field(default_factory=list, repr=False)
 

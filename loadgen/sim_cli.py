@@ -14,7 +14,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from loadgen.results import RequestResult, read_result, table, write_result
+from loadgen.results import RequestResult, read_result, summarize, table, write_result
 from loadgen.simulate import SimSettings, simulate
 from loadgen.traces import TraceRequest, window
 
@@ -54,6 +54,10 @@ def run_simulations(
                 "engine_profile": base.engine_profile,
                 "seed": base.seed,
                 "tune": base.tune,
+                "prefix_state": base.prefix_state,
+                "routers": base.routers,
+                "engine_reports": base.engine_reports,
+                "front_doors": base.front_doors,
                 "final_weights": None
                 if tuner is None
                 else {"rtt": tuner.state.parent[0], "queue": tuner.state.parent[1]},
@@ -61,8 +65,9 @@ def run_simulations(
                 "wall_s": round(wall_s, 2),
             }
             doc = write_result(out_dir / f"{policy}-ts{ts:g}.json", res.requests, meta, res.itl_ms)
-            summaries[(policy, ts)] = doc["summary"]
-            s = doc["summary"]
+            summaries[(policy, ts)] = s = doc["summary"]
+            if base.front_doors:
+                s["regions"] = by_region(res.requests)
             print(
                 f"  {policy:<16} time_scale {ts:<4g} TTFT p50/p95 {s['ttft_ms']['p50']:.0f}/"
                 f"{s['ttft_ms']['p95']:.0f} ms  E2E p95 {s['e2e_ms']['p95']:.0f} ms  "
@@ -71,7 +76,19 @@ def run_simulations(
                 file=sys.stderr,
                 flush=True,
             )
+            for region, rs in s.get("regions", {}).items():
+                print(
+                    f"    clients in {region:<13} {rs['requests']:>6} requests  TTFT p95 "
+                    f"{rs['ttft_ms']['p95']:.0f} ms  E2E p95 {rs['e2e_ms']['p95']:.0f} ms",
+                    file=sys.stderr,
+                )
     return summaries
+
+
+def by_region(requests: Sequence[RequestResult]) -> dict[str, dict[str, Any]]:
+    """The summary of each client region's requests."""
+    regions = sorted({r.region for r in requests if r.region})
+    return {g: summarize([r for r in requests if r.region == g]) for g in regions}
 
 
 def prediction_error(requests: Sequence[RequestResult]) -> float:

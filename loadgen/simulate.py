@@ -19,9 +19,16 @@ from typing import Any
 
 from emulator.model import EngineModel
 from emulator.stack import DEFAULT_REGIONS
-from emulator.wan import DelayModel, DelaySettings, rtt_profile_ms
+from emulator.wan import (
+    NETWORK_JITTER_FRACTION,
+    DelayModel,
+    DelaySettings,
+    region_rtt_ms,
+    rtt_profile_ms,
+)
 from ext_proc.config import Config, config_from_dict
 from ext_proc.engine_index import EngineBlocks
+from ext_proc.engine_metrics import EngineReport
 from ext_proc.lifecycle import Status
 from ext_proc.parse import COMPLETIONS, LlmRequest
 from ext_proc.policy import RouteRequest
@@ -30,7 +37,9 @@ from ext_proc.router import Router, build_router
 from loadgen.results import RequestResult
 from loadgen.traces import TraceRequest
 
-_ARRIVE, _AT_ENGINE, _STEP, _FIRST_BYTE, _DONE, _PROBE, _KV_EVENTS = range(7)
+_ARRIVE, _AT_ENGINE, _STEP, _FIRST_BYTE, _DONE, _PROBE, _KV_EVENTS, _SCRAPE, _REPORT = range(9)
+# The single proxy of the paper's setup (front_doors 0): its RTTs are the RTT profile's.
+PROXY = ""
 
 # Called after each completion with (request result, the router): the tuner's hook.
 CompletionHook = Callable[[RequestResult, Router], None]
@@ -56,8 +65,65 @@ class SimSettings:
     # precise state they all see every engine's cache changes; approximate, each knows only
     # what it dispatched.
     routers: int = 1
+    # The engines' own load reports (/metrics), scraped by every router each
+    # probes.metrics_interval_s as live; the report reaches it a WAN half-trip after the
+    # engine's reading.
+    engine_reports: bool = False
+    # 0: the paper's setup, one proxy with its clients beside it. N >= 1: a front door
+    # (Envoy + router) in each of the first N regions, at the inter-region RTTs of
+    # emulator.wan.REGION_RTT_MS; each session comes from an origin region (a crc32 of its
+    # key over origin_shares, per region, equal by default) and enters the door of its own
+    # region (the first door when its region has none): TTFT and E2E then include that
+    # access leg. --front-doors 1 is the single proxy with clients spread over the regions.
+    front_doors: int = 0
+    origin_shares: Sequence[float] = ()
 
-    def config(self) -> Config:
+    def __post_init__(self) -> None:
+        if not 0 <= self.front_doors <= len(self.regions):
+            raise ValueError(
+                f"front_doors: 0..{len(self.regions)} (one per region), got {self.front_doors}"
+            )
+        if self.front_doors and self.routers != 1:
+            raise ValueError("front_doors: each door has one router; leave routers at 1")
+        if self.front_doors and self.rtt_profile != "network":
+            raise ValueError("front_doors: the inter-region RTTs are the `network` profile's")
+        if self.origin_shares and (
+            len(self.origin_shares) != len(self.regions)
+            or min(self.origin_shares) < 0
+            or sum(self.origin_shares) <= 0
+        ):
+            raise ValueError(
+                f"origin_shares: one non-negative share per region ({', '.join(self.regions)}), "
+                f"not all zero; got {list(self.origin_shares)}"
+            )
+
+    @property
+    def doors(self) -> list[str]:
+        """The front doors' regions ([PROXY]: the single proxy of the paper's setup)."""
+        return list(self.regions[: self.front_doors]) or [PROXY]
+
+    def rtt_ms(self, door: str, backend: str) -> tuple[float, float]:
+        """(mean, std) of the round trip from a front door to a backend."""
+        if door == PROXY:
+            return rtt_profile_ms(self.rtt_profile, backend)
+        mean_ms = region_rtt_ms(door, backend)
+        return mean_ms, mean_ms * NETWORK_JITTER_FRACTION
+
+    def origin(self, session: str) -> str:
+        """The region a session's client is in (deterministic in its key)."""
+        shares = list(self.origin_shares) or [1.0] * len(self.regions)
+        x = zlib.crc32(f"origin:{session}".encode()) / 2**32 * sum(shares)
+        for region, share in zip(self.regions, shares, strict=True):
+            x -= share
+            if x < 0:
+                return region
+        return self.regions[-1]
+
+    def door_of(self, origin: str) -> str:
+        doors = self.doors
+        return origin if origin in doors else doors[0]
+
+    def config(self, door: str = PROXY) -> Config:
         raw: dict[str, Any] = {
             "policy": self.policy,
             "seed": self.seed,
@@ -65,7 +131,7 @@ class SimSettings:
                 {
                     "id": r,
                     "address": f"127.0.0.1:{18101 + i}",
-                    "rtt_prior_ms": rtt_profile_ms(self.rtt_profile, r)[0],
+                    "rtt_prior_ms": self.rtt_ms(door, r)[0],
                     "engine_profile": self.engine_profile,
                 }
                 for i, r in enumerate(self.regions)
@@ -101,7 +167,8 @@ class Simulation:
         self.s = settings
         self.hook = hook
         self.now_s = 0.0
-        cfg = settings.config()
+        doors = settings.doors
+        cfg = settings.config(doors[0])
         rng = random.Random(settings.seed)
         # The service's own factory, on the virtual clock (it draws the policy's and the
         # tuner's RNGs from `rng` first).
@@ -110,19 +177,33 @@ class Simulation:
         self.engines = {
             r: EngineModel(profile, random.Random(rng.random())) for r in settings.regions
         }
-        self.links = {
-            r: DelayModel(
-                DelaySettings(*rtt_profile_ms(settings.rtt_profile, r)), random.Random(rng.random())
+        self.links: dict[tuple[str, str], DelayModel] = {}
+        self.routers_at: dict[str, list[Router]] = {}
+        for door in doors:
+            self.links.update(
+                (
+                    (door, r),
+                    DelayModel(
+                        DelaySettings(*settings.rtt_ms(door, r)), random.Random(rng.random())
+                    ),
+                )
+                for r in settings.regions
             )
-            for r in settings.regions
-        }
+            # Later routers draw their RNGs after the engines', so one router runs as before.
+            if door == doors[0]:
+                extra = [
+                    build_router(cfg, lambda: self.now_s, random.Random(rng.random()))
+                    for _ in range(settings.routers - 1)
+                ]
+                self.routers_at[door] = [self.router, *extra]
+            else:
+                door_cfg = settings.config(door)
+                self.routers_at[door] = [
+                    build_router(door_cfg, lambda: self.now_s, random.Random(rng.random()))
+                ]
+        self.routers = [router for rs in self.routers_at.values() for router in rs]
         self.engine_block_tokens = profile.block_tokens
-        # More routers draw their RNGs after the engines', so one router runs as before.
-        self.routers = [self.router] + [
-            build_router(cfg, lambda: self.now_s, random.Random(rng.random()))
-            for _ in range(settings.routers - 1)
-        ]
-        self._router_of: dict[str, Router] = {}
+        self.kv_capacity_tokens = profile.kv_capacity_tokens
         if settings.prefix_state == "precise":
             for r in settings.regions:
                 self.engines[r].cache.events = []
@@ -131,10 +212,16 @@ class Simulation:
                     router.precise.add(r)
         self.router_block_tokens = cfg.routing.block_tokens
         self.probe_interval_s = cfg.probes.interval_s
+        self.metrics_interval_s = cfg.probes.metrics_interval_s
         self._events: list[tuple[float, int, int, Any]] = []
         self._seq = 0
         self.results: dict[str, RequestResult] = {}
+        # Per request in flight: its router, its WAN link, when it reached its front door
+        # and its client's access round trip to that door.
+        self._router_of: dict[str, Router] = {}
+        self._link_of: dict[str, DelayModel] = {}
         self._arrival_s: dict[str, float] = {}
+        self._access_ms: dict[str, float] = {}
         self._last_emit_s: dict[str, float] = {}
         self.itl_ms: list[float] = []
 
@@ -147,17 +234,33 @@ class Simulation:
         if t is not None:
             self._push(t, _STEP, (backend, t))
 
+    def _one_way_s(self, door: str, backend: str) -> float:
+        """The mean half-trip (no draw: the seeded delays of requests stay what they are)."""
+        return self.s.rtt_ms(door, backend)[0] / 2000
+
     def run(self) -> SimResult:
         for r in self.trace:
-            self._push(r.arrival_s * self.s.time_scale, _ARRIVE, r)
-        for b in self.s.regions:
-            self._push(0.0, _PROBE, b)
+            if self.s.front_doors:
+                origin = self.s.origin(r.session or r.id)
+                door = self.s.door_of(origin)
+                access_ms = region_rtt_ms(origin, door)
+            else:
+                origin, door, access_ms = "", PROXY, 0.0
+            sent_s = r.arrival_s * self.s.time_scale
+            self._push(sent_s + access_ms / 2000, _ARRIVE, (r, origin, door, access_ms))
+        for door in self.routers_at:
+            for b in self.s.regions:
+                self._push(0.0, _PROBE, (door, b))
+        if self.s.engine_reports:
+            for door in self.routers_at:
+                for b in self.s.regions:
+                    self._push(0.0, _SCRAPE, (door, b))
         pending = len(self.trace)
         while self._events and pending:
             t, _, kind, data = heapq.heappop(self._events)
             self.now_s = t
             if kind == _ARRIVE:
-                self._arrive(data)
+                self._arrive(*data)
             elif kind == _AT_ENGINE:
                 backend, r = data
                 engine = self.engines[backend]
@@ -179,28 +282,45 @@ class Simulation:
                 self._done(data)
                 pending -= 1
             elif kind == _PROBE:
-                link = self.links[data]
-                rtt_ms = link.sample_rtt_ms()
-                for router in self.routers:
-                    router.record_probe(data, rtt_ms)
+                door, b = data
+                rtt_ms = self.links[data].sample_rtt_ms()
+                for router in self.routers_at[door]:
+                    router.record_probe(b, rtt_ms)
                 self._push(t + self.probe_interval_s, _PROBE, data)
             elif kind == _KV_EVENTS:
-                backend, changes = data
-                for router in self.routers:
+                door, backend, changes = data
+                for router in self.routers_at[door]:
                     router.engine_blocks[backend].apply_keyed(self.engine_block_tokens, changes)
+            elif kind == _SCRAPE:
+                # The engine's reading now (as emulator/engine.py renders /metrics; one
+                # code path would need the engine server here) reaches
+                # the door a half-trip later.
+                door, b = data
+                self._push(t + self._one_way_s(door, b), _REPORT, (door, b, self._report(b)))
+                self._push(t + self.metrics_interval_s, _SCRAPE, data)
+            elif kind == _REPORT:
+                door, b, report = data
+                for router in self.routers_at[door]:
+                    router.state.record_engine_report(b, report, t)
         ordered = [self.results[r.id] for r in self.trace]
         return SimResult(self.s, ordered, self.itl_ms, self.router)
 
+    def _report(self, backend: str) -> EngineReport:
+        m = self.engines[backend]
+        return EngineReport(m.num_queued, m.num_started, m.held_tokens / self.kv_capacity_tokens)
+
     def _publish_cache_changes(self, backend: str, t: float) -> None:
-        """Precise mode: the engine's cache changes reach the router a half-trip later (the
-        mean: no draw, so the seeded delays of requests stay what they are)."""
+        """Precise mode: the engine's cache changes reach each front door's routers a
+        half-trip later."""
         cache = self.engines[backend].cache
         if cache.events:
-            one_way_s = rtt_profile_ms(self.s.rtt_profile, backend)[0] / 2000
-            self._push(t + one_way_s, _KV_EVENTS, (backend, cache.events))
+            for door in self.routers_at:
+                self._push(
+                    t + self._one_way_s(door, backend), _KV_EVENTS, (door, backend, cache.events)
+                )
             cache.events = []
 
-    def _arrive(self, r: TraceRequest) -> None:
+    def _arrive(self, r: TraceRequest, origin: str, door: str, access_ms: float) -> None:
         llm = LlmRequest(COMPLETIONS, ("",), (r.input_tokens,), r.output_tokens, True, None, None)
         per = max(1, r.block_tokens // self.router_block_tokens)
         blocks = _sub_blocks(r.block_ids, per, 1)[: r.input_tokens // self.router_block_tokens]
@@ -208,7 +328,8 @@ class Simulation:
         if self.s.prefix_state == "precise":
             per_engine = r.block_tokens // self.engine_block_tokens
             engine_keys = _sub_blocks(r.block_ids, per_engine, 0)
-        router = self.routers[zlib.crc32((r.session or r.id).encode()) % len(self.routers)]
+        routers = self.routers_at[door]
+        router = routers[zlib.crc32((r.session or r.id).encode()) % len(routers)]
         self._router_of[r.id] = router
         d = router.decide(RouteRequest(r.id, llm, r.session, blocks, engine_keys))
         self.results[r.id] = RequestResult(
@@ -217,18 +338,21 @@ class Simulation:
             input_tokens=r.input_tokens,
             output_tokens=r.output_tokens,
             predicted_cached_tokens=d.chosen.cached_tokens,
+            region=origin or None,
         )
         self._arrival_s[r.id] = self.now_s
-        one_way_s = self.links[d.backend].one_way_delay_s()
-        self._push(self.now_s + one_way_s, _AT_ENGINE, (d.backend, r))
+        self._access_ms[r.id] = access_ms
+        link = self._link_of[r.id] = self.links[(door, d.backend)]
+        self._push(self.now_s + link.one_way_delay_s(), _AT_ENGINE, (d.backend, r))
 
     def _step(self, backend: str, t: float) -> None:
-        link = self.links[backend]
+        # TTFT and E2E as the client sees them: at its front door, plus its access leg.
         for e in self.engines[backend].advance(t):
             res = self.results[e.rid]
+            link = self._link_of[e.rid]
             if e.index == 0:
                 at_proxy_s = t + link.one_way_delay_s()
-                res.ttft_ms = (at_proxy_s - self._arrival_s[e.rid]) * 1000
+                res.ttft_ms = (at_proxy_s - self._arrival_s[e.rid]) * 1000 + self._access_ms[e.rid]
                 res.cached_tokens = e.cached_tokens
                 self._push(at_proxy_s, _FIRST_BYTE, e.rid)
             else:
@@ -236,15 +360,18 @@ class Simulation:
             self._last_emit_s[e.rid] = t
             if e.finished:
                 done_s = t + link.one_way_delay_s()
-                res.e2e_ms = max(res.ttft_ms or 0.0, (done_s - self._arrival_s[e.rid]) * 1000)
+                e2e_ms = (done_s - self._arrival_s[e.rid]) * 1000 + self._access_ms[e.rid]
+                res.e2e_ms = max(res.ttft_ms or 0.0, e2e_ms)
                 self._push(max(done_s, t), _DONE, e.rid)
         self._publish_cache_changes(backend, t)
         self._schedule_step(backend)
 
     def _done(self, rid: str) -> None:
         res = self.results[rid]
-        self._router_of.pop(rid).close(rid, Status.OK, res.e2e_ms, cached_tokens=res.cached_tokens)
-        del self._last_emit_s[rid]
+        assert res.e2e_ms is not None
+        at_door_ms = res.e2e_ms - self._access_ms.pop(rid)
+        del self._link_of[rid], self._last_emit_s[rid]
+        self._router_of.pop(rid).close(rid, Status.OK, at_door_ms, cached_tokens=res.cached_tokens)
         if self.hook is not None:
             self.hook(res, self.router)
 
