@@ -61,8 +61,10 @@ def _engine(args: argparse.Namespace) -> int:
         zero_delay_profile,
     )
     from emulator.kv_publisher import KvEventsConfig
+    from ext_proc.config import TokenizerConfig
+    from ext_proc.engine_tokens import load_engine_tokenizer
     from ext_proc.profile import load_profile, profile_from_dict
-    from ext_proc.tokens import load_tokenizer
+    from ext_proc.tokens import APPROX
 
     try:
         profile = load_profile(args.profile)
@@ -77,12 +79,19 @@ def _engine(args: argparse.Namespace) -> int:
         if args.zero_delay:
             profile = zero_delay_profile(profile)
         health_env = os.environ.get("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "true")
+        # The router's tokenizer settings and rules (ext_proc/engine_tokens.py): with the
+        # same files, an emulated fleet reports the token ids a configured router computes.
+        engine_tokens = load_engine_tokenizer(
+            TokenizerConfig(args.tokenizer, args.chat_template, cache_entries=0),
+            ("--tokenizer", "--chat-template"),
+        )
         cfg = EngineConfig(
             name=args.name,
             profile=profile,
             seed=args.seed,
             model=args.served_model_name or ("default" if args.flavor == "sglang" else "tiny"),
-            tokenizer=load_tokenizer(args.tokenizer),
+            tokenizer=engine_tokens.tokenizer if engine_tokens else APPROX,
+            chat_template=engine_tokens.template if engine_tokens else None,
             faults=Faults(
                 args.error_rate,
                 args.stall_rate,
@@ -294,6 +303,12 @@ def add_commands(commands: Commands) -> None:
     )
     s.add_argument("--seed", type=int, default=0, help="seeds step jitter and fault draws")
     s.add_argument("--tokenizer", default="", help="local tokenizer.json (default: 4 bytes/token)")
+    s.add_argument(
+        "--chat-template",
+        default="",
+        help="with --tokenizer: a Jinja file or a tokenizer_config.json with chat_template "
+        "(default: the tokenizer_config.json beside the tokenizer)",
+    )
     s.add_argument("--zero-delay", action="store_true", help="every step takes no time")
     s.add_argument("--error-rate", type=float, default=0.0, help="share answered with HTTP 500")
     s.add_argument("--stall-rate", type=float, default=0.0, help="share held before scheduling")

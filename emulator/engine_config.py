@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from emulator.kv_publisher import KvEventsConfig
+from ext_proc.chat_template import ChatTemplate
 from ext_proc.profile import DEFAULT_PROFILE, EngineProfile, load_profile
 from ext_proc.tokens import APPROX, Tokenizer
 
@@ -84,6 +85,8 @@ class EngineConfig:
     model: str = "emulated"  # served model name (/v1/models, responses)
     seed: int = 0  # step-time jitter and fault draws
     tokenizer: Tokenizer = APPROX
+    # The model's chat template (with a real tokenizer; None: '<role>\n<content>\n').
+    chat_template: ChatTemplate | None = None
     faults: Faults = field(default_factory=Faults)
     # Which engine this is the twin of: sglang or vllm.
     flavor: str = SGLANG

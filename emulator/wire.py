@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from emulator.engine_config import SGLANG, VLLM, VLLM_VERSION, EngineConfig
 from emulator.model import Emission
-from ext_proc.tokens import block_hashes_of_ids, render_chat
+from ext_proc.tokens import APPROX, block_hashes_of_ids, render_chat
 
 TOKEN_PIECE = "tok "  # 4 UTF-8 bytes: exactly one token under the approximate tokenizer
 
@@ -74,6 +74,12 @@ Prompt = tuple[int, tuple[int, ...], tuple[int, ...]]  # tokens, block hashes, t
 
 def _text_prompt(text: str, cfg: EngineConfig, field: str) -> Prompt:
     tok = cfg.tokenizer
+    if tok is not APPROX:  # a real tokenizer: encode once, count and hash its ids
+        all_ids = tok.ids(text)
+        if not all_ids:
+            raise BadRequest(f"'{field}' is empty: a prompt needs at least one token")
+        blocks = block_hashes_of_ids(all_ids, cfg.profile.block_tokens)
+        return len(all_ids), tuple(blocks), tuple(all_ids) if cfg.kv_events is not None else ()
     n = tok.count(text)
     if n == 0:
         raise BadRequest(f"'{field}' is empty: a prompt needs at least one token")
@@ -193,8 +199,27 @@ def parse_chat(body: Any, cfg: EngineConfig) -> GenRequest:
                 f"messages[{i}].content",
             )
     max_tokens, stream, include_usage, model = _openai_common(body, cfg)
-    input_tokens, blocks, ids = _text_prompt(render_chat(messages), cfg, "messages")
+    input_tokens, blocks, ids = _text_prompt(_chat_text(body, messages, cfg), cfg, "messages")
     return GenRequest("chat", input_tokens, max_tokens, stream, include_usage, model, blocks, ids)
+
+
+def _chat_text(body: Mapping[str, Any], messages: list[Any], cfg: EngineConfig) -> str:
+    """The chat as one prompt: the configured chat template, as the engine renders it
+    (ext_proc/chat_template.py), else the project's own '<role>\\n<content>\\n' form."""
+    if cfg.chat_template is None:
+        return render_chat(messages)
+    tools = body.get("tools")
+    generation = body.get("add_generation_prompt")
+    kwargs = body.get("chat_template_kwargs")
+    try:
+        return cfg.chat_template.render(
+            messages,
+            tools if isinstance(tools, list) else None,
+            generation if isinstance(generation, bool) else True,
+            kwargs if isinstance(kwargs, dict) else None,
+        )
+    except Exception as e:  # the template rejects the chat: the engines answer 400
+        raise BadRequest(f"chat template: {e}", "messages") from None
 
 
 def parse_completion(body: Any, cfg: EngineConfig) -> GenRequest:

@@ -22,7 +22,9 @@ from opentelemetry.sdk.trace.export import SpanExporter
 
 from ext_proc.admin import make_admin_app
 from ext_proc.config import Config, TunerMode, split_host_port
+from ext_proc.engine_tokens import PromptTokenizer, load_engine_tokenizer
 from ext_proc.files import write_atomic
+from ext_proc.fleet_bus import FleetBus
 from ext_proc.kv_client import KvEventClients
 from ext_proc.policy import policy_info
 from ext_proc.probe import Prober
@@ -115,6 +117,7 @@ class Running:
     grpc_port: int
     admin_port: int
     telemetry: Telemetry
+    fleet: FleetBus
 
 
 async def _expire_loop(router: Router) -> None:
@@ -134,8 +137,11 @@ async def running_service(
     router = make_router(cfg, state_file)
     telemetry = Telemetry(cfg.telemetry, router, exporter)
     router.subscribe(telemetry)
+    engine_tokens = load_engine_tokenizer(cfg.tokenizer)
+    tokens = PromptTokenizer(engine_tokens) if engine_tokens is not None else None
+    fleet = FleetBus(cfg, router)
     server = grpc.aio.server(options=grpc_options(cfg.envoy.max_body_bytes))
-    ext_proc = add_services(server, router, telemetry)
+    ext_proc = add_services(server, router, telemetry, tokens)
     host, port = split_host_port(cfg.listen.grpc, "listen.grpc")
     credentials = server_credentials(cfg)
     if credentials is None:
@@ -149,7 +155,14 @@ async def running_service(
     admin_app = make_admin_app(
         router,
         telemetry,
-        lambda: {"active_ext_proc_streams": ext_proc.active_streams},
+        lambda: {
+            "active_ext_proc_streams": ext_proc.active_streams,
+            # How prompts are tokenized: the engine's tokenizer and its cache, or the
+            # approximation (None).
+            "tokenizer": tokens.snapshot() if tokens is not None else None,
+            # The other routers' dispatches over NATS (None: a single router).
+            "fleet": fleet.snapshot(),
+        },
         cfg.listen.admin_token or os.environ.get("GORGO_ADMIN_TOKEN", ""),
     )
     runner = web.AppRunner(admin_app, access_log=None)
@@ -168,17 +181,19 @@ async def running_service(
     await prober.start()
     kv_events = KvEventClients(cfg, router)
     await kv_events.start()
+    await fleet.start()
     # Start-up objects never die: keep them out of the collector's scans, and collect the
     # young generation less often, so GC pauses do not land on requests' tails.
     gc.collect()
     gc.freeze()
     gc.set_threshold(GC_GEN0_THRESHOLD)
     try:
-        yield Running(router, ext_proc, grpc_port, bound_admin, telemetry)
+        yield Running(router, ext_proc, grpc_port, bound_admin, telemetry, fleet)
     finally:
         expirer.cancel()
         await prober.stop()
         await kv_events.stop()
+        await fleet.stop()
         closed_before = _closed(router)
         log.info(
             "stopping: %d ext_proc streams open, %d requests in flight; draining for up to %.0f s",

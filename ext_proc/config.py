@@ -290,6 +290,41 @@ class TelemetryConfig:
 
 
 @dataclass(frozen=True)
+class TokenizerConfig:
+    """How the router tokenizes prompts. Empty: 4 UTF-8 bytes per token (no file needed;
+    ext_proc/tokens.py). Set: as the engines do (ext_proc/engine_tokens.py), so prompt
+    lengths are real and precise prefix state matches the engines' own token ids."""
+
+    # The engine's tokenizer.json (a local file; nothing is downloaded).
+    path: str = ""
+    # The chat template: a Jinja file, or a tokenizer_config.json carrying chat_template;
+    # "" = the tokenizer_config.json beside `path`.
+    chat_template: str = ""
+    # Earlier prompts remembered (text and token ids) so a conversation's next turn
+    # tokenizes only its new messages (0 = tokenize every prompt whole). About one entry
+    # per conversation active now: 512 covers ~5 new turns a second with 100 s between a
+    # conversation's turns. An entry costs ~20 bytes per token (the ids twice: a tuple and
+    # packed for hashing; the text) besides the int objects, which a conversation's
+    # entries share: ~650 KB for a 32k-token prompt, 330 MB if all 512 were that long.
+    cache_entries: int = bounded(512, **NON_NEGATIVE)
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    """Several routers, one view: each publishes its dispatches to the others over NATS
+    (ext_proc.peers). Off (empty nats_url) for a single router."""
+
+    # nats://host:port of the NATS server (or cluster) the routers share.
+    nats_url: str = ""
+    # Subject prefix: each router publishes on <subject>.<router_id> and hears <subject>.*.
+    subject: str = "gorgo.fleet"
+    # This router's name on the bus (default: host name and process id).
+    router_id: str = ""
+    # A peer's request whose close never came (that router died) stops counting after this.
+    peer_ttl_s: float = bounded(300.0, **POSITIVE)
+
+
+@dataclass(frozen=True)
 class Config:
     backends: tuple[Backend, ...]
     policy: str = "gorgo"
@@ -303,6 +338,8 @@ class Config:
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
     listen: Listen = field(default_factory=Listen)
     envoy: EnvoySettings = field(default_factory=EnvoySettings)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    fleet: FleetConfig = field(default_factory=FleetConfig)
     # In-flight records whose completion never arrives (lost access log) expire after
     # this long, so the in-flight table stays bounded.
     request_timeout_s: float = bounded(900.0, **POSITIVE)
@@ -433,6 +470,25 @@ def _validate(cfg: Config) -> None:
     if cfg.envoy.tracing_endpoint:
         split_host_port(cfg.envoy.tracing_endpoint, "envoy.tracing_endpoint")
     _validate_tls(cfg)
+    nats = cfg.fleet.nats_url
+    if nats and not re.match(
+        r"^(nats|tls)://[^/\s]+:\d{1,5}(,(nats|tls)://[^/\s]+:\d{1,5})*$", nats
+    ):
+        raise ConfigError(f"fleet.nats_url: expected nats://HOST:PORT[,nats://...], got {nats!r}")
+    if not re.match(r"^[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*$", cfg.fleet.subject):
+        raise ConfigError(
+            f"fleet.subject: NATS subject tokens (letters, digits, '_', '-', dot-separated), "
+            f"got {cfg.fleet.subject!r}"
+        )
+    if cfg.fleet.router_id and not re.match(r"^[A-Za-z0-9_-]+$", cfg.fleet.router_id):
+        raise ConfigError(
+            f"fleet.router_id: letters, digits, '_' or '-' (one subject token), "
+            f"got {cfg.fleet.router_id!r}"
+        )
+    if cfg.tokenizer.path or cfg.tokenizer.chat_template:
+        from ext_proc.engine_tokens import load_engine_tokenizer  # late: it imports config
+
+        load_engine_tokenizer(cfg.tokenizer)  # the files exist, parse and have a template
     interval_s = cfg.probes.metrics_interval_s
     if 0 < interval_s < 0.1:
         raise ConfigError(f"probes.metrics_interval_s: at least 0.1 (or 0 = off), got {interval_s}")

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ext_proc.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from ext_proc.tokens import TokenIds
 
 # Weight of a block held on a slower tier: it is brought back to the GPU instead of
 # recomputed, cheaper than a miss but not free (SGLang HiCache, vLLM CPU offload).
@@ -32,8 +33,15 @@ def chain_keys(token_ids: Sequence[int], block_size: int, parent: int = 0) -> li
     the block's tokens (Python's SipHash of the packed ids: process-local, which is all an
     in-memory index needs)."""
     keys: list[int] = []
-    for i in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash((parent, array("q", token_ids[i : i + block_size]).tobytes()))
+    ends = range(block_size, len(token_ids) + 1, block_size)
+    if isinstance(token_ids, TokenIds):  # already packed: slice the bytes (same values)
+        packed, step = token_ids.packed, 8 * block_size
+        for end in ends:
+            parent = hash((parent, packed[8 * end - step : 8 * end]))
+            keys.append(parent)
+        return keys
+    for end in ends:
+        parent = hash((parent, array("q", token_ids[end - block_size : end]).tobytes()))
         keys.append(parent)
     return keys
 

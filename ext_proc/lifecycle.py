@@ -34,6 +34,15 @@ class Status(enum.StrEnum):
     FAILED_OVER = "failed_over"
 
 
+class PrefixState(enum.StrEnum):
+    """Where a backend's cached-token prediction comes from."""
+
+    # The engine's own KV events (the stream is up and caught up).
+    PRECISE = "precise"
+    # The router's own prefix index (no events, or their stream is down).
+    APPROXIMATE = "approximate"
+
+
 @dataclass(frozen=True)
 class Dispatched:
     request: RouteRequest

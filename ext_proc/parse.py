@@ -12,7 +12,8 @@ own prefix: it is kept as several prompts, never joined into one.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -39,6 +40,19 @@ Prompt = str | tuple[int, ...]
 
 
 @dataclass(frozen=True)
+class Chat:
+    """A chat request as its chat template reads it (for a router that renders chats as the
+    engine does: ext_proc/engine_tokens.py). Never logged, traced or exposed."""
+
+    messages: tuple[Mapping[str, Any], ...]
+    # What else vLLM hands the template: the request's tools, add_generation_prompt
+    # (default true) and chat_template_kwargs.
+    tools: tuple[Mapping[str, Any], ...] | None = None
+    add_generation_prompt: bool = True
+    template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class LlmRequest:
     api: str
     # The prompts as the engine will see them (one, or a batch; a chat is rendered). Used
@@ -51,6 +65,9 @@ class LlmRequest:
     model: str | None
     # OpenAI `user` field: the session key when no x-session-id header is sent.
     user: str | None
+    # A chat's messages (None for other APIs), for a tokenization step that renders them
+    # with the engine's chat template; `prompts` holds the approximation's rendering.
+    chat: Chat | None = None
 
     @property
     def input_tokens(self) -> int:
@@ -86,7 +103,7 @@ def _optional_str(body: dict[str, Any], key: str) -> str | None:
     return value
 
 
-def _chat_prompt(body: dict[str, Any]) -> str:
+def _chat(body: dict[str, Any]) -> Chat:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ParseError("messages: expected a non-empty list")
@@ -96,7 +113,18 @@ def _chat_prompt(body: dict[str, Any]) -> str:
         content = m.get("content")
         if content is not None and not isinstance(content, str | list):
             raise ParseError(f"messages[{i}].content: expected a string or a list of parts")
-    return render_chat(messages)
+    # The template's other inputs: only well-formed ones (the engine judges the rest).
+    tools = body.get("tools")
+    generation = body.get("add_generation_prompt")
+    kwargs = body.get("chat_template_kwargs")
+    return Chat(
+        messages=tuple(messages),
+        tools=tuple(tools)
+        if isinstance(tools, list) and all(isinstance(t, dict) for t in tools)
+        else None,
+        add_generation_prompt=generation if isinstance(generation, bool) else True,
+        template_kwargs=kwargs if isinstance(kwargs, dict) else {},
+    )
 
 
 def _is_ids(value: Any) -> bool:
@@ -142,8 +170,10 @@ def parse_body(api: str, body: bytes) -> LlmRequest:
     if not isinstance(decoded, dict):
         raise ParseError(f"body: expected a JSON object, got {type(decoded).__name__}")
     prompts: tuple[Prompt, ...]
+    chat = None
     if api == CHAT:
-        prompts = (_chat_prompt(decoded),)
+        chat = _chat(decoded)
+        prompts = (render_chat(chat.messages),)
         max_out = _optional_int(decoded, "max_completion_tokens", "max_tokens")
     elif api == COMPLETIONS:
         prompts = _prompts(decoded.get("prompt"), "prompt")
@@ -168,6 +198,7 @@ def parse_body(api: str, body: bytes) -> LlmRequest:
         stream=stream,
         model=_optional_str(decoded, "model"),
         user=_optional_str(decoded, "user"),
+        chat=chat,
     )
 
 

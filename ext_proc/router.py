@@ -9,6 +9,7 @@ learns from outcomes subscribes to the lifecycle events (`ext_proc.lifecycle`).
 from __future__ import annotations
 
 import random
+import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
@@ -22,8 +23,10 @@ from ext_proc.engine_index import Applied, EngineBlocks, chain_keys
 from ext_proc.engine_metrics import EngineReport
 from ext_proc.kv_events import EventBatch
 from ext_proc.learners import Ejector, PrefillLearner, PrefixLearner, TunerLearner
-from ext_proc.lifecycle import Closed, Dispatched, FirstByte, Listener, Status
+from ext_proc.lifecycle import Closed, Dispatched, FirstByte, Listener, PrefixState, Status
+from ext_proc.peers import PeerEvent, PeerKind
 from ext_proc.policy import Candidate, Policy, PolicyInfo, RouteRequest, make_policy, policy_info
+from ext_proc.prediction import PredictionStats
 from ext_proc.prefix import Hashes, PrefixIndex, as_hashes
 from ext_proc.profile import EngineProfile, load_profile
 from ext_proc.state import FleetState, InFlight
@@ -120,11 +123,14 @@ class Router:
         # that stream is up now (the shell says so; down, the router's own estimate serves).
         self.engine_blocks = {b.id: EngineBlocks() for b in cfg.backends if b.kv_events.endpoint}
         self.precise: set[str] = set()
+        # How far the cached-token predictions were from the engines' reports.
+        self.prediction = PredictionStats()
         # The learners, in the order they hear each event; more can subscribe.
         self.listeners: list[Listener] = [
             PrefixLearner(self.index, cfg.routing.block_tokens),
             PrefillLearner(self.prefill),
             Ejector(self.state, cfg.routing),
+            self.prediction,
         ]
         if tuner is not None:
             self.listeners.append(TunerLearner(tuner, cfg.request_timeout_s * 1000))
@@ -183,6 +189,13 @@ class Router:
             out.append(max(reported, optimistic))
         return out
 
+    def _precise_for(self, backend: str, request: RouteRequest) -> bool:
+        """The backend's prediction comes from its engine's events (they are up, and the
+        request is matched by token ids, not by a simulator's own block hashes alone)."""
+        return backend in self.precise and (
+            request.blocks is None or request.engine_keys is not None
+        )
+
     @staticmethod
     def _keys_by_block_size(request: RouteRequest) -> Callable[[int], list[list[int]]]:
         """Each prompt's chain keys at a block size, tokenized and chained once per
@@ -213,7 +226,7 @@ class Router:
         keys_of = self._keys_by_block_size(request)
         out = []
         for b in healthy or self.state.backends.values():  # all suspect: try them all
-            if b.id in self.precise and (request.blocks is None or request.engine_keys is not None):
+            if self._precise_for(b.id, request):
                 per_prompt = self._precise_cached(b.id, keys_of, blocks, now_s)
             else:
                 per_prompt = [m[b.id] * bt for m in matched]
@@ -326,6 +339,9 @@ class Router:
             input_tokens=chosen.cached_tokens + chosen.uncached_tokens,
             output_tokens=self.output_tokens(request),
             cached_tokens=chosen.cached_tokens,
+            prefix_state=PrefixState.PRECISE
+            if self._precise_for(chosen.backend_id, request)
+            else PrefixState.APPROXIMATE,
             prefill_ms=chosen.prefill_ms,
             rtt_ms=chosen.rtt_ms,
             queue_ms=chosen.queue_ms,
@@ -407,7 +423,9 @@ class Router:
 
     def expire(self) -> list[Closed]:
         """Close the requests whose completion never arrived (request_timeout_s)."""
-        overdue = self.state.overdue(self.clock(), self.cfg.request_timeout_s)
+        now_s = self.clock()
+        self.state.expire_peers(now_s, self.cfg.fleet.peer_ttl_s)
+        overdue = self.state.overdue(now_s, self.cfg.request_timeout_s)
         return [c for rid in overdue if (c := self.close(rid, Status.EXPIRED)) is not None]
 
     # -- the engines' KV events ----------------------------------------------------------
@@ -424,6 +442,31 @@ class Router:
         else:
             self.precise.discard(backend)
 
+    # -- the other routers' dispatches (ext_proc.peers) ---------------------------------
+
+    def apply_peer(self, e: PeerEvent) -> None:
+        """Another router's lifecycle event: its requests load our view of the backends
+        (queue estimates, in-flight counts) as our own do; nothing learns from them."""
+        if e.kind == PeerKind.DISPATCHED:
+            self.state.peer_dispatch(
+                InFlight(
+                    request_id=e.request_id,
+                    backend=e.backend,
+                    dispatched_s=self.clock(),
+                    input_tokens=e.input_tokens,
+                    output_tokens=e.output_tokens,
+                    cached_tokens=e.cached_tokens,
+                    prefill_ms=e.prefill_ms,
+                    rtt_ms=e.rtt_ms,
+                    queue_ms=e.queue_ms,
+                    streaming=e.streaming,
+                )
+            )
+        elif e.kind == PeerKind.FIRST_BYTE:
+            self.state.peer_first_byte(e.request_id, self.clock())
+        else:
+            self.state.peer_close(e.request_id)
+
     def record_probe(self, backend: str, rtt_ms: float | None) -> None:
         p = self.cfg.probes
         self.state.record_probe(backend, rtt_ms, p.ewma_alpha, p.suspect_after)
@@ -433,6 +476,7 @@ class Router:
 
     def snapshot(self) -> dict[str, Any]:
         now_s = self.clock()
+        wall_s = time.time()  # KV event batches carry the engine's wall-clock stamp
         backends = {}
         for b in self.state.backends.values():
             backends[b.id] = {
@@ -443,7 +487,9 @@ class Router:
                 "engine": None
                 if b.engine is None or b.engine_at_s is None
                 else {**b.engine.as_json(), "age_s": round(now_s - b.engine_at_s, 3)},
-                **self._prefix_state(b.id),
+                **self._prefix_state(b.id, wall_s),
+                # How far its cached-token predictions were from the engine's reports.
+                "prefix_prediction": self.prediction.as_json(b.id),
             }
         w = self.weights
         return {
@@ -456,11 +502,10 @@ class Router:
             "recent_decisions": [d.as_json() for d in self.recent],
         }
 
-    def _prefix_state(self, backend: str) -> dict[str, Any]:
+    def _prefix_state(self, backend: str, wall_s: float) -> dict[str, Any]:
         engine = self.engine_blocks.get(backend)
-        out: dict[str, Any] = {
-            "prefix_state": "precise" if backend in self.precise else "approximate"
-        }
+        state = PrefixState.PRECISE if backend in self.precise else PrefixState.APPROXIMATE
+        out: dict[str, Any] = {"prefix_state": str(state)}
         if engine is not None:
             out["kv_events"] = {
                 "up": backend in self.precise,
@@ -468,6 +513,10 @@ class Router:
                 "block_size": engine.block_size,
                 "last_seq": engine.last_seq,
                 "last_event_ts": engine.last_ts,
+                # Seconds since that stamp (an idle engine publishes nothing).
+                "age_s": None
+                if engine.last_ts is None
+                else round(max(0.0, wall_s - engine.last_ts), 3),
                 "gaps": engine.gaps,
                 "resets": engine.resets,
             }

@@ -28,6 +28,7 @@ import grpc
 
 from ext_proc import codec
 from ext_proc.config import Config, EnvoyMode, UnreadableBody
+from ext_proc.engine_tokens import PromptTokenizer
 from ext_proc.lifecycle import Status
 from ext_proc.names import (
     ACCESS_LOG_SERVICE,
@@ -204,9 +205,12 @@ class RoutingSession(_FirstByteWatcher):
         encoder: DecisionEncoder,
         info: codec.StreamInfo,
         trace_context: tuple[tuple[str, str], ...],
+        tokens: PromptTokenizer | None = None,
     ) -> None:
         super().__init__(router, info, "")
         self.encoder = encoder
+        # The engine's tokenizer and chat template (None: the approximation).
+        self.tokens = tokens
         # W3C trace context of Envoy's request span (from the gRPC metadata).
         self.trace_context = trace_context
         self.path = ""
@@ -241,6 +245,8 @@ class RoutingSession(_FirstByteWatcher):
             # and the backend gives the client its own error.
             log.info("request %s: unreadable body, fallback route: %s", self.request_id, e)
             return self._reply(codec.REQUEST_BODY)
+        if self.tokens is not None:  # token ids as the engine sees them (fails open)
+            llm = self.tokens.apply(llm, self.request_id)
         request = RouteRequest(
             self.request_id, llm, self.session_header or llm.user, trace_context=self.trace_context
         )
@@ -270,6 +276,7 @@ def open_session(
     first: codec.ProcessingRequest,
     phase: codec.Phase,
     trace_context: tuple[tuple[str, str], ...] = (),
+    tokens: PromptTokenizer | None = None,
 ) -> Session:
     """The session for a stream, from its first message (`phase`, decoded) (Envoy AI
     Gateway's processorForPath + passThroughProcessor pattern)."""
@@ -282,7 +289,7 @@ def open_session(
         and api_for_path(headers.get(":path", "")) is not None
         and headers.get(HEADER_REQUEST_ID)
     ):
-        return RoutingSession(router, encoder, info, trace_context)
+        return RoutingSession(router, encoder, info, trace_context, tokens)
     return PassThroughSession(info)
 
 
@@ -300,9 +307,12 @@ TRACE_KEYS = ("traceparent", "tracestate")
 
 
 class ExtProcService:
-    def __init__(self, router: Router, encoder: DecisionEncoder) -> None:
+    def __init__(
+        self, router: Router, encoder: DecisionEncoder, tokens: PromptTokenizer | None = None
+    ) -> None:
         self.router = router
         self.encoder = encoder
+        self.tokens = tokens
         self.active_streams = 0
         # Shutting down: new streams are closed at once, and Envoy takes the fallback.
         self.draining = False
@@ -320,7 +330,9 @@ class ExtProcService:
                 if session is None:
                     metadata = context.invocation_metadata() or ()
                     carrier = tuple((k, v) for k, v in metadata if k in TRACE_KEYS)
-                    session = open_session(self.router, self.encoder, req, phase, carrier)
+                    session = open_session(
+                        self.router, self.encoder, req, phase, carrier, self.tokens
+                    )
                 reply = session.handle(phase)
                 if reply is not None:
                     yield reply
@@ -383,8 +395,13 @@ def status_for(code: int) -> Status:
     return Status.CANCELLED if code == 0 else Status.ERROR
 
 
-def add_services(server: grpc.aio.Server, router: Router, telemetry: Telemetry) -> ExtProcService:
-    ext_proc = ExtProcService(router, decision_encoder(router.cfg))
+def add_services(
+    server: grpc.aio.Server,
+    router: Router,
+    telemetry: Telemetry,
+    tokens: PromptTokenizer | None = None,
+) -> ExtProcService:
+    ext_proc = ExtProcService(router, decision_encoder(router.cfg), tokens)
     access_log = AccessLogService(router, telemetry)
     server.add_generic_rpc_handlers(
         (

@@ -15,7 +15,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ext_proc.engine_metrics import EngineReport
-from ext_proc.lifecycle import Status
+from ext_proc.lifecycle import PrefixState, Status
 
 # How many recent TTFT/E2E samples /state shows per backend.
 RECENT_SAMPLES = 16
@@ -32,6 +32,8 @@ class InFlight:
     input_tokens: int
     output_tokens: int = 0
     cached_tokens: int = 0
+    # Where that cached-token prediction came from (the chosen backend's prefix state).
+    prefix_state: PrefixState = PrefixState.APPROXIMATE
     # The decision's estimates, kept to learn from the outcome.
     prefill_ms: float = 0.0
     rtt_ms: float = 0.0
@@ -115,6 +117,9 @@ class FleetState:
         }
         # Insertion order = dispatch order, so the oldest records expire first.
         self.in_flight: OrderedDict[str, InFlight] = OrderedDict()
+        # What other routers dispatched (shared through the fleet's message bus): it loads
+        # the backends' counters and queues like our own, and nothing learns from it.
+        self.peer_in_flight: OrderedDict[str, InFlight] = OrderedDict()
 
     def dispatch(self, rec: InFlight) -> None:
         old = self.in_flight.pop(rec.request_id, None)
@@ -166,6 +171,39 @@ class FleetState:
         if status in (Status.OK, Status.ERROR):
             b.request_failures = 0 if status == Status.OK else b.request_failures + 1
         return rec, measured_e2e_ms
+
+    def peer_dispatch(self, rec: InFlight) -> None:
+        if rec.request_id in self.in_flight or rec.backend not in self.backends:
+            return  # our own (a bus echo), or a backend this router does not route to
+        self.peer_close(rec.request_id)
+        self.peer_in_flight[rec.request_id] = rec
+        b = self.backends[rec.backend]
+        b.records[rec.request_id] = rec
+        b.in_flight += 1
+        b.waiting_first_byte += 1
+        b.in_flight_tokens += rec.input_tokens
+
+    def peer_first_byte(self, request_id: str, now_s: float) -> None:
+        rec = self.peer_in_flight.get(request_id)
+        if rec is not None and rec.first_byte_s is None:
+            rec.first_byte_s = now_s
+            self.backends[rec.backend].waiting_first_byte -= 1
+
+    def peer_close(self, request_id: str) -> None:
+        rec = self.peer_in_flight.pop(request_id, None)
+        if rec is not None:
+            self._release(rec)
+
+    def expire_peers(self, now_s: float, timeout_s: float) -> int:
+        """Forget peers' requests in flight for timeout_s (their close was lost)."""
+        old = []
+        for rec in self.peer_in_flight.values():  # arrival order: stop at the first young one
+            if now_s - rec.dispatched_s < timeout_s:
+                break
+            old.append(rec.request_id)
+        for request_id in old:
+            self.peer_close(request_id)
+        return len(old)
 
     def available(self, b: BackendState, now_s: float) -> bool:
         """In rotation: probes answer, and not ejected for failing requests. An ejection

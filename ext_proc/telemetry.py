@@ -28,6 +28,7 @@ from prometheus_client.registry import Collector
 
 from ext_proc.config import TelemetryConfig
 from ext_proc.lifecycle import Closed, Dispatched, FirstByte, Listener, Status
+from ext_proc.prediction import prediction_error
 from ext_proc.router import Decision, Router
 
 SPAN_NAME = "gorgo.route"
@@ -45,11 +46,25 @@ A_CANDIDATE = "gorgo.candidate.{backend}.{field}"
 A_TTFT_MS = "gorgo.ttft_ms"
 A_E2E_MS = "gorgo.e2e_ms"
 A_STATUS = "gorgo.status"
+# The chosen backend's prefix state at the decision, and what it predicted was cached.
+A_PREFIX_STATE = "gorgo.prefix_state"
+A_PREDICTED_CACHED = "gorgo.predicted_cached_tokens"
+A_KV_EVENT_AGE_S = "gorgo.kv_events.age_s"
+A_KV_EVENT_GAPS = "gorgo.kv_events.gaps"
+A_KV_EVENT_RESETS = "gorgo.kv_events.resets"
+A_ENGINE_REPORT_AGE_S = "gorgo.engine_report.age_s"
+# At close, when the engine reported its cached tokens: the report and the error.
+A_ENGINE_CACHED = "gorgo.engine_cached_tokens"
+A_PREDICTION_ERROR_TOKENS = "gorgo.prediction_error_tokens"
+A_PREDICTION_ERROR_RATIO = "gorgo.prediction_error_ratio"
 CANDIDATE_FIELDS = ("rtt_ms", "queue_ms", "prefill_ms", "cached_tokens", "cost")
 
 # Buckets (seconds / ms) sized for LLM latencies: TTFT from 10 ms to minutes.
 LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 TERM_BUCKETS_MS = (0.5, 1, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000)
+# Prediction error as a share of the prompt: the target for precise state is a 2 % mean,
+# the simulator's figures are fractions of a percent; a whole prompt wrong is 1.
+ERROR_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)
 
 
 def session_hash(key: str | None) -> str:
@@ -71,12 +86,21 @@ class _LiveGauges(Collector):
             in_flight.add_metric([b.id], b.in_flight)
             rtt.add_metric([b.id], b.rtt_ms)
             suspect.add_metric([b.id], 1.0 if b.suspect else 0.0)
+        report_age = GaugeMetricFamily(
+            "gorgo_engine_report_age_seconds",
+            "Seconds since the engine's last load report (/metrics) was read",
+            labels=["backend"],
+        )
+        now_s = self.router.clock()
+        for b in self.router.state.backends.values():
+            if b.engine_at_s is not None:
+                report_age.add_metric([b.id], max(0.0, now_s - b.engine_at_s))
         weights = GaugeMetricFamily("gorgo_weight", "Current cost weights", labels=["name"])
         w = self.router.weights
         if w is not None:
             weights.add_metric(["rtt"], w.rtt)
             weights.add_metric(["queue"], w.queue)
-        yield from (in_flight, rtt, suspect, weights)
+        yield from (in_flight, rtt, suspect, report_age, weights)
         yield from self._prefix_state()
 
     def _prefix_state(self) -> Iterable[GaugeMetricFamily]:
@@ -148,6 +172,14 @@ class Metrics:
             "Prompt tokens the chosen backend held (index)",
             registry=r,
         )
+        self.prediction_error = Histogram(
+            "gorgo_prefix_prediction_error_ratio",
+            "|predicted - engine-reported cached tokens| / prompt tokens, per request the "
+            "engine reported on",
+            ["backend", "prefix_state"],
+            buckets=ERROR_BUCKETS,
+            registry=r,
+        )
         self.completions = Counter(
             "gorgo_completions", "Requests closed, by status", ["backend", "status"], registry=r
         )
@@ -202,9 +234,8 @@ class Telemetry(Listener):
         if self._tracer is None:
             return
         ctx = TraceContextTextMapPropagator().extract(dict(e.request.trace_context))
-        span = self._tracer.start_span(
-            SPAN_NAME, context=ctx, attributes=self._attributes(d, e.request.session_key)
-        )
+        attributes = {**self._attributes(d, e.request.session_key), **self._prefix_attributes(e)}
+        span = self._tracer.start_span(SPAN_NAME, context=ctx, attributes=attributes)
         if span.is_recording():
             self._spans[d.request_id] = span
 
@@ -218,9 +249,17 @@ class Telemetry(Listener):
         self.metrics.completions.labels(c.backend, c.status).inc()
         if c.status == Status.OK:
             self.metrics.e2e.labels(c.backend).observe(c.e2e_ms / 1000)
+        err = prediction_error(c)
+        if err is not None:
+            state = str(c.record.prefix_state)
+            self.metrics.prediction_error.labels(c.backend, state).observe(err.error_ratio)
         span = self._spans.pop(c.request_id, None)
         if span is None:
             return
+        if err is not None:
+            span.set_attribute(A_ENGINE_CACHED, err.reported_tokens)
+            span.set_attribute(A_PREDICTION_ERROR_TOKENS, err.error_tokens)
+            span.set_attribute(A_PREDICTION_ERROR_RATIO, round(err.error_ratio, 6))
         span.set_attribute(A_E2E_MS, round(c.e2e_ms, 3))
         span.set_attribute(A_STATUS, str(c.status))
         if c.ttft_ms is not None:
@@ -246,6 +285,25 @@ class Telemetry(Listener):
             self.provider.shutdown()
 
     # -- attributes ---------------------------------------------------------------------
+
+    def _prefix_attributes(self, e: Dispatched) -> dict[str, Any]:
+        """The chosen backend's prefix state: where the prediction came from, and how
+        fresh the engine's events and load report were."""
+        rec = e.record
+        attrs: dict[str, Any] = {
+            A_PREFIX_STATE: str(rec.prefix_state),
+            A_PREDICTED_CACHED: rec.cached_tokens,
+        }
+        engine = self.router.engine_blocks.get(rec.backend)
+        if engine is not None:
+            attrs[A_KV_EVENT_GAPS] = engine.gaps
+            attrs[A_KV_EVENT_RESETS] = engine.resets
+            if engine.last_ts is not None:  # the engine's wall-clock stamp
+                attrs[A_KV_EVENT_AGE_S] = round(max(0.0, time.time() - engine.last_ts), 3)
+        b = self.router.state.backends[rec.backend]
+        if b.engine_at_s is not None:
+            attrs[A_ENGINE_REPORT_AGE_S] = round(e.now_s - b.engine_at_s, 3)
+        return attrs
 
     def _attributes(self, d: Decision, session_key: str | None) -> dict[str, Any]:
         attrs: dict[str, Any] = {

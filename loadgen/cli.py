@@ -48,6 +48,15 @@ def _replay(args: argparse.Namespace) -> int:
     )
 
 
+def _shares(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected numbers like 0.5,0.3,0.2, got {text!r}"
+        ) from None
+
+
 def _simulate(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -64,6 +73,10 @@ def _simulate(args: argparse.Namespace) -> int:
             tune=args.tune,
             prefix_state=args.prefix_state,
             routers=args.routers,
+            engine_reports=args.engine_reports,
+            front_doors=args.front_doors,
+            origin_shares=args.origin_shares or (),
+            share_dispatches=args.share_dispatches,
         )
         base.config()  # validates the profiles before hours of simulation
     except (TraceError, ValueError) as e:
@@ -116,6 +129,16 @@ def _bench_live(args: argparse.Namespace) -> int:
         args.start_s,
         args.duration_s,
         args.time_scale,
+    )
+
+
+def _bench_prefix(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from loadgen.bench_prefix import run_prefix_bench
+
+    return run_prefix_bench(
+        args.trace, args.start_s, args.duration_s, args.limit, args.time_scale, Path(args.out)
     )
 
 
@@ -220,6 +243,34 @@ def add_commands(commands: Commands) -> None:
         help="routers deciding side by side, each session through one of them (with "
         "--prefix-state precise they share the engines' view; else each knows its own)",
     )
+    s.add_argument(
+        "--engine-reports",
+        action="store_true",
+        help="the routers read the engines' own load reports (/metrics) every "
+        "probes.metrics_interval_s, as the live ones do",
+    )
+    s.add_argument(
+        "--front-doors",
+        type=int,
+        default=0,
+        metavar="N",
+        help="a front door (Envoy + router) in each of the first N regions; sessions come "
+        "from every region and enter their own region's door (1: the single proxy, its "
+        "clients spread over the regions; 0, the default: the paper's single proxy with its "
+        "clients beside it). Results per region",
+    )
+    s.add_argument(
+        "--share-dispatches",
+        action="store_true",
+        help="the routers tell each other their dispatches (live: over NATS, fleet.nats_url)",
+    )
+    s.add_argument(
+        "--origin-shares",
+        type=_shares,
+        default=None,
+        metavar="A,B,C",
+        help="share of sessions from each region (with --front-doors; default equal)",
+    )
     s.set_defaults(func=_simulate)
 
     bench = commands.bench()
@@ -251,6 +302,17 @@ def add_commands(commands: Commands) -> None:
                 help="reuse the live result files in --work (only re-simulate)",
             )
         b.set_defaults(func=func)
+    b = bench.add_parser(
+        "prefix-state",
+        help="precise vs approximate prefix state live: prediction error, hit rate, p95s",
+    )
+    b.add_argument("--trace", default=DEFAULT_TRACE)
+    b.add_argument("--start-s", type=float, default=600.0, help="slice start (trace time)")
+    b.add_argument("--duration-s", type=float, default=120.0, help="slice length")
+    b.add_argument("--limit", type=int, default=None, help="at most this many requests")
+    b.add_argument("--time-scale", type=float, default=1.0)
+    b.add_argument("--out", default="out/bench", help="result files")
+    b.set_defaults(func=_bench_prefix)
     b = bench.add_parser("load", help="concurrent streams through one router: errors, CPU, memory")
     b.add_argument("--streams", type=int, default=200)
     b.add_argument("--duration-s", type=float, default=60.0)

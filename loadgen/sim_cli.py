@@ -58,6 +58,7 @@ def run_simulations(
                 "routers": base.routers,
                 "engine_reports": base.engine_reports,
                 "front_doors": base.front_doors,
+                "share_dispatches": base.share_dispatches,
                 "final_weights": None
                 if tuner is None
                 else {"rtt": tuner.state.parent[0], "queue": tuner.state.parent[1]},

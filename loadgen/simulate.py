@@ -31,13 +31,18 @@ from ext_proc.engine_index import EngineBlocks
 from ext_proc.engine_metrics import EngineReport
 from ext_proc.lifecycle import Status
 from ext_proc.parse import COMPLETIONS, LlmRequest
+from ext_proc.peers import PeerEvent, PeerPublisher
 from ext_proc.policy import RouteRequest
 from ext_proc.profile import DEFAULT_PROFILE, load_profile
 from ext_proc.router import Router, build_router
 from loadgen.results import RequestResult
 from loadgen.traces import TraceRequest
 
-_ARRIVE, _AT_ENGINE, _STEP, _FIRST_BYTE, _DONE, _PROBE, _KV_EVENTS, _SCRAPE, _REPORT = range(9)
+(_ARRIVE, _AT_ENGINE, _STEP, _FIRST_BYTE, _DONE, _PROBE, _KV_EVENTS, _SCRAPE, _REPORT, _PEER) = (
+    range(10)
+)
+# One hop through the fleet's message bus between routers in one place (NATS on a LAN).
+BUS_HOP_S = 0.0005
 # The single proxy of the paper's setup (front_doors 0): its RTTs are the RTT profile's.
 PROXY = ""
 
@@ -77,6 +82,9 @@ class SimSettings:
     # access leg. --front-doors 1 is the single proxy with clients spread over the regions.
     front_doors: int = 0
     origin_shares: Sequence[float] = ()
+    # The routers publish their dispatches to each other (ext_proc.peers, over NATS live):
+    # one bus hop later, or the half-trip between two front doors' regions.
+    share_dispatches: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.front_doors <= len(self.regions):
@@ -202,6 +210,10 @@ class Simulation:
                     build_router(door_cfg, lambda: self.now_s, random.Random(rng.random()))
                 ]
         self.routers = [router for rs in self.routers_at.values() for router in rs]
+        if settings.share_dispatches:
+            for door, rs in self.routers_at.items():
+                for i, router in enumerate(rs):
+                    router.subscribe(PeerPublisher(f"{door}/{i}", self._sender(door, router)))
         self.engine_block_tokens = profile.block_tokens
         self.kv_capacity_tokens = profile.kv_capacity_tokens
         if settings.prefix_state == "precise":
@@ -233,6 +245,14 @@ class Simulation:
         t = self.engines[backend].next_event_s()
         if t is not None:
             self._push(t, _STEP, (backend, t))
+
+    def _sender(self, door: str, sender: Router) -> Callable[[PeerEvent], None]:
+        def send(e: PeerEvent) -> None:
+            for to in self.routers_at:
+                hop_s = BUS_HOP_S if to == door else region_rtt_ms(door, to) / 2000
+                self._push(self.now_s + hop_s, _PEER, (to, sender, e))
+
+        return send
 
     def _one_way_s(self, door: str, backend: str) -> float:
         """The mean half-trip (no draw: the seeded delays of requests stay what they are)."""
@@ -302,6 +322,11 @@ class Simulation:
                 door, b, report = data
                 for router in self.routers_at[door]:
                     router.state.record_engine_report(b, report, t)
+            elif kind == _PEER:
+                door, sender, e = data
+                for router in self.routers_at[door]:
+                    if router is not sender:
+                        router.apply_peer(e)
         ordered = [self.results[r.id] for r in self.trace]
         return SimResult(self.s, ordered, self.itl_ms, self.router)
 

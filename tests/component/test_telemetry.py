@@ -18,7 +18,10 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 
 from ext_proc.app import Running, running_service
 from ext_proc.config import config_from_dict
+from ext_proc.lifecycle import Status
 from ext_proc.names import ACCESS_LOG_SERVICE, EXT_PROC_SERVICE
+from ext_proc.parse import CHAT, parse_body
+from ext_proc.policy import RouteRequest
 from ext_proc.proto import envoy_wire_pb2 as pb
 
 pytestmark = pytest.mark.component
@@ -213,3 +216,26 @@ async def test_metrics_count_what_was_routed(receiver: tuple[Receiver, int]) -> 
     assert m[("gorgo_weight", (("name", "rtt"),))] == 1.0
     assert ("gorgo_rtt_ms", (("backend", "ap-seoul"),)) in m
     await asyncio.sleep(0)
+
+
+async def test_prediction_error_reaches_metrics_and_state(receiver: tuple[Receiver, int]) -> None:
+    _, port = receiver
+    async with running_service(_config(port)) as svc:
+        # Envoy's access log carries no usage: a request closed by it reports no error
+        await _one_request(svc, "p0", None)
+        # a closing path that knows the engine's report (as the simulator's does)
+        body = json.dumps({"messages": [{"role": "user", "content": SECRET * 40}]}).encode()
+        d = svc.router.decide(RouteRequest("p1", parse_body(CHAT, body), "alice"))
+        svc.router.close("p1", Status.OK, cached_tokens=d.chosen.cached_tokens + 46)
+        base = f"http://127.0.0.1:{svc.admin_port}"
+        async with aiohttp.ClientSession() as s:
+            async with s.get(f"{base}/metrics") as r:
+                m = parse_prometheus(await r.text())
+            async with s.get(f"{base}/state") as r:
+                state = await r.json()
+    labels = (("backend", d.backend), ("prefix_state", "approximate"))
+    assert m[("gorgo_prefix_prediction_error_ratio_count", labels)] == 1
+    assert m[("gorgo_prefix_prediction_error_ratio_sum", labels)] == pytest.approx(46 / 184)
+    assert state["backends"][d.backend]["prefix_prediction"] == {
+        "approximate": {"requests": 1, "mean_error_ratio": round(46 / 184, 6)}
+    }

@@ -93,6 +93,10 @@ def test_the_second_turn_finds_its_prefix_through_another_front_door(three_doors
         assert second.cached_tokens >= 0.9 * first.input_tokens
     else:  # seoul's router knows only what it routed itself: the prefix is lost
         assert second.backend != first.backend and second.cached_tokens == 0
+    # Either way the routers told each other what they dispatched, over the stack's NATS.
+    heard = [router_state_at(u)["fleet"] for u in (stack.admin_url, seoul.admin_url)]
+    assert all(f["connected"] for f in heard), heard
+    assert heard[0]["sent"] >= 3 and heard[1]["received"] >= 3, heard  # dispatch, byte, close
 
 
 def router_state_at(admin_url: str) -> dict:

@@ -110,3 +110,13 @@ def test_the_router_uses_the_engines_state_while_its_stream_is_up() -> None:
     assert c[d.backend] == 0
     r.set_event_stream("b", False)
     assert r.snapshot()["backends"]["b"]["prefix_state"] == "approximate"
+
+
+def test_packed_token_ids_chain_to_the_same_keys() -> None:
+    """A tokenized prompt carries its packed ids; hashing those bytes gives the very keys
+    the engine's token_ids give (they must match the engine's blocks)."""
+    from ext_proc.tokens import TokenIds
+
+    ids = [(7 * i * i + 3) % 151_000 for i in range(1000)]
+    assert chain_keys(TokenIds(ids), 64) == chain_keys(ids, 64)
+    assert len(chain_keys(TokenIds(ids), 64)) == 15

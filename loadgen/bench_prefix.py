@@ -1,0 +1,325 @@
+"""`gorgo bench prefix-state`: how right the router's prefix state is live, precise against
+approximate.
+
+One slice of the conversation trace is replayed through Envoy, the router and the emulated
+fleet on two isolated fleets at once: one whose engines publish their KV events, which the
+router subscribes to (precise), and one without (approximate: the router's own index).
+Per request, the router's predicted cached tokens on the backend it chose, taken from its
+decision span (`gorgo.predicted_cached_tokens`, `gorgo.prefix_state`; received here over
+OTLP, joined on the request id the client sends), against what that engine reported in the
+response's usage (`prompt_tokens_details.cached_tokens`): the error as a share of the
+prompt, as the simulator's `prediction_error` computes it. Also the engine-reported cache
+hit rate and p95 TTFT and E2E, and the precise/approximate ratios.
+
+The engines run the default profile with prefill x4 (as `gorgo bench live`), so a slice
+at time_scale 1 loads the fleet without saturating it and wall time stays near the
+slice's length.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, replace
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import grpc
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+from emulator.stack import DEFAULT_REGIONS, Stack, StackPorts, StackSettings, free_ports
+from ext_proc.names import HEADER_REQUEST_ID
+from ext_proc.telemetry import A_BACKEND, A_PREDICTED_CACHED, A_PREFIX_STATE, A_REQUEST_ID
+from loadgen.bench_live import fast_profile_file
+from loadgen.client import percentile
+from loadgen.replay import Encoded, Replay, ReplayRun
+from loadgen.results import RequestResult, summarize, write_result
+from loadgen.traces import TraceRequest, read_trace, scaled, window
+
+MODES = ("precise", "approximate")
+# The router's batch exporter sends every 5 s: wait that long and more for the last spans.
+SPAN_WAIT_S = 20.0
+# The precise fleet starts measuring once every engine's event stream is up.
+PRECISE_WAIT_S = 20.0
+
+
+@dataclass(frozen=True)
+class Prediction:
+    backend: str
+    prefix_state: str
+    cached_tokens: int
+
+
+class SpanSink(trace_service_pb2_grpc.TraceServiceServicer):
+    """An OTLP/gRPC trace receiver keeping, per request id, what its decision predicted."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.predictions: dict[str, Prediction] = {}
+
+    def Export(self, request: Any, context: Any) -> Any:
+        for rs in request.resource_spans:
+            for ss in rs.scope_spans:
+                for span in ss.spans:
+                    self._keep(span)
+        return trace_service_pb2.ExportTraceServiceResponse()
+
+    def _keep(self, span: Any) -> None:
+        attrs = {kv.key: getattr(kv.value, kv.value.WhichOneof("value")) for kv in span.attributes}
+        if A_REQUEST_ID not in attrs or A_PREDICTED_CACHED not in attrs:
+            return
+        with self.lock:
+            self.predictions[str(attrs[A_REQUEST_ID])] = Prediction(
+                str(attrs[A_BACKEND]), str(attrs[A_PREFIX_STATE]), int(attrs[A_PREDICTED_CACHED])
+            )
+
+    def has_all(self, request_ids: set[str]) -> bool:
+        with self.lock:
+            return request_ids <= self.predictions.keys()
+
+    def snapshot(self) -> dict[str, Prediction]:
+        with self.lock:
+            return dict(self.predictions)
+
+
+@contextmanager
+def span_sink(port: int) -> Iterator[SpanSink]:
+    """A receiver on a loopback port (a thread-pool server: the replay's event loop stays
+    the client's). Start it after the stacks: a process that runs gRPC threads cannot
+    safely fork their children."""
+    server = grpc.server(ThreadPoolExecutor(max_workers=2))
+    sink = SpanSink()
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(sink, server)  # type: ignore[no-untyped-call]
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    server.start()
+    try:
+        yield sink
+    finally:
+        server.stop(None)
+
+
+class TaggedReplay(Replay):
+    """The live replay, each request sent with its trace id as `x-request-id` (the front
+    door keeps a client's id), so its decision span can be found."""
+
+    def prepare(self, r: TraceRequest) -> Encoded:
+        e = super().prepare(r)
+        return Encoded(e.path, e.data, {**e.headers, HEADER_REQUEST_ID: r.id})
+
+
+def with_predictions(
+    results: Sequence[RequestResult], predictions: Mapping[str, Prediction]
+) -> list[RequestResult]:
+    """The result rows, each with the router's prediction when its span names the backend
+    that answered."""
+    out = []
+    for r in results:
+        p = predictions.get(r.id)
+        known = p.cached_tokens if p is not None and p.backend == r.backend else None
+        out.append(replace(r, predicted_cached_tokens=known))
+    return out
+
+
+def prefix_report(
+    results: Sequence[RequestResult], predictions: Mapping[str, Prediction]
+) -> dict[str, Any]:
+    """Per run: the prediction error share (mean, p95) over the successful requests with a
+    prediction and an engine report, which states those predictions came from, the engine's
+    hit rate (cached / prompt tokens) and the router's predicted one, p95 TTFT and E2E."""
+    ok = [r for r in results if r.status == "ok" and r.input_tokens > 0]
+    joined = [r for r in with_predictions(ok, predictions) if r.predicted_cached_tokens is not None]
+    errors = [
+        abs((r.predicted_cached_tokens or 0) - r.cached_tokens) / r.input_tokens for r in joined
+    ]
+    states = [predictions[r.id].prefix_state for r in joined]
+    prompt = sum(r.input_tokens for r in ok)
+    s = summarize(results)
+    return {
+        "requests": len(results),
+        "ok": len(ok),
+        "joined": len(joined),
+        "precise_share": states.count("precise") / len(states) if states else None,
+        "mispredicted": sum(e > 0 for e in errors),
+        "error_mean": sum(errors) / len(errors) if errors else None,
+        "error_p95": percentile(errors, 95) if errors else None,
+        "hit_rate": sum(r.cached_tokens for r in ok) / prompt if prompt else None,
+        "predicted_hit_rate": sum(r.predicted_cached_tokens or 0 for r in joined)
+        / sum(r.input_tokens for r in joined)
+        if joined
+        else None,
+        "ttft_p95_ms": s["ttft_ms"]["p95"],
+        "e2e_p95_ms": s["e2e_ms"]["p95"],
+    }
+
+
+def report_table(reports: Mapping[str, Mapping[str, Any]]) -> str:
+    def pct(v: Any) -> str:
+        return "-" if v is None else f"{v:.3%}"
+
+    def share(v: Any) -> str:
+        return "-" if v is None else f"{v:.0%}"
+
+    def ms(v: Any) -> str:
+        return "-" if v is None else f"{v:.0f}"
+
+    def ratio(key: str) -> str:
+        a, b = reports["precise"][key], reports["approximate"][key]
+        return "-" if a is None or not b else f"x{a / b:.2f}"
+
+    lines = [
+        "| prefix state | ok / joined | precise decisions | mispredicted | error mean | "
+        "error p95 | hit rate (engine) | hit rate (predicted) | TTFT p95 ms | E2E p95 ms |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for mode, r in reports.items():
+        lines.append(
+            f"| {mode} | {r['ok']} / {r['joined']} | {share(r['precise_share'])} | "
+            f"{r['mispredicted']} | {pct(r['error_mean'])} | {pct(r['error_p95'])} | "
+            f"{pct(r['hit_rate'])} | {pct(r['predicted_hit_rate'])} | "
+            f"{ms(r['ttft_p95_ms'])} | {ms(r['e2e_p95_ms'])} |"
+        )
+    if set(MODES) <= set(reports):
+        keys = ("error_mean", "error_p95", "hit_rate", "predicted_hit_rate")
+        lines.append(
+            "| precise / approximate | | | | "
+            + " | ".join(ratio(k) for k in keys)
+            + f" | {ratio('ttft_p95_ms')} | {ratio('e2e_p95_ms')} |"
+        )
+    return "\n".join(lines)
+
+
+def _state(stack: Stack) -> dict[str, Any]:
+    with urllib.request.urlopen(f"{stack.admin_url}/state", timeout=5) as r:
+        doc: dict[str, Any] = json.loads(r.read())
+    return doc
+
+
+def _wait(ok: Callable[[], bool], timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not ok():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
+
+
+def _all_precise(stack: Stack) -> bool:
+    return all(b["prefix_state"] == "precise" for b in _state(stack)["backends"].values())
+
+
+def _stack(profile: str, kv_events: bool, otlp_port: int) -> Stack:
+    stack = Stack(
+        StackSettings(
+            policy="gorgo",
+            regions=DEFAULT_REGIONS,
+            ports=StackPorts.ephemeral(len(DEFAULT_REGIONS)),
+            rtt_profile="network",
+            engine_profile=profile,
+            tuner_mode="off",  # static weights: the two fleets differ only in prefix state
+            kv_events=kv_events,
+        )
+    )
+    cfg = stack.config
+    stack.config = replace(
+        cfg, telemetry=replace(cfg.telemetry, otlp_endpoint=f"127.0.0.1:{otlp_port}")
+    )
+    return stack
+
+
+async def _replay_all(
+    stacks: Mapping[str, Stack], trace: Sequence[TraceRequest]
+) -> dict[str, ReplayRun]:
+    async def one(stack: Stack) -> ReplayRun:
+        replay = TaggedReplay(
+            trace,
+            stack.front_door_url,
+            api="completions",
+            max_concurrency=512,
+            timeout_s=600.0,
+            progress=None,
+            stop=None,
+        )
+        return await replay.run()
+
+    runs = await asyncio.gather(*(one(s) for s in stacks.values()))
+    return dict(zip(stacks, runs, strict=True))
+
+
+def run_prefix_bench(
+    trace_path: str,
+    start_s: float,
+    duration_s: float,
+    limit: int | None,
+    time_scale: float,
+    out_dir: Path,
+) -> int:
+    chosen = window(read_trace(trace_path), start_s, duration_s, limit)
+    if not chosen:
+        print("gorgo bench prefix-state: no requests in the slice", file=sys.stderr)
+        return 2
+    trace = scaled(chosen, time_scale)
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="gorgo-prefix-") as tmp, ExitStack() as sinks:
+        profile = fast_profile_file(Path(tmp))
+        otlp_ports = dict(zip(MODES, free_ports(len(MODES)), strict=True))
+        stacks = {mode: _stack(profile, mode == "precise", otlp_ports[mode]) for mode in MODES}
+        print(
+            f"bench prefix-state: {len(trace)} requests ({start_s:g} s + {duration_s:g} s of "
+            f"{Path(trace_path).name}, time_scale {time_scale:g}) on two isolated fleets, "
+            "with KV events (precise) and without (approximate)...",
+            file=sys.stderr,
+        )
+        try:
+            for s in stacks.values():
+                s.start()
+            receivers = {m: sinks.enter_context(span_sink(p)) for m, p in otlp_ports.items()}
+            if not _wait(partial(_all_precise, stacks["precise"]), PRECISE_WAIT_S):
+                raise RuntimeError("the precise fleet's KV event streams did not come up")
+            runs = asyncio.run(_replay_all(stacks, trace))
+            for mode, run in runs.items():  # the last spans come with the next batch export
+                sink = receivers[mode]
+                wanted = {r.id for r in run.results if r.status == "ok"}
+                if not _wait(partial(sink.has_all, wanted), SPAN_WAIT_S):
+                    missing = len(wanted - sink.snapshot().keys())
+                    print(f"{mode}: {missing} decision spans never arrived", file=sys.stderr)
+            states = {mode: _state(s) for mode, s in stacks.items()}
+        finally:
+            for s in stacks.values():
+                s.stop()
+    reports = {}
+    for mode, run in runs.items():
+        predictions = receivers[mode].snapshot()
+        rows = with_predictions(run.results, predictions)
+        reports[mode] = prefix_report(run.results, predictions)
+        kv = {
+            b: {k: v["kv_events"][k] for k in ("gaps", "resets")}
+            for b, v in states[mode]["backends"].items()
+            if "kv_events" in v
+        }
+        meta = {
+            "tool": "gorgo bench prefix-state",
+            "prefix_state": mode,
+            "trace": trace_path,
+            "window": {"start_s": start_s, "duration_s": duration_s, "limit": limit},
+            "time_scale": time_scale,
+            "wall_s": round(run.wall_s, 1),
+            "report": reports[mode],
+            "kv_events": kv,
+        }
+        write_result(out_dir / f"prefix-state-{mode}.json", rows, meta)
+    print(report_table(reports))
+    print(
+        f"{len(trace)} requests per fleet; wall {time.perf_counter() - t0:.0f} s; "
+        f"result files in {out_dir}",
+        file=sys.stderr,
+    )
+    return 0

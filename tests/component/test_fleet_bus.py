@@ -1,0 +1,129 @@
+"""Two `gorgo serve` shells share their dispatches through a real NATS server, and a
+router whose NATS is gone keeps deciding (fail open) and catches up when it is back."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+
+import aiohttp
+import pytest
+
+from emulator.stack import free_ports, nats_binary, wait_port
+from ext_proc.app import Running, running_service
+from ext_proc.config import Config, config_from_dict
+from ext_proc.lifecycle import Status
+from ext_proc.parse import COMPLETIONS, LlmRequest
+from ext_proc.policy import RouteRequest
+from ext_proc.state import FleetState
+
+
+class Nats:
+    """A real NATS server on a loopback port, stoppable and restartable."""
+
+    def __init__(self) -> None:
+        (self.port,) = free_ports(1)
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [nats_binary(), "-a", "127.0.0.1", "-p", str(self.port)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        wait_port(self.port, time.monotonic() + 10)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(timeout=10)
+            self.proc = None
+
+
+@pytest.fixture
+def nats_server() -> Iterator[Nats]:
+    server = Nats()
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def config(name: str, nats_port: int) -> Config:
+    grpc, admin = free_ports(2)
+    return config_from_dict(
+        {
+            "listen": {"grpc": f"127.0.0.1:{grpc}", "admin": f"127.0.0.1:{admin}"},
+            "tuner": {"mode": "off"},
+            "probes": {"interval_s": 60, "metrics_interval_s": 0},
+            "fleet": {"nats_url": f"nats://127.0.0.1:{nats_port}", "router_id": name},
+            "backends": [{"id": "a", "address": "127.0.0.1:1"}],
+        }
+    )
+
+
+def request(rid: str) -> RouteRequest:
+    llm = LlmRequest(COMPLETIONS, (f"{rid} " * 400,), (800,), 16, True, None, None)
+    return RouteRequest(rid, llm, None)
+
+
+async def until(check: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+async def test_dispatches_reach_the_other_router_and_nats_loss_fails_open(
+    nats_server: Nats,
+) -> None:
+    async with (
+        running_service(config("east", nats_server.port)) as east,
+        running_service(config("west", nats_server.port)) as west,
+        aiohttp.ClientSession() as http,
+    ):
+
+        async def fleet(admin_port: int) -> dict[str, object]:
+            async with http.get(f"http://127.0.0.1:{admin_port}/state") as r:
+                return dict((await r.json())["fleet"])
+
+        peer = west.router.state
+        await reach(east, peer)
+
+        east.router.decide(request("r-1"))
+        await until(lambda: "r-1" in peer.peer_in_flight)
+        assert peer.backends["a"].in_flight == 1 and west.router.decisions == 0
+        east.router.close("r-1", Status.OK, 10.0)
+        await until(lambda: peer.backends["a"].in_flight == 0)
+        state = await fleet(west.admin_port)
+        assert state["connected"] is True and state["router_id"] == "west"
+        assert state["received"] >= 3 and state["malformed"] == 0  # type: ignore[operator]
+
+        # NATS goes away: both keep deciding from their own view, and nothing piles up.
+        nats_server.stop()
+        await until(lambda: not east.fleet.connected)
+        east.router.decide(request("r-2"))
+        west.router.decide(request("r-3"))
+        east.router.close("r-2", Status.OK, 10.0)
+        west.router.close("r-3", Status.OK, 10.0)
+        assert east.router.decisions >= 3 and west.router.decisions == 1
+        # It comes back: the routers reconnect by themselves and share again.
+        nats_server.start()
+        await until(lambda: east.fleet.connected and west.fleet.connected, 15.0)
+        await reach(east, peer)
+
+
+async def reach(sender: Running, peer: FleetState) -> None:
+    """Dispatch on `sender` until one reaches `peer` (a subscription is asynchronous),
+    then close them all."""
+    deadline = time.monotonic() + 10
+    while not peer.peer_in_flight:
+        sender.router.decide(request(f"probe-{time.monotonic()}"))
+        await asyncio.sleep(0.2)
+        assert time.monotonic() < deadline, "no dispatch reached the other router"
+    for rid in list(sender.router.state.in_flight):
+        sender.router.close(rid, Status.OK, 10.0)
+    await until(lambda: not peer.peer_in_flight)

@@ -1,0 +1,119 @@
+"""Several routers, one view of the load: each router's dispatches reach the others
+(ext_proc.peers), load their queue estimates and counters, and teach them nothing."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+import pytest
+
+from ext_proc.config import config_from_dict
+from ext_proc.lifecycle import Status
+from ext_proc.parse import COMPLETIONS, LlmRequest
+from ext_proc.peers import PeerEvent, PeerKind, PeerPublisher
+from ext_proc.policy import RouteRequest
+from ext_proc.router import Router, build_router
+
+
+def routers(n: int, share: bool, **raw: object) -> tuple[list[Router], list[float]]:
+    cfg = config_from_dict(
+        {
+            "policy": "gorgo",
+            "tuner": {"mode": "off"},
+            "backends": [
+                {"id": "near", "address": "127.0.0.1:1", "rtt_prior_ms": 5},
+                {"id": "far", "address": "127.0.0.1:2", "rtt_prior_ms": 1000},
+            ],
+            **raw,
+        }
+    )
+    clock = [0.0]
+    rs = [build_router(cfg, lambda: clock[0], random.Random(i)) for i in range(n)]
+    if share:
+        for i, r in enumerate(rs):
+            r.subscribe(PeerPublisher(f"r{i}", fan_out([o for o in rs if o is not r])))
+    return rs, clock
+
+
+def fan_out(others: list[Router]) -> Callable[[PeerEvent], None]:
+    """A bus with no delay: the event reaches every other router at once."""
+
+    def send(e: PeerEvent) -> None:
+        for o in others:
+            o.apply_peer(e)
+
+    return send
+
+
+def request(rid: str, tokens: int = 8000) -> RouteRequest:
+    text = f"{rid} ".ljust(4 * tokens, "x")  # a prompt of its own: no prefix shared
+    llm = LlmRequest(COMPLETIONS, (text,), (tokens,), 64, True, None, None)
+    return RouteRequest(rid, llm, None)
+
+
+def test_event_round_trips_and_bad_messages_are_named() -> None:
+    e = PeerEvent(PeerKind.DISPATCHED, "r1", "req-1", "near", 8000, 64, 256, 812.5, 5.0, 40.0)
+    assert PeerEvent.decode(e.encode()) == e
+    with pytest.raises(ValueError, match="peer event"):
+        PeerEvent.decode(b"{not json")
+    with pytest.raises(ValueError, match="router"):
+        PeerEvent.decode(b'{"kind": "closed", "request_id": "x", "backend": "near"}')
+    with pytest.raises(ValueError, match="'sideways' is not a valid PeerKind"):
+        PeerEvent.decode(b'{"kind": "sideways", "router": "r", "request_id": "x", "backend": "b"}')
+
+
+def test_peer_dispatches_load_the_queue_and_teach_nothing() -> None:
+    (a, b), clock = routers(2, share=True)
+    idle_ms = b.queue_estimate_ms("near", 0.0)
+    d = a.decide(request("r-1"))
+    sb = b.state.backends[d.backend]
+    assert (sb.in_flight, sb.waiting_first_byte, sb.in_flight_tokens) == (1, 1, 8000)
+    assert b.queue_estimate_ms(d.backend, 0.0) > idle_ms + 100  # an 8k prefill ahead
+    assert b.decisions == 0 and b.index.size_blocks(d.backend) == 0
+    clock[0] = 1.0
+    a.first_byte("r-1")
+    assert (sb.in_flight, sb.waiting_first_byte) == (1, 0)
+    a.close("r-1", Status.OK, 2000.0)
+    assert (sb.in_flight, sb.in_flight_tokens, sb.completed) == (0, 0, 0)
+    assert not b.state.peer_in_flight and not sb.records
+
+
+def test_an_echo_of_our_own_dispatch_is_ignored() -> None:
+    (a,), _ = routers(1, share=False)
+    d = a.decide(request("r-1"))
+    a.apply_peer(PeerEvent(PeerKind.DISPATCHED, "me", "r-1", d.backend, 8000))
+    assert a.state.backends[d.backend].in_flight == 1
+    assert not a.state.peer_in_flight
+
+
+def test_a_dead_peers_requests_stop_counting_after_the_ttl() -> None:
+    (a, b), clock = routers(2, share=True, fleet={"peer_ttl_s": 30})
+    a.decide(request("r-1"))
+    clock[0] = 29.0
+    b.expire()
+    assert len(b.state.peer_in_flight) == 1
+    clock[0] = 31.0
+    b.expire()
+    assert not b.state.peer_in_flight
+    assert sum(s.in_flight for s in b.state.backends.values()) == 0
+
+
+@pytest.mark.parametrize("share", [False, True])
+def test_routers_that_share_do_not_herd(share: bool) -> None:
+    """Three long prompts arrive at three routers at once. Apart, each router sees an idle
+    fleet and sends its request to the nearest backend, where the three then queue;
+    sharing, the second sees the queue the first built there and goes to the far one.
+    Either way each router counts what it knows: all of the fleet's requests, or its own."""
+    rs, _ = routers(3, share)
+    chosen = [r.decide(request(f"r-{i}", 16000)).backend for i, r in enumerate(rs)]
+    if share:
+        assert chosen == ["near", "far", "near"]
+    else:
+        assert chosen == ["near", "near", "near"]
+    for i, r in enumerate(rs):
+        seen = {b: s.in_flight for b, s in r.state.backends.items()}
+        if share:
+            assert seen == {"near": 2, "far": 1}
+        else:
+            assert seen == {"near": 1, "far": 0}, f"router {i}"
