@@ -221,6 +221,7 @@ def _up(args: argparse.Namespace) -> int:
             real_engine=args.engine == "vllm",
             kv_events=args.kv_events or args.front_doors > 1,
             front_door_regions=[r.id for r in regions[1 : args.front_doors]],
+            share_dispatches=not args.no_share_dispatches,
         )
     )
 
@@ -406,7 +407,13 @@ def add_commands(commands: Commands) -> None:
         metavar="N",
         help="an Envoy and a router in each of the first N regions, each reaching every "
         "backend at its own RTTs; the routers share the engines' KV events (implies "
-        "--kv-events). Default 1: one front door in us-ashburn (the paper's setup)",
+        "--kv-events) and tell each other their dispatches over a NATS server the stack "
+        "starts. Default 1: one front door in us-ashburn (the paper's setup)",
+    )
+    s.add_argument(
+        "--no-share-dispatches",
+        action="store_true",
+        help="with several front doors, no NATS: each router knows only its own dispatches",
     )
     s.add_argument(
         "--kv-events",

@@ -350,6 +350,7 @@ class Stack:
             + "".join(
                 f" | front door {d.region} {d.url} (admin {d.admin_url}/state)" for d in self.doors
             )
+            + (f" | routers share dispatches on {url}" if (url := self.settings.nats_url) else "")
             + f" | logs {self.workdir}"
         )
 

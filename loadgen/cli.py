@@ -92,6 +92,7 @@ def _simulate(args: argparse.Namespace) -> int:
         args.duration_s,
         args.limit,
         str(args.trace),
+        args.spread_arrivals,
     )
 
 
@@ -258,6 +259,14 @@ def add_commands(commands: Commands) -> None:
         "from every region and enter their own region's door (1: the single proxy, its "
         "clients spread over the regions; 0, the default: the paper's single proxy with its "
         "clients beside it). Results per region",
+    )
+    s.add_argument(
+        "--spread-arrivals",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="spread each arrival over [t, t + S) (the conversation trace stamps arrivals in "
+        "3 s steps); 0: as stamped",
     )
     s.add_argument(
         "--share-dispatches",

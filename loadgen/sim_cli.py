@@ -16,7 +16,7 @@ from typing import Any
 
 from loadgen.results import RequestResult, read_result, summarize, table, write_result
 from loadgen.simulate import SimSettings, simulate
-from loadgen.traces import TraceRequest, window
+from loadgen.traces import TraceRequest, spread_arrivals, window
 
 
 def run_simulations(
@@ -180,8 +180,9 @@ def run_simulate_command(
     duration_s: float | None,
     limit: int | None,
     trace_name: str,
+    spread_s: float = 0.0,
 ) -> int:
-    sliced = window(trace, start_s, duration_s, limit)
+    sliced = spread_arrivals(window(trace, start_s, duration_s, limit), spread_s)
     if not sliced:
         print("gorgo simulate: the window holds no requests", file=sys.stderr)
         return 2
@@ -196,7 +197,8 @@ def run_simulate_command(
         f"{'whole' if duration_s is None else f'{duration_s:g} s'}"
         f"{'' if limit is None else f', at most {limit} requests'} ({len(sliced)} requests); "
         f"RTT profile `{base.rtt_profile}`, engine profile `{base.engine_profile}`, seed "
-        f"{base.seed}."
+        f"{base.seed}"
+        f"{f'; arrivals spread over {spread_s:g} s' if spread_s else ''}."
     )
     md = summary_markdown(summaries, "Simulated policies side by side", note)
     (out_dir / "summary.md").write_text(md)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -204,6 +205,20 @@ def window(
     if limit is not None:
         out = out[:limit]
     return [replace(r, arrival_s=r.arrival_s - start_s) for r in out]
+
+
+def spread_arrivals(trace: Sequence[TraceRequest], seconds: float) -> list[TraceRequest]:
+    """Spread each request's arrival over [t, t + seconds), deterministically (a crc32 of
+    its id), in arrival order. The Mooncake conversation trace stamps arrivals in 3 s
+    steps, ~10 requests at the very same instant: replayed as is, several routers decide
+    each burst blind to one another, however fast they share (0: unchanged)."""
+    if seconds <= 0:
+        return list(trace)
+    spread = [
+        replace(r, arrival_s=r.arrival_s + seconds * zlib.crc32(r.id.encode()) / 2**32)
+        for r in trace
+    ]
+    return sorted(spread, key=lambda r: r.arrival_s)
 
 
 def scaled(trace: Sequence[TraceRequest], time_scale: float) -> list[TraceRequest]:
