@@ -254,6 +254,11 @@ class Simulation:
 
         return send
 
+    def _deliver(self, door: str, sender: Router, e: PeerEvent) -> None:
+        for router in self.routers_at[door]:
+            if router is not sender:
+                router.apply_peer(e)
+
     def _one_way_s(self, door: str, backend: str) -> float:
         """The mean half-trip (no draw: the seeded delays of requests stay what they are)."""
         return self.s.rtt_ms(door, backend)[0] / 2000
@@ -323,10 +328,12 @@ class Simulation:
                 for router in self.routers_at[door]:
                     router.state.record_engine_report(b, report, t)
             elif kind == _PEER:
-                door, sender, e = data
-                for router in self.routers_at[door]:
-                    if router is not sender:
-                        router.apply_peer(e)
+                self._deliver(*data)
+        # The last closes are still on the bus: deliver them, so every router's books close.
+        for t, _, kind, data in sorted(self._events):
+            if kind == _PEER:
+                self.now_s = t
+                self._deliver(*data)
         ordered = [self.results[r.id] for r in self.trace]
         return SimResult(self.s, ordered, self.itl_ms, self.router)
 

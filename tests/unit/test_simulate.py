@@ -105,3 +105,87 @@ def test_several_routers_share_the_load_and_close_what_they_dispatched(trace) ->
     for router in sim.routers:  # each closed exactly what it dispatched
         assert not router.state.in_flight
         assert sum(b.completed for b in router.state.backends.values()) == router.decisions
+
+
+def test_shared_dispatches_reach_every_other_router_and_are_all_closed(trace) -> None:  # type: ignore[no-untyped-def]
+    """--share-dispatches: while the run goes, each router counts the others' requests in
+    flight; at the end none is left, and no router learned from another's."""
+    from loadgen.simulate import Simulation
+
+    sim = Simulation(
+        trace, SimSettings(policy="gorgo", time_scale=3.0, routers=3, share_dispatches=True)
+    )
+    peak = [0, 0, 0]
+
+    def hook(_res, _router) -> None:  # type: ignore[no-untyped-def]
+        for i, r in enumerate(sim.routers):
+            peak[i] = max(peak[i], len(r.state.peer_in_flight))
+
+    sim.hook = hook
+    res = sim.run()
+    assert all(r.status == "ok" for r in res.requests)
+    assert min(peak) > 0  # each router carried the others' load at some point
+    for router in sim.routers:
+        assert not router.state.in_flight and not router.state.peer_in_flight
+        assert sum(b.in_flight for b in router.state.backends.values()) == 0
+        assert sum(b.completed for b in router.state.backends.values()) == router.decisions
+
+
+def test_engine_reports_reach_the_routers(trace) -> None:  # type: ignore[no-untyped-def]
+    from loadgen.simulate import Simulation
+
+    sim = Simulation(trace, SimSettings(policy="gorgo", time_scale=1.0, engine_reports=True))
+    sim.run()
+    reports = [b.engine for b in sim.router.state.backends.values()]
+    assert all(r is not None and r.running is not None for r in reports)
+    assert all(b.engine_at_s is not None for b in sim.router.state.backends.values())
+
+
+def test_front_doors_give_each_region_its_door_and_access_leg(trace) -> None:  # type: ignore[no-untyped-def]
+    """Three doors: each session's client region is stable, its door's router decides, and
+    TTFT counts the access leg: a single proxy in us-ashburn adds ap-seoul clients' 180 ms
+    round trip, their own door 1 ms."""
+    from loadgen.simulate import PROXY, Simulation
+
+    one = Simulation(trace, SimSettings(policy="round_robin", time_scale=3.0, front_doors=1))
+    three = Simulation(trace, SimSettings(policy="round_robin", time_scale=3.0, front_doors=3))
+    assert list(one.routers_at) == ["us-ashburn"] and PROXY not in three.routers_at
+    assert list(three.routers_at) == ["us-ashburn", "eu-frankfurt", "ap-seoul"]
+    r1, r3 = one.run(), three.run()
+    regions = {r.region for r in r1.requests}
+    assert regions == {"us-ashburn", "eu-frankfurt", "ap-seoul"}
+    assert [r.region for r in r1.requests] == [r.region for r in r3.requests]
+    sessions: dict[str, str | None] = {}
+    for t, r in zip(trace, r3.requests, strict=True):
+        assert sessions.setdefault(t.session, r.region) == r.region  # a session stays put
+    assert sum(router.decisions for router in three.routers) == len(trace)
+    assert all(router.decisions > 0 for router in three.routers)
+    # The config names the door's own RTTs: seoul's router sees its own backend at 1 ms.
+    seoul = three.routers_at["ap-seoul"][0]
+    assert seoul.state.backends["ap-seoul"].rtt_prior_ms == 1.0
+    assert seoul.state.backends["eu-frankfurt"].rtt_prior_ms == 250.0
+
+
+def test_front_door_settings_are_checked() -> None:
+    with pytest.raises(ValueError, match=r"front_doors: 0\.\.3"):
+        SimSettings(front_doors=4)
+    with pytest.raises(ValueError, match="leave routers at 1"):
+        SimSettings(front_doors=2, routers=2)
+    with pytest.raises(ValueError, match="origin_shares"):
+        SimSettings(front_doors=3, origin_shares=(1.0, 1.0))
+    with pytest.raises(ValueError, match="network"):
+        SimSettings(front_doors=3, rtt_profile="paper")
+    shares = SimSettings(front_doors=3, origin_shares=(1.0, 0.0, 0.0))
+    assert {shares.origin(f"s{i}") for i in range(50)} == {"us-ashburn"}
+
+
+def test_spread_arrivals_keeps_each_request_within_its_step(trace) -> None:  # type: ignore[no-untyped-def]
+    from loadgen.traces import spread_arrivals
+
+    spread = spread_arrivals(trace, 3.0)
+    assert sorted(r.id for r in spread) == sorted(r.id for r in trace)
+    by_id = {r.id: r.arrival_s for r in trace}
+    assert all(0 <= r.arrival_s - by_id[r.id] < 3.0 for r in spread)
+    assert [r.arrival_s for r in spread] == sorted(r.arrival_s for r in spread)
+    assert len({r.arrival_s for r in spread}) > len({r.arrival_s for r in trace})
+    assert spread_arrivals(trace, 3.0) == spread  # deterministic
