@@ -38,9 +38,8 @@ from ext_proc.router import Router, build_router
 from loadgen.results import RequestResult
 from loadgen.traces import TraceRequest
 
-(_ARRIVE, _AT_ENGINE, _STEP, _FIRST_BYTE, _DONE, _PROBE, _KV_EVENTS, _SCRAPE, _REPORT, _PEER) = (
-    range(10)
-)
+_ARRIVE, _AT_ENGINE, _STEP, _FIRST_BYTE, _DONE, _PROBE, _KV_EVENTS = range(7)
+_SCRAPE, _REPORT, _PEER, _CALL = range(7, 11)
 # One hop through the fleet's message bus between routers in one place (NATS on a LAN).
 BUS_HOP_S = 0.0005
 # The single proxy of the paper's setup (front_doors 0): its RTTs are the RTT profile's.
@@ -254,6 +253,10 @@ class Simulation:
 
         return send
 
+    def at(self, t_s: float, change: Callable[[], None]) -> None:
+        """Run `change` at virtual time t_s (a scenario's regime change: a link's delay)."""
+        self._push(t_s, _CALL, change)
+
     def _deliver(self, door: str, sender: Router, e: PeerEvent) -> None:
         for router in self.routers_at[door]:
             if router is not sender:
@@ -329,6 +332,8 @@ class Simulation:
                     router.state.record_engine_report(b, report, t)
             elif kind == _PEER:
                 self._deliver(*data)
+            elif kind == _CALL:
+                data()
         # The last closes are still on the bus: deliver them, so every router's books close.
         for t, _, kind, data in sorted(self._events):
             if kind == _PEER:
