@@ -194,3 +194,166 @@ def tuner_section(
     convergence_figure(figure_traj, fig)
     lines.append("\n![Tuner convergence](img/results-tuner-convergence.png)\n")
     return "\n".join(lines), Weights(*figure_traj.final)
+
+
+# -- a regime change: what the tuner is for ---------------------------------------------
+
+
+@dataclass(frozen=True)
+class RegimeChange:
+    """Mid-run, the RTT to one region is multiplied by rtt_factor and the request rate by
+    rate_factor (arrivals after at_s, trace time, come closer together)."""
+
+    at_s: float
+    region: str = "eu-frankfurt"
+    rtt_factor: float = 3.0
+    rate_factor: float = 1.5
+
+
+def changed_trace(trace: Sequence[TraceRequest], change: RegimeChange) -> list[TraceRequest]:
+    """The trace with its arrivals after the change compressed by rate_factor."""
+    from dataclasses import replace
+
+    at, f = change.at_s, change.rate_factor
+    return [
+        r if r.arrival_s < at else replace(r, arrival_s=at + (r.arrival_s - at) / f) for r in trace
+    ]
+
+
+@dataclass(frozen=True)
+class RegimeRun:
+    tune: str
+    seed: int
+    # p95 TTFT / E2E (ms) of the first `after` requests completed after the change
+    ttft_p95_ms: float
+    e2e_p95_ms: float
+    final: tuple[float, float] | None
+
+
+def regime_run(
+    trace: Sequence[TraceRequest],
+    ts: float,
+    change: RegimeChange,
+    tune: str,
+    seed: int,
+    after: int = 600,
+) -> RegimeRun:
+    """One run through the change, tuning online (`tune`) or with frozen defaults
+    ("off"); scored on the first `after` completions of requests sent after it."""
+    from emulator.wan import DelaySettings
+    from loadgen.simulate import Simulation
+
+    sim = Simulation(
+        changed_trace(trace, change),
+        SimSettings(policy="gorgo", time_scale=ts, seed=seed, tune=tune),
+    )
+    change_s = change.at_s * ts
+
+    def apply() -> None:
+        for (_door, backend), link in sim.links.items():
+            if backend == change.region:
+                s = link.settings
+                link.settings = DelaySettings(
+                    s.rtt_ms * change.rtt_factor, s.jitter_ms * change.rtt_factor
+                )
+
+    sim.at(change_s, apply)
+    done: list[RequestResult] = []
+    sent_after = {r.id for r in changed_trace(trace, change) if r.arrival_s >= change.at_s}
+
+    def hook(res: RequestResult, _router: Router) -> None:
+        if res.id in sent_after and len(done) < after:
+            done.append(res)
+
+    sim.hook = hook
+    sim.run()
+    s = summarize(done)
+    tuner = sim.router.tuner
+    return RegimeRun(
+        tune,
+        seed,
+        float(s["ttft_ms"]["p95"]),
+        float(s["e2e_ms"]["p95"]),
+        None if tuner is None else tuner.state.parent,
+    )
+
+
+def false_accept_rate(
+    samples: Sequence[tuple[float, float]],
+    settings: TunerSettings,
+    rounds: int = 2000,
+    seed: int = 0,
+) -> float:
+    """Share of rounds in which the tuner accepts a child that cannot be better: both arms
+    draw their (TTFT, E2E) samples from the same pool (pure noise; paper mode scores
+    windows of the same pool against each other)."""
+    import random as _random
+
+    from ext_proc.tuner import Tuner
+
+    rng = _random.Random(seed)
+    tuner = Tuner(settings, Weights(1.0, 1.0), _random.Random(seed + 1))
+    steps = accepted = i = 0
+    while steps < rounds:
+        rid = f"r{i}"
+        i += 1
+        tuner.weights_for(rid)
+        ttft, e2e = rng.choice(samples)
+        step = tuner.observe(rid, ttft, e2e)
+        if step is not None:
+            steps += 1
+            accepted += step.accepted
+            # keep exploring: a frozen tuner takes no more steps to count
+            if tuner.state.frozen:
+                tuner.unfreeze()
+    return accepted / steps
+
+
+def regime_section(
+    trace: Sequence[TraceRequest], ts: float, change: RegimeChange, seeds: Sequence[int]
+) -> str:
+    """Markdown: the tuner against frozen defaults through a regime change, and the tuner's
+    false-accept rate on pure noise."""
+    lines = [
+        f"## The tuner through a regime change (time_scale {ts:g})\n",
+        f"At {change.at_s:g} s of trace time the RTT to {change.region} is multiplied by "
+        f"{change.rtt_factor:g} and the request rate by {change.rate_factor:g}. Scored on "
+        "the first 600 completions of requests sent after the change; `paired` tunes "
+        "online from the defaults (from the start of the run), `off` keeps the defaults.\n",
+        "| seed | frozen p95 TTFT | tuned p95 TTFT | tuned / frozen | frozen p95 E2E | "
+        "tuned p95 E2E | tuned weights after |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for seed in seeds:
+        print(f"tuner: regime change, seed {seed}", file=sys.stderr)
+        off = regime_run(trace, ts, change, "off", seed)
+        on = regime_run(trace, ts, change, PAIRED, seed)
+        w = "-" if on.final is None else f"({on.final[0]:.2f}, {on.final[1]:.2f})"
+        lines.append(
+            f"| {seed} | {off.ttft_p95_ms:.0f} | {on.ttft_p95_ms:.0f} | "
+            f"{on.ttft_p95_ms / off.ttft_p95_ms:.2f} | {off.e2e_p95_ms:.0f} | "
+            f"{on.e2e_p95_ms:.0f} | {w} |"
+        )
+    res = simulate(trace, SimSettings(policy="gorgo", time_scale=ts))
+    pool = [(r.ttft_ms, r.e2e_ms) for r in res.requests if r.ttft_ms and r.e2e_ms]
+    lines += [
+        "\nFalse accepts on pure noise (both arms drawn from the same pool of this window's "
+        "(TTFT, E2E) pairs, 1,000 rounds): "
+        + ", ".join(
+            f"{name} {false_accept_rate(pool, s, 1000):.1%}"
+            for name, s in (
+                ("paired (confidence 0.8, E2E guard 5 %)", TunerSettings()),
+                ("paper", TunerSettings.paper()),
+            )
+        )
+        + ".\n"
+    ]
+    return "\n".join(lines)
+
+
+def run_tuner_bench(trace_path: str, ts: float, at_s: float, seeds: Sequence[int]) -> int:
+    from loadgen.traces import read_trace, window
+
+    trace = window(read_trace(trace_path), 0, 1200)
+    print(regime_section(trace, ts, RegimeChange(at_s), seeds))
+    return 0
