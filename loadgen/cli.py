@@ -35,7 +35,10 @@ def _replay(args: argparse.Namespace) -> int:
             url=args.url,
             api=args.api,
             time_scale=args.time_scale,
+            protocol=args.protocol,
             max_concurrency=args.max_concurrency,
+            max_tokens=args.max_tokens,
+            max_input_tokens=args.max_input_tokens,
             start_s=args.start_s,
             duration_s=args.duration_s,
             limit=args.limit,
@@ -60,12 +63,19 @@ def _shares(text: str) -> tuple[float, ...]:
 def _simulate(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from loadgen.protocol import protocol_for
     from loadgen.sim_cli import run_simulate_command
     from loadgen.simulate import SimSettings
-    from loadgen.traces import TraceError, read_trace
+    from loadgen.traces import TraceError, load_trace
 
     try:
-        trace = read_trace(args.trace)
+        protocol = protocol_for(
+            args.protocol,
+            max_concurrency=args.max_concurrency,
+            max_tokens=args.max_tokens,
+            max_input_tokens=args.max_input_tokens,
+        )
+        trace = load_trace(args.trace)
         base = SimSettings(
             rtt_profile=args.rtt_profile,
             engine_profile=args.engine_profile,
@@ -77,6 +87,7 @@ def _simulate(args: argparse.Namespace) -> int:
             front_doors=args.front_doors,
             origin_shares=args.origin_shares or (),
             share_dispatches=args.share_dispatches,
+            protocol=protocol,
         )
         base.config()  # validates the profiles before hours of simulation
     except (TraceError, ValueError) as e:
@@ -161,6 +172,46 @@ def _bench_engine(args: argparse.Namespace) -> int:
     return run_engine_bench(args.streams, args.output_tokens, args.prompt_tokens)
 
 
+TRACE_HELP = (
+    "Mooncake or ART-Chat JSONL trace, or paper-synthetic[:SEED]: a generated window "
+    "shaped like the GORGO paper's (docs/benchmarks.md)"
+)
+
+
+def _add_protocol(s: argparse.ArgumentParser, open_cap: str) -> None:
+    """The client protocol's flags, the same for replay and simulate (loadgen.protocol)."""
+    s.add_argument(
+        "--protocol",
+        default="open",
+        choices=["open", "paper"],
+        help="client protocol preset: open (no caps) or paper (--max-concurrency 64 "
+        "--max-tokens 128 --max-input-tokens 24000, the GORGO paper's client); the flags "
+        "below override it",
+    )
+    s.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=None,
+        metavar="N",
+        help="at most N requests in flight; an arrival that finds all taken waits for one "
+        f"(first come, first served), recorded as its slip; TTFT from dispatch ({open_cap})",
+    )
+    s.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="set every request's output length to N tokens",
+    )
+    s.add_argument(
+        "--max-input-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="drop requests whose prompt is over N tokens before the run (counted)",
+    )
+
+
 def add_commands(commands: Commands) -> None:
     sub = commands.sub
     policies = commands.policies
@@ -179,7 +230,7 @@ def add_commands(commands: Commands) -> None:
         "synthesized prompts of their exact token counts; ART-Chat rows send their own "
         "body. Exit code 1 if every request failed, 2 for a bad trace or option.",
     )
-    s.add_argument("trace", help="Mooncake or ART-Chat JSONL trace")
+    s.add_argument("trace", help=TRACE_HELP)
     s.add_argument("--url", required=True, help="endpoint, e.g. http://127.0.0.1:10000")
     s.add_argument(
         "--api",
@@ -188,13 +239,7 @@ def add_commands(commands: Commands) -> None:
         help="Mooncake rows go to /v1/completions or /v1/chat/completions",
     )
     s.add_argument("--time-scale", type=float, default=1.0, metavar="X", help="2 = half the rate")
-    s.add_argument(
-        "--max-concurrency",
-        type=int,
-        default=256,
-        metavar="N",
-        help="at most N requests in flight; later arrivals wait (slip)",
-    )
+    _add_protocol(s, "open protocol: 256, the connection pool")
     s.add_argument("--start-s", type=float, default=0.0, help="window start (trace time)")
     s.add_argument("--duration-s", type=float, default=None, help="window length (trace time)")
     s.add_argument("--limit", type=int, default=None, help="at most this many requests")
@@ -211,7 +256,7 @@ def add_commands(commands: Commands) -> None:
         description="The same router and engine model as the live fleet, on a virtual "
         "clock: one result file per policy and time_scale, summary.md and figures in --out.",
     )
-    s.add_argument("trace", help="Mooncake or ART-Chat JSONL trace")
+    s.add_argument("trace", help=TRACE_HELP)
     s.add_argument("--policy", action="append", choices=policies, help="repeatable")
     s.add_argument(
         "--time-scale", action="append", type=float, help="repeatable; 2 = half the rate"
@@ -280,6 +325,7 @@ def add_commands(commands: Commands) -> None:
         metavar="A,B,C",
         help="share of sessions from each region (with --front-doors; default equal)",
     )
+    _add_protocol(s, "open protocol: no cap")
     s.set_defaults(func=_simulate)
 
     bench = commands.bench()

@@ -4,7 +4,9 @@ Open loop on the trace's clock: request i is sent at start + arrival_i * time_sc
 whether or not earlier requests have finished. The one exception is the concurrency cap
 (as in the GORGO paper's client): while `max_concurrency` requests are in flight, the next
 one waits for a free slot, in arrival order, and how late it went out (its *slip*) is
-recorded. Slip also catches a client that cannot keep up (a busy event loop).
+recorded per request; TTFT and E2E start when it is sent. Slip also catches a client that
+cannot keep up (a busy event loop). The client protocol (loadgen.protocol: the cap, forced
+output lengths, long prompts dropped) is the same as `gorgo simulate`'s.
 
 Pure core (no sockets, no clock of its own): `build_request` turns a trace row into an
 HTTP request, `OpenLoop` decides who may be sent when, `simulate_open_loop` drives it on
@@ -36,12 +38,14 @@ import aiohttp
 from ext_proc.names import HEADER_SESSION
 from loadgen.client import CHAT_PATH, COMPLETIONS_PATH, Result, percentile, send_stream
 from loadgen.plots import plot_run
+from loadgen.protocol import Protocol, protocol_for
 from loadgen.results import RequestResult, summarize, table, write_csv, write_result
-from loadgen.traces import PromptSynth, TraceError, TraceRequest, read_trace, scaled, window
+from loadgen.traces import PromptSynth, TraceError, TraceRequest, load_trace, scaled, window
 
 APIS = ("completions", "chat")
-# The paper's client capped in-flight requests; 256 matches one engine's
-# max_running_requests, far above what a 3-region fleet serves at time_scale 1.
+# The paper's client capped in-flight requests (at 64: `--protocol paper`). Without a cap
+# (the `open` protocol) the replay still holds at most 256 (its connection pool): one
+# engine's max_running_requests, far above what a 3-region fleet serves at time_scale 1.
 DEFAULT_MAX_CONCURRENCY = 256
 # A user-visible refresh rate that costs nothing next to the streams.
 PROGRESS_INTERVAL_S = 0.25
@@ -444,6 +448,7 @@ class Replay:
             item = Sent(r, d, self.now_s(), RequestResult(r.id))
             self.status.sent(item.slip_s)
         item.result = to_result(r, res)
+        item.result.slip_ms = item.slip_s * 1e3
         self.sent.append(item)
         self.status.finished(item.result.status == "ok", item.result.ttft_ms)
 
@@ -511,7 +516,12 @@ class ReplayOptions:
     url: str
     api: str = "completions"
     time_scale: float = 1.0
-    max_concurrency: int = DEFAULT_MAX_CONCURRENCY
+    # The client protocol: a preset (loadgen.protocol), any value given here overriding
+    # its own; no concurrency cap means DEFAULT_MAX_CONCURRENCY.
+    protocol: str = "open"
+    max_concurrency: int | None = None
+    max_tokens: int | None = None
+    max_input_tokens: int | None = None
     start_s: float = 0.0
     duration_s: float | None = None
     limit: int | None = None
@@ -529,8 +539,10 @@ class ReplayOptions:
             out.append(f"--api must be one of {', '.join(APIS)}, got {self.api!r}")
         if not (self.time_scale > 0 and math.isfinite(self.time_scale)):
             out.append(f"--time-scale must be > 0, got {self.time_scale}")
-        if self.max_concurrency < 1:
-            out.append(f"--max-concurrency must be >= 1, got {self.max_concurrency}")
+        try:
+            self.client_protocol()
+        except ValueError as e:
+            out.append(str(e))
         if not self.start_s >= 0:
             out.append(f"--start-s must be >= 0, got {self.start_s}")
         if self.duration_s is not None and not self.duration_s > 0:
@@ -540,6 +552,14 @@ class ReplayOptions:
         if not self.timeout_s > 0:
             out.append(f"--timeout-s must be > 0, got {self.timeout_s}")
         return out
+
+    def client_protocol(self) -> Protocol:
+        return protocol_for(
+            self.protocol,
+            max_concurrency=self.max_concurrency,
+            max_tokens=self.max_tokens,
+            max_input_tokens=self.max_input_tokens,
+        )
 
 
 def run_replay(opts: ReplayOptions, stdout: TextIO | None = None) -> int:
@@ -551,7 +571,7 @@ def run_replay(opts: ReplayOptions, stdout: TextIO | None = None) -> int:
         print(f"gorgo replay: {'; '.join(problems)}", file=sys.stderr)
         return 2
     try:
-        trace = read_trace(opts.trace)
+        trace = load_trace(opts.trace)
     except TraceError as e:
         print(f"gorgo replay: {e}", file=sys.stderr)
         return 2
@@ -563,7 +583,19 @@ def run_replay(opts: ReplayOptions, stdout: TextIO | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    schedule = scaled(chosen, opts.time_scale)
+    protocol = opts.client_protocol()
+    kept, dropped = protocol.apply(chosen)
+    if dropped:
+        print(
+            f"gorgo replay: dropped {dropped} of {len(chosen)} requests with prompts over "
+            f"{protocol.max_input_tokens} tokens (--max-input-tokens)",
+            file=sys.stderr,
+        )
+    if not kept:
+        print("gorgo replay: every request in the window was dropped", file=sys.stderr)
+        return 2
+    max_concurrency = protocol.max_concurrency or DEFAULT_MAX_CONCURRENCY
+    schedule = scaled(kept, opts.time_scale)
 
     async def main() -> ReplayRun:
         stop = asyncio.Event()
@@ -578,7 +610,7 @@ def run_replay(opts: ReplayOptions, stdout: TextIO | None = None) -> int:
                 schedule,
                 opts.url.rstrip("/"),
                 api=opts.api,
-                max_concurrency=opts.max_concurrency,
+                max_concurrency=max_concurrency,
                 timeout_s=opts.timeout_s,
                 progress=sys.stderr if opts.progress else None,
                 stop=stop,
@@ -597,7 +629,9 @@ def run_replay(opts: ReplayOptions, stdout: TextIO | None = None) -> int:
         "api": opts.api,
         "time_scale": opts.time_scale,
         "window": {"start_s": opts.start_s, "duration_s": opts.duration_s, "limit": opts.limit},
-        "max_concurrency": opts.max_concurrency,
+        "protocol": protocol.meta(),
+        "dropped": dropped,
+        "max_concurrency": max_concurrency,
         "started_at": run.started_at,
         "requests_planned": run.planned,
         "requests_sent": len(run.sent),
@@ -616,7 +650,8 @@ def run_replay(opts: ReplayOptions, stdout: TextIO | None = None) -> int:
     print(
         f"slip p50 {slip['p50']} ms, p95 {slip['p95']} ms, max {slip['max']} ms; "
         f"{slip['throttled']} requests waited for a slot (max concurrency "
-        f"{opts.max_concurrency}); wall {run.wall_s:.1f} s",
+        f"{max_concurrency}); {dropped} dropped; {protocol.describe()}; "
+        f"wall {run.wall_s:.1f} s",
         file=stdout,
     )
     if run.interrupted:

@@ -3,11 +3,13 @@
     {"meta": {...},
      "summary": {"requests", "ok", "errors",
                  "ttft_ms": {p50, p90, p95, p99, mean}, "e2e_ms": {...}, "itl_ms": {...},
-                 "cache_hit_rate"},
+                 "slip_ms": {..., "max", "waited"}, "cache_hit_rate"},
      "requests": [{"id", "backend", "ttft_ms", "e2e_ms", "input_tokens", "output_tokens",
-                   "cached_tokens", "status", "error"}, ...]}
+                   "cached_tokens", "status", "error", "slip_ms", ...}, ...]}
 
-ITL statistics are over every inter-token gap of every successful request.
+ITL statistics are over every inter-token gap of every successful request. Slip is how
+long a request waited past its arrival for a concurrency slot (loadgen.protocol): TTFT and
+E2E are measured from dispatch, so slip is reported beside them, never inside.
 """
 
 from __future__ import annotations
@@ -43,13 +45,16 @@ class RequestResult:
     predicted_cached_tokens: int | None = None
     # The client's region, where sessions come from several (simulated front doors).
     region: str | None = None
+    # How long it waited past its due time before it was sent (a concurrency slot, or a
+    # client that fell behind); TTFT and E2E start at dispatch. None where not measured.
+    slip_ms: float | None = None
     # Not in the file: inter-token gaps feed the ITL summary.
     itl_ms: list[float] = field(default_factory=list, repr=False)
 
     def row(self) -> dict[str, Any]:
         out = asdict(self)
         del out["itl_ms"]
-        for key in ("ttft_ms", "e2e_ms"):
+        for key in ("ttft_ms", "e2e_ms", "slip_ms"):
             if out[key] is not None:
                 out[key] = round(out[key], 3)
         return out
@@ -81,8 +86,19 @@ def summarize(
         "ttft_ms": stats([r.ttft_ms for r in ok if r.ttft_ms is not None]),
         "e2e_ms": stats([r.e2e_ms for r in ok if r.e2e_ms is not None]),
         "itl_ms": stats(gaps),
+        "slip_ms": slip_stats(results),
         "cache_hit_rate": round(sum(r.cached_tokens for r in ok) / prompt, 4) if prompt else None,
     }
+
+
+def slip_stats(results: Sequence[RequestResult]) -> dict[str, float | int | None]:
+    """Slip over every request that was sent (any outcome): quantiles, mean, max, and how
+    many waited at all."""
+    slips = [r.slip_ms for r in results if r.slip_ms is not None]
+    out: dict[str, float | int | None] = dict(stats(slips))
+    out["max"] = round(max(slips), 3) if slips else None
+    out["waited"] = sum(s > 0 for s in slips)
+    return out
 
 
 def write_result(
@@ -120,19 +136,27 @@ def fmt(v: float | None, digits: int = 0) -> str:
     return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.{digits}f}"
 
 
-def table(rows: Sequence[tuple[str, dict[str, Any]]]) -> str:
-    """A markdown table: one row per (label, summary)."""
+def table(rows: Sequence[tuple[str, dict[str, Any]]], slip: bool = False) -> str:
+    """A markdown table: one row per (label, summary); with `slip`, the slip p50/p95 too
+    (runs under a concurrency cap)."""
     head = (
         "| run | requests | errors | TTFT p50 | TTFT p95 | TTFT p99 | E2E p50 | E2E p95 | "
-        "E2E p99 | ITL p50 | cache hit |\n|---|---|---|---|---|---|---|---|---|---|---|"
+        "E2E p99 | ITL p50 | cache hit |"
     )
-    lines = [head]
+    rule = "|---|---|---|---|---|---|---|---|---|---|---|"
+    if slip:
+        head, rule = head + " slip p50 | slip p95 |", rule + "---|---|"
+    lines = [head + "\n" + rule]
     for label, s in rows:
         t, e, i = s["ttft_ms"], s["e2e_ms"], s["itl_ms"]
         hit = s.get("cache_hit_rate")
-        lines.append(
+        line = (
             f"| {label} | {s['requests']} | {s['errors']} | {fmt(t['p50'])} | {fmt(t['p95'])} | "
             f"{fmt(t['p99'])} | {fmt(e['p50'])} | {fmt(e['p95'])} | {fmt(e['p99'])} | "
             f"{fmt(i['p50'], 1)} | {'-' if hit is None else f'{hit:.1%}'} |"
         )
+        if slip:
+            sl = s.get("slip_ms") or {}
+            line += f" {fmt(sl.get('p50'))} | {fmt(sl.get('p95'))} |"
+        lines.append(line)
     return "\n".join(lines)

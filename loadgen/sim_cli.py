@@ -16,7 +16,7 @@ from typing import Any
 
 from loadgen.results import RequestResult, read_result, summarize, table, write_result
 from loadgen.simulate import SimSettings, simulate
-from loadgen.traces import TraceRequest, spread_arrivals, window
+from loadgen.traces import TraceRequest, spread_arrivals, stats_line, window, workload_stats
 
 
 def run_simulations(
@@ -59,6 +59,8 @@ def run_simulations(
                 "engine_reports": base.engine_reports,
                 "front_doors": base.front_doors,
                 "share_dispatches": base.share_dispatches,
+                "protocol": base.protocol.meta(),
+                "dropped": res.dropped,
                 "final_weights": None
                 if tuner is None
                 else {"rtt": tuner.state.parent[0], "queue": tuner.state.parent[1]},
@@ -69,9 +71,14 @@ def run_simulations(
             summaries[(policy, ts)] = s = doc["summary"]
             if base.front_doors:
                 s["regions"] = by_region(res.requests)
+            slip = (
+                ""
+                if base.protocol.max_concurrency is None
+                else f"slip p50/p95 {s['slip_ms']['p50']:.0f}/{s['slip_ms']['p95']:.0f} ms  "
+            )
             print(
                 f"  {policy:<16} time_scale {ts:<4g} TTFT p50/p95 {s['ttft_ms']['p50']:.0f}/"
-                f"{s['ttft_ms']['p95']:.0f} ms  E2E p95 {s['e2e_ms']['p95']:.0f} ms  "
+                f"{s['ttft_ms']['p95']:.0f} ms  E2E p95 {s['e2e_ms']['p95']:.0f} ms  {slip}"
                 f"cache prediction error {prediction_error(res.requests):.2%}  "
                 f"({wall_s:.1f} s)",
                 file=sys.stderr,
@@ -104,7 +111,10 @@ def prediction_error(requests: Sequence[RequestResult]) -> float:
 
 
 def summary_markdown(
-    summaries: dict[tuple[str, float], dict[str, Any]], title: str, note: str = ""
+    summaries: dict[tuple[str, float], dict[str, Any]],
+    title: str,
+    note: str = "",
+    slip: bool = False,
 ) -> str:
     scales = sorted({ts for _, ts in summaries})
     parts = [f"## {title}\n"]
@@ -112,7 +122,7 @@ def summary_markdown(
         parts.append(note + "\n")
     for ts in scales:
         rows = [(p, s) for (p, t), s in summaries.items() if t == ts]
-        parts.append(f"time_scale {ts:g} (ms):\n\n{table(rows)}\n")
+        parts.append(f"time_scale {ts:g} (ms):\n\n{table(rows, slip=slip)}\n")
     return "\n".join(parts)
 
 
@@ -186,21 +196,39 @@ def run_simulate_command(
     if not sliced:
         print("gorgo simulate: the window holds no requests", file=sys.stderr)
         return 2
+    protocol = base.protocol
+    kept, dropped = protocol.apply(sliced)
+    if not kept:
+        print("gorgo simulate: the protocol dropped every request", file=sys.stderr)
+        return 2
+    if dropped:
+        print(
+            f"gorgo simulate: dropped {dropped} of {len(sliced)} requests with prompts over "
+            f"{protocol.max_input_tokens} tokens (--max-input-tokens)",
+            file=sys.stderr,
+        )
     print(
-        f"simulating {len(sliced)} requests x {len(policies)} policies x "
-        f"{len(time_scales)} time_scales...",
+        f"simulating {len(kept)} requests x {len(policies)} policies x "
+        f"{len(time_scales)} time_scales ({protocol.describe()})...",
         file=sys.stderr,
     )
     summaries = run_simulations(sliced, policies, time_scales, out_dir, base)
     note = (
         f"Trace `{trace_name}`, window start {start_s:g} s, "
         f"{'whole' if duration_s is None else f'{duration_s:g} s'}"
-        f"{'' if limit is None else f', at most {limit} requests'} ({len(sliced)} requests); "
+        f"{'' if limit is None else f', at most {limit} requests'} ({len(sliced)} requests"
+        f"{f', {dropped} dropped by the protocol' if dropped else ''}); {protocol.describe()}; "
         f"RTT profile `{base.rtt_profile}`, engine profile `{base.engine_profile}`, seed "
         f"{base.seed}"
-        f"{f'; arrivals spread over {spread_s:g} s' if spread_s else ''}."
+        f"{f'; arrivals spread over {spread_s:g} s' if spread_s else ''}. "
+        f"Workload as run: {stats_line(workload_stats(kept))}."
     )
-    md = summary_markdown(summaries, "Simulated policies side by side", note)
+    md = summary_markdown(
+        summaries,
+        "Simulated policies side by side",
+        note,
+        slip=protocol.max_concurrency is not None,
+    )
     (out_dir / "summary.md").write_text(md)
     print(md)
     for p in write_figures(out_dir, summaries):

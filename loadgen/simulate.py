@@ -6,6 +6,10 @@ Per request: it arrives at the proxy at its (scaled) trace time; the router deci
 reaches the engine one WAN half-trip later; the engine model schedules it; each token
 travels back one half-trip. The router sees the first token (TTFT) and the completion
 (E2E, and the engine's cached-token count) when they reach the proxy, as live.
+
+Under a client protocol with a concurrency cap (loadgen.protocol), a request whose
+arrival finds every slot taken waits, first come first served, for the first client to
+see its answer end; the wait is its slip, and its TTFT and E2E count from dispatch.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import heapq
 import random
 import zlib
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,11 +40,14 @@ from ext_proc.peers import PeerEvent, PeerPublisher
 from ext_proc.policy import RouteRequest
 from ext_proc.profile import DEFAULT_PROFILE, load_profile
 from ext_proc.router import Router, build_router
+from loadgen.protocol import OPEN, Protocol
 from loadgen.results import RequestResult
 from loadgen.traces import TraceRequest
 
 _ARRIVE, _AT_ENGINE, _STEP, _FIRST_BYTE, _DONE, _PROBE, _KV_EVENTS = range(7)
 _SCRAPE, _REPORT, _PEER, _CALL = range(7, 11)
+# A client's due time and its concurrency slot coming free (only with a cap).
+_SEND, _SLOT = range(11, 13)
 # One hop through the fleet's message bus between routers in one place (NATS on a LAN).
 BUS_HOP_S = 0.0005
 # The single proxy of the paper's setup (front_doors 0): its RTTs are the RTT profile's.
@@ -84,6 +92,9 @@ class SimSettings:
     # The routers publish their dispatches to each other (ext_proc.peers, over NATS live):
     # one bus hop later, or the half-trip between two front doors' regions.
     share_dispatches: bool = False
+    # The client protocol (loadgen.protocol): a concurrency cap with slip, output lengths
+    # forced, long prompts dropped. OPEN: the trace as it is, open loop.
+    protocol: Protocol = OPEN
 
     def __post_init__(self) -> None:
         if not 0 <= self.front_doors <= len(self.regions):
@@ -155,6 +166,8 @@ class SimResult:
     requests: list[RequestResult]
     itl_ms: list[float]
     router: Router
+    # Requests the protocol dropped (prompts over max_input_tokens).
+    dropped: int = 0
 
 
 def _sub_blocks(ids: Sequence[int], per_block: int, salt: int) -> list[int]:
@@ -170,7 +183,7 @@ class Simulation:
         settings: SimSettings,
         hook: CompletionHook | None = None,
     ) -> None:
-        self.trace = trace
+        self.trace, self.dropped = settings.protocol.apply(trace)
         self.s = settings
         self.hook = hook
         self.now_s = 0.0
@@ -235,6 +248,11 @@ class Simulation:
         self._access_ms: dict[str, float] = {}
         self._last_emit_s: dict[str, float] = {}
         self.itl_ms: list[float] = []
+        # The client's concurrency slots (protocol.max_concurrency): how many are held,
+        # the arrivals waiting for one (first come, first served), and each one's slip.
+        self._slots_taken = 0
+        self._waiting: deque[tuple[float, tuple[TraceRequest, str, str, float]]] = deque()
+        self._slip_ms: dict[str, float] = {}
 
     def _push(self, t: float, kind: int, data: Any) -> None:
         self._seq += 1
@@ -275,7 +293,10 @@ class Simulation:
             else:
                 origin, door, access_ms = "", PROXY, 0.0
             sent_s = r.arrival_s * self.s.time_scale
-            self._push(sent_s + access_ms / 2000, _ARRIVE, (r, origin, door, access_ms))
+            if self.s.protocol.max_concurrency is None:
+                self._push(sent_s + access_ms / 2000, _ARRIVE, (r, origin, door, access_ms))
+            else:
+                self._push(sent_s, _SEND, (r, origin, door, access_ms))
         for door in self.routers_at:
             for b in self.s.regions:
                 self._push(0.0, _PROBE, (door, b))
@@ -284,6 +305,7 @@ class Simulation:
                 for b in self.s.regions:
                     self._push(0.0, _SCRAPE, (door, b))
         pending = len(self.trace)
+        cap = self.s.protocol.max_concurrency
         while self._events and pending:
             t, _, kind, data = heapq.heappop(self._events)
             self.now_s = t
@@ -334,13 +356,33 @@ class Simulation:
                 self._deliver(*data)
             elif kind == _CALL:
                 data()
+            elif kind == _SEND:
+                # The client's due time: a free slot sends it now, else it waits.
+                assert cap is not None
+                if self._slots_taken < cap:
+                    self._dispatch(t, data)
+                else:
+                    self._waiting.append((t, data))
+            elif kind == _SLOT:
+                # A client saw its answer end: its slot goes to the longest waiting.
+                self._slots_taken -= 1
+                if self._waiting:
+                    self._dispatch(*self._waiting.popleft())
         # The last closes are still on the bus: deliver them, so every router's books close.
         for t, _, kind, data in sorted(self._events):
             if kind == _PEER:
                 self.now_s = t
                 self._deliver(*data)
         ordered = [self.results[r.id] for r in self.trace]
-        return SimResult(self.s, ordered, self.itl_ms, self.router)
+        return SimResult(self.s, ordered, self.itl_ms, self.router, self.dropped)
+
+    def _dispatch(self, due_s: float, item: tuple[TraceRequest, str, str, float]) -> None:
+        """The client sends a request (due at due_s) now, holding a slot until it sees the
+        answer end; it reaches its front door one access half-trip later."""
+        r, _, _, access_ms = item
+        self._slots_taken += 1
+        self._slip_ms[r.id] = (self.now_s - due_s) * 1000
+        self._push(self.now_s + access_ms / 2000, _ARRIVE, item)
 
     def _report(self, backend: str) -> EngineReport:
         m = self.engines[backend]
@@ -376,6 +418,7 @@ class Simulation:
             output_tokens=r.output_tokens,
             predicted_cached_tokens=d.chosen.cached_tokens,
             region=origin or None,
+            slip_ms=self._slip_ms.pop(r.id, 0.0),
         )
         self._arrival_s[r.id] = self.now_s
         self._access_ms[r.id] = access_ms
@@ -406,7 +449,13 @@ class Simulation:
     def _done(self, rid: str) -> None:
         res = self.results[rid]
         assert res.e2e_ms is not None
-        at_door_ms = res.e2e_ms - self._access_ms.pop(rid)
+        access_ms = self._access_ms.pop(rid)
+        at_door_ms = res.e2e_ms - access_ms
+        if self.s.protocol.max_concurrency is not None:
+            # The client frees its slot when it has seen the whole answer: E2E after it
+            # sent the request (a first byte delayed past the last one included).
+            sent_s = self._arrival_s[rid] - access_ms / 2000
+            self._push(max(self.now_s, sent_s + res.e2e_ms / 1000), _SLOT, rid)
         del self._link_of[rid], self._last_emit_s[rid]
         self._router_of.pop(rid).close(rid, Status.OK, at_door_ms, cached_tokens=res.cached_tokens)
         if self.hook is not None:

@@ -5,7 +5,9 @@ A trace is a list of `TraceRequest`s sorted by arrival. Formats:
   `hash_ids` (512-token blocks; an id names a block together with its whole prefix).
 - ART-Chat JSONL (the GORGO paper's dataset): `timestamp` (ms), an OpenAI chat body,
   `hash_ids` (hex strings, 256-token blocks), `token_hash` (a per-user id).
-- Synthetic: seeded multi-turn sessions with adjustable prefix reuse and rate (tests).
+- Synthetic: seeded multi-turn sessions with adjustable prefix reuse and rate (tests);
+  and `paper-synthetic[:SEED]`, a window shaped like the GORGO paper's (`paper_synthetic`;
+  `workload_stats` measures any trace in the same terms).
 
 Prompt synthesis turns block ids into text the project's tokenizer counts exactly (4 bytes
 per token): every block id maps to its own deterministic text, so requests that share
@@ -21,6 +23,7 @@ import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from statistics import NormalDist
 from typing import Any
 
 import numpy as np
@@ -154,6 +157,25 @@ def read_trace(path: str | Path) -> list[TraceRequest]:
     raise TraceError(f"{p}: no requests")
 
 
+# The trace source naming the paper-shaped synthetic window (`paper-synthetic:SEED` for
+# another seed) wherever a trace file is expected.
+PAPER_SYNTHETIC = "paper-synthetic"
+
+
+def load_trace(source: str | Path) -> list[TraceRequest]:
+    """A trace file (`read_trace`), or `paper-synthetic[:SEED]`: the paper-shaped window
+    generated for that seed (0 by default). A file of that very name: `./paper-synthetic`."""
+    name, _, seed = str(source).partition(":")
+    if name == PAPER_SYNTHETIC:
+        try:
+            return paper_synthetic(int(seed or 0))
+        except ValueError:
+            raise TraceError(
+                f"{source}: expected {PAPER_SYNTHETIC} or {PAPER_SYNTHETIC}:SEED (an integer)"
+            ) from None
+    return read_trace(source)
+
+
 def write_mooncake(path: str | Path, trace: Iterable[TraceRequest]) -> Path:
     """Write a trace as Mooncake JSONL (arrivals rounded to whole milliseconds), e.g. a
     synthetic one for `gorgo replay`. Needs 512-token blocks, as the format defines."""
@@ -264,6 +286,292 @@ def synthetic(
         history[s] = ids
         out.append(TraceRequest(len(out), t, len(ids) * bt, output_tokens, tuple(ids), bt, f"s{s}"))
     return out
+
+
+# ---------------------------------------------------------------------------------------
+# A workload shaped like the paper's windows, and the statistics that describe one.
+
+
+@dataclass(frozen=True)
+class Target:
+    """One statistic of the paper's windows (DESIGN section 2): the range it reports
+    (low == high where it gives one value) and the tolerance a generated window must
+    meet, as a share of the range's ends."""
+
+    low: float
+    high: float
+    tolerance: float
+
+    def holds(self, value: float) -> bool:
+        return self.low * (1 - self.tolerance) <= value <= self.high * (1 + self.tolerance)
+
+    def __str__(self) -> str:
+        return f"{self.low:g}" if self.low == self.high else f"{self.low:g}-{self.high:g}"
+
+
+# The paper's windows of ART-Chat-2.5M (30 minutes each; DESIGN section 2). Its "turns per
+# conversation" is read here as the turns of a conversation that has more than one (the
+# one reading that fits 74 % multi-turn requests with 12.8-16.4 requests per user); its
+# 0.3 % of reuse across users makes reuse within a user's session 99.7 %. Tolerances: 10 %
+# on the input length statistics (the paper gives them as "about"), 5 % on the others,
+# 2 % on the reuse shares.
+PAPER_WINDOW: dict[str, Target] = {
+    "users": Target(540, 606, 0.05),
+    "requests_per_user": Target(12.8, 16.4, 0.05),
+    "turns_per_conversation": Target(22, 30, 0.05),
+    "multi_turn_share": Target(0.74, 0.74, 0.05),
+    "input_p50": Target(5700, 5700, 0.10),
+    "input_mean": Target(7000, 7000, 0.10),
+    "input_p95": Target(20500, 20500, 0.10),
+    "block_reuse": Target(0.78, 0.88, 0.02),
+    "reuse_within_session": Target(0.997, 0.997, 0.02),
+    "rate_rps": Target(4.0, 4.8, 0.05),
+}
+
+
+@dataclass(frozen=True)
+class WorkloadStats:
+    """What a trace looks like, in the paper's terms (`workload_stats` says how each is
+    measured)."""
+
+    requests: int
+    duration_s: float
+    rate_rps: float
+    users: int
+    requests_per_user: float
+    multi_turn_share: float
+    turns_per_conversation: float
+    input_p50: float
+    input_mean: float
+    input_p95: float
+    output_mean: float
+    block_reuse: float
+    reuse_within_session: float
+
+
+def paper_synthetic(
+    seed: int = 0,
+    *,
+    duration_s: float = 1800.0,
+    users: int = 573,
+    requests_per_user: float = 14.6,
+    turns: float = 26.0,
+    multi_turn_share: float = 0.74,
+    turns_sigma: float = 0.4,
+    prefix_tokens: float = 2000.0,
+    message_tokens: float = 88.0,
+    answer_tokens: float = 170.0,
+    scale_sigma: float = 0.2,
+    heavy_share: float = 0.19,
+    heavy_factor: float = 3.0,
+    document_tokens: float = 1200.0,
+    document_sigma: float = 0.8,
+    min_gap_s: float = 10.0,
+) -> list[TraceRequest]:
+    """A window shaped like the paper's (PAPER_WINDOW; DESIGN section 2), deterministic
+    for a seed, in 512-token blocks (Mooncake rows: `write_mooncake` writes it).
+
+    Defaults: the middle of the paper's ranges (573 users x 14.6 requests in 30 minutes:
+    4.65 requests/s; conversations of 26 turns; 74 % multi-turn); the token sizes are
+    fitted to its input lengths and block reuse (the statistics test holds them there).
+    Every user has a prompt prefix of its own (a system prompt or custom instructions,
+    lognormal around `prefix_tokens`, at least one whole block: it is the user's session
+    key). Then either
+    - a chat: one conversation of ~`turns` turns (lognormal, spread by `turns_sigma`),
+      each prompt the whole conversation so far (prefix, then each turn's message and
+      the answer, `output_tokens`, of the turn before) plus the new message; the sizes of
+      a conversation's messages and answers scale together (lognormal `scale_sigma`, and
+      `heavy_share` of the conversations `heavy_factor` times larger: pasted context, the
+      long tail of input lengths). A conversation's complete blocks keep their ids from
+      turn to turn; the last, partial block is new each time, as a hash of its tokens is;
+    - or single turns: requests of their own (the prefix, then a document of lognormal
+      size), as many as keep the share of multi-turn requests at `multi_turn_share`.
+    No prefix is shared across users (the paper saw 0.3 % of its reuse across users).
+    A user's requests fall uniformly over the window, at least `min_gap_s` apart (a chat
+    user reads the answer before the next turn).
+    """
+    rng = random.Random(seed)
+    bt = MOONCAKE_BLOCK_TOKENS
+    total = users * requests_per_user
+    chats = min(users, round(multi_turn_share * total / (turns - 1)))
+    single_mean = max(1.0, (total - chats * turns) / max(1, users - chats))
+    next_id = 0
+
+    def fresh(n: int) -> list[int]:
+        nonlocal next_id
+        next_id += n
+        return list(range(next_id - n, next_id))
+
+    def lognormal(median: float, sigma: float) -> float:
+        return median * math.exp(rng.gauss(0.0, sigma))
+
+    def spread(n: int, sigma: float) -> list[float]:
+        """n lognormal factors at evenly spaced quantiles, shuffled: a window's mix of
+        conversations varies little from seed to seed."""
+        zs = [NormalDist().inv_cdf((i + 0.5) / n) for i in range(n)]
+        rng.shuffle(zs)
+        return [math.exp(sigma * z) for z in zs]
+
+    def times(n: int) -> list[float]:
+        gap_s = min(min_gap_s, duration_s / 2 / max(1, n - 1))
+        starts = sorted(rng.uniform(0, duration_s - (n - 1) * gap_s) for _ in range(n))
+        return [t + i * gap_s for i, t in enumerate(starts)]
+
+    def answer(scale: float) -> int:
+        return int(min(2000, max(16, lognormal(answer_tokens * scale, 0.5))))
+
+    heavy = round(heavy_share * chats)
+    scales = [
+        x * (heavy_factor if i < heavy else 1.0) for i, x in enumerate(spread(chats, scale_sigma))
+    ]
+    lengths = [
+        max(2, round(turns / math.exp(turns_sigma**2 / 2) * x)) for x in spread(chats, turns_sigma)
+    ]
+    rows: list[tuple[float, int, int, int, list[int]]] = []
+    for user in range(users):
+        prefix = int(min(6000, max(bt + 64, lognormal(prefix_tokens, 0.5))))
+        prefix_ids = fresh(prefix // bt)
+        if user < chats:
+            scale = scales[user]
+            blocks = list(prefix_ids)  # the conversation's complete blocks so far
+            history = prefix
+            for t in times(lengths[user]):
+                n_in = history + int(max(8, lognormal(message_tokens * scale, 0.7)))
+                n_out = answer(scale)
+                blocks += fresh(n_in // bt - len(blocks))
+                rows.append(
+                    (t, user, n_in, n_out, blocks[: n_in // bt] + fresh(int(n_in % bt > 0)))
+                )
+                history = n_in + n_out
+        else:
+            for t in times(max(1, round(rng.gammavariate(2.0, single_mean / 2.0)))):
+                n_in = prefix + int(max(bt, lognormal(document_tokens, document_sigma)))
+                rows.append(
+                    (
+                        t,
+                        user,
+                        n_in,
+                        answer(1.0),
+                        prefix_ids + fresh(-(-n_in // bt) - len(prefix_ids)),
+                    )
+                )
+    rows.sort(key=lambda row: row[0])
+    return [
+        TraceRequest(i, t, n_in, n_out, tuple(ids), bt, f"u{user}")
+        for i, (t, user, n_in, n_out, ids) in enumerate(rows)
+    ]
+
+
+def workload_stats(trace: Sequence[TraceRequest]) -> WorkloadStats:
+    """The paper's window statistics of any trace, from its block ids and sessions alone:
+
+    - users: distinct session keys (the Mooncake reader's is a conversation's first block
+      after the prefix every request shares; the paper-shaped generator gives each user a
+      leading block of its own, so there a session is a user);
+    - a request is multi-turn when it extends an earlier one (every complete block of an
+      earlier request, beyond the shared prefix, leads its prompt); chains of those are
+      conversations, and turns per conversation is the mean length of those with two or
+      more requests;
+    - block reuse: the share of all blocks (hash ids) seen earlier in the trace (what an
+      unbounded cache would hold); within session: the share of those first seen in the
+      same session (the rest is reuse across users);
+    - rate: requests per second from the first arrival to the last.
+    """
+    if not trace:
+        raise ValueError("workload_stats: an empty trace")
+    shared = _common_prefix_len([r.block_ids for r in trace])
+    first_session: dict[int, str] = {}
+    # The last complete block of each earlier request -> that request's conversation.
+    conv_of_end: dict[int, int] = {}
+    turns: list[int] = []
+    multi = reused = within = blocks = 0
+    for r in trace:
+        conv = next(
+            (conv_of_end[b] for b in reversed(r.block_ids[shared:]) if b in conv_of_end), None
+        )
+        if conv is None:
+            conv = len(turns)
+            turns.append(0)
+        else:
+            multi += 1
+        turns[conv] += 1
+        for b in r.block_ids:
+            owner = first_session.get(b)
+            if owner is None:
+                first_session[b] = r.session
+            else:
+                reused += 1
+                within += owner == r.session
+        blocks += len(r.block_ids)
+        full = r.input_tokens // r.block_tokens
+        if full > shared:
+            conv_of_end[r.block_ids[full - 1]] = conv
+    inputs = np.array([r.input_tokens for r in trace], dtype=np.float64)
+    span_s = trace[-1].arrival_s - trace[0].arrival_s
+    users = len({r.session for r in trace})
+    chains = [n for n in turns if n > 1]
+    return WorkloadStats(
+        requests=len(trace),
+        duration_s=span_s,
+        rate_rps=len(trace) / span_s if span_s > 0 else math.inf,
+        users=users,
+        requests_per_user=len(trace) / users,
+        multi_turn_share=multi / len(trace),
+        turns_per_conversation=sum(chains) / len(chains) if chains else 1.0,
+        input_p50=float(np.percentile(inputs, 50)),
+        input_mean=float(inputs.mean()),
+        input_p95=float(np.percentile(inputs, 95)),
+        output_mean=sum(r.output_tokens for r in trace) / len(trace),
+        block_reuse=reused / blocks if blocks else 0.0,
+        reuse_within_session=within / reused if reused else 1.0,
+    )
+
+
+# (label, how to show it) per statistic, in the order of DESIGN section 2.
+_STAT_ROWS = (
+    ("users", "users", "{:.0f}"),
+    ("requests_per_user", "requests per user", "{:.1f}"),
+    ("turns_per_conversation", "turns per conversation (of those with 2+)", "{:.1f}"),
+    ("multi_turn_share", "multi-turn requests", "{:.0%}"),
+    ("input_p50", "input tokens p50", "{:,.0f}"),
+    ("input_mean", "input tokens mean", "{:,.0f}"),
+    ("input_p95", "input tokens p95", "{:,.0f}"),
+    ("block_reuse", "block reuse", "{:.1%}"),
+    ("reuse_within_session", "of which within the user's session", "{:.1%}"),
+    ("rate_rps", "requests/s at time_scale 1", "{:.2f}"),
+)
+
+
+def _paper_cell(key: str, fmt: str) -> str:
+    t = PAPER_WINDOW[key]
+    lo, hi = fmt.format(t.low), fmt.format(t.high)
+    return lo if lo == hi else f"{lo}-{hi}"
+
+
+def stats_table(columns: Sequence[tuple[str, WorkloadStats]]) -> str:
+    """A markdown table: the paper's windows, then one column per (label, stats)."""
+    head = "| statistic | paper (DESIGN section 2) | " + " | ".join(c for c, _ in columns) + " |"
+    lines = [head, "|---" * (2 + len(columns)) + "|"]
+    for key, label, fmt in _STAT_ROWS:
+        cells = [fmt.format(getattr(st, key)) for _, st in columns]
+        lines.append(f"| {label} | {_paper_cell(key, fmt)} | " + " | ".join(cells) + " |")
+    lines.append(
+        "| requests (window length) | (30 min) | "
+        + " | ".join(f"{st.requests:,} ({st.duration_s / 60:.0f} min)" for _, st in columns)
+        + " |"
+    )
+    return "\n".join(lines)
+
+
+def stats_line(st: WorkloadStats) -> str:
+    """One line for a table's caption: what the workload looks like."""
+    return (
+        f"{st.users} users, {st.requests_per_user:.1f} requests each, "
+        f"{st.multi_turn_share:.0%} multi-turn, input tokens p50/mean/p95 "
+        f"{st.input_p50:,.0f}/{st.input_mean:,.0f}/{st.input_p95:,.0f}, block reuse "
+        f"{st.block_reuse:.0%} ({st.reuse_within_session:.0%} within a session), "
+        f"{st.rate_rps:.2f} requests/s"
+    )
 
 
 # ---------------------------------------------------------------------------------------

@@ -189,3 +189,72 @@ def test_spread_arrivals_keeps_each_request_within_its_step(trace) -> None:  # t
     assert [r.arrival_s for r in spread] == sorted(r.arrival_s for r in spread)
     assert len({r.arrival_s for r in spread}) > len({r.arrival_s for r in trace})
     assert spread_arrivals(trace, 3.0) == spread  # deterministic
+
+
+# The client protocol (loadgen.protocol): a concurrency cap with slip, forced output
+# lengths, long prompts dropped.
+
+
+def _max_in_flight(res, trace) -> int:  # type: ignore[no-untyped-def]
+    """The most requests the client held at once: each holds its slot from dispatch
+    (arrival + slip) until it sees the end (E2E later); one freed and one taken at the same
+    instant count as a hand-over."""
+    ts = res.settings.time_scale
+    arrival = {r.id: r.arrival_s for r in trace}
+    events = []
+    for r in res.requests:
+        sent_s = arrival[r.id] * ts + r.slip_ms / 1000
+        events += [(sent_s, 1), (sent_s + r.e2e_ms / 1000 - 1e-9, -1)]
+    held = most = 0
+    for _, step in sorted(events):
+        held += step
+        most = max(most, held)
+    return most
+
+
+def test_a_concurrency_cap_holds_arrivals_and_measures_from_dispatch(trace) -> None:  # type: ignore[no-untyped-def]
+    from loadgen.protocol import Protocol
+
+    open_loop = simulate(trace, SimSettings(policy="least_request", time_scale=1.0))
+    capped = simulate(
+        trace,
+        SimSettings(policy="least_request", time_scale=1.0, protocol=Protocol(max_concurrency=8)),
+    )
+    assert all(r.slip_ms == 0.0 for r in open_loop.requests)
+    assert _max_in_flight(open_loop, trace) > 8  # the load needs more than the cap
+    assert _max_in_flight(capped, trace) == 8
+    slips = [r.slip_ms for r in capped.requests]
+    assert min(slips) == 0.0 and sum(s > 0 for s in slips) > len(trace) // 4
+    # TTFT counts from dispatch: the wait is in the slip, not in the TTFT
+    s_open, s_capped = summarize(open_loop.requests), summarize(capped.requests)
+    assert s_capped["ttft_ms"]["p95"] < s_open["ttft_ms"]["p95"]
+    assert s_capped["slip_ms"]["p95"] > s_capped["ttft_ms"]["p95"]
+    assert s_capped["slip_ms"]["waited"] == sum(s > 0 for s in slips)
+    assert not capped.router.state.in_flight
+
+
+def test_one_slot_sends_each_request_when_the_one_before_ends(trace) -> None:  # type: ignore[no-untyped-def]
+    from dataclasses import replace
+
+    from loadgen.protocol import Protocol
+
+    burst = [replace(r, arrival_s=0.0) for r in trace[:4]]
+    res = simulate(burst, SimSettings(policy="round_robin", protocol=Protocol(max_concurrency=1)))
+    done_s = 0.0
+    for r in res.requests:  # first come, first served: the slip is the wait for the slot
+        assert r.slip_ms == pytest.approx(done_s * 1000, abs=1e-6)
+        assert r.ttft_ms is not None and r.e2e_ms is not None and r.ttft_ms < r.e2e_ms
+        done_s += r.e2e_ms / 1000
+    alone = simulate(burst[-1:], SimSettings(policy="round_robin"))
+    assert res.requests[-1].ttft_ms < 2 * alone.requests[0].ttft_ms  # type: ignore[operator]
+
+
+def test_the_protocol_forces_output_lengths_and_drops_long_prompts(trace) -> None:  # type: ignore[no-untyped-def]
+    from loadgen.protocol import PAPER
+
+    long = sum(r.input_tokens > 24_000 for r in trace)
+    assert long > 0
+    res = simulate(trace, SimSettings(policy="gorgo", time_scale=3.0, protocol=PAPER))
+    assert res.dropped == long and len(res.requests) == len(trace) - long
+    assert all(r.output_tokens == 128 and r.input_tokens <= 24_000 for r in res.requests)
+    assert len(res.itl_ms) == 127 * len(res.requests)
