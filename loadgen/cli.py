@@ -166,6 +166,12 @@ def _bench_decide(args: argparse.Namespace) -> int:
     return run_decide_bench(args.iterations)
 
 
+def _bench_tuner(args: argparse.Namespace) -> int:
+    from loadgen.bench_tuner import run_tuner_bench
+
+    return run_tuner_bench(args.trace, args.time_scale, args.change_at_s, args.seeds)
+
+
 def _bench_engine(args: argparse.Namespace) -> int:
     from loadgen.bench_engine import run_engine_bench
 
@@ -372,6 +378,12 @@ def add_commands(commands: Commands) -> None:
     b.add_argument("--streams", type=int, default=200)
     b.add_argument("--duration-s", type=float, default=60.0)
     b.set_defaults(func=_bench_load)
+    b = bench.add_parser("tuner", help="the tuner through a regime change; false accepts")
+    b.add_argument("--trace", default=DEFAULT_TRACE, help="Mooncake conversation trace")
+    b.add_argument("--time-scale", type=float, default=6.0)
+    b.add_argument("--change-at-s", type=float, default=600.0, help="trace time of the change")
+    b.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    b.set_defaults(func=_bench_tuner)
     b = bench.add_parser("decide", help="decision latency and prefix-index memory")
     b.add_argument("--iterations", type=int, default=300, help="decisions per measurement")
     b.set_defaults(func=_bench_decide)
