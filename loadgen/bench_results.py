@@ -18,7 +18,7 @@ from typing import Any
 
 from ext_proc.cost import Weights
 from loadgen.bench_live import parity_block
-from loadgen.bench_tuner import static_run, tuner_section
+from loadgen.bench_tuner import SEEDS, RegimeChange, regime_section, static_run, tuner_section
 from loadgen.results import summarize
 from loadgen.sim_cli import run_simulations, summary_markdown, write_figures
 from loadgen.simulate import SimSettings, simulate
@@ -62,6 +62,9 @@ SWEEP_SCALES = (2.0, 3.0, 4.0, 6.0)
 # The grid and the convergence runs use the tuning window's first 10 minutes (49 + 40
 # simulations).
 TUNER_WINDOW_S = 600.0
+# The regime change: the first 20 minutes at time_scale 6 (lightly loaded, so that the
+# half more load after the change at 10 minutes does not saturate the fleet).
+REGIME_WINDOW_S, REGIME_AT_S, REGIME_TS = 1200.0, 600.0, 6.0
 
 
 def run_results_bench(
@@ -98,6 +101,9 @@ def run_results_bench(
         sub_window = window(trace, tuning.start_s, TUNER_WINDOW_S)
         md, tuned = tuner_section(sub_window, tuning.time_scale, img_dir, "first 10 minutes")
         parts.append(md)
+        print("tuner: a regime change", file=sys.stderr)
+        change = RegimeChange(at_s=REGIME_AT_S)
+        parts.append(regime_section(window(trace, 0, REGIME_WINDOW_S), REGIME_TS, change, SEEDS))
     for w in WINDOWS:
         print(f"{w.name}: time_scale {w.time_scale:g}", file=sys.stderr)
         sliced = window(trace, w.start_s, w.duration_s)
