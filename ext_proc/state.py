@@ -126,11 +126,7 @@ class FleetState:
         if old is not None:  # a reused request id: the older record can no longer complete
             self._release(old)
         self.in_flight[rec.request_id] = rec
-        b = self.backends[rec.backend]
-        b.records[rec.request_id] = rec
-        b.in_flight += 1
-        b.waiting_first_byte += 1
-        b.in_flight_tokens += rec.input_tokens
+        b = self._hold(rec)
         b.mean_prefill_ms += PREFILL_EWMA * (rec.prefill_ms - b.mean_prefill_ms)
 
     def first_byte(self, request_id: str, now_s: float) -> tuple[float, InFlight] | None:
@@ -177,11 +173,7 @@ class FleetState:
             return  # our own (a bus echo), or a backend this router does not route to
         self.peer_close(rec.request_id)
         self.peer_in_flight[rec.request_id] = rec
-        b = self.backends[rec.backend]
-        b.records[rec.request_id] = rec
-        b.in_flight += 1
-        b.waiting_first_byte += 1
-        b.in_flight_tokens += rec.input_tokens
+        self._hold(rec)
 
     def peer_first_byte(self, request_id: str, now_s: float) -> None:
         rec = self.peer_in_flight.get(request_id)
@@ -254,6 +246,15 @@ class FleetState:
                 break
             overdue.append(rec.request_id)
         return overdue
+
+    def _hold(self, rec: InFlight) -> BackendState:
+        """Count a request in flight on its backend (undone by _release)."""
+        b = self.backends[rec.backend]
+        b.records[rec.request_id] = rec
+        b.in_flight += 1
+        b.waiting_first_byte += 1
+        b.in_flight_tokens += rec.input_tokens
+        return b
 
     def _release(self, rec: InFlight) -> None:
         b = self.backends[rec.backend]
