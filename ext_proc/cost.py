@@ -1,7 +1,10 @@
-"""Cost terms: what it would take, in milliseconds, to get a request's first token from
-each backend. The framework computes the terms; policies weigh and compare them.
+"""Cost terms, in milliseconds: what it would take to get a request's first token from
+each backend, and what sending it there does to the requests already there. The
+framework computes the terms; policies weigh and compare them (docs/cost-model.md).
 
-    cost_i = w_rtt * RTT_i + w_queue * Tqueue_i + Tprefill_i(uncached tokens)   (time form)
+    cost_i = w_rtt * RTT_i + w_queue * Tqueue_i + Tprefill_i                    (time form,
+                                                         `gorgo_time3`: the paper's three terms)
+           + w_stall * Tstall_i + w_overtake * Tovertake_i + w_kv * Tkv_i       (`gorgo`)
     cost_i = w_rtt * RTT_i + uncached_tokens_i + w_queue * in_flight_tokens_i    (token form,
                                                                   the GORGO paper's code)
 """
@@ -28,6 +31,23 @@ def time_cost_ms(w: Weights, rtt_ms: float, queue_ms: float, prefill_ms: float) 
 
 def token_cost(w: Weights, rtt_ms: float, uncached_tokens: int, in_flight_tokens: int) -> float:
     return w.rtt * rtt_ms + uncached_tokens + w.queue * in_flight_tokens
+
+
+def decode_stall_ms(prefill_ms: float, held_requests: int) -> float:
+    """The stall a newcomer's prefill inflicts on the requests already on a backend, in ms
+    of their E2E, summed. Prefill runs before decode (chunked, FCFS; SGLang's default), so
+    no request there emits a token while it prefills: every request decoding there stalls
+    for the whole prefill, and every request still waiting ahead of it will be decoding by
+    then (its own prefill comes first)."""
+    return prefill_ms * held_requests
+
+
+def overtake_ms(prefill_ms: float, concurrent_requests: int) -> float:
+    """The TTFT a newcomer's prefill is expected to inflict on requests dispatched to the
+    same backend at the same instant and not yet there: each reaches the engine over its
+    own connection with its own WAN jitter, so the engine's FCFS order among them is a coin
+    toss, and each one the newcomer beats waits for its whole prefill (ms, summed)."""
+    return 0.5 * prefill_ms * concurrent_requests
 
 
 class PrefillModel:
@@ -151,6 +171,32 @@ def late_ms(item: QueueItem, now_s: float, grace_ms: float) -> float:
     due_in_ms = (item.due_s - item.dispatched_s) * 1000
     over_ms = (now_s - item.due_s) * 1000
     return max(0.0, over_ms - max(grace_ms, due_in_ms))
+
+
+# The KV headroom term's margin: the share of a backend's pool beyond which admission
+# probably waits (the router's KV count books outputs at their budget, not their length).
+KV_HEADROOM_MARGIN = 0.1
+
+
+def kv_headroom_ms(
+    items: list[QueueItem],
+    step_ms: float,
+    now_s: float,
+    capacity_tokens: int,
+    need_tokens: int,
+    margin: float,
+    queue_ms: float,
+) -> float:
+    """The wait beyond queue_ms that a request meets when the backend's KV pool is nearly
+    full: until the requests finishing first free enough KV for need_tokens next to what
+    is in flight, in a pool `margin` smaller than its capacity (the queue estimate already
+    counts the wait for the full pool; the two waits overlap, so only the excess counts).
+    The router's KV count is an estimate (each request is booked at its output budget;
+    the engine's cache pins the blocks in use), and near the edge an engine queues
+    newcomers or evicts (SGLang retracts running decodes, which then redo their prefill):
+    within the margin the wait is likely, and everything queued behind it waits too."""
+    soft_tokens = int(capacity_tokens * (1.0 - margin))
+    return max(0.0, kv_wait_ms(items, step_ms, now_s, soft_tokens, need_tokens) - queue_ms)
 
 
 def kv_wait_ms(

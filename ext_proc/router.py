@@ -18,7 +18,16 @@ from typing import Any
 import numpy as np
 
 from ext_proc.config import Config, TunerMode
-from ext_proc.cost import PrefillModel, QueueItem, Weights, estimate_queue_ms
+from ext_proc.cost import (
+    KV_HEADROOM_MARGIN,
+    PrefillModel,
+    QueueItem,
+    Weights,
+    decode_stall_ms,
+    estimate_queue_ms,
+    kv_headroom_ms,
+    overtake_ms,
+)
 from ext_proc.engine_index import Applied, EngineBlocks, chain_keys
 from ext_proc.engine_metrics import EngineReport
 from ext_proc.kv_events import EventBatch
@@ -37,6 +46,11 @@ from ext_proc.tuner import StateSink, Tuner, TunerSettings, TunerState
 RECENT_DECISIONS = 8
 # Output budget assumed when a request names no max tokens (KV and decode estimates).
 DEFAULT_OUTPUT_TOKENS = 256
+# Dispatches to one backend this close together are concurrent: they may reach the engine
+# in either order (each over its own connection, with its own WAN jitter). 1 ms: a burst
+# decided back to back (a decision takes 0.1-0.6 ms, docs/benchmarks.md), well inside the
+# jitter of any WAN leg (the `network` profile's is 5 % of the RTT: 4.5 ms at 90 ms).
+CONCURRENT_S = 0.001
 
 
 @dataclass(frozen=True)
@@ -235,6 +249,16 @@ class Router:
                 min(int(c), max(0, n - 1)) for c, n in zip(per_prompt, lengths, strict=False)
             )
             uncached = input_tokens - cached
+            prefill_ms = self.prefill[b.id].prefill_ms(uncached, cached)
+            items, step_ms = self._queue_items(b.id)
+            queue_ms = self._queue_ms(b.id, now_s, need_kv, items, step_ms)
+            # Not yet at the engine: dispatched within CONCURRENT_S, and at most a half-trip ago.
+            window_s = min(CONCURRENT_S, b.rtt_ms / 2000)
+            concurrent = sum(
+                1
+                for r in b.records.values()
+                if r.first_byte_s is None and now_s - r.dispatched_s <= window_s
+            )
             out.append(
                 Candidate(
                     backend_id=b.id,
@@ -242,19 +266,32 @@ class Router:
                     waiting_first_byte=b.waiting_first_byte,
                     in_flight_tokens=b.in_flight_tokens,
                     rtt_ms=b.rtt_ms,
-                    queue_ms=self.queue_estimate_ms(b.id, now_s, need_kv),
-                    prefill_ms=self.prefill[b.id].prefill_ms(uncached, cached),
+                    queue_ms=queue_ms,
+                    prefill_ms=prefill_ms,
                     cached_tokens=cached,
                     uncached_tokens=uncached,
+                    decode_stall_ms=decode_stall_ms(prefill_ms, b.in_flight),
+                    overtake_ms=overtake_ms(prefill_ms, concurrent),
+                    kv_ms=kv_headroom_ms(
+                        items,
+                        step_ms,
+                        now_s,
+                        self._kv_capacity_tokens(b.id),
+                        need_kv,
+                        KV_HEADROOM_MARGIN,
+                        queue_ms,
+                    ),
                 )
             )
         return tuple(out)
 
-    def queue_estimate_ms(self, backend: str, now_s: float, need_kv_tokens: int = 0) -> float:
-        """How long a new request needing need_kv_tokens of KV would wait on `backend`
-        before its own prefill starts."""
+    def _kv_capacity_tokens(self, backend: str) -> int:
+        return self.index.capacity_blocks[backend] * self.cfg.routing.block_tokens
+
+    def _queue_items(self, backend: str) -> tuple[list[QueueItem], float]:
+        """The backend's requests in flight as the queue and KV estimates see them, and its
+        decode step now."""
         b = self.state.backends[backend]
-        profile = self.profiles[backend]
         items = [
             QueueItem(
                 r.prefill_ms,
@@ -271,8 +308,27 @@ class Router:
             for r in b.records.values()
         ]
         decoding = [r for r in b.records.values() if r.first_byte_s is not None]
-        step_ms = profile.decode_ms(len(decoding), sum(r.input_tokens for r in decoding))
-        capacity = self.index.capacity_blocks[backend] * self.cfg.routing.block_tokens
+        step_ms = self.profiles[backend].decode_ms(
+            len(decoding), sum(r.input_tokens for r in decoding)
+        )
+        return items, step_ms
+
+    def queue_estimate_ms(self, backend: str, now_s: float, need_kv_tokens: int = 0) -> float:
+        """How long a new request needing need_kv_tokens of KV would wait on `backend`
+        before its own prefill starts."""
+        items, step_ms = self._queue_items(backend)
+        return self._queue_ms(backend, now_s, need_kv_tokens, items, step_ms)
+
+    def _queue_ms(
+        self,
+        backend: str,
+        now_s: float,
+        need_kv_tokens: int,
+        items: list[QueueItem],
+        step_ms: float,
+    ) -> float:
+        b = self.state.backends[backend]
+        capacity = self._kv_capacity_tokens(backend)
         # No first byte ever seen means none is observed (an Envoy without the observing
         # filter): lateness would then be noise.
         grace_ms = self.cfg.routing.stall_grace_ms if self.sees_first_bytes else 0.0

@@ -1,13 +1,13 @@
 """The one plugin seam: a registry of named routing policies.
 
 The framework builds one `Candidate` per healthy backend with every feature a policy may
-want (load, RTT, queue and prefill estimates, cached tokens) and owns the cost weights; a
-policy only chooses. Register a policy class with `@register("name", params=Params)`; it
-is then selectable as `policy: name` in the config and `--policy name` in the simulator,
-and its parameters are decoded strictly from `policies.<name>:` into `Params` (a frozen
-dataclass; errors name the key). A policy whose parameters derive from `WeightedParams`
-weighs cost terms: the router starts from its `weights`, may tune them, and hands the
-current ones to every `choose` call.
+want (load, RTT, queue and prefill estimates, cached tokens, what the request would do to
+the others there) and owns the cost weights; a policy only chooses. Register a policy
+class with `@register("name", params=Params)`; it is then selectable as `policy: name` in
+the config and `--policy name` in the simulator, and its parameters are decoded strictly
+from `policies.<name>:` into `Params` (a frozen dataclass; errors name the key). A policy
+whose parameters derive from `WeightedParams` weighs cost terms: the router starts from
+its `weights`, may tune them, and hands the current ones to every `choose` call.
 """
 
 from __future__ import annotations
@@ -34,6 +34,13 @@ class Candidate:
     prefill_ms: float = 0.0
     cached_tokens: int = 0
     uncached_tokens: int = 0
+    # What sending the request there does to the others (ms, summed over them;
+    # docs/cost-model.md): its prefill stalls the requests there (ext_proc.cost.
+    # decode_stall_ms), delays the same-instant dispatches it reaches the engine before
+    # (overtake_ms); and the wait beyond queue_ms when the KV pool is nearly full (kv_ms).
+    decode_stall_ms: float = 0.0
+    overtake_ms: float = 0.0
+    kv_ms: float = 0.0
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -45,6 +52,9 @@ class Candidate:
             "prefill_ms": round(self.prefill_ms, 3),
             "cached_tokens": self.cached_tokens,
             "uncached_tokens": self.uncached_tokens,
+            "decode_stall_ms": round(self.decode_stall_ms, 3),
+            "overtake_ms": round(self.overtake_ms, 3),
+            "kv_ms": round(self.kv_ms, 3),
         }
 
 

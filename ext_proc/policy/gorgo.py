@@ -1,9 +1,17 @@
-"""GORGO: the backend with the lowest estimated time to first token.
+"""GORGO: the backend with the lowest estimated time to first token, counting what sending
+the request there does to the requests already there.
 
-`gorgo` (default) compares w_rtt * RTT + w_queue * Tqueue + Tprefill(uncached), all in ms.
-`gorgo_tokens` is the paper's implementation, in token units:
-w_rtt * rtt_ms + uncached_tokens + w_queue * in_flight_tokens. Both break near-ties at
-random. The router hands each decision its current weights (it owns and tunes them).
+`gorgo` (default) compares, all in ms (docs/cost-model.md):
+
+    w_rtt * RTT + w_queue * Tqueue + Tprefill        the newcomer's own TTFT
+    + decode_stall_weight * Tstall                   its prefill stalls every request there
+    + overtake_weight * Tovertake                    it may beat same-instant dispatches (off)
+    + kv_weight * Tkv                                the KV pool there is nearly full
+
+`gorgo_time3` is the paper's three-term time form alone (what `gorgo` was before issue 15);
+`gorgo_tokens` the paper's implementation, in token units: w_rtt * rtt_ms +
+uncached_tokens + w_queue * in_flight_tokens. The router hands each decision its current
+(w_rtt, w_queue) (it owns and tunes them); the other weights are the policy's parameters.
 """
 
 from __future__ import annotations
@@ -43,15 +51,34 @@ class TokenWeights(Weights):
 
 
 @dataclass(frozen=True)
-class GorgoParams(WeightedParams):
+class GorgoTime3Params(WeightedParams):
     weights: TimeWeights = field(default_factory=TimeWeights)
     # Costs within tie_ms, or within tie_fraction of the best, count as a tie (a fixed
-    # order herds requests onto one backend). Among them gorgo takes the fewest in
-    # flight: cost estimates err by tens of percent under load (queueing), and within
-    # that band the lighter decode batch protects E2E; measured on the Mooncake trace,
-    # 20 % lowered p95 TTFT and p95 E2E against 2 % (docs/results.md).
+    # order herds requests onto one backend). Among them the fewest in flight: cost
+    # estimates err by tens of percent under load (queueing), and within that band the
+    # lighter decode batch protects E2E; measured on the Mooncake trace, 20 % lowered p95
+    # TTFT and p95 E2E against 2 % (docs/results.md).
     tie_ms: float = bounded(1.0, ge=0.0)
     tie_fraction: float = bounded(0.2, ge=0.0)
+
+
+@dataclass(frozen=True)
+class GorgoParams(WeightedParams):
+    weights: TimeWeights = field(default_factory=TimeWeights)
+    # ms of the others' E2E per ms of the newcomer's TTFT. Measured on the Mooncake
+    # trace's windows (time_scale 3-6, both RTT profiles; docs/cost-model.md): 0.1 left p95
+    # E2E 6 % above 0.3's, 1.0 cost 7 % of p95 TTFT, 0.2-0.5 were alike.
+    decode_stall_weight: float = bounded(0.3, ge=0.0)
+    # Off: at 1.0 (a same-instant dispatch's TTFT for the newcomer's) it moved p95 TTFT by
+    # -1 % open loop but +3.5 % under the paper's protocol (docs/cost-model.md).
+    overtake_weight: float = bounded(0.0, ge=0.0)
+    # The wait within the KV margin is a wait like the queue's.
+    kv_weight: float = bounded(1.0, ge=0.0)
+    # Near-ties, then the fewest in flight. Only exact ties: the decode-stall term already
+    # steers a long prompt off a crowded backend (what gorgo_time3's 20 % band was for),
+    # and a band gives TTFT away (0.2 instead of 0: p95 TTFT +3 %, docs/cost-model.md).
+    tie_ms: float = bounded(1.0, ge=0.0)
+    tie_fraction: float = bounded(0.0, ge=0.0)
 
 
 @dataclass(frozen=True)
@@ -72,11 +99,55 @@ def _weights(weights: Weights | None) -> Weights:
     return weights
 
 
+def _fewest_in_flight(
+    rng: random.Random,
+    candidates: Sequence[Candidate],
+    scores: dict[str, float],
+    tie_ms: float,
+    tie_fraction: float,
+) -> Choice:
+    """The lowest score; among near-ties the fewest in flight, then at random."""
+    tied_ids = set(near_ties(scores, tie_ms, tie_fraction))
+    tied = [c for c in candidates if c.backend_id in tied_ids]
+    fewest = min(c.in_flight for c in tied)
+    chosen = rng.choice([c for c in tied if c.in_flight == fewest])
+    return Choice(chosen.backend_id, scores)
+
+
 @register("gorgo", params=GorgoParams)
 class Gorgo:
     name = "gorgo"
 
     def __init__(self, rng: random.Random, params: GorgoParams) -> None:
+        self._rng = rng
+        self._p = params
+
+    def score(self, c: Candidate, w: Weights) -> float:
+        p = self._p
+        return (
+            time_cost_ms(w, c.rtt_ms, c.queue_ms, c.prefill_ms)
+            + p.decode_stall_weight * c.decode_stall_ms
+            + p.overtake_weight * c.overtake_ms
+            + p.kv_weight * c.kv_ms
+        )
+
+    def choose(
+        self, request: RouteRequest, candidates: Sequence[Candidate], weights: Weights | None
+    ) -> Choice:
+        w = _weights(weights)
+        scores = {c.backend_id: self.score(c, w) for c in candidates}
+        return _fewest_in_flight(
+            self._rng, candidates, scores, self._p.tie_ms, self._p.tie_fraction
+        )
+
+
+@register("gorgo_time3", params=GorgoTime3Params)
+class GorgoTime3:
+    """The paper's three-term time form: the newcomer's own TTFT only."""
+
+    name = "gorgo_time3"
+
+    def __init__(self, rng: random.Random, params: GorgoTime3Params) -> None:
         self._rng = rng
         self._p = params
 
@@ -87,11 +158,9 @@ class Gorgo:
         scores = {
             c.backend_id: time_cost_ms(w, c.rtt_ms, c.queue_ms, c.prefill_ms) for c in candidates
         }
-        tied_ids = set(near_ties(scores, self._p.tie_ms, self._p.tie_fraction))
-        tied = [c for c in candidates if c.backend_id in tied_ids]
-        fewest = min(c.in_flight for c in tied)
-        chosen = self._rng.choice([c for c in tied if c.in_flight == fewest])
-        return Choice(chosen.backend_id, scores)
+        return _fewest_in_flight(
+            self._rng, candidates, scores, self._p.tie_ms, self._p.tie_fraction
+        )
 
 
 @register("gorgo_tokens", params=GorgoTokensParams)

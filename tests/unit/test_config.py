@@ -102,7 +102,7 @@ def test_policy_parameters_and_a_round_trip() -> None:
     )
     assert cfg.envoy.mode == EnvoyMode.ENDPOINT_PICKER
     gorgo = cfg.policy_params()
-    assert (gorgo.weights.rtt, gorgo.weights.queue, gorgo.tie_fraction) == (1.0, 2.0, 0.2)
+    assert (gorgo.weights.rtt, gorgo.weights.queue, gorgo.tie_fraction) == (1.0, 2.0, 0.0)
     assert cfg.policy_params("prefix_cache").balance_abs == 9
     assert cfg.policy_params("gorgo_tokens").weights.rtt == 0.5  # not configured: defaults
     # the plain form (what `gorgo up` writes) reads back to the same config

@@ -1,8 +1,10 @@
 """GORGO's cost, its features, and how the policies use them."""
 
 import random
+import zlib
 from collections import Counter
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -11,7 +13,10 @@ from ext_proc.cost import (
     PrefillModel,
     QueueItem,
     Weights,
+    decode_stall_ms,
     estimate_queue_ms,
+    kv_headroom_ms,
+    overtake_ms,
     time_cost_ms,
     token_cost,
 )
@@ -367,3 +372,146 @@ def test_a_batch_is_matched_prompt_by_prompt_not_as_one_joined_prompt() -> None:
     assert c.cached_tokens + c.uncached_tokens == batch.input_tokens
     joined = r.decide(completion(a + b, "joined"))  # one prompt: only a's blocks lead it
     assert joined.chosen.cached_tokens < c.cached_tokens
+
+
+# -- what a decision does to the others (issue 15) ------------------------------------------
+
+
+def two_backends(policy: str) -> tuple[Router, FakeClock]:
+    """Two backends at the same RTT: `busy` and `idle`."""
+    clock = FakeClock()
+    cfg = make_config(
+        policy,
+        backends=[
+            {"id": "busy", "address": "127.0.0.1:1", "rtt_prior_ms": 10},
+            {"id": "idle", "address": "127.0.0.1:2", "rtt_prior_ms": 10},
+        ],
+    )
+    return build_router(cfg, clock, random.Random(0)), clock
+
+
+def decoding_on(r: Router, backend: str, n: int, now_s: float) -> None:
+    """n requests past their first token on `backend` (nothing owed to prefill)."""
+    for i in range(n):
+        rid = f"{backend}-dec{i}"
+        r.state.dispatch(InFlight(rid, backend, now_s, 2000, 300, prefill_ms=200))
+        r.state.first_byte(rid, now_s)
+
+
+def test_decode_stall_and_overtake_are_the_prefill_times_the_requests_it_holds_up() -> None:
+    assert decode_stall_ms(1500.0, 0) == 0
+    assert decode_stall_ms(1500.0, 8) == 12_000
+    assert overtake_ms(1500.0, 0) == 0
+    assert overtake_ms(1500.0, 4) == 3000  # each same-instant dispatch: behind it half the time
+
+
+def test_a_long_uncached_prompt_avoids_the_backend_decoding_many() -> None:
+    # busy decodes 12 requests and owes no prefill; idle still owes 1 s of prefill to one
+    # request. For the newcomer's own TTFT busy is 1 s better (beyond gorgo_time3's 20 %
+    # band), but its ~20k-token prefill (2.3 s) would stall all 12 decodes.
+    long_prompt = chat("a long uncached document " * 3200)
+    for policy, expected in (("gorgo", "idle"), ("gorgo_time3", "busy")):
+        r, clock = two_backends(policy)
+        decoding_on(r, "busy", 12, clock())
+        r.state.dispatch(InFlight("owed", "idle", clock(), 4000, 300, prefill_ms=1000))
+        clock.advance(0.01)
+        d = r.decide(long_prompt)
+        busy = next(c for c in d.candidates if c.backend_id == "busy")
+        idle = next(c for c in d.candidates if c.backend_id == "idle")
+        assert busy.queue_ms < 50 and idle.queue_ms > 990
+        assert busy.prefill_ms > 2000
+        assert busy.decode_stall_ms == pytest.approx(12 * busy.prefill_ms)
+        assert idle.decode_stall_ms == pytest.approx(idle.prefill_ms)
+        assert d.backend == expected, policy
+    # a short prompt stalls the decodes for a few ms: gorgo takes the nearer one
+    r, clock = two_backends("gorgo")
+    r.state.backends["idle"].rtt_ms = 400.0
+    decoding_on(r, "busy", 12, clock())
+    assert r.decide(chat("hi")).backend == "busy"
+
+
+def test_a_long_prompt_does_not_overtake_same_instant_dispatches_when_it_can_help_it() -> None:
+    for overtake_weight, expected in ((1.0, "idle"), (0.0, "busy")):
+        clock = FakeClock()
+        cfg = make_config(
+            "gorgo",
+            backends=[
+                {"id": "busy", "address": "127.0.0.1:1", "rtt_prior_ms": 10},
+                {"id": "idle", "address": "127.0.0.1:2", "rtt_prior_ms": 10},
+            ],
+            # the stall term alone would also steer it: leave it out here
+            policies={"gorgo": {"decode_stall_weight": 0.0, "overtake_weight": overtake_weight}},
+        )
+        r = build_router(cfg, clock, random.Random(0))
+        r.state.dispatch(InFlight("owed", "idle", clock() - 1, 4000, 300, prefill_ms=1500))
+        for i in range(3):  # three short prompts go to busy at this very instant
+            d = r.decide(RouteRequest(f"short{i}", chat("short question").llm, None))
+            assert d.backend == "busy"
+        d = r.decide(chat("a long uncached document " * 8000))
+        busy = next(c for c in d.candidates if c.backend_id == "busy")
+        idle = next(c for c in d.candidates if c.backend_id == "idle")
+        # busy: the newcomer goes first with odds 1/2 for each of the three
+        assert busy.overtake_ms == pytest.approx(0.5 * 3 * busy.prefill_ms)
+        assert idle.overtake_ms == 0  # idle's request went a second ago: it is there
+        assert busy.queue_ms + 400 < idle.queue_ms  # its own TTFT: busy
+        assert d.backend == expected
+
+
+def test_kv_headroom_prices_the_wait_within_the_margin_beyond_the_queue() -> None:
+    # 100k-token pool; two decoding requests hold 44k each (88 %), the first to finish
+    # frees its KV in 10 steps of 20 ms, the other in 400
+    soon = QueueItem(0, 44_000, 500, dispatched_s=0.0, first_byte_s=100.0 - 490 * 0.02)
+    later = QueueItem(0, 44_000, 500, dispatched_s=0.0, first_byte_s=100.0 - 100 * 0.02)
+    items = [soon, later]
+    # 5k more fits the pool (93 %), not the pool less a 10 % margin: the first finisher
+    assert kv_headroom_ms(items, 20, 100.0, 100_000, 5_000, 0.1, 0.0) == pytest.approx(200)
+    assert kv_headroom_ms(items, 20, 100.0, 100_000, 1_000, 0.1, 0.0) == 0  # 89 %: room
+    assert kv_headroom_ms(items, 20, 100.0, 100_000, 5_000, 0.0, 0.0) == 0  # no margin
+    # the wait overlaps the queue: only what lasts beyond it counts
+    assert kv_headroom_ms(items, 20, 100.0, 100_000, 5_000, 0.1, 150.0) == pytest.approx(50)
+    assert kv_headroom_ms(items, 20, 100.0, 100_000, 5_000, 0.1, 500.0) == 0
+    # a request larger than what the first finisher frees waits for the second too
+    assert kv_headroom_ms(items, 20, 100.0, 100_000, 50_000, 0.1, 0.0) == pytest.approx(8000)
+
+
+def test_a_nearly_full_kv_pool_is_priced_and_avoided() -> None:
+    r, clock = two_backends("gorgo")
+    capacity = r._kv_capacity_tokens("busy")
+    # busy holds 92 % of its KV in 4 decoding requests, idle nothing
+    for i in range(4):
+        rid = f"big{i}"
+        r.state.dispatch(InFlight(rid, "busy", clock(), capacity * 23 // 100 - 200, 200))
+        r.state.first_byte(rid, clock())
+    d = r.decide(chat("a question " * 200))
+    busy = next(c for c in d.candidates if c.backend_id == "busy")
+    assert busy.kv_ms > 0 and busy.queue_ms < busy.kv_ms  # full pool: not yet; margin: yes
+    assert next(c for c in d.candidates if c.backend_id == "idle").kv_ms == 0
+    assert d.backend == "idle"
+
+
+def test_gorgo_time3_is_the_three_term_form_and_reproduces_the_old_gorgo() -> None:
+    from loadgen.simulate import SimSettings, simulate
+    from loadgen.traces import synthetic
+
+    r, _ = router("gorgo_time3")
+    d = r.decide(chat("hello " * 3000))
+    for c in d.candidates:
+        assert d.scores[c.backend_id] == time_cost_ms(
+            Weights(1.0, 1.0), c.rtt_ms, c.queue_ms, c.prefill_ms
+        )
+    # a loaded run: the very choices `gorgo` made before it priced what it does to the
+    # others (issue 15), and the same tail
+    trace = synthetic(
+        sessions=40, turns=5, rate_rps=12.0, turn_tokens=3000, output_tokens=200, seed=3
+    )
+    res = simulate(trace, SimSettings(policy="gorgo_time3"))
+    choices = ",".join(q.backend for q in res.requests)
+    assert zlib.crc32(choices.encode()) == 394211401
+    ttft = sorted(q.ttft_ms or 0.0 for q in res.requests)
+    assert float(np.percentile(ttft, 95)) == pytest.approx(26539.438, abs=1e-3)
+    # and the default gorgo, pricing what each prefill does to the others, is far ahead
+    new = simulate(trace, SimSettings(policy="gorgo"))
+    assert np.percentile([q.ttft_ms for q in new.requests], 95) < 0.5 * np.percentile(ttft, 95)
+    assert np.percentile([q.e2e_ms for q in new.requests], 95) < np.percentile(
+        [q.e2e_ms for q in res.requests], 95
+    )
