@@ -172,6 +172,31 @@ def _bench_tuner(args: argparse.Namespace) -> int:
     return run_tuner_bench(args.trace, args.time_scale, args.change_at_s, args.seeds)
 
 
+def _bench_target(args: argparse.Namespace) -> int:
+    import shlex
+    from pathlib import Path
+
+    from loadgen.bench_target import CONVERSATION, SYNTHETIC, run_target_bench
+
+    return run_target_bench(
+        args.trace,
+        args.workload or [CONVERSATION, SYNTHETIC],
+        args.start_s,
+        args.duration_s,
+        args.rtt_profile or ["network", "paper"],
+        args.protocol or ["open", "paper"],
+        args.time_scale,
+        args.extra or [],
+        Path(args.work),
+        Path(args.out) if args.out else None,
+        args.jobs,
+        args.reuse,
+        args.rerun or [],
+        args.seed,
+        "gorgo " + shlex.join(sys.argv[1:]),
+    )
+
+
 def _bench_engine(args: argparse.Namespace) -> int:
     from loadgen.bench_engine import run_engine_bench
 
@@ -384,6 +409,49 @@ def add_commands(commands: Commands) -> None:
     b.add_argument("--change-at-s", type=float, default=600.0, help="trace time of the change")
     b.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     b.set_defaults(func=_bench_tuner)
+    b = bench.add_parser(
+        "target",
+        help="issue 15's target matrix: gorgo vs the best baseline per cell, with its floor",
+        description="Every baseline and gorgo in each cell (workload window x RTT profile x "
+        "protocol x time_scale); per cell the best baseline, gorgo's p95 TTFT and E2E "
+        "ratios, whether it meets the target (<= 0.8 / <= 1.0) and the no-queue floor "
+        "(loadgen/bench_target.py). Progress on stderr, the table on stdout and in --out.",
+    )
+    b.add_argument("--trace", default=DEFAULT_TRACE, help="Mooncake conversation trace")
+    b.add_argument(
+        "--workload",
+        action="append",
+        choices=["conversation", "synthetic"],
+        help="repeatable; default both (conversation: the trace's windows; synthetic: "
+        "paper-synthetic)",
+    )
+    b.add_argument(
+        "--start-s",
+        action="append",
+        type=float,
+        help="conversation window start, repeatable (default 0, 1200, 2400)",
+    )
+    b.add_argument("--duration-s", type=float, default=1200.0, help="conversation window length")
+    b.add_argument("--rtt-profile", action="append", choices=["network", "paper"])
+    b.add_argument("--protocol", action="append", choices=["open", "paper"])
+    b.add_argument(
+        "--time-scale",
+        action="append",
+        type=float,
+        help="repeatable; default per workload and protocol (loadgen.bench_target.TIME_SCALES)",
+    )
+    b.add_argument("--extra", action="append", choices=policies, help="another policy's ratios too")
+    b.add_argument("--jobs", type=int, default=1, help="simulations in parallel")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--work", default="out/bench-target", help="result files, one per run")
+    b.add_argument("--out", default="out/bench-target/target.md", help="the table ('' : none)")
+    b.add_argument(
+        "--reuse", action="store_true", help="read existing result files instead of running"
+    )
+    b.add_argument(
+        "--rerun", action="append", metavar="POLICY", help="with --reuse: run this one anyway"
+    )
+    b.set_defaults(func=_bench_target)
     b = bench.add_parser("decide", help="decision latency and prefix-index memory")
     b.add_argument("--iterations", type=int, default=300, help="decisions per measurement")
     b.set_defaults(func=_bench_decide)

@@ -1,0 +1,399 @@
+"""`gorgo bench target`: issue 15's target matrix, reproducibly.
+
+A cell is (workload window, RTT profile, client protocol, time_scale). In each, every
+baseline and `gorgo` (and any `--extra` policy) is simulated on the same fleet and seed;
+the row gives the best baseline's p95 TTFT and p95 E2E (each the lowest over the
+baselines, so they may be two different policies), `gorgo`'s ratios to them, whether it
+meets the target (TTFT ratio <= 0.8 and E2E ratio <= 1.0), and the cell's no-queue floor.
+
+The floor (`no_queue_floor_ms`) is a lower bound on any policy's p95 TTFT in the cell:
+per request, the TTFT it would have alone on an idle engine (the engine model's chunked
+prefill, `EngineProfile.lone_ttft_ms`, without jitter) with every prefix it can reuse
+already cached, plus the smallest mean RTT of any backend; then the p95 over the cell's
+requests. A prefix is reusable when an earlier request of the run computed it: the
+leading engine blocks of the prompt that are full blocks of an earlier prompt (the cache
+starts cold and is unbounded here), at most all but the last prompt token (the engine
+always computes one). Every request's TTFT is at least its own floor (up to the engine's
+step jitter and the WAN's), so every policy's p95 is at least the p95 of the floors: a
+cell where 0.8 x the best baseline's p95 is below it cannot be met by any policy.
+
+Result files go to --work, one per cell and policy (the shared schema); `--reuse` reads
+those that exist instead of running them again (except the policies named by --rerun).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ext_proc.files import write_atomic
+from ext_proc.profile import load_profile
+from loadgen.protocol import PRESETS, Protocol
+from loadgen.results import read_result, write_result
+from loadgen.simulate import SimSettings, _sub_blocks, simulate
+from loadgen.traces import TraceRequest, load_trace, window
+
+BASELINES = (
+    "least_request",
+    "least_load",
+    "session_affinity",
+    "prefix_cache",
+    "round_robin",
+    "random",
+)
+SHORT = {
+    "least_request": "LR",
+    "least_load": "LL",
+    "session_affinity": "SA",
+    "prefix_cache": "PC",
+    "round_robin": "RR",
+    "random": "RND",
+}
+TARGET_TTFT = 0.8
+TARGET_E2E = 1.0
+
+CONVERSATION = "conversation"
+SYNTHETIC = "synthetic"
+# The conversation trace's windows (start_s, duration_s): those of `make bench`.
+CONVERSATION_WINDOWS = ((0.0, 1200.0), (1200.0, 1200.0), (2400.0, 1200.0))
+# Per (workload, protocol): the time_scales where the fleet is not saturated, the last
+# before saturation first (docs/cost-model.md says where each saturates).
+TIME_SCALES: dict[tuple[str, str], tuple[float, ...]] = {
+    (CONVERSATION, "open"): (3.0, 4.0, 6.0),
+    (CONVERSATION, "paper"): (1.5, 2.0, 3.0, 4.0, 6.0),
+    (SYNTHETIC, "open"): (0.75, 1.0, 1.5, 2.0, 3.0),
+    (SYNTHETIC, "paper"): (0.5, 0.75, 1.0, 1.5, 2.0, 3.0),
+}
+
+
+@dataclass(frozen=True)
+class Window:
+    """One workload window: its requests (arrivals from 0) and how a table names it."""
+
+    workload: str
+    label: str
+    requests: tuple[TraceRequest, ...]
+
+
+@dataclass(frozen=True)
+class Cell:
+    window: Window
+    rtt_profile: str
+    protocol: str
+    time_scale: float
+
+    @property
+    def key(self) -> str:
+        w = self.window
+        return f"{w.workload}-{w.label}-{self.rtt_profile}-{self.protocol}-ts{self.time_scale:g}"
+
+    def settings(self, policy: str, seed: int) -> SimSettings:
+        return SimSettings(
+            policy=policy,
+            time_scale=self.time_scale,
+            rtt_profile=self.rtt_profile,
+            seed=seed,
+            protocol=PRESETS[self.protocol],
+        )
+
+
+@dataclass
+class Row:
+    cell: Cell
+    # policy -> (p95 TTFT, p95 E2E), ms
+    p95: dict[str, tuple[float, float]]
+    floor_ms: float
+    subject: str = "gorgo"
+
+    @property
+    def best_ttft(self) -> tuple[str, float]:
+        return min(((p, self.p95[p][0]) for p in BASELINES if p in self.p95), key=lambda x: x[1])
+
+    @property
+    def best_e2e(self) -> tuple[str, float]:
+        return min(((p, self.p95[p][1]) for p in BASELINES if p in self.p95), key=lambda x: x[1])
+
+    def ratios(self, policy: str) -> tuple[float, float]:
+        ttft, e2e = self.p95[policy]
+        return ttft / self.best_ttft[1], e2e / self.best_e2e[1]
+
+    @property
+    def meets(self) -> bool:
+        t, e = self.ratios(self.subject)
+        return t <= TARGET_TTFT and e <= TARGET_E2E
+
+    @property
+    def headroom(self) -> float:
+        """0.8 x the best baseline's p95 TTFT over the floor: below 1, no policy meets it."""
+        return TARGET_TTFT * self.best_ttft[1] / self.floor_ms
+
+    @property
+    def feasible(self) -> bool:
+        return self.headroom >= 1.0
+
+
+def _engine_keys(r: TraceRequest, engine_block_tokens: int) -> list[int]:
+    """The engine's keys for a request's full blocks (as the simulator submits them)."""
+    per = max(1, r.block_tokens // engine_block_tokens)
+    keys = _sub_blocks(r.block_ids, per, 0)
+    return keys[: r.input_tokens // engine_block_tokens]
+
+
+def floor_ttfts_ms(
+    requests: Sequence[TraceRequest], rtt_profile: str, engine_profile: str | None = None
+) -> list[float]:
+    """Each request's no-queue floor: alone on an idle engine, every prefix an earlier
+    request computed cached, plus the smallest mean RTT (module docstring)."""
+    s = SimSettings(rtt_profile=rtt_profile)
+    profile = load_profile(engine_profile or s.engine_profile)
+    bt = profile.block_tokens
+    min_rtt_ms = min(s.rtt_ms(s.doors[0], b)[0] for b in s.regions)
+    seen: set[int] = set()
+    out: list[float] = []
+    for r in sorted(requests, key=lambda r: r.arrival_s):
+        keys = _engine_keys(r, bt)
+        matched = 0
+        for k in keys:
+            if k not in seen:
+                break
+            matched += 1
+        matched = min(matched, (r.input_tokens - 1) // bt)
+        out.append(profile.lone_ttft_ms(r.input_tokens, matched * bt) + min_rtt_ms)
+        seen.update(keys)
+    return out
+
+
+def no_queue_floor_ms(cell: Cell, engine_profile: str | None = None) -> float:
+    """The cell's floor: the p95 of its requests' floors (the protocol's drops applied)."""
+    kept, _ = PRESETS[cell.protocol].apply(cell.window.requests)
+    return float(np.percentile(floor_ttfts_ms(kept, cell.rtt_profile, engine_profile), 95))
+
+
+def _result_path(work: Path, cell: Cell, policy: str) -> Path:
+    return work / cell.key / f"{policy}.json"
+
+
+def _run_one(cell: Cell, policy: str, seed: int, path: Path) -> tuple[float, float, float]:
+    """Simulate one policy in one cell; write its result file; (p95 TTFT, p95 E2E, wall s)."""
+    t0 = time.perf_counter()
+    res = simulate(cell.window.requests, cell.settings(policy, seed))
+    wall_s = time.perf_counter() - t0
+    meta = {
+        "mode": "bench-target",
+        "cell": cell.key,
+        "policy": policy,
+        "time_scale": cell.time_scale,
+        "rtt_profile": cell.rtt_profile,
+        "protocol": PRESETS[cell.protocol].meta(),
+        "seed": seed,
+        "dropped": res.dropped,
+        "wall_s": round(wall_s, 2),
+    }
+    s = write_result(path, res.requests, meta, res.itl_ms)["summary"]
+    return s["ttft_ms"]["p95"], s["e2e_ms"]["p95"], wall_s
+
+
+def run_cells(
+    cells: Sequence[Cell],
+    policies: Sequence[str],
+    work: Path,
+    jobs: int = 1,
+    seed: int = 0,
+    reuse: bool = False,
+    rerun: Iterable[str] = (),
+    subject: str = "gorgo",
+) -> list[Row]:
+    """Every policy in every cell (in parallel with jobs > 1), then one Row per cell."""
+    rerun = set(rerun)
+    p95: dict[str, dict[str, tuple[float, float]]] = {c.key: {} for c in cells}
+    todo: list[tuple[Cell, str, Path]] = []
+    for c in cells:
+        for p in policies:
+            path = _result_path(work, c, p)
+            if reuse and p not in rerun and path.exists():
+                s = read_result(path)["summary"]
+                p95[c.key][p] = (s["ttft_ms"]["p95"], s["e2e_ms"]["p95"])
+            else:
+                todo.append((c, p, path))
+    n = len(todo)
+    print(
+        f"bench target: {len(cells)} cells x {len(policies)} policies, {n} runs "
+        f"({len(cells) * len(policies) - n} reused), {jobs} jobs",
+        file=sys.stderr,
+        flush=True,
+    )
+
+    def report(i: int, c: Cell, p: str, r: tuple[float, float, float]) -> None:
+        p95[c.key][p] = (r[0], r[1])
+        print(
+            f"  [{i}/{n}] {c.key:<40} {p:<17} p95 TTFT {r[0]:>8.0f} ms  E2E {r[1]:>8.0f} ms"
+            f"  ({r[2]:.1f} s)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    if jobs <= 1:
+        for i, (c, p, path) in enumerate(todo, 1):
+            report(i, c, p, _run_one(c, p, seed, path))
+    else:
+        with ProcessPoolExecutor(max_workers=jobs) as pool:
+            futures = {pool.submit(_run_one, c, p, seed, path): (c, p) for c, p, path in todo}
+            for i, f in enumerate(as_completed(futures), 1):
+                c, p = futures[f]
+                report(i, c, p, f.result())
+    return [Row(c, p95[c.key], no_queue_floor_ms(c), subject) for c in cells]
+
+
+def _ms(x: float) -> str:
+    return f"{x:.0f}"
+
+
+def markdown(rows: Sequence[Row], extra: Sequence[str] = ()) -> str:
+    """The matrix: one table per (workload, protocol) block, its met/feasible counts."""
+    blocks: dict[tuple[str, str], list[Row]] = {}
+    for r in rows:
+        blocks.setdefault((r.cell.window.workload, r.cell.protocol), []).append(r)
+    parts: list[str] = []
+    for (workload, protocol), rs in blocks.items():
+        subject = rs[0].subject
+        met = sum(r.meets for r in rs)
+        feasible = [r for r in rs if r.feasible]
+        met_feasible = sum(r.meets for r in feasible)
+        parts.append(
+            f"**{workload}, protocol `{protocol}`** ({Protocol.describe(PRESETS[protocol])}): "
+            f"`{subject}` meets the target in {met}/{len(rs)} cells; {len(feasible)} cells "
+            f"are feasible for some policy (0.8 x best baseline / floor >= 1.0), "
+            f"met in {met_feasible} of them.\n"
+        )
+        head = [
+            "window",
+            "RTT",
+            "time_scale",
+            "best baseline p95 TTFT / E2E (ms)",
+            "floor p95 TTFT (ms)",
+            "0.8 x best baseline / floor",
+            f"{subject} TTFT / E2E ratio",
+            "meets",
+            *[f"{p} TTFT / E2E ratio" for p in extra],
+        ]
+        lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for r in rs:
+            (bt, vt), (be, ve) = r.best_ttft, r.best_e2e
+            t, e = r.ratios(subject)
+            cells = [
+                r.cell.window.label,
+                r.cell.rtt_profile,
+                f"{r.cell.time_scale:g}",
+                f"{_ms(vt)} ({SHORT[bt]}) / {_ms(ve)} ({SHORT[be]})",
+                _ms(r.floor_ms),
+                f"{r.headroom:.2f}" + ("" if r.feasible else " (infeasible)"),
+                f"{t:.2f} / {e:.2f}",
+                "yes" if r.meets else "no",
+            ]
+            for p in extra:
+                if p in r.p95:
+                    xt, xe = r.ratios(p)
+                    cells.append(f"{xt:.2f} / {xe:.2f}")
+                else:
+                    cells.append("-")
+            lines.append("| " + " | ".join(cells) + " |")
+        parts.append("\n".join(lines) + "\n")
+    return "\n".join(parts)
+
+
+def _label(start_s: float, duration_s: float) -> str:
+    a, b = start_s / 60, (start_s + duration_s) / 60
+    # The trace ends before its last hour does: 40-60 min holds 40-59 min.
+    return f"{a:g}-{min(b, 59):g} min" if b >= 60 else f"{a:g}-{b:g} min"
+
+
+def windows_for(
+    workloads: Sequence[str], trace: str, starts: Sequence[float] | None, duration_s: float
+) -> list[Window]:
+    out: list[Window] = []
+    for w in workloads:
+        if w == CONVERSATION:
+            whole = load_trace(trace)
+            for start in starts if starts is not None else [s for s, _ in CONVERSATION_WINDOWS]:
+                reqs = tuple(window(whole, start, duration_s))
+                out.append(Window(CONVERSATION, _label(start, duration_s), reqs))
+        elif w == SYNTHETIC:
+            out.append(Window(SYNTHETIC, "paper-synthetic", tuple(load_trace("paper-synthetic"))))
+        else:
+            raise ValueError(f"unknown workload {w!r} ({CONVERSATION}, {SYNTHETIC})")
+    return out
+
+
+def cells_for(
+    windows: Sequence[Window],
+    rtt_profiles: Sequence[str],
+    protocols: Sequence[str],
+    time_scales: Sequence[float] | None,
+) -> list[Cell]:
+    out: list[Cell] = []
+    for protocol in protocols:
+        for w in windows:
+            for rtt in rtt_profiles:
+                scales = time_scales or TIME_SCALES[(w.workload, protocol)]
+                out.extend(Cell(w, rtt, protocol, ts) for ts in scales)
+    return out
+
+
+def run_target_bench(
+    trace: str,
+    workloads: Sequence[str],
+    starts: Sequence[float] | None,
+    duration_s: float,
+    rtt_profiles: Sequence[str],
+    protocols: Sequence[str],
+    time_scales: Sequence[float] | None,
+    extra: Sequence[str],
+    work: Path,
+    out: Path | None,
+    jobs: int,
+    reuse: bool,
+    rerun: Sequence[str],
+    seed: int = 0,
+    command: str = "gorgo bench target",
+) -> int:
+    for p in protocols:
+        if p not in PRESETS:
+            print(f"gorgo bench target: unknown protocol {p!r}", file=sys.stderr)
+            return 2
+    try:
+        windows = windows_for(workloads, trace, starts, duration_s)
+    except ValueError as e:
+        print(f"gorgo bench target: {e}", file=sys.stderr)
+        return 2
+    cells = cells_for(windows, rtt_profiles, protocols, time_scales)
+    policies = [*BASELINES, "gorgo", *[p for p in extra if p not in (*BASELINES, "gorgo")]]
+    rows = run_cells(cells, policies, work, jobs, seed, reuse, rerun)
+    extra = [p for p in extra if p not in (*BASELINES, "gorgo")]
+    md = markdown(rows, extra)
+    note = (
+        f"Made by `{command}`; seed {seed}, engine profile "
+        f"`{SimSettings().engine_profile}`. A ratio is the policy's p95 over the best "
+        f"baseline's (TTFT and E2E each against its own best). meets: TTFT ratio <= "
+        f"{TARGET_TTFT} and E2E ratio <= {TARGET_E2E}. floor: p95 of each request's TTFT "
+        "alone on an idle engine with every prefix an earlier request computed cached, plus "
+        "the smallest RTT (loadgen/bench_target.py).\n\n"
+    )
+    text = note + md
+    print(text)
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(out, text)
+        print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
+def geomean(values: Iterable[float]) -> float:
+    v = list(values)
+    return math.exp(sum(math.log(x) for x in v) / len(v)) if v else float("nan")

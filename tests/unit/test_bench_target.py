@@ -1,0 +1,83 @@
+"""`gorgo bench target`: the table's logic on a tiny trace (best baseline, ratios, meets,
+and a floor no policy goes below)."""
+
+from pathlib import Path
+
+import pytest
+
+from ext_proc.profile import load_profile
+from loadgen.bench_target import (
+    BASELINES,
+    Cell,
+    Row,
+    Window,
+    floor_ttfts_ms,
+    markdown,
+    no_queue_floor_ms,
+    run_cells,
+)
+from loadgen.simulate import SimSettings
+from loadgen.traces import TraceRequest, read_trace, window
+
+SLICE = Path(__file__).resolve().parents[2] / "loadgen/data/mooncake-conversation-head400.jsonl"
+
+
+def _cell(reqs: list[TraceRequest], protocol: str = "open", ts: float = 1.0) -> Cell:
+    return Cell(Window("conversation", "head", tuple(reqs)), "paper", protocol, ts)
+
+
+def test_row_picks_each_best_baseline_and_ratios() -> None:
+    p95 = {p: (1000.0 + 100 * i, 5000.0 - 100 * i) for i, p in enumerate(BASELINES)}
+    p95["gorgo"] = (790.0, 4600.0)
+    p95["gorgo_time3"] = (100.0, 100.0)  # not a baseline: never the best
+    row = Row(_cell([]), p95, floor_ms=500.0)
+    assert row.best_ttft == ("least_request", 1000.0)
+    assert row.best_e2e == ("random", 4500.0)
+    t, e = row.ratios("gorgo")
+    assert t == pytest.approx(0.79) and e == pytest.approx(4600 / 4500)
+    assert not row.meets  # E2E above the best baseline's
+    row.p95["gorgo"] = (790.0, 4500.0)
+    assert row.meets
+    row.p95["gorgo"] = (801.0, 1000.0)
+    assert not row.meets  # TTFT above 0.8 x
+    assert row.headroom == pytest.approx(0.8 * 1000 / 500) and row.feasible
+    row.floor_ms = 900.0
+    assert not row.feasible  # 0.8 x 1000 < 900: no policy can meet it
+    md = markdown([row], extra=["gorgo_time3"])
+    assert "1000 (LR) / 4500 (RND)" in md and "0.89 (infeasible)" in md
+    assert "| 0.80 / 0.22 | no | 0.10 / 0.02 |" in md
+    assert "meets the target in 0/1 cells; 0 cells are feasible" in md
+
+
+def test_floor_caches_what_earlier_requests_computed() -> None:
+    prof = load_profile(SimSettings().engine_profile)
+    bt = 512
+    a = TraceRequest(0, 0.0, 2 * bt, 8, (1, 2), bt, "s")
+    b = TraceRequest(1, 1.0, 3 * bt, 8, (1, 2, 3), bt, "s")  # reuses a's two blocks
+    c = TraceRequest(2, 2.0, 2 * bt, 8, (1, 2), bt, "s")  # all cached: one block recomputed
+    rtt = min(SimSettings(rtt_profile="paper").rtt_ms("", r)[0] for r in SimSettings().regions)
+    fa, fb, fc = floor_ttfts_ms([a, b, c], "paper")
+    assert fa == pytest.approx(prof.lone_ttft_ms(2 * bt) + rtt)
+    assert fb == pytest.approx(prof.lone_ttft_ms(3 * bt, 2 * bt) + rtt)
+    cached_c = (2 * bt - 1) // prof.block_tokens * prof.block_tokens
+    assert fc == pytest.approx(prof.lone_ttft_ms(2 * bt, cached_c) + rtt)
+    assert fb < fa + rtt and fc < fa
+
+
+def test_floor_is_below_every_policy_on_a_tiny_trace(tmp_path: Path) -> None:
+    reqs = window(read_trace(SLICE), limit=80)
+    cells = [_cell(reqs, "open", 0.5), _cell(reqs, "paper", 0.5)]
+    rows = run_cells(cells, [*BASELINES, "gorgo"], tmp_path, jobs=1)
+    for row in rows:
+        assert set(row.p95) == {*BASELINES, "gorgo"}
+        assert row.floor_ms == no_queue_floor_ms(row.cell)
+        for p, (ttft, _) in row.p95.items():
+            assert row.floor_ms <= ttft, p
+        best = min(row.p95[p][0] for p in BASELINES)
+        assert row.best_ttft[1] == best
+        assert row.ratios("gorgo")[0] == pytest.approx(row.p95["gorgo"][0] / best)
+    # the paper's protocol drops the long prompts: its floor is lower
+    assert rows[1].floor_ms <= rows[0].floor_ms
+    # reused, the result files give the same table
+    again = run_cells(cells, [*BASELINES, "gorgo"], tmp_path, reuse=True)
+    assert [r.p95 for r in again] == [r.p95 for r in rows]
