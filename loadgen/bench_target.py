@@ -295,8 +295,10 @@ def run_cells(
     reuse: bool = False,
     rerun: Iterable[str] = (),
     subject: str = "gorgo",
+    run: bool = True,
 ) -> list[Row]:
-    """Every policy in every cell (in parallel with jobs > 1), then one Row per cell."""
+    """Every policy in every cell (in parallel with jobs > 1), then one Row per cell.
+    run=False: only what the result files hold (cells missing a run are left out)."""
     rerun = set(rerun)
     p95: dict[str, dict[str, tuple[float, float]]] = {c.key: {} for c in cells}
     todo: list[tuple[Cell, str, Path]] = []
@@ -308,6 +310,12 @@ def run_cells(
                 p95[c.key][p] = (s["ttft_ms"]["p95"], s["e2e_ms"]["p95"])
             else:
                 todo.append((c, p, path))
+    if not run:
+        missing = {c.key for c, _, _ in todo}
+        for key in sorted(missing):
+            print(f"bench target: {key} left out (runs missing)", file=sys.stderr)
+        cells = [c for c in cells if c.key not in missing]
+        todo = []
     n = len(todo)
     print(
         f"bench target: {len(cells)} cells x {len(policies)} policies, {n} runs "
@@ -454,6 +462,7 @@ def run_target_bench(
     rerun: Sequence[str],
     seed: int = 0,
     command: str = "gorgo bench target",
+    run: bool = True,
 ) -> int:
     for p in protocols:
         if p not in PRESETS:
@@ -466,7 +475,7 @@ def run_target_bench(
         return 2
     cells = cells_for(windows, rtt_profiles, protocols, time_scales)
     policies = [*BASELINES, "gorgo", *[p for p in extra if p not in (*BASELINES, "gorgo")]]
-    rows = run_cells(cells, policies, work, jobs, seed, reuse, rerun)
+    rows = run_cells(cells, policies, work, jobs, seed, reuse or not run, rerun, run=run)
     extra = [p for p in extra if p not in (*BASELINES, "gorgo")]
     md = markdown(rows, extra)
     note = (

@@ -194,6 +194,7 @@ def _bench_target(args: argparse.Namespace) -> int:
         args.rerun or [],
         args.seed,
         "gorgo " + shlex.join(sys.argv[1:]),
+        not args.no_run,
     )
 
 
@@ -450,6 +451,11 @@ def add_commands(commands: Commands) -> None:
     )
     b.add_argument(
         "--rerun", action="append", metavar="POLICY", help="with --reuse: run this one anyway"
+    )
+    b.add_argument(
+        "--no-run",
+        action="store_true",
+        help="only the table from the result files in --work (cells missing a run left out)",
     )
     b.set_defaults(func=_bench_target)
     b = bench.add_parser("decide", help="decision latency and prefix-index memory")

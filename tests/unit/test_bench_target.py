@@ -107,3 +107,8 @@ def test_burst_floor_counts_the_queue_of_same_instant_arrivals() -> None:
     # spread out, no queue is forced
     spread = [replace(r, arrival_s=float(i)) for i, r in enumerate(burst)]
     assert burst_floor_ttfts_ms(spread, "paper") == pytest.approx(floor_ttfts_ms(spread, "paper"))
+
+
+def test_no_run_leaves_out_cells_without_result_files(tmp_path: Path) -> None:
+    reqs = window(read_trace(SLICE), limit=5)
+    assert run_cells([_cell(reqs)], [*BASELINES, "gorgo"], tmp_path, run=False) == []
