@@ -95,6 +95,16 @@ class SimSettings:
     # The client protocol (loadgen.protocol): a concurrency cap with slip, output lengths
     # forced, long prompts dropped. OPEN: the trace as it is, open loop.
     protocol: Protocol = OPEN
+    # The live front door's pace: it takes in one request at a time (client, Envoy and
+    # the router's ext_proc in turn), door_spacing_ms apart, so requests the trace sends at
+    # one instant are decided, and reach an engine, in the order sent. 0: all decided at
+    # that instant, and their order at an engine is the WAN jitter's.
+    door_spacing_ms: float = 0.0
+    # Envoy's upstream connections (HTTP/1.1: one per request in flight, kept open when
+    # idle), one pool per Envoy worker thread, each request on a worker at random: a
+    # request that finds every connection of its worker to its backend busy opens one and
+    # waits for the TCP handshake, one more round trip (emulator/wan.py). 0: not modelled.
+    envoy_workers: int = 0
 
     def __post_init__(self) -> None:
         if not 0 <= self.front_doors <= len(self.regions):
@@ -253,6 +263,16 @@ class Simulation:
         self._slots_taken = 0
         self._waiting: deque[tuple[float, tuple[TraceRequest, str, str, float]]] = deque()
         self._slip_ms: dict[str, float] = {}
+        # door_spacing_ms: when each front door takes its next request, and when each
+        # request waiting there reached it. envoy_workers: per (door, backend, worker), the
+        # connections open and those busy, and the connection each request holds.
+        self._door_free_s: dict[str, float] = {}
+        self._door_arrival_s: dict[str, float] = {}
+        self._conns_open: dict[tuple[str, str, int], int] = {}
+        self._conns_busy: dict[tuple[str, str, int], int] = {}
+        self._conn_of: dict[str, tuple[str, str, int]] = {}
+        # Its own RNG: the other draws stay as they were.
+        self._worker_rng = random.Random(f"envoy-workers:{settings.seed}")
 
     def _push(self, t: float, kind: int, data: Any) -> None:
         self._seq += 1
@@ -400,6 +420,14 @@ class Simulation:
             cache.events = []
 
     def _arrive(self, r: TraceRequest, origin: str, door: str, access_ms: float) -> None:
+        if self.s.door_spacing_ms:
+            # The door is busy with an earlier request: this one waits its turn (FIFO).
+            self._door_arrival_s.setdefault(r.id, self.now_s)
+            free_s = self._door_free_s.get(door, 0.0)
+            if self.now_s < free_s:
+                self._push(free_s, _ARRIVE, (r, origin, door, access_ms))
+                return
+            self._door_free_s[door] = self.now_s + self.s.door_spacing_ms / 1000
         llm = LlmRequest(COMPLETIONS, ("",), (r.input_tokens,), r.output_tokens, True, None, None)
         per = max(1, r.block_tokens // self.router_block_tokens)
         blocks = _sub_blocks(r.block_ids, per, 1)[: r.input_tokens // self.router_block_tokens]
@@ -420,10 +448,20 @@ class Simulation:
             region=origin or None,
             slip_ms=self._slip_ms.pop(r.id, 0.0),
         )
-        self._arrival_s[r.id] = self.now_s
+        # TTFT and E2E count from the door's arrival (a wait for the door included).
+        self._arrival_s[r.id] = self._door_arrival_s.pop(r.id, self.now_s)
         self._access_ms[r.id] = access_ms
         link = self._link_of[r.id] = self.links[(door, d.backend)]
-        self._push(self.now_s + link.one_way_delay_s(), _AT_ENGINE, (d.backend, r))
+        delay_s = link.one_way_delay_s()
+        if self.s.envoy_workers:
+            worker = self._worker_rng.randrange(self.s.envoy_workers)
+            key = self._conn_of[r.id] = (door, d.backend, worker)
+            busy = self._conns_busy.get(key, 0)
+            if busy >= self._conns_open.get(key, 0):
+                self._conns_open[key] = busy + 1
+                delay_s += link.sample_rtt_ms() / 1000  # the handshake
+            self._conns_busy[key] = busy + 1
+        self._push(self.now_s + delay_s, _AT_ENGINE, (d.backend, r))
 
     def _step(self, backend: str, t: float) -> None:
         # TTFT and E2E as the client sees them: at its front door, plus its access leg.
@@ -457,6 +495,8 @@ class Simulation:
             sent_s = self._arrival_s[rid] - access_ms / 2000
             self._push(max(self.now_s, sent_s + res.e2e_ms / 1000), _SLOT, rid)
         del self._link_of[rid], self._last_emit_s[rid]
+        if (conn := self._conn_of.pop(rid, None)) is not None:
+            self._conns_busy[conn] -= 1
         self._router_of.pop(rid).close(rid, Status.OK, at_door_ms, cached_tokens=res.cached_tokens)
         if self.hook is not None:
             self.hook(res, self.router)

@@ -4,9 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from loadgen.results import summarize
-from loadgen.simulate import SimSettings, simulate
-from loadgen.traces import read_trace, scaled, synthetic, window
+from loadgen.results import RequestResult, summarize
+from loadgen.simulate import SimSettings, Simulation, simulate
+from loadgen.traces import TraceRequest, read_trace, scaled, synthetic, window
 
 SLICE = Path(__file__).resolve().parents[2] / "loadgen/data/mooncake-conversation-head400.jsonl"
 
@@ -258,3 +258,67 @@ def test_the_protocol_forces_output_lengths_and_drops_long_prompts(trace) -> Non
     assert res.dropped == long and len(res.requests) == len(trace) - long
     assert all(r.output_tokens == 128 and r.input_tokens <= 24_000 for r in res.requests)
     assert len(res.itl_ms) == 127 * len(res.requests)
+
+
+def _burst(n: int, input_tokens: int = 600, output_tokens: int = 40) -> list[TraceRequest]:
+    """n requests sent at one instant, each its own conversation."""
+    return [
+        TraceRequest(i, 0.0, input_tokens, output_tokens, (10_000 + i,), 512, f"s{i}")
+        for i in range(n)
+    ]
+
+
+def test_the_door_takes_a_burst_in_turn_and_ttft_counts_the_wait() -> None:
+    burst = _burst(6)
+    spaced = SimSettings(policy="round_robin", regions=("ap-seoul",), door_spacing_ms=20.0)
+    sim = Simulation(burst, spaced)
+    decided: list[float] = []
+    decide = sim.router.decide
+    sim.router.decide = lambda req: (decided.append(sim.now_s), decide(req))[1]  # type: ignore[method-assign]
+    engine = sim.engines["ap-seoul"]
+    arrived: list[str] = []
+    submit = engine.submit
+    engine.submit = lambda rid, *a: (arrived.append(rid), submit(rid, *a))[1]  # type: ignore[method-assign]
+    res = sim.run()
+    # decided one at a time, in the order sent, 20 ms apart
+    assert decided == pytest.approx([i * 0.02 for i in range(6)])
+    # ... so they reach the engine in that order (the WAN jitter: 4.5 ms one way)
+    assert arrived == [r.id for r in burst]
+    # the wait at the door is part of the TTFT
+    ttft = [r.ttft_ms or 0 for r in res.requests]
+    assert ttft[-1] > ttft[0] + 80
+    # off (the default), all are decided at once
+    plain = simulate(burst, SimSettings(policy="round_robin", regions=("ap-seoul",)))
+    assert min(r.ttft_ms or 0 for r in res.requests) == pytest.approx(
+        min(r.ttft_ms or 0 for r in plain.requests), abs=10
+    )
+
+
+def test_envoy_opens_a_connection_only_when_every_one_is_busy() -> None:
+    # Six at once to one backend: six connections, each a handshake (one more RTT);
+    # six more after those ended reuse them.
+    first, later = _burst(6), _burst(6)
+    later = [
+        TraceRequest(
+            r.index + 6,
+            30.0,
+            r.input_tokens,
+            r.output_tokens,
+            (20_000 + r.index,),
+            512,
+            f"t{r.index}",
+        )
+        for r in later
+    ]
+    one = ("ap-seoul",)
+    res = simulate(
+        [*first, *later], SimSettings(policy="round_robin", regions=one, envoy_workers=1)
+    )
+    off = simulate([*first, *later], SimSettings(policy="round_robin", regions=one))
+    rtt_ms = 180.0
+
+    def mean_ttft(rs: list[RequestResult]) -> float:
+        return sum(r.ttft_ms or 0 for r in rs) / len(rs)
+
+    assert mean_ttft(res.requests[:6]) - mean_ttft(off.requests[:6]) > 0.8 * rtt_ms
+    assert abs(mean_ttft(res.requests[6:]) - mean_ttft(off.requests[6:])) < 0.1 * rtt_ms
