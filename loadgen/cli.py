@@ -169,7 +169,9 @@ def _bench_decide(args: argparse.Namespace) -> int:
 def _bench_tuner(args: argparse.Namespace) -> int:
     from loadgen.bench_tuner import run_tuner_bench
 
-    return run_tuner_bench(args.trace, args.time_scale, args.change_at_s, args.seeds)
+    return run_tuner_bench(
+        args.trace, args.time_scale, args.change_at_s, args.seeds, args.convergence
+    )
 
 
 def _bench_target(args: argparse.Namespace) -> int:
@@ -408,7 +410,12 @@ def add_commands(commands: Commands) -> None:
     b.add_argument("--trace", default=DEFAULT_TRACE, help="Mooncake conversation trace")
     b.add_argument("--time-scale", type=float, default=6.0)
     b.add_argument("--change-at-s", type=float, default=600.0, help="trace time of the change")
-    b.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    b.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
+    b.add_argument(
+        "--convergence",
+        action="store_true",
+        help="first the grid and the convergence runs on the tuning window (~25 min more)",
+    )
     b.set_defaults(func=_bench_tuner)
     b = bench.add_parser(
         "target",

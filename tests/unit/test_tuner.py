@@ -139,7 +139,45 @@ def test_freeze_unfreeze_and_set_from_operations() -> None:
     t = Tuner(PAIRED_S, Weights(1.0, 1.0), random.Random(0))
     t.freeze()
     assert t.snapshot()["frozen"] and t.weights_for("x") == Weights(1.0, 1.0)
-    t.set_weights(Weights(100, 0.001))  # clipped into bounds
-    assert t.weights == Weights(4.0, 0.05)
+    t.set_weights(Weights(1000, 0.001))  # clipped into bounds
+    assert t.weights == Weights(256.0, 1 / 16)
     t.unfreeze()
     assert not t.state.frozen and t.state.child != t.state.parent
+
+
+def test_tail_mean_averages_the_slowest_fraction() -> None:
+    import numpy as np
+
+    from ext_proc.tuner import tail_mean
+
+    assert tail_mean(np.arange(1.0, 9.0), 0.25) == pytest.approx(7.5)  # 7 and 8
+    assert tail_mean(np.array([3.0, 1.0, 2.0]), 0.01) == 3.0  # at least one sample
+    rows = np.array([[1.0, 2.0, 3.0, 4.0], [10.0, 0.0, 0.0, 0.0]])
+    assert np.asarray(tail_mean(rows, 0.5)).tolist() == pytest.approx([3.5, 5.0])
+
+
+def test_default_bounds_hold_the_physical_weights_well_inside() -> None:
+    """1.0 is a real millisecond of RTT or queue; the bounds reach from where a term
+    stops changing decisions (1/16) to where it overrides the others, so the measured
+    optimum (w_rtt 32-64 on the tuning window, docs/tuner.md) is inside them."""
+    s = TunerSettings()
+    (rlo, rhi), (qlo, qhi) = s.rtt_bounds, s.queue_bounds
+    assert rlo <= 1 / 16 and rhi >= 256 and qlo <= 1 / 16 and qhi >= 16
+    assert s.clip((1.0, 1.0)) == (1.0, 1.0)
+
+
+def test_the_tail_score_also_climbs_and_also_rejects_a_worse_e2e() -> None:
+    s = replace(PAIRED_S, arm_size=16, score="tail")
+    rng = random.Random(1)
+    t = Tuner(s, Weights(1.0, 0.1), random.Random(3))
+    feed(t, lambda w, arm: 1000 / w.queue * rng.uniform(0.9, 1.1), 1200)
+    assert t.state.parent[1] > 0.5
+    g = Tuner(s, Weights(1.0, 1.0), random.Random(5))
+    feed(
+        g,
+        lambda w, arm: 500 if arm == CHILD else 1000,
+        200,
+        e2e_for=lambda w, arm: 20_000 if arm == CHILD else 10_000,
+    )
+    assert not any(h["accepted"] for h in g.state.history)
+    json.dumps(g.state.history)  # plain values: the state file can hold them
