@@ -65,7 +65,24 @@ def _envoy_config(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"gorgo envoy-config: {e}", file=sys.stderr)
         return 2
-    sys.stdout.write(render_mesh_snippet(cfg) if args.mesh_snippet else render_envoy_config(cfg))
+    if args.mesh_snippet:
+        sys.stdout.write(render_mesh_snippet(cfg))
+        return 0
+    if cfg.envoy.xds_dir:
+        # The bootstrap reads its backend clusters from these files: write them first, so
+        # Envoy can start before the router (which rewrites them as the fleet changes).
+        from ext_proc.xds import write_xds
+
+        try:
+            write_xds(cfg)
+        except OSError as e:
+            print(f"gorgo envoy-config: envoy.xds_dir: {e}", file=sys.stderr)
+            return 1
+        print(
+            f"gorgo envoy-config: wrote the backend clusters to {cfg.envoy.xds_dir}",
+            file=sys.stderr,
+        )
+    sys.stdout.write(render_envoy_config(cfg))
     return 0
 
 

@@ -277,6 +277,11 @@ class EnvoySettings:
     tracing_endpoint: str = ""
     # Share of requests Envoy traces (percent).
     tracing_sample_percent: float = bounded(100.0, ge=0.0, le=100.0)
+    # Directory of the backend clusters' xDS files ("" = static clusters in the bootstrap).
+    # Set: the generated Envoy bootstrap reads its backend clusters from files here (CDS,
+    # EDS), which the router rewrites when backends are added, drained or removed, so
+    # Envoy follows without a restart (docs/envoy.md). Relative to the current directory.
+    xds_dir: str = ""
 
 
 @dataclass(frozen=True)
