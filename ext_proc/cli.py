@@ -39,7 +39,11 @@ def _serve(args: argparse.Namespace) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        async with running_service(cfg) as svc:
+        async with running_service(cfg, config_path=args.config) as svc:
+            reloader = svc.reloader
+            assert reloader is not None
+            # SIGHUP reloads the config file (so does a change to it, within a second).
+            loop.add_signal_handler(signal.SIGHUP, reloader.request)
             print(
                 f"gorgo serve: ready. ext_proc gRPC on {cfg.listen.grpc.rpartition(':')[0]}:"
                 f"{svc.grpc_port}, admin http://{cfg.listen.admin.rpartition(':')[0]}:"
