@@ -580,7 +580,8 @@ class Stack:
         """Start one more emulated engine (and its WAN link) while the stack runs, on free
         ports, and return it as an item of the config's `backends:` list (what the router's
         POST /backends takes). The stack's own front door reaches it; other front doors
-        and KV events are not wired for it."""
+        and KV events are not wired for it. Call it from the thread that owns the stack:
+        a child gets SIGTERM when the thread that started it ends (PR_SET_PDEATHSIG)."""
         if self.settings.real_engine or self.settings.kv_events:
             raise StackError("add_engine: emulated engines without KV events only")
         engine, wan = free_ports(2)
