@@ -506,3 +506,48 @@ def test_decisions_only_reach_active_backends_and_removed_ones_leave_no_trace(
     removed = [e.backend for e in changes.events if e.change == BackendChange.REMOVED]
     drained = [e.backend for e in changes.events if e.change == BackendChange.DRAINING]
     assert Counter(removed) <= Counter(drained)
+
+
+def test_with_no_active_backend_the_stream_takes_the_fallback_route() -> None:
+    from tests.messages import body, headers
+    from tests.unit.test_reliability import Stream
+
+    router, _clock, _changes = fleet(ids=("a",))
+    router.confirm_new_backends = True
+    router.reconcile([backend("z")])  # a (idle) removed, z pending
+    s = Stream(router)
+    s.handle(headers("/v1/chat/completions", "r1"))
+    resp = s.handle(body(b'{"messages": [{"role": "user", "content": "hi"}]}'))
+    assert resp is not None and resp.WhichOneof("response") == "request_body"
+    assert not resp.request_body.response.header_mutation.set_headers  # no backend named
+    assert s.done and not router.state.in_flight
+
+
+def test_the_endpoint_picker_names_new_addresses_and_never_a_draining_one() -> None:
+    from ext_proc.server import EndpointPickerEncoder, decision_encoder
+
+    router, _clock, _changes = fleet(ids=("a", "b"))
+    router.cfg = config_from_dict(
+        {
+            "envoy": {"mode": "endpoint_picker", "connect_retries": 3},
+            "backends": [backend_as(router, b) for b in ("a", "b")],
+        }
+    )
+    encoder = decision_encoder(router.cfg)
+    assert isinstance(encoder, EndpointPickerEncoder)
+    router.add_backend(backend("c", 33))
+    router.decide(chat("r0"))
+    router.drain_backend("a")
+    encoder.set_backends(router.cfg.backends)
+    for i in range(6):
+        d = router.decide(chat(f"r{i + 1}"))
+        picked = encoder.encode(d).request_body.response.header_mutation.set_headers
+        endpoints = picked[0].header.raw_value.decode().split(",")
+        assert "127.0.0.1:1" not in endpoints  # a's address: draining
+        assert sorted(endpoints) == ["127.0.0.1:2", "127.0.0.1:33"]
+
+
+def backend_as(router: Router, bid: str) -> dict[str, object]:
+    from ext_proc.config import backend_as_dict
+
+    return backend_as_dict(router.configs[bid])
