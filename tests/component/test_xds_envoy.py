@@ -213,3 +213,24 @@ async def test_envoy_follows_the_files_without_failing_or_reconnecting(
     assert added_s < 2.0, added_s
     log = (tmp_path / "envoy.log").read_text()
     assert "rejected" not in log.lower(), log[-3000:]
+
+
+async def test_the_endpoint_picker_pool_follows_the_files(
+    tmp_path: Path, upstreams: list[Upstream], envoy_proc: list[subprocess.Popen[bytes]]
+) -> None:
+    u0, u1, u2 = upstreams[:3]
+    ports = free_ports(3)
+    two = fleet(tmp_path, {"b0": u0, "b1": u1}, ports, mode="endpoint_picker")
+    start_envoy(two, tmp_path, envoy_proc)
+    assert await wait_envoy(two, timeout_s=5) == []
+    three = fleet(tmp_path, {"b0": u0, "b1": u1, "b2": u2}, ports, mode="endpoint_picker")
+    async with aiohttp.ClientSession() as http:
+        flight = [asyncio.create_task(stream(http, two, 20)) for _ in range(6)]
+        await asyncio.sleep(0.2)
+        write_xds(three)
+        assert await wait_envoy(three, timeout_s=5) == []
+        assert set(priorities(clusters_text(three), "gorgo_pool")) == {u0.port, u1.port, u2.port}
+        write_xds(three, draining={"b0"})  # out of the pool at once: the router names it no more
+        await asyncio.sleep(0.3)
+        assert set(priorities(clusters_text(three), "gorgo_pool")) == {u1.port, u2.port}
+        assert await asyncio.gather(*flight) == [(200, 21)] * 6
