@@ -119,7 +119,7 @@ class Shed:
 
 
 class UnknownBackend(LookupError):
-    """No backend with that id (active or draining)."""
+    """No backend with that id (pending, active or draining)."""
 
 
 class NoActiveBackend(RuntimeError):
@@ -188,7 +188,7 @@ class Router:
         # that stream is up now (the shell says so; down, the router's own estimate serves).
         self.engine_blocks: dict[str, EngineBlocks] = {}
         self.precise: set[str] = set()
-        # The backends' configs (active and draining), the draining ones' ids, and the
+        # The backends' configs (pending, active, draining), the draining ones' ids, and the
         # backends removed lately (for /state and the lifecycle metric).
         self.configs: dict[str, Backend] = {}
         self.draining: tuple[str, ...] = ()
@@ -611,12 +611,13 @@ class Router:
 
     # -- the fleet: backends added, drained and removed at run time ---------------------
     #
-    # active -> draining -> removed. A draining backend is no candidate of any decision
-    # (so no policy, failover list or fallback of the router names it); its requests in
-    # flight finish, and the close of its last one (or its expiry) removes it from every
-    # per-backend structure. Listeners hear each step (`BackendChanged`): the shell starts
+    # (pending ->) active -> draining -> removed. Pending (`confirm_new_backends`): added,
+    # not a candidate until the shell says Envoy can route to it. A draining backend is no
+    # candidate of any decision (so no policy, failover list or fallback of the router
+    # names it); its requests in flight finish, and the close of its last one (or its
+    # expiry) removes it from every per-backend structure. Listeners hear each step (`BackendChanged`): the shell starts
     # and stops the backend's probes and KV-event subscriber and tells Envoy. `cfg.backends`
-    # is always the active and draining ones, in the order they came.
+    # is always the pending, active and draining ones, in the order they came.
 
     def lifecycle(self, backend: str) -> BackendLifecycle:
         b = self.state.backends.get(backend)
