@@ -615,9 +615,10 @@ class Router:
     # not a candidate until the shell says Envoy can route to it. A draining backend is no
     # candidate of any decision (so no policy, failover list or fallback of the router
     # names it); its requests in flight finish, and the close of its last one (or its
-    # expiry) removes it from every per-backend structure. Listeners hear each step (`BackendChanged`): the shell starts
-    # and stops the backend's probes and KV-event subscriber and tells Envoy. `cfg.backends`
-    # is always the pending, active and draining ones, in the order they came.
+    # expiry) removes it from every per-backend structure. Listeners hear each step
+    # (`BackendChanged`): the shell starts and stops the backend's probes and KV-event
+    # subscriber and tells Envoy. `cfg.backends` is always the pending, active and draining
+    # ones, in the order they came.
 
     def lifecycle(self, backend: str) -> BackendLifecycle:
         b = self.state.backends.get(backend)
