@@ -22,7 +22,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO
 
@@ -33,6 +33,7 @@ from ext_proc.config import PROBE_PATH, Config, EngineKind, config_as_dict, conf
 from ext_proc.envoy_config import render_envoy_config
 from ext_proc.files import write_atomic
 from ext_proc.profile import DEFAULT_PROFILE, load_profile
+from ext_proc.xds import write_xds
 
 
 @dataclass(frozen=True)
@@ -295,11 +296,16 @@ class Stack:
         else:
             self.workdir = settings.workdir
             self.workdir.mkdir(parents=True, exist_ok=True)
-        self.config = settings.gorgo_config()
+        # Envoy takes the backend clusters from files the router rewrites (envoy.xds_dir),
+        # so backends can be added, drained and removed while the stack runs.
+        config = settings.gorgo_config()
+        xds_dir = str(self.workdir / "xds")
+        self.config = replace(config, envoy=replace(config.envoy, xds_dir=xds_dir))
         self.wan_control_ports = free_ports(len(settings.regions)) if settings.wan_control else []
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self._logs: dict[str, IO[bytes]] = {}
         self._groups: list[int] = []
+        self.added: list[Region] = []  # engines started by add_engine
         self.doors = [FrontDoor(region, self) for region in settings.front_door_regions]
 
     # -- URLs ---------------------------------------------------------------------------
@@ -506,6 +512,7 @@ class Stack:
 
     def write_configs(self) -> None:
         write_atomic(self.workdir / "gorgo.yaml", config_yaml(self.config))
+        write_xds(self.config)  # before Envoy starts: its bootstrap names these files
         write_atomic(self.workdir / "envoy.yaml", render_envoy_config(self.config))
 
     def start(self, timeout_s: float = 30.0) -> None:
@@ -569,6 +576,51 @@ class Stack:
                 tail = (self.workdir / f"{name}.log").read_text(errors="replace")[-2000:]
                 raise StackError(f"{name} exited with code {proc.returncode}:\n{tail}")
 
+    def add_engine(self, region: Region, timeout_s: float = 15.0) -> dict[str, object]:
+        """Start one more emulated engine (and its WAN link) while the stack runs, on free
+        ports, and return it as an item of the config's `backends:` list (what the router's
+        POST /backends takes). The stack's own front door reaches it; other front doors
+        and KV events are not wired for it. Call it from the thread that owns the stack:
+        a child gets SIGTERM when the thread that started it ends (PR_SET_PDEATHSIG)."""
+        if self.settings.real_engine or self.settings.kv_events:
+            raise StackError("add_engine: emulated engines without KV events only")
+        engine, wan = free_ports(2)
+        seed = self.settings.seed + len(self.settings.regions) + len(self.added)
+        self._spawn(
+            f"engine-{region.id}",
+            self._gorgo(
+                "engine", "--name", region.id, "--port", str(engine), "--seed", str(seed),
+                *(["--profile", p] if (p := self.settings.engine_profile) else []),
+                *self.flavor_flags(0), *self.settings.engine_args,
+            ),
+        )  # fmt: skip
+        port = engine
+        if self.settings.wan_links:
+            self._spawn(
+                f"wan-{region.id}",
+                self._gorgo(
+                    "wan", "--listen", f"127.0.0.1:{wan}", "--target", f"127.0.0.1:{engine}",
+                    "--rtt-ms", str(region.rtt_ms),
+                ),
+            )  # fmt: skip
+            port = wan
+        path = PROBE_PATH[EngineKind(self.config.backends[0].engine)]
+        deadline = time.monotonic() + timeout_s
+        while not _http_ok(f"http://127.0.0.1:{engine}{path}"):
+            self._check_alive()
+            if time.monotonic() > deadline:
+                raise StackError(f"engine {region.id} not ready after {timeout_s:.0f} s")
+            time.sleep(0.05)
+        wait_port(port, deadline)
+        self.added.append(region)
+        return {
+            "id": region.id,
+            "address": f"127.0.0.1:{port}",
+            "engine": self.settings.flavor,
+            "rtt_prior_ms": region.rtt_ms,
+            **({"engine_profile": p} if (p := self.settings.engine_profile) else {}),
+        }
+
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         proc = self.procs.pop(name)
         proc.send_signal(sig)
@@ -624,6 +676,7 @@ class FrontDoor:
             listen=f"127.0.0.1:{self.front_door}", admin=f"127.0.0.1:{self.envoy_admin}"
         )
         raw["envoy"]["ext_proc_address"] = ""
+        raw["envoy"]["xds_dir"] = str(stack.workdir / f"door-{region}-xds")
         raw["fleet"]["router_id"] = f"door-{region}"
         for b, r, link in zip(raw["backends"], regions, self.links, strict=True):
             b["address"] = f"127.0.0.1:{link}"
@@ -656,6 +709,7 @@ class FrontDoor:
         cfg_path = stack.workdir / f"{name}-gorgo.yaml"
         write_atomic(cfg_path, config_yaml(self.config))
         stack._spawn(f"{name}-gorgo-serve", stack._gorgo("serve", "--config", str(cfg_path)))
+        write_xds(self.config)
         stack.start_envoy(f"{name}-envoy", render_envoy_config(self.config))
 
 

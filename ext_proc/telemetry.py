@@ -27,7 +27,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from ext_proc.config import TelemetryConfig
-from ext_proc.lifecycle import Closed, Dispatched, FirstByte, Listener, Status
+from ext_proc.lifecycle import BackendLifecycle, Closed, Dispatched, FirstByte, Listener, Status
 from ext_proc.prediction import prediction_error
 from ext_proc.router import Decision, Router
 
@@ -57,6 +57,8 @@ A_ENGINE_REPORT_AGE_S = "gorgo.engine_report.age_s"
 A_ENGINE_CACHED = "gorgo.engine_cached_tokens"
 A_PREDICTION_ERROR_TOKENS = "gorgo.prediction_error_tokens"
 A_PREDICTION_ERROR_RATIO = "gorgo.prediction_error_ratio"
+# Backends left out of the decision because they are draining (only when there are some).
+A_DRAINING_BACKENDS = "gorgo.draining_backends"
 CANDIDATE_FIELDS = ("rtt_ms", "queue_ms", "prefill_ms", "cached_tokens", "cost")
 
 # Buckets (seconds / ms) sized for LLM latencies: TTFT from 10 ms to minutes.
@@ -102,6 +104,23 @@ class _LiveGauges(Collector):
             weights.add_metric(["queue"], w.queue)
         yield from (in_flight, rtt, suspect, report_age, weights)
         yield from self._prefix_state()
+        yield self._lifecycle()
+
+    def _lifecycle(self) -> GaugeMetricFamily:
+        """Per backend, 1 for its lifecycle now and 0 for the others; the backends removed
+        lately (Router.removed) show removed = 1."""
+        g = GaugeMetricFamily(
+            "gorgo_backend_lifecycle",
+            "1 for the backend's lifecycle now (pending, active, draining, removed)",
+            labels=["backend", "state"],
+        )
+        current = {b.id: b.lifecycle for b in self.router.state.backends.values()}
+        for r in self.router.removed:
+            current.setdefault(r["id"], BackendLifecycle.REMOVED)
+        for backend, now in current.items():
+            for state in BackendLifecycle:
+                g.add_metric([backend, str(state)], 1.0 if state is now else 0.0)
+        return g
 
     def _prefix_state(self) -> Iterable[GaugeMetricFamily]:
         """Per backend: whether its prefix state is the engine's own, and its event stream."""
@@ -185,6 +204,12 @@ class Metrics:
         )
         self.fallback = Counter(
             "gorgo_fallback", "Requests the fail-open route served", ["backend"], registry=r
+        )
+        self.reloads = Counter(
+            "gorgo_config_reloads",
+            "Config reloads (SIGHUP, file change), by result: ok or error (refused)",
+            ["result"],
+            registry=r,
         )
         r.register(_LiveGauges(router))
 
@@ -313,6 +338,8 @@ class Telemetry(Listener):
             A_INPUT_TOKENS: d.input_tokens,
             A_SESSION_HASH: session_hash(session_key),
         }
+        if d.draining:
+            attrs[A_DRAINING_BACKENDS] = list(d.draining)
         if d.weights is not None:
             attrs[A_WEIGHT_RTT] = d.weights.rtt
             attrs[A_WEIGHT_QUEUE] = d.weights.queue
