@@ -217,7 +217,9 @@ def drive_router() -> tuple[Router, Telemetry]:
     for i in range(12):  # failures in a row on one backend eject it
         d = router.decide(_request(f"err-{i}", "hello"))
         router.close(d.request_id, Status.ERROR)
-    assert any(b.ejections for b in router.state.backends.values())
+        if any(b.ejections for b in router.state.backends.values()):
+            break
+    assert sum(b.ejections for b in router.state.backends.values()) == 1
     telemetry.fallback(next(iter(router.state.backends)))
     assert router.tuner is not None and router.tuner.steps_accepted + router.tuner.steps_rejected
     return router, telemetry
@@ -229,7 +231,52 @@ def router_metrics() -> dict[str, list[dict[str, str]]]:
     return exported(telemetry.metrics.render().decode())
 
 
+def _sample(telemetry: Telemetry, name: str, **labels: str) -> float:
+    """One sample's value from the router's rendered metrics."""
+    text = telemetry.metrics.render().decode()
+    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    m = re.search(rf"^{name}{re.escape('{' + want + '}') if want else ''} (\S+)$", text, re.M)
+    assert m, f"{name}{{{want}}} not rendered"
+    return float(m.group(1))
+
+
 # -- the tests -------------------------------------------------------------------------
+
+
+def test_the_router_exports_ejections_and_the_tuners_progress() -> None:
+    router, telemetry = drive_router()
+    clock = router.clock
+    assert isinstance(clock, FakeClock)
+    (out,) = [b for b in router.state.backends.values() if b.ejected_until_s is not None]
+    assert _sample(telemetry, "gorgo_ejected", backend=out.id) == 1
+    assert _sample(telemetry, "gorgo_ejections_total", backend=out.id) == out.ejections >= 1
+    for b in router.state.backends.values():
+        if b is not out:
+            assert _sample(telemetry, "gorgo_ejected", backend=b.id) == 0
+    # the ejection ends by itself: the gauge says so before any decision clears it
+    assert out.ejected_until_s is not None
+    clock.advance(out.ejected_until_s - clock() + 0.001)
+    assert _sample(telemetry, "gorgo_ejected", backend=out.id) == 0
+    assert _sample(telemetry, "gorgo_ejections_total", backend=out.id) == out.ejections
+    # the tuner: every step it recorded, by outcome, its samples, sigma, frozen
+    tuner = router.tuner
+    assert tuner is not None
+    history = tuner.state.history
+    accepted = sum(1 for h in history if h["accepted"])
+    assert _sample(telemetry, "gorgo_tuner_steps_total", outcome="accepted") == accepted
+    assert _sample(telemetry, "gorgo_tuner_steps_total", outcome="rejected") == (
+        len(history) - accepted
+    )
+    assert len(history) >= 2
+    assert _sample(telemetry, "gorgo_tuner_samples_total") == tuner.state.samples > 0
+    assert _sample(telemetry, "gorgo_tuner_sigma") == tuner.state.sigma
+    assert _sample(telemetry, "gorgo_tuner_frozen") == 0
+    tuner.freeze()
+    assert _sample(telemetry, "gorgo_tuner_frozen") == 1
+    # no tuner, no tuner metrics
+    untuned = build_router(make_config("gorgo"), FakeClock(), random.Random(0))
+    text = Telemetry(TelemetryConfig(), untuned).metrics.render().decode()
+    assert "gorgo_tuner_" not in text and "gorgo_ejections_total{" in text
 
 
 def test_every_query_and_expression_parses_and_names_a_known_source() -> None:
