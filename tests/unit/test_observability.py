@@ -301,6 +301,25 @@ def test_the_router_exports_every_gorgo_metric_they_name(
     check_selectors(gorgo, router_metrics, "the router (Telemetry after lifecycle events)")
 
 
+def test_the_check_catches_a_wrong_name_label_or_value(
+    router_metrics: dict[str, list[dict[str, str]]],
+) -> None:
+    for expr, problem in (
+        ("sum(rate(gorgo_decision_total[5m]))", "is not exported"),
+        ('gorgo_completions_total{state="ok"}', "has no label 'state'"),
+        ('gorgo_completions_total{status="failedover"}', "only ["),
+        ('{__name__="gorgo_ejected_total"}', "is not exported"),
+    ):
+        with pytest.raises(AssertionError, match=re.escape(problem)):
+            check_selectors(selectors_of("q", expr), router_metrics, "the router")
+    with pytest.raises(AssertionError, match="not PromQL"):
+        selectors_of("q", "sum(rate(gorgo_decisions_total[5m])")
+    # a regex matcher selects nothing in particular: only its label must exist
+    check_selectors(
+        selectors_of("q", 'gorgo_completions_total{status=~"fail.*"}'), router_metrics, "r"
+    )
+
+
 def test_the_dashboard_covers_what_the_issue_asks(
     router_metrics: dict[str, list[dict[str, str]]],
 ) -> None:
