@@ -31,6 +31,8 @@ FALLBACK_CLUSTER = "gorgo_fallback"
 # endpoint_picker mode: one cluster of every backend, the endpoint picked per request.
 POOL_CLUSTER = "gorgo_pool"
 OTEL_CLUSTER = "otel_collector"
+# The observing ext_proc filter's stats prefix (the routing filter's stats have none).
+OBSERVE_STAT_PREFIX = "gorgo_observe"
 # Endpoint metadata that names each endpoint's backend id, so the response can echo the
 # backend even when the fallback cluster (all backends) served the request.
 METADATA_NAMESPACE = "gorgo"
@@ -174,6 +176,9 @@ def _ext_proc_filters(cfg: Config) -> list[dict[str, Any]]:
             "failure_mode_allow": True,
             # Envoy sends and does not wait: timing the first token never delays it.
             "observability_mode": True,
+            # Its own stats (http.<prefix>.ext_proc.gorgo_observe.*), so the routing
+            # filter's failure_mode_allowed counts each request that failed open once.
+            "stat_prefix": OBSERVE_STAT_PREFIX,
             # No request phase: the stream opens with the first response chunk, which
             # carries the request id as an attribute, so nothing of this filter competes
             # with the routing stream while Envoy waits for the decision.

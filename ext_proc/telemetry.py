@@ -23,7 +23,7 @@ from opentelemetry.trace import Span, StatusCode
 from opentelemetry.trace import Status as SpanStatus
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from ext_proc.config import TelemetryConfig
@@ -80,20 +80,30 @@ class _LiveGauges(Collector):
     def __init__(self, router: Router) -> None:
         self.router = router
 
-    def collect(self) -> Iterable[GaugeMetricFamily]:
+    def collect(self) -> Iterable[Metric]:
         in_flight = GaugeMetricFamily("gorgo_in_flight", "Requests in flight", labels=["backend"])
         rtt = GaugeMetricFamily("gorgo_rtt_ms", "Smoothed probe RTT (ms)", labels=["backend"])
         suspect = GaugeMetricFamily("gorgo_suspect", "1 if probes fail", labels=["backend"])
+        ejected = GaugeMetricFamily(
+            "gorgo_ejected", "1 while ejected for failing requests", labels=["backend"]
+        )
+        ejections = CounterMetricFamily(
+            "gorgo_ejections", "Ejections for failing requests", labels=["backend"]
+        )
+        now_s = self.router.clock()
         for b in self.router.state.backends.values():
             in_flight.add_metric([b.id], b.in_flight)
             rtt.add_metric([b.id], b.rtt_ms)
             suspect.add_metric([b.id], 1.0 if b.suspect else 0.0)
+            # An ejection ends by itself (the state clears it at the next decision).
+            out = b.ejected_until_s is not None and now_s < b.ejected_until_s
+            ejected.add_metric([b.id], 1.0 if out else 0.0)
+            ejections.add_metric([b.id], b.ejections)
         report_age = GaugeMetricFamily(
             "gorgo_engine_report_age_seconds",
             "Seconds since the engine's last load report (/metrics) was read",
             labels=["backend"],
         )
-        now_s = self.router.clock()
         for b in self.router.state.backends.values():
             if b.engine_at_s is not None:
                 report_age.add_metric([b.id], max(0.0, now_s - b.engine_at_s))
@@ -102,7 +112,8 @@ class _LiveGauges(Collector):
         if w is not None:
             weights.add_metric(["rtt"], w.rtt)
             weights.add_metric(["queue"], w.queue)
-        yield from (in_flight, rtt, suspect, report_age, weights)
+        yield from (in_flight, rtt, suspect, ejected, ejections, report_age, weights)
+        yield from self._tuner()
         yield from self._prefix_state()
         yield self._lifecycle()
 
@@ -122,7 +133,31 @@ class _LiveGauges(Collector):
                 g.add_metric([backend, str(state)], 1.0 if state is now else 0.0)
         return g
 
-    def _prefix_state(self) -> Iterable[GaugeMetricFamily]:
+    def _tuner(self) -> Iterable[Metric]:
+        """The tuner's progress (nothing without a tuner)."""
+        tuner = self.router.tuner
+        if tuner is None:
+            return
+        steps = CounterMetricFamily(
+            "gorgo_tuner_steps",
+            "Tuner steps (rounds decided) by this process, by outcome",
+            labels=["outcome"],
+        )
+        steps.add_metric(["accepted"], tuner.steps_accepted)
+        steps.add_metric(["rejected"], tuner.steps_rejected)
+        samples = CounterMetricFamily(
+            "gorgo_tuner_samples", "Completions the tuner scored (restored from its state file)"
+        )
+        samples.add_metric([], tuner.state.samples)
+        frozen = GaugeMetricFamily(
+            "gorgo_tuner_frozen", "1 while the tuner is frozen (parent serves all traffic)"
+        )
+        frozen.add_metric([], 1.0 if tuner.state.frozen else 0.0)
+        sigma = GaugeMetricFamily("gorgo_tuner_sigma", "The tuner's mutation step size (log space)")
+        sigma.add_metric([], tuner.state.sigma)
+        yield from (steps, samples, frozen, sigma)
+
+    def _prefix_state(self) -> Iterable[Metric]:
         """Per backend: whether its prefix state is the engine's own, and its event stream."""
         precise = GaugeMetricFamily(
             "gorgo_prefix_state_precise",
