@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -28,6 +29,7 @@ from typing import IO
 
 import yaml
 
+from emulator.supervisor import GiveUp, RestartPolicy, Supervisor
 from emulator.wan import region_rtt_ms
 from ext_proc.config import PROBE_PATH, Config, EngineKind, config_as_dict, config_from_dict
 from ext_proc.envoy_config import render_envoy_config
@@ -99,14 +101,18 @@ class _ExplicitPorts(StackPorts):
 def _die_with_parent() -> None:
     """In the child: get SIGTERM when the parent dies, even by SIGKILL, so a killed
     `gorgo up` (or test run) never leaves engines, links or Envoy behind (Linux only)."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except (OSError, AttributeError):
-        pass
+    if _LIBC is not None:
+        with contextlib.suppress(AttributeError):
+            _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 _PR_SET_PDEATHSIG = 1
+# Loaded before any fork: a child forked while another thread (the supervisor's) holds the
+# dynamic loader's lock could deadlock in a dlopen between fork and exec.
+try:
+    _LIBC: ctypes.CDLL | None = ctypes.CDLL(None, use_errno=True)
+except OSError:
+    _LIBC = None
 
 
 # Ports for the stack's children, below Linux's ephemeral range (32768-60999): a port the
@@ -283,6 +289,33 @@ class StackError(RuntimeError):
 VLLM_START_S = 240.0
 
 
+@dataclass(frozen=True)
+class _Spawn:
+    """How a child was started: a restart starts it the same way."""
+
+    argv: tuple[str, ...]
+    env: dict[str, str] | None
+    group: bool
+
+
+@dataclass(frozen=True)
+class ChildRestart:
+    """One restart the supervisor made: `attempt`-th in a row, new `pid`, when (monotonic)."""
+
+    name: str
+    attempt: int
+    pid: int
+    at_s: float
+
+
+def _exit_how(returncode: int) -> str:
+    return f"signal {-returncode}" if returncode < 0 else f"code {returncode}"
+
+
+def _say(line: str) -> None:
+    print(f"gorgo up: {line}", file=sys.stderr, flush=True)
+
+
 class Stack:
     """Starts and stops the local stack's child processes. Use as a context manager."""
 
@@ -300,6 +333,15 @@ class Stack:
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self._logs: dict[str, IO[bytes]] = {}
         self._groups: list[int] = []
+        # Supervision (section below): how each child was started, to restart it the same.
+        self._specs: dict[str, _Spawn] = {}
+        self._lock = threading.RLock()  # procs, logs, groups: tend() may run in a thread
+        self.supervisor = Supervisor()
+        self.supervised = False
+        self.restarts: list[ChildRestart] = []
+        self.supervisor_error: StackError | None = None
+        self._tending: threading.Thread | None = None
+        self._stop_tending = threading.Event()
         self.doors = [FrontDoor(region, self) for region in settings.front_door_regions]
 
     # -- URLs ---------------------------------------------------------------------------
@@ -352,6 +394,7 @@ class Stack:
             )
             + (f" | routers share dispatches on {url}" if (url := self.settings.nats_url) else "")
             + f" | logs {self.workdir}"
+            + (f" | supervised: {self.supervision_summary()}" if self.supervised else "")
         )
 
     # -- lifecycle ----------------------------------------------------------------------
@@ -374,19 +417,27 @@ class Stack:
     ) -> None:
         """group: the child leads a process group of its own, which stop() ends whole (a
         real vLLM spawns its engine core and workers)."""
+        with self._lock:
+            self._specs[name] = _Spawn(tuple(argv), env, group)
+            self._launch(name)
+
+    def _launch(self, name: str) -> None:
+        """Start child `name` from its spawn spec, its log appended to."""
+        spec = self._specs[name]
         log = open(self.workdir / f"{name}.log", "ab")  # noqa: SIM115 - closed in stop()
         self._logs[name] = log
         self.procs[name] = subprocess.Popen(
-            argv,
+            spec.argv,
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env=None if env is None else {**os.environ, **env},
+            env=None if spec.env is None else {**os.environ, **spec.env},
             preexec_fn=_die_with_parent,
-            start_new_session=group,
+            start_new_session=spec.group,
         )
-        if group:
+        if spec.group:
             self._groups.append(self.procs[name].pid)
+        self.supervisor.started(name, time.monotonic())
 
     def _gorgo(self, *args: str) -> list[str]:
         return [sys.executable, "-m", "ext_proc.cli", *args]
@@ -570,12 +621,18 @@ class Stack:
                 raise StackError(f"{name} exited with code {proc.returncode}:\n{tail}")
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
-        proc = self.procs.pop(name)
+        """Stop child `name` on purpose: the supervisor does not restart it (a test that
+        wants a crash sends the signal to its pid itself)."""
+        with self._lock:
+            proc = self.procs.pop(name)
+            self.supervisor.forget(name)
+            log = self._logs.pop(name)
         proc.send_signal(sig)
         proc.wait(timeout=10)
-        self._logs.pop(name).close()
+        log.close()
 
     def stop(self) -> None:
+        self._stop_supervising()  # first: nothing restarts what is being stopped
         procs = list(self.procs.items())
         for _, proc in procs:
             if proc.poll() is None:
@@ -598,6 +655,92 @@ class Stack:
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
+
+    # -- supervision ----------------------------------------------------------------------
+    # `gorgo up` restarts a child that dies, with exactly the argv (so the ports and config)
+    # it had, while the others keep serving: Envoy fails open while the router is down, and
+    # the router's probes and ejection keep requests off an engine or link that is down
+    # until it is back. The policy (backoff, crash loop) is emulator/supervisor.py.
+
+    def supervise(self, policy: RestartPolicy | None = None, interval_s: float = 0.1) -> None:
+        """Keep the children running from a background thread until stop() (tests and
+        embeddings; `gorgo up` calls tend() from its main loop). On a crash loop the thread
+        stops, leaving `supervisor_error` set and the other children running."""
+        if policy is not None:
+            self.supervisor.policy = policy
+        self.supervised = True
+        self._stop_tending.clear()
+
+        def loop() -> None:
+            while not self._stop_tending.wait(interval_s):
+                try:
+                    self.tend()
+                except StackError as e:
+                    self.supervisor_error = e
+                    print(f"gorgo up: {e}", file=sys.stderr, flush=True)
+                    # The thread lives on until stop(): the children it restarted would
+                    # get their parent-death signal when it ends (PR_SET_PDEATHSIG follows
+                    # the thread that forked them).
+                    self._stop_tending.wait()
+
+        self._tending = threading.Thread(target=loop, name="gorgo-up-supervisor", daemon=True)
+        self._tending.start()
+
+    def supervision_summary(self) -> str:
+        p = self.supervisor.policy
+        return (
+            f"a child that exits is restarted after {p.backoff_s:g} s, doubling to "
+            f"{p.backoff_max_s:g} s; more than {p.max_restarts} restarts of one child in "
+            f"{p.window_s:g} s are a crash loop, which stops the stack"
+        )
+
+    def tend(self) -> None:
+        """One supervision step: schedule the restart of every child found exited (logged),
+        and restart those whose backoff is over. Raises StackError on a crash loop, with the
+        child's last log lines."""
+        with self._lock:
+            now_s = time.monotonic()
+            for name, proc in list(self.procs.items()):
+                returncode = proc.poll()
+                if returncode is None or self.supervisor.pending(name):
+                    continue  # running, or seen exited already (its restart is scheduled)
+                self._reap_group(proc.pid)
+                how = _exit_how(returncode)
+                decision = self.supervisor.exited(name, now_s)
+                if isinstance(decision, GiveUp):
+                    raise StackError(
+                        f"{name} exited ({how}) after {decision.restarts} restarts within "
+                        f"{decision.window_s:g} s: a crash loop, not restarting it. The last "
+                        f"lines of {self.workdir / f'{name}.log'}:\n{self.log_tail(name)}"
+                    )
+                _say(f"{name} exited ({how}); restart {decision.attempt} in {decision.delay_s:g} s")
+            for due in self.supervisor.due(time.monotonic()):
+                if due.name not in self.procs:
+                    self.supervisor.forget(due.name)  # killed on purpose meanwhile
+                    continue
+                self._logs.pop(due.name).close()
+                self._launch(due.name)
+                pid = self.procs[due.name].pid
+                self.restarts.append(ChildRestart(due.name, due.attempt, pid, time.monotonic()))
+                _say(f"{due.name} restarted (restart {due.attempt}, pid {pid})")
+
+    def log_tail(self, name: str, lines: int = 20) -> str:
+        path = self.workdir / f"{name}.log"
+        text = path.read_text(errors="replace") if path.exists() else ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def _reap_group(self, pid: int) -> None:
+        """What a group child (a real vLLM) left behind goes with it, before its restart."""
+        if pid in self._groups:
+            self._groups.remove(pid)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
+
+    def _stop_supervising(self) -> None:
+        self._stop_tending.set()
+        if self._tending is not None:
+            self._tending.join(timeout=30)
+            self._tending = None
 
     def __enter__(self) -> Stack:
         self.start()
@@ -690,7 +833,9 @@ def regions_for_profile(profile: str) -> tuple[Region, ...]:
 
 
 def run_until_signalled(settings: StackSettings) -> int:
-    """`gorgo up`: start, print the ready line, stop everything on SIGINT or SIGTERM."""
+    """`gorgo up`: start (any child failing to start fails it), print the ready line,
+    restart children that die (Stack.tend), stop everything on SIGINT or SIGTERM or on a
+    crash loop (exit 1)."""
     stack = Stack(settings)
     stopping = False
 
@@ -705,13 +850,16 @@ def run_until_signalled(settings: StackSettings) -> int:
     except StackError as e:
         print(f"gorgo up: {e}", file=sys.stderr)
         return 1
+    stack.supervised = True
     print(stack.ready_line(), flush=True)
     try:
-        while not stopping:
-            time.sleep(0.2)
+        while True:
+            time.sleep(0.1)  # a dead child is noticed within 0.1 s
+            if stopping:
+                break
             try:
-                stack._check_alive()
-            except StackError as e:
+                stack.tend()
+            except StackError as e:  # a crash loop: stop everything, exit non-zero
                 print(f"gorgo up: {e}", file=sys.stderr)
                 return 1
     finally:
