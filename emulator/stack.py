@@ -666,6 +666,8 @@ class Stack:
         """Keep the children running from a background thread until stop() (tests and
         embeddings; `gorgo up` calls tend() from its main loop). On a crash loop the thread
         stops, leaving `supervisor_error` set and the other children running."""
+        if self._tending is not None:
+            return  # already supervised
         if policy is not None:
             self.supervisor.policy = policy
         self.supervised = True
