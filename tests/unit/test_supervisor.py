@@ -7,12 +7,13 @@ import os
 import signal
 import sys
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from emulator.stack import Stack, StackPorts, StackSettings
+from emulator.stack import Stack, StackPorts, StackSettings, free_ports
 from emulator.supervisor import GiveUp, Restart, RestartPolicy, Supervisor
 
 # -- the policy, on a fake clock ---------------------------------------------------------
@@ -191,3 +192,46 @@ def test_stop_ends_restarted_children_too(stack: Stack) -> None:
     assert not alive(pid) and stack.procs == {}
     time.sleep(0.1)  # and nothing comes back
     assert stack.procs == {}
+
+
+def test_a_router_restarts_from_its_warm_spare(
+    stack: Stack, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # a stand-in for `python -m ext_proc.cli serve`: the stdlib's HTTP server, json preloaded
+    stack.SPARE_FOR, stack.SPARE_PRELOAD, stack.SPARE_AFTER_S = (
+        "serve",
+        {"http.server": ("json",)},
+        0,
+    )
+    (port,) = free_ports(1)
+    stack._spawn("fake-serve", [sys.executable, "-m", "http.server", "-b", "127.0.0.1", str(port)])
+    stack.supervise(FAST, interval_s=0.02)
+    wait_until(lambda: "fake-serve" in stack._spares)
+    spare = stack._spares["fake-serve"][0]
+    wait_until(lambda: serves(port))
+    os.kill(stack.procs["fake-serve"].pid, signal.SIGKILL)
+    wait_until(lambda: len(stack.restarts) == 1)
+    assert stack.procs["fake-serve"] is spare  # the spare became the child
+    wait_until(lambda: serves(port))
+    assert "fake-serve restarted from its warm spare (restart 1" in capsys.readouterr().err
+    wait_until(lambda: "fake-serve" in stack._spares)  # and a new spare waits
+    assert stack._spares["fake-serve"][0] is not spare
+
+
+def test_stop_ends_the_spares(stack: Stack) -> None:
+    stack.SPARE_FOR, stack.SPARE_PRELOAD, stack.SPARE_AFTER_S = "serve", {"http.server": ()}, 0
+    (port,) = free_ports(1)
+    stack._spawn("fake-serve", [sys.executable, "-m", "http.server", "-b", "127.0.0.1", str(port)])
+    stack.supervise(FAST, interval_s=0.02)
+    wait_until(lambda: "fake-serve" in stack._spares)
+    pid = stack._spares["fake-serve"][0].pid
+    stack.stop()
+    assert not alive(pid) and stack._spares == {}
+
+
+def serves(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=1) as r:
+            return bool(r.status == 200)
+    except OSError:
+        return False
