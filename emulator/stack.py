@@ -667,8 +667,8 @@ class Stack:
 
     def supervise(self, policy: RestartPolicy | None = None, interval_s: float = 0.1) -> None:
         """Keep the children running from a background thread until stop() (tests and
-        embeddings; `gorgo up` calls tend() from its main loop). On a crash loop the thread
-        stops, leaving `supervisor_error` set and the other children running."""
+        embeddings; `gorgo up` calls tend() from its main loop). On a crash loop it stops
+        restarting anything, leaving `supervisor_error` set and the other children running."""
         if self._tending is not None:
             return  # already supervised
         if policy is not None:
@@ -696,7 +696,8 @@ class Stack:
         return (
             f"a child that exits is restarted after {p.backoff_s:g} s, doubling to "
             f"{p.backoff_max_s:g} s; more than {p.max_restarts} restarts of one child in "
-            f"{p.window_s:g} s are a crash loop, which stops the stack"
+            f"{p.window_s:g} s are a crash loop, which stops the stack; routers restart from "
+            "a warm spare"
         )
 
     def tend(self) -> None:
