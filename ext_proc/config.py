@@ -271,6 +271,14 @@ class EnvoySettings:
     # A request whose backend cannot be reached (connection refused or reset before the
     # request was sent) is retried this many times on other backends (0 = never).
     connect_retries: int = bounded(2, **NON_NEGATIVE)
+    # Retry too when the backend's connection is reset before its response began: a
+    # backend that died, or a proxy or link in front of it that accepted the connection
+    # and then lost it (the request written into a connection that was already dying
+    # never reached the engine). Nothing has reached the client yet, and the engine
+    # aborts a request whose connection is gone. The cost: a request that itself crashes
+    # engines is tried on connect_retries more. False: only connections that never
+    # carried the request are retried.
+    retry_resets: bool = True
     # How the decision reaches Envoy (see EnvoyMode).
     mode: EnvoyMode = EnvoyMode.CLUSTER
     # OTLP/gRPC collector (host:port) for Envoy's own spans; "" = no Envoy tracing.

@@ -105,11 +105,13 @@ def _cluster(
 
 
 def _retry_policy(cfg: Config, other_priorities: bool) -> dict[str, Any]:
-    """Retry on another backend when the chosen one cannot be reached: the request never
-    got there, so nothing runs twice. 5xx answers are not retried (the backend may have
-    worked); the router ejects a backend that keeps failing instead."""
+    """Retry on another backend when the chosen one cannot be reached, or (retry_resets)
+    its connection is lost before the response began: nothing reached the client, so it
+    sees one answer. 5xx answers are not retried (the backend may have worked); the
+    router ejects a backend that keeps failing instead."""
+    reset = "reset" if cfg.envoy.retry_resets else "reset-before-request"
     policy: dict[str, Any] = {
-        "retry_on": "connect-failure,refused-stream,reset-before-request",
+        "retry_on": f"connect-failure,refused-stream,{reset}",
         "num_retries": cfg.envoy.connect_retries,
         "retry_host_predicate": [
             {
