@@ -18,21 +18,24 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO
 
 import yaml
 
+from emulator.supervisor import GiveUp, RestartPolicy, Supervisor
 from emulator.wan import region_rtt_ms
 from ext_proc.config import PROBE_PATH, Config, EngineKind, config_as_dict, config_from_dict
 from ext_proc.envoy_config import render_envoy_config
 from ext_proc.files import write_atomic
 from ext_proc.profile import DEFAULT_PROFILE, load_profile
+from ext_proc.xds import write_xds
 
 
 @dataclass(frozen=True)
@@ -99,14 +102,18 @@ class _ExplicitPorts(StackPorts):
 def _die_with_parent() -> None:
     """In the child: get SIGTERM when the parent dies, even by SIGKILL, so a killed
     `gorgo up` (or test run) never leaves engines, links or Envoy behind (Linux only)."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    except (OSError, AttributeError):
-        pass
+    if _LIBC is not None:
+        with contextlib.suppress(AttributeError):
+            _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 _PR_SET_PDEATHSIG = 1
+# Loaded before any fork: a child forked while another thread (the supervisor's) holds the
+# dynamic loader's lock could deadlock in a dlopen between fork and exec.
+try:
+    _LIBC: ctypes.CDLL | None = ctypes.CDLL(None, use_errno=True)
+except OSError:
+    _LIBC = None
 
 
 # Ports for the stack's children, below Linux's ephemeral range (32768-60999): a port the
@@ -283,6 +290,33 @@ class StackError(RuntimeError):
 VLLM_START_S = 240.0
 
 
+@dataclass(frozen=True)
+class _Spawn:
+    """How a child was started: a restart starts it the same way."""
+
+    argv: tuple[str, ...]
+    env: dict[str, str] | None
+    group: bool
+
+
+@dataclass(frozen=True)
+class ChildRestart:
+    """One restart the supervisor made: `attempt`-th in a row, new `pid`, when (monotonic)."""
+
+    name: str
+    attempt: int
+    pid: int
+    at_s: float
+
+
+def _exit_how(returncode: int) -> str:
+    return f"signal {-returncode}" if returncode < 0 else f"code {returncode}"
+
+
+def _say(line: str) -> None:
+    print(f"gorgo up: {line}", file=sys.stderr, flush=True)
+
+
 class Stack:
     """Starts and stops the local stack's child processes. Use as a context manager."""
 
@@ -295,11 +329,27 @@ class Stack:
         else:
             self.workdir = settings.workdir
             self.workdir.mkdir(parents=True, exist_ok=True)
-        self.config = settings.gorgo_config()
+        # Envoy takes the backend clusters from files the router rewrites (envoy.xds_dir),
+        # so backends can be added, drained and removed while the stack runs.
+        config = settings.gorgo_config()
+        xds_dir = str(self.workdir / "xds")
+        self.config = replace(config, envoy=replace(config.envoy, xds_dir=xds_dir))
         self.wan_control_ports = free_ports(len(settings.regions)) if settings.wan_control else []
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self._logs: dict[str, IO[bytes]] = {}
         self._groups: list[int] = []
+        self.added: list[Region] = []  # engines started by add_engine
+        # Supervision (section below): how each child was started, to restart it the same.
+        self._specs: dict[str, _Spawn] = {}
+        self._lock = threading.RLock()  # procs, logs, groups: tend() may run in a thread
+        self.supervisor = Supervisor()
+        self.supervised = False
+        self.restarts: list[ChildRestart] = []
+        self.supervisor_error: StackError | None = None
+        self._tending: threading.Thread | None = None
+        self._stop_tending = threading.Event()
+        self._started_s: dict[str, float] = {}
+        self._spares: dict[str, tuple[subprocess.Popen[bytes], IO[bytes]]] = {}
         self.doors = [FrontDoor(region, self) for region in settings.front_door_regions]
 
     # -- URLs ---------------------------------------------------------------------------
@@ -352,6 +402,7 @@ class Stack:
             )
             + (f" | routers share dispatches on {url}" if (url := self.settings.nats_url) else "")
             + f" | logs {self.workdir}"
+            + (f" | supervised: {self.supervision_summary()}" if self.supervised else "")
         )
 
     # -- lifecycle ----------------------------------------------------------------------
@@ -374,19 +425,28 @@ class Stack:
     ) -> None:
         """group: the child leads a process group of its own, which stop() ends whole (a
         real vLLM spawns its engine core and workers)."""
+        with self._lock:
+            self._specs[name] = _Spawn(tuple(argv), env, group)
+            self._launch(name)
+
+    def _launch(self, name: str) -> None:
+        """Start child `name` from its spawn spec, its log appended to."""
+        spec = self._specs[name]
         log = open(self.workdir / f"{name}.log", "ab")  # noqa: SIM115 - closed in stop()
         self._logs[name] = log
         self.procs[name] = subprocess.Popen(
-            argv,
+            spec.argv,
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env=None if env is None else {**os.environ, **env},
+            env=None if spec.env is None else {**os.environ, **spec.env},
             preexec_fn=_die_with_parent,
-            start_new_session=group,
+            start_new_session=spec.group,
         )
-        if group:
+        if spec.group:
             self._groups.append(self.procs[name].pid)
+        self._started_s[name] = time.monotonic()
+        self.supervisor.started(name, self._started_s[name])
 
     def _gorgo(self, *args: str) -> list[str]:
         return [sys.executable, "-m", "ext_proc.cli", *args]
@@ -506,6 +566,7 @@ class Stack:
 
     def write_configs(self) -> None:
         write_atomic(self.workdir / "gorgo.yaml", config_yaml(self.config))
+        write_xds(self.config)  # before Envoy starts: its bootstrap names these files
         write_atomic(self.workdir / "envoy.yaml", render_envoy_config(self.config))
 
     def start(self, timeout_s: float = 30.0) -> None:
@@ -569,13 +630,64 @@ class Stack:
                 tail = (self.workdir / f"{name}.log").read_text(errors="replace")[-2000:]
                 raise StackError(f"{name} exited with code {proc.returncode}:\n{tail}")
 
+    def add_engine(self, region: Region, timeout_s: float = 15.0) -> dict[str, object]:
+        """Start one more emulated engine (and its WAN link) while the stack runs, on free
+        ports, and return it as an item of the config's `backends:` list (what the router's
+        POST /backends takes). The stack's own front door reaches it; other front doors
+        and KV events are not wired for it. Call it from the thread that owns the stack:
+        a child gets SIGTERM when the thread that started it ends (PR_SET_PDEATHSIG)."""
+        if self.settings.real_engine or self.settings.kv_events:
+            raise StackError("add_engine: emulated engines without KV events only")
+        engine, wan = free_ports(2)
+        seed = self.settings.seed + len(self.settings.regions) + len(self.added)
+        self._spawn(
+            f"engine-{region.id}",
+            self._gorgo(
+                "engine", "--name", region.id, "--port", str(engine), "--seed", str(seed),
+                *(["--profile", p] if (p := self.settings.engine_profile) else []),
+                *self.flavor_flags(0), *self.settings.engine_args,
+            ),
+        )  # fmt: skip
+        port = engine
+        if self.settings.wan_links:
+            self._spawn(
+                f"wan-{region.id}",
+                self._gorgo(
+                    "wan", "--listen", f"127.0.0.1:{wan}", "--target", f"127.0.0.1:{engine}",
+                    "--rtt-ms", str(region.rtt_ms),
+                ),
+            )  # fmt: skip
+            port = wan
+        path = PROBE_PATH[EngineKind(self.config.backends[0].engine)]
+        deadline = time.monotonic() + timeout_s
+        while not _http_ok(f"http://127.0.0.1:{engine}{path}"):
+            self._check_alive()
+            if time.monotonic() > deadline:
+                raise StackError(f"engine {region.id} not ready after {timeout_s:.0f} s")
+            time.sleep(0.05)
+        wait_port(port, deadline)
+        self.added.append(region)
+        return {
+            "id": region.id,
+            "address": f"127.0.0.1:{port}",
+            "engine": self.settings.flavor,
+            "rtt_prior_ms": region.rtt_ms,
+            **({"engine_profile": p} if (p := self.settings.engine_profile) else {}),
+        }
+
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
-        proc = self.procs.pop(name)
+        """Stop child `name` on purpose: the supervisor does not restart it (a test that
+        wants a crash sends the signal to its pid itself)."""
+        with self._lock:
+            proc = self.procs.pop(name)
+            self.supervisor.forget(name)
+            log = self._logs.pop(name)
         proc.send_signal(sig)
         proc.wait(timeout=10)
-        self._logs.pop(name).close()
+        log.close()
 
     def stop(self) -> None:
+        self._stop_supervising()  # first: nothing restarts what is being stopped
         procs = list(self.procs.items())
         for _, proc in procs:
             if proc.poll() is None:
@@ -598,6 +710,173 @@ class Stack:
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
+
+    # -- supervision ----------------------------------------------------------------------
+    # `gorgo up` restarts a child that dies, with exactly the argv (so the ports and config)
+    # it had, while the others keep serving: Envoy fails open while the router is down, and
+    # the router's probes and ejection keep requests off an engine or link that is down
+    # until it is back. The policy (backoff, crash loop) is emulator/supervisor.py.
+
+    def supervise(self, policy: RestartPolicy | None = None, interval_s: float = 0.1) -> None:
+        """Keep the children running from a background thread until stop() (tests and
+        embeddings; `gorgo up` calls tend() from its main loop). On a crash loop it stops
+        restarting anything, leaving `supervisor_error` set and the other children running."""
+        if self._tending is not None:
+            return  # already supervised
+        if policy is not None:
+            self.supervisor.policy = policy
+        self.supervised = True
+        self._stop_tending.clear()
+
+        def loop() -> None:
+            while not self._stop_tending.wait(interval_s):
+                try:
+                    self.tend()
+                except StackError as e:
+                    self.supervisor_error = e
+                    print(f"gorgo up: {e}", file=sys.stderr, flush=True)
+                    # The thread lives on until stop(): the children it restarted would
+                    # get their parent-death signal when it ends (PR_SET_PDEATHSIG follows
+                    # the thread that forked them).
+                    self._stop_tending.wait()
+
+        self._tending = threading.Thread(target=loop, name="gorgo-up-supervisor", daemon=True)
+        self._tending.start()
+
+    def supervision_summary(self) -> str:
+        p = self.supervisor.policy
+        return (
+            f"a child that exits is restarted after {p.backoff_s:g} s, doubling to "
+            f"{p.backoff_max_s:g} s; more than {p.max_restarts} restarts of one child in "
+            f"{p.window_s:g} s are a crash loop, which stops the stack; routers restart from "
+            "a warm spare"
+        )
+
+    def tend(self) -> None:
+        """One supervision step: schedule the restart of every child found exited (logged),
+        and restart those whose backoff is over. Raises StackError on a crash loop, with the
+        child's last log lines."""
+        with self._lock:
+            now_s = time.monotonic()
+            for name, proc in list(self.procs.items()):
+                returncode = proc.poll()
+                if returncode is None or self.supervisor.pending(name):
+                    continue  # running, or seen exited already (its restart is scheduled)
+                self._reap_group(proc.pid)
+                how = _exit_how(returncode)
+                decision = self.supervisor.exited(name, now_s)
+                if isinstance(decision, GiveUp):
+                    raise StackError(
+                        f"{name} exited ({how}) after {decision.restarts} restarts within "
+                        f"{decision.window_s:g} s: a crash loop, not restarting it. The last "
+                        f"lines of {self.workdir / f'{name}.log'}:\n{self.log_tail(name)}"
+                    )
+                _say(f"{name} exited ({how}); restart {decision.attempt} in {decision.delay_s:g} s")
+            for due in self.supervisor.due(time.monotonic()):
+                if due.name not in self.procs:
+                    self.supervisor.forget(due.name)  # killed on purpose meanwhile
+                    continue
+                self._logs.pop(due.name).close()
+                warm = self._activate_spare(due.name)
+                if not warm:
+                    self._launch(due.name)
+                pid = self.procs[due.name].pid
+                self.restarts.append(ChildRestart(due.name, due.attempt, pid, time.monotonic()))
+                how = " from its warm spare" if warm else ""
+                _say(f"{due.name} restarted{how} (restart {due.attempt}, pid {pid})")
+            self._keep_spares()
+
+    def log_tail(self, name: str, lines: int = 20) -> str:
+        path = self.workdir / f"{name}.log"
+        text = path.read_text(errors="replace") if path.exists() else ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def _reap_group(self, pid: int) -> None:
+        """What a group child (a real vLLM) left behind goes with it, before its restart."""
+        if pid in self._groups:
+            self._groups.remove(pid)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
+
+    def _stop_supervising(self) -> None:
+        self._stop_tending.set()
+        if self._tending is not None:
+            self._tending.join(timeout=30)
+            self._tending = None
+        for spare, log in self._spares.values():
+            spare.terminate()
+            try:
+                spare.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                spare.kill()
+                spare.wait()
+            log.close()
+        self._spares.clear()
+
+    # A router restarts from a warm spare (emulator/spare.py): a process that has imported
+    # it already and waits to become it, so a restarted router is up in well under a
+    # second instead of a Python start-up (1.5 s idle here, 2-8 s on two busy cores), and
+    # Envoy's fail-open spell is about the backoff. Only the routers: an engine's or a
+    # link's restart waits on probes and ejection anyway. The spare starts once its child
+    # has run SPARE_AFTER_S, so it never competes with a start-up for the CPU.
+    SPARE_PRELOAD = {"ext_proc.cli": ("ext_proc.app",)}
+    SPARE_FOR = "gorgo-serve"  # children whose name ends so
+    SPARE_AFTER_S = 3.0
+
+    def _keep_spares(self) -> None:
+        now_s = time.monotonic()
+        for name, (spare, log) in list(self._spares.items()):
+            if spare.poll() is not None:  # died waiting: another is started below
+                log.close()
+                del self._spares[name]
+        for name, proc in self.procs.items():
+            spec = self._specs[name]
+            if (
+                name.endswith(self.SPARE_FOR)
+                and name not in self._spares
+                and spec.argv[:2] == (sys.executable, "-m")
+                and spec.argv[2] in self.SPARE_PRELOAD
+                and proc.poll() is None
+                and now_s - self._started_s[name] >= self.SPARE_AFTER_S
+            ):
+                self._start_spare(name, spec)
+
+    def _start_spare(self, name: str, spec: _Spawn) -> None:
+        preload = [f"--preload={m}" for m in self.SPARE_PRELOAD[spec.argv[2]]]
+        log = open(self.workdir / f"{name}.log", "ab")  # noqa: SIM115 - closed with the spare
+        spare = subprocess.Popen(
+            [sys.executable, "-m", "emulator.spare", *preload, *spec.argv[2:]],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.PIPE,
+            env=None if spec.env is None else {**os.environ, **spec.env},
+            preexec_fn=_die_with_parent,
+            start_new_session=spec.group,
+        )
+        self._spares[name] = (spare, log)
+
+    def _activate_spare(self, name: str) -> bool:
+        """Turn `name`'s warm spare into `name`; False when it has none alive."""
+        if name not in self._spares:
+            return False
+        spare, log = self._spares.pop(name)
+        try:
+            assert spare.stdin is not None
+            spare.stdin.write(b"now\n")
+            spare.stdin.close()
+        except OSError:  # it died meanwhile
+            spare.kill()
+            spare.wait()
+        if spare.poll() is not None:
+            log.close()
+            return False
+        self.procs[name] = spare
+        self._logs[name] = log
+        if self._specs[name].group:
+            self._groups.append(spare.pid)
+        self._started_s[name] = time.monotonic()
+        self.supervisor.started(name, self._started_s[name])
+        return True
 
     def __enter__(self) -> Stack:
         self.start()
@@ -624,6 +903,7 @@ class FrontDoor:
             listen=f"127.0.0.1:{self.front_door}", admin=f"127.0.0.1:{self.envoy_admin}"
         )
         raw["envoy"]["ext_proc_address"] = ""
+        raw["envoy"]["xds_dir"] = str(stack.workdir / f"door-{region}-xds")
         raw["fleet"]["router_id"] = f"door-{region}"
         for b, r, link in zip(raw["backends"], regions, self.links, strict=True):
             b["address"] = f"127.0.0.1:{link}"
@@ -656,6 +936,7 @@ class FrontDoor:
         cfg_path = stack.workdir / f"{name}-gorgo.yaml"
         write_atomic(cfg_path, config_yaml(self.config))
         stack._spawn(f"{name}-gorgo-serve", stack._gorgo("serve", "--config", str(cfg_path)))
+        write_xds(self.config)
         stack.start_envoy(f"{name}-envoy", render_envoy_config(self.config))
 
 
@@ -690,7 +971,9 @@ def regions_for_profile(profile: str) -> tuple[Region, ...]:
 
 
 def run_until_signalled(settings: StackSettings) -> int:
-    """`gorgo up`: start, print the ready line, stop everything on SIGINT or SIGTERM."""
+    """`gorgo up`: start (any child failing to start fails it), print the ready line,
+    restart children that die (Stack.tend), stop everything on SIGINT or SIGTERM or on a
+    crash loop (exit 1)."""
     stack = Stack(settings)
     stopping = False
 
@@ -705,13 +988,16 @@ def run_until_signalled(settings: StackSettings) -> int:
     except StackError as e:
         print(f"gorgo up: {e}", file=sys.stderr)
         return 1
+    stack.supervised = True
     print(stack.ready_line(), flush=True)
     try:
-        while not stopping:
-            time.sleep(0.2)
+        while True:
+            time.sleep(0.1)  # a dead child is noticed within 0.1 s
+            if stopping:
+                break
             try:
-                stack._check_alive()
-            except StackError as e:
+                stack.tend()
+            except StackError as e:  # a crash loop: stop everything, exit non-zero
                 print(f"gorgo up: {e}", file=sys.stderr)
                 return 1
     finally:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import hashlib
 import json
 import logging
 import os
@@ -21,17 +22,27 @@ from aiohttp import web
 from opentelemetry.sdk.trace.export import SpanExporter
 
 from ext_proc.admin import make_admin_app
-from ext_proc.config import Config, TunerMode, split_host_port
+from ext_proc.aio import cancel_and_wait
+from ext_proc.config import (
+    Config,
+    ConfigError,
+    TunerMode,
+    changed_keys,
+    load_config,
+    split_host_port,
+)
 from ext_proc.engine_tokens import PromptTokenizer, load_engine_tokenizer
 from ext_proc.files import write_atomic
 from ext_proc.fleet_bus import FleetBus
 from ext_proc.kv_client import KvEventClients
+from ext_proc.lifecycle import BackendChange, BackendChanged, BackendLifecycle, Listener
 from ext_proc.policy import policy_info
 from ext_proc.probe import Prober
-from ext_proc.router import Router, build_router, tuner_settings
+from ext_proc.router import FleetConflict, Router, build_router, tuner_settings
 from ext_proc.server import ExtProcService, add_services, grpc_options
 from ext_proc.telemetry import Telemetry
 from ext_proc.tuner import TunerSettings, TunerState, state_from_doc
+from ext_proc.xds import wait_envoy, write_xds
 
 log = logging.getLogger("gorgo")
 
@@ -44,6 +55,14 @@ GC_GEN0_THRESHOLD = 20_000
 # then open streams get STOP_GRACE_S before they are cancelled.
 DRAIN_GRACE_S = 5.0
 STOP_GRACE_S = 0.5
+# A backend added at run time is a candidate once Envoy can route to it (with
+# envoy.xds_dir): Envoy applies a rewritten file within ~10-50 ms (measured here), so 5 s
+# means it is not reading the files; the backend then stays pending, retried this often.
+ENVOY_WAIT_S = 5.0
+PENDING_RETRY_S = 5.0
+# The config file is looked at this often (its size, mtime and inode; its hash only when
+# they change): a change is applied within about a second, for one stat() a second.
+RELOAD_POLL_S = 1.0
 
 
 class TunerStateFile:
@@ -110,6 +129,248 @@ def server_credentials(cfg: Config) -> grpc.ServerCredentials | None:
     )
 
 
+class FleetShell(Listener):
+    """The shell's side of a fleet change (`BackendChanged`): a removed backend's probes,
+    metrics scrape and KV-event subscriber stop at once (cancelled before the router's
+    next step, so none of them touches a backend that is gone); one worker task then, in
+    order, awaits them, starts a new backend's tasks, and tells Envoy: `write_xds` with
+    the pending, active and draining backends (once per burst of changes), and for a
+    pending backend `wait_envoy` before the router may name it."""
+
+    def __init__(
+        self, router: Router, prober: Prober, kv_events: KvEventClients, ext_proc: ExtProcService
+    ) -> None:
+        self.router = router
+        self.prober = prober
+        self.kv_events = kv_events
+        self.ext_proc = ext_proc
+        # (the change, tasks to await); None: look at the pending backends again.
+        self._queue: asyncio.Queue[tuple[BackendChanged | None, list[asyncio.Task[None]]]] = (
+            asyncio.Queue()
+        )
+        self._worker: asyncio.Task[None] | None = None
+        self._retry: asyncio.TimerHandle | None = None
+        self.xds_writes = 0
+        self.xds_error = ""
+
+    def on_backend(self, e: BackendChanged) -> None:
+        tasks: list[asyncio.Task[None]] = []
+        if e.change == BackendChange.REMOVED or (e.change == BackendChange.UPDATED and e.reset):
+            tasks = [*self.prober.cancel(e.backend), *self.kv_events.cancel(e.backend)]
+        log.info(
+            "backend %s %s (%s)%s",
+            e.backend,
+            e.change,
+            e.reason,
+            ": the router forgets what it knew of its engine" if e.reset else "",
+        )
+        self._queue.put_nowait((e, tasks))
+
+    def write_now(self) -> None:
+        """Envoy's files for the fleet now (at start: raises if they cannot be written)."""
+        write_xds(self.router.cfg, self.router.draining)
+        self.xds_writes += 1
+
+    def start(self) -> None:
+        self._worker = asyncio.create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._retry is not None:
+            self._retry.cancel()
+        if self._worker is not None:
+            await cancel_and_wait([self._worker])
+
+    async def settle(self) -> None:
+        """Until every change so far has been applied (and Envoy told)."""
+        await self._queue.join()
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "xds_writes": self.xds_writes,
+            "xds_error": self.xds_error or None,
+            "probed": self.prober.backends,
+            "kv_event_subscribers": self.kv_events.backends,
+        }
+
+    async def _run(self) -> None:
+        while True:
+            e, tasks = await self._queue.get()
+            try:
+                await cancel_and_wait(tasks)
+                if e is not None:
+                    await self._apply(e)
+                if self._queue.empty():
+                    await self._tell_envoy()
+            except Exception:  # never let one change stop the ones after it
+                log.exception("applying a fleet change failed")
+            finally:
+                self._queue.task_done()
+
+    async def _apply(self, e: BackendChanged) -> None:
+        config = self.router.configs.get(e.backend)
+        starts = e.change == BackendChange.ADDED or (e.change == BackendChange.UPDATED and e.reset)
+        if starts and config is not None:  # (not removed again meanwhile)
+            await cancel_and_wait(
+                [*self.prober.cancel(e.backend), *self.kv_events.cancel(e.backend)]
+            )
+            self.prober.add(config)
+            self.kv_events.add(config)
+        self.ext_proc.encoder.set_backends(self.router.cfg.backends)
+
+    async def _tell_envoy(self) -> None:
+        try:
+            self.write_now()
+            self.xds_error = ""
+        except OSError as err:
+            self.xds_error = f"envoy.xds_dir: {err}"
+            log.error("cannot write Envoy's xDS files (%s): retrying", self.xds_error)
+            self._retry_later()
+            return
+        pending = [b for b, st in self.router.state.backends.items() if st.lifecycle is _PENDING]
+        if not pending:
+            return
+        missing = await wait_envoy(self.router.cfg, self.router.draining, ENVOY_WAIT_S)
+        for b in pending:
+            if b not in missing:
+                self.router.activate_backend(b)
+        still = [b for b in pending if b in missing and b in self.router.state.backends]
+        if still:
+            log.error(
+                "Envoy shows no route to %s %.0f s after its xDS files were written: "
+                "pending (no decisions) and retried every %.0f s",
+                ", ".join(still),
+                ENVOY_WAIT_S,
+                PENDING_RETRY_S,
+            )
+            self._retry_later()
+
+    def _retry_later(self) -> None:
+        if self._retry is None or self._retry.cancelled() or self._retry.when() < time.monotonic():
+            loop = asyncio.get_running_loop()
+            self._retry = loop.call_later(PENDING_RETRY_S, self._queue.put_nowait, (None, []))
+
+
+_PENDING = BackendLifecycle.PENDING
+
+
+class ConfigReloader:
+    """Reloads the config file on SIGHUP (`request`) and when it changes (`watch`: its
+    stat about once a second, its hash when that moved). The whole file is loaded and
+    validated by `load_config`; invalid, it is refused with the loader's message (naming
+    the key), logged, shown in /state and counted, and the running config stays. Valid,
+    the router's fleet becomes the file's (`Router.reconcile`), the keys read live are
+    applied (`Router.apply_live_keys`), and a warning names any other key that changed:
+    those need a restart."""
+
+    def __init__(self, path: str | Path, router: Router, telemetry: Telemetry) -> None:
+        self.path = Path(path)
+        self.router = router
+        self.telemetry = telemetry
+        self._seen = self._stat()
+        self._digest = self._hash()
+        self._lock = asyncio.Lock()
+        self._tasks: set[asyncio.Task[bool]] = set()
+        self._watcher: asyncio.Task[None] | None = None
+        self.reloads = self.failures = 0
+        self.last_trigger = ""
+        self.last_ok_at: float | None = None
+        self.last_error = ""
+        self.last_error_at: float | None = None
+        self.restart_required: list[str] = []
+
+    def _stat(self) -> tuple[int, int, int] | None:
+        try:
+            st = self.path.stat()
+        except OSError:
+            return None
+        return (st.st_mtime_ns, st.st_size, st.st_ino)
+
+    def _hash(self) -> str | None:
+        try:
+            return hashlib.sha256(self.path.read_bytes()).hexdigest()
+        except OSError:
+            return None
+
+    def start(self) -> None:
+        self._watcher = asyncio.create_task(self._watch())
+
+    async def stop(self) -> None:
+        await cancel_and_wait([t for t in (self._watcher,) if t is not None])
+        for t in list(self._tasks):
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+
+    def request(self, trigger: str = "SIGHUP") -> None:
+        """Reload soon (from a signal handler: the reload runs as a task)."""
+        task = asyncio.get_running_loop().create_task(self.reload(trigger))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(RELOAD_POLL_S)
+            seen = self._stat()
+            if seen == self._seen:
+                continue
+            self._seen = seen
+            digest = self._hash()
+            if digest is None or digest == self._digest:
+                continue  # touched, or being replaced: nothing new to read yet
+            await self.reload("file changed")
+
+    async def reload(self, trigger: str) -> bool:
+        """Load, validate and apply the file; False if it was refused."""
+        async with self._lock:
+            self._seen, self._digest = self._stat(), self._hash()
+            self.last_trigger = trigger
+            try:
+                # Off the event loop: a configured tokenizer is loaded to validate it.
+                new = await asyncio.to_thread(load_config, self.path)
+                changes = self.router.reconcile(new.backends, "reload")
+            except (ConfigError, FleetConflict) as e:
+                self.failures += 1
+                self.last_error, self.last_error_at = str(e), time.time()
+                self.telemetry.metrics.reloads.labels("error").inc()
+                log.error("config reload (%s) refused, the running config stays: %s", trigger, e)
+                return False
+            live = self.router.apply_live_keys(new)
+            self.restart_required = changed_keys(self.router.cfg, new)
+            self.reloads += 1
+            self.last_ok_at = time.time()
+            self.telemetry.metrics.reloads.labels("ok").inc()
+            log.info(
+                "config reload (%s): backends added %s, back %s, updated %s, draining %s; "
+                "applied live: %s",
+                trigger,
+                list(changes.added),
+                list(changes.reactivated),
+                list(changes.updated),
+                list(changes.draining),
+                live or "nothing else",
+            )
+            if self.restart_required:
+                log.warning(
+                    "config reload (%s): %s changed: restart to apply",
+                    trigger,
+                    ", ".join(self.restart_required),
+                )
+            return True
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "path": str(self.path),
+            "reloads": self.reloads,
+            "failures": self.failures,
+            "last_trigger": self.last_trigger or None,
+            "last_ok_at": self.last_ok_at,
+            # The last refusal (the loader's message, naming the key) and when (Unix s).
+            "last_error": self.last_error or None,
+            "last_error_at": self.last_error_at,
+            # Keys the file changed that only a restart applies.
+            "restart_required": self.restart_required,
+        }
+
+
 @dataclass
 class Running:
     router: Router
@@ -118,6 +379,9 @@ class Running:
     admin_port: int
     telemetry: Telemetry
     fleet: FleetBus
+    fleet_shell: FleetShell
+    # None: started without a config file to reload.
+    reloader: ConfigReloader | None = None
 
 
 async def _expire_loop(router: Router) -> None:
@@ -129,12 +393,20 @@ async def _expire_loop(router: Router) -> None:
 
 @contextlib.asynccontextmanager
 async def running_service(
-    cfg: Config, exporter: SpanExporter | None = None
+    cfg: Config, exporter: SpanExporter | None = None, config_path: str | Path | None = None
 ) -> AsyncIterator[Running]:
-    """Start the ext_proc gRPC server and admin HTTP; stop them on exit."""
+    """Start the ext_proc gRPC server and admin HTTP; stop them on exit. `config_path`:
+    the file `cfg` came from, reloaded on SIGHUP (`Running.reloader.request`) and when it
+    changes."""
     tuned = cfg.tuner.state_file and cfg.tuner.mode != TunerMode.OFF
     state_file = TunerStateFile(cfg.tuner.state_file) if tuned else None
     router = make_router(cfg, state_file)
+    # New backends wait for Envoy to have their clusters (FleetShell) before decisions.
+    router.confirm_new_backends = True
+    try:  # Envoy's backend clusters, before anything can ask for them
+        write_xds(router.cfg, router.draining)
+    except OSError as e:
+        raise OSError(f"envoy.xds_dir: cannot write {cfg.envoy.xds_dir}: {e}") from e
     telemetry = Telemetry(cfg.telemetry, router, exporter)
     router.subscribe(telemetry)
     engine_tokens = load_engine_tokenizer(cfg.tokenizer)
@@ -142,6 +414,11 @@ async def running_service(
     fleet = FleetBus(cfg, router)
     server = grpc.aio.server(options=grpc_options(cfg.envoy.max_body_bytes))
     ext_proc = add_services(server, router, telemetry, tokens)
+    prober = Prober(cfg, router)
+    kv_events = KvEventClients(cfg, router)
+    fleet_shell = FleetShell(router, prober, kv_events, ext_proc)
+    router.subscribe(fleet_shell)
+    reloader = ConfigReloader(config_path, router, telemetry) if config_path is not None else None
     host, port = split_host_port(cfg.listen.grpc, "listen.grpc")
     credentials = server_credentials(cfg)
     if credentials is None:
@@ -162,8 +439,13 @@ async def running_service(
             "tokenizer": tokens.snapshot() if tokens is not None else None,
             # The other routers' dispatches over NATS (None: a single router).
             "fleet": fleet.snapshot(),
+            # The backends' shell tasks and Envoy's xDS files.
+            "fleet_shell": fleet_shell.snapshot(),
+            # Config reloads (None: no config file to reload).
+            "reload": reloader.snapshot() if reloader is not None else None,
         },
         cfg.listen.admin_token or os.environ.get("GORGO_ADMIN_TOKEN", ""),
+        fleet_shell.settle,
     )
     runner = web.AppRunner(admin_app, access_log=None)
     await runner.setup()
@@ -177,20 +459,26 @@ async def running_service(
         raise OSError(f"listen.admin: cannot bind {cfg.listen.admin}: {e.strerror}") from e
     bound_admin = int(runner.addresses[0][1])
     expirer = asyncio.create_task(_expire_loop(router))
-    prober = Prober(cfg, router)
     await prober.start()
-    kv_events = KvEventClients(cfg, router)
     await kv_events.start()
+    fleet_shell.start()
     await fleet.start()
+    if reloader is not None:
+        reloader.start()
     # Start-up objects never die: keep them out of the collector's scans, and collect the
     # young generation less often, so GC pauses do not land on requests' tails.
     gc.collect()
     gc.freeze()
     gc.set_threshold(GC_GEN0_THRESHOLD)
     try:
-        yield Running(router, ext_proc, grpc_port, bound_admin, telemetry, fleet)
+        yield Running(
+            router, ext_proc, grpc_port, bound_admin, telemetry, fleet, fleet_shell, reloader
+        )
     finally:
         expirer.cancel()
+        if reloader is not None:
+            await reloader.stop()
+        await fleet_shell.stop()
         await prober.stop()
         await kv_events.stop()
         await fleet.stop()

@@ -39,7 +39,11 @@ def _serve(args: argparse.Namespace) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        async with running_service(cfg) as svc:
+        async with running_service(cfg, config_path=args.config) as svc:
+            reloader = svc.reloader
+            assert reloader is not None
+            # SIGHUP reloads the config file (so does a change to it, within a second).
+            loop.add_signal_handler(signal.SIGHUP, reloader.request)
             print(
                 f"gorgo serve: ready. ext_proc gRPC on {cfg.listen.grpc.rpartition(':')[0]}:"
                 f"{svc.grpc_port}, admin http://{cfg.listen.admin.rpartition(':')[0]}:"
@@ -65,7 +69,24 @@ def _envoy_config(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"gorgo envoy-config: {e}", file=sys.stderr)
         return 2
-    sys.stdout.write(render_mesh_snippet(cfg) if args.mesh_snippet else render_envoy_config(cfg))
+    if args.mesh_snippet:
+        sys.stdout.write(render_mesh_snippet(cfg))
+        return 0
+    if cfg.envoy.xds_dir:
+        # The bootstrap reads its backend clusters from these files: write them first, so
+        # Envoy can start before the router (which rewrites them as the fleet changes).
+        from ext_proc.xds import write_xds
+
+        try:
+            write_xds(cfg)
+        except OSError as e:
+            print(f"gorgo envoy-config: envoy.xds_dir: {e}", file=sys.stderr)
+            return 1
+        print(
+            f"gorgo envoy-config: wrote the backend clusters to {cfg.envoy.xds_dir}",
+            file=sys.stderr,
+        )
+    sys.stdout.write(render_envoy_config(cfg))
     return 0
 
 

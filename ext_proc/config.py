@@ -271,12 +271,25 @@ class EnvoySettings:
     # A request whose backend cannot be reached (connection refused or reset before the
     # request was sent) is retried this many times on other backends (0 = never).
     connect_retries: int = bounded(2, **NON_NEGATIVE)
+    # Retry too when the backend's connection is reset before its response began: a
+    # backend that died, or a proxy or link in front of it that accepted the connection
+    # and then lost it (the request written into a connection that was already dying
+    # never reached the engine). Nothing has reached the client yet, and the engine
+    # aborts a request whose connection is gone. The cost: a request that itself crashes
+    # engines is tried on connect_retries more. False: only connections that never
+    # carried the request are retried.
+    retry_resets: bool = True
     # How the decision reaches Envoy (see EnvoyMode).
     mode: EnvoyMode = EnvoyMode.CLUSTER
     # OTLP/gRPC collector (host:port) for Envoy's own spans; "" = no Envoy tracing.
     tracing_endpoint: str = ""
     # Share of requests Envoy traces (percent).
     tracing_sample_percent: float = bounded(100.0, ge=0.0, le=100.0)
+    # Directory of the backend clusters' xDS files ("" = static clusters in the bootstrap).
+    # Set: the generated Envoy bootstrap reads its backend clusters from files here (CDS,
+    # EDS), which the router rewrites when backends are added, drained or removed, so
+    # Envoy follows without a restart (docs/envoy.md). Relative to the current directory.
+    xds_dir: str = ""
 
 
 @dataclass(frozen=True)
@@ -442,26 +455,10 @@ def _validate(cfg: Config) -> None:
         raise ConfigError("backends: at least one backend is required")
     seen: set[str] = set()
     for i, b in enumerate(cfg.backends):
-        if not _BACKEND_ID.match(b.id):
-            raise ConfigError(
-                f"backends[{i}].id: {b.id!r} must be lowercase letters, digits, '.', '_' or "
-                "'-' (it becomes an Envoy cluster name and a header value)"
-            )
+        validate_backend(b, f"backends[{i}].")
         if b.id in seen:
             raise ConfigError(f"backends[{i}].id: duplicate backend id {b.id!r}")
         seen.add(b.id)
-        split_host_port(b.address, f"backends[{i}].address")
-        for key in ("endpoint", "replay_endpoint"):
-            value = getattr(b.kv_events, key)
-            if value and not re.match(r"^tcp://(\*|[^:/]+|\[[0-9a-fA-F:]+\]):\d{1,5}$", value):
-                raise ConfigError(
-                    f"backends[{i}].kv_events.{key}: expected tcp://HOST:PORT or "
-                    f"tcp://*:PORT, got {value!r}"
-                )
-        try:
-            load_profile(b.engine_profile)
-        except ValueError as e:
-            raise ConfigError(f"backends[{i}].engine_profile: {e}") from e
     split_host_port(cfg.listen.grpc, "listen.grpc")
     split_host_port(cfg.listen.admin, "listen.admin")
     split_host_port(cfg.envoy.listen, "envoy.listen")
@@ -498,6 +495,26 @@ def _validate(cfg: Config) -> None:
         raise ConfigError(
             f"policy: unknown policy {cfg.policy!r} (known: {', '.join(sorted(POLICIES))})"
         )
+
+
+def validate_backend(b: Backend, prefix: str = "") -> None:
+    """One backend's checks across its fields; errors name `prefix` + the key."""
+    if not _BACKEND_ID.match(b.id):
+        raise ConfigError(
+            f"{prefix}id: {b.id!r} must be lowercase letters, digits, '.', '_' or "
+            "'-' (it becomes an Envoy cluster name and a header value)"
+        )
+    split_host_port(b.address, f"{prefix}address")
+    for key in ("endpoint", "replay_endpoint"):
+        value = getattr(b.kv_events, key)
+        if value and not re.match(r"^tcp://(\*|[^:/]+|\[[0-9a-fA-F:]+\]):\d{1,5}$", value):
+            raise ConfigError(
+                f"{prefix}kv_events.{key}: expected tcp://HOST:PORT or tcp://*:PORT, got {value!r}"
+            )
+    try:
+        load_profile(b.engine_profile)
+    except ValueError as e:
+        raise ConfigError(f"{prefix}engine_profile: {e}") from e
 
 
 def _validate_tls(cfg: Config) -> None:
@@ -562,3 +579,40 @@ def load_config(path: str | Path) -> Config:
         return config_from_dict(raw if raw is not None else {})
     except ConfigError as e:
         raise ConfigError(f"{p}: {e}") from e
+
+
+# -- backends added at run time, and reloads ---------------------------------------------
+
+
+def backend_from_dict(raw: Any) -> Backend:
+    """One backend exactly as an item of `backends:` (the admin API's POST /backends);
+    errors name the key as written in that object (`address`, `kv_events.endpoint`)."""
+    b = decode(Backend, raw, "")
+    validate_backend(b)
+    return b
+
+
+def backend_as_dict(b: Backend) -> dict[str, Any]:
+    plain: dict[str, Any] = _plain(dataclasses.asdict(b))
+    return plain
+
+
+def changed_keys(old: Config, new: Config, skip: tuple[str, ...] = ("backends",)) -> list[str]:
+    """The dotted keys whose values differ between two configs (sections compared field
+    by field, `policies.<name>` per policy), except `skip`."""
+    out: list[str] = []
+
+    def walk(a: Any, b: Any, key: str) -> None:
+        if key in skip or a == b:
+            return
+        if dataclasses.is_dataclass(a) and type(a) is type(b) and not isinstance(a, Backend):
+            for f in dataclasses.fields(a):
+                walk(getattr(a, f.name), getattr(b, f.name), f"{key}.{f.name}" if key else f.name)
+        elif isinstance(a, Mapping) and isinstance(b, Mapping) and key == "policies":
+            for name in sorted(set(a) | set(b)):
+                walk(a.get(name), b.get(name), f"{key}.{name}")
+        else:
+            out.append(key)
+
+    walk(old, new, "")
+    return out

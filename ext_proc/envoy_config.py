@@ -7,6 +7,9 @@ envoy/front-door.yaml is this output for config/gorgo.yaml (a test keeps them eq
 from __future__ import annotations
 
 import ipaddress
+import os
+from collections.abc import Collection
+from dataclasses import replace
 from typing import Any
 
 import yaml
@@ -28,6 +31,8 @@ FALLBACK_CLUSTER = "gorgo_fallback"
 # endpoint_picker mode: one cluster of every backend, the endpoint picked per request.
 POOL_CLUSTER = "gorgo_pool"
 OTEL_CLUSTER = "otel_collector"
+# The observing ext_proc filter's stats prefix (the routing filter's stats have none).
+OBSERVE_STAT_PREFIX = "gorgo_observe"
 # Endpoint metadata that names each endpoint's backend id, so the response can echo the
 # backend even when the fallback cluster (all backends) served the request.
 METADATA_NAMESPACE = "gorgo"
@@ -100,11 +105,13 @@ def _cluster(
 
 
 def _retry_policy(cfg: Config, other_priorities: bool) -> dict[str, Any]:
-    """Retry on another backend when the chosen one cannot be reached: the request never
-    got there, so nothing runs twice. 5xx answers are not retried (the backend may have
-    worked); the router ejects a backend that keeps failing instead."""
+    """Retry on another backend when the chosen one cannot be reached, or (retry_resets)
+    its connection is lost before the response began: nothing reached the client, so it
+    sees one answer. 5xx answers are not retried (the backend may have worked); the
+    router ejects a backend that keeps failing instead."""
+    reset = "reset" if cfg.envoy.retry_resets else "reset-before-request"
     policy: dict[str, Any] = {
-        "retry_on": "connect-failure,refused-stream,reset-before-request",
+        "retry_on": f"connect-failure,refused-stream,{reset}",
         "num_retries": cfg.envoy.connect_retries,
         "retry_host_predicate": [
             {
@@ -171,6 +178,9 @@ def _ext_proc_filters(cfg: Config) -> list[dict[str, Any]]:
             "failure_mode_allow": True,
             # Envoy sends and does not wait: timing the first token never delays it.
             "observability_mode": True,
+            # Its own stats (http.<prefix>.ext_proc.gorgo_observe.*), so the routing
+            # filter's failure_mode_allowed counts each request that failed open once.
+            "stat_prefix": OBSERVE_STAT_PREFIX,
             # No request phase: the stream opens with the first response chunk, which
             # carries the request id as an attribute, so nothing of this filter competes
             # with the routing stream while Envoy waits for the decision.
@@ -208,11 +218,11 @@ def _access_log() -> dict[str, Any]:
     }
 
 
-def _pool_cluster(cfg: Config) -> dict[str, Any]:
+def _pool_cluster(cfg: Config, backends: list[Backend]) -> dict[str, Any]:
     """endpoint_picker mode: every backend in one cluster; Envoy's override_host policy
     sends each request to the endpoint the router named (header or envoy.lb metadata),
     and falls back to least request when none is named."""
-    c = _cluster(POOL_CLUSTER, list(cfg.backends), cfg, "LEAST_REQUEST")
+    c = _cluster(POOL_CLUSTER, backends, cfg, "LEAST_REQUEST")
     del c["lb_policy"]
     lb = "type.googleapis.com/envoy.extensions.load_balancing_policies"
     c["load_balancing_policy"] = {
@@ -364,6 +374,9 @@ def _route(cfg: Config) -> dict[str, Any]:
         ]
     return {
         "name": "gorgo",
+        # envoy.xds_dir: the clusters arrive by CDS after the route table loads; Envoy
+        # would refuse a static table naming a cluster it does not have yet.
+        **({"validate_clusters": False} if cfg.envoy.xds_dir else {}),
         "virtual_hosts": [
             {
                 "name": "llm",
@@ -383,10 +396,56 @@ def _route(cfg: Config) -> dict[str, Any]:
     }
 
 
+def backend_clusters(cfg: Config, draining: Collection[str] = ()) -> list[dict[str, Any]]:
+    """The clusters that change with the fleet: each backend's (with the others as
+    standby) and the fail-open fallback (cluster mode), or the pool (endpoint_picker).
+
+    A `draining` backend keeps its own cluster (a decision made just before the drain, or
+    a connect retry, still finds it) but gets no new work behind the router's back: it
+    is left out of the fallback, the pool and the other clusters' standbys."""
+    backends = list(cfg.backends)
+    open_ = [b for b in backends if b.id not in draining] or backends
+    if cfg.envoy.mode == "endpoint_picker":
+        return [_pool_cluster(cfg, open_)]
+    by_rtt = sorted(open_, key=lambda b: b.rtt_prior_ms)
+    return [
+        # Each backend's cluster holds the others as standby, nearest first, so a
+        # connect failure is retried on another backend (Envoy's retries stay inside
+        # one cluster) and each further retry on yet another.
+        *(
+            _cluster(b.id, [b], cfg, "ROUND_ROBIN", [o for o in by_rtt if o is not b])
+            for b in backends
+        ),
+        _cluster(FALLBACK_CLUSTER, open_, cfg, "LEAST_REQUEST"),
+    ]
+
+
+# envoy.xds_dir: the CDS file Envoy's bootstrap names; each EDS cluster's endpoints are
+# in eds-<cluster>.yaml beside it (ext_proc/xds.py writes them).
+CDS_FILE = "cds.yaml"
+
+
+def eds_file(cluster: str) -> str:
+    return f"eds-{cluster}.yaml"
+
+
+def xds_path(cfg: Config, file: str) -> str:
+    """Absolute, so Envoy and the router find the same file whatever their directories."""
+    return os.path.join(os.path.abspath(cfg.envoy.xds_dir), file)
+
+
+def file_config_source(path: str) -> dict[str, Any]:
+    """A filesystem xDS subscription: Envoy reads `path` and reloads it whenever a file is
+    moved onto it (the atomic rename of ext_proc/xds.py); a write in place is not seen."""
+    return {"resource_api_version": "V3", "path_config_source": {"path": path}}
+
+
 def build_envoy_config(cfg: Config, ext_proc: bool = True) -> dict[str, Any]:
     """The front door. ext_proc=False gives the same proxy without the router (every
-    request takes the fallback route): the baseline of the overhead benchmark."""
-    backends = list(cfg.backends)
+    request takes the fallback route): the baseline of the overhead benchmark.
+
+    With `envoy.xds_dir` set, the backend clusters are not in it: Envoy reads them from
+    the CDS file there (write them first with ext_proc.xds.write_xds)."""
     hcm = {
         _TYPE: f"{_API}.extensions.filters.network.http_connection_manager.v3"
         ".HttpConnectionManager",
@@ -415,20 +474,8 @@ def build_envoy_config(cfg: Config, ext_proc: bool = True) -> dict[str, Any]:
     }
     if cfg.envoy.tracing_endpoint:
         hcm["tracing"] = _tracing(cfg)
-    by_rtt = sorted(backends, key=lambda b: b.rtt_prior_ms)
-    if cfg.envoy.mode == "endpoint_picker":
-        clusters = [_pool_cluster(cfg)]
-    else:
-        clusters = [
-            # Each backend's cluster holds the others as standby, nearest first, so a
-            # connect failure is retried on another backend (Envoy's retries stay inside
-            # one cluster) and each further retry on yet another.
-            *(
-                _cluster(b.id, [b], cfg, "ROUND_ROBIN", [o for o in by_rtt if o is not b])
-                for b in backends
-            ),
-            _cluster(FALLBACK_CLUSTER, backends, cfg, "LEAST_REQUEST"),
-        ]
+    dynamic = bool(cfg.envoy.xds_dir)
+    clusters = [] if dynamic else backend_clusters(cfg)
     ext_proc_cluster = _grpc_cluster(
         EXT_PROC_CLUSTER, cfg.ext_proc_address, "envoy.ext_proc_address"
     )
@@ -440,7 +487,14 @@ def build_envoy_config(cfg: Config, ext_proc: bool = True) -> dict[str, Any]:
             _grpc_cluster(OTEL_CLUSTER, cfg.envoy.tracing_endpoint, "envoy.tracing_endpoint")
         )
     return {
+        # xDS needs a node identity, even from files.
+        **({"node": {"id": "gorgo-front-door", "cluster": "gorgo"}} if dynamic else {}),
         "admin": {"address": _socket(cfg.envoy.admin, "envoy.admin")},
+        **(
+            {"dynamic_resources": {"cds_config": file_config_source(xds_path(cfg, CDS_FILE))}}
+            if dynamic
+            else {}
+        ),
         "static_resources": {
             "listeners": [
                 {
@@ -469,7 +523,8 @@ def build_envoy_config(cfg: Config, ext_proc: bool = True) -> dict[str, Any]:
 def build_mesh_snippet(cfg: Config) -> dict[str, Any]:
     """The router's parts of the front door, cut from `build_envoy_config` (so the two
     cannot differ), for pasting into an Envoy that already exists."""
-    full = build_envoy_config(cfg)
+    # The clusters in full, even with envoy.xds_dir: a mesh's own control plane serves them.
+    full = build_envoy_config(replace(cfg, envoy=replace(cfg.envoy, xds_dir="")))
     listener = full["static_resources"]["listeners"][0]
     hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
     vhost = hcm["route_config"]["virtual_hosts"][0]
@@ -494,7 +549,7 @@ _MESH_PLACES = {
     "tracing": "your HCM, unless it traces already (Envoy spans)",
     "routes": "your LLM virtual host's routes (the fallback matches any path)",
     "response_headers_to_add": "that virtual host (echoes the chosen backend)",
-    "clusters": "static_resources (gorgo_ext_proc; the others if you lack them)",
+    "clusters": "static_resources: gorgo_ext_proc; the others unless you serve them",
 }
 
 
@@ -503,7 +558,9 @@ def render_mesh_snippet(cfg: Config) -> str:
     header = [
         "# Generated by `gorgo envoy-config --mesh-snippet` from the gorgo config; do not edit",
         "# by hand. Fragments for an existing Envoy, steps in docs/envoy.md ('Dropping it into",
-        "# an existing Envoy'). Where each goes:",
+        "# an existing Envoy'). Backends that change at run time come from your control plane:",
+        "# add the cluster named after the backend id before telling gorgo; drain in gorgo",
+        "# before deleting it. Where each goes:",
         *(f"#   {key:<34} {_MESH_PLACES[key]}" for key in snippet),
     ]
     return "\n".join(header) + "\n" + yaml.safe_dump(snippet, sort_keys=False, width=100)

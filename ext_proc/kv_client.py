@@ -6,7 +6,9 @@ publisher as it opens and drops, so a dead stream is known at once (not from sil
 idle engine publishes nothing). A gap in the sequence numbers is replayed from the
 engine's replay endpoint when it has one (SGLang's ROUTER: `[b"", start_seq]` ->
 `[b"", seq, payload]`..., then seq -1), else that backend's state is reset. With a replay
-endpoint a (re)started router also replays from the start, so it is warm at once.
+endpoint a (re)started router also replays from the start, so it is warm at once. A
+backend added at run time gets its subscriber (`add`); a removed one's is stopped
+(`remove`).
 """
 
 from __future__ import annotations
@@ -40,7 +42,9 @@ class KvEventClients:
         self.cfg = cfg
         self.router = router
         self._ctx = zmq.asyncio.Context()
-        self._tasks: list[asyncio.Task[None]] = []
+        # Per backend: its subscriber task.
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._stopping: set[asyncio.Task[None]] = set()
         # Per backend: connected publishers, and whether the state caught up at start.
         self._peers: dict[str, int] = {}
         self._synced: dict[str, bool] = {}
@@ -49,12 +53,34 @@ class KvEventClients:
         self._reconnected: set[str] = set()
 
     async def start(self) -> None:
-        for b in self.cfg.backends:
-            if b.kv_events.endpoint:
-                self._tasks.append(asyncio.create_task(self._run(b)))
+        for b in self.router.cfg.backends:
+            self.add(b)
+
+    def add(self, b: Backend) -> None:
+        """Subscribe to a backend's events from now on (nothing if it has none). A
+        subscriber it had must have been cancelled and have ended first (`cancel`)."""
+        assert b.id not in self._tasks, f"kv events of {b.id}: subscriber running"
+        if b.kv_events.endpoint:
+            self._tasks[b.id] = asyncio.create_task(self._run(b))
+
+    def cancel(self, backend: str) -> list[asyncio.Task[None]]:
+        """Stop a backend's subscriber: cancelled now (it runs no further than its
+        cleanup), returned to be awaited."""
+        task = self._tasks.pop(backend, None)
+        if task is None:
+            return []
+        task.cancel()
+        self._stopping.add(task)  # a reference until it has ended
+        task.add_done_callback(self._stopping.discard)
+        return [task]
+
+    @property
+    def backends(self) -> list[str]:
+        return list(self._tasks)
 
     async def stop(self) -> None:
-        await cancel_and_wait(self._tasks)
+        await cancel_and_wait([*self._tasks.values(), *self._stopping])
+        self._tasks.clear()
         self._ctx.destroy(linger=0)
 
     async def _run(self, b: Backend) -> None:
@@ -116,6 +142,9 @@ class KvEventClients:
         finally:
             watch.cancel()
             self.router.set_event_stream(b.id, False)
+            for per_backend in (self._peers, self._synced, self._dropped):
+                per_backend.pop(b.id, None)
+            self._reconnected.discard(b.id)
             sock.disable_monitor()
             monitor.close()
             sock.close()

@@ -1,9 +1,11 @@
-"""One request's lifecycle as events: dispatched, first byte, closed.
+"""One request's lifecycle as events: dispatched, first byte, closed; and a backend's
+(added, draining, removed) as `BackendChanged`.
 
 The router emits them; everything that learns from outcomes (the prefix index, the
 prefill model, ejection, the tuner) and telemetry subscribes as a `Listener`, in the
 spirit of llm-d's request-control hooks (PreRequest, ResponseComplete). Every request the
 router dispatched is closed exactly once, whatever ends it, and every listener hears it.
+The shell hears a backend's changes the same way and starts or stops its tasks.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from ext_proc.config import Backend
     from ext_proc.policy import RouteRequest
     from ext_proc.router import Decision
     from ext_proc.state import InFlight
@@ -41,6 +44,35 @@ class PrefixState(enum.StrEnum):
     PRECISE = "precise"
     # The router's own prefix index (no events, or their stream is down).
     APPROXIMATE = "approximate"
+
+
+class BackendLifecycle(enum.StrEnum):
+    """Where a backend is in its life: (pending ->) active -> draining -> removed."""
+
+    # Added, not yet a candidate: the shell waits until Envoy can route to it (with
+    # envoy.xds_dir), so no decision names a cluster Envoy does not have yet.
+    PENDING = "pending"
+    # A candidate of every decision (while healthy).
+    ACTIVE = "active"
+    # No new decisions; its requests in flight finish, then it is removed.
+    DRAINING = "draining"
+    # Gone from the router's state (its requests in flight had all closed).
+    REMOVED = "removed"
+
+
+class BackendChange(enum.StrEnum):
+    """What happened to a backend (`BackendChanged`)."""
+
+    ADDED = "added"
+    # Pending, now active (Envoy has its cluster).
+    ACTIVATED = "activated"
+    DRAINING = "draining"
+    # Draining, and back in rotation before it was removed (a reload named it again).
+    REACTIVATED = "reactivated"
+    # Its fields changed in place (a reload); `reset`: what the router knew of the engine
+    # behind it was forgotten (address, engine or kv_events changed).
+    UPDATED = "updated"
+    REMOVED = "removed"
 
 
 @dataclass(frozen=True)
@@ -76,6 +108,22 @@ class Closed:
     cached_tokens: int | None = None
 
 
+@dataclass(frozen=True)
+class BackendChanged:
+    """A backend was added, began draining, came back, changed or was removed."""
+
+    backend: str
+    change: BackendChange
+    # Its lifecycle after the change.
+    lifecycle: BackendLifecycle
+    # Its config (for REMOVED: the last one it had).
+    config: Backend
+    now_s: float
+    # Who asked: "admin", "reload", "envoy" (activated), "drained" (removed).
+    reason: str = ""
+    reset: bool = False
+
+
 class Listener:
     """Subscribe to the lifecycle: override what you need (the rest do nothing)."""
 
@@ -86,4 +134,7 @@ class Listener:
         pass
 
     def on_close(self, e: Closed) -> None:
+        pass
+
+    def on_backend(self, e: BackendChanged) -> None:
         pass

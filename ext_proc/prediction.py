@@ -62,6 +62,12 @@ class PredictionStats(Listener):
         self._requests[key] = self._requests.get(key, 0) + 1
         self._recent.setdefault(key, deque(maxlen=self.window)).append(err.error_ratio)
 
+    def forget(self, backend: str) -> None:
+        """A removed backend's figures go with it."""
+        for state in PrefixState:
+            self._requests.pop((backend, state), None)
+            self._recent.pop((backend, state), None)
+
     def as_json(self, backend: str) -> dict[str, Any]:
         """{prefix state: {"requests": n, "mean_error_ratio": m}} for the states seen."""
         out: dict[str, Any] = {}

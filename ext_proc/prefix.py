@@ -66,6 +66,19 @@ class PrefixIndex:
         }
         self._backends = {b: _BackendBlocks() for b in backend_capacity_tokens}
 
+    def add_backend(self, backend: str, capacity_tokens: int) -> None:
+        """A new backend, holding nothing yet (a known one starts empty again)."""
+        self.capacity_blocks[backend] = max(1, capacity_tokens // self.block_tokens)
+        self._backends[backend] = _BackendBlocks()
+
+    def set_capacity(self, backend: str, capacity_tokens: int) -> None:
+        """A new capacity; a smaller one evicts at the next insert (least recent first)."""
+        self.capacity_blocks[backend] = max(1, capacity_tokens // self.block_tokens)
+
+    def remove_backend(self, backend: str) -> None:
+        self.capacity_blocks.pop(backend, None)
+        self._backends.pop(backend, None)
+
     def match(self, blocks: Hashes) -> dict[str, int]:
         """Per backend, how many leading blocks of the prompt it holds (one pass each)."""
         if not len(blocks):

@@ -7,7 +7,8 @@ path Envoy uses, every `probes.interval_s`, on a path the engine answers without
 engine's queue. A sample taken on a freshly opened connection includes the TCP handshake
 (a second RTT) and is not used; failures count towards marking the backend suspect. A
 configured path other than the engine's own is compared with that one on every probe: a
-path answered much more slowly makes the engine work, and a warning says so.
+path answered much more slowly makes the engine work, and a warning says so. A backend
+added at run time gets its tasks (`add`); a removed one's are cancelled (`cancel`).
 """
 
 from __future__ import annotations
@@ -40,7 +41,9 @@ class Prober:
     def __init__(self, cfg: Config, router: Router) -> None:
         self.cfg = cfg
         self.router = router
-        self._tasks: list[asyncio.Task[None]] = []
+        # Per backend: its probe loop and its metrics scrape.
+        self._tasks: dict[str, list[asyncio.Task[None]]] = {}
+        self._stopping: set[asyncio.Task[None]] = set()
         self._session: aiohttp.ClientSession | None = None
         # Backends whose configured probe path was found to make the engine work.
         self.slow_paths: dict[str, str] = {}
@@ -51,13 +54,34 @@ class Prober:
         # One connection per backend is plenty; keep it alive across probes.
         connector = aiohttp.TCPConnector(limit_per_host=2, keepalive_timeout=60)
         self._session = aiohttp.ClientSession(connector=connector, trace_configs=[trace])
-        for b in self.cfg.backends:
-            self._tasks.append(asyncio.create_task(self._probe_loop(b)))
-            if self.cfg.probes.metrics_interval_s > 0:
-                self._tasks.append(asyncio.create_task(self._metrics_loop(b)))
+        for b in self.router.cfg.backends:
+            self.add(b)
+
+    def add(self, b: Backend) -> None:
+        """Probe (and scrape) a backend from now on (restarted if it was)."""
+        self.cancel(b.id)
+        tasks = [asyncio.create_task(self._probe_loop(b))]
+        if self.cfg.probes.metrics_interval_s > 0:
+            tasks.append(asyncio.create_task(self._metrics_loop(b)))
+        self._tasks[b.id] = tasks
+
+    def cancel(self, backend: str) -> list[asyncio.Task[None]]:
+        """Stop a backend's tasks: cancelled now, returned to be awaited."""
+        tasks = self._tasks.pop(backend, [])
+        for t in tasks:
+            t.cancel()
+            self._stopping.add(t)  # a reference until it has ended
+            t.add_done_callback(self._stopping.discard)
+        self.slow_paths.pop(backend, None)
+        return tasks
+
+    @property
+    def backends(self) -> list[str]:
+        return list(self._tasks)
 
     async def stop(self) -> None:
-        await cancel_and_wait(self._tasks)
+        await cancel_and_wait([*(t for ts in self._tasks.values() for t in ts), *self._stopping])
+        self._tasks.clear()
         if self._session is not None:
             await self._session.close()
 
@@ -97,9 +121,12 @@ class Prober:
         pairs: deque[tuple[float, float]] = deque(maxlen=COMPARE_PAIRS)
         while True:
             rtt_ms = await self.probe_once(b, path)
-            was_suspect = self.router.state.backends[b.id].suspect
+            state = self.router.state.backends.get(b.id)
+            if state is None:  # removed while the probe was out
+                return
+            was_suspect = state.suspect
             self.router.record_probe(b.id, rtt_ms)
-            now_suspect = self.router.state.backends[b.id].suspect
+            now_suspect = state.suspect
             if now_suspect != was_suspect:
                 log.warning(
                     "backend %s %s",

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from ext_proc.config import Config, TunerMode
+from ext_proc.config import Backend, Config, TunerMode, backend_as_dict
 from ext_proc.cost import (
     KV_HEADROOM_MARGIN,
     PrefillModel,
@@ -32,18 +32,30 @@ from ext_proc.engine_index import Applied, EngineBlocks, chain_keys
 from ext_proc.engine_metrics import EngineReport
 from ext_proc.kv_events import EventBatch
 from ext_proc.learners import Ejector, PrefillLearner, PrefixLearner, TunerLearner
-from ext_proc.lifecycle import Closed, Dispatched, FirstByte, Listener, PrefixState, Status
+from ext_proc.lifecycle import (
+    BackendChange,
+    BackendChanged,
+    BackendLifecycle,
+    Closed,
+    Dispatched,
+    FirstByte,
+    Listener,
+    PrefixState,
+    Status,
+)
 from ext_proc.peers import PeerEvent, PeerKind
 from ext_proc.policy import Candidate, Policy, PolicyInfo, RouteRequest, make_policy, policy_info
 from ext_proc.prediction import PredictionStats
 from ext_proc.prefix import Hashes, PrefixIndex, as_hashes
 from ext_proc.profile import EngineProfile, load_profile
-from ext_proc.state import FleetState, InFlight
+from ext_proc.state import BackendState, FleetState, InFlight
 from ext_proc.tokens import APPROX, block_hashes_of_ids
 from ext_proc.tuner import StateSink, Tuner, TunerSettings, TunerState
 
 # How many recent decisions /state shows.
 RECENT_DECISIONS = 8
+# How many removed backends /state and the lifecycle metric still show.
+RECENT_REMOVED = 16
 # Output budget assumed when a request names no max tokens (KV and decode estimates).
 DEFAULT_OUTPUT_TOKENS = 256
 # Dispatches to one backend this close together are concurrent: they may reach the engine
@@ -51,6 +63,9 @@ DEFAULT_OUTPUT_TOKENS = 256
 # decided back to back (a decision takes 0.1-0.6 ms, docs/benchmarks.md), well inside the
 # jitter of any WAN leg (the `network` profile's is 5 % of the RTT: 4.5 ms at 90 ms).
 CONCURRENT_S = 0.001
+_ACTIVE = BackendLifecycle.ACTIVE
+_PENDING = BackendLifecycle.PENDING
+_DRAINING = BackendLifecycle.DRAINING
 
 
 @dataclass(frozen=True)
@@ -64,6 +79,8 @@ class Decision:
     # The weights the policy used (None: a policy without weights) and the tuner's arm.
     weights: Weights | None = None
     arm: str | None = None
+    # Backends left out because they are draining (never a candidate, nor a failover).
+    draining: tuple[str, ...] = ()
 
     @property
     def chosen(self) -> Candidate:
@@ -77,7 +94,7 @@ class Decision:
         return [self.backend, *others]
 
     def as_json(self) -> dict[str, Any]:
-        return {
+        out = {
             "request_id": self.request_id,
             "backend": self.backend,
             "policy": self.policy,
@@ -89,6 +106,9 @@ class Decision:
                 for c in self.candidates
             ],
         }
+        if self.draining:
+            out["draining"] = list(self.draining)
+        return out
 
 
 @dataclass(frozen=True)
@@ -96,6 +116,45 @@ class Shed:
     """Admission refused: every backend's queue is past the bound."""
 
     retry_after_s: float
+
+
+class UnknownBackend(LookupError):
+    """No backend with that id (pending, active or draining)."""
+
+
+class NoActiveBackend(RuntimeError):
+    """Every backend is pending or draining (a fleet replaced whole, for the moment Envoy
+    takes to learn the new clusters): the request takes Envoy's fallback route."""
+
+
+class FleetConflict(ValueError):
+    """The change cannot be made: the id exists, or it would leave no active backend."""
+
+
+@dataclass(frozen=True)
+class FleetChanges:
+    """What `Router.reconcile` did, by backend id."""
+
+    added: tuple[str, ...] = ()
+    reactivated: tuple[str, ...] = ()
+    updated: tuple[str, ...] = ()
+    draining: tuple[str, ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.added or self.reactivated or self.updated or self.draining)
+
+
+# Keys a reload applies live: read from `Router.cfg` at each use, by nothing else.
+LIVE_KEYS = (
+    "routing.shed_queue_ms",
+    "routing.stall_grace_ms",
+    "routing.optimistic_ttl_s",
+    "routing.unreadable_body",
+)
+
+# A backend's fields that say which engine it is and how the router reaches it: changed
+# in place, what the router knew of the old engine is forgotten (`Router.update_backend`).
+IDENTITY_FIELDS = ("address", "engine", "kv_events")
 
 
 class Router:
@@ -116,27 +175,29 @@ class Router:
         self.policy = policy
         self.tuner = tuner
         self._weights = weights
-        self.state = FleetState((b.id, b.rtt_prior_ms) for b in cfg.backends)
-        self.profiles: dict[str, EngineProfile] = {
-            b.id: load_profile(b.engine_profile) for b in cfg.backends
-        }
-        self.prefill = {
-            b: PrefillModel(p, cfg.routing.refit_prefill) for b, p in self.profiles.items()
-        }
-        self.index = PrefixIndex(
-            {
-                b.id: b.kv_capacity_tokens or self.profiles[b.id].kv_capacity_tokens
-                for b in cfg.backends
-            },
-            cfg.routing.block_tokens,
-        )
+        # Every per-backend structure is filled by _attach (here, and for a backend added
+        # at run time) and emptied by _detach (ext_proc.router: the fleet section).
+        self.state = FleetState(())
+        self.profiles: dict[str, EngineProfile] = {}
+        self.prefill: dict[str, PrefillModel] = {}
+        self.index = PrefixIndex({}, cfg.routing.block_tokens)
         self.decisions = 0
         self.recent: deque[Decision] = deque(maxlen=RECENT_DECISIONS)
         self.sees_first_bytes = False
         # Backends whose engine publishes KV events: what it reports holding, and whether
         # that stream is up now (the shell says so; down, the router's own estimate serves).
-        self.engine_blocks = {b.id: EngineBlocks() for b in cfg.backends if b.kv_events.endpoint}
+        self.engine_blocks: dict[str, EngineBlocks] = {}
         self.precise: set[str] = set()
+        # The backends' configs (pending, active, draining), the draining ones' ids, and the
+        # backends removed lately (for /state and the lifecycle metric).
+        self.configs: dict[str, Backend] = {}
+        self.draining: tuple[str, ...] = ()
+        self.removed: deque[dict[str, Any]] = deque(maxlen=RECENT_REMOVED)
+        # Set by a shell that tells Envoy of new backends: they start pending, and the
+        # shell activates them once Envoy can route to them (False: active at once).
+        self.confirm_new_backends = False
+        for b in cfg.backends:
+            self._attach(b, clock())
         # How far the cached-token predictions were from the engines' reports.
         self.prediction = PredictionStats()
         # The learners, in the order they hear each event; more can subscribe.
@@ -236,10 +297,13 @@ class Router:
         need_kv = self._kv_tokens(request)
         matched = [self.index.match(prompt) for prompt in blocks]
         bt = self.cfg.routing.block_tokens
-        healthy = [b for b in self.state.backends.values() if self.state.available(b, now_s)]
+        active = [b for b in self.state.backends.values() if b.lifecycle is _ACTIVE]
+        if not active:
+            raise NoActiveBackend("no active backend")
+        healthy = [b for b in active if self.state.available(b, now_s)]
         keys_of = self._keys_by_block_size(request)
         out = []
-        for b in healthy or self.state.backends.values():  # all suspect: try them all
+        for b in healthy or active:  # all suspect: try them all (never a draining one)
             if self._precise_for(b.id, request):
                 per_prompt = self._precise_cached(b.id, keys_of, blocks, now_s)
             else:
@@ -365,7 +429,14 @@ class Router:
             return None
         now_s = self.clock()
         need = self._kv_tokens(request)
-        least_ms = min(self.queue_estimate_ms(b, now_s, need) for b in self.state.backends)
+        least_ms = min(
+            (
+                self.queue_estimate_ms(b.id, now_s, need)
+                for b in self.state.backends.values()
+                if b.lifecycle is _ACTIVE
+            ),
+            default=0.0,
+        )
         return Shed(least_ms / 1000) if least_ms > bound_ms else None
 
     def decide(self, request: RouteRequest) -> Decision:
@@ -417,6 +488,7 @@ class Router:
             choice.scores,
             weights,
             arm,
+            self.draining,
         )
         self.decisions += 1
         self.recent.append(decision)
@@ -475,6 +547,8 @@ class Router:
         )
         for listener in self.listeners:
             listener.on_close(event)
+        if rec.backend in self.draining:  # its last request in flight may have closed
+            self._remove_if_drained(rec.backend)
         return event
 
     def expire(self) -> list[Closed]:
@@ -482,18 +556,23 @@ class Router:
         now_s = self.clock()
         self.state.expire_peers(now_s, self.cfg.fleet.peer_ttl_s)
         overdue = self.state.overdue(now_s, self.cfg.request_timeout_s)
-        return [c for rid in overdue if (c := self.close(rid, Status.EXPIRED)) is not None]
+        closed = [c for rid in overdue if (c := self.close(rid, Status.EXPIRED)) is not None]
+        for backend in self.draining:  # any left by a record that went without a close
+            self._remove_if_drained(backend)
+        return closed
 
     # -- the engines' KV events ----------------------------------------------------------
 
     def apply_kv_events(self, backend: str, batch: EventBatch) -> Applied:
-        """One batch from the backend's engine, in order (see EngineBlocks.apply)."""
-        return self.engine_blocks[backend].apply(batch)
+        """One batch from the backend's engine, in order (see EngineBlocks.apply); a
+        backend removed meanwhile ignores it."""
+        engine = self.engine_blocks.get(backend)
+        return Applied() if engine is None else engine.apply(batch)
 
     def set_event_stream(self, backend: str, up: bool) -> None:
         """The backend's event stream is up (its state is the engine's) or down (the
         router's own estimate serves it until it is back)."""
-        if up:
+        if up and backend in self.engine_blocks:
             self.precise.add(backend)
         else:
             self.precise.discard(backend)
@@ -530,6 +609,250 @@ class Router:
     def record_fallback(self, backend: str) -> None:
         self.state.record_fallback(backend)
 
+    # -- the fleet: backends added, drained and removed at run time ---------------------
+    #
+    # (pending ->) active -> draining -> removed. Pending (`confirm_new_backends`): added,
+    # not a candidate until the shell says Envoy can route to it. A draining backend is no
+    # candidate of any decision (so no policy, failover list or fallback of the router
+    # names it); its requests in flight finish, and the close of its last one (or its
+    # expiry) removes it from every per-backend structure. Listeners hear each step
+    # (`BackendChanged`): the shell starts and stops the backend's probes and KV-event
+    # subscriber and tells Envoy. `cfg.backends` is always the pending, active and draining
+    # ones, in the order they came.
+
+    def lifecycle(self, backend: str) -> BackendLifecycle:
+        b = self.state.backends.get(backend)
+        if b is None:
+            raise UnknownBackend(backend)
+        return b.lifecycle
+
+    def add_backend(self, b: Backend, reason: str = "admin") -> BackendLifecycle:
+        """A new backend: active at once, or pending until the shell activates it
+        (`confirm_new_backends`). FleetConflict if the id is pending, active or draining."""
+        if b.id in self.state.backends:
+            raise FleetConflict(f"backend {b.id!r} exists ({self.state.backends[b.id].lifecycle})")
+        now_s = self.clock()
+        st = self._attach(b, now_s)
+        if self.confirm_new_backends:
+            st.lifecycle = _PENDING
+        self._emit(b.id, BackendChange.ADDED, now_s, reason)
+        return st.lifecycle
+
+    def activate_backend(self, backend: str, reason: str = "envoy") -> bool:
+        """A pending backend becomes a candidate (Envoy can route to it now). Returns
+        whether it was pending (a backend drained or removed meanwhile stays so)."""
+        b = self.state.backends.get(backend)
+        if b is None or b.lifecycle is not _PENDING:
+            return False
+        now_s = self.clock()
+        b.lifecycle, b.lifecycle_since_s = _ACTIVE, now_s
+        self._emit(backend, BackendChange.ACTIVATED, now_s, reason)
+        return True
+
+    def drain_backend(self, backend: str, reason: str = "admin") -> BackendLifecycle:
+        """No new decisions to `backend`; it is removed once this router's requests in
+        flight there have closed (at once if there are none). Returns its lifecycle now.
+        Draining a draining backend changes nothing. FleetConflict: it is the last
+        backend active or pending (the router would have nowhere to send requests)."""
+        b = self.state.backends.get(backend)
+        if b is None:
+            raise UnknownBackend(backend)
+        if b.lifecycle is not _DRAINING:
+            if b.lifecycle is _ACTIVE and not any(
+                o.lifecycle in (_ACTIVE, _PENDING)
+                for o in self.state.backends.values()
+                if o is not b
+            ):
+                raise FleetConflict(f"backend {backend!r} is the last active one")
+            now_s = self.clock()
+            b.lifecycle, b.lifecycle_since_s = _DRAINING, now_s
+            self.draining = (*self.draining, backend)
+            self._emit(backend, BackendChange.DRAINING, now_s, reason)
+        return BackendLifecycle.REMOVED if self._remove_if_drained(backend) else b.lifecycle
+
+    def reactivate_backend(self, backend: str, reason: str = "reload") -> None:
+        """A draining backend back in rotation (a reload named it again)."""
+        b = self.state.backends.get(backend)
+        if b is None:
+            raise UnknownBackend(backend)
+        if b.lifecycle is not _DRAINING:
+            return
+        now_s = self.clock()
+        b.lifecycle, b.lifecycle_since_s = _ACTIVE, now_s
+        self.draining = tuple(d for d in self.draining if d != backend)
+        self._emit(backend, BackendChange.REACTIVATED, now_s, reason)
+
+    def update_backend(self, new: Backend, reason: str = "reload") -> bool:
+        """New fields for a backend, applied in place: its requests in flight and counters
+        stay. The RTT prior, region, engine profile and KV capacity only change estimates.
+        A new address, engine kind or KV-event source is another engine (or another way to
+        it): what the router knew of the old one (prefix index, KV-event state, RTT samples,
+        engine report, health) is forgotten, and the shell restarts the backend's probes and
+        subscriber. Returns whether it was such a reset."""
+        old = self.configs.get(new.id)
+        if old is None:
+            raise UnknownBackend(new.id)
+        if old == new:
+            return False
+        b = self.state.backends[new.id]
+        reset = any(getattr(old, f) != getattr(new, f) for f in IDENTITY_FIELDS)
+        if new.engine_profile != old.engine_profile or reset:
+            self.profiles[new.id] = load_profile(new.engine_profile)
+            self.prefill[new.id] = PrefillModel(
+                self.profiles[new.id], self.cfg.routing.refit_prefill
+            )
+        capacity = new.kv_capacity_tokens or self.profiles[new.id].kv_capacity_tokens
+        if reset:
+            self.index.add_backend(new.id, capacity)  # empty again
+            self.engine_blocks.pop(new.id, None)
+            if new.kv_events.endpoint:
+                self.engine_blocks[new.id] = EngineBlocks()
+            self.precise.discard(new.id)
+            self.prediction.forget(new.id)
+            b.rtt_samples = b.probe_failures = b.request_failures = 0
+            b.suspect = False
+            b.ejected_until_s = b.engine = b.engine_at_s = None
+        else:
+            self.index.set_capacity(new.id, capacity)
+        b.rtt_prior_ms = new.rtt_prior_ms
+        if b.rtt_samples == 0:
+            b.rtt_ms = new.rtt_prior_ms
+        self.configs[new.id] = new
+        self._sync_cfg()
+        self._emit(new.id, BackendChange.UPDATED, self.clock(), reason, reset)
+        return reset
+
+    def reconcile(self, backends: Sequence[Backend], reason: str = "reload") -> FleetChanges:
+        """Make the fleet `backends` (a reloaded config's): new ids are added, draining
+        ones named again come back, changed ones are updated in place, and active ones not
+        named are drained (then removed). Adds come first: a fleet that is replaced whole
+        always has an active backend."""
+        wanted = {b.id for b in backends}
+        added, back, updated = [], [], []
+        for b in backends:
+            if b.id not in self.state.backends:
+                self.add_backend(b, reason)
+                added.append(b.id)
+                continue
+            if self.state.backends[b.id].lifecycle is _DRAINING:
+                self.reactivate_backend(b.id, reason)
+                back.append(b.id)
+            if self.configs[b.id] != b:
+                self.update_backend(b, reason)
+                updated.append(b.id)
+        gone = [
+            bid
+            for bid, st in self.state.backends.items()
+            if bid not in wanted and st.lifecycle is not _DRAINING
+        ]
+        for bid in gone:
+            self.drain_backend(bid, reason)
+        return FleetChanges(tuple(added), tuple(back), tuple(updated), tuple(gone))
+
+    def apply_live_keys(self, new: Config) -> list[str]:
+        """Take the LIVE_KEYS of a reloaded config; returns those that changed."""
+        changed = [
+            k
+            for k in LIVE_KEYS
+            if getattr(self.cfg.routing, k.split(".")[1]) != getattr(new.routing, k.split(".")[1])
+        ]
+        if changed:
+            routing = replace(
+                self.cfg.routing,
+                **{k.split(".")[1]: getattr(new.routing, k.split(".")[1]) for k in changed},
+            )
+            self.cfg = replace(self.cfg, routing=routing)
+        return changed
+
+    def backends_json(self) -> list[dict[str, Any]]:
+        """Each backend with its lifecycle, this router's requests in flight there, and its
+        config (GET /backends)."""
+        now_s = self.clock()
+        return [
+            {
+                "id": b.id,
+                "lifecycle": str(b.lifecycle),
+                "lifecycle_age_s": round(now_s - b.lifecycle_since_s, 3),
+                "in_flight": self.state.own_in_flight(b.id),
+                "peer_in_flight": b.in_flight - self.state.own_in_flight(b.id),
+                "config": backend_as_dict(self.configs[b.id]),
+            }
+            for b in self.state.backends.values()
+        ]
+
+    def removed_json(self, now_s: float) -> list[dict[str, Any]]:
+        return [
+            {
+                **{k: v for k, v in r.items() if k != "removed_s"},
+                "age_s": round(now_s - r["removed_s"], 3),
+            }
+            for r in self.removed
+        ]
+
+    def _attach(self, b: Backend, now_s: float) -> BackendState:
+        """Every per-backend structure of a new backend (undone by _detach)."""
+        st = self.state.add(b.id, b.rtt_prior_ms, now_s)
+        profile = self.profiles[b.id] = load_profile(b.engine_profile)
+        self.prefill[b.id] = PrefillModel(profile, self.cfg.routing.refit_prefill)
+        self.index.add_backend(b.id, b.kv_capacity_tokens or profile.kv_capacity_tokens)
+        if b.kv_events.endpoint:
+            self.engine_blocks[b.id] = EngineBlocks()
+        self.configs[b.id] = b
+        self._sync_cfg()
+        return st
+
+    def _remove_if_drained(self, backend: str) -> bool:
+        b = self.state.backends.get(backend)
+        if b is None or b.lifecycle is not _DRAINING or self.state.own_in_flight(backend):
+            return False
+        now_s = self.clock()
+        config = self._detach(backend)
+        self.removed.append(
+            {
+                "id": backend,
+                "removed_s": now_s,
+                "drained_s": round(now_s - b.lifecycle_since_s, 3),
+                "completed": b.completed,
+                "errors": b.errors,
+                "failovers": b.failovers,
+            }
+        )
+        self._emit(backend, BackendChange.REMOVED, now_s, "drained", config=config)
+        return True
+
+    def _detach(self, backend: str) -> Backend:
+        self.state.remove(backend)
+        self.profiles.pop(backend)
+        self.prefill.pop(backend)
+        self.index.remove_backend(backend)
+        self.engine_blocks.pop(backend, None)
+        self.precise.discard(backend)
+        self.prediction.forget(backend)
+        self.draining = tuple(d for d in self.draining if d != backend)
+        config = self.configs.pop(backend)
+        self._sync_cfg()
+        return config
+
+    def _sync_cfg(self) -> None:
+        self.cfg = replace(self.cfg, backends=tuple(self.configs.values()))
+
+    def _emit(
+        self,
+        backend: str,
+        change: BackendChange,
+        now_s: float,
+        reason: str,
+        reset: bool = False,
+        config: Backend | None = None,
+    ) -> None:
+        b = self.state.backends.get(backend)
+        lifecycle = BackendLifecycle.REMOVED if b is None else b.lifecycle
+        e = BackendChanged(
+            backend, change, lifecycle, config or self.configs[backend], now_s, reason, reset
+        )
+        for listener in self.listeners:
+            listener.on_backend(e)
+
     def snapshot(self) -> dict[str, Any]:
         now_s = self.clock()
         wall_s = time.time()  # KV event batches carry the engine's wall-clock stamp
@@ -546,6 +869,7 @@ class Router:
                 **self._prefix_state(b.id, wall_s),
                 # How far its cached-token predictions were from the engine's reports.
                 "prefix_prediction": self.prediction.as_json(b.id),
+                "lifecycle_age_s": round(now_s - b.lifecycle_since_s, 3),
             }
         w = self.weights
         return {
@@ -555,6 +879,7 @@ class Router:
             "decisions": self.decisions,
             "in_flight": len(self.state.in_flight),
             "backends": backends,
+            "removed_backends": self.removed_json(now_s),
             "recent_decisions": [d.as_json() for d in self.recent],
         }
 

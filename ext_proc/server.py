@@ -21,13 +21,13 @@ import contextlib
 import json
 import logging
 import math
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any, ClassVar
 
 import grpc
 
 from ext_proc import codec
-from ext_proc.config import Config, EnvoyMode, UnreadableBody
+from ext_proc.config import Backend, Config, EnvoyMode, UnreadableBody
 from ext_proc.engine_tokens import PromptTokenizer
 from ext_proc.lifecycle import Status
 from ext_proc.names import (
@@ -42,7 +42,7 @@ from ext_proc.names import (
 )
 from ext_proc.parse import ParseError, api_for_path, is_error_event, parse_body
 from ext_proc.policy import RouteRequest
-from ext_proc.router import Decision, Router
+from ext_proc.router import Decision, NoActiveBackend, Router
 from ext_proc.telemetry import Telemetry
 
 log = logging.getLogger("gorgo.server")
@@ -66,6 +66,9 @@ class ClusterHeaderEncoder:
             codec.REQUEST_BODY, set_headers={HEADER_BACKEND: d.backend}, clear_route_cache=True
         )
 
+    def set_backends(self, backends: Iterable[Backend]) -> None:
+        """The fleet changed: a cluster name is the backend id, nothing to learn."""
+
 
 class EndpointPickerEncoder:
     """Gateway API Inference Extension: the endpoint for override_host, then the next
@@ -74,6 +77,10 @@ class EndpointPickerEncoder:
     def __init__(self, addresses: dict[str, str], connect_retries: int) -> None:
         self.addresses = addresses
         self.connect_retries = connect_retries
+
+    def set_backends(self, backends: Iterable[Backend]) -> None:
+        """The fleet changed (a backend added, or its address): the endpoints to name."""
+        self.addresses = {b.id: b.address for b in backends}
 
     def encode(self, d: Decision) -> codec.ProcessingResponse:
         ranked = d.ranked()[: 1 + self.connect_retries]
@@ -258,7 +265,12 @@ class RoutingSession(_FirstByteWatcher):
             return json_error(
                 429, "overloaded", "all backends overloaded, retry later", retry_after
             )
-        self.decision = self.router.decide(request)
+        try:
+            self.decision = self.router.decide(request)
+        except NoActiveBackend:  # a fleet replaced whole, until Envoy has the new one
+            self.done = True
+            log.warning("request %s: no active backend: fallback route", self.request_id)
+            return self._reply(codec.REQUEST_BODY)
         self.done = not self.info.sends_response_body
         return self.encoder.encode(self.decision)
 

@@ -15,7 +15,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ext_proc.engine_metrics import EngineReport
-from ext_proc.lifecycle import PrefixState, Status
+from ext_proc.lifecycle import BackendLifecycle, PrefixState, Status
 
 # How many recent TTFT/E2E samples /state shows per backend.
 RECENT_SAMPLES = 16
@@ -86,12 +86,16 @@ class BackendState:
     recent_e2e_ms: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_SAMPLES))
     # This backend's share of the in-flight table.
     records: dict[str, InFlight] = field(default_factory=dict)
+    # Active, or draining (no new decisions) since `lifecycle_since_s`.
+    lifecycle: BackendLifecycle = BackendLifecycle.ACTIVE
+    lifecycle_since_s: float = 0.0
 
     def __post_init__(self) -> None:
         self.rtt_ms = self.rtt_prior_ms
 
     def as_json(self) -> dict[str, Any]:
         return {
+            "lifecycle": str(self.lifecycle),
             "rtt_ms": round(self.rtt_ms, 3),
             "rtt_samples": self.rtt_samples,
             "suspect": self.suspect,
@@ -168,6 +172,27 @@ class FleetState:
             b.request_failures = 0 if status == Status.OK else b.request_failures + 1
         return rec, measured_e2e_ms
 
+    def add(self, backend: str, rtt_prior_ms: float, now_s: float = 0.0) -> BackendState:
+        """A new backend, active (ValueError if the id is known)."""
+        if backend in self.backends:
+            raise ValueError(f"backend {backend!r} exists")
+        b = self.backends[backend] = BackendState(backend, rtt_prior_ms, lifecycle_since_s=now_s)
+        return b
+
+    def own_in_flight(self, backend: str) -> int:
+        """This router's requests in flight on the backend (its peers' not counted)."""
+        return sum(1 for rid in self.backends[backend].records if rid in self.in_flight)
+
+    def remove(self, backend: str) -> BackendState:
+        """Forget a backend that has none of this router's requests in flight; its peers'
+        (other routers' requests there) are forgotten with it."""
+        if self.own_in_flight(backend):
+            raise ValueError(f"backend {backend!r} has requests in flight")
+        b = self.backends.pop(backend)
+        for rid in list(b.records):
+            self.peer_in_flight.pop(rid, None)
+        return b
+
     def peer_dispatch(self, rec: InFlight) -> None:
         if rec.request_id in self.in_flight or rec.backend not in self.backends:
             return  # our own (a bus echo), or a backend this router does not route to
@@ -222,8 +247,11 @@ class FleetState:
     def record_probe(
         self, backend: str, rtt_ms: float | None, alpha: float, suspect_after: int
     ) -> None:
-        """An RTT probe answered in rtt_ms, or failed (None)."""
-        b = self.backends[backend]
+        """An RTT probe answered in rtt_ms, or failed (None). A backend removed while its
+        probe was out is ignored."""
+        b = self.backends.get(backend)
+        if b is None:
+            return
         if rtt_ms is None:
             b.probe_failures += 1
             b.suspect = b.probe_failures >= suspect_after
@@ -235,8 +263,9 @@ class FleetState:
         b.rtt_samples += 1
 
     def record_engine_report(self, backend: str, report: EngineReport, now_s: float) -> None:
-        b = self.backends[backend]
-        b.engine, b.engine_at_s = report, now_s
+        b = self.backends.get(backend)
+        if b is not None:  # not removed while the scrape was out
+            b.engine, b.engine_at_s = report, now_s
 
     def overdue(self, now_s: float, timeout_s: float) -> list[str]:
         """Requests in flight for timeout_s or longer (their completion was lost)."""

@@ -23,11 +23,11 @@ from opentelemetry.trace import Span, StatusCode
 from opentelemetry.trace import Status as SpanStatus
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from ext_proc.config import TelemetryConfig
-from ext_proc.lifecycle import Closed, Dispatched, FirstByte, Listener, Status
+from ext_proc.lifecycle import BackendLifecycle, Closed, Dispatched, FirstByte, Listener, Status
 from ext_proc.prediction import prediction_error
 from ext_proc.router import Decision, Router
 
@@ -57,6 +57,8 @@ A_ENGINE_REPORT_AGE_S = "gorgo.engine_report.age_s"
 A_ENGINE_CACHED = "gorgo.engine_cached_tokens"
 A_PREDICTION_ERROR_TOKENS = "gorgo.prediction_error_tokens"
 A_PREDICTION_ERROR_RATIO = "gorgo.prediction_error_ratio"
+# Backends left out of the decision because they are draining (only when there are some).
+A_DRAINING_BACKENDS = "gorgo.draining_backends"
 CANDIDATE_FIELDS = ("rtt_ms", "queue_ms", "prefill_ms", "cached_tokens", "cost")
 
 # Buckets (seconds / ms) sized for LLM latencies: TTFT from 10 ms to minutes.
@@ -78,20 +80,30 @@ class _LiveGauges(Collector):
     def __init__(self, router: Router) -> None:
         self.router = router
 
-    def collect(self) -> Iterable[GaugeMetricFamily]:
+    def collect(self) -> Iterable[Metric]:
         in_flight = GaugeMetricFamily("gorgo_in_flight", "Requests in flight", labels=["backend"])
         rtt = GaugeMetricFamily("gorgo_rtt_ms", "Smoothed probe RTT (ms)", labels=["backend"])
         suspect = GaugeMetricFamily("gorgo_suspect", "1 if probes fail", labels=["backend"])
+        ejected = GaugeMetricFamily(
+            "gorgo_ejected", "1 while ejected for failing requests", labels=["backend"]
+        )
+        ejections = CounterMetricFamily(
+            "gorgo_ejections", "Ejections for failing requests", labels=["backend"]
+        )
+        now_s = self.router.clock()
         for b in self.router.state.backends.values():
             in_flight.add_metric([b.id], b.in_flight)
             rtt.add_metric([b.id], b.rtt_ms)
             suspect.add_metric([b.id], 1.0 if b.suspect else 0.0)
+            # An ejection ends by itself (the state clears it at the next decision).
+            out = b.ejected_until_s is not None and now_s < b.ejected_until_s
+            ejected.add_metric([b.id], 1.0 if out else 0.0)
+            ejections.add_metric([b.id], b.ejections)
         report_age = GaugeMetricFamily(
             "gorgo_engine_report_age_seconds",
             "Seconds since the engine's last load report (/metrics) was read",
             labels=["backend"],
         )
-        now_s = self.router.clock()
         for b in self.router.state.backends.values():
             if b.engine_at_s is not None:
                 report_age.add_metric([b.id], max(0.0, now_s - b.engine_at_s))
@@ -100,10 +112,52 @@ class _LiveGauges(Collector):
         if w is not None:
             weights.add_metric(["rtt"], w.rtt)
             weights.add_metric(["queue"], w.queue)
-        yield from (in_flight, rtt, suspect, report_age, weights)
+        yield from (in_flight, rtt, suspect, ejected, ejections, report_age, weights)
+        yield from self._tuner()
         yield from self._prefix_state()
+        yield self._lifecycle()
 
-    def _prefix_state(self) -> Iterable[GaugeMetricFamily]:
+    def _lifecycle(self) -> GaugeMetricFamily:
+        """Per backend, 1 for its lifecycle now and 0 for the others; the backends removed
+        lately (Router.removed) show removed = 1."""
+        g = GaugeMetricFamily(
+            "gorgo_backend_lifecycle",
+            "1 for the backend's lifecycle now (pending, active, draining, removed)",
+            labels=["backend", "state"],
+        )
+        current = {b.id: b.lifecycle for b in self.router.state.backends.values()}
+        for r in self.router.removed:
+            current.setdefault(r["id"], BackendLifecycle.REMOVED)
+        for backend, now in current.items():
+            for state in BackendLifecycle:
+                g.add_metric([backend, str(state)], 1.0 if state is now else 0.0)
+        return g
+
+    def _tuner(self) -> Iterable[Metric]:
+        """The tuner's progress (nothing without a tuner)."""
+        tuner = self.router.tuner
+        if tuner is None:
+            return
+        steps = CounterMetricFamily(
+            "gorgo_tuner_steps",
+            "Tuner steps (rounds decided) by this process, by outcome",
+            labels=["outcome"],
+        )
+        steps.add_metric(["accepted"], tuner.steps_accepted)
+        steps.add_metric(["rejected"], tuner.steps_rejected)
+        samples = CounterMetricFamily(
+            "gorgo_tuner_samples", "Completions the tuner scored (restored from its state file)"
+        )
+        samples.add_metric([], tuner.state.samples)
+        frozen = GaugeMetricFamily(
+            "gorgo_tuner_frozen", "1 while the tuner is frozen (parent serves all traffic)"
+        )
+        frozen.add_metric([], 1.0 if tuner.state.frozen else 0.0)
+        sigma = GaugeMetricFamily("gorgo_tuner_sigma", "The tuner's mutation step size (log space)")
+        sigma.add_metric([], tuner.state.sigma)
+        yield from (steps, samples, frozen, sigma)
+
+    def _prefix_state(self) -> Iterable[Metric]:
         """Per backend: whether its prefix state is the engine's own, and its event stream."""
         precise = GaugeMetricFamily(
             "gorgo_prefix_state_precise",
@@ -185,6 +239,12 @@ class Metrics:
         )
         self.fallback = Counter(
             "gorgo_fallback", "Requests the fail-open route served", ["backend"], registry=r
+        )
+        self.reloads = Counter(
+            "gorgo_config_reloads",
+            "Config reloads (SIGHUP, file change), by result: ok or error (refused)",
+            ["result"],
+            registry=r,
         )
         r.register(_LiveGauges(router))
 
@@ -313,6 +373,8 @@ class Telemetry(Listener):
             A_INPUT_TOKENS: d.input_tokens,
             A_SESSION_HASH: session_hash(session_key),
         }
+        if d.draining:
+            attrs[A_DRAINING_BACKENDS] = list(d.draining)
         if d.weights is not None:
             attrs[A_WEIGHT_RTT] = d.weights.rtt
             attrs[A_WEIGHT_QUEUE] = d.weights.queue

@@ -151,6 +151,10 @@ class Tuner:
         self._round: dict[str, list[tuple[float, float]]] = {PARENT: [], CHILD: []}
         self._recent: deque[float] = deque(maxlen=settings.window)
         self._since_score = 0
+        # Steps taken by this process, by outcome (the metrics' counters; `history` is
+        # capped and comes back from the state file).
+        self.steps_accepted = 0
+        self.steps_rejected = 0
 
     # -- serving ----------------------------------------------------------------------
 
@@ -293,6 +297,10 @@ class Tuner:
     ) -> Step:
         st = self.state
         step = Step(st.samples, st.parent, st.child, accepted, st.sigma, parent_ms, child_ms, note)
+        if accepted:
+            self.steps_accepted += 1
+        else:
+            self.steps_rejected += 1
         st.history = [*st.history, asdict(step)][-self.HISTORY :]
         return step
 

@@ -148,7 +148,8 @@ def test_envoy_config_has_one_cluster_per_backend_and_fails_open() -> None:
     # connect failures go to another backend: each backend's cluster holds the others at
     # priority 1, and a retry skips the priority it already tried
     retry = routes[0]["route"]["retry_policy"]
-    assert retry["retry_on"] == "connect-failure,refused-stream,reset-before-request"
+    # a reset before the response began is retried too (a dead engine behind a live link)
+    assert retry["retry_on"] == "connect-failure,refused-stream,reset"
     assert retry["num_retries"] == 2
     assert retry["retry_priority"]["name"] == "envoy.retry_priorities.previous_priorities"
     nearest_first = [b.id for b in sorted(cfg.backends, key=lambda b: b.rtt_prior_ms)]
@@ -176,6 +177,15 @@ def test_connect_retries_zero_means_no_retry_policy() -> None:
         "filters"
     ][0]["typed_config"]["route_config"]["virtual_hosts"][0]["routes"]
     assert all("retry_policy" not in r["route"] for r in routes)
+
+
+def test_retry_resets_false_retries_only_connections_that_never_carried_the_request() -> None:
+    cfg = config_from_dict({"backends": [BACKEND], "envoy": {"retry_resets": False}})
+    routes = build_envoy_config(cfg)["static_resources"]["listeners"][0]["filter_chains"][0][
+        "filters"
+    ][0]["typed_config"]["route_config"]["virtual_hosts"][0]["routes"]
+    retry_on = {r["route"]["retry_policy"]["retry_on"] for r in routes}
+    assert retry_on == {"connect-failure,refused-stream,reset-before-request"}
 
 
 def test_ext_proc_tls_checks_the_server_name_and_sends_the_client_certificate() -> None:

@@ -112,7 +112,7 @@ def _socket_addresses(node: Any) -> list[tuple[str, int]]:
 
 
 def test_compose_has_the_documented_services(services: dict[str, dict[str, Any]]) -> None:
-    expected = {"envoy", "gorgo", "jaeger", "loadgen"}
+    expected = {"envoy", "gorgo", "jaeger", "loadgen", "prometheus", "grafana"}
     expected |= {f"{kind}-{r}" for kind in ("engine", "wan", "sglang", "vllm") for r in REGIONS}
     assert expected <= set(services)
     assert services["envoy"]["image"] == "envoyproxy/envoy:v1.40-latest"
@@ -255,6 +255,61 @@ def test_ports_agree_between_compose_config_and_envoy(
         assert _port(_flag(wan, "--target")) == int(_flag(engine, "--port"))
         assert _flag(engine, "--name") == b.id
         assert _flag(engine, "--host") == "0.0.0.0"
+
+
+def _in_container(svc: dict[str, Any], path: str) -> Path:
+    """The repo file a service sees at `path`, through its bind mounts."""
+    for volume in svc.get("volumes", []):
+        source, target = volume.split(":")[:2]
+        if path == target or path.startswith(target.rstrip("/") + "/"):
+            return ROOT / source / path[len(target) :].lstrip("/")
+    raise AssertionError(f"{path} is not mounted: {svc.get('volumes')}")
+
+
+def test_prometheus_and_grafana_are_provisioned(
+    services: dict[str, dict[str, Any]], cfg: Config
+) -> None:
+    """Prometheus scrapes the router and Envoy by service name with the rules mounted;
+    Grafana gets its datasource (that Prometheus) and the dashboard from deploy/."""
+    prometheus, grafana = services["prometheus"], services["grafana"]
+    for svc in (prometheus, grafana):
+        tag = svc["image"].partition(":")[2]
+        assert tag and tag != "latest" and re.match(r"v?\d+\.\d+\.\d+$", tag), svc["image"]
+        assert all(str(p).startswith("127.0.0.1:") for p in svc["ports"])
+    assert _container_ports(prometheus) == {9090} and _container_ports(grafana) == {3000}
+    # the config and every rule file it names are mounted
+    config_path = _in_container(prometheus, _flag(prometheus, "--config.file"))
+    assert config_path == ROOT / "deploy/prometheus/prometheus.yml"
+    config = yaml.safe_load(config_path.read_text())
+    rule_files = [_in_container(prometheus, f) for f in config["rule_files"]]
+    assert rule_files == [ROOT / "deploy/prometheus/alerts.yml"]
+    assert all(f.is_file() for f in rule_files)
+    # the router's admin /metrics and Envoy's admin, by service name and configured port
+    jobs = {j["job_name"]: j for j in config["scrape_configs"]}
+    assert set(jobs) == {"gorgo", "envoy"}
+    expected = {
+        "gorgo": ("/metrics", f"gorgo:{_port(cfg.listen.admin)}"),
+        "envoy": ("/stats/prometheus", f"envoy:{_port(cfg.envoy.admin)}"),
+    }
+    for name, (path, target) in expected.items():
+        assert jobs[name]["metrics_path"] == path
+        assert [t for c in jobs[name]["static_configs"] for t in c["targets"]] == [target]
+        assert _port(target) in _container_ports(services[_host(target)])
+    assert {"gorgo", "envoy"} <= set(prometheus["depends_on"])
+    # Grafana: provisioning and dashboards from deploy/grafana
+    provisioning = _in_container(grafana, "/etc/grafana/provisioning")
+    assert provisioning == ROOT / "deploy/grafana/provisioning"
+    (source,) = yaml.safe_load((provisioning / "datasources/prometheus.yml").read_text())[
+        "datasources"
+    ]
+    url = urlsplit(source["url"])
+    assert (url.hostname, url.port) == ("prometheus", 9090) and source["type"] == "prometheus"
+    (provider,) = yaml.safe_load((provisioning / "dashboards/gorgo.yml").read_text())["providers"]
+    dashboards = _in_container(grafana, provider["options"]["path"])
+    assert sorted(p.name for p in dashboards.glob("*.json")) == ["gorgo-router.json"]
+    home = grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
+    assert _in_container(grafana, home).is_file()
+    assert "prometheus" in grafana["depends_on"]
 
 
 def test_compose_variables_are_documented() -> None:
