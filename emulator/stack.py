@@ -617,11 +617,14 @@ class Stack:
             wait_port(port, deadline)
 
     def wait_router_ready(self, timeout_s: float = 15.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not _http_ok(f"{self.admin_url}/healthz"):
+        self._wait_ok(f"{self.admin_url}/healthz", time.monotonic() + timeout_s, "gorgo serve")
+
+    def _wait_ok(self, url: str, deadline: float, what: str) -> None:
+        """Until `url` answers 200; a child that died or the deadline raises StackError."""
+        while not _http_ok(url):
             self._check_alive()
             if time.monotonic() > deadline:
-                raise StackError(f"gorgo serve not ready after {timeout_s:.0f} s")
+                raise StackError(f"{what} not ready in time: {url} (logs in {self.workdir})")
             time.sleep(0.05)
 
     def _check_alive(self) -> None:
@@ -660,11 +663,7 @@ class Stack:
             port = wan
         path = PROBE_PATH[EngineKind(self.config.backends[0].engine)]
         deadline = time.monotonic() + timeout_s
-        while not _http_ok(f"http://127.0.0.1:{engine}{path}"):
-            self._check_alive()
-            if time.monotonic() > deadline:
-                raise StackError(f"engine {region.id} not ready after {timeout_s:.0f} s")
-            time.sleep(0.05)
+        self._wait_ok(f"http://127.0.0.1:{engine}{path}", deadline, f"engine {region.id}")
         wait_port(port, deadline)
         self.added.append(region)
         return {

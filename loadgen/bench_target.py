@@ -47,19 +47,13 @@ import numpy as np
 
 from ext_proc.files import write_atomic
 from ext_proc.profile import EngineProfile, load_profile
+from loadgen.bench_results import POLICIES
 from loadgen.protocol import PRESETS, Protocol
 from loadgen.results import read_result, write_result
 from loadgen.simulate import SimSettings, _sub_blocks, simulate
 from loadgen.traces import TraceRequest, load_trace, window
 
-BASELINES = (
-    "least_request",
-    "least_load",
-    "session_affinity",
-    "prefix_cache",
-    "round_robin",
-    "random",
-)
+BASELINES = tuple(p for p in POLICIES if not p.startswith("gorgo"))
 SHORT = {
     "least_request": "LR",
     "least_load": "LL",
