@@ -738,6 +738,8 @@ class Stack:
                     # get their parent-death signal when it ends (PR_SET_PDEATHSIG follows
                     # the thread that forked them).
                     self._stop_tending.wait()
+                except Exception as e:  # e.g. a log file that cannot be opened: next round
+                    print(f"gorgo up: supervising failed, retrying: {e!r}", file=sys.stderr)
 
         self._tending = threading.Thread(target=loop, name="gorgo-up-supervisor", daemon=True)
         self._tending.start()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import ipaddress
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -20,6 +21,16 @@ TUNER_ACTIONS = ("freeze", "unfreeze", "set")
 # POST /backends answers once the new backend is a candidate (Envoy has its cluster:
 # ~10-50 ms with envoy.xds_dir), or after this long with it still pending.
 SETTLE_S = 6.0
+
+
+def _loopback(remote: str | None) -> bool:
+    """A peer on this host (aiohttp's request.remote; None for a Unix socket)."""
+    if remote is None:
+        return True
+    try:
+        return ipaddress.ip_address(remote).is_loopback
+    except ValueError:
+        return False
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -38,12 +49,18 @@ def make_admin_app(
     @web.middleware
     async def require_token(request: web.Request, handler: Any) -> web.StreamResponse:
         # Reads stay open on loopback; anything that changes state needs the token.
-        if (
-            token
-            and request.method != "GET"
-            and not hmac.compare_digest(request.headers.get("Authorization", ""), f"Bearer {token}")
-        ):
-            return _error(401, "admin token required: Authorization: Bearer <token>")
+        if request.method != "GET":
+            if not token and not _loopback(request.remote):
+                # An open admin on the network could route prompts anywhere (POST /backends).
+                return _error(
+                    403,
+                    "changes from another host need a token: set listen.admin_token "
+                    "(or GORGO_ADMIN_TOKEN) and send Authorization: Bearer <token>",
+                )
+            if token and not hmac.compare_digest(
+                request.headers.get("Authorization", ""), f"Bearer {token}"
+            ):
+                return _error(401, "admin token required: Authorization: Bearer <token>")
         response: web.StreamResponse = await handler(request)
         return response
 

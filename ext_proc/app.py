@@ -196,7 +196,10 @@ class FleetShell(Listener):
         while True:
             e, tasks = await self._queue.get()
             try:
-                await cancel_and_wait(tasks)
+                try:
+                    await cancel_and_wait(tasks)
+                except Exception:  # a task that had crashed: its error is old news
+                    log.exception("a stopped backend task had failed")
                 if e is not None:
                     await self._apply(e)
                 if self._queue.empty():
@@ -327,7 +330,9 @@ class ConfigReloader:
                 # Off the event loop: a configured tokenizer is loaded to validate it.
                 new = await asyncio.to_thread(load_config, self.path)
                 changes = self.router.reconcile(new.backends, "reload")
-            except (ConfigError, FleetConflict) as e:
+            except Exception as e:  # ConfigError names the key; anything else: still refused
+                if not isinstance(e, ConfigError | FleetConflict):
+                    log.exception("config reload (%s) failed", trigger)
                 self.failures += 1
                 self.last_error, self.last_error_at = str(e), time.time()
                 self.telemetry.metrics.reloads.labels("error").inc()

@@ -246,8 +246,9 @@ class Listen:
     tls: ServerTls = field(default_factory=ServerTls)
     # Admin HTTP (/healthz, /state): loopback by default, it shows internal state.
     admin: str = "127.0.0.1:9180"
-    # Bearer token required by admin calls that change state (POST /tuner); "" = none
-    # (the GORGO_ADMIN_TOKEN environment variable is used when this is empty).
+    # Bearer token required by admin calls that change state (POST /tuner, /backends);
+    # "" = none, and then such calls are taken from loopback peers only (the
+    # GORGO_ADMIN_TOKEN environment variable is used when this is empty).
     admin_token: str = ""
 
 

@@ -658,12 +658,12 @@ class Router:
         if b is None:
             raise UnknownBackend(backend)
         if b.lifecycle is not _DRAINING:
-            if b.lifecycle is _ACTIVE and not any(
+            if b.lifecycle in (_ACTIVE, _PENDING) and not any(
                 o.lifecycle in (_ACTIVE, _PENDING)
                 for o in self.state.backends.values()
                 if o is not b
             ):
-                raise FleetConflict(f"backend {backend!r} is the last active one")
+                raise FleetConflict(f"backend {backend!r} is the last active or pending one")
             now_s = self.clock()
             b.lifecycle, b.lifecycle_since_s = _DRAINING, now_s
             self.draining = (*self.draining, backend)

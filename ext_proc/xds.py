@@ -158,9 +158,10 @@ async def wait_envoy(
 ) -> list[str]:
     """After write_xds: wait until Envoy (its admin `envoy.admin`) can route to every
     backend of `cfg` that is not draining. Returns the ones still missing at the timeout
-    ([] = all there; also [] at once when xds_dir is "", where the clusters are not ours)."""
-    if not cfg.envoy.xds_dir:
-        return []
+    ([] = all there). With xds_dir "" the clusters are not ours (static, or a mesh's own
+    control plane): they are still confirmed when Envoy's admin answers, so a backend
+    whose cluster Envoy lacks stays pending instead of drawing 503s; if the admin is out
+    of reach there is nothing to confirm with, and [] comes at once."""
     import aiohttp
 
     url = _admin_url(cfg)
@@ -172,7 +173,8 @@ async def wait_envoy(
                 async with session.get(url) as r:
                     missing = missing_in(await r.text(), cfg, draining)
             except (aiohttp.ClientError, TimeoutError):
-                pass
+                if not cfg.envoy.xds_dir:
+                    return []
             if not missing or time.monotonic() >= deadline:
                 return missing
             await asyncio.sleep(0.02)

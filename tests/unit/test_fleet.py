@@ -551,3 +551,14 @@ def backend_as(router: Router, bid: str) -> dict[str, object]:
     from ext_proc.config import backend_as_dict
 
     return backend_as_dict(router.configs[bid])
+
+
+def test_the_last_backend_active_or_pending_cannot_be_drained() -> None:
+    """b pending, a drained (b will serve): b is then the last one that can serve."""
+    router, _clock, _changes = fleet(ids=("a",))
+    router.confirm_new_backends = True
+    assert router.add_backend(backend("b")) == PENDING
+    router.drain_backend("a")
+    with pytest.raises(FleetConflict, match="last active or pending"):
+        router.drain_backend("b")
+    assert router.lifecycle("b") == PENDING

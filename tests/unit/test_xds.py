@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import yaml
 
-from emulator.stack import envoy_binary
+from emulator.stack import envoy_binary, free_ports
 from ext_proc.cli import main
 from ext_proc.config import Config, config_from_dict
 from ext_proc.envoy_config import build_envoy_config, build_mesh_snippet, render_envoy_config
@@ -207,3 +207,28 @@ def test_envoy_config_writes_the_files_and_envoy_accepts_the_bootstrap(tmp_path:
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+async def test_static_clusters_are_confirmed_when_envoys_admin_answers() -> None:
+    """xds_dir "": Envoy's clusters are not ours; a backend its admin does not list stays
+    missing (pending: no 503s), and an admin out of reach confirms nothing at once."""
+    from aiohttp import web
+
+    from ext_proc.xds import wait_envoy
+
+    (port,) = free_ports(1)
+    cfg = cfg_of("", admin=f"127.0.0.1:{port}")
+    assert await wait_envoy(cfg, timeout_s=0.3) == []  # no admin there
+
+    async def clusters(_: web.Request) -> web.Response:
+        return web.Response(text="")  # Envoy knows none of them
+
+    app = web.Application()
+    app.router.add_get("/clusters", clusters)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        assert sorted(await wait_envoy(cfg, timeout_s=0.3)) == sorted(b["id"] for b in BACKENDS)
+    finally:
+        await runner.cleanup()
