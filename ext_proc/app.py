@@ -276,9 +276,9 @@ class ConfigReloader:
         self._watcher: asyncio.Task[None] | None = None
         self.reloads = self.failures = 0
         self.last_trigger = ""
-        self.last_ok_at: float | None = None
+        self.last_ok_at_s: float | None = None
         self.last_error = ""
-        self.last_error_at: float | None = None
+        self.last_error_at_s: float | None = None
         self.restart_required: list[str] = []
 
     def _stat(self) -> tuple[int, int, int] | None:
@@ -334,14 +334,14 @@ class ConfigReloader:
                 if not isinstance(e, ConfigError | FleetConflict):
                     log.exception("config reload (%s) failed", trigger)
                 self.failures += 1
-                self.last_error, self.last_error_at = str(e), time.time()
+                self.last_error, self.last_error_at_s = str(e), time.time()
                 self.telemetry.metrics.reloads.labels("error").inc()
                 log.error("config reload (%s) refused, the running config stays: %s", trigger, e)
                 return False
             live = self.router.apply_live_keys(new)
             self.restart_required = changed_keys(self.router.cfg, new)
             self.reloads += 1
-            self.last_ok_at = time.time()
+            self.last_ok_at_s = time.time()
             self.telemetry.metrics.reloads.labels("ok").inc()
             log.info(
                 "config reload (%s): backends added %s, back %s, updated %s, draining %s; "
@@ -367,10 +367,10 @@ class ConfigReloader:
             "reloads": self.reloads,
             "failures": self.failures,
             "last_trigger": self.last_trigger or None,
-            "last_ok_at": self.last_ok_at,
+            "last_ok_at_s": self.last_ok_at_s,
             # The last refusal (the loader's message, naming the key) and when (Unix s).
             "last_error": self.last_error or None,
-            "last_error_at": self.last_error_at,
+            "last_error_at_s": self.last_error_at_s,
             # Keys the file changed that only a restart applies.
             "restart_required": self.restart_required,
         }
