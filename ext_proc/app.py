@@ -221,8 +221,9 @@ class FleetShell(Listener):
         self.ext_proc.encoder.set_backends(self.router.cfg.backends)
 
     async def _tell_envoy(self) -> None:
-        try:
-            self.write_now()
+        try:  # off the loop: the files grow with the fleet (snapshots: cfg, draining)
+            await asyncio.to_thread(write_xds, self.router.cfg, self.router.draining)
+            self.xds_writes += 1
             self.xds_error = ""
         except OSError as err:
             self.xds_error = f"envoy.xds_dir: {err}"
