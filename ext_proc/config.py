@@ -73,6 +73,14 @@ class TunerMode(enum.StrEnum):
     PAPER = "paper"
 
 
+class TunerObjective(enum.StrEnum):
+    # Each arm scored by its requests' TTFT (default).
+    TTFT = "ttft"
+    # By each request's TTFT minus its own floor: the prefill of its whole prompt, uncached,
+    # on an idle engine of the fleet's fastest profile (what no routing decision changes).
+    EXCESS_TTFT = "excess_ttft"
+
+
 class EngineKind(enum.StrEnum):
     """Which engine serves a backend: what its probe path and metrics are."""
 
@@ -192,6 +200,9 @@ class TunerConfig:
     state_file: str = ""
     # paired: completions per arm per round (4 is the least a p95 can be read from).
     arm_size: int = bounded(24, ge=4)
+    # What an arm is scored by: "ttft", or "excess_ttft" (TTFT minus the prompt's own
+    # floor, decision-independent; docs/tuner.md). The E2E guard is the same in both.
+    objective: TunerObjective = TunerObjective.TTFT
 
 
 @dataclass(frozen=True)

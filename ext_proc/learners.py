@@ -9,8 +9,9 @@ from ext_proc.config import Routing
 from ext_proc.cost import PrefillModel
 from ext_proc.lifecycle import Closed, Dispatched, Listener, Status
 from ext_proc.prefix import PrefixIndex
+from ext_proc.profile import EngineProfile
 from ext_proc.state import FleetState
-from ext_proc.tuner import Tuner
+from ext_proc.tuner import EXCESS_TTFT, Tuner
 
 log = logging.getLogger("gorgo.router")
 
@@ -95,15 +96,35 @@ class Ejector(Listener):
 class TunerLearner(Listener):
     """Scores the tuner's arms. A request that failed (error, expiry, failover) counts
     against the arm that routed it as if it had waited `failure_ms`; a cancelled or bad
-    request says nothing about the weights and is only forgotten."""
+    request says nothing about the weights and is only forgotten.
 
-    def __init__(self, tuner: Tuner, failure_ms: float) -> None:
+    With each success goes the request's floor, for the `excess_ttft` objective: the
+    prefill of its whole prompt, uncached, on an idle engine, with the fastest of the
+    fleet's profiles (`profiles`, the router's live map). No weight changes it: it depends
+    on neither the chosen backend's RTT, nor its queue, nor its cache."""
+
+    def __init__(
+        self,
+        tuner: Tuner,
+        failure_ms: float,
+        profiles: Mapping[str, EngineProfile] | None = None,
+    ) -> None:
         self.tuner = tuner
         self.failure_ms = failure_ms
+        self.profiles = profiles if profiles is not None else {}
+
+    def floor_ms(self, input_tokens: int) -> float:
+        """What the prompt alone costs: its TTFT on the fastest idle engine, nothing cached."""
+        if input_tokens <= 0 or not self.profiles:
+            return 0.0
+        return min(p.lone_ttft_ms(input_tokens) for p in self.profiles.values())
 
     def on_close(self, e: Closed) -> None:
         if e.status == Status.OK:
-            self.tuner.observe(e.request_id, e.ttft_ms, e.e2e_ms)
+            floor = 0.0
+            if self.tuner.s.objective == EXCESS_TTFT:
+                floor = self.floor_ms(e.record.input_tokens)
+            self.tuner.observe(e.request_id, e.ttft_ms, e.e2e_ms, floor)
         elif e.status in (Status.CANCELLED, Status.CLIENT_ERROR):
             self.tuner.forget(e.request_id)
         else:

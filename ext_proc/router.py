@@ -208,7 +208,7 @@ class Router:
             self.prediction,
         ]
         if tuner is not None:
-            self.listeners.append(TunerLearner(tuner, cfg.request_timeout_s * 1000))
+            self.listeners.append(TunerLearner(tuner, cfg.request_timeout_s * 1000, self.profiles))
 
     def subscribe(self, listener: Listener) -> None:
         self.listeners.append(listener)
@@ -921,7 +921,9 @@ def tuner_settings(cfg: Config, info: PolicyInfo) -> TunerSettings:
         base = TunerSettings(rtt_bounds=bounds[0], queue_bounds=bounds[1])
     else:
         base = TunerSettings()
-    return replace(base, mode=cfg.tuner.mode, arm_size=cfg.tuner.arm_size)
+    return replace(
+        base, mode=cfg.tuner.mode, arm_size=cfg.tuner.arm_size, objective=cfg.tuner.objective
+    )
 
 
 def build_router(

@@ -18,6 +18,11 @@ Two modes:
   `e2e_guard`; sigma stays within [sigma_min, sigma_max]. After `freeze_after` rounds in
   a row without a better child at minimal sigma, the parent is frozen (all traffic); if
   its p95 later drifts above `drift` x what it earned, exploration resumes.
+
+The objective (`objective`) says what a completion's TTFT sample is: its TTFT (`ttft`,
+default), or its excess over its own floor (`excess_ttft`: TTFT minus what the prompt
+alone costs on an idle engine, which the caller passes and no weight changes), so that
+an arm's score is not set by which arm drew the longest prompts. E2E is never adjusted.
 """
 
 from __future__ import annotations
@@ -33,13 +38,14 @@ from typing import Any
 
 import numpy as np
 
-from ext_proc.config import TunerMode
+from ext_proc.config import TunerMode, TunerObjective
 from ext_proc.cost import Weights
 
 log = logging.getLogger("gorgo.tuner")
 
 PAPER = TunerMode.PAPER
 PAIRED = TunerMode.PAIRED
+TTFT, EXCESS_TTFT = TunerObjective.TTFT, TunerObjective.EXCESS_TTFT
 PARENT, CHILD = "parent", "child"
 Bounds = tuple[tuple[float, float], tuple[float, float]]
 # Receives the tuner's state (a JSON-able dict) after every step.
@@ -69,8 +75,10 @@ class TunerSettings:
     sigma_min: float = 0.05
     sigma_max: float = 1.0
     confidence: float = 0.8
-    # How an arm's samples are scored (TTFT for the test, E2E for the guard): "p95", or
-    # "tail", the mean of the slowest `tail_fraction` of them.
+    # What a TTFT sample is: the TTFT, or its excess over the request's own floor.
+    objective: TunerObjective = TTFT
+    # How an arm's samples are scored (TTFT for the test, E2E for the guard): "p95",
+    # "tail", the mean of the slowest `tail_fraction` of them, or "mean".
     score: str = "p95"
     tail_fraction: float = 0.25
     bootstrap: int = 300
@@ -182,15 +190,26 @@ class Tuner:
         """A request closed without saying anything about its weights (cancelled)."""
         self._arm.pop(request_id, None)
 
-    def observe(self, request_id: str, ttft_ms: float | None, e2e_ms: float | None) -> Step | None:
-        """A request completed. Returns the step taken, if this completion ended one."""
+    def observe(
+        self,
+        request_id: str,
+        ttft_ms: float | None,
+        e2e_ms: float | None,
+        floor_ms: float = 0.0,
+    ) -> Step | None:
+        """A request completed. Returns the step taken, if this completion ended one.
+        `floor_ms`: the request's own decision-independent TTFT (the `excess_ttft`
+        objective scores ttft_ms - floor_ms; the `ttft` objective ignores it)."""
         arm = self._arm.pop(request_id, None)
         if arm is None or ttft_ms is None:
             return None
         self.state.samples += 1
+        e2e = e2e_ms if e2e_ms is not None else ttft_ms
+        if self.s.objective == EXCESS_TTFT:
+            ttft_ms -= floor_ms
         if self.s.mode == PAPER:
             return self._observe_paper(ttft_ms)
-        self._round[arm].append((ttft_ms, e2e_ms if e2e_ms is not None else ttft_ms))
+        self._round[arm].append((ttft_ms, e2e))
         if self.state.frozen:
             return self._watch_frozen()
         if min(len(v) for v in self._round.values()) >= self.s.arm_size:
@@ -267,6 +286,8 @@ class Tuner:
         """Each row's score (the last axis holds an arm's samples)."""
         if self.s.score == "p95":
             return np.percentile(samples, 95, axis=-1)
+        if self.s.score == "mean":
+            return np.mean(samples, axis=-1)
         return tail_mean(samples, self.s.tail_fraction)
 
     def _finish_round(
@@ -340,6 +361,7 @@ class Tuner:
         st = self.state
         return {
             "mode": self.s.mode,
+            "objective": self.s.objective,
             "weights": {"rtt": st.parent[0], "queue": st.parent[1]},
             "child": {"rtt": st.child[0], "queue": st.child[1]},
             "sigma": st.sigma,

@@ -106,6 +106,7 @@ def tune(
     mode: str,
     seed: int,
     start: tuple[float, float] = (1.0, 1.0),
+    objective: str = "ttft",
 ) -> Trajectory:
     at: dict[int, tuple[float, float]] = {}
     done = [0]
@@ -116,7 +117,11 @@ def tune(
             at[done[0]] = router.tuner.state.parent
 
     # paper mode runs as published: its rules and its bounds (w_queue <= 0.5)
-    router = {"policies": {"gorgo": {"weights": {"rtt": start[0], "queue": start[1]}}}}
+    router: dict[str, Any] = {
+        "policies": {"gorgo": {"weights": {"rtt": start[0], "queue": start[1]}}}
+    }
+    if objective != "ttft":  # tuner.objective (docs/tuner.md); the default leaves it unset
+        router["tuner"] = {"mode": mode, "objective": objective}
     res = simulate(
         trace, SimSettings(policy="gorgo", time_scale=ts, seed=seed, tune=mode, router=router), hook
     )
@@ -327,6 +332,7 @@ def regime_run(
     seed: int,
     after: int = 600,
     weights: tuple[float, float] = (1.0, 1.0),
+    objective: str = "ttft",
 ) -> RegimeRun:
     """One run through the change from `weights` (the defaults unless given), tuning
     online (`tune`) or frozen ("off"); scored on the first `after` completions of requests
@@ -334,7 +340,11 @@ def regime_run(
     from emulator.wan import DelaySettings
     from loadgen.simulate import Simulation
 
-    router = {"policies": {"gorgo": {"weights": {"rtt": weights[0], "queue": weights[1]}}}}
+    router: dict[str, Any] = {
+        "policies": {"gorgo": {"weights": {"rtt": weights[0], "queue": weights[1]}}}
+    }
+    if objective != "ttft" and tune != "off":
+        router["tuner"] = {"mode": tune, "objective": objective}
     sim = Simulation(
         changed_trace(trace, change),
         SimSettings(policy="gorgo", time_scale=ts, seed=seed, tune=tune, router=router),
@@ -377,14 +387,15 @@ def regime_run(
 
 
 def false_accept_rate(
-    samples: Sequence[tuple[float, float]],
+    samples: Sequence[tuple[float, float]] | Sequence[tuple[float, float, float]],
     settings: TunerSettings,
     rounds: int = 2000,
     seed: int = 0,
 ) -> float:
     """Share of rounds in which the tuner accepts a child that cannot be better: both arms
     draw their (TTFT, E2E) samples from the same pool (pure noise; paper mode scores
-    windows of the same pool against each other)."""
+    windows of the same pool against each other). A third element of a sample is the
+    request's floor, for the `excess_ttft` objective."""
     import random as _random
 
     from ext_proc.tuner import Tuner
@@ -396,8 +407,8 @@ def false_accept_rate(
         rid = f"r{i}"
         i += 1
         tuner.weights_for(rid)
-        ttft, e2e = rng.choice(samples)
-        step = tuner.observe(rid, ttft, e2e)
+        ttft, e2e, *floor = rng.choice(samples)
+        step = tuner.observe(rid, ttft, e2e, floor[0] if floor else 0.0)
         if step is not None:
             steps += 1
             accepted += step.accepted

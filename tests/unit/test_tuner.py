@@ -181,3 +181,78 @@ def test_the_tail_score_also_climbs_and_also_rejects_a_worse_e2e() -> None:
     )
     assert not any(h["accepted"] for h in g.state.history)
     json.dumps(g.state.history)  # plain values: the state file can hold them
+
+
+def _close_ok(learner, rid: str, tokens: int, ttft_ms: float, e2e_ms: float) -> None:  # type: ignore[no-untyped-def]
+    from ext_proc.lifecycle import Closed, Status
+    from ext_proc.state import InFlight
+
+    rec = InFlight(rid, "a", 0.0, tokens)
+    learner.on_close(Closed(rid, "a", Status.OK, ttft_ms, e2e_ms, rec, 0.0))
+
+
+@pytest.mark.parametrize("objective", ["ttft", "excess_ttft"])
+def test_excess_objective_ignores_the_prompts_own_cost(objective: str) -> None:
+    """Two arms whose only difference is the length of the prompts they drew: the child
+    gets 100k-token prompts, the parent 1k-token ones, and both wait the same 300 ms
+    beyond what the prompt alone costs. `excess_ttft` scores them equal (and keeps the
+    parent); `ttft` sees the child ~20 s slower."""
+    from ext_proc.learners import TunerLearner
+    from ext_proc.profile import load_profile
+    from ext_proc.tuner import EXCESS_TTFT
+
+    profile = load_profile()
+    s = replace(PAIRED_S, objective=objective)
+    t = Tuner(s, Weights(1.0, 1.0), random.Random(0))
+    learner = TunerLearner(t, 60_000.0, {"a": profile, "b": replace(profile, name="slow")})
+    for i in range(64):
+        rid = f"r{i}"
+        t.weights_for(rid)
+        tokens = 100_000 if t.arm_for(rid) == CHILD else 1_000
+        ttft = profile.lone_ttft_ms(tokens) + 300.0
+        _close_ok(learner, rid, tokens, ttft, 10_000.0)
+    steps = t.state.history
+    assert steps and not any(h["accepted"] for h in steps)
+    for h in steps:
+        if objective == EXCESS_TTFT:
+            assert h["parent_p95_ms"] == pytest.approx(300.0)
+            assert h["child_p95_ms"] == pytest.approx(h["parent_p95_ms"])
+        else:
+            assert h["child_p95_ms"] - h["parent_p95_ms"] > 20_000
+
+
+def test_excess_floor_is_the_fastest_profiles_idle_prefill_and_e2e_is_untouched() -> None:
+    from ext_proc.learners import TunerLearner
+    from ext_proc.profile import load_profile
+    from ext_proc.tuner import EXCESS_TTFT
+
+    fast = load_profile()
+    slow = replace(fast, prefill_tokens_per_s=fast.prefill_tokens_per_s / 2)
+    t = Tuner(replace(PAIRED_S, objective=EXCESS_TTFT), Weights(1.0, 1.0), random.Random(0))
+    learner = TunerLearner(t, 60_000.0, {"slow": slow, "fast": fast})
+    assert learner.floor_ms(50_000) == fast.lone_ttft_ms(50_000)  # not the chosen backend's
+    assert learner.floor_ms(0) == 0.0 and TunerLearner(t, 1.0).floor_ms(50_000) == 0.0
+    t.weights_for("x")
+    arm = t.arm_for("x")
+    _close_ok(learner, "x", 50_000, fast.lone_ttft_ms(50_000) + 120.0, 9_000.0)
+    ttft, e2e = t._round[arm][0]
+    assert ttft == pytest.approx(120.0) and e2e == 9_000.0  # the E2E guard sees raw E2E
+
+
+def test_objective_is_a_strict_config_key_wired_into_the_router() -> None:
+    from ext_proc.config import ConfigError, config_from_dict
+    from ext_proc.learners import TunerLearner
+    from ext_proc.router import build_router
+    from ext_proc.tuner import EXCESS_TTFT, TTFT
+
+    backend = {"id": "a", "address": "127.0.0.1:1"}
+    assert config_from_dict({"backends": [backend]}).tuner.objective == TTFT
+    cfg = config_from_dict({"backends": [backend], "tuner": {"objective": "excess_ttft"}})
+    assert cfg.tuner.objective == EXCESS_TTFT
+    with pytest.raises(ConfigError, match=r"tuner\.objective"):
+        config_from_dict({"backends": [backend], "tuner": {"objective": "e2e"}})
+    router = build_router(cfg, lambda: 0.0, random.Random(0))
+    assert router.tuner is not None and router.tuner.s.objective == EXCESS_TTFT
+    learner = next(x for x in router.listeners if isinstance(x, TunerLearner))
+    assert set(learner.profiles) == {"a"}
+    assert TunerSettings().objective == TTFT  # the default is unchanged
