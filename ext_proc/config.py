@@ -81,6 +81,14 @@ class TunerObjective(enum.StrEnum):
     EXCESS_TTFT = "excess_ttft"
 
 
+class TunerArmKey(enum.StrEnum):
+    # paired: each request's arm from a hash of its request id (default).
+    REQUEST = "request"
+    # From a hash of its session key (x-session-id, else `user`), so that all turns of a
+    # conversation see the same arm; the request id when it has none.
+    SESSION = "session"
+
+
 class EngineKind(enum.StrEnum):
     """Which engine serves a backend: what its probe path and metrics are."""
 
@@ -203,6 +211,9 @@ class TunerConfig:
     # What an arm is scored by: "ttft", or "excess_ttft" (TTFT minus the prompt's own
     # floor, decision-independent; docs/tuner.md). The E2E guard is the same in both.
     objective: TunerObjective = TunerObjective.TTFT
+    # paired: what picks a request's arm: "request" (its id) or "session" (its session
+    # key, else its id; docs/tuner.md).
+    arm_key: TunerArmKey = TunerArmKey.REQUEST
 
 
 @dataclass(frozen=True)

@@ -447,8 +447,8 @@ class Router:
         arm = None
         weights = self._weights
         if self.tuner is not None:  # the tuner's arm for this request sets the weights
-            arm = self.tuner.arm_for(request.request_id)
-            weights = self.tuner.weights_for(request.request_id)
+            arm = self.tuner.arm_for(request.request_id, request.session_key)
+            weights = self.tuner.weights_for(request.request_id, request.session_key)
         choice = self.policy.choose(request, candidates, weights)
         chosen = next((c for c in candidates if c.backend_id == choice.backend_id), None)
         if chosen is None:
@@ -922,7 +922,11 @@ def tuner_settings(cfg: Config, info: PolicyInfo) -> TunerSettings:
     else:
         base = TunerSettings()
     return replace(
-        base, mode=cfg.tuner.mode, arm_size=cfg.tuner.arm_size, objective=cfg.tuner.objective
+        base,
+        mode=cfg.tuner.mode,
+        arm_size=cfg.tuner.arm_size,
+        objective=cfg.tuner.objective,
+        arm_key=cfg.tuner.arm_key,
     )
 
 

@@ -12,12 +12,13 @@ Two modes:
   parent's (the paper's tolerance sign), the parent's score is never re-measured, and
   sigma follows Rechenberg's 1/5 rule with no bounds.
 - `paired` (default): parent and child run at the same time on interleaved traffic (a hash
-  of the request id picks the arm), so both face the same load; every round re-measures
-  the parent; a child wins only if a bootstrap over the round's samples says it is better
-  with `confidence`, and only if its p95 E2E is not worse than the parent's by more than
-  `e2e_guard`; sigma stays within [sigma_min, sigma_max]. After `freeze_after` rounds in
-  a row without a better child at minimal sigma, the parent is frozen (all traffic); if
-  its p95 later drifts above `drift` x what it earned, exploration resumes.
+  of the request id, or with `arm_key` "session" of its session key, picks the arm), so
+  both face the same load; every round re-measures the parent; a child wins only if a
+  bootstrap over the round's samples says it is better with `confidence`, and only if its
+  p95 E2E is not worse than the parent's by more than `e2e_guard`; sigma stays within
+  [sigma_min, sigma_max]. After `freeze_after` rounds in a row without a better child at
+  minimal sigma, the parent is frozen (all traffic); if its p95 later drifts above
+  `drift` x what it earned, exploration resumes.
 
 The objective (`objective`) says what a completion's TTFT sample is: its TTFT (`ttft`,
 default), or its excess over its own floor (`excess_ttft`: TTFT minus what the prompt
@@ -38,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from ext_proc.config import TunerMode, TunerObjective
+from ext_proc.config import TunerArmKey, TunerMode, TunerObjective
 from ext_proc.cost import Weights
 
 log = logging.getLogger("gorgo.tuner")
@@ -77,6 +78,8 @@ class TunerSettings:
     confidence: float = 0.8
     # What a TTFT sample is: the TTFT, or its excess over the request's own floor.
     objective: TunerObjective = TTFT
+    # What the arm's hash is of: the request id, or the session key when there is one.
+    arm_key: TunerArmKey = TunerArmKey.REQUEST
     # How an arm's samples are scored (TTFT for the test, E2E for the guard): "p95",
     # "tail", the mean of the slowest `tail_fraction` of them, or "mean".
     score: str = "p95"
@@ -166,16 +169,19 @@ class Tuner:
 
     # -- serving ----------------------------------------------------------------------
 
-    def arm_for(self, request_id: str) -> str:
+    def arm_for(self, request_id: str, session_key: str | None = None) -> str:
         if self.s.mode == PAPER:
             return CHILD  # the weights under evaluation serve everything
         if self.state.frozen:
             return PARENT
         # A hash, not alternation: arrivals correlated with the order cannot bias an arm.
+        if self.s.arm_key == TunerArmKey.SESSION and session_key:
+            # Salted: the simulator shards sessions by crc32(key) % routers.
+            return CHILD if zlib.crc32(f"arm:{session_key}".encode()) & 1 else PARENT
         return CHILD if zlib.crc32(request_id.encode()) & 1 else PARENT
 
-    def weights_for(self, request_id: str) -> Weights:
-        arm = self.arm_for(request_id)
+    def weights_for(self, request_id: str, session_key: str | None = None) -> Weights:
+        arm = self.arm_for(request_id, session_key)
         self._arm[request_id] = arm
         w = self.state.child if arm == CHILD else self.state.parent
         return Weights(*w)

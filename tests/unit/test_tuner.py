@@ -256,3 +256,42 @@ def test_objective_is_a_strict_config_key_wired_into_the_router() -> None:
     learner = next(x for x in router.listeners if isinstance(x, TunerLearner))
     assert set(learner.profiles) == {"a"}
     assert TunerSettings().objective == TTFT  # the default is unchanged
+
+
+def test_session_arm_key_keeps_a_conversation_in_one_arm() -> None:
+    from ext_proc.config import TunerArmKey
+
+    by_session = Tuner(
+        replace(PAIRED_S, arm_key=TunerArmKey.SESSION), Weights(1, 1), random.Random(0)
+    )
+    by_request = Tuner(PAIRED_S, Weights(1, 1), random.Random(0))
+    assert TunerSettings().arm_key == TunerArmKey.REQUEST  # the default is unchanged
+    sessions = [f"s{k}" for k in range(40)]
+    for s in sessions:
+        turns = [f"{s}-turn{i}" for i in range(12)]
+        assert len({by_session.arm_for(rid, s) for rid in turns}) == 1
+        assert len({by_request.arm_for(rid, s) for rid in turns}) == 2
+        assert by_session.weights_for(turns[0], s) == Weights(
+            *(
+                by_session.state.child
+                if by_session.arm_for(turns[0], s) == CHILD
+                else by_session.state.parent
+            )
+        )
+    # Both arms still get sessions; a request without a session falls back to its id.
+    assert {by_session.arm_for("x", s) for s in sessions} == {PARENT, CHILD}
+    ids = [f"r{i}" for i in range(40)]
+    assert [by_session.arm_for(r, None) for r in ids] == [by_request.arm_for(r) for r in ids]
+
+
+def test_arm_key_is_a_strict_config_key_wired_into_the_router() -> None:
+    from ext_proc.config import ConfigError, TunerArmKey, config_from_dict
+    from ext_proc.router import build_router
+
+    backend = {"id": "a", "address": "127.0.0.1:1"}
+    assert config_from_dict({"backends": [backend]}).tuner.arm_key == TunerArmKey.REQUEST
+    cfg = config_from_dict({"backends": [backend], "tuner": {"arm_key": "session"}})
+    with pytest.raises(ConfigError, match=r"tuner\.arm_key"):
+        config_from_dict({"backends": [backend], "tuner": {"arm_key": "user"}})
+    router = build_router(cfg, lambda: 0.0, random.Random(0))
+    assert router.tuner is not None and router.tuner.s.arm_key == TunerArmKey.SESSION
