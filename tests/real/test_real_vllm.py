@@ -6,6 +6,7 @@ vLLM (`make vllm`) and runs this tier; it is not part of `make test`."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import threading
 import time
@@ -35,14 +36,19 @@ class Collected:
 
     batches: dict[str, list[EventBatch]] = field(default_factory=dict)
     stop: threading.Event = field(default_factory=threading.Event)
+    errors: dict[str, str] = field(default_factory=dict)  # a subscriber that ended
 
 
 def collect(stack: Stack, into: Collected) -> threading.Thread:
     """A subscriber per engine on its loopback port (the engine connects to it)."""
 
     async def one(region: str, port: int) -> None:
-        async for batch in subscribe(f"tcp://127.0.0.1:{port}"):
-            into.batches.setdefault(region, []).append(batch)
+        try:
+            async for batch in subscribe(f"tcp://127.0.0.1:{port}"):
+                into.batches.setdefault(region, []).append(batch)
+        except Exception as e:  # said by the test that waits for its batches
+            into.errors[region] = repr(e)
+            raise
 
     async def main() -> None:
         tasks = [asyncio.ensure_future(one(r, p)) for r, p in zip(IDS, stack.kv_ports, strict=True)]
@@ -184,7 +190,11 @@ def test_the_router_reads_the_real_metrics(fleet: tuple[Stack, Collected]) -> No
 def test_kv_events_are_received_and_decoded(fleet: tuple[Stack, Collected]) -> None:
     stack, collected = fleet
     chats(stack, [document(100, "kv-a"), document(100, "kv-b")])
-    wait_for(lambda: all(collected.batches.get(b) for b in IDS), 10)
+    got = lambda: all(collected.batches.get(b) for b in IDS)  # noqa: E731
+    with contextlib.suppress(AssertionError):
+        wait_for(got, 10)
+    counts = {b: len(collected.batches.get(b, [])) for b in IDS}
+    assert got(), f"batches per engine {counts}, subscribers ended: {collected.errors}"
     for b in IDS:
         batches = collected.batches[b]
         seqs = [x.seq for x in batches]
