@@ -166,11 +166,6 @@ class FleetShell(Listener):
         )
         self._queue.put_nowait((e, tasks))
 
-    def write_now(self) -> None:
-        """Envoy's files for the fleet now (at start: raises if they cannot be written)."""
-        write_xds(self.router.cfg, self.router.draining)
-        self.xds_writes += 1
-
     def start(self) -> None:
         self._worker = asyncio.create_task(self._run())
 

@@ -188,10 +188,9 @@ class Router:
         # that stream is up now (the shell says so; down, the router's own estimate serves).
         self.engine_blocks: dict[str, EngineBlocks] = {}
         self.precise: set[str] = set()
-        # The backends' configs (pending, active, draining), the draining ones' ids, and the
-        # backends removed lately (for /state and the lifecycle metric).
+        # The backends' configs (pending, active, draining) and the backends removed lately
+        # (for /state and the lifecycle metric).
         self.configs: dict[str, Backend] = {}
-        self.draining: tuple[str, ...] = ()
         self.removed: deque[dict[str, Any]] = deque(maxlen=RECENT_REMOVED)
         # Set by a shell that tells Envoy of new backends: they start pending, and the
         # shell activates them once Envoy can route to them (False: active at once).
@@ -547,8 +546,7 @@ class Router:
         )
         for listener in self.listeners:
             listener.on_close(event)
-        if rec.backend in self.draining:  # its last request in flight may have closed
-            self._remove_if_drained(rec.backend)
+        self._remove_if_drained(rec.backend)  # draining: its last request may have closed
         return event
 
     def expire(self) -> list[Closed]:
@@ -620,6 +618,11 @@ class Router:
     # subscriber and tells Envoy. `cfg.backends` is always the pending, active and draining
     # ones, in the order they came.
 
+    @property
+    def draining(self) -> tuple[str, ...]:
+        """The draining backends' ids, in the fleet's order."""
+        return tuple(b for b, st in self.state.backends.items() if st.lifecycle is _DRAINING)
+
     def lifecycle(self, backend: str) -> BackendLifecycle:
         b = self.state.backends.get(backend)
         if b is None:
@@ -666,7 +669,6 @@ class Router:
                 raise FleetConflict(f"backend {backend!r} is the last active or pending one")
             now_s = self.clock()
             b.lifecycle, b.lifecycle_since_s = _DRAINING, now_s
-            self.draining = (*self.draining, backend)
             self._emit(backend, BackendChange.DRAINING, now_s, reason)
         return BackendLifecycle.REMOVED if self._remove_if_drained(backend) else b.lifecycle
 
@@ -679,7 +681,6 @@ class Router:
             return
         now_s = self.clock()
         b.lifecycle, b.lifecycle_since_s = _ACTIVE, now_s
-        self.draining = tuple(d for d in self.draining if d != backend)
         self._emit(backend, BackendChange.REACTIVATED, now_s, reason)
 
     def update_backend(self, new: Backend, reason: str = "reload") -> bool:
@@ -828,7 +829,6 @@ class Router:
         self.engine_blocks.pop(backend, None)
         self.precise.discard(backend)
         self.prediction.forget(backend)
-        self.draining = tuple(d for d in self.draining if d != backend)
         config = self.configs.pop(backend)
         self._sync_cfg()
         return config
