@@ -432,21 +432,28 @@ class Stack:
     def _launch(self, name: str) -> None:
         """Start child `name` from its spawn spec, its log appended to."""
         spec = self._specs[name]
-        log = open(self.workdir / f"{name}.log", "ab")  # noqa: SIM115 - closed in stop()
-        self._logs[name] = log
-        self.procs[name] = subprocess.Popen(
-            spec.argv,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=None if spec.env is None else {**os.environ, **spec.env},
-            preexec_fn=_die_with_parent,
-            start_new_session=spec.group,
-        )
+        self.procs[name], self._logs[name] = self._popen(name, spec, spec.argv)
         if spec.group:
             self._groups.append(self.procs[name].pid)
         self._started_s[name] = time.monotonic()
         self.supervisor.started(name, self._started_s[name])
+
+    def _popen(
+        self, name: str, spec: _Spawn, argv: Sequence[str], stdin: int = subprocess.DEVNULL
+    ) -> tuple[subprocess.Popen[bytes], IO[bytes]]:
+        """A child process of `spec` running `argv`, its output appended to name's log (the
+        caller keeps the log and closes it when the child is gone)."""
+        log = open(self.workdir / f"{name}.log", "ab")  # noqa: SIM115 - the caller closes it
+        proc = subprocess.Popen(
+            argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=stdin,
+            env=None if spec.env is None else {**os.environ, **spec.env},
+            preexec_fn=_die_with_parent,
+            start_new_session=spec.group,
+        )
+        return proc, log
 
     def _gorgo(self, *args: str) -> list[str]:
         return [sys.executable, "-m", "ext_proc.cli", *args]
@@ -844,17 +851,8 @@ class Stack:
 
     def _start_spare(self, name: str, spec: _Spawn) -> None:
         preload = [f"--preload={m}" for m in self.SPARE_PRELOAD[spec.argv[2]]]
-        log = open(self.workdir / f"{name}.log", "ab")  # noqa: SIM115 - closed with the spare
-        spare = subprocess.Popen(
-            [sys.executable, "-m", "emulator.spare", *preload, *spec.argv[2:]],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.PIPE,
-            env=None if spec.env is None else {**os.environ, **spec.env},
-            preexec_fn=_die_with_parent,
-            start_new_session=spec.group,
-        )
-        self._spares[name] = (spare, log)
+        argv = (sys.executable, "-m", "emulator.spare", *preload, *spec.argv[2:])
+        self._spares[name] = self._popen(name, spec, argv, stdin=subprocess.PIPE)
 
     def _activate_spare(self, name: str) -> bool:
         """Turn `name`'s warm spare into `name`; False when it has none alive."""
