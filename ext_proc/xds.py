@@ -18,12 +18,9 @@ a cluster holding one is a STRICT_DNS cluster inside the CDS file, replaced when
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import ipaddress
 import json
-import os
-import tempfile
 import time
 from collections.abc import Collection
 from pathlib import Path
@@ -40,6 +37,7 @@ from ext_proc.envoy_config import (
     file_config_source,
     xds_path,
 )
+from ext_proc.files import write_atomic
 
 _CLUSTER_TYPE = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
 _ASSIGNMENT_TYPE = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
@@ -75,20 +73,6 @@ def xds_files(cfg: Config, draining: Collection[str] = ()) -> dict[str, str]:
     return files
 
 
-def _replace(path: Path, text: str) -> None:
-    """Write a temporary file in the same directory and rename it onto `path` (a unique
-    name: two writers never share a half-written file)."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-
-
 def write_xds(cfg: Config, draining: Collection[str] = ()) -> None:
     """Make the files in `envoy.xds_dir` describe `cfg.backends` (no-op when it is "").
 
@@ -107,7 +91,7 @@ def write_xds(cfg: Config, draining: Collection[str] = ()) -> None:
                 continue
         except FileNotFoundError:
             pass
-        _replace(path, text)
+        write_atomic(path, text)
     for stale in root.glob(eds_file("*")):
         if stale.name not in files:
             stale.unlink(missing_ok=True)
