@@ -93,6 +93,10 @@ class BackendState:
     def __post_init__(self) -> None:
         self.rtt_ms = self.rtt_prior_ms
 
+    def ejected_at(self, now_s: float) -> bool:
+        """Out for failing requests at now_s (an ejection ends by itself)."""
+        return self.ejected_until_s is not None and now_s < self.ejected_until_s
+
     def as_json(self) -> dict[str, Any]:
         return {
             "lifecycle": str(self.lifecycle),
@@ -225,7 +229,7 @@ class FleetState:
     def available(self, b: BackendState, now_s: float) -> bool:
         """In rotation: probes answer, and not ejected for failing requests. An ejection
         ends by itself; the next request there then tests the backend (half-open)."""
-        if b.ejected_until_s is not None and now_s >= b.ejected_until_s:
+        if not b.ejected_at(now_s):
             b.ejected_until_s = None
         return not b.suspect and b.ejected_until_s is None
 

@@ -96,8 +96,7 @@ class _LiveGauges(Collector):
             rtt.add_metric([b.id], b.rtt_ms)
             suspect.add_metric([b.id], 1.0 if b.suspect else 0.0)
             # An ejection ends by itself (the state clears it at the next decision).
-            out = b.ejected_until_s is not None and now_s < b.ejected_until_s
-            ejected.add_metric([b.id], 1.0 if out else 0.0)
+            ejected.add_metric([b.id], 1.0 if b.ejected_at(now_s) else 0.0)
             ejections.add_metric([b.id], b.ejections)
         report_age = GaugeMetricFamily(
             "gorgo_engine_report_age_seconds",
