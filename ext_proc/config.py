@@ -197,6 +197,13 @@ class Routing:
     # With KV events: a prompt dispatched this recently counts as cached where it went,
     # until the engine's own events say what it stored (they follow within a step).
     optimistic_ttl_s: float = bounded(10.0, **NON_NEGATIVE)
+    # Dispatch pacing (docs/cost-model.md): hold a request until this many probe-RTT
+    # standard deviations after the previous one sent to its backend, so that the WAN's
+    # jitter does not reorder them at the engine; never longer than its predicted queue
+    # there, nor than pace_max_ms (Envoy awaits the decision within
+    # envoy.message_timeout_ms). 0 = off.
+    pace_sigmas: float = bounded(2.0, **NON_NEGATIVE)
+    pace_max_ms: float = bounded(250.0, **NON_NEGATIVE)
 
 
 @dataclass(frozen=True)
@@ -509,6 +516,12 @@ def _validate(cfg: Config) -> None:
         from ext_proc.engine_tokens import load_engine_tokenizer  # late: it imports config
 
         load_engine_tokenizer(cfg.tokenizer)  # the files exist, parse and have a template
+    # A decision held longer than Envoy waits for it would take the fallback route.
+    if cfg.routing.pace_max_ms * 2 > cfg.envoy.message_timeout_ms:
+        raise ConfigError(
+            f"routing.pace_max_ms: at most half of envoy.message_timeout_ms "
+            f"({cfg.envoy.message_timeout_ms}), got {cfg.routing.pace_max_ms:g}"
+        )
     interval_s = cfg.probes.metrics_interval_s
     if 0 < interval_s < 0.1:
         raise ConfigError(f"probes.metrics_interval_s: at least 0.1 (or 0 = off), got {interval_s}")

@@ -8,6 +8,7 @@ learns from outcomes subscribes to the lifecycle events (`ext_proc.lifecycle`).
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from collections import deque
@@ -81,6 +82,8 @@ class Decision:
     arm: str | None = None
     # Backends left out because they are draining (never a candidate, nor a failover).
     draining: tuple[str, ...] = ()
+    # How long to hold the dispatch before sending it on (dispatch pacing).
+    hold_ms: float = 0.0
 
     @property
     def chosen(self) -> Candidate:
@@ -108,6 +111,8 @@ class Decision:
         }
         if self.draining:
             out["draining"] = list(self.draining)
+        if self.hold_ms:
+            out["hold_ms"] = round(self.hold_ms, 3)
         return out
 
 
@@ -150,6 +155,8 @@ LIVE_KEYS = (
     "routing.stall_grace_ms",
     "routing.optimistic_ttl_s",
     "routing.unreadable_body",
+    "routing.pace_sigmas",
+    "routing.pace_max_ms",
 )
 
 # A backend's fields that say which engine it is and how the router reaches it: changed
@@ -478,6 +485,7 @@ class Router:
             streaming=request.llm.stream if request.llm else True,
         )
         self.state.dispatch(rec)
+        hold_ms = self._pace(chosen, now_s)
         decision = Decision(
             request.request_id,
             chosen.backend_id,
@@ -488,6 +496,7 @@ class Router:
             weights,
             arm,
             self.draining,
+            hold_ms,
         )
         self.decisions += 1
         self.recent.append(decision)
@@ -495,6 +504,27 @@ class Router:
         for listener in self.listeners:
             listener.on_dispatch(event)
         return decision
+
+    def _pace(self, chosen: Candidate, now_s: float) -> float:
+        """Dispatch pacing: how long to hold a request before it is sent on (ms).
+
+        Requests sent to one backend within the WAN's jitter of each other reach the
+        engine in an order the jitter picks, while the queue estimate (and so every
+        decision made since) counts each one behind those routed before it; under bursts
+        that unpredicted overtaking made most of the TTFT tail (docs/cost-model.md). So a
+        request is held until `routing.pace_sigmas` probe-RTT standard deviations after
+        the previous one sent there; never longer than the queue it is predicted to wait
+        there anyway (a held request loses nothing it would not have waited), nor than
+        `routing.pace_max_ms` (Envoy waits for the decision within its message timeout).
+        """
+        r = self.cfg.routing
+        b = self.state.backends[chosen.backend_id]
+        hold_ms = 0.0
+        if r.pace_sigmas:
+            due_ms = (b.sent_s - now_s) * 1000 + r.pace_sigmas * math.sqrt(b.rtt_var_ms2)
+            hold_ms = min(max(0.0, due_ms), chosen.queue_ms, r.pace_max_ms)
+        b.sent_s = now_s + hold_ms / 1000
+        return hold_ms
 
     # -- the lifecycle ------------------------------------------------------------------
 

@@ -114,6 +114,8 @@ class Session:
         self.info = info
         # True once nothing more is needed from this stream: the server then closes it.
         self.done = False
+        # Seconds to wait before sending the reply just handled (dispatch pacing).
+        self.hold_s = 0.0
 
     def handle(self, p: codec.Phase) -> Reply:
         handler = self._handlers.get(p.name)
@@ -272,6 +274,7 @@ class RoutingSession(_FirstByteWatcher):
             log.warning("request %s: no active backend: fallback route", self.request_id)
             return self._reply(codec.REQUEST_BODY)
         self.done = not self.info.sends_response_body
+        self.hold_s = self.decision.hold_ms / 1000
         return self.encoder.encode(self.decision)
 
     _handlers: ClassVar[dict[str, Callable[[Any, codec.Phase], Reply]]] = {
@@ -346,6 +349,9 @@ class ExtProcService:
                         self.router, self.encoder, req, phase, carrier, self.tokens
                     )
                 reply = session.handle(phase)
+                if session.hold_s:  # dispatch pacing: Envoy sends the request on later
+                    await asyncio.sleep(session.hold_s)
+                    session.hold_s = 0.0
                 if reply is not None:
                     yield reply
                 if session.done:

@@ -57,6 +57,10 @@ class BackendState:
     rtt_prior_ms: float
     rtt_ms: float = 0.0
     rtt_samples: int = 0
+    # Exponentially weighted variance of the probe samples (ms^2): the WAN's jitter.
+    rtt_var_ms2: float = 0.0
+    # When the last request routed here was sent on (dispatch pacing; -inf: never).
+    sent_s: float = float("-inf")
     probe_failures: int = 0
     suspect: bool = False
     # Passive health: requests that failed in a row, and until when the backend is out
@@ -263,7 +267,12 @@ class FleetState:
         b.probe_failures = 0
         b.suspect = False
         # The first sample replaces the configured prior; later ones are smoothed.
-        b.rtt_ms = rtt_ms if b.rtt_samples == 0 else alpha * rtt_ms + (1 - alpha) * b.rtt_ms
+        if b.rtt_samples == 0:
+            b.rtt_ms = rtt_ms
+        else:
+            d = rtt_ms - b.rtt_ms
+            b.rtt_ms += alpha * d
+            b.rtt_var_ms2 = (1 - alpha) * (b.rtt_var_ms2 + alpha * d * d)
         b.rtt_samples += 1
 
     def record_engine_report(self, backend: str, report: EngineReport, now_s: float) -> None:

@@ -59,6 +59,8 @@ A_PREDICTION_ERROR_TOKENS = "gorgo.prediction_error_tokens"
 A_PREDICTION_ERROR_RATIO = "gorgo.prediction_error_ratio"
 # Backends left out of the decision because they are draining (only when there are some).
 A_DRAINING_BACKENDS = "gorgo.draining_backends"
+# How long dispatch pacing held the request before it was sent on (only when it did).
+A_PACE_HOLD_MS = "gorgo.pace_hold_ms"
 CANDIDATE_FIELDS = ("rtt_ms", "queue_ms", "prefill_ms", "cached_tokens", "cost")
 
 # Buckets (seconds / ms) sized for LLM latencies: TTFT from 10 ms to minutes.
@@ -288,6 +290,7 @@ class Telemetry(Listener):
         m.term.labels("rtt").observe(chosen.rtt_ms)
         m.term.labels("queue").observe(chosen.queue_ms)
         m.term.labels("prefill").observe(chosen.prefill_ms)
+        m.term.labels("pace_hold").observe(d.hold_ms)
         m.prompt_tokens.inc(d.input_tokens)
         m.cached_tokens.inc(chosen.cached_tokens)
         if self._tracer is None:
@@ -374,6 +377,8 @@ class Telemetry(Listener):
         }
         if d.draining:
             attrs[A_DRAINING_BACKENDS] = list(d.draining)
+        if d.hold_ms:
+            attrs[A_PACE_HOLD_MS] = round(d.hold_ms, 3)
         if d.weights is not None:
             attrs[A_WEIGHT_RTT] = d.weights.rtt
             attrs[A_WEIGHT_QUEUE] = d.weights.queue

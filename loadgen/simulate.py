@@ -452,7 +452,8 @@ class Simulation:
         self._arrival_s[r.id] = self._door_arrival_s.pop(r.id, self.now_s)
         self._access_ms[r.id] = access_ms
         link = self._link_of[r.id] = self.links[(door, d.backend)]
-        delay_s = link.one_way_delay_s()
+        # Dispatch pacing: the router holds the request before Envoy sends it on.
+        delay_s = d.hold_ms / 1000 + link.one_way_delay_s()
         if self.s.envoy_workers:
             worker = self._worker_rng.randrange(self.s.envoy_workers)
             key = self._conn_of[r.id] = (door, d.backend, worker)

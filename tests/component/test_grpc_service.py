@@ -279,3 +279,40 @@ async def test_admin_token_guards_state_changes_only() -> None:
         good = {"Authorization": "Bearer s3cret"}
         async with s.post(f"{url}/tuner", json={"action": "freeze"}, headers=good) as r:
             assert r.status == 200 and (await r.json())["frozen"]
+
+
+async def test_a_paced_decision_is_sent_after_its_hold() -> None:
+    """Dispatch pacing in the shell: the reply that carries a held decision leaves the
+    service no earlier than the hold (Envoy sends the request on when it reads it)."""
+    cfg = config_from_dict(
+        {
+            "policy": "gorgo",
+            "listen": {"grpc": "127.0.0.1:0", "admin": "127.0.0.1:0"},
+            "backends": [{"id": "a", "address": "127.0.0.1:1", "rtt_prior_ms": 100}],
+        }
+    )
+    long_chat = json.dumps(
+        {"messages": [{"role": "user", "content": "word " * 4000}], "stream": True}
+    ).encode()
+    async with running_service(cfg) as svc:
+        for s in (100, 300, 20, 300, 20, 300):  # a jitter of ~100 ms: 2 sigma ~200 ms
+            svc.router.record_probe("a", s)
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{svc.grpc_port}")
+        waited_s = []
+        for rid in ("p1", "p2"):
+            call = channel.stream_stream(
+                f"/{EXT_PROC_SERVICE}/Process",
+                request_serializer=pb.ProcessingRequest.SerializeToString,
+                response_deserializer=pb.ProcessingResponse.FromString,
+            )()
+            await call.write(headers("/v1/chat/completions", rid))
+            await call.read()
+            t0 = asyncio.get_running_loop().time()
+            await call.write(body(long_chat))
+            assert (await call.read()).request_body.response.header_mutation.set_headers
+            waited_s.append(asyncio.get_running_loop().time() - t0)
+        await channel.close()
+        first, second = list(svc.router.recent)[-2:]
+        assert first.hold_ms == 0.0
+        assert 100 < second.hold_ms <= 250
+        assert waited_s[1] >= second.hold_ms / 1000
