@@ -13,6 +13,7 @@ from loadgen.bench_target import (
     Row,
     Window,
     burst_floor_ttfts_ms,
+    clairvoyant_greedy_ttfts_ms,
     floor_ttfts_ms,
     markdown,
     no_queue_floor_ms,
@@ -112,3 +113,27 @@ def test_burst_floor_counts_the_queue_of_same_instant_arrivals() -> None:
 def test_no_run_leaves_out_cells_without_result_files(tmp_path: Path) -> None:
     reqs = window(read_trace(SLICE), limit=5)
     assert run_cells([_cell(reqs)], [*BASELINES, "gorgo"], tmp_path, run=False) == []
+
+
+def test_clairvoyant_greedy_sends_each_request_where_its_first_token_is_soonest() -> None:
+    prof = load_profile(SimSettings().engine_profile)
+    bt = 512
+    rtt = {r: SimSettings(rtt_profile="paper").rtt_ms("", r)[0] for r in SimSettings().regions}
+    near, mid = sorted(rtt.values())[:2]
+    burst = [
+        TraceRequest(i, 5.0, 8 * bt, 8, tuple(range(10 * i, 10 * i + 8)), bt, f"s{i}")
+        for i in range(2)
+    ]
+    again = TraceRequest(9, 60.0, 9 * bt, 8, (*range(8), 99), bt, "s0")  # s0's next turn
+    first, second, third = clairvoyant_greedy_ttfts_ms([*burst, again], "paper")
+    lone = prof.lone_ttft_ms(8 * bt)
+    assert first == pytest.approx(near + lone)
+    # behind the first on the nearest backend, or alone on the next one
+    assert second == pytest.approx(min(near + 2 * lone, mid + lone))
+    # the next turn finds its prefix where the first went
+    assert third == pytest.approx(near + prof.lone_ttft_ms(9 * bt, 8 * bt))
+    # perfect information still meets every request's own floor
+    reqs = window(read_trace(SLICE), limit=200)
+    floors = floor_ttfts_ms(reqs, "network")
+    greedy = clairvoyant_greedy_ttfts_ms(reqs, "network")
+    assert all(g >= f - 1e-6 for g, f in zip(greedy, floors, strict=True))
