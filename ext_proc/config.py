@@ -122,6 +122,9 @@ MOVED = {
     "routing.prefix_min_fraction": "policies.prefix_cache.min_fraction",
     "routing.balance_abs": "policies.prefix_cache.balance_abs",
     "routing.balance_rel": "policies.prefix_cache.balance_rel",
+    # Dispatch pacing keeps same-instant dispatches in order, so none overtakes another.
+    "policies.gorgo.overtake_weight": "routing.pace_sigmas (dispatch pacing replaced the "
+    "overtake term)",
 }
 
 

@@ -4,7 +4,7 @@ framework computes the terms; policies weigh and compare them (docs/cost-model.m
 
     cost_i = w_rtt * RTT_i + w_queue * Tqueue_i + Tprefill_i                    (time form,
                                                          `gorgo_time3`: the paper's three terms)
-           + w_stall * Tstall_i + w_overtake * Tovertake_i + w_kv * Tkv_i       (`gorgo`)
+           + w_stall * Tstall_i + w_kv * Tkv_i                                 (`gorgo`)
     cost_i = w_rtt * RTT_i + uncached_tokens_i + w_queue * in_flight_tokens_i    (token form,
                                                                   the GORGO paper's code)
 """
@@ -40,14 +40,6 @@ def decode_stall_ms(prefill_ms: float, held_requests: int) -> float:
     for the whole prefill, and every request still waiting ahead of it will be decoding by
     then (its own prefill comes first)."""
     return prefill_ms * held_requests
-
-
-def overtake_ms(prefill_ms: float, concurrent_requests: int) -> float:
-    """The TTFT a newcomer's prefill is expected to inflict on requests dispatched to the
-    same backend at the same instant and not yet there: each reaches the engine over its
-    own connection with its own WAN jitter, so the engine's FCFS order among them is a coin
-    toss, and each one the newcomer beats waits for its whole prefill (ms, summed)."""
-    return 0.5 * prefill_ms * concurrent_requests
 
 
 class PrefillModel:

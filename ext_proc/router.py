@@ -27,7 +27,6 @@ from ext_proc.cost import (
     decode_stall_ms,
     estimate_queue_ms,
     kv_headroom_ms,
-    overtake_ms,
 )
 from ext_proc.engine_index import Applied, EngineBlocks, chain_keys
 from ext_proc.engine_metrics import EngineReport
@@ -59,11 +58,6 @@ RECENT_DECISIONS = 8
 RECENT_REMOVED = 16
 # Output budget assumed when a request names no max tokens (KV and decode estimates).
 DEFAULT_OUTPUT_TOKENS = 256
-# Dispatches to one backend this close together are concurrent: they may reach the engine
-# in either order (each over its own connection, with its own WAN jitter). 1 ms: a burst
-# decided back to back (a decision takes 0.1-0.6 ms, docs/benchmarks.md), well inside the
-# jitter of any WAN leg (the `network` profile's is 5 % of the RTT: 4.5 ms at 90 ms).
-CONCURRENT_S = 0.001
 _ACTIVE = BackendLifecycle.ACTIVE
 _PENDING = BackendLifecycle.PENDING
 _DRAINING = BackendLifecycle.DRAINING
@@ -322,13 +316,6 @@ class Router:
             prefill_ms = self.prefill[b.id].prefill_ms(uncached, cached)
             items, step_ms = self._queue_items(b.id)
             queue_ms = self._queue_ms(b.id, now_s, need_kv, items, step_ms)
-            # Not yet at the engine: dispatched within CONCURRENT_S, and at most a half-trip ago.
-            window_s = min(CONCURRENT_S, b.rtt_ms / 2000)
-            concurrent = sum(
-                1
-                for r in b.records.values()
-                if r.first_byte_s is None and now_s - r.dispatched_s <= window_s
-            )
             out.append(
                 Candidate(
                     backend_id=b.id,
@@ -341,7 +328,6 @@ class Router:
                     cached_tokens=cached,
                     uncached_tokens=uncached,
                     decode_stall_ms=decode_stall_ms(prefill_ms, b.in_flight),
-                    overtake_ms=overtake_ms(prefill_ms, concurrent),
                     kv_ms=kv_headroom_ms(
                         items,
                         step_ms,

@@ -36,10 +36,8 @@ class Candidate:
     uncached_tokens: int = 0
     # What sending the request there does to the others (ms, summed over them;
     # docs/cost-model.md): its prefill stalls the requests there (ext_proc.cost.
-    # decode_stall_ms), delays the same-instant dispatches it reaches the engine before
-    # (overtake_ms); and the wait beyond queue_ms when the KV pool is nearly full (kv_ms).
+    # decode_stall_ms); and the wait beyond queue_ms when the KV pool is nearly full (kv_ms).
     decode_stall_ms: float = 0.0
-    overtake_ms: float = 0.0
     kv_ms: float = 0.0
 
     def as_json(self) -> dict[str, Any]:
@@ -53,7 +51,6 @@ class Candidate:
             "cached_tokens": self.cached_tokens,
             "uncached_tokens": self.uncached_tokens,
             "decode_stall_ms": round(self.decode_stall_ms, 3),
-            "overtake_ms": round(self.overtake_ms, 3),
             "kv_ms": round(self.kv_ms, 3),
         }
 

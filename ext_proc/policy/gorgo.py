@@ -5,7 +5,6 @@ the request there does to the requests already there.
 
     w_rtt * RTT + w_queue * Tqueue + Tprefill        the newcomer's own TTFT
     + decode_stall_weight * Tstall                   its prefill stalls every request there
-    + overtake_weight * Tovertake                    it may beat same-instant dispatches (off)
     + kv_weight * Tkv                                the KV pool there is nearly full
 
 `gorgo_time3` is the paper's three-term time form alone (what `gorgo` was before issue 15);
@@ -69,9 +68,6 @@ class GorgoParams(WeightedParams):
     # trace's windows (time_scale 3-6, both RTT profiles; docs/cost-model.md): 0.1 left p95
     # E2E 6 % above 0.3's, 1.0 cost 7 % of p95 TTFT, 0.2-0.5 were alike.
     decode_stall_weight: float = bounded(0.3, ge=0.0)
-    # Off: at 1.0 (a same-instant dispatch's TTFT for the newcomer's) it moved p95 TTFT by
-    # -1 % open loop but +3.5 % under the paper's protocol (docs/cost-model.md).
-    overtake_weight: float = bounded(0.0, ge=0.0)
     # The wait within the KV margin is a wait like the queue's.
     kv_weight: float = bounded(1.0, ge=0.0)
     # Near-ties, then the fewest in flight. Only exact ties: the decode-stall term already
@@ -127,7 +123,6 @@ class Gorgo:
         return (
             time_cost_ms(w, c.rtt_ms, c.queue_ms, c.prefill_ms)
             + p.decode_stall_weight * c.decode_stall_ms
-            + p.overtake_weight * c.overtake_ms
             + p.kv_weight * c.kv_ms
         )
 

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ext_proc.config import ConfigError
 from ext_proc.cost import (
     PrefillModel,
     QueueItem,
@@ -16,7 +17,6 @@ from ext_proc.cost import (
     decode_stall_ms,
     estimate_queue_ms,
     kv_headroom_ms,
-    overtake_ms,
     time_cost_ms,
     token_cost,
 )
@@ -398,11 +398,9 @@ def decoding_on(r: Router, backend: str, n: int, now_s: float) -> None:
         r.state.first_byte(rid, now_s)
 
 
-def test_decode_stall_and_overtake_are_the_prefill_times_the_requests_it_holds_up() -> None:
+def test_decode_stall_is_the_prefill_time_times_the_requests_it_holds_up() -> None:
     assert decode_stall_ms(1500.0, 0) == 0
     assert decode_stall_ms(1500.0, 8) == 12_000
-    assert overtake_ms(1500.0, 0) == 0
-    assert overtake_ms(1500.0, 4) == 3000  # each same-instant dispatch: behind it half the time
 
 
 def test_a_long_uncached_prompt_avoids_the_backend_decoding_many() -> None:
@@ -430,31 +428,9 @@ def test_a_long_uncached_prompt_avoids_the_backend_decoding_many() -> None:
     assert r.decide(chat("hi")).backend == "busy"
 
 
-def test_a_long_prompt_does_not_overtake_same_instant_dispatches_when_it_can_help_it() -> None:
-    for overtake_weight, expected in ((1.0, "idle"), (0.0, "busy")):
-        clock = FakeClock()
-        cfg = make_config(
-            "gorgo",
-            backends=[
-                {"id": "busy", "address": "127.0.0.1:1", "rtt_prior_ms": 10},
-                {"id": "idle", "address": "127.0.0.1:2", "rtt_prior_ms": 10},
-            ],
-            # the stall term alone would also steer it: leave it out here
-            policies={"gorgo": {"decode_stall_weight": 0.0, "overtake_weight": overtake_weight}},
-        )
-        r = build_router(cfg, clock, random.Random(0))
-        r.state.dispatch(InFlight("owed", "idle", clock() - 1, 4000, 300, prefill_ms=1500))
-        for i in range(3):  # three short prompts go to busy at this very instant
-            d = r.decide(RouteRequest(f"short{i}", chat("short question").llm, None))
-            assert d.backend == "busy"
-        d = r.decide(chat("a long uncached document " * 8000))
-        busy = next(c for c in d.candidates if c.backend_id == "busy")
-        idle = next(c for c in d.candidates if c.backend_id == "idle")
-        # busy: the newcomer goes first with odds 1/2 for each of the three
-        assert busy.overtake_ms == pytest.approx(0.5 * 3 * busy.prefill_ms)
-        assert idle.overtake_ms == 0  # idle's request went a second ago: it is there
-        assert busy.queue_ms + 400 < idle.queue_ms  # its own TTFT: busy
-        assert d.backend == expected
+def test_the_overtake_weight_names_what_replaced_it() -> None:
+    with pytest.raises(ConfigError, match=r"policies.gorgo.overtake_weight: moved to routing.pace"):
+        make_config("gorgo", policies={"gorgo": {"overtake_weight": 1.0}})
 
 
 def test_kv_headroom_prices_the_wait_within_the_margin_beyond_the_queue() -> None:
