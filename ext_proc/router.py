@@ -499,16 +499,21 @@ class Router:
         decision made since) counts each one behind those routed before it; under bursts
         that unpredicted overtaking made most of the TTFT tail (docs/cost-model.md). So a
         request is held until `routing.pace_sigmas` probe-RTT standard deviations after
-        the previous one sent there; never longer than the queue it is predicted to wait
-        there anyway (a held request loses nothing it would not have waited), nor than
-        `routing.pace_max_ms` (Envoy waits for the decision within its message timeout).
+        the previous one sent there; never longer than the queue it is predicted to meet on
+        arrival (a held request loses nothing it would not have waited: on arrival-spread
+        traffic a cap at the queue owed now held requests past it and cost p95 E2E), nor
+        than `routing.pace_max_ms` (Envoy waits for the decision within its message
+        timeout).
         """
         r = self.cfg.routing
         b = self.state.backends[chosen.backend_id]
         hold_ms = 0.0
         if r.pace_sigmas:
             due_ms = (b.sent_s - now_s) * 1000 + r.pace_sigmas * math.sqrt(b.rtt_var_ms2)
-            hold_ms = min(max(0.0, due_ms), chosen.queue_ms, r.pace_max_ms)
+            # The queue it meets on arrival: what is owed there now, less what the engine
+            # gets through while the request travels.
+            wait_ms = chosen.queue_ms - b.rtt_ms / 2
+            hold_ms = min(max(0.0, due_ms), max(0.0, wait_ms), r.pace_max_ms)
         b.sent_s = now_s + hold_ms / 1000
         return hold_ms
 

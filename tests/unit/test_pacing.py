@@ -1,6 +1,6 @@
 """Dispatch pacing: a request routed right after another to the same backend is held for
 the WAN's jitter, so the two reach the engine in the order the queue estimate assumed;
-never longer than the queue it would wait there anyway, nor than routing.pace_max_ms."""
+never longer than the queue it would meet there on arrival, nor than routing.pace_max_ms."""
 
 from __future__ import annotations
 
@@ -76,13 +76,17 @@ def test_the_hold_is_capped_by_the_queue_and_by_pace_max_ms() -> None:
     jitter(router)
     router.decide(chat("r1"))
     assert router.decide(chat("r2")).hold_ms == 10.0
-    # a tiny request ahead: the newcomer's predicted queue bounds its hold
-    router, _ = one_backend()
-    jitter(router, (100, 1000, 100, 1000, 100))  # a jitter of hundreds of ms
-    router.decide(chat("s1", words=2))
-    held = router.decide(chat("s2", words=2))
-    assert 0 < held.hold_ms == pytest.approx(held.chosen.queue_ms)
-    assert held.hold_ms < 250
+    # a jitter of hundreds of ms: the queue the newcomer meets on arrival (what is owed
+    # there now, less the half-trip it travels) bounds its hold
+    for words, held_at_all in ((1000, False), (2000, True)):
+        router, _ = one_backend()
+        jitter(router, (100, 1000, 100, 1000, 100))
+        router.decide(chat("s1", words=words))
+        held = router.decide(chat("s2", words=2))
+        on_arrival_ms = held.chosen.queue_ms - router.state.backends["a"].rtt_ms / 2
+        assert (on_arrival_ms > 0) is held_at_all
+        assert held.hold_ms == pytest.approx(max(0.0, on_arrival_ms))
+        assert held.hold_ms < 250
 
 
 def test_pacing_off_holds_nothing() -> None:
