@@ -476,11 +476,12 @@ def test_gorgo_time3_is_the_three_term_form_and_reproduces_the_old_gorgo() -> No
             Weights(1.0, 1.0), c.rtt_ms, c.queue_ms, c.prefill_ms
         )
     # a loaded run: the very choices `gorgo` made before it priced what it does to the
-    # others (issue 15), and the same tail
+    # others (issue 15), and the same tail (before dispatch pacing, too)
     trace = synthetic(
         sessions=40, turns=5, rate_rps=12.0, turn_tokens=3000, output_tokens=200, seed=3
     )
-    res = simulate(trace, SimSettings(policy="gorgo_time3"))
+    unpaced = {"routing": {"pace_sigmas": 0}}
+    res = simulate(trace, SimSettings(policy="gorgo_time3", router=unpaced))
     choices = ",".join(q.backend for q in res.requests)
     assert zlib.crc32(choices.encode()) == 394211401
     ttft = sorted(q.ttft_ms or 0.0 for q in res.requests)
