@@ -202,9 +202,9 @@ class Routing:
     optimistic_ttl_s: float = bounded(10.0, **NON_NEGATIVE)
     # Dispatch pacing (docs/cost-model.md): hold a request until this many probe-RTT
     # standard deviations after the previous one sent to its backend, so that the WAN's
-    # jitter does not reorder them at the engine; never longer than its predicted queue
-    # there, nor than pace_max_ms (Envoy awaits the decision within
-    # envoy.message_timeout_ms). 0 = off.
+    # jitter does not reorder them at the engine; never longer than the queue it is
+    # predicted to meet there on arrival, nor than pace_max_ms (Envoy awaits the decision
+    # within envoy.message_timeout_ms). 0 = off.
     pace_sigmas: float = bounded(2.0, **NON_NEGATIVE)
     pace_max_ms: float = bounded(250.0, **NON_NEGATIVE)
 
