@@ -6,6 +6,7 @@ Pure and synchronous; every time comes from the caller (seconds on one monotonic
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -105,6 +106,8 @@ class BackendState:
         return {
             "lifecycle": str(self.lifecycle),
             "rtt_ms": round(self.rtt_ms, 3),
+            # The probes' jitter: dispatch pacing holds requests a multiple of it apart.
+            "rtt_std_ms": round(math.sqrt(self.rtt_var_ms2), 3),
             "rtt_samples": self.rtt_samples,
             "suspect": self.suspect,
             "ejected": self.ejected_until_s is not None,
