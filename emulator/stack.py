@@ -309,6 +309,21 @@ class ChildRestart:
     at_s: float
 
 
+def _terminate(procs: Sequence[subprocess.Popen[bytes]], timeout_s: float) -> None:
+    """SIGTERM every process still running, then wait for all of them within one timeout;
+    SIGKILL whichever is still there."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+    deadline = time.monotonic() + timeout_s
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def _exit_how(returncode: int) -> str:
     return f"signal {-returncode}" if returncode < 0 else f"code {returncode}"
 
@@ -694,17 +709,7 @@ class Stack:
 
     def stop(self) -> None:
         self._stop_supervising()  # first: nothing restarts what is being stopped
-        procs = list(self.procs.items())
-        for _, proc in procs:
-            if proc.poll() is None:
-                proc.terminate()
-        deadline = time.monotonic() + 10
-        for _, proc in procs:
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        _terminate(list(self.procs.values()), timeout_s=10)
         for pgid in self._groups:  # what a real vLLM left of its engine core and workers
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pgid, signal.SIGKILL)
@@ -811,13 +816,8 @@ class Stack:
         if self._tending is not None:
             self._tending.join(timeout=30)
             self._tending = None
-        for spare, log in self._spares.values():
-            spare.terminate()
-            try:
-                spare.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                spare.kill()
-                spare.wait()
+        _terminate([spare for spare, _ in self._spares.values()], timeout_s=5)
+        for _, log in self._spares.values():
             log.close()
         self._spares.clear()
 
