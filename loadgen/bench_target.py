@@ -4,7 +4,8 @@ A cell is (workload window, RTT profile, client protocol, time_scale). In each, 
 baseline and `gorgo` (and any `--extra` policy) is simulated on the same fleet and seed;
 the row gives the best baseline's p95 TTFT and p95 E2E (each the lowest over the
 baselines, so they may be two different policies), `gorgo`'s ratios to them, whether it
-meets the target (TTFT ratio <= 0.8 and E2E ratio <= 1.0), and the cell's no-queue floor.
+meets the target (TTFT ratio <= 0.8 and E2E ratio <= 1.0), the cell's no-queue and burst
+floors, and the clairvoyant greedy reference (below).
 
 The floor (`no_queue_floor_ms`) is a lower bound on any policy's p95 TTFT in the cell:
 per request, the TTFT it would have alone on an idle engine (the engine model's chunked

@@ -419,11 +419,12 @@ def add_commands(commands: Commands) -> None:
     b.set_defaults(func=_bench_tuner)
     b = bench.add_parser(
         "target",
-        help="issue 15's target matrix: gorgo vs the best baseline per cell, with its floor",
+        help="issue 15's target matrix: gorgo vs the best baseline per cell, with its floors",
         description="Every baseline and gorgo in each cell (workload window x RTT profile x "
         "protocol x time_scale); per cell the best baseline, gorgo's p95 TTFT and E2E "
-        "ratios, whether it meets the target (<= 0.8 / <= 1.0) and the no-queue floor "
-        "(loadgen/bench_target.py). Progress on stderr, the table on stdout and in --out.",
+        "ratios, whether it meets the target (<= 0.8 / <= 1.0), the no-queue and burst "
+        "floors and a clairvoyant greedy reference (loadgen/bench_target.py). Progress on "
+        "stderr, the table on stdout and in --out.",
     )
     b.add_argument("--trace", default=DEFAULT_TRACE, help="Mooncake conversation trace")
     b.add_argument(
