@@ -76,6 +76,14 @@ class TunerSettings:
     sigma_min: float = 0.05
     sigma_max: float = 1.0
     confidence: float = 0.8
+    # A round ends early, once both arms hold `early_arm_size` samples, when the test is
+    # already this sure either way: a child far better or far worse costs few requests.
+    early_arm_size: int = 12
+    early_confidence: float = 0.97
+    # A child that wins a round is kept for the next, and accepted only when it has won
+    # `confirm_rounds` rounds in a row: one round's false accept (a round's p95 of 24 is
+    # noisy) is not enough to move the parent. 1 = accept on the first win.
+    confirm_rounds: int = 2
     # What a TTFT sample is: the TTFT, or its excess over the request's own floor.
     objective: TunerObjective = TTFT
     # What the arm's hash is of: the request id, or the session key when there is one.
@@ -110,6 +118,8 @@ class Step:
     parent_p95_ms: float | None
     child_p95_ms: float | None
     note: str = ""
+    # The child won this round and runs another before it is accepted (no verdict yet).
+    confirming: bool = False
 
 
 @dataclass
@@ -123,6 +133,8 @@ class TunerState:
     frozen: bool = False
     earned_p95_ms: float | None = None
     stale_rounds: int = 0
+    # Rounds in a row the current child has won (confirm_rounds).
+    wins: int = 0
     history: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -218,8 +230,12 @@ class Tuner:
         self._round[arm].append((ttft_ms, e2e))
         if self.state.frozen:
             return self._watch_frozen()
-        if min(len(v) for v in self._round.values()) >= self.s.arm_size:
+        n = min(len(v) for v in self._round.values())
+        if n >= self.s.arm_size:
             return self._paired_round()
+        # Looked at once each time the shorter arm reaches a multiple of early_arm_size.
+        if len(self._round[arm]) == n and n % self.s.early_arm_size == 0:
+            return self._paired_round(early=True)
         return None
 
     def _observe_paper(self, ttft_ms: float) -> Step | None:
@@ -242,18 +258,27 @@ class Tuner:
             st.parent, st.parent_score_ms = st.child, score
         return self._finish_round(accepted, st.parent_score_ms, score, bounded=False)
 
-    def _paired_round(self) -> Step:
+    def _paired_round(self, early: bool = False) -> Step | None:
         parent = np.array(self._round[PARENT], dtype=float)
         child = np.array(self._round[CHILD], dtype=float)
+        better = self._confidence_better(parent[:, 0], child[:, 0])
+        if early and 1 - self.s.early_confidence < better < self.s.early_confidence:
+            return None  # not sure yet: the round goes on to arm_size
         self._round = {PARENT: [], CHILD: []}
         p95_parent, p95_child = _p95(parent[:, 0]), _p95(child[:, 0])
-        better = self._confidence_better(parent[:, 0], child[:, 0])
         e2e_ok = bool(
             self._score(child[:, 1]) <= self._score(parent[:, 1]) * (1 + self.s.e2e_guard)
         )
-        accepted = better >= self.s.confidence and e2e_ok
+        won = better >= self.s.confidence and e2e_ok
         note = f"P(child better) {better:.2f}" + ("" if e2e_ok else ", E2E guard")
+        if early:
+            note += f", decided at {min(len(parent), len(child))} per arm"
         st = self.state
+        if won and st.wins + 1 < self.s.confirm_rounds:
+            # Won once: the same child runs again on fresh requests before it is accepted.
+            st.wins += 1
+            return self._record(False, p95_parent, p95_child, note + "; to confirm", True)
+        accepted, st.wins = won, 0
         if accepted:
             st.parent, st.earned_p95_ms, st.stale_rounds = st.child, p95_child, 0
         else:
@@ -275,7 +300,7 @@ class Tuner:
         self._round[PARENT] = []
         st = self.state
         if st.earned_p95_ms is not None and p95 > self.s.drift * st.earned_p95_ms:
-            st.frozen, st.sigma, st.stale_rounds = False, self.s.sigma0, 0
+            st.frozen, st.sigma, st.stale_rounds, st.wins = False, self.s.sigma0, 0, 0
             st.child = self._mutate(st.parent)
             return self._record(False, p95, None, "drift: exploring again")
         return None
@@ -320,13 +345,28 @@ class Tuner:
         return step
 
     def _record(
-        self, accepted: bool, parent_ms: float | None, child_ms: float | None, note: str
+        self,
+        accepted: bool,
+        parent_ms: float | None,
+        child_ms: float | None,
+        note: str,
+        confirming: bool = False,
     ) -> Step:
         st = self.state
-        step = Step(st.samples, st.parent, st.child, accepted, st.sigma, parent_ms, child_ms, note)
+        step = Step(
+            st.samples,
+            st.parent,
+            st.child,
+            accepted,
+            st.sigma,
+            parent_ms,
+            child_ms,
+            note,
+            confirming,
+        )
         if accepted:
             self.steps_accepted += 1
-        else:
+        elif not confirming:
             self.steps_rejected += 1
         st.history = [*st.history, asdict(step)][-self.HISTORY :]
         return step
@@ -345,19 +385,19 @@ class Tuner:
     # -- operations -------------------------------------------------------------------
 
     def freeze(self) -> None:
-        self.state.frozen, self.state.child = True, self.state.parent
+        self.state.frozen, self.state.child, self.state.wins = True, self.state.parent, 0
         self._save()
 
     def unfreeze(self) -> None:
         st = self.state
-        st.frozen, st.sigma, st.stale_rounds = False, self.s.sigma0, 0
+        st.frozen, st.sigma, st.stale_rounds, st.wins = False, self.s.sigma0, 0, 0
         st.child = self._mutate(st.parent)
         self._save()
 
     def set_weights(self, w: Weights) -> None:
         st = self.state
         st.parent = st.child = self.s.clip((w.rtt, w.queue))
-        st.parent_score_ms, st.earned_p95_ms = None, None
+        st.parent_score_ms, st.earned_p95_ms, st.wins = None, None, 0
         if not st.frozen and self.s.mode == PAIRED:
             st.child = self._mutate(st.parent)
         self._round = {PARENT: [], CHILD: []}

@@ -409,7 +409,7 @@ def false_accept_rate(
         tuner.weights_for(rid)
         ttft, e2e, *floor = rng.choice(samples)
         step = tuner.observe(rid, ttft, e2e, floor[0] if floor else 0.0)
-        if step is not None:
+        if step is not None and not step.confirming:
             steps += 1
             accepted += step.accepted
             # keep exploring: a frozen tuner takes no more steps to count

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from ext_proc.app import TunerStateFile
 from ext_proc.cost import Weights
 from ext_proc.tuner import CHILD, PAIRED, PAPER, PARENT, Tuner, TunerSettings
+from loadgen.bench_tuner import false_accept_rate
 
 PAIRED_S = TunerSettings(arm_size=8, bootstrap=200)
 
@@ -84,6 +85,55 @@ def test_paired_rejects_noise_and_respects_the_e2e_guard() -> None:
     )
     assert not any(h["accepted"] for h in g.state.history)
     assert all("E2E guard" in h["note"] for h in g.state.history)
+
+
+def next_step(t: Tuner, ttft_for, start: int) -> int:  # type: ignore[no-untyped-def]
+    """Feed requests from index `start` until the tuner records a step; the next index."""
+    steps = len(t.state.history)
+    while len(t.state.history) == steps:
+        feed(t, ttft_for, 1, start=start)
+        start += 1
+    return start
+
+
+def test_a_winning_child_is_accepted_only_when_it_wins_again() -> None:
+    t = Tuner(PAIRED_S, Weights(1.0, 1.0), random.Random(0))
+    child = t.state.child
+    wins = lambda w, arm: 500.0 if arm == CHILD else 1000.0  # noqa: E731
+    loses = lambda w, arm: 1000.0 if arm == CHILD else 500.0  # noqa: E731
+    i = next_step(t, wins, 0)
+    (first,) = t.state.history
+    assert first["confirming"] and not first["accepted"] and "to confirm" in first["note"]
+    assert t.state.parent == (1.0, 1.0) and t.state.child == child  # the same child again
+    i = next_step(t, loses, i)
+    assert t.state.parent == (1.0, 1.0) and not t.state.history[-1]["accepted"]
+    assert t.state.wins == 0 and t.state.child != child  # a new child, from no wins
+    child = t.state.child
+    i = next_step(t, wins, next_step(t, wins, i))
+    assert t.state.parent == child and t.state.history[-1]["accepted"]
+
+
+def test_a_round_that_is_already_sure_ends_early() -> None:
+    s = replace(PAIRED_S, arm_size=24)
+    rng = random.Random(1)
+    t = Tuner(s, Weights(1.0, 1.0), random.Random(0))
+    # the child's TTFTs are a tenth of the parent's: sure at 12 per arm, twice
+    feed(t, lambda w, arm: rng.uniform(90, 110) * (1 if arm == CHILD else 10), 200)
+    accepted = [h for h in t.state.history if h["accepted"]]
+    assert accepted and all("decided at 12 per arm" in h["note"] for h in accepted)
+    # noise is rarely sure at 12: its rounds run to arm_size
+    n = Tuner(s, Weights(1.0, 1.0), random.Random(2))
+    feed(n, lambda w, arm: rng.uniform(900, 1100), 400)
+    assert n.state.history and sum("decided at" in h["note"] for h in n.state.history) <= 2
+
+
+def test_confirmation_cuts_false_accepts_on_noise() -> None:
+    rng = random.Random(7)
+    pool = [(rng.lognormvariate(7, 0.8), 0.0) for _ in range(2000)]
+    pool = [(t, t * 4) for t, _ in pool]
+    one = false_accept_rate(pool, replace(TunerSettings(), confirm_rounds=1), rounds=400)
+    two = false_accept_rate(pool, TunerSettings(), rounds=400)
+    assert one > 0.08 and two < 0.05 and two < one / 3
 
 
 def test_paper_mode_accepts_a_child_half_a_percent_worse() -> None:
