@@ -18,7 +18,9 @@ Two modes:
   p95 E2E is not worse than the parent's by more than `e2e_guard`; sigma stays within
   [sigma_min, sigma_max]. After `freeze_after` rounds in a row without a better child at
   minimal sigma, the parent is frozen (all traffic); if its p95 later drifts above
-  `drift` x what it earned, exploration resumes.
+  `drift` x what it earned, exploration resumes. A child that wins a round runs another
+  and is accepted only if it wins that too (`confirm_rounds`); a round already sure
+  either way at `early_arm_size` per arm ends there.
 
 The objective (`objective`) says what a completion's TTFT sample is: its TTFT (`ttft`,
 default), or its excess over its own floor (`excess_ttft`: TTFT minus what the prompt
@@ -169,8 +171,9 @@ class Tuner:
         # paper mode scores the initial weights first; paired mode starts a child at once
         if st.child == st.parent and not st.frozen and settings.mode == PAIRED:
             st.child = self._mutate(st.parent)
-        # Arms of requests in flight, and this round's samples per arm: (ttft, e2e).
-        self._arm: dict[str, str] = {}
+        # Arm and weights of each request in flight, and this round's samples per arm:
+        # (ttft, e2e).
+        self._arm: dict[str, tuple[str, tuple[float, float]]] = {}
         self._round: dict[str, list[tuple[float, float]]] = {PARENT: [], CHILD: []}
         self._recent: deque[float] = deque(maxlen=settings.window)
         self._since_score = 0
@@ -194,8 +197,8 @@ class Tuner:
 
     def weights_for(self, request_id: str, session_key: str | None = None) -> Weights:
         arm = self.arm_for(request_id, session_key)
-        self._arm[request_id] = arm
         w = self.state.child if arm == CHILD else self.state.parent
+        self._arm[request_id] = (arm, w)
         return Weights(*w)
 
     @property
@@ -218,9 +221,12 @@ class Tuner:
         """A request completed. Returns the step taken, if this completion ended one.
         `floor_ms`: the request's own decision-independent TTFT (the `excess_ttft`
         objective scores ttft_ms - floor_ms; the `ttft` objective ignores it)."""
-        arm = self._arm.pop(request_id, None)
-        if arm is None or ttft_ms is None:
+        tag = self._arm.pop(request_id, None)
+        if tag is None or ttft_ms is None:
             return None
+        arm, w = tag
+        if self.s.mode != PAPER and w != (self.state.child if arm == CHILD else self.state.parent):
+            return None  # decided by weights a finished round replaced: not this round's
         self.state.samples += 1
         e2e = e2e_ms if e2e_ms is not None else ttft_ms
         if self.s.objective == EXCESS_TTFT:

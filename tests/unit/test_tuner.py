@@ -113,6 +113,21 @@ def test_a_winning_child_is_accepted_only_when_it_wins_again() -> None:
     assert t.state.parent == child and t.state.history[-1]["accepted"]
 
 
+def test_a_request_decided_before_its_round_ended_is_not_counted_in_the_next() -> None:
+    t = Tuner(PAIRED_S, Weights(1.0, 1.0), random.Random(0))
+    old = {f"late{i}": t.weights_for(f"late{i}") for i in range(6)}  # still in flight
+    child = t.state.child
+    next_step(t, lambda w, arm: 1000.0, 0)  # the round ends: a new child
+    assert t.state.child != child and any(w == Weights(*child) for w in old.values())
+    samples = t.state.samples
+    for rid in old:
+        assert t.observe(rid, 1.0, 5.0) is None
+    # the parent's weights did not change, so its late samples still count; the old
+    # child's do not
+    parents = sum(w == Weights(*t.state.parent) for w in old.values())
+    assert t.state.samples == samples + parents
+
+
 def test_a_round_that_is_already_sure_ends_early() -> None:
     s = replace(PAIRED_S, arm_size=24)
     rng = random.Random(1)
