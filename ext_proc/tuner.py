@@ -181,6 +181,8 @@ class Tuner:
         # capped and comes back from the state file).
         self.steps_accepted = 0
         self.steps_rejected = 0
+        # Completions not scored: their request was decided by weights since replaced.
+        self.stale_samples = 0
 
     # -- serving ----------------------------------------------------------------------
 
@@ -226,7 +228,8 @@ class Tuner:
             return None
         arm, w = tag
         if self.s.mode != PAPER and w != (self.state.child if arm == CHILD else self.state.parent):
-            return None  # decided by weights a finished round replaced: not this round's
+            self.stale_samples += 1  # decided by weights a finished round replaced
+            return None
         self.state.samples += 1
         e2e = e2e_ms if e2e_ms is not None else ttft_ms
         if self.s.objective == EXCESS_TTFT:

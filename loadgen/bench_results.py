@@ -18,7 +18,14 @@ from typing import Any
 
 from ext_proc.cost import Weights
 from loadgen.bench_live import parity_block
-from loadgen.bench_tuner import SEEDS, RegimeChange, regime_section, static_run, tuner_section
+from loadgen.bench_tuner import (
+    SEEDS,
+    RegimeChange,
+    paper_tuner_section,
+    regime_section,
+    static_run,
+    tuner_section,
+)
 from loadgen.results import summarize
 from loadgen.sim_cli import run_simulations, summary_markdown, write_figures
 from loadgen.simulate import SimSettings, simulate
@@ -92,6 +99,8 @@ def run_results_bench(
     ]
     if paper:
         parts.append(paper_section(policies, work_dir, img_dir))
+        if tune:
+            parts.append(paper_tuner_section(img_dir))
     parts.append(
         "# Open loop on the Mooncake conversation trace\n\n"
         "Every table below: protocol `open` (open loop, no concurrency cap, output lengths "

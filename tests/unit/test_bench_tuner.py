@@ -24,7 +24,9 @@ from loadgen.traces import TraceRequest
 def test_static_scores_average_seeds_and_cache_repeats(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[tuple[Weights, int]] = []
 
-    def fake_run(trace: Any, ts: float, w: Weights, seed: int = 0) -> dict[str, Any]:
+    def fake_run(
+        trace: Any, ts: float, w: Weights, seed: int = 0, base: Any = None
+    ) -> dict[str, Any]:
         calls.append((w, seed))
         return {"ttft_ms": {"p95": 100.0 * (seed + 1)}, "e2e_ms": {"p95": 1000.0 + seed}}
 
@@ -85,11 +87,15 @@ def test_tuner_section_scores_tuned_points_on_fresh_seeds(
 ) -> None:
     runs: list[int] = []
 
-    def fake_run(trace: Any, ts: float, w: Weights, seed: int = 0) -> dict[str, Any]:
+    def fake_run(
+        trace: Any, ts: float, w: Weights, seed: int = 0, base: Any = None
+    ) -> dict[str, Any]:
         runs.append(seed)
         return _bowl(w, seed)
 
-    def fake_tune(trace: Any, ts: float, mode: str, seed: int, start: Any = (1.0, 1.0)) -> Any:
+    def fake_tune(
+        trace: Any, ts: float, mode: str, seed: int, start: Any = (1.0, 1.0), **_: Any
+    ) -> Any:
         # seed 0 reaches the optimum by 200; the others stay where they started
         at = {c: ((64.0, 1.0) if seed == 0 and c >= 200 else start) for c in (100, 200, 300)}
         h = [

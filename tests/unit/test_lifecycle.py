@@ -61,7 +61,9 @@ def test_ten_thousand_expired_requests_leave_every_table_empty() -> None:
     assert router.tuner.in_flight_arms == 0  # the arm table does not grow forever
     assert telemetry.open_spans == 0  # every span ended
     # ...and the expired requests counted against the arms that routed them
-    assert router.tuner.state.samples == 10_000
+    # (or, decided by weights a finished round had replaced, were left out of the next)
+    t = router.tuner
+    assert t.state.samples + t.stale_samples == 10_000 and t.stale_samples < t.state.samples
     counts = telemetry.metrics.completions.labels
     assert sum(counts(b, "expired")._value.get() for b in router.state.backends) == 10_000
 

@@ -125,7 +125,7 @@ def test_a_request_decided_before_its_round_ended_is_not_counted_in_the_next() -
     # the parent's weights did not change, so its late samples still count; the old
     # child's do not
     parents = sum(w == Weights(*t.state.parent) for w in old.values())
-    assert t.state.samples == samples + parents
+    assert t.state.samples == samples + parents and t.stale_samples == len(old) - parents
 
 
 def test_a_round_that_is_already_sure_ends_early() -> None:
