@@ -176,6 +176,14 @@ class FleetState:
         elif status == Status.OK:
             b.completed += 1
             b.recent_e2e_ms.append(measured_e2e_ms)
+        end_s = rec.dispatched_s + measured_e2e_ms / 1000.0
+        if rec.first_byte_s is not None and rec.first_byte_s > end_s:
+            # The first chunk's message reached the router after the response ended (a
+            # short response, a busy loop): Envoy timed the whole exchange, and the first
+            # byte came before the last.
+            late_ms = (rec.first_byte_s - rec.dispatched_s) * 1000.0
+            rec.first_byte_s = end_s
+            _replace_last(b.recent_ttft_ms, late_ms, measured_e2e_ms)
         else:
             b.errors += 1
         # A cancelled client or a bad request says nothing about the backend.
@@ -308,3 +316,11 @@ class FleetState:
         b.in_flight_tokens -= rec.input_tokens
         if rec.first_byte_s is None:
             b.waiting_first_byte -= 1
+
+
+def _replace_last(values: deque[float], old: float, new: float) -> None:
+    """Replace the most recent occurrence of `old` (if it is still there)."""
+    for i in range(len(values) - 1, -1, -1):
+        if math.isclose(values[i], old, rel_tol=1e-9, abs_tol=1e-6):
+            values[i] = new
+            return

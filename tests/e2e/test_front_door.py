@@ -71,7 +71,7 @@ def test_requests_go_where_the_policy_chose(stack: Stack) -> None:
         # each request's TTFT is at most its E2E, so sorted they pair up too (completions
         # can be recorded in another order than first bytes: see COMPLETION_GRACE_S)
         pairs = zip(sorted(s["last_ttft_ms"]), sorted(s["last_e2e_ms"]), strict=False)
-        assert all(0 < t <= e for t, e in pairs)
+        assert all(0 < t <= e for t, e in pairs), (b, s["last_ttft_ms"], s["last_e2e_ms"])
 
 
 def test_streamed_responses_arrive_whole(stack: Stack) -> None:

@@ -280,6 +280,22 @@ def test_an_error_event_as_the_first_chunk_is_a_failure_not_a_ttft() -> None:
     assert r.state.backends[d.backend].recent_ttft_ms  # a normal first chunk is timed
 
 
+def test_a_first_chunk_timed_after_the_response_ended_is_moved_back_to_its_end() -> None:
+    """The observer's first-chunk message reaches a busy router after Envoy sent the whole
+    short response (seen once in the e2e tests: TTFT 22.6 ms against E2E 21.7 ms): the
+    TTFT the router keeps is never past the E2E Envoy measured."""
+    r, clock = router()
+    d = r.decide(chat("short"))
+    clock.advance(0.030)
+    first = r.first_byte(d.request_id)
+    assert first is not None and first.ttft_ms == pytest.approx(30.0)
+    closed = r.close(d.request_id, Status.OK, e2e_ms=21.7)
+    assert closed is not None and closed.ttft_ms == pytest.approx(21.7)
+    b = r.state.backends[d.backend]
+    assert list(b.recent_ttft_ms) == pytest.approx([21.7])
+    assert list(b.recent_e2e_ms) == [21.7]
+
+
 async def test_an_access_log_entry_that_overtakes_the_first_chunk_waits_for_it() -> None:
     """The entry and the observer's first-chunk message travel over two gRPC streams: when
     the entry wins, the close waits a moment so the TTFT is still learned, never later
