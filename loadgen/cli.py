@@ -414,7 +414,8 @@ def add_commands(commands: Commands) -> None:
     b.add_argument(
         "--convergence",
         action="store_true",
-        help="first the grid and the convergence runs on the tuning window (~25 min more)",
+        help="first the grid and the convergence runs on the paper-shaped tuning window "
+        "and on the trace's (~35 min more)",
     )
     b.set_defaults(func=_bench_tuner)
     b = bench.add_parser(
