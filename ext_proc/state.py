@@ -176,6 +176,8 @@ class FleetState:
         elif status == Status.OK:
             b.completed += 1
             b.recent_e2e_ms.append(measured_e2e_ms)
+        else:
+            b.errors += 1
         end_s = rec.dispatched_s + measured_e2e_ms / 1000.0
         if rec.first_byte_s is not None and rec.first_byte_s > end_s:
             # The first chunk's message reached the router after the response ended (a
@@ -184,8 +186,6 @@ class FleetState:
             late_ms = (rec.first_byte_s - rec.dispatched_s) * 1000.0
             rec.first_byte_s = end_s
             _replace_last(b.recent_ttft_ms, late_ms, measured_e2e_ms)
-        else:
-            b.errors += 1
         # A cancelled client or a bad request says nothing about the backend.
         if status in (Status.OK, Status.ERROR):
             b.request_failures = 0 if status == Status.OK else b.request_failures + 1

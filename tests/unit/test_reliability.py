@@ -293,7 +293,7 @@ def test_a_first_chunk_timed_after_the_response_ended_is_moved_back_to_its_end()
     assert closed is not None and closed.ttft_ms == pytest.approx(21.7)
     b = r.state.backends[d.backend]
     assert list(b.recent_ttft_ms) == pytest.approx([21.7])
-    assert list(b.recent_e2e_ms) == [21.7]
+    assert list(b.recent_e2e_ms) == [21.7] and (b.completed, b.errors) == (1, 0)
 
 
 async def test_an_access_log_entry_that_overtakes_the_first_chunk_waits_for_it() -> None:
