@@ -298,6 +298,7 @@ class Tuner:
         if st.stale_rounds >= self.s.freeze_after:
             st.frozen, st.child = True, st.parent
             step.note += "; frozen"
+            st.history[-1]["note"] = step.note  # the history holds a copy of the step
             self._save()
         return step
 

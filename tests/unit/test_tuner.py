@@ -169,6 +169,7 @@ def test_freezes_when_nothing_better_turns_up_and_resumes_on_drift() -> None:
     t = Tuner(s, Weights(1.0, 1.0), random.Random(0))
     feed(t, lambda w, arm: 1000.0 if arm == PARENT else 2000.0, 200)
     assert t.state.frozen and t.arm_for("any") == PARENT
+    assert t.state.history[-1]["note"].endswith("; frozen")  # /state and the plot say so
     feed(t, lambda w, arm: 4000.0, 32, start=1000)  # p95 doubles: drift
     assert not t.state.frozen and t.state.sigma == s.sigma0
 
