@@ -199,9 +199,12 @@ class Tuner:
 
     def weights_for(self, request_id: str, session_key: str | None = None) -> Weights:
         arm = self.arm_for(request_id, session_key)
-        w = self.state.child if arm == CHILD else self.state.parent
+        w = self._arm_weights(arm)
         self._arm[request_id] = (arm, w)
         return Weights(*w)
+
+    def _arm_weights(self, arm: str) -> tuple[float, float]:
+        return self.state.child if arm == CHILD else self.state.parent
 
     @property
     def weights(self) -> Weights:
@@ -227,7 +230,7 @@ class Tuner:
         if tag is None or ttft_ms is None:
             return None
         arm, w = tag
-        if self.s.mode != PAPER and w != (self.state.child if arm == CHILD else self.state.parent):
+        if self.s.mode != PAPER and w != self._arm_weights(arm):
             self.stale_samples += 1  # decided by weights a finished round replaced
             return None
         self.state.samples += 1
