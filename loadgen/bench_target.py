@@ -54,7 +54,7 @@ from pathlib import Path
 import numpy as np
 
 from ext_proc.files import write_atomic
-from ext_proc.profile import EngineProfile, load_profile
+from ext_proc.profile import DEFAULT_PROFILE, EngineProfile, load_profile
 from loadgen.bench_results import POLICIES
 from loadgen.protocol import PRESETS, Protocol
 from loadgen.results import read_result, write_result
@@ -102,11 +102,16 @@ class Cell:
     rtt_profile: str
     protocol: str
     time_scale: float
+    # Every engine's profile (a built-in name or a YAML path).
+    engine_profile: str = DEFAULT_PROFILE
 
     @property
     def key(self) -> str:
         w = self.window
-        return f"{w.workload}-{w.label}-{self.rtt_profile}-{self.protocol}-ts{self.time_scale:g}"
+        key = f"{w.workload}-{w.label}-{self.rtt_profile}-{self.protocol}-ts{self.time_scale:g}"
+        # Another engine's runs are kept apart from the default engine's.
+        other = self.engine_profile != DEFAULT_PROFILE
+        return f"{key}-{Path(self.engine_profile).stem}" if other else key
 
     def settings(self, policy: str, seed: int) -> SimSettings:
         return SimSettings(
@@ -115,6 +120,7 @@ class Cell:
             rtt_profile=self.rtt_profile,
             seed=seed,
             protocol=PRESETS[self.protocol],
+            engine_profile=self.engine_profile,
         )
 
 
@@ -299,25 +305,26 @@ def clairvoyant_greedy_ttfts_ms(
     return out
 
 
-def clairvoyant_greedy_ms(cell: Cell, engine_profile: str | None = None) -> float:
+def clairvoyant_greedy_ms(cell: Cell) -> float:
     """The p95 of clairvoyant_greedy_ttfts_ms over the cell (time_scale applied, the
     protocol's drops too; its concurrency cap is not modelled: TTFT counts from dispatch)."""
     kept, _ = PRESETS[cell.protocol].apply(cell.window.requests)
     scaled = [replace(r, arrival_s=r.arrival_s * cell.time_scale) for r in kept]
-    ttfts = clairvoyant_greedy_ttfts_ms(scaled, cell.rtt_profile, engine_profile)
+    ttfts = clairvoyant_greedy_ttfts_ms(scaled, cell.rtt_profile, cell.engine_profile)
     return float(np.percentile(ttfts, 95))
 
 
-def no_queue_floor_ms(cell: Cell, engine_profile: str | None = None) -> float:
+def no_queue_floor_ms(cell: Cell) -> float:
     """The cell's floor: the p95 of its requests' floors (the protocol's drops applied)."""
     kept, _ = PRESETS[cell.protocol].apply(cell.window.requests)
-    return float(np.percentile(floor_ttfts_ms(kept, cell.rtt_profile, engine_profile), 95))
+    return float(np.percentile(floor_ttfts_ms(kept, cell.rtt_profile, cell.engine_profile), 95))
 
 
-def burst_floor_ms(cell: Cell, engine_profile: str | None = None) -> float:
+def burst_floor_ms(cell: Cell) -> float:
     """The p95 of the burst bounds (burst_floor_ttfts_ms): at least the no-queue floor."""
     kept, _ = PRESETS[cell.protocol].apply(cell.window.requests)
-    return float(np.percentile(burst_floor_ttfts_ms(kept, cell.rtt_profile, engine_profile), 95))
+    bounds = burst_floor_ttfts_ms(kept, cell.rtt_profile, cell.engine_profile)
+    return float(np.percentile(bounds, 95))
 
 
 def _result_path(work: Path, cell: Cell, policy: str) -> Path:
@@ -509,13 +516,14 @@ def cells_for(
     rtt_profiles: Sequence[str],
     protocols: Sequence[str],
     time_scales: Sequence[float] | None,
+    engine_profile: str = DEFAULT_PROFILE,
 ) -> list[Cell]:
     out: list[Cell] = []
     for protocol in protocols:
         for w in windows:
             for rtt in rtt_profiles:
                 scales = time_scales or TIME_SCALES[(w.workload, protocol)]
-                out.extend(Cell(w, rtt, protocol, ts) for ts in scales)
+                out.extend(Cell(w, rtt, protocol, ts, engine_profile) for ts in scales)
     return out
 
 
@@ -536,6 +544,7 @@ def run_target_bench(
     seed: int = 0,
     command: str = "gorgo bench target",
     run: bool = True,
+    engine_profile: str = DEFAULT_PROFILE,
 ) -> int:
     for p in protocols:
         if p not in PRESETS:
@@ -543,23 +552,24 @@ def run_target_bench(
             return 2
     try:
         windows = windows_for(workloads, trace, starts, duration_s)
+        profile = load_profile(engine_profile)
     except ValueError as e:
         print(f"gorgo bench target: {e}", file=sys.stderr)
         return 2
-    cells = cells_for(windows, rtt_profiles, protocols, time_scales)
+    cells = cells_for(windows, rtt_profiles, protocols, time_scales, engine_profile)
     policies = [*BASELINES, "gorgo", *[p for p in extra if p not in (*BASELINES, "gorgo")]]
     rows = run_cells(cells, policies, work, jobs, seed, reuse or not run, rerun, run=run)
     extra = [p for p in extra if p not in (*BASELINES, "gorgo")]
     md = markdown(rows, extra)
     note = (
-        f"Made by `{command}`; seed {seed}, engine profile "
-        f"`{SimSettings().engine_profile}`. A ratio is the policy's p95 over the best "
-        f"baseline's (TTFT and E2E each against its own best). meets: TTFT ratio <= "
-        f"{TARGET_TTFT} and E2E ratio <= {TARGET_E2E}. floor: p95 of each request's TTFT "
-        "alone on an idle engine with every prefix an earlier request computed cached, plus "
-        "the smallest RTT; burst floor: p95 of bounds that also count the queue a burst of "
-        "same-instant arrivals forces on the fleet (loadgen/bench_target.py). Either "
-        "above 0.8 x the best baseline: no policy can meet the target in that cell.\n\n"
+        f"Made by `{command}`; seed {seed}, engine profile `{profile.name}`. A ratio is "
+        "the policy's p95 over the best baseline's (TTFT and E2E each against its own "
+        f"best). meets: TTFT ratio <= {TARGET_TTFT} and E2E ratio <= {TARGET_E2E}. "
+        "floor: p95 of each request's TTFT alone on an idle engine with every prefix an "
+        "earlier request computed cached, plus the smallest RTT; burst floor: p95 of "
+        "bounds that also count the queue a burst of same-instant arrivals forces on the "
+        "fleet (loadgen/bench_target.py). Either above 0.8 x the best baseline: no policy "
+        "can meet the target in that cell.\n\n"
     )
     text = note + md
     print(text)

@@ -9,6 +9,7 @@ import argparse
 import sys
 
 from ext_proc.cli import Commands
+from ext_proc.profile import DEFAULT_PROFILE
 
 # The conversation trace beside the checkout (shared/ sits next to the project).
 DEFAULT_TRACE = "../shared/traces/mooncake-fast25/conversation_trace.jsonl"
@@ -197,6 +198,7 @@ def _bench_target(args: argparse.Namespace) -> int:
         args.seed,
         "gorgo " + shlex.join(sys.argv[1:]),
         not args.no_run,
+        args.engine_profile,
     )
 
 
@@ -296,7 +298,7 @@ def add_commands(commands: Commands) -> None:
         "--time-scale", action="append", type=float, help="repeatable; 2 = half the rate"
     )
     s.add_argument("--rtt-profile", default="network", choices=["network", "paper"])
-    s.add_argument("--engine-profile", default="l40s-qwen3.5-35b-a3b-fp8")
+    s.add_argument("--engine-profile", default=DEFAULT_PROFILE)
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--start-s", type=float, default=0.0, help="window start (trace time)")
     s.add_argument("--duration-s", type=float, default=None, help="window length")
@@ -451,6 +453,12 @@ def add_commands(commands: Commands) -> None:
         help="repeatable; default per workload and protocol (loadgen.bench_target.TIME_SCALES)",
     )
     b.add_argument("--extra", action="append", choices=policies, help="another policy's ratios too")
+    b.add_argument(
+        "--engine-profile",
+        default=DEFAULT_PROFILE,
+        help="every engine's profile (a built-in name or a YAML file): what the cells "
+        "would be on other engines, e.g. a larger KV pool",
+    )
     b.add_argument("--jobs", type=int, default=1, help="simulations in parallel")
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--work", default="out/bench-target", help="result files, one per run")

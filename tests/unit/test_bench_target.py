@@ -137,3 +137,23 @@ def test_clairvoyant_greedy_sends_each_request_where_its_first_token_is_soonest(
     floors = floor_ttfts_ms(reqs, "network")
     greedy = clairvoyant_greedy_ttfts_ms(reqs, "network")
     assert all(g >= f - 1e-6 for g, f in zip(greedy, floors, strict=True))
+
+
+def test_another_engine_profile_runs_apart_on_its_own_engines(tmp_path: Path) -> None:
+    """--engine-profile: the cell's runs use that profile (floors too) and their result
+    files are kept apart from the default engine's."""
+    slow = tmp_path / "slow.yaml"
+    default = SLICE.parents[2] / "ext_proc/profiles" / f"{SimSettings().engine_profile}.yaml"
+    rate = f"prefill_tokens_per_s: {load_profile(str(default)).prefill_tokens_per_s}"
+    assert rate in default.read_text()
+    quarter = load_profile(str(default)).prefill_tokens_per_s / 4
+    slow.write_text(default.read_text().replace(rate, f"prefill_tokens_per_s: {quarter}"))
+    reqs = window(read_trace(SLICE), limit=40)
+    base, other = _cell(reqs), replace(_cell(reqs), engine_profile=str(slow))
+    assert other.key == f"{base.key}-slow"
+    assert other.settings("gorgo", 0).engine_profile == str(slow)
+    rows = run_cells([base, other], ["least_request"], tmp_path / "work")
+    assert len(list((tmp_path / "work").rglob("*.json"))) == 2
+    # a quarter of the prefill rate: every floor and the policy's tail are slower
+    assert rows[1].floor_ms > 1.5 * rows[0].floor_ms
+    assert rows[1].p95["least_request"][0] > 1.5 * rows[0].p95["least_request"][0]
