@@ -21,6 +21,7 @@ from loadgen.bench_live import parity_block
 from loadgen.bench_tuner import (
     SEEDS,
     RegimeChange,
+    paper_regime_sections,
     paper_tuner_section,
     regime_section,
     static_run,
@@ -102,6 +103,7 @@ def run_results_bench(
         parts.append(paper_section(policies, work_dir, img_dir))
         if tune:
             parts.append(paper_tuner_section(img_dir))
+            parts.append(paper_regime_sections(SEEDS))
     parts.append(
         "# Open loop on the Mooncake conversation trace\n\n"
         "Every table below: protocol `open` (open loop, no concurrency cap, output lengths "

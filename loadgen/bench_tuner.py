@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +16,7 @@ import numpy as np
 from ext_proc.cost import Weights
 from ext_proc.router import Router
 from ext_proc.tuner import PAIRED, TunerSettings
+from loadgen.protocol import PAPER
 from loadgen.results import RequestResult, summarize
 from loadgen.simulate import SimSettings, simulate
 from loadgen.traces import TraceRequest
@@ -311,7 +312,6 @@ PAPER_WINDOW_TS = 1.0
 def paper_tuner_section(img_dir: Path) -> str:
     """The grid and the convergence runs on the paper-shaped tuning window
     (`paper-synthetic:0`, the paper's protocol, time_scale 1): markdown (~10 min)."""
-    from loadgen.protocol import PAPER
     from loadgen.traces import paper_synthetic
 
     md, _ = tuner_section(
@@ -372,23 +372,26 @@ def regime_run(
     tune: str,
     seed: int,
     after: int = 600,
-    weights: tuple[float, float] = (1.0, 1.0),
+    weights: tuple[float, float] | None = None,
     objective: str = "ttft",
+    venue: RegimeVenue | None = None,
 ) -> RegimeRun:
-    """One run through the change from `weights` (the defaults unless given), tuning
-    online (`tune`) or frozen ("off"); scored on the first `after` completions of requests
-    sent after it (the run stops there)."""
+    """One run through the change from `weights` (the policy's defaults unless given),
+    tuning online (`tune`) or frozen ("off"); scored on the first `after` completions of
+    requests sent after it (the run stops there)."""
     from emulator.wan import DelaySettings
     from loadgen.simulate import Simulation
 
+    v = venue or RegimeVenue()
+    weights = weights or v.defaults
     router: dict[str, Any] = {
-        "policies": {"gorgo": {"weights": {"rtt": weights[0], "queue": weights[1]}}}
+        "policies": {v.policy: {"weights": {"rtt": weights[0], "queue": weights[1]}}}
     }
     if objective != "ttft" and tune != "off":
         router["tuner"] = {"mode": tune, "objective": objective}
     sim = Simulation(
         changed_trace(trace, change),
-        SimSettings(policy="gorgo", time_scale=ts, seed=seed, tune=tune, router=router),
+        replace(v.base, policy=v.policy, time_scale=ts, seed=seed, tune=tune, router=router),
     )
     at_change = [weights]
 
@@ -459,33 +462,74 @@ def false_accept_rate(
     return accepted / steps
 
 
-# Static weights through the regime change (the whole run), to see how much room the
-# frozen defaults leave: the post-change optimum over these, each the mean of ROOM_SEEDS.
-ROOM_RTT = (1.0, 16.0, 64.0)
-ROOM_QUEUE = (0.25, 1.0)
-ROOM_SEEDS = (0, 1)
 REGIME_TARGET = 0.90  # tuned p95 TTFT at most this x the frozen defaults'
+ROOM_SEEDS = (0, 1)
+
+
+@dataclass(frozen=True)
+class RegimeVenue:
+    """Where a regime change runs: the policy whose weights are tuned, its defaults, the
+    simulation's other settings, and the static weights (the whole run) that show how
+    much room the frozen defaults leave after the change."""
+
+    policy: str = "gorgo"
+    defaults: tuple[float, float] = (1.0, 1.0)
+    base: SimSettings = field(default_factory=SimSettings)
+    room: tuple[tuple[float, float], ...] = tuple(
+        (r, q) for r in (1.0, 16.0, 64.0) for q in (0.25, 1.0)
+    )
+
+
+def _regime_run(args: tuple[Any, ...]) -> RegimeRun:
+    trace, ts, change, tune, seed, weights, venue = args
+    return regime_run(trace, ts, change, tune, seed, weights=weights, venue=venue)
+
+
+def regime_runs(
+    trace: Sequence[TraceRequest],
+    ts: float,
+    change: RegimeChange,
+    runs: Sequence[tuple[str, int, tuple[float, float] | None]],
+    venue: RegimeVenue,
+    jobs: int = 2,
+) -> list[RegimeRun]:
+    """regime_run for each (tune, seed, weights), `jobs` in parallel, in the given order."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    args = [(trace, ts, change, tune, seed, w, venue) for tune, seed, w in runs]
+    if jobs <= 1:
+        return [_regime_run(a) for a in args]
+    with ProcessPoolExecutor(max_workers=jobs) as pool:
+        return list(pool.map(_regime_run, args))
 
 
 def regime_room(
-    trace: Sequence[TraceRequest], ts: float, change: RegimeChange, seeds: Sequence[int]
+    trace: Sequence[TraceRequest],
+    ts: float,
+    change: RegimeChange,
+    seeds: Sequence[int],
+    venue: RegimeVenue | None = None,
+    jobs: int = 2,
 ) -> list[GridPoint]:
+    """Each of the venue's static weights through the change: mean p95s over seeds."""
+    v = venue or RegimeVenue()
+    todo = [("off", s, w) for w in v.room for s in seeds]
+    runs = regime_runs(trace, ts, change, todo, v, jobs)
     out = []
-    for r in ROOM_RTT:
-        for q in ROOM_QUEUE:
-            runs = [regime_run(trace, ts, change, "off", s, weights=(r, q)) for s in seeds]
-            out.append(
-                GridPoint(
-                    r,
-                    q,
-                    float(np.mean([x.ttft_p95_ms for x in runs])),
-                    float(np.mean([x.e2e_p95_ms for x in runs])),
-                )
+    for i, (r, q) in enumerate(v.room):
+        mine = runs[i * len(seeds) : (i + 1) * len(seeds)]
+        out.append(
+            GridPoint(
+                r,
+                q,
+                float(np.mean([x.ttft_p95_ms for x in mine])),
+                float(np.mean([x.e2e_p95_ms for x in mine])),
             )
-            print(
-                f"  regime room rtt {r:g} queue {q:g}: p95 TTFT {out[-1].ttft_p95_ms:.0f}",
-                file=sys.stderr,
-            )
+        )
+        print(
+            f"  regime room rtt {r:g} queue {q:g}: p95 TTFT {out[-1].ttft_p95_ms:.0f}",
+            file=sys.stderr,
+        )
     return out
 
 
@@ -495,27 +539,35 @@ def regime_section(
     change: RegimeChange,
     seeds: Sequence[int],
     room_seeds: Sequence[int] = ROOM_SEEDS,
+    venue: RegimeVenue | None = None,
+    label: str = "",
+    false_accepts: bool = True,
+    jobs: int = 2,
 ) -> str:
     """Markdown: the tuner against frozen defaults through a regime change, the room the
-    defaults leave there, and the tuner's false-accept rate on pure noise."""
+    defaults leave there, and (false_accepts) the tuner's false-accept rate on pure
+    noise."""
+    v = venue or RegimeVenue()
+    d0 = v.defaults
     lines = [
-        f"## The tuner through a regime change (time_scale {ts:g})\n",
-        f"At {change.at_s:g} s of trace time the RTT to {change.region} is multiplied by "
-        f"{change.rtt_factor:g} and the request rate by {change.rate_factor:g}. Scored on "
-        "the first 600 completions of requests sent after the change; `paired` tunes "
-        "online from the defaults (from the start of the run, config defaults), `off` "
-        f"keeps the defaults. Target: tuned / frozen <= {REGIME_TARGET:.2f} with p95 E2E no "
-        "worse.\n",
+        f"## The tuner through a regime change ({label or f'time_scale {ts:g}'})\n",
+        f"Policy `{v.policy}`, defaults ({d0[0]:g}, {d0[1]:g}). At {change.at_s:g} s of "
+        f"trace time the RTT to {change.region} is multiplied by {change.rtt_factor:g} and "
+        f"the request rate by {change.rate_factor:g}. Scored on the first 600 completions of "
+        "requests sent after the change; `paired` tunes online from the defaults (from the "
+        "start of the run, config defaults), `off` keeps the defaults. Target: tuned / "
+        f"frozen <= {REGIME_TARGET:.2f} with p95 E2E no worse.\n",
         "| seed | frozen p95 TTFT | tuned p95 TTFT | tuned / frozen | frozen p95 E2E | "
         "tuned p95 E2E | tuned weights at the change | after the 600 |",
         "|---|---|---|---|---|---|---|---|",
     ]
+    print(f"tuner: regime change ({v.policy}), seeds {list(seeds)}", file=sys.stderr)
+    runs = regime_runs(
+        trace, ts, change, [(t, seed, None) for seed in seeds for t in ("off", PAIRED)], v, jobs
+    )
     met = 0
     ratios = []
-    for seed in seeds:
-        print(f"tuner: regime change, seed {seed}", file=sys.stderr)
-        off = regime_run(trace, ts, change, "off", seed)
-        on = regime_run(trace, ts, change, PAIRED, seed)
+    for seed, off, on in zip(seeds, runs[::2], runs[1::2], strict=True):
         ratio = on.ttft_p95_ms / off.ttft_p95_ms
         ratios.append(ratio)
         ok = ratio <= REGIME_TARGET and on.e2e_p95_ms <= off.e2e_p95_ms
@@ -532,9 +584,9 @@ def regime_section(
     )
     if room_seeds:
         print("tuner: the room the defaults leave after the change", file=sys.stderr)
-        room = regime_room(trace, ts, change, room_seeds)
+        room = regime_room(trace, ts, change, room_seeds, v, jobs)
         best = min(room, key=lambda p: p.ttft_p95_ms)
-        d = next(p for p in room if (p.rtt, p.queue) == (1.0, 1.0))
+        d = next(p for p in room if (p.rtt, p.queue) == d0)
         lines += [
             "Static weights through the same change (the whole run; mean p95 TTFT of the "
             f"first 600 after it over seeds {', '.join(map(str, room_seeds))}):\n",
@@ -544,6 +596,8 @@ def regime_section(
             f"(p95 E2E {d.e2e_p95_ms:.0f} ms): {best.ttft_p95_ms / d.ttft_p95_ms:.2f} x, the "
             "room a tuner has.\n",
         ]
+    if not false_accepts:
+        return "\n".join(lines)
     res = simulate(trace, SimSettings(policy="gorgo", time_scale=ts))
     pool = [(r.ttft_ms, r.e2e_ms) for r in res.requests if r.ttft_ms and r.e2e_ms]
     cfg = TunerSettings()
@@ -566,13 +620,58 @@ def regime_section(
     return "\n".join(lines)
 
 
+# The paper's tuning window under the paper's protocol, with the paper's measured RTTs
+# (37 / 279 / 456 ms, eu-frankfurt's tripled to 837): the RTT is a large part of a TTFT
+# there. Both cost forms, each with static weights around its defaults.
+PAPER_REGIME_VENUES = (
+    RegimeVenue(
+        "gorgo",
+        (1.0, 1.0),
+        SimSettings(protocol=PAPER, rtt_profile="paper"),
+        tuple((r, q) for r in (0.25, 1.0, 4.0) for q in (0.5, 1.0)),
+    ),
+    RegimeVenue(
+        "gorgo_tokens",
+        (0.5, 0.1),
+        SimSettings(protocol=PAPER, rtt_profile="paper"),
+        tuple((r, q) for r in (0.125, 0.5, 2.0) for q in (0.05, 0.1)),
+    ),
+)
+
+
+def paper_regime_sections(seeds: Sequence[int] = SEEDS) -> str:
+    """The regime change on `paper-synthetic:0` (change at 600 s of its 30 minutes) under
+    the paper's protocol, for each cost form: markdown (~20 min on 2 cores)."""
+    from loadgen.traces import paper_synthetic
+
+    trace = paper_synthetic(0)
+    return "\n".join(
+        regime_section(
+            trace,
+            PAPER_WINDOW_TS,
+            RegimeChange(at_s=600.0),
+            seeds,
+            venue=v,
+            label=f"`{v.policy}`, paper-synthetic:0, the paper's protocol, `paper` RTT profile",
+            false_accepts=False,
+        )
+        for v in PAPER_REGIME_VENUES
+    )
+
+
 def run_tuner_bench(
-    trace_path: str, ts: float, at_s: float, seeds: Sequence[int], convergence: bool = False
+    trace_path: str,
+    ts: float,
+    at_s: float,
+    seeds: Sequence[int],
+    convergence: bool = False,
+    paper_regime: bool = False,
 ) -> int:
     """The regime change, the room it leaves and the false accepts (~15 min on 2 cores);
     with `convergence`, first the grid and the convergence runs on the paper-shaped
     tuning window and on the trace's tuning window (first 10 minutes at time_scale 3), as
-    `make bench` (~35 min more)."""
+    `make bench` (~35 min more); with `paper_regime`, then the regime change on the
+    paper-shaped window under the paper's protocol (~20 min more)."""
     from loadgen.traces import read_trace, window
 
     trace = read_trace(trace_path)
@@ -582,4 +681,6 @@ def run_tuner_bench(
         md, _ = tuner_section(window(trace, 0, 600), 3.0, img, "first 10 minutes")
         print(md)
     print(regime_section(window(trace, 0, 1200), ts, RegimeChange(at_s), seeds))
+    if paper_regime:
+        print(paper_regime_sections(seeds))
     return 0

@@ -171,7 +171,12 @@ def _bench_tuner(args: argparse.Namespace) -> int:
     from loadgen.bench_tuner import run_tuner_bench
 
     return run_tuner_bench(
-        args.trace, args.time_scale, args.change_at_s, args.seeds, args.convergence
+        args.trace,
+        args.time_scale,
+        args.change_at_s,
+        args.seeds,
+        args.convergence,
+        args.paper_regime,
     )
 
 
@@ -418,6 +423,12 @@ def add_commands(commands: Commands) -> None:
         action="store_true",
         help="first the grid and the convergence runs on the paper-shaped tuning window "
         "and on the trace's (~35 min more)",
+    )
+    b.add_argument(
+        "--paper-regime",
+        action="store_true",
+        help="then the same regime change on the paper-shaped window under the paper's "
+        "protocol and RTTs, for gorgo and gorgo_tokens (~20 min more)",
     )
     b.set_defaults(func=_bench_tuner)
     b = bench.add_parser(

@@ -112,3 +112,41 @@ def test_tuner_section_scores_tuned_points_on_fresh_seeds(
     assert tuned == Weights(64.0, 1.0)
     assert set(bench_tuner.EVAL_SEEDS) <= set(runs)  # tuned points measured on fresh seeds
     assert (tmp_path / "results-tuner-convergence.png").exists()
+
+
+def test_regime_section_scores_a_venue_against_its_own_defaults(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The token form's venue: frozen runs start from its defaults, the room is its own
+    static points, and the table reads tuned against frozen per seed."""
+    venue = bench_tuner.PAPER_REGIME_VENUES[1]
+    calls: list[tuple[str, int, Any]] = []
+
+    def fake_run(
+        trace: Any,
+        ts: float,
+        change: Any,
+        tune: str,
+        seed: int,
+        weights: Any = None,
+        venue: Any = None,
+        **_: Any,
+    ) -> bench_tuner.RegimeRun:
+        w = weights or venue.defaults
+        calls.append((tune, seed, w))
+        # tuned: 0.85 x frozen in seed 0, 0.95 x in seed 1; static (0.5, 0.05) is the best
+        ttft = 1000.0 * ({0: 0.85, 1: 0.95}[seed] if tune != "off" else 1.0)
+        if tune == "off" and w == (0.5, 0.05):
+            ttft = 800.0
+        return bench_tuner.RegimeRun(tune, seed, ttft, 2000.0, w, w)
+
+    monkeypatch.setattr(bench_tuner, "regime_run", fake_run)
+    md = bench_tuner.regime_section(
+        [], 1.0, RegimeChange(600.0), [0, 1], venue=venue, false_accepts=False, jobs=1
+    )
+    assert "Policy `gorgo_tokens`, defaults (0.5, 0.1)" in md
+    assert "| 0 | 1000 | 850 | 0.85 ok |" in md and "| 1 | 1000 | 950 | 0.95 |" in md
+    assert "Target met in 1 of 2 seeds" in md
+    assert "w = (0.5, 0.05): 800 ms (p95 E2E 2000 ms) against the defaults' 1000 ms" in md
+    assert "False accepts" not in md
+    assert {w for t, _, w in calls if t == "off"} == {venue.defaults, *venue.room}
