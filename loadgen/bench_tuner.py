@@ -641,7 +641,7 @@ PAPER_REGIME_VENUES = (
 
 def paper_regime_sections(seeds: Sequence[int] = SEEDS) -> str:
     """The regime change on `paper-synthetic:0` (change at 600 s of its 30 minutes) under
-    the paper's protocol, for each cost form: markdown (~20 min on 2 cores)."""
+    the paper's protocol, for each cost form: markdown (~2 min on 2 cores)."""
     from loadgen.traces import paper_synthetic
 
     trace = paper_synthetic(0)
@@ -671,7 +671,7 @@ def run_tuner_bench(
     with `convergence`, first the grid and the convergence runs on the paper-shaped
     tuning window and on the trace's tuning window (first 10 minutes at time_scale 3), as
     `make bench` (~35 min more); with `paper_regime`, then the regime change on the
-    paper-shaped window under the paper's protocol (~20 min more)."""
+    paper-shaped window under the paper's protocol (~2 min more)."""
     from loadgen.traces import read_trace, window
 
     trace = read_trace(trace_path)

@@ -428,7 +428,7 @@ def add_commands(commands: Commands) -> None:
         "--paper-regime",
         action="store_true",
         help="then the same regime change on the paper-shaped window under the paper's "
-        "protocol and RTTs, for gorgo and gorgo_tokens (~20 min more)",
+        "protocol and RTTs, for gorgo and gorgo_tokens (~2 min more)",
     )
     b.set_defaults(func=_bench_tuner)
     b = bench.add_parser(
