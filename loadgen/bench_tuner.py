@@ -598,7 +598,7 @@ def regime_section(
         ]
     if not false_accepts:
         return "\n".join(lines)
-    res = simulate(trace, SimSettings(policy="gorgo", time_scale=ts))
+    res = simulate(trace, replace(v.base, policy=v.policy, time_scale=ts))
     pool = [(r.ttft_ms, r.e2e_ms) for r in res.requests if r.ttft_ms and r.e2e_ms]
     cfg = TunerSettings()
     lines += [
