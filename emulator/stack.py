@@ -120,15 +120,25 @@ except OSError:
 # kernel picked for us (bind to 0) can be handed to some process's outgoing connection
 # before the child that is to listen on it binds it ("address already in use").
 PORT_RANGE = (20000, 32767)
+# Every port this process has handed out: a stack picks all its ports (its own, its front
+# doors', its KV and WAN-control ports) before any child binds one, so "nothing listens on
+# it now" alone could give one port to two children.
+_HANDED_OUT: set[int] = set()
 
 
 def free_ports(n: int) -> list[int]:
-    """n distinct ports nothing listens on now, from PORT_RANGE at random."""
+    """n distinct ports nothing listens on now and this process has not handed out
+    before, from PORT_RANGE at random."""
     rng = random.SystemRandom()
     out: list[int] = []
+    tries = 0
     while len(out) < n:
+        tries += 1
+        if tries > 1000 * n:
+            raise RuntimeError(f"no {n} free ports found in {PORT_RANGE[0]}-{PORT_RANGE[1]}")
         port = rng.randint(*PORT_RANGE)
-        if port not in out and not port_taken(port):
+        if port not in _HANDED_OUT and not port_taken(port):
+            _HANDED_OUT.add(port)
             out.append(port)
     return out
 

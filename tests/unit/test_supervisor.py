@@ -115,6 +115,24 @@ FAST = RestartPolicy(backoff_s=0.05, backoff_max_s=0.2, max_restarts=3, window_s
 SLEEPER = [sys.executable, "-c", "import time; print('up', flush=True); time.sleep(60)"]
 
 
+def test_a_port_is_handed_out_once_per_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stack picks all its ports before any child binds one: a port picked once is not
+    picked again, though nothing listens on it yet."""
+    import emulator.stack as stack_module
+
+    draws = iter([21000, 21000, 21000, 21001])
+
+    class Draws:
+        def randint(self, _lo: int, _hi: int) -> int:
+            return next(draws)
+
+    monkeypatch.setattr(stack_module.random, "SystemRandom", Draws)
+    monkeypatch.setattr(stack_module, "_HANDED_OUT", set())
+    monkeypatch.setattr(stack_module, "port_taken", lambda _port: False)  # nothing listens
+    assert free_ports(1) == [21000]
+    assert free_ports(1) == [21001]  # 21000 is drawn twice more and passed over
+
+
 @pytest.fixture
 def stack(tmp_path: Path) -> Iterator[Stack]:
     s = Stack(StackSettings(ports=StackPorts.ephemeral(3), workdir=tmp_path))
