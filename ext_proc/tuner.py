@@ -297,11 +297,11 @@ class Tuner:
             st.earned_p95_ms = p95_parent
             at_min = st.sigma <= self.s.sigma_min * 1.0001
             st.stale_rounds = st.stale_rounds + 1 if at_min else 0
+        freeze = st.stale_rounds >= self.s.freeze_after
+        note += "; frozen" if freeze else ""
         step = self._finish_round(accepted, p95_parent, p95_child, bounded=True, note=note)
-        if st.stale_rounds >= self.s.freeze_after:
+        if freeze:
             st.frozen, st.child = True, st.parent
-            step.note += "; frozen"
-            st.history[-1]["note"] = step.note  # the history holds a copy of the step
             self._save()
         return step
 
