@@ -437,7 +437,8 @@ def add_commands(commands: Commands) -> None:
         description="Every baseline and gorgo in each cell (workload window x RTT profile x "
         "protocol x time_scale); per cell the best baseline, gorgo's p95 TTFT and E2E "
         "ratios, whether it meets the target (<= 0.8 / <= 1.0), the no-queue and burst "
-        "floors and a clairvoyant greedy reference (loadgen/bench_target.py). Progress on "
+        "floors and two clairvoyant references, unbounded cache and the engines' real KV pool "
+        "(loadgen/bench_target.py). Progress on "
         "stderr, the table on stdout and in --out.",
     )
     b.add_argument("--trace", default=DEFAULT_TRACE, help="Mooncake conversation trace")

@@ -1,6 +1,8 @@
 """`gorgo bench target`: the table's logic on a tiny trace (best baseline, ratios, meets,
 and a floor no policy goes below)."""
 
+import math
+import zlib
 from dataclasses import replace
 from pathlib import Path
 
@@ -157,3 +159,44 @@ def test_another_engine_profile_runs_apart_on_its_own_engines(tmp_path: Path) ->
     # a quarter of the prefill rate: every floor and the policy's tail are slower
     assert rows[1].floor_ms > 1.5 * rows[0].floor_ms
     assert rows[1].p95["least_request"][0] > 1.5 * rows[0].p95["least_request"][0]
+
+
+def test_the_real_pool_evicts_and_a_sticky_placement_keeps_a_session_home(
+    tmp_path: Path,
+) -> None:
+    """clairvoyant_greedy_ttfts_ms with `pool`: an engine caches only what its KV pool
+    holds (LRU); with `spill_ms`, a session stays on its home backend unless another is
+    that much sooner."""
+    default = SLICE.parents[2] / "ext_proc/profiles" / f"{SimSettings().engine_profile}.yaml"
+    prof = load_profile(str(default))
+    bt = 512
+    line = f"kv_capacity_tokens: {prof.kv_capacity_tokens}"
+    assert line in default.read_text()
+    small = tmp_path / "small.yaml"  # a pool of one 8-block prompt
+    small.write_text(default.read_text().replace(line, f"kv_capacity_tokens: {8 * bt}"))
+    near = min(SimSettings(rtt_profile="paper").rtt_ms("", r)[0] for r in SimSettings().regions)
+    turns = [
+        TraceRequest(0, 0.0, 8 * bt, 8, tuple(range(8)), bt, "s0"),
+        TraceRequest(1, 30.0, 8 * bt, 8, tuple(range(100, 108)), bt, "s1"),
+        TraceRequest(2, 60.0, 9 * bt, 8, (*range(8), 99), bt, "s0"),  # s0's next turn
+    ]
+    unbounded = clairvoyant_greedy_ttfts_ms(turns, "paper", str(small))
+    pooled = clairvoyant_greedy_ttfts_ms(turns, "paper", str(small), pool=True)
+    # every turn goes to the idle nearest backend; s1's prompt evicts s0's from its pool
+    assert unbounded[2] == pytest.approx(near + prof.lone_ttft_ms(9 * bt, 8 * bt))
+    assert pooled[2] == pytest.approx(near + prof.lone_ttft_ms(9 * bt))
+    assert pooled[:2] == pytest.approx(unbounded[:2])
+    # sticky: each session on its own home, whatever the RTT there
+    regions = list(SimSettings().regions)
+    rtt = {r: SimSettings(rtt_profile="paper").rtt_ms("", r)[0] for r in regions}
+    sticky = clairvoyant_greedy_ttfts_ms(turns, "paper", spill_ms=math.inf)
+    for r, ttft in zip(turns, sticky, strict=True):
+        home = regions[zlib.crc32(r.session.encode()) % len(regions)]
+        cached = 8 * bt if r.index == 2 else 0
+        assert ttft == pytest.approx(rtt[home] + prof.lone_ttft_ms(r.input_tokens, cached))
+    # a row reports the target over the pool reference
+    row = Row(_cell([]), {p: (1000.0, 1000.0) for p in BASELINES}, 100.0, pool_ms=1000.0)
+    assert row.pool_headroom == pytest.approx(0.8)
+    assert "0.8 x best baseline / clairvoyant, real pool" in markdown(
+        [replace(row, p95={**row.p95, "gorgo": (1.0, 1.0)})]
+    )
