@@ -205,10 +205,12 @@ def tuner_section(
     grid_seeds: Sequence[int] = GRID_SEEDS,
     eval_seeds: Sequence[int] = EVAL_SEEDS,
     figure: str = "results-tuner-convergence.png",
+    resolution: bool = False,
 ) -> tuple[str, Weights]:
     """The grid, the paired tuner's convergence from the defaults and from the worst
     corner, the figure; returns markdown and the weights tuned from the defaults (seed 0).
-    `base`: the simulation's other settings (the protocol)."""
+    `base`: the simulation's other settings (the protocol); `resolution`: also what a
+    paired comparison can tell apart there (resolution_section, on the first eval seed)."""
     b = TunerSettings()
     scores = StaticScores(trace, ts, base)
     print(f"tuner: {GRID_N}x{GRID_N} grid of static weights ({label})", file=sys.stderr)
@@ -250,6 +252,8 @@ def tuner_section(
             + (": the paper's mode cannot reach the target." if gap > 1 + WITHIN else ".")
             + " The convergence runs are the paired mode's."
         )
+    if resolution:
+        lines += ["\n", resolution_section(trace, ts, base, points, eval_seeds[0]).rstrip()]
     lines += [
         "\n",
         "Convergence: the paired tuner (config defaults) tunes online on this window from a "
@@ -304,14 +308,98 @@ def tuner_section(
     return "\n".join(lines), Weights(*figure_traj.final)
 
 
+RESOLUTION_ARMS = (24, 150, 1000)  # a round's arm; 300 completions' worth; many
+
+
+def static_ttfts(
+    trace: Sequence[TraceRequest], ts: float, w: tuple[float, float], seed: int, base: SimSettings
+) -> dict[str, float]:
+    """Each completed request's TTFT (ms) by id, static weights `w`."""
+    s = replace(
+        base,
+        policy="gorgo",
+        time_scale=ts,
+        seed=seed,
+        router={"policies": {"gorgo": {"weights": {"rtt": w[0], "queue": w[1]}}}},
+    )
+    return {r.id: r.ttft_ms for r in simulate(trace, s).requests if r.ttft_ms is not None}
+
+
+def misranked(
+    trace: Sequence[TraceRequest],
+    best: dict[str, float],
+    other: dict[str, float],
+    n: int,
+    draws: int = 2000,
+    seed: int = 0,
+) -> float:
+    """How often a paired round of `n` samples per arm ranks `other` better than `best`
+    (each a static run's TTFTs by id, on the same arrivals): a draw takes 2n consecutive
+    arrivals, splits them at random into two arms of n (as the tuner's request hash
+    does), gives one arm `best`'s TTFTs and the other `other`'s, and compares their p95.
+    Kinder than the tuner's rounds: here each point ran alone, so the arms do not share
+    a fleet and their difference is not diluted."""
+    ids = [r.id for r in sorted(trace, key=lambda r: r.arrival_s) if r.id in best and r.id in other]
+    a = np.array([best[i] for i in ids])
+    b = np.array([other[i] for i in ids])
+    rng = np.random.default_rng(seed)
+    wins = 0
+    for start in rng.integers(0, len(ids) - 2 * n + 1, draws):
+        split = start + rng.permutation(2 * n)
+        wins += np.percentile(b[split[n:]], 95) < np.percentile(a[split[:n]], 95)
+    return wins / draws
+
+
+def resolution_section(
+    trace: Sequence[TraceRequest],
+    ts: float,
+    base: SimSettings,
+    points: Sequence[GridPoint],
+    seed: int,
+    ceiling: float = 1.3,
+) -> str:
+    """Markdown: what a paired comparison of RESOLUTION_ARMS samples per arm can tell
+    apart on this window: the grid optimum against every grid point within `ceiling` x
+    its p95, each run static on `seed`."""
+    best = min(points, key=lambda p: p.ttft_p95_ms)
+    near = [p for p in points if p is not best and p.ttft_p95_ms <= ceiling * best.ttft_p95_ms]
+    print(f"tuner: resolution, {len(near)} points against the optimum", file=sys.stderr)
+    ref = static_ttfts(trace, ts, (best.rtt, best.queue), seed, base)
+    ref_p95 = float(np.percentile(list(ref.values()), 95))
+    rows = []
+    for p in near:
+        other = static_ttfts(trace, ts, (p.rtt, p.queue), seed, base)
+        ratio = float(np.percentile(list(other.values()), 95)) / ref_p95
+        rows.append((ratio, p, [misranked(trace, ref, other, n) for n in RESOLUTION_ARMS]))
+    rows.sort(key=lambda r: r[0])
+    lines = [
+        "What a paired comparison can tell apart on this window: the grid optimum "
+        f"({best.rtt:.3g}, {best.queue:.3g}) and each grid point within {ceiling:g} x its "
+        f"p95 TTFT, each run static (seed {seed}); a draw takes 2n consecutive arrivals, "
+        "splits them at random into two arms of n, gives one arm the "
+        "optimum's TTFTs and the other the point's, and compares the arms' p95 (2,000 "
+        "draws). Cells: how often the point is ranked better. Kinder than the tuner's "
+        "rounds, where the arms share one fleet.\n",
+        "| w | its p95 / the optimum's (whole run) | "
+        + " | ".join(f"ranked better, n = {n}" for n in RESOLUTION_ARMS)
+        + " |",
+        "|---|---|" + "---|" * len(RESOLUTION_ARMS),
+    ]
+    for ratio, p, ps in rows:
+        cells = " | ".join(f"{x:.2f}" for x in ps)
+        lines.append(f"| ({p.rtt:.3g}, {p.queue:.3g}) | {ratio:.3f} | {cells} |")
+    return "\n".join([*lines, ""])
+
+
 # The paper's tuning window under its protocol (Table 2's): the simulator's seed moves
 # a p95 there by 1-2 %, so one grid seed and two fresh ones resolve the 5 %.
 PAPER_WINDOW_TS = 1.0
 
 
 def paper_tuner_section(img_dir: Path) -> str:
-    """The grid and the convergence runs on the paper-shaped tuning window
-    (`paper-synthetic:0`, the paper's protocol, time_scale 1): markdown (~10 min)."""
+    """The grid, the resolution table and the convergence runs on the paper-shaped tuning
+    window (`paper-synthetic:0`, the paper's protocol, time_scale 1): markdown (~13 min,
+    3 of them the resolution table)."""
     from loadgen.traces import paper_synthetic
 
     md, _ = tuner_section(
@@ -323,6 +411,7 @@ def paper_tuner_section(img_dir: Path) -> str:
         grid_seeds=(0,),
         eval_seeds=(10, 11),
         figure="results-paper-window-convergence.png",
+        resolution=True,
     )
     return md
 

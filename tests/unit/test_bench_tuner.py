@@ -150,3 +150,21 @@ def test_regime_section_scores_a_venue_against_its_own_defaults(
     assert "w = (0.5, 0.05): 800 ms (p95 E2E 2000 ms) against the defaults' 1000 ms" in md
     assert "False accepts" not in md
     assert {w for t, _, w in calls if t == "off"} == {venue.defaults, *venue.room}
+
+
+def test_a_paired_comparison_misranks_a_small_gap_often_and_a_large_one_rarely() -> None:
+    """misranked: two static runs' TTFTs by id; each draw puts one arm's requests on one
+    run and the other's on the other, and compares the arms' p95."""
+    rng = random.Random(0)
+    trace = [TraceRequest(i, float(i), 10, 10, (), 16, f"s{i}") for i in range(6000)]
+    base = {r.id: rng.lognormvariate(6.5, 0.6) for r in trace}
+    same = bench_tuner.misranked(trace, base, base, 150, draws=400)
+    slightly = bench_tuner.misranked(trace, base, {k: v * 1.05 for k, v in base.items()}, 150)
+    much = bench_tuner.misranked(trace, base, {k: v * 1.5 for k, v in base.items()}, 150)
+    assert 0.3 < same < 0.7  # the same run: a coin flip, both arms holding other requests
+    assert 0.15 < slightly < 0.5  # 5 % worse: still ranked better often
+    assert much < 0.02  # 50 % worse: nearly never
+    # more samples per arm resolve the small gap better
+    assert (
+        bench_tuner.misranked(trace, base, {k: v * 1.05 for k, v in base.items()}, 1000) < slightly
+    )
