@@ -43,6 +43,12 @@ class GridPoint:
     e2e_p95_ms: float
 
 
+def _static(base: SimSettings, ts: float, w: Weights, seed: int) -> SimSettings:
+    """`gorgo` with the weights w, not tuned."""
+    router = {"policies": {"gorgo": {"weights": {"rtt": w.rtt, "queue": w.queue}}}}
+    return replace(base, policy="gorgo", time_scale=ts, seed=seed, router=router)
+
+
 def static_run(
     trace: Sequence[TraceRequest],
     ts: float,
@@ -50,14 +56,7 @@ def static_run(
     seed: int = 0,
     base: SimSettings = OPEN_LOOP,
 ) -> dict[str, Any]:
-    s = replace(
-        base,
-        policy="gorgo",
-        time_scale=ts,
-        seed=seed,
-        router={"policies": {"gorgo": {"weights": {"rtt": w.rtt, "queue": w.queue}}}},
-    )
-    res = simulate(trace, s)
+    res = simulate(trace, _static(base, ts, w, seed))
     return summarize(res.requests, res.itl_ms)
 
 
@@ -315,14 +314,8 @@ def static_ttfts(
     trace: Sequence[TraceRequest], ts: float, w: tuple[float, float], seed: int, base: SimSettings
 ) -> dict[str, float]:
     """Each completed request's TTFT (ms) by id, static weights `w`."""
-    s = replace(
-        base,
-        policy="gorgo",
-        time_scale=ts,
-        seed=seed,
-        router={"policies": {"gorgo": {"weights": {"rtt": w[0], "queue": w[1]}}}},
-    )
-    return {r.id: r.ttft_ms for r in simulate(trace, s).requests if r.ttft_ms is not None}
+    res = simulate(trace, _static(base, ts, Weights(*w), seed))
+    return {r.id: r.ttft_ms for r in res.requests if r.ttft_ms is not None}
 
 
 def misranked(
