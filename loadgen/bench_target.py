@@ -350,31 +350,26 @@ def clairvoyant_greedy_ttfts_ms(
 SPILL_MS = (0.0, 100.0, 300.0, 1000.0, 3000.0, math.inf)
 
 
-def clairvoyant_greedy_ms(cell: Cell) -> float:
+def clairvoyant_p95_ms(cell: Cell, pool: bool = False, spill_ms: float = 0.0) -> float:
     """The p95 of clairvoyant_greedy_ttfts_ms over the cell (time_scale applied, the
     protocol's drops too; its concurrency cap is not modelled: TTFT counts from dispatch)."""
     kept, _ = PRESETS[cell.protocol].apply(cell.window.requests)
     scaled = [replace(r, arrival_s=r.arrival_s * cell.time_scale) for r in kept]
-    ttfts = clairvoyant_greedy_ttfts_ms(scaled, cell.rtt_profile, cell.engine_profile)
+    ttfts = clairvoyant_greedy_ttfts_ms(
+        scaled, cell.rtt_profile, cell.engine_profile, pool=pool, spill_ms=spill_ms
+    )
     return float(np.percentile(ttfts, 95))
+
+
+def clairvoyant_greedy_ms(cell: Cell) -> float:
+    """The clairvoyant greedy scheduler's p95 (an unbounded cache per engine)."""
+    return clairvoyant_p95_ms(cell)
 
 
 def clairvoyant_pool_ms(cell: Cell) -> float:
     """The lowest p95 TTFT of the clairvoyant placements (SPILL_MS) on engines that cache
     only what their KV pool holds (clairvoyant_greedy_ttfts_ms with `pool`)."""
-    kept, _ = PRESETS[cell.protocol].apply(cell.window.requests)
-    scaled = [replace(r, arrival_s=r.arrival_s * cell.time_scale) for r in kept]
-    return min(
-        float(
-            np.percentile(
-                clairvoyant_greedy_ttfts_ms(
-                    scaled, cell.rtt_profile, cell.engine_profile, pool=True, spill_ms=m
-                ),
-                95,
-            )
-        )
-        for m in SPILL_MS
-    )
+    return min(clairvoyant_p95_ms(cell, pool=True, spill_ms=m) for m in SPILL_MS)
 
 
 def no_queue_floor_ms(cell: Cell) -> float:
