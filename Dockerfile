@@ -29,8 +29,8 @@ COPY README.md LICENSE ./
 COPY ext_proc ext_proc
 # Protobuf classes generated at build time, exactly as the Makefile's `proto` target does
 # (the repository holds only our own .proto; the generated files are never committed).
-RUN /opt/protoc/bin/python -m grpc_tools.protoc -Iext_proc/proto --python_out=ext_proc/proto \
-        --pyi_out=ext_proc/proto ext_proc/proto/envoy_wire.proto \
+RUN /opt/protoc/bin/python -m grpc_tools.protoc -Iext_proc/envoy/proto --python_out=ext_proc/envoy/proto \
+        --pyi_out=ext_proc/envoy/proto ext_proc/envoy/proto/envoy_wire.proto \
     && /opt/gorgo/bin/pip install -c constraints.txt . \
     && cd / && /opt/gorgo/bin/gorgo serve --help > /dev/null
 

@@ -4,8 +4,8 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-PROTO_SRC := ext_proc/proto/envoy_wire.proto
-PROTO_OUT := ext_proc/proto/envoy_wire_pb2.py
+PROTO_SRC := ext_proc/envoy/proto/envoy_wire.proto
+PROTO_OUT := ext_proc/envoy/proto/envoy_wire_pb2.py
 PYTEST_ARGS ?=
 
 VLLM_VENV ?= .venv-vllm
@@ -22,8 +22,8 @@ $(STAMP): pyproject.toml constraints.txt
 
 # Our own minimal proto (Envoy's field numbers), compiled at build time.
 $(PROTO_OUT): $(PROTO_SRC) $(STAMP)
-	$(PY) -m grpc_tools.protoc -Iext_proc/proto --python_out=ext_proc/proto \
-		--pyi_out=ext_proc/proto $(PROTO_SRC)
+	$(PY) -m grpc_tools.protoc -Iext_proc/envoy/proto --python_out=ext_proc/envoy/proto \
+		--pyi_out=ext_proc/envoy/proto $(PROTO_SRC)
 
 proto: $(PROTO_OUT)
 
@@ -65,4 +65,4 @@ bench: venv
 	$(VENV)/bin/gorgo bench results
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) ext_proc/proto/*_pb2.py ext_proc/proto/*_pb2.pyi .pytest_cache .mypy_cache
+	rm -rf $(VENV) $(VLLM_VENV) ext_proc/envoy/proto/*_pb2.py ext_proc/envoy/proto/*_pb2.pyi .pytest_cache .mypy_cache

@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from emulator.model import EngineModel
-from ext_proc.profile import EngineProfile, load_profile
+from ext_proc.estimate.profile import EngineProfile, load_profile
 
 # Workload shaped like the Mooncake conversation trace: input tokens lognormal with
 # median 6,909 and mean 12,035; output tokens mean 343.

@@ -14,7 +14,7 @@ from collections.abc import Coroutine, Sequence
 from typing import Any
 
 from ext_proc.cli import Commands
-from ext_proc.config import ConfigError, split_host_port
+from ext_proc.config.schema import ConfigError, split_host_port
 
 # Launch flags each engine has, by flavor: (flag, setting). The twin takes the real
 # engine's names, so one command line serves both; the other engine's name is an error.
@@ -61,10 +61,10 @@ def _engine(args: argparse.Namespace) -> int:
         zero_delay_profile,
     )
     from emulator.kv_publisher import KvEventsConfig
-    from ext_proc.config import TokenizerConfig
-    from ext_proc.engine_tokens import load_engine_tokenizer
-    from ext_proc.profile import load_profile, profile_from_dict
-    from ext_proc.tokens import APPROX
+    from ext_proc.config.schema import TokenizerConfig
+    from ext_proc.estimate.profile import load_profile, profile_from_dict
+    from ext_proc.prompt.engine_tokens import load_engine_tokenizer
+    from ext_proc.prompt.tokens import APPROX
 
     try:
         profile = load_profile(args.profile)
@@ -79,7 +79,7 @@ def _engine(args: argparse.Namespace) -> int:
         if args.zero_delay:
             profile = zero_delay_profile(profile)
         health_env = os.environ.get("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "true")
-        # The router's tokenizer settings and rules (ext_proc/engine_tokens.py): with the
+        # The router's tokenizer settings and rules (ext_proc/prompt/engine_tokens.py): with the
         # same files, an emulated fleet reports the token ids a configured router computes.
         engine_tokens = load_engine_tokenizer(
             TokenizerConfig(args.tokenizer, args.chat_template, cache_entries=0),
@@ -245,7 +245,7 @@ def add_commands(commands: Commands) -> None:
         "engine model (continuous batching, chunked prefill, radix prefix cache). The "
         "engines' own launch flags set what they set on the real engine; docs/engine-model.md "
         "lists every behaviour with the engine's source it comes from. Profiles: built-in "
-        "names from ext_proc/profiles/ (default l40s-qwen3.5-35b-a3b-fp8: 2x L40S, "
+        "names from ext_proc/estimate/profiles/ (default l40s-qwen3.5-35b-a3b-fp8: 2x L40S, "
         "Qwen3.5-35B-A3B FP8) or a YAML file. Faults can also be changed at run time: "
         "POST /faults with the same names.",
     )

@@ -9,9 +9,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from emulator.kv_publisher import KvEventsConfig
-from ext_proc.chat_template import ChatTemplate
-from ext_proc.profile import DEFAULT_PROFILE, EngineProfile, load_profile
-from ext_proc.tokens import APPROX, Tokenizer
+from ext_proc.estimate.profile import DEFAULT_PROFILE, EngineProfile, load_profile
+from ext_proc.prompt.chat_template import ChatTemplate
+from ext_proc.prompt.tokens import APPROX, Tokenizer
 
 SGLANG, VLLM = "sglang", "vllm"
 FLAVORS = (SGLANG, VLLM)

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ext_proc.profile import EngineProfile
+from ext_proc.estimate.profile import EngineProfile
 
 # ---------------------------------------------------------------------------------------
 # Radix prefix cache over chained block hashes.

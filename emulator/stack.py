@@ -31,11 +31,13 @@ import yaml
 
 from emulator.supervisor import GiveUp, RestartPolicy, Supervisor
 from emulator.wan import region_rtt_ms
-from ext_proc.config import PROBE_PATH, Config, EngineKind, config_as_dict, config_from_dict
-from ext_proc.envoy_config import render_envoy_config
-from ext_proc.files import write_atomic
-from ext_proc.profile import DEFAULT_PROFILE, load_profile
-from ext_proc.xds import write_xds
+from ext_proc.common.files import write_atomic
+from ext_proc.config.dump import config_as_dict
+from ext_proc.config.load import config_from_dict
+from ext_proc.config.schema import PROBE_PATH, Config, EngineKind
+from ext_proc.envoy.bootstrap import render_envoy_config
+from ext_proc.envoy.xds import write_xds
+from ext_proc.estimate.profile import DEFAULT_PROFILE, load_profile
 
 
 @dataclass(frozen=True)
@@ -215,17 +217,17 @@ class StackSettings:
     rtt_profile: str | None = None
     # Give each WAN link an HTTP control port (GET/POST /rtt) to change its delay.
     wan_control: bool = False
-    # How Envoy applies decisions: "cluster" or "endpoint_picker" (ext_proc/config.py).
+    # How Envoy applies decisions: "cluster" or "endpoint_picker" (ext_proc/config/schema.py).
     envoy_mode: str = "cluster"
     # Engine profile (name or YAML) for the engines and the router's estimates alike.
     engine_profile: str | None = None
     # The router's weight tuner: paired by default, "off" for static weights (benchmarks
     # that compare against the simulator's static runs).
     tuner_mode: str = "paired"
-    # Router settings the tests and benchmarks tune (see ext_proc/config.py).
+    # Router settings the tests and benchmarks tune (see ext_proc/config/schema.py).
     probe_interval_s: float = 2.0
     metrics_interval_s: float = 1.0
-    # "" = each engine's path that does no work (ext_proc/config.py PROBE_PATH).
+    # "" = each engine's path that does no work (ext_proc/config/schema.py PROBE_PATH).
     probe_path: str = ""
     seed: int = 0
 
@@ -837,7 +839,7 @@ class Stack:
     # Envoy's fail-open spell is about the backoff. Only the routers: an engine's or a
     # link's restart waits on probes and ejection anyway. The spare starts once its child
     # has run SPARE_AFTER_S, so it never competes with a start-up for the CPU.
-    SPARE_PRELOAD = {"ext_proc.cli": ("ext_proc.app",)}
+    SPARE_PRELOAD = {"ext_proc.cli": ("ext_proc.service.app",)}
     SPARE_FOR = "gorgo-serve"  # children whose name ends so
     SPARE_AFTER_S = 3.0
 

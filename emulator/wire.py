@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from emulator.engine_config import SGLANG, VLLM, VLLM_VERSION, EngineConfig
 from emulator.model import Emission
-from ext_proc.tokens import APPROX, block_hashes_of_ids, render_chat
+from ext_proc.prompt.tokens import APPROX, block_hashes_of_ids, render_chat
 
 TOKEN_PIECE = "tok "  # 4 UTF-8 bytes: exactly one token under the approximate tokenizer
 
@@ -205,7 +205,7 @@ def parse_chat(body: Any, cfg: EngineConfig) -> GenRequest:
 
 def _chat_text(body: Mapping[str, Any], messages: list[Any], cfg: EngineConfig) -> str:
     """The chat as one prompt: the configured chat template, as the engine renders it
-    (ext_proc/chat_template.py), else the project's own '<role>\\n<content>\\n' form."""
+    (ext_proc/prompt/chat_template.py), else the project's own '<role>\\n<content>\\n' form."""
     if cfg.chat_template is None:
         return render_chat(messages)
     tools = body.get("tools")

@@ -19,14 +19,15 @@ from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Any
 
-from ext_proc.config import ConfigError, load_config
+from ext_proc.config.load import load_config
+from ext_proc.config.schema import ConfigError
 
 ENTRY_POINT_GROUP = "gorgo.commands"
 log = logging.getLogger("gorgo.cli")
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from ext_proc.app import running_service
+    from ext_proc.service.app import running_service
 
     try:
         cfg = load_config(args.config)
@@ -62,7 +63,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _envoy_config(args: argparse.Namespace) -> int:
-    from ext_proc.envoy_config import render_envoy_config, render_mesh_snippet
+    from ext_proc.envoy.bootstrap import render_envoy_config, render_mesh_snippet
 
     try:
         cfg = load_config(args.config)
@@ -75,7 +76,7 @@ def _envoy_config(args: argparse.Namespace) -> int:
     if cfg.envoy.xds_dir:
         # The bootstrap reads its backend clusters from these files: write them first, so
         # Envoy can start before the router (which rewrites them as the fleet changes).
-        from ext_proc.xds import write_xds
+        from ext_proc.envoy.xds import write_xds
 
         try:
             write_xds(cfg)
@@ -107,7 +108,7 @@ class Commands:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ext_proc.policy import POLICIES
+    from ext_proc.policy.catalog import POLICIES
 
     p = argparse.ArgumentParser(
         prog="gorgo", description="GORGO: TTFT-aware Envoy ext_proc router for LLM fleets"

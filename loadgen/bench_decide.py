@@ -27,14 +27,14 @@ from typing import Any
 
 import numpy as np
 
-from ext_proc.app import GC_GEN0_THRESHOLD
-from ext_proc.config import TokenizerConfig, config_from_dict
-from ext_proc.engine_tokens import EngineTokenizer, PromptCache, PromptTokenizer
-from ext_proc.engine_tokens import load_engine_tokenizer as _load_engine_tokenizer
-from ext_proc.lifecycle import Status
-from ext_proc.parse import CHAT, parse_body
-from ext_proc.policy import RouteRequest
-from ext_proc.router import Router, build_router
+from ext_proc.config.load import config_from_dict
+from ext_proc.config.schema import TokenizerConfig
+from ext_proc.core.router import Router, build_router
+from ext_proc.core.types import RouteRequest, Status
+from ext_proc.prompt.engine_tokens import EngineTokenizer, PromptCache, PromptTokenizer
+from ext_proc.prompt.engine_tokens import load_engine_tokenizer as _load_engine_tokenizer
+from ext_proc.prompt.parse import CHAT, parse_body
+from ext_proc.service.app import GC_GEN0_THRESHOLD
 from loadgen.client import percentile
 
 # Targets from the issue (p99, decide only).
@@ -113,7 +113,7 @@ def _body(text: str) -> bytes:
 
 
 def _freeze_gc() -> None:
-    """As the service runs: start-up objects frozen out of the collector (ext_proc/app.py)."""
+    """As the service runs: start-up objects frozen out of the collector (ext_proc/service/app.py)."""
     gc.collect()
     gc.freeze()
     gc.set_threshold(GC_GEN0_THRESHOLD)

@@ -24,7 +24,7 @@ from typing import Any
 import yaml
 
 from emulator.stack import DEFAULT_REGIONS, Stack, StackPorts, StackSettings
-from ext_proc.profile import load_profile
+from ext_proc.estimate.profile import load_profile
 from loadgen.replay import replay
 from loadgen.results import read_result, summarize, table, write_result
 from loadgen.simulate import SimSettings, simulate

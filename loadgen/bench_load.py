@@ -17,7 +17,7 @@ from typing import Any
 import aiohttp
 
 from emulator.stack import DEFAULT_REGIONS, Region, Stack, StackPorts, StackSettings
-from ext_proc.profile import load_profile
+from ext_proc.estimate.profile import load_profile
 from loadgen.client import chat_body, send_chat
 
 # Engines that stream for a few seconds per request: 200 streams stay open at once.

@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 import aiohttp
 
 from emulator.stack import Region, Stack, StackPorts, StackSettings, free_ports
-from ext_proc.envoy_config import render_envoy_config
+from ext_proc.envoy.bootstrap import render_envoy_config
 from loadgen.client import Result, chat_body, percentile, send_chat
 
 REGIONS = (Region("us-ashburn", 0.0), Region("eu-frankfurt", 0.0), Region("ap-seoul", 0.0))

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from ext_proc.cost import Weights
+from ext_proc.core.types import Weights
 from loadgen.bench_live import parity_block
 from loadgen.bench_tuner import (
     SEEDS,

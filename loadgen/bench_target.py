@@ -63,8 +63,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ext_proc.files import write_atomic
-from ext_proc.profile import DEFAULT_PROFILE, EngineProfile, load_profile
+from ext_proc.common.files import write_atomic
+from ext_proc.estimate.profile import DEFAULT_PROFILE, EngineProfile, load_profile
 from loadgen.bench_results import POLICIES
 from loadgen.protocol import PRESETS, Protocol
 from loadgen.results import read_result, write_result

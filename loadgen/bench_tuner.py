@@ -13,9 +13,9 @@ from typing import Any
 
 import numpy as np
 
-from ext_proc.cost import Weights
-from ext_proc.router import Router
-from ext_proc.tuner import PAIRED, TunerSettings
+from ext_proc.core.router import Router
+from ext_proc.core.types import Weights
+from ext_proc.learn.tuner import PAIRED, TunerSettings
 from loadgen.protocol import PAPER
 from loadgen.results import RequestResult, summarize
 from loadgen.simulate import SimSettings, simulate
@@ -524,7 +524,7 @@ def false_accept_rate(
     request's floor, for the `excess_ttft` objective."""
     import random as _random
 
-    from ext_proc.tuner import Tuner
+    from ext_proc.learn.tuner import Tuner
 
     rng = _random.Random(seed)
     tuner = Tuner(settings, Weights(1.0, 1.0), _random.Random(seed + 1))

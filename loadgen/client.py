@@ -10,7 +10,7 @@ from typing import Any
 
 import aiohttp
 
-from ext_proc.names import HEADER_BACKEND
+from ext_proc.common.names import HEADER_BACKEND
 
 
 @dataclass

@@ -35,7 +35,7 @@ from typing import Any, TextIO
 
 import aiohttp
 
-from ext_proc.names import HEADER_SESSION
+from ext_proc.common.names import HEADER_SESSION
 from loadgen.client import CHAT_PATH, COMPLETIONS_PATH, Result, percentile, send_stream
 from loadgen.plots import plot_run
 from loadgen.protocol import Protocol, protocol_for

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from ext_proc.files import write_atomic
+from ext_proc.common.files import write_atomic
 
 QUANTILES = (50, 90, 95, 99)
 

@@ -31,15 +31,15 @@ from emulator.wan import (
     region_rtt_ms,
     rtt_profile_ms,
 )
-from ext_proc.config import Config, config_from_dict
-from ext_proc.engine_index import EngineBlocks
-from ext_proc.engine_metrics import EngineReport
-from ext_proc.lifecycle import Status
-from ext_proc.parse import COMPLETIONS, LlmRequest
-from ext_proc.peers import PeerEvent, PeerPublisher
-from ext_proc.policy import RouteRequest
-from ext_proc.profile import DEFAULT_PROFILE, load_profile
-from ext_proc.router import Router, build_router
+from ext_proc.config.load import config_from_dict
+from ext_proc.config.schema import Config
+from ext_proc.core.router import Router, build_router
+from ext_proc.core.types import RouteRequest, Status
+from ext_proc.estimate.engine_index import EngineBlocks
+from ext_proc.estimate.profile import DEFAULT_PROFILE, load_profile
+from ext_proc.feeds.engine_metrics import EngineReport
+from ext_proc.feeds.peers import PeerEvent, PeerPublisher
+from ext_proc.prompt.parse import COMPLETIONS, LlmRequest
 from loadgen.protocol import OPEN, Protocol
 from loadgen.results import RequestResult
 from loadgen.traces import TraceRequest

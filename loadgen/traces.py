@@ -129,7 +129,7 @@ def read_art_chat(path: str | Path) -> list[TraceRequest]:
         ids = row.get("hash_ids")
         if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
             raise TraceError(f"{where}: 'hash_ids' must be a list of hex strings")
-        from ext_proc.tokens import count_tokens, render_chat
+        from ext_proc.prompt.tokens import count_tokens, render_chat
 
         n_in = count_tokens(render_chat(body["messages"]))
         n_out = body.get("max_tokens") or body.get("max_completion_tokens") or 256

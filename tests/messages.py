@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ext_proc.proto import envoy_wire_pb2 as pb
+from ext_proc.envoy.proto import envoy_wire_pb2 as pb
 
 
 def headers(

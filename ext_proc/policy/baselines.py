@@ -8,10 +8,10 @@ from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ext_proc.config import bounded
-from ext_proc.cost import Weights
-from ext_proc.policy import Candidate, Choice, NoParams, RouteRequest, pick_min, register
-from ext_proc.tokens import BYTES_PER_TOKEN
+from ext_proc.config.schema import bounded
+from ext_proc.core.types import Candidate, RouteRequest, Weights
+from ext_proc.policy.base import Choice, NoParams, pick_min, register
+from ext_proc.prompt.tokens import BYTES_PER_TOKEN
 
 
 @register("round_robin")

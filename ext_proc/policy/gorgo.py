@@ -20,17 +20,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from ext_proc.config import bounded
-from ext_proc.cost import Weights, time_cost_ms, token_cost
-from ext_proc.policy import (
-    Candidate,
-    Choice,
-    RouteRequest,
-    WeightedParams,
-    near_ties,
-    pick_min,
-    register,
-)
+from ext_proc.config.schema import bounded
+from ext_proc.core.types import Candidate, RouteRequest, Weights
+from ext_proc.estimate.cost import time_cost_ms, token_cost
+from ext_proc.policy.base import Choice, WeightedParams, near_ties, pick_min, register
 
 
 @dataclass(frozen=True)

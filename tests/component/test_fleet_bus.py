@@ -12,12 +12,12 @@ import aiohttp
 import pytest
 
 from emulator.stack import free_ports, nats_binary, wait_port
-from ext_proc.app import Running, running_service
-from ext_proc.config import Config, config_from_dict
-from ext_proc.lifecycle import Status
-from ext_proc.parse import COMPLETIONS, LlmRequest
-from ext_proc.policy import RouteRequest
-from ext_proc.state import FleetState
+from ext_proc.config.load import config_from_dict
+from ext_proc.config.schema import Config
+from ext_proc.core.state import FleetState
+from ext_proc.core.types import RouteRequest, Status
+from ext_proc.prompt.parse import COMPLETIONS, LlmRequest
+from ext_proc.service.app import Running, running_service
 
 
 class Nats:

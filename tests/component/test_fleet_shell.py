@@ -24,10 +24,10 @@ import pytest
 import yaml
 from aiohttp import web
 
-from ext_proc import admin, app
-from ext_proc.app import Running, running_service
-from ext_proc.config import config_from_dict
-from ext_proc.lifecycle import Status
+from ext_proc.config.load import config_from_dict
+from ext_proc.core.types import Status
+from ext_proc.service import admin, app
+from ext_proc.service.app import Running, running_service
 from tests.component.test_grpc_service import Harness, log_entry, route
 
 pytestmark = pytest.mark.component

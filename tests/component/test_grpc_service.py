@@ -12,10 +12,10 @@ import grpc
 import pytest
 from google.protobuf.duration_pb2 import Duration
 
-from ext_proc.app import Running, running_service
-from ext_proc.config import config_from_dict
-from ext_proc.names import ACCESS_LOG_SERVICE, EXT_PROC_SERVICE
-from ext_proc.proto import envoy_wire_pb2 as pb
+from ext_proc.common.names import ACCESS_LOG_SERVICE, EXT_PROC_SERVICE
+from ext_proc.config.load import config_from_dict
+from ext_proc.envoy.proto import envoy_wire_pb2 as pb
+from ext_proc.service.app import Running, running_service
 from tests.messages import body, headers
 
 pytestmark = pytest.mark.component

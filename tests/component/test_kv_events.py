@@ -13,10 +13,10 @@ import aiohttp
 from emulator.engine import EngineServer
 from emulator.engine_config import EngineConfig
 from emulator.kv_publisher import KvEventsConfig
-from ext_proc.app import running_service
-from ext_proc.config import config_from_dict
-from ext_proc.parse import CHAT, parse_body
-from ext_proc.policy import RouteRequest
+from ext_proc.config.load import config_from_dict
+from ext_proc.core.types import RouteRequest
+from ext_proc.prompt.parse import CHAT, parse_body
+from ext_proc.service.app import running_service
 from tests.unit.test_engine import FAST
 
 

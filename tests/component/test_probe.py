@@ -8,8 +8,8 @@ import aiohttp
 
 from emulator.engine import EngineServer
 from emulator.engine_config import EngineConfig
-from ext_proc.app import running_service
-from ext_proc.config import config_from_dict
+from ext_proc.config.load import config_from_dict
+from ext_proc.service.app import running_service
 
 
 async def test_the_scrape_reads_the_engines_own_load_report() -> None:

@@ -16,13 +16,12 @@ import pytest
 from google.protobuf.duration_pb2 import Duration
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
-from ext_proc.app import Running, running_service
-from ext_proc.config import config_from_dict
-from ext_proc.lifecycle import Status
-from ext_proc.names import ACCESS_LOG_SERVICE, EXT_PROC_SERVICE
-from ext_proc.parse import CHAT, parse_body
-from ext_proc.policy import RouteRequest
-from ext_proc.proto import envoy_wire_pb2 as pb
+from ext_proc.common.names import ACCESS_LOG_SERVICE, EXT_PROC_SERVICE
+from ext_proc.config.load import config_from_dict
+from ext_proc.core.types import RouteRequest, Status
+from ext_proc.envoy.proto import envoy_wire_pb2 as pb
+from ext_proc.prompt.parse import CHAT, parse_body
+from ext_proc.service.app import Running, running_service
 
 pytestmark = pytest.mark.component
 

@@ -1,5 +1,5 @@
 """envoy.xds_dir against the real Envoy binary: the generated bootstrap takes its backend
-clusters from the files ext_proc/xds.py writes, and Envoy follows each rewrite without a
+clusters from the files ext_proc/envoy/xds.py writes, and Envoy follows each rewrite without a
 restart, without failing a request in flight and (EDS) without dropping the connections
 of the backends that stay. No router runs: requests fail open to `gorgo_fallback`."""
 
@@ -19,9 +19,10 @@ import pytest
 from aiohttp import web
 
 from emulator.stack import envoy_binary, free_ports
-from ext_proc.config import Config, config_from_dict
-from ext_proc.envoy_config import render_envoy_config
-from ext_proc.xds import missing_in, wait_envoy, write_xds
+from ext_proc.config.load import config_from_dict
+from ext_proc.config.schema import Config
+from ext_proc.envoy.bootstrap import render_envoy_config
+from ext_proc.envoy.xds import missing_in, wait_envoy, write_xds
 
 pytestmark = pytest.mark.component
 

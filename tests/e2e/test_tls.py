@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from emulator.stack import Stack, free_ports
-from ext_proc.config import ClientTls, Config, ServerTls
-from ext_proc.envoy_config import render_envoy_config
+from ext_proc.config.schema import ClientTls, Config, ServerTls
+from ext_proc.envoy.bootstrap import render_envoy_config
 from loadgen.client import chat_body
 from tests.certs import Ca
 from tests.e2e.conftest import FAST_REGIONS, fast_settings

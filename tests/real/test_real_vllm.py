@@ -19,7 +19,7 @@ import aiohttp
 import pytest
 
 from emulator.stack import Region, Stack, StackPorts, StackSettings
-from ext_proc.kv_events import BlockStored, EventBatch, subscribe
+from ext_proc.feeds.kv_events import BlockStored, EventBatch, subscribe
 from loadgen.client import Result, chat_body, send_chat
 from tests.e2e.test_front_door import router_state, wait_for
 

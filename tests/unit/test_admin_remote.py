@@ -10,7 +10,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
 
-from ext_proc.admin import make_admin_app
+from ext_proc.service.admin import make_admin_app
 
 
 def request_from(peer: str, method: str = "POST", headers: dict[str, str] | None = None) -> Any:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from ext_proc.profile import load_profile
+from ext_proc.estimate.profile import load_profile
 from loadgen.bench_target import (
     BASELINES,
     Cell,
@@ -145,7 +145,7 @@ def test_another_engine_profile_runs_apart_on_its_own_engines(tmp_path: Path) ->
     """--engine-profile: the cell's runs use that profile (floors too) and their result
     files are kept apart from the default engine's."""
     slow = tmp_path / "slow.yaml"
-    default = SLICE.parents[2] / "ext_proc/profiles" / f"{SimSettings().engine_profile}.yaml"
+    default = SLICE.parents[2] / "ext_proc/estimate/profiles" / f"{SimSettings().engine_profile}.yaml"
     rate = f"prefill_tokens_per_s: {load_profile(str(default)).prefill_tokens_per_s}"
     assert rate in default.read_text()
     quarter = load_profile(str(default)).prefill_tokens_per_s / 4
@@ -167,7 +167,7 @@ def test_the_real_pool_evicts_and_a_sticky_placement_keeps_a_session_home(
     """clairvoyant_greedy_ttfts_ms with `pool`: an engine caches only what its KV pool
     holds (LRU); with `spill_ms`, a session stays on its home backend unless another is
     that much sooner."""
-    default = SLICE.parents[2] / "ext_proc/profiles" / f"{SimSettings().engine_profile}.yaml"
+    default = SLICE.parents[2] / "ext_proc/estimate/profiles" / f"{SimSettings().engine_profile}.yaml"
     prof = load_profile(str(default))
     bt = 512
     line = f"kv_capacity_tokens: {prof.kv_capacity_tokens}"

@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from ext_proc.cost import Weights
-from ext_proc.tuner import TunerSettings
+from ext_proc.core.types import Weights
+from ext_proc.learn.tuner import TunerSettings
 from loadgen import bench_tuner
 from loadgen.bench_tuner import (
     GridPoint,

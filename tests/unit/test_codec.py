@@ -19,7 +19,7 @@ from envoy_data_plane.envoy.service.ext_proc.v3 import (
 )
 from envoy_data_plane.google.protobuf import Struct, Value
 
-from ext_proc import codec
+from ext_proc.envoy import codec
 
 
 def test_envoy_request_headers_decode() -> None:

@@ -5,8 +5,11 @@ import pytest
 import yaml
 
 from emulator.stack import StackSettings, envoy_binary
-from ext_proc.config import ConfigError, EnvoyMode, config_as_dict, config_from_dict, load_config
-from ext_proc.envoy_config import build_envoy_config, render_envoy_config
+from ext_proc.config.dump import config_as_dict
+from ext_proc.config.load import config_from_dict, load_config
+from ext_proc.config.schema import ConfigError, EnvoyMode
+from ext_proc.envoy.bootstrap import build_envoy_config, render_envoy_config
+from ext_proc.policy.catalog import policy_params
 
 ROOT = Path(__file__).resolve().parents[2]
 BACKEND = {"id": "a", "address": "127.0.0.1:1"}
@@ -101,10 +104,10 @@ def test_policy_parameters_and_a_round_trip() -> None:
         }
     )
     assert cfg.envoy.mode == EnvoyMode.ENDPOINT_PICKER
-    gorgo = cfg.policy_params()
+    gorgo = policy_params(cfg)
     assert (gorgo.weights.rtt, gorgo.weights.queue, gorgo.tie_fraction) == (1.0, 2.0, 0.0)
-    assert cfg.policy_params("prefix_cache").balance_abs == 9
-    assert cfg.policy_params("gorgo_tokens").weights.rtt == 0.5  # not configured: defaults
+    assert policy_params(cfg, "prefix_cache").balance_abs == 9
+    assert policy_params(cfg, "gorgo_tokens").weights.rtt == 0.5  # not configured: defaults
     # the plain form (what `gorgo up` writes) reads back to the same config
     assert config_from_dict(yaml.safe_load(yaml.safe_dump(config_as_dict(cfg)))) == cfg
 
@@ -229,7 +232,7 @@ def test_real_envoy_accepts_the_generated_config(tmp_path: Path) -> None:
 
 
 def test_unreadable_tls_files_are_named(tmp_path: Path) -> None:
-    from ext_proc.app import server_credentials
+    from ext_proc.service.app import server_credentials
 
     missing = str(tmp_path / "nope.pem")
     cfg = config_from_dict(
@@ -245,7 +248,7 @@ def test_unreadable_tls_files_are_named(tmp_path: Path) -> None:
 
 
 def test_write_atomic_replaces_whole_and_leaves_no_temporary(tmp_path: Path) -> None:
-    from ext_proc.files import write_atomic
+    from ext_proc.common.files import write_atomic
 
     target = tmp_path / "gorgo.yaml"
     target.write_text("old")

@@ -19,15 +19,16 @@ import pytest
 import yaml
 
 from emulator.stack import envoy_binary
-from ext_proc.config import Config, config_from_dict, load_config, split_host_port
-from ext_proc.envoy_config import (
+from ext_proc.common.names import HEADER_BACKEND
+from ext_proc.config.load import config_from_dict, load_config
+from ext_proc.config.schema import Config, split_host_port
+from ext_proc.envoy.bootstrap import (
     EXT_PROC_CLUSTER,
     build_envoy_config,
     build_mesh_snippet,
     render_envoy_config,
     render_mesh_snippet,
 )
-from ext_proc.names import HEADER_BACKEND
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = ROOT / "docker-compose.yml"
@@ -332,8 +333,9 @@ def test_dockerfile_builds_like_the_makefile() -> None:
     recipe = re.search(r"-m grpc_tools\.protoc (.+?)\$\(PROTO_SRC\)", makefile, re.S)
     assert recipe is not None
     make_args = recipe.group(1).replace("\\\n", " ").split()
-    docker = re.search(r"-m grpc_tools\.protoc (.+?)ext_proc/proto/envoy_wire\.proto", dockerfile,
-                       re.S)  # fmt: skip
+    docker = re.search(
+        r"-m grpc_tools\.protoc (.+?)ext_proc/envoy/proto/envoy_wire\.proto", dockerfile, re.S
+    )
     assert docker is not None
     assert docker.group(1).replace("\\\n", " ").split() == make_args
     assert "pip install -c constraints.txt ." in dockerfile
@@ -352,7 +354,7 @@ def test_dockerfile_builds_like_the_makefile() -> None:
             assert (ROOT / path).exists(), f"COPY {path}: missing"
     lines = (ROOT / ".dockerignore").read_text().splitlines()
     ignored = [line.strip() for line in lines if line.strip() and not line.startswith("#")]
-    for pattern in (".venv", ".git", "ext_proc/proto/*_pb2.py"):
+    for pattern in (".venv", ".git", "ext_proc/envoy/proto/*_pb2.py"):
         assert pattern in ignored
     for needed in ("README.md", "LICENSE", "pyproject.toml", "constraints.txt", "ext_proc"):
         assert needed not in ignored

@@ -26,8 +26,8 @@ from aiohttp import web
 
 from emulator.engine import ENGINE_ID_HEADER, ENGINE_KEY, EngineServer, make_app, serve_engine
 from emulator.engine_config import EngineConfig, Faults, zero_delay_profile
-from ext_proc.profile import EngineProfile, load_profile
-from ext_proc.tokens import count_tokens, render_chat
+from ext_proc.estimate.profile import EngineProfile, load_profile
+from ext_proc.prompt.tokens import count_tokens, render_chat
 
 DEFAULT = load_profile()
 # 1 ms per step, no jitter: fast and deterministic where timing is not the point.

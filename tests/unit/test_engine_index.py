@@ -2,11 +2,11 @@
 
 import random
 
-from ext_proc.engine_index import EngineBlocks, chain_keys
-from ext_proc.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
-from ext_proc.lifecycle import Status
-from ext_proc.router import build_router
-from ext_proc.tokens import APPROX
+from ext_proc.core.router import build_router
+from ext_proc.core.types import Status
+from ext_proc.estimate.engine_index import EngineBlocks, chain_keys
+from ext_proc.feeds.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from ext_proc.prompt.tokens import APPROX
 from tests.fakes import FakeClock
 from tests.unit.test_gorgo import chat
 from tests.unit.test_router import make_config
@@ -115,7 +115,7 @@ def test_the_router_uses_the_engines_state_while_its_stream_is_up() -> None:
 def test_packed_token_ids_chain_to_the_same_keys() -> None:
     """A tokenized prompt carries its packed ids; hashing those bytes gives the very keys
     the engine's token_ids give (they must match the engine's blocks)."""
-    from ext_proc.tokens import TokenIds
+    from ext_proc.prompt.tokens import TokenIds
 
     ids = [(7 * i * i + 3) % 151_000 for i in range(1000)]
     assert chain_keys(TokenIds(ids), 64) == chain_keys(ids, 64)

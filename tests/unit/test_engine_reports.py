@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from ext_proc.engine_metrics import MetricsError, parse_engine_metrics
-from ext_proc.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, decode_message
+from ext_proc.feeds.engine_metrics import MetricsError, parse_engine_metrics
+from ext_proc.feeds.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, decode_message
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 VLLM = FIXTURES / "vllm"

@@ -17,19 +17,20 @@ from emulator.engine_config import EngineConfig
 from emulator.kv_publisher import KvEventsConfig
 from emulator.vllm.tiny_model import CHAT_TEMPLATE
 from emulator.wire import parse_chat
-from ext_proc import codec
-from ext_proc.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
-from ext_proc.config import ConfigError, TokenizerConfig, config_from_dict
-from ext_proc.engine_tokens import (
+from ext_proc.config.load import config_from_dict
+from ext_proc.config.schema import ConfigError, TokenizerConfig
+from ext_proc.envoy import codec
+from ext_proc.envoy.server import decision_encoder, open_session
+from ext_proc.estimate.prefix import as_hashes
+from ext_proc.prompt.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
+from ext_proc.prompt.engine_tokens import (
     EngineTokenizer,
     PromptCache,
     PromptTokenizer,
     load_engine_tokenizer,
 )
-from ext_proc.parse import CHAT, COMPLETIONS, GENERATE, parse_body
-from ext_proc.prefix import as_hashes
-from ext_proc.server import decision_encoder, open_session
-from ext_proc.tokens import HfTokenizer, block_hashes_of_ids
+from ext_proc.prompt.parse import CHAT, COMPLETIONS, GENERATE, parse_body
+from ext_proc.prompt.tokens import HfTokenizer, block_hashes_of_ids
 from loadgen.bench_decide import write_tiny_tokenizer
 from tests.messages import body, headers
 from tests.unit.test_gorgo import router

@@ -26,8 +26,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from emulator.engine_config import FLAVORS, SGLANG, VLLM, EngineConfig, Faults
 from emulator.kv_publisher import ARRAY, KvEventsConfig
-from ext_proc.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, decode_message
-from ext_proc.tokens import APPROX, count_tokens, render_chat
+from ext_proc.feeds.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, decode_message
+from ext_proc.prompt.tokens import APPROX, count_tokens, render_chat
 from tests.unit.test_engine import (
     CHAT,
     COMPLETIONS,

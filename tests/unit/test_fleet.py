@@ -14,35 +14,24 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from ext_proc.config import (
-    Backend,
-    ConfigError,
-    KvEventsSource,
-    TelemetryConfig,
-    backend_from_dict,
-    changed_keys,
-    config_from_dict,
-)
-from ext_proc.engine_metrics import EngineReport
-from ext_proc.kv_events import EventBatch
-from ext_proc.lifecycle import (
-    BackendChange,
-    BackendChanged,
-    BackendLifecycle,
-    Listener,
-    Status,
-)
-from ext_proc.parse import CHAT, parse_body
-from ext_proc.peers import PeerEvent, PeerKind
-from ext_proc.policy import POLICIES, RouteRequest
-from ext_proc.router import (
+from ext_proc.config.dump import changed_keys
+from ext_proc.config.load import backend_from_dict, config_from_dict
+from ext_proc.config.schema import Backend, ConfigError, KvEventsSource, TelemetryConfig
+from ext_proc.core.events import BackendChanged, Listener
+from ext_proc.core.router import (
     FleetConflict,
     NoActiveBackend,
     Router,
     UnknownBackend,
     build_router,
 )
-from ext_proc.telemetry import A_DRAINING_BACKENDS, Telemetry
+from ext_proc.core.types import BackendChange, BackendLifecycle, RouteRequest, Status
+from ext_proc.feeds.engine_metrics import EngineReport
+from ext_proc.feeds.kv_events import EventBatch
+from ext_proc.feeds.peers import PeerEvent, PeerKind
+from ext_proc.policy.catalog import POLICIES
+from ext_proc.prompt.parse import CHAT, parse_body
+from ext_proc.service.telemetry import A_DRAINING_BACKENDS, Telemetry
 from tests.fakes import FakeClock
 
 ACTIVE, PENDING = BackendLifecycle.ACTIVE, BackendLifecycle.PENDING
@@ -524,7 +513,7 @@ def test_with_no_active_backend_the_stream_takes_the_fallback_route() -> None:
 
 
 def test_the_endpoint_picker_names_new_addresses_and_never_a_draining_one() -> None:
-    from ext_proc.server import EndpointPickerEncoder, decision_encoder
+    from ext_proc.envoy.server import EndpointPickerEncoder, decision_encoder
 
     router, _clock, _changes = fleet(ids=("a", "b"))
     router.cfg = config_from_dict(
@@ -548,7 +537,7 @@ def test_the_endpoint_picker_names_new_addresses_and_never_a_draining_one() -> N
 
 
 def backend_as(router: Router, bid: str) -> dict[str, object]:
-    from ext_proc.config import backend_as_dict
+    from ext_proc.config.dump import backend_as_dict
 
     return backend_as_dict(router.configs[bid])
 

@@ -9,24 +9,21 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ext_proc.config import ConfigError
-from ext_proc.cost import (
+from ext_proc.config.schema import ConfigError
+from ext_proc.core.router import Router, build_router
+from ext_proc.core.types import InFlight, RouteRequest, Status, Weights
+from ext_proc.estimate.cost import (
     PrefillModel,
     QueueItem,
-    Weights,
     decode_stall_ms,
     estimate_queue_ms,
     kv_headroom_ms,
     time_cost_ms,
     token_cost,
 )
-from ext_proc.learners import SETTLED_S
-from ext_proc.lifecycle import Status
-from ext_proc.parse import CHAT, COMPLETIONS, parse_body
-from ext_proc.policy import RouteRequest
-from ext_proc.profile import load_profile
-from ext_proc.router import Router, build_router
-from ext_proc.state import InFlight
+from ext_proc.estimate.profile import load_profile
+from ext_proc.learn.learners import SETTLED_S
+from ext_proc.prompt.parse import CHAT, COMPLETIONS, parse_body
 from tests.fakes import FakeClock
 from tests.unit.test_router import make_config
 

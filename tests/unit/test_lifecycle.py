@@ -6,13 +6,13 @@ import random
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from ext_proc.config import TelemetryConfig
-from ext_proc.cost import Weights
-from ext_proc.lifecycle import Closed, Dispatched, FirstByte, Listener, Status
-from ext_proc.policy import make_policy
-from ext_proc.router import Router, build_router
-from ext_proc.telemetry import Telemetry
-from ext_proc.tuner import Tuner, TunerSettings
+from ext_proc.config.schema import TelemetryConfig
+from ext_proc.core.events import Closed, Dispatched, FirstByte, Listener
+from ext_proc.core.router import Router, build_router
+from ext_proc.core.types import Status, Weights
+from ext_proc.learn.tuner import Tuner, TunerSettings
+from ext_proc.policy.catalog import make_policy
+from ext_proc.service.telemetry import Telemetry
 from tests.fakes import FakeClock
 from tests.unit.test_gorgo import chat
 from tests.unit.test_router import make_config

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from emulator.model import Emission, EngineModel, PrefixCache
-from ext_proc.profile import EngineProfile, load_profile
+from ext_proc.estimate.profile import EngineProfile, load_profile
 
 PROFILE = replace(load_profile(), jitter_sigma=0.0)
 BT = PROFILE.block_tokens
@@ -190,7 +190,7 @@ def test_prefix_cache_pins_what_is_in_use() -> None:
 
 
 def test_profile_file_errors_name_the_key(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from ext_proc.profile import profile_from_dict
+    from ext_proc.estimate.profile import profile_from_dict
 
     raw = {f: getattr(PROFILE, f) for f in EngineProfile.__dataclass_fields__}
     with pytest.raises(ValueError, match="chunk_tokens"):

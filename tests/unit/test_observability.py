@@ -33,14 +33,14 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from emulator.engine import EngineServer
 from emulator.engine_config import EngineConfig
 from emulator.stack import envoy_binary, free_ports
-from ext_proc.app import running_service
-from ext_proc.config import Config, TelemetryConfig, config_from_dict
-from ext_proc.envoy_config import render_envoy_config
-from ext_proc.lifecycle import Status
-from ext_proc.parse import CHAT, parse_body
-from ext_proc.policy import RouteRequest
-from ext_proc.router import Router, build_router
-from ext_proc.telemetry import Telemetry
+from ext_proc.config.load import config_from_dict
+from ext_proc.config.schema import Config, TelemetryConfig
+from ext_proc.core.router import Router, build_router
+from ext_proc.core.types import RouteRequest, Status
+from ext_proc.envoy.bootstrap import render_envoy_config
+from ext_proc.prompt.parse import CHAT, parse_body
+from ext_proc.service.app import running_service
+from ext_proc.service.telemetry import Telemetry
 from tests.fakes import FakeClock
 from tests.unit.test_router import make_config
 

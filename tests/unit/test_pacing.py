@@ -11,10 +11,11 @@ from typing import Any
 
 import pytest
 
-from ext_proc.config import ConfigError, config_from_dict
-from ext_proc.parse import CHAT, parse_body
-from ext_proc.policy import RouteRequest
-from ext_proc.router import Router, build_router
+from ext_proc.config.load import config_from_dict
+from ext_proc.config.schema import ConfigError
+from ext_proc.core.router import Router, build_router
+from ext_proc.core.types import RouteRequest
+from ext_proc.prompt.parse import CHAT, parse_body
 from loadgen.simulate import _AT_ENGINE, SimSettings, Simulation
 from loadgen.traces import TraceRequest
 from tests.fakes import FakeClock

@@ -4,8 +4,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ext_proc.parse import CHAT, COMPLETIONS, GENERATE, ParseError, api_for_path, parse_body
-from ext_proc.tokens import count_tokens, render_chat
+from ext_proc.prompt.parse import CHAT, COMPLETIONS, GENERATE, ParseError, api_for_path, parse_body
+from ext_proc.prompt.tokens import count_tokens, render_chat
 
 
 def body(obj: object) -> bytes:

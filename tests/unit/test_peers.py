@@ -8,12 +8,11 @@ from collections.abc import Callable
 
 import pytest
 
-from ext_proc.config import config_from_dict
-from ext_proc.lifecycle import Status
-from ext_proc.parse import COMPLETIONS, LlmRequest
-from ext_proc.peers import PeerEvent, PeerKind, PeerPublisher
-from ext_proc.policy import RouteRequest
-from ext_proc.router import Router, build_router
+from ext_proc.config.load import config_from_dict
+from ext_proc.core.router import Router, build_router
+from ext_proc.core.types import RouteRequest, Status
+from ext_proc.feeds.peers import PeerEvent, PeerKind, PeerPublisher
+from ext_proc.prompt.parse import COMPLETIONS, LlmRequest
 
 
 def routers(n: int, share: bool, **raw: object) -> tuple[list[Router], list[float]]:

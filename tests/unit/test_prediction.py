@@ -9,13 +9,13 @@ import time
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from ext_proc.config import TelemetryConfig
-from ext_proc.engine_metrics import EngineReport
-from ext_proc.kv_events import EventBatch
-from ext_proc.lifecycle import PrefixState, Status
-from ext_proc.prediction import PredictionStats
-from ext_proc.router import Router, build_router
-from ext_proc.telemetry import (
+from ext_proc.config.schema import TelemetryConfig
+from ext_proc.core.router import Router, build_router
+from ext_proc.core.types import PrefixState, Status
+from ext_proc.estimate.prediction import PredictionStats
+from ext_proc.feeds.engine_metrics import EngineReport
+from ext_proc.feeds.kv_events import EventBatch
+from ext_proc.service.telemetry import (
     A_ENGINE_CACHED,
     A_ENGINE_REPORT_AGE_S,
     A_KV_EVENT_AGE_S,

@@ -4,7 +4,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ext_proc.prefix import PrefixIndex, as_hashes
+from ext_proc.estimate.prefix import PrefixIndex, as_hashes
 
 BT = 16
 

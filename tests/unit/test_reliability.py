@@ -8,14 +8,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ext_proc import codec
-from ext_proc.config import TelemetryConfig
-from ext_proc.lifecycle import Status
-from ext_proc.parse import ParseError, api_for_path, parse_body
-from ext_proc.router import Router
-from ext_proc.server import AccessLogService, Session, decision_encoder, open_session
-from ext_proc.state import InFlight
-from ext_proc.telemetry import Telemetry
+from ext_proc.config.schema import TelemetryConfig
+from ext_proc.core.router import Router
+from ext_proc.core.types import InFlight, Status
+from ext_proc.envoy import codec
+from ext_proc.envoy.server import AccessLogService, Session, decision_encoder, open_session
+from ext_proc.prompt.parse import ParseError, api_for_path, parse_body
+from ext_proc.service.telemetry import Telemetry
 from tests.messages import body, headers
 from tests.unit.test_gorgo import chat, router
 
@@ -302,7 +301,7 @@ async def test_an_access_log_entry_that_overtakes_the_first_chunk_waits_for_it()
     than the response's end."""
     import asyncio
 
-    from ext_proc.server import COMPLETION_GRACE_S
+    from ext_proc.envoy.server import COMPLETION_GRACE_S
 
     r, clock = router()
     log = AccessLogService(r, Telemetry(TelemetryConfig(), r))

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ext_proc.tokens import count_tokens
+from ext_proc.prompt.tokens import count_tokens
 from loadgen.client import Result
 from loadgen.plots import plot_run
 from loadgen.replay import (

@@ -5,11 +5,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ext_proc.config import Config, config_from_dict
-from ext_proc.lifecycle import Status
-from ext_proc.parse import CHAT, parse_body
-from ext_proc.policy import POLICIES, Candidate, RouteRequest, make_policy
-from ext_proc.router import Router, build_router
+from ext_proc.config.load import config_from_dict
+from ext_proc.config.schema import Config
+from ext_proc.core.router import Router, build_router
+from ext_proc.core.types import Candidate, RouteRequest, Status
+from ext_proc.policy.catalog import POLICIES, make_policy, policy_params
+from ext_proc.prompt.parse import CHAT, parse_body
 from tests.fakes import FakeClock
 
 BACKENDS = ("a", "b", "c")
@@ -134,7 +135,7 @@ def test_a_policy_always_returns_one_of_its_candidates(
     name: str, loads: list[tuple[int, int]], seed: int
 ) -> None:
     policy = make_policy(name, random.Random(seed))
-    weights = make_config().policy_params(name).weights if POLICIES[name].weighted else None
+    weights = policy_params(make_config(), name).weights if POLICIES[name].weighted else None
     candidates = [
         Candidate(f"b{i}", n, min(n, w), n * 100, 10.0 * w, 5.0 * n, 20.0, 64 * w, 100)
         for i, (n, w) in enumerate(loads)

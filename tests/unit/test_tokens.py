@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ext_proc.tokens import APPROX, HfTokenizer, count_tokens, load_tokenizer
+from ext_proc.prompt.tokens import APPROX, HfTokenizer, count_tokens, load_tokenizer
 
 
 @given(st.text(max_size=200))

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from ext_proc.tokens import count_tokens
+from ext_proc.prompt.tokens import count_tokens
 from loadgen.traces import (
     MOONCAKE_BLOCK_TOKENS,
     PromptSynth,

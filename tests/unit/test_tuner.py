@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ext_proc.app import TunerStateFile
-from ext_proc.cost import Weights
-from ext_proc.tuner import CHILD, PAIRED, PAPER, PARENT, Tuner, TunerSettings
+from ext_proc.core.types import Weights
+from ext_proc.learn.tuner import CHILD, PAIRED, PAPER, PARENT, Tuner, TunerSettings
+from ext_proc.service.app import TunerStateFile
 from loadgen.bench_tuner import false_accept_rate
 
 PAIRED_S = TunerSettings(arm_size=8, bootstrap=200)
@@ -214,7 +214,7 @@ def test_freeze_unfreeze_and_set_from_operations() -> None:
 def test_tail_mean_averages_the_slowest_fraction() -> None:
     import numpy as np
 
-    from ext_proc.tuner import tail_mean
+    from ext_proc.learn.tuner import tail_mean
 
     assert tail_mean(np.arange(1.0, 9.0), 0.25) == pytest.approx(7.5)  # 7 and 8
     assert tail_mean(np.array([3.0, 1.0, 2.0]), 0.01) == 3.0  # at least one sample
@@ -250,8 +250,8 @@ def test_the_tail_score_also_climbs_and_also_rejects_a_worse_e2e() -> None:
 
 
 def _close_ok(learner, rid: str, tokens: int, ttft_ms: float, e2e_ms: float) -> None:  # type: ignore[no-untyped-def]
-    from ext_proc.lifecycle import Closed, Status
-    from ext_proc.state import InFlight
+    from ext_proc.core.events import Closed
+    from ext_proc.core.types import InFlight, Status
 
     rec = InFlight(rid, "a", 0.0, tokens)
     learner.on_close(Closed(rid, "a", Status.OK, ttft_ms, e2e_ms, rec, 0.0))
@@ -263,9 +263,9 @@ def test_excess_objective_ignores_the_prompts_own_cost(objective: str) -> None:
     gets 100k-token prompts, the parent 1k-token ones, and both wait the same 300 ms
     beyond what the prompt alone costs. `excess_ttft` scores them equal (and keeps the
     parent); `ttft` sees the child ~20 s slower."""
-    from ext_proc.learners import TunerLearner
-    from ext_proc.profile import load_profile
-    from ext_proc.tuner import EXCESS_TTFT
+    from ext_proc.estimate.profile import load_profile
+    from ext_proc.learn.learners import TunerLearner
+    from ext_proc.learn.tuner import EXCESS_TTFT
 
     profile = load_profile()
     s = replace(PAIRED_S, objective=objective)
@@ -288,9 +288,9 @@ def test_excess_objective_ignores_the_prompts_own_cost(objective: str) -> None:
 
 
 def test_excess_floor_is_the_fastest_profiles_idle_prefill_and_e2e_is_untouched() -> None:
-    from ext_proc.learners import TunerLearner
-    from ext_proc.profile import load_profile
-    from ext_proc.tuner import EXCESS_TTFT
+    from ext_proc.estimate.profile import load_profile
+    from ext_proc.learn.learners import TunerLearner
+    from ext_proc.learn.tuner import EXCESS_TTFT
 
     fast = load_profile()
     slow = replace(fast, prefill_tokens_per_s=fast.prefill_tokens_per_s / 2)
@@ -306,10 +306,11 @@ def test_excess_floor_is_the_fastest_profiles_idle_prefill_and_e2e_is_untouched(
 
 
 def test_objective_is_a_strict_config_key_wired_into_the_router() -> None:
-    from ext_proc.config import ConfigError, config_from_dict
-    from ext_proc.learners import TunerLearner
-    from ext_proc.router import build_router
-    from ext_proc.tuner import EXCESS_TTFT, TTFT
+    from ext_proc.config.load import config_from_dict
+    from ext_proc.config.schema import ConfigError
+    from ext_proc.core.router import build_router
+    from ext_proc.learn.learners import TunerLearner
+    from ext_proc.learn.tuner import EXCESS_TTFT, TTFT
 
     backend = {"id": "a", "address": "127.0.0.1:1"}
     assert config_from_dict({"backends": [backend]}).tuner.objective == TTFT
@@ -325,7 +326,7 @@ def test_objective_is_a_strict_config_key_wired_into_the_router() -> None:
 
 
 def test_session_arm_key_keeps_a_conversation_in_one_arm() -> None:
-    from ext_proc.config import TunerArmKey
+    from ext_proc.config.schema import TunerArmKey
 
     by_session = Tuner(
         replace(PAIRED_S, arm_key=TunerArmKey.SESSION), Weights(1, 1), random.Random(0)
@@ -351,8 +352,9 @@ def test_session_arm_key_keeps_a_conversation_in_one_arm() -> None:
 
 
 def test_arm_key_is_a_strict_config_key_wired_into_the_router() -> None:
-    from ext_proc.config import ConfigError, TunerArmKey, config_from_dict
-    from ext_proc.router import build_router
+    from ext_proc.config.load import config_from_dict
+    from ext_proc.config.schema import ConfigError, TunerArmKey
+    from ext_proc.core.router import build_router
 
     backend = {"id": "a", "address": "127.0.0.1:1"}
     assert config_from_dict({"backends": [backend]}).tuner.arm_key == TunerArmKey.REQUEST

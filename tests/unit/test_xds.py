@@ -15,9 +15,10 @@ import yaml
 
 from emulator.stack import envoy_binary, free_ports
 from ext_proc.cli import main
-from ext_proc.config import Config, config_from_dict
-from ext_proc.envoy_config import build_envoy_config, build_mesh_snippet, render_envoy_config
-from ext_proc.xds import missing_in, write_xds, xds_files
+from ext_proc.config.load import config_from_dict
+from ext_proc.config.schema import Config
+from ext_proc.envoy.bootstrap import build_envoy_config, build_mesh_snippet, render_envoy_config
+from ext_proc.envoy.xds import missing_in, write_xds, xds_files
 
 BACKENDS = [
     {"id": "near", "address": "10.0.0.1:8000", "rtt_prior_ms": 1},
@@ -214,7 +215,7 @@ async def test_static_clusters_are_confirmed_when_envoys_admin_answers() -> None
     missing (pending: no 503s), and an admin out of reach confirms nothing at once."""
     from aiohttp import web
 
-    from ext_proc.xds import wait_envoy
+    from ext_proc.envoy.xds import wait_envoy
 
     (port,) = free_ports(1)
     cfg = cfg_of("", admin=f"127.0.0.1:{port}")

@@ -1,0 +1,245 @@
+"""Load and check the config: decode the YAML strictly (unknown keys, wrong types, values
+outside a field's declared range and keys that moved raise `ConfigError` naming the key,
+e.g. `envoy.max_body_bytes`), then the checks across fields (`_validate`). Policy-only
+knobs under `policies.<name>:` are decoded by the policy's own parameter class.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import re
+import types
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
+
+import yaml
+
+from ext_proc.config.schema import _BACKEND_ID, Backend, Config, ConfigError, split_host_port
+from ext_proc.estimate.profile import load_profile
+from ext_proc.policy.catalog import POLICIES
+from ext_proc.prompt.engine_tokens import load_engine_tokenizer
+
+MOVED = {
+    "weights": "policies.gorgo.weights",
+    "token_weights": "policies.gorgo_tokens.weights",
+    "routing.tie_ms": "policies.gorgo.tie_ms",
+    "routing.tie_fraction": "policies.gorgo.tie_fraction (and policies.gorgo_tokens.tie_fraction)",
+    "routing.affinity_prefix_tokens": "policies.session_affinity.prefix_tokens",
+    "routing.prefix_min_fraction": "policies.prefix_cache.min_fraction",
+    "routing.balance_abs": "policies.prefix_cache.balance_abs",
+    "routing.balance_rel": "policies.prefix_cache.balance_rel",
+    # Dispatch pacing keeps same-instant dispatches in order, so none overtakes another.
+    "policies.gorgo.overtake_weight": "routing.pace_sigmas (dispatch pacing replaced the "
+    "overtake term)",
+}
+
+
+def _policies(raw: Any, _typ: Any, key: str) -> dict[str, Any]:
+    """policies.<name>: each decoded by that policy's own parameter class."""
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{key}: expected a mapping, got {type(raw).__name__}")
+    out: dict[str, Any] = {}
+    for name, params in raw.items():
+        if name not in POLICIES:
+            raise ConfigError(
+                f"{key}.{name}: unknown policy (known: {', '.join(sorted(POLICIES))})"
+            )
+        out[name] = decode(POLICIES[name].params, params or {}, f"{key}.{name}")
+    return out
+
+
+T = TypeVar("T")
+
+
+def _convert(value: Any, typ: Any, key: str) -> Any:
+    origin = get_origin(typ)
+    if dataclasses.is_dataclass(typ) and isinstance(typ, type):
+        return decode(typ, value, key)
+    if isinstance(typ, type) and issubclass(typ, enum.StrEnum):
+        choices = [m.value for m in typ]
+        if value not in choices:
+            raise ConfigError(f"{key}: expected {' or '.join(choices)}, got {value!r}")
+        return typ(value)
+    if origin is tuple:
+        (item_type, _ellipsis) = get_args(typ)
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list, got {type(value).__name__}")
+        return tuple(_convert(v, item_type, f"{key}[{i}]") for i, v in enumerate(value))
+    if origin in (Union, types.UnionType):
+        raise ConfigError(f"{key}: unsupported union type")  # not used by the schema
+    if typ is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        return float(value)
+    if typ is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        return value
+    if typ is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+        return value
+    if typ is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected true or false, got {value!r}")
+        return value
+    raise ConfigError(f"{key}: unsupported type {typ!r}")
+
+
+def decode(cls: type[T], raw: Any, prefix: str) -> T:
+    """Build dataclass `cls` from a YAML mapping, strictly: every error names its key."""
+    where = prefix or "config"
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{where}: expected a mapping, got {type(raw).__name__}")
+    hints = get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    unknown = sorted(set(raw) - set(fields))
+    if unknown:
+        dotted = f"{prefix}.{unknown[0]}" if prefix else str(unknown[0])
+        if dotted in MOVED:
+            raise ConfigError(f"{dotted}: moved to {MOVED[dotted]}")
+        raise ConfigError(f"{dotted}: unknown key (expected one of: {', '.join(fields)})")
+    kwargs: dict[str, Any] = {}
+    for name, f in fields.items():
+        key = f"{prefix}.{name}" if prefix else name
+        if name in raw:
+            decoder = _DECODERS.get(f.metadata.get("decode", ""), _convert)
+            kwargs[name] = decoder(raw[name], hints[name], key)
+            limits = f.metadata.get("range")
+            if limits is not None:
+                limits.check(kwargs[name], key)
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ConfigError(f"{key}: required key is missing")
+    return cls(**kwargs)
+
+
+def _validate(cfg: Config) -> None:
+    """Checks across fields (each field's own range is checked where it is decoded)."""
+    if not cfg.backends:
+        raise ConfigError("backends: at least one backend is required")
+    seen: set[str] = set()
+    for i, b in enumerate(cfg.backends):
+        validate_backend(b, f"backends[{i}].")
+        if b.id in seen:
+            raise ConfigError(f"backends[{i}].id: duplicate backend id {b.id!r}")
+        seen.add(b.id)
+    split_host_port(cfg.listen.grpc, "listen.grpc")
+    split_host_port(cfg.listen.admin, "listen.admin")
+    split_host_port(cfg.envoy.listen, "envoy.listen")
+    split_host_port(cfg.envoy.admin, "envoy.admin")
+    split_host_port(cfg.ext_proc_address, "envoy.ext_proc_address")
+    if cfg.envoy.tracing_endpoint:
+        split_host_port(cfg.envoy.tracing_endpoint, "envoy.tracing_endpoint")
+    _validate_tls(cfg)
+    nats = cfg.fleet.nats_url
+    if nats and not re.match(
+        r"^(nats|tls)://[^/\s]+:\d{1,5}(,(nats|tls)://[^/\s]+:\d{1,5})*$", nats
+    ):
+        raise ConfigError(f"fleet.nats_url: expected nats://HOST:PORT[,nats://...], got {nats!r}")
+    if not re.match(r"^[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*$", cfg.fleet.subject):
+        raise ConfigError(
+            f"fleet.subject: NATS subject tokens (letters, digits, '_', '-', dot-separated), "
+            f"got {cfg.fleet.subject!r}"
+        )
+    if cfg.fleet.router_id and not re.match(r"^[A-Za-z0-9_-]+$", cfg.fleet.router_id):
+        raise ConfigError(
+            f"fleet.router_id: letters, digits, '_' or '-' (one subject token), "
+            f"got {cfg.fleet.router_id!r}"
+        )
+    if cfg.tokenizer.path or cfg.tokenizer.chat_template:
+        load_engine_tokenizer(cfg.tokenizer)  # the files exist, parse and have a template
+    # A decision held longer than Envoy waits for it would take the fallback route.
+    if cfg.routing.pace_max_ms * 2 > cfg.envoy.message_timeout_ms:
+        raise ConfigError(
+            f"routing.pace_max_ms: at most half of envoy.message_timeout_ms "
+            f"({cfg.envoy.message_timeout_ms}), got {cfg.routing.pace_max_ms:g}"
+        )
+    interval_s = cfg.probes.metrics_interval_s
+    if 0 < interval_s < 0.1:
+        raise ConfigError(f"probes.metrics_interval_s: at least 0.1 (or 0 = off), got {interval_s}")
+    if cfg.policy not in POLICIES:
+        raise ConfigError(
+            f"policy: unknown policy {cfg.policy!r} (known: {', '.join(sorted(POLICIES))})"
+        )
+
+
+def validate_backend(b: Backend, prefix: str = "") -> None:
+    """One backend's checks across its fields; errors name `prefix` + the key."""
+    if not _BACKEND_ID.match(b.id):
+        raise ConfigError(
+            f"{prefix}id: {b.id!r} must be lowercase letters, digits, '.', '_' or "
+            "'-' (it becomes an Envoy cluster name and a header value)"
+        )
+    split_host_port(b.address, f"{prefix}address")
+    for key in ("endpoint", "replay_endpoint"):
+        value = getattr(b.kv_events, key)
+        if value and not re.match(r"^tcp://(\*|[^:/]+|\[[0-9a-fA-F:]+\]):\d{1,5}$", value):
+            raise ConfigError(
+                f"{prefix}kv_events.{key}: expected tcp://HOST:PORT or tcp://*:PORT, got {value!r}"
+            )
+    try:
+        load_profile(b.engine_profile)
+    except ValueError as e:
+        raise ConfigError(f"{prefix}engine_profile: {e}") from e
+
+
+def _validate_tls(cfg: Config) -> None:
+    for key, tls in (
+        ("listen.tls", cfg.listen.tls),
+        ("envoy.ext_proc_tls", cfg.envoy.ext_proc_tls),
+    ):
+        if bool(tls.cert_file) != bool(tls.key_file):
+            raise ConfigError(f"{key}: cert_file and key_file go together (one is missing)")
+    if cfg.listen.tls.client_ca_file and not cfg.listen.tls.cert_file:
+        raise ConfigError("listen.tls.client_ca_file: mTLS needs cert_file and key_file too")
+    client = cfg.envoy.ext_proc_tls
+    if (client.cert_file or client.server_name) and not client.ca_file:
+        raise ConfigError("envoy.ext_proc_tls: cert_file and server_name need ca_file")
+    # One file configures both sides of the generated Envoy config: a mismatch would make
+    # every request fail open silently.
+    if cfg.listen.tls.cert_file and not client.ca_file:
+        raise ConfigError(
+            "envoy.ext_proc_tls.ca_file: required when listen.tls is set (the generated "
+            "Envoy config would speak plaintext to a TLS port)"
+        )
+    if cfg.listen.tls.client_ca_file and not client.cert_file:
+        raise ConfigError(
+            "envoy.ext_proc_tls.cert_file: required when listen.tls.client_ca_file is set "
+            "(the router would refuse Envoy without a client certificate)"
+        )
+
+
+def config_from_dict(raw: Any) -> Config:
+    cfg = decode(Config, raw, "")
+    _validate(cfg)
+    return cfg
+
+
+def load_config(path: str | Path) -> Config:
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as e:
+        raise ConfigError(f"{p}: cannot read config file: {e.strerror}") from e
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{p}: not valid YAML: {e}") from e
+    try:
+        return config_from_dict(raw if raw is not None else {})
+    except ConfigError as e:
+        raise ConfigError(f"{p}: {e}") from e
+
+
+def backend_from_dict(raw: Any) -> Backend:
+    """One backend exactly as an item of `backends:` (the admin API's POST /backends);
+    errors name the key as written in that object (`address`, `kv_events.endpoint`)."""
+    b = decode(Backend, raw, "")
+    validate_backend(b)
+    return b
+
+
+# Fields the schema marks for a decoder of their own (`field(metadata={"decode": NAME})`).
+_DECODERS = {"policies": _policies}

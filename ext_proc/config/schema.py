@@ -1,0 +1,372 @@
+"""The config's schema: one YAML file configures the service, and the Envoy config is
+generated from it. Every section is a frozen dataclass; each field's range sits beside it
+(`bounded(...)`). A leaf: it imports nothing of the router but the engine profiles' names
+(`ext_proc.config.load` decodes and checks it).
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ext_proc.estimate.profile import DEFAULT_PROFILE
+
+_BACKEND_ID = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, unknown or of the wrong type or range."""
+
+
+@dataclass(frozen=True)
+class Range:
+    """Bounds of a number field; None = unbounded on that side."""
+
+    gt: float | None = None
+    ge: float | None = None
+    le: float | None = None
+
+    def check(self, value: float, key: str) -> None:
+        if self.gt is not None and not value > self.gt:
+            raise ConfigError(f"{key}: must be > {self.gt:g}, got {value}")
+        if self.ge is not None and not value >= self.ge:
+            raise ConfigError(f"{key}: must be >= {self.ge:g}, got {value}")
+        if self.le is not None and not value <= self.le:
+            raise ConfigError(f"{key}: must be <= {self.le:g}, got {value}")
+
+
+def bounded(
+    default: Any, *, gt: float | None = None, ge: float | None = None, le: float | None = None
+) -> Any:
+    """A number field with its allowed range, checked at load."""
+    return field(default=default, metadata={"range": Range(gt, ge, le)})
+
+
+POSITIVE = {"gt": 0.0}
+NON_NEGATIVE = {"ge": 0.0}
+
+
+class EnvoyMode(enum.StrEnum):
+    # Header x-gorgo-backend names a cluster per backend (cluster_header route).
+    CLUSTER = "cluster"
+    # The Gateway API Inference Extension protocol: header x-gateway-destination-endpoint
+    # and the envoy.lb dynamic metadata name the endpoint inside one cluster.
+    ENDPOINT_PICKER = "endpoint_picker"
+
+
+class TunerMode(enum.StrEnum):
+    OFF = "off"
+    # Parent and child on interleaved traffic, re-measured every round (default).
+    PAIRED = "paired"
+    # The published method, kept to reproduce it.
+    PAPER = "paper"
+
+
+class TunerObjective(enum.StrEnum):
+    # Each arm scored by its requests' TTFT (default).
+    TTFT = "ttft"
+    # By each request's TTFT minus its own floor: the prefill of its whole prompt, uncached,
+    # on an idle engine of the fleet's fastest profile (what no routing decision changes).
+    EXCESS_TTFT = "excess_ttft"
+
+
+class TunerArmKey(enum.StrEnum):
+    # paired: each request's arm from a hash of its request id (default).
+    REQUEST = "request"
+    # From a hash of its session key (x-session-id, else `user`), so that all turns of a
+    # conversation see the same arm; the request id when it has none.
+    SESSION = "session"
+
+
+class EngineKind(enum.StrEnum):
+    """Which engine serves a backend: what its probe path and metrics are."""
+
+    SGLANG = "sglang"
+    VLLM = "vllm"
+
+
+# A path each engine answers without work, the default RTT probe: SGLang's /health runs a
+# one-token generation (python/sglang/srt/entrypoints/http_server.py, unless
+# SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION is false), so it would time the engine's queue;
+# its /v1/models is answered by the HTTP process alone. vLLM's /health only checks that the
+# engine process is alive.
+PROBE_PATH = {EngineKind.SGLANG: "/v1/models", EngineKind.VLLM: "/health"}
+
+
+class UnreadableBody(enum.StrEnum):
+    # Send it on by the fallback route; the backend answers it.
+    ROUTE = "route"
+    # Answer 400 with a JSON error naming the problem, without loading a backend.
+    REJECT = "reject"
+
+
+# Keys that moved: an old config fails with the new key's name instead of a bare
+# "unknown key".
+
+
+@dataclass(frozen=True)
+class KvEventsSource:
+    """Where a backend's engine publishes its KV cache events (its --kv-events-config)."""
+
+    # The engine's endpoint as configured there: tcp://*:PORT (the engine binds; the
+    # router connects to the backend's host) or tcp://HOST:PORT (the engine connects; the
+    # router binds it). "" = no events: the router's own estimate serves this backend.
+    endpoint: str = ""
+    topic: str = ""
+    # SGLang's replay endpoint (ROUTER), to fetch what a gap lost; "" = none (reset).
+    replay_endpoint: str = ""
+
+
+@dataclass(frozen=True)
+class Backend:
+    # Backend id = Envoy cluster name = value of the routing header.
+    id: str
+    # host:port where Envoy reaches this backend's engine (through its WAN link locally).
+    address: str
+    region: str = ""
+    # The engine behind it (sglang or vllm): its probe path and metric names.
+    engine: EngineKind = EngineKind.SGLANG
+    # RTT assumed until the first probe answers (ms).
+    rtt_prior_ms: float = bounded(50.0, **NON_NEGATIVE)
+    # Engine profile (ext_proc/estimate/profiles/NAME.yaml or a file): turns tokens into ms.
+    engine_profile: str = DEFAULT_PROFILE
+    # KV cache the prefix index mirrors for this backend; 0 = the profile's KV pool.
+    kv_capacity_tokens: int = bounded(0, **NON_NEGATIVE)
+    # The engine's KV cache events: with them, what the engine really holds.
+    kv_events: KvEventsSource = field(default_factory=KvEventsSource)
+
+
+@dataclass(frozen=True)
+class Routing:
+    # Prefix-index granularity (tokens per hashed block). 256 = the ART-Chat traces'
+    # blocks; a 128k-token prompt is 512 blocks, hashed in ~0.3-0.6 ms.
+    block_tokens: int = bounded(256, **POSITIVE)
+    # Refit each backend's prefill coefficients from observed TTFTs (least squares).
+    refit_prefill: bool = False
+    # Passive health: this many failed requests in a row (5xx, reset) eject a backend for
+    # eject_s, doubling while it keeps failing when re-admitted (0 = never eject).
+    eject_after_errors: int = bounded(2, **NON_NEGATIVE)
+    eject_s: float = bounded(5.0, **NON_NEGATIVE)
+    # A body the router cannot read (bad JSON, wrong types): route it on, or reject it.
+    unreadable_body: UnreadableBody = UnreadableBody.ROUTE
+    # Stall detection: a request still waiting for its first token past its estimated
+    # TTFT by more than max(this grace, that estimate) makes its backend's queue estimate
+    # grow with the lateness, so a stalled backend is avoided while it still answers
+    # probes (0 = off).
+    stall_grace_ms: float = bounded(500.0, **NON_NEGATIVE)
+    # Shed load: when every backend's queue estimate exceeds this (ms), answer 429 with
+    # Retry-After instead of queueing (0 = never shed).
+    shed_queue_ms: float = bounded(0.0, **NON_NEGATIVE)
+    # With KV events: a prompt dispatched this recently counts as cached where it went,
+    # until the engine's own events say what it stored (they follow within a step).
+    optimistic_ttl_s: float = bounded(10.0, **NON_NEGATIVE)
+    # Dispatch pacing (docs/cost-model.md): hold a request until this many probe-RTT
+    # standard deviations after the previous one sent to its backend, so that the WAN's
+    # jitter does not reorder them at the engine; never longer than the queue it is
+    # predicted to meet there on arrival, nor than pace_max_ms (Envoy awaits the decision
+    # within envoy.message_timeout_ms). 0 = off.
+    pace_sigmas: float = bounded(2.0, **NON_NEGATIVE)
+    pace_max_ms: float = bounded(250.0, **NON_NEGATIVE)
+
+
+@dataclass(frozen=True)
+class TunerConfig:
+    # Only policies with weights are tuned.
+    mode: TunerMode = TunerMode.PAIRED
+    # Weights, sigma and history are saved here after every step and restored on start
+    # ("" = not persisted).
+    state_file: str = ""
+    # paired: completions per arm per round (4 is the least a p95 can be read from).
+    arm_size: int = bounded(24, ge=4)
+    # What an arm is scored by: "ttft", or "excess_ttft" (TTFT minus the prompt's own
+    # floor, decision-independent; docs/tuner.md). The E2E guard is the same in both.
+    objective: TunerObjective = TunerObjective.TTFT
+    # paired: what picks a request's arm: "request" (its id) or "session" (its session
+    # key, else its id; docs/tuner.md).
+    arm_key: TunerArmKey = TunerArmKey.REQUEST
+
+
+@dataclass(frozen=True)
+class Probes:
+    # RTT probe period per backend: fresh enough to follow a changing WAN within seconds
+    # (the paper's 30 s was too slow), cheap (one small GET per backend).
+    interval_s: float = bounded(2.0, **POSITIVE)
+    timeout_s: float = bounded(2.0, **POSITIVE)
+    # EWMA weight of a new RTT sample (the paper's 0.3).
+    ewma_alpha: float = bounded(0.3, gt=0.0, le=1.0)
+    # Consecutive probe failures before a backend is suspect (not chosen while others
+    # are healthy); one success clears it.
+    suspect_after: int = bounded(2, **POSITIVE)
+    # What the probe GETs; "" = each engine's path that does no work (PROBE_PATH). Another
+    # path is checked against that one now and then: one much slower makes the engine
+    # work, and a warning says so.
+    path: str = ""
+    # Scrape each engine's Prometheus /metrics this often (0 = off; down to 0.1 s: a page
+    # costs the engine 10-20 ms of CPU, measured on the real vLLM here); a report older
+    # than metrics_stale_s ages out to the router's own estimate.
+    metrics_interval_s: float = bounded(1.0, **NON_NEGATIVE)
+    metrics_stale_s: float = bounded(10.0, **POSITIVE)
+
+
+@dataclass(frozen=True)
+class ServerTls:
+    """TLS on the ext_proc's gRPC port (PEM files). All empty: plaintext, for loopback or a
+    trusted pod network."""
+
+    cert_file: str = ""
+    key_file: str = ""
+    # Set: every client (Envoy) must present a certificate signed by this CA (mTLS).
+    client_ca_file: str = ""
+
+
+@dataclass(frozen=True)
+class ClientTls:
+    """How Envoy reaches the ext_proc over TLS (paths as Envoy sees them)."""
+
+    # Set: TLS, the ext_proc's certificate verified against this CA.
+    ca_file: str = ""
+    # Envoy's client certificate, for an ext_proc that requires mTLS.
+    cert_file: str = ""
+    key_file: str = ""
+    # SNI and the name the certificate must carry; "" = the host of ext_proc_address.
+    server_name: str = ""
+
+
+@dataclass(frozen=True)
+class Listen:
+    grpc: str = "127.0.0.1:50051"
+    tls: ServerTls = field(default_factory=ServerTls)
+    # Admin HTTP (/healthz, /state): loopback by default, it shows internal state.
+    admin: str = "127.0.0.1:9180"
+    # Bearer token required by admin calls that change state (POST /tuner, /backends);
+    # "" = none, and then such calls are taken from loopback peers only (the
+    # GORGO_ADMIN_TOKEN environment variable is used when this is empty).
+    admin_token: str = ""
+
+
+@dataclass(frozen=True)
+class EnvoySettings:
+    listen: str = "127.0.0.1:10000"
+    admin: str = "127.0.0.1:9901"
+    # Where Envoy reaches the ext_proc; defaults to listen.grpc.
+    ext_proc_address: str = ""
+    ext_proc_tls: ClientTls = field(default_factory=ClientTls)
+    # Whole-body buffering for routing: 128k-token prompts are ~0.5 MB of text, JSON
+    # escaping and multimodal parts can multiply that; 16 MiB leaves room.
+    max_body_bytes: int = bounded(16 * 1024 * 1024, **POSITIVE)
+    # Per-message ext_proc deadline. One Python process answering a burst of new
+    # streams needs slack beyond its ~1 ms typical reply; past it Envoy fails open.
+    message_timeout_ms: int = bounded(1000, **POSITIVE)
+    # Long generations stream for minutes; Envoy's 15 s default route timeout cuts them.
+    route_timeout_s: float = bounded(600.0, **POSITIVE)
+    # Upstream connect timeout; a WAN hop costs one RTT (<0.5 s) per attempt.
+    connect_timeout_s: float = bounded(5.0, **POSITIVE)
+    # A request whose backend cannot be reached (connection refused or reset before the
+    # request was sent) is retried this many times on other backends (0 = never).
+    connect_retries: int = bounded(2, **NON_NEGATIVE)
+    # Retry too when the backend's connection is reset before its response began: a
+    # backend that died, or a proxy or link in front of it that accepted the connection
+    # and then lost it (the request written into a connection that was already dying
+    # never reached the engine). Nothing has reached the client yet, and the engine
+    # aborts a request whose connection is gone. The cost: a request that itself crashes
+    # engines is tried on connect_retries more. False: only connections that never
+    # carried the request are retried.
+    retry_resets: bool = True
+    # How the decision reaches Envoy (see EnvoyMode).
+    mode: EnvoyMode = EnvoyMode.CLUSTER
+    # OTLP/gRPC collector (host:port) for Envoy's own spans; "" = no Envoy tracing.
+    tracing_endpoint: str = ""
+    # Share of requests Envoy traces (percent).
+    tracing_sample_percent: float = bounded(100.0, ge=0.0, le=100.0)
+    # Directory of the backend clusters' xDS files ("" = static clusters in the bootstrap).
+    # Set: the generated Envoy bootstrap reads its backend clusters from files here (CDS,
+    # EDS), which the router rewrites when backends are added, drained or removed, so
+    # Envoy follows without a restart (docs/envoy.md). Relative to the current directory.
+    xds_dir: str = ""
+
+
+@dataclass(frozen=True)
+class TelemetryConfig:
+    # OTLP/gRPC endpoint for the router's decision spans ("" = the standard
+    # OTEL_EXPORTER_OTLP_ENDPOINT variable, and if that is unset too, no export).
+    otlp_endpoint: str = ""
+    # Share of decisions traced; a decision under a sampled Envoy span follows Envoy's.
+    sample_ratio: float = bounded(1.0, ge=0.0, le=1.0)
+    service_name: str = "gorgo"
+
+
+@dataclass(frozen=True)
+class TokenizerConfig:
+    """How the router tokenizes prompts. Empty: 4 UTF-8 bytes per token (no file needed;
+    ext_proc/prompt/tokens.py). Set: as the engines do (ext_proc/prompt/engine_tokens.py), so prompt
+    lengths are real and precise prefix state matches the engines' own token ids."""
+
+    # The engine's tokenizer.json (a local file; nothing is downloaded).
+    path: str = ""
+    # The chat template: a Jinja file, or a tokenizer_config.json carrying chat_template;
+    # "" = the tokenizer_config.json beside `path`.
+    chat_template: str = ""
+    # Earlier prompts remembered (text and token ids) so a conversation's next turn
+    # tokenizes only its new messages (0 = tokenize every prompt whole). About one entry
+    # per conversation active now: 512 covers ~5 new turns a second with 100 s between a
+    # conversation's turns. An entry costs ~20 bytes per token (the ids twice: a tuple and
+    # packed for hashing; the text) besides the int objects, which a conversation's
+    # entries share: ~650 KB for a 32k-token prompt, 330 MB if all 512 were that long.
+    cache_entries: int = bounded(512, **NON_NEGATIVE)
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    """Several routers, one view: each publishes its dispatches to the others over NATS
+    (ext_proc.peers). Off (empty nats_url) for a single router."""
+
+    # nats://host:port of the NATS server (or cluster) the routers share.
+    nats_url: str = ""
+    # Subject prefix: each router publishes on <subject>.<router_id> and hears <subject>.*.
+    subject: str = "gorgo.fleet"
+    # This router's name on the bus (default: host name and process id).
+    router_id: str = ""
+    # A peer's request whose close never came (that router died) stops counting after this.
+    peer_ttl_s: float = bounded(300.0, **POSITIVE)
+
+
+@dataclass(frozen=True)
+class Config:
+    backends: tuple[Backend, ...]
+    policy: str = "gorgo"
+    seed: int = 0
+    # Each policy's own parameters, decoded by its parameter class (policies.<name>).
+    # Policies not named here run with their defaults.
+    policies: Mapping[str, Any] = field(default_factory=dict, metadata={"decode": "policies"})
+    routing: Routing = field(default_factory=Routing)
+    tuner: TunerConfig = field(default_factory=TunerConfig)
+    probes: Probes = field(default_factory=Probes)
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+    listen: Listen = field(default_factory=Listen)
+    envoy: EnvoySettings = field(default_factory=EnvoySettings)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    fleet: FleetConfig = field(default_factory=FleetConfig)
+    # In-flight records whose completion never arrives (lost access log) expire after
+    # this long, so the in-flight table stays bounded.
+    request_timeout_s: float = bounded(900.0, **POSITIVE)
+
+    @property
+    def backend_ids(self) -> tuple[str, ...]:
+        return tuple(b.id for b in self.backends)
+
+    @property
+    def ext_proc_address(self) -> str:
+        return self.envoy.ext_proc_address or self.listen.grpc
+
+    def probe_path(self, b: Backend) -> str:
+        return self.probes.path or PROBE_PATH[b.engine]
+
+
+def split_host_port(value: str, key: str) -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ConfigError(f"{key}: expected host:port, got {value!r}")
+    return host, int(port)

@@ -1,0 +1,296 @@
+"""Fleet state as the router sees it: per-backend counters, RTT, health, and the in-flight
+table.
+
+Pure and synchronous; every time comes from the caller (seconds on one monotonic clock).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict, deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ext_proc.core.types import BackendLifecycle, InFlight, Status
+from ext_proc.feeds.engine_metrics import EngineReport
+
+# How many recent TTFT/E2E samples /state shows per backend.
+RECENT_SAMPLES = 16
+# Weight of a new dispatch in a backend's mean prefill estimate (prices engine-reported
+# queue lengths): about the last 20 requests.
+PREFILL_EWMA = 0.05
+
+
+@dataclass
+class BackendState:
+    id: str
+    rtt_prior_ms: float
+    rtt_ms: float = 0.0
+    rtt_samples: int = 0
+    # Exponentially weighted variance of the probe samples (ms^2): the WAN's jitter.
+    rtt_var_ms2: float = 0.0
+    # When the last request routed here was sent on (dispatch pacing; -inf: never).
+    sent_s: float = float("-inf")
+    probe_failures: int = 0
+    suspect: bool = False
+    # Passive health: requests that failed in a row, and until when the backend is out
+    # of rotation because of them (None: in rotation).
+    request_failures: int = 0
+    ejections: int = 0
+    ejected_until_s: float | None = None
+    in_flight: int = 0
+    # Dispatched and not yet past the first response byte (still queued or prefilling).
+    waiting_first_byte: int = 0
+    # Prompt tokens of the requests in flight, decoding ones included (the paper's queue
+    # load, in tokens).
+    in_flight_tokens: int = 0
+    completed: int = 0
+    errors: int = 0
+    # Requests sent here that Envoy retried elsewhere because it could not connect.
+    failovers: int = 0
+    # Requests that reached this backend by Envoy's fallback route, not by our decision.
+    fallback_completed: int = 0
+    # The engine's last report of its own load (/metrics), and when it was read (None:
+    # never).
+    engine: EngineReport | None = None
+    engine_at_s: float | None = None
+    # Running mean of the prefill estimates of requests sent here (ms).
+    mean_prefill_ms: float = 100.0
+    recent_ttft_ms: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_SAMPLES))
+    recent_e2e_ms: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_SAMPLES))
+    # This backend's share of the in-flight table.
+    records: dict[str, InFlight] = field(default_factory=dict)
+    # Active, or draining (no new decisions) since `lifecycle_since_s`.
+    lifecycle: BackendLifecycle = BackendLifecycle.ACTIVE
+    lifecycle_since_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.rtt_ms = self.rtt_prior_ms
+
+    def ejected_at(self, now_s: float) -> bool:
+        """Out for failing requests at now_s (an ejection ends by itself)."""
+        return self.ejected_until_s is not None and now_s < self.ejected_until_s
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "lifecycle": str(self.lifecycle),
+            "rtt_ms": round(self.rtt_ms, 3),
+            # The probes' jitter: dispatch pacing holds requests a multiple of it apart.
+            "rtt_std_ms": round(math.sqrt(self.rtt_var_ms2), 3),
+            "rtt_samples": self.rtt_samples,
+            "suspect": self.suspect,
+            "ejected": self.ejected_until_s is not None,
+            "in_flight": self.in_flight,
+            "waiting_first_byte": self.waiting_first_byte,
+            "in_flight_tokens": self.in_flight_tokens,
+            "completed": self.completed,
+            "errors": self.errors,
+            "failovers": self.failovers,
+            "fallback_completed": self.fallback_completed,
+            "last_ttft_ms": [round(v, 3) for v in self.recent_ttft_ms],
+            "last_e2e_ms": [round(v, 3) for v in self.recent_e2e_ms],
+        }
+
+
+class FleetState:
+    """Per-backend counters plus the in-flight table, kept consistent with each other."""
+
+    def __init__(self, backends: Iterable[tuple[str, float]]) -> None:
+        self.backends: dict[str, BackendState] = {
+            b: BackendState(b, rtt_prior_ms) for b, rtt_prior_ms in backends
+        }
+        # Insertion order = dispatch order, so the oldest records expire first.
+        self.in_flight: OrderedDict[str, InFlight] = OrderedDict()
+        # What other routers dispatched (shared through the fleet's message bus): it loads
+        # the backends' counters and queues like our own, and nothing learns from it.
+        self.peer_in_flight: OrderedDict[str, InFlight] = OrderedDict()
+
+    def dispatch(self, rec: InFlight) -> None:
+        old = self.in_flight.pop(rec.request_id, None)
+        if old is not None:  # a reused request id: the older record can no longer complete
+            self._release(old)
+        self.in_flight[rec.request_id] = rec
+        b = self._hold(rec)
+        b.mean_prefill_ms += PREFILL_EWMA * (rec.prefill_ms - b.mean_prefill_ms)
+
+    def first_byte(self, request_id: str, now_s: float) -> tuple[float, InFlight] | None:
+        """Mark the first response byte: TTFT in ms and the record (None if unknown or
+        repeated)."""
+        rec = self.in_flight.get(request_id)
+        if rec is None or rec.first_byte_s is not None:
+            return None
+        ttft_ms = (now_s - rec.dispatched_s) * 1000.0
+        if rec.ended_e2e_ms is not None:
+            ttft_ms = min(ttft_ms, rec.ended_e2e_ms)
+        rec.first_byte_s = rec.dispatched_s + ttft_ms / 1000.0
+        b = self.backends[rec.backend]
+        b.waiting_first_byte -= 1
+        b.recent_ttft_ms.append(ttft_ms)
+        return ttft_ms, rec
+
+    def close(
+        self, request_id: str, now_s: float, status: Status, e2e_ms: float | None = None
+    ) -> tuple[InFlight, float] | None:
+        """Close a request's record: the record and its E2E in ms (measured here when the
+        caller has none). None if it was not in flight (already closed)."""
+        rec = self.in_flight.pop(request_id, None)
+        if rec is None:
+            return None
+        self._release(rec)
+        b = self.backends[rec.backend]
+        measured_e2e_ms = e2e_ms if e2e_ms is not None else (now_s - rec.dispatched_s) * 1000.0
+        if status == Status.FAILED_OVER:  # only the failure to connect was the chosen one's
+            b.failovers += 1
+            b.request_failures += 1
+        elif status == Status.OK:
+            b.completed += 1
+            b.recent_e2e_ms.append(measured_e2e_ms)
+        else:
+            b.errors += 1
+        end_s = rec.dispatched_s + measured_e2e_ms / 1000.0
+        if rec.first_byte_s is not None and rec.first_byte_s > end_s:
+            # The first chunk's message reached the router after the response ended (a
+            # short response, a busy loop): Envoy timed the whole exchange, and the first
+            # byte came before the last.
+            late_ms = (rec.first_byte_s - rec.dispatched_s) * 1000.0
+            rec.first_byte_s = end_s
+            _replace_last(b.recent_ttft_ms, late_ms, measured_e2e_ms)
+        # A cancelled client or a bad request says nothing about the backend.
+        if status in (Status.OK, Status.ERROR):
+            b.request_failures = 0 if status == Status.OK else b.request_failures + 1
+        return rec, measured_e2e_ms
+
+    def add(self, backend: str, rtt_prior_ms: float, now_s: float = 0.0) -> BackendState:
+        """A new backend, active (ValueError if the id is known)."""
+        if backend in self.backends:
+            raise ValueError(f"backend {backend!r} exists")
+        b = self.backends[backend] = BackendState(backend, rtt_prior_ms, lifecycle_since_s=now_s)
+        return b
+
+    def own_in_flight(self, backend: str) -> int:
+        """This router's requests in flight on the backend (its peers' not counted)."""
+        return sum(1 for rid in self.backends[backend].records if rid in self.in_flight)
+
+    def remove(self, backend: str) -> BackendState:
+        """Forget a backend that has none of this router's requests in flight; its peers'
+        (other routers' requests there) are forgotten with it."""
+        if self.own_in_flight(backend):
+            raise ValueError(f"backend {backend!r} has requests in flight")
+        b = self.backends.pop(backend)
+        for rid in list(b.records):
+            self.peer_in_flight.pop(rid, None)
+        return b
+
+    def peer_dispatch(self, rec: InFlight) -> None:
+        if rec.request_id in self.in_flight or rec.backend not in self.backends:
+            return  # our own (a bus echo), or a backend this router does not route to
+        self.peer_close(rec.request_id)
+        self.peer_in_flight[rec.request_id] = rec
+        self._hold(rec)
+
+    def peer_first_byte(self, request_id: str, now_s: float) -> None:
+        rec = self.peer_in_flight.get(request_id)
+        if rec is not None and rec.first_byte_s is None:
+            rec.first_byte_s = now_s
+            self.backends[rec.backend].waiting_first_byte -= 1
+
+    def peer_close(self, request_id: str) -> None:
+        rec = self.peer_in_flight.pop(request_id, None)
+        if rec is not None:
+            self._release(rec)
+
+    def expire_peers(self, now_s: float, timeout_s: float) -> int:
+        """Forget peers' requests in flight for timeout_s (their close was lost)."""
+        old = []
+        for rec in self.peer_in_flight.values():  # arrival order: stop at the first young one
+            if now_s - rec.dispatched_s < timeout_s:
+                break
+            old.append(rec.request_id)
+        for request_id in old:
+            self.peer_close(request_id)
+        return len(old)
+
+    def available(self, b: BackendState, now_s: float) -> bool:
+        """In rotation: probes answer, and not ejected for failing requests. An ejection
+        ends by itself; the next request there then tests the backend (half-open)."""
+        if not b.ejected_at(now_s):
+            b.ejected_until_s = None
+        return not b.suspect and b.ejected_until_s is None
+
+    def eject_failing(self, backend: str, now_s: float, after: int, base_s: float) -> bool:
+        """Eject a backend whose last `after` requests failed, for base_s doubling with
+        each ejection in a row (at most 16x). Returns True if it was ejected now."""
+        b = self.backends[backend]
+        if b.request_failures < after or b.ejected_until_s is not None:
+            return False
+        b.ejections += 1
+        b.ejected_until_s = now_s + base_s * 2 ** min(b.ejections - 1, 4)
+        b.request_failures = 0
+        return True
+
+    def record_fallback(self, backend: str) -> None:
+        if backend in self.backends:
+            self.backends[backend].fallback_completed += 1
+
+    def record_probe(
+        self, backend: str, rtt_ms: float | None, alpha: float, suspect_after: int
+    ) -> None:
+        """An RTT probe answered in rtt_ms, or failed (None). A backend removed while its
+        probe was out is ignored."""
+        b = self.backends.get(backend)
+        if b is None:
+            return
+        if rtt_ms is None:
+            b.probe_failures += 1
+            b.suspect = b.probe_failures >= suspect_after
+            return
+        b.probe_failures = 0
+        b.suspect = False
+        # The first sample replaces the configured prior; later ones are smoothed.
+        if b.rtt_samples == 0:
+            b.rtt_ms = rtt_ms
+        else:
+            d = rtt_ms - b.rtt_ms
+            b.rtt_ms += alpha * d
+            b.rtt_var_ms2 = (1 - alpha) * (b.rtt_var_ms2 + alpha * d * d)
+        b.rtt_samples += 1
+
+    def record_engine_report(self, backend: str, report: EngineReport, now_s: float) -> None:
+        b = self.backends.get(backend)
+        if b is not None:  # not removed while the scrape was out
+            b.engine, b.engine_at_s = report, now_s
+
+    def overdue(self, now_s: float, timeout_s: float) -> list[str]:
+        """Requests in flight for timeout_s or longer (their completion was lost)."""
+        overdue: list[str] = []
+        for rec in self.in_flight.values():  # dispatch order: stop at the first young one
+            if now_s - rec.dispatched_s < timeout_s:
+                break
+            overdue.append(rec.request_id)
+        return overdue
+
+    def _hold(self, rec: InFlight) -> BackendState:
+        """Count a request in flight on its backend (undone by _release)."""
+        b = self.backends[rec.backend]
+        b.records[rec.request_id] = rec
+        b.in_flight += 1
+        b.waiting_first_byte += 1
+        b.in_flight_tokens += rec.input_tokens
+        return b
+
+    def _release(self, rec: InFlight) -> None:
+        b = self.backends[rec.backend]
+        del b.records[rec.request_id]
+        b.in_flight -= 1
+        b.in_flight_tokens -= rec.input_tokens
+        if rec.first_byte_s is None:
+            b.waiting_first_byte -= 1
+
+
+def _replace_last(values: deque[float], old: float, new: float) -> None:
+    """Replace the most recent occurrence of `old` (if it is still there)."""
+    for i in range(len(values) - 1, -1, -1):
+        if math.isclose(values[i], old, rel_tol=1e-9, abs_tol=1e-6):
+            values[i] = new
+            return

@@ -1,0 +1,209 @@
+"""The core's shared types, a leaf every step may import: what a request asks
+(`RouteRequest`), what the router knows of each candidate (`Candidate`), what it chose
+(`Decision`), what it keeps of a request in flight (`InFlight`), the cost weights, and the
+enums of a request's and a backend's life.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from ext_proc.prompt.parse import LlmRequest
+
+
+class Status(enum.StrEnum):
+    """How a request was closed."""
+
+    OK = "ok"
+    # The backend failed it (5xx, reset, an error inside the stream).
+    ERROR = "error"
+    # The backend answered 4xx: the request's fault, not the backend's.
+    CLIENT_ERROR = "client_error"
+    # The client went away: says nothing about the backend.
+    CANCELLED = "cancelled"
+    # No completion arrived within request_timeout_s (a lost access-log entry).
+    EXPIRED = "expired"
+    # Envoy could not connect to the chosen backend and another one served it.
+    FAILED_OVER = "failed_over"
+
+
+class PrefixState(enum.StrEnum):
+    """Where a backend's cached-token prediction comes from."""
+
+    # The engine's own KV events (the stream is up and caught up).
+    PRECISE = "precise"
+    # The router's own prefix index (no events, or their stream is down).
+    APPROXIMATE = "approximate"
+
+
+class BackendLifecycle(enum.StrEnum):
+    """Where a backend is in its life: (pending ->) active -> draining -> removed."""
+
+    # Added, not yet a candidate: the shell waits until Envoy can route to it (with
+    # envoy.xds_dir), so no decision names a cluster Envoy does not have yet.
+    PENDING = "pending"
+    # A candidate of every decision (while healthy).
+    ACTIVE = "active"
+    # No new decisions; its requests in flight finish, then it is removed.
+    DRAINING = "draining"
+    # Gone from the router's state (its requests in flight had all closed).
+    REMOVED = "removed"
+
+
+class BackendChange(enum.StrEnum):
+    """What happened to a backend (`BackendChanged`)."""
+
+    ADDED = "added"
+    # Pending, now active (Envoy has its cluster).
+    ACTIVATED = "activated"
+    DRAINING = "draining"
+    # Draining, and back in rotation before it was removed (a reload named it again).
+    REACTIVATED = "reactivated"
+    # Its fields changed in place (a reload); `reset`: what the router knew of the engine
+    # behind it was forgotten (address, engine or kv_events changed).
+    UPDATED = "updated"
+    REMOVED = "removed"
+
+
+@dataclass(frozen=True)
+class Weights:
+    rtt: float
+    queue: float
+
+
+@dataclass(frozen=True)
+class Candidate:
+    backend_id: str
+    in_flight: int
+    waiting_first_byte: int
+    # Prompt tokens of the requests in flight there, decoding ones included (the paper's
+    # load, in tokens).
+    in_flight_tokens: int = 0
+    rtt_ms: float = 0.0
+    queue_ms: float = 0.0
+    prefill_ms: float = 0.0
+    cached_tokens: int = 0
+    uncached_tokens: int = 0
+    # What sending the request there does to the others (ms, summed over them;
+    # docs/cost-model.md): its prefill stalls the requests there (ext_proc.cost.
+    # decode_stall_ms); and the wait beyond queue_ms when the KV pool is nearly full (kv_ms).
+    decode_stall_ms: float = 0.0
+    kv_ms: float = 0.0
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "backend": self.backend_id,
+            "in_flight": self.in_flight,
+            "in_flight_tokens": self.in_flight_tokens,
+            "rtt_ms": round(self.rtt_ms, 3),
+            "queue_ms": round(self.queue_ms, 3),
+            "prefill_ms": round(self.prefill_ms, 3),
+            "cached_tokens": self.cached_tokens,
+            "uncached_tokens": self.uncached_tokens,
+            "decode_stall_ms": round(self.decode_stall_ms, 3),
+            "kv_ms": round(self.kv_ms, 3),
+        }
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    request_id: str
+    # None when the request is not an LLM call or its body could not be read.
+    llm: LlmRequest | None
+    # x-session-id, else the OpenAI `user` field.
+    session_key: str | None
+    # The prompt's prefix-block hashes when the caller already has them (the simulator
+    # derives them from a trace's block ids); None: the router hashes the prompt text.
+    blocks: Any = None
+    # The prompt's blocks as the engine keys them, when the caller knows (the simulator,
+    # whose engine models key blocks by trace ids); None: derived from the prompt's tokens.
+    engine_keys: Any = None
+    # The caller's W3C trace context (traceparent, tracestate), passed through untouched
+    # to the telemetry listener so the decision span joins Envoy's trace.
+    trace_context: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass
+class InFlight:
+    request_id: str
+    backend: str
+    dispatched_s: float
+    input_tokens: int
+    output_tokens: int = 0
+    cached_tokens: int = 0
+    # Where that cached-token prediction came from (the chosen backend's prefix state).
+    prefix_state: PrefixState = PrefixState.APPROXIMATE
+    # The decision's estimates, kept to learn from the outcome.
+    prefill_ms: float = 0.0
+    rtt_ms: float = 0.0
+    queue_ms: float = 0.0
+    # The prompt's prefix blocks (for trimming the index) and when the chosen backend had
+    # last used each block it was believed to hold.
+    blocks: npt.NDArray[np.uint64] | None = None
+    matched_last_used_s: npt.NDArray[np.float64] | None = None
+    first_byte_s: float | None = None
+    # The client asked for a stream: the first response byte is the first token. Without
+    # a stream it comes only when generation ends.
+    streaming: bool = True
+    # The response already ended this long after it began (Envoy's E2E), before its first
+    # byte was reported: the first byte cannot have come later.
+    ended_e2e_ms: float | None = None
+
+
+@dataclass(frozen=True)
+class Decision:
+    request_id: str
+    backend: str
+    policy: str
+    input_tokens: int
+    candidates: tuple[Candidate, ...]
+    scores: dict[str, float]
+    # The weights the policy used (None: a policy without weights) and the tuner's arm.
+    weights: Weights | None = None
+    arm: str | None = None
+    # Backends left out because they are draining (never a candidate, nor a failover).
+    draining: tuple[str, ...] = ()
+    # How long to hold the dispatch before sending it on (dispatch pacing).
+    hold_ms: float = 0.0
+
+    @property
+    def chosen(self) -> Candidate:
+        return next(c for c in self.candidates if c.backend_id == self.backend)
+
+    def ranked(self) -> list[str]:
+        """The chosen backend, then the others from best score to worst: where a retry
+        should go when the chosen one cannot be reached."""
+        others = [c.backend_id for c in self.candidates if c.backend_id != self.backend]
+        others.sort(key=lambda b: self.scores.get(b, float("inf")))
+        return [self.backend, *others]
+
+    def as_json(self) -> dict[str, Any]:
+        out = {
+            "request_id": self.request_id,
+            "backend": self.backend,
+            "policy": self.policy,
+            "input_tokens": self.input_tokens,
+            "candidates": [
+                {**c.as_json(), "score": round(self.scores[c.backend_id], 3)}
+                if c.backend_id in self.scores
+                else c.as_json()
+                for c in self.candidates
+            ],
+        }
+        if self.draining:
+            out["draining"] = list(self.draining)
+        if self.hold_ms:
+            out["hold_ms"] = round(self.hold_ms, 3)
+        return out
+
+
+@dataclass(frozen=True)
+class Shed:
+    """Admission refused: every backend's queue is past the bound."""
+
+    retry_after_s: float

@@ -1,0 +1,578 @@
+"""Generate the Envoy front-door config from the same backend list the service uses.
+
+`gorgo envoy-config --config FILE` prints it; `gorgo up` writes it before starting Envoy;
+envoy/front-door.yaml is this output for config/gorgo.yaml (a test keeps them equal).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+from collections.abc import Collection
+from dataclasses import replace
+from typing import Any
+
+import yaml
+
+from ext_proc.common.names import (
+    ACCESS_LOG_NAME,
+    HEADER_BACKEND,
+    HEADER_GATEWAY_ENDPOINT,
+    LB_METADATA_NAMESPACE,
+    REQUEST_ID_ATTRIBUTE,
+    ROUTE_FALLBACK,
+    ROUTE_GORGO,
+    ROUTING_HEADERS,
+)
+from ext_proc.config.schema import Backend, Config, split_host_port
+
+EXT_PROC_CLUSTER = "gorgo_ext_proc"
+FALLBACK_CLUSTER = "gorgo_fallback"
+# endpoint_picker mode: one cluster of every backend, the endpoint picked per request.
+POOL_CLUSTER = "gorgo_pool"
+OTEL_CLUSTER = "otel_collector"
+# The observing ext_proc filter's stats prefix (the routing filter's stats have none).
+OBSERVE_STAT_PREFIX = "gorgo_observe"
+# Endpoint metadata that names each endpoint's backend id, so the response can echo the
+# backend even when the fallback cluster (all backends) served the request.
+METADATA_NAMESPACE = "gorgo"
+
+# Far above any fleet's concurrency: Envoy's default of 1024 would cap LLM streams.
+CIRCUIT_BREAKER_LIMIT = 1_000_000
+
+_TYPE = "@type"
+_API = "type.googleapis.com/envoy"
+
+
+def _socket(address: str, key: str) -> dict[str, Any]:
+    host, port = split_host_port(address, key)
+    return {"socket_address": {"address": host, "port_value": port}}
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def _endpoint(b: Backend) -> dict[str, Any]:
+    return {
+        "endpoint": {"address": _socket(b.address, f"backend {b.id}")},
+        "metadata": {"filter_metadata": {METADATA_NAMESPACE: {"backend": b.id}}},
+    }
+
+
+def _circuit_breakers() -> dict[str, Any]:
+    limit = CIRCUIT_BREAKER_LIMIT
+    return {
+        "thresholds": [
+            {
+                "max_connections": limit,
+                "max_pending_requests": limit,
+                "max_requests": limit,
+                # Concurrent retries: only connect failures are retried (no backend did
+                # any work), so a dead backend under load must not exhaust this.
+                "max_retries": limit,
+            }
+        ]
+    }
+
+
+def _cluster(
+    name: str, backends: list[Backend], cfg: Config, lb: str, standby: list[Backend] | None = None
+) -> dict[str, Any]:
+    """A cluster of `backends`; each `standby` backend sits at its own priority (1, 2, ...),
+    used only by a retry (previous_priorities moves each retry one priority on) or when
+    every higher priority is down."""
+    every = [*backends, *(standby or [])]
+    dns = any(not _is_ip(split_host_port(b.address, b.id)[0]) for b in every)
+    endpoints: list[dict[str, Any]] = [{"lb_endpoints": [_endpoint(b) for b in backends]}]
+    for priority, b in enumerate(standby or [], start=1):
+        endpoints.append({"priority": priority, "lb_endpoints": [_endpoint(b)]})
+    return {
+        "name": name,
+        "type": "STRICT_DNS" if dns else "STATIC",
+        "connect_timeout": f"{cfg.envoy.connect_timeout_s}s",
+        "lb_policy": lb,
+        "circuit_breakers": _circuit_breakers(),
+        "load_assignment": {
+            "cluster_name": name,
+            "endpoints": endpoints,
+        },
+    }
+
+
+def _retry_policy(cfg: Config, other_priorities: bool) -> dict[str, Any]:
+    """Retry on another backend when the chosen one cannot be reached, or (retry_resets)
+    its connection is lost before the response began: nothing reached the client, so it
+    sees one answer. 5xx answers are not retried (the backend may have worked); the
+    router ejects a backend that keeps failing instead."""
+    reset = "reset" if cfg.envoy.retry_resets else "reset-before-request"
+    policy: dict[str, Any] = {
+        "retry_on": f"connect-failure,refused-stream,{reset}",
+        "num_retries": cfg.envoy.connect_retries,
+        "retry_host_predicate": [
+            {
+                "name": "envoy.retry_host_predicates.previous_hosts",
+                "typed_config": {
+                    _TYPE: f"{_API}.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"
+                },
+            }
+        ],
+        "host_selection_retry_max_attempts": 5,
+    }
+    if other_priorities:  # cluster mode: the chosen backend is priority 0, standbys 1, 2..
+        policy["retry_priority"] = {
+            "name": "envoy.retry_priorities.previous_priorities",
+            "typed_config": {
+                _TYPE: f"{_API}.extensions.retry.priority.previous_priorities.v3"
+                ".PreviousPrioritiesConfig",
+                "update_frequency": 1,
+            },
+        }
+    return policy
+
+
+def _ext_proc_filters(cfg: Config) -> list[dict[str, Any]]:
+    """Two ext_proc filters to the same service: one routes (Envoy waits for it), one
+    observes the first response chunk without holding it (observability mode)."""
+    typed = f"{_API}.extensions.filters.http.ext_proc.v3.ExternalProcessor"
+    grpc_service = {"envoy_grpc": {"cluster_name": EXT_PROC_CLUSTER}}
+    route = {
+        "name": "envoy.filters.http.ext_proc",
+        "typed_config": {
+            _TYPE: typed,
+            "grpc_service": grpc_service,
+            # Fail open: if the router is down or slow, Envoy forwards the request without
+            # the routing header and the fallback route serves it.
+            "failure_mode_allow": True,
+            "message_timeout": f"{cfg.envoy.message_timeout_ms / 1000}s",
+            # endpoint_picker: accept the envoy.lb dynamic metadata override_host reads.
+            **(
+                {"metadata_options": {"receiving_namespaces": {"untyped": [LB_METADATA_NAMESPACE]}}}
+                if cfg.envoy.mode == "endpoint_picker"
+                else {}
+            ),
+            # Two messages, each one gRPC round trip on the request's path.
+            "processing_mode": {
+                # Needed even though routing reads the body: with headers skipped Envoy
+                # forwards them at once and a body-phase route change is ignored.
+                "request_header_mode": "SEND",
+                # The whole body in one message: routing needs the prompt before the
+                # upstream is chosen. Bounded by the listener's buffer limit.
+                "request_body_mode": "BUFFERED",
+                "request_trailer_mode": "SKIP",
+                "response_header_mode": "SKIP",
+                "response_body_mode": "NONE",
+                "response_trailer_mode": "SKIP",
+            },
+        },
+    }
+    observe = {
+        "name": "gorgo.observe",
+        "typed_config": {
+            _TYPE: typed,
+            "grpc_service": grpc_service,
+            "failure_mode_allow": True,
+            # Envoy sends and does not wait: timing the first token never delays it.
+            "observability_mode": True,
+            # Its own stats (http.<prefix>.ext_proc.gorgo_observe.*), so the routing
+            # filter's failure_mode_allowed counts each request that failed open once.
+            "stat_prefix": OBSERVE_STAT_PREFIX,
+            # No request phase: the stream opens with the first response chunk, which
+            # carries the request id as an attribute, so nothing of this filter competes
+            # with the routing stream while Envoy waits for the decision.
+            "response_attributes": [REQUEST_ID_ATTRIBUTE],
+            "processing_mode": {
+                "request_header_mode": "SKIP",
+                "request_body_mode": "NONE",
+                "request_trailer_mode": "SKIP",
+                "response_header_mode": "SKIP",
+                # The first chunk is TTFT; the server then closes the stream, so no later
+                # chunk reaches Python.
+                "response_body_mode": "STREAMED",
+                "response_trailer_mode": "SKIP",
+            },
+        },
+    }
+    return [route, observe]
+
+
+def _access_log() -> dict[str, Any]:
+    return {
+        "name": "envoy.access_loggers.http_grpc",
+        "typed_config": {
+            _TYPE: f"{_API}.extensions.access_loggers.grpc.v3.HttpGrpcAccessLogConfig",
+            "common_config": {
+                "log_name": ACCESS_LOG_NAME,
+                "transport_api_version": "V3",
+                "grpc_service": {"envoy_grpc": {"cluster_name": EXT_PROC_CLUSTER}},
+                # Completion feeds the in-flight count: send each entry at once.
+                "buffer_size_bytes": 0,
+                "buffer_flush_interval": "0.05s",
+            },
+            "additional_response_headers_to_log": [HEADER_BACKEND],
+        },
+    }
+
+
+def _pool_cluster(cfg: Config, backends: list[Backend]) -> dict[str, Any]:
+    """endpoint_picker mode: every backend in one cluster; Envoy's override_host policy
+    sends each request to the endpoint the router named (header or envoy.lb metadata),
+    and falls back to least request when none is named."""
+    c = _cluster(POOL_CLUSTER, backends, cfg, "LEAST_REQUEST")
+    del c["lb_policy"]
+    lb = "type.googleapis.com/envoy.extensions.load_balancing_policies"
+    c["load_balancing_policy"] = {
+        "policies": [
+            {
+                "typed_extension_config": {
+                    "name": "envoy.load_balancing_policies.override_host",
+                    "typed_config": {
+                        _TYPE: f"{lb}.override_host.v3.OverrideHost",
+                        "override_host_sources": [
+                            {"header": HEADER_GATEWAY_ENDPOINT},
+                            {
+                                "metadata": {
+                                    "key": LB_METADATA_NAMESPACE,
+                                    "path": [{"key": HEADER_GATEWAY_ENDPOINT}],
+                                }
+                            },
+                        ],
+                        "fallback_policy": {
+                            "policies": [
+                                {
+                                    "typed_extension_config": {
+                                        "name": "envoy.load_balancing_policies.least_request",
+                                        "typed_config": {
+                                            _TYPE: f"{lb}.least_request.v3.LeastRequest"
+                                        },
+                                    }
+                                }
+                            ]
+                        },
+                    },
+                }
+            }
+        ]
+    }
+    return c
+
+
+def _tracing(cfg: Config) -> dict[str, Any]:
+    return {
+        "random_sampling": {"value": cfg.envoy.tracing_sample_percent},
+        "provider": {
+            "name": "envoy.tracers.opentelemetry",
+            "typed_config": {
+                _TYPE: f"{_API}.config.trace.v3.OpenTelemetryConfig",
+                "grpc_service": {"envoy_grpc": {"cluster_name": OTEL_CLUSTER}},
+                "service_name": "gorgo-envoy",
+            },
+        },
+    }
+
+
+def _grpc_cluster(name: str, address: str, key: str) -> dict[str, Any]:
+    host, _port = split_host_port(address, key)
+    return {
+        "name": name,
+        "type": "STATIC" if _is_ip(host) else "STRICT_DNS",
+        "connect_timeout": "1s",
+        "circuit_breakers": _circuit_breakers(),
+        "typed_extension_protocol_options": {
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                _TYPE: f"{_API}.extensions.upstreams.http.v3.HttpProtocolOptions",
+                "explicit_http_config": {"http2_protocol_options": {}},
+            }
+        },
+        "load_assignment": {
+            "cluster_name": name,
+            "endpoints": [{"lb_endpoints": [{"endpoint": {"address": _socket(address, key)}}]}],
+        },
+    }
+
+
+def _retries(cfg: Config, other_priorities: bool) -> dict[str, Any]:
+    if not cfg.envoy.connect_retries:
+        return {}
+    return {"retry_policy": _retry_policy(cfg, other_priorities)}
+
+
+def _ext_proc_tls(cfg: Config) -> dict[str, Any]:
+    """Envoy -> ext_proc over TLS (mTLS with a client certificate)."""
+    tls = cfg.envoy.ext_proc_tls
+    name = tls.server_name or split_host_port(cfg.ext_proc_address, "envoy.ext_proc_address")[0]
+    common: dict[str, Any] = {
+        "alpn_protocols": ["h2"],
+        "validation_context": {
+            "trusted_ca": {"filename": tls.ca_file},
+            # Envoy checks no name unless told to: the certificate must carry this one.
+            "match_typed_subject_alt_names": [
+                {"san_type": "IP_ADDRESS" if _is_ip(name) else "DNS", "matcher": {"exact": name}}
+            ],
+        },
+    }
+    if tls.cert_file:
+        common["tls_certificates"] = [
+            {
+                "certificate_chain": {"filename": tls.cert_file},
+                "private_key": {"filename": tls.key_file},
+            }
+        ]
+    return {
+        "name": "envoy.transport_sockets.tls",
+        "typed_config": {
+            _TYPE: f"{_API}.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
+            **({} if _is_ip(name) else {"sni": name}),
+            "common_tls_context": common,
+        },
+    }
+
+
+def _route(cfg: Config) -> dict[str, Any]:
+    timeout = f"{cfg.envoy.route_timeout_s}s"
+    if cfg.envoy.mode == "endpoint_picker":
+        routes: list[dict[str, Any]] = [
+            {
+                "name": ROUTE_GORGO,
+                "match": {"prefix": "/"},
+                "route": {
+                    "cluster": POOL_CLUSTER,
+                    "timeout": timeout,
+                    **_retries(cfg, other_priorities=False),
+                },
+            }
+        ]
+    else:
+        routes = [
+            {
+                "name": ROUTE_GORGO,
+                "match": {
+                    "prefix": "/",
+                    "headers": [{"name": HEADER_BACKEND, "present_match": True}],
+                },
+                "route": {
+                    "cluster_header": HEADER_BACKEND,
+                    "timeout": timeout,
+                    **_retries(cfg, other_priorities=True),
+                },
+            },
+            {
+                # No routing header: the router failed open, skipped a non-LLM call, or
+                # could not read the body. Least-request over all.
+                "name": ROUTE_FALLBACK,
+                "match": {"prefix": "/"},
+                "route": {
+                    "cluster": FALLBACK_CLUSTER,
+                    "timeout": timeout,
+                    **_retries(cfg, other_priorities=False),
+                },
+            },
+        ]
+    return {
+        "name": "gorgo",
+        # envoy.xds_dir: the clusters arrive by CDS after the route table loads; Envoy
+        # would refuse a static table naming a cluster it does not have yet.
+        **({"validate_clusters": False} if cfg.envoy.xds_dir else {}),
+        "virtual_hosts": [
+            {
+                "name": "llm",
+                "domains": ["*"],
+                "routes": routes,
+                "response_headers_to_add": [
+                    {
+                        "header": {
+                            "key": HEADER_BACKEND,
+                            "value": f"%UPSTREAM_METADATA({METADATA_NAMESPACE}:backend)%",
+                        },
+                        "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
+                    }
+                ],
+            }
+        ],
+    }
+
+
+def backend_clusters(cfg: Config, draining: Collection[str] = ()) -> list[dict[str, Any]]:
+    """The clusters that change with the fleet: each backend's (with the others as
+    standby) and the fail-open fallback (cluster mode), or the pool (endpoint_picker).
+
+    A `draining` backend keeps its own cluster (a decision made just before the drain, or
+    a connect retry, still finds it) but gets no new work behind the router's back: it
+    is left out of the fallback, the pool and the other clusters' standbys."""
+    backends = list(cfg.backends)
+    open_ = [b for b in backends if b.id not in draining] or backends
+    if cfg.envoy.mode == "endpoint_picker":
+        return [_pool_cluster(cfg, open_)]
+    by_rtt = sorted(open_, key=lambda b: b.rtt_prior_ms)
+    return [
+        # Each backend's cluster holds the others as standby, nearest first, so a
+        # connect failure is retried on another backend (Envoy's retries stay inside
+        # one cluster) and each further retry on yet another.
+        *(
+            _cluster(b.id, [b], cfg, "ROUND_ROBIN", [o for o in by_rtt if o is not b])
+            for b in backends
+        ),
+        _cluster(FALLBACK_CLUSTER, open_, cfg, "LEAST_REQUEST"),
+    ]
+
+
+# envoy.xds_dir: the CDS file Envoy's bootstrap names; each EDS cluster's endpoints are
+# in eds-<cluster>.yaml beside it (ext_proc/envoy/xds.py writes them).
+CDS_FILE = "cds.yaml"
+
+
+def eds_file(cluster: str) -> str:
+    return f"eds-{cluster}.yaml"
+
+
+def xds_path(cfg: Config, file: str) -> str:
+    """Absolute, so Envoy and the router find the same file whatever their directories."""
+    return os.path.join(os.path.abspath(cfg.envoy.xds_dir), file)
+
+
+def file_config_source(path: str) -> dict[str, Any]:
+    """A filesystem xDS subscription: Envoy reads `path` and reloads it whenever a file is
+    moved onto it (the atomic rename of ext_proc/envoy/xds.py); a write in place is not seen."""
+    return {"resource_api_version": "V3", "path_config_source": {"path": path}}
+
+
+def build_envoy_config(cfg: Config, ext_proc: bool = True) -> dict[str, Any]:
+    """The front door. ext_proc=False gives the same proxy without the router (every
+    request takes the fallback route): the baseline of the overhead benchmark.
+
+    With `envoy.xds_dir` set, the backend clusters are not in it: Envoy reads them from
+    the CDS file there (write them first with ext_proc.xds.write_xds)."""
+    hcm = {
+        _TYPE: f"{_API}.extensions.filters.network.http_connection_manager.v3"
+        ".HttpConnectionManager",
+        "stat_prefix": "front_door",
+        "generate_request_id": True,
+        # Client-sent routing headers are removed before any filter or route sees them.
+        "early_header_mutation_extensions": [
+            {
+                "name": "envoy.http.early_header_mutation.header_mutation",
+                "typed_config": {
+                    _TYPE: f"{_API}.extensions.http.early_header_mutation.header_mutation.v3"
+                    ".HeaderMutation",
+                    "mutations": [{"remove": h} for h in ROUTING_HEADERS],
+                },
+            }
+        ],
+        "access_log": [_access_log()] if ext_proc else [],
+        "route_config": _route(cfg),
+        "http_filters": [
+            *(_ext_proc_filters(cfg) if ext_proc else []),
+            {
+                "name": "envoy.filters.http.router",
+                "typed_config": {_TYPE: f"{_API}.extensions.filters.http.router.v3.Router"},
+            },
+        ],
+    }
+    if cfg.envoy.tracing_endpoint:
+        hcm["tracing"] = _tracing(cfg)
+    dynamic = bool(cfg.envoy.xds_dir)
+    clusters = [] if dynamic else backend_clusters(cfg)
+    ext_proc_cluster = _grpc_cluster(
+        EXT_PROC_CLUSTER, cfg.ext_proc_address, "envoy.ext_proc_address"
+    )
+    if cfg.envoy.ext_proc_tls.ca_file:
+        ext_proc_cluster["transport_socket"] = _ext_proc_tls(cfg)
+    clusters.append(ext_proc_cluster)
+    if cfg.envoy.tracing_endpoint:
+        clusters.append(
+            _grpc_cluster(OTEL_CLUSTER, cfg.envoy.tracing_endpoint, "envoy.tracing_endpoint")
+        )
+    return {
+        # xDS needs a node identity, even from files.
+        **({"node": {"id": "gorgo-front-door", "cluster": "gorgo"}} if dynamic else {}),
+        "admin": {"address": _socket(cfg.envoy.admin, "envoy.admin")},
+        **(
+            {"dynamic_resources": {"cds_config": file_config_source(xds_path(cfg, CDS_FILE))}}
+            if dynamic
+            else {}
+        ),
+        "static_resources": {
+            "listeners": [
+                {
+                    "name": "front_door",
+                    "address": _socket(cfg.envoy.listen, "envoy.listen"),
+                    # Buffered routing needs the whole body in memory; Envoy answers 413
+                    # beyond this (default 1 MiB).
+                    "per_connection_buffer_limit_bytes": cfg.envoy.max_body_bytes,
+                    "filter_chains": [
+                        {
+                            "filters": [
+                                {
+                                    "name": "envoy.filters.network.http_connection_manager",
+                                    "typed_config": hcm,
+                                }
+                            ]
+                        }
+                    ],
+                }
+            ],
+            "clusters": clusters,
+        },
+    }
+
+
+def build_mesh_snippet(cfg: Config) -> dict[str, Any]:
+    """The router's parts of the front door, cut from `build_envoy_config` (so the two
+    cannot differ), for pasting into an Envoy that already exists."""
+    # The clusters in full, even with envoy.xds_dir: a mesh's own control plane serves them.
+    full = build_envoy_config(replace(cfg, envoy=replace(cfg.envoy, xds_dir="")))
+    listener = full["static_resources"]["listeners"][0]
+    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    vhost = hcm["route_config"]["virtual_hosts"][0]
+    return {
+        "per_connection_buffer_limit_bytes": listener["per_connection_buffer_limit_bytes"],
+        "early_header_mutation_extensions": hcm["early_header_mutation_extensions"],
+        "http_filters": hcm["http_filters"][:-1],  # everything but the router filter
+        "access_log": hcm["access_log"],
+        **({"tracing": hcm["tracing"]} if "tracing" in hcm else {}),
+        "routes": vhost["routes"],
+        "response_headers_to_add": vhost["response_headers_to_add"],
+        "clusters": full["static_resources"]["clusters"],
+    }
+
+
+# Where each fragment of the mesh snippet goes in an existing Envoy.
+_MESH_PLACES = {
+    "per_connection_buffer_limit_bytes": "your listener (buffered bodies over 1 MiB)",
+    "early_header_mutation_extensions": "your http_connection_manager (strips client copies)",
+    "http_filters": "your HCM's http_filters, before the router filter",
+    "access_log": "your HCM's access_log (completions to gorgo)",
+    "tracing": "your HCM, unless it traces already (Envoy spans)",
+    "routes": "your LLM virtual host's routes (the fallback matches any path)",
+    "response_headers_to_add": "that virtual host (echoes the chosen backend)",
+    "clusters": "static_resources: gorgo_ext_proc; the others unless you serve them",
+}
+
+
+def render_mesh_snippet(cfg: Config) -> str:
+    snippet = build_mesh_snippet(cfg)
+    header = [
+        "# Generated by `gorgo envoy-config --mesh-snippet` from the gorgo config; do not edit",
+        "# by hand. Fragments for an existing Envoy, steps in docs/envoy.md ('Dropping it into",
+        "# an existing Envoy'). Backends that change at run time come from your control plane:",
+        "# add the cluster named after the backend id before telling gorgo; drain in gorgo",
+        "# before deleting it. Where each goes:",
+        *(f"#   {key:<34} {_MESH_PLACES[key]}" for key in snippet),
+    ]
+    return "\n".join(header) + "\n" + yaml.safe_dump(snippet, sort_keys=False, width=100)
+
+
+def render_envoy_config(cfg: Config, ext_proc: bool = True) -> str:
+    picker = cfg.envoy.mode == "endpoint_picker"
+    header = "# Generated by `gorgo envoy-config` from the gorgo config; do not edit by hand.\n" + (
+        "# Endpoint picker: ext_proc names the endpoint (x-gateway-destination-endpoint,\n"
+        "# envoy.lb metadata) inside one override_host cluster; least request otherwise.\n"
+        if picker
+        else "# Front door: ext_proc picks the backend (x-gorgo-backend -> cluster_header\n"
+        "# route), fail-open fallback route, completion reported over the gRPC access log.\n"
+    )
+    return header + yaml.safe_dump(build_envoy_config(cfg, ext_proc), sort_keys=False, width=100)

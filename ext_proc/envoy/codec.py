@@ -1,0 +1,184 @@
+"""The only module that touches protobuf: Envoy wire messages <-> plain Python values."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from google.protobuf.duration_pb2 import Duration
+
+from ext_proc.common.names import EXT_PROC_ATTRIBUTES, HEADER_BACKEND, REQUEST_ID_ATTRIBUTE
+
+try:
+    from ext_proc.envoy.proto import envoy_wire_pb2 as pb
+except ImportError as e:  # pragma: no cover - depends on the build step
+    raise ImportError(
+        "ext_proc/envoy/proto/envoy_wire_pb2.py is generated at build time: run `make proto` "
+        "(or `make test`/`make demo`, which run it)"
+    ) from e
+
+REQUEST_HEADERS = "request_headers"
+REQUEST_BODY = "request_body"
+RESPONSE_HEADERS = "response_headers"
+RESPONSE_BODY = "response_body"
+REQUEST_TRAILERS = "request_trailers"
+RESPONSE_TRAILERS = "response_trailers"
+PHASES = (
+    REQUEST_HEADERS,
+    REQUEST_BODY,
+    RESPONSE_HEADERS,
+    RESPONSE_BODY,
+    REQUEST_TRAILERS,
+    RESPONSE_TRAILERS,
+)
+
+ProcessingRequest = pb.ProcessingRequest
+ProcessingResponse = pb.ProcessingResponse
+StreamAccessLogsMessage = pb.StreamAccessLogsMessage
+StreamAccessLogsResponse = pb.StreamAccessLogsResponse
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One ext_proc message, decoded: which phase, and its headers or body."""
+
+    name: str
+    headers: dict[str, str]
+    body: bytes
+    end_of_stream: bool
+
+
+@dataclass(frozen=True)
+class StreamInfo:
+    """What a stream's first message says about the filter that opened it."""
+
+    # Observability mode: Envoy does not wait for (and ignores) our replies.
+    observe_only: bool
+    # The filter will send response body chunks (the stream can time the first token).
+    sends_response_body: bool
+
+
+def stream_info(first: pb.ProcessingRequest) -> StreamInfo:
+    mode = first.protocol_config.response_body_mode
+    return StreamInfo(first.observability_mode, mode != pb.ProcessingMode.NONE)
+
+
+def request_id_attribute(req: pb.ProcessingRequest) -> str:
+    """The request id Envoy sent as an attribute ("" if absent)."""
+    attrs = req.attributes.get(EXT_PROC_ATTRIBUTES)
+    if attrs is None:
+        return ""
+    value = attrs.fields.get(REQUEST_ID_ATTRIBUTE)
+    return value.string_value if value is not None else ""
+
+
+def _header_map(m: pb.HeaderMap) -> dict[str, str]:
+    # Envoy sends raw_value (bytes); `value` only for old configs. Repeated keys: last wins,
+    # which is all routing needs (we read single-valued headers).
+    out: dict[str, str] = {}
+    for h in m.headers:
+        out[h.key] = h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
+    return out
+
+
+def decode(req: pb.ProcessingRequest) -> Phase:
+    name = req.WhichOneof("request") or ""
+    if name in (REQUEST_HEADERS, RESPONSE_HEADERS):
+        h = getattr(req, name)
+        return Phase(name, _header_map(h.headers), b"", h.end_of_stream)
+    if name in (REQUEST_BODY, RESPONSE_BODY):
+        b = getattr(req, name)
+        return Phase(name, {}, b.body, b.end_of_stream)
+    if name in (REQUEST_TRAILERS, RESPONSE_TRAILERS):
+        return Phase(name, _header_map(getattr(req, name).trailers), b"", True)
+    return Phase(name, {}, b"", False)
+
+
+def _mutation(set_headers: Mapping[str, str], remove: Iterable[str]) -> pb.HeaderMutation:
+    return pb.HeaderMutation(
+        set_headers=[
+            pb.HeaderValueOption(
+                # raw_value, not value: Envoy 1.40 reads a `value` here as an empty header.
+                header=pb.HeaderValue(key=k, raw_value=v.encode()),
+                append_action=pb.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
+            )
+            for k, v in set_headers.items()
+        ],
+        remove_headers=list(remove),
+    )
+
+
+def continue_response(
+    phase: str,
+    set_headers: Mapping[str, str] | None = None,
+    remove_headers: Iterable[str] = (),
+    clear_route_cache: bool = False,
+    dynamic_metadata: Mapping[str, Mapping[str, str]] | None = None,
+) -> pb.ProcessingResponse:
+    """CONTINUE for `phase`, optionally mutating headers, re-selecting the route and
+    setting dynamic metadata ({namespace: {key: value}})."""
+    common = pb.CommonResponse(clear_route_cache=clear_route_cache)
+    if set_headers or remove_headers:
+        common.header_mutation.CopyFrom(_mutation(set_headers or {}, remove_headers))
+    resp = pb.ProcessingResponse()
+    if phase in (REQUEST_HEADERS, RESPONSE_HEADERS, REQUEST_BODY, RESPONSE_BODY):
+        getattr(resp, phase).response.CopyFrom(common)
+    elif phase in (REQUEST_TRAILERS, RESPONSE_TRAILERS):
+        getattr(resp, phase).SetInParent()
+    else:
+        raise ValueError(f"no response for phase {phase!r}")
+    if dynamic_metadata:
+        resp.dynamic_metadata.update({ns: dict(kv) for ns, kv in dynamic_metadata.items()})
+    return resp
+
+
+def immediate_response(
+    status_code: int, body: bytes, headers: Mapping[str, str] | None = None, details: str = ""
+) -> pb.ProcessingResponse:
+    """Answer the client directly (the request never reaches a backend)."""
+    resp = pb.ProcessingResponse()
+    ir = resp.immediate_response
+    ir.status.code = status_code
+    ir.body = body
+    ir.details = details
+    if headers:
+        ir.headers.CopyFrom(_mutation(headers, ()))
+    return resp
+
+
+@dataclass(frozen=True)
+class AccessLogEntry:
+    """What we learn from Envoy's gRPC access log at the end of a request."""
+
+    request_id: str
+    # The backend id Envoy echoed in the response (set for fallback-routed requests too).
+    backend: str
+    route_name: str
+    response_code: int
+    # Request start (downstream first byte) to last byte sent downstream.
+    e2e_ms: float | None
+    # Upstream attempts: more than 1 when Envoy retried (a connect failure).
+    attempts: int = 1
+
+
+def _ms(d: Duration) -> float:
+    return float(d.seconds * 1e3 + d.nanos / 1e6)
+
+
+def access_log_entries(msg: pb.StreamAccessLogsMessage) -> list[AccessLogEntry]:
+    out: list[AccessLogEntry] = []
+    for e in msg.http_logs.log_entry:
+        c = e.common_properties
+        out.append(
+            AccessLogEntry(
+                request_id=e.request.request_id,
+                backend=e.response.response_headers.get(HEADER_BACKEND, ""),
+                route_name=c.route_name,
+                response_code=e.response.response_code.value,
+                e2e_ms=_ms(c.time_to_last_downstream_tx_byte)
+                if c.HasField("time_to_last_downstream_tx_byte")
+                else None,
+                attempts=c.upstream_request_attempt_count or 1,
+            )
+        )
+    return out

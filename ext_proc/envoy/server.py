@@ -1,0 +1,457 @@
+"""The gRPC shell: Envoy's ext_proc streams and its access-log stream.
+
+One session per ext_proc stream, its type chosen from the stream's first message (routing,
+observing, pass-through), one method per phase; the server loop only receives, dispatches
+and sends. How a decision is encoded for Envoy is chosen once, at startup. The generated
+Envoy config runs two ext_proc filters per request, so the router never sits on the token
+path:
+- routing (blocking): request headers (path, request id, session), then the buffered body;
+  the reply names the backend, and the server closes the stream.
+- observing (observability mode: Envoy does not wait for us): the stream opens with the
+  first response body chunk = TTFT, the request id as an attribute; the server closes the
+  stream, so later chunks never reach Python.
+Completion (E2E, status) arrives through Envoy's gRPC access log. A single filter that does
+both (a mesh's own settings) works too: the stream stays open until the first chunk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+from collections.abc import AsyncIterator, Callable, Iterable
+from typing import Any, ClassVar
+
+import grpc
+
+from ext_proc.common.names import (
+    ACCESS_LOG_SERVICE,
+    EXT_PROC_SERVICE,
+    HEADER_BACKEND,
+    HEADER_GATEWAY_ENDPOINT,
+    HEADER_REQUEST_ID,
+    HEADER_SESSION,
+    LB_METADATA_NAMESPACE,
+    ROUTE_FALLBACK,
+)
+from ext_proc.config.schema import Backend, Config, EnvoyMode, UnreadableBody
+from ext_proc.core.router import NoActiveBackend, Router
+from ext_proc.core.types import Decision, RouteRequest, Status
+from ext_proc.envoy import codec
+from ext_proc.prompt.engine_tokens import PromptTokenizer
+from ext_proc.prompt.parse import ParseError, api_for_path, is_error_event, parse_body
+from ext_proc.service.telemetry import Telemetry
+
+log = logging.getLogger("gorgo.server")
+
+# How long a streamed request's completion waits for its first-chunk message when the
+# access-log entry arrives first (they travel over two gRPC streams).
+COMPLETION_GRACE_S = 0.25
+
+Reply = codec.ProcessingResponse | None
+
+
+# -- how a decision reaches Envoy (chosen once, at startup) ------------------------------
+
+
+class ClusterHeaderEncoder:
+    """The backend's cluster in x-gorgo-backend (as raw_value) with clear_route_cache:
+    the route's cluster_header picks it up."""
+
+    def encode(self, d: Decision) -> codec.ProcessingResponse:
+        return codec.continue_response(
+            codec.REQUEST_BODY, set_headers={HEADER_BACKEND: d.backend}, clear_route_cache=True
+        )
+
+    def set_backends(self, backends: Iterable[Backend]) -> None:
+        """The fleet changed: a cluster name is the backend id, nothing to learn."""
+
+
+class EndpointPickerEncoder:
+    """Gateway API Inference Extension: the endpoint for override_host, then the next
+    best ones, which Envoy tries in order if a connect attempt fails."""
+
+    def __init__(self, addresses: dict[str, str], connect_retries: int) -> None:
+        self.addresses = addresses
+        self.connect_retries = connect_retries
+
+    def set_backends(self, backends: Iterable[Backend]) -> None:
+        """The fleet changed (a backend added, or its address): the endpoints to name."""
+        self.addresses = {b.id: b.address for b in backends}
+
+    def encode(self, d: Decision) -> codec.ProcessingResponse:
+        ranked = d.ranked()[: 1 + self.connect_retries]
+        endpoint = ",".join(self.addresses[b] for b in ranked)
+        return codec.continue_response(
+            codec.REQUEST_BODY,
+            set_headers={HEADER_GATEWAY_ENDPOINT: endpoint},
+            dynamic_metadata={LB_METADATA_NAMESPACE: {HEADER_GATEWAY_ENDPOINT: endpoint}},
+        )
+
+
+DecisionEncoder = ClusterHeaderEncoder | EndpointPickerEncoder
+
+
+def decision_encoder(cfg: Config) -> DecisionEncoder:
+    if cfg.envoy.mode == EnvoyMode.ENDPOINT_PICKER:
+        return EndpointPickerEncoder(
+            {b.id: b.address for b in cfg.backends}, cfg.envoy.connect_retries
+        )
+    return ClusterHeaderEncoder()
+
+
+# -- one session type per role, chosen from the stream's first message --------------------
+
+
+class Session:
+    """One HTTP request as seen through one ext_proc stream: one method per phase; a
+    phase without a method is acknowledged and nothing else happens."""
+
+    def __init__(self, info: codec.StreamInfo) -> None:
+        self.info = info
+        # True once nothing more is needed from this stream: the server then closes it.
+        self.done = False
+        # Seconds to wait before sending the reply just handled (dispatch pacing).
+        self.hold_s = 0.0
+
+    def handle(self, p: codec.Phase) -> Reply:
+        handler = self._handlers.get(p.name)
+        if handler is None:
+            if p.name not in codec.PHASES:
+                raise ValueError(f"unexpected ext_proc message {p.name!r}")
+            return self._reply(p.name)
+        return handler(self, p)
+
+    def finish(self) -> None:
+        """Always runs when the stream ends, however it ends."""
+
+    def _reply(self, phase: str) -> Reply:
+        # Observability mode: Envoy neither waits for nor reads our replies.
+        return None if self.info.observe_only else codec.continue_response(phase)
+
+    _handlers: ClassVar[dict[str, Callable[[Any, codec.Phase], Reply]]] = {}
+
+
+class PassThroughSession(Session):
+    """Not an LLM call (or no request id): Envoy's fallback route serves it; nothing to
+    decide or observe, so the stream ends after the first reply."""
+
+    def handle(self, p: codec.Phase) -> Reply:
+        self.done = True
+        return self._reply(p.name)
+
+
+class _FirstByteWatcher(Session):
+    """A stream that may see the response: its first byte is the TTFT; a stream that
+    watched for it and ends without it means the request ended without a body (client
+    gone, upstream reset), and the request is closed as cancelled."""
+
+    def __init__(self, router: Router, info: codec.StreamInfo, request_id: str) -> None:
+        super().__init__(info)
+        self.router = router
+        self.request_id = request_id
+        self.first_byte_seen = False
+
+    def on_response_headers(self, p: codec.Phase) -> Reply:
+        if p.end_of_stream:  # no body will follow: the headers were the first byte
+            self._first_byte()
+        return self._reply(codec.RESPONSE_HEADERS)
+
+    def on_response_body(self, p: codec.Phase) -> Reply:
+        self._first_byte(p.body)
+        return self._reply(codec.RESPONSE_BODY)
+
+    def _first_byte(self, chunk: bytes = b"") -> None:
+        if not self.first_byte_seen and self.request_id:
+            self.first_byte_seen = True
+            if is_error_event(chunk):
+                # An error inside a 200 stream: not a first token, and the backend's
+                # failure (the access log's 200 that follows finds it closed).
+                log.info("request %s: error event in the stream", self.request_id)
+                self.router.close(self.request_id, Status.ERROR)
+            else:
+                self.router.first_byte(self.request_id)
+        self.done = True
+
+    def finish(self) -> None:
+        # All other requests are closed by their access-log entry (or, if lost, expiry).
+        if self.info.sends_response_body and not self.first_byte_seen and self.request_id:
+            self.router.close(self.request_id, Status.CANCELLED)
+
+
+class ObservingSession(_FirstByteWatcher):
+    """The observing filter (observability mode: Envoy does not wait): the stream opens
+    with the first response chunk, the request id as an attribute (or, in older configs,
+    with the request headers)."""
+
+    def on_request_headers(self, p: codec.Phase) -> Reply:
+        self.request_id = p.headers.get(HEADER_REQUEST_ID, "")
+        return None
+
+    def on_request_body(self, p: codec.Phase) -> Reply:
+        self.done = not self.info.sends_response_body
+        return None
+
+    _handlers: ClassVar[dict[str, Callable[[Any, codec.Phase], Reply]]] = {
+        codec.REQUEST_HEADERS: on_request_headers,
+        codec.REQUEST_BODY: on_request_body,
+        codec.RESPONSE_HEADERS: _FirstByteWatcher.on_response_headers,
+        codec.RESPONSE_BODY: _FirstByteWatcher.on_response_body,
+    }
+
+
+class RoutingSession(_FirstByteWatcher):
+    """The routing filter: request headers (path, request id, session), then the body;
+    the reply names the backend. A single filter that also sends the response (a mesh's
+    own settings) keeps the stream open until the first chunk."""
+
+    def __init__(
+        self,
+        router: Router,
+        encoder: DecisionEncoder,
+        info: codec.StreamInfo,
+        trace_context: tuple[tuple[str, str], ...],
+        tokens: PromptTokenizer | None = None,
+    ) -> None:
+        super().__init__(router, info, "")
+        self.encoder = encoder
+        # The engine's tokenizer and chat template (None: the approximation).
+        self.tokens = tokens
+        # W3C trace context of Envoy's request span (from the gRPC metadata).
+        self.trace_context = trace_context
+        self.path = ""
+        self.session_header: str | None = None
+        self.body = bytearray()
+        self.decision: Decision | None = None
+
+    def on_request_headers(self, p: codec.Phase) -> Reply:
+        self.path = p.headers.get(":path", "")
+        self.request_id = p.headers.get(HEADER_REQUEST_ID, "")
+        self.session_header = p.headers.get(HEADER_SESSION)
+        if p.end_of_stream:
+            self.done = True  # no body to route on: the fallback route serves it
+        return self._reply(codec.REQUEST_HEADERS)
+
+    def on_request_body(self, p: codec.Phase) -> Reply:
+        if not p.end_of_stream:  # only if a config streams the body: gather it
+            self.body += p.body
+            return self._reply(codec.REQUEST_BODY)
+        body = bytes(self.body + p.body) if self.body else p.body
+        self.body = bytearray()
+        api = api_for_path(self.path)
+        assert api is not None  # a routing session is opened for LLM paths only
+        try:
+            llm = parse_body(api, body)
+        except ParseError as e:
+            self.done = True
+            if self.router.cfg.routing.unreadable_body == UnreadableBody.REJECT:
+                log.info("request %s: unreadable body, rejected: %s", self.request_id, e)
+                return json_error(400, "invalid_request_error", f"invalid request body: {e}")
+            # Never break the request on a body we cannot read: the fallback route takes it
+            # and the backend gives the client its own error.
+            log.info("request %s: unreadable body, fallback route: %s", self.request_id, e)
+            return self._reply(codec.REQUEST_BODY)
+        if self.tokens is not None:  # token ids as the engine sees them (fails open)
+            llm = self.tokens.apply(llm, self.request_id)
+        request = RouteRequest(
+            self.request_id, llm, self.session_header or llm.user, trace_context=self.trace_context
+        )
+        shed = self.router.admit(request)
+        if shed is not None:  # every backend is past the queue bound: shed, honestly
+            self.done = True
+            log.warning("request %s shed: every queue past the bound", self.request_id)
+            retry_after = {"retry-after": str(max(1, math.ceil(shed.retry_after_s)))}
+            return json_error(
+                429, "overloaded", "all backends overloaded, retry later", retry_after
+            )
+        try:
+            self.decision = self.router.decide(request)
+        except NoActiveBackend:  # a fleet replaced whole, until Envoy has the new one
+            self.done = True
+            log.warning("request %s: no active backend: fallback route", self.request_id)
+            return self._reply(codec.REQUEST_BODY)
+        self.done = not self.info.sends_response_body
+        self.hold_s = self.decision.hold_ms / 1000
+        return self.encoder.encode(self.decision)
+
+    _handlers: ClassVar[dict[str, Callable[[Any, codec.Phase], Reply]]] = {
+        codec.REQUEST_HEADERS: on_request_headers,
+        codec.REQUEST_BODY: on_request_body,
+        codec.RESPONSE_HEADERS: _FirstByteWatcher.on_response_headers,
+        codec.RESPONSE_BODY: _FirstByteWatcher.on_response_body,
+    }
+
+
+def open_session(
+    router: Router,
+    encoder: DecisionEncoder,
+    first: codec.ProcessingRequest,
+    phase: codec.Phase,
+    trace_context: tuple[tuple[str, str], ...] = (),
+    tokens: PromptTokenizer | None = None,
+) -> Session:
+    """The session for a stream, from its first message (`phase`, decoded) (Envoy AI
+    Gateway's processorForPath + passThroughProcessor pattern)."""
+    info = codec.stream_info(first)
+    if info.observe_only:
+        return ObservingSession(router, info, codec.request_id_attribute(first))
+    headers = phase.headers
+    if (
+        phase.name == codec.REQUEST_HEADERS
+        and api_for_path(headers.get(":path", "")) is not None
+        and headers.get(HEADER_REQUEST_ID)
+    ):
+        return RoutingSession(router, encoder, info, trace_context, tokens)
+    return PassThroughSession(info)
+
+
+def json_error(
+    status: int, kind: str, message: str, headers: dict[str, str] | None = None
+) -> codec.ProcessingResponse:
+    """Answer the client directly, in the OpenAI error shape its SDK already parses."""
+    body = json.dumps({"error": {"message": message, "type": kind, "code": status}}).encode()
+    all_headers = {**(headers or {}), "content-type": "application/json"}
+    return codec.immediate_response(status, body, all_headers, details=f"gorgo_{kind}")
+
+
+# gRPC metadata keys that carry Envoy's trace context.
+TRACE_KEYS = ("traceparent", "tracestate")
+
+
+class ExtProcService:
+    def __init__(
+        self, router: Router, encoder: DecisionEncoder, tokens: PromptTokenizer | None = None
+    ) -> None:
+        self.router = router
+        self.encoder = encoder
+        self.tokens = tokens
+        self.active_streams = 0
+        # Shutting down: new streams are closed at once, and Envoy takes the fallback.
+        self.draining = False
+
+    async def process(
+        self, requests: AsyncIterator[codec.ProcessingRequest], context: Any
+    ) -> AsyncIterator[codec.ProcessingResponse]:
+        if self.draining:
+            return
+        session: Session | None = None
+        self.active_streams += 1
+        try:
+            async for req in requests:
+                phase = codec.decode(req)
+                if session is None:
+                    metadata = context.invocation_metadata() or ()
+                    carrier = tuple((k, v) for k, v in metadata if k in TRACE_KEYS)
+                    session = open_session(
+                        self.router, self.encoder, req, phase, carrier, self.tokens
+                    )
+                reply = session.handle(phase)
+                if session.hold_s:  # dispatch pacing: Envoy sends the request on later
+                    await asyncio.sleep(session.hold_s)
+                    session.hold_s = 0.0
+                if reply is not None:
+                    yield reply
+                if session.done:
+                    break
+        finally:
+            self.active_streams -= 1
+            if session is not None:
+                session.finish()
+
+
+class AccessLogService:
+    """Receives Envoy's access-log entries: the completion of every request."""
+
+    def __init__(self, router: Router, telemetry: Telemetry) -> None:
+        self.router = router
+        self.telemetry = telemetry
+
+    async def stream_access_logs(
+        self, requests: AsyncIterator[codec.StreamAccessLogsMessage], context: Any
+    ) -> codec.StreamAccessLogsResponse:
+        async for msg in requests:
+            for e in codec.access_log_entries(msg):
+                self.observe(e)
+        return codec.StreamAccessLogsResponse()
+
+    def observe(self, e: codec.AccessLogEntry) -> None:
+        rec = self.router.state.in_flight.get(e.request_id)
+        answered = 200 <= e.response_code < 300  # a body went out: its first chunk may lag
+        if rec is not None and rec.streaming and rec.first_byte_s is None and answered:
+            # The entry travels over another gRPC stream than the observer's first-chunk
+            # message and can overtake it (a response over within milliseconds): close a
+            # moment later so the TTFT is not lost; the first byte came before the end.
+            rec.ended_e2e_ms = e.e2e_ms
+            with contextlib.suppress(RuntimeError):  # no loop (a test calling directly)
+                asyncio.get_running_loop().call_later(COMPLETION_GRACE_S, self._close, e)
+                return
+        self._close(e)
+
+    def _close(self, e: codec.AccessLogEntry) -> None:
+        # Another backend than the one decided can answer because Envoy retried a connect
+        # failure (a failover), or because the router answered too late and Envoy failed
+        # open (not the backend's fault): only the first takes several attempts.
+        served_by = e.backend if e.attempts > 1 else None
+        closed = self.router.close(
+            e.request_id, status_for(e.response_code), e.e2e_ms, served_by=served_by
+        )
+        if closed is None and e.route_name == ROUTE_FALLBACK:
+            self.router.record_fallback(e.backend)
+            self.telemetry.fallback(e.backend)
+
+
+def status_for(code: int) -> Status:
+    if 200 <= code < 300:
+        return Status.OK
+    if 400 <= code < 500:
+        return Status.CLIENT_ERROR
+    # 0: nothing was sent to the client, which went away first (an upstream failure gets
+    # Envoy's own 5xx). A cancellation says nothing about the backend.
+    return Status.CANCELLED if code == 0 else Status.ERROR
+
+
+def add_services(
+    server: grpc.aio.Server,
+    router: Router,
+    telemetry: Telemetry,
+    tokens: PromptTokenizer | None = None,
+) -> ExtProcService:
+    ext_proc = ExtProcService(router, decision_encoder(router.cfg), tokens)
+    access_log = AccessLogService(router, telemetry)
+    server.add_generic_rpc_handlers(
+        (
+            grpc.method_handlers_generic_handler(
+                EXT_PROC_SERVICE,
+                {
+                    "Process": grpc.stream_stream_rpc_method_handler(
+                        ext_proc.process,
+                        request_deserializer=codec.ProcessingRequest.FromString,
+                        response_serializer=codec.ProcessingResponse.SerializeToString,
+                    )
+                },
+            ),
+            grpc.method_handlers_generic_handler(
+                ACCESS_LOG_SERVICE,
+                {
+                    "StreamAccessLogs": grpc.stream_unary_rpc_method_handler(
+                        access_log.stream_access_logs,
+                        request_deserializer=codec.StreamAccessLogsMessage.FromString,
+                        response_serializer=codec.StreamAccessLogsResponse.SerializeToString,
+                    )
+                },
+            ),
+        )
+    )
+    return ext_proc
+
+
+def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    # Buffered request bodies arrive in one message: allow the largest body Envoy buffers
+    # (gRPC's 4 MiB default would reset long prompts), plus headroom for framing.
+    limit = max_message_bytes + 1024 * 1024
+    return [
+        ("grpc.max_receive_message_length", limit),
+        ("grpc.max_send_message_length", limit),
+    ]

@@ -1,0 +1,82 @@
+"""How right the router's prefix state was: per request, the cached tokens it predicted on
+the backend it chose against what that engine reported at completion, by where the
+prediction came from (`PrefixState`: the engine's KV events, or the router's own index).
+
+Pure; `PredictionStats` is a lifecycle listener. Only a request that completed and whose
+engine reported its cached tokens counts: a failure, or a response without a cached-token
+report, says nothing about the prediction.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from ext_proc.core.events import Closed, Listener
+from ext_proc.core.types import PrefixState, Status
+
+# /state's mean is over the last 128 reports per backend and prefix state: a few minutes
+# of one backend's traffic, so a stream gone stale shows within minutes, not hours.
+PREDICTION_WINDOW = 128
+
+
+@dataclass(frozen=True)
+class PredictionError:
+    predicted_tokens: int
+    reported_tokens: int
+    prompt_tokens: int
+
+    @property
+    def error_tokens(self) -> int:
+        """Predicted minus reported: > 0 the router believed more cached than there was."""
+        return self.predicted_tokens - self.reported_tokens
+
+    @property
+    def error_ratio(self) -> float:
+        """|error| as a share of the prompt (the simulator's `prediction_error` per row)."""
+        return abs(self.error_tokens) / self.prompt_tokens
+
+
+def prediction_error(e: Closed) -> PredictionError | None:
+    """The request's prediction error, or None when it is not known."""
+    rec = e.record
+    if e.status != Status.OK or e.cached_tokens is None or rec.input_tokens <= 0:
+        return None
+    return PredictionError(rec.cached_tokens, e.cached_tokens, rec.input_tokens)
+
+
+class PredictionStats(Listener):
+    """Per backend and prefix state: requests with a known error, and the mean error share
+    over the last `window` of them."""
+
+    def __init__(self, window: int = PREDICTION_WINDOW) -> None:
+        self.window = window
+        self._requests: dict[tuple[str, PrefixState], int] = {}
+        self._recent: dict[tuple[str, PrefixState], deque[float]] = {}
+
+    def on_close(self, e: Closed) -> None:
+        err = prediction_error(e)
+        if err is None:
+            return
+        key = (e.backend, e.record.prefix_state)
+        self._requests[key] = self._requests.get(key, 0) + 1
+        self._recent.setdefault(key, deque(maxlen=self.window)).append(err.error_ratio)
+
+    def forget(self, backend: str) -> None:
+        """A removed backend's figures go with it."""
+        for state in PrefixState:
+            self._requests.pop((backend, state), None)
+            self._recent.pop((backend, state), None)
+
+    def as_json(self, backend: str) -> dict[str, Any]:
+        """{prefix state: {"requests": n, "mean_error_ratio": m}} for the states seen."""
+        out: dict[str, Any] = {}
+        for state in PrefixState:
+            recent = self._recent.get((backend, state))
+            if recent:
+                out[str(state)] = {
+                    "requests": self._requests[(backend, state)],
+                    "mean_error_ratio": round(sum(recent) / len(recent), 6),
+                }
+        return out

@@ -1,0 +1,129 @@
+"""The shell of ext_proc.peers: this router's lifecycle events go out on NATS, and the
+other routers' come in, on `<fleet.subject>.<router id>` (core NATS publish/subscribe; no
+echo of our own). Fail open: while NATS is unreachable the router decides from its own
+view and the engines' reports, and reconnects by itself (nats-py's reconnect loop, and a
+retry loop for the first connection).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+from typing import Any
+
+import nats
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+
+from ext_proc.common.aio import cancel_and_wait
+from ext_proc.config.schema import Config
+from ext_proc.core.router import Router
+from ext_proc.feeds.peers import PeerEvent, PeerPublisher
+
+log = logging.getLogger("gorgo.fleet")
+
+# Events waiting to be published; beyond this (NATS gone for long) new ones are dropped:
+# stale dispatches would only mislead the peers.
+QUEUE_EVENTS = 10_000
+RETRY_S = 1.0
+
+
+def default_router_id() -> str:
+    host = socket.gethostname().split(".")[0] or "router"
+    return "".join(c if c.isalnum() or c in "_-" else "-" for c in f"{host}-{os.getpid()}")
+
+
+class FleetBus:
+    def __init__(self, cfg: Config, router: Router) -> None:
+        self.cfg = cfg
+        self.router = router
+        self.router_id = cfg.fleet.router_id or default_router_id()
+        self.subject = cfg.fleet.subject
+        self._queue: asyncio.Queue[PeerEvent] = asyncio.Queue(QUEUE_EVENTS)
+        self._nc: Client | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self.sent = self.received = self.dropped = self.bad = 0
+
+    @property
+    def connected(self) -> bool:
+        return self._nc is not None and self._nc.is_connected
+
+    async def start(self) -> None:
+        if not self.cfg.fleet.nats_url:
+            return
+        self.router.subscribe(PeerPublisher(self.router_id, self._send))
+        self._tasks.append(asyncio.create_task(self._run()))
+
+    async def stop(self) -> None:
+        await cancel_and_wait(self._tasks)
+        if self._nc is not None:
+            with contextlib.suppress(Exception):  # already closed, or NATS gone
+                await self._nc.close()
+
+    def snapshot(self) -> dict[str, Any] | None:
+        if not self.cfg.fleet.nats_url:
+            return None
+        return {
+            "router_id": self.router_id,
+            "connected": self.connected,
+            "peer_requests_in_flight": len(self.router.state.peer_in_flight),
+            "sent": self.sent,
+            "received": self.received,
+            "dropped": self.dropped,
+            "malformed": self.bad,
+        }
+
+    def _send(self, e: PeerEvent) -> None:
+        try:
+            self._queue.put_nowait(e)
+        except asyncio.QueueFull:
+            self.dropped += 1
+
+    async def _run(self) -> None:
+        servers = self.cfg.fleet.nats_url.split(",")
+        while self._nc is None:
+            try:
+                self._nc = await nats.connect(
+                    servers=servers,
+                    name=f"gorgo-{self.router_id}",
+                    no_echo=True,
+                    max_reconnect_attempts=-1,
+                    reconnect_time_wait=RETRY_S,
+                    connect_timeout=2,
+                    error_cb=self._on_error,
+                    disconnected_cb=self._on_disconnected,
+                    reconnected_cb=self._on_reconnected,
+                )
+            except Exception as e:  # nats-py raises its own and OSError: retry them all
+                log.warning("fleet bus: cannot reach %s (%s); retrying", servers, e)
+                await asyncio.sleep(RETRY_S)
+        log.info("fleet bus: %s on %s as %s", servers, self.subject, self.router_id)
+        await self._nc.subscribe(f"{self.subject}.*", cb=self._on_message)
+        own = f"{self.subject}.{self.router_id}"
+        while True:
+            event = await self._queue.get()
+            await self._nc.publish(own, event.encode())
+            self.sent += 1
+
+    async def _on_message(self, msg: Msg) -> None:
+        try:
+            e = PeerEvent.decode(msg.data)
+        except ValueError as err:
+            self.bad += 1
+            log.warning("fleet bus: dropped a message on %s: %s", msg.subject, err)
+            return
+        if e.router != self.router_id:
+            self.received += 1
+            self.router.apply_peer(e)
+
+    async def _on_error(self, e: Exception) -> None:
+        log.warning("fleet bus: %s", e)
+
+    async def _on_disconnected(self) -> None:
+        log.warning("fleet bus: disconnected; deciding from this router's own view")
+
+    async def _on_reconnected(self) -> None:
+        log.info("fleet bus: reconnected")

@@ -1,0 +1,106 @@
+"""What several routers tell each other: the requests each one dispatched, so that every
+router's queue estimate counts the whole fleet's load, not only its own share.
+
+The cache state needs no sharing (every router subscribes to every engine's KV events),
+and the engines' load reports come every probes.metrics_interval_s; between two reports a
+router would not see what the others just sent, and N routers that agree on the best
+backend herd onto it. Each router therefore publishes its lifecycle events on a NATS
+subject (`fleet.nats_url`, `fleet.subject`; the shell is `ext_proc.fleet_bus`) and applies
+the others'. Pure: events in, JSON out, and back.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import orjson
+
+from ext_proc.core.events import Closed, Dispatched, FirstByte, Listener
+
+
+class PeerKind(enum.StrEnum):
+    DISPATCHED = "dispatched"
+    FIRST_BYTE = "first_byte"
+    CLOSED = "closed"
+
+
+@dataclass(frozen=True)
+class PeerEvent:
+    """One router's lifecycle event, as the others need it (no prompt, no timing of the
+    sender's clock: a receiver stamps events with its own)."""
+
+    kind: PeerKind
+    router: str
+    request_id: str
+    backend: str
+    # DISPATCHED only: what the request will load the backend with.
+    input_tokens: int = 0
+    output_tokens: int = 0
+    cached_tokens: int = 0
+    prefill_ms: float = 0.0
+    # The sender's estimates: with them a receiver knows when the first token is due (a
+    # request late past that makes the backend look stalled).
+    rtt_ms: float = 0.0
+    queue_ms: float = 0.0
+    streaming: bool = True
+
+    def encode(self) -> bytes:
+        return orjson.dumps(asdict(self))
+
+    @staticmethod
+    def decode(data: bytes) -> PeerEvent:
+        """ValueError names what is wrong with a message."""
+        try:
+            raw: Any = orjson.loads(data)
+            if not isinstance(raw, dict):
+                raise ValueError("expected a JSON object")
+            return PeerEvent(
+                kind=PeerKind(raw["kind"]),
+                router=str(raw["router"]),
+                request_id=str(raw["request_id"]),
+                backend=str(raw["backend"]),
+                input_tokens=int(raw.get("input_tokens", 0)),
+                output_tokens=int(raw.get("output_tokens", 0)),
+                cached_tokens=int(raw.get("cached_tokens", 0)),
+                prefill_ms=float(raw.get("prefill_ms", 0.0)),
+                rtt_ms=float(raw.get("rtt_ms", 0.0)),
+                queue_ms=float(raw.get("queue_ms", 0.0)),
+                streaming=bool(raw.get("streaming", True)),
+            )
+        except (orjson.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"peer event: {e}") from e
+
+
+class PeerPublisher(Listener):
+    """A router listener that hands each lifecycle event to `send` as a PeerEvent."""
+
+    def __init__(self, router_id: str, send: Callable[[PeerEvent], None]) -> None:
+        self.router_id = router_id
+        self.send = send
+
+    def on_dispatch(self, e: Dispatched) -> None:
+        r = e.record
+        self.send(
+            PeerEvent(
+                PeerKind.DISPATCHED,
+                self.router_id,
+                r.request_id,
+                r.backend,
+                r.input_tokens,
+                r.output_tokens,
+                r.cached_tokens,
+                r.prefill_ms,
+                r.rtt_ms,
+                r.queue_ms,
+                r.streaming,
+            )
+        )
+
+    def on_first_byte(self, e: FirstByte) -> None:
+        self.send(PeerEvent(PeerKind.FIRST_BYTE, self.router_id, e.request_id, e.backend))
+
+    def on_close(self, e: Closed) -> None:
+        self.send(PeerEvent(PeerKind.CLOSED, self.router_id, e.request_id, e.backend))

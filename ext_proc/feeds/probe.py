@@ -1,0 +1,181 @@
+"""Active RTT probes and engine-metrics scrapes: the async shell that feeds the router's
+RTT and load features.
+
+Each backend is probed with a small GET over a kept-alive connection, the same network
+path Envoy uses, every `probes.interval_s`, on a path the engine answers without work
+(`PROBE_PATH`, per engine), so the sample is the network's round trip and not the
+engine's queue. A sample taken on a freshly opened connection includes the TCP handshake
+(a second RTT) and is not used; failures count towards marking the backend suspect. A
+configured path other than the engine's own is compared with that one on every probe: a
+path answered much more slowly makes the engine work, and a warning says so. A backend
+added at run time gets its tasks (`add`); a removed one's are cancelled (`cancel`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import statistics
+import time
+from collections import deque
+from types import SimpleNamespace
+
+import aiohttp
+
+from ext_proc.common.aio import cancel_and_wait
+from ext_proc.config.schema import PROBE_PATH, Backend, Config
+from ext_proc.core.router import Router
+from ext_proc.feeds.engine_metrics import MetricsError, parse_engine_metrics
+
+log = logging.getLogger("gorgo.probe")
+
+# A configured probe path other than the engine's no-work path is checked against it on
+# every probe (one more small GET, only when misconfigured), over the last few pairs; a
+# median this much slower warns.
+COMPARE_PAIRS = 3
+SLOWER_FACTOR = 2.0
+SLOWER_MARGIN_MS = 10.0
+
+
+class Prober:
+    def __init__(self, cfg: Config, router: Router) -> None:
+        self.cfg = cfg
+        self.router = router
+        # Per backend: its probe loop and its metrics scrape.
+        self._tasks: dict[str, list[asyncio.Task[None]]] = {}
+        self._stopping: set[asyncio.Task[None]] = set()
+        self._session: aiohttp.ClientSession | None = None
+        # Backends whose configured probe path was found to make the engine work.
+        self.slow_paths: dict[str, str] = {}
+
+    async def start(self) -> None:
+        trace = aiohttp.TraceConfig()
+        trace.on_connection_create_end.append(self._on_new_connection)
+        # One connection per backend is plenty; keep it alive across probes.
+        connector = aiohttp.TCPConnector(limit_per_host=2, keepalive_timeout=60)
+        self._session = aiohttp.ClientSession(connector=connector, trace_configs=[trace])
+        for b in self.router.cfg.backends:
+            self.add(b)
+
+    def add(self, b: Backend) -> None:
+        """Probe (and scrape) a backend from now on (restarted if it was)."""
+        self.cancel(b.id)
+        tasks = [asyncio.create_task(self._probe_loop(b))]
+        if self.cfg.probes.metrics_interval_s > 0:
+            tasks.append(asyncio.create_task(self._metrics_loop(b)))
+        self._tasks[b.id] = tasks
+
+    def cancel(self, backend: str) -> list[asyncio.Task[None]]:
+        """Stop a backend's tasks: cancelled now, returned to be awaited."""
+        tasks = self._tasks.pop(backend, [])
+        for t in tasks:
+            t.cancel()
+            self._stopping.add(t)  # a reference until it has ended
+            t.add_done_callback(self._stopping.discard)
+        self.slow_paths.pop(backend, None)
+        return tasks
+
+    @property
+    def backends(self) -> list[str]:
+        return list(self._tasks)
+
+    async def stop(self) -> None:
+        await cancel_and_wait([*(t for ts in self._tasks.values() for t in ts), *self._stopping])
+        self._tasks.clear()
+        if self._session is not None:
+            await self._session.close()
+
+    @staticmethod
+    async def _on_new_connection(
+        session: aiohttp.ClientSession, ctx: SimpleNamespace, params: object
+    ) -> None:
+        # Only probes carry a context to mark; a metrics scrape shares the session.
+        if isinstance(ctx.trace_request_ctx, dict):
+            ctx.trace_request_ctx["new_connection"] = True
+
+    async def probe_once(self, b: Backend, path: str | None = None) -> float | None:
+        """One probe: RTT in ms, or None if it failed. A sample that had to open a
+        connection is not an RTT (it includes the handshake): it is retried at once."""
+        assert self._session is not None
+        p = self.cfg.probes
+        url = f"http://{b.address}{path or self.cfg.probe_path(b)}"
+        for _ in range(2):
+            ctx: dict[str, bool] = {}
+            start = time.perf_counter()
+            try:
+                async with self._session.get(
+                    url, timeout=aiohttp.ClientTimeout(total=p.timeout_s), trace_request_ctx=ctx
+                ) as resp:
+                    await resp.read()
+                    if resp.status >= 500:
+                        return None
+            except (aiohttp.ClientError, TimeoutError, OSError):
+                return None
+            if not ctx.get("new_connection"):
+                return (time.perf_counter() - start) * 1000
+        return None
+
+    async def _probe_loop(self, b: Backend) -> None:
+        path = self.cfg.probe_path(b)
+        reference = PROBE_PATH[b.engine]
+        pairs: deque[tuple[float, float]] = deque(maxlen=COMPARE_PAIRS)
+        while True:
+            rtt_ms = await self.probe_once(b, path)
+            state = self.router.state.backends.get(b.id)
+            if state is None:  # removed while the probe was out
+                return
+            was_suspect = state.suspect
+            self.router.record_probe(b.id, rtt_ms)
+            now_suspect = state.suspect
+            if now_suspect != was_suspect:
+                log.warning(
+                    "backend %s %s",
+                    b.id,
+                    "suspect: probes fail" if now_suspect else "healthy again",
+                )
+            if path != reference and rtt_ms is not None and b.id not in self.slow_paths:
+                ref_ms = await self.probe_once(b, reference)
+                if ref_ms is not None:
+                    pairs.append((rtt_ms, ref_ms))
+                    self._check_path(b, path, reference, pairs)
+            await asyncio.sleep(self.cfg.probes.interval_s)
+
+    def _check_path(
+        self, b: Backend, path: str, reference: str, pairs: deque[tuple[float, float]]
+    ) -> None:
+        if len(pairs) < COMPARE_PAIRS or b.id in self.slow_paths:
+            return
+        probe_ms = statistics.median(p for p, _ in pairs)
+        ref_ms = statistics.median(r for _, r in pairs)
+        if probe_ms > SLOWER_FACTOR * ref_ms + SLOWER_MARGIN_MS:
+            self.slow_paths[b.id] = path
+            log.warning(
+                "backend %s: probes of %s answer in %.0f ms, %s in %.0f ms: %s makes the "
+                "engine work, so its RTT includes the engine's queue; set probes.path to a "
+                "path the engine answers without work (empty: the engine's own, %s)",
+                b.id,
+                path,
+                probe_ms,
+                reference,
+                ref_ms,
+                path,
+                reference,
+            )
+
+    async def _metrics_loop(self, b: Backend) -> None:
+        assert self._session is not None
+        url = f"http://{b.address}/metrics"
+        while True:
+            try:
+                async with self._session.get(
+                    url, timeout=aiohttp.ClientTimeout(total=self.cfg.probes.timeout_s)
+                ) as resp:
+                    text = await resp.text()
+                    if resp.status != 200:
+                        raise MetricsError(f"HTTP {resp.status}")
+                report = parse_engine_metrics(text)
+                self.router.state.record_engine_report(b.id, report, self.router.clock())
+            except (aiohttp.ClientError, TimeoutError, OSError, MetricsError) as e:
+                # The last report stands until it is stale: then the router's own count.
+                log.debug("metrics of %s: %s", b.id, e)
+            await asyncio.sleep(self.cfg.probes.metrics_interval_s)

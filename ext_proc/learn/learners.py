@@ -1,0 +1,132 @@
+"""What learns from each request's outcome, as lifecycle listeners of the router."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+
+from ext_proc.config.schema import Routing
+from ext_proc.core.events import Closed, Dispatched, Listener
+from ext_proc.core.state import FleetState
+from ext_proc.core.types import Status
+from ext_proc.estimate.cost import PrefillModel
+from ext_proc.estimate.prefix import PrefixIndex
+from ext_proc.estimate.profile import EngineProfile
+from ext_proc.learn.tuner import EXCESS_TTFT, Tuner
+
+log = logging.getLogger("gorgo.router")
+
+# A block the router believed cached for this long that the engine no longer had was
+# evicted (any prefill that could still be computing it is long over): see `learn_cached`.
+SETTLED_S = 30.0
+
+
+class PrefixLearner(Listener):
+    """Keeps the prefix index: optimistic insert at dispatch (the prefill will compute
+    those blocks), insert where a failed-over request was really served, and trim when
+    the engine reports fewer cached tokens than the index claimed."""
+
+    def __init__(self, index: PrefixIndex, block_tokens: int) -> None:
+        self.index = index
+        self.block_tokens = block_tokens
+
+    def on_dispatch(self, e: Dispatched) -> None:
+        if e.record.blocks is not None:
+            self.index.insert(e.record.backend, e.record.blocks, e.now_s)
+
+    def on_close(self, e: Closed) -> None:
+        if e.status == Status.FAILED_OVER and e.served_by and e.record.blocks is not None:
+            self.index.insert(e.served_by, e.record.blocks, e.now_s)  # its KV is there now
+        elif e.status == Status.OK and e.cached_tokens is not None:
+            self.learn_cached(e)
+
+    def learn_cached(self, e: Closed) -> int:
+        """The engine reported how much of the prompt it had cached. If that is less than
+        the index claimed, the engine evicted a block the index still holds; an LRU cache
+        evicts older blocks first, so everything not used since that block goes too.
+        Returns how many index blocks were dropped."""
+        rec = e.record
+        held = rec.matched_last_used_s
+        kept = (e.cached_tokens or 0) // self.block_tokens
+        if held is None or kept >= len(held):
+            return 0
+        missing_last_used_s = float(held[kept])
+        if rec.dispatched_s - missing_last_used_s < SETTLED_S:
+            return 0  # maybe still being computed by an earlier request: not evidence
+        return self.index.trim(rec.backend, missing_last_used_s)
+
+
+class PrefillLearner(Listener):
+    """Feeds each backend's prefill model with clean samples: a request that met no queue
+    took TTFT = RTT + prefill. Taken at completion: only then is it known that Envoy did
+    not retry elsewhere."""
+
+    def __init__(self, models: Mapping[str, PrefillModel]) -> None:
+        self.models = models
+
+    def on_close(self, e: Closed) -> None:
+        rec = e.record
+        if (
+            e.status == Status.OK
+            and rec.queue_ms == 0
+            and rec.input_tokens
+            and e.ttft_ms is not None
+        ):
+            self.models[rec.backend].observe(
+                rec.input_tokens - rec.cached_tokens, rec.cached_tokens, e.ttft_ms - rec.rtt_ms
+            )
+
+
+class Ejector(Listener):
+    """Passive health: ejects a backend after eject_after_errors failures in a row."""
+
+    def __init__(self, state: FleetState, routing: Routing) -> None:
+        self.state = state
+        self.after = routing.eject_after_errors
+        self.eject_s = routing.eject_s
+
+    def on_close(self, e: Closed) -> None:
+        if self.after and self.state.eject_failing(e.backend, e.now_s, self.after, self.eject_s):
+            log.warning(
+                "backend %s ejected: %d failed or unreachable requests in a row",
+                e.backend,
+                self.after,
+            )
+
+
+class TunerLearner(Listener):
+    """Scores the tuner's arms. A request that failed (error, expiry, failover) counts
+    against the arm that routed it as if it had waited `failure_ms`; a cancelled or bad
+    request says nothing about the weights and is only forgotten.
+
+    With each success goes the request's floor, for the `excess_ttft` objective: the
+    prefill of its whole prompt, uncached, on an idle engine, with the fastest of the
+    fleet's profiles (`profiles`, the router's live map). No weight changes it: it depends
+    on neither the chosen backend's RTT, nor its queue, nor its cache."""
+
+    def __init__(
+        self,
+        tuner: Tuner,
+        failure_ms: float,
+        profiles: Mapping[str, EngineProfile] | None = None,
+    ) -> None:
+        self.tuner = tuner
+        self.failure_ms = failure_ms
+        self.profiles = profiles if profiles is not None else {}
+
+    def floor_ms(self, input_tokens: int) -> float:
+        """What the prompt alone costs: its TTFT on the fastest idle engine, nothing cached."""
+        if input_tokens <= 0 or not self.profiles:
+            return 0.0
+        return min(p.lone_ttft_ms(input_tokens) for p in self.profiles.values())
+
+    def on_close(self, e: Closed) -> None:
+        if e.status == Status.OK:
+            floor = 0.0
+            if self.tuner.s.objective == EXCESS_TTFT:
+                floor = self.floor_ms(e.record.input_tokens)
+            self.tuner.observe(e.request_id, e.ttft_ms, e.e2e_ms, floor)
+        elif e.status in (Status.CANCELLED, Status.CLIENT_ERROR):
+            self.tuner.forget(e.request_id)
+        else:
+            self.tuner.observe(e.request_id, self.failure_ms, self.failure_ms)

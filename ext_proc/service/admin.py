@@ -1,0 +1,163 @@
+"""Admin HTTP on loopback: /healthz, /state, POST /tuner, and the fleet: GET/POST
+/backends, POST /backends/{id}/drain, DELETE /backends/{id}."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import ipaddress
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+from ext_proc.config.load import backend_from_dict
+from ext_proc.config.schema import ConfigError
+from ext_proc.core.router import FleetConflict, Router, UnknownBackend
+from ext_proc.core.types import Weights
+from ext_proc.service.telemetry import Telemetry
+
+TUNER_ACTIONS = ("freeze", "unfreeze", "set")
+# POST /backends answers once the new backend is a candidate (Envoy has its cluster:
+# ~10-50 ms with envoy.xds_dir), or after this long with it still pending.
+SETTLE_S = 6.0
+
+
+def _loopback(remote: str | None) -> bool:
+    """A peer on this host (aiohttp's request.remote; None for a Unix socket)."""
+    if remote is None:
+        return True
+    try:
+        return ipaddress.ip_address(remote).is_loopback
+    except ValueError:
+        return False
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": message}, status=status)
+
+
+def make_admin_app(
+    router: Router,
+    telemetry: Telemetry,
+    extra_state: Callable[[], dict[str, Any]],
+    token: str = "",
+    settle: Callable[[], Awaitable[None]] | None = None,
+) -> web.Application:
+    """`settle`: waits until the shell has applied the fleet's changes (FleetShell)."""
+
+    @web.middleware
+    async def require_token(request: web.Request, handler: Any) -> web.StreamResponse:
+        # Reads stay open on loopback; anything that changes state needs the token.
+        if request.method != "GET":
+            if not token and not _loopback(request.remote):
+                # An open admin on the network could route prompts anywhere (POST /backends).
+                return _error(
+                    403,
+                    "changes from another host need a token: set listen.admin_token "
+                    "(or GORGO_ADMIN_TOKEN) and send Authorization: Bearer <token>",
+                )
+            if token and not hmac.compare_digest(
+                request.headers.get("Authorization", ""), f"Bearer {token}"
+            ):
+                return _error(401, "admin token required: Authorization: Bearer <token>")
+        response: web.StreamResponse = await handler(request)
+        return response
+
+    async def healthz(_: web.Request) -> web.Response:
+        return web.Response(text="ok\n")
+
+    async def state(_: web.Request) -> web.Response:
+        return web.json_response({**router.snapshot(), **extra_state()})
+
+    async def tuner(request: web.Request) -> web.Response:
+        """{"action": "freeze"|"unfreeze"} or {"action": "set", "weights": {"rtt", "queue"}}."""
+        t = router.tuner
+        if t is None:
+            return _error(409, f"no tuner: policy {router.policy.name!r} or tuner.mode off")
+        try:
+            body = await request.json()
+        except ValueError:
+            return _error(400, "body must be a JSON object")
+        action = body.get("action") if isinstance(body, dict) else None
+        if action not in TUNER_ACTIONS:
+            return _error(400, f"action: expected one of {', '.join(TUNER_ACTIONS)}")
+        if action == "freeze":
+            t.freeze()
+        elif action == "unfreeze":
+            t.unfreeze()
+        else:
+            w = body.get("weights")
+            ok = isinstance(w, dict) and all(
+                isinstance(w.get(k), int | float) and not isinstance(w.get(k), bool) and w[k] > 0
+                for k in ("rtt", "queue")
+            )
+            if not ok:
+                return _error(400, 'weights: expected {"rtt": number > 0, "queue": number > 0}')
+            t.set_weights(Weights(float(w["rtt"]), float(w["queue"])))
+        return web.json_response(t.snapshot())
+
+    def backend_json(backend: str) -> dict[str, Any]:
+        for b in router.backends_json():
+            if b["id"] == backend:
+                return b
+        return {"id": backend, "lifecycle": "removed"}
+
+    async def settled() -> None:
+        if settle is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(settle(), SETTLE_S)
+
+    async def list_backends(_: web.Request) -> web.Response:
+        now_s = router.clock()
+        return web.json_response(
+            {"backends": router.backends_json(), "removed": router.removed_json(now_s)}
+        )
+
+    async def add_backend(request: web.Request) -> web.Response:
+        """One backend object, exactly as an item of the config's `backends:` list."""
+        try:
+            body = await request.json()
+        except ValueError:
+            return _error(400, "body must be a JSON object (one item of backends:)")
+        try:
+            b = backend_from_dict(body)
+        except ConfigError as e:
+            return _error(400, str(e))
+        try:
+            router.add_backend(b, "admin")
+        except FleetConflict as e:
+            return _error(409, str(e))
+        await settled()
+        return web.json_response(backend_json(b.id), status=201)
+
+    async def drain_backend(request: web.Request) -> web.Response:
+        """No new decisions; removed once its requests in flight have closed."""
+        backend = request.match_info["id"]
+        try:
+            router.drain_backend(backend, "admin")
+        except UnknownBackend:
+            return _error(404, f"no backend {backend!r}")
+        except FleetConflict as e:
+            return _error(409, str(e))
+        return web.json_response(backend_json(backend), status=202)
+
+    async def metrics(_: web.Request) -> web.Response:
+        return web.Response(
+            body=telemetry.metrics.render(),
+            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"},
+        )
+
+    app = web.Application(middlewares=[require_token])
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/state", state)
+    app.router.add_post("/tuner", tuner)
+    app.router.add_get("/backends", list_backends)
+    app.router.add_post("/backends", add_backend)
+    app.router.add_post("/backends/{id}/drain", drain_backend)
+    # The REST spelling of a drain: no new decisions at once, gone once its requests in
+    # flight have closed (so none of them fails).
+    app.router.add_delete("/backends/{id}", drain_backend)
+    return app
