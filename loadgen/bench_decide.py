@@ -29,7 +29,8 @@ import numpy as np
 
 from ext_proc.config.load import config_from_dict
 from ext_proc.config.schema import TokenizerConfig
-from ext_proc.core.router import Router, build_router
+from ext_proc.core.build import build_router
+from ext_proc.core.router import Router
 from ext_proc.core.types import RouteRequest, Status
 from ext_proc.prompt.engine_tokens import EngineTokenizer, PromptCache, PromptTokenizer
 from ext_proc.prompt.engine_tokens import load_engine_tokenizer as _load_engine_tokenizer
@@ -90,7 +91,7 @@ def _router(n_backends: int, precise: bool = False) -> Router:
     )
     clock_s = [0.0]
     router = build_router(cfg, lambda: clock_s[0], random.Random(0))
-    for b in router.engine_blocks:
+    for b in router.backends:
         router.set_event_stream(b, True)
     return router
 
@@ -103,9 +104,9 @@ def _text(tokens: int, seed: int) -> str:
 def _warm(router: Router) -> None:
     """Fill every backend's index to capacity with unrelated prompts (128 blocks each)."""
     rng = np.random.default_rng(0)
-    for b in router.index.backends():
-        while router.index.size_blocks(b) < router.index.capacity_blocks[b]:
-            router.index.insert(b, rng.integers(0, 2**63, 128, dtype=np.int64).view(np.uint64), 0.0)
+    for b in router.backends.values():
+        while b.prefix.size_blocks < b.prefix.capacity_blocks:
+            b.prefix.insert(rng.integers(0, 2**63, 128, dtype=np.int64).view(np.uint64), 0.0)
 
 
 def _body(text: str) -> bytes:
@@ -113,7 +114,7 @@ def _body(text: str) -> bytes:
 
 
 def _freeze_gc() -> None:
-    """As the service runs: start-up objects frozen out of the collector (ext_proc/service/app.py)."""
+    """As the service runs: start-up objects frozen out of the collector (service/app.py)."""
     gc.collect()
     gc.freeze()
     gc.set_threshold(GC_GEN0_THRESHOLD)
@@ -126,7 +127,7 @@ def measure(n_backends: int, tokens: int, iterations: int) -> tuple[list[float],
     # the measured prompt's history is cached on a third of the backends
     req0 = RouteRequest("seed", parse_body(CHAT, body), None)
     for i in range(0, n_backends, 3):
-        router.index.insert(f"b{i}", router.prompt_blocks(req0)[0], 1.0)
+        router.backends[f"b{i}"].prefix.insert(router.prompt_blocks(req0)[0], 1.0)
     _freeze_gc()
     decide_ms, full_ms = [], []
     for i in range(iterations):
@@ -300,9 +301,10 @@ def run_decide_bench(iterations: int = 300) -> int:
             )
     router = _router(3)
     _warm(router)
-    blocks = sum(router.index.size_blocks(b) for b in router.index.backends())
+    blocks = sum(b.prefix.size_blocks for b in router.backends.values())
+    memory_bytes = sum(b.prefix.memory_bytes for b in router.backends.values())
     print(
-        f"index memory: {router.index.memory_bytes() / blocks:.1f} bytes per cached block "
+        f"index memory: {memory_bytes / blocks:.1f} bytes per cached block "
         f"({blocks} blocks over 3 backends; target <= {TARGET_BYTES_PER_BLOCK})"
     )
     run_tokenized_bench(2 * iterations)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import heapq
 import random
 import zlib
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,13 +32,14 @@ from emulator.wan import (
 )
 from ext_proc.config.load import config_from_dict
 from ext_proc.config.schema import Config
-from ext_proc.core.router import Router, build_router
+from ext_proc.core.build import build_router
+from ext_proc.core.router import Router
 from ext_proc.core.types import RouteRequest, Status
-from ext_proc.estimate.engine_index import EngineBlocks
 from ext_proc.estimate.profile import DEFAULT_PROFILE, load_profile
 from ext_proc.feeds.engine_metrics import EngineReport
 from ext_proc.feeds.peers import PeerEvent, PeerPublisher
 from ext_proc.prompt.parse import COMPLETIONS, LlmRequest
+from loadgen.concurrency import Admitted, ConcurrencyCap
 from loadgen.protocol import OPEN, Protocol
 from loadgen.results import RequestResult
 from loadgen.traces import TraceRequest
@@ -52,6 +52,9 @@ _SEND, _SLOT = range(11, 13)
 BUS_HOP_S = 0.0005
 # The single proxy of the paper's setup (front_doors 0): its RTTs are the RTT profile's.
 PROXY = ""
+
+# A request on its way to its front door: (request, origin region, door, access RTT ms).
+_Arrival = tuple[TraceRequest, str, str, float]
 
 # Called after each completion with (request result, the router): the tuner's hook.
 CompletionHook = Callable[[RequestResult, Router], None]
@@ -242,8 +245,7 @@ class Simulation:
             for r in settings.regions:
                 self.engines[r].cache.events = []
                 for router in self.routers:
-                    router.engine_blocks[r] = EngineBlocks()
-                    router.precise.add(r)
+                    router.expect_engine_events(r)
         self.router_block_tokens = cfg.routing.block_tokens
         self.probe_interval_s = cfg.probes.interval_s
         self.metrics_interval_s = cfg.probes.metrics_interval_s
@@ -258,10 +260,12 @@ class Simulation:
         self._access_ms: dict[str, float] = {}
         self._last_emit_s: dict[str, float] = {}
         self.itl_ms: list[float] = []
-        # The client's concurrency slots (protocol.max_concurrency): how many are held,
-        # the arrivals waiting for one (first come, first served), and each one's slip.
-        self._slots_taken = 0
-        self._waiting: deque[tuple[float, tuple[TraceRequest, str, str, float]]] = deque()
+        # The client's concurrency slots (protocol.max_concurrency, first come, first
+        # served, on the virtual clock), and each request's slip.
+        cap = settings.protocol.max_concurrency
+        self._cap: ConcurrencyCap[_Arrival] | None = (
+            None if cap is None else ConcurrencyCap(cap, lambda: self.now_s)
+        )
         self._slip_ms: dict[str, float] = {}
         # door_spacing_ms: when each front door takes its next request, and when each
         # request waiting there reached it. envoy_workers: per (door, backend, worker), the
@@ -325,7 +329,6 @@ class Simulation:
                 for b in self.s.regions:
                     self._push(0.0, _SCRAPE, (door, b))
         pending = len(self.trace)
-        cap = self.s.protocol.max_concurrency
         while self._events and pending:
             t, _, kind, data = heapq.heappop(self._events)
             self.now_s = t
@@ -360,7 +363,7 @@ class Simulation:
             elif kind == _KV_EVENTS:
                 door, backend, changes = data
                 for router in self.routers_at[door]:
-                    router.engine_blocks[backend].apply_keyed(self.engine_block_tokens, changes)
+                    router.apply_keyed_kv_events(backend, self.engine_block_tokens, changes)
             elif kind == _SCRAPE:
                 # The engine's reading now (as emulator/engine.py renders /metrics; one
                 # code path would need the engine server here) reaches
@@ -371,23 +374,19 @@ class Simulation:
             elif kind == _REPORT:
                 door, b, report = data
                 for router in self.routers_at[door]:
-                    router.state.record_engine_report(b, report, t)
+                    router.record_engine_report(b, report)
             elif kind == _PEER:
                 self._deliver(*data)
             elif kind == _CALL:
                 data()
             elif kind == _SEND:
                 # The client's due time: a free slot sends it now, else it waits.
-                assert cap is not None
-                if self._slots_taken < cap:
-                    self._dispatch(t, data)
-                else:
-                    self._waiting.append((t, data))
+                assert self._cap is not None
+                self._dispatch(self._cap.arrive(data))
             elif kind == _SLOT:
                 # A client saw its answer end: its slot goes to the longest waiting.
-                self._slots_taken -= 1
-                if self._waiting:
-                    self._dispatch(*self._waiting.popleft())
+                assert self._cap is not None
+                self._dispatch(self._cap.release())
         # The last closes are still on the bus: deliver them, so every router's books close.
         for t, _, kind, data in sorted(self._events):
             if kind == _PEER:
@@ -396,13 +395,14 @@ class Simulation:
         ordered = [self.results[r.id] for r in self.trace]
         return SimResult(self.s, ordered, self.itl_ms, self.router, self.dropped)
 
-    def _dispatch(self, due_s: float, item: tuple[TraceRequest, str, str, float]) -> None:
-        """The client sends a request (due at due_s) now, holding a slot until it sees the
-        answer end; it reaches its front door one access half-trip later."""
-        r, _, _, access_ms = item
-        self._slots_taken += 1
-        self._slip_ms[r.id] = (self.now_s - due_s) * 1000
-        self._push(self.now_s + access_ms / 2000, _ARRIVE, item)
+    def _dispatch(self, sent: Admitted[_Arrival] | None) -> None:
+        """The client sends a request given a slot (if any) now, holding the slot until
+        it sees the answer end; it reaches its front door one access half-trip later."""
+        if sent is None:
+            return
+        r, _, _, access_ms = sent.item
+        self._slip_ms[r.id] = sent.slip_s * 1000
+        self._push(self.now_s + access_ms / 2000, _ARRIVE, sent.item)
 
     def _report(self, backend: str) -> EngineReport:
         m = self.engines[backend]

@@ -1,5 +1,7 @@
-"""Fleet state as the router sees it: per-backend counters, RTT, health, and the in-flight
-table.
+"""Fleet state as the router sees it: one record per backend (its config, engine profile
+and prefill model, prefix cache, the engine's reported blocks, counters, RTT, health,
+prediction figures) and the in-flight table. Adding or removing a backend is one insert
+or one delete here.
 
 Pure and synchronous; every time comes from the caller (seconds on one monotonic clock).
 """
@@ -8,11 +10,17 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict, deque
-from collections.abc import Iterable
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ext_proc.config.schema import Backend
 from ext_proc.core.types import BackendLifecycle, InFlight, Status
+from ext_proc.estimate.cost import PrefillModel
+from ext_proc.estimate.engine_index import EngineBlocks
+from ext_proc.estimate.prediction import PredictionStats
+from ext_proc.estimate.prefix import PrefixCache
+from ext_proc.estimate.profile import EngineProfile
 from ext_proc.feeds.engine_metrics import EngineReport
 
 # How many recent TTFT/E2E samples /state shows per backend.
@@ -26,6 +34,17 @@ PREFILL_EWMA = 0.05
 class BackendState:
     id: str
     rtt_prior_ms: float
+    config: Backend
+    profile: EngineProfile
+    prefill: PrefillModel
+    # What the router believes the engine caches (its own estimate from its decisions).
+    prefix: PrefixCache
+    # What the engine's KV events say it holds (None: it publishes none), and whether
+    # that stream is up now (down, the router's own estimate serves).
+    engine_blocks: EngineBlocks | None = None
+    events_up: bool = False
+    # How far its cached-token predictions were from the engine's reports.
+    prediction: PredictionStats = field(default_factory=PredictionStats)
     rtt_ms: float = 0.0
     rtt_samples: int = 0
     # Exponentially weighted variance of the probe samples (ms^2): the WAN's jitter.
@@ -68,6 +87,11 @@ class BackendState:
     def __post_init__(self) -> None:
         self.rtt_ms = self.rtt_prior_ms
 
+    @property
+    def precise(self) -> bool:
+        """Its prefix state comes from its engine's events (they are up)."""
+        return self.events_up and self.engine_blocks is not None
+
     def ejected_at(self, now_s: float) -> bool:
         """Out for failing requests at now_s (an ejection ends by itself)."""
         return self.ejected_until_s is not None and now_s < self.ejected_until_s
@@ -96,10 +120,8 @@ class BackendState:
 class FleetState:
     """Per-backend counters plus the in-flight table, kept consistent with each other."""
 
-    def __init__(self, backends: Iterable[tuple[str, float]]) -> None:
-        self.backends: dict[str, BackendState] = {
-            b: BackendState(b, rtt_prior_ms) for b, rtt_prior_ms in backends
-        }
+    def __init__(self) -> None:
+        self.backends: dict[str, BackendState] = {}
         # Insertion order = dispatch order, so the oldest records expire first.
         self.in_flight: OrderedDict[str, InFlight] = OrderedDict()
         # What other routers dispatched (shared through the fleet's message bus): it loads
@@ -161,11 +183,16 @@ class FleetState:
             b.request_failures = 0 if status == Status.OK else b.request_failures + 1
         return rec, measured_e2e_ms
 
-    def add(self, backend: str, rtt_prior_ms: float, now_s: float = 0.0) -> BackendState:
-        """A new backend, active (ValueError if the id is known)."""
-        if backend in self.backends:
-            raise ValueError(f"backend {backend!r} exists")
-        b = self.backends[backend] = BackendState(backend, rtt_prior_ms, lifecycle_since_s=now_s)
+    @property
+    def profiles(self) -> Mapping[str, EngineProfile]:
+        """Every backend's engine profile, a live view."""
+        return _Profiles(self.backends)
+
+    def add(self, b: BackendState) -> BackendState:
+        """A new backend's record (ValueError if the id is known)."""
+        if b.id in self.backends:
+            raise ValueError(f"backend {b.id!r} exists")
+        self.backends[b.id] = b
         return b
 
     def own_in_flight(self, backend: str) -> int:
@@ -286,6 +313,20 @@ class FleetState:
         b.in_flight_tokens -= rec.input_tokens
         if rec.first_byte_s is None:
             b.waiting_first_byte -= 1
+
+
+class _Profiles(Mapping[str, EngineProfile]):
+    def __init__(self, backends: dict[str, BackendState]) -> None:
+        self._backends = backends
+
+    def __getitem__(self, backend: str) -> EngineProfile:
+        return self._backends[backend].profile
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._backends)
+
+    def __len__(self) -> int:
+        return len(self._backends)
 
 
 def _replace_last(values: deque[float], old: float, new: float) -> None:

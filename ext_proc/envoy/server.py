@@ -37,7 +37,8 @@ from ext_proc.common.names import (
     ROUTE_FALLBACK,
 )
 from ext_proc.config.schema import Backend, Config, EnvoyMode, UnreadableBody
-from ext_proc.core.router import NoActiveBackend, Router
+from ext_proc.core.features import NoActiveBackend
+from ext_proc.core.router import Router
 from ext_proc.core.types import Decision, RouteRequest, Status
 from ext_proc.envoy import codec
 from ext_proc.prompt.engine_tokens import PromptTokenizer
@@ -377,7 +378,7 @@ class AccessLogService:
         return codec.StreamAccessLogsResponse()
 
     def observe(self, e: codec.AccessLogEntry) -> None:
-        rec = self.router.state.in_flight.get(e.request_id)
+        rec = self.router.in_flight.get(e.request_id)
         answered = 200 <= e.response_code < 300  # a body went out: its first chunk may lag
         if rec is not None and rec.streaming and rec.first_byte_s is None and answered:
             # The entry travels over another gRPC stream than the observer's first-chunk

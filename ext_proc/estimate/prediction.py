@@ -2,7 +2,7 @@
 the backend it chose against what that engine reported at completion, by where the
 prediction came from (`PrefixState`: the engine's KV events, or the router's own index).
 
-Pure; `PredictionStats` is a lifecycle listener. Only a request that completed and whose
+Pure; a backend's `PredictionStats` sit in its record. Only a request that completed and whose
 engine reported its cached tokens counts: a failure, or a response without a cached-token
 report, says nothing about the prediction.
 """
@@ -13,7 +13,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from ext_proc.core.events import Closed, Listener
+from ext_proc.core.events import Closed
 from ext_proc.core.types import PrefixState, Status
 
 # /state's mean is over the last 128 reports per backend and prefix state: a few minutes
@@ -46,37 +46,27 @@ def prediction_error(e: Closed) -> PredictionError | None:
     return PredictionError(rec.cached_tokens, e.cached_tokens, rec.input_tokens)
 
 
-class PredictionStats(Listener):
-    """Per backend and prefix state: requests with a known error, and the mean error share
-    over the last `window` of them."""
+class PredictionStats:
+    """One backend's figures per prefix state: requests with a known error, and the mean
+    error share over the last `window` of them (fed by `learn.learners.PredictionLearner`)."""
 
     def __init__(self, window: int = PREDICTION_WINDOW) -> None:
         self.window = window
-        self._requests: dict[tuple[str, PrefixState], int] = {}
-        self._recent: dict[tuple[str, PrefixState], deque[float]] = {}
+        self._requests: dict[PrefixState, int] = {}
+        self._recent: dict[PrefixState, deque[float]] = {}
 
-    def on_close(self, e: Closed) -> None:
-        err = prediction_error(e)
-        if err is None:
-            return
-        key = (e.backend, e.record.prefix_state)
-        self._requests[key] = self._requests.get(key, 0) + 1
-        self._recent.setdefault(key, deque(maxlen=self.window)).append(err.error_ratio)
+    def add(self, state: PrefixState, err: PredictionError) -> None:
+        self._requests[state] = self._requests.get(state, 0) + 1
+        self._recent.setdefault(state, deque(maxlen=self.window)).append(err.error_ratio)
 
-    def forget(self, backend: str) -> None:
-        """A removed backend's figures go with it."""
-        for state in PrefixState:
-            self._requests.pop((backend, state), None)
-            self._recent.pop((backend, state), None)
-
-    def as_json(self, backend: str) -> dict[str, Any]:
+    def as_json(self) -> dict[str, Any]:
         """{prefix state: {"requests": n, "mean_error_ratio": m}} for the states seen."""
         out: dict[str, Any] = {}
         for state in PrefixState:
-            recent = self._recent.get((backend, state))
+            recent = self._recent.get(state)
             if recent:
                 out[str(state)] = {
-                    "requests": self._requests[(backend, state)],
+                    "requests": self._requests[state],
                     "mean_error_ratio": round(sum(recent) / len(recent), 6),
                 }
         return out

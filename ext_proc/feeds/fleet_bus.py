@@ -69,7 +69,7 @@ class FleetBus:
         return {
             "router_id": self.router_id,
             "connected": self.connected,
-            "peer_requests_in_flight": len(self.router.state.peer_in_flight),
+            "peer_requests_in_flight": len(self.router.peer_in_flight),
             "sent": self.sent,
             "received": self.received,
             "dropped": self.dropped,

@@ -25,6 +25,7 @@ from zmq.utils.monitor import parse_monitor_message
 from ext_proc.common.aio import cancel_and_wait
 from ext_proc.config.schema import Backend, Config, split_host_port
 from ext_proc.core.router import Router
+from ext_proc.estimate.engine_index import EngineBlocks
 from ext_proc.feeds.kv_events import EventBatch, KvEventError, decode_message, subscriber_address
 
 log = logging.getLogger("gorgo.kv_events")
@@ -105,18 +106,18 @@ class KvEventClients:
                     b.id,
                     "replayed from the start" if ok else "no replay: starting cold",
                     time.monotonic() - t0,
-                    self.router.engine_blocks[b.id].blocks,
+                    self._engine(b.id).blocks,
                 )
                 self._synced[b.id] = True
                 self._update(b.id)
-            replayed_through = self.router.engine_blocks[b.id].last_seq
+            replayed_through = self._engine(b.id).last_seq
             while True:
                 if b.id in self._reconnected:
                     # Back after a drop: what was published meanwhile is in the replay
                     # buffer (the next live batch would only show the gap later).
                     self._reconnected.discard(b.id)
                     if b.kv_events.replay_endpoint:
-                        engine = self.router.engine_blocks[b.id]
+                        engine = self._engine(b.id)
                         start = (engine.last_seq if engine.last_seq is not None else -1) + 1
                         if await self._replay(b, start):
                             replayed_through = engine.last_seq
@@ -149,10 +150,15 @@ class KvEventClients:
             monitor.close()
             sock.close()
 
+    def _engine(self, backend: str) -> EngineBlocks:
+        engine = self.router.backends[backend].engine_blocks
+        assert engine is not None  # only backends with kv_events get a subscriber
+        return engine
+
     def _update(self, backend: str) -> None:
         """Precise while the stream is up and the state has caught up with the engine."""
         up = self._peers.get(backend, 0) > 0 and self._synced.get(backend, False)
-        if up != (backend in self.router.precise):
+        if up != self.router.backends[backend].precise:
             log.warning(
                 "kv events of %s %s",
                 backend,
@@ -178,7 +184,7 @@ class KvEventClients:
     async def _recover(self, b: Backend, batch: EventBatch) -> None:
         """Events before `batch` were lost: replay them (the replay includes `batch`), or
         reset and start again from `batch`."""
-        engine = self.router.engine_blocks[b.id]
+        engine = self._engine(b.id)
         start = (engine.last_seq or 0) + 1
         if b.kv_events.replay_endpoint and await self._replay(b, start):
             log.info("kv events of %s: replayed from seq %d", b.id, start)

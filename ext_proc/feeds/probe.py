@@ -121,7 +121,7 @@ class Prober:
         pairs: deque[tuple[float, float]] = deque(maxlen=COMPARE_PAIRS)
         while True:
             rtt_ms = await self.probe_once(b, path)
-            state = self.router.state.backends.get(b.id)
+            state = self.router.backends.get(b.id)
             if state is None:  # removed while the probe was out
                 return
             was_suspect = state.suspect
@@ -174,7 +174,7 @@ class Prober:
                     if resp.status != 200:
                         raise MetricsError(f"HTTP {resp.status}")
                 report = parse_engine_metrics(text)
-                self.router.state.record_engine_report(b.id, report, self.router.clock())
+                self.router.record_engine_report(b.id, report)
             except (aiohttp.ClientError, TimeoutError, OSError, MetricsError) as e:
                 # The last report stands until it is stale: then the router's own count.
                 log.debug("metrics of %s: %s", b.id, e)

@@ -9,8 +9,7 @@ from ext_proc.config.schema import Routing
 from ext_proc.core.events import Closed, Dispatched, Listener
 from ext_proc.core.state import FleetState
 from ext_proc.core.types import Status
-from ext_proc.estimate.cost import PrefillModel
-from ext_proc.estimate.prefix import PrefixIndex
+from ext_proc.estimate.prediction import prediction_error
 from ext_proc.estimate.profile import EngineProfile
 from ext_proc.learn.tuner import EXCESS_TTFT, Tuner
 
@@ -26,17 +25,18 @@ class PrefixLearner(Listener):
     those blocks), insert where a failed-over request was really served, and trim when
     the engine reports fewer cached tokens than the index claimed."""
 
-    def __init__(self, index: PrefixIndex, block_tokens: int) -> None:
-        self.index = index
+    def __init__(self, state: FleetState, block_tokens: int) -> None:
+        self.state = state
         self.block_tokens = block_tokens
 
     def on_dispatch(self, e: Dispatched) -> None:
         if e.record.blocks is not None:
-            self.index.insert(e.record.backend, e.record.blocks, e.now_s)
+            self.state.backends[e.record.backend].prefix.insert(e.record.blocks, e.now_s)
 
     def on_close(self, e: Closed) -> None:
         if e.status == Status.FAILED_OVER and e.served_by and e.record.blocks is not None:
-            self.index.insert(e.served_by, e.record.blocks, e.now_s)  # its KV is there now
+            # its KV is there now
+            self.state.backends[e.served_by].prefix.insert(e.record.blocks, e.now_s)
         elif e.status == Status.OK and e.cached_tokens is not None:
             self.learn_cached(e)
 
@@ -53,7 +53,7 @@ class PrefixLearner(Listener):
         missing_last_used_s = float(held[kept])
         if rec.dispatched_s - missing_last_used_s < SETTLED_S:
             return 0  # maybe still being computed by an earlier request: not evidence
-        return self.index.trim(rec.backend, missing_last_used_s)
+        return self.state.backends[rec.backend].prefix.trim(missing_last_used_s)
 
 
 class PrefillLearner(Listener):
@@ -61,8 +61,8 @@ class PrefillLearner(Listener):
     took TTFT = RTT + prefill. Taken at completion: only then is it known that Envoy did
     not retry elsewhere."""
 
-    def __init__(self, models: Mapping[str, PrefillModel]) -> None:
-        self.models = models
+    def __init__(self, state: FleetState) -> None:
+        self.state = state
 
     def on_close(self, e: Closed) -> None:
         rec = e.record
@@ -72,7 +72,7 @@ class PrefillLearner(Listener):
             and rec.input_tokens
             and e.ttft_ms is not None
         ):
-            self.models[rec.backend].observe(
+            self.state.backends[rec.backend].prefill.observe(
                 rec.input_tokens - rec.cached_tokens, rec.cached_tokens, e.ttft_ms - rec.rtt_ms
             )
 
@@ -92,6 +92,19 @@ class Ejector(Listener):
                 e.backend,
                 self.after,
             )
+
+
+class PredictionLearner(Listener):
+    """Each backend's prediction figures: the cached tokens predicted on the chosen
+    backend against what its engine reported at completion."""
+
+    def __init__(self, state: FleetState) -> None:
+        self.state = state
+
+    def on_close(self, e: Closed) -> None:
+        err = prediction_error(e)
+        if err is not None:
+            self.state.backends[e.backend].prediction.add(e.record.prefix_state, err)
 
 
 class TunerLearner(Listener):

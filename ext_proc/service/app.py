@@ -26,8 +26,10 @@ from ext_proc.common.files import write_atomic
 from ext_proc.config.dump import changed_keys
 from ext_proc.config.load import load_config
 from ext_proc.config.schema import Config, ConfigError, TunerMode, split_host_port
+from ext_proc.core.build import build_router, tuner_settings
 from ext_proc.core.events import BackendChanged, Listener
-from ext_proc.core.router import FleetConflict, Router, build_router, tuner_settings
+from ext_proc.core.fleet import FleetConflict
+from ext_proc.core.router import Router
 from ext_proc.core.types import BackendChange, BackendLifecycle
 from ext_proc.envoy.server import ExtProcService, add_services, grpc_options
 from ext_proc.envoy.xds import wait_envoy, write_xds
@@ -201,7 +203,8 @@ class FleetShell(Listener):
                 self._queue.task_done()
 
     async def _apply(self, e: BackendChanged) -> None:
-        config = self.router.configs.get(e.backend)
+        record = self.router.backends.get(e.backend)
+        config = None if record is None else record.config
         starts = e.change == BackendChange.ADDED or (e.change == BackendChange.UPDATED and e.reset)
         if starts and config is not None:  # (not removed again meanwhile)
             await cancel_and_wait(
@@ -221,14 +224,14 @@ class FleetShell(Listener):
             log.error("cannot write Envoy's xDS files (%s): retrying", self.xds_error)
             self._retry_later()
             return
-        pending = [b for b, st in self.router.state.backends.items() if st.lifecycle is _PENDING]
+        pending = [b for b, st in self.router.backends.items() if st.lifecycle is _PENDING]
         if not pending:
             return
         missing = await wait_envoy(self.router.cfg, self.router.draining, ENVOY_WAIT_S)
         for b in pending:
             if b not in missing:
                 self.router.activate_backend(b)
-        still = [b for b in pending if b in missing and b in self.router.state.backends]
+        still = [b for b in pending if b in missing and b in self.router.backends]
         if still:
             log.error(
                 "Envoy shows no route to %s %.0f s after its xDS files were written: "
@@ -483,20 +486,20 @@ async def running_service(
         log.info(
             "stopping: %d ext_proc streams open, %d requests in flight; draining for up to %.0f s",
             ext_proc.active_streams,
-            len(router.state.in_flight),
+            len(router.in_flight),
             DRAIN_GRACE_S,
         )
         # New requests fail open to Envoy's fallback route; the access log stays open so
         # the requests already routed can report their completion.
         ext_proc.draining = True
         deadline = time.monotonic() + DRAIN_GRACE_S
-        while router.state.in_flight and time.monotonic() < deadline:
+        while router.in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         await server.stop(STOP_GRACE_S)
         log.info(
             "stopped: %d requests completed while draining, %d still in flight",
             _closed(router) - closed_before,
-            len(router.state.in_flight),
+            len(router.in_flight),
         )
         await runner.cleanup()
         telemetry.shutdown()
@@ -505,4 +508,4 @@ async def running_service(
 
 
 def _closed(router: Router) -> int:
-    return sum(b.completed + b.errors + b.failovers for b in router.state.backends.values())
+    return sum(b.completed + b.errors + b.failovers for b in router.backends.values())

@@ -94,7 +94,7 @@ class _LiveGauges(Collector):
             "gorgo_ejections", "Ejections for failing requests", labels=["backend"]
         )
         now_s = self.router.clock()
-        for b in self.router.state.backends.values():
+        for b in self.router.backends.values():
             in_flight.add_metric([b.id], b.in_flight)
             rtt.add_metric([b.id], b.rtt_ms)
             suspect.add_metric([b.id], 1.0 if b.suspect else 0.0)
@@ -106,7 +106,7 @@ class _LiveGauges(Collector):
             "Seconds since the engine's last load report (/metrics) was read",
             labels=["backend"],
         )
-        for b in self.router.state.backends.values():
+        for b in self.router.backends.values():
             if b.engine_at_s is not None:
                 report_age.add_metric([b.id], max(0.0, now_s - b.engine_at_s))
         weights = GaugeMetricFamily("gorgo_weight", "Current cost weights", labels=["name"])
@@ -127,7 +127,7 @@ class _LiveGauges(Collector):
             "1 for the backend's lifecycle now (pending, active, draining, removed)",
             labels=["backend", "state"],
         )
-        current = {b.id: b.lifecycle for b in self.router.state.backends.values()}
+        current = {b.id: b.lifecycle for b in self.router.backends.values()}
         for r in self.router.removed:
             current.setdefault(r["id"], BackendLifecycle.REMOVED)
         for backend, now in current.items():
@@ -181,9 +181,9 @@ class _LiveGauges(Collector):
             labels=["backend"],
         )
         now = time.time()  # event batches carry the engine's wall-clock stamp
-        for b in self.router.state.backends:
-            precise.add_metric([b], 1.0 if b in self.router.precise else 0.0)
-            engine = self.router.engine_blocks.get(b)
+        for b, st in self.router.backends.items():
+            precise.add_metric([b], 1.0 if st.precise else 0.0)
+            engine = st.engine_blocks
             if engine is None:
                 continue
             blocks.add_metric([b], engine.blocks)
@@ -357,13 +357,13 @@ class Telemetry(Listener):
             A_PREFIX_STATE: str(rec.prefix_state),
             A_PREDICTED_CACHED: rec.cached_tokens,
         }
-        engine = self.router.engine_blocks.get(rec.backend)
+        b = self.router.backends[rec.backend]
+        engine = b.engine_blocks
         if engine is not None:
             attrs[A_KV_EVENT_GAPS] = engine.gaps
             attrs[A_KV_EVENT_RESETS] = engine.resets
             if engine.last_ts is not None:  # the engine's wall-clock stamp
                 attrs[A_KV_EVENT_AGE_S] = round(max(0.0, time.time() - engine.last_ts), 3)
-        b = self.router.state.backends[rec.backend]
         if b.engine_at_s is not None:
             attrs[A_ENGINE_REPORT_AGE_S] = round(e.now_s - b.engine_at_s, 3)
         return attrs

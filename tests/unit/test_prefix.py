@@ -1,10 +1,10 @@
-"""The prefix index against a brute-force reference."""
+"""Each backend's prefix cache against a brute-force reference."""
 
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ext_proc.estimate.prefix import PrefixIndex, as_hashes
+from ext_proc.estimate.prefix import PrefixCache, as_hashes
 
 BT = 16
 
@@ -47,45 +47,56 @@ def chain(family: int, n: int) -> list[int]:
     ),
     st.integers(1, 30),
 )
-def test_index_agrees_with_brute_force(ops: list[tuple[str, int, int]], cap_blocks: int) -> None:
+def test_caches_agree_with_brute_force(ops: list[tuple[str, int, int]], cap_blocks: int) -> None:
     caps = {"a": cap_blocks * BT, "b": 2 * cap_blocks * BT, "c": 5 * BT}
-    idx = PrefixIndex(caps, BT)
+    caches = {b: PrefixCache(cap, BT) for b, cap in caps.items()}
     ref = Reference(caps)
     for step, (backend, family, n) in enumerate(ops):
         prompt = chain(family, n)
-        assert idx.match(as_hashes(prompt)) == ref.match(prompt)
-        idx.insert(backend, as_hashes(prompt), float(step))
+        assert {b: c.match(as_hashes(prompt)) for b, c in caches.items()} == ref.match(prompt)
+        caches[backend].insert(as_hashes(prompt), float(step))
         ref.insert(backend, prompt, float(step))
         for b in caps:
-            assert idx.size_blocks(b) == len(ref.blocks[b]) <= caps[b] // BT
+            assert caches[b].size_blocks == len(ref.blocks[b]) <= caps[b] // BT
 
 
-def test_one_lookup_answers_every_backend() -> None:
-    idx = PrefixIndex({"a": 10_000, "b": 10_000}, BT)
-    idx.insert("a", as_hashes(chain(1, 10)), 0.0)
-    idx.insert("b", as_hashes(chain(1, 4) + chain(2, 6)), 0.0)
-    assert idx.match(as_hashes(chain(1, 10))) == {"a": 10, "b": 4}
+def test_a_match_counts_only_the_leading_blocks() -> None:
+    cache = PrefixCache(10_000, BT)
+    cache.insert(as_hashes(chain(1, 4) + chain(2, 6)), 0.0)
+    assert cache.match(as_hashes(chain(1, 10))) == 4
+    assert cache.match(as_hashes([])) == 0
 
 
 def test_trim_drops_blocks_not_used_since() -> None:
-    idx = PrefixIndex({"a": 10_000}, BT)
-    idx.insert("a", as_hashes(chain(1, 5)), 1.0)
-    idx.insert("a", as_hashes(chain(2, 5)), 2.0)
-    idx.insert("a", as_hashes(chain(3, 5)), 3.0)
-    assert idx.trim("a", 2.0) == 10
-    assert idx.match(as_hashes(chain(3, 5)))["a"] == 5
-    assert idx.match(as_hashes(chain(2, 5)))["a"] == 0
+    cache = PrefixCache(10_000, BT)
+    cache.insert(as_hashes(chain(1, 5)), 1.0)
+    cache.insert(as_hashes(chain(2, 5)), 2.0)
+    cache.insert(as_hashes(chain(3, 5)), 3.0)
+    assert cache.trim(2.0) == 10
+    assert cache.match(as_hashes(chain(3, 5))) == 5
+    assert cache.match(as_hashes(chain(2, 5))) == 0
+
+
+def test_a_smaller_capacity_evicts_the_least_recent_at_the_next_insert() -> None:
+    cache = PrefixCache(10 * BT, BT)
+    cache.insert(as_hashes(chain(1, 5)), 1.0)
+    cache.insert(as_hashes(chain(2, 5)), 2.0)
+    cache.set_capacity(6 * BT)
+    assert cache.size_blocks == 10
+    cache.insert(as_hashes(chain(3, 1)), 3.0)
+    assert cache.size_blocks == 6
+    assert cache.match(as_hashes(chain(1, 5))) == 0 and cache.match(as_hashes(chain(2, 5))) == 5
 
 
 def test_memory_is_16_bytes_per_block() -> None:
-    idx = PrefixIndex({"a": 1 << 30}, BT)
-    idx.insert("a", as_hashes(list(range(5000))), 0.0)
-    assert idx.memory_bytes() == 16 * 5000
+    cache = PrefixCache(1 << 30, BT)
+    cache.insert(as_hashes(list(range(5000))), 0.0)
+    assert cache.memory_bytes == 16 * 5000
 
 
 def test_negative_python_hashes_round_trip() -> None:
-    idx = PrefixIndex({"a": 10_000}, BT)
+    cache = PrefixCache(10_000, BT)
     blocks = [-5, 2**63 - 1, -(2**63)]
-    idx.insert("a", as_hashes(blocks), 0.0)
-    assert idx.match(as_hashes(blocks)) == {"a": 3}
+    cache.insert(as_hashes(blocks), 0.0)
+    assert cache.match(as_hashes(blocks)) == 3
     assert as_hashes(blocks).dtype == np.uint64

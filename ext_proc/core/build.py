@@ -1,0 +1,60 @@
+"""The one way to build a router, for `gorgo serve` and the simulator alike."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Iterable
+from dataclasses import replace
+
+from ext_proc.config.schema import Config, TunerMode
+from ext_proc.core.events import Listener
+from ext_proc.core.router import Router
+from ext_proc.core.types import Weights
+from ext_proc.learn.tuner import StateSink, Tuner, TunerSettings, TunerState
+from ext_proc.policy.base import PolicyInfo
+from ext_proc.policy.catalog import make_policy, policy_info, policy_params
+
+
+def tuner_settings(cfg: Config, info: PolicyInfo) -> TunerSettings:
+    """The tuner's settings for a weighted policy: the paper's bounds in paper mode, else
+    the policy's own (or the time form's defaults)."""
+    if not info.weighted:
+        raise ValueError(f"policy {info.name!r} has no weights to tune")
+    bounds = info.params.TUNER_BOUNDS
+    if cfg.tuner.mode == TunerMode.PAPER:
+        base = TunerSettings.paper()
+    elif bounds is not None:
+        base = TunerSettings(rtt_bounds=bounds[0], queue_bounds=bounds[1])
+    else:
+        base = TunerSettings()
+    return replace(
+        base,
+        mode=cfg.tuner.mode,
+        arm_size=cfg.tuner.arm_size,
+        objective=cfg.tuner.objective,
+        arm_key=cfg.tuner.arm_key,
+    )
+
+
+def build_router(
+    cfg: Config,
+    clock: Callable[[], float],
+    rng: random.Random,
+    tuner_state: TunerState | None = None,
+    tuner_sink: StateSink | None = None,
+    listeners: Iterable[Listener] = (),
+) -> Router:
+    """The policy and the tuner each get an RNG drawn from `rng`, in that order."""
+    info = policy_info(cfg.policy)
+    params = policy_params(cfg)
+    policy = make_policy(cfg.policy, random.Random(rng.random()), params)
+    tuner_rng = random.Random(rng.random())
+    weights: Weights | None = params.weights if info.weighted else None
+    tuner = None
+    if weights is not None and cfg.tuner.mode != TunerMode.OFF:
+        settings = tuner_settings(cfg, info)
+        tuner = Tuner(settings, weights, tuner_rng, tuner_state, tuner_sink)
+    router = Router(cfg, clock, policy, weights, tuner)
+    for listener in listeners:
+        router.subscribe(listener)
+    return router

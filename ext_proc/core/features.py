@@ -1,0 +1,250 @@
+"""Step 3's inputs: each candidate backend's features for one request (RTT, queue,
+prefill of the uncached tokens, cached tokens, what the request would do to the others
+there), computed from the fleet's records. The framework computes them; a policy only
+chooses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from ext_proc.core.fleet import Fleet
+from ext_proc.core.state import BackendState
+from ext_proc.core.types import BackendLifecycle, Candidate, RouteRequest
+from ext_proc.estimate.cost import (
+    KV_HEADROOM_MARGIN,
+    QueueItem,
+    decode_stall_ms,
+    estimate_queue_ms,
+    kv_headroom_ms,
+)
+from ext_proc.estimate.engine_index import chain_keys
+from ext_proc.estimate.prefix import Hashes, as_hashes
+from ext_proc.feeds.engine_metrics import EngineReport
+from ext_proc.prompt.tokens import APPROX, block_hashes_of_ids
+
+# Output budget assumed when a request names no max tokens (KV and decode estimates).
+DEFAULT_OUTPUT_TOKENS = 256
+_ACTIVE = BackendLifecycle.ACTIVE
+
+
+class NoActiveBackend(RuntimeError):
+    """Every backend is pending or draining (a fleet replaced whole, for the moment Envoy
+    takes to learn the new clusters): the request takes Envoy's fallback route."""
+
+
+def output_tokens(request: RouteRequest) -> int:
+    """The request's output budget (its max tokens), else a typical chat answer."""
+    llm = request.llm
+    return llm.max_output_tokens if llm and llm.max_output_tokens else DEFAULT_OUTPUT_TOKENS
+
+
+def kv_tokens(request: RouteRequest) -> int:
+    """KV the request will hold: its prompt and its output budget."""
+    return (request.llm.input_tokens if request.llm else 0) + output_tokens(request)
+
+
+def precise_for(b: BackendState, request: RouteRequest) -> bool:
+    """The backend's prediction comes from its engine's events (they are up, and the
+    request is matched by token ids, not by a simulator's own block hashes alone)."""
+    return b.precise and (request.blocks is None or request.engine_keys is not None)
+
+
+def _keys_by_block_size(request: RouteRequest) -> Callable[[int], list[list[int]]]:
+    """Each prompt's chain keys at a block size, tokenized and chained once per decision
+    whatever the number of backends."""
+    prompts = request.llm.prompts if request.llm else ()
+    ids: list[Sequence[int]] = []
+    cache: dict[int, list[list[int]]] = {}
+
+    def keys_of(block_size: int) -> list[list[int]]:
+        if request.engine_keys is not None:
+            return [list(request.engine_keys)]
+        if not ids:
+            ids.extend(p if isinstance(p, tuple) else APPROX.ids(p) for p in prompts)
+        if block_size not in cache:
+            cache[block_size] = [chain_keys(p, block_size) for p in ids]
+        return cache[block_size]
+
+    return keys_of
+
+
+def _leading(hit: Any) -> int:
+    """How many leading entries of a boolean array are true."""
+    return len(hit) if hit.all() else int(np.argmin(hit))
+
+
+class Features:
+    """Computes candidates from the fleet's records on the router's clock."""
+
+    def __init__(self, fleet: Fleet, clock: Callable[[], float]) -> None:
+        self.fleet = fleet
+        self.clock = clock
+        # No first byte ever seen means none is observed (an Envoy without the observing
+        # filter): lateness would then be noise (set by the router at the first one).
+        self.sees_first_bytes = False
+
+    def prompt_blocks(self, request: RouteRequest) -> list[Hashes]:
+        """Each prompt's prefix-block hashes (one list per prompt of a batch)."""
+        if request.blocks is not None:
+            return [as_hashes(list(request.blocks))]
+        if request.llm is None:
+            return []
+        bt = self.fleet.cfg.routing.block_tokens
+        return [
+            as_hashes(
+                block_hashes_of_ids(p, bt) if isinstance(p, tuple) else APPROX.block_hashes(p, bt)
+            )
+            for p in request.llm.prompts
+        ]
+
+    def _precise_cached(
+        self,
+        b: BackendState,
+        keys_of: Callable[[int], list[list[int]]],
+        blocks: list[Hashes],
+        now_s: float,
+    ) -> list[float]:
+        """Per prompt, the tokens the engine's own events say it holds, or that this router
+        sent there within optimistic_ttl_s (not yet confirmed by an event)."""
+        routing = self.fleet.cfg.routing
+        engine = b.engine_blocks
+        assert engine is not None  # precise_for
+        since_s = now_s - routing.optimistic_ttl_s
+        out = []
+        for keys, prompt_blocks in zip(
+            keys_of(engine.block_size or routing.block_tokens), blocks, strict=False
+        ):
+            reported = engine.cached_tokens(keys)
+            recent = b.prefix.last_used_s(prompt_blocks)
+            optimistic = _leading(recent >= since_s) * routing.block_tokens
+            out.append(max(reported, optimistic))
+        return out
+
+    def candidates(self, request: RouteRequest, blocks: list[Hashes]) -> tuple[Candidate, ...]:
+        now_s = self.clock()
+        state = self.fleet.state
+        lengths = request.llm.prompt_tokens if request.llm else ()
+        input_tokens = sum(lengths)
+        need_kv = kv_tokens(request)
+        bt = self.fleet.cfg.routing.block_tokens
+        active = [b for b in state.backends.values() if b.lifecycle is _ACTIVE]
+        if not active:
+            raise NoActiveBackend("no active backend")
+        healthy = [b for b in active if state.available(b, now_s)]
+        keys_of = _keys_by_block_size(request)
+        out = []
+        for b in healthy or active:  # all suspect: try them all (never a draining one)
+            if precise_for(b, request):
+                per_prompt = self._precise_cached(b, keys_of, blocks, now_s)
+            else:
+                per_prompt = [b.prefix.match(prompt) * bt for prompt in blocks]
+            # Each prompt's own leading match; at least one token of each is computed.
+            cached = sum(
+                min(int(c), max(0, n - 1)) for c, n in zip(per_prompt, lengths, strict=False)
+            )
+            uncached = input_tokens - cached
+            prefill_ms = b.prefill.prefill_ms(uncached, cached)
+            items, step_ms = self._queue_items(b)
+            queue_ms = self._queue_ms(b, now_s, need_kv, items, step_ms)
+            out.append(
+                Candidate(
+                    backend_id=b.id,
+                    in_flight=b.in_flight,
+                    waiting_first_byte=b.waiting_first_byte,
+                    in_flight_tokens=b.in_flight_tokens,
+                    rtt_ms=b.rtt_ms,
+                    queue_ms=queue_ms,
+                    prefill_ms=prefill_ms,
+                    cached_tokens=cached,
+                    uncached_tokens=uncached,
+                    decode_stall_ms=decode_stall_ms(prefill_ms, b.in_flight),
+                    kv_ms=kv_headroom_ms(
+                        items,
+                        step_ms,
+                        now_s,
+                        b.prefix.capacity_blocks * bt,
+                        need_kv,
+                        KV_HEADROOM_MARGIN,
+                        queue_ms,
+                    ),
+                )
+            )
+        return tuple(out)
+
+    def _queue_items(self, b: BackendState) -> tuple[list[QueueItem], float]:
+        """The backend's requests in flight as the queue and KV estimates see them, and its
+        decode step now."""
+        items = [
+            QueueItem(
+                r.prefill_ms,
+                r.input_tokens + r.output_tokens,
+                r.output_tokens,
+                r.dispatched_s,
+                r.first_byte_s,
+                # Due: when its first token should have come. Only a streamed response
+                # shows its first token; a non-streamed one answers at the end.
+                r.dispatched_s + (r.rtt_ms + r.queue_ms + r.prefill_ms) / 1000
+                if r.streaming
+                else None,
+            )
+            for r in b.records.values()
+        ]
+        decoding = [r for r in b.records.values() if r.first_byte_s is not None]
+        step_ms = b.profile.decode_ms(len(decoding), sum(r.input_tokens for r in decoding))
+        return items, step_ms
+
+    def queue_estimate_ms(self, backend: str, now_s: float, need_kv_tokens: int = 0) -> float:
+        """How long a new request needing need_kv_tokens of KV would wait on `backend`
+        before its own prefill starts."""
+        b = self.fleet.state.backends[backend]
+        items, step_ms = self._queue_items(b)
+        return self._queue_ms(b, now_s, need_kv_tokens, items, step_ms)
+
+    def _queue_ms(
+        self,
+        b: BackendState,
+        now_s: float,
+        need_kv_tokens: int,
+        items: list[QueueItem],
+        step_ms: float,
+    ) -> float:
+        capacity = b.prefix.capacity_blocks * self.fleet.cfg.routing.block_tokens
+        grace_ms = self.fleet.cfg.routing.stall_grace_ms if self.sees_first_bytes else 0.0
+        own_ms = estimate_queue_ms(
+            items, step_ms, now_s, b.rtt_ms / 2, capacity, need_kv_tokens, grace_ms
+        )
+        report = self.fresh_engine_report(b, now_s)
+        if report is not None and report.waiting is not None and b.engine_at_s is not None:
+            # The engine's own count of requests waiting (load this router did not route:
+            # other routers, direct clients), priced at the mean prefill of what we sent
+            # there lately, plus what this router sent there since that report.
+            since = sum(
+                r.prefill_ms
+                for r in b.records.values()
+                if r.dispatched_s > b.engine_at_s and r.first_byte_s is None
+            )
+            own_ms = max(own_ms, report.waiting * b.mean_prefill_ms + since)
+        return own_ms
+
+    def fresh_engine_report(self, b: BackendState, now_s: float) -> EngineReport | None:
+        """The engine's last load report, unless older than probes.metrics_stale_s."""
+        if b.engine_at_s is None or now_s - b.engine_at_s > self.fleet.cfg.probes.metrics_stale_s:
+            return None
+        return b.engine
+
+    def least_queue_ms(self, request: RouteRequest) -> float:
+        """The shortest queue estimate over the active backends (admission)."""
+        now_s = self.clock()
+        need = kv_tokens(request)
+        return min(
+            (
+                self.queue_estimate_ms(b.id, now_s, need)
+                for b in self.fleet.state.backends.values()
+                if b.lifecycle is _ACTIVE
+            ),
+            default=0.0,
+        )

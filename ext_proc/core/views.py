@@ -1,0 +1,75 @@
+"""What the router shows of itself (/state): per backend its record, queue estimate,
+cached tokens, engine report, prefix state and prediction figures; the policy, weights,
+tuner and the recent decisions."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from ext_proc.core.features import Features
+from ext_proc.core.state import BackendState
+from ext_proc.core.types import Decision, PrefixState, Weights
+from ext_proc.learn.tuner import Tuner
+
+
+def prefix_state_json(b: BackendState, wall_s: float) -> dict[str, Any]:
+    """Where the backend's cached-token prediction comes from, and its KV-event stream."""
+    state = PrefixState.PRECISE if b.precise else PrefixState.APPROXIMATE
+    out: dict[str, Any] = {"prefix_state": str(state)}
+    engine = b.engine_blocks
+    if engine is not None:
+        out["kv_events"] = {
+            "up": b.precise,
+            "blocks": engine.blocks,
+            "block_size": engine.block_size,
+            "last_seq": engine.last_seq,
+            "last_event_ts": engine.last_ts,
+            # Seconds since that stamp (an idle engine publishes nothing).
+            "age_s": None
+            if engine.last_ts is None
+            else round(max(0.0, wall_s - engine.last_ts), 3),
+            "gaps": engine.gaps,
+            "resets": engine.resets,
+        }
+    return out
+
+
+def snapshot(
+    features: Features,
+    policy: str,
+    weights: Weights | None,
+    tuner: Tuner | None,
+    decisions: int,
+    recent: Iterable[Decision],
+) -> dict[str, Any]:
+    fleet = features.fleet
+    now_s = features.clock()
+    wall_s = time.time()  # KV event batches carry the engine's wall-clock stamp
+    bt = fleet.cfg.routing.block_tokens
+    backends = {}
+    for b in fleet.state.backends.values():
+        backends[b.id] = {
+            **b.as_json(),
+            "queue_ms": round(features.queue_estimate_ms(b.id, now_s), 3),
+            "cached_tokens": b.prefix.size_blocks * bt,
+            # What the engine last said of its load, and how old that is (None: never).
+            "engine": None
+            if b.engine is None or b.engine_at_s is None
+            else {**b.engine.as_json(), "age_s": round(now_s - b.engine_at_s, 3)},
+            **prefix_state_json(b, wall_s),
+            # How far its cached-token predictions were from the engine's reports.
+            "prefix_prediction": b.prediction.as_json(),
+            "lifecycle_age_s": round(now_s - b.lifecycle_since_s, 3),
+        }
+    return {
+        "policy": policy,
+        "weights": None if weights is None else {"rtt": weights.rtt, "queue": weights.queue},
+        "tuner": None if tuner is None else tuner.snapshot(),
+        "decisions": decisions,
+        "in_flight": len(fleet.state.in_flight),
+        "backends": backends,
+        "removed_backends": fleet.removed_json(now_s),
+        "recent_decisions": [d.as_json() for d in recent],
+    }
