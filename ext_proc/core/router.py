@@ -282,7 +282,7 @@ class Router:
             listener.on_first_byte(event)
         return event
 
-    def response_ended(self, request_id: str, e2e_ms: float) -> bool:
+    def response_ended(self, request_id: str, e2e_ms: float | None) -> bool:
         """Envoy says a streamed response ended (e2e_ms) before its first byte was seen:
         the first byte came no later. Returns whether the request waits for that first
         byte (True: close it a moment later), False if there is nothing to wait for."""

@@ -378,13 +378,11 @@ class AccessLogService:
         return codec.StreamAccessLogsResponse()
 
     def observe(self, e: codec.AccessLogEntry) -> None:
-        rec = self.router.in_flight.get(e.request_id)
         answered = 200 <= e.response_code < 300  # a body went out: its first chunk may lag
-        if rec is not None and rec.streaming and rec.first_byte_s is None and answered:
+        if answered and self.router.response_ended(e.request_id, e.e2e_ms):
             # The entry travels over another gRPC stream than the observer's first-chunk
             # message and can overtake it (a response over within milliseconds): close a
             # moment later so the TTFT is not lost; the first byte came before the end.
-            rec.ended_e2e_ms = e.e2e_ms
             with contextlib.suppress(RuntimeError):  # no loop (a test calling directly)
                 asyncio.get_running_loop().call_later(COMPLETION_GRACE_S, self._close, e)
                 return

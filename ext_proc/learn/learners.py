@@ -11,7 +11,8 @@ from ext_proc.core.state import FleetState
 from ext_proc.core.types import Status
 from ext_proc.estimate.prediction import prediction_error
 from ext_proc.estimate.profile import EngineProfile
-from ext_proc.learn.tuner import EXCESS_TTFT, Tuner
+from ext_proc.learn.settings import EXCESS_TTFT
+from ext_proc.learn.tuner import Tuner
 
 log = logging.getLogger("gorgo.router")
 

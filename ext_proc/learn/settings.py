@@ -1,0 +1,204 @@
+"""The tuner's settings, its persisted state and its steps, and how an arm's samples are
+scored: shared by the tuner and its two strategies (`paired`, `paper`).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from ext_proc.config.schema import TunerArmKey, TunerMode, TunerObjective
+
+PAPER = TunerMode.PAPER
+PAIRED = TunerMode.PAIRED
+TTFT, EXCESS_TTFT = TunerObjective.TTFT, TunerObjective.EXCESS_TTFT
+PARENT, CHILD = "parent", "child"
+Bounds = tuple[tuple[float, float], tuple[float, float]]
+# Receives the tuner's state (a JSON-able dict) after every step.
+StateSink = Callable[[dict[str, Any]], None]
+
+
+# How an arm's samples can be scored (`TunerSettings.score`).
+SCORES = ("p95", "tail", "mean")
+
+
+@dataclass(frozen=True)
+class TunerSettings:
+    mode: TunerMode = PAIRED
+    sigma0: float = 0.5
+    # 1/5 rule: over the last `success_window` outcomes, sigma /= factor when more than a
+    # fifth succeeded, sigma *= factor when fewer.
+    success_window: int = 8
+    factor: float = 0.817
+    # Bounds of each weight (log-space search, clipped), for the time form, where 1.0 is
+    # the physical weight of a millisecond of RTT or queue: from where the term stops
+    # changing decisions (1/16) to where it overrides the others (w_rtt 256: 90 ms weigh
+    # 23 s); the measured optimum, w_rtt 32-64, is inside (docs/tuner.md). `paper` mode
+    # uses the paper's bounds.
+    rtt_bounds: tuple[float, float] = (1 / 16, 256.0)
+    queue_bounds: tuple[float, float] = (1 / 16, 16.0)
+    # paper mode: score = p95 TTFT over the last `window` completions, every `rescore_every`.
+    window: int = 128
+    rescore_every: int = 32
+    # paired mode: samples per arm per round (a round costs 2x this many completions).
+    arm_size: int = 24
+    sigma_min: float = 0.05
+    sigma_max: float = 1.0
+    confidence: float = 0.8
+    # A round ends early, once both arms hold `early_arm_size` samples, when the test is
+    # already this sure either way: a child far better or far worse costs few requests.
+    early_arm_size: int = 12
+    early_confidence: float = 0.97
+    # A child that wins a round is kept for the next, and accepted only when it has won
+    # `confirm_rounds` rounds in a row: one round's false accept (a round's p95 of 24 is
+    # noisy) is not enough to move the parent. 1 = accept on the first win.
+    confirm_rounds: int = 2
+    # What a TTFT sample is: the TTFT, or its excess over the request's own floor.
+    objective: TunerObjective = TTFT
+    # What the arm's hash is of: the request id, or the session key when there is one.
+    arm_key: TunerArmKey = TunerArmKey.REQUEST
+    # How an arm's samples are scored (TTFT for the test, E2E for the guard): "p95",
+    # "tail", the mean of the slowest `tail_fraction` of them, or "mean".
+    score: str = "p95"
+    tail_fraction: float = 0.25
+    bootstrap: int = 300
+    e2e_guard: float = 0.05
+    freeze_after: int = 6
+    drift: float = 1.5
+
+    @staticmethod
+    def paper() -> TunerSettings:
+        return TunerSettings(mode=PAPER, rtt_bounds=(0.05, 2.0), queue_bounds=(0.05, 0.5))
+
+    def __post_init__(self) -> None:
+        if self.score not in SCORES:
+            raise ValueError(f"tuner score {self.score!r}: expected one of {', '.join(SCORES)}")
+
+    def clip(self, w: tuple[float, float]) -> tuple[float, float]:
+        (rlo, rhi), (qlo, qhi) = self.rtt_bounds, self.queue_bounds
+        return (min(rhi, max(rlo, w[0])), min(qhi, max(qlo, w[1])))
+
+
+@dataclass
+class Step:
+    """One decision of the tuner, for /state and the convergence plot."""
+
+    samples: int
+    parent: tuple[float, float]
+    child: tuple[float, float]
+    accepted: bool
+    sigma: float
+    parent_p95_ms: float | None
+    child_p95_ms: float | None
+    note: str = ""
+    # The child won this round and runs another before it is accepted (no verdict yet).
+    confirming: bool = False
+
+
+@dataclass
+class TunerState:
+    parent: tuple[float, float]
+    child: tuple[float, float]
+    sigma: float
+    samples: int = 0
+    outcomes: list[bool] = field(default_factory=list)
+    parent_score_ms: float | None = None
+    frozen: bool = False
+    earned_p95_ms: float | None = None
+    stale_rounds: int = 0
+    # Rounds in a row the current child has won (confirm_rounds).
+    wins: int = 0
+    history: list[dict[str, Any]] = field(default_factory=list)
+
+
+def p95(values: Sequence[float] | np.ndarray) -> float:
+    return float(np.percentile(np.asarray(values, dtype=float), 95))
+
+
+def tail_mean(values: np.ndarray, fraction: float, axis: int = -1) -> Any:
+    """The mean of the slowest `fraction` of the values (at least one) along `axis`."""
+    v = np.sort(np.asarray(values, dtype=float), axis=axis)
+    k = max(1, round(v.shape[axis] * fraction))
+    return np.take(v, np.arange(v.shape[axis] - k, v.shape[axis]), axis=axis).mean(axis=axis)
+
+
+def state_from_doc(doc: Any, settings: TunerSettings) -> TunerState | None:
+    """A saved state (the sink's dict) for these settings. None if it was saved in
+    another mode; ValueError if it is not a valid state."""
+    try:
+        raw = dict(doc)
+        if raw.pop("mode") != settings.mode:
+            return None
+        st = TunerState(**raw)
+        st.parent = settings.clip(tuple(st.parent))  # type: ignore[arg-type]
+        st.child = settings.clip(tuple(st.child))  # type: ignore[arg-type]
+    except (ValueError, TypeError, KeyError) as e:
+        raise ValueError(f"not a tuner state: {e}") from e
+    if not all(math.isfinite(v) and v > 0 for v in (*st.parent, *st.child, st.sigma)):
+        raise ValueError("weights and sigma must be positive numbers")
+    return st
+
+
+def score(settings: TunerSettings, samples: np.ndarray) -> Any:
+    """Each row's score (the last axis holds an arm's samples)."""
+    if settings.score == "p95":
+        return np.percentile(samples, 95, axis=-1)
+    if settings.score == "mean":
+        return np.mean(samples, axis=-1)
+    return tail_mean(samples, settings.tail_fraction)  # "tail" (checked at construction)
+
+
+class TunerCore(Protocol):
+    """What a strategy uses of the tuner: its settings, state and RNG, and the shared
+    steps (sigma's 1/5 rule, the history, mutation, saving)."""
+
+    s: TunerSettings
+    state: TunerState
+    rng: random.Random
+
+    def mutate(self, w: tuple[float, float]) -> tuple[float, float]: ...
+
+    def record(
+        self,
+        accepted: bool,
+        parent_ms: float | None,
+        child_ms: float | None,
+        note: str,
+        confirming: bool = False,
+    ) -> Step: ...
+
+    def finish_round(
+        self,
+        accepted: bool,
+        parent_ms: float | None,
+        child_ms: float | None,
+        bounded: bool,
+        note: str = "",
+    ) -> Step: ...
+
+    def save(self) -> None: ...
+
+
+class Strategy(Protocol):
+    """How one mode serves its arms and decides when a round ends (`paired`, `paper`)."""
+
+    # Drop a sample decided by weights a finished round replaced.
+    checks_stale: bool
+
+    def start(self) -> None:
+        """New weights to tune from (at start, or set by an operator)."""
+
+    def reset(self) -> None:
+        """Forget the round in progress."""
+
+    def arm_for(self, request_id: str, session_key: str | None) -> str: ...
+
+    def arm_sizes(self) -> dict[str, int]: ...
+
+    def observe(self, arm: str, ttft_ms: float, e2e_ms: float) -> Step | None:
+        """A scored completion of `arm`; the step it ended, if any."""
