@@ -9,18 +9,16 @@ cannot keep up (a busy event loop). The client protocol (loadgen.protocol: the c
 output lengths, long prompts dropped) is the same as `gorgo simulate`'s.
 
 Pure core (no sockets, no clock of its own): `build_request` turns a trace row into an
-HTTP request, `OpenLoop` decides who may be sent when, `simulate_open_loop` drives it on
-a virtual clock, `Progress` renders the status line. The asyncio shell (`Replay`, run
-by `replay`, and `run_replay`) adds sockets and timers; results use the shared schema
-of `loadgen.results`; the `--plot` figure is drawn by `loadgen.plots`.
+HTTP request, `loadgen.concurrency.ConcurrencyCap` (the simulator's too) decides who may
+be sent when, `Progress` renders the status line. The asyncio shell (`Replay`, run by
+`replay`, and `run_replay`) adds sockets and timers; results use the shared schema of
+`loadgen.results`; the `--plot` figure is drawn by `loadgen.plots`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import heapq
-import itertools
 import json
 import math
 import signal
@@ -37,6 +35,7 @@ import aiohttp
 
 from ext_proc.common.names import HEADER_SESSION
 from loadgen.client import CHAT_PATH, COMPLETIONS_PATH, Result, percentile, send_stream
+from loadgen.concurrency import Admitted, ConcurrencyCap
 from loadgen.plots import plot_run
 from loadgen.protocol import Protocol, protocol_for
 from loadgen.results import RequestResult, summarize, table, write_csv, write_result
@@ -109,99 +108,6 @@ def build_request(r: TraceRequest, api: str, synth: PromptSynth) -> HttpRequest:
 
 
 # ---------------------------------------------------------------------------------------
-# Scheduling: pure, on whatever clock the caller passes in (seconds since the start).
-
-
-@dataclass(frozen=True)
-class Dispatch:
-    index: int  # position in the schedule
-    due_s: float
-    sent_s: float
-    # Waited for a free slot: the cap was full at its due time.
-    throttled: bool
-
-    @property
-    def slip_s(self) -> float:
-        return self.sent_s - self.due_s
-
-
-class OpenLoop:
-    """Who may be sent when. Requests go in order, each at its due time or, while
-    max_concurrency are in flight, at the first completion after it."""
-
-    def __init__(self, due_s: Sequence[float], max_concurrency: int) -> None:
-        if max_concurrency < 1:
-            raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
-        if any(b < a for a, b in itertools.pairwise(due_s)):
-            raise ValueError("due times must be sorted")
-        self.due_s = list(due_s)
-        self.max_concurrency = max_concurrency
-        self.in_flight = 0
-        self.next = 0  # index of the next request to send
-        # The next request was due while the cap was full: it waits for a slot.
-        self._next_waited = False
-
-    @property
-    def pending(self) -> int:
-        return len(self.due_s) - self.next
-
-    def wait_s(self, now_s: float) -> float | None:
-        """Seconds until the next request may go (0: now); None when everything was sent
-        or the cap is full (the next completion changes that)."""
-        if self.next >= len(self.due_s) or self.in_flight >= self.max_concurrency:
-            return None
-        return max(0.0, self.due_s[self.next] - now_s)
-
-    def send(self, now_s: float) -> Dispatch:
-        if self.wait_s(now_s) != 0.0:
-            raise RuntimeError("nothing may be sent now")
-        i, due = self.next, self.due_s[self.next]
-        throttled, self._next_waited = self._next_waited, False
-        self.next += 1
-        self.in_flight += 1
-        return Dispatch(i, due, max(now_s, due), throttled)
-
-    def done(self, now_s: float) -> None:
-        """A request finished (any outcome): its slot is free."""
-        if self.in_flight <= 0:
-            raise RuntimeError("done() without a request in flight")
-        # Only a completion ends a full cap: if the next request was already due then,
-        # it waited for this slot.
-        if (
-            self.in_flight == self.max_concurrency
-            and self.next < len(self.due_s)
-            and self.due_s[self.next] < now_s
-        ):
-            self._next_waited = True
-        self.in_flight -= 1
-
-
-def simulate_open_loop(
-    due_s: Sequence[float], service_s: Sequence[float], max_concurrency: int
-) -> list[Dispatch]:
-    """Drive OpenLoop on a virtual clock: request i takes service_s[i] once sent. What the
-    live replay would do with perfectly punctual timers (tests, what-if on a trace)."""
-    loop = OpenLoop(due_s, max_concurrency)
-    finishing: list[float] = []
-    out: list[Dispatch] = []
-    now = 0.0
-    while loop.pending:
-        wait = loop.wait_s(now)
-        if wait == 0.0:
-            d = loop.send(now)
-            out.append(d)
-            heapq.heappush(finishing, now + service_s[d.index])
-            continue
-        timer = math.inf if wait is None else loop.due_s[loop.next]  # exact: no now + wait
-        if finishing and finishing[0] <= timer:
-            now = heapq.heappop(finishing)
-            loop.done(now)
-        else:
-            now = timer
-    return out
-
-
-# ---------------------------------------------------------------------------------------
 # Progress line.
 
 
@@ -247,11 +153,16 @@ class Progress:
 @dataclass
 class Sent:
     request: TraceRequest
-    dispatch: Dispatch
+    # Its slot: the item is the request's position in the schedule.
+    dispatch: Admitted[int]
     # When the POST started (after the body was ready), seconds since the start; slip is
     # measured to here.
     sent_s: float
     result: RequestResult
+
+    @property
+    def index(self) -> int:
+        return self.dispatch.item
 
     @property
     def slip_s(self) -> float:
@@ -337,11 +248,11 @@ class Replay:
         self.timeout_s = timeout_s
         self.stop = stop or asyncio.Event()
         self.due = [r.arrival_s for r in trace]
-        self.plan = OpenLoop(self.due, max_concurrency)
+        self.cap: ConcurrencyCap[int] = ConcurrencyCap(max_concurrency, self.now_s)
+        self.arrived = 0  # requests whose due time came (sent, or waiting for a slot)
         self.status = Progress(len(trace), self.due[-1] if self.due else 0.0)
         self.writer = _Writer(progress)
         self.synth = PromptSynth()
-        self.freed = asyncio.Event()  # a slot came free (or stop was asked)
         self.sent: list[Sent] = []
         self.tasks: set[asyncio.Task[None]] = set()
         self.prepared: dict[int, asyncio.Future[Encoded]] = {}
@@ -358,7 +269,7 @@ class Replay:
     def prepare_ahead(self, horizon_s: float) -> None:
         while (
             self.next_prepare < len(self.trace)
-            and self.next_prepare - self.plan.next < PREPARE_AHEAD_MAX
+            and self.next_prepare - (self.arrived - self.cap.waiting) < PREPARE_AHEAD_MAX
             and self.due[self.next_prepare] <= horizon_s
         ):
             r = self.trace[self.next_prepare]
@@ -376,7 +287,6 @@ class Replay:
 
     async def run(self) -> ReplayRun:
         stopper = asyncio.ensure_future(self.stop.wait())
-        stopper.add_done_callback(lambda _: self.freed.set())
         wall0 = time.perf_counter()
         connector = aiohttp.TCPConnector(limit=self.max_concurrency)
         try:
@@ -410,28 +320,33 @@ class Replay:
         return self.finish(wall0)
 
     async def dispatch(self, session: aiohttp.ClientSession) -> None:
-        """Send the schedule, each request at its due time or when a slot frees, until
-        everything was sent or stop was asked."""
-        plan = self.plan
-        while plan.pending and not self.stop.is_set():
+        """Each request arrives at its due time: sent then if a slot is free, else when
+        one frees (`one` sends it), until everything arrived or stop was asked."""
+        while self.arrived < len(self.trace) and not self.stop.is_set():
             self.prepare_ahead(self.now_s() + PREPARE_AHEAD_S)
-            wait = plan.wait_s(self.now_s())
-            if wait == 0.0:
-                task = asyncio.ensure_future(self.one(session, plan.send(self.now_s())))
-                self.tasks.add(task)
-                task.add_done_callback(self.tasks.discard)
-            elif wait is None:
-                self.freed.clear()
-                await self.freed.wait()
+            i = self.arrived
+            wait = self.due[i] - self.now_s()
+            if wait <= 0:
+                self.arrived += 1
+                self.launch(session, self.cap.arrive(i, self.due[i]))
             else:
                 # Wake at the due time, or earlier to keep bodies prepared ahead.
                 await _pause(self.stop, min(wait, PREPARE_AHEAD_S / 2))
 
-    async def one(self, session: aiohttp.ClientSession, d: Dispatch) -> None:
-        r = self.trace[d.index]
+    def launch(self, session: aiohttp.ClientSession, d: Admitted[int] | None) -> None:
+        """Send a request given a slot (None: it waits for one)."""
+        if d is None:
+            return
+        task = asyncio.ensure_future(self.one(session, d))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        self.prepare_ahead(self.now_s() + PREPARE_AHEAD_S)
+
+    async def one(self, session: aiohttp.ClientSession, d: Admitted[int]) -> None:
+        r = self.trace[d.item]
         item: Sent | None = None
         try:
-            req = await self.body_for(d.index)
+            req = await self.body_for(d.item)
             item = Sent(r, d, self.now_s(), RequestResult(r.id))
             self.status.sent(item.slip_s)
             res = await send_stream(
@@ -442,8 +357,10 @@ class Replay:
         except Exception as e:  # building the body failed; keep the run going
             res = Result(r.id, error=f"cannot build the request: {e}")
         finally:
-            self.plan.done(self.now_s())
-            self.freed.set()
+            # Its slot goes to the longest waiting (none once stop was asked).
+            waited = self.cap.release()
+            if not self.stop.is_set():
+                self.launch(session, waited)
         if item is None:  # never got as far as the POST
             item = Sent(r, d, self.now_s(), RequestResult(r.id))
             self.status.sent(item.slip_s)
@@ -462,7 +379,7 @@ class Replay:
 
     def finish(self, wall0: float) -> ReplayRun:
         """The run's results, in schedule order; `wall0` is its perf_counter start."""
-        self.sent.sort(key=lambda s: s.dispatch.index)
+        self.sent.sort(key=lambda s: s.index)
         return ReplayRun(
             sent=self.sent,
             planned=len(self.trace),

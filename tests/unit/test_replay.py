@@ -1,5 +1,6 @@
-"""The replay's pure core: requests from trace rows, open-loop scheduling and slip; and
-the asyncio shell and its figure without a server."""
+"""The replay's pure core: requests from trace rows and the progress line; and the asyncio
+shell (its concurrency cap: tests/unit/test_concurrency.py) and its figure without a
+server."""
 
 from __future__ import annotations
 
@@ -11,98 +12,22 @@ import sys
 from pathlib import Path
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
 
 from ext_proc.prompt.tokens import count_tokens
 from loadgen.client import Result
+from loadgen.concurrency import Admitted
 from loadgen.plots import plot_run
 from loadgen.replay import (
-    Dispatch,
-    OpenLoop,
     Progress,
     ReplayOptions,
     ReplayRun,
     Sent,
     build_request,
     replay,
-    simulate_open_loop,
     to_result,
 )
 from loadgen.results import RequestResult
 from loadgen.traces import PromptSynth, TraceRequest
-
-
-def sent(due: list[float], service: list[float], cap: int) -> list[tuple[float, bool]]:
-    return [(d.sent_s, d.throttled) for d in simulate_open_loop(due, service, cap)]
-
-
-def test_open_loop_never_waits_for_earlier_requests() -> None:
-    # a 10 s request does not hold back the ones after it
-    assert sent([0.0, 0.1, 0.2], [10.0, 1.0, 1.0], cap=8) == [
-        (0.0, False),
-        (0.1, False),
-        (0.2, False),
-    ]
-
-
-def test_a_full_cap_holds_arrivals_until_a_slot_frees_in_order() -> None:
-    ds = simulate_open_loop([0.0, 0.0, 0.0], [1.0, 1.0, 1.0], max_concurrency=1)
-    assert [(d.index, d.sent_s, d.throttled) for d in ds] == [
-        (0, 0.0, False),
-        (1, 1.0, True),
-        (2, 2.0, True),
-    ]
-    assert [d.slip_s for d in ds] == [0.0, 1.0, 2.0]
-    # cap 2: the third arrival waits for the first completion, the fourth is on time
-    assert sent([0.0, 0.5, 0.6, 3.0], [1.0, 1.0, 1.0, 1.0], cap=2) == [
-        (0.0, False),
-        (0.5, False),
-        (1.0, True),
-        (3.0, False),
-    ]
-
-
-def test_an_arrival_at_the_instant_a_slot_frees_is_on_time() -> None:
-    assert sent([0.0, 1.0], [1.0, 1.0], cap=1) == [(0.0, False), (1.0, False)]
-
-
-@given(
-    st.lists(st.tuples(st.floats(0, 5), st.floats(0.01, 3)), min_size=1, max_size=40),
-    st.integers(1, 5),
-)
-def test_schedule_invariants(rows: list[tuple[float, float]], cap: int) -> None:
-    due = sorted(a for a, _ in rows)
-    service = [s for _, s in rows]
-    ds = simulate_open_loop(due, service, cap)
-    assert [d.index for d in ds] == list(range(len(due)))  # all, in arrival order
-    finish = [d.sent_s + service[d.index] for d in ds]
-    for d in ds:
-        assert d.sent_s >= d.due_s and d.slip_s >= 0
-        running = sum(1 for e in ds[: d.index] if finish[e.index] > d.sent_s)
-        assert running < cap  # a slot was free when it went
-        # with punctual timers, only the cap makes a request late, and then it goes
-        # the instant a slot frees
-        assert d.throttled == (d.slip_s > 0)
-        if d.throttled:
-            assert d.sent_s in finish[: d.index]
-    if cap >= len(due):
-        assert all(d.slip_s == 0 for d in ds)
-
-
-def test_open_loop_rejects_misuse() -> None:
-    with pytest.raises(ValueError, match="max_concurrency"):
-        OpenLoop([0.0], 0)
-    with pytest.raises(ValueError, match="sorted"):
-        OpenLoop([1.0, 0.0], 1)
-    plan = OpenLoop([1.0], 1)
-    assert plan.wait_s(0.25) == 0.75
-    with pytest.raises(RuntimeError):
-        plan.send(0.5)  # not due yet
-    with pytest.raises(RuntimeError):
-        plan.done(0.5)  # nothing in flight
-    plan.send(1.0)
-    assert plan.wait_s(1.0) is None and plan.pending == 0
 
 
 def mooncake_row(n_in: int = 1300, n_out: int = 17) -> TraceRequest:
@@ -227,10 +152,19 @@ async def test_a_replay_against_nothing_records_every_request_as_an_error() -> N
     run = await replay(trace, f"http://127.0.0.1:{closed_port()}", progress=out)
     assert (run.planned, len(run.sent), run.interrupted) == (3, 3, False)
     assert [s.request.id for s in run.sent] == ["t0", "t1", "t2"]  # in schedule order
-    assert [s.dispatch.index for s in run.sent] == [0, 1, 2]
+    assert [s.index for s in run.sent] == [0, 1, 2]
     assert all(r.status == "error" and r.error for r in run.results)
     assert all(s.slip_s >= 0 for s in run.sent) and run.wall_s > 0
     assert "3/3 done | 0 in flight | 3 errors" in out.getvalue() and out.getvalue()[-1] == "\n"
+
+
+async def test_a_full_cap_sends_the_next_request_when_a_slot_frees() -> None:
+    trace = [TraceRequest(i, 0.0, 20, 4, (i,), 512, f"s{i}") for i in range(3)]
+    run = await replay(trace, f"http://127.0.0.1:{closed_port()}", max_concurrency=1)
+    assert [s.index for s in run.sent] == [0, 1, 2]
+    assert [s.dispatch.throttled for s in run.sent] == [False, True, True]
+    slips = [s.slip_s for s in run.sent]
+    assert 0 <= slips[0] <= slips[1] <= slips[2] and slips[2] > 0
 
 
 async def test_a_replay_stopped_before_it_starts_sends_nothing() -> None:
@@ -246,7 +180,7 @@ def test_plot_run_writes_a_png(tmp_path: Path) -> None:
         r = TraceRequest(i, float(i), 20, 4, (i,), 512, "s")
         return Sent(
             r,
-            Dispatch(i, float(i), float(i), False),
+            Admitted(i, float(i), float(i), False),
             float(i),
             RequestResult(r.id, ttft_ms=ttft_ms, status=status),
         )
