@@ -54,8 +54,6 @@ from __future__ import annotations
 import math
 import sys
 import time
-import zlib
-from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, replace
@@ -63,23 +61,15 @@ from pathlib import Path
 
 import numpy as np
 
-from ext_proc.common.files import write_atomic
-from ext_proc.estimate.profile import DEFAULT_PROFILE, EngineProfile, load_profile
+from ext_proc.estimate.profile import DEFAULT_PROFILE
+from loadgen.bench_floors import burst_floor_ttfts_ms, clairvoyant_greedy_ttfts_ms, floor_ttfts_ms
 from loadgen.bench_results import POLICIES
-from loadgen.protocol import PRESETS, Protocol
+from loadgen.protocol import PRESETS
 from loadgen.results import read_result, write_result
-from loadgen.simulate import SimSettings, _sub_blocks, simulate
+from loadgen.simulate import SimSettings, simulate
 from loadgen.traces import TraceRequest, load_trace, window
 
 BASELINES = tuple(p for p in POLICIES if not p.startswith("gorgo"))
-SHORT = {
-    "least_request": "LR",
-    "least_load": "LL",
-    "session_affinity": "SA",
-    "prefix_cache": "PC",
-    "round_robin": "RR",
-    "random": "RND",
-}
 TARGET_TTFT = 0.8
 TARGET_E2E = 1.0
 
@@ -195,152 +185,49 @@ class Row:
         return min(self.headroom, self.burst_headroom) >= 1.0
 
 
-def _engine_keys(r: TraceRequest, engine_block_tokens: int) -> list[int]:
-    """The engine's keys for a request's full blocks (as the simulator submits them)."""
-    per = max(1, r.block_tokens // engine_block_tokens)
-    keys = _sub_blocks(r.block_ids, per, 0)
-    return keys[: r.input_tokens // engine_block_tokens]
+@dataclass(frozen=True)
+class Block:
+    """The rows of one (workload, protocol) and its counts of cells: where the subject
+    meets the target, where some policy could (feasible, with both floors) and the subject
+    does, and where the target is below the clairvoyant greedy scheduler's p95, below the
+    best clairvoyant placement's with the real pool, and below either."""
+
+    workload: str
+    protocol: str
+    rows: tuple[Row, ...]
+    met: int
+    feasible: int
+    met_feasible: int
+    below_greedy: int
+    below_pool: int
+    below_either: int
+
+    @property
+    def subject(self) -> str:
+        return self.rows[0].subject
 
 
-def _reusable_cached(
-    requests: Sequence[TraceRequest], profile: EngineProfile
-) -> list[tuple[TraceRequest, int]]:
-    """Each request (in arrival order) with the prompt tokens an earlier request of the
-    run computed: its leading engine blocks among their full blocks, at most all but the
-    last prompt token (the engine always computes one)."""
-    bt = profile.block_tokens
-    seen: set[int] = set()
-    out: list[tuple[TraceRequest, int]] = []
-    for r in sorted(requests, key=lambda r: r.arrival_s):
-        keys = _engine_keys(r, bt)
-        matched = 0
-        for k in keys:
-            if k not in seen:
-                break
-            matched += 1
-        out.append((r, min(matched, (r.input_tokens - 1) // bt) * bt))
-        seen.update(keys)
-    return out
-
-
-def _fleet(rtt_profile: str, engine_profile: str | None) -> tuple[EngineProfile, float, int]:
-    """The engine profile, the smallest mean RTT (ms) and the number of backends."""
-    s = SimSettings(rtt_profile=rtt_profile)
-    profile = load_profile(engine_profile or s.engine_profile)
-    return profile, min(s.rtt_ms(s.doors[0], b)[0] for b in s.regions), len(s.regions)
-
-
-def floor_ttfts_ms(
-    requests: Sequence[TraceRequest], rtt_profile: str, engine_profile: str | None = None
-) -> list[float]:
-    """Each request's no-queue floor (in arrival order): alone on an idle engine, every
-    prefix an earlier request computed cached, plus the smallest mean RTT (module
-    docstring)."""
-    profile, min_rtt_ms, _ = _fleet(rtt_profile, engine_profile)
-    return [
-        profile.lone_ttft_ms(r.input_tokens, cached) + min_rtt_ms
-        for r, cached in _reusable_cached(requests, profile)
-    ]
-
-
-def burst_floor_ttfts_ms(
-    requests: Sequence[TraceRequest], rtt_profile: str, engine_profile: str | None = None
-) -> list[float]:
-    """Lower bounds that also count the queue a burst forces: of the requests arriving at
-    one instant, sorted by TTFT, the k-th is at least the k-th smallest of their own
-    floors, and at least the smallest RTT + one step's base + the token work (prefill
-    without step bases, which steps share) of the ceil(k / backends) smallest of them:
-    the backend that runs the most of the first k runs at least that many, one after
-    another (prefill before decode, FCFS); and the last is at least the smallest RTT + a
-    base + their token work / backends (some backend holds that share). Work left from
-    earlier bursts is not counted,
-    so it stays a lower bound; the sorted TTFTs of every policy dominate these."""
-    profile, min_rtt_ms, backends = _fleet(rtt_profile, engine_profile)
-    cached = _reusable_cached(requests, profile)
-    base_ms = min_rtt_ms + profile.prefill_base_ms
-    out: list[float] = []
-    i = 0
-    while i < len(cached):
-        j = i
-        while j < len(cached) and cached[j][0].arrival_s == cached[i][0].arrival_s:
-            j += 1
-        own: list[float] = []
-        work: list[float] = []
-        for r, c in cached[i:j]:
-            lone_ms = profile.lone_ttft_ms(r.input_tokens, c)
-            chunks = -(-(r.input_tokens - c) // profile.chunk_tokens)
-            own.append(lone_ms + min_rtt_ms)
-            work.append(lone_ms - chunks * profile.prefill_base_ms)
-        own.sort()
-        prefix = np.cumsum(sorted(work))
-        bounds = [
-            max(own[k - 1], base_ms + float(prefix[-(-k // backends) - 1]))
-            for k in range(1, j - i + 1)
-        ]
-        # and the last of them is at least where the busiest backend's share ends
-        bounds[-1] = max(bounds[-1], base_ms + float(prefix[-1]) / backends)
-        out.extend(bounds)
-        i = j
-    return out
-
-
-def clairvoyant_greedy_ttfts_ms(
-    requests: Sequence[TraceRequest],
-    rtt_profile: str,
-    engine_profile: str | None = None,
-    pool: bool = False,
-    spill_ms: float = 0.0,
-) -> list[float]:
-    """A reference, not a bound: the TTFTs of a router that knows everything gorgo
-    estimates, exactly, and decides as gorgo does, one request at a time in arrival order.
-    Each request goes to the backend where its first token would come soonest: that
-    backend's mean RTT, plus the prefill backlog it holds when the request reaches it,
-    plus the request's own prefill there (`EngineProfile.lone_ttft_ms`) after the prefix
-    that backend caches (every block it ever computed: an unbounded cache per backend).
-    Its engines only prefill (a decode step never delays a prefill) and nothing jitters.
-    A better schedule exists (it would look ahead, or reorder a burst), so a policy can
-    beat it; but a target below it asks an online router to beat perfect information.
-
-    `pool`: each engine caches only what its KV pool holds (`kv_capacity_tokens`, the
-    least recently used block evicted first, as SGLang's radix cache and vLLM's prefix
-    cache do), and the requests running there take none of it. `spill_ms` > 0: every
-    session has a home backend (a hash of its key) and goes elsewhere only when its first
-    token would come more than `spill_ms` sooner there (inf: always home, session
-    affinity with perfect information)."""
-    profile, _, _ = _fleet(rtt_profile, engine_profile)
-    s = SimSettings(rtt_profile=rtt_profile)
-    rtts_ms = {b: s.rtt_ms(s.doors[0], b)[0] for b in s.regions}
-    homes = list(rtts_ms)
-    bt = profile.block_tokens
-    capacity_blocks = profile.kv_capacity_tokens // bt if pool else None
-    # Each backend's cached blocks, least recently used first.
-    held: dict[str, OrderedDict[int, None]] = {b: OrderedDict() for b in rtts_ms}
-    free_ms = dict.fromkeys(rtts_ms, 0.0)
-    out: list[float] = []
-    for r in sorted(requests, key=lambda r: r.arrival_s):
-        keys = _engine_keys(r, bt)
-        at_ms = r.arrival_s * 1000
-        home = homes[zlib.crc32(r.session.encode()) % len(homes)] if spill_ms else None
-        best: tuple[float, float, str, float] | None = None  # score, TTFT, backend, done
-        for b, rtt_ms in rtts_ms.items():
-            matched = next((i for i, k in enumerate(keys) if k not in held[b]), len(keys))
-            cached = min(matched, (r.input_tokens - 1) // bt) * bt
-            done_ms = max(free_ms[b], at_ms + rtt_ms / 2) + profile.lone_ttft_ms(
-                r.input_tokens, cached
+def blocks(rows: Sequence[Row]) -> list[Block]:
+    """The rows by (workload, protocol), in their order, with each block's counts."""
+    by: dict[tuple[str, str], list[Row]] = {}
+    for r in rows:
+        by.setdefault((r.cell.window.workload, r.cell.protocol), []).append(r)
+    out = []
+    for (workload, protocol), rs in by.items():
+        feasible = [r for r in rs if r.feasible]
+        out.append(
+            Block(
+                workload,
+                protocol,
+                tuple(rs),
+                met=sum(r.meets for r in rs),
+                feasible=len(feasible),
+                met_feasible=sum(r.meets for r in feasible),
+                below_greedy=sum(r.greedy_headroom < 1 for r in rs),
+                below_pool=sum(r.pool_headroom < 1 for r in rs),
+                below_either=sum(min(r.greedy_headroom, r.pool_headroom) < 1 for r in rs),
             )
-            ttft_ms = done_ms + rtt_ms / 2 - at_ms
-            score = ttft_ms if home in (None, b) else ttft_ms + spill_ms
-            if best is None or score < best[0]:
-                best = (score, ttft_ms, b, done_ms)
-        assert best is not None
-        _, ttft_ms, b, free_ms[b] = best
-        cache = held[b]
-        for k in keys:
-            cache[k] = None
-            cache.move_to_end(k)
-        while capacity_blocks is not None and len(cache) > capacity_blocks:
-            cache.popitem(last=False)
-        out.append(ttft_ms)
+        )
     return out
 
 
@@ -479,82 +366,6 @@ def run_cells(
     ]
 
 
-def _ms(x: float) -> str:
-    return f"{x:.0f}"
-
-
-def markdown(rows: Sequence[Row], extra: Sequence[str] = ()) -> str:
-    """The matrix: one table per (workload, protocol) block, its met/feasible counts."""
-    blocks: dict[tuple[str, str], list[Row]] = {}
-    for r in rows:
-        blocks.setdefault((r.cell.window.workload, r.cell.protocol), []).append(r)
-    parts: list[str] = []
-    for (workload, protocol), rs in blocks.items():
-        subject = rs[0].subject
-        met = sum(r.meets for r in rs)
-        feasible = [r for r in rs if r.feasible]
-        met_feasible = sum(r.meets for r in feasible)
-        parts.append(
-            f"**{workload}, protocol `{protocol}`** ({Protocol.describe(PRESETS[protocol])}): "
-            f"`{subject}` meets the target in {met}/{len(rs)} cells; {len(feasible)} cells "
-            f"are feasible for some policy (0.8 x best baseline / floor >= 1.0, with both "
-            f"floors), "
-            f"met in {met_feasible} of them; in {sum(r.greedy_headroom < 1 for r in rs)} the "
-            f"target is below the clairvoyant greedy scheduler's p95, in "
-            f"{sum(r.pool_headroom < 1 for r in rs)} below the best clairvoyant placement's "
-            f"with the engines' real KV pool, and in "
-            f"{sum(min(r.greedy_headroom, r.pool_headroom) < 1 for r in rs)} below at least one of "
-            "the two.\n"
-        )
-        head = [
-            "window",
-            "RTT",
-            "time_scale",
-            "best baseline p95 TTFT / E2E (ms)",
-            "floor p95 TTFT (ms)",
-            "0.8 x best baseline / floor",
-            "burst floor p95 TTFT (ms)",
-            "0.8 x best baseline / burst floor",
-            "clairvoyant greedy p95 TTFT (ms)",
-            "0.8 x best baseline / clairvoyant greedy",
-            "clairvoyant, real pool p95 TTFT (ms)",
-            "0.8 x best baseline / clairvoyant, real pool",
-            f"{subject} TTFT / E2E ratio",
-            "meets",
-            *[f"{p} TTFT / E2E ratio" for p in extra],
-        ]
-        lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-        for r in rs:
-            (bt, vt), (be, ve) = r.best_ttft, r.best_e2e
-            t, e = r.ratios(subject)
-            cells = [
-                r.cell.window.label,
-                r.cell.rtt_profile,
-                f"{r.cell.time_scale:g}",
-                f"{_ms(vt)} ({SHORT[bt]}) / {_ms(ve)} ({SHORT[be]})",
-                _ms(r.floor_ms),
-                f"{r.headroom:.2f}" + ("" if r.headroom >= 1 else " (infeasible)"),
-                _ms(r.burst_floor_ms) if r.burst_floor_ms else "-",
-                (f"{r.burst_headroom:.2f}" if r.burst_floor_ms else "-")
-                + ("" if r.burst_headroom >= 1 else " (infeasible)"),
-                _ms(r.greedy_ms) if r.greedy_ms else "-",
-                f"{r.greedy_headroom:.2f}" if r.greedy_ms else "-",
-                _ms(r.pool_ms) if r.pool_ms else "-",
-                f"{r.pool_headroom:.2f}" if r.pool_ms else "-",
-                f"{t:.2f} / {e:.2f}",
-                "yes" if r.meets else "no",
-            ]
-            for p in extra:
-                if p in r.p95:
-                    xt, xe = r.ratios(p)
-                    cells.append(f"{xt:.2f} / {xe:.2f}")
-                else:
-                    cells.append("-")
-            lines.append("| " + " | ".join(cells) + " |")
-        parts.append("\n".join(lines) + "\n")
-    return "\n".join(parts)
-
-
 def _label(start_s: float, duration_s: float) -> str:
     a, b = start_s / 60, (start_s + duration_s) / 60
     # The trace ends before its last hour does: 40-60 min holds 40-59 min.
@@ -592,64 +403,3 @@ def cells_for(
                 scales = time_scales or TIME_SCALES[(w.workload, protocol)]
                 out.extend(Cell(w, rtt, protocol, ts, engine_profile) for ts in scales)
     return out
-
-
-def run_target_bench(
-    trace: str,
-    workloads: Sequence[str],
-    starts: Sequence[float] | None,
-    duration_s: float,
-    rtt_profiles: Sequence[str],
-    protocols: Sequence[str],
-    time_scales: Sequence[float] | None,
-    extra: Sequence[str],
-    work: Path,
-    out: Path | None,
-    jobs: int,
-    reuse: bool,
-    rerun: Sequence[str],
-    seed: int = 0,
-    command: str = "gorgo bench target",
-    run: bool = True,
-    engine_profile: str = DEFAULT_PROFILE,
-) -> int:
-    for p in protocols:
-        if p not in PRESETS:
-            print(f"gorgo bench target: unknown protocol {p!r}", file=sys.stderr)
-            return 2
-    try:
-        windows = windows_for(workloads, trace, starts, duration_s)
-        profile = load_profile(engine_profile)
-    except ValueError as e:
-        print(f"gorgo bench target: {e}", file=sys.stderr)
-        return 2
-    cells = cells_for(windows, rtt_profiles, protocols, time_scales, engine_profile)
-    policies = [*BASELINES, "gorgo", *[p for p in extra if p not in (*BASELINES, "gorgo")]]
-    rows = run_cells(cells, policies, work, jobs, seed, reuse or not run, rerun, run=run)
-    extra = [p for p in extra if p not in (*BASELINES, "gorgo")]
-    md = markdown(rows, extra)
-    note = (
-        f"Made by `{command}`; seed {seed}, engine profile `{profile.name}`. A ratio is "
-        "the policy's p95 over the best baseline's (TTFT and E2E each against its own "
-        f"best). meets: TTFT ratio <= {TARGET_TTFT} and E2E ratio <= {TARGET_E2E}. "
-        "floor: p95 of each request's TTFT alone on an idle engine with every prefix an "
-        "earlier request computed cached, plus the smallest RTT; burst floor: p95 of "
-        "bounds that also count the queue a burst of same-instant arrivals forces on the "
-        "fleet (loadgen/bench_target.py). Either above 0.8 x the best baseline: no policy "
-        "can meet the target in that cell. clairvoyant greedy: a router that knows every "
-        "backlog, cache and prefill time, on engines that only prefill and never evict; "
-        "clairvoyant, real pool: the best of six such placements on engines that evict "
-        "(references, not bounds).\n\n"
-    )
-    text = note + md
-    print(text)
-    if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(out, text)
-        print(f"wrote {out}", file=sys.stderr)
-    return 0
-
-
-def geomean(values: Iterable[float]) -> float:
-    v = list(values)
-    return math.exp(sum(math.log(x) for x in v) / len(v)) if v else float("nan")

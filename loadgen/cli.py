@@ -184,7 +184,8 @@ def _bench_target(args: argparse.Namespace) -> int:
     import shlex
     from pathlib import Path
 
-    from loadgen.bench_target import CONVERSATION, SYNTHETIC, run_target_bench
+    from loadgen.bench_target import CONVERSATION, SYNTHETIC
+    from loadgen.bench_target_report import run_target_bench
 
     return run_target_bench(
         args.trace,

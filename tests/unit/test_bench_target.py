@@ -1,5 +1,5 @@
 """`gorgo bench target`: the table's logic on a tiny trace (best baseline, ratios, meets,
-and a floor no policy goes below)."""
+the blocks' counts, and a floor no policy goes below), and one rendered row."""
 
 import math
 import zlib
@@ -9,18 +9,9 @@ from pathlib import Path
 import pytest
 
 from ext_proc.estimate.profile import load_profile
-from loadgen.bench_target import (
-    BASELINES,
-    Cell,
-    Row,
-    Window,
-    burst_floor_ttfts_ms,
-    clairvoyant_greedy_ttfts_ms,
-    floor_ttfts_ms,
-    markdown,
-    no_queue_floor_ms,
-    run_cells,
-)
+from loadgen.bench_floors import burst_floor_ttfts_ms, clairvoyant_greedy_ttfts_ms, floor_ttfts_ms
+from loadgen.bench_target import BASELINES, Cell, Row, Window, blocks, no_queue_floor_ms, run_cells
+from loadgen.bench_target_report import markdown
 from loadgen.simulate import SimSettings
 from loadgen.traces import TraceRequest, read_trace, window
 
@@ -31,11 +22,15 @@ def _cell(reqs: list[TraceRequest], protocol: str = "open", ts: float = 1.0) -> 
     return Cell(Window("conversation", "head", tuple(reqs)), "paper", protocol, ts)
 
 
-def test_row_picks_each_best_baseline_and_ratios() -> None:
+def _row() -> Row:
     p95 = {p: (1000.0 + 100 * i, 5000.0 - 100 * i) for i, p in enumerate(BASELINES)}
     p95["gorgo"] = (790.0, 4600.0)
     p95["gorgo_time3"] = (100.0, 100.0)  # not a baseline: never the best
-    row = Row(_cell([]), p95, floor_ms=500.0)
+    return Row(_cell([]), p95, floor_ms=500.0)
+
+
+def test_row_picks_each_best_baseline_and_ratios() -> None:
+    row = _row()
     assert row.best_ttft == ("least_request", 1000.0)
     assert row.best_e2e == ("random", 4500.0)
     t, e = row.ratios("gorgo")
@@ -50,6 +45,30 @@ def test_row_picks_each_best_baseline_and_ratios() -> None:
     assert not row.feasible  # 0.8 x 1000 < 900: no policy can meet it
     row.floor_ms, row.burst_floor_ms = 500.0, 900.0
     assert not row.feasible  # the burst floor is the tighter bound
+    assert row.burst_headroom == pytest.approx(800 / 900)
+    assert row.ratios("gorgo_time3") == pytest.approx((0.1, 100 / 4500))
+
+
+def test_blocks_count_met_feasible_and_below_the_references() -> None:
+    met = replace(_row(), p95={**_row().p95, "gorgo": (790.0, 4500.0)}, greedy_ms=900.0)
+    infeasible = replace(_row(), floor_ms=900.0, pool_ms=1200.0)
+    other = replace(_row(), cell=_cell([], "paper"))
+    a, b = blocks([met, infeasible, other])
+    assert (a.workload, a.protocol, a.subject, b.protocol) == (
+        "conversation",
+        "open",
+        "gorgo",
+        "paper",
+    )
+    assert a.rows == (met, infeasible) and b.rows == (other,)
+    assert (a.met, a.feasible, a.met_feasible) == (1, 1, 1)
+    assert (a.below_greedy, a.below_pool, a.below_either) == (1, 1, 2)
+    assert (b.met, b.feasible, b.met_feasible, b.below_either) == (0, 1, 0, 0)
+
+
+def test_the_matrix_renders_a_block_and_its_rows() -> None:
+    row = replace(_row(), burst_floor_ms=900.0)
+    row.p95["gorgo"] = (801.0, 1000.0)
     md = markdown([row], extra=["gorgo_time3"])
     assert "1000 (LR) / 4500 (RND)" in md and "| 500 | 1.60 | 900 | 0.89 (infeasible) |" in md
     assert "| 0.80 / 0.22 | no | 0.10 / 0.02 |" in md
@@ -145,7 +164,9 @@ def test_another_engine_profile_runs_apart_on_its_own_engines(tmp_path: Path) ->
     """--engine-profile: the cell's runs use that profile (floors too) and their result
     files are kept apart from the default engine's."""
     slow = tmp_path / "slow.yaml"
-    default = SLICE.parents[2] / "ext_proc/estimate/profiles" / f"{SimSettings().engine_profile}.yaml"
+    default = (
+        SLICE.parents[2] / "ext_proc/estimate/profiles" / f"{SimSettings().engine_profile}.yaml"
+    )
     rate = f"prefill_tokens_per_s: {load_profile(str(default)).prefill_tokens_per_s}"
     assert rate in default.read_text()
     quarter = load_profile(str(default)).prefill_tokens_per_s / 4
@@ -167,7 +188,9 @@ def test_the_real_pool_evicts_and_a_sticky_placement_keeps_a_session_home(
     """clairvoyant_greedy_ttfts_ms with `pool`: an engine caches only what its KV pool
     holds (LRU); with `spill_ms`, a session stays on its home backend unless another is
     that much sooner."""
-    default = SLICE.parents[2] / "ext_proc/estimate/profiles" / f"{SimSettings().engine_profile}.yaml"
+    default = (
+        SLICE.parents[2] / "ext_proc/estimate/profiles" / f"{SimSettings().engine_profile}.yaml"
+    )
     prof = load_profile(str(default))
     bt = 512
     line = f"kv_capacity_tokens: {prof.kv_capacity_tokens}"
@@ -197,6 +220,4 @@ def test_the_real_pool_evicts_and_a_sticky_placement_keeps_a_session_home(
     # a row reports the target over the pool reference
     row = Row(_cell([]), {p: (1000.0, 1000.0) for p in BASELINES}, 100.0, pool_ms=1000.0)
     assert row.pool_headroom == pytest.approx(0.8)
-    assert "0.8 x best baseline / clairvoyant, real pool" in markdown(
-        [replace(row, p95={**row.p95, "gorgo": (1.0, 1.0)})]
-    )
+    assert blocks([replace(row, p95={**row.p95, "gorgo": (1.0, 1.0)})])[0].below_pool == 1
