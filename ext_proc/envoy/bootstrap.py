@@ -6,9 +6,6 @@ envoy/front-door.yaml is this output for config/gorgo.yaml (a test keeps them eq
 
 from __future__ import annotations
 
-import ipaddress
-import os
-from collections.abc import Collection
 from dataclasses import replace
 from typing import Any
 
@@ -17,91 +14,30 @@ import yaml
 from ext_proc.common.names import (
     ACCESS_LOG_NAME,
     HEADER_BACKEND,
-    HEADER_GATEWAY_ENDPOINT,
     LB_METADATA_NAMESPACE,
     REQUEST_ID_ATTRIBUTE,
     ROUTE_FALLBACK,
     ROUTE_GORGO,
     ROUTING_HEADERS,
 )
-from ext_proc.config.schema import Backend, Config, split_host_port
-
-EXT_PROC_CLUSTER = "gorgo_ext_proc"
-FALLBACK_CLUSTER = "gorgo_fallback"
-# endpoint_picker mode: one cluster of every backend, the endpoint picked per request.
-POOL_CLUSTER = "gorgo_pool"
-OTEL_CLUSTER = "otel_collector"
-# The observing ext_proc filter's stats prefix (the routing filter's stats have none).
-OBSERVE_STAT_PREFIX = "gorgo_observe"
-# Endpoint metadata that names each endpoint's backend id, so the response can echo the
-# backend even when the fallback cluster (all backends) served the request.
-METADATA_NAMESPACE = "gorgo"
-
-# Far above any fleet's concurrency: Envoy's default of 1024 would cap LLM streams.
-CIRCUIT_BREAKER_LIMIT = 1_000_000
-
-_TYPE = "@type"
-_API = "type.googleapis.com/envoy"
-
-
-def _socket(address: str, key: str) -> dict[str, Any]:
-    host, port = split_host_port(address, key)
-    return {"socket_address": {"address": host, "port_value": port}}
-
-
-def _is_ip(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True
-
-
-def _endpoint(b: Backend) -> dict[str, Any]:
-    return {
-        "endpoint": {"address": _socket(b.address, f"backend {b.id}")},
-        "metadata": {"filter_metadata": {METADATA_NAMESPACE: {"backend": b.id}}},
-    }
-
-
-def _circuit_breakers() -> dict[str, Any]:
-    limit = CIRCUIT_BREAKER_LIMIT
-    return {
-        "thresholds": [
-            {
-                "max_connections": limit,
-                "max_pending_requests": limit,
-                "max_requests": limit,
-                # Concurrent retries: only connect failures are retried (no backend did
-                # any work), so a dead backend under load must not exhaust this.
-                "max_retries": limit,
-            }
-        ]
-    }
-
-
-def _cluster(
-    name: str, backends: list[Backend], cfg: Config, lb: str, standby: list[Backend] | None = None
-) -> dict[str, Any]:
-    """A cluster of `backends`; each `standby` backend sits at its own priority (1, 2, ...),
-    used only by a retry (previous_priorities moves each retry one priority on) or when
-    every higher priority is down."""
-    every = [*backends, *(standby or [])]
-    dns = any(not _is_ip(split_host_port(b.address, b.id)[0]) for b in every)
-    endpoints: list[dict[str, Any]] = [{"lb_endpoints": [_endpoint(b) for b in backends]}]
-    for priority, b in enumerate(standby or [], start=1):
-        endpoints.append({"priority": priority, "lb_endpoints": [_endpoint(b)]})
-    return {
-        "name": name,
-        "type": "STRICT_DNS" if dns else "STATIC",
-        "connect_timeout": f"{cfg.envoy.connect_timeout_s}s",
-        "lb_policy": lb,
-        "circuit_breakers": _circuit_breakers(),
-        "load_assignment": {
-            "cluster_name": name,
-            "endpoints": endpoints,
-        },
-    }
+from ext_proc.config.schema import Config, split_host_port
+from ext_proc.envoy.clusters import (
+    API,
+    CDS_FILE,
+    EXT_PROC_CLUSTER,
+    FALLBACK_CLUSTER,
+    METADATA_NAMESPACE,
+    OBSERVE_STAT_PREFIX,
+    OTEL_CLUSTER,
+    POOL_CLUSTER,
+    TYPE,
+    backend_clusters,
+    file_config_source,
+    grpc_cluster,
+    is_ip,
+    socket_address,
+    xds_path,
+)
 
 
 def _retry_policy(cfg: Config, other_priorities: bool) -> dict[str, Any]:
@@ -117,7 +53,7 @@ def _retry_policy(cfg: Config, other_priorities: bool) -> dict[str, Any]:
             {
                 "name": "envoy.retry_host_predicates.previous_hosts",
                 "typed_config": {
-                    _TYPE: f"{_API}.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"
+                    TYPE: f"{API}.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"
                 },
             }
         ],
@@ -127,7 +63,7 @@ def _retry_policy(cfg: Config, other_priorities: bool) -> dict[str, Any]:
         policy["retry_priority"] = {
             "name": "envoy.retry_priorities.previous_priorities",
             "typed_config": {
-                _TYPE: f"{_API}.extensions.retry.priority.previous_priorities.v3"
+                TYPE: f"{API}.extensions.retry.priority.previous_priorities.v3"
                 ".PreviousPrioritiesConfig",
                 "update_frequency": 1,
             },
@@ -138,12 +74,12 @@ def _retry_policy(cfg: Config, other_priorities: bool) -> dict[str, Any]:
 def _ext_proc_filters(cfg: Config) -> list[dict[str, Any]]:
     """Two ext_proc filters to the same service: one routes (Envoy waits for it), one
     observes the first response chunk without holding it (observability mode)."""
-    typed = f"{_API}.extensions.filters.http.ext_proc.v3.ExternalProcessor"
+    typed = f"{API}.extensions.filters.http.ext_proc.v3.ExternalProcessor"
     grpc_service = {"envoy_grpc": {"cluster_name": EXT_PROC_CLUSTER}}
     route = {
         "name": "envoy.filters.http.ext_proc",
         "typed_config": {
-            _TYPE: typed,
+            TYPE: typed,
             "grpc_service": grpc_service,
             # Fail open: if the router is down or slow, Envoy forwards the request without
             # the routing header and the fallback route serves it.
@@ -173,7 +109,7 @@ def _ext_proc_filters(cfg: Config) -> list[dict[str, Any]]:
     observe = {
         "name": "gorgo.observe",
         "typed_config": {
-            _TYPE: typed,
+            TYPE: typed,
             "grpc_service": grpc_service,
             "failure_mode_allow": True,
             # Envoy sends and does not wait: timing the first token never delays it.
@@ -204,7 +140,7 @@ def _access_log() -> dict[str, Any]:
     return {
         "name": "envoy.access_loggers.http_grpc",
         "typed_config": {
-            _TYPE: f"{_API}.extensions.access_loggers.grpc.v3.HttpGrpcAccessLogConfig",
+            TYPE: f"{API}.extensions.access_loggers.grpc.v3.HttpGrpcAccessLogConfig",
             "common_config": {
                 "log_name": ACCESS_LOG_NAME,
                 "transport_api_version": "V3",
@@ -218,79 +154,16 @@ def _access_log() -> dict[str, Any]:
     }
 
 
-def _pool_cluster(cfg: Config, backends: list[Backend]) -> dict[str, Any]:
-    """endpoint_picker mode: every backend in one cluster; Envoy's override_host policy
-    sends each request to the endpoint the router named (header or envoy.lb metadata),
-    and falls back to least request when none is named."""
-    c = _cluster(POOL_CLUSTER, backends, cfg, "LEAST_REQUEST")
-    del c["lb_policy"]
-    lb = "type.googleapis.com/envoy.extensions.load_balancing_policies"
-    c["load_balancing_policy"] = {
-        "policies": [
-            {
-                "typed_extension_config": {
-                    "name": "envoy.load_balancing_policies.override_host",
-                    "typed_config": {
-                        _TYPE: f"{lb}.override_host.v3.OverrideHost",
-                        "override_host_sources": [
-                            {"header": HEADER_GATEWAY_ENDPOINT},
-                            {
-                                "metadata": {
-                                    "key": LB_METADATA_NAMESPACE,
-                                    "path": [{"key": HEADER_GATEWAY_ENDPOINT}],
-                                }
-                            },
-                        ],
-                        "fallback_policy": {
-                            "policies": [
-                                {
-                                    "typed_extension_config": {
-                                        "name": "envoy.load_balancing_policies.least_request",
-                                        "typed_config": {
-                                            _TYPE: f"{lb}.least_request.v3.LeastRequest"
-                                        },
-                                    }
-                                }
-                            ]
-                        },
-                    },
-                }
-            }
-        ]
-    }
-    return c
-
-
 def _tracing(cfg: Config) -> dict[str, Any]:
     return {
         "random_sampling": {"value": cfg.envoy.tracing_sample_percent},
         "provider": {
             "name": "envoy.tracers.opentelemetry",
             "typed_config": {
-                _TYPE: f"{_API}.config.trace.v3.OpenTelemetryConfig",
+                TYPE: f"{API}.config.trace.v3.OpenTelemetryConfig",
                 "grpc_service": {"envoy_grpc": {"cluster_name": OTEL_CLUSTER}},
                 "service_name": "gorgo-envoy",
             },
-        },
-    }
-
-
-def _grpc_cluster(name: str, address: str, key: str) -> dict[str, Any]:
-    host, _port = split_host_port(address, key)
-    return {
-        "name": name,
-        "type": "STATIC" if _is_ip(host) else "STRICT_DNS",
-        "connect_timeout": "1s",
-        "circuit_breakers": _circuit_breakers(),
-        "typed_extension_protocol_options": {
-            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-                _TYPE: f"{_API}.extensions.upstreams.http.v3.HttpProtocolOptions",
-                "explicit_http_config": {"http2_protocol_options": {}},
-            }
-        },
-        "load_assignment": {
-            "cluster_name": name,
-            "endpoints": [{"lb_endpoints": [{"endpoint": {"address": _socket(address, key)}}]}],
         },
     }
 
@@ -311,7 +184,7 @@ def _ext_proc_tls(cfg: Config) -> dict[str, Any]:
             "trusted_ca": {"filename": tls.ca_file},
             # Envoy checks no name unless told to: the certificate must carry this one.
             "match_typed_subject_alt_names": [
-                {"san_type": "IP_ADDRESS" if _is_ip(name) else "DNS", "matcher": {"exact": name}}
+                {"san_type": "IP_ADDRESS" if is_ip(name) else "DNS", "matcher": {"exact": name}}
             ],
         },
     }
@@ -325,8 +198,8 @@ def _ext_proc_tls(cfg: Config) -> dict[str, Any]:
     return {
         "name": "envoy.transport_sockets.tls",
         "typed_config": {
-            _TYPE: f"{_API}.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
-            **({} if _is_ip(name) else {"sni": name}),
+            TYPE: f"{API}.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
+            **({} if is_ip(name) else {"sni": name}),
             "common_tls_context": common,
         },
     }
@@ -396,50 +269,6 @@ def _route(cfg: Config) -> dict[str, Any]:
     }
 
 
-def backend_clusters(cfg: Config, draining: Collection[str] = ()) -> list[dict[str, Any]]:
-    """The clusters that change with the fleet: each backend's (with the others as
-    standby) and the fail-open fallback (cluster mode), or the pool (endpoint_picker).
-
-    A `draining` backend keeps its own cluster (a decision made just before the drain, or
-    a connect retry, still finds it) but gets no new work behind the router's back: it
-    is left out of the fallback, the pool and the other clusters' standbys."""
-    backends = list(cfg.backends)
-    open_ = [b for b in backends if b.id not in draining] or backends
-    if cfg.envoy.mode == "endpoint_picker":
-        return [_pool_cluster(cfg, open_)]
-    by_rtt = sorted(open_, key=lambda b: b.rtt_prior_ms)
-    return [
-        # Each backend's cluster holds the others as standby, nearest first, so a
-        # connect failure is retried on another backend (Envoy's retries stay inside
-        # one cluster) and each further retry on yet another.
-        *(
-            _cluster(b.id, [b], cfg, "ROUND_ROBIN", [o for o in by_rtt if o is not b])
-            for b in backends
-        ),
-        _cluster(FALLBACK_CLUSTER, open_, cfg, "LEAST_REQUEST"),
-    ]
-
-
-# envoy.xds_dir: the CDS file Envoy's bootstrap names; each EDS cluster's endpoints are
-# in eds-<cluster>.yaml beside it (ext_proc/envoy/xds.py writes them).
-CDS_FILE = "cds.yaml"
-
-
-def eds_file(cluster: str) -> str:
-    return f"eds-{cluster}.yaml"
-
-
-def xds_path(cfg: Config, file: str) -> str:
-    """Absolute, so Envoy and the router find the same file whatever their directories."""
-    return os.path.join(os.path.abspath(cfg.envoy.xds_dir), file)
-
-
-def file_config_source(path: str) -> dict[str, Any]:
-    """A filesystem xDS subscription: Envoy reads `path` and reloads it whenever a file is
-    moved onto it (the atomic rename of ext_proc/envoy/xds.py); a write in place is not seen."""
-    return {"resource_api_version": "V3", "path_config_source": {"path": path}}
-
-
 def build_envoy_config(cfg: Config, ext_proc: bool = True) -> dict[str, Any]:
     """The front door. ext_proc=False gives the same proxy without the router (every
     request takes the fallback route): the baseline of the overhead benchmark.
@@ -447,8 +276,7 @@ def build_envoy_config(cfg: Config, ext_proc: bool = True) -> dict[str, Any]:
     With `envoy.xds_dir` set, the backend clusters are not in it: Envoy reads them from
     the CDS file there (write them first with ext_proc.xds.write_xds)."""
     hcm = {
-        _TYPE: f"{_API}.extensions.filters.network.http_connection_manager.v3"
-        ".HttpConnectionManager",
+        TYPE: f"{API}.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
         "stat_prefix": "front_door",
         "generate_request_id": True,
         # Client-sent routing headers are removed before any filter or route sees them.
@@ -456,7 +284,7 @@ def build_envoy_config(cfg: Config, ext_proc: bool = True) -> dict[str, Any]:
             {
                 "name": "envoy.http.early_header_mutation.header_mutation",
                 "typed_config": {
-                    _TYPE: f"{_API}.extensions.http.early_header_mutation.header_mutation.v3"
+                    TYPE: f"{API}.extensions.http.early_header_mutation.header_mutation.v3"
                     ".HeaderMutation",
                     "mutations": [{"remove": h} for h in ROUTING_HEADERS],
                 },
@@ -468,7 +296,7 @@ def build_envoy_config(cfg: Config, ext_proc: bool = True) -> dict[str, Any]:
             *(_ext_proc_filters(cfg) if ext_proc else []),
             {
                 "name": "envoy.filters.http.router",
-                "typed_config": {_TYPE: f"{_API}.extensions.filters.http.router.v3.Router"},
+                "typed_config": {TYPE: f"{API}.extensions.filters.http.router.v3.Router"},
             },
         ],
     }
@@ -476,7 +304,7 @@ def build_envoy_config(cfg: Config, ext_proc: bool = True) -> dict[str, Any]:
         hcm["tracing"] = _tracing(cfg)
     dynamic = bool(cfg.envoy.xds_dir)
     clusters = [] if dynamic else backend_clusters(cfg)
-    ext_proc_cluster = _grpc_cluster(
+    ext_proc_cluster = grpc_cluster(
         EXT_PROC_CLUSTER, cfg.ext_proc_address, "envoy.ext_proc_address"
     )
     if cfg.envoy.ext_proc_tls.ca_file:
@@ -484,12 +312,12 @@ def build_envoy_config(cfg: Config, ext_proc: bool = True) -> dict[str, Any]:
     clusters.append(ext_proc_cluster)
     if cfg.envoy.tracing_endpoint:
         clusters.append(
-            _grpc_cluster(OTEL_CLUSTER, cfg.envoy.tracing_endpoint, "envoy.tracing_endpoint")
+            grpc_cluster(OTEL_CLUSTER, cfg.envoy.tracing_endpoint, "envoy.tracing_endpoint")
         )
     return {
         # xDS needs a node identity, even from files.
         **({"node": {"id": "gorgo-front-door", "cluster": "gorgo"}} if dynamic else {}),
-        "admin": {"address": _socket(cfg.envoy.admin, "envoy.admin")},
+        "admin": {"address": socket_address(cfg.envoy.admin, "envoy.admin")},
         **(
             {"dynamic_resources": {"cds_config": file_config_source(xds_path(cfg, CDS_FILE))}}
             if dynamic
@@ -499,7 +327,7 @@ def build_envoy_config(cfg: Config, ext_proc: bool = True) -> dict[str, Any]:
             "listeners": [
                 {
                     "name": "front_door",
-                    "address": _socket(cfg.envoy.listen, "envoy.listen"),
+                    "address": socket_address(cfg.envoy.listen, "envoy.listen"),
                     # Buffered routing needs the whole body in memory; Envoy answers 413
                     # beyond this (default 1 MiB).
                     "per_connection_buffer_limit_bytes": cfg.envoy.max_body_bytes,

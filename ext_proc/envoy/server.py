@@ -17,11 +17,10 @@ both (a mesh's own settings) works too: the stream stays open until the first ch
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import math
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable
 from typing import Any, ClassVar
 
 import grpc
@@ -29,78 +28,24 @@ import grpc
 from ext_proc.common.names import (
     ACCESS_LOG_SERVICE,
     EXT_PROC_SERVICE,
-    HEADER_BACKEND,
-    HEADER_GATEWAY_ENDPOINT,
     HEADER_REQUEST_ID,
     HEADER_SESSION,
-    LB_METADATA_NAMESPACE,
-    ROUTE_FALLBACK,
 )
-from ext_proc.config.schema import Backend, Config, EnvoyMode, UnreadableBody
+from ext_proc.config.schema import UnreadableBody
 from ext_proc.core.features import NoActiveBackend
 from ext_proc.core.router import Router
 from ext_proc.core.types import Decision, RouteRequest, Status
 from ext_proc.envoy import codec
+from ext_proc.envoy.access_log import AccessLogService
+from ext_proc.envoy.encoders import DecisionEncoder, decision_encoder
 from ext_proc.prompt.engine_tokens import PromptTokenizer
 from ext_proc.prompt.parse import ParseError, api_for_path, is_error_event, parse_body
 from ext_proc.service.telemetry import Telemetry
 
 log = logging.getLogger("gorgo.server")
 
-# How long a streamed request's completion waits for its first-chunk message when the
-# access-log entry arrives first (they travel over two gRPC streams).
-COMPLETION_GRACE_S = 0.25
 
 Reply = codec.ProcessingResponse | None
-
-
-# -- how a decision reaches Envoy (chosen once, at startup) ------------------------------
-
-
-class ClusterHeaderEncoder:
-    """The backend's cluster in x-gorgo-backend (as raw_value) with clear_route_cache:
-    the route's cluster_header picks it up."""
-
-    def encode(self, d: Decision) -> codec.ProcessingResponse:
-        return codec.continue_response(
-            codec.REQUEST_BODY, set_headers={HEADER_BACKEND: d.backend}, clear_route_cache=True
-        )
-
-    def set_backends(self, backends: Iterable[Backend]) -> None:
-        """The fleet changed: a cluster name is the backend id, nothing to learn."""
-
-
-class EndpointPickerEncoder:
-    """Gateway API Inference Extension: the endpoint for override_host, then the next
-    best ones, which Envoy tries in order if a connect attempt fails."""
-
-    def __init__(self, addresses: dict[str, str], connect_retries: int) -> None:
-        self.addresses = addresses
-        self.connect_retries = connect_retries
-
-    def set_backends(self, backends: Iterable[Backend]) -> None:
-        """The fleet changed (a backend added, or its address): the endpoints to name."""
-        self.addresses = {b.id: b.address for b in backends}
-
-    def encode(self, d: Decision) -> codec.ProcessingResponse:
-        ranked = d.ranked()[: 1 + self.connect_retries]
-        endpoint = ",".join(self.addresses[b] for b in ranked)
-        return codec.continue_response(
-            codec.REQUEST_BODY,
-            set_headers={HEADER_GATEWAY_ENDPOINT: endpoint},
-            dynamic_metadata={LB_METADATA_NAMESPACE: {HEADER_GATEWAY_ENDPOINT: endpoint}},
-        )
-
-
-DecisionEncoder = ClusterHeaderEncoder | EndpointPickerEncoder
-
-
-def decision_encoder(cfg: Config) -> DecisionEncoder:
-    if cfg.envoy.mode == EnvoyMode.ENDPOINT_PICKER:
-        return EndpointPickerEncoder(
-            {b.id: b.address for b in cfg.backends}, cfg.envoy.connect_retries
-        )
-    return ClusterHeaderEncoder()
 
 
 # -- one session type per role, chosen from the stream's first message --------------------
@@ -360,55 +305,6 @@ class ExtProcService:
             self.active_streams -= 1
             if session is not None:
                 session.finish()
-
-
-class AccessLogService:
-    """Receives Envoy's access-log entries: the completion of every request."""
-
-    def __init__(self, router: Router, telemetry: Telemetry) -> None:
-        self.router = router
-        self.telemetry = telemetry
-
-    async def stream_access_logs(
-        self, requests: AsyncIterator[codec.StreamAccessLogsMessage], context: Any
-    ) -> codec.StreamAccessLogsResponse:
-        async for msg in requests:
-            for e in codec.access_log_entries(msg):
-                self.observe(e)
-        return codec.StreamAccessLogsResponse()
-
-    def observe(self, e: codec.AccessLogEntry) -> None:
-        answered = 200 <= e.response_code < 300  # a body went out: its first chunk may lag
-        if answered and self.router.response_ended(e.request_id, e.e2e_ms):
-            # The entry travels over another gRPC stream than the observer's first-chunk
-            # message and can overtake it (a response over within milliseconds): close a
-            # moment later so the TTFT is not lost; the first byte came before the end.
-            with contextlib.suppress(RuntimeError):  # no loop (a test calling directly)
-                asyncio.get_running_loop().call_later(COMPLETION_GRACE_S, self._close, e)
-                return
-        self._close(e)
-
-    def _close(self, e: codec.AccessLogEntry) -> None:
-        # Another backend than the one decided can answer because Envoy retried a connect
-        # failure (a failover), or because the router answered too late and Envoy failed
-        # open (not the backend's fault): only the first takes several attempts.
-        served_by = e.backend if e.attempts > 1 else None
-        closed = self.router.close(
-            e.request_id, status_for(e.response_code), e.e2e_ms, served_by=served_by
-        )
-        if closed is None and e.route_name == ROUTE_FALLBACK:
-            self.router.record_fallback(e.backend)
-            self.telemetry.fallback(e.backend)
-
-
-def status_for(code: int) -> Status:
-    if 200 <= code < 300:
-        return Status.OK
-    if 400 <= code < 500:
-        return Status.CLIENT_ERROR
-    # 0: nothing was sent to the client, which went away first (an upstream failure gets
-    # Envoy's own 5xx). A cancellation says nothing about the backend.
-    return Status.CANCELLED if code == 0 else Status.ERROR
 
 
 def add_services(

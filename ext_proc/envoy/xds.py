@@ -30,7 +30,7 @@ import yaml
 
 from ext_proc.common.files import write_atomic
 from ext_proc.config.schema import Config, split_host_port
-from ext_proc.envoy.bootstrap import (
+from ext_proc.envoy.clusters import (
     CDS_FILE,
     POOL_CLUSTER,
     backend_clusters,

@@ -18,12 +18,14 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, Generic, TypeVar
 
 from ext_proc.config.schema import bounded
 from ext_proc.core.types import Candidate, RouteRequest, Weights
 from ext_proc.estimate.cost import time_cost_ms, token_cost
 from ext_proc.policy.base import Choice, WeightedParams, near_ties, pick_min, register
+
+P = TypeVar("P")
 
 
 @dataclass(frozen=True)
@@ -103,13 +105,32 @@ def _fewest_in_flight(
     return Choice(chosen.backend_id, scores)
 
 
-@register("gorgo", params=GorgoParams)
-class Gorgo:
-    name = "gorgo"
+class _Scored(Generic[P]):
+    """A GORGO form: a score per candidate from the router's weights (lowest wins), and a
+    rule for near-ties."""
 
-    def __init__(self, rng: random.Random, params: GorgoParams) -> None:
+    name = ""
+
+    def __init__(self, rng: random.Random, params: P) -> None:
         self._rng = rng
         self._p = params
+
+    def score(self, c: Candidate, w: Weights) -> float:
+        raise NotImplementedError
+
+    def pick(self, candidates: Sequence[Candidate], scores: dict[str, float]) -> Choice:
+        raise NotImplementedError
+
+    def choose(
+        self, request: RouteRequest, candidates: Sequence[Candidate], weights: Weights | None
+    ) -> Choice:
+        w = _weights(weights)
+        return self.pick(candidates, {c.backend_id: self.score(c, w) for c in candidates})
+
+
+@register("gorgo", params=GorgoParams)
+class Gorgo(_Scored[GorgoParams]):
+    name = "gorgo"
 
     def score(self, c: Candidate, w: Weights) -> float:
         p = self._p
@@ -119,52 +140,33 @@ class Gorgo:
             + p.kv_weight * c.kv_ms
         )
 
-    def choose(
-        self, request: RouteRequest, candidates: Sequence[Candidate], weights: Weights | None
-    ) -> Choice:
-        w = _weights(weights)
-        scores = {c.backend_id: self.score(c, w) for c in candidates}
+    def pick(self, candidates: Sequence[Candidate], scores: dict[str, float]) -> Choice:
         return _fewest_in_flight(
             self._rng, candidates, scores, self._p.tie_ms, self._p.tie_fraction
         )
 
 
 @register("gorgo_time3", params=GorgoTime3Params)
-class GorgoTime3:
+class GorgoTime3(_Scored[GorgoTime3Params]):
     """The paper's three-term time form: the newcomer's own TTFT only."""
 
     name = "gorgo_time3"
 
-    def __init__(self, rng: random.Random, params: GorgoTime3Params) -> None:
-        self._rng = rng
-        self._p = params
+    def score(self, c: Candidate, w: Weights) -> float:
+        return time_cost_ms(w, c.rtt_ms, c.queue_ms, c.prefill_ms)
 
-    def choose(
-        self, request: RouteRequest, candidates: Sequence[Candidate], weights: Weights | None
-    ) -> Choice:
-        w = _weights(weights)
-        scores = {
-            c.backend_id: time_cost_ms(w, c.rtt_ms, c.queue_ms, c.prefill_ms) for c in candidates
-        }
+    def pick(self, candidates: Sequence[Candidate], scores: dict[str, float]) -> Choice:
         return _fewest_in_flight(
             self._rng, candidates, scores, self._p.tie_ms, self._p.tie_fraction
         )
 
 
 @register("gorgo_tokens", params=GorgoTokensParams)
-class GorgoTokens:
+class GorgoTokens(_Scored[GorgoTokensParams]):
     name = "gorgo_tokens"
 
-    def __init__(self, rng: random.Random, params: GorgoTokensParams) -> None:
-        self._rng = rng
-        self._p = params
+    def score(self, c: Candidate, w: Weights) -> float:
+        return token_cost(w, c.rtt_ms, c.uncached_tokens, c.in_flight_tokens)
 
-    def choose(
-        self, request: RouteRequest, candidates: Sequence[Candidate], weights: Weights | None
-    ) -> Choice:
-        w = _weights(weights)
-        scores = {
-            c.backend_id: token_cost(w, c.rtt_ms, c.uncached_tokens, c.in_flight_tokens)
-            for c in candidates
-        }
+    def pick(self, candidates: Sequence[Candidate], scores: dict[str, float]) -> Choice:
         return Choice(pick_min(scores, self._rng, 0.0, self._p.tie_fraction), scores)

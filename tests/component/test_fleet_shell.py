@@ -26,7 +26,7 @@ from aiohttp import web
 
 from ext_proc.config.load import config_from_dict
 from ext_proc.core.types import Status
-from ext_proc.service import admin, app
+from ext_proc.service import admin, app, fleet_shell
 from ext_proc.service.app import Running, running_service
 from tests.component.test_grpc_service import Harness, log_entry, route
 
@@ -157,7 +157,7 @@ async def test_admin_add_drain_delete_with_tokens_and_the_shell_follows(
         for i in range(6):
             await h.access_log(log_entry(f"r{i}", 200, 5))
         # (a completion that may overtake its first chunk is closed a moment later)
-        await eventually(lambda: not svc.router.state.in_flight)
+        await eventually(lambda: not svc.router.in_flight)
         # Drain with a request in flight: 202, no decision reaches it, removed when it
         # completes; its tasks stop.
         on_b = [rid for rid in ("s0", "s1", "s2") if await route(h, rid) == "b"]
@@ -178,9 +178,9 @@ async def test_admin_add_drain_delete_with_tokens_and_the_shell_follows(
         await h.access_log(*(log_entry(f"t{i}", 200, 5) for i in range(8)))
         assert svc.router.lifecycle("b").value == "draining"
         await h.access_log(log_entry(on_b[0], 200, 5))
-        await eventually(lambda: "b" not in svc.router.state.backends)
+        await eventually(lambda: "b" not in svc.router.backends)
         await shell.settle()
-        assert "b" not in svc.router.state.backends
+        assert "b" not in svc.router.backends
         assert "b" not in shell.prober.backends and "b" not in shell.kv_events.backends
         assert await quiet(engines[1])
         async with s.get(f"{url}/state") as r:
@@ -200,7 +200,7 @@ async def test_admin_add_drain_delete_with_tokens_and_the_shell_follows(
         assert await quiet(engines[3])
         await h.channel.close()
         # nothing leaked: no request in flight, no task of a removed backend
-        await eventually(lambda: not svc.router.state.in_flight)
+        await eventually(lambda: not svc.router.in_flight)
         assert shell.prober.backends == ["a"] and shell.kv_events.backends == ["a"]
 
 
@@ -209,8 +209,8 @@ async def test_a_new_backend_waits_for_envoy_then_the_files_follow_the_fleet(
 ) -> None:
     """With envoy.xds_dir: the files are written at start and at each change, and a new
     backend is no candidate until Envoy's admin /clusters shows it (a fake Envoy here)."""
-    monkeypatch.setattr(app, "ENVOY_WAIT_S", 0.3)
-    monkeypatch.setattr(app, "PENDING_RETRY_S", 0.2)
+    monkeypatch.setattr(fleet_shell, "ENVOY_WAIT_S", 0.3)
+    monkeypatch.setattr(fleet_shell, "PENDING_RETRY_S", 0.2)
     monkeypatch.setattr(admin, "SETTLE_S", 0.5)
     shown: set[str] = set()
 
@@ -257,12 +257,12 @@ async def test_a_new_backend_waits_for_envoy_then_the_files_follow_the_fleet(
             writes = svc.fleet_shell.xds_writes
             # Drain: Envoy keeps its cluster while requests finish; removal rewrites.
             svc.router.decide(_req("q"))
-            busy = svc.router.state.in_flight["q"].backend
+            busy = svc.router.in_flight["q"].backend
             svc.router.drain_backend(busy)
             await svc.fleet_shell.settle()
             assert busy in clusters_in_files() and svc.fleet_shell.xds_writes > writes
             fallback = (xds / "eds-gorgo_fallback.yaml").read_text()
-            assert svc.router.configs[busy].address.split(":")[1] not in fallback
+            assert svc.router.backends[busy].config.address.split(":")[1] not in fallback
             svc.router.close("q", Status.OK)
             await svc.fleet_shell.settle()
             assert busy not in clusters_in_files()
@@ -297,7 +297,7 @@ async def test_a_changed_file_is_applied_and_an_invalid_one_refused(
         reloader = svc.reloader
         assert reloader is not None
         svc.router.decide(_req("busy"))
-        busy = svc.router.state.in_flight["busy"].backend
+        busy = svc.router.in_flight["busy"].backend
         # c is gone, d is new, the busy one stays; a live key and a restart-only key change.
         new = raw_config(
             engines, ("a", "b", "c", "d"), routing={"shed_queue_ms": 900, "block_tokens": 128}
@@ -310,7 +310,7 @@ async def test_a_changed_file_is_applied_and_an_invalid_one_refused(
         if busy == "c":  # a request in flight there: draining until it completes
             assert svc.router.lifecycle("c").value == "draining"
         else:
-            assert "c" not in svc.router.state.backends
+            assert "c" not in svc.router.backends
         assert svc.router.cfg.routing.shed_queue_ms == 900  # live
         assert svc.router.cfg.routing.block_tokens == 256  # needs a restart
         state = await _state(s, svc)
@@ -324,7 +324,7 @@ async def test_a_changed_file_is_applied_and_an_invalid_one_refused(
         bad["backends"].append({"id": "e", "address": engines[2].address})
         path.write_text(yaml.safe_dump(bad))
         await eventually(lambda: reloader.failures == 1, 4.0)
-        assert svc.router.cfg == before and "e" not in svc.router.state.backends
+        assert svc.router.cfg == before and "e" not in svc.router.backends
         state = await _state(s, svc)
         assert "backends[0].address: expected host:port" in state["reload"]["last_error"]
         assert "refused, the running config stays" in caplog.text

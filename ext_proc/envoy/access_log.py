@@ -1,0 +1,75 @@
+"""Envoy's gRPC access log: each completion (E2E, status, the backend that answered) closes
+its request in the router.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from ext_proc.common.names import (
+    ROUTE_FALLBACK,
+)
+from ext_proc.core.router import Router
+from ext_proc.core.types import Status
+from ext_proc.envoy import codec
+from ext_proc.service.telemetry import Telemetry
+
+log = logging.getLogger("gorgo.server")
+
+
+# How long a streamed request's completion waits for its first-chunk message when the
+# access-log entry arrives first (they travel over two gRPC streams).
+COMPLETION_GRACE_S = 0.25
+
+
+class AccessLogService:
+    """Receives Envoy's access-log entries: the completion of every request."""
+
+    def __init__(self, router: Router, telemetry: Telemetry) -> None:
+        self.router = router
+        self.telemetry = telemetry
+
+    async def stream_access_logs(
+        self, requests: AsyncIterator[codec.StreamAccessLogsMessage], context: Any
+    ) -> codec.StreamAccessLogsResponse:
+        async for msg in requests:
+            for e in codec.access_log_entries(msg):
+                self.observe(e)
+        return codec.StreamAccessLogsResponse()
+
+    def observe(self, e: codec.AccessLogEntry) -> None:
+        answered = 200 <= e.response_code < 300  # a body went out: its first chunk may lag
+        if answered and self.router.response_ended(e.request_id, e.e2e_ms):
+            # The entry travels over another gRPC stream than the observer's first-chunk
+            # message and can overtake it (a response over within milliseconds): close a
+            # moment later so the TTFT is not lost; the first byte came before the end.
+            with contextlib.suppress(RuntimeError):  # no loop (a test calling directly)
+                asyncio.get_running_loop().call_later(COMPLETION_GRACE_S, self._close, e)
+                return
+        self._close(e)
+
+    def _close(self, e: codec.AccessLogEntry) -> None:
+        # Another backend than the one decided can answer because Envoy retried a connect
+        # failure (a failover), or because the router answered too late and Envoy failed
+        # open (not the backend's fault): only the first takes several attempts.
+        served_by = e.backend if e.attempts > 1 else None
+        closed = self.router.close(
+            e.request_id, status_for(e.response_code), e.e2e_ms, served_by=served_by
+        )
+        if closed is None and e.route_name == ROUTE_FALLBACK:
+            self.router.record_fallback(e.backend)
+            self.telemetry.fallback(e.backend)
+
+
+def status_for(code: int) -> Status:
+    if 200 <= code < 300:
+        return Status.OK
+    if 400 <= code < 500:
+        return Status.CLIENT_ERROR
+    # 0: nothing was sent to the client, which went away first (an upstream failure gets
+    # Envoy's own 5xx). A cancellation says nothing about the backend.
+    return Status.CANCELLED if code == 0 else Status.ERROR

@@ -1,0 +1,69 @@
+"""How a decision reaches Envoy, chosen once at startup: the routing header naming the
+backend's cluster, or (endpoint_picker mode) the Gateway API Inference Extension's
+endpoint header inside one pool cluster.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+from ext_proc.common.names import (
+    HEADER_BACKEND,
+    HEADER_GATEWAY_ENDPOINT,
+    LB_METADATA_NAMESPACE,
+)
+from ext_proc.config.schema import Backend, Config, EnvoyMode
+from ext_proc.core.types import Decision
+from ext_proc.envoy import codec
+
+log = logging.getLogger("gorgo.server")
+
+
+# -- how a decision reaches Envoy (chosen once, at startup) ------------------------------
+
+
+class ClusterHeaderEncoder:
+    """The backend's cluster in x-gorgo-backend (as raw_value) with clear_route_cache:
+    the route's cluster_header picks it up."""
+
+    def encode(self, d: Decision) -> codec.ProcessingResponse:
+        return codec.continue_response(
+            codec.REQUEST_BODY, set_headers={HEADER_BACKEND: d.backend}, clear_route_cache=True
+        )
+
+    def set_backends(self, backends: Iterable[Backend]) -> None:
+        """The fleet changed: a cluster name is the backend id, nothing to learn."""
+
+
+class EndpointPickerEncoder:
+    """Gateway API Inference Extension: the endpoint for override_host, then the next
+    best ones, which Envoy tries in order if a connect attempt fails."""
+
+    def __init__(self, addresses: dict[str, str], connect_retries: int) -> None:
+        self.addresses = addresses
+        self.connect_retries = connect_retries
+
+    def set_backends(self, backends: Iterable[Backend]) -> None:
+        """The fleet changed (a backend added, or its address): the endpoints to name."""
+        self.addresses = {b.id: b.address for b in backends}
+
+    def encode(self, d: Decision) -> codec.ProcessingResponse:
+        ranked = d.ranked()[: 1 + self.connect_retries]
+        endpoint = ",".join(self.addresses[b] for b in ranked)
+        return codec.continue_response(
+            codec.REQUEST_BODY,
+            set_headers={HEADER_GATEWAY_ENDPOINT: endpoint},
+            dynamic_metadata={LB_METADATA_NAMESPACE: {HEADER_GATEWAY_ENDPOINT: endpoint}},
+        )
+
+
+DecisionEncoder = ClusterHeaderEncoder | EndpointPickerEncoder
+
+
+def decision_encoder(cfg: Config) -> DecisionEncoder:
+    if cfg.envoy.mode == EnvoyMode.ENDPOINT_PICKER:
+        return EndpointPickerEncoder(
+            {b.id: b.address for b in cfg.backends}, cfg.envoy.connect_retries
+        )
+    return ClusterHeaderEncoder()
