@@ -206,7 +206,9 @@ def _run_forever(coro: Coroutine[Any, Any, None]) -> int:
 
 
 def _up(args: argparse.Namespace) -> int:
-    from emulator.stack import StackSettings, regions_for_profile, run_until_signalled
+    from emulator.stack import StackSettings
+    from emulator.stack.settings import regions_for_profile
+    from emulator.stack.stack import run_until_signalled
 
     regions = regions_for_profile(args.rtt_profile)
     if not 1 <= args.front_doors <= len(regions):

@@ -1,6 +1,6 @@
 """When `gorgo up` restarts a child that died: the supervisor's policy, with no processes
 in it (the clock is passed in), so backoff and crash-loop give-up are tested on their own.
-emulator/stack.py (Stack.tend) applies its decisions to the real children.
+emulator/stack/supervision.py (SupervisedChildren.tend) applies its decisions to the real children.
 
 A child that exits is restarted after a backoff that doubles with each exit in a row
 (0.5, 1, 2, 4, 8 s with the defaults); one that then runs `healthy_after_s` without

@@ -17,7 +17,7 @@ import urllib.request
 
 import aiohttp
 
-from emulator.stack import free_ports
+from emulator.stack.ports import free_ports
 from loadgen.client import chat_body, send_chat
 
 # Target from the issue: tokens leave within 1 ms (p95) of the model's schedule.

@@ -19,7 +19,8 @@ from dataclasses import dataclass, replace
 
 import aiohttp
 
-from emulator.stack import Region, Stack, StackPorts, StackSettings, free_ports
+from emulator.stack import Region, Stack, StackPorts, StackSettings
+from emulator.stack.ports import free_ports
 from ext_proc.envoy.bootstrap import render_envoy_config
 from loadgen.client import Result, chat_body, percentile, send_chat
 

@@ -36,7 +36,8 @@ from typing import Any
 import grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
-from emulator.stack import DEFAULT_REGIONS, Stack, StackPorts, StackSettings, free_ports
+from emulator.stack import DEFAULT_REGIONS, Stack, StackPorts, StackSettings
+from emulator.stack.ports import free_ports
 from ext_proc.common.names import HEADER_REQUEST_ID
 from ext_proc.service.telemetry import A_BACKEND, A_PREDICTED_CACHED, A_PREFIX_STATE, A_REQUEST_ID
 from loadgen.bench_live import fast_profile_file

@@ -11,7 +11,9 @@ from collections.abc import Callable, Iterator
 import aiohttp
 import pytest
 
-from emulator.stack import free_ports, nats_binary, wait_port
+from emulator.stack.ports import free_ports
+from emulator.stack.processes import nats_binary
+from emulator.stack.supervision import wait_port
 from ext_proc.config.load import config_from_dict
 from ext_proc.config.schema import Config
 from ext_proc.core.state import FleetState

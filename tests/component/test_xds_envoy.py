@@ -18,7 +18,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from emulator.stack import envoy_binary, free_ports
+from emulator.stack.ports import free_ports
+from emulator.stack.processes import envoy_binary
 from ext_proc.config.load import config_from_dict
 from ext_proc.config.schema import Config
 from ext_proc.envoy.bootstrap import render_envoy_config

@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from emulator.stack import Stack, free_ports
+from emulator.stack import Stack
+from emulator.stack.ports import free_ports
 from ext_proc.cli import main
 from loadgen.results import RequestResult
 from loadgen.traces import TraceRequest, read_trace, synthetic, write_mooncake

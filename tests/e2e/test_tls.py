@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from emulator.stack import Stack, free_ports
+from emulator.stack import Stack
+from emulator.stack.ports import free_ports
 from ext_proc.config.schema import ClientTls, Config, ServerTls
 from ext_proc.envoy.bootstrap import render_envoy_config
 from loadgen.client import chat_body

@@ -4,7 +4,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from emulator.stack import StackSettings, envoy_binary
+from emulator.stack import StackSettings
+from emulator.stack.processes import envoy_binary
 from ext_proc.config.dump import config_as_dict
 from ext_proc.config.load import config_from_dict, load_config
 from ext_proc.config.schema import ConfigError, EnvoyMode

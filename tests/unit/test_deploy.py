@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from emulator.stack import envoy_binary
+from emulator.stack.processes import envoy_binary
 from ext_proc.common.names import HEADER_BACKEND
 from ext_proc.config.load import config_from_dict, load_config
 from ext_proc.config.schema import Config, split_host_port

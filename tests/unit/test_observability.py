@@ -32,7 +32,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from emulator.engine import EngineServer
 from emulator.engine_config import EngineConfig
-from emulator.stack import envoy_binary, free_ports
+from emulator.stack.ports import free_ports
+from emulator.stack.processes import envoy_binary
 from ext_proc.config.load import config_from_dict
 from ext_proc.config.schema import Config, TelemetryConfig
 from ext_proc.core.router import Router, build_router

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from emulator.stack import Stack, StackPorts, StackSettings, free_ports
+from emulator.stack import Stack, StackPorts, StackSettings
+from emulator.stack.ports import free_ports
 from emulator.supervisor import GiveUp, Restart, RestartPolicy, Supervisor
 
 # -- the policy, on a fake clock ---------------------------------------------------------
@@ -118,7 +119,7 @@ SLEEPER = [sys.executable, "-c", "import time; print('up', flush=True); time.sle
 def test_a_port_is_handed_out_once_per_process(monkeypatch: pytest.MonkeyPatch) -> None:
     """A stack picks all its ports before any child binds one: a port picked once is not
     picked again, though nothing listens on it yet."""
-    import emulator.stack as stack_module
+    import emulator.stack.ports as ports_module
 
     draws = iter([21000, 21000, 21000, 21001])
 
@@ -126,9 +127,9 @@ def test_a_port_is_handed_out_once_per_process(monkeypatch: pytest.MonkeyPatch) 
         def randint(self, _lo: int, _hi: int) -> int:
             return next(draws)
 
-    monkeypatch.setattr(stack_module.random, "SystemRandom", Draws)
-    monkeypatch.setattr(stack_module, "_HANDED_OUT", set())
-    monkeypatch.setattr(stack_module, "port_taken", lambda _port: False)  # nothing listens
+    monkeypatch.setattr(ports_module.random, "SystemRandom", Draws)
+    monkeypatch.setattr(ports_module, "_HANDED_OUT", set())
+    monkeypatch.setattr(ports_module, "port_taken", lambda _port: False)  # nothing listens
     assert free_ports(1) == [21000]
     assert free_ports(1) == [21001]  # 21000 is drawn twice more and passed over
 

@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 import yaml
 
-from emulator.stack import envoy_binary, free_ports
+from emulator.stack.ports import free_ports
+from emulator.stack.processes import envoy_binary
 from ext_proc.cli import main
 from ext_proc.config.load import config_from_dict
 from ext_proc.config.schema import Config

