@@ -18,13 +18,12 @@ from typing import Any
 
 from ext_proc.core.types import Weights
 from loadgen.bench_live import parity_block
-from loadgen.bench_tuner import (
-    SEEDS,
-    RegimeChange,
+from loadgen.bench_regime import RegimeChange
+from loadgen.bench_tuner import SEEDS, static_run
+from loadgen.bench_tuner_report import (
     paper_regime_sections,
     paper_tuner_section,
     regime_section,
-    static_run,
     tuner_section,
 )
 from loadgen.results import summarize
@@ -233,7 +232,7 @@ def _pair(s: dict[str, Any]) -> str:
 def paper_section(policies: Sequence[str], work_dir: Path, img_dir: Path) -> str:
     """The paper's Table 2 and Table 3 and Figure 3, under its protocol, on the
     paper-shaped workload, with the paper's published rows beside ours."""
-    from loadgen.bench_tuner import convergence_plot
+    from loadgen.bench_tuner_report import convergence_plot
     from loadgen.protocol import PAPER
     from loadgen.traces import paper_synthetic
 

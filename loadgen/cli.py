@@ -168,7 +168,7 @@ def _bench_decide(args: argparse.Namespace) -> int:
 
 
 def _bench_tuner(args: argparse.Namespace) -> int:
-    from loadgen.bench_tuner import run_tuner_bench
+    from loadgen.bench_tuner_report import run_tuner_bench
 
     return run_tuner_bench(
         args.trace,

@@ -38,7 +38,7 @@ def run_simulations(
             wall_s = time.perf_counter() - t0
             tuner = res.router.tuner
             if tuner is not None:
-                from loadgen.bench_tuner import convergence_plot
+                from loadgen.bench_tuner_report import convergence_plot
 
                 convergence_plot(
                     tuner.state.history,

@@ -8,16 +8,11 @@ from typing import Any
 import pytest
 
 from ext_proc.core.types import Weights
-from ext_proc.learn.tuner import TunerSettings
-from loadgen import bench_tuner
-from loadgen.bench_tuner import (
-    GridPoint,
-    RegimeChange,
-    StaticScores,
-    changed_trace,
-    false_accept_rate,
-    worst_corner,
-)
+from ext_proc.learn.settings import TunerSettings
+from loadgen import bench_regime, bench_tuner
+from loadgen.bench_regime import RegimeChange, RegimeRun, RegimeSeed, RegimeStudy, changed_trace
+from loadgen.bench_tuner import GridPoint, StaticScores, false_accept_rate, worst_corner
+from loadgen.bench_tuner_report import regime_markdown
 from loadgen.traces import TraceRequest
 
 
@@ -82,8 +77,8 @@ def _bowl(w: Weights, seed: int) -> dict[str, Any]:
     return {"ttft_ms": {"p95": ttft}, "e2e_ms": {"p95": 3 * ttft}}
 
 
-def test_tuner_section_scores_tuned_points_on_fresh_seeds(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+def test_the_tuner_study_scores_tuned_points_on_fresh_seeds(
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     runs: list[int] = []
 
@@ -106,20 +101,25 @@ def test_tuner_section_scores_tuned_points_on_fresh_seeds(
 
     monkeypatch.setattr(bench_tuner, "static_run", fake_run)
     monkeypatch.setattr(bench_tuner, "tune", fake_tune)
-    md, tuned = bench_tuner.tuner_section([], 3.0, tmp_path, "test")
-    assert "Grid optimum: w_rtt 64, w_queue 1 " in md
-    assert "From the defaults: within 5% of the grid optimum in 0 by 100, 1 by 200, 1 by 300" in md
-    assert tuned == Weights(64.0, 1.0)
+    s = bench_tuner.tuner_study([], 3.0, "test")
+    assert len(s.points) == 49 and (s.best.rtt, s.best.queue) == pytest.approx((64.0, 1.0))
+    assert s.best_eval.ttft_p95_ms == pytest.approx(10_100.0)  # fresh seeds 10, 11, 12
+    assert s.target_ms == pytest.approx(1.05 * 10_100.0)
+    assert s.reached("defaults") == [0, 1, 1] and s.reached("worst corner") == [0, 1, 1]
+    seed0 = next(r for r in s.runs if (r.start, r.seed) == ("defaults", 0))
+    first, later, _ = seed0.at
+    assert first is not None and not first.ok and first.ratio > 1.05
+    assert later is not None and later.ok and later.ratio == pytest.approx(1.0)
+    assert s.tuned == Weights(64.0, 1.0)
     assert set(bench_tuner.EVAL_SEEDS) <= set(runs)  # tuned points measured on fresh seeds
-    assert (tmp_path / "results-tuner-convergence.png").exists()
 
 
-def test_regime_section_scores_a_venue_against_its_own_defaults(
+def test_the_regime_study_scores_a_venue_against_its_own_defaults(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The token form's venue: frozen runs start from its defaults, the room is its own
-    static points, and the table reads tuned against frozen per seed."""
-    venue = bench_tuner.PAPER_REGIME_VENUES[1]
+    static points, and each seed reads tuned against frozen."""
+    venue = bench_regime.PAPER_REGIME_VENUES[1]
     calls: list[tuple[str, int, Any]] = []
 
     def fake_run(
@@ -131,25 +131,42 @@ def test_regime_section_scores_a_venue_against_its_own_defaults(
         weights: Any = None,
         venue: Any = None,
         **_: Any,
-    ) -> bench_tuner.RegimeRun:
+    ) -> RegimeRun:
         w = weights or venue.defaults
         calls.append((tune, seed, w))
         # tuned: 0.85 x frozen in seed 0, 0.95 x in seed 1; static (0.5, 0.05) is the best
         ttft = 1000.0 * ({0: 0.85, 1: 0.95}[seed] if tune != "off" else 1.0)
         if tune == "off" and w == (0.5, 0.05):
             ttft = 800.0
-        return bench_tuner.RegimeRun(tune, seed, ttft, 2000.0, w, w)
+        return RegimeRun(tune, seed, ttft, 2000.0, w, w)
 
-    monkeypatch.setattr(bench_tuner, "regime_run", fake_run)
-    md = bench_tuner.regime_section(
+    monkeypatch.setattr(bench_regime, "regime_run", fake_run)
+    s = bench_regime.regime_study(
         [], 1.0, RegimeChange(600.0), [0, 1], venue=venue, false_accepts=False, jobs=1
     )
+    assert [(r.seed, r.off.ttft_p95_ms, r.on.ttft_p95_ms) for r in s.seeds] == [
+        (0, 1000.0, 850.0),
+        (1, 1000.0, 950.0),
+    ]
+    assert s.ratios == pytest.approx([0.85, 0.95]) and [r.ok for r in s.seeds] == [True, False]
+    assert s.met == 1
+    assert (s.room_best.rtt, s.room_best.queue, s.room_best.ttft_p95_ms) == (0.5, 0.05, 800.0)
+    assert s.room_defaults.ttft_p95_ms == 1000.0 and s.room_best.e2e_p95_ms == 2000.0
+    assert s.false_accept_paired is None and s.false_accept_paper is None
+    assert {w for t, _, w in calls if t == "off"} == {venue.defaults, *venue.room}
+
+
+def test_the_regime_table_renders_a_seed_and_the_room() -> None:
+    venue = bench_regime.PAPER_REGIME_VENUES[1]
+    off = RegimeRun("off", 0, 1000.0, 2000.0, (0.5, 0.1), (0.5, 0.1))
+    on = RegimeRun("paired", 0, 850.0, 2000.0, (0.5, 0.1), (0.25, 0.1))
+    room = (GridPoint(0.5, 0.1, 1000.0, 2100.0), GridPoint(0.5, 0.05, 800.0, 2000.0))
+    s = RegimeStudy(venue, RegimeChange(600.0), 1.0, (RegimeSeed(0, off, on),), (0,), room)
+    md = regime_markdown(s)
     assert "Policy `gorgo_tokens`, defaults (0.5, 0.1)" in md
-    assert "| 0 | 1000 | 850 | 0.85 ok |" in md and "| 1 | 1000 | 950 | 0.95 |" in md
-    assert "Target met in 1 of 2 seeds" in md
+    assert "| 0 | 1000 | 850 | 0.85 ok |" in md and "Target met in 1 of 1 seeds" in md
     assert "w = (0.5, 0.05): 800 ms (p95 E2E 2000 ms) against the defaults' 1000 ms" in md
     assert "False accepts" not in md
-    assert {w for t, _, w in calls if t == "off"} == {venue.defaults, *venue.room}
 
 
 def test_a_paired_comparison_misranks_a_small_gap_often_and_a_large_one_rarely() -> None:
