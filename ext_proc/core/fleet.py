@@ -300,3 +300,53 @@ class Fleet:
         gone = change is BackendChange.REMOVED
         lifecycle = BackendLifecycle.REMOVED if gone else b.lifecycle
         self._emit_event(BackendChanged(b.id, change, lifecycle, b.config, now_s, reason, reset))
+
+
+class FleetControls:
+    """The fleet's changes as methods of the router (mixed into `core.router.Router`)."""
+
+    __slots__ = ()
+    _fleet: Fleet
+
+    @property
+    def confirm_new_backends(self) -> bool:
+        """New backends start pending until the shell activates them (Envoy has them)."""
+        return self._fleet.confirm_new_backends
+
+    @confirm_new_backends.setter
+    def confirm_new_backends(self, on: bool) -> None:
+        self._fleet.confirm_new_backends = on
+
+    @property
+    def draining(self) -> tuple[str, ...]:
+        return self._fleet.draining
+
+    def lifecycle(self, backend: str) -> BackendLifecycle:
+        return self._fleet.lifecycle(backend)
+
+    def add_backend(self, b: Backend, reason: str = "admin") -> BackendLifecycle:
+        return self._fleet.add(b, reason)
+
+    def activate_backend(self, backend: str, reason: str = "envoy") -> bool:
+        return self._fleet.activate(backend, reason)
+
+    def drain_backend(self, backend: str, reason: str = "admin") -> BackendLifecycle:
+        return self._fleet.drain(backend, reason)
+
+    def reactivate_backend(self, backend: str, reason: str = "reload") -> None:
+        self._fleet.reactivate(backend, reason)
+
+    def update_backend(self, new: Backend, reason: str = "reload") -> bool:
+        return self._fleet.update(new, reason)
+
+    def reconcile(self, backends: Sequence[Backend], reason: str = "reload") -> FleetChanges:
+        return self._fleet.reconcile(backends, reason)
+
+    def apply_live_keys(self, new: Config) -> list[str]:
+        return self._fleet.apply_live_keys(new)
+
+    def backends_json(self) -> list[dict[str, Any]]:
+        return self._fleet.backends_json()
+
+    def removed_json(self, now_s: float) -> list[dict[str, Any]]:
+        return self._fleet.removed_json(now_s)

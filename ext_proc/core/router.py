@@ -10,22 +10,21 @@ outcomes subscribes to the lifecycle events (`core.events`).
 
 from __future__ import annotations
 
-import math
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any
 
 import numpy as np
 
-from ext_proc.config.schema import Backend, Config
+from ext_proc.config.schema import Config
 from ext_proc.core import views
 from ext_proc.core.events import BackendChanged, Closed, Dispatched, FirstByte, Listener
-from ext_proc.core.features import Features, output_tokens, precise_for
-from ext_proc.core.fleet import Fleet, FleetChanges
+from ext_proc.core.features import Features, output_tokens, pace_ms, precise_for
+from ext_proc.core.fleet import Fleet, FleetControls
+from ext_proc.core.inputs import RouterInputs
 from ext_proc.core.state import BackendState
 from ext_proc.core.types import (
-    BackendLifecycle,
     Candidate,
     Decision,
     InFlight,
@@ -35,11 +34,7 @@ from ext_proc.core.types import (
     Status,
     Weights,
 )
-from ext_proc.estimate.engine_index import Applied, EngineBlocks
 from ext_proc.estimate.prefix import Hashes
-from ext_proc.feeds.engine_metrics import EngineReport
-from ext_proc.feeds.kv_events import EventBatch
-from ext_proc.feeds.peers import PeerEvent, PeerKind
 from ext_proc.learn.learners import (
     Ejector,
     PredictionLearner,
@@ -54,7 +49,7 @@ from ext_proc.policy.base import Policy
 RECENT_DECISIONS = 8
 
 
-class Router:
+class Router(RouterInputs, FleetControls):
     __slots__ = (
         "_decisions",
         "_features",
@@ -233,7 +228,7 @@ class Router:
             weights=weights,
             arm=arm,
             draining=self._fleet.draining,
-            hold_ms=self._pace(b, chosen, now_s),
+            hold_ms=pace_ms(self.cfg.routing, b, chosen, now_s),
         )
         self._decisions += 1
         self._recent.append(decision)
@@ -241,31 +236,6 @@ class Router:
         for listener in self._listeners:
             listener.on_dispatch(event)
         return decision
-
-    def _pace(self, b: BackendState, chosen: Candidate, now_s: float) -> float:
-        """Dispatch pacing: how long to hold a request before it is sent on (ms).
-
-        Requests sent to one backend within the WAN's jitter of each other reach the
-        engine in an order the jitter picks, while the queue estimate (and so every
-        decision made since) counts each one behind those routed before it; under bursts
-        that unpredicted overtaking made most of the TTFT tail (docs/cost-model.md). So a
-        request is held until `routing.pace_sigmas` probe-RTT standard deviations after
-        the previous one sent there; never longer than the queue it is predicted to meet on
-        arrival (a held request loses nothing it would not have waited: on arrival-spread
-        traffic a cap at the queue owed now held requests past it and cost p95 E2E), nor
-        than `routing.pace_max_ms` (Envoy waits for the decision within its message
-        timeout).
-        """
-        r = self.cfg.routing
-        hold_ms = 0.0
-        if r.pace_sigmas:
-            due_ms = (b.sent_s - now_s) * 1000 + r.pace_sigmas * math.sqrt(b.rtt_var_ms2)
-            # The queue it meets on arrival: what is owed there now, less what the engine
-            # gets through while the request travels.
-            wait_ms = chosen.queue_ms - b.rtt_ms / 2
-            hold_ms = min(max(0.0, due_ms), max(0.0, wait_ms), r.pace_max_ms)
-        b.sent_s = now_s + hold_ms / 1000
-        return hold_ms
 
     # -- a request's lifecycle ------------------------------------------------------------
 
@@ -341,118 +311,6 @@ class Router:
         for backend in self._fleet.draining:  # any left by a record that went without a close
             self._fleet.remove_if_drained(backend)
         return closed
-
-    # -- what the router hears: engines' KV events, probes, reports, other routers --------
-
-    def apply_kv_events(self, backend: str, batch: EventBatch) -> Applied:
-        """One batch from the backend's engine, in order (see EngineBlocks.apply); a
-        backend removed meanwhile, or one without events, ignores it."""
-        b = self._fleet.state.backends.get(backend)
-        return Applied() if b is None or b.engine_blocks is None else b.engine_blocks.apply(batch)
-
-    def apply_keyed_kv_events(
-        self, backend: str, block_size: int, changes: Sequence[tuple[object, ...]]
-    ) -> None:
-        """Changes from an engine whose blocks are keyed as the caller keys prompts (the
-        simulator's engine models): see EngineBlocks.apply_keyed."""
-        engine = self._fleet.state.backends[backend].engine_blocks
-        if engine is not None:
-            engine.apply_keyed(block_size, changes)
-
-    def expect_engine_events(self, backend: str) -> None:
-        """The backend's engine reports its blocks from now on, whatever its config says
-        (the simulator's engines); the stream starts up."""
-        b = self._fleet.state.backends[backend]
-        if b.engine_blocks is None:
-            b.engine_blocks = EngineBlocks()
-        b.events_up = True
-
-    def set_event_stream(self, backend: str, up: bool) -> None:
-        """The backend's event stream is up (its state is the engine's) or down (the
-        router's own estimate serves it until it is back)."""
-        b = self._fleet.state.backends.get(backend)
-        if b is not None:
-            b.events_up = up and b.engine_blocks is not None
-
-    def apply_peer(self, e: PeerEvent) -> None:
-        """Another router's lifecycle event: its requests load our view of the backends
-        (queue estimates, in-flight counts) as our own do; nothing learns from them."""
-        state = self._fleet.state
-        if e.kind == PeerKind.DISPATCHED:
-            state.peer_dispatch(
-                InFlight(
-                    request_id=e.request_id,
-                    backend=e.backend,
-                    dispatched_s=self.clock(),
-                    input_tokens=e.input_tokens,
-                    output_tokens=e.output_tokens,
-                    cached_tokens=e.cached_tokens,
-                    prefill_ms=e.prefill_ms,
-                    rtt_ms=e.rtt_ms,
-                    queue_ms=e.queue_ms,
-                    streaming=e.streaming,
-                )
-            )
-        elif e.kind == PeerKind.FIRST_BYTE:
-            state.peer_first_byte(e.request_id, self.clock())
-        else:
-            state.peer_close(e.request_id)
-
-    def record_probe(self, backend: str, rtt_ms: float | None) -> None:
-        p = self.cfg.probes
-        self._fleet.state.record_probe(backend, rtt_ms, p.ewma_alpha, p.suspect_after)
-
-    def record_engine_report(self, backend: str, report: EngineReport) -> None:
-        """The engine's own load report (/metrics), read now."""
-        self._fleet.state.record_engine_report(backend, report, self.clock())
-
-    def record_fallback(self, backend: str) -> None:
-        self._fleet.state.record_fallback(backend)
-
-    # -- the fleet at run time (core.fleet) -----------------------------------------------
-
-    @property
-    def confirm_new_backends(self) -> bool:
-        """New backends start pending until the shell activates them (Envoy has them)."""
-        return self._fleet.confirm_new_backends
-
-    @confirm_new_backends.setter
-    def confirm_new_backends(self, on: bool) -> None:
-        self._fleet.confirm_new_backends = on
-
-    @property
-    def draining(self) -> tuple[str, ...]:
-        return self._fleet.draining
-
-    def lifecycle(self, backend: str) -> BackendLifecycle:
-        return self._fleet.lifecycle(backend)
-
-    def add_backend(self, b: Backend, reason: str = "admin") -> BackendLifecycle:
-        return self._fleet.add(b, reason)
-
-    def activate_backend(self, backend: str, reason: str = "envoy") -> bool:
-        return self._fleet.activate(backend, reason)
-
-    def drain_backend(self, backend: str, reason: str = "admin") -> BackendLifecycle:
-        return self._fleet.drain(backend, reason)
-
-    def reactivate_backend(self, backend: str, reason: str = "reload") -> None:
-        self._fleet.reactivate(backend, reason)
-
-    def update_backend(self, new: Backend, reason: str = "reload") -> bool:
-        return self._fleet.update(new, reason)
-
-    def reconcile(self, backends: Sequence[Backend], reason: str = "reload") -> FleetChanges:
-        return self._fleet.reconcile(backends, reason)
-
-    def apply_live_keys(self, new: Config) -> list[str]:
-        return self._fleet.apply_live_keys(new)
-
-    def backends_json(self) -> list[dict[str, Any]]:
-        return self._fleet.backends_json()
-
-    def removed_json(self, now_s: float) -> list[dict[str, Any]]:
-        return self._fleet.removed_json(now_s)
 
     def _emit(self, e: BackendChanged) -> None:
         for listener in self._listeners:

@@ -10,8 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ext_proc.config.schema import ConfigError
-from ext_proc.core.router import Router, build_router
-from ext_proc.core.types import InFlight, RouteRequest, Status, Weights
+from ext_proc.core.build import build_router
+from ext_proc.core.router import Router
+from ext_proc.core.types import RouteRequest, Status, Weights
 from ext_proc.estimate.cost import (
     PrefillModel,
     QueueItem,
@@ -24,6 +25,7 @@ from ext_proc.estimate.cost import (
 from ext_proc.estimate.profile import load_profile
 from ext_proc.learn.learners import SETTLED_S
 from ext_proc.prompt.parse import CHAT, COMPLETIONS, parse_body
+from tests.builders import load
 from tests.fakes import FakeClock
 from tests.unit.test_router import make_config
 
@@ -185,14 +187,14 @@ def test_equal_caches_and_load_the_nearest_wins() -> None:
 
 
 def test_a_session_follows_its_cache_unless_that_backend_is_overloaded() -> None:
-    r, clock = router()
+    r, _clock = router()
     history = "a long shared conversation so far. " * 400  # ~3.5k tokens
     first = r.decide(chat(history))
     r.first_byte(first.request_id)
     r.close(first.request_id, Status.OK)
     # second turn: the prefix is cached where the first went; even if that is not the
     # nearest region, the cached prefill it saves outweighs the RTT
-    r.state.backends["near"].rtt_ms = 150  # make "near" no longer the obvious choice
+    r.record_probe("near", 150)  # make "near" no longer the obvious choice
     second = r.decide(chat(history + " and one more question"))
     assert second.backend == first.backend
     held = next(c for c in second.candidates if c.backend_id == first.backend)
@@ -200,7 +202,7 @@ def test_a_session_follows_its_cache_unless_that_backend_is_overloaded() -> None
     r.close(second.request_id, Status.OK)
     # now that backend has 30 s of prefill queued: the session moves
     for i in range(3):
-        r.state.dispatch(InFlight(f"load{i}", first.backend, clock(), 40_000, prefill_ms=10_000))
+        load(r, f"load{i}", first.backend, 40_000, prefill_ms=10_000)
     third = r.decide(chat(history + " and yet another question"))
     assert third.backend != first.backend
     held = next(c for c in third.candidates if c.backend_id == first.backend)
@@ -211,10 +213,10 @@ def test_suspect_backends_are_not_chosen_while_others_are_healthy() -> None:
     r, _ = router()
     for _ in range(2):
         r.record_probe("near", None)
-    assert r.state.backends["near"].suspect
+    assert r.backends["near"].suspect
     assert all(r.decide(chat(f"x{i}")).backend != "near" for i in range(20))
     r.record_probe("near", 1.2)  # one success clears it
-    assert not r.state.backends["near"].suspect
+    assert not r.backends["near"].suspect
     for name in ("mid", "far"):
         r.record_probe(name, None)
         r.record_probe(name, None)
@@ -227,9 +229,9 @@ def test_suspect_backends_are_not_chosen_while_others_are_healthy() -> None:
 def test_probes_smooth_rtt_after_replacing_the_prior() -> None:
     r, _ = router()
     r.record_probe("mid", 100)
-    assert r.state.backends["mid"].rtt_ms == 100  # first sample replaces the prior
+    assert r.backends["mid"].rtt_ms == 100  # first sample replaces the prior
     r.record_probe("mid", 200)
-    assert r.state.backends["mid"].rtt_ms == pytest.approx(0.3 * 200 + 0.7 * 100)
+    assert r.backends["mid"].rtt_ms == pytest.approx(0.3 * 200 + 0.7 * 100)
 
 
 def test_near_ties_are_broken_at_random() -> None:
@@ -299,26 +301,27 @@ def test_learn_cached_trims_only_settled_evidence() -> None:
     clock.advance(SETTLED_S + 1)
     d2 = r.decide(chat(doc))
     assert d2.backend == "near"
-    rec = r.state.in_flight[d2.request_id]
+    rec = r.in_flight[d2.request_id]
     assert rec.cached_tokens > 4000
     # The engine reports nothing cached: it evicted doc's blocks, so `other`, used even
     # earlier, is gone too (LRU). Doc's blocks stay: this very dispatch re-touched them
     # and its prefill computes them.
-    assert r.index.match(other_blocks)["near"] == len(other_blocks) > 0
+    near = r.backends["near"].prefix
+    assert near.match(other_blocks) == len(other_blocks) > 0
     r.close(d2.request_id, Status.OK, cached_tokens=0)
-    assert r.index.match(other_blocks)["near"] == 0
+    assert near.match(other_blocks) == 0
     doc_blocks = r.prompt_blocks(chat(doc))[0]
-    assert r.index.match(doc_blocks)["near"] == len(rec.blocks)
+    assert near.match(doc_blocks) == len(rec.blocks)
     # a report right after a dispatch (prefill may still be running) is not evidence
     r.decide(RouteRequest("fresh-other", chat(other).llm, None))
     d3 = r.decide(chat(doc + " more"))
     r.close(d3.request_id, Status.OK, cached_tokens=0)
-    assert r.index.match(other_blocks)["near"] == len(other_blocks)
+    assert near.match(other_blocks) == len(other_blocks)
 
 
 def test_prefill_learns_at_completion_and_only_from_the_chosen_backend() -> None:
     r, clock = router(routing={"refit_prefill": True})
-    samples = r.prefill["near"]._work
+    samples = r.backends["near"].prefill._work
 
     def unqueued(served_by: str | None) -> None:
         d = r.decide(chat(f"sample {random.random()} " * 20))
@@ -387,12 +390,11 @@ def two_backends(policy: str) -> tuple[Router, FakeClock]:
     return build_router(cfg, clock, random.Random(0)), clock
 
 
-def decoding_on(r: Router, backend: str, n: int, now_s: float) -> None:
+def decoding_on(r: Router, backend: str, n: int) -> None:
     """n requests past their first token on `backend` (nothing owed to prefill)."""
     for i in range(n):
         rid = f"{backend}-dec{i}"
-        r.state.dispatch(InFlight(rid, backend, now_s, 2000, 300, prefill_ms=200))
-        r.state.first_byte(rid, now_s)
+        load(r, rid, backend, 2000, 300, prefill_ms=200, decoding=True)
 
 
 def test_decode_stall_is_the_prefill_time_times_the_requests_it_holds_up() -> None:
@@ -407,8 +409,8 @@ def test_a_long_uncached_prompt_avoids_the_backend_decoding_many() -> None:
     long_prompt = chat("a long uncached document " * 3200)
     for policy, expected in (("gorgo", "idle"), ("gorgo_time3", "busy")):
         r, clock = two_backends(policy)
-        decoding_on(r, "busy", 12, clock())
-        r.state.dispatch(InFlight("owed", "idle", clock(), 4000, 300, prefill_ms=1000))
+        decoding_on(r, "busy", 12)
+        load(r, "owed", "idle", 4000, 300, prefill_ms=1000)
         clock.advance(0.01)
         d = r.decide(long_prompt)
         busy = next(c for c in d.candidates if c.backend_id == "busy")
@@ -420,8 +422,8 @@ def test_a_long_uncached_prompt_avoids_the_backend_decoding_many() -> None:
         assert d.backend == expected, policy
     # a short prompt stalls the decodes for a few ms: gorgo takes the nearer one
     r, clock = two_backends("gorgo")
-    r.state.backends["idle"].rtt_ms = 400.0
-    decoding_on(r, "busy", 12, clock())
+    r.record_probe("idle", 400.0)
+    decoding_on(r, "busy", 12)
     assert r.decide(chat("hi")).backend == "busy"
 
 
@@ -448,13 +450,11 @@ def test_kv_headroom_prices_the_wait_within_the_margin_beyond_the_queue() -> Non
 
 
 def test_a_nearly_full_kv_pool_is_priced_and_avoided() -> None:
-    r, clock = two_backends("gorgo")
-    capacity = r._kv_capacity_tokens("busy")
+    r, _clock = two_backends("gorgo")
+    capacity = r.backends["busy"].prefix.capacity_blocks * r.cfg.routing.block_tokens
     # busy holds 92 % of its KV in 4 decoding requests, idle nothing
     for i in range(4):
-        rid = f"big{i}"
-        r.state.dispatch(InFlight(rid, "busy", clock(), capacity * 23 // 100 - 200, 200))
-        r.state.first_byte(rid, clock())
+        load(r, f"big{i}", "busy", capacity * 23 // 100 - 200, 200, decoding=True)
     d = r.decide(chat("a question " * 200))
     busy = next(c for c in d.candidates if c.backend_id == "busy")
     assert busy.kv_ms > 0 and busy.queue_ms < busy.kv_ms  # full pool: not yet; margin: yes

@@ -1,0 +1,85 @@
+"""What the router hears besides Envoy, as methods of the router (`RouterInputs`, mixed
+into `core.router.Router`): the engines' KV events, RTT probes, engine load reports,
+fallback completions and the other routers' dispatches."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from ext_proc.core.fleet import Fleet
+from ext_proc.core.types import InFlight
+from ext_proc.estimate.engine_index import Applied, EngineBlocks
+from ext_proc.feeds.engine_metrics import EngineReport
+from ext_proc.feeds.kv_events import EventBatch
+from ext_proc.feeds.peers import PeerEvent, PeerKind
+
+
+class RouterInputs:
+    __slots__ = ()
+    _fleet: Fleet
+    clock: Callable[[], float]
+
+    def apply_kv_events(self, backend: str, batch: EventBatch) -> Applied:
+        """One batch from the backend's engine, in order (see EngineBlocks.apply); a
+        backend removed meanwhile, or one without events, ignores it."""
+        b = self._fleet.state.backends.get(backend)
+        return Applied() if b is None or b.engine_blocks is None else b.engine_blocks.apply(batch)
+
+    def apply_keyed_kv_events(
+        self, backend: str, block_size: int, changes: Sequence[tuple[object, ...]]
+    ) -> None:
+        """Changes from an engine whose blocks are keyed as the caller keys prompts (the
+        simulator's engine models): see EngineBlocks.apply_keyed."""
+        engine = self._fleet.state.backends[backend].engine_blocks
+        if engine is not None:
+            engine.apply_keyed(block_size, changes)
+
+    def expect_engine_events(self, backend: str) -> None:
+        """The backend's engine reports its blocks from now on, whatever its config says
+        (the simulator's engines); the stream starts up."""
+        b = self._fleet.state.backends[backend]
+        if b.engine_blocks is None:
+            b.engine_blocks = EngineBlocks()
+        b.events_up = True
+
+    def set_event_stream(self, backend: str, up: bool) -> None:
+        """The backend's event stream is up (its state is the engine's) or down (the
+        router's own estimate serves it until it is back)."""
+        b = self._fleet.state.backends.get(backend)
+        if b is not None:
+            b.events_up = up and b.engine_blocks is not None
+
+    def apply_peer(self, e: PeerEvent) -> None:
+        """Another router's lifecycle event: its requests load our view of the backends
+        (queue estimates, in-flight counts) as our own do; nothing learns from them."""
+        state = self._fleet.state
+        if e.kind == PeerKind.DISPATCHED:
+            state.peer_dispatch(
+                InFlight(
+                    request_id=e.request_id,
+                    backend=e.backend,
+                    dispatched_s=self.clock(),
+                    input_tokens=e.input_tokens,
+                    output_tokens=e.output_tokens,
+                    cached_tokens=e.cached_tokens,
+                    prefill_ms=e.prefill_ms,
+                    rtt_ms=e.rtt_ms,
+                    queue_ms=e.queue_ms,
+                    streaming=e.streaming,
+                )
+            )
+        elif e.kind == PeerKind.FIRST_BYTE:
+            state.peer_first_byte(e.request_id, self.clock())
+        else:
+            state.peer_close(e.request_id)
+
+    def record_probe(self, backend: str, rtt_ms: float | None) -> None:
+        p = self._fleet.cfg.probes
+        self._fleet.state.record_probe(backend, rtt_ms, p.ewma_alpha, p.suspect_after)
+
+    def record_engine_report(self, backend: str, report: EngineReport) -> None:
+        """The engine's own load report (/metrics), read now."""
+        self._fleet.state.record_engine_report(backend, report, self.clock())
+
+    def record_fallback(self, backend: str) -> None:
+        self._fleet.state.record_fallback(backend)

@@ -1,0 +1,183 @@
+"""The product's layout holds: one subpackage per step of a request's flow, small files and
+classes, an import graph without cycles (every import counted: late ones and
+TYPE_CHECKING ones too), and a router whose insides nothing outside the core touches."""
+
+import ast
+import random
+import re
+from pathlib import Path
+
+import pytest
+
+from ext_proc.core.router import Router
+
+ROOT = Path(__file__).resolve().parents[2]
+PRODUCT = ROOT / "ext_proc"
+MAX_FILE_LINES = 450
+MAX_CLASS_LINES = 300
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for p in sorted(PRODUCT.rglob("*.py")):
+        if p.name.endswith("_pb2.py"):
+            continue
+        parts = list(p.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = p
+    return out
+
+
+MODULES = _modules()
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the product modules it imports, wherever the import statement is."""
+    graph: dict[str, set[str]] = {}
+    for name, path in MODULES.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        edges = graph.setdefault(name, set())
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1])
+                    base = f"{base}.{node.module}" if node.module else base
+                targets = [f"{base}.{a.name}" for a in node.names] + [base]
+            for t in targets:
+                # the longest prefix that is a module: `from pkg import mod` names mod
+                while t and t not in MODULES:
+                    t = t.rpartition(".")[0]
+                if t and t != name and t.startswith("ext_proc"):
+                    edges.add(t)
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One cycle of the graph as a path (empty: none)."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(n: str) -> list[str]:
+        state[n] = 1
+        stack.append(n)
+        for m in sorted(graph.get(n, ())):
+            if state.get(m) == 1:
+                return [*stack[stack.index(m) :], m]
+            if m not in state and (cycle := visit(m)):
+                return cycle
+        stack.pop()
+        state[n] = 2
+        return []
+
+    for n in sorted(graph):
+        if n not in state and (cycle := visit(n)):
+            return cycle
+    return []
+
+
+def test_the_import_graph_has_no_cycle() -> None:
+    graph = import_graph()
+    assert graph["ext_proc.core.router"] >= {"ext_proc.core.fleet", "ext_proc.core.features"}
+    assert find_cycle(graph) == []
+
+
+def test_the_cycle_finder_finds_a_cycle() -> None:
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) == []
+
+
+def test_one_subpackage_per_step_each_saying_what_it_is_for() -> None:
+    packages = [p.parent for p in PRODUCT.glob("*/__init__.py")]
+    assert len(packages) >= 6
+    for p in packages:
+        tree = ast.parse((p / "__init__.py").read_text(encoding="utf-8"))
+        assert ast.get_docstring(tree), f"{p.name}/__init__.py has no docstring"
+        # importing a subpackage must not import its modules (no cycles through __init__)
+        assert not any(isinstance(n, ast.Import | ast.ImportFrom) for n in tree.body), p.name
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_files_and_classes_stay_small(name: str) -> None:
+    text = MODULES[name].read_text(encoding="utf-8")
+    assert len(text.splitlines()) <= MAX_FILE_LINES
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.ClassDef):
+            assert node.end_lineno is not None
+            assert node.end_lineno - node.lineno + 1 <= MAX_CLASS_LINES, node.name
+
+
+# -- the router's surface ------------------------------------------------------------------
+
+PRIVATE = {n for n in dir(Router) if n.startswith("_") and not n.startswith("__")} | {
+    n for n in Router.__slots__ if n.startswith("_")
+}
+
+
+# What names a router in our code: `router`, `self.router`, `routers[i]`, `r`, `rt`.
+ROUTERISH = re.compile(r"(^|\.)(router|routers\[[^]]*\])$|^(r|rt|r\d)$")
+
+
+def _outside_the_core() -> list[Path]:
+    roots = [PRODUCT, ROOT / "loadgen", ROOT / "emulator", ROOT / "tests"]
+    return [
+        p
+        for r in roots
+        for p in sorted(r.rglob("*.py"))
+        if PRODUCT / "core" not in p.parents and not p.name.endswith("_pb2.py")
+    ]
+
+
+def _router_reaches(tree: ast.AST) -> list[str]:
+    """Attribute uses that reach into a router: its private names, and assignments into a
+    backend's record read through `router.backends[...]`."""
+    found = []
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Attribute)
+            and node.attr in PRIVATE
+            and ROUTERISH.search(ast.unparse(node.value))
+        ):
+            found.append(f"{node.lineno}: .{node.attr}")
+        if isinstance(node, ast.Assign | ast.AugAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for t in targets:
+                if (
+                    isinstance(t, ast.Attribute)
+                    and isinstance(t.value, ast.Subscript)
+                    and isinstance(t.value.value, ast.Attribute)
+                    and t.value.value.attr == "backends"
+                ):
+                    found.append(f"{node.lineno}: writes .backends[...].{t.attr}")
+    return sorted(found)
+
+
+def test_nothing_outside_the_core_reaches_into_the_router() -> None:
+    assert {"_fleet", "_features", "_listeners"} <= PRIVATE
+    offenders = {
+        str(p.relative_to(ROOT)): hits
+        for p in _outside_the_core()
+        if (hits := _router_reaches(ast.parse(p.read_text(encoding="utf-8"))))
+    }
+    assert offenders == {}
+
+
+def test_the_reach_check_sees_a_reach() -> None:
+    tree = ast.parse("router._fleet.state\nrouter.backends['a'].suspect = True\nx._fleet\n")
+    assert _router_reaches(tree) == ["1: ._fleet", "2: writes .backends[...].suspect"]
+
+
+def test_a_router_takes_no_new_attributes_and_its_records_are_read_only() -> None:
+    from ext_proc.config.load import config_from_dict
+    from ext_proc.core.build import build_router
+
+    cfg = config_from_dict({"backends": [{"id": "a", "address": "127.0.0.1:1"}]})
+    router = build_router(cfg, lambda: 0.0, random.Random(0))
+    with pytest.raises(AttributeError):
+        router.state = None  # type: ignore[attr-defined]
+    with pytest.raises(TypeError):
+        router.backends["b"] = router.backends["a"]  # type: ignore[index]
