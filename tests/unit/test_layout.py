@@ -181,3 +181,19 @@ def test_a_router_takes_no_new_attributes_and_its_records_are_read_only() -> Non
         router.state = None  # type: ignore[attr-defined]
     with pytest.raises(TypeError):
         router.backends["b"] = router.backends["a"]  # type: ignore[index]
+
+
+def test_the_architecture_doc_shows_the_import_graph_of_the_code() -> None:
+    doc = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    shown = doc.split("<!-- import-graph -->\n")[1].split("<!-- /import-graph -->")[0]
+
+    def short(m: str) -> str:
+        return m.split(".")[1]
+
+    edges: dict[str, set[str]] = {}
+    for a, bs in import_graph().items():
+        for b in bs:
+            if short(a) != short(b):
+                edges.setdefault(short(a), set()).add(short(b))
+    expected = "".join(f"    {a:<10} -> {', '.join(sorted(edges[a]))}\n" for a in sorted(edges))
+    assert shown == expected
