@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
@@ -153,24 +153,23 @@ def score(settings: TunerSettings, samples: np.ndarray) -> Any:
     return tail_mean(samples, settings.tail_fraction)  # "tail" (checked at construction)
 
 
-class TunerCore(Protocol):
-    """What a strategy uses of the tuner: its settings, state and RNG, and the shared
-    steps (sigma's 1/5 rule, the history, mutation, saving)."""
+class TunerCore:
+    """What the strategies use of the tuner: its settings, state and RNG, and the shared
+    steps (sigma's 1/5 rule, the history, mutation, saving); `learn.tuner.Tuner` is one."""
 
-    s: TunerSettings
-    state: TunerState
-    rng: random.Random
+    HISTORY = 500
 
-    def mutate(self, w: tuple[float, float]) -> tuple[float, float]: ...
-
-    def record(
-        self,
-        accepted: bool,
-        parent_ms: float | None,
-        child_ms: float | None,
-        note: str,
-        confirming: bool = False,
-    ) -> Step: ...
+    def __init__(
+        self, settings: TunerSettings, state: TunerState, rng: random.Random, sink: StateSink | None
+    ) -> None:
+        self.s = settings
+        self.state = state
+        self.rng = rng
+        self._sink = sink
+        # Steps taken by this process, by outcome (the metrics' counters; `history` is
+        # capped and comes back from the state file).
+        self.steps_accepted = 0
+        self.steps_rejected = 0
 
     def finish_round(
         self,
@@ -179,9 +178,63 @@ class TunerCore(Protocol):
         child_ms: float | None,
         bounded: bool,
         note: str = "",
-    ) -> Step: ...
+    ) -> Step:
+        st = self.state
+        st.outcomes = [*st.outcomes, accepted][-self.s.success_window :]
+        if len(st.outcomes) >= self.s.success_window:
+            rate = sum(st.outcomes) / len(st.outcomes)
+            if rate > 0.2:
+                st.sigma /= self.s.factor
+            elif rate < 0.2:
+                st.sigma *= self.s.factor
+        if bounded:
+            st.sigma = min(self.s.sigma_max, max(self.s.sigma_min, st.sigma))
+        step = self.record(accepted, parent_ms, child_ms, note)
+        st.child = self.mutate(st.parent)
+        self.save()
+        return step
 
-    def save(self) -> None: ...
+    def record(
+        self,
+        accepted: bool,
+        parent_ms: float | None,
+        child_ms: float | None,
+        note: str,
+        confirming: bool = False,
+    ) -> Step:
+        st = self.state
+        step = Step(
+            st.samples,
+            st.parent,
+            st.child,
+            accepted,
+            st.sigma,
+            parent_ms,
+            child_ms,
+            note,
+            confirming,
+        )
+        if accepted:
+            self.steps_accepted += 1
+        elif not confirming:
+            self.steps_rejected += 1
+        st.history = [*st.history, asdict(step)][-self.HISTORY :]
+        return step
+
+    # -- weights ----------------------------------------------------------------------
+
+    def mutate(self, w: tuple[float, float]) -> tuple[float, float]:
+        sigma = self.state.sigma
+        return self.s.clip(
+            (
+                math.exp(math.log(w[0]) + sigma * self.rng.gauss(0, 1)),
+                math.exp(math.log(w[1]) + sigma * self.rng.gauss(0, 1)),
+            )
+        )
+
+    def save(self) -> None:
+        if self._sink is not None:
+            self._sink({"mode": str(self.s.mode), **asdict(self.state)})
 
 
 class Strategy(Protocol):

@@ -31,10 +31,8 @@ an arm's score is not set by which arm drew the longest prompts. E2E is never ad
 from __future__ import annotations
 
 import logging
-import math
 import random
 from collections.abc import Callable
-from dataclasses import asdict
 from typing import Any
 
 from ext_proc.config.schema import TunerMode
@@ -63,9 +61,7 @@ STRATEGIES: dict[TunerMode, Callable[[TunerCore], Strategy]] = {
 }
 
 
-class Tuner:
-    HISTORY = 500
-
+class Tuner(TunerCore):
     def __init__(
         self,
         settings: TunerSettings,
@@ -74,11 +70,8 @@ class Tuner:
         restored: TunerState | None = None,
         sink: StateSink | None = None,
     ) -> None:
-        self.s = settings
-        self.rng = rng
-        self._sink = sink
         init = settings.clip((initial.rtt, initial.queue))
-        self.state = restored or TunerState(init, init, settings.sigma0)
+        super().__init__(settings, restored or TunerState(init, init, settings.sigma0), rng, sink)
         if settings.mode not in STRATEGIES:
             raise ValueError(f"tuner mode {settings.mode!r} has no strategy")
         self._strategy = STRATEGIES[settings.mode](self)
@@ -86,10 +79,6 @@ class Tuner:
             self._strategy.start()
         # Arm and weights of each request in flight.
         self._arm: dict[str, tuple[str, tuple[float, float]]] = {}
-        # Steps taken by this process, by outcome (the metrics' counters; `history` is
-        # capped and comes back from the state file).
-        self.steps_accepted = 0
-        self.steps_rejected = 0
         # Completions not scored: their request was decided by weights since replaced.
         self.stale_samples = 0
 
@@ -140,67 +129,6 @@ class Tuner:
             ttft_ms -= floor_ms
         return self._strategy.observe(arm, ttft_ms, e2e)
 
-    def finish_round(
-        self,
-        accepted: bool,
-        parent_ms: float | None,
-        child_ms: float | None,
-        bounded: bool,
-        note: str = "",
-    ) -> Step:
-        st = self.state
-        st.outcomes = [*st.outcomes, accepted][-self.s.success_window :]
-        if len(st.outcomes) >= self.s.success_window:
-            rate = sum(st.outcomes) / len(st.outcomes)
-            if rate > 0.2:
-                st.sigma /= self.s.factor
-            elif rate < 0.2:
-                st.sigma *= self.s.factor
-        if bounded:
-            st.sigma = min(self.s.sigma_max, max(self.s.sigma_min, st.sigma))
-        step = self.record(accepted, parent_ms, child_ms, note)
-        st.child = self.mutate(st.parent)
-        self.save()
-        return step
-
-    def record(
-        self,
-        accepted: bool,
-        parent_ms: float | None,
-        child_ms: float | None,
-        note: str,
-        confirming: bool = False,
-    ) -> Step:
-        st = self.state
-        step = Step(
-            st.samples,
-            st.parent,
-            st.child,
-            accepted,
-            st.sigma,
-            parent_ms,
-            child_ms,
-            note,
-            confirming,
-        )
-        if accepted:
-            self.steps_accepted += 1
-        elif not confirming:
-            self.steps_rejected += 1
-        st.history = [*st.history, asdict(step)][-self.HISTORY :]
-        return step
-
-    # -- weights ----------------------------------------------------------------------
-
-    def mutate(self, w: tuple[float, float]) -> tuple[float, float]:
-        sigma = self.state.sigma
-        return self.s.clip(
-            (
-                math.exp(math.log(w[0]) + sigma * self.rng.gauss(0, 1)),
-                math.exp(math.log(w[1]) + sigma * self.rng.gauss(0, 1)),
-            )
-        )
-
     # -- operations -------------------------------------------------------------------
 
     def freeze(self) -> None:
@@ -236,7 +164,3 @@ class Tuner:
             "requests_in_flight": len(self._arm),
             "recent_steps": st.history[-10:],
         }
-
-    def save(self) -> None:
-        if self._sink is not None:
-            self._sink({"mode": str(self.s.mode), **asdict(self.state)})
