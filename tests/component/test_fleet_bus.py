@@ -16,7 +16,7 @@ from emulator.stack.processes import nats_binary
 from emulator.stack.supervision import wait_port
 from ext_proc.config.load import config_from_dict
 from ext_proc.config.schema import Config
-from ext_proc.core.state import FleetState
+from ext_proc.core.router import Router
 from ext_proc.core.types import RouteRequest, Status
 from ext_proc.prompt.parse import COMPLETIONS, LlmRequest
 from ext_proc.service.app import Running, running_service
@@ -92,7 +92,7 @@ async def test_dispatches_reach_the_other_router_and_nats_loss_fails_open(
             async with http.get(f"http://127.0.0.1:{admin_port}/state") as r:
                 return dict((await r.json())["fleet"])
 
-        peer = west.router.state
+        peer = west.router
         await reach(east, peer)
 
         east.router.decide(request("r-1"))
@@ -118,7 +118,7 @@ async def test_dispatches_reach_the_other_router_and_nats_loss_fails_open(
         await reach(east, peer)
 
 
-async def reach(sender: Running, peer: FleetState) -> None:
+async def reach(sender: Running, peer: Router) -> None:
     """Dispatch on `sender` until one reaches `peer` (a subscription is asynchronous),
     then close them all."""
     deadline = time.monotonic() + 10
@@ -126,6 +126,6 @@ async def reach(sender: Running, peer: FleetState) -> None:
         sender.router.decide(request(f"probe-{time.monotonic()}"))
         await asyncio.sleep(0.2)
         assert time.monotonic() < deadline, "no dispatch reached the other router"
-    for rid in list(sender.router.state.in_flight):
+    for rid in list(sender.router.in_flight):
         sender.router.close(rid, Status.OK, 10.0)
     await until(lambda: not peer.peer_in_flight)

@@ -26,7 +26,7 @@ from aiohttp import web
 
 from ext_proc.config.load import config_from_dict
 from ext_proc.core.types import Status
-from ext_proc.service import admin, app, fleet_shell
+from ext_proc.service import admin, fleet_shell
 from ext_proc.service.app import Running, running_service
 from tests.component.test_grpc_service import Harness, log_entry, route
 

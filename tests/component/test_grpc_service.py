@@ -71,8 +71,8 @@ async def harness() -> AsyncIterator[Harness]:
         # nothing leaked: every stream ended and nothing is left in flight
         await asyncio.sleep(0.05)
         assert svc.ext_proc.active_streams == 0
-        assert not svc.router.state.in_flight
-        for b in svc.router.state.backends.values():
+        assert not svc.router.in_flight
+        for b in svc.router.backends.values():
             assert (b.in_flight, b.waiting_first_byte) == (0, 0)
 
 
@@ -151,7 +151,7 @@ async def test_one_filter_doing_both_keeps_the_stream_until_the_first_chunk(
     await call.write(body(b"data: {}\n\n", response=True))
     assert (await call.read()).WhichOneof("response") == "response_body"
     assert await call.read() == grpc.aio.EOF
-    assert len(harness.svc.router.state.backends["us-ashburn"].recent_ttft_ms) == 1
+    assert len(harness.svc.router.backends["us-ashburn"].recent_ttft_ms) == 1
     await harness.access_log(log_entry("r5", 200, 9))
 
 
@@ -162,18 +162,18 @@ async def test_cancel_before_first_byte_closes_the_loop(harness: Harness) -> Non
     await asyncio.sleep(0.05)
     call.cancel()  # the client went away before the first token
     for _ in range(100):
-        if not harness.svc.router.state.in_flight:
+        if not harness.svc.router.in_flight:
             break
         await asyncio.sleep(0.01)
-    assert harness.svc.router.state.backends["us-ashburn"].errors == 1
+    assert harness.svc.router.backends["us-ashburn"].errors == 1
 
 
 async def test_a_client_gone_before_any_response_is_a_cancellation(harness: Harness) -> None:
     for rid in ("g1", "g2", "g3"):  # Envoy logs status 0: nothing was sent to the client
         await route(harness, rid)
         await harness.access_log(log_entry(rid, 0, 30))
-    ashburn = harness.svc.router.state.backends["us-ashburn"]
-    assert not harness.svc.router.state.in_flight
+    ashburn = harness.svc.router.backends["us-ashburn"]
+    assert not harness.svc.router.in_flight
     assert (ashburn.request_failures, ashburn.ejected_until_s) == (0, None)
 
 
@@ -181,7 +181,7 @@ async def test_upstream_error_status_is_recorded_from_the_access_log(harness: Ha
     await route(harness, "r3")
     await observe_first_chunk(harness, "r3")
     await harness.access_log(log_entry("r3", 503, 20))
-    assert harness.svc.router.state.backends["us-ashburn"].errors == 1
+    assert harness.svc.router.backends["us-ashburn"].errors == 1
 
 
 @pytest.mark.parametrize(
@@ -209,7 +209,7 @@ async def test_unroutable_requests_go_to_the_fallback_route(
 
 async def test_fallback_completions_are_counted_per_backend(harness: Harness) -> None:
     await harness.access_log(log_entry("x", 200, 5, route="fallback", backend="ap-seoul"))
-    assert harness.svc.router.state.backends["ap-seoul"].fallback_completed == 1
+    assert harness.svc.router.backends["ap-seoul"].fallback_completed == 1
 
 
 async def test_many_concurrent_streams(harness: Harness) -> None:
@@ -221,7 +221,7 @@ async def test_many_concurrent_streams(harness: Harness) -> None:
 
     chosen = await asyncio.gather(*(one(i) for i in range(60)))
     assert sorted(set(chosen)) == sorted(BACKENDS)
-    backends = harness.svc.router.state.backends.values()
+    backends = harness.svc.router.backends.values()
     assert sum(b.completed for b in backends) == 60
     assert sum(len(b.recent_ttft_ms) for b in backends) == min(60, 3 * 16)
 

@@ -23,12 +23,12 @@ from ext_proc.common.names import HEADER_BACKEND
 from ext_proc.config.load import config_from_dict, load_config
 from ext_proc.config.schema import Config, split_host_port
 from ext_proc.envoy.bootstrap import (
-    EXT_PROC_CLUSTER,
     build_envoy_config,
     build_mesh_snippet,
     render_envoy_config,
     render_mesh_snippet,
 )
+from ext_proc.envoy.clusters import EXT_PROC_CLUSTER
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = ROOT / "docker-compose.yml"

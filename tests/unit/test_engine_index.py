@@ -2,7 +2,7 @@
 
 import random
 
-from ext_proc.core.router import build_router
+from ext_proc.core.build import build_router
 from ext_proc.core.types import Status
 from ext_proc.estimate.engine_index import EngineBlocks, chain_keys
 from ext_proc.feeds.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch

@@ -20,7 +20,8 @@ from emulator.wire import parse_chat
 from ext_proc.config.load import config_from_dict
 from ext_proc.config.schema import ConfigError, TokenizerConfig
 from ext_proc.envoy import codec
-from ext_proc.envoy.server import decision_encoder, open_session
+from ext_proc.envoy.encoders import decision_encoder
+from ext_proc.envoy.server import open_session
 from ext_proc.estimate.prefix import as_hashes
 from ext_proc.prompt.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
 from ext_proc.prompt.engine_tokens import (
@@ -298,7 +299,7 @@ def test_a_routing_session_decides_on_the_engines_ids(engine: EngineTokenizer) -
     assert reply is not None and reply.WhichOneof("response") == "request_body"
     ids = whole(engine, messages)
     assert r.recent[-1].input_tokens == len(ids) > 8
-    blocks = r.state.in_flight["tok-1"].blocks
+    blocks = r.in_flight["tok-1"].blocks
     assert blocks is not None and list(blocks) == list(as_hashes(block_hashes_of_ids(ids, 4)))
 
 

@@ -17,14 +17,11 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from ext_proc.config.dump import changed_keys
 from ext_proc.config.load import backend_from_dict, config_from_dict
 from ext_proc.config.schema import Backend, ConfigError, KvEventsSource, TelemetryConfig
+from ext_proc.core.build import build_router
 from ext_proc.core.events import BackendChanged, Listener
-from ext_proc.core.router import (
-    FleetConflict,
-    NoActiveBackend,
-    Router,
-    UnknownBackend,
-    build_router,
-)
+from ext_proc.core.features import NoActiveBackend
+from ext_proc.core.fleet import FleetConflict, UnknownBackend
+from ext_proc.core.router import Router
 from ext_proc.core.types import BackendChange, BackendLifecycle, RouteRequest, Status
 from ext_proc.feeds.engine_metrics import EngineReport
 from ext_proc.feeds.kv_events import EventBatch
@@ -63,7 +60,10 @@ def backend(bid: str, port: int = 9, **extra: object) -> Backend:
 
 
 def fleet(
-    policy: str = "least_request", ids: tuple[str, ...] = ("a", "b", "c"), timeout_s: float = 60.0
+    policy: str = "least_request",
+    ids: tuple[str, ...] = ("a", "b", "c"),
+    timeout_s: float = 60.0,
+    **extra: object,
 ) -> tuple[Router, FakeClock, Changes]:
     cfg = config_from_dict(
         {
@@ -74,6 +74,7 @@ def fleet(
                 {"id": b, "address": f"127.0.0.1:{i + 1}", "kv_events": {"endpoint": "tcp://*:1"}}
                 for i, b in enumerate(ids)
             ],
+            **extra,
         }
     )
     clock = FakeClock()
@@ -83,18 +84,27 @@ def fleet(
     return router, clock, changes
 
 
-def structures(router: Router) -> dict[str, set[str]]:
-    """Every per-backend structure of the core, by the ids it holds."""
+def shown(router: Router) -> dict[str, set[str]]:
+    """Every place the core shows its backends, by the ids it holds: one record per
+    backend, so each must name exactly the records' ids."""
+    assert all(b.id == b.config.id == bid for bid, b in router.backends.items())
     return {
-        "state": set(router.state.backends),
-        "profiles": set(router.profiles),
-        "prefill": set(router.prefill),
-        "index": set(router.index.backends()),
-        "index_capacity": set(router.index.capacity_blocks),
-        "engine_blocks": set(router.engine_blocks),
-        "configs": set(router.configs),
+        "records": set(router.backends),
         "cfg": set(router.cfg.backend_ids),
+        "snapshot": set(router.snapshot()["backends"]),
+        "backends_json": {b["id"] for b in router.backends_json()},
     }
+
+
+def assert_complete(router: Router, bid: str) -> None:
+    """The backend's record holds everything the core keeps of it."""
+    b = router.backends[bid]
+    bt = router.cfg.routing.block_tokens
+    assert b.profile.name == b.config.engine_profile
+    assert b.prefill.prefill_ms(1000, 0) > 0
+    assert b.prefix.capacity_blocks == b.profile.kv_capacity_tokens // bt
+    assert b.engine_blocks is not None  # its config names a KV-event endpoint
+    assert b.prediction.as_json() == {}
 
 
 def test_an_added_backend_gets_every_structure_and_decisions() -> None:
@@ -102,7 +112,8 @@ def test_an_added_backend_gets_every_structure_and_decisions() -> None:
     router.add_backend(backend("d", kv_events={"endpoint": "tcp://*:7"}))
     assert changes.seen() == [("d", "added")]
     assert router.lifecycle("d") == ACTIVE
-    assert all("d" in ids for ids in structures(router).values())
+    assert all("d" in ids for ids in shown(router).values())
+    assert_complete(router, "d")
     assert router.cfg.backend_ids == ("a", "b", "c", "d")  # the order they came in
     chosen = Counter(router.decide(chat(f"r{i}")).backend for i in range(8))
     assert chosen == {"a": 2, "b": 2, "c": 2, "d": 2}
@@ -114,7 +125,7 @@ def test_drain_with_requests_in_flight_removes_it_when_the_last_one_closes() -> 
     router, clock, changes = fleet("round_robin")
     for i in range(6):
         router.decide(chat(f"r{i}"))
-    on_b = sorted(router.state.backends["b"].records)
+    on_b = sorted(router.backends["b"].records)
     assert len(on_b) == 2
     assert router.drain_backend("b") == DRAINING
     assert changes.seen() == [("b", "draining")]
@@ -134,16 +145,16 @@ def test_drain_with_requests_in_flight_removes_it_when_the_last_one_closes() -> 
     assert router.lifecycle("b") == DRAINING and not changes.seen()
     router.close(on_b[1], Status.ERROR)
     assert changes.seen() == [("b", "removed")]
-    for name, ids in structures(router).items():
-        assert "b" not in ids, name
-    assert "b" not in router.precise and router.draining == ()
+    for name, ids in shown(router).items():
+        assert ids == {"a", "c"}, name
+    assert router.draining == ()
     with pytest.raises(UnknownBackend):
         router.lifecycle("b")
     removed = router.snapshot()["removed_backends"]
     assert [(r["id"], r["completed"], r["errors"]) for r in removed] == [("b", 1, 1)]
     # An id that was removed can be added again, from scratch.
     router.add_backend(backend("b"))
-    assert router.state.backends["b"].completed == 0
+    assert router.backends["b"].completed == 0
 
 
 def test_drain_of_an_idle_backend_removes_it_at_once_and_again_is_unknown() -> None:
@@ -154,7 +165,7 @@ def test_drain_of_an_idle_backend_removes_it_at_once_and_again_is_unknown() -> N
         router.drain_backend("c")
     # Draining a draining backend changes nothing.
     router.decide(chat("r1"))
-    busy = next(iter(router.state.in_flight.values())).backend
+    busy = next(iter(router.in_flight.values())).backend
     assert router.drain_backend(busy) == DRAINING
     assert router.drain_backend(busy) == DRAINING
     assert changes.seen() == [(busy, "draining")]
@@ -163,26 +174,28 @@ def test_drain_of_an_idle_backend_removes_it_at_once_and_again_is_unknown() -> N
 def test_expiry_while_draining_removes_it() -> None:
     router, clock, changes = fleet(timeout_s=30.0)
     router.decide(chat("r1"))
-    busy = router.state.in_flight["r1"].backend
+    busy = router.in_flight["r1"].backend
     router.drain_backend(busy)
     clock.advance(29.0)
     assert router.expire() == [] and router.lifecycle(busy) == DRAINING
     clock.advance(2.0)
     expired = router.expire()
     assert [(c.request_id, c.status) for c in expired] == [("r1", Status.EXPIRED)]
-    assert busy not in router.state.backends
+    assert busy not in router.backends
     assert changes.seen()[-1] == (busy, "removed")
 
 
 def test_a_record_released_without_a_close_still_lets_it_go_at_the_next_expiry_pass() -> None:
     router, _clock, _changes = fleet()
     router.decide(chat("r1"))
-    busy = router.state.in_flight["r1"].backend
+    busy = router.in_flight["r1"].backend
     router.drain_backend(busy)
-    # A reused request id releases the older record without closing it.
-    router.state._release(router.state.in_flight.pop("r1"))
+    # A reused request id releases the older record without closing it (the new one
+    # goes elsewhere: busy is draining).
+    assert router.decide(chat("r1")).backend != busy
+    assert router.own_in_flight(busy) == 0 and router.lifecycle(busy) == DRAINING
     router.expire()
-    assert busy not in router.state.backends
+    assert busy not in router.backends
 
 
 def test_the_last_active_backend_cannot_be_drained() -> None:
@@ -232,7 +245,7 @@ def test_no_policy_chooses_a_draining_backend_as_the_set_changes(policy: str) ->
             d = router.decide(chat(f"r{rid}", f"hello {rid % 5}", user=f"u{rid % 7}"))
             assert router.lifecycle(d.backend) == ACTIVE
             assert all(router.lifecycle(c.backend_id) == ACTIVE for c in d.candidates)
-            assert set(d.ranked()) <= {b for b in router.state.backends if b not in router.draining}
+            assert set(d.ranked()) <= {b for b in router.backends if b not in router.draining}
             seen[d.backend] += 1
             clock.advance(0.01)
             if rid % 2:
@@ -276,77 +289,86 @@ def test_peers_events_naming_unknown_or_removed_backends_are_ignored() -> None:
         return PeerEvent(kind, "other", rid, bid, input_tokens=10)
 
     router.apply_peer(peer(PeerKind.DISPATCHED, "p0", "nowhere"))
-    assert not router.state.peer_in_flight
+    assert not router.peer_in_flight
     # A peer's request on a draining backend loads it, but does not keep it alive.
     router.decide(chat("r1"))
-    busy = router.state.in_flight["r1"].backend
+    busy = router.in_flight["r1"].backend
     router.apply_peer(peer(PeerKind.DISPATCHED, "p1", busy))
     router.drain_backend(busy)
     router.close("r1", Status.OK)
-    assert busy not in router.state.backends and not router.state.peer_in_flight
+    assert busy not in router.backends and not router.peer_in_flight
     # Its first byte and close, arriving later, change nothing.
     router.apply_peer(peer(PeerKind.FIRST_BYTE, "p1", busy))
     router.apply_peer(peer(PeerKind.CLOSED, "p1", busy))
     router.apply_peer(peer(PeerKind.DISPATCHED, "p2", busy))
-    assert not router.state.peer_in_flight
-    for b in router.state.backends.values():
+    assert not router.peer_in_flight
+    for b in router.backends.values():
         assert (b.in_flight, b.waiting_first_byte, b.in_flight_tokens) == (0, 0, 0)
     clock.advance(1.0)
 
 
 def test_late_probes_scrapes_and_kv_events_of_a_removed_backend_are_ignored() -> None:
-    router, clock, _changes = fleet()
+    router, _clock, _changes = fleet()
     router.drain_backend("c")
     router.record_probe("c", 12.0)
     router.record_probe("c", None)
-    router.state.record_engine_report("c", EngineReport(3, 0, 0.1), clock())
+    router.record_engine_report("c", EngineReport(3, 0, 0.1))
     applied = router.apply_kv_events("c", EventBatch("", 1, 0.0, (), None))
     assert not applied.gap
     router.set_event_stream("c", True)
-    assert "c" not in router.precise and "c" not in router.state.backends
+    assert "c" not in router.backends
+    assert all(ids == {"a", "b"} for ids in shown(router).values())
 
 
 def test_reconcile_adds_updates_reactivates_and_drains() -> None:
     router, clock, changes = fleet(ids=("a", "b", "c"))
     router.decide(chat("r1"))
-    busy = router.state.in_flight["r1"].backend
-    keep = [router.configs[b] for b in ("a", "b", "c") if b != busy]
+    busy = router.in_flight["r1"].backend
+    keep = [router.backends[b].config for b in ("a", "b", "c") if b != busy]
     # The file loses `busy` (drained: a request is in flight there) and gains d.
     done = router.reconcile([*keep, backend("d")])
     assert (done.added, done.draining) == (("d",), (busy,))
     assert router.lifecycle(busy) == DRAINING
     # Named again before it was removed: back in rotation, nothing lost.
-    done = router.reconcile([*keep, router.configs[busy], backend("d")])
+    done = router.reconcile([*keep, router.backends[busy].config, backend("d")])
     assert done.reactivated == (busy,) and router.lifecycle(busy) == ACTIVE
-    assert "r1" in router.state.backends[busy].records
+    assert "r1" in router.backends[busy].records
     changes.seen()
     # Estimates only: in place, nothing forgotten.
-    a = router.state.backends["a"]
-    a.rtt_ms, a.rtt_samples = 33.0, 4
-    router.index.insert("a", router.prompt_blocks(chat("x", "x" * 4000))[0], clock())
-    blocks = router.index.size_blocks("a")
+    a = router.backends["a"]
+    for _ in range(4):
+        router.record_probe("a", 33.0)
+    assert (a.rtt_ms, a.rtt_samples) == (33.0, 4)
+    router.backends["a"].prefix.insert(router.prompt_blocks(chat("x", "x" * 4000))[0], clock())
+    blocks = router.backends["a"].prefix.size_blocks
     changed = [
         backend("a", 1, rtt_prior_ms=7, region="eu", kv_events={"endpoint": "tcp://*:1"}),
-        *[router.configs[b] for b in ("b", "c")],
+        *[router.backends[b].config for b in ("b", "c")],
         backend("d"),
     ]
     done = router.reconcile(changed)
-    assert done.updated == ("a",) and router.configs["a"].region == "eu"
-    assert (a.rtt_ms, a.rtt_prior_ms, router.index.size_blocks("a")) == (33.0, 7.0, blocks)
+    assert done.updated == ("a",) and router.backends["a"].config.region == "eu"
+    assert (a.rtt_ms, a.rtt_prior_ms, router.backends["a"].prefix.size_blocks) == (
+        33.0,
+        7.0,
+        blocks,
+    )
     assert [(e.backend, e.change, e.reset) for e in changes.events] == [
         ("a", BackendChange.UPDATED, False)
     ]
     changes.seen()
     # Another engine behind the id: what the router knew of the old one is forgotten.
-    router.precise.add("a")
+    router.set_event_stream("a", True)
+    assert router.backends["a"].precise
     changed[0] = backend("a", 5, kv_events={"endpoint": "tcp://*:1"})
     router.reconcile(changed)
     assert [(e.backend, e.change, e.reset) for e in changes.events] == [
         ("a", BackendChange.UPDATED, True)
     ]
-    assert (a.rtt_ms, a.rtt_samples, router.index.size_blocks("a")) == (50.0, 0, 0)
-    assert "a" not in router.precise and router.engine_blocks["a"].blocks == 0
-    assert router.configs["a"].address == "127.0.0.1:5"
+    assert (a.rtt_ms, a.rtt_samples, router.backends["a"].prefix.size_blocks) == (50.0, 0, 0)
+    engine = router.backends["a"].engine_blocks
+    assert not router.backends["a"].precise and engine is not None and engine.blocks == 0
+    assert router.backends["a"].config.address == "127.0.0.1:5"
 
 
 def test_decision_span_and_metric_show_the_lifecycle() -> None:
@@ -355,11 +377,11 @@ def test_decision_span_and_metric_show_the_lifecycle() -> None:
     telemetry = Telemetry(TelemetryConfig(), router, exporter)
     router.subscribe(telemetry)
     router.decide(chat("r0"))
-    busy = router.state.in_flight["r0"].backend
+    busy = router.in_flight["r0"].backend
     router.drain_backend(busy)
     router.decide(chat("r1"))
     router.close("r1", Status.OK)
-    idle = next(b for b in ("a", "b", "c") if b != busy and not router.state.backends[b].records)
+    idle = next(b for b in ("a", "b", "c") if b != busy and not router.backends[b].records)
     router.drain_backend(idle)  # removed at once
     router.close("r0", Status.OK)
     telemetry.shutdown()
@@ -457,7 +479,7 @@ def test_decisions_only_reach_active_backends_and_removed_ones_leave_no_trace(
             try:
                 d = router.decide(chat(f"r{n}", f"p{k}", user=f"s{k}"))
             except NoActiveBackend:
-                assert not any(b.lifecycle == ACTIVE for b in router.state.backends.values())
+                assert not any(b.lifecycle == ACTIVE for b in router.backends.values())
                 continue
             assert router.lifecycle(d.backend) == ACTIVE
             assert all(router.lifecycle(c.backend_id) == ACTIVE for c in d.candidates)
@@ -467,7 +489,7 @@ def test_decisions_only_reach_active_backends_and_removed_ones_leave_no_trace(
             try:
                 router.add_backend(backend(ids[k]))
             except FleetConflict:
-                assert ids[k] in router.state.backends
+                assert ids[k] in router.backends
         elif op == "drain":
             with contextlib.suppress(UnknownBackend, FleetConflict):
                 router.drain_backend(ids[k])
@@ -479,18 +501,17 @@ def test_decisions_only_reach_active_backends_and_removed_ones_leave_no_trace(
         else:
             router.apply_peer(PeerEvent(PeerKind.DISPATCHED, "peer", f"p{n}", ids[k], 5))
         # Invariants after every step.
-        present = set(router.state.backends)
-        for name, held in structures(router).items():
-            if name != "engine_blocks":
-                assert held == present, name
+        present = set(router.backends)
+        for name, held in shown(router).items():
+            assert held == present, name
         assert set(router.draining) == {
-            b for b, s in router.state.backends.items() if s.lifecycle == DRAINING
+            b for b, s in router.backends.items() if s.lifecycle == DRAINING
         }
         for b in router.draining:
-            assert router.state.own_in_flight(b) > 0  # else it would be gone
-        for rec in [*router.state.in_flight.values(), *router.state.peer_in_flight.values()]:
+            assert router.own_in_flight(b) > 0  # else it would be gone
+        for rec in [*router.in_flight.values(), *router.peer_in_flight.values()]:
             assert rec.backend in present
-        for b in router.state.backends.values():
+        for b in router.backends.values():
             assert b.in_flight == len(b.records)
     removed = [e.backend for e in changes.events if e.change == BackendChange.REMOVED]
     drained = [e.backend for e in changes.events if e.change == BackendChange.DRAINING]
@@ -509,18 +530,14 @@ def test_with_no_active_backend_the_stream_takes_the_fallback_route() -> None:
     resp = s.handle(body(b'{"messages": [{"role": "user", "content": "hi"}]}'))
     assert resp is not None and resp.WhichOneof("response") == "request_body"
     assert not resp.request_body.response.header_mutation.set_headers  # no backend named
-    assert s.done and not router.state.in_flight
+    assert s.done and not router.in_flight
 
 
 def test_the_endpoint_picker_names_new_addresses_and_never_a_draining_one() -> None:
-    from ext_proc.envoy.server import EndpointPickerEncoder, decision_encoder
+    from ext_proc.envoy.encoders import EndpointPickerEncoder, decision_encoder
 
-    router, _clock, _changes = fleet(ids=("a", "b"))
-    router.cfg = config_from_dict(
-        {
-            "envoy": {"mode": "endpoint_picker", "connect_retries": 3},
-            "backends": [backend_as(router, b) for b in ("a", "b")],
-        }
+    router, _clock, _changes = fleet(
+        ids=("a", "b"), envoy={"mode": "endpoint_picker", "connect_retries": 3}
     )
     encoder = decision_encoder(router.cfg)
     assert isinstance(encoder, EndpointPickerEncoder)
@@ -534,12 +551,6 @@ def test_the_endpoint_picker_names_new_addresses_and_never_a_draining_one() -> N
         endpoints = picked[0].header.raw_value.decode().split(",")
         assert "127.0.0.1:1" not in endpoints  # a's address: draining
         assert sorted(endpoints) == ["127.0.0.1:2", "127.0.0.1:33"]
-
-
-def backend_as(router: Router, bid: str) -> dict[str, object]:
-    from ext_proc.config.dump import backend_as_dict
-
-    return backend_as_dict(router.configs[bid])
 
 
 def test_the_last_backend_active_or_pending_cannot_be_drained() -> None:

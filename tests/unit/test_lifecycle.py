@@ -7,10 +7,12 @@ import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from ext_proc.config.schema import TelemetryConfig
+from ext_proc.core.build import build_router
 from ext_proc.core.events import Closed, Dispatched, FirstByte, Listener
-from ext_proc.core.router import Router, build_router
+from ext_proc.core.router import Router
 from ext_proc.core.types import Status, Weights
-from ext_proc.learn.tuner import Tuner, TunerSettings
+from ext_proc.learn.settings import TunerSettings
+from ext_proc.learn.tuner import Tuner
 from ext_proc.policy.catalog import make_policy
 from ext_proc.service.telemetry import Telemetry
 from tests.fakes import FakeClock
@@ -50,22 +52,22 @@ def test_ten_thousand_expired_requests_leave_every_table_empty() -> None:
     for _wave in range(50):
         for i in range(200):
             router.decide(chat(f"prompt {i % 50}"))
-        assert router.tuner.in_flight_arms == 200 and telemetry.open_spans == 200
+        assert router.tuner.snapshot()["requests_in_flight"] == 200 and telemetry.open_spans == 200
         clock.advance(10.0)
         expired += router.expire()
     assert len(expired) == 10_000 and {c.status for c in expired} == {Status.EXPIRED}
-    assert not router.state.in_flight
-    for b in router.state.backends.values():
+    assert not router.in_flight
+    for b in router.backends.values():
         assert (b.records, b.in_flight, b.waiting_first_byte, b.in_flight_tokens) == ({}, 0, 0, 0)
         assert router.queue_estimate_ms(b.id, clock()) == 0
-    assert router.tuner.in_flight_arms == 0  # the arm table does not grow forever
+    assert router.tuner.snapshot()["requests_in_flight"] == 0  # the arm table does not grow forever
     assert telemetry.open_spans == 0  # every span ended
     # ...and the expired requests counted against the arms that routed them
     # (or, decided by weights a finished round had replaced, were left out of the next)
     t = router.tuner
     assert t.state.samples + t.stale_samples == 10_000 and t.stale_samples < t.state.samples
     counts = telemetry.metrics.completions.labels
-    assert sum(counts(b, "expired")._value.get() for b in router.state.backends) == 10_000
+    assert sum(counts(b, "expired")._value.get() for b in router.backends) == 10_000
 
 
 @pytest.mark.parametrize(
@@ -92,7 +94,7 @@ def test_every_ending_reaches_every_listener_once(how: str, status: Status) -> N
     if how == "expired":
         router.expire()
     elif how == "failed_over":
-        other = next(b for b in router.state.backends if b != d.backend)
+        other = next(b for b in router.backends if b != d.backend)
         router.close(d.request_id, Status.OK, served_by=other)
     else:
         router.close(d.request_id, Status(how))
@@ -103,7 +105,7 @@ def test_every_ending_reaches_every_listener_once(how: str, status: Status) -> N
         ("first_byte", d.request_id, pytest.approx(200.0)),
         ("close", d.request_id, status),
     ]
-    assert router.tuner is not None and router.tuner.in_flight_arms == 0
+    assert router.tuner is not None and router.tuner.snapshot()["requests_in_flight"] == 0
     # what a failure says about the weights: errors count against the arm, the client's
     # own doing (cancelled, 4xx) does not
     counted = status not in (Status.CANCELLED, Status.CLIENT_ERROR)

@@ -36,7 +36,8 @@ from emulator.stack.ports import free_ports
 from emulator.stack.processes import envoy_binary
 from ext_proc.config.load import config_from_dict
 from ext_proc.config.schema import Config, TelemetryConfig
-from ext_proc.core.router import Router, build_router
+from ext_proc.core.build import build_router
+from ext_proc.core.router import Router
 from ext_proc.core.types import RouteRequest, Status
 from ext_proc.envoy.bootstrap import render_envoy_config
 from ext_proc.prompt.parse import CHAT, parse_body
@@ -213,15 +214,15 @@ def drive_router() -> tuple[Router, Telemetry]:
         clock.advance(0.2)
         router.close(d.request_id, Status.OK)
     d = router.decide(_request("over", "hello"))
-    other = next(b for b in router.state.backends if b != d.backend)
+    other = next(b for b in router.backends if b != d.backend)
     router.close(d.request_id, Status.OK, served_by=other)
     for i in range(12):  # failures in a row on one backend eject it
         d = router.decide(_request(f"err-{i}", "hello"))
         router.close(d.request_id, Status.ERROR)
-        if any(b.ejections for b in router.state.backends.values()):
+        if any(b.ejections for b in router.backends.values()):
             break
-    assert sum(b.ejections for b in router.state.backends.values()) == 1
-    telemetry.fallback(next(iter(router.state.backends)))
+    assert sum(b.ejections for b in router.backends.values()) == 1
+    telemetry.fallback(next(iter(router.backends)))
     assert router.tuner is not None and router.tuner.steps_accepted + router.tuner.steps_rejected
     return router, telemetry
 
@@ -248,10 +249,10 @@ def test_the_router_exports_ejections_and_the_tuners_progress() -> None:
     router, telemetry = drive_router()
     clock = router.clock
     assert isinstance(clock, FakeClock)
-    (out,) = [b for b in router.state.backends.values() if b.ejected_until_s is not None]
+    (out,) = [b for b in router.backends.values() if b.ejected_until_s is not None]
     assert _sample(telemetry, "gorgo_ejected", backend=out.id) == 1
     assert _sample(telemetry, "gorgo_ejections_total", backend=out.id) == out.ejections >= 1
-    for b in router.state.backends.values():
+    for b in router.backends.values():
         if b is not out:
             assert _sample(telemetry, "gorgo_ejected", backend=b.id) == 0
     # the ejection ends by itself: the gauge says so before any decision clears it
@@ -540,8 +541,8 @@ async def test_a_real_envoy_and_gorgo_serve_export_what_they_name(live_fleet: Li
                 assert r.status == 200  # not an LLM call: the fallback route
             assert statuses == [200] * n
             deadline = time.monotonic() + 10
-            while sum(b.completed for b in svc.router.state.backends.values()) < n or not any(
-                b.fallback_completed for b in svc.router.state.backends.values()
+            while sum(b.completed for b in svc.router.backends.values()) < n or not any(
+                b.fallback_completed for b in svc.router.backends.values()
             ):
                 assert time.monotonic() < deadline, "completions did not arrive"
                 await asyncio.sleep(0.05)

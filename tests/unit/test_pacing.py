@@ -13,11 +13,13 @@ import pytest
 
 from ext_proc.config.load import config_from_dict
 from ext_proc.config.schema import ConfigError
-from ext_proc.core.router import Router, build_router
+from ext_proc.core.build import build_router
+from ext_proc.core.router import Router
 from ext_proc.core.types import RouteRequest
 from ext_proc.prompt.parse import CHAT, parse_body
 from loadgen.simulate import _AT_ENGINE, SimSettings, Simulation
 from loadgen.traces import TraceRequest
+from tests.builders import Dispatches
 from tests.fakes import FakeClock
 
 
@@ -44,7 +46,7 @@ def jitter(router: Router, samples: tuple[float, ...] = (100, 140, 60, 140, 60, 
     """Feed probe samples; the router's estimate of their standard deviation (ms)."""
     for s in samples:
         router.record_probe("a", s)
-    return math.sqrt(router.state.backends["a"].rtt_var_ms2)
+    return math.sqrt(router.backends["a"].rtt_var_ms2)
 
 
 def test_probe_samples_give_the_jitter_estimate() -> None:
@@ -52,7 +54,7 @@ def test_probe_samples_give_the_jitter_estimate() -> None:
     assert jitter(router, (100.0,) * 6) == 0.0
     sigma = jitter(router)
     assert 20 < sigma < 60  # samples 40 ms either side of 100
-    assert router.state.backends["a"].as_json()["rtt_std_ms"] == pytest.approx(sigma, abs=1e-3)
+    assert router.backends["a"].as_json()["rtt_std_ms"] == pytest.approx(sigma, abs=1e-3)
 
 
 def test_a_second_dispatch_at_once_is_held_for_the_jitter() -> None:
@@ -85,7 +87,7 @@ def test_the_hold_is_capped_by_the_queue_and_by_pace_max_ms() -> None:
         jitter(router, (100, 1000, 100, 1000, 100))
         router.decide(chat("s1", words=words))
         held = router.decide(chat("s2", words=2))
-        on_arrival_ms = held.chosen.queue_ms - router.state.backends["a"].rtt_ms / 2
+        on_arrival_ms = held.chosen.queue_ms - router.backends["a"].rtt_ms / 2
         assert (on_arrival_ms > 0) is held_at_all
         assert held.hold_ms == pytest.approx(max(0.0, on_arrival_ms))
         assert held.hold_ms < 250
@@ -119,25 +121,21 @@ def _overtaken_pairs(pace_sigmas: float) -> int:
     ]
     s = SimSettings(rtt_profile="paper", router={"routing": {"pace_sigmas": pace_sigmas}})
     sim = Simulation(trace, s)
-    order: dict[str, list[str]] = {}
+    dispatches = Dispatches()
+    sim.router.subscribe(dispatches)
     arrived: dict[str, float] = {}
-    decide, push = sim.router.decide, sim._push
-
-    def decide_spy(req: RouteRequest) -> Any:
-        d = decide(req)
-        order.setdefault(d.backend, []).append(req.request_id)
-        return d
+    push = sim._push
 
     def push_spy(t: float, kind: int, data: Any) -> None:
         if kind == _AT_ENGINE:
             arrived[data[1].id] = t
         push(t, kind, data)
 
-    sim.router.decide, sim._push = decide_spy, push_spy  # type: ignore[method-assign]
+    sim._push = push_spy  # type: ignore[method-assign]
     sim.run()
     return sum(
         1
-        for ids in order.values()
+        for ids in dispatches.by_backend().values()
         for i, a in enumerate(ids)
         for b in ids[i + 1 :]
         if arrived[b] < arrived[a]

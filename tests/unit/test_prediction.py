@@ -10,9 +10,11 @@ import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from ext_proc.config.schema import TelemetryConfig
-from ext_proc.core.router import Router, build_router
+from ext_proc.core.build import build_router
+from ext_proc.core.events import Closed, Listener
+from ext_proc.core.router import Router
 from ext_proc.core.types import PrefixState, Status
-from ext_proc.estimate.prediction import PredictionStats
+from ext_proc.estimate.prediction import PredictionStats, prediction_error
 from ext_proc.feeds.engine_metrics import EngineReport
 from ext_proc.feeds.kv_events import EventBatch
 from ext_proc.service.telemetry import (
@@ -61,7 +63,7 @@ def test_each_requests_error_is_recorded_under_the_state_it_came_from() -> None:
     router.close(first.request_id, Status.OK, cached_tokens=0)
     second = router.decide(chat(PROMPT))
     predicted = second.chosen.cached_tokens
-    assert predicted > 0 and router.state.in_flight[second.request_id].prefix_state == "approximate"
+    assert predicted > 0 and router.in_flight[second.request_id].prefix_state == "approximate"
     router.close(second.request_id, Status.OK, cached_tokens=0)
     # precise: the engine's events (none: it holds nothing) once the optimistic window is
     # over; the engine reports 64 tokens cached
@@ -69,7 +71,7 @@ def test_each_requests_error_is_recorded_under_the_state_it_came_from() -> None:
     clock.advance(router.cfg.routing.optimistic_ttl_s + 1)
     third = router.decide(chat(PROMPT))
     assert third.chosen.cached_tokens == 0
-    assert router.state.in_flight[third.request_id].prefix_state == PrefixState.PRECISE
+    assert router.in_flight[third.request_id].prefix_state == PrefixState.PRECISE
     router.close(third.request_id, Status.OK, cached_tokens=64)
     # says nothing: no report, or not served
     for status, cached in ((Status.OK, None), (Status.ERROR, 0)):
@@ -98,7 +100,7 @@ def test_each_requests_error_is_recorded_under_the_state_it_came_from() -> None:
 def test_event_lag_and_load_report_age_on_state_spans_and_metrics() -> None:
     router, clock, telemetry, exporter = one_backend()
     router.apply_kv_events("a", EventBatch("", 0, time.time() - 5.0, (), 0))
-    router.state.record_engine_report("a", EngineReport(0, 1, 0.1), clock())
+    router.record_engine_report("a", EngineReport(0, 1, 0.1))
     clock.advance(2.0)
     kv = router.snapshot()["backends"]["a"]["kv_events"]
     assert kv["age_s"] == pytest.approx(5.0, abs=1.0) and kv["gaps"] == 0
@@ -116,14 +118,32 @@ def test_event_lag_and_load_report_age_on_state_spans_and_metrics() -> None:
     assert span.attributes[A_ENGINE_REPORT_AGE_S] == 2.0
 
 
+class Closes(Listener):
+    def __init__(self) -> None:
+        self.events: list[Closed] = []
+
+    def on_close(self, e: Closed) -> None:
+        self.events.append(e)
+
+
 def test_state_keeps_a_window_of_recent_errors() -> None:
     router, _, telemetry, _ = one_backend()
-    stats = PredictionStats(window=2)
-    router.subscribe(stats)
+    closes = Closes()
+    router.subscribe(closes)
     for cached in (0, 0, 0):  # the index predicts more each time; the engine has nothing
         router.close(router.decide(chat(PROMPT)).request_id, Status.OK, cached_tokens=cached)
-    got = stats.as_json("a")["approximate"]
-    assert got["requests"] == 3
     count, total = ratio_samples(telemetry, "approximate")
     telemetry.shutdown()
-    assert count == 3 and total is not None and got["mean_error_ratio"] > total / 3
+    assert count == 3 and total is not None
+    # The backend's own figures: all three are within its window.
+    assert router.backends["a"].prediction.as_json() == {
+        "approximate": {"requests": 3, "mean_error_ratio": round(total / 3, 6)}
+    }
+    # A window of two keeps the two latest, the largest errors.
+    stats = PredictionStats(window=2)
+    for e in closes.events:
+        err = prediction_error(e)
+        assert err is not None
+        stats.add(e.record.prefix_state, err)
+    got = stats.as_json()["approximate"]
+    assert got["requests"] == 3 and got["mean_error_ratio"] > total / 3

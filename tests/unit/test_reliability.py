@@ -10,11 +10,14 @@ from hypothesis import strategies as st
 
 from ext_proc.config.schema import TelemetryConfig
 from ext_proc.core.router import Router
-from ext_proc.core.types import InFlight, Status
+from ext_proc.core.types import Status
 from ext_proc.envoy import codec
-from ext_proc.envoy.server import AccessLogService, Session, decision_encoder, open_session
+from ext_proc.envoy.access_log import AccessLogService
+from ext_proc.envoy.encoders import decision_encoder
+from ext_proc.envoy.server import Session, open_session
 from ext_proc.prompt.parse import ParseError, api_for_path, parse_body
 from ext_proc.service.telemetry import Telemetry
+from tests.builders import load
 from tests.messages import body, headers
 from tests.unit.test_gorgo import chat, router
 
@@ -29,13 +32,13 @@ def test_two_failures_in_a_row_eject_a_backend_until_it_cools_down() -> None:
     r, clock = router()
     assert fail(r, Status.ERROR) == "near"
     assert fail(r, Status.ERROR) == "near"  # second failure in a row: ejected
-    assert r.state.backends["near"].ejected_until_s == clock() + 5.0
+    assert r.backends["near"].ejected_until_s == clock() + 5.0
     assert all(fail(r, Status.OK) != "near" for _ in range(5))
     clock.advance(5.1)  # cooled down: back in rotation (half-open)
     assert fail(r, Status.ERROR) == "near"
     assert fail(r, Status.ERROR) == "near"
     # failing again right away: twice as long this time
-    assert r.state.backends["near"].ejected_until_s == pytest.approx(clock() + 10.0)
+    assert r.backends["near"].ejected_until_s == pytest.approx(clock() + 10.0)
 
 
 def test_client_errors_and_cancellations_do_not_eject() -> None:
@@ -50,7 +53,7 @@ def test_client_errors_and_cancellations_do_not_eject() -> None:
         Status.ERROR,
     ):
         assert fail(r, status) == "near"
-    assert r.state.backends["near"].ejected_until_s is None
+    assert r.backends["near"].ejected_until_s is None
 
 
 def test_requests_another_backend_served_count_against_the_chosen_one() -> None:
@@ -60,14 +63,14 @@ def test_requests_another_backend_served_count_against_the_chosen_one() -> None:
         assert d.backend == "near"
         closed = r.close(d.request_id, Status.OK, served_by="mid")
         assert closed is not None and closed.status == Status.FAILED_OVER
-    near = r.state.backends["near"]
+    near = r.backends["near"]
     assert (near.failovers, near.ejected_until_s) == (2, clock() + 5.0)
     assert near.completed == 0  # mid's answers are not near's
     # a long prompt served by mid after a failover: its blocks are cached on mid now
     d = r.decide(chat("long prompt " * 2000))
     served = "far" if d.backend != "far" else "mid"
     r.close(d.request_id, Status.OK, served_by=served)
-    assert r.index.match(r.prompt_blocks(chat("long prompt " * 2000))[0])[served] > 0
+    assert r.backends[served].prefix.match(r.prompt_blocks(chat("long prompt " * 2000))[0]) > 0
     # a request near served itself resets the count; served_by "" (unknown) is not evidence
     clock.advance(5.1)
     d = r.decide(chat("back"))
@@ -87,17 +90,17 @@ def test_only_a_retried_request_counts_as_a_failover() -> None:
     # one attempt: the router answered too late and Envoy failed open, not near's fault
     served_elsewhere(1)
     served_elsewhere(1)
-    assert r.state.backends["near"].failovers == 0
-    assert r.state.backends["near"].ejected_until_s is None
+    assert r.backends["near"].failovers == 0
+    assert r.backends["near"].ejected_until_s is None
     served_elsewhere(2)  # Envoy retried a connect failure elsewhere
-    assert r.state.backends["near"].failovers == 1
+    assert r.backends["near"].failovers == 1
 
 
 def test_ranked_puts_the_choice_first_then_best_scores() -> None:
     r, _ = router()
     d = r.decide(chat("hello"))
     ranked = d.ranked()
-    assert ranked[0] == d.backend and sorted(ranked) == sorted(r.state.backends)
+    assert ranked[0] == d.backend and sorted(ranked) == sorted(r.backends)
     rest = [d.scores[b] for b in ranked[1:]]
     assert rest == sorted(rest)
 
@@ -106,9 +109,9 @@ def test_shedding_only_when_every_queue_is_past_the_bound() -> None:
     r, _ = router(routing={"shed_queue_ms": 2000})
     assert r.admit(chat("hello")) is None
     for b in ("near", "mid"):
-        r.state.dispatch(InFlight(f"x-{b}", b, r.clock(), 1000, prefill_ms=5000))
+        load(r, f"x-{b}", b, 1000, prefill_ms=5000)
     assert r.admit(chat("hello")) is None  # far is still free
-    r.state.dispatch(InFlight("x-far", "far", r.clock(), 1000, prefill_ms=3000))
+    load(r, "x-far", "far", 1000, prefill_ms=3000)
     shed = r.admit(chat("hello"))
     assert shed is not None and shed.retry_after_s == pytest.approx(3.0)  # the shortest wait
 
@@ -140,7 +143,7 @@ def _session(r: Router) -> Stream:
 def test_shed_requests_get_429_with_retry_after() -> None:
     r, _ = router(routing={"shed_queue_ms": 1})
     for b in ("near", "mid", "far"):
-        r.state.dispatch(InFlight(f"x-{b}", b, r.clock(), 1000, prefill_ms=2500))
+        load(r, f"x-{b}", b, 1000, prefill_ms=2500)
     s = _session(r)
     s.handle(headers("/v1/chat/completions", "shed-me"))
     resp = s.handle(body(b'{"messages": [{"role": "user", "content": "hi"}]}'))
@@ -150,7 +153,7 @@ def test_shed_requests_get_429_with_retry_after() -> None:
     assert json.loads(ir.body)["error"]["type"] == "overloaded"
     answered = {h.header.key: h.header.raw_value for h in ir.headers.set_headers}
     assert answered["retry-after"] == b"3"
-    assert "shed-me" not in r.state.in_flight
+    assert "shed-me" not in r.in_flight
 
 
 PATHS = st.sampled_from(["/v1/chat/completions", "/v1/completions", "/generate", "/x", ""])
@@ -211,7 +214,7 @@ def test_no_input_breaks_the_stream(path: str, data: bytes, split: bool, reject:
             "x-gorgo-backend"
         )
     r.close("fuzz", Status.OK)
-    assert not r.state.in_flight
+    assert not r.in_flight
 
 
 @pytest.mark.parametrize("mode", ["route", "reject"])
@@ -248,7 +251,7 @@ def test_a_ten_megabyte_body_is_routed() -> None:
     assert resp is not None
     (opt,) = resp.request_body.response.header_mutation.set_headers
     assert opt.header.key == "x-gorgo-backend"
-    assert r.state.in_flight["big"].input_tokens == 2_500_000
+    assert r.in_flight["big"].input_tokens == 2_500_000
 
 
 def observer_chunk(rid: str, data: bytes) -> codec.ProcessingRequest:
@@ -268,15 +271,15 @@ def test_an_error_event_as_the_first_chunk_is_a_failure_not_a_ttft() -> None:
         clock.advance(0.05)
         event = b'data: {"error": {"object": "error", "message": "boom", "code": 500}}\n\n'
         Stream(r).handle(observer_chunk(d.request_id, event))
-        assert d.request_id not in r.state.in_flight  # closed as an error, at once
-        assert not r.state.backends[d.backend].recent_ttft_ms  # not a first token
+        assert d.request_id not in r.in_flight  # closed as an error, at once
+        assert not r.backends[d.backend].recent_ttft_ms  # not a first token
         # the access log's 200 that follows finds it closed
         assert r.close(d.request_id, Status.OK) is None
-    near = r.state.backends["near"]
+    near = r.backends["near"]
     assert near.errors == 2 and near.ejected_until_s is not None  # two in a row: ejected
     d = r.decide(chat("fine"))
     Stream(r).handle(observer_chunk(d.request_id, b'data: {"id": "x", "choices": []}\n\n'))
-    assert r.state.backends[d.backend].recent_ttft_ms  # a normal first chunk is timed
+    assert r.backends[d.backend].recent_ttft_ms  # a normal first chunk is timed
 
 
 def test_a_first_chunk_timed_after_the_response_ended_is_moved_back_to_its_end() -> None:
@@ -290,7 +293,7 @@ def test_a_first_chunk_timed_after_the_response_ended_is_moved_back_to_its_end()
     assert first is not None and first.ttft_ms == pytest.approx(30.0)
     closed = r.close(d.request_id, Status.OK, e2e_ms=21.7)
     assert closed is not None and closed.ttft_ms == pytest.approx(21.7)
-    b = r.state.backends[d.backend]
+    b = r.backends[d.backend]
     assert list(b.recent_ttft_ms) == pytest.approx([21.7])
     assert list(b.recent_e2e_ms) == [21.7] and (b.completed, b.errors) == (1, 0)
 
@@ -301,21 +304,21 @@ async def test_an_access_log_entry_that_overtakes_the_first_chunk_waits_for_it()
     than the response's end."""
     import asyncio
 
-    from ext_proc.envoy.server import COMPLETION_GRACE_S
+    from ext_proc.envoy.access_log import COMPLETION_GRACE_S
 
     r, clock = router()
     log = AccessLogService(r, Telemetry(TelemetryConfig(), r))
     d = r.decide(chat("quick"))
     clock.advance(0.010)
     log.observe(codec.AccessLogEntry(d.request_id, d.backend, "gorgo", 200, 6.0, 1))
-    assert d.request_id in r.state.in_flight  # not closed yet: its first chunk may follow
+    assert d.request_id in r.in_flight  # not closed yet: its first chunk may follow
     clock.advance(0.002)
     first = r.first_byte(d.request_id)  # the observer's message, late
     assert first is not None and first.ttft_ms == 6.0  # not after the response's end
     await asyncio.sleep(COMPLETION_GRACE_S + 0.05)
-    assert d.request_id not in r.state.in_flight
-    assert list(r.state.backends[d.backend].recent_e2e_ms) == [6.0]
+    assert d.request_id not in r.in_flight
+    assert list(r.backends[d.backend].recent_e2e_ms) == [6.0]
     # an error or a client gone sends no body to wait for: closed at once
     d2 = r.decide(chat("gone"))
     log.observe(codec.AccessLogEntry(d2.request_id, d2.backend, "gorgo", 0, 3.0, 1))
-    assert d2.request_id not in r.state.in_flight
+    assert d2.request_id not in r.in_flight

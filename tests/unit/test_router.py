@@ -7,7 +7,8 @@ from hypothesis import strategies as st
 
 from ext_proc.config.load import config_from_dict
 from ext_proc.config.schema import Config
-from ext_proc.core.router import Router, build_router
+from ext_proc.core.build import build_router
+from ext_proc.core.router import Router
 from ext_proc.core.types import Candidate, RouteRequest, Status
 from ext_proc.policy.catalog import POLICIES, make_policy, policy_params
 from ext_proc.prompt.parse import CHAT, parse_body
@@ -44,7 +45,7 @@ def req(rid: str) -> RouteRequest:
 def test_lifecycle_counts_ttft_and_e2e() -> None:
     router, clock = make_router()
     d = router.decide(req("r1"))
-    b = router.state.backends[d.backend]
+    b = router.backends[d.backend]
     assert (b.in_flight, b.waiting_first_byte) == (1, 1)
     assert d.input_tokens == 7
     clock.advance(0.25)
@@ -66,9 +67,9 @@ def test_cancel_before_first_byte_releases_everything() -> None:
     clock.advance(0.1)
     done = router.close("r1", Status.CANCELLED)
     assert done is not None and done.ttft_ms is None and done.e2e_ms == pytest.approx(100.0)
-    b = router.state.backends[d.backend]
+    b = router.backends[d.backend]
     assert (b.in_flight, b.waiting_first_byte, b.errors, b.completed) == (0, 0, 1, 0)
-    assert not router.state.in_flight
+    assert not router.in_flight
 
 
 def test_lost_completions_expire_oldest_first() -> None:
@@ -79,7 +80,7 @@ def test_lost_completions_expire_oldest_first() -> None:
     clock.advance(5)
     expired = router.expire()
     assert [(c.request_id, c.status) for c in expired] == [("old", Status.EXPIRED)]
-    assert list(router.state.in_flight) == ["young"]
+    assert list(router.in_flight) == ["young"]
 
 
 def test_reused_request_id_does_not_leak_in_flight() -> None:
@@ -87,8 +88,8 @@ def test_reused_request_id_does_not_leak_in_flight() -> None:
     router.decide(req("dup"))
     router.decide(req("dup"))
     router.close("dup", Status.OK)
-    assert sum(b.in_flight for b in router.state.backends.values()) == 0
-    assert sum(b.waiting_first_byte for b in router.state.backends.values()) == 0
+    assert sum(b.in_flight for b in router.backends.values()) == 0
+    assert sum(b.waiting_first_byte for b in router.backends.values()) == 0
 
 
 def test_round_robin_cycles() -> None:
@@ -114,7 +115,7 @@ def test_error_completion_counts_as_error() -> None:
     router, _ = make_router()
     d = router.decide(req("r"))
     router.close("r", Status.ERROR)
-    assert router.state.backends[d.backend].errors == 1
+    assert router.backends[d.backend].errors == 1
 
 
 def test_snapshot_shows_recent_decisions_without_prompt() -> None:
@@ -161,7 +162,7 @@ def test_in_flight_accounting_stays_consistent(ops: list[tuple[str, int]]) -> No
         else:
             clock.advance(1.0)
             router.expire()
-        for b in router.state.backends.values():
-            recs = [r for r in router.state.in_flight.values() if r.backend == b.id]
+        for b in router.backends.values():
+            recs = [r for r in router.in_flight.values() if r.backend == b.id]
             assert b.in_flight == len(recs) >= 0
             assert b.waiting_first_byte == sum(r.first_byte_s is None for r in recs)

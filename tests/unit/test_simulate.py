@@ -7,6 +7,7 @@ import pytest
 from loadgen.results import RequestResult, summarize
 from loadgen.simulate import SimSettings, Simulation, simulate
 from loadgen.traces import TraceRequest, read_trace, scaled, synthetic, window
+from tests.builders import Dispatches
 
 SLICE = Path(__file__).resolve().parents[2] / "loadgen/data/mooncake-conversation-head400.jsonl"
 
@@ -26,8 +27,8 @@ def test_every_request_completes_with_sane_timings(trace) -> None:  # type: igno
         assert (r.input_tokens, r.output_tokens) == (t.input_tokens, t.output_tokens)
         assert 0 <= r.cached_tokens < r.input_tokens
     # the router's books are closed: nothing left in flight
-    assert not res.router.state.in_flight
-    assert sum(b.completed for b in res.router.state.backends.values()) == len(trace)
+    assert not res.router.in_flight
+    assert sum(b.completed for b in res.router.backends.values()) == len(trace)
     assert len(res.itl_ms) == sum(t.output_tokens - 1 for t in trace)
 
 
@@ -95,7 +96,11 @@ def test_precise_prefix_state_predicts_what_the_engines_report(trace) -> None:  
     assert err_precise <= 0.02
     assert all(r.predicted_cached_tokens is not None for r in precise.requests)
     assert any(r.cached_tokens > 0 for r in precise.requests)  # the trace reuses prefixes
-    assert precise.router.precise == {"us-ashburn", "eu-frankfurt", "ap-seoul"}
+    assert {b for b, s in precise.router.backends.items() if s.precise} == {
+        "us-ashburn",
+        "eu-frankfurt",
+        "ap-seoul",
+    }
 
 
 def test_several_routers_share_the_load_and_close_what_they_dispatched(trace) -> None:  # type: ignore[no-untyped-def]
@@ -107,8 +112,8 @@ def test_several_routers_share_the_load_and_close_what_they_dispatched(trace) ->
     decisions = [router.decisions for router in sim.routers]
     assert sum(decisions) == len(trace) and min(decisions) > 0  # every router decided some
     for router in sim.routers:  # each closed exactly what it dispatched
-        assert not router.state.in_flight
-        assert sum(b.completed for b in router.state.backends.values()) == router.decisions
+        assert not router.in_flight
+        assert sum(b.completed for b in router.backends.values()) == router.decisions
 
 
 def test_shared_dispatches_reach_every_other_router_and_are_all_closed(trace) -> None:  # type: ignore[no-untyped-def]
@@ -123,16 +128,16 @@ def test_shared_dispatches_reach_every_other_router_and_are_all_closed(trace) ->
 
     def hook(_res, _router) -> None:  # type: ignore[no-untyped-def]
         for i, r in enumerate(sim.routers):
-            peak[i] = max(peak[i], len(r.state.peer_in_flight))
+            peak[i] = max(peak[i], len(r.peer_in_flight))
 
     sim.hook = hook
     res = sim.run()
     assert all(r.status == "ok" for r in res.requests)
     assert min(peak) > 0  # each router carried the others' load at some point
     for router in sim.routers:
-        assert not router.state.in_flight and not router.state.peer_in_flight
-        assert sum(b.in_flight for b in router.state.backends.values()) == 0
-        assert sum(b.completed for b in router.state.backends.values()) == router.decisions
+        assert not router.in_flight and not router.peer_in_flight
+        assert sum(b.in_flight for b in router.backends.values()) == 0
+        assert sum(b.completed for b in router.backends.values()) == router.decisions
 
 
 def test_engine_reports_reach_the_routers(trace) -> None:  # type: ignore[no-untyped-def]
@@ -140,9 +145,9 @@ def test_engine_reports_reach_the_routers(trace) -> None:  # type: ignore[no-unt
 
     sim = Simulation(trace, SimSettings(policy="gorgo", time_scale=1.0, engine_reports=True))
     sim.run()
-    reports = [b.engine for b in sim.router.state.backends.values()]
+    reports = [b.engine for b in sim.router.backends.values()]
     assert all(r is not None and r.running is not None for r in reports)
-    assert all(b.engine_at_s is not None for b in sim.router.state.backends.values())
+    assert all(b.engine_at_s is not None for b in sim.router.backends.values())
 
 
 def test_front_doors_give_each_region_its_door_and_access_leg(trace) -> None:  # type: ignore[no-untyped-def]
@@ -166,8 +171,8 @@ def test_front_doors_give_each_region_its_door_and_access_leg(trace) -> None:  #
     assert all(router.decisions > 0 for router in three.routers)
     # The config names the door's own RTTs: seoul's router sees its own backend at 1 ms.
     seoul = three.routers_at["ap-seoul"][0]
-    assert seoul.state.backends["ap-seoul"].rtt_prior_ms == 1.0
-    assert seoul.state.backends["eu-frankfurt"].rtt_prior_ms == 250.0
+    assert seoul.backends["ap-seoul"].rtt_prior_ms == 1.0
+    assert seoul.backends["eu-frankfurt"].rtt_prior_ms == 250.0
 
 
 def test_front_door_settings_are_checked() -> None:
@@ -234,7 +239,7 @@ def test_a_concurrency_cap_holds_arrivals_and_measures_from_dispatch(trace) -> N
     assert s_capped["ttft_ms"]["p95"] < s_open["ttft_ms"]["p95"]
     assert s_capped["slip_ms"]["p95"] > s_capped["ttft_ms"]["p95"]
     assert s_capped["slip_ms"]["waited"] == sum(s > 0 for s in slips)
-    assert not capped.router.state.in_flight
+    assert not capped.router.in_flight
 
 
 def test_one_slot_sends_each_request_when_the_one_before_ends(trace) -> None:  # type: ignore[no-untyped-def]
@@ -276,16 +281,15 @@ def test_the_door_takes_a_burst_in_turn_and_ttft_counts_the_wait() -> None:
     burst = _burst(6)
     spaced = SimSettings(policy="round_robin", regions=("ap-seoul",), door_spacing_ms=20.0)
     sim = Simulation(burst, spaced)
-    decided: list[float] = []
-    decide = sim.router.decide
-    sim.router.decide = lambda req: (decided.append(sim.now_s), decide(req))[1]  # type: ignore[method-assign]
+    dispatches = Dispatches()
+    sim.router.subscribe(dispatches)
     engine = sim.engines["ap-seoul"]
     arrived: list[str] = []
     submit = engine.submit
     engine.submit = lambda rid, *a: (arrived.append(rid), submit(rid, *a))[1]  # type: ignore[method-assign]
     res = sim.run()
     # decided one at a time, in the order sent, 20 ms apart
-    assert decided == pytest.approx([i * 0.02 for i in range(6)])
+    assert dispatches.times_s() == pytest.approx([i * 0.02 for i in range(6)])
     # ... so they reach the engine in that order (the WAN jitter: 4.5 ms one way)
     assert arrived == [r.id for r in burst]
     # the wait at the door is part of the TTFT

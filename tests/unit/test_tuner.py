@@ -11,8 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ext_proc.core.types import Weights
-from ext_proc.learn.tuner import CHILD, PAIRED, PAPER, PARENT, Tuner, TunerSettings
-from ext_proc.service.app import TunerStateFile
+from ext_proc.learn.settings import CHILD, PAIRED, PAPER, PARENT, TunerSettings
+from ext_proc.learn.tuner import Tuner
+from ext_proc.service.tuner_file import TunerStateFile
 from loadgen.bench_tuner import false_accept_rate
 
 PAIRED_S = TunerSettings(arm_size=8, bootstrap=200)
@@ -45,17 +46,17 @@ def test_weights_and_sigma_stay_in_bounds(seed: int, mode: str) -> None:
 def test_one_fifth_rule_moves_sigma_as_specified() -> None:
     t = Tuner(PAIRED_S, Weights(1.0, 1.0), random.Random(0))
     t.state.outcomes = [False] * 7
-    t._finish_round(False, 1.0, 1.0, bounded=True)  # 0 of 8 succeeded: shrink
+    t.finish_round(False, 1.0, 1.0, bounded=True)  # 0 of 8 succeeded: shrink
     assert t.state.sigma == pytest.approx(0.5 * 0.817)
     t.state.outcomes = [True, True, False, False, False, False, False]
-    t._finish_round(False, 1.0, 1.0, bounded=True)  # 2 of 8 > 1/5: grow
+    t.finish_round(False, 1.0, 1.0, bounded=True)  # 2 of 8 > 1/5: grow
     assert t.state.sigma == pytest.approx(0.5)
     t.state.outcomes = [True, False, False, False, False, False, False]
-    t._finish_round(False, 1.0, 1.0, bounded=True)  # 1 of 8 < 1/5: shrink
+    t.finish_round(False, 1.0, 1.0, bounded=True)  # 1 of 8 < 1/5: shrink
     assert t.state.sigma == pytest.approx(0.5 * 0.817)
     t.state.sigma = 0.9
     t.state.outcomes = [True] * 7
-    t._finish_round(True, 1.0, 1.0, bounded=True)
+    t.finish_round(True, 1.0, 1.0, bounded=True)
     assert t.state.sigma == PAIRED_S.sigma_max  # bounded in paired mode
 
 
@@ -214,7 +215,7 @@ def test_freeze_unfreeze_and_set_from_operations() -> None:
 def test_tail_mean_averages_the_slowest_fraction() -> None:
     import numpy as np
 
-    from ext_proc.learn.tuner import tail_mean
+    from ext_proc.learn.settings import tail_mean
 
     assert tail_mean(np.arange(1.0, 9.0), 0.25) == pytest.approx(7.5)  # 7 and 8
     assert tail_mean(np.array([3.0, 1.0, 2.0]), 0.01) == 3.0  # at least one sample
@@ -265,7 +266,7 @@ def test_excess_objective_ignores_the_prompts_own_cost(objective: str) -> None:
     parent); `ttft` sees the child ~20 s slower."""
     from ext_proc.estimate.profile import load_profile
     from ext_proc.learn.learners import TunerLearner
-    from ext_proc.learn.tuner import EXCESS_TTFT
+    from ext_proc.learn.settings import EXCESS_TTFT
 
     profile = load_profile()
     s = replace(PAIRED_S, objective=objective)
@@ -290,7 +291,7 @@ def test_excess_objective_ignores_the_prompts_own_cost(objective: str) -> None:
 def test_excess_floor_is_the_fastest_profiles_idle_prefill_and_e2e_is_untouched() -> None:
     from ext_proc.estimate.profile import load_profile
     from ext_proc.learn.learners import TunerLearner
-    from ext_proc.learn.tuner import EXCESS_TTFT
+    from ext_proc.learn.settings import EXCESS_TTFT
 
     fast = load_profile()
     slow = replace(fast, prefill_tokens_per_s=fast.prefill_tokens_per_s / 2)
@@ -301,16 +302,24 @@ def test_excess_floor_is_the_fastest_profiles_idle_prefill_and_e2e_is_untouched(
     t.weights_for("x")
     arm = t.arm_for("x")
     _close_ok(learner, "x", 50_000, fast.lone_ttft_ms(50_000) + 120.0, 9_000.0)
-    ttft, e2e = t._round[arm][0]
+    ttft, e2e = t._strategy.round[arm][0]  # type: ignore[attr-defined]
     assert ttft == pytest.approx(120.0) and e2e == 9_000.0  # the E2E guard sees raw E2E
 
 
-def test_objective_is_a_strict_config_key_wired_into_the_router() -> None:
-    from ext_proc.config.load import config_from_dict
+def test_objective_is_a_strict_config_key_wired_into_the_router(tmp_path: Path) -> None:
+    """The router's tuner scores each request past its floor, from the fleet's profiles
+    as they are now: a faster engine added later lowers the floor."""
+    from dataclasses import asdict
+
+    import yaml
+
+    from ext_proc.config.load import backend_from_dict, config_from_dict
     from ext_proc.config.schema import ConfigError
-    from ext_proc.core.router import build_router
-    from ext_proc.learn.learners import TunerLearner
-    from ext_proc.learn.tuner import EXCESS_TTFT, TTFT
+    from ext_proc.core.build import build_router
+    from ext_proc.core.types import RouteRequest, Status
+    from ext_proc.learn.settings import EXCESS_TTFT, TTFT
+    from ext_proc.prompt.parse import CHAT, parse_body
+    from tests.fakes import FakeClock
 
     backend = {"id": "a", "address": "127.0.0.1:1"}
     assert config_from_dict({"backends": [backend]}).tuner.objective == TTFT
@@ -318,10 +327,31 @@ def test_objective_is_a_strict_config_key_wired_into_the_router() -> None:
     assert cfg.tuner.objective == EXCESS_TTFT
     with pytest.raises(ConfigError, match=r"tuner\.objective"):
         config_from_dict({"backends": [backend], "tuner": {"objective": "e2e"}})
-    router = build_router(cfg, lambda: 0.0, random.Random(0))
-    assert router.tuner is not None and router.tuner.s.objective == EXCESS_TTFT
-    learner = next(x for x in router.listeners if isinstance(x, TunerLearner))
-    assert set(learner.profiles) == {"a"}
+    clock = FakeClock()
+    router = build_router(cfg, clock, random.Random(0))
+    t = router.tuner
+    assert t is not None and t.s.objective == EXCESS_TTFT
+    body = json.dumps({"messages": [{"role": "user", "content": "words " * 5000}]})
+
+    def scored(rid: str) -> tuple[tuple[float, float], int]:
+        """What the tuner holds of a request with a 2 s TTFT, and its prompt tokens."""
+        d = router.decide(RouteRequest(rid, parse_body(CHAT, body.encode()), None))
+        clock.advance(2.0)
+        router.first_byte(rid)
+        router.close(rid, Status.OK, e2e_ms=9_000.0)
+        assert d.arm is not None
+        return t._strategy.round[d.arm][-1], d.input_tokens  # type: ignore[attr-defined]
+
+    slow = router.backends["a"].profile
+    (ttft, e2e), tokens = scored("r1")
+    assert ttft == pytest.approx(2000.0 - slow.lone_ttft_ms(tokens)) and e2e == 9_000.0
+    fast = replace(slow, name="fast", prefill_tokens_per_s=2 * slow.prefill_tokens_per_s)
+    path = tmp_path / "fast.yaml"
+    path.write_text(yaml.safe_dump(asdict(fast)))
+    router.add_backend(backend_from_dict({**backend, "id": "b", "engine_profile": str(path)}))
+    (ttft, _), tokens = scored("r2")
+    assert fast.lone_ttft_ms(tokens) < slow.lone_ttft_ms(tokens)
+    assert ttft == pytest.approx(2000.0 - fast.lone_ttft_ms(tokens))
     assert TunerSettings().objective == TTFT  # the default is unchanged
 
 
@@ -354,7 +384,7 @@ def test_session_arm_key_keeps_a_conversation_in_one_arm() -> None:
 def test_arm_key_is_a_strict_config_key_wired_into_the_router() -> None:
     from ext_proc.config.load import config_from_dict
     from ext_proc.config.schema import ConfigError, TunerArmKey
-    from ext_proc.core.router import build_router
+    from ext_proc.core.build import build_router
 
     backend = {"id": "a", "address": "127.0.0.1:1"}
     assert config_from_dict({"backends": [backend]}).tuner.arm_key == TunerArmKey.REQUEST
