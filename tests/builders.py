@@ -1,10 +1,90 @@
-"""Builders shared by the tests: what they put in a router through its public surface."""
+"""Builders shared by the tests: the one router factory, requests, and what they put in a
+router through its public surface."""
 
 from __future__ import annotations
 
+import json
+import random
+from collections.abc import Iterable, Mapping, Sequence
+
+from ext_proc.config.load import config_from_dict
+from ext_proc.config.schema import Config
+from ext_proc.core.build import build_router
 from ext_proc.core.events import Dispatched, Listener
 from ext_proc.core.router import Router
+from ext_proc.core.types import RouteRequest
+from ext_proc.envoy import codec
+from ext_proc.envoy.encoders import decision_encoder
+from ext_proc.envoy.server import Session, open_session
 from ext_proc.feeds.peers import PeerEvent, PeerKind
+from ext_proc.prompt.parse import CHAT, parse_body
+from tests.fakes import FakeClock
+
+# The default fleet: three backends at the default RTT prior.
+BACKENDS = ("a", "b", "c")
+# Three regions 1 / 90 / 180 ms away.
+REGIONS = (
+    {"id": "near", "address": "127.0.0.1:1", "rtt_prior_ms": 1},
+    {"id": "mid", "address": "127.0.0.1:2", "rtt_prior_ms": 90},
+    {"id": "far", "address": "127.0.0.1:3", "rtt_prior_ms": 180},
+)
+
+BackendSpec = str | Mapping[str, object]
+
+
+def make_config(
+    policy: str = "least_request",
+    timeout_s: float = 60.0,
+    backends: Sequence[BackendSpec] = BACKENDS,
+    **extra: object,
+) -> Config:
+    """A config of `backends` (an id alone: on 127.0.0.1, one port each in order), static
+    weights unless `extra` asks for a tuner; extra config keys merged in."""
+    return config_from_dict(
+        {
+            "policy": policy,
+            "request_timeout_s": timeout_s,
+            "tuner": {"mode": "off"},
+            "backends": [
+                {"id": b, "address": f"127.0.0.1:{i + 1}"} if isinstance(b, str) else dict(b)
+                for i, b in enumerate(backends)
+            ],
+            **extra,
+        }
+    )
+
+
+def make_router(
+    policy: str = "least_request",
+    timeout_s: float = 60.0,
+    *,
+    backends: Sequence[BackendSpec] = BACKENDS,
+    seed: int = 0,
+    clock: FakeClock | None = None,
+    listeners: Iterable[Listener] = (),
+    **extra: object,
+) -> tuple[Router, FakeClock]:
+    """The tests' one router factory: the service's own (`build_router`) on a clock the
+    test moves, with `make_config`'s config."""
+    clock = clock if clock is not None else FakeClock()
+    cfg = make_config(policy, timeout_s, backends, **extra)
+    return build_router(cfg, clock, random.Random(seed), listeners=listeners), clock
+
+
+def chat(
+    text: str = "hello world",
+    user: str | None = None,
+    rid: str | None = None,
+    stream: bool = True,
+) -> RouteRequest:
+    """A one-message chat request (a random id unless `rid`)."""
+    body: dict[str, object] = {"messages": [{"role": "user", "content": text}]}
+    if stream:
+        body["stream"] = True
+    if user:
+        body["user"] = user
+    rid = rid if rid is not None else f"r{random.random()}"
+    return RouteRequest(rid, parse_body(CHAT, json.dumps(body).encode()), user)
 
 
 def load(
@@ -52,3 +132,23 @@ class Dispatches(Listener):
         for e in self.events:
             out.setdefault(e.decision.backend, []).append(e.request.request_id)
         return out
+
+
+class Stream:
+    """Feeds ext_proc messages as the server loop does: the first one opens the session
+    its role calls for."""
+
+    def __init__(self, r: Router) -> None:
+        self.router = r
+        self.session: Session | None = None
+
+    def handle(self, req: codec.ProcessingRequest) -> codec.ProcessingResponse | None:
+        phase = codec.decode(req)
+        if self.session is None:
+            encoder = decision_encoder(self.router.cfg)
+            self.session = open_session(self.router, encoder, req, phase)
+        return self.session.handle(phase)
+
+    @property
+    def done(self) -> bool:
+        return self.session is not None and self.session.done

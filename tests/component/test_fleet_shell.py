@@ -272,9 +272,9 @@ async def test_a_new_backend_waits_for_envoy_then_the_files_follow_the_fleet(
 
 
 def _req(rid: str) -> Any:
-    from tests.unit.test_fleet import chat
+    from tests.builders import chat
 
-    return chat(rid)
+    return chat(rid=rid)
 
 
 # -- reloads ---------------------------------------------------------------------------

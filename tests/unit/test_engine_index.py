@@ -1,15 +1,10 @@
 """The router's view of what an engine holds, from its KV events."""
 
-import random
-
-from ext_proc.core.build import build_router
 from ext_proc.core.types import Status
 from ext_proc.estimate.engine_index import EngineBlocks, chain_keys
 from ext_proc.feeds.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from ext_proc.prompt.tokens import APPROX
-from tests.fakes import FakeClock
-from tests.unit.test_gorgo import chat
-from tests.unit.test_router import make_config
+from tests.builders import chat, make_router
 
 BS = 4
 
@@ -69,12 +64,11 @@ def test_slower_tiers_count_for_less() -> None:
 
 
 def test_the_router_uses_the_engines_state_while_its_stream_is_up() -> None:
-    clock = FakeClock()
     backends = [
         {"id": b, "address": f"127.0.0.1:{i + 1}", "kv_events": {"endpoint": f"tcp://*:{5557 + i}"}}
         for i, b in enumerate(("a", "b", "c"))
     ]
-    r = build_router(make_config("gorgo", backends=backends), clock, random.Random(0))
+    r, clock = make_router("gorgo", backends=backends)
     req = chat("a long shared document " * 200)
     assert req.llm is not None and isinstance(req.llm.prompts[0], str)
     ids = APPROX.ids(req.llm.prompts[0])

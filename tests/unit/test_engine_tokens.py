@@ -33,8 +33,8 @@ from ext_proc.prompt.engine_tokens import (
 from ext_proc.prompt.parse import CHAT, COMPLETIONS, GENERATE, parse_body
 from ext_proc.prompt.tokens import HfTokenizer, block_hashes_of_ids
 from loadgen.bench_decide import write_tiny_tokenizer
+from tests.builders import REGIONS, make_router
 from tests.messages import body, headers
-from tests.unit.test_gorgo import router
 
 
 @pytest.fixture(scope="module")
@@ -289,7 +289,7 @@ def test_requests_become_token_id_prompts(engine: EngineTokenizer) -> None:
 
 
 def test_a_routing_session_decides_on_the_engines_ids(engine: EngineTokenizer) -> None:
-    r, _ = router(routing={"block_tokens": 4})
+    r, _ = make_router("gorgo", backends=REGIONS, routing={"block_tokens": 4})
     step = PromptTokenizer(EngineTokenizer(engine.tokenizer, engine.template, 16))
     first = headers("/v1/chat/completions", "tok-1")
     session = open_session(r, decision_encoder(r.cfg), first, codec.decode(first), (), step)

@@ -5,8 +5,6 @@ every per-backend structure; nothing a peer or a late probe says about it breaks
 from __future__ import annotations
 
 import contextlib
-import json
-import random
 from collections import Counter
 
 import pytest
@@ -17,18 +15,17 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from ext_proc.config.dump import changed_keys
 from ext_proc.config.load import backend_from_dict, config_from_dict
 from ext_proc.config.schema import Backend, ConfigError, KvEventsSource, TelemetryConfig
-from ext_proc.core.build import build_router
 from ext_proc.core.events import BackendChanged, Listener
 from ext_proc.core.features import NoActiveBackend
 from ext_proc.core.fleet import FleetConflict, UnknownBackend
 from ext_proc.core.router import Router
-from ext_proc.core.types import BackendChange, BackendLifecycle, RouteRequest, Status
+from ext_proc.core.types import BackendChange, BackendLifecycle, Status
 from ext_proc.feeds.engine_metrics import EngineReport
 from ext_proc.feeds.kv_events import EventBatch
 from ext_proc.feeds.peers import PeerEvent, PeerKind
 from ext_proc.policy.catalog import POLICIES
-from ext_proc.prompt.parse import CHAT, parse_body
 from ext_proc.service.telemetry import A_DRAINING_BACKENDS, Telemetry
+from tests.builders import Stream, chat, make_router
 from tests.fakes import FakeClock
 
 ACTIVE, PENDING = BackendLifecycle.ACTIVE, BackendLifecycle.PENDING
@@ -48,13 +45,6 @@ class Changes(Listener):
         return out
 
 
-def chat(rid: str, text: str = "hello world", user: str | None = None) -> RouteRequest:
-    body: dict[str, object] = {"messages": [{"role": "user", "content": text}], "stream": True}
-    if user:
-        body["user"] = user
-    return RouteRequest(rid, parse_body(CHAT, json.dumps(body).encode()), user)
-
-
 def backend(bid: str, port: int = 9, **extra: object) -> Backend:
     return backend_from_dict({"id": bid, "address": f"127.0.0.1:{port}", **extra})
 
@@ -65,22 +55,19 @@ def fleet(
     timeout_s: float = 60.0,
     **extra: object,
 ) -> tuple[Router, FakeClock, Changes]:
-    cfg = config_from_dict(
-        {
-            "policy": policy,
-            "request_timeout_s": timeout_s,
-            "tuner": {"mode": "off"},
-            "backends": [
-                {"id": b, "address": f"127.0.0.1:{i + 1}", "kv_events": {"endpoint": "tcp://*:1"}}
-                for i, b in enumerate(ids)
-            ],
-            **extra,
-        }
-    )
-    clock = FakeClock()
-    router = build_router(cfg, clock, random.Random(3))
+    """Backends whose engines publish KV events, and what the router says of them."""
     changes = Changes()
-    router.subscribe(changes)
+    router, clock = make_router(
+        policy,
+        timeout_s,
+        backends=[
+            {"id": b, "address": f"127.0.0.1:{i + 1}", "kv_events": {"endpoint": "tcp://*:1"}}
+            for i, b in enumerate(ids)
+        ],
+        seed=3,
+        listeners=[changes],
+        **extra,
+    )
     return router, clock, changes
 
 
@@ -115,7 +102,7 @@ def test_an_added_backend_gets_every_structure_and_decisions() -> None:
     assert all("d" in ids for ids in shown(router).values())
     assert_complete(router, "d")
     assert router.cfg.backend_ids == ("a", "b", "c", "d")  # the order they came in
-    chosen = Counter(router.decide(chat(f"r{i}")).backend for i in range(8))
+    chosen = Counter(router.decide(chat(rid=f"r{i}")).backend for i in range(8))
     assert chosen == {"a": 2, "b": 2, "c": 2, "d": 2}
     with pytest.raises(FleetConflict, match="'d' exists"):
         router.add_backend(backend("d"))
@@ -124,7 +111,7 @@ def test_an_added_backend_gets_every_structure_and_decisions() -> None:
 def test_drain_with_requests_in_flight_removes_it_when_the_last_one_closes() -> None:
     router, clock, changes = fleet("round_robin")
     for i in range(6):
-        router.decide(chat(f"r{i}"))
+        router.decide(chat(rid=f"r{i}"))
     on_b = sorted(router.backends["b"].records)
     assert len(on_b) == 2
     assert router.drain_backend("b") == DRAINING
@@ -133,7 +120,7 @@ def test_drain_with_requests_in_flight_removes_it_when_the_last_one_closes() -> 
     assert "b" in router.cfg.backend_ids  # Envoy keeps its cluster while they finish
     # No decision reaches it, whatever the policy would have chosen.
     for i in range(30):
-        d = router.decide(chat(f"n{i}"))
+        d = router.decide(chat(rid=f"n{i}"))
         assert d.backend != "b" and "b" not in {c.backend_id for c in d.candidates}
         assert d.draining == ("b",) and d.as_json()["draining"] == ["b"]
         router.close(f"n{i}", Status.OK)
@@ -164,7 +151,7 @@ def test_drain_of_an_idle_backend_removes_it_at_once_and_again_is_unknown() -> N
     with pytest.raises(UnknownBackend):
         router.drain_backend("c")
     # Draining a draining backend changes nothing.
-    router.decide(chat("r1"))
+    router.decide(chat(rid="r1"))
     busy = next(iter(router.in_flight.values())).backend
     assert router.drain_backend(busy) == DRAINING
     assert router.drain_backend(busy) == DRAINING
@@ -173,7 +160,7 @@ def test_drain_of_an_idle_backend_removes_it_at_once_and_again_is_unknown() -> N
 
 def test_expiry_while_draining_removes_it() -> None:
     router, clock, changes = fleet(timeout_s=30.0)
-    router.decide(chat("r1"))
+    router.decide(chat(rid="r1"))
     busy = router.in_flight["r1"].backend
     router.drain_backend(busy)
     clock.advance(29.0)
@@ -187,12 +174,12 @@ def test_expiry_while_draining_removes_it() -> None:
 
 def test_a_record_released_without_a_close_still_lets_it_go_at_the_next_expiry_pass() -> None:
     router, _clock, _changes = fleet()
-    router.decide(chat("r1"))
+    router.decide(chat(rid="r1"))
     busy = router.in_flight["r1"].backend
     router.drain_backend(busy)
     # A reused request id releases the older record without closing it (the new one
     # goes elsewhere: busy is draining).
-    assert router.decide(chat("r1")).backend != busy
+    assert router.decide(chat(rid="r1")).backend != busy
     assert router.own_in_flight(busy) == 0 and router.lifecycle(busy) == DRAINING
     router.expire()
     assert busy not in router.backends
@@ -210,11 +197,11 @@ def test_a_pending_backend_is_no_candidate_until_activated() -> None:
     router, _clock, changes = fleet(ids=("a",))
     router.confirm_new_backends = True
     assert router.add_backend(backend("b")) == PENDING
-    assert all(router.decide(chat(f"r{i}")).backend == "a" for i in range(10))
+    assert all(router.decide(chat(rid=f"r{i}")).backend == "a" for i in range(10))
     assert "b" in router.cfg.backend_ids  # Envoy must learn it first
     assert router.activate_backend("b") and not router.activate_backend("b")
     assert changes.seen() == [("b", "added"), ("b", "activated")]
-    assert {router.decide(chat(f"s{i}")).backend for i in range(20)} == {"a", "b"}
+    assert {router.decide(chat(rid=f"s{i}")).backend for i in range(20)} == {"a", "b"}
 
 
 def test_no_active_backend_is_said_plainly() -> None:
@@ -222,14 +209,14 @@ def test_no_active_backend_is_said_plainly() -> None:
     answers such a request by the fallback route)."""
     router, _clock, _changes = fleet(ids=("a",))
     router.confirm_new_backends = True
-    router.decide(chat("r0"))
+    router.decide(chat(rid="r0"))
     router.reconcile([backend("z")])
     assert (router.lifecycle("a"), router.lifecycle("z")) == (DRAINING, PENDING)
-    assert router.admit(chat("r1")) is None
+    assert router.admit(chat(rid="r1")) is None
     with pytest.raises(NoActiveBackend):
-        router.decide(chat("r1"))
+        router.decide(chat(rid="r1"))
     router.activate_backend("z")
-    assert router.decide(chat("r2")).backend == "z"
+    assert router.decide(chat(rid="r2")).backend == "z"
 
 
 @pytest.mark.parametrize("policy", sorted(POLICIES))
@@ -242,7 +229,7 @@ def test_no_policy_chooses_a_draining_backend_as_the_set_changes(policy: str) ->
         nonlocal rid
         for _ in range(n):
             rid += 1
-            d = router.decide(chat(f"r{rid}", f"hello {rid % 5}", user=f"u{rid % 7}"))
+            d = router.decide(chat(f"hello {rid % 5}", f"u{rid % 7}", rid=f"r{rid}"))
             assert router.lifecycle(d.backend) == ACTIVE
             assert all(router.lifecycle(c.backend_id) == ACTIVE for c in d.candidates)
             assert set(d.ranked()) <= {b for b in router.backends if b not in router.draining}
@@ -264,20 +251,20 @@ def test_no_policy_chooses_a_draining_backend_as_the_set_changes(policy: str) ->
 
 def test_round_robin_shares_evenly_whatever_the_set() -> None:
     router, _clock, _changes = fleet("round_robin")
-    router.decide(chat("r0"))  # the rotation is at an odd place
+    router.decide(chat(rid="r0"))  # the rotation is at an odd place
     router.add_backend(backend("d"))
-    got = Counter(router.decide(chat(f"r{i}")).backend for i in range(1, 41))
+    got = Counter(router.decide(chat(rid=f"r{i}")).backend for i in range(1, 41))
     assert got == {"a": 10, "b": 10, "c": 10, "d": 10}
     router.drain_backend("b")
-    got = Counter(router.decide(chat(f"s{i}")).backend for i in range(30))
+    got = Counter(router.decide(chat(rid=f"s{i}")).backend for i in range(30))
     assert got == {"a": 10, "c": 10, "d": 10}
 
 
 def test_session_affinity_moves_only_the_sessions_of_a_drained_backend() -> None:
     router, _clock, _changes = fleet("session_affinity")
-    before = {u: router.decide(chat(f"b{u}", user=f"u{u}")).backend for u in range(60)}
+    before = {u: router.decide(chat(user=f"u{u}", rid=f"b{u}")).backend for u in range(60)}
     router.drain_backend("b")
-    after = {u: router.decide(chat(f"a{u}", user=f"u{u}")).backend for u in range(60)}
+    after = {u: router.decide(chat(user=f"u{u}", rid=f"a{u}")).backend for u in range(60)}
     assert all(after[u] == before[u] for u in before if before[u] != "b")
     assert all(after[u] != "b" for u in after)
 
@@ -291,7 +278,7 @@ def test_peers_events_naming_unknown_or_removed_backends_are_ignored() -> None:
     router.apply_peer(peer(PeerKind.DISPATCHED, "p0", "nowhere"))
     assert not router.peer_in_flight
     # A peer's request on a draining backend loads it, but does not keep it alive.
-    router.decide(chat("r1"))
+    router.decide(chat(rid="r1"))
     busy = router.in_flight["r1"].backend
     router.apply_peer(peer(PeerKind.DISPATCHED, "p1", busy))
     router.drain_backend(busy)
@@ -322,7 +309,7 @@ def test_late_probes_scrapes_and_kv_events_of_a_removed_backend_are_ignored() ->
 
 def test_reconcile_adds_updates_reactivates_and_drains() -> None:
     router, clock, changes = fleet(ids=("a", "b", "c"))
-    router.decide(chat("r1"))
+    router.decide(chat(rid="r1"))
     busy = router.in_flight["r1"].backend
     keep = [router.backends[b].config for b in ("a", "b", "c") if b != busy]
     # The file loses `busy` (drained: a request is in flight there) and gains d.
@@ -339,7 +326,7 @@ def test_reconcile_adds_updates_reactivates_and_drains() -> None:
     for _ in range(4):
         router.record_probe("a", 33.0)
     assert (a.rtt_ms, a.rtt_samples) == (33.0, 4)
-    router.backends["a"].prefix.insert(router.prompt_blocks(chat("x", "x" * 4000))[0], clock())
+    router.backends["a"].prefix.insert(router.prompt_blocks(chat("x" * 4000, rid="x"))[0], clock())
     blocks = router.backends["a"].prefix.size_blocks
     changed = [
         backend("a", 1, rtt_prior_ms=7, region="eu", kv_events={"endpoint": "tcp://*:1"}),
@@ -376,10 +363,10 @@ def test_decision_span_and_metric_show_the_lifecycle() -> None:
     exporter = InMemorySpanExporter()
     telemetry = Telemetry(TelemetryConfig(), router, exporter)
     router.subscribe(telemetry)
-    router.decide(chat("r0"))
+    router.decide(chat(rid="r0"))
     busy = router.in_flight["r0"].backend
     router.drain_backend(busy)
-    router.decide(chat("r1"))
+    router.decide(chat(rid="r1"))
     router.close("r1", Status.OK)
     idle = next(b for b in ("a", "b", "c") if b != busy and not router.backends[b].records)
     router.drain_backend(idle)  # removed at once
@@ -477,7 +464,7 @@ def test_decisions_only_reach_active_backends_and_removed_ones_leave_no_trace(
         if op == "decide":
             n += 1
             try:
-                d = router.decide(chat(f"r{n}", f"p{k}", user=f"s{k}"))
+                d = router.decide(chat(f"p{k}", f"s{k}", rid=f"r{n}"))
             except NoActiveBackend:
                 assert not any(b.lifecycle == ACTIVE for b in router.backends.values())
                 continue
@@ -520,7 +507,6 @@ def test_decisions_only_reach_active_backends_and_removed_ones_leave_no_trace(
 
 def test_with_no_active_backend_the_stream_takes_the_fallback_route() -> None:
     from tests.messages import body, headers
-    from tests.unit.test_reliability import Stream
 
     router, _clock, _changes = fleet(ids=("a",))
     router.confirm_new_backends = True
@@ -542,11 +528,11 @@ def test_the_endpoint_picker_names_new_addresses_and_never_a_draining_one() -> N
     encoder = decision_encoder(router.cfg)
     assert isinstance(encoder, EndpointPickerEncoder)
     router.add_backend(backend("c", 33))
-    router.decide(chat("r0"))
+    router.decide(chat(rid="r0"))
     router.drain_backend("a")
     encoder.set_backends(router.cfg.backends)
     for i in range(6):
-        d = router.decide(chat(f"r{i + 1}"))
+        d = router.decide(chat(rid=f"r{i + 1}"))
         picked = encoder.encode(d).request_body.response.header_mutation.set_headers
         endpoints = picked[0].header.raw_value.decode().split(",")
         assert "127.0.0.1:1" not in endpoints  # a's address: draining

@@ -10,7 +10,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ext_proc.config.schema import ConfigError
-from ext_proc.core.build import build_router
 from ext_proc.core.router import Router
 from ext_proc.core.types import RouteRequest, Status, Weights
 from ext_proc.estimate.cost import (
@@ -25,35 +24,9 @@ from ext_proc.estimate.cost import (
 from ext_proc.estimate.profile import load_profile
 from ext_proc.learn.learners import SETTLED_S
 from ext_proc.prompt.parse import CHAT, COMPLETIONS, parse_body
-from tests.builders import load
-from tests.fakes import FakeClock
-from tests.unit.test_router import make_config
+from tests.builders import REGIONS, chat, load, make_config, make_router
 
 PROFILE = load_profile()
-
-
-def chat(text: str, user: str | None = None) -> RouteRequest:
-    body: dict[str, object] = {"messages": [{"role": "user", "content": text}], "stream": True}
-    if user:
-        body["user"] = user
-    import json
-
-    return RouteRequest(f"r{random.random()}", parse_body(CHAT, json.dumps(body).encode()), user)
-
-
-def router(policy: str = "gorgo", **extra: object) -> tuple[Router, FakeClock]:
-    """Three regions 1 / 90 / 180 ms away; extra config keys merged in."""
-    clock = FakeClock()
-    cfg = make_config(
-        policy,
-        backends=[
-            {"id": "near", "address": "127.0.0.1:1", "rtt_prior_ms": 1},
-            {"id": "mid", "address": "127.0.0.1:2", "rtt_prior_ms": 90},
-            {"id": "far", "address": "127.0.0.1:3", "rtt_prior_ms": 180},
-        ],
-        **extra,
-    )
-    return build_router(cfg, clock, random.Random(0)), clock
 
 
 @settings(max_examples=200, deadline=None)
@@ -132,7 +105,7 @@ def test_a_late_first_token_grows_the_queue_estimate_past_the_grace() -> None:
 
 
 def test_a_stalled_backend_is_avoided_while_it_answers_probes() -> None:
-    r, clock = router()
+    r, clock = make_router("gorgo", backends=REGIONS)
     warm = r.decide(chat("warm-up"))
     r.first_byte(warm.request_id)  # first bytes are observed: lateness means something
     r.close(warm.request_id, Status.OK)
@@ -148,7 +121,7 @@ def test_a_stalled_backend_is_avoided_while_it_answers_probes() -> None:
 
 
 def test_lateness_counts_only_for_streams_and_once_first_bytes_are_observed() -> None:
-    r, clock = router()
+    r, clock = make_router("gorgo", backends=REGIONS)
     stuck = r.decide(chat("first"))
     clock.advance(2.0)  # no first byte ever seen: maybe no observer, lateness is no signal
     assert r.decide(chat("second")).backend == "near"
@@ -173,7 +146,7 @@ def test_a_full_kv_pool_waits_for_the_first_finishers() -> None:
 
 
 def test_equal_caches_and_load_the_nearest_wins() -> None:
-    r, _ = router()
+    r, _ = make_router("gorgo", backends=REGIONS)
     for i in range(5):  # idle fleet, nothing cached anywhere: the nearest region
         d = r.decide(chat(f"unique prompt {i} " * 50))
         assert d.backend == "near"
@@ -187,7 +160,7 @@ def test_equal_caches_and_load_the_nearest_wins() -> None:
 
 
 def test_a_session_follows_its_cache_unless_that_backend_is_overloaded() -> None:
-    r, _clock = router()
+    r, _clock = make_router("gorgo", backends=REGIONS)
     history = "a long shared conversation so far. " * 400  # ~3.5k tokens
     first = r.decide(chat(history))
     r.first_byte(first.request_id)
@@ -210,7 +183,7 @@ def test_a_session_follows_its_cache_unless_that_backend_is_overloaded() -> None
 
 
 def test_suspect_backends_are_not_chosen_while_others_are_healthy() -> None:
-    r, _ = router()
+    r, _ = make_router("gorgo", backends=REGIONS)
     for _ in range(2):
         r.record_probe("near", None)
     assert r.backends["near"].suspect
@@ -227,7 +200,7 @@ def test_suspect_backends_are_not_chosen_while_others_are_healthy() -> None:
 
 
 def test_probes_smooth_rtt_after_replacing_the_prior() -> None:
-    r, _ = router()
+    r, _ = make_router("gorgo", backends=REGIONS)
     r.record_probe("mid", 100)
     assert r.backends["mid"].rtt_ms == 100  # first sample replaces the prior
     r.record_probe("mid", 200)
@@ -235,14 +208,12 @@ def test_probes_smooth_rtt_after_replacing_the_prior() -> None:
 
 
 def test_near_ties_are_broken_at_random() -> None:
-    clock = FakeClock()
-    cfg = make_config(
+    r, _ = make_router(
         "gorgo",
         backends=[
             {"id": f"b{i}", "address": f"127.0.0.1:{i + 1}", "rtt_prior_ms": 50} for i in range(3)
         ],
     )
-    r = build_router(cfg, clock, random.Random(0))
     counts = Counter()
     for i in range(300):
         d = r.decide(chat(f"p{i}"))
@@ -252,7 +223,7 @@ def test_near_ties_are_broken_at_random() -> None:
 
 
 def test_paper_token_form_uses_its_own_weights() -> None:
-    r, _ = router("gorgo_tokens")
+    r, _ = make_router("gorgo_tokens", backends=REGIONS)
     d = r.decide(chat("hello " * 100))
     assert d.policy == "gorgo_tokens"
     near = next(c for c in d.candidates if c.backend_id == "near")
@@ -260,7 +231,7 @@ def test_paper_token_form_uses_its_own_weights() -> None:
 
 
 def test_session_affinity_is_sticky_and_spreads_sessions() -> None:
-    r, _ = router("session_affinity")
+    r, _ = make_router("session_affinity", backends=REGIONS)
     first = {u: r.decide(chat("hi", user=u)).backend for u in (f"user{i}" for i in range(30))}
     again = {u: r.decide(chat("different text", user=u)).backend for u in first}
     assert first == again
@@ -268,7 +239,7 @@ def test_session_affinity_is_sticky_and_spreads_sessions() -> None:
 
 
 def test_prefix_cache_baseline_follows_the_match_until_imbalanced() -> None:
-    r, _ = router("prefix_cache")
+    r, _ = make_router("prefix_cache", backends=REGIONS)
     doc = "shared document text. " * 300
     home = r.decide(chat(doc)).backend
     assert r.decide(chat(doc + "q1")).backend == home
@@ -278,7 +249,7 @@ def test_prefix_cache_baseline_follows_the_match_until_imbalanced() -> None:
 
 
 def test_decisions_explain_every_term_without_the_prompt() -> None:
-    r, _ = router()
+    r, _ = make_router("gorgo", backends=REGIONS)
     r.decide(chat("secret words here " * 10))
     snap = r.snapshot()
     (d,) = snap["recent_decisions"]
@@ -289,7 +260,9 @@ def test_decisions_explain_every_term_without_the_prompt() -> None:
 
 
 def test_learn_cached_trims_only_settled_evidence() -> None:
-    r, clock = router(policies={"gorgo": {"tie_fraction": 0.0}})  # the nearest, always
+    r, clock = make_router(
+        "gorgo", backends=REGIONS, policies={"gorgo": {"tie_fraction": 0.0}}
+    )  # the nearest, always
     doc, other = "document " * 2000, "other text " * 2000
     d_other = r.decide(chat(other))
     r.close(d_other.request_id, Status.OK)
@@ -320,7 +293,7 @@ def test_learn_cached_trims_only_settled_evidence() -> None:
 
 
 def test_prefill_learns_at_completion_and_only_from_the_chosen_backend() -> None:
-    r, clock = router(routing={"refit_prefill": True})
+    r, clock = make_router("gorgo", backends=REGIONS, routing={"refit_prefill": True})
     samples = r.backends["near"].prefill._work
 
     def unqueued(served_by: str | None) -> None:
@@ -345,7 +318,7 @@ def completion(prompt: object, rid: str) -> RouteRequest:
 
 
 def test_token_id_prompts_are_routed_by_their_exact_length_and_prefix() -> None:
-    r, clock = router(policies={"gorgo": {"tie_fraction": 0.0}})
+    r, clock = make_router("gorgo", backends=REGIONS, policies={"gorgo": {"tie_fraction": 0.0}})
     ids = list(range(1, 3001))  # 3,000 tokens: 11 full blocks of 256
     d1 = r.decide(completion(ids, "a"))
     assert d1.input_tokens == 3000
@@ -358,7 +331,7 @@ def test_token_id_prompts_are_routed_by_their_exact_length_and_prefix() -> None:
 
 
 def test_a_batch_is_matched_prompt_by_prompt_not_as_one_joined_prompt() -> None:
-    r, clock = router(policies={"gorgo": {"tie_fraction": 0.0}})
+    r, clock = make_router("gorgo", backends=REGIONS, policies={"gorgo": {"tie_fraction": 0.0}})
     a, b = "first document " * 400, "second document " * 400  # ~1,500 / 1,600 tokens
     for i, doc in enumerate((a, b)):
         r.decide(completion(doc, f"warm{i}"))
@@ -376,18 +349,11 @@ def test_a_batch_is_matched_prompt_by_prompt_not_as_one_joined_prompt() -> None:
 
 # -- what a decision does to the others (issue 15) ------------------------------------------
 
-
-def two_backends(policy: str) -> tuple[Router, FakeClock]:
-    """Two backends at the same RTT: `busy` and `idle`."""
-    clock = FakeClock()
-    cfg = make_config(
-        policy,
-        backends=[
-            {"id": "busy", "address": "127.0.0.1:1", "rtt_prior_ms": 10},
-            {"id": "idle", "address": "127.0.0.1:2", "rtt_prior_ms": 10},
-        ],
-    )
-    return build_router(cfg, clock, random.Random(0)), clock
+# Two backends at the same RTT: `busy` and `idle`.
+TWINS = (
+    {"id": "busy", "address": "127.0.0.1:1", "rtt_prior_ms": 10},
+    {"id": "idle", "address": "127.0.0.1:2", "rtt_prior_ms": 10},
+)
 
 
 def decoding_on(r: Router, backend: str, n: int) -> None:
@@ -408,7 +374,7 @@ def test_a_long_uncached_prompt_avoids_the_backend_decoding_many() -> None:
     # band), but its ~20k-token prefill (2.3 s) would stall all 12 decodes.
     long_prompt = chat("a long uncached document " * 3200)
     for policy, expected in (("gorgo", "idle"), ("gorgo_time3", "busy")):
-        r, clock = two_backends(policy)
+        r, clock = make_router(policy, backends=TWINS)
         decoding_on(r, "busy", 12)
         load(r, "owed", "idle", 4000, 300, prefill_ms=1000)
         clock.advance(0.01)
@@ -421,7 +387,7 @@ def test_a_long_uncached_prompt_avoids_the_backend_decoding_many() -> None:
         assert idle.decode_stall_ms == pytest.approx(idle.prefill_ms)
         assert d.backend == expected, policy
     # a short prompt stalls the decodes for a few ms: gorgo takes the nearer one
-    r, clock = two_backends("gorgo")
+    r, clock = make_router("gorgo", backends=TWINS)
     r.record_probe("idle", 400.0)
     decoding_on(r, "busy", 12)
     assert r.decide(chat("hi")).backend == "busy"
@@ -450,7 +416,7 @@ def test_kv_headroom_prices_the_wait_within_the_margin_beyond_the_queue() -> Non
 
 
 def test_a_nearly_full_kv_pool_is_priced_and_avoided() -> None:
-    r, _clock = two_backends("gorgo")
+    r, _clock = make_router("gorgo", backends=TWINS)
     capacity = r.backends["busy"].prefix.capacity_blocks * r.cfg.routing.block_tokens
     # busy holds 92 % of its KV in 4 decoding requests, idle nothing
     for i in range(4):
@@ -466,7 +432,7 @@ def test_gorgo_time3_is_the_three_term_form_and_reproduces_the_old_gorgo() -> No
     from loadgen.simulate import SimSettings, simulate
     from loadgen.traces import synthetic
 
-    r, _ = router("gorgo_time3")
+    r, _ = make_router("gorgo_time3", backends=REGIONS)
     d = r.decide(chat("hello " * 3000))
     for c in d.candidates:
         assert d.scores[c.backend_id] == time_cost_ms(

@@ -15,9 +15,8 @@ from ext_proc.learn.settings import TunerSettings
 from ext_proc.learn.tuner import Tuner
 from ext_proc.policy.catalog import make_policy
 from ext_proc.service.telemetry import Telemetry
+from tests.builders import chat, make_config, make_router
 from tests.fakes import FakeClock
-from tests.unit.test_gorgo import chat
-from tests.unit.test_router import make_config
 
 
 class Recorder(Listener):
@@ -35,9 +34,7 @@ class Recorder(Listener):
 
 
 def tuned_router(timeout_s: float = 60.0) -> tuple[Router, FakeClock, Telemetry]:
-    clock = FakeClock()
-    cfg = make_config("gorgo", timeout_s, tuner={"mode": "paired", "arm_size": 8})
-    router = build_router(cfg, clock, random.Random(0))
+    router, clock = make_router("gorgo", timeout_s, tuner={"mode": "paired", "arm_size": 8})
     telemetry = Telemetry(TelemetryConfig(), router, InMemorySpanExporter())
     router.subscribe(telemetry)
     return router, clock, telemetry

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import random
 import re
 import shutil
 import subprocess
@@ -36,15 +35,13 @@ from emulator.stack.ports import free_ports
 from emulator.stack.processes import envoy_binary
 from ext_proc.config.load import config_from_dict
 from ext_proc.config.schema import Config, TelemetryConfig
-from ext_proc.core.build import build_router
 from ext_proc.core.router import Router
-from ext_proc.core.types import RouteRequest, Status
+from ext_proc.core.types import Status
 from ext_proc.envoy.bootstrap import render_envoy_config
-from ext_proc.prompt.parse import CHAT, parse_body
 from ext_proc.service.app import running_service
 from ext_proc.service.telemetry import Telemetry
+from tests.builders import chat, make_router
 from tests.fakes import FakeClock
-from tests.unit.test_router import make_config
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARDS = sorted((ROOT / "deploy/grafana/dashboards").glob("*.json"))
@@ -191,33 +188,26 @@ def check_selectors(
     assert not problems, "\n".join(problems)
 
 
-def _request(rid: str, text: str) -> RouteRequest:
-    body = {"messages": [{"role": "user", "content": text}], "stream": True}
-    return RouteRequest(rid, parse_body(CHAT, json.dumps(body).encode()), None)
-
-
 def drive_router() -> tuple[Router, Telemetry]:
     """A tuned router through every lifecycle its metrics count: decisions with first
     bytes and completions, a failover, a backend ejected, a fallback, tuner steps."""
-    clock = FakeClock()
-    cfg = make_config(
+    router, clock = make_router(
         "gorgo", tuner={"mode": "paired", "arm_size": 4}, routing={"eject_after_errors": 2}
     )
-    router = build_router(cfg, clock, random.Random(0))
     telemetry = Telemetry(TelemetryConfig(), router, InMemorySpanExporter())
     router.subscribe(telemetry)
     for i in range(24):
-        d = router.decide(_request(f"ok-{i}", f"session {i % 3} says hello"))
+        d = router.decide(chat(rid=f"ok-{i}", text=f"session {i % 3} says hello"))
         assert not isinstance(d, tuple)
         clock.advance(0.05)
         router.first_byte(d.request_id)
         clock.advance(0.2)
         router.close(d.request_id, Status.OK)
-    d = router.decide(_request("over", "hello"))
+    d = router.decide(chat(rid="over", text="hello"))
     other = next(b for b in router.backends if b != d.backend)
     router.close(d.request_id, Status.OK, served_by=other)
     for i in range(12):  # failures in a row on one backend eject it
-        d = router.decide(_request(f"err-{i}", "hello"))
+        d = router.decide(chat(rid=f"err-{i}", text="hello"))
         router.close(d.request_id, Status.ERROR)
         if any(b.ejections for b in router.backends.values()):
             break
@@ -276,7 +266,7 @@ def test_the_router_exports_ejections_and_the_tuners_progress() -> None:
     tuner.freeze()
     assert _sample(telemetry, "gorgo_tuner_frozen") == 1
     # no tuner, no tuner metrics
-    untuned = build_router(make_config("gorgo"), FakeClock(), random.Random(0))
+    untuned, _ = make_router("gorgo")
     text = Telemetry(TelemetryConfig(), untuned).metrics.render().decode()
     assert "gorgo_tuner_" not in text and "gorgo_ejections_total{" in text
 

@@ -6,20 +6,18 @@ from __future__ import annotations
 
 import json
 import math
-import random
 from typing import Any
 
 import pytest
 
 from ext_proc.config.load import config_from_dict
 from ext_proc.config.schema import ConfigError
-from ext_proc.core.build import build_router
 from ext_proc.core.router import Router
 from ext_proc.core.types import RouteRequest
 from ext_proc.prompt.parse import CHAT, parse_body
 from loadgen.simulate import _AT_ENGINE, SimSettings, Simulation
 from loadgen.traces import TraceRequest
-from tests.builders import Dispatches
+from tests.builders import Dispatches, make_router
 from tests.fakes import FakeClock
 
 
@@ -30,16 +28,12 @@ def chat(rid: str, words: int = 3000) -> RouteRequest:
 
 
 def one_backend(routing: dict[str, Any] | None = None) -> tuple[Router, FakeClock]:
-    cfg = config_from_dict(
-        {
-            "policy": "gorgo",
-            "tuner": {"mode": "off"},
-            "routing": routing or {},
-            "backends": [{"id": "a", "address": "127.0.0.1:1", "rtt_prior_ms": 100}],
-        }
+    return make_router(
+        "gorgo",
+        900.0,
+        backends=[{"id": "a", "address": "127.0.0.1:1", "rtt_prior_ms": 100}],
+        routing=routing or {},
     )
-    clock = FakeClock()
-    return build_router(cfg, clock, random.Random(0)), clock
 
 
 def jitter(router: Router, samples: tuple[float, ...] = (100, 140, 60, 140, 60, 100)) -> float:

@@ -3,33 +3,30 @@
 
 from __future__ import annotations
 
-import random
 from collections.abc import Callable
 
 import pytest
 
-from ext_proc.config.load import config_from_dict
-from ext_proc.core.build import build_router
 from ext_proc.core.router import Router
 from ext_proc.core.types import RouteRequest, Status
 from ext_proc.feeds.peers import PeerEvent, PeerKind, PeerPublisher
 from ext_proc.prompt.parse import COMPLETIONS, LlmRequest
+from tests.builders import make_router
+from tests.fakes import FakeClock
 
 
-def routers(n: int, share: bool, **raw: object) -> tuple[list[Router], list[float]]:
-    cfg = config_from_dict(
-        {
-            "policy": "gorgo",
-            "tuner": {"mode": "off"},
-            "backends": [
-                {"id": "near", "address": "127.0.0.1:1", "rtt_prior_ms": 5},
-                {"id": "far", "address": "127.0.0.1:2", "rtt_prior_ms": 1000},
-            ],
-            **raw,
-        }
-    )
-    clock = [0.0]
-    rs = [build_router(cfg, lambda: clock[0], random.Random(i)) for i in range(n)]
+def routers(n: int, share: bool, **raw: object) -> tuple[list[Router], FakeClock]:
+    """n routers on one clock (from 0 s), each sending its dispatches to the others when
+    they share."""
+    clock = FakeClock(0.0)
+    backends = [
+        {"id": "near", "address": "127.0.0.1:1", "rtt_prior_ms": 5},
+        {"id": "far", "address": "127.0.0.1:2", "rtt_prior_ms": 1000},
+    ]
+    rs = [
+        make_router("gorgo", 900.0, backends=backends, seed=i, clock=clock, **raw)[0]
+        for i in range(n)
+    ]
     if share:
         for i, r in enumerate(rs):
             r.subscribe(PeerPublisher(f"r{i}", fan_out([o for o in rs if o is not r])))
@@ -71,7 +68,7 @@ def test_peer_dispatches_load_the_queue_and_teach_nothing() -> None:
     assert (sb.in_flight, sb.waiting_first_byte, sb.in_flight_tokens) == (1, 1, 8000)
     assert b.queue_estimate_ms(d.backend, 0.0) > idle_ms + 100  # an 8k prefill ahead
     assert b.decisions == 0 and b.backends[d.backend].prefix.size_blocks == 0
-    clock[0] = 1.0
+    clock.now_s = 1.0
     a.first_byte("r-1")
     assert (sb.in_flight, sb.waiting_first_byte) == (1, 0)
     a.close("r-1", Status.OK, 2000.0)
@@ -90,10 +87,10 @@ def test_an_echo_of_our_own_dispatch_is_ignored() -> None:
 def test_a_dead_peers_requests_stop_counting_after_the_ttl() -> None:
     (a, b), clock = routers(2, share=True, fleet={"peer_ttl_s": 30})
     a.decide(request("r-1"))
-    clock[0] = 29.0
+    clock.now_s = 29.0
     b.expire()
     assert len(b.peer_in_flight) == 1
-    clock[0] = 31.0
+    clock.now_s = 31.0
     b.expire()
     assert not b.peer_in_flight
     assert sum(s.in_flight for s in b.backends.values()) == 0

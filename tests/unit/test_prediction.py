@@ -3,14 +3,12 @@ came from (the engine's KV events or the router's own index), on spans, metrics 
 
 from __future__ import annotations
 
-import random
 import time
 
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from ext_proc.config.schema import TelemetryConfig
-from ext_proc.core.build import build_router
 from ext_proc.core.events import Closed, Listener
 from ext_proc.core.router import Router
 from ext_proc.core.types import PrefixState, Status
@@ -28,18 +26,16 @@ from ext_proc.service.telemetry import (
     A_PREFIX_STATE,
     Telemetry,
 )
+from tests.builders import chat, make_router
 from tests.fakes import FakeClock
-from tests.unit.test_gorgo import chat
-from tests.unit.test_router import make_config
 
 PROMPT = "a long shared document " * 200
 
 
 def one_backend() -> tuple[Router, FakeClock, Telemetry, InMemorySpanExporter]:
     """One backend whose engine publishes KV events (its stream starts down)."""
-    clock = FakeClock()
     backends = [{"id": "a", "address": "127.0.0.1:1", "kv_events": {"endpoint": "tcp://*:5557"}}]
-    router = build_router(make_config("gorgo", backends=backends), clock, random.Random(0))
+    router, clock = make_router("gorgo", backends=backends)
     exporter = InMemorySpanExporter()
     telemetry = Telemetry(TelemetryConfig(), router, exporter)
     router.subscribe(telemetry)

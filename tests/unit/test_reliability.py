@@ -13,13 +13,10 @@ from ext_proc.core.router import Router
 from ext_proc.core.types import Status
 from ext_proc.envoy import codec
 from ext_proc.envoy.access_log import AccessLogService
-from ext_proc.envoy.encoders import decision_encoder
-from ext_proc.envoy.server import Session, open_session
 from ext_proc.prompt.parse import ParseError, api_for_path, parse_body
 from ext_proc.service.telemetry import Telemetry
-from tests.builders import load
+from tests.builders import REGIONS, Stream, chat, load, make_router
 from tests.messages import body, headers
-from tests.unit.test_gorgo import chat, router
 
 
 def fail(r: Router, status: Status) -> str:
@@ -29,7 +26,7 @@ def fail(r: Router, status: Status) -> str:
 
 
 def test_two_failures_in_a_row_eject_a_backend_until_it_cools_down() -> None:
-    r, clock = router()
+    r, clock = make_router("gorgo", backends=REGIONS)
     assert fail(r, Status.ERROR) == "near"
     assert fail(r, Status.ERROR) == "near"  # second failure in a row: ejected
     assert r.backends["near"].ejected_until_s == clock() + 5.0
@@ -42,7 +39,7 @@ def test_two_failures_in_a_row_eject_a_backend_until_it_cools_down() -> None:
 
 
 def test_client_errors_and_cancellations_do_not_eject() -> None:
-    r, _ = router()
+    r, _ = make_router("gorgo", backends=REGIONS)
     for status in (
         Status.CLIENT_ERROR,
         Status.CANCELLED,
@@ -57,7 +54,7 @@ def test_client_errors_and_cancellations_do_not_eject() -> None:
 
 
 def test_requests_another_backend_served_count_against_the_chosen_one() -> None:
-    r, clock = router()
+    r, clock = make_router("gorgo", backends=REGIONS)
     for _ in range(2):  # Envoy could not connect to near and retried on mid: status ok
         d = r.decide(chat(f"p{random.random()}"))
         assert d.backend == "near"
@@ -79,7 +76,7 @@ def test_requests_another_backend_served_count_against_the_chosen_one() -> None:
 
 
 def test_only_a_retried_request_counts_as_a_failover() -> None:
-    r, _ = router()
+    r, _ = make_router("gorgo", backends=REGIONS)
     log = AccessLogService(r, Telemetry(TelemetryConfig(), r))
 
     def served_elsewhere(attempts: int) -> None:
@@ -97,7 +94,7 @@ def test_only_a_retried_request_counts_as_a_failover() -> None:
 
 
 def test_ranked_puts_the_choice_first_then_best_scores() -> None:
-    r, _ = router()
+    r, _ = make_router("gorgo", backends=REGIONS)
     d = r.decide(chat("hello"))
     ranked = d.ranked()
     assert ranked[0] == d.backend and sorted(ranked) == sorted(r.backends)
@@ -106,7 +103,7 @@ def test_ranked_puts_the_choice_first_then_best_scores() -> None:
 
 
 def test_shedding_only_when_every_queue_is_past_the_bound() -> None:
-    r, _ = router(routing={"shed_queue_ms": 2000})
+    r, _ = make_router("gorgo", backends=REGIONS, routing={"shed_queue_ms": 2000})
     assert r.admit(chat("hello")) is None
     for b in ("near", "mid"):
         load(r, f"x-{b}", b, 1000, prefill_ms=5000)
@@ -116,35 +113,11 @@ def test_shedding_only_when_every_queue_is_past_the_bound() -> None:
     assert shed is not None and shed.retry_after_s == pytest.approx(3.0)  # the shortest wait
 
 
-class Stream:
-    """Feeds ext_proc messages as the server loop does: the first one opens the session
-    its role calls for."""
-
-    def __init__(self, r: Router) -> None:
-        self.router = r
-        self.session: Session | None = None
-
-    def handle(self, req: codec.ProcessingRequest) -> codec.ProcessingResponse | None:
-        phase = codec.decode(req)
-        if self.session is None:
-            encoder = decision_encoder(self.router.cfg)
-            self.session = open_session(self.router, encoder, req, phase)
-        return self.session.handle(phase)
-
-    @property
-    def done(self) -> bool:
-        return self.session is not None and self.session.done
-
-
-def _session(r: Router) -> Stream:
-    return Stream(r)
-
-
 def test_shed_requests_get_429_with_retry_after() -> None:
-    r, _ = router(routing={"shed_queue_ms": 1})
+    r, _ = make_router("gorgo", backends=REGIONS, routing={"shed_queue_ms": 1})
     for b in ("near", "mid", "far"):
         load(r, f"x-{b}", b, 1000, prefill_ms=2500)
-    s = _session(r)
+    s = Stream(r)
     s.handle(headers("/v1/chat/completions", "shed-me"))
     resp = s.handle(body(b'{"messages": [{"role": "user", "content": "hi"}]}'))
     assert resp is not None and resp.WhichOneof("response") == "immediate_response"
@@ -191,7 +164,7 @@ def test_no_input_breaks_the_stream(path: str, data: bytes, split: bool, reject:
     unreadable body falls back (routing.unreadable_body: route) or is answered 400 with a
     JSON error naming the problem (reject); nothing stays in flight once closed."""
     r, _ = REJECTING if reject else ROUTER
-    s = _session(r)
+    s = Stream(r)
     assert s.handle(headers(path, "fuzz")) is not None
     if s.done:
         return
@@ -220,7 +193,7 @@ def test_no_input_breaks_the_stream(path: str, data: bytes, split: bool, reject:
 @pytest.mark.parametrize("mode", ["route", "reject"])
 def test_no_prompt_text_reaches_the_logs(mode: str, caplog: pytest.LogCaptureFixture) -> None:
     secret = "SECRET-PROMPT-TEXT"
-    r, _ = router(routing={"unreadable_body": mode})
+    r, _ = make_router("gorgo", backends=REGIONS, routing={"unreadable_body": mode})
     bodies = [
         json.dumps({"messages": [{"role": "user", "content": secret}]}).encode(),
         json.dumps({"messages": [{"content": "x"}], "max_tokens": secret}).encode(),
@@ -232,20 +205,20 @@ def test_no_prompt_text_reaches_the_logs(mode: str, caplog: pytest.LogCaptureFix
     ]
     caplog.set_level(logging.DEBUG)
     for i, data in enumerate(bodies):
-        s = _session(r)
+        s = Stream(r)
         s.handle(headers("/v1/chat/completions", f"s{i}"))
         s.handle(body(data))
     assert "unreadable body" in caplog.text  # the failures were logged...
     assert secret not in caplog.text  # ...without the prompt
 
 
-ROUTER = router()
-REJECTING = router(routing={"unreadable_body": "reject"})
+ROUTER = make_router("gorgo", backends=REGIONS)
+REJECTING = make_router("gorgo", backends=REGIONS, routing={"unreadable_body": "reject"})
 
 
 def test_a_ten_megabyte_body_is_routed() -> None:
-    r, _ = router()
-    s = _session(r)
+    r, _ = make_router("gorgo", backends=REGIONS)
+    s = Stream(r)
     s.handle(headers("/v1/completions", "big"))
     resp = s.handle(body(json.dumps({"prompt": "word " * 2_000_000}).encode()))  # ~10 MB
     assert resp is not None
@@ -265,7 +238,7 @@ def observer_chunk(rid: str, data: bytes) -> codec.ProcessingRequest:
 
 
 def test_an_error_event_as_the_first_chunk_is_a_failure_not_a_ttft() -> None:
-    r, clock = router()
+    r, clock = make_router("gorgo", backends=REGIONS)
     for i in range(2):
         d = r.decide(chat(f"p{i}"))
         clock.advance(0.05)
@@ -286,7 +259,7 @@ def test_a_first_chunk_timed_after_the_response_ended_is_moved_back_to_its_end()
     """The observer's first-chunk message reaches a busy router after Envoy sent the whole
     short response (seen once in the e2e tests: TTFT 22.6 ms against E2E 21.7 ms): the
     TTFT the router keeps is never past the E2E Envoy measured."""
-    r, clock = router()
+    r, clock = make_router("gorgo", backends=REGIONS)
     d = r.decide(chat("short"))
     clock.advance(0.030)
     first = r.first_byte(d.request_id)
@@ -306,7 +279,7 @@ async def test_an_access_log_entry_that_overtakes_the_first_chunk_waits_for_it()
 
     from ext_proc.envoy.access_log import COMPLETION_GRACE_S
 
-    r, clock = router()
+    r, clock = make_router("gorgo", backends=REGIONS)
     log = AccessLogService(r, Telemetry(TelemetryConfig(), r))
     d = r.decide(chat("quick"))
     clock.advance(0.010)

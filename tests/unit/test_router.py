@@ -5,46 +5,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ext_proc.config.load import config_from_dict
-from ext_proc.config.schema import Config
-from ext_proc.core.build import build_router
-from ext_proc.core.router import Router
-from ext_proc.core.types import Candidate, RouteRequest, Status
+from ext_proc.core.types import Candidate, Status
 from ext_proc.policy.catalog import POLICIES, make_policy, policy_params
-from ext_proc.prompt.parse import CHAT, parse_body
-from tests.fakes import FakeClock
-
-BACKENDS = ("a", "b", "c")
-
-
-def make_config(policy: str = "least_request", timeout_s: float = 60.0, **extra: object) -> Config:
-    """Three backends; static weights unless a test asks for a tuner."""
-    return config_from_dict(
-        {
-            "policy": policy,
-            "request_timeout_s": timeout_s,
-            "tuner": {"mode": "off"},
-            "backends": [
-                {"id": b, "address": f"127.0.0.1:{i + 1}"} for i, b in enumerate(BACKENDS)
-            ],
-            **extra,
-        }
-    )
-
-
-def make_router(policy: str = "least_request", timeout_s: float = 60.0) -> tuple[Router, FakeClock]:
-    clock = FakeClock()
-    return build_router(make_config(policy, timeout_s), clock, random.Random(1)), clock
-
-
-def req(rid: str) -> RouteRequest:
-    llm = parse_body(CHAT, b'{"messages": [{"role": "user", "content": "hello world"}]}')
-    return RouteRequest(rid, llm, None)
+from tests.builders import BACKENDS, chat, make_config, make_router
 
 
 def test_lifecycle_counts_ttft_and_e2e() -> None:
-    router, clock = make_router()
-    d = router.decide(req("r1"))
+    router, clock = make_router(seed=1)
+    d = router.decide(chat(rid="r1", stream=False))
     b = router.backends[d.backend]
     assert (b.in_flight, b.waiting_first_byte) == (1, 1)
     assert d.input_tokens == 7
@@ -62,8 +30,8 @@ def test_lifecycle_counts_ttft_and_e2e() -> None:
 
 
 def test_cancel_before_first_byte_releases_everything() -> None:
-    router, clock = make_router()
-    d = router.decide(req("r1"))
+    router, clock = make_router(seed=1)
+    d = router.decide(chat(rid="r1", stream=False))
     clock.advance(0.1)
     done = router.close("r1", Status.CANCELLED)
     assert done is not None and done.ttft_ms is None and done.e2e_ms == pytest.approx(100.0)
@@ -73,10 +41,10 @@ def test_cancel_before_first_byte_releases_everything() -> None:
 
 
 def test_lost_completions_expire_oldest_first() -> None:
-    router, clock = make_router(timeout_s=10.0)
-    router.decide(req("old"))
+    router, clock = make_router(timeout_s=10.0, seed=1)
+    router.decide(chat(rid="old", stream=False))
     clock.advance(6)
-    router.decide(req("young"))
+    router.decide(chat(rid="young", stream=False))
     clock.advance(5)
     expired = router.expire()
     assert [(c.request_id, c.status) for c in expired] == [("old", Status.EXPIRED)]
@@ -84,43 +52,45 @@ def test_lost_completions_expire_oldest_first() -> None:
 
 
 def test_reused_request_id_does_not_leak_in_flight() -> None:
-    router, _ = make_router()
-    router.decide(req("dup"))
-    router.decide(req("dup"))
+    router, _ = make_router(seed=1)
+    router.decide(chat(rid="dup", stream=False))
+    router.decide(chat(rid="dup", stream=False))
     router.close("dup", Status.OK)
     assert sum(b.in_flight for b in router.backends.values()) == 0
     assert sum(b.waiting_first_byte for b in router.backends.values()) == 0
 
 
 def test_round_robin_cycles() -> None:
-    router, _ = make_router("round_robin")
-    assert [router.decide(req(f"r{i}")).backend for i in range(6)] == list(BACKENDS) * 2
+    router, _ = make_router("round_robin", seed=1)
+    assert [router.decide(chat(rid=f"r{i}", stream=False)).backend for i in range(6)] == list(
+        BACKENDS
+    ) * 2
 
 
 def test_least_request_spreads_then_follows_completions() -> None:
-    router, _ = make_router("least_request")
-    first = [router.decide(req(f"r{i}")).backend for i in range(3)]
+    router, _ = make_router("least_request", seed=1)
+    first = [router.decide(chat(rid=f"r{i}", stream=False)).backend for i in range(3)]
     assert sorted(first) == sorted(BACKENDS)
     router.close("r1", Status.OK)
-    assert router.decide(req("r3")).backend == first[1]
+    assert router.decide(chat(rid="r3", stream=False)).backend == first[1]
 
 
 def test_random_uses_every_backend() -> None:
-    router, _ = make_router("random")
-    counts = Counter(router.decide(req(f"r{i}")).backend for i in range(300))
+    router, _ = make_router("random", seed=1)
+    counts = Counter(router.decide(chat(rid=f"r{i}", stream=False)).backend for i in range(300))
     assert set(counts) == set(BACKENDS) and min(counts.values()) > 60
 
 
 def test_error_completion_counts_as_error() -> None:
-    router, _ = make_router()
-    d = router.decide(req("r"))
+    router, _ = make_router(seed=1)
+    d = router.decide(chat(rid="r", stream=False))
     router.close("r", Status.ERROR)
     assert router.backends[d.backend].errors == 1
 
 
 def test_snapshot_shows_recent_decisions_without_prompt() -> None:
-    router, _ = make_router()
-    router.decide(req("r1"))
+    router, _ = make_router(seed=1)
+    router.decide(chat(rid="r1", stream=False))
     snap = router.snapshot()
     assert snap["decisions"] == 1 and snap["recent_decisions"][0]["request_id"] == "r1"
     assert "hello" not in repr(snap)
@@ -142,7 +112,7 @@ def test_a_policy_always_returns_one_of_its_candidates(
         for i, (n, w) in enumerate(loads)
     ]
     for i in range(5):
-        chosen = policy.choose(req(f"r{i}"), candidates, weights).backend_id
+        chosen = policy.choose(chat(rid=f"r{i}", stream=False), candidates, weights).backend_id
         assert chosen in {c.backend_id for c in candidates}
 
 
@@ -150,11 +120,11 @@ def test_a_policy_always_returns_one_of_its_candidates(
 @given(st.lists(st.tuples(st.sampled_from("dfcx"), st.integers(0, 5)), max_size=60))
 def test_in_flight_accounting_stays_consistent(ops: list[tuple[str, int]]) -> None:
     """Random decide/first-byte/complete/expire sequences: counters match the table."""
-    router, clock = make_router(timeout_s=3.0)
+    router, clock = make_router(timeout_s=3.0, seed=1)
     for op, n in ops:
         rid = f"r{n}"
         if op == "d":
-            router.decide(req(rid))
+            router.decide(chat(rid=rid, stream=False))
         elif op == "f":
             router.first_byte(rid)
         elif op == "c":
