@@ -43,7 +43,7 @@ from ext_proc.service.telemetry import Telemetry
 from tests.builders import chat, make_router
 from tests.fakes import FakeClock
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 DASHBOARDS = sorted((ROOT / "deploy/grafana/dashboards").glob("*.json"))
 ALERTS = ROOT / "deploy/prometheus/alerts.yml"
 ALERTS_TEST = ROOT / "deploy/prometheus/alerts-test.yml"

@@ -11,7 +11,7 @@ import pytest
 from ext_proc.feeds.engine_metrics import MetricsError, parse_engine_metrics
 from ext_proc.feeds.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, decode_message
 
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
 VLLM = FIXTURES / "vllm"
 
 

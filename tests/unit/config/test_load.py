@@ -12,7 +12,7 @@ from ext_proc.config.schema import ConfigError, EnvoyMode
 from ext_proc.envoy.bootstrap import build_envoy_config, render_envoy_config
 from ext_proc.policy.catalog import policy_params
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 BACKEND = {"id": "a", "address": "127.0.0.1:1"}
 
 
