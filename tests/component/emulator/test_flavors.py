@@ -28,7 +28,7 @@ from emulator.engine_config import FLAVORS, SGLANG, VLLM, EngineConfig, Faults
 from emulator.kv_publisher import ARRAY, KvEventsConfig
 from ext_proc.feeds.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, decode_message
 from ext_proc.prompt.tokens import APPROX, count_tokens, render_chat
-from tests.unit.test_engine import (
+from tests.component.emulator.test_engine import (
     CHAT,
     COMPLETIONS,
     FAST,
@@ -42,7 +42,7 @@ from tests.unit.test_engine import (
 
 BLOCK = FAST.block_tokens  # 64
 MODEL = "emulated"  # the served name; vLLM refuses any other
-FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "vllm"
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "vllm"
 # 4,000 prompt tokens take ~0.53 s to prefill (one chunk): a queue a probe can wait behind.
 SLOW = replace(FAST, name="slow-prefill", prefill_tokens_per_s=8000.0)
 SLOW_PREFILL_S = SLOW.lone_ttft_ms(4000) / 1e3

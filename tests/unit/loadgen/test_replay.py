@@ -1,5 +1,5 @@
 """The replay's pure core: requests from trace rows and the progress line; and the asyncio
-shell (its concurrency cap: tests/unit/test_concurrency.py) and its figure without a
+shell (its concurrency cap: tests/unit/loadgen/test_concurrency.py) and its figure without a
 server."""
 
 from __future__ import annotations
@@ -195,7 +195,7 @@ def test_plot_run_writes_a_png(tmp_path: Path) -> None:
 
 def test_the_replay_module_does_not_import_matplotlib() -> None:
     code = "import sys, loadgen.replay; print('matplotlib' in sys.modules)"
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     res = subprocess.run(
         [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True
     )

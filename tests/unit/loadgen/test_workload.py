@@ -21,7 +21,7 @@ from loadgen.traces import (
     write_mooncake,
 )
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 # The conversation trace beside the checkout; a fresh clone has the bundled head of it.
 CONVERSATION = ROOT.parent / "shared/traces/mooncake-fast25/conversation_trace.jsonl"
 HEAD = ROOT / "loadgen/data/mooncake-conversation-head400.jsonl"

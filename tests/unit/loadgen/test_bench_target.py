@@ -15,7 +15,7 @@ from loadgen.bench_target_report import markdown
 from loadgen.simulate import SimSettings
 from loadgen.traces import TraceRequest, read_trace, window
 
-SLICE = Path(__file__).resolve().parents[2] / "loadgen/data/mooncake-conversation-head400.jsonl"
+SLICE = Path(__file__).resolve().parents[3] / "loadgen/data/mooncake-conversation-head400.jsonl"
 
 
 def _cell(reqs: list[TraceRequest], protocol: str = "open", ts: float = 1.0) -> Cell:

@@ -9,7 +9,7 @@ from loadgen.simulate import SimSettings, Simulation, simulate
 from loadgen.traces import TraceRequest, read_trace, scaled, synthetic, window
 from tests.builders import Dispatches
 
-SLICE = Path(__file__).resolve().parents[2] / "loadgen/data/mooncake-conversation-head400.jsonl"
+SLICE = Path(__file__).resolve().parents[3] / "loadgen/data/mooncake-conversation-head400.jsonl"
 
 
 @pytest.fixture(scope="module")
