@@ -1,7 +1,8 @@
-"""The core's shared types, a leaf every step may import: what a request asks
+"""The core's shared types, which every step may import: what a request asks
 (`RouteRequest`), what the router knows of each candidate (`Candidate`), what it chose
 (`Decision`), what it keeps of a request in flight (`InFlight`), the cost weights, and the
-enums of a request's and a backend's life.
+enums of a request's and a backend's life. They import only the parsed body's type
+(`prompt.parse.LlmRequest`).
 """
 
 from __future__ import annotations
