@@ -28,7 +28,7 @@ import urllib.request
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -130,9 +130,38 @@ def with_predictions(
     return out
 
 
+@dataclass(frozen=True)
+class PrefixReport:
+    """One run's figures (None: nothing to take them over). Written into its result file's
+    meta as a dict, in this order."""
+
+    requests: int
+    ok: int  # successful, with a prompt
+    joined: int  # of which with the router's prediction on the backend that answered
+    precise_share: float | None  # of the joined, decided on precise prefix state
+    mispredicted: int  # joined, with a prediction error
+    error_mean: float | None  # |predicted - cached| / prompt tokens, over the joined
+    error_p95: float | None
+    hit_rate: float | None  # engine-reported cached / prompt tokens, over the ok
+    predicted_hit_rate: float | None  # predicted cached / prompt tokens, over the joined
+    ttft_p95_ms: float | None
+    e2e_p95_ms: float | None
+
+
+# The figures set side by side as precise / approximate.
+RATIO_FIELDS = (
+    "error_mean",
+    "error_p95",
+    "hit_rate",
+    "predicted_hit_rate",
+    "ttft_p95_ms",
+    "e2e_p95_ms",
+)
+
+
 def prefix_report(
     results: Sequence[RequestResult], predictions: Mapping[str, Prediction]
-) -> dict[str, Any]:
+) -> PrefixReport:
     """Per run: the prediction error share (mean, p95) over the successful requests with a
     prediction and an engine report, which states those predictions came from, the engine's
     hit rate (cached / prompt tokens) and the router's predicted one, p95 TTFT and E2E."""
@@ -144,38 +173,52 @@ def prefix_report(
     states = [predictions[r.id].prefix_state for r in joined]
     prompt = sum(r.input_tokens for r in ok)
     s = summarize(results)
-    return {
-        "requests": len(results),
-        "ok": len(ok),
-        "joined": len(joined),
-        "precise_share": states.count("precise") / len(states) if states else None,
-        "mispredicted": sum(e > 0 for e in errors),
-        "error_mean": sum(errors) / len(errors) if errors else None,
-        "error_p95": percentile(errors, 95) if errors else None,
-        "hit_rate": sum(r.cached_tokens for r in ok) / prompt if prompt else None,
-        "predicted_hit_rate": sum(r.predicted_cached_tokens or 0 for r in joined)
+    return PrefixReport(
+        requests=len(results),
+        ok=len(ok),
+        joined=len(joined),
+        precise_share=states.count("precise") / len(states) if states else None,
+        mispredicted=sum(e > 0 for e in errors),
+        error_mean=sum(errors) / len(errors) if errors else None,
+        error_p95=percentile(errors, 95) if errors else None,
+        hit_rate=sum(r.cached_tokens for r in ok) / prompt if prompt else None,
+        predicted_hit_rate=sum(r.predicted_cached_tokens or 0 for r in joined)
         / sum(r.input_tokens for r in joined)
         if joined
         else None,
-        "ttft_p95_ms": s["ttft_ms"]["p95"],
-        "e2e_p95_ms": s["e2e_ms"]["p95"],
-    }
+        ttft_p95_ms=s["ttft_ms"]["p95"],
+        e2e_p95_ms=s["e2e_ms"]["p95"],
+    )
 
 
-def report_table(reports: Mapping[str, Mapping[str, Any]]) -> str:
-    def pct(v: Any) -> str:
-        return "-" if v is None else f"{v:.3%}"
+def ratios(precise: PrefixReport, approximate: PrefixReport) -> dict[str, float | None]:
+    """RATIO_FIELDS' precise / approximate (None when either is unknown or the
+    approximate one is 0)."""
+    a, b = asdict(precise), asdict(approximate)
+    return {k: None if a[k] is None or not b[k] else a[k] / b[k] for k in RATIO_FIELDS}
 
-    def share(v: Any) -> str:
-        return "-" if v is None else f"{v:.0%}"
 
-    def ms(v: Any) -> str:
-        return "-" if v is None else f"{v:.0f}"
+# -- the table ------------------------------------------------------------------------------
 
-    def ratio(key: str) -> str:
-        a, b = reports["precise"][key], reports["approximate"][key]
-        return "-" if a is None or not b else f"x{a / b:.2f}"
 
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{v:.3%}"
+
+
+def _share(v: float | None) -> str:
+    return "-" if v is None else f"{v:.0%}"
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v:.0f}"
+
+
+def _ratio(v: float | None) -> str:
+    return "-" if v is None else f"x{v:.2f}"
+
+
+def report_table(reports: Mapping[str, PrefixReport]) -> str:
+    """A row per run, and the precise / approximate ratios when both ran."""
     lines = [
         "| prefix state | ok / joined | precise decisions | mispredicted | error mean | "
         "error p95 | hit rate (engine) | hit rate (predicted) | TTFT p95 ms | E2E p95 ms |",
@@ -183,17 +226,17 @@ def report_table(reports: Mapping[str, Mapping[str, Any]]) -> str:
     ]
     for mode, r in reports.items():
         lines.append(
-            f"| {mode} | {r['ok']} / {r['joined']} | {share(r['precise_share'])} | "
-            f"{r['mispredicted']} | {pct(r['error_mean'])} | {pct(r['error_p95'])} | "
-            f"{pct(r['hit_rate'])} | {pct(r['predicted_hit_rate'])} | "
-            f"{ms(r['ttft_p95_ms'])} | {ms(r['e2e_p95_ms'])} |"
+            f"| {mode} | {r.ok} / {r.joined} | {_share(r.precise_share)} | "
+            f"{r.mispredicted} | {_pct(r.error_mean)} | {_pct(r.error_p95)} | "
+            f"{_pct(r.hit_rate)} | {_pct(r.predicted_hit_rate)} | "
+            f"{_ms(r.ttft_p95_ms)} | {_ms(r.e2e_p95_ms)} |"
         )
     if set(MODES) <= set(reports):
-        keys = ("error_mean", "error_p95", "hit_rate", "predicted_hit_rate")
+        x = ratios(reports["precise"], reports["approximate"])
         lines.append(
             "| precise / approximate | | | | "
-            + " | ".join(ratio(k) for k in keys)
-            + f" | {ratio('ttft_p95_ms')} | {ratio('e2e_p95_ms')} |"
+            + " | ".join(_ratio(x[k]) for k in RATIO_FIELDS)
+            + " |"
         )
     return "\n".join(lines)
 
@@ -296,7 +339,7 @@ def run_prefix_bench(
         finally:
             for s in stacks.values():
                 s.stop()
-    reports = {}
+    reports: dict[str, PrefixReport] = {}
     for mode, run in runs.items():
         predictions = receivers[mode].snapshot()
         rows = with_predictions(run.results, predictions)
@@ -313,7 +356,7 @@ def run_prefix_bench(
             "window": {"start_s": start_s, "duration_s": duration_s, "limit": limit},
             "time_scale": time_scale,
             "wall_s": round(run.wall_s, 1),
-            "report": reports[mode],
+            "report": asdict(reports[mode]),
             "kv_events": kv,
         }
         write_result(out_dir / f"prefix-state-{mode}.json", rows, meta)
