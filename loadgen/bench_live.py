@@ -17,7 +17,7 @@ import os
 import sys
 import tempfile
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -98,81 +98,165 @@ def live_like(settings: SimSettings) -> SimSettings:
 PARITY_SEEDS = (0, 1, 2, 3, 4)
 
 
-def run_parity(
+@dataclass(frozen=True)
+class ParityRow:
+    """One policy's TTFT quantile, live against the simulator's seeds."""
+
+    policy: str
+    quantile: str  # "p50" or "p95"
+    live_ms: float
+    sim_ms: tuple[float, ...]  # per seed of PARITY_SEEDS
+
+    @property
+    def mean_ms(self) -> float:
+        return sum(self.sim_ms) / len(self.sim_ms)
+
+    @property
+    def diff(self) -> float:
+        """The simulator's mean against live (+0.1: 10 % slower)."""
+        return self.mean_ms / self.live_ms - 1
+
+
+@dataclass(frozen=True)
+class LiveLoad:
+    """The machine's 1-minute load average around a policy's live run."""
+
+    policy: str
+    before: float
+    after: float
+
+
+@dataclass(frozen=True)
+class Parity:
+    """`gorgo bench parity`'s measurements: the slice, the rows, each run's summary (live,
+    and the simulator's seed 0) and the machine's load around the live runs."""
+
+    requests: int
+    start_s: float
+    duration_s: float
+    time_scale: float
+    rows: tuple[ParityRow, ...]
+    runs: tuple[tuple[str, dict[str, Any]], ...]
+    loads: tuple[LiveLoad, ...]
+    cores: int | None
+
+    @property
+    def worst(self) -> float:
+        """The largest disagreement, either way."""
+        return max((abs(r.diff) for r in self.rows), default=0.0)
+
+    @property
+    def ok(self) -> bool:
+        return self.worst <= PARITY_TOLERANCE
+
+
+def _live_summary(
+    policy: str, profile: str, trace: Sequence[TraceRequest], out_dir: Path, reuse: bool
+) -> tuple[dict[str, Any], LiveLoad | None]:
+    """A policy's live run (or its stored result file with `reuse`): its summary and the
+    load around it (when recorded)."""
+    live_file = out_dir / f"parity-live-{policy}.json"
+    if reuse and live_file.exists():
+        stored = read_result(live_file)
+        live, meta = stored["summary"], stored["meta"]
+    else:
+        print(f"{policy}: live replay of {len(trace)} requests...", file=sys.stderr)
+        # The live run is timing-sensitive on a shared machine: its load is recorded.
+        load_before = os.getloadavg()[0]
+        stack = _stack(policy, profile, seed=0)
+        stack.start()
+        try:
+            (run,) = asyncio.run(_replay_on([stack], trace))
+        finally:
+            stack.stop()
+        meta = {
+            "mode": "replay",
+            "policy": policy,
+            "load_before": round(load_before, 2),
+            "load_after": round(os.getloadavg()[0], 2),
+        }
+        live = write_result(live_file, run.results, meta)["summary"]
+    load = (
+        LiveLoad(policy, meta["load_before"], meta["load_after"]) if "load_before" in meta else None
+    )
+    return live, load
+
+
+def _sim_summaries(
+    policy: str, profile: str, chosen: Sequence[TraceRequest], time_scale: float, out_dir: Path
+) -> list[dict[str, Any]]:
+    """The slice simulated live-like, once per seed of PARITY_SEEDS (result files written)."""
+    print(f"{policy}: simulating the same slice, seeds {PARITY_SEEDS}...", file=sys.stderr)
+    sims = []
+    for seed in PARITY_SEEDS:
+        settings = live_like(
+            SimSettings(policy=policy, time_scale=time_scale, engine_profile=profile, seed=seed)
+        )
+        res = simulate(chosen, settings)
+        path = out_dir / f"parity-sim-{policy}-seed{seed}.json"
+        meta = {"mode": "simulate", "policy": policy, "seed": seed}
+        sims.append(write_result(path, res.requests, meta, res.itl_ms)["summary"])
+    return sims
+
+
+def parity(
     trace_path: str,
     policies: Sequence[str],
     start_s: float,
     duration_s: float,
     time_scale: float,
-    results_md: Path,
     out_dir: Path,
     reuse_live: bool = False,
-) -> int:
+) -> Parity:
+    """Per policy: the slice live and simulated; TTFT p50 and p95 set side by side."""
     chosen = window(read_trace(trace_path), start_s, duration_s)
     live_trace = scaled(chosen, time_scale)
-    rows: list[tuple[str, dict[str, Any]]] = []
-    lines = []
-    loads: list[str] = []
-    worst = 0.0
+    rows: list[ParityRow] = []
+    runs: list[tuple[str, dict[str, Any]]] = []
+    loads: list[LiveLoad] = []
     with tempfile.TemporaryDirectory(prefix="gorgo-parity-") as tmp:
         profile = fast_profile_file(Path(tmp))
         for policy in policies:
-            live_file = out_dir / f"parity-live-{policy}.json"
-            if reuse_live and live_file.exists():
-                stored = read_result(live_file)
-                live, meta = stored["summary"], stored["meta"]
-            else:
-                print(f"{policy}: live replay of {len(chosen)} requests...", file=sys.stderr)
-                # The live run is timing-sensitive on a shared machine: its load is recorded.
-                load_before = os.getloadavg()[0]
-                stack = _stack(policy, profile, seed=0)
-                stack.start()
-                try:
-                    (run,) = asyncio.run(_replay_on([stack], live_trace))
-                finally:
-                    stack.stop()
-                meta = {
-                    "mode": "replay",
-                    "policy": policy,
-                    "load_before": round(load_before, 2),
-                    "load_after": round(os.getloadavg()[0], 2),
-                }
-                live = write_result(live_file, run.results, meta)["summary"]
-            if "load_before" in meta:
-                loads.append(
-                    f"{policy} live: 1-minute load average {meta['load_before']:g} before, "
-                    f"{meta['load_after']:g} after ({os.cpu_count()} cores)."
-                )
-            print(f"{policy}: simulating the same slice, seeds {PARITY_SEEDS}...", file=sys.stderr)
-            sims = []
-            for seed in PARITY_SEEDS:
-                settings = live_like(
-                    SimSettings(
-                        policy=policy, time_scale=time_scale, engine_profile=profile, seed=seed
-                    )
-                )
-                res = simulate(chosen, settings)
-                path = out_dir / f"parity-sim-{policy}-seed{seed}.json"
-                meta = {"mode": "simulate", "policy": policy, "seed": seed}
-                sims.append(write_result(path, res.requests, meta, res.itl_ms)["summary"])
-            rows += [(f"{policy} live", live), (f"{policy} simulated (seed 0)", sims[0])]
+            live, load = _live_summary(policy, profile, live_trace, out_dir, reuse_live)
+            if load is not None:
+                loads.append(load)
+            sims = _sim_summaries(policy, profile, chosen, time_scale, out_dir)
+            runs += [(f"{policy} live", live), (f"{policy} simulated (seed 0)", sims[0])]
             for q in ("p50", "p95"):
-                values = [s["ttft_ms"][q] for s in sims]
-                mean = sum(values) / len(values)
-                diff = mean / live["ttft_ms"][q] - 1
-                worst = max(worst, abs(diff))
-                lines.append(
-                    f"| {policy} | TTFT {q} | {live['ttft_ms'][q]:.0f} | {mean:.0f} "
-                    f"({min(values):.0f}-{max(values):.0f}) | {diff:+.1%} |"
-                )
-    md = "\n".join(
+                sim_ms = tuple(s["ttft_ms"][q] for s in sims)
+                rows.append(ParityRow(policy, q, live["ttft_ms"][q], sim_ms))
+    return Parity(
+        len(chosen),
+        start_s,
+        duration_s,
+        time_scale,
+        tuple(rows),
+        tuple(runs),
+        tuple(loads),
+        os.cpu_count(),
+    )
+
+
+def parity_markdown(p: Parity) -> str:
+    """The block docs/results.md carries, between PARITY_START and PARITY_END."""
+    lines = [
+        f"| {r.policy} | TTFT {r.quantile} | {r.live_ms:.0f} | {r.mean_ms:.0f} "
+        f"({min(r.sim_ms):.0f}-{max(r.sim_ms):.0f}) | {r.diff:+.1%} |"
+        for r in p.rows
+    ]
+    loads = [
+        f"{x.policy} live: 1-minute load average {x.before:g} before, "
+        f"{x.after:g} after ({p.cores} cores)."
+        for x in p.loads
+    ]
+    return "\n".join(
         [
             PARITY_START,
             "## Simulator against live replay",
             "",
-            f"`gorgo bench parity`: {len(chosen)} requests of the conversation trace "
-            f"({start_s:g}-{start_s + duration_s:g} s) replayed live through Envoy, the "
-            f"router and the emulated fleet, and simulated, at time_scale {time_scale:g}; "
+            f"`gorgo bench parity`: {p.requests} requests of the conversation trace "
+            f"({p.start_s:g}-{p.start_s + p.duration_s:g} s) replayed live through Envoy, the "
+            f"router and the emulated fleet, and simulated, at time_scale {p.time_scale:g}; "
             "engines and simulator alike run the default profile with prefill x4 (so the "
             "slice loads the fleet without saturating it in real time). The simulator "
             f"models the live front door's pace ({LIVE_DOOR_SPACING_MS:g} ms a request, "
@@ -187,17 +271,31 @@ def run_parity(
             "|---|---|---|---|---|",
             *lines,
             "",
-            table(rows),
+            table(list(p.runs)),
             "",
             *loads,
             "",
-            f"Largest disagreement: {worst:.1%}.",
+            f"Largest disagreement: {p.worst:.1%}.",
             PARITY_END,
         ]
     )
+
+
+def run_parity(
+    trace_path: str,
+    policies: Sequence[str],
+    start_s: float,
+    duration_s: float,
+    time_scale: float,
+    results_md: Path,
+    out_dir: Path,
+    reuse_live: bool = False,
+) -> int:
+    p = parity(trace_path, policies, start_s, duration_s, time_scale, out_dir, reuse_live)
+    md = parity_markdown(p)
     print(md)
     _splice(results_md, md)
-    return 0 if worst <= PARITY_TOLERANCE else 1
+    return 0 if p.ok else 1
 
 
 def _splice(path: Path, block: str, start: str = PARITY_START, end: str = PARITY_END) -> None:
