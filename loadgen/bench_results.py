@@ -12,12 +12,13 @@ import shutil
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ext_proc.core.types import Weights
 from loadgen.bench_live import parity_block
+from loadgen.bench_paper import paper_section
 from loadgen.bench_regime import RegimeChange
 from loadgen.bench_tuner import SEEDS, static_run
 from loadgen.bench_tuner_report import (
@@ -26,9 +27,8 @@ from loadgen.bench_tuner_report import (
     regime_section,
     tuner_section,
 )
-from loadgen.results import summarize
 from loadgen.sim_cli import run_simulations, summary_markdown, write_figures
-from loadgen.simulate import SimSettings, simulate
+from loadgen.simulate import SimSettings
 from loadgen.traces import read_trace, window
 
 # The prefix-state and fleet-view measurements (issue 14), carried over like parity's.
@@ -69,7 +69,7 @@ SWEEP_SCALES = (2.0, 3.0, 4.0, 6.0)
 # The grid and the convergence runs use the tuning window's first 10 minutes: 7x7 points x
 # 3 seeds, 10 tuning runs (from the defaults and from the worst corner), and every distinct
 # tuned point and the optimum on 3 fresh seeds (about 200 simulations, ~25 min on 2 cores);
-# the paper-shaped tuning window's grid and runs (bench_tuner.paper_tuner_section) ~13 min.
+# the paper-shaped tuning window's grid and runs (bench_tuner_report.paper_tuner_section) ~13 min.
 TUNER_WINDOW_S = 600.0
 # The regime change: the first 20 minutes at time_scale 6 (lightly loaded, so that the
 # half more load after the change at 10 minutes does not saturate the fleet).
@@ -133,7 +133,7 @@ def run_results_bench(
                 f"{len(sliced)} requests; static weights (config defaults).",
             )
         )
-        _ranking(parts, summaries)
+        parts.append(ranking_line(ranking(summaries)))
     print("time_scale sweep", file=sys.stderr)
     sliced = window(trace, SWEEP_WINDOW.start_s, SWEEP_WINDOW.duration_s)
     sweep_dir = work_dir / "sweep"
@@ -165,158 +165,32 @@ def run_results_bench(
     return 0
 
 
-def _ranking(parts: list[str], summaries: dict[tuple[str, float], dict[str, Any]]) -> None:
-    by_ttft = sorted(summaries, key=lambda k: summaries[k]["ttft_ms"]["p95"])
-    best = by_ttft[0][0]
+@dataclass(frozen=True)
+class Ranking:
+    """A window's lowest p95 TTFT, and GORGO's rows' p95 E2E against the window's best
+    (+0.1: 10 % above it)."""
+
+    best_ttft: str
+    e2e_vs_best: dict[str, float]
+
+
+def ranking(summaries: dict[tuple[str, float], dict[str, Any]]) -> Ranking:
+    best = min(summaries, key=lambda k: summaries[k]["ttft_ms"]["p95"])[0]
     best_e2e = min(summaries[k]["e2e_ms"]["p95"] for k in summaries)
-    line = f"Lowest p95 TTFT: **{best}**."
+    e2e = {}
     for name in ("gorgo", "gorgo (tuned, frozen)"):
         g = next((k for k in summaries if k[0] == name), None)
         if g is not None:
-            line += (
-                f" {name}: p95 E2E {summaries[g]['e2e_ms']['p95'] / best_e2e - 1:+.1%} against "
-                "the best p95 E2E of the window."
-            )
-    parts.append(line + "\n")
+            e2e[name] = summaries[g]["e2e_ms"]["p95"] / best_e2e - 1
+    return Ranking(best, e2e)
+
+
+def ranking_line(r: Ranking) -> str:
+    line = f"Lowest p95 TTFT: **{r.best_ttft}**."
+    for name, x in r.e2e_vs_best.items():
+        line += f" {name}: p95 E2E {x:+.1%} against the best p95 E2E of the window."
+    return line + "\n"
 
 
 def _slug(name: str) -> str:
     return "".join(c if c.isalnum() else "-" for c in name.split("(")[0].strip().lower())
-
-
-# -- the paper's experiment under the paper's protocol ------------------------------------
-
-# DESIGN section 2: the paper's Table 2 and Table 3, p95 TTFT (ms) / p95 E2E (s).
-PAPER_TABLE2: dict[tuple[str, float], dict[str, tuple[float, float]]] = {
-    ("tuning", 1.0): {
-        "gorgo": (2514, 8.91),
-        "session_affinity": (2428, 18.27),
-        "least_load": (2447, 13.69),
-        "least_request": (3970, 16.62),
-        "prefix_cache": (6784, 22.63),
-    },
-    ("held-out", 2.0): {
-        "gorgo": (1584, 3.28),
-        "session_affinity": (1875, 4.75),
-        "least_load": (1818, 4.06),
-        "least_request": (1852, 3.99),
-        "prefix_cache": (1798, 4.95),
-    },
-    ("held-out", 3.0): {
-        "gorgo": (1417, 3.36),
-        "session_affinity": (1522, 3.92),
-        "least_load": (1669, 4.07),
-        "least_request": (1759, 4.44),
-        "prefix_cache": (1861, 12.00),
-    },
-}
-PAPER_TABLE3: dict[float, dict[str, tuple[float, float]]] = {
-    1.0: {
-        "gorgo": (8260, 15.76),
-        "session_affinity": (1835, 17.94),
-        "least_request": (6138, 18.62),
-    },
-    2.0: {"gorgo": (1822, 5.65), "session_affinity": (1707, 15.50), "least_request": (4361, 16.85)},
-    3.0: {"gorgo": (1378, 3.25), "session_affinity": (1556, 4.04), "least_request": (1805, 4.92)},
-}
-# Windows of the paper-shaped workload (loadgen.traces.paper_synthetic): a seed each, as
-# the paper's were different days.
-PAPER_WINDOWS = (("tuning", 0, 1.0), ("held-out", 1, 2.0), ("held-out", 2, 3.0))
-TABLE3_SEED = 1
-
-
-def _pair(s: dict[str, Any]) -> str:
-    return f"{s['ttft_ms']['p95']:.0f} / {s['e2e_ms']['p95'] / 1000:.2f}"
-
-
-def paper_section(policies: Sequence[str], work_dir: Path, img_dir: Path) -> str:
-    """The paper's Table 2 and Table 3 and Figure 3, under its protocol, on the
-    paper-shaped workload, with the paper's published rows beside ours."""
-    from loadgen.bench_tuner_report import convergence_plot
-    from loadgen.protocol import PAPER
-    from loadgen.traces import paper_synthetic
-
-    base = SimSettings(protocol=PAPER)
-    parts = [
-        "# The paper's experiment, under the paper's protocol\n",
-        f"Workload: the paper-shaped synthetic windows (`paper-synthetic:SEED`, 30 min each; "
-        f"docs/benchmarks.md has its statistics beside the paper's); {PAPER.describe()}. "
-        "Cells: p95 TTFT (ms) / p95 E2E (s). The paper's rows are its Table 2 and 3 (DESIGN "
-        "section 2), measured on its own fleet: set them beside ours for the shape (which "
-        "policy wins, by how much), not the absolute values.\n",
-        "## Table 2: a tuning window (online tuning), two held-out windows (weights frozen)\n",
-    ]
-    tuned: Weights | None = None
-    rows = []
-    for name, seed, ts in PAPER_WINDOWS:
-        print(f"paper protocol: {name} window (seed {seed}), time_scale {ts:g}", file=sys.stderr)
-        trace = paper_synthetic(seed)
-        d = work_dir / f"paper-{name}-seed{seed}"
-        summaries = run_simulations(trace, policies, [ts], d, base, f"paper {name}")
-        if name == "tuning":
-            res = simulate(trace, replace(base, policy="gorgo", time_scale=ts, tune="paired"))
-            summaries[("gorgo (tuning online)", ts)] = summarize(res.requests, res.itl_ms)
-            assert res.router.tuner is not None
-            tuned = Weights(*res.router.tuner.state.parent)
-            img_dir.mkdir(parents=True, exist_ok=True)
-            convergence_plot(
-                res.router.tuner.state.history,
-                "paired mode, paper protocol, tuning window",
-                img_dir / "results-paper-convergence.png",
-            )
-        elif tuned is not None:
-            frozen = replace(
-                base,
-                policy="gorgo",
-                time_scale=ts,
-                router={
-                    "policies": {"gorgo": {"weights": {"rtt": tuned.rtt, "queue": tuned.queue}}}
-                },
-            )
-            res = simulate(trace, frozen)
-            summaries[("gorgo (tuned, frozen)", ts)] = summarize(res.requests, res.itl_ms)
-        # The paper's GORGO row was tuned online on its tuning window, frozen after.
-        paper = dict(PAPER_TABLE2.get((name, ts), {}))
-        ours_gorgo = "gorgo (tuning online)" if name == "tuning" else "gorgo (tuned, frozen)"
-        paper[ours_gorgo] = paper.pop("gorgo", (float("nan"), float("nan")))
-        for (policy, _), s in summaries.items():
-            theirs = paper.get(policy)
-            mark = "-" if theirs is None else f"{theirs[0]:.0f} / {theirs[1]:.2f}"
-            slip = s["slip_ms"]["p95"]
-            rows.append(f"| {name}, ts {ts:g} | {policy} | {_pair(s)} | {slip:.0f} | {mark} |")
-        rows.append("| | | | | |")
-    parts += [
-        "| window | policy | ours | our slip p95 (ms) | paper |",
-        "|---|---|---|---|---|",
-        *rows[:-1],
-        "",
-    ]
-    if tuned is not None:
-        parts.append(
-            f"Tuned online on the tuning window, then frozen: w_rtt {tuned.rtt:.3f}, w_queue "
-            f"{tuned.queue:.3f} (the paper learned 0.276 / 0.5).\n"
-        )
-        parts.append("![Tuner convergence, paper protocol](img/results-paper-convergence.png)\n")
-    print("paper protocol: Table 3 sweep", file=sys.stderr)
-    trace = paper_synthetic(TABLE3_SEED)
-    sweep_policies = ("gorgo", "session_affinity", "least_request")
-    sweep = run_simulations(
-        trace, sweep_policies, sorted(PAPER_TABLE3), work_dir / "paper-sweep", base, "paper sweep"
-    )
-    parts += [
-        f"## Table 3: load sweep (window seed {TABLE3_SEED}, static weights)\n",
-        "| time_scale | "
-        + " | ".join(f"{p} (ours)" for p in sweep_policies)
-        + " | "
-        + " | ".join(f"{p} (paper)" for p in sweep_policies)
-        + " |",
-        "|---|" + "---|" * (2 * len(sweep_policies)),
-    ]
-    for ts in sorted(PAPER_TABLE3):
-        ours = " | ".join(_pair(sweep[(p, ts)]) for p in sweep_policies)
-        published = " | ".join(
-            f"{PAPER_TABLE3[ts][p][0]:.0f} / {PAPER_TABLE3[ts][p][1]:.2f}" for p in sweep_policies
-        )
-        parts.append(f"| {ts:g} | {ours} | {published} |")
-    parts.append("")
-    return "\n".join(parts)
