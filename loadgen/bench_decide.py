@@ -232,6 +232,159 @@ def measure_tokenized(
     return run
 
 
+# -- the measurements' figures, and their tables --------------------------------------------
+
+
+@dataclass(frozen=True)
+class Quantiles:
+    p50: float
+    p99: float
+
+    @classmethod
+    def of(cls, samples: list[float]) -> Quantiles:
+        return cls(percentile(samples, 50), percentile(samples, 99))
+
+
+@dataclass(frozen=True)
+class DecideRow:
+    """One (backends, prompt) setting: ms per decision, decide alone and parse + decide;
+    the target on decide's p99 (the 128k-token prompts only)."""
+
+    n_backends: int
+    tokens: int
+    decide: Quantiles
+    full: Quantiles
+    target_p99_ms: float | None
+
+
+def decide_row(
+    n_backends: int, tokens: int, decide_ms: list[float], full_ms: list[float]
+) -> DecideRow:
+    target = TARGET_P99_MS[n_backends] if tokens == 131_072 else None
+    return DecideRow(n_backends, tokens, Quantiles.of(decide_ms), Quantiles.of(full_ms), target)
+
+
+@dataclass(frozen=True)
+class IndexMemory:
+    """The warm indexes of 3 backends: cached blocks and what they take."""
+
+    blocks: int
+    memory_bytes: int
+
+    @property
+    def bytes_per_block(self) -> float:
+        return self.memory_bytes / self.blocks
+
+
+def index_memory() -> IndexMemory:
+    router = _router(3)
+    _warm(router)
+    blocks = sum(b.prefix.size_blocks for b in router.backends.values())
+    return IndexMemory(blocks, sum(b.prefix.memory_bytes for b in router.backends.values()))
+
+
+@dataclass(frozen=True)
+class TokenizedRow:
+    """One way of deciding the last turn: ms per decision, and against the approximation's
+    decide on the same bodies (x its p50, x its p99)."""
+
+    label: str
+    latency: Quantiles
+    x_approx: tuple[float, float]
+    target_p99_ms: float | None
+
+    @property
+    def meets(self) -> bool:
+        return self.target_p99_ms is None or self.latency.p99 <= self.target_p99_ms
+
+
+@dataclass(frozen=True)
+class TokenizedStudy:
+    """One conversation's measurements: the last turn's prompt and what of it was
+    tokenized per warm decision, a row per way measured, the prompt cache's counts."""
+
+    turns: int
+    tokens: int
+    new_tokens: int
+    rows: tuple[TokenizedRow, ...]
+    cache: dict[str, int]
+    failures: int
+
+    @property
+    def meets(self) -> bool:
+        return all(r.meets for r in self.rows)
+
+
+def tokenized_study(turns: int, run: TokenizedRun) -> TokenizedStudy:
+    """A run's figures; the warm target holds on the CHAT_TURNS conversation only."""
+    base = Quantiles.of(run.approx_ms)
+    target = TARGET_WARM_P99_MS if turns == CHAT_TURNS else None
+    measured = (
+        ("approximation: decide", run.approx_ms, None),
+        ("warm: tokenize + decide", run.warm_ms, target),
+        ("warm: parse + tok + decide", run.warm_parse_ms, None),
+        ("cold: tokenize + decide", run.cold_ms, None),
+    )
+    rows = []
+    for label, samples, t in measured:
+        if samples:
+            q = Quantiles.of(samples)
+            rows.append(TokenizedRow(label, q, (q.p50 / base.p50, q.p99 / base.p99), t))
+    return TokenizedStudy(turns, run.tokens, run.new_tokens, tuple(rows), run.cache, run.failures)
+
+
+def _target(t: float | None) -> str:
+    return "" if t is None else f"<= {t:g}"
+
+
+DECIDE_HEAD = (
+    f"{'backends':>8} {'prompt':>7} {'decide p50':>11} {'decide p99':>11} "
+    f"{'+parse p50':>11} {'+parse p99':>11} {'target p99':>10}"
+)
+
+
+def decide_line(r: DecideRow) -> str:
+    return (
+        f"{r.n_backends:>8} {r.tokens // 1024:>6}k {r.decide.p50:>11.3f} "
+        f"{r.decide.p99:>11.3f} {r.full.p50:>11.3f} "
+        f"{r.full.p99:>11.3f} {_target(r.target_p99_ms):>10}"
+    )
+
+
+def memory_line(m: IndexMemory) -> str:
+    return (
+        f"index memory: {m.bytes_per_block:.1f} bytes per cached block "
+        f"({m.blocks} blocks over 3 backends; target <= {TARGET_BYTES_PER_BLOCK})"
+    )
+
+
+TOKENIZED_HEAD = (
+    "\nreal tokenizer (the tiny model's byte-level BPE + ChatML template), 3 backends with "
+    f"precise prefix state, the last turn of a ~{CHAT_TOKENS // 1024}k-token chat; "
+    "approximation: 4 bytes/token on the same bodies. ms:\n"
+    f"{'rounds':>6} {'tokens':>7} {'new':>6} {'':>24} {'p50':>7} {'p99':>7} "
+    f"{'x approx p50':>12} {'x approx p99':>12} {'target p99':>10}"
+)
+
+
+def tokenized_lines(s: TokenizedStudy) -> str:
+    lines = [
+        f"{s.turns:>6} {s.tokens:>7,} {s.new_tokens:>6,} {r.label:>24} {r.latency.p50:>7.3f} "
+        f"{r.latency.p99:>7.3f} {r.x_approx[0]:>12.1f} {r.x_approx[1]:>12.1f} "
+        f"{_target(r.target_p99_ms):>10}"
+        for r in s.rows
+    ]
+    c = s.cache
+    lines.append(
+        f"{'':>6} cache: {c['hits']} hits, {c['misses']} misses, {c['mismatches']} "
+        f"mismatches, {s.failures} failures"
+    )
+    return "\n".join(lines)
+
+
+# -- the command ----------------------------------------------------------------------------
+
+
 def run_tokenized_bench(iterations: int = 600, cold_iterations: int = 30) -> bool:
     """The real-tokenizer section; True when the warm p99 meets its target. `iterations`
     for the target's conversation (600: its p99 is the 6th slowest, steadier than 300's
@@ -240,44 +393,15 @@ def run_tokenized_bench(iterations: int = 600, cold_iterations: int = 30) -> boo
     path = write_tiny_tokenizer(TINY_DIR)
     engine = _load_engine_tokenizer(TokenizerConfig(str(path)))
     assert engine is not None
-    print(
-        "\nreal tokenizer (the tiny model's byte-level BPE + ChatML template), 3 backends with "
-        f"precise prefix state, the last turn of a ~{CHAT_TOKENS // 1024}k-token chat; "
-        "approximation: 4 bytes/token on the same bodies. ms:"
-    )
-    print(
-        f"{'rounds':>6} {'tokens':>7} {'new':>6} {'':>24} {'p50':>7} {'p99':>7} "
-        f"{'x approx p50':>12} {'x approx p99':>12} {'target p99':>10}"
-    )
+    print(TOKENIZED_HEAD)
     met = True
     for turns, n, cold in (
         (CHAT_TURNS, iterations, cold_iterations),
         (CHAT_TURNS // 4, iterations // 3, 0),
     ):
-        r = measure_tokenized(engine, turns, n, cold)
-        base50, base99 = percentile(r.approx_ms, 50), percentile(r.approx_ms, 99)
-        rows = [
-            ("approximation: decide", r.approx_ms, ""),
-            ("warm: tokenize + decide", r.warm_ms, f"<= {TARGET_WARM_P99_MS:g}"),
-            ("warm: parse + tok + decide", r.warm_parse_ms, ""),
-            ("cold: tokenize + decide", r.cold_ms, ""),
-        ]
-        for label, samples, target in rows:
-            if not samples:
-                continue
-            p50, p99 = percentile(samples, 50), percentile(samples, 99)
-            print(
-                f"{turns:>6} {r.tokens:>7,} {r.new_tokens:>6,} {label:>24} {p50:>7.3f} "
-                f"{p99:>7.3f} {p50 / base50:>12.1f} {p99 / base99:>12.1f} "
-                f"{target if turns == CHAT_TURNS else '':>10}"
-            )
-        if turns == CHAT_TURNS:
-            met = percentile(r.warm_ms, 99) <= TARGET_WARM_P99_MS
-        c = r.cache
-        print(
-            f"{'':>6} cache: {c['hits']} hits, {c['misses']} misses, {c['mismatches']} "
-            f"mismatches, {r.failures} failures"
-        )
+        study = tokenized_study(turns, measure_tokenized(engine, turns, n, cold))
+        print(tokenized_lines(study))
+        met = met and study.meets
     print(
         f"'new': tokens tokenized per warm decision (the previous answer and the new message); "
         f"{time.monotonic() - t0:.1f} s (the tokenizer is trained once into {TINY_DIR})"
@@ -286,26 +410,14 @@ def run_tokenized_bench(iterations: int = 600, cold_iterations: int = 30) -> boo
 
 
 def run_decide_bench(iterations: int = 300) -> int:
-    print(
-        f"{'backends':>8} {'prompt':>7} {'decide p50':>11} {'decide p99':>11} "
-        f"{'+parse p50':>11} {'+parse p99':>11} {'target p99':>10}"
-    )
+    print(DECIDE_HEAD)
     for n_backends in (3, 64):
         for tokens in (1024, 32_768, 131_072):
-            decide, full = measure(n_backends, tokens, iterations)
-            target = f"<= {TARGET_P99_MS[n_backends]:g}" if tokens == 131_072 else ""
             print(
-                f"{n_backends:>8} {tokens // 1024:>6}k {percentile(decide, 50):>11.3f} "
-                f"{percentile(decide, 99):>11.3f} {percentile(full, 50):>11.3f} "
-                f"{percentile(full, 99):>11.3f} {target:>10}"
+                decide_line(
+                    decide_row(n_backends, tokens, *measure(n_backends, tokens, iterations))
+                )
             )
-    router = _router(3)
-    _warm(router)
-    blocks = sum(b.prefix.size_blocks for b in router.backends.values())
-    memory_bytes = sum(b.prefix.memory_bytes for b in router.backends.values())
-    print(
-        f"index memory: {memory_bytes / blocks:.1f} bytes per cached block "
-        f"({blocks} blocks over 3 backends; target <= {TARGET_BYTES_PER_BLOCK})"
-    )
+    print(memory_line(index_memory()))
     run_tokenized_bench(2 * iterations)
     return 0
