@@ -25,7 +25,7 @@ import yaml
 
 from emulator.stack import DEFAULT_REGIONS, Stack, StackPorts, StackSettings
 from ext_proc.estimate.profile import load_profile
-from loadgen.replay import replay
+from loadgen.replay_loop import replay
 from loadgen.results import read_result, summarize, table, write_result
 from loadgen.simulate import SimSettings, simulate
 from loadgen.traces import TraceRequest, read_trace, scaled, window

@@ -42,7 +42,8 @@ from ext_proc.common.names import HEADER_REQUEST_ID
 from ext_proc.service.telemetry import A_BACKEND, A_PREDICTED_CACHED, A_PREFIX_STATE, A_REQUEST_ID
 from loadgen.bench_live import fast_profile_file
 from loadgen.client import percentile
-from loadgen.replay import Encoded, Replay, ReplayRun
+from loadgen.replay_loop import Replay, ReplayRun
+from loadgen.replay_requests import Encoded
 from loadgen.results import RequestResult, summarize, write_result
 from loadgen.traces import TraceRequest, read_trace, scaled, window
 

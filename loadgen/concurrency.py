@@ -4,7 +4,7 @@ served, for the next slot to free, and how long it waited is its slip.
 
 Pure: no timers, no event loop. Time comes from the clock it is given (the simulator's
 virtual clock, the live replay's event loop), read when a request arrives or a slot frees.
-The simulator (loadgen.simulate) and the live replay (loadgen.replay) both use it.
+The simulator (loadgen.simulate) and the live replay (loadgen.replay_loop) both use it.
 """
 
 from __future__ import annotations

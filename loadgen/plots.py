@@ -9,8 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # loadgen.replay imports this module
-    from loadgen.replay import ReplayRun
+if TYPE_CHECKING:  # for its type only: the replay's shell needs aiohttp
+    from loadgen.replay_loop import ReplayRun
 
 
 def plot_run(path: str | Path, run: ReplayRun, title: str) -> None:

@@ -15,7 +15,8 @@ from aiohttp import web
 
 from ext_proc.cli import main
 from loadgen.protocol import OPEN, PAPER, Protocol, protocol_for
-from loadgen.replay import ReplayOptions, replay, run_replay
+from loadgen.replay import ReplayOptions, run_replay
+from loadgen.replay_loop import replay
 from loadgen.results import summarize
 from loadgen.traces import TraceRequest, write_mooncake
 

@@ -17,15 +17,9 @@ from ext_proc.prompt.tokens import count_tokens
 from loadgen.client import Result
 from loadgen.concurrency import Admitted
 from loadgen.plots import plot_run
-from loadgen.replay import (
-    Progress,
-    ReplayOptions,
-    ReplayRun,
-    Sent,
-    build_request,
-    replay,
-    to_result,
-)
+from loadgen.replay import ReplayOptions
+from loadgen.replay_loop import Progress, ReplayRun, Sent, replay
+from loadgen.replay_requests import build_request, to_result
 from loadgen.results import RequestResult
 from loadgen.traces import PromptSynth, TraceRequest
 
