@@ -225,11 +225,6 @@ def _first_only(component: Any) -> bool:
 APPROX = ApproxTokenizer()
 
 
-def load_tokenizer(path: str | Path | None) -> Tokenizer:
-    """The approximation when path is None or empty, else the tokenizer.json at path."""
-    return HfTokenizer(path) if path else APPROX
-
-
 def _content_text(content: Any) -> str:
     """OpenAI message content: a string, or a list of parts of which text parts count."""
     if isinstance(content, str):

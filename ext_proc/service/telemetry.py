@@ -331,10 +331,6 @@ class Telemetry(Listener):
             span.set_status(SpanStatus(StatusCode.ERROR, str(c.status)))
         span.end()
 
-    @property
-    def open_spans(self) -> int:
-        return len(self._spans)
-
     def fallback(self, backend: str) -> None:
         self.metrics.fallback.labels(backend or "unknown").inc()
 

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ext_proc.prompt.tokens import APPROX, HfTokenizer, count_tokens, load_tokenizer
+from ext_proc.prompt.tokens import APPROX, HfTokenizer, count_tokens
 
 
 @given(st.text(max_size=200))
@@ -43,8 +43,7 @@ def make_tokenizer_json(path: Path) -> Path:
 
 
 def test_real_tokenizer_from_a_local_file(tmp_path: Path) -> None:
-    tok = load_tokenizer(make_tokenizer_json(tmp_path))
-    assert isinstance(tok, HfTokenizer)
+    tok = HfTokenizer(make_tokenizer_json(tmp_path))
     assert tok.count("the cat sat on the mat") == 6
     assert tok.count("the dog") == 2  # unknown words still count
     h1 = tok.block_hashes("the cat sat on a mat the cat", 2)
@@ -54,9 +53,8 @@ def test_real_tokenizer_from_a_local_file(tmp_path: Path) -> None:
 
 def test_tokenizer_errors_name_the_file(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="no such file"):
-        load_tokenizer(tmp_path / "missing.json")
+        HfTokenizer(tmp_path / "missing.json")
     bad = tmp_path / "bad.json"
     bad.write_text("{}")
     with pytest.raises(ValueError, match=r"not a tokenizer\.json"):
-        load_tokenizer(bad)
-    assert load_tokenizer(None) is APPROX and load_tokenizer("") is APPROX
+        HfTokenizer(bad)
