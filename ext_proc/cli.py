@@ -27,6 +27,7 @@ log = logging.getLogger("gorgo.cli")
 
 
 def _serve(args: argparse.Namespace) -> int:
+    # Imported here so `gorgo envoy-config` and the harness's commands start fast.
     from ext_proc.service.app import running_service
 
     try:
