@@ -299,7 +299,17 @@ class Fleet:
     ) -> None:
         gone = change is BackendChange.REMOVED
         lifecycle = BackendLifecycle.REMOVED if gone else b.lifecycle
-        self._emit_event(BackendChanged(b.id, change, lifecycle, b.config, now_s, reason, reset))
+        self._emit_event(
+            BackendChanged(
+                backend=b.id,
+                change=change,
+                lifecycle=lifecycle,
+                config=b.config,
+                now_s=now_s,
+                reason=reason,
+                reset=reset,
+            )
+        )
 
 
 class FleetControls:

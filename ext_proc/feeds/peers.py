@@ -85,17 +85,17 @@ class PeerPublisher(Listener):
         r = e.record
         self.send(
             PeerEvent(
-                PeerKind.DISPATCHED,
-                self.router_id,
-                r.request_id,
-                r.backend,
-                r.input_tokens,
-                r.output_tokens,
-                r.cached_tokens,
-                r.prefill_ms,
-                r.rtt_ms,
-                r.queue_ms,
-                r.streaming,
+                kind=PeerKind.DISPATCHED,
+                router=self.router_id,
+                request_id=r.request_id,
+                backend=r.backend,
+                input_tokens=r.input_tokens,
+                output_tokens=r.output_tokens,
+                cached_tokens=r.cached_tokens,
+                prefill_ms=r.prefill_ms,
+                rtt_ms=r.rtt_ms,
+                queue_ms=r.queue_ms,
+                streaming=r.streaming,
             )
         )
 

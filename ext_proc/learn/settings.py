@@ -204,15 +204,15 @@ class TunerCore:
     ) -> Step:
         st = self.state
         step = Step(
-            st.samples,
-            st.parent,
-            st.child,
-            accepted,
-            st.sigma,
-            parent_ms,
-            child_ms,
-            note,
-            confirming,
+            samples=st.samples,
+            parent=st.parent,
+            child=st.child,
+            accepted=accepted,
+            sigma=st.sigma,
+            parent_p95_ms=parent_ms,
+            child_p95_ms=child_ms,
+            note=note,
+            confirming=confirming,
         )
         if accepted:
             self.steps_accepted += 1
