@@ -17,7 +17,7 @@ from ext_proc.config.load import config_from_dict
 from ext_proc.core.types import RouteRequest
 from ext_proc.prompt.parse import CHAT, parse_body
 from ext_proc.service.app import running_service
-from tests.component.emulator.test_engine import FAST
+from tests.component.engine_harness import FAST
 
 
 def free_port() -> int:

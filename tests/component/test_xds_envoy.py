@@ -1,7 +1,8 @@
 """envoy.xds_dir against the real Envoy binary: the generated bootstrap takes its backend
 clusters from the files ext_proc/envoy/xds.py writes, and Envoy follows each rewrite without a
 restart, without failing a request in flight and (EDS) without dropping the connections
-of the backends that stay. No router runs: requests fail open to `gorgo_fallback`."""
+of the backends that stay. No router runs: requests fail open to `gorgo_fallback`. Last,
+wait_envoy with static clusters, against a stand-in for Envoy's admin."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from ext_proc.config.load import config_from_dict
 from ext_proc.config.schema import Config
 from ext_proc.envoy.bootstrap import render_envoy_config
 from ext_proc.envoy.xds import missing_in, wait_envoy, write_xds
+from tests.xds_configs import BACKENDS, cfg_of
 
 pytestmark = pytest.mark.component
 
@@ -236,3 +238,28 @@ async def test_the_endpoint_picker_pool_follows_the_files(
         await asyncio.sleep(0.3)
         assert set(priorities(clusters_text(three), "gorgo_pool")) == {u1.port, u2.port}
         assert await asyncio.gather(*flight) == [(200, 21)] * 6
+
+
+async def test_static_clusters_are_confirmed_when_envoys_admin_answers() -> None:
+    """xds_dir "": Envoy's clusters are not ours; a backend its admin does not list stays
+    missing (pending: no 503s), and an admin out of reach confirms nothing at once."""
+    from aiohttp import web
+
+    from ext_proc.envoy.xds import wait_envoy
+
+    (port,) = free_ports(1)
+    cfg = cfg_of("", admin=f"127.0.0.1:{port}")
+    assert await wait_envoy(cfg, timeout_s=0.3) == []  # no admin there
+
+    async def clusters(_: web.Request) -> web.Response:
+        return web.Response(text="")  # Envoy knows none of them
+
+    app = web.Application()
+    app.router.add_get("/clusters", clusters)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        assert sorted(await wait_envoy(cfg, timeout_s=0.3)) == sorted(b["id"] for b in BACKENDS)
+    finally:
+        await runner.cleanup()

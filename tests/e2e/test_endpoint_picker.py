@@ -9,7 +9,7 @@ import pytest
 
 from emulator.stack import Stack
 from tests.e2e.conftest import FAST_REGIONS, fast_settings
-from tests.e2e.test_front_door import chats, engine_counts, router_state
+from tests.e2e.stack_harness import chats, engine_counts, router_state
 
 pytestmark = pytest.mark.e2e
 

@@ -17,8 +17,7 @@ import pytest
 from emulator.stack import Region, Stack
 from loadgen.client import Result, chat_body
 from tests.e2e.conftest import FAST_REGIONS, fast_settings
-from tests.e2e.test_front_door import chats, router_state, wait_for
-from tests.e2e.test_gorgo_routing import spread_regions
+from tests.e2e.stack_harness import chats, router_state, spread_regions, wait_for
 
 pytestmark = pytest.mark.e2e
 

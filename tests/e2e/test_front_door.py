@@ -3,51 +3,18 @@
 from __future__ import annotations
 
 import asyncio
-import json
-import time
 import urllib.request
-from typing import Any
 
-import aiohttp
 import pytest
 
 from emulator.stack import Stack
-from loadgen.client import Result, chat_body, send_chat
+from loadgen.client import chat_body
 from tests.e2e.conftest import FAST_REGIONS, start_stack
+from tests.e2e.stack_harness import chats, engine_counts, router_state, wait_for
 
 pytestmark = pytest.mark.e2e
 
 IDS = [r.id for r in FAST_REGIONS]
-
-
-def get_json(url: str) -> Any:
-    with urllib.request.urlopen(url, timeout=5) as r:
-        return json.load(r)
-
-
-def engine_counts(stack: Stack) -> dict[str, int]:
-    return {
-        r.id: get_json(f"{stack.engine_url(i)}/stats")["requests_total"]
-        for i, r in enumerate(FAST_REGIONS)
-    }
-
-
-def router_state(stack: Stack) -> Any:
-    return get_json(f"{stack.admin_url}/state")
-
-
-async def chats(
-    url: str, bodies: list[dict[str, Any]], headers: dict[str, str] | None = None
-) -> list[Result]:
-    async with aiohttp.ClientSession() as s:
-        return [await send_chat(s, url, b, f"t{i}", headers) for i, b in enumerate(bodies)]
-
-
-def wait_for(predicate: Any, timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.05)
 
 
 def test_requests_go_where_the_policy_chose(stack: Stack) -> None:

@@ -11,12 +11,18 @@ import pytest
 
 from emulator.stack import Stack
 from loadgen.client import Result, chat_body, send_chat
-from tests.e2e.conftest import FAST_REGIONS, fast_settings
-from tests.e2e.test_front_door import router_state, wait_for
+from tests.e2e.conftest import fast_settings
+from tests.e2e.stack_harness import (
+    ASHBURN,
+    FRANKFURT,
+    SEOUL,
+    router_state,
+    rtt,
+    spread_regions,
+    wait_for,
+)
 
 pytestmark = pytest.mark.e2e
-
-ASHBURN, FRANKFURT, SEOUL = (r.id for r in FAST_REGIONS)
 
 
 @pytest.fixture
@@ -46,10 +52,6 @@ async def chats(url: str, texts: list[str], max_tokens: int = 3) -> list[Result]
                 *(send_chat(s, url, chat_body(t, max_tokens), f"q{i}") for i, t in enumerate(texts))
             )
         )
-
-
-def rtt(stack: Stack, backend: str) -> float:
-    return float(router_state(stack)["backends"][backend]["rtt_ms"])
 
 
 def test_idle_fleet_equal_caches_the_nearest_wins(gorgo_stack: Stack) -> None:
@@ -85,14 +87,6 @@ def test_a_session_follows_its_cache_unless_that_backend_is_overloaded(gorgo_sta
     assert all(r.ok for r in burst)
     where = [r.backend for r in burst]
     assert home in where and set(where) - {home}
-
-
-def spread_regions(stack: Stack) -> None:
-    """Regions 1 / 60 / 120 ms away: costs differ beyond gorgo's 20 % tie band and any
-    probe noise on a busy machine, so the nearest region wins an idle fleet."""
-    stack.set_rtt_ms(1, 60)
-    stack.set_rtt_ms(2, 120)
-    wait_for(lambda: rtt(stack, FRANKFURT) > 40 and rtt(stack, SEOUL) > 80, timeout_s=10)
 
 
 def test_a_backend_whose_probes_fail_stops_being_chosen(gorgo_stack: Stack) -> None:

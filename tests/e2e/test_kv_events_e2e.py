@@ -19,7 +19,7 @@ import pytest
 from emulator.stack import Stack
 from loadgen.client import chat_body, send_chat
 from tests.e2e.conftest import FAST_REGIONS, fast_settings
-from tests.e2e.test_front_door import router_state, wait_for
+from tests.e2e.stack_harness import router_state, wait_for
 
 pytestmark = pytest.mark.e2e
 IDS = [r.id for r in FAST_REGIONS]

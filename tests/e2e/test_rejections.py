@@ -14,7 +14,7 @@ import pytest
 from emulator.stack import Stack
 from loadgen.client import chat_body
 from tests.e2e.conftest import fast_settings
-from tests.e2e.test_front_door import router_state
+from tests.e2e.stack_harness import router_state
 
 pytestmark = pytest.mark.e2e
 

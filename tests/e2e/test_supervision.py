@@ -22,7 +22,7 @@ from emulator.stack import Stack
 from emulator.supervisor import RestartPolicy
 from loadgen.client import Result, chat_body, send_chat
 from tests.e2e.conftest import FAST_ENGINE, FAST_REGIONS, fast_settings
-from tests.e2e.test_front_door import router_state
+from tests.e2e.stack_harness import router_state
 
 pytestmark = pytest.mark.e2e
 

@@ -17,7 +17,7 @@ from ext_proc.envoy.bootstrap import render_envoy_config
 from loadgen.client import chat_body
 from tests.certs import Ca
 from tests.e2e.conftest import FAST_REGIONS, fast_settings
-from tests.e2e.test_front_door import chats, router_state, wait_for
+from tests.e2e.stack_harness import chats, router_state, wait_for
 
 pytestmark = pytest.mark.e2e
 

@@ -18,7 +18,7 @@ from emulator.stack import Region, Stack, StackPorts, StackSettings
 from emulator.vllm.tiny import ensure_tiny_model
 from ext_proc.config.dump import config_as_dict
 from ext_proc.config.load import config_from_dict
-from tests.e2e.test_front_door import router_state, wait_for
+from tests.e2e.stack_harness import router_state, wait_for
 
 pytestmark = pytest.mark.real
 

@@ -21,7 +21,7 @@ import pytest
 from emulator.stack import Region, Stack, StackPorts, StackSettings
 from ext_proc.feeds.kv_events import BlockStored, EventBatch, subscribe
 from loadgen.client import Result, chat_body, send_chat
-from tests.e2e.test_front_door import router_state, wait_for
+from tests.e2e.stack_harness import router_state, wait_for
 
 pytestmark = pytest.mark.real
 

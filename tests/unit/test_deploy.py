@@ -1,15 +1,14 @@
 """The deployment files hang together: docker-compose.yml, the Dockerfile, the compose and
 mesh configs and the Envoy configs generated from them, and the Kubernetes examples.
 
-No Docker engine or cluster here: the files are checked statically, and the Envoy configs
-by `envoy --mode validate` (which resolves no DNS, so STRICT_DNS host names pass)."""
+No Docker engine or cluster here: the files are checked statically (the Envoy configs by
+`envoy --mode validate`: tests/component/test_envoy_validate.py)."""
 
 from __future__ import annotations
 
 import ipaddress
 import re
 import shlex
-import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,6 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from emulator.stack.processes import envoy_binary
 from ext_proc.common.names import HEADER_BACKEND
 from ext_proc.config.load import config_from_dict, load_config
 from ext_proc.config.schema import Config, split_host_port
@@ -403,93 +401,6 @@ def test_mesh_snippet_is_cut_from_the_front_door() -> None:
     names = [c["name"] for c in snippet["clusters"]]
     assert EXT_PROC_CLUSTER in names and set(cfg.backend_ids) <= set(names)
     assert snippet == build_mesh_snippet(cfg)
-
-
-def _paste_snippet(snippet: dict[str, Any]) -> dict[str, Any]:
-    """An Envoy that already serves a web app, with the snippet pasted in as docs/envoy.md
-    says: listener limit, HCM fields, filters before the router, routes and response
-    header on the LLM virtual host, clusters."""
-    hcm_type = (
-        "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3"
-        ".HttpConnectionManager"
-    )
-    web_host = {"socket_address": {"address": "127.0.0.1", "port_value": 18081}}
-    llm_vhost: dict[str, Any] = {"name": "llm", "domains": ["llm.example.com"], "routes": []}
-    hcm: dict[str, Any] = {
-        "@type": hcm_type,
-        "stat_prefix": "ingress",
-        "route_config": {
-            "name": "ingress",
-            "virtual_hosts": [
-                llm_vhost,
-                {
-                    "name": "web",
-                    "domains": ["*"],
-                    "routes": [{"match": {"prefix": "/"}, "route": {"cluster": "web"}}],
-                },
-            ],
-        },
-        "http_filters": [
-            {
-                "name": "envoy.filters.http.router",
-                "typed_config": {
-                    "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
-                },
-            }
-        ],
-    }
-    listener: dict[str, Any] = {
-        "name": "ingress",
-        "address": {"socket_address": {"address": "0.0.0.0", "port_value": 18080}},
-        "filter_chains": [
-            {"filters": [{"name": "envoy.filters.network.http_connection_manager",
-                          "typed_config": hcm}]}
-        ],
-    }  # fmt: skip
-    clusters: list[dict[str, Any]] = [
-        {
-            "name": "web",
-            "type": "STATIC",
-            "load_assignment": {
-                "cluster_name": "web",
-                "endpoints": [{"lb_endpoints": [{"endpoint": {"address": web_host}}]}],
-            },
-        }
-    ]
-    # the steps
-    listener["per_connection_buffer_limit_bytes"] = snippet["per_connection_buffer_limit_bytes"]
-    hcm["early_header_mutation_extensions"] = snippet["early_header_mutation_extensions"]
-    hcm["access_log"] = snippet["access_log"]
-    hcm["http_filters"][:0] = snippet["http_filters"]
-    llm_vhost["routes"] = snippet["routes"]
-    llm_vhost["response_headers_to_add"] = snippet["response_headers_to_add"]
-    clusters += snippet["clusters"]
-    return {"static_resources": {"listeners": [listener], "clusters": clusters}}
-
-
-def _validate(path: Path) -> None:
-    out = subprocess.run(
-        [envoy_binary(), "--mode", "validate", "-c", str(path), "--disable-hot-restart"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert "deprecated" not in (out.stdout + out.stderr).lower()
-
-
-@pytest.mark.parametrize("path", ["envoy/compose/envoy.yaml", "envoy/mesh/endpoint-picker.yaml"])
-def test_real_envoy_accepts_the_shipped_config(path: str) -> None:
-    """Host names (STRICT_DNS clusters: wan-us-ashburn, gorgo, jaeger) are not resolved by
-    validate mode, so the compose config validates outside Docker."""
-    _validate(ROOT / path)
-
-
-def test_real_envoy_accepts_the_snippet_pasted_into_an_existing_config(tmp_path: Path) -> None:
-    snippet = yaml.safe_load((ROOT / "envoy/mesh/gorgo-filters.yaml").read_text())
-    path = tmp_path / "existing-envoy.yaml"
-    path.write_text(yaml.safe_dump(_paste_snippet(snippet), sort_keys=False))
-    _validate(path)
 
 
 # -- Kubernetes examples --------------------------------------------------------------------

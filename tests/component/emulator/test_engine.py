@@ -26,47 +26,23 @@ from aiohttp import web
 
 from emulator.engine import ENGINE_ID_HEADER, ENGINE_KEY, EngineServer, make_app, serve_engine
 from emulator.engine_config import EngineConfig, Faults, zero_delay_profile
-from ext_proc.estimate.profile import EngineProfile, load_profile
+from ext_proc.estimate.profile import EngineProfile
 from ext_proc.prompt.tokens import count_tokens, render_chat
-
-DEFAULT = load_profile()
-# 1 ms per step, no jitter: fast and deterministic where timing is not the point.
-FAST = replace(
+from tests.component.engine_harness import (
+    CHAT,
+    COMPLETIONS,
     DEFAULT,
-    name="fast-test",
-    prefill_base_ms=1.0,
-    prefill_tokens_per_s=1e6,
-    decode_base_ms=1.0,
-    decode_batch_ms=0.0,
-    decode_per_request_ms=0.0,
-    decode_per_1k_context_ms=0.0,
-    no_cuda_graph_ms=0.0,
-    jitter_sigma=0.0,
+    FAST,
+    GENERATE,
+    MESSAGES,
+    NAME,
+    filler,
+    read_sse,
+    running,
 )
+
 BLOCK = DEFAULT.block_tokens
 CAP = 64
-NAME = "us-ashburn"
-MESSAGES = [
-    {"role": "system", "content": "You are terse."},
-    {"role": "user", "content": "Tell me about the weather in Ashburn, please."},
-]
-CHAT = "/v1/chat/completions"
-COMPLETIONS = "/v1/completions"
-GENERATE = "/generate"
-
-
-@contextlib.asynccontextmanager
-async def running(cfg: EngineConfig, *, check_idle: bool = True) -> AsyncIterator[EngineServer]:
-    """An engine on 127.0.0.1:<free port>; by default nothing may stay in flight after."""
-    srv = EngineServer(cfg, "127.0.0.1", 0)
-    await srv.start()
-    try:
-        yield srv
-        if check_idle:
-            assert srv.engine.stats.in_flight == 0
-            assert srv.engine.runner.model.num_running == 0
-    finally:
-        await srv.stop()
 
 
 def error_message(data: dict[str, Any]) -> str:
@@ -121,33 +97,11 @@ async def http() -> AsyncIterator[aiohttp.ClientSession]:
         yield session
 
 
-async def read_sse(resp: aiohttp.ClientResponse) -> list[tuple[float, str]]:
-    """(arrival time, payload) of every `data:` event of an SSE response."""
-    events: list[tuple[float, str]] = []
-    buf = b""
-    async for piece in resp.content.iter_any():
-        now = time.perf_counter()
-        buf += piece
-        while b"\n\n" in buf:
-            event, buf = buf.split(b"\n\n", 1)
-            assert event.startswith(b"data: "), event
-            events.append((now, event[len(b"data: ") :].decode()))
-    assert buf == b"", f"trailing bytes after last event: {buf!r}"
-    return events
-
-
 def json_chunks(events: list[tuple[float, str]]) -> list[dict[str, Any]]:
     """The JSON chunks of a finished stream (which must end with [DONE])."""
     assert events[-1][1] == "[DONE]"
     assert all(payload != "[DONE]" for _, payload in events[:-1])
     return [json.loads(payload) for _, payload in events[:-1]]
-
-
-def filler(n_tokens: int, salt: str) -> str:
-    """ASCII text of exactly n_tokens tokens (4 bytes each), distinct per salt."""
-    text = "".join(f"{salt}{i:07d}|" for i in range(n_tokens))[: 4 * n_tokens]
-    assert count_tokens(text) == n_tokens
-    return text
 
 
 def long_chat(n_tokens: int, salt: str) -> list[dict[str, str]]:

@@ -15,7 +15,7 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk, ChatCompletio
 from emulator.engine import ENGINE_ID_HEADER, EngineServer
 from emulator.engine_config import FLAVORS, SGLANG, VLLM, EngineConfig, Faults
 from ext_proc.prompt.tokens import count_tokens, render_chat
-from tests.component.emulator.test_engine import FAST
+from tests.component.engine_harness import FAST
 
 BLOCK = FAST.block_tokens
 NAME = "eu-frankfurt"

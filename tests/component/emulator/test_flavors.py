@@ -28,7 +28,7 @@ from emulator.engine_config import FLAVORS, SGLANG, VLLM, EngineConfig, Faults
 from emulator.kv_publisher import ARRAY, KvEventsConfig
 from ext_proc.feeds.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, decode_message
 from ext_proc.prompt.tokens import APPROX, count_tokens, render_chat
-from tests.component.emulator.test_engine import (
+from tests.component.engine_harness import (
     CHAT,
     COMPLETIONS,
     FAST,

@@ -1,35 +1,21 @@
 """envoy.xds_dir: the bootstrap names the CDS file, write_xds keeps the files equal to the
 backend list (atomically, untouched when unchanged), and draining backends get no new
-work from Envoy. Envoy itself following the files: tests/component/test_xds_envoy.py."""
+work from Envoy. Envoy itself following the files, and wait_envoy against an admin that
+answers: tests/component/test_xds_envoy.py; Envoy accepting the bootstrap:
+tests/component/test_envoy_validate.py."""
 
 from __future__ import annotations
 
-import contextlib
-import io
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-from emulator.stack.ports import free_ports
-from emulator.stack.processes import envoy_binary
-from ext_proc.cli import main
 from ext_proc.config.load import config_from_dict
-from ext_proc.config.schema import Config
-from ext_proc.envoy.bootstrap import build_envoy_config, build_mesh_snippet, render_envoy_config
+from ext_proc.envoy.bootstrap import build_envoy_config, build_mesh_snippet
 from ext_proc.envoy.xds import missing_in, write_xds, xds_files
-
-BACKENDS = [
-    {"id": "near", "address": "10.0.0.1:8000", "rtt_prior_ms": 1},
-    {"id": "mid", "address": "10.0.0.2:8000", "rtt_prior_ms": 50},
-    {"id": "far", "address": "10.0.0.3:8000", "rtt_prior_ms": 150},
-]
-
-
-def cfg_of(xds_dir: Path | str, backends: list[dict[str, Any]] = BACKENDS, **envoy: Any) -> Config:
-    return config_from_dict({"backends": backends, "envoy": {"xds_dir": str(xds_dir), **envoy}})
+from tests.xds_configs import BACKENDS, cfg_of
 
 
 def load(path: Path) -> list[dict[str, Any]]:
@@ -191,46 +177,3 @@ def test_missing_in_reads_envoys_clusters_listing() -> None:
 def test_the_mesh_snippet_keeps_the_clusters_in_full(tmp_path: Path) -> None:
     snippet = build_mesh_snippet(cfg_of(tmp_path))
     assert {c["name"] for c in snippet["clusters"]} >= {"near", "gorgo_fallback"}
-
-
-def test_envoy_config_writes_the_files_and_envoy_accepts_the_bootstrap(tmp_path: Path) -> None:
-    config = tmp_path / "gorgo.yaml"
-    xds = str(tmp_path / "xds")
-    config.write_text(yaml.safe_dump({"backends": BACKENDS, "envoy": {"xds_dir": xds}}))
-    out = tmp_path / "envoy.yaml"
-    buf = io.StringIO()
-    with contextlib.redirect_stdout(buf):
-        assert main(["envoy-config", "--config", str(config)]) == 0
-    out.write_text(buf.getvalue())
-    assert (tmp_path / "xds/cds.yaml").exists()
-    assert buf.getvalue() == render_envoy_config(cfg_of(tmp_path / "xds"))
-    checked = subprocess.run(
-        [envoy_binary(), "--mode", "validate", "-c", str(out), "--disable-hot-restart"],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
-    assert checked.returncode == 0, checked.stdout + checked.stderr
-
-
-async def test_static_clusters_are_confirmed_when_envoys_admin_answers() -> None:
-    """xds_dir "": Envoy's clusters are not ours; a backend its admin does not list stays
-    missing (pending: no 503s), and an admin out of reach confirms nothing at once."""
-    from aiohttp import web
-
-    from ext_proc.envoy.xds import wait_envoy
-
-    (port,) = free_ports(1)
-    cfg = cfg_of("", admin=f"127.0.0.1:{port}")
-    assert await wait_envoy(cfg, timeout_s=0.3) == []  # no admin there
-
-    async def clusters(_: web.Request) -> web.Response:
-        return web.Response(text="")  # Envoy knows none of them
-
-    app = web.Application()
-    app.router.add_get("/clusters", clusters)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    try:
-        assert sorted(await wait_envoy(cfg, timeout_s=0.3)) == sorted(b["id"] for b in BACKENDS)
-    finally:
-        await runner.cleanup()

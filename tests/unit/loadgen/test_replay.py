@@ -1,14 +1,10 @@
-"""The replay's pure core: requests from trace rows and the progress line; and the asyncio
-shell (its concurrency cap: tests/unit/loadgen/test_concurrency.py) and its figure without a
-server."""
+"""The replay's pure core: requests from trace rows, what is kept of the answer, the
+progress line and the options; and its figure without a server. Its asyncio shell over
+real sockets: tests/component/loadgen/test_replay.py (its concurrency cap:
+tests/unit/loadgen/test_concurrency.py)."""
 
 from __future__ import annotations
 
-import asyncio
-import io
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,7 +14,7 @@ from loadgen.client import Result
 from loadgen.concurrency import Admitted
 from loadgen.plots import plot_run
 from loadgen.replay import ReplayOptions
-from loadgen.replay_loop import Progress, ReplayRun, Sent, replay
+from loadgen.replay_loop import Progress, ReplayRun, Sent
 from loadgen.replay_requests import build_request, to_result
 from loadgen.results import RequestResult
 from loadgen.traces import PromptSynth, TraceRequest
@@ -134,41 +130,6 @@ def test_options_are_checked() -> None:
     ]
 
 
-def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-async def test_a_replay_against_nothing_records_every_request_as_an_error() -> None:
-    trace = [TraceRequest(i, i * 0.01, 20, 4, (i,), 512, f"s{i}") for i in range(3)]
-    out = io.StringIO()
-    run = await replay(trace, f"http://127.0.0.1:{closed_port()}", progress=out)
-    assert (run.planned, len(run.sent), run.interrupted) == (3, 3, False)
-    assert [s.request.id for s in run.sent] == ["t0", "t1", "t2"]  # in schedule order
-    assert [s.index for s in run.sent] == [0, 1, 2]
-    assert all(r.status == "error" and r.error for r in run.results)
-    assert all(s.slip_s >= 0 for s in run.sent) and run.wall_s > 0
-    assert "3/3 done | 0 in flight | 3 errors" in out.getvalue() and out.getvalue()[-1] == "\n"
-
-
-async def test_a_full_cap_sends_the_next_request_when_a_slot_frees() -> None:
-    trace = [TraceRequest(i, 0.0, 20, 4, (i,), 512, f"s{i}") for i in range(3)]
-    run = await replay(trace, f"http://127.0.0.1:{closed_port()}", max_concurrency=1)
-    assert [s.index for s in run.sent] == [0, 1, 2]
-    assert [s.dispatch.throttled for s in run.sent] == [False, True, True]
-    slips = [s.slip_s for s in run.sent]
-    assert 0 <= slips[0] <= slips[1] <= slips[2] and slips[2] > 0
-
-
-async def test_a_replay_stopped_before_it_starts_sends_nothing() -> None:
-    stop = asyncio.Event()
-    stop.set()
-    trace = [TraceRequest(0, 0.0, 20, 4, (0,), 512, "s0")]
-    run = await replay(trace, f"http://127.0.0.1:{closed_port()}", stop=stop)
-    assert (run.planned, run.sent, run.interrupted) == (1, [], True)
-
-
 def test_plot_run_writes_a_png(tmp_path: Path) -> None:
     def item(i: int, ttft_ms: float | None, status: str) -> Sent:
         r = TraceRequest(i, float(i), 20, 4, (i,), 512, "s")
@@ -185,12 +146,3 @@ def test_plot_run_writes_a_png(tmp_path: Path) -> None:
     path = tmp_path / "figs" / "run.png"
     plot_run(path, run, "a title")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-
-
-def test_the_replay_module_does_not_import_matplotlib() -> None:
-    code = "import sys, loadgen.replay; print('matplotlib' in sys.modules)"
-    root = Path(__file__).resolve().parents[3]
-    res = subprocess.run(
-        [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True
-    )
-    assert res.stdout.strip() == "False"

@@ -1,0 +1,60 @@
+"""What the e2e tests ask of a running Stack: its router's /state and its engines'
+counts, chats through its front door, waiting for a condition, and its regions spread
+apart (1 / 60 / 120 ms)."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from typing import Any
+
+import aiohttp
+
+from emulator.stack import Stack
+from loadgen.client import Result, send_chat
+from tests.e2e.conftest import FAST_REGIONS
+
+ASHBURN, FRANKFURT, SEOUL = (r.id for r in FAST_REGIONS)
+
+
+def get_json(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=5) as r:
+        return json.load(r)
+
+
+def engine_counts(stack: Stack) -> dict[str, int]:
+    return {
+        r.id: get_json(f"{stack.engine_url(i)}/stats")["requests_total"]
+        for i, r in enumerate(FAST_REGIONS)
+    }
+
+
+def router_state(stack: Stack) -> Any:
+    return get_json(f"{stack.admin_url}/state")
+
+
+async def chats(
+    url: str, bodies: list[dict[str, Any]], headers: dict[str, str] | None = None
+) -> list[Result]:
+    async with aiohttp.ClientSession() as s:
+        return [await send_chat(s, url, b, f"t{i}", headers) for i, b in enumerate(bodies)]
+
+
+def wait_for(predicate: Any, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.05)
+
+
+def rtt(stack: Stack, backend: str) -> float:
+    return float(router_state(stack)["backends"][backend]["rtt_ms"])
+
+
+def spread_regions(stack: Stack) -> None:
+    """Regions 1 / 60 / 120 ms away: costs differ beyond gorgo's 20 % tie band and any
+    probe noise on a busy machine, so the nearest region wins an idle fleet."""
+    stack.set_rtt_ms(1, 60)
+    stack.set_rtt_ms(2, 120)
+    wait_for(lambda: rtt(stack, FRANKFURT) > 40 and rtt(stack, SEOUL) > 80, timeout_s=10)
