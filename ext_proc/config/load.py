@@ -16,11 +16,16 @@ from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
-from ext_proc.config.schema import _BACKEND_ID, Backend, Config, ConfigError, split_host_port
+from ext_proc.config.schema import Backend, Config, ConfigError, split_host_port
 from ext_proc.estimate.profile import load_profile
 from ext_proc.policy.catalog import POLICIES
 from ext_proc.prompt.engine_tokens import load_engine_tokenizer
 
+# What a backend id may be: it names an Envoy cluster and a routing header's value.
+_BACKEND_ID = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
+
+# Keys that moved: an old config fails with the new key's name instead of a bare
+# "unknown key".
 MOVED = {
     "weights": "policies.gorgo.weights",
     "token_weights": "policies.gorgo_tokens.weights",

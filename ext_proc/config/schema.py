@@ -7,14 +7,11 @@ generated from it. Every section is a frozen dataclass; each field's range sits 
 from __future__ import annotations
 
 import enum
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from ext_proc.estimate.profile import DEFAULT_PROFILE
-
-_BACKEND_ID = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
 
 
 class ConfigError(ValueError):
@@ -101,10 +98,6 @@ class UnreadableBody(enum.StrEnum):
     ROUTE = "route"
     # Answer 400 with a JSON error naming the problem, without loading a backend.
     REJECT = "reject"
-
-
-# Keys that moved: an old config fails with the new key's name instead of a bare
-# "unknown key".
 
 
 @dataclass(frozen=True)

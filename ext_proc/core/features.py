@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
-
-import numpy as np
 
 from ext_proc.config.schema import Routing
 from ext_proc.core.fleet import Fleet
@@ -24,7 +21,7 @@ from ext_proc.estimate.cost import (
     kv_headroom_ms,
 )
 from ext_proc.estimate.engine_index import chain_keys
-from ext_proc.estimate.prefix import Hashes, as_hashes
+from ext_proc.estimate.prefix import Hashes, as_hashes, leading_true
 from ext_proc.feeds.engine_metrics import EngineReport
 from ext_proc.prompt.tokens import APPROX, block_hashes_of_ids
 
@@ -72,11 +69,6 @@ def _keys_by_block_size(request: RouteRequest) -> Callable[[int], list[list[int]
         return cache[block_size]
 
     return keys_of
-
-
-def _leading(hit: Any) -> int:
-    """How many leading entries of a boolean array are true."""
-    return len(hit) if hit.all() else int(np.argmin(hit))
 
 
 def pace_ms(r: Routing, b: BackendState, chosen: Candidate, now_s: float) -> float:
@@ -147,7 +139,7 @@ class Features:
         ):
             reported = engine.cached_tokens(keys)
             recent = b.prefix.last_used_s(prompt_blocks)
-            optimistic = _leading(recent >= since_s) * routing.block_tokens
+            optimistic = leading_true(recent >= since_s) * routing.block_tokens
             out.append(max(reported, optimistic))
         return out
 

@@ -60,7 +60,7 @@ class Router(RouterInputs, FleetControls):
         "_tuner",
         "_weights",
         "clock",
-    )  # fmt: skip
+    )
 
     def __init__(
         self,

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -17,9 +16,6 @@ from ext_proc.core.router import Router
 from ext_proc.core.types import Status
 from ext_proc.envoy import codec
 from ext_proc.service.telemetry import Telemetry
-
-log = logging.getLogger("gorgo.server")
-
 
 # How long a streamed request's completion waits for its first-chunk message when the
 # access-log entry arrives first (they travel over two gRPC streams).

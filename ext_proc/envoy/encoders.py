@@ -5,7 +5,6 @@ endpoint header inside one pool cluster.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable
 
 from ext_proc.common.names import (
@@ -16,11 +15,6 @@ from ext_proc.common.names import (
 from ext_proc.config.schema import Backend, Config, EnvoyMode
 from ext_proc.core.types import Decision
 from ext_proc.envoy import codec
-
-log = logging.getLogger("gorgo.server")
-
-
-# -- how a decision reaches Envoy (chosen once, at startup) ------------------------------
 
 
 class ClusterHeaderEncoder:

@@ -30,7 +30,8 @@ def as_hashes(blocks: Sequence[int]) -> Hashes:
 _EMPTY: Hashes = np.zeros(0, dtype=np.uint64)
 
 
-def _leading_true(hit: npt.NDArray[np.bool_]) -> int:
+def leading_true(hit: npt.NDArray[np.bool_]) -> int:
+    """How many leading entries of a boolean array are true."""
     return len(hit) if hit.all() else int(np.argmin(hit))
 
 
@@ -75,13 +76,13 @@ class PrefixCache:
         # Most backends do not hold a given prompt at all: one scalar probe settles it.
         i = int(np.searchsorted(self.keys, blocks[0]))
         if i < n and self.keys[i] == blocks[0]:
-            return _leading_true(self._positions(blocks)[1])
+            return leading_true(self._positions(blocks)[1])
         return 0
 
     def last_used_s(self, blocks: Hashes) -> npt.NDArray[np.float64]:
         """When it last used each of these blocks (held ones only, in order)."""
         pos, hit = self._positions(blocks)
-        return self.stamps[pos[: _leading_true(hit)]]
+        return self.stamps[pos[: leading_true(hit)]]
 
     def insert(self, blocks: Hashes, now_s: float) -> None:
         """A prompt was dispatched here: it will hold these blocks."""

@@ -30,7 +30,6 @@ an arm's score is not set by which arm drew the longest prompts. E2E is never ad
 
 from __future__ import annotations
 
-import logging
 import random
 from collections.abc import Callable
 from typing import Any
@@ -51,8 +50,6 @@ from ext_proc.learn.settings import (
     TunerSettings,
     TunerState,
 )
-
-log = logging.getLogger("gorgo.tuner")
 
 # One strategy per mode: how arms are served and when a round ends.
 STRATEGIES: dict[TunerMode, Callable[[TunerCore], Strategy]] = {

@@ -27,6 +27,7 @@ log = logging.getLogger("gorgo")
 # means it is not reading the files; the backend then stays pending, retried this often.
 ENVOY_WAIT_S = 5.0
 PENDING_RETRY_S = 5.0
+_PENDING = BackendLifecycle.PENDING
 
 
 class FleetShell(Listener):
@@ -148,6 +149,3 @@ class FleetShell(Listener):
         if self._retry is None or self._retry.cancelled() or self._retry.when() < time.monotonic():
             loop = asyncio.get_running_loop()
             self._retry = loop.call_later(PENDING_RETRY_S, self._queue.put_nowait, (None, []))
-
-
-_PENDING = BackendLifecycle.PENDING
