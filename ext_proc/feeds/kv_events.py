@@ -56,12 +56,21 @@ class BlockStored:
     # Where the blocks live: "GPU" (None: not said, i.e. the device), "CPU" or a disk tier.
     medium: str | None = None
     lora_id: int | None = None
+    # vLLM: the adapter's name, the per-block extra hash inputs (LoRA name, multimodal
+    # (identifier, offset) pairs, cache_salt; one entry or None per block), and the KV
+    # cache group the blocks belong to with its spec kind (hybrid models; vLLM's
+    # vllm/distributed/kv_events.py).
+    lora_name: str | None = None
+    extra_keys: tuple[tuple[object, ...] | None, ...] | None = None
+    group_idx: int | None = None
+    spec_kind: str | None = None
 
 
 @dataclass(frozen=True)
 class BlockRemoved:
     block_hashes: tuple[int, ...]
     medium: str | None = None
+    group_idx: int | None = None
 
 
 @dataclass(frozen=True)
@@ -79,6 +88,9 @@ class EventBatch:
     ts: float
     events: tuple[KvEvent, ...]
     dp_rank: int | None
+    # A long batch is decoded and applied in parts (the event loop is not held for the
+    # whole of it): part 0 carries the sequence check, later parts continue that batch.
+    part: int = 0
 
 
 def _hash(value: Any) -> int:
