@@ -121,15 +121,68 @@ class ChatTemplate:
         tools: Sequence[Mapping[str, Any]] | None = None,
         add_generation_prompt: bool = True,
         template_kwargs: Mapping[str, Any] | None = None,
+        continue_final_message: bool = False,
     ) -> str:
         """The prompt for `messages` (OpenAI chat messages). Raises what the template
-        raises (`raise_exception` gives jinja2's TemplateError)."""
+        raises (`raise_exception` gives jinja2's TemplateError), and ChatTemplateError
+        when the final message to continue does not appear in the rendering."""
         context: dict[str, Any] = {**self.special_tokens, **(template_kwargs or {})}
-        context["messages"] = [{**m, "content": content_text(m.get("content"))} for m in messages]
+        rendered = [_template_message(m) for m in messages]
+        if continue_final_message and rendered:
+            # As transformers' apply_chat_template (utils/chat_template_utils.py): mark
+            # the end of the final message's text, render, and cut there.
+            rendered[-1]["content"] += _CONTINUE_TAG
+        context["messages"] = rendered
         context["tools"] = list(tools) if tools is not None else None
         context["documents"] = None
         context["add_generation_prompt"] = add_generation_prompt
-        return self._template.render(context)
+        text = self._template.render(context)
+        if not (continue_final_message and rendered):
+            return text
+        at = text.rfind(_CONTINUE_TAG.strip())
+        if at < 0:
+            raise ChatTemplateError("continue_final_message: the template drops the final message")
+        return text[:at] if text.startswith(_CONTINUE_TAG, at) else text[:at].rstrip()
+
+
+# transformers' marker for the end of a message to continue (chat_template_utils.py).
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+def _tool_arguments(value: Any) -> dict[str, Any]:
+    """A tool call's arguments as templates read them: vLLM parses a JSON string to an
+    object and makes anything else (empty, malformed, not an object) {}
+    (vllm/renderers/chat_utils.py _postprocess_messages)."""
+    if isinstance(value, str) and value:
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _template_message(m: Mapping[str, Any]) -> dict[str, Any]:
+    """One message as the engine hands it to the template: its content as text, and an
+    assistant's tool calls with their arguments parsed (an empty list dropped)."""
+    out = {**m, "content": content_text(m.get("content"))}
+    calls = m.get("tool_calls")
+    if m.get("role") == "assistant" and isinstance(calls, list):
+        if not calls:
+            out.pop("tool_calls")
+        else:
+            out["tool_calls"] = [
+                {
+                    **c,
+                    "function": {
+                        **c["function"],
+                        "arguments": _tool_arguments(c["function"].get("arguments")),
+                    },
+                }
+                if isinstance(c, Mapping) and isinstance(c.get("function"), Mapping)
+                else c
+                for c in calls
+            ]
+    return out
 
 
 def _token_text(value: Any) -> str | None:

@@ -24,6 +24,7 @@ Pure and synchronous (no clock, no I/O after loading).
 from __future__ import annotations
 
 import logging
+import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -95,6 +96,9 @@ class PromptCache:
         self._entries = entries
         self._lru: OrderedDict[tuple[int, int, int], _Entry] = OrderedDict()
         self.stats = CacheStats()
+        # A long prompt is tokenized in a worker thread while the loop tokenizes short
+        # ones: the look-up and the remembering are locked, the encoding is not.
+        self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._lru)
@@ -107,34 +111,41 @@ class PromptCache:
         b = self._boundaries
         if b is None:
             whole = TokenIds(self._encode(text))
-            self.stats.misses += 1
-            self.stats.tokenized_tokens += len(whole)
+            with self._lock:
+                self.stats.misses += 1
+                self.stats.tokenized_tokens += len(whole)
             return whole
         cuts = [m.end() for m in b.pattern.finditer(text)]
-        found: _Entry | None = None
+        with self._lock:
+            found = self._find(text, cuts)
+        tail: list[int]
+        if found is None:
+            start = 0
+            tail = self._encode(text)
+            ids = TokenIds(tail)
+        else:
+            start, n = found.cut, found.n_ids
+            tail = self._encode(text[start:])
+            packed = b"".join((memoryview(found.ids.packed)[: 8 * n], TokenIds.pack(tail)))
+            ids = TokenIds(found.ids[:n] + tuple(tail), packed)
+        with self._lock:
+            if found is None:
+                self.stats.misses += 1
+            else:
+                self.stats.hits += 1
+                self.stats.reused_tokens += found.n_ids
+            self.stats.tokenized_tokens += len(tail)
+            self._remember(text, ids, [c for c in cuts if c > start], tail)
+        return ids
+
+    def _find(self, text: str, cuts: list[int]) -> _Entry | None:
         for cut in reversed(cuts[-MAX_PROBES:]):
             key = self._key(text, cut)
             entry = self._lru.get(key)
             if entry is not None and text.startswith(entry.text[:cut]):
                 self._lru.move_to_end(key)
-                found = entry
-                break
-        tail: list[int]
-        if found is None:
-            start = 0
-            self.stats.misses += 1
-            tail = self._encode(text)
-            ids = TokenIds(tail)
-        else:
-            start, n = found.cut, found.n_ids
-            self.stats.hits += 1
-            self.stats.reused_tokens += n
-            tail = self._encode(text[start:])
-            packed = b"".join((memoryview(found.ids.packed)[: 8 * n], TokenIds.pack(tail)))
-            ids = TokenIds(found.ids[:n] + tuple(tail), packed)
-        self.stats.tokenized_tokens += len(tail)
-        self._remember(text, ids, [c for c in cuts if c > start], tail)
-        return ids
+                return entry
+        return None
 
     def _remember(self, text: str, ids: TokenIds, new_cuts: list[int], tail: list[int]) -> None:
         """Cache `text` as cut at its last special token. `tail`, the ids just tokenized
@@ -154,6 +165,10 @@ class PromptCache:
             self._lru.popitem(last=False)
 
 
+# Requests' own chat templates kept compiled (vLLM accepts one per request).
+REQUEST_TEMPLATES = 8
+
+
 class EngineTokenizer:
     """An engine's tokenizer and chat template, with the multi-turn cache."""
 
@@ -166,17 +181,49 @@ class EngineTokenizer:
                 "%s: prompts are tokenized whole, no multi-turn reuse (%s)", tokenizer.name, why_not
             )
         self.cache = PromptCache(tokenizer.ids, boundaries, cache_entries)
+        self.prefix_ids, self.suffix_ids = tokenizer.special_affixes()
+        self._request_templates: OrderedDict[str, ChatTemplate] = OrderedDict()
+
+    def _template_of(self, chat: Chat) -> ChatTemplate:
+        if chat.template is None:
+            return self.template
+        compiled = self._request_templates.get(chat.template)
+        if compiled is None:
+            compiled = ChatTemplate(chat.template, self.template.special_tokens)
+            self._request_templates[chat.template] = compiled
+            while len(self._request_templates) > REQUEST_TEMPLATES:
+                self._request_templates.popitem(last=False)
+        return compiled
 
     def render(self, chat: Chat) -> str:
-        return self.template.render(
-            chat.messages, chat.tools, chat.add_generation_prompt, chat.template_kwargs
+        return self._template_of(chat).render(
+            chat.messages,
+            chat.tools,
+            chat.add_generation_prompt,
+            chat.template_kwargs,
+            chat.continue_final_message,
         )
 
-    def prompt_ids(self, prompt: Prompt) -> tuple[int, ...]:
-        return prompt if isinstance(prompt, tuple) else self.cache.ids(prompt)
+    def text_ids(self, text: str, special: bool = False) -> TokenIds:
+        """A text's ids; with `special`, the tokenizer's special tokens around them (a
+        BOS, as the engine adds it when the request asks: vLLM's completions do)."""
+        ids = self.cache.ids(text)
+        if not special or not (self.prefix_ids or self.suffix_ids):
+            return ids
+        return TokenIds((*self.prefix_ids, *ids, *self.suffix_ids))
 
-    def chat_ids(self, chat: Chat) -> TokenIds:
-        return self.cache.ids(self.render(chat))
+    def prompt_ids(self, prompt: Prompt, special: bool = False) -> tuple[int, ...]:
+        return prompt if isinstance(prompt, tuple) else self.text_ids(prompt, special)
+
+    def chat_ids(self, chat: Chat, special: bool = False) -> TokenIds:
+        return self.text_ids(self.render(chat), special)
+
+    def request_ids(self, llm: LlmRequest) -> tuple[tuple[int, ...], ...]:
+        """Each prompt of a request as the engine tokenizes it."""
+        special = llm.add_special_tokens
+        if llm.chat is not None:
+            return (self.chat_ids(llm.chat, special),)
+        return tuple(self.prompt_ids(p, special) for p in llm.prompts)
 
 
 class PromptTokenizer:
@@ -190,10 +237,7 @@ class PromptTokenizer:
 
     def apply(self, llm: LlmRequest, request_id: str = "") -> LlmRequest:
         try:
-            if llm.chat is not None:
-                prompts: tuple[Prompt, ...] = (self.engine.chat_ids(llm.chat),)
-            else:
-                prompts = tuple(self.engine.prompt_ids(p) for p in llm.prompts)
+            prompts: tuple[Prompt, ...] = self.engine.request_ids(llm)
         except Exception as e:  # a template's own error, a bad message shape: never fatal
             self.failures += 1
             # The type and the template's message, never the prompt.

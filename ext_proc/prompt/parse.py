@@ -50,6 +50,11 @@ class Chat:
     tools: tuple[Mapping[str, Any], ...] | None = None
     add_generation_prompt: bool = True
     template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    # vLLM's chat request fields (vllm/entrypoints/openai/chat_completion/protocol.py):
+    # the request's own template (None: the server's), and whether the final message is
+    # continued (rendered open: no end of turn, no generation prompt).
+    template: str | None = None
+    continue_final_message: bool = False
 
 
 @dataclass(frozen=True)
@@ -68,6 +73,13 @@ class LlmRequest:
     # A chat's messages (None for other APIs), for a tokenization step that renders them
     # with the engine's chat template; `prompts` holds the approximation's rendering.
     chat: Chat | None = None
+    # Whether the engine adds the tokenizer's special tokens (BOS) to the prompt: the
+    # request's `add_special_tokens`, else vLLM's default per API (completions true, chat
+    # false: the template writes them).
+    add_special_tokens: bool = False
+    # vLLM's cache_salt: the engine keys the prompt's first block with it (a request with
+    # another salt shares no cache).
+    cache_salt: str | None = None
 
     @property
     def input_tokens(self) -> int:
@@ -117,6 +129,8 @@ def _chat(body: dict[str, Any]) -> Chat:
     tools = body.get("tools")
     generation = body.get("add_generation_prompt")
     kwargs = body.get("chat_template_kwargs")
+    template = body.get("chat_template")
+    continued = body.get("continue_final_message")
     return Chat(
         messages=tuple(messages),
         tools=tuple(tools)
@@ -124,7 +138,14 @@ def _chat(body: dict[str, Any]) -> Chat:
         else None,
         add_generation_prompt=generation if isinstance(generation, bool) else True,
         template_kwargs=kwargs if isinstance(kwargs, dict) else {},
+        template=template if isinstance(template, str) and template else None,
+        continue_final_message=continued is True,
     )
+
+
+def _flag(body: dict[str, Any], key: str, default: bool) -> bool:
+    value = body.get(key)
+    return value if isinstance(value, bool) else default
 
 
 def _is_ids(value: Any) -> bool:
@@ -192,6 +213,10 @@ def parse_body(api: str, body: bytes) -> LlmRequest:
         raise ParseError(f"stream: expected true or false, got {type(stream).__name__}")
     return LlmRequest(
         api=api,
+        # vLLM's defaults (vllm/entrypoints/openai/completion/protocol.py: true;
+        # chat_completion/protocol.py: false); SGLang's /generate tokenizes as completions.
+        add_special_tokens=_flag(decoded, "add_special_tokens", api != CHAT),
+        cache_salt=_optional_str(decoded, "cache_salt"),
         prompts=prompts,
         prompt_tokens=tuple(prompt_tokens(p) for p in prompts),
         max_output_tokens=max_out,

@@ -134,6 +134,11 @@ class Boundaries:
     ids: frozenset[int]
 
 
+# Texts at least this long are tokenized without holding the GIL (`HfTokenizer.ids`).
+GIL_FREE_CHARS = 16384
+_PROBE_TEXT = "Hello world"
+
+
 class HfTokenizer:
     """A real tokenizer from a local tokenizer.json (Hugging Face `tokenizers`)."""
 
@@ -158,9 +163,23 @@ class HfTokenizer:
 
     def ids(self, text: str) -> list[int]:
         # The chat template writes the special tokens itself: none added (as the engines
-        # tokenize a rendered chat).
-        ids: list[int] = self._tok.encode(text, add_special_tokens=False).ids
-        return ids
+        # tokenize a rendered chat). Long texts go through encode_batch, which releases
+        # the GIL while it works (encode holds it): a cold long prompt tokenized in a
+        # worker thread then leaves the event loop free.
+        if len(text) < GIL_FREE_CHARS:
+            ids: list[int] = self._tok.encode(text, add_special_tokens=False).ids
+            return ids
+        return list(self._tok.encode_batch([text], add_special_tokens=False)[0].ids)
+
+    def special_affixes(self) -> tuple[list[int], list[int]]:
+        """What the tokenizer's post-processor puts before and after a text when special
+        tokens are added (a BOS, say): the ids of `x` with them are prefix + ids + suffix."""
+        bare = self._tok.encode(_PROBE_TEXT, add_special_tokens=False).ids
+        full = self._tok.encode(_PROBE_TEXT, add_special_tokens=True).ids
+        for start in range(len(full) - len(bare) + 1):
+            if full[start : start + len(bare)] == bare:
+                return full[:start], full[start + len(bare) :]
+        raise ValueError(f"{self.name}: special tokens change the text's own tokens")
 
     def count(self, text: str) -> int:
         return len(self.ids(text))

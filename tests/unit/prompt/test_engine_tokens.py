@@ -312,3 +312,92 @@ def test_an_emulated_engine_with_the_template_sees_the_same_ids(engine: EngineTo
     req = parse_chat(json.loads(chat_body(messages)), cfg)
     assert req.token_ids == whole(engine, messages) and req.input_tokens == len(req.token_ids)
     assert req.blocks == tuple(block_hashes_of_ids(req.token_ids, cfg.profile.block_tokens))
+
+
+@pytest.fixture(scope="module")
+def bos_engine(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> EngineTokenizer:
+    """The tiny tokenizer with a post-processor that puts a BOS before every text (as
+    Llama's tokenizers do when special tokens are added)."""
+    from tokenizers import Tokenizer, processors
+
+    tok = Tokenizer.from_file(str(tiny_dir / "tokenizer.json"))
+    bos = tok.token_to_id("<|endoftext|>")
+    tok.post_processor = processors.TemplateProcessing(
+        single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", bos)]
+    )
+    out = tmp_path_factory.mktemp("bos")
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text((tiny_dir / "tokenizer_config.json").read_text())
+    loaded = load_engine_tokenizer(TokenizerConfig(str(out / "tokenizer.json")))
+    assert loaded is not None
+    return loaded
+
+
+def test_completions_get_the_bos_the_engine_adds(bos_engine: EngineTokenizer) -> None:
+    """vLLM's completions add special tokens by default (completion/protocol.py
+    add_special_tokens=True), its chats do not (the template writes them)."""
+    from tokenizers import Tokenizer
+
+    raw = Tokenizer.from_file(str(bos_engine.tokenizer.path))
+    bos = raw.token_to_id("<|endoftext|>")
+    step = PromptTokenizer(bos_engine)
+    text = "a completion prompt that a BOS model must see whole"
+    llm = step.apply(parse_body(COMPLETIONS, json.dumps({"prompt": text}).encode()))
+    assert llm.prompts == (tuple(raw.encode(text, add_special_tokens=True).ids),)
+    assert llm.prompts[0][0] == bos and llm.prompt_tokens == (len(llm.prompts[0]),)
+    off = {"prompt": text, "add_special_tokens": False}
+    assert step.apply(parse_body(COMPLETIONS, json.dumps(off).encode())).prompts == (
+        tuple(raw.encode(text, add_special_tokens=False).ids),
+    )
+    messages = [{"role": "user", "content": text}]
+    chat = step.apply(parse_body(CHAT, chat_body(messages)))
+    assert chat.prompts[0][0] != bos and chat.prompts == (whole(bos_engine, messages),)
+    # the packing block hashes read matches the ids (the BOS is packed too)
+    ids = llm.prompts[0]
+    assert list(block_hashes_of_ids(ids, 4)) == list(block_hashes_of_ids(list(ids), 4))
+
+
+def test_a_requests_own_template_and_continued_message(engine: EngineTokenizer) -> None:
+    step = PromptTokenizer(EngineTokenizer(engine.tokenizer, engine.template, 16))
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Once"}]
+    own = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    llm = step.apply(parse_body(CHAT, chat_body(messages, chat_template=own)))
+    assert llm.prompts == (tuple(engine.tokenizer.ids("[user] hi\n[assistant] Once\n")),)
+    cont = {"continue_final_message": True, "add_generation_prompt": False}
+    llm = step.apply(parse_body(CHAT, chat_body(messages, **cont)))
+    text = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nOnce"
+    assert llm.prompts == (tuple(engine.tokenizer.ids(text)),)
+
+
+def test_tool_call_arguments_reach_the_template_parsed() -> None:
+    """vLLM parses a tool call's JSON arguments before rendering, and makes malformed
+    ones {} (vllm/renderers/chat_utils.py _postprocess_messages)."""
+    source = (
+        "{% for m in messages %}{% for c in m.get('tool_calls', []) %}"
+        "{{ c.function.name }}:{{ c.function.arguments | tojson }};{% endfor %}{% endfor %}"
+    )
+    template = ChatTemplate(source)
+
+    def call(arguments: Any) -> dict[str, Any]:
+        return {"type": "function", "function": {"name": "f", "arguments": arguments}}
+
+    messages = [
+        {"role": "assistant", "content": None, "tool_calls": [call('{"city": "Seoul"}')]},
+        {"role": "assistant", "content": "", "tool_calls": [call("{not json"), call("[1]")]},
+        {"role": "assistant", "content": "", "tool_calls": []},
+    ]
+    assert template.render(messages) == 'f:{"city": "Seoul"};f:{};f:{};'
+
+
+def test_threads_tokenizing_at_once_get_whole_tokenizations(engine: EngineTokenizer) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    shared = EngineTokenizer(engine.tokenizer, engine.template, 64)
+    rng = random.Random(5)
+    turns = conversation(rng, 12)
+    with ThreadPoolExecutor(4) as pool:
+        got = list(
+            pool.map(lambda m: tuple(shared.cache.ids(engine.template.render(m))), turns * 3)
+        )
+    assert got == [whole(engine, m) for m in turns * 3]
+    assert shared.cache.stats.hits > 0
