@@ -1,0 +1,222 @@
+"""Decoding the engines' KV events as they put them on the wire: vLLM's maps with their
+LoRA, extra-key and KV-cache-group fields, SGLang's tagged arrays and tagged maps, EAGLE's
+bigram token ids, malformed events, and long page-size-1 batches decoded in parts."""
+
+import base64
+import json
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import pytest
+
+from ext_proc.estimate.engine_index import chain_keys
+from ext_proc.feeds.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    KvEventError,
+    decode_message,
+    decode_parts,
+    offset_port,
+    subscriber_address,
+)
+
+VLLM = Path(__file__).resolve().parents[2] / "fixtures" / "vllm"
+
+
+def frames(events: list[Any], seq: int = 7, rank: Any = 0, ts: Any = 1.5) -> list[bytes]:
+    payload: list[Any] = [ts, events] if rank == "absent" else [ts, events, rank]
+    return [b"kv", seq.to_bytes(8, "big", signed=True), msgpack.packb(payload)]
+
+
+def page_size_1(tokens: list[int], first_hash: int = 1000) -> list[dict[str, Any]]:
+    """SGLang at its default page size: one BlockStored per token, each chained to the last."""
+    return [
+        {
+            "type": "BlockStored",
+            "block_hashes": [first_hash + i],
+            "parent_block_hash": None if i == 0 else first_hash + i - 1,
+            "token_ids": [t],
+            "block_size": 1,
+            "lora_id": None,
+            "medium": "GPU",
+        }
+        for i, t in enumerate(tokens)
+    ]
+
+
+def parts_of(message: list[bytes], max_events: int, dp_rank: int | None = None) -> list[EventBatch]:
+    return [p for p in decode_parts(message, max_events, dp_rank) if p is not None]
+
+
+def test_vllm_fields_are_decoded_from_the_real_engine() -> None:
+    row = json.loads((VLLM / "kv_events.jsonl").read_text().splitlines()[0])
+    message = [b"", int(row["seq"]).to_bytes(8, "big"), base64.b64decode(row["payload_b64"])]
+    (e, *_) = decode_message(message).events
+    assert isinstance(e, BlockStored)
+    # what the real vLLM sent: one full-attention group, no LoRA, no extra keys per block
+    assert (e.group_idx, e.spec_kind, e.lora_name, e.medium) == (0, "full_attention", None, "GPU")
+    assert e.extra_keys == (None,) * len(e.block_hashes) and len(e.block_hashes) == 13
+
+
+def test_vllm_lora_and_extra_keys_per_block() -> None:
+    stored = {
+        "type": "BlockStored",
+        "block_hashes": [2**64 - 1, 5],  # vLLM's hashes are unsigned 64-bit
+        "parent_block_hash": None,
+        "token_ids": [1, 2, 3, 4],
+        "block_size": 2,
+        "lora_id": 3,
+        "medium": "CPU",
+        "lora_name": "sql-adapter",
+        "extra_keys": [["sql-adapter", ["mm-abc", 0]], None],
+        "group_idx": 1,
+        "kv_cache_spec_kind": "sliding_window",
+    }
+    removed = {"type": "BlockRemoved", "block_hashes": [5], "medium": "CPU", "group_idx": 1}
+    batch = decode_message(frames([stored, removed]))
+    assert batch.events == (
+        BlockStored(
+            (2**64 - 1, 5),
+            None,
+            (1, 2, 3, 4),
+            2,
+            "CPU",
+            3,
+            "sql-adapter",
+            (("sql-adapter", ("mm-abc", 0)), None),
+            1,
+            "sliding_window",
+        ),
+        BlockRemoved((5,), "CPU", 1),
+    )
+    assert (batch.seq, batch.ts, batch.dp_rank, batch.skipped) == (7, 1.5, 0, 0)
+
+
+def test_sglang_tagged_arrays_and_tagged_maps_decode_alike() -> None:
+    arrays = [
+        ["BlockStored", [11, 12], None, [1, 2, 3, 4], 2, None, "GPU"],
+        ["BlockStored", [13], 12, [5, 6], 2, None],  # older: no medium
+        ["BlockRemoved", [11, 12], "GPU"],
+        ["BlockRemoved", [13]],
+        ["AllBlocksCleared"],
+    ]
+    stored = ["block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium"]
+    names = {"BlockStored": stored, "BlockRemoved": ["block_hashes", "medium"]}
+    maps = [
+        dict(type=a[0], **dict(zip(names.get(str(a[0]), []), a[1:], strict=False))) for a in arrays
+    ]
+    expected = (
+        BlockStored((11, 12), None, (1, 2, 3, 4), 2, "GPU"),
+        BlockStored((13,), 12, (5, 6), 2, None),
+        BlockRemoved((11, 12), "GPU"),
+        BlockRemoved((13,)),
+        AllBlocksCleared(),
+    )
+    assert decode_message(frames(arrays)).events == expected
+    assert decode_message(frames(maps)).events == expected
+
+
+def test_eagle_bigram_token_ids_decode_as_the_pages_tokens() -> None:
+    # SGLang with EAGLE publishes each page's tokens as (token, next token) pairs; the page
+    # holds the first of each pair (mem_cache/events.py)
+    raw = [10, 11, 12, 13, 14]
+    bigrams = [[raw[j], raw[j + 1]] for j in range(4)]
+    event = {"type": "BlockStored", "block_hashes": [1, 2], "parent_block_hash": None}
+    event |= {"token_ids": bigrams, "block_size": 2, "lora_id": None, "medium": "GPU"}
+    (e,) = decode_message(frames([event])).events
+    assert isinstance(e, BlockStored)
+    assert e.token_ids == (10, 11, 12, 13) and e.block_size == 2
+
+
+def test_a_malformed_event_is_skipped_and_counted_not_fatal() -> None:
+    good = page_size_1([5, 6])
+    bad = [
+        {"type": "BlockStored", "block_hashes": "nope", "token_ids": [1], "block_size": 1},
+        {"type": "BlockStored", "block_hashes": [1], "token_ids": [[1, 2, 3]], "block_size": 1},
+        {"type": "BlockRemoved", "block_hashes": [1.5]},
+        {"type": "BlockStored", "block_hashes": [1], "token_ids": [1], "block_size": "1"},
+        {"no": "type"},
+        42,
+    ]
+    batch = decode_message(frames([good[0], *bad, good[1]]))
+    assert batch.skipped == len(bad)
+    hashes = [e.block_hashes for e in batch.events if isinstance(e, BlockStored)]
+    assert hashes == [(1000,), (1001,)]
+    # an event of a type not known is ignored, not counted as malformed
+    assert decode_message(frames([{"type": "BlockMoved"}])).events == ()
+    # a message that is not a batch at all is an error of the message
+    for message in (
+        [b"", b"\0" * 8],
+        [b"", b"\0" * 4, msgpack.packb([1.0, []])],
+        [b"", b"\0" * 8, b"\xc1"],
+        [b"", b"\0" * 8, msgpack.packb({"ts": 1})],
+        [b"", b"\0" * 8, msgpack.packb([1.0])],
+        [b"", b"\0" * 8, msgpack.packb(["now", []])],
+        [b"", b"\0" * 8, msgpack.packb([1.0, {"a": 1}])],
+        [b"", b"\0" * 8, msgpack.packb([1.0, [1, 2]])[:-1]],  # truncated
+    ):
+        with pytest.raises(KvEventError):
+            decode_message(message)
+
+
+def test_the_dp_rank_is_the_payloads_else_the_publishers() -> None:
+    assert decode_message(frames([], rank=3), dp_rank=1).dp_rank == 3
+    assert decode_message(frames([], rank=None), dp_rank=1).dp_rank == 1
+    assert decode_message(frames([], rank="absent"), dp_rank=2).dp_rank == 2
+    assert decode_message(frames([], rank="absent")).dp_rank is None
+    # an empty batch is still one part: its sequence number counts
+    assert [(p.seq, p.part) for p in parts_of(frames([], seq=4), 8)] == [(4, 0)]
+
+
+def test_a_long_page_size_1_batch_decodes_in_parts_of_one_chain_each() -> None:
+    tokens = list(range(500, 500 + 32_768))
+    message = frames(page_size_1(tokens), seq=9, rank="absent")
+    steps = list(decode_parts(message, 256, dp_rank=2))
+    parts = [p for p in steps if p is not None]
+    # the DP rank comes after the events: they are skipped over first, a few steps
+    assert steps.index(parts[0]) == 8
+    assert [p.part for p in parts] == list(range(128))
+    assert {(p.seq, p.dp_rank, p.ts, p.topic) for p in parts} == {(9, 2, 1.5, "kv")}
+    # each part's 256 page events are one BlockStored continuing the previous part's chain
+    for i, p in enumerate(parts):
+        (e,) = p.events
+        assert isinstance(e, BlockStored)
+        assert e.block_hashes == tuple(range(1000 + 256 * i, 1256 + 256 * i))
+        assert e.parent_block_hash == (None if i == 0 else 1000 + 256 * i - 1)
+        assert e.token_ids == tuple(tokens[256 * i : 256 * (i + 1)])
+    # the same keys as the events one by one would give
+    whole = decode_message(message)
+    assert len(whole.events) == 32_768 and whole.dp_rank is None
+    joined = [t for p in parts for e in p.events if isinstance(e, BlockStored) for t in e.token_ids]
+    assert chain_keys(joined, 1) == chain_keys(tokens, 1)
+
+
+def test_a_chain_breaks_where_the_events_say_so() -> None:
+    events: list[Any] = page_size_1([1, 2, 3])
+    events.insert(2, {"type": "BlockRemoved", "block_hashes": [1000]})
+    events.append({**page_size_1([4], 1003)[0], "parent_block_hash": 1002, "medium": "CPU"})
+    events.append(page_size_1([5], 2000)[0])  # a new chain (parent None)
+    events.append({**page_size_1([6], 2001)[0], "parent_block_hash": 2000})
+    (part,) = parts_of(frames(events), 64)
+    assert [(type(e).__name__, getattr(e, "token_ids", None)) for e in part.events] == [
+        ("BlockStored", (1, 2)),
+        ("BlockRemoved", None),
+        ("BlockStored", (3,)),
+        ("BlockStored", (4,)),  # another medium
+        ("BlockStored", (5, 6)),
+    ]
+    # parts never coalesce across their boundary: a part holds at most max_events
+    assert [len(p.events) for p in parts_of(frames(page_size_1([1, 2, 3, 4, 5])), 2)] == [1, 1, 1]
+
+
+def test_dp_rank_endpoints_and_bind_or_connect() -> None:
+    assert offset_port("tcp://*:5557", 0) == "tcp://*:5557"
+    assert offset_port("tcp://*:5557", 3) == "tcp://*:5560"
+    assert offset_port("tcp://10.0.0.5:5557", 1) == "tcp://10.0.0.5:5558"
+    assert offset_port("tcp://*:0", 2) == "tcp://*:0"  # vLLM leaves port 0 to the OS
+    assert offset_port("", 2) == ""
+    assert subscriber_address("tcp://*:5557", "10.1.1.1") == ("tcp://10.1.1.1:5557", False)
+    assert subscriber_address("tcp://10.0.0.5:5557", "x") == ("tcp://10.0.0.5:5557", True)
