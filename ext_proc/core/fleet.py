@@ -19,7 +19,7 @@ from typing import Any
 from ext_proc.config.dump import backend_as_dict
 from ext_proc.config.schema import Backend, Config
 from ext_proc.core.events import BackendChanged
-from ext_proc.core.state import BackendState, FleetState
+from ext_proc.core.state import BackendState, FleetState, TokenCheck
 from ext_proc.core.types import BackendChange, BackendLifecycle
 from ext_proc.estimate.cost import PrefillModel
 from ext_proc.estimate.engine_index import EngineBlocks
@@ -357,6 +357,13 @@ class FleetControls:
 
     def backends_json(self) -> list[dict[str, Any]]:
         return self._fleet.backends_json()
+
+    def set_token_check(self, backend: str, ok: bool, reason: str) -> None:
+        """Whether the router's token ids are the backend's engine's (a backend gone
+        meanwhile is ignored); not ok keeps its prefix state approximate."""
+        b = self._fleet.state.backends.get(backend)
+        if b is not None:
+            b.tokens = TokenCheck(ok, reason)
 
     def removed_json(self, now_s: float) -> list[dict[str, Any]]:
         return self._fleet.removed_json(now_s)

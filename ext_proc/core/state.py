@@ -30,6 +30,18 @@ RECENT_SAMPLES = 16
 PREFILL_EWMA = 0.05
 
 
+@dataclass(frozen=True)
+class TokenCheck:
+    """Whether the router's token ids are the engine's, as far as the KV events need them
+    (ext_proc/feeds/engine_tokenizer.py checks them against the engine's own tokenizer).
+    A backend whose ids are not known to be the engine's keeps approximate prefix state:
+    its events could never match a request."""
+
+    ok: bool = True
+    # Why not (or what was verified), for /state and the log.
+    reason: str = ""
+
+
 @dataclass
 class BackendState:
     id: str
@@ -43,6 +55,7 @@ class BackendState:
     # that stream is up now (down, the router's own estimate serves).
     engine_blocks: EngineBlocks | None = None
     events_up: bool = False
+    tokens: TokenCheck = field(default_factory=TokenCheck)
     # How far its cached-token predictions were from the engine's reports.
     prediction: PredictionStats = field(default_factory=PredictionStats)
     rtt_ms: float = 0.0
@@ -89,8 +102,9 @@ class BackendState:
 
     @property
     def precise(self) -> bool:
-        """Its prefix state comes from its engine's events (they are up)."""
-        return self.events_up and self.engine_blocks is not None
+        """Its prefix state comes from its engine's events (they are up, and the router's
+        token ids are the engine's)."""
+        return self.events_up and self.engine_blocks is not None and self.tokens.ok
 
     def ejected_at(self, now_s: float) -> bool:
         """Out for failing requests at now_s (an ejection ends by itself)."""
@@ -104,6 +118,7 @@ class BackendState:
             "rtt_std_ms": round(math.sqrt(self.rtt_var_ms2), 3),
             "rtt_samples": self.rtt_samples,
             "suspect": self.suspect,
+            "tokens": {"ok": self.tokens.ok, "reason": self.tokens.reason},
             "ejected": self.ejected_until_s is not None,
             "in_flight": self.in_flight,
             "waiting_first_byte": self.waiting_first_byte,

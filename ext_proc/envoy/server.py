@@ -39,13 +39,22 @@ from ext_proc.envoy import codec
 from ext_proc.envoy.access_log import AccessLogService
 from ext_proc.envoy.encoders import DecisionEncoder, decision_encoder
 from ext_proc.prompt.engine_tokens import PromptTokenizer
-from ext_proc.prompt.parse import ParseError, api_for_path, is_error_event, parse_body
+from ext_proc.prompt.parse import (
+    LlmRequest,
+    ParseError,
+    api_for_path,
+    is_error_event,
+    parse_body,
+)
 from ext_proc.service.telemetry import Telemetry
 
 log = logging.getLogger("gorgo.server")
 
 
 Reply = codec.ProcessingResponse | None
+# A request body at least this long is tokenized in a worker thread (~8k tokens of text:
+# a few ms to tokenize cold; shorter ones are cheaper than the thread hop).
+OFF_LOOP_BODY_BYTES = 32 * 1024
 
 
 # -- one session type per role, chosen from the stream's first message --------------------
@@ -171,6 +180,31 @@ class RoutingSession(_FirstByteWatcher):
         self.session_header: str | None = None
         self.body = bytearray()
         self.decision: Decision | None = None
+        # The request as parsed and tokenized in a worker thread (a long body).
+        self._prepared: LlmRequest | None = None
+
+    def tokenizes_off_loop(self, p: codec.Phase) -> bool:
+        """Whether this phase's body is long enough to tokenize in a worker thread: a
+        cold long prompt takes tens of ms to tokenize, which must not hold up every
+        other request's decision (the tokenizer releases the GIL on long texts)."""
+        return (
+            self.tokens is not None
+            and p.name == codec.REQUEST_BODY
+            and p.end_of_stream
+            and len(self.body) + len(p.body) >= OFF_LOOP_BODY_BYTES
+        )
+
+    async def tokenize_off_loop(self, p: codec.Phase) -> None:
+        """Parse the body here and tokenize it in a thread; `on_request_body` then uses
+        the result (a body that does not parse is left for it to answer)."""
+        assert self.tokens is not None
+        api = api_for_path(self.path)
+        assert api is not None
+        try:
+            llm = parse_body(api, bytes(self.body + p.body) if self.body else p.body)
+        except ParseError:
+            return
+        self._prepared = await asyncio.to_thread(self.tokens.apply, llm, self.request_id)
 
     def on_request_headers(self, p: codec.Phase) -> Reply:
         self.path = p.headers.get(":path", "")
@@ -189,7 +223,7 @@ class RoutingSession(_FirstByteWatcher):
         api = api_for_path(self.path)
         assert api is not None  # a routing session is opened for LLM paths only
         try:
-            llm = parse_body(api, body)
+            llm = self._prepared or parse_body(api, body)
         except ParseError as e:
             self.done = True
             if self.router.cfg.routing.unreadable_body == UnreadableBody.REJECT:
@@ -199,8 +233,8 @@ class RoutingSession(_FirstByteWatcher):
             # and the backend gives the client its own error.
             log.info("request %s: unreadable body, fallback route: %s", self.request_id, e)
             return self._reply(codec.REQUEST_BODY)
-        if self.tokens is not None:  # token ids as the engine sees them (fails open)
-            llm = self.tokens.apply(llm, self.request_id)
+        if self.tokens is not None and self._prepared is None:  # fails open
+            llm = self.tokens.apply(llm, self.request_id)  # token ids as the engine's
         request = RouteRequest(
             self.request_id, llm, self.session_header or llm.user, trace_context=self.trace_context
         )
@@ -277,6 +311,11 @@ class ExtProcService:
         # Shutting down: new streams are closed at once, and Envoy takes the fallback.
         self.draining = False
 
+    def use_tokenizer(self, tokens: PromptTokenizer) -> None:
+        """Tokenize new requests with `tokens` from now on (the engine's tokenizer, found
+        after start)."""
+        self.tokens = tokens
+
     async def process(
         self, requests: AsyncIterator[codec.ProcessingRequest], context: Any
     ) -> AsyncIterator[codec.ProcessingResponse]:
@@ -293,6 +332,8 @@ class ExtProcService:
                     session = open_session(
                         self.router, self.encoder, req, phase, carrier, self.tokens
                     )
+                if isinstance(session, RoutingSession) and session.tokenizes_off_loop(phase):
+                    await session.tokenize_off_loop(phase)
                 reply = session.handle(phase)
                 if session.hold_s:  # dispatch pacing: Envoy sends the request on later
                     await asyncio.sleep(session.hold_s)

@@ -234,10 +234,14 @@ class PromptTokenizer:
     def __init__(self, engine: EngineTokenizer) -> None:
         self.engine = engine
         self.failures = 0
+        # The last request tokenized with the engine's defaults, for a spot check against
+        # the engine's own tokenizer: (its chat, or its one text prompt; the ids). Kept
+        # in memory only, never logged or exposed.
+        self.last: tuple[Chat | None, str | None, tuple[int, ...]] | None = None
 
     def apply(self, llm: LlmRequest, request_id: str = "") -> LlmRequest:
         try:
-            prompts: tuple[Prompt, ...] = self.engine.request_ids(llm)
+            ids = self.engine.request_ids(llm)
         except Exception as e:  # a template's own error, a bad message shape: never fatal
             self.failures += 1
             # The type and the template's message, never the prompt.
@@ -248,7 +252,12 @@ class PromptTokenizer:
                 e,
             )
             return llm
-        return replace(llm, prompts=prompts, prompt_tokens=tuple(len(p) for p in prompts))
+        if llm.chat is not None and not llm.add_special_tokens:
+            self.last = (llm.chat, None, ids[0])
+        elif llm.chat is None and llm.add_special_tokens and isinstance(llm.prompts[0], str):
+            self.last = (None, llm.prompts[0], ids[0])
+        prompts: tuple[Prompt, ...] = ids
+        return replace(llm, prompts=prompts, prompt_tokens=tuple(len(p) for p in ids))
 
     def snapshot(self) -> dict[str, Any]:
         return {

@@ -28,6 +28,7 @@ from ext_proc.feeds.probe import Prober
 from ext_proc.policy.catalog import policy_info
 from ext_proc.prompt.engine_tokens import PromptTokenizer, load_engine_tokenizer
 from ext_proc.service.admin import make_admin_app
+from ext_proc.service.engine_tokenizer import EngineTokenizers
 from ext_proc.service.fleet_shell import FleetShell
 from ext_proc.service.reloader import ConfigReloader
 from ext_proc.service.telemetry import Telemetry
@@ -127,6 +128,9 @@ async def running_service(
         fleet = FleetBus(cfg, router)
         server = grpc.aio.server(options=grpc_options(cfg.envoy.max_body_bytes))
         ext_proc = add_services(server, router, telemetry, tokens)
+        # The engine's tokenizer, found when none is configured, and checked against the
+        # engines: until then a backend with KV events stays approximate.
+        tokenizers = EngineTokenizers(cfg, router, ext_proc)
         prober = Prober(cfg, router)
         kv_events = KvEventClients(cfg, router)
         fleet_shell = FleetShell(router, prober, kv_events, ext_proc)
@@ -149,8 +153,9 @@ async def running_service(
             lambda: {
                 "active_ext_proc_streams": ext_proc.active_streams,
                 # How prompts are tokenized: the engine's tokenizer and its cache, or the
-                # approximation (None).
-                "tokenizer": tokens.snapshot() if tokens is not None else None,
+                # approximation (None); where it came from and its checks.
+                "tokenizer": ext_proc.tokens.snapshot() if ext_proc.tokens else None,
+                "tokenizer_checks": tokenizers.snapshot(),
                 # The other routers' dispatches over NATS (None: a single router).
                 "fleet": fleet.snapshot(),
                 # The backends' shell tasks and Envoy's xDS files.
@@ -173,7 +178,7 @@ async def running_service(
         bound_admin = int(runner.addresses[0][1])
         # Stopping: the routed requests drain while the admin API still answers.
         stack.push_async_callback(_drain, router, ext_proc)
-        for part in (prober, kv_events):
+        for part in (tokenizers, prober, kv_events):
             await part.start()
             stack.push_async_callback(part.stop)
         fleet_shell.start()

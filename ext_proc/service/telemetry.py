@@ -180,18 +180,25 @@ class _LiveGauges(Collector):
             "Seconds since the engine's last event batch was stamped",
             labels=["backend"],
         )
+        tokens_ok = GaugeMetricFamily(
+            "gorgo_backend_tokens_ok",
+            "1 while the router's token ids are known to be the engine's (events can match); "
+            "0: they are not (no tokenizer, a mismatch, or not checked yet)",
+            labels=["backend"],
+        )
         now = time.time()  # event batches carry the engine's wall-clock stamp
         for b, st in self.router.backends.items():
             precise.add_metric([b], 1.0 if st.precise else 0.0)
             engine = st.engine_blocks
             if engine is None:
                 continue
+            tokens_ok.add_metric([b], 1.0 if st.tokens.ok else 0.0)
             blocks.add_metric([b], engine.blocks)
             gaps.add_metric([b], engine.gaps)
             resets.add_metric([b], engine.resets)
             if engine.last_ts is not None:
                 lag.add_metric([b], max(0.0, now - engine.last_ts))
-        yield from (precise, blocks, gaps, resets, lag)
+        yield from (precise, blocks, gaps, resets, lag, tokens_ok)
 
 
 class Metrics:
