@@ -1,15 +1,25 @@
-"""The router tokenizes as a real vLLM does: one vLLM engine (the tiny model) behind Envoy and
-`gorgo serve` configured with the model's own tokenizer.json and chat template and
-subscribed to the engine's KV events. A two-turn chat: the router counts the prompt's tokens
-as the engine does, and its prediction of turn 2's cached prefix (from the engine's events,
-keyed by the router's own token ids) agrees with what vLLM reports serving from its cache."""
+"""Precise prefix state on a real vLLM with the config a new user writes: no `tokenizer`
+key. One vLLM engine (the tiny model) behind Envoy and `gorgo serve`, subscribed to the
+engine's KV events; the router finds the model's tokenizer from the engine's
+`/v1/models` and checks it against the engine's `/tokenize`.
+
+A 4-turn conversation, turns 15 s apart (past `routing.optimistic_ttl_s`, so the
+router's memory of its own dispatches no longer counts): the cached tokens the router
+predicts for each turn, from the engine's events keyed by its own token ids, are within
+one block of what vLLM reports serving from its cache. The same with
+`optimistic_ttl_s: 0` (no optimism at all, turns back to back). With a deliberately wrong
+tokenizer configured, the backend shows approximate with the reason, and its prediction
+error is no worse than a router's without KV events (approximate mode)."""
 
 from __future__ import annotations
 
 import json
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,10 +34,12 @@ pytestmark = pytest.mark.real
 
 REGION = Region("us-ashburn", 1.0)
 BLOCK = 128  # vLLM's block size on this CPU build
+TURNS = 4
 
 
-@pytest.fixture(scope="module")
-def stack() -> Iterator[Stack]:
+@contextmanager
+def vllm_stack(edit: Callable[[dict[str, Any], Stack], None]) -> Iterator[Stack]:
+    """One vLLM engine, Envoy and gorgo serve, the router's config edited by `edit`."""
     settings = StackSettings(
         policy="round_robin",
         regions=(REGION,),
@@ -37,21 +49,29 @@ def stack() -> Iterator[Stack]:
         probe_interval_s=0.5,
         tuner_mode="off",
     )
-    model = ensure_tiny_model(settings.vllm_venv)
+    ensure_tiny_model(settings.vllm_venv)
     s = Stack(settings)
     raw = config_as_dict(s.config)
-    # the model's tokenizer.json; its template from the tokenizer_config.json beside it
-    raw["tokenizer"] = {"path": str(model / "tokenizer.json")}
-    # the engine connects to this loopback port (emulator/vllm/serve.py); the router binds it
-    raw["backends"][0]["kv_events"] = {"endpoint": f"tcp://127.0.0.1:{s.kv_ports[0]}"}
+    raw.pop("tokenizer", None)  # what a new user writes: no tokenizer key
+    edit(raw, s)
     s.config = config_from_dict(raw)
     t0 = time.monotonic()
     s.start()
-    print(f"one vLLM engine, Envoy and gorgo serve (tokenizer configured) in "
-          f"{time.monotonic() - t0:.1f} s")  # fmt: skip
-    wait_for(lambda: router_state(s)["backends"][REGION.id]["prefix_state"] == "precise", 30)
-    yield s
-    s.stop()
+    print(f"one vLLM engine, Envoy and gorgo serve in {time.monotonic() - t0:.1f} s")
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+def with_events(ttl_s: float | None = None) -> Callable[[dict[str, Any], Stack], None]:
+    def edit(raw: dict[str, Any], s: Stack) -> None:
+        # the engine connects to this loopback port (emulator/vllm/serve.py); the router binds
+        raw["backends"][0]["kv_events"] = {"endpoint": f"tcp://127.0.0.1:{s.kv_ports[0]}"}
+        if ttl_s is not None:
+            raw.setdefault("routing", {})["optimistic_ttl_s"] = ttl_s
+
+    return edit
 
 
 def chat(stack: Stack, messages: list[dict[str, str]], request_id: str) -> dict[str, Any]:
@@ -67,41 +87,103 @@ def chat(stack: Stack, messages: list[dict[str, str]], request_id: str) -> dict[
     return out
 
 
-def decision(stack: Stack, request_id: str) -> dict[str, Any]:
-    recent = router_state(stack)["recent_decisions"]
-    found: dict[str, Any] = next(d for d in recent if d["request_id"] == request_id)
-    return found
+@dataclass(frozen=True)
+class Turn:
+    prompt_tokens: int
+    router_tokens: int
+    reported: int
+    predicted: int
+    prefix_state: str
 
 
-def test_a_second_turn_is_predicted_cached_as_vllm_serves_it(stack: Stack) -> None:
-    document = " ".join(f"doc{i % 89} alpha beta gamma delta" for i in range(120))
-    messages = [
-        {"role": "system", "content": "You answer briefly."},
-        {"role": "user", "content": f"Read this:\n{document}"},
-    ]
-    first = chat(stack, messages, f"turn1-{time.monotonic_ns()}")
-    answer = first["choices"][0]["message"]["content"]
-    # the engine's events of turn 1 reach the router (it then holds turn 1's blocks)
-    wait_for(lambda: router_state(stack)["backends"][REGION.id]["kv_events"]["blocks"] > 0, 10)
-    time.sleep(0.5)  # the stored blocks of the generated tokens follow within a step
-    messages += [
-        {"role": "assistant", "content": answer},
-        {"role": "user", "content": "And in one word?"},
-    ]
-    rid = f"turn2-{time.monotonic_ns()}"
-    second = chat(stack, messages, rid)
-    usage = second["usage"]
-    reported = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-    d = decision(stack, rid)
-    predicted = next(c["cached_tokens"] for c in d["candidates"] if c["backend"] == REGION.id)
-    tokenizer = router_state(stack)["tokenizer"]
-    print(
-        f"turn 2: {usage['prompt_tokens']} prompt tokens (router: {d['input_tokens']}); cached: "
-        f"vLLM {reported}, router predicted {predicted}; tokenizer {tokenizer}"
-    )
-    # the router counts the prompt exactly as vLLM does: same template, same tokenizer
-    assert d["input_tokens"] == usage["prompt_tokens"]
-    assert usage["prompt_tokens"] > 8 * BLOCK and reported >= 6 * BLOCK
-    assert abs(predicted - reported) <= BLOCK
-    # turn 2 reused turn 1's tokenization (only the new messages were tokenized)
-    assert tokenizer["hits"] >= 1 and tokenizer["failures"] == 0 and tokenizer["mismatches"] == 0
+def backend_state(stack: Stack) -> dict[str, Any]:
+    state: dict[str, Any] = router_state(stack)["backends"][REGION.id]
+    return state
+
+
+def conversation(stack: Stack, gap_s: float, tag: str) -> list[Turn]:
+    """TURNS turns, each adding a ~750-token document part; gap_s between turns."""
+    messages = [{"role": "system", "content": "You answer briefly."}]
+    turns = []
+    for n in range(TURNS):
+        if n:
+            time.sleep(gap_s)
+        part = " ".join(f"{tag}{n}x{i % 89} alpha beta gamma delta" for i in range(40))
+        messages.append({"role": "user", "content": f"Part {n}:\n{part}"})
+        rid = f"{tag}-turn{n}-{time.monotonic_ns()}"
+        out = chat(stack, messages, rid)
+        messages.append({"role": "assistant", "content": out["choices"][0]["message"]["content"]})
+        usage = out["usage"]
+        recent = router_state(stack)["recent_decisions"]
+        d = next(d for d in recent if d["request_id"] == rid)
+        turns.append(
+            Turn(
+                prompt_tokens=usage["prompt_tokens"],
+                router_tokens=d["input_tokens"],
+                reported=(usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0,
+                predicted=next(
+                    c["cached_tokens"] for c in d["candidates"] if c["backend"] == REGION.id
+                ),
+                prefix_state=d.get("prefix_state") or backend_state(stack)["prefix_state"],
+            )
+        )
+        print(f"{tag} turn {n}: {turns[-1]}")
+    return turns
+
+
+def mean_error(turns: list[Turn]) -> float:
+    return sum(abs(t.predicted - t.reported) / t.prompt_tokens for t in turns) / len(turns)
+
+
+def assert_precise(turns: list[Turn]) -> None:
+    for t in turns:
+        assert t.router_tokens == t.prompt_tokens  # counted exactly as vLLM counts
+        assert abs(t.predicted - t.reported) <= BLOCK, t
+    assert all(t.reported >= 4 * BLOCK for t in turns[1:])  # the turns did hit the cache
+
+
+def test_no_tokenizer_key_predicts_every_turn_from_the_engines_events() -> None:
+    with vllm_stack(with_events()) as s:
+        wait_for(lambda: backend_state(s)["prefix_state"] == "precise", 30)
+        tokens = backend_state(s)["tokens"]
+        print(f"tokens: {tokens}; tokenizer: {router_state(s)['tokenizer_checks']}")
+        assert tokens == {"ok": True, "reason": "verified against tiny"}
+        ttl_s = s.config.routing.optimistic_ttl_s
+        turns = conversation(s, gap_s=ttl_s + 5.0, tag="gap")  # 15 s apart by default
+        assert_precise(turns)
+
+
+def test_without_optimism_too() -> None:
+    with vllm_stack(with_events(ttl_s=0.0)) as s:
+        wait_for(lambda: backend_state(s)["prefix_state"] == "precise", 30)
+        assert_precise(conversation(s, gap_s=1.0, tag="ttl0"))
+
+
+def wrong_tokenizer(out: Path) -> Path:
+    """A tokenizer trained on another seed (another vocabulary) with the same template."""
+    from emulator.vllm.tiny_model import CHAT_TEMPLATE, build_tokenizer
+
+    out.mkdir(parents=True, exist_ok=True)
+    build_tokenizer(1, 4096).save(str(out / "tokenizer.json"))
+    config = {"chat_template": CHAT_TEMPLATE, "eos_token": "<|im_end|>"}
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    return out / "tokenizer.json"
+
+
+def test_a_wrong_tokenizer_shows_approximate_and_predicts_no_worse(tmp_path: Path) -> None:
+    def wrong(raw: dict[str, Any], s: Stack) -> None:
+        with_events()(raw, s)
+        raw["tokenizer"] = {"path": str(wrong_tokenizer(tmp_path / "wrong"))}
+
+    with vllm_stack(wrong) as s:
+        wait_for(lambda: "differently" in backend_state(s)["tokens"]["reason"], 30)
+        state = backend_state(s)
+        print(f"wrong tokenizer: {state['tokens']}")
+        assert state["prefix_state"] == "approximate" and not state["tokens"]["ok"]
+        wrong_turns = conversation(s, gap_s=1.0, tag="wrong")
+    with vllm_stack(lambda raw, s: None) as s:  # approximate mode: no KV events
+        approx_turns = conversation(s, gap_s=1.0, tag="approx")
+    print(f"mean error: wrong tokenizer {mean_error(wrong_turns):.4f}, "
+          f"approximate mode {mean_error(approx_turns):.4f}")  # fmt: skip
+    assert all(t.prefix_state == "approximate" for t in wrong_turns)
+    assert mean_error(wrong_turns) <= mean_error(approx_turns) + 0.02
