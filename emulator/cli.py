@@ -61,10 +61,8 @@ def _engine(args: argparse.Namespace) -> int:
         zero_delay_profile,
     )
     from emulator.kv_publisher import KvEventsConfig
-    from ext_proc.config.schema import TokenizerConfig
+    from emulator.tokenizer import load_twin_tokenizer
     from ext_proc.estimate.profile import load_profile, profile_from_dict
-    from ext_proc.prompt.engine_tokens import load_engine_tokenizer
-    from ext_proc.prompt.tokens import APPROX
 
     try:
         profile = load_profile(args.profile)
@@ -79,19 +77,23 @@ def _engine(args: argparse.Namespace) -> int:
         if args.zero_delay:
             profile = zero_delay_profile(profile)
         health_env = os.environ.get("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "true")
-        # The router's tokenizer settings and rules (ext_proc/prompt/engine_tokens.py): with the
-        # same files, an emulated fleet reports the token ids a configured router computes.
-        engine_tokens = load_engine_tokenizer(
-            TokenizerConfig(args.tokenizer, args.chat_template, cache_entries=0),
-            ("--tokenizer", "--chat-template"),
-        )
+        # A model directory (tokenizer.json, tokenizer_config.json): the engines report it
+        # as their model path, where a router on this machine finds the same files.
+        tokens = load_twin_tokenizer(args.tokenizer, args.chat_template)
+        if args.trust_request_chat_template and args.flavor != "vllm":
+            raise ValueError("--trust-request-chat-template is vllm's flag")
+        # SGLang's served name defaults to the model path (server_args.py); the vLLM
+        # twin keeps the real tier's --served-model-name tiny.
+        sglang_name = tokens.model_dir or "default"
         cfg = EngineConfig(
             name=args.name,
             profile=profile,
             seed=args.seed,
-            model=args.served_model_name or ("default" if args.flavor == "sglang" else "tiny"),
-            tokenizer=engine_tokens.tokenizer if engine_tokens else APPROX,
-            chat_template=engine_tokens.template if engine_tokens else None,
+            model=args.served_model_name or (sglang_name if args.flavor == "sglang" else "tiny"),
+            model_path=tokens.model_dir,
+            tokenizer=tokens.tokenizer,
+            chat_template=tokens.template,
+            trust_request_chat_template=args.trust_request_chat_template,
             faults=Faults(
                 args.error_rate,
                 args.stall_rate,
@@ -117,7 +119,7 @@ def _engine(args: argparse.Namespace) -> int:
             warmup_s=args.warmup_s,
             health_generation=health_env.lower() not in ("0", "false", "no"),
         )
-    except ValueError as e:
+    except ValueError as e:  # ConfigError is one
         print(f"gorgo engine: {e}", file=sys.stderr)
         return 2
     return _run_forever(serve_engine(cfg, args.host, args.port))
@@ -221,6 +223,7 @@ def _up(args: argparse.Namespace) -> int:
             rtt_profile=args.rtt_profile,
             flavor=args.flavor,
             real_engine=args.engine == "vllm",
+            engine_tokenizer=args.tokenizer,
             kv_events=args.kv_events or args.front_doors > 1,
             front_door_regions=[r.id for r in regions[1 : args.front_doors]],
             share_dispatches=not args.no_share_dispatches,
@@ -291,6 +294,11 @@ def add_commands(commands: Commands) -> None:
     )
     g.add_argument("--enable-metrics", action="store_true", help="sglang: serve /metrics")
     g.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="vllm: a request may bring its own chat_template",
+    )
+    g.add_argument(
         "--kv-events-config",
         default="",
         metavar="JSON",
@@ -305,12 +313,19 @@ def add_commands(commands: Commands) -> None:
         help="sglang: /health answers 503 this long after start (the engine's warmup)",
     )
     s.add_argument("--seed", type=int, default=0, help="seeds step jitter and fault draws")
-    s.add_argument("--tokenizer", default="", help="local tokenizer.json (default: 4 bytes/token)")
+    s.add_argument(
+        "--tokenizer",
+        default="tiny",
+        metavar="tiny|approx|PATH",
+        help="tiny (the default): the real-vLLM tier's tiny model's byte-level BPE and ChatML "
+        "template, built once into ~/.cache/gorgo ($GORGO_CACHE_DIR); approx: 4 UTF-8 bytes "
+        "per token; or a local tokenizer.json, or a model directory holding one",
+    )
     s.add_argument(
         "--chat-template",
         default="",
-        help="with --tokenizer: a Jinja file or a tokenizer_config.json with chat_template "
-        "(default: the tokenizer_config.json beside the tokenizer)",
+        help="a Jinja file or a tokenizer_config.json with chat_template (default: the "
+        "tokenizer_config.json beside the tokenizer)",
     )
     s.add_argument("--zero-delay", action="store_true", help="every step takes no time")
     s.add_argument("--error-rate", type=float, default=0.0, help="share answered with HTTP 500")
@@ -420,8 +435,16 @@ def add_commands(commands: Commands) -> None:
     s.add_argument(
         "--kv-events",
         action="store_true",
-        help="emulated engines publish their KV cache events and the router subscribes: "
+        help="the router subscribes to the engines' KV cache events (emulated or real vLLM): "
         "its prefix state is the engines' own (/state prefix_state: precise)",
+    )
+    s.add_argument(
+        "--tokenizer",
+        default="tiny",
+        metavar="tiny|approx|PATH",
+        help="the emulated engines' tokenizer (gorgo engine --tokenizer): tiny, the real "
+        "tiny model's (the default); approx, 4 bytes per token; or a tokenizer.json or "
+        "model directory. The router finds it from each engine's /v1/models root",
     )
     s.set_defaults(func=_up)
 

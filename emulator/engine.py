@@ -21,20 +21,30 @@ import logging
 import random
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypeVar
 
 from aiohttp import web
 
 from emulator.engine_config import SGLANG, VLLM, VLLM_VERSION, EngineConfig
 from emulator.kv_publisher import DEFAULT_BUFFER_STEPS, KvEventEmitter, KvEventPublisher
 from emulator.model import EngineModel
+from emulator.model_api import (
+    TOKENIZE_PATHS,
+    model_info_body,
+    model_path,
+    models_body,
+    sglang_tokenize,
+    vllm_tokenize,
+)
 from emulator.runner import EngineStats, ModelRunner, TokenChannel
 from emulator.wire import (
     BadRequest,
     GenRequest,
     Kind,
     StreamEncoder,
+    decode_json,
     dumps,
     error_body,
     parse_request,
@@ -55,6 +65,10 @@ MAX_BODY_BYTES = 64 * 1024 * 1024
 # SGLang's /health generation must see output within this long (SGLANG_HEALTH_CHECK_TIMEOUT,
 # python/sglang/srt/entrypoints/http_server.py), else 503.
 HEALTH_CHECK_TIMEOUT_S = 20.0
+# Bodies this long are parsed (tokenized) in a thread: ~8k tokens, ~10 ms of tokenizing;
+# shorter ones cost less than the hop to a thread.
+OFF_LOOP_BYTES = 32 * 1024
+T = TypeVar("T")
 
 
 class Engine:
@@ -125,7 +139,8 @@ class Engine:
         self.stats.requests_total += 1
         self.stats.requests_by_path[request.path] += 1
         try:
-            req = parse_request(kind, await request.read(), self.cfg)
+            raw = await request.read()
+            req = await self._off_loop(lambda r, cfg: parse_request(kind, r, cfg), raw, raw)
         except BadRequest as exc:
             self.stats.bad_requests_total += 1
             return self.error_response(exc.status, exc.message, exc.param, kind, exc.err_type)
@@ -264,47 +279,29 @@ class Engine:
 
     async def models(self, request: web.Request) -> web.Response:
         """Answered without the scheduler in both engines (a probe path that does no work)."""
-        ctx = self.cfg.context_length
-        model: dict[str, Any] = {
-            "id": self.cfg.model,
-            "object": "model",
-            "created": int(time.time()),
-            "owned_by": self.cfg.flavor,
-            "root": self.cfg.model,
-            "parent": None,
-            "max_model_len": ctx,
-        }
-        if self.cfg.flavor == VLLM:
-            # vLLM's ModelPermission, every field (tests/fixtures/vllm/routes.json).
-            model["permission"] = [
-                {
-                    "id": f"modelperm-{secrets.token_hex(8)}",
-                    "object": "model_permission",
-                    "created": model["created"],
-                    "allow_create_engine": False,
-                    "allow_sampling": True,
-                    "allow_logprobs": True,
-                    "allow_search_indices": False,
-                    "allow_view": True,
-                    "allow_fine_tuning": False,
-                    "organization": "*",
-                    "group": None,
-                    "is_blocking": False,
-                }
-            ]
-        return web.json_response({"object": "list", "data": [model]})
+        return web.json_response(models_body(self.cfg))
 
     async def model_info(self, request: web.Request) -> web.Response:
         """SGLang /get_model_info (/model_info): from the HTTP process."""
-        return web.json_response(
-            {
-                "model_path": self.cfg.model,
-                "tokenizer_path": self.cfg.model,
-                "is_generation": True,
-                "preferred_sampling_params": None,
-                "weight_version": "default",
-            }
-        )
+        return web.json_response(model_info_body(self.cfg))
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """vLLM POST /tokenize, SGLang POST /v1/tokenize and /tokenize (emulator/model_api.py):
+        answered by the API server's tokenizer, without the scheduler."""
+        tokenize = vllm_tokenize if self.cfg.flavor == VLLM else sglang_tokenize
+        try:
+            body = await self._off_loop(tokenize, decode_json(raw := await request.read()), raw)
+        except BadRequest as exc:
+            return self.error_response(exc.status, exc.message, exc.param, err_type=exc.err_type)
+        return web.json_response(body, dumps=dumps)
+
+    async def _off_loop(self, fn: Callable[[Any, EngineConfig], T], arg: Any, raw: bytes) -> T:
+        """fn(arg, cfg), in a thread when the body is long: tokenizing a long prompt takes
+        ~1 ms per 2 KB here, and the engine's steps run on this loop (a real engine
+        tokenizes in its API server while the scheduler runs on)."""
+        if len(raw) < OFF_LOOP_BYTES:
+            return fn(arg, self.cfg)
+        return await asyncio.to_thread(fn, arg, self.cfg)
 
     def _load(self) -> dict[str, Any]:
         m = self.runner.model
@@ -380,7 +377,7 @@ class Engine:
             {
                 "name": self.cfg.name,
                 "flavor": self.cfg.flavor,
-                "model_path": self.cfg.model,
+                "model_path": model_path(self.cfg),
                 "served_model_name": self.cfg.model,
                 "engine_profile": p.name,
                 "tokenizer": self.cfg.tokenizer.name,
@@ -532,6 +529,8 @@ def make_app(cfg: EngineConfig) -> web.Application:
     app.router.add_get("/v1/models", engine.models)
     app.router.add_get("/metrics", engine.metrics)
     app.router.add_get("/server_info", engine.server_info)
+    for path in TOKENIZE_PATHS[cfg.flavor]:
+        app.router.add_post(path, engine.tokenize)
     if cfg.flavor == SGLANG:
         app.router.add_post(GENERATE_PATH, engine.generate)
         app.router.add_get("/health_generate", engine.health)

@@ -83,10 +83,17 @@ class EngineConfig:
     default_max_tokens: int = 16  # when the request names no limit
     max_tokens_cap: int = 32768  # requested limits above this are clamped
     model: str = "emulated"  # served model name (/v1/models, responses)
+    # The model directory the engine was started with (vLLM's `serve MODEL`, SGLang's
+    # --model-path): the twin's tokenizer directory ("": the served name stands in).
+    model_path: str = ""
     seed: int = 0  # step-time jitter and fault draws
+    # In-process configs (tests, benchmarks) count 4 bytes per token unless given one;
+    # `gorgo engine` loads the tiny model's real tokenizer by default (emulator/tokenizer.py).
     tokenizer: Tokenizer = APPROX
     # The model's chat template (with a real tokenizer; None: '<role>\n<content>\n').
     chat_template: ChatTemplate | None = None
+    # vLLM --trust-request-chat-template: a request may bring its own chat_template.
+    trust_request_chat_template: bool = False
     faults: Faults = field(default_factory=Faults)
     # Which engine this is the twin of: sglang or vllm.
     flavor: str = SGLANG

@@ -17,9 +17,10 @@ from dataclasses import dataclass, replace
 from http import HTTPStatus
 from typing import Any, Literal
 
+from emulator.chat import ChatError, chat_prompt
 from emulator.engine_config import SGLANG, VLLM, VLLM_VERSION, EngineConfig
 from emulator.model import Emission
-from ext_proc.prompt.tokens import APPROX, block_hashes_of_ids, render_chat
+from ext_proc.prompt.tokens import APPROX, block_hashes_of_ids
 
 TOKEN_PIECE = "tok "  # 4 UTF-8 bytes: exactly one token under the approximate tokenizer
 
@@ -72,10 +73,13 @@ class GenRequest:
 Prompt = tuple[int, tuple[int, ...], tuple[int, ...]]  # tokens, block hashes, token ids
 
 
-def _text_prompt(text: str, cfg: EngineConfig, field: str) -> Prompt:
+def _text_prompt(
+    text: str, cfg: EngineConfig, field: str, add_special_tokens: bool = False
+) -> Prompt:
     tok = cfg.tokenizer
     if tok is not APPROX:  # a real tokenizer: encode once, count and hash its ids
-        all_ids = tok.ids(text)
+        encode = getattr(tok, "encode", None)  # TwinTokenizer: special tokens on request
+        all_ids = encode(text, add_special_tokens) if encode is not None else tok.ids(text)
         if not all_ids:
             raise BadRequest(f"'{field}' is empty: a prompt needs at least one token")
         blocks = block_hashes_of_ids(all_ids, cfg.profile.block_tokens)
@@ -128,7 +132,7 @@ class UnknownModel(BadRequest):
     err_type = "NotFoundError"
 
 
-def _model(body: Mapping[str, Any], cfg: EngineConfig) -> str:
+def request_model(body: Mapping[str, Any], cfg: EngineConfig) -> str:
     value = body.get("model")
     if value is None:
         return cfg.model if cfg.flavor == VLLM else "default"
@@ -162,7 +166,7 @@ def _openai_common(body: Mapping[str, Any], cfg: EngineConfig) -> tuple[int, boo
         if cfg.flavor == VLLM and "include_usage" not in options:
             asked = True  # vLLM's StreamOptions.include_usage defaults to true
         include_usage = asked or include_usage
-    return min(max_tokens, cfg.max_tokens_cap), stream, include_usage, _model(body, cfg)
+    return min(max_tokens, cfg.max_tokens_cap), stream, include_usage, request_model(body, cfg)
 
 
 def _token_ids(value: list[Any], field: str) -> list[int]:
@@ -176,6 +180,18 @@ def parse_chat(body: Any, cfg: EngineConfig) -> GenRequest:
     """Validate a /v1/chat/completions body; input tokens = tokens of the rendered chat."""
     if not isinstance(body, Mapping):
         raise InvalidBody(f"request body must be a JSON object, got {type(body).__name__}")
+    messages = chat_messages(body)
+    max_tokens, stream, include_usage, model = _openai_common(body, cfg)
+    try:
+        text, specials = chat_prompt(body, messages, cfg)
+    except ChatError as e:
+        raise BadRequest(str(e), e.param) from None
+    input_tokens, blocks, ids = _text_prompt(text, cfg, "messages", specials)
+    return GenRequest("chat", input_tokens, max_tokens, stream, include_usage, model, blocks, ids)
+
+
+def chat_messages(body: Mapping[str, Any]) -> list[Any]:
+    """A chat body's `messages`, checked as the engines' schemas check them."""
     messages = body.get("messages")
     if messages is None:
         raise InvalidBody("missing required field 'messages'", "messages")
@@ -198,28 +214,24 @@ def parse_chat(body: Any, cfg: EngineConfig) -> GenRequest:
                 f"got {type(content).__name__}",
                 f"messages[{i}].content",
             )
-    max_tokens, stream, include_usage, model = _openai_common(body, cfg)
-    input_tokens, blocks, ids = _text_prompt(_chat_text(body, messages, cfg), cfg, "messages")
-    return GenRequest("chat", input_tokens, max_tokens, stream, include_usage, model, blocks, ids)
+    return messages
 
 
-def _chat_text(body: Mapping[str, Any], messages: list[Any], cfg: EngineConfig) -> str:
-    """The chat as one prompt: the configured chat template, as the engine renders it
-    (ext_proc/prompt/chat_template.py), else the project's own '<role>\\n<content>\\n' form."""
-    if cfg.chat_template is None:
-        return render_chat(messages)
-    tools = body.get("tools")
-    generation = body.get("add_generation_prompt")
-    kwargs = body.get("chat_template_kwargs")
-    try:
-        return cfg.chat_template.render(
-            messages,
-            tools if isinstance(tools, list) else None,
-            generation if isinstance(generation, bool) else True,
-            kwargs if isinstance(kwargs, dict) else None,
+def completion_special_tokens(body: Mapping[str, Any], cfg: EngineConfig) -> bool:
+    """Whether a text prompt gets the tokenizer's special tokens (a BOS): vLLM's
+    CompletionRequest.add_special_tokens, default true (completion/protocol.py); SGLang
+    encodes text with the tokenizer's default, true (managers/tokenizer_manager.py)."""
+    if cfg.flavor == SGLANG:
+        return True
+    value = body.get("add_special_tokens")
+    if value is None:
+        return True
+    if not isinstance(value, bool):
+        raise InvalidBody(
+            f"'add_special_tokens' must be a boolean, got {type(value).__name__}",
+            "add_special_tokens",
         )
-    except Exception as e:  # the template rejects the chat: the engines answer 400
-        raise BadRequest(f"chat template: {e}", "messages") from None
+    return value
 
 
 def parse_completion(body: Any, cfg: EngineConfig) -> GenRequest:
@@ -230,10 +242,11 @@ def parse_completion(body: Any, cfg: EngineConfig) -> GenRequest:
     prompt = body.get("prompt")
     if prompt is None:
         raise InvalidBody("missing required field 'prompt'", "prompt")
+    specials = completion_special_tokens(body, cfg)
     if isinstance(prompt, str):
-        input_tokens, blocks, ids = _text_prompt(prompt, cfg, "prompt")
+        input_tokens, blocks, ids = _text_prompt(prompt, cfg, "prompt", specials)
     elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-        input_tokens, blocks, ids = _text_prompt("".join(prompt), cfg, "prompt")
+        input_tokens, blocks, ids = _text_prompt("".join(prompt), cfg, "prompt", specials)
     elif isinstance(prompt, list) and prompt:
         input_tokens, blocks, ids = _ids_prompt(_token_ids(prompt, "prompt"), cfg)
     else:
@@ -259,7 +272,8 @@ def parse_generate(body: Any, cfg: EngineConfig) -> GenRequest:
     if text is not None:
         if not isinstance(text, str):
             raise InvalidBody(f"'text' must be a string, got {type(text).__name__}", "text")
-        input_tokens, blocks, ids = _text_prompt(text, cfg, "text")
+        # tokenizer_manager.py encodes the text with the tokenizer's special tokens
+        input_tokens, blocks, ids = _text_prompt(text, cfg, "text", True)
     elif input_ids is not None:
         if not isinstance(input_ids, list) or not input_ids:
             raise InvalidBody(

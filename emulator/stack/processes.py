@@ -64,6 +64,7 @@ def engine_argv(settings: StackSettings, i: int, name: str, port: int, seed: int
     return gorgo_argv(
         "engine", "--name", name, "--port", str(port), "--seed", str(seed),
         *(["--profile", p] if (p := settings.engine_profile) else []),
+        "--tokenizer", settings.engine_tokenizer,
         *flavor_flags(settings, i), *settings.engine_args,
     )  # fmt: skip
 

@@ -94,8 +94,11 @@ class StackSettings:
     real_engine: bool = False
     vllm_venv: Path = Path(__file__).resolve().parents[2] / ".venv-vllm"  # the repo's
     vllm_small_pool: Sequence[int] = (1,)
-    # Emulated engines publish their KV cache events (a replay endpoint too) and the router
-    # subscribes: its prefix state is then the engines' own.
+    # The emulated engines' --tokenizer: "tiny" (the tiny model's real BPE and chat
+    # template, what a real vLLM here serves), "approx" (4 bytes per token) or a path.
+    engine_tokenizer: str = "tiny"
+    # The router subscribes to the engines' KV cache events (each engine binds a publisher
+    # and a replay endpoint): its prefix state is then the engines' own.
     kv_events: bool = False
     kv_ports: list[int] = field(default_factory=list)
     # More front doors, one per region named (each an Envoy and a router of its own, with
@@ -137,7 +140,9 @@ class StackSettings:
         return self.kv_ports[2 * i], self.kv_ports[2 * i + 1]
 
     def _kv_events_of(self, i: int) -> dict[str, object]:
-        if not self.kv_events or self.real_engine:
+        """Backend i's `kv_events`: the engine's own --kv-events-config endpoints, emulated
+        or real (`tcp://*:P`: the engine binds, every router connects)."""
+        if not self.kv_events:
             return {}
         pub, replay = self.kv_event_ports(i)
         return {"kv_events": {"endpoint": f"tcp://*:{pub}", "replay_endpoint": f"tcp://*:{replay}"}}

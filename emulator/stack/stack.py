@@ -30,6 +30,7 @@ from emulator.stack.processes import (
 )
 from emulator.stack.settings import Region, StackSettings, config_yaml
 from emulator.stack.supervision import SupervisedChildren, http_ok, wait_port
+from emulator.tokenizer import TINY, tiny_tokenizer_dir
 from ext_proc.common.files import write_atomic
 from ext_proc.config.schema import PROBE_PATH, EngineKind
 from ext_proc.envoy.bootstrap import render_envoy_config
@@ -81,7 +82,7 @@ class Stack(SupervisedChildren):
 
     @property
     def kv_ports(self) -> list[int]:
-        """Where each region's engine publishes its KV events."""
+        """Where each region's engine publishes its KV events (it binds tcp://*:PORT)."""
         return [self.settings.kv_event_ports(i)[0] for i in range(len(self.settings.regions))]
 
     def engine_url(self, i: int) -> str:
@@ -104,7 +105,8 @@ class Stack(SupervisedChildren):
         fleet += (
             " | engines: real vLLM (tiny local model)"
             if self.settings.real_engine
-            else f" | engines: emulated {self.settings.flavor}"
+            else f" | engines: emulated {self.settings.flavor} "
+            f"(tokenizer {self.settings.engine_tokenizer})"
         )
         return (
             f"gorgo up: ready. front door {self.front_door_url} | envoy admin "
@@ -152,12 +154,16 @@ class Stack(SupervisedChildren):
         if not (venv / "bin" / "python").exists():
             raise StackError(f"no vLLM environment at {venv}: run `make vllm` first")
         small = i in self.settings.vllm_small_pool
+        pub, replay = self.settings.kv_event_ports(i)
         spec = EngineSpec(
             venv=venv,
             model=ensure_tiny_model(venv),
             port=self.settings.ports.engine(i),
-            # the engine connects to this loopback port; a subscriber binds it
-            kv_port=self.settings.kv_event_ports(i)[0],
+            # the engine binds tcp://*:pub and its replay ROUTER: any number of routers (and
+            # tests) subscribe, as backends[i].kv_events names them (settings.py)
+            kv_port=pub,
+            kv_bind=True,
+            kv_replay_port=replay,
             work_dir=self.workdir / f"vllm-{self.settings.regions[i].id}",
             threads_bind=str(i % (os.cpu_count() or 1)),
             # 160 blocks of 32 tokens: 5,120 tokens, just over max_model_len / block_size
@@ -207,6 +213,8 @@ class Stack(SupervisedChildren):
     def start(self, timeout_s: float = 30.0) -> None:
         if self.settings.real_engine:
             timeout_s = max(timeout_s, VLLM_START_S)
+        elif self.settings.engine_tokenizer == TINY:
+            tiny_tokenizer_dir()  # built once here (~4 s), not by every engine at once
         self.check_ports()
         self.write_configs()
         try:

@@ -52,6 +52,9 @@ class EngineSpec:
     num_blocks: int | None = None
     enforce_eager: bool = True
     kv_bind: bool = False
+    # With kv_bind: where the engine answers replays of missed events (a ROUTER it binds;
+    # KVEventsConfig.replay_endpoint, vllm/config/kv_events.py).
+    kv_replay_port: int | None = None
     extra_args: list[str] = field(default_factory=list)
 
     @property
@@ -63,6 +66,20 @@ class EngineSpec:
             return None
         host = "*" if self.kv_bind else "127.0.0.1"
         return f"tcp://{host}:{self.kv_port}"
+
+    def kv_events_config(self) -> dict[str, object] | None:
+        """The --kv-events-config JSON (None: no events)."""
+        endpoint = self.kv_endpoint()
+        if endpoint is None:
+            return None
+        cfg: dict[str, object] = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": endpoint,
+        }
+        if self.kv_bind and self.kv_replay_port is not None:
+            cfg["replay_endpoint"] = f"tcp://*:{self.kv_replay_port}"
+        return cfg
 
     def argv(self) -> list[str]:
         args = [
@@ -89,10 +106,9 @@ class EngineSpec:
             args += ["--block-size", str(self.block_size)]
         if self.num_blocks is not None:
             args += ["--num-gpu-blocks-override", str(self.num_blocks)]
-        endpoint = self.kv_endpoint()
-        if endpoint is not None:
-            cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint}
-            args += ["--kv-events-config", json.dumps(cfg)]
+        events = self.kv_events_config()
+        if events is not None:
+            args += ["--kv-events-config", json.dumps(events)]
         return args + list(self.extra_args)
 
     def env_overrides(self) -> dict[str, str]:

@@ -15,11 +15,16 @@ library versions; it prints a SHA-256 of every file and one over the whole direc
 
 The model's output is random tokens: ask for exact lengths with ``"ignore_eos": true`` and
 ``max_tokens``.
+
+``--tokenizer-only`` writes the tokenizer files alone (tokenizer.json, tokenizer_config.json),
+the same bytes ``save_pretrained`` writes, with ``tokenizers`` alone (no torch, no
+transformers): the emulated engines tokenize with them (emulator/tokenizer.py).
 """
 
 import argparse
 import hashlib
 import importlib
+import json
 import os
 import random
 import sys
@@ -134,6 +139,36 @@ def build_tokenizer(seed: int, vocab_size: int) -> Any:
     return tok
 
 
+# What transformers 5 (the vLLM venv's) writes to tokenizer_config.json for the tokenizer
+# build() saves; write_tokenizer writes the same without transformers.
+TOKENIZER_CONFIG = {
+    "backend": "tokenizers",
+    "chat_template": CHAT_TEMPLATE,
+    "clean_up_tokenization_spaces": False,
+    "eos_token": "<|im_end|>",
+    "extra_special_tokens": ["<|im_start|>"],
+    "model_max_length": 4096,
+    "pad_token": "<|endoftext|>",
+    "tokenizer_class": "TokenizersBackend",
+}
+
+
+def write_tokenizer(out: Path, seed: int = 0, vocab_size: int = 4096) -> None:
+    """tokenizer.json and tokenizer_config.json as build() saves them, byte for byte."""
+    from tokenizers import processors
+
+    out.mkdir(parents=True, exist_ok=True)
+    raw = build_tokenizer(seed, vocab_size)
+    # PreTrainedTokenizerFast.save_pretrained adds this post-processor (it adds no tokens:
+    # the tokenizer has no BOS).
+    raw.post_processor = processors.TemplateProcessing(
+        single="$A", pair="$A $B:1", special_tokens=[]
+    )
+    raw.save(str(out / "tokenizer.json"))
+    text = json.dumps(TOKENIZER_CONFIG, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+    (out / "tokenizer_config.json").write_text(text, encoding="utf-8")
+
+
 def build(out: Path, seed: int = 0, vocab_size: int = 4096) -> str:
     torch = importlib.import_module("torch")
     transformers = importlib.import_module("transformers")
@@ -193,9 +228,16 @@ def main() -> int:
     parser.add_argument("out", type=Path, help="directory to write the model into")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--vocab-size", type=int, default=4096)
+    parser.add_argument(
+        "--tokenizer-only", action="store_true", help="the tokenizer files alone (no torch)"
+    )
     args = parser.parse_args()
     start = time.monotonic()
-    whole = build(args.out, args.seed, args.vocab_size)
+    if args.tokenizer_only:
+        write_tokenizer(args.out, args.seed, args.vocab_size)
+        whole = digest(args.out)
+    else:
+        whole = build(args.out, args.seed, args.vocab_size)
     print(f"sha256 of {args.out}: {whole}")
     print(f"built in {time.monotonic() - start:.1f}s")
     return 0
