@@ -12,7 +12,12 @@ python/sglang/srt/disaggregation/kv_events.py, vLLM vllm/distributed/kv_events.p
   "type" key (vLLM; SGLang since 2026) or as tagged arrays (SGLang before: `encoding:
   array`);
 - SGLang's replay endpoint: a ROUTER socket; a DEALER sends `[b"", start_seq]` and gets
-  `[b"", seq, payload]` for every buffered batch from start_seq on, then a seq of -1.
+  `[b"", seq, payload]` for every buffered batch from start_seq on, then a seq of -1;
+- with data parallelism one publisher per DP rank, on the endpoint's (and the replay
+  endpoint's) port + rank, each with its own sequence (offset_endpoint_port in both);
+- SGLang's page size 1 (its default) stores one page per token: before SGLang coalesced
+  its event queue (python/sglang/srt/mem_cache/events.py enqueue) that was one BlockStored
+  per token, which `per_page_events` reproduces.
 
 The emulated engine's blocks carry SHA-256-chained 64-bit hashes of their token ids (as
 SGLang's page hashes are made, python/sglang/srt/mem_cache/utils.py); subscribers should
@@ -55,6 +60,9 @@ class KvEventsConfig:
     # SGLang: map (2026) or array (tagged arrays, before); vLLM: always map.
     encoding: str = MAP
     medium: str = "GPU"
+    # One BlockStored per page (SGLang's radix cache before it coalesced its queue), not
+    # one per chain of consecutive pages.
+    per_page_events: bool = False
 
     @staticmethod
     def parse(raw: str, flavor: str) -> KvEventsConfig | None:
@@ -82,7 +90,17 @@ class KvEventsConfig:
             replay_endpoint=str(doc.get("replay_endpoint") or ""),
             buffer_steps=int(doc.get("buffer_steps", DEFAULT_BUFFER_STEPS)),
             encoding=encoding,
+            per_page_events=bool(doc.get("per_page_events", False)),
         )
+
+
+def offset_port(endpoint: str, dp_rank: int) -> str:
+    """A DP rank's endpoint: the port + the rank, a port 0 left to the OS (SGLang's and
+    vLLM's kv_events.py, offset_endpoint_port)."""
+    if not endpoint or dp_rank == 0:
+        return endpoint
+    base, _, port = endpoint.rpartition(":")
+    return endpoint if int(port) == 0 else f"{base}:{int(port) + dp_rank}"
 
 
 def page_hash(parent: int | None, token_ids: Sequence[int]) -> int:
@@ -155,16 +173,21 @@ class KvEventPublisher:
     def __init__(self, cfg: KvEventsConfig, dp_rank: int = 0) -> None:
         self.cfg = cfg
         self.dp_rank = dp_rank
+        self.endpoint = offset_port(cfg.endpoint, dp_rank)
+        self.replay_endpoint = offset_port(cfg.replay_endpoint, dp_rank)
         self.seq = 0
+        # Fault injection: this many next batches are numbered and kept for replay but not
+        # sent (as a full send queue drops them), so subscribers see a gap.
+        self.lose_next = 0
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._pub: zmq.Socket[bytes] | None = None
         self.set_down(False)
         self._buffer: deque[tuple[bytes, bytes]] = deque(maxlen=max(1, cfg.buffer_steps))
         self._replay: zmq.Socket[bytes] | None = None
-        if cfg.replay_endpoint:
+        if self.replay_endpoint:
             self._replay = self._ctx.socket(zmq.ROUTER)
             self._replay.setsockopt(zmq.LINGER, 0)
-            self._replay.bind(cfg.replay_endpoint)  # the replay socket always binds
+            self._replay.bind(self.replay_endpoint)  # the replay socket always binds
 
     def publish(self, events: list[Any]) -> None:
         if not events:
@@ -173,7 +196,9 @@ class KvEventPublisher:
         seq = self.seq.to_bytes(8, "big", signed=True)
         self.seq += 1
         self._buffer.append((seq, payload))
-        if self._pub is not None:
+        if self.lose_next > 0:
+            self.lose_next -= 1
+        elif self._pub is not None:
             self._pub.send_multipart([self.cfg.topic.encode(), seq, payload])
 
     def set_down(self, down: bool) -> None:
@@ -185,7 +210,7 @@ class KvEventPublisher:
         elif not down and self._pub is None:
             self._pub = self._ctx.socket(zmq.PUB)
             self._pub.setsockopt(zmq.LINGER, 0)
-            _bind_or_connect(self._pub, self.cfg.endpoint)
+            _bind_or_connect(self._pub, self.endpoint)
 
     def serve_replays(self) -> int:
         """Answer pending replay requests (non-blocking). Returns how many were served."""
@@ -273,9 +298,14 @@ class KvEventEmitter:
                 parent = None if first is None else self._blocks[first][0]
                 hashes = [self._blocks[h][0] for h in run]
                 tokens = [t for h in run for t in self._blocks[h][1]]
-                events.append(
-                    stored_event(self.cfg, hashes, parent, tokens, self.block_tokens, self.flavor)
-                )
+                bt = self.block_tokens
+                if self.cfg.per_page_events:
+                    for i, h in enumerate(hashes):
+                        page = tokens[i * bt : (i + 1) * bt]
+                        events.append(stored_event(self.cfg, [h], parent, page, bt, self.flavor))
+                        parent = h
+                else:
+                    events.append(stored_event(self.cfg, hashes, parent, tokens, bt, self.flavor))
                 run.clear()
 
         for change in changes:

@@ -184,6 +184,12 @@ def validate_backend(b: Backend, prefix: str = "") -> None:
             raise ConfigError(
                 f"{prefix}kv_events.{key}: expected tcp://HOST:PORT or tcp://*:PORT, got {value!r}"
             )
+        ranks = b.kv_events.dp_ranks
+        if value and int(value.rpartition(":")[2]) + ranks - 1 > 65535:
+            raise ConfigError(
+                f"{prefix}kv_events.{key}: DP rank r publishes on port + r: with dp_ranks "
+                f"{ranks} the port is at most {65536 - ranks}, got {value!r}"
+            )
     try:
         load_profile(b.engine_profile)
     except ValueError as e:

@@ -111,6 +111,10 @@ class KvEventsSource:
     topic: str = ""
     # SGLang's replay endpoint (ROUTER), to fetch what a gap lost; "" = none (reset).
     replay_endpoint: str = ""
+    # The engine's data-parallel ranks: each publishes on its own port, the endpoint's
+    # (and the replay endpoint's) port + its rank, with its own sequence (SGLang's and
+    # vLLM's kv_events.py, offset_endpoint_port). 1 = no data parallelism.
+    dp_ranks: int = bounded(1, ge=1, le=256)
 
 
 @dataclass(frozen=True)

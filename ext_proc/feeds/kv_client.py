@@ -1,41 +1,74 @@
-"""The async shell around the engines' KV events: one subscriber per backend that has them.
+"""The async shell around the engines' KV events: per backend that has them, one supervised
+subscriber per DP rank's publisher (`kv_stream.RankStream`), all feeding that backend's
+per-engine state (`Router.apply_kv_events`).
 
-Each subscriber feeds the router's per-engine state (`Router.apply_kv_events`) and tells it
-whether the stream is up: a ZMQ socket monitor reports the connection to the engine's
-publisher as it opens and drops, so a dead stream is known at once (not from silence: an
-idle engine publishes nothing). A gap in the sequence numbers is replayed from the
-engine's replay endpoint when it has one (SGLang's ROUTER: `[b"", start_seq]` ->
-`[b"", seq, payload]`..., then seq -1), else that backend's state is reset. With a replay
-endpoint a (re)started router also replays from the start, so it is warm at once. A
-backend added at run time gets its subscriber (`add`); a removed one's is stopped
-(`remove`).
+A backend is precise while every one of its ranks' streams is up (a ZMTP handshake done,
+heartbeats answered) and caught up; otherwise the router's own estimate serves it. A gap
+in a rank's sequence numbers is replayed from that rank's replay endpoint when it has one
+(SGLang's ROUTER: `[b"", start_seq]` -> `[b"", seq, payload]`..., then seq -1), else the
+backend's state is reset. With a replay endpoint a (re)started router also replays from
+the start, so it is warm at once. A subscriber that fails (a bind refused, anything
+unexpected) is logged in one line, counted and restarted with capped exponential backoff;
+`snapshot` shows the counts. A backend added at run time gets its subscribers (`add`); a
+removed one's are stopped (`cancel`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import time
-from urllib.parse import urlsplit
+from dataclasses import dataclass, field
+from typing import Any
 
 import zmq
 import zmq.asyncio
-from zmq.utils.monitor import parse_monitor_message
 
 from ext_proc.common.aio import cancel_and_wait
-from ext_proc.config.schema import Backend, Config, split_host_port
+from ext_proc.config.schema import Backend, Config
 from ext_proc.core.router import Router
-from ext_proc.estimate.engine_index import EngineBlocks
-from ext_proc.feeds.kv_events import EventBatch, KvEventError, decode_message, subscriber_address
+from ext_proc.feeds.kv_stream import RankStream
 
 log = logging.getLogger("gorgo.kv_events")
 
-# How long a replay may take before the backend is reset instead.
-REPLAY_TIMEOUT_S = 2.0
-END_OF_REPLAY = -1
-# How often the receive loop looks up from the socket for a catch-up after a reconnect.
-RECONNECT_CHECK_S = 0.1
-_UP_EVENTS = (zmq.EVENT_CONNECTED, zmq.EVENT_ACCEPTED)
+# Restart backoff of a failed subscriber: from 0.1 s, doubling, at most 5 s (a bind that
+# keeps failing costs one log line per 5 s); back to 0.1 s after a run of 30 s.
+BACKOFF_MIN_S = 0.1
+BACKOFF_MAX_S = 5.0
+BACKOFF_RESET_S = 30.0
+# Errors that do not stop a subscriber (an undecodable message) are all counted but
+# logged at most once per this interval per backend (a stream of garbage would flood).
+REPORT_INTERVAL_S = 10.0
+
+
+@dataclass
+class _Subscribers:
+    """One backend's subscribers and what went wrong with them."""
+
+    streams: list[RankStream]
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    errors: int = 0
+    restarts: int = 0
+    last_error: str = ""
+    last_error_at: float | None = None
+    last_logged_at: float | None = None
+
+
+def describe(e: BaseException, s: RankStream) -> str:
+    """An error as one line, with the fix where there is one."""
+    if isinstance(e, zmq.ZMQError) and s.bind and e.errno == zmq.EADDRINUSE:
+        return (
+            f"cannot bind {s.address}: address in use. With a tcp://HOST:PORT endpoint the "
+            "engine connects and exactly one router can bind that address (another router "
+            "or process holds it): give the engine tcp://*:PORT so that every router connects"
+        )
+    if isinstance(e, zmq.ZMQError) and s.bind and e.errno == errno.EADDRNOTAVAIL:
+        return (
+            f"cannot bind {s.address}: not an address of this host. With a tcp://HOST:PORT "
+            "endpoint the engine connects to HOST, which must be this router's"
+        )
+    return f"{type(e).__name__}: {e}"
 
 
 class KvEventClients:
@@ -43,15 +76,8 @@ class KvEventClients:
         self.cfg = cfg
         self.router = router
         self._ctx = zmq.asyncio.Context()
-        # Per backend: its subscriber task.
-        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._subs: dict[str, _Subscribers] = {}
         self._stopping: set[asyncio.Task[None]] = set()
-        # Per backend: connected publishers, and whether the state caught up at start.
-        self._peers: dict[str, int] = {}
-        self._synced: dict[str, bool] = {}
-        # Streams that dropped, and those back since (a catch-up replay is due).
-        self._dropped: dict[str, bool] = {}
-        self._reconnected: set[str] = set()
 
     async def start(self) -> None:
         for b in self.router.cfg.backends:
@@ -60,163 +86,113 @@ class KvEventClients:
     def add(self, b: Backend) -> None:
         """Subscribe to a backend's events from now on (nothing if it has none). A
         subscriber it had must have been cancelled and have ended first (`cancel`)."""
-        assert b.id not in self._tasks, f"kv events of {b.id}: subscriber running"
-        if b.kv_events.endpoint:
-            self._tasks[b.id] = asyncio.create_task(self._run(b))
+        assert b.id not in self._subs, f"kv events of {b.id}: subscriber running"
+        if not b.kv_events.endpoint:
+            return
+        subs = _Subscribers([])
+        self._subs[b.id] = subs
+        for rank in range(b.kv_events.dp_ranks):
+            stream = RankStream(
+                self._ctx,
+                self.router,
+                b,
+                rank,
+                lambda: self._update(b.id),
+                lambda text: self._report(b.id, text),
+            )
+            subs.streams.append(stream)
+            subs.tasks.append(asyncio.create_task(self._supervise(subs, stream)))
 
     def cancel(self, backend: str) -> list[asyncio.Task[None]]:
-        """Stop a backend's subscriber: cancelled now (it runs no further than its
+        """Stop a backend's subscribers: cancelled now (they run no further than their
         cleanup), returned to be awaited."""
-        task = self._tasks.pop(backend, None)
-        if task is None:
+        subs = self._subs.pop(backend, None)
+        if subs is None:
             return []
-        task.cancel()
-        self._stopping.add(task)  # a reference until it has ended
-        task.add_done_callback(self._stopping.discard)
-        return [task]
+        for task in subs.tasks:
+            task.cancel()
+            self._stopping.add(task)  # a reference until it has ended
+            task.add_done_callback(self._stopping.discard)
+        return list(subs.tasks)
 
     @property
     def backends(self) -> list[str]:
-        return list(self._tasks)
+        return list(self._subs)
 
     async def stop(self) -> None:
-        await cancel_and_wait([*self._tasks.values(), *self._stopping])
-        self._tasks.clear()
+        await cancel_and_wait([*(t for s in self._subs.values() for t in s.tasks), *self._stopping])
+        self._subs.clear()
         self._ctx.destroy(linger=0)
 
-    async def _run(self, b: Backend) -> None:
-        host, _ = split_host_port(b.address, "address")
-        address, bind = subscriber_address(b.kv_events.endpoint, host)
-        sock = self._ctx.socket(zmq.SUB)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt_string(zmq.SUBSCRIBE, b.kv_events.topic)
-        events = zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
-        monitor = sock.get_monitor_socket(events)
-        (sock.bind if bind else sock.connect)(address)
-        self._synced[b.id] = not b.kv_events.replay_endpoint
-        watch = asyncio.create_task(self._watch(b.id, monitor))
-        try:
-            if b.kv_events.replay_endpoint:
-                # Warm start: what the engine published before this router began (its
-                # replay buffer) rebuilds the state; live batches wait in the socket.
-                t0 = time.monotonic()
-                ok = await self._replay(b, 0)
-                log.info(
-                    "kv events of %s: %s in %.2f s (%d blocks)",
-                    b.id,
-                    "replayed from the start" if ok else "no replay: starting cold",
-                    time.monotonic() - t0,
-                    self._engine(b.id).blocks,
-                )
-                self._synced[b.id] = True
-                self._update(b.id)
-            replayed_through = self._engine(b.id).last_seq
-            while True:
-                if b.id in self._reconnected:
-                    # Back after a drop: what was published meanwhile is in the replay
-                    # buffer (the next live batch would only show the gap later).
-                    self._reconnected.discard(b.id)
-                    if b.kv_events.replay_endpoint:
-                        engine = self._engine(b.id)
-                        start = (engine.last_seq if engine.last_seq is not None else -1) + 1
-                        if await self._replay(b, start):
-                            replayed_through = engine.last_seq
-                    self._synced[b.id] = True
-                    self._update(b.id)
-                try:
-                    frames = await asyncio.wait_for(sock.recv_multipart(), RECONNECT_CHECK_S)
-                except TimeoutError:
-                    continue
-                try:
-                    batch = decode_message(frames)
-                except KvEventError as e:
-                    log.warning("kv events of %s: %s", b.id, e)
-                    continue
-                if replayed_through is not None and batch.seq <= replayed_through:
-                    continue  # already applied from the replay
-                replayed_through = None
-                applied = self.router.apply_kv_events(b.id, batch)
-                if applied.restarted:
-                    log.warning("kv events of %s: sequence went back: engine restarted", b.id)
-                if applied.gap:
-                    await self._recover(b, batch)
-        finally:
-            watch.cancel()
-            self.router.set_event_stream(b.id, False)
-            for per_backend in (self._peers, self._synced, self._dropped):
-                per_backend.pop(b.id, None)
-            self._reconnected.discard(b.id)
-            sock.disable_monitor()
-            monitor.close()
-            sock.close()
+    def snapshot(self, backend: str) -> dict[str, Any] | None:
+        """A backend's subscribers for /state (None: it has no KV events)."""
+        subs = self._subs.get(backend)
+        if subs is None:
+            return None
+        at = subs.last_error_at
+        return {
+            "dp_ranks": len(subs.streams),
+            "ranks_up": sum(s.precise for s in subs.streams),
+            "errors": subs.errors,
+            "restarts": subs.restarts,
+            "skipped_events": sum(s.skipped_events for s in subs.streams),
+            "last_error": subs.last_error or None,
+            "last_error_age_s": None if at is None else round(time.monotonic() - at, 1),
+        }
 
-    def _engine(self, backend: str) -> EngineBlocks:
-        engine = self.router.backends[backend].engine_blocks
-        assert engine is not None  # only backends with kv_events get a subscriber
-        return engine
+    async def _supervise(self, subs: _Subscribers, stream: RankStream) -> None:
+        """Run one rank's subscriber; whatever stops it is logged, counted, and it is
+        started again after a backoff."""
+        delay_s = BACKOFF_MIN_S
+        while True:
+            started = time.monotonic()
+            try:
+                await stream.run()
+                error = "the subscriber ended"
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                error = describe(e, stream)
+                log.debug("kv events of %s: subscriber failed", stream.backend, exc_info=True)
+            if time.monotonic() - started >= BACKOFF_RESET_S:
+                delay_s = BACKOFF_MIN_S
+            self._count(subs, error)
+            log.warning(
+                "kv events of %s, DP rank %d: %s (restart in %.1f s)",
+                stream.backend,
+                stream.rank,
+                error,
+                delay_s,
+            )
+            await asyncio.sleep(delay_s)
+            delay_s = min(2 * delay_s, BACKOFF_MAX_S)
+            subs.restarts += 1
+
+    def _count(self, subs: _Subscribers, error: str) -> None:
+        subs.errors += 1
+        subs.last_error = error
+        subs.last_error_at = time.monotonic()
+
+    def _report(self, backend: str, text: str) -> None:
+        """An error the subscriber lives through."""
+        subs = self._subs.get(backend)
+        if subs is None:
+            return
+        self._count(subs, text)
+        now = time.monotonic()
+        if subs.last_logged_at is None or now - subs.last_logged_at >= REPORT_INTERVAL_S:
+            subs.last_logged_at = now
+            log.warning("kv events of %s: %s (%d errors so far)", backend, text, subs.errors)
 
     def _update(self, backend: str) -> None:
-        """Precise while the stream is up and the state has caught up with the engine."""
-        up = self._peers.get(backend, 0) > 0 and self._synced.get(backend, False)
-        if up != self.router.backends[backend].precise:
+        """Precise while every rank's stream is up and caught up with its engine."""
+        subs = self._subs.get(backend)
+        up = subs is not None and all(s.precise for s in subs.streams)
+        b = self.router.backends.get(backend)
+        if b is not None and up != b.precise:
             log.warning(
                 "kv events of %s %s",
                 backend,
                 "up: precise prefix state" if up else "down: approximate prefix state",
             )
             self.router.set_event_stream(backend, up)
-
-    async def _watch(self, backend: str, monitor: zmq.asyncio.Socket) -> None:
-        while True:
-            event = parse_monitor_message(await monitor.recv_multipart())["event"]
-            if event in _UP_EVENTS:
-                self._peers[backend] = self._peers.get(backend, 0) + 1
-                if self._dropped.pop(backend, False):
-                    self._reconnected.add(backend)
-            elif event == zmq.EVENT_DISCONNECTED:
-                self._peers[backend] = max(0, self._peers.get(backend, 0) - 1)
-                if self._peers[backend] == 0:
-                    # Not precise again until what was missed is caught up.
-                    self._dropped[backend] = True
-                    self._synced[backend] = False
-            self._update(backend)
-
-    async def _recover(self, b: Backend, batch: EventBatch) -> None:
-        """Events before `batch` were lost: replay them (the replay includes `batch`), or
-        reset and start again from `batch`."""
-        engine = self._engine(b.id)
-        start = (engine.last_seq or 0) + 1
-        if b.kv_events.replay_endpoint and await self._replay(b, start):
-            log.info("kv events of %s: replayed from seq %d", b.id, start)
-            return
-        log.warning("kv events of %s: lost events %d-%d: state reset", b.id, start, batch.seq - 1)
-        engine.reset()
-        self.router.apply_kv_events(b.id, batch)
-
-    async def _replay(self, b: Backend, start_seq: int) -> bool:
-        host = split_host_port(b.address, "address")[0]
-        parts = urlsplit(b.kv_events.replay_endpoint)
-        target = (
-            f"tcp://{host}:{parts.port}"
-            if parts.hostname in (None, "*")
-            else b.kv_events.replay_endpoint
-        )
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(target)
-        try:
-            await sock.send_multipart([b"", start_seq.to_bytes(8, "big", signed=True)])
-            async with asyncio.timeout(REPLAY_TIMEOUT_S):
-                while True:
-                    _, seq, payload = await sock.recv_multipart()
-                    if int.from_bytes(seq, "big", signed=True) == END_OF_REPLAY:
-                        return True
-                    applied = self.router.apply_kv_events(
-                        b.id, decode_message([b.kv_events.topic.encode(), seq, payload])
-                    )
-                    if applied.gap:  # the replay buffer no longer reaches back that far
-                        return False
-        except (TimeoutError, ValueError, KvEventError):
-            return False
-        finally:
-            sock.close()

@@ -220,3 +220,20 @@ def test_dp_rank_endpoints_and_bind_or_connect() -> None:
     assert offset_port("", 2) == ""
     assert subscriber_address("tcp://*:5557", "10.1.1.1") == ("tcp://10.1.1.1:5557", False)
     assert subscriber_address("tcp://10.0.0.5:5557", "x") == ("tcp://10.0.0.5:5557", True)
+
+
+def test_the_dp_ranks_key_is_checked_at_load() -> None:
+    from ext_proc.config.load import config_from_dict
+    from ext_proc.config.schema import ConfigError
+
+    def kv(**keys: Any) -> dict[str, Any]:
+        return {"backends": [{"id": "a", "address": "h:1", "kv_events": keys}]}
+
+    default = config_from_dict(kv(endpoint="tcp://*:5557")).backends[0].kv_events
+    assert default.dp_ranks == 1
+    four = config_from_dict(kv(endpoint="tcp://*:65532", dp_ranks=4)).backends[0].kv_events
+    assert four.dp_ranks == 4
+    with pytest.raises(ConfigError, match=r"backends\[0\]\.kv_events\.dp_ranks: must be >= 1"):
+        config_from_dict(kv(endpoint="tcp://*:5557", dp_ranks=0))
+    with pytest.raises(ConfigError, match=r"replay_endpoint: DP rank r .* at most 65532"):
+        config_from_dict(kv(endpoint="tcp://*:1", replay_endpoint="tcp://*:65535", dp_ranks=4))
