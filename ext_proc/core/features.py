@@ -12,7 +12,8 @@ from collections.abc import Callable, Sequence
 from ext_proc.config.schema import Routing
 from ext_proc.core.fleet import Fleet
 from ext_proc.core.state import BackendState
-from ext_proc.core.types import BackendLifecycle, Candidate, RouteRequest
+from ext_proc.core.types import BackendLifecycle, Candidate, PrefixState, RouteRequest
+from ext_proc.estimate.chain import chain_keys
 from ext_proc.estimate.cost import (
     KV_HEADROOM_MARGIN,
     QueueItem,
@@ -20,7 +21,6 @@ from ext_proc.estimate.cost import (
     estimate_queue_ms,
     kv_headroom_ms,
 )
-from ext_proc.estimate.engine_index import chain_keys
 from ext_proc.estimate.prefix import Hashes, as_hashes, leading_true
 from ext_proc.feeds.engine_metrics import EngineReport
 from ext_proc.prompt.tokens import APPROX, block_hashes_of_ids
@@ -46,29 +46,55 @@ def kv_tokens(request: RouteRequest) -> int:
     return (request.llm.input_tokens if request.llm else 0) + output_tokens(request)
 
 
+def prefix_state(b: BackendState) -> PrefixState:
+    """Where the backend's predictions come from: its engine's events while their stream
+    is up, warming while the router may lack the engine's earlier history, the router's
+    own index while they are down or of a shape the router cannot key."""
+    engine = b.engine_blocks
+    if not b.precise or engine is None or engine.unsupported is not None:
+        return PrefixState.APPROXIMATE
+    return PrefixState.PRECISE if engine.history_complete else PrefixState.WARMING
+
+
+def prefix_state_for(b: BackendState, request: RouteRequest) -> PrefixState:
+    """The backend's prefix state for this request: the engine's (precise, warming) only
+    for a request matched by token ids, not by a simulator's own block hashes alone."""
+    if request.blocks is not None and request.engine_keys is None:
+        return PrefixState.APPROXIMATE
+    return prefix_state(b)
+
+
 def precise_for(b: BackendState, request: RouteRequest) -> bool:
-    """The backend's prediction comes from its engine's events (they are up, and the
-    request is matched by token ids, not by a simulator's own block hashes alone)."""
-    return b.precise and (request.blocks is None or request.engine_keys is not None)
+    """The backend's prediction for this request comes from its engine's events."""
+    return prefix_state_for(b, request) is not PrefixState.APPROXIMATE
 
 
-def _keys_by_block_size(request: RouteRequest) -> Callable[[int], list[list[int]]]:
-    """Each prompt's chain keys at a block size, tokenized and chained once per decision
-    whatever the number of backends."""
+KeysOf = Callable[[int, int], list[list[int]]]
+
+
+def _keys_by_block_size(request: RouteRequest) -> KeysOf:
+    """Each prompt's chain keys at a block size in a namespace (`chain.namespace_seed`),
+    tokenized and chained once per decision whatever the number of backends."""
     prompts = request.llm.prompts if request.llm else ()
     ids: list[Sequence[int]] = []
-    cache: dict[int, list[list[int]]] = {}
+    cache: dict[tuple[int, int], list[list[int]]] = {}
 
-    def keys_of(block_size: int) -> list[list[int]]:
+    def keys_of(block_size: int, seed: int = 0) -> list[list[int]]:
         if request.engine_keys is not None:
             return [list(request.engine_keys)]
         if not ids:
             ids.extend(p if isinstance(p, tuple) else APPROX.ids(p) for p in prompts)
-        if block_size not in cache:
-            cache[block_size] = [chain_keys(p, block_size) for p in ids]
-        return cache[block_size]
+        if (block_size, seed) not in cache:
+            cache[block_size, seed] = [chain_keys(p, block_size, seed) for p in ids]
+        return cache[block_size, seed]
 
     return keys_of
+
+
+def _capped(per_prompt: Sequence[float], lengths: Sequence[int]) -> int:
+    """Cached tokens of a request: each prompt's own leading match, at least one token of
+    each computed."""
+    return sum(min(int(c), max(0, n - 1)) for c, n in zip(per_prompt, lengths, strict=False))
 
 
 def pace_ms(r: Routing, b: BackendState, chosen: Candidate, now_s: float) -> float:
@@ -105,6 +131,9 @@ class Features:
         # No first byte ever seen means none is observed (an Envoy without the observing
         # filter): lateness would then be noise (set by the router at the first one).
         self.sees_first_bytes = False
+        # Per candidate of the last `candidates` call whose engine's events serve: the
+        # cached tokens a precise prediction gave (what a warming backend is judged by).
+        self.precise_cached: dict[str, int] = {}
 
     def prompt_blocks(self, request: RouteRequest) -> list[Hashes]:
         """Each prompt's prefix-block hashes (one list per prompt of a batch)."""
@@ -123,25 +152,35 @@ class Features:
     def _precise_cached(
         self,
         b: BackendState,
-        keys_of: Callable[[int], list[list[int]]],
+        request: RouteRequest,
+        keys_of: KeysOf,
         blocks: list[Hashes],
         now_s: float,
-    ) -> list[float]:
+    ) -> tuple[list[float], list[float]]:
         """Per prompt, the tokens the engine's own events say it holds, or that this router
-        sent there within optimistic_ttl_s (not yet confirmed by an event)."""
+        sent there within optimistic_ttl_s (not yet confirmed by an event); and what is
+        used: that, or while warming (the engine's earlier history may be missing) at
+        least what the router's own index holds."""
         routing = self.fleet.cfg.routing
         engine = b.engine_blocks
         assert engine is not None  # precise_for
+        llm = request.llm
+        seed = engine.seed_for(llm.model, llm.cache_salt) if llm else 0
+        sizes = engine.key_sizes or (routing.block_tokens,)
+        keyed = {size: keys_of(size, seed) for size in sizes}
+        lengths = llm.prompt_tokens if llm else ()
+        warming = not engine.history_complete
         since_s = now_s - routing.optimistic_ttl_s
-        out = []
-        for keys, prompt_blocks in zip(
-            keys_of(engine.block_size or routing.block_tokens), blocks, strict=False
-        ):
-            reported = engine.cached_tokens(keys)
+        precise, used = [], []
+        for i, prompt_blocks in enumerate(blocks[: min(len(k) for k in keyed.values())]):
+            limit = max(0, lengths[i] - 1) if i < len(lengths) else None
+            reported = engine.cached_tokens({s: k[i] for s, k in keyed.items()}, limit)
             recent = b.prefix.last_used_s(prompt_blocks)
             optimistic = leading_true(recent >= since_s) * routing.block_tokens
-            out.append(max(reported, optimistic))
-        return out
+            precise.append(max(reported, optimistic))
+            own = b.prefix.match(prompt_blocks) * routing.block_tokens if warming else 0
+            used.append(max(precise[-1], own))
+        return precise, used
 
     def candidates(self, request: RouteRequest, blocks: list[Hashes]) -> tuple[Candidate, ...]:
         now_s = self.clock()
@@ -155,16 +194,15 @@ class Features:
             raise NoActiveBackend("no active backend")
         healthy = [b for b in active if state.available(b, now_s)]
         keys_of = _keys_by_block_size(request)
+        self.precise_cached.clear()
         out = []
         for b in healthy or active:  # all suspect: try them all (never a draining one)
             if precise_for(b, request):
-                per_prompt = self._precise_cached(b, keys_of, blocks, now_s)
+                precise, per_prompt = self._precise_cached(b, request, keys_of, blocks, now_s)
+                self.precise_cached[b.id] = _capped(precise, lengths)
             else:
                 per_prompt = [b.prefix.match(prompt) * bt for prompt in blocks]
-            # Each prompt's own leading match; at least one token of each is computed.
-            cached = sum(
-                min(int(c), max(0, n - 1)) for c, n in zip(per_prompt, lengths, strict=False)
-            )
+            cached = _capped(per_prompt, lengths)
             uncached = input_tokens - cached
             prefill_ms = b.prefill.prefill_ms(uncached, cached)
             items, step_ms = self._queue_items(b)

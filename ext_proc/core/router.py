@@ -20,7 +20,7 @@ import numpy as np
 from ext_proc.config.schema import Config
 from ext_proc.core import views
 from ext_proc.core.events import BackendChanged, Closed, Dispatched, FirstByte, Listener
-from ext_proc.core.features import Features, output_tokens, pace_ms, precise_for
+from ext_proc.core.features import Features, output_tokens, pace_ms, prefix_state_for
 from ext_proc.core.fleet import Fleet, FleetControls
 from ext_proc.core.inputs import RouterInputs
 from ext_proc.core.state import BackendState
@@ -200,6 +200,10 @@ class Router(RouterInputs, FleetControls):
         # The engine reports one cached count per request: it says which blocks it lost
         # only for a single prompt.
         held = blocks[0][: chosen.cached_tokens // bt] if len(blocks) == 1 else None
+        state = prefix_state_for(b, request)
+        if state is PrefixState.WARMING and b.engine_blocks is not None:
+            # judged at its close: would a precise prediction have been right?
+            b.engine_blocks.expect(request.request_id, self._features.precise_cached[b.id])
         rec = InFlight(
             request_id=request.request_id,
             backend=chosen.backend_id,
@@ -207,9 +211,7 @@ class Router(RouterInputs, FleetControls):
             input_tokens=chosen.cached_tokens + chosen.uncached_tokens,
             output_tokens=output_tokens(request),
             cached_tokens=chosen.cached_tokens,
-            prefix_state=PrefixState.PRECISE
-            if precise_for(b, request)
-            else PrefixState.APPROXIMATE,
+            prefix_state=state,
             prefill_ms=chosen.prefill_ms,
             rtt_ms=chosen.rtt_ms,
             queue_ms=chosen.queue_ms,

@@ -40,6 +40,9 @@ class PrefixState(enum.StrEnum):
     PRECISE = "precise"
     # The router's own prefix index (no events, or their stream is down).
     APPROXIMATE = "approximate"
+    # The engine's events are up but may lack what it cached before the router heard
+    # it: the larger of the events' prediction and the router's own index.
+    WARMING = "warming"
 
 
 class BackendLifecycle(enum.StrEnum):

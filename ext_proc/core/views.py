@@ -8,23 +8,24 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from ext_proc.core.features import Features
+from ext_proc.core.features import Features, prefix_state
 from ext_proc.core.state import BackendState
-from ext_proc.core.types import Decision, PrefixState, Weights
+from ext_proc.core.types import Decision, Weights
 from ext_proc.learn.tuner import Tuner
 
 
 def prefix_state_json(b: BackendState, wall_s: float) -> dict[str, Any]:
-    """Where the backend's cached-token prediction comes from, and its KV-event stream."""
-    state = PrefixState.PRECISE if b.precise else PrefixState.APPROXIMATE
-    out: dict[str, Any] = {"prefix_state": str(state)}
+    """Where the backend's cached-token prediction comes from, and its KV-event stream:
+    per KV cache group its blocks, per DP rank its last sequence number, whether the
+    router has the engine's whole history (warming until its predictions prove out),
+    stores under a parent it never heard of, and why a stream is unusable."""
+    out: dict[str, Any] = {"prefix_state": str(prefix_state(b))}
     engine = b.engine_blocks
     if engine is not None:
         out["kv_events"] = {
             "up": b.precise,
             "blocks": engine.blocks,
             "block_size": engine.block_size,
-            "last_seq": engine.last_seq,
             "last_event_ts": engine.last_ts,
             # Seconds since that stamp (an idle engine publishes nothing).
             "age_s": None
@@ -32,6 +33,7 @@ def prefix_state_json(b: BackendState, wall_s: float) -> dict[str, Any]:
             else round(max(0.0, wall_s - engine.last_ts), 3),
             "gaps": engine.gaps,
             "resets": engine.resets,
+            **engine.as_json(wall_s),
         }
     return out
 

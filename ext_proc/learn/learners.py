@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from ext_proc.config.schema import Routing
 from ext_proc.core.events import Closed, Dispatched, Listener
 from ext_proc.core.state import FleetState
-from ext_proc.core.types import Status
+from ext_proc.core.types import PrefixState, Status
 from ext_proc.estimate.prediction import prediction_error
 from ext_proc.estimate.profile import EngineProfile
 from ext_proc.learn.settings import EXCESS_TTFT
@@ -97,15 +97,19 @@ class Ejector(Listener):
 
 class PredictionLearner(Listener):
     """Each backend's prediction figures: the cached tokens predicted on the chosen
-    backend against what its engine reported at completion."""
+    backend against what its engine reported at completion; and, while its KV events are
+    warming, whether a precise prediction would have been right (EngineBlocks.settle)."""
 
     def __init__(self, state: FleetState) -> None:
         self.state = state
 
     def on_close(self, e: Closed) -> None:
         err = prediction_error(e)
+        b = self.state.backends[e.backend]
+        if e.record.prefix_state == PrefixState.WARMING and b.engine_blocks is not None:
+            b.engine_blocks.settle(e.request_id, None if err is None else err.reported_tokens)
         if err is not None:
-            self.state.backends[e.backend].prediction.add(e.record.prefix_state, err)
+            b.prediction.add(e.record.prefix_state, err)
 
 
 class TunerLearner(Listener):
