@@ -29,14 +29,22 @@ Pure: no sockets, no clock of its own.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
+from itertools import chain
 from typing import Any
 
 from ext_proc.estimate.chain import chain_keys, event_extras, namespace_seed
+from ext_proc.estimate.kv_coarse import make_group
 from ext_proc.estimate.kv_groups import KvGroup, hybrid_hit_tokens
 from ext_proc.estimate.stream_health import StreamHealth
-from ext_proc.feeds.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from ext_proc.feeds.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    KvEvent,
+)
 
 __all__ = ["Applied", "EngineBlocks", "chain_keys"]
 
@@ -51,6 +59,61 @@ class Applied:
     gap: bool = False
     restarted: bool = False
     unknown_parents: int = 0
+
+
+def _chainable(e: BlockStored) -> bool:
+    return (
+        e.extra_keys is None
+        and e.block_size > 0
+        and len(e.token_ids) == len(e.block_hashes) * e.block_size > 0
+    )
+
+
+def _same_kind(a: BlockStored, b: BlockStored) -> bool:
+    return (a.block_size, a.medium, a.lora_name, a.group_idx, a.spec_kind) == (
+        b.block_size,
+        b.medium,
+        b.lora_name,
+        b.group_idx,
+        b.spec_kind,
+    )
+
+
+def coalesced(events: Sequence[KvEvent]) -> Iterator[KvEvent]:
+    """The events, consecutive stores along one chain as one: SGLang publishes a page an
+    event (python/sglang/srt/mem_cache/events.py), and keyed together they are the same
+    blocks under the same keys at a fraction of the cost."""
+    run: list[BlockStored] = []
+    for e in events:
+        if run and isinstance(e, BlockStored):
+            last = run[-1]
+            if (
+                e.parent_block_hash == last.block_hashes[-1]
+                and _chainable(e)
+                and _same_kind(e, last)
+            ):
+                run.append(e)
+                continue
+        if run:
+            yield _merged(run)
+            run = []
+        if isinstance(e, BlockStored) and _chainable(e):
+            run = [e]
+        else:
+            yield e
+    if run:
+        yield _merged(run)
+
+
+def _merged(run: list[BlockStored]) -> BlockStored:
+    if len(run) == 1:
+        return run[0]
+    first = run[0]
+    return replace(
+        first,
+        block_hashes=tuple(chain.from_iterable(e.block_hashes for e in run)),
+        token_ids=tuple(chain.from_iterable(e.token_ids for e in run)),
+    )
 
 
 class EngineBlocks:
@@ -160,7 +223,7 @@ class EngineBlocks:
             return out
         self._seqs[rank] = batch.seq
         self.last_ts = batch.ts
-        for e in batch.events:
+        for e in coalesced(batch.events):
             if isinstance(e, BlockStored):
                 out.unknown_parents += self._store(rank, e, batch.ts)
             elif isinstance(e, BlockRemoved):
@@ -187,7 +250,7 @@ class EngineBlocks:
         g = self._groups.get(gid)
         if g is None and full and e.block_hashes:
             window = getattr(e, "sliding_window", None)
-            g = self._groups[gid] = KvGroup(e.block_size, e.spec_kind, window)
+            g = self._groups[gid] = make_group(e.block_size, e.spec_kind, window)
         salt, extras = event_extras(e)
         if (
             g is None

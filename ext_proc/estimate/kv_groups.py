@@ -6,14 +6,8 @@ own cache, and one block may be held on the GPU and on a slower tier at once (SG
 HiCache backs a GPU node up to the host and later evicts either copy alone:
 python/sglang/srt/mem_cache/hiradix_cache.py; vLLM's CPU offload, its `medium`). A
 removal clears its own rank's and medium's bit only; a block is gone when no bit is left,
-and it weighs as its best medium.
-
-Page sizes under 16 tokens (SGLang's default is 1) are keyed coarser: the router keys such
-a group every `COARSE_TOKENS` tokens (a request's keys and the engine's pages alike), so a
-32k-token prompt costs ~1k hashes, not 32k. Each page keeps the coarse key it extends and
-its tokens since that key; the page that completes a granule holds the granule's key.
-SGLang evicts leaves first (radix_cache.py evict), so the page a granule ends on goes
-before the pages under it: its removal drops the granule.
+and it weighs as its best medium. Pages under 16 tokens are keyed coarser
+(`kv_coarse.CoarseGroup`).
 
 Pure.
 """
@@ -22,18 +16,13 @@ from __future__ import annotations
 
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from math import lcm
 from typing import Any
 
 from ext_proc.estimate.chain import Extras, chain_keys, keyed_block
 from ext_proc.feeds.kv_events import BlockStored
 
-# Pages under this many tokens are keyed coarser (per-token hashing is what costs).
-FINE_BLOCK_TOKENS = 16
-# The coarse granule: a prediction undercounts by less than this (32 tokens is ~1.5 % of
-# a 2k-token prompt; 1k hashes for a 32k-token one).
-COARSE_TOKENS = 32
 # Removed pages remembered per rank, for children stored under them later (a node split
 # re-stores pages under a removed parent; a sliding-window group frees old blocks first).
 RETIRED_PAGES = 1 << 14
@@ -83,17 +72,10 @@ def weight_of(holders: int) -> float:
     return w
 
 
-def key_tokens_for(block_size: int) -> int:
-    """The granule the router keys a group of this block size at."""
-    if block_size >= FINE_BLOCK_TOKENS:
-        return block_size
-    return block_size * -(-COARSE_TOKENS // block_size)
-
-
 class KvGroup:
     """One KV cache group: its block size and kind, who holds each of its keys, and per
-    DP rank what each engine hash stands for (a key; coarse: the granule key it extends
-    and its tokens since)."""
+    DP rank what each engine hash stands for (its key; `kv_coarse.CoarseGroup` for
+    pages keyed coarser)."""
 
     def __init__(
         self,
@@ -105,8 +87,7 @@ class KvGroup:
         self.block_size = block_size
         self.spec_kind = kind
         self.kind = _KINDS.get(kind or "", FULL)
-        self.key_tokens = key_tokens or key_tokens_for(block_size)
-        self.coarse = self.key_tokens != block_size
+        self.key_tokens = key_tokens or block_size
         # A sliding-window hit needs this many blocks in a row (vLLM: cdiv(window - 1,
         # block_size)); a window not said: one.
         self.window_keys = max(1, -(-((window_tokens or 2) - 1) // self.key_tokens))
@@ -121,73 +102,57 @@ class KvGroup:
             page = retired.get(h)
         return page
 
-    def _key_of(self, page: Any) -> int | None:
-        """The key a page holds: its own (exact), the granule it completes (coarse)."""
-        if not self.coarse:
-            return int(page)
-        return int(page[0]) if not page[1] else None
+    def _key_of(self, h: int, page: Any) -> int | None:
+        """The key the page of engine hash h holds (None: none)."""
+        return int(page)
 
     def store(self, rank: int, e: BlockStored, seed: int, extras: list[Extras] | None) -> int:
         """Key a full-block event under its parent. Returns how many of its hashes were
         already known under another key (an engine whose hashes are not chained), or -1
         when the parent is unknown (nothing stored)."""
         if e.parent_block_hash is None:
-            parent: Any = seed if not self.coarse else (seed, b"")
+            parent = seed
         else:
             parent = self._page(rank, e.parent_block_hash)
             if parent is None:
                 return -1 if not self.add_medium(rank, e) else 0
+        if extras is None:
+            keys = chain_keys(e.token_ids, self.block_size, parent)
+        else:
+            packed, step = array("q", e.token_ids).tobytes(), 8 * self.block_size
+            keys, key = [], parent
+            for i, x in enumerate(extras):
+                key = keyed_block(key, packed[i * step : (i + 1) * step], x)
+                keys.append(key)
         pages = self._pages.setdefault(rank, {})
         retired = self._retired.get(rank)
         bit = holder_bit(rank, e.medium)
         held = self.held
         reused = 0
-        for h, page in zip(e.block_hashes, self._chain(e, parent, extras), strict=True):
+        for h, key in zip(e.block_hashes, keys, strict=True):
             old = pages.get(h)
-            if old is not None and old != page:
+            if old is None:
+                if retired:
+                    retired.pop(h, None)
+            elif old != key:
                 reused += 1
-            elif old is None and retired:
-                retired.pop(h, None)
-            pages[h] = page
-            key = self._key_of(page)
-            if key is not None:
-                held[key] = held.get(key, 0) | bit
+            pages[h] = key
+            held[key] = held.get(key, 0) | bit
         return reused
-
-    def _chain(self, e: BlockStored, parent: Any, extras: list[Extras] | None) -> Iterable[Any]:
-        bs = self.block_size
-        if not self.coarse and extras is None:
-            return chain_keys(e.token_ids, bs, parent)
-        packed, step = array("q", e.token_ids).tobytes(), 8 * bs
-        if not self.coarse:
-            keys, key = [], parent
-            for i, x in enumerate(extras or ()):
-                key = keyed_block(key, packed[i * step : (i + 1) * step], x)
-                keys.append(key)
-            return keys
-        anchor, partial = parent
-        buf, start, granule = partial + packed, 0, 8 * self.key_tokens
-        pages = []
-        for i in range(len(e.block_hashes)):
-            end = len(partial) + (i + 1) * step
-            x = extras[i] if extras is not None else None
-            if x is not None or end - start == granule:
-                anchor, start = keyed_block(anchor, buf[start:end], x), end
-            pages.append((anchor, buf[start:end]))
-        return pages
 
     def add_medium(self, rank: int, e: BlockStored) -> bool:
         """A store the router cannot key (no tokens, another block size, an unknown
         parent) of blocks it already knows: they are now held on e.medium too. Returns
         whether every hash was known."""
-        pages = [self._page(rank, h) for h in e.block_hashes]
-        if not pages or any(p is None for p in pages):
+        pages = [(h, self._page(rank, h)) for h in e.block_hashes]
+        if not pages or any(p is None for _, p in pages):
             return False
         bit = holder_bit(rank, e.medium)
-        for page in pages:
-            key = self._key_of(page)
-            if key is not None and key in self.held:
-                self.held[key] |= bit
+        self._pages.setdefault(rank, {}).update(pages)
+        for h, page in pages:
+            key = self._key_of(h, page)
+            if key is not None:
+                self.held[key] = self.held.get(key, 0) | bit
         return True
 
     def remove(self, rank: int, hashes: Sequence[int], medium: str | None) -> None:
@@ -201,7 +166,7 @@ class KvGroup:
             page = pages.get(h)
             if page is None:
                 continue
-            key = self._key_of(page)
+            key = self._key_of(h, page)
             holders = self.held.get(key, 0) & ~bit if key is not None else 0
             if key is not None:
                 if holders:

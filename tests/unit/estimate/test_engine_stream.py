@@ -4,7 +4,7 @@ small pages keyed every granule."""
 import pytest
 
 from ext_proc.estimate.engine_index import EngineBlocks, chain_keys
-from ext_proc.estimate.kv_groups import COARSE_TOKENS
+from ext_proc.estimate.kv_coarse import COARSE_TOKENS
 from ext_proc.estimate.stream_health import (
     NO_PARENTS,
     REUSED_HASHES,
@@ -84,7 +84,7 @@ def test_hashes_of_page_contents_alone_are_an_unsupported_stream() -> None:
     """Content-only hashes: the same page under two prefixes is one hash twice."""
     e = EngineBlocks()
     shared = TOKENS[48:64]
-    for i in range(UNSUPPORTED_MIN_STORES // 2):
+    for i in range(UNSUPPORTED_MIN_STORES):
         head = [i] * 16
         e.apply(batch(i, stored([5000 + i], None, head), stored([77], 5000 + i, shared)))
     assert e.unsupported == REUSED_HASHES
