@@ -23,6 +23,7 @@ from emulator.stack import Region, Stack, StackPorts, StackSettings
 from emulator.stack.ports import free_ports
 from ext_proc.envoy.bootstrap import render_envoy_config
 from loadgen.client import Result, chat_body, percentile, send_chat
+from loadgen.traces import block_text
 
 REGIONS = (Region("us-ashburn", 0.0), Region("eu-frankfurt", 0.0), Region("ap-seoul", 0.0))
 # Targets from the issue: added p50 <= 2 ms and p99 <= 5 ms at 32k tokens; <= 0.1 ms/token.
@@ -32,7 +33,8 @@ TARGET_PER_TOKEN_MS = 0.1
 
 
 def _prompt(tokens: int) -> str:
-    return "abc " * tokens  # 4 bytes = 1 token under the project's tokenizer
+    # exactly `tokens` tokens under the approximation and the engines' tiny BPE alike
+    return block_text(0, tokens)
 
 
 @dataclass

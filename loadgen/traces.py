@@ -577,11 +577,26 @@ def stats_line(st: WorkloadStats) -> str:
 # ---------------------------------------------------------------------------------------
 # Prompt synthesis.
 
-_ALPHABET = "abcdefghijklmnopqrstuvwxyz"
-# Every 3-letter word with its trailing space (4 bytes: one token each), as uint32s.
-_WORDS = np.array(
-    [f"{a}{b}{c} " for a in _ALPHABET for b in _ALPHABET for c in _ALPHABET], dtype="S4"
-).view(np.uint32)
+# 3-letter words, each with a leading space: 4 bytes, one token under the project's
+# approximation, and one token too under the tiny model's byte-level BPE (the emulated
+# engines' default tokenizer, emulator/tokenizer.py): each " xyz" is one vocabulary entry,
+# and its pre-tokenizer cuts text before every space + letters, so words never merge.
+# tests/component/loadgen/test_prompt_tokens.py checks both counts.
+_TINY_WORDS = (
+    "ail aim ard ast bal ber bit bix bom bor bos bra bre bri bum bus bux byl byx cai cas "
+    "cee cen cer ces cha che chi chy cil cim cin cir col com cus cut cyl cyr cyx dam dee "
+    "del dim din dit dom don dos dot dou dun dyr eam eel een fat fax fea fen fet fit fou "
+    "fox fun fur fus fut fyt gao gea gim gis gix gor gra gur gyr hax hee hex hin hir hoo "
+    "hun hyx iom iox jam jar jex jil jou jum jut kam ket kol koo kot kum kyt ler lil lin "
+    "lix lom los lul lum lyt mai mam mer mil mit mom mou mut mux mym myn nas nee nel nen "
+    "nit non noo nun nut nyx ool oon oum oux pen pex pir pis ple poo pou pur pux pyl qua "
+    "rax ret rix rur rux rys sas sat sax sea see sem ses shy sil sou sti stu sum sur sus "
+    "sut syl tai tan tat tea ter thu til tit tol tos tra tri tro tur tyn tyx vat vax vee "
+    "ver vio vor vum vur vut vux vyl vym vyt vyx wai wan was woo wor zex zin zio zir zou "
+    "zut zyn zyx"
+)
+TINY_WORDS = _TINY_WORDS.split()
+_WORDS = np.array([f" {w}" for w in TINY_WORDS], dtype="S4").view(np.uint32)
 _N_WORDS = np.uint64(len(_WORDS))
 _POSITIONS = np.arange(MOONCAKE_BLOCK_TOKENS, dtype=np.uint64)
 # splitmix64 constants
@@ -591,11 +606,11 @@ _S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
 
 
 def block_text(block_id: int, tokens: int) -> str:
-    """Deterministic text for one block: `tokens` words of 3 letters and a space (4 bytes
-    = 1 token each under the project's tokenizer). Word j is a hash (splitmix64) of the
-    block id and j alone, so fewer tokens give a prefix of the block's longer text (a
-    partial last block matches the full block's start). ~18 us per 512-token block: the
-    replay synthesizes prompts while it streams."""
+    """Deterministic text for one block: `tokens` words of a space and 3 letters (4 bytes,
+    1 token each under the approximation and the tiny model's BPE alike: TINY_WORDS). Word
+    j is a hash (splitmix64) of the block id and j alone, so fewer tokens give a prefix of
+    the block's longer text (a partial last block matches the full block's start). ~18 us
+    per 512-token block: the replay synthesizes prompts while it streams."""
     pos = _POSITIONS if tokens <= len(_POSITIONS) else np.arange(tokens, dtype=np.uint64)
     x = pos[:tokens] + np.uint64((block_id * _GOLDEN) & 0xFFFFFFFFFFFFFFFF)
     x ^= x >> _S30
