@@ -203,7 +203,8 @@ class Router(RouterInputs, FleetControls):
         state = prefix_state_for(b, request)
         if state is PrefixState.WARMING and b.engine_blocks is not None:
             # judged at its close: would a precise prediction have been right?
-            b.engine_blocks.expect(request.request_id, self._features.precise_cached[b.id])
+            precise = self._features.precise_cached.get(b.id, 0)
+            b.engine_blocks.expect(request.request_id, precise)
         rec = InFlight(
             request_id=request.request_id,
             backend=chosen.backend_id,

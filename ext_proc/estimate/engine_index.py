@@ -19,8 +19,8 @@ its keys, so a later `BlockRemoved` (hashes only) can be applied.
   (multimodal): `chain.namespace_seed`, `chain.event_extras`. A request's adapter is its
   model name when this engine's events have named that adapter (vLLM's lora_name is the
   adapter's served name, None for the base model; vllm/v1/core/block_pool.py
-  _build_block_stored_event), else the base model: an adapter no event has named yet
-  holds nothing the router knows of.
+  _build_block_stored_event), else the base model: a request for an adapter no event
+  has named yet is keyed as the base model until that adapter's first store is heard.
 - Who holds a block, per DP rank and medium; how far the stream can be trusted (warm,
   unsupported, unknown parents): `stream_health.StreamHealth`.
 

@@ -248,7 +248,13 @@ def hybrid_hit_tokens(
     HybridKVCacheCoordinator.find_longest_cache_hit (vllm/v1/core/kv_cache_coordinator.py)
     lets each group accept the candidate length or cut it, until none cuts, at the lcm of
     the groups' block sizes; full attention is downward-closed, so its cut stands. The
-    weight is the first full-attention group's (its blocks' media)."""
+    weight is the first full-attention group's (its blocks' media).
+
+    Not imitated, as the events do not tell: EAGLE's dropped last block; fine-grained
+    partial hits (their partial-block stores are not keyed); a sliding window's size
+    (the event type carries none yet: one block is taken to cover it); blocks a
+    sliding-window group skips (vLLM's block_mask: such a store names fewer hashes than
+    blocks and is not keyed)."""
     live = [g for g in groups if g.kind != NONE]
     if not live:
         return 0.0

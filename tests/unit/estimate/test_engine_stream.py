@@ -1,6 +1,8 @@
 """How far an engine's KV-event stream is trusted (warm, unsupported, unknown parents), and
 small pages keyed every granule."""
 
+import random
+
 import pytest
 
 from ext_proc.estimate.engine_index import EngineBlocks, chain_keys
@@ -137,3 +139,30 @@ def test_the_granule_is_the_block_size_from_16_tokens(size: int) -> None:
     e.apply(batch(0, stored(list(range(1, 64 // size + 1)), None, TOKENS, size=size)))
     assert e.key_sizes == ((COARSE_TOKENS,) if size < 16 else (size,))
     assert e.cached_tokens(chain_keys(TOKENS, e.key_sizes[0])) == 64
+
+
+@pytest.mark.parametrize("page", [1, 4])
+def test_a_chain_split_anywhere_keys_as_the_whole_prompt(page: int) -> None:
+    """Whatever events a chain of pages arrives in, and wherever a branch leaves it, the
+    granule keys are those of the whole prompt."""
+    rng = random.Random(page)
+    for _ in range(20):
+        ids = [rng.randrange(50_000) for _ in range(page * rng.randrange(20, 60))]
+        e, start, seq = EngineBlocks(), 0, 0
+        pages = len(ids) // page
+        while start < pages:
+            n = rng.randrange(1, 12)
+            hashes = list(range(start + 1, min(start + n, pages) + 1))
+            tokens = ids[start * page : (start + len(hashes)) * page]
+            e.apply(batch(seq, stored(hashes, start or None, tokens, size=page)))
+            start, seq = start + len(hashes), seq + 1
+        whole = len(ids) // COARSE_TOKENS * COARSE_TOKENS
+        assert e.cached_tokens(chain_keys(ids, COARSE_TOKENS)) == whole
+        # a branch off any page: the shared part, then its own tokens
+        at = rng.randrange(1, pages)
+        tail = [rng.randrange(50_000, 60_000) for _ in range(page * 20)]
+        own = list(range(10_000, 10_020))
+        e.apply(batch(seq, stored(own, at, tail, size=page)))
+        branch = ids[: at * page] + tail
+        expected = len(branch) // COARSE_TOKENS * COARSE_TOKENS
+        assert e.cached_tokens(chain_keys(branch, COARSE_TOKENS)) == expected
