@@ -732,6 +732,7 @@ SGLANG_ONLY = [
     ("GET", "/get_load"),
     ("GET", "/get_server_info"),
     ("POST", "/flush_cache"),
+    ("POST", "/v1/tokenize"),
 ]
 VLLM_ONLY = [
     ("GET", "/load"),
@@ -739,7 +740,13 @@ VLLM_ONLY = [
     ("GET", "/kv_event_sources"),
     ("POST", "/reset_prefix_cache"),  # dev mode (VLLM_SERVER_DEV_MODE) in the real one
 ]
-COMMON = [("GET", "/health"), ("GET", "/ping"), ("GET", "/v1/models"), ("GET", "/metrics")]
+COMMON = [
+    ("GET", "/health"),
+    ("GET", "/ping"),
+    ("GET", "/v1/models"),
+    ("GET", "/metrics"),
+    ("POST", "/tokenize"),  # vLLM's own; SGLang's alias of /v1/tokenize
+]
 EMULATOR_OWN = {"/faults", "/stats", "/server_info"}
 
 
@@ -750,6 +757,8 @@ async def test_route_sets(flavor: str, http: aiohttp.ClientSession) -> None:
     async with running(cfg_of(flavor, enable_metrics=True)) as srv:
         for method, path in COMMON + own:
             body = {"text": "hi"} if path == GENERATE else None
+            if path.endswith("/tokenize"):
+                body = {"prompt": "hi"}
             async with http.request(method, f"{srv.url}{path}", json=body) as resp:
                 assert resp.status == 200, (method, path)
         for method, path in other:
