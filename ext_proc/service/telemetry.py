@@ -28,8 +28,9 @@ from prometheus_client.registry import Collector
 
 from ext_proc.config.schema import TelemetryConfig
 from ext_proc.core.events import Closed, Dispatched, FirstByte, Listener
+from ext_proc.core.features import prefix_state
 from ext_proc.core.router import Router
-from ext_proc.core.types import BackendLifecycle, Decision, Status
+from ext_proc.core.types import BackendLifecycle, Decision, PrefixState, Status
 from ext_proc.estimate.prediction import prediction_error
 
 SPAN_NAME = "gorgo.route"
@@ -186,19 +187,40 @@ class _LiveGauges(Collector):
             "0: they are not (no tokenizer, a mismatch, or not checked yet)",
             labels=["backend"],
         )
+        warming = GaugeMetricFamily(
+            "gorgo_prefix_state_warming",
+            "1 while the engine's events are used but its earlier history may be missing "
+            "(predictions are the events' or the router's own, whichever is more)",
+            labels=["backend"],
+        )
+        unsupported = GaugeMetricFamily(
+            "gorgo_kv_event_unsupported",
+            "1 while the engine's event stream has a shape the router cannot key",
+            labels=["backend"],
+        )
+        unknown = GaugeMetricFamily(
+            "gorgo_kv_event_unknown_parents",
+            "Stored blocks dropped because their parent was never seen (the warm-start "
+            "blind spot)",
+            labels=["backend"],
+        )
         now = time.time()  # event batches carry the engine's wall-clock stamp
         for b, st in self.router.backends.items():
-            precise.add_metric([b], 1.0 if st.precise else 0.0)
+            state = prefix_state(st)
+            precise.add_metric([b], 1.0 if state is PrefixState.PRECISE else 0.0)
             engine = st.engine_blocks
             if engine is None:
                 continue
+            warming.add_metric([b], 1.0 if state is PrefixState.WARMING else 0.0)
+            unsupported.add_metric([b], 0.0 if engine.unsupported is None else 1.0)
+            unknown.add_metric([b], engine.health.unknown_parent_blocks)
             tokens_ok.add_metric([b], 1.0 if st.tokens.ok else 0.0)
             blocks.add_metric([b], engine.blocks)
             gaps.add_metric([b], engine.gaps)
             resets.add_metric([b], engine.resets)
             if engine.last_ts is not None:
                 lag.add_metric([b], max(0.0, now - engine.last_ts))
-        yield from (precise, blocks, gaps, resets, lag, tokens_ok)
+        yield from (precise, warming, blocks, gaps, resets, lag, tokens_ok, unsupported, unknown)
 
 
 class Metrics:
