@@ -167,6 +167,12 @@ def _bench_decide(args: argparse.Namespace) -> int:
     return run_decide_bench(args.iterations)
 
 
+def _bench_kv_burst(args: argparse.Namespace) -> int:
+    from loadgen.bench_kv_burst import run_kv_burst_bench
+
+    return run_kv_burst_bench(args.bursts, args.idle_s)
+
+
 def _bench_tuner(args: argparse.Namespace) -> int:
     from loadgen.bench_tuner_report import run_tuner_bench
 
@@ -491,6 +497,12 @@ def add_commands(commands: Commands) -> None:
     b = bench.add_parser("decide", help="decision latency and prefix-index memory")
     b.add_argument("--iterations", type=int, default=300, help="decisions per measurement")
     b.set_defaults(func=_bench_decide)
+    b = bench.add_parser(
+        "kv-burst", help="decision latency while a 32k-event KV burst is applied (page size 1)"
+    )
+    b.add_argument("--bursts", type=int, default=8, help="32k-token prompts' bursts applied")
+    b.add_argument("--idle-s", type=float, default=4.0, help="decisions measured with no events")
+    b.set_defaults(func=_bench_kv_burst)
     b = bench.add_parser("engine", help="live engine: emission lag vs the model, CPU per token")
     b.add_argument("--streams", type=int, default=64)
     b.add_argument("--output-tokens", type=int, default=256)

@@ -185,14 +185,15 @@ class KvEventClients:
             log.warning("kv events of %s: %s (%d errors so far)", backend, text, subs.errors)
 
     def _update(self, backend: str) -> None:
-        """Precise while every rank's stream is up and caught up with its engine."""
+        """The stream is up while every rank's is up and caught up with its engine (the
+        backend is precise then if its token ids are the engine's too)."""
         subs = self._subs.get(backend)
         up = subs is not None and all(s.precise for s in subs.streams)
         b = self.router.backends.get(backend)
-        if b is not None and up != b.precise:
+        if b is not None and up != b.events_up:
             log.warning(
                 "kv events of %s %s",
                 backend,
-                "up: precise prefix state" if up else "down: approximate prefix state",
+                "up: the engine's own prefix state" if up else "down: approximate prefix state",
             )
             self.router.set_event_stream(backend, up)

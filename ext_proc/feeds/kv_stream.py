@@ -64,13 +64,6 @@ _MONITORED = (
 )
 
 
-def last_seq(engine: EngineBlocks, rank: int | None) -> int | None:
-    """The last sequence number applied from a DP rank's publisher (engine_index tracks
-    one sequence per rank: `last_seq_of`; before it did, one for the engine)."""
-    of: Callable[[int | None], int | None] | None = getattr(engine, "last_seq_of", None)
-    return of(rank) if of is not None else engine.last_seq
-
-
 class RankStream:
     """The stream of one DP rank of one backend's engine."""
 
@@ -158,7 +151,7 @@ class RankStream:
             # Warm start: what the engine published before (its replay buffer) rebuilds
             # the state, or catches up after a restart of this subscriber; live batches
             # wait in the socket meanwhile.
-            start = last_seq(self._engine(), self.rank)
+            start = self._engine().last_seq_of(self.rank)
             ok = await self._replay(self.rank, 0 if start is None else start + 1)
             log.info(
                 "kv events of %s, DP rank %d: %s (%d blocks)",
@@ -177,7 +170,7 @@ class RankStream:
                 # buffer (the next live batch would only show the gap later).
                 self._reconnected = False
                 if self.replay_endpoint:
-                    start = last_seq(self._engine(), self.rank)
+                    start = self._engine().last_seq_of(self.rank)
                     await self._replay(self.rank, 0 if start is None else start + 1)
                 self.synced = True
                 self._changed()
@@ -237,7 +230,7 @@ class RankStream:
         """Events before `batch` were lost: replay them (the replay includes `batch` and
         whatever came after it), or reset and start again from `batch`."""
         engine = self._engine()
-        before = last_seq(engine, batch.dp_rank)
+        before = engine.last_seq_of(batch.dp_rank)
         start = 0 if before is None else before + 1
         if self.replay_endpoint and await self._replay(batch.dp_rank, start):
             log.info("kv events of %s: replayed from seq %d", self.backend, start)
@@ -249,7 +242,7 @@ class RankStream:
             start,
             batch.seq - 1,
         )
-        engine.reset()
+        engine.reset(batch.dp_rank)  # that rank's blocks: the others' are still right
         await self._apply(frames, live=False)
 
     def _replay_target(self, rank: int | None) -> str:

@@ -23,6 +23,7 @@ import zmq
 from emulator.engine import EngineServer
 from emulator.engine_config import EngineConfig
 from emulator.kv_publisher import KvEventPublisher, KvEventsConfig, stored_event
+from emulator.tokenizer import load_twin_tokenizer
 from ext_proc.common.aio import cancel_and_wait
 from ext_proc.config.load import config_from_dict
 from ext_proc.config.schema import Config
@@ -31,7 +32,7 @@ from ext_proc.core.router import Router
 from ext_proc.core.types import RouteRequest
 from ext_proc.estimate.engine_index import Applied, EngineBlocks
 from ext_proc.feeds.kv_client import KvEventClients
-from ext_proc.feeds.kv_events import BlockStored, EventBatch
+from ext_proc.feeds.kv_events import PART_EVENTS, BlockStored, EventBatch, decode_message
 from ext_proc.prompt.parse import CHAT, parse_body
 from ext_proc.service.app import running_service
 from tests.component.engine_harness import FAST
@@ -44,11 +45,19 @@ def free_port() -> int:
 
 
 def engine(port: int, kv_port: int) -> EngineServer:
+    # the tiny model's real tokenizer: the router finds it (SGLang's served name defaults
+    # to the model path) and verifies it against the engine's, so that its prefix state
+    # can be the engine's
+    tokens = load_twin_tokenizer()
     cfg = EngineConfig(
         name="a",
+        model=tokens.model_dir,
         profile=FAST,
         cache_report=True,
         kv_events=KvEventsConfig(endpoint=f"tcp://*:{kv_port}"),
+        model_path=tokens.model_dir,
+        tokenizer=tokens.tokenizer,
+        chat_template=tokens.template,
     )
     return EngineServer(cfg, "127.0.0.1", port)
 
@@ -115,6 +124,8 @@ async def test_precise_state_follows_the_engine_and_falls_back_when_its_stream_d
             llm = parse_body(
                 CHAT, json.dumps({"messages": [{"role": "user", "content": text}]}).encode()
             )
+            assert svc.ext_proc.tokens is not None  # the engine's tokenizer, found
+            llm = svc.ext_proc.tokens.apply(llm)
             request = RouteRequest("probe", llm, None)
             (c,) = svc.router.candidates(request, svc.router.prompt_blocks(request))
             print(f"engine reports {reported} cached, the router predicts {c.cached_tokens}")
@@ -211,9 +222,9 @@ async def subscribed(
             p.close()
 
 
-def blocks_event(cfg: KvEventsConfig, first: int, n: int = 2, size: int = 4) -> Any:
+def blocks_event(cfg: KvEventsConfig, first: int, n: int = 2, size: int = 16) -> Any:
     """n full blocks of a new chain (hashes first.., tokens from first * 100)."""
-    tokens = list(range(first * 100, first * 100 + n * size))
+    tokens = list(range(first * 1000, first * 1000 + n * size))
     return stored_event(cfg, list(range(first, first + n)), None, tokens, size)
 
 
@@ -269,7 +280,7 @@ async def test_a_gap_is_replayed_and_live_batches_queued_meanwhile_keep_the_stat
     pub = KvEventPublisher(kv)
     cfg = backend_cfg(endpoint=f"tcp://*:{port}", replay_endpoint=f"tcp://*:{replay}")
     async with subscribed(cfg, pub) as (router, _, engine):
-        await soon(lambda: router.backends["a"].precise)
+        await soon(lambda: router.backends["a"].events_up)
         await asyncio.sleep(0.3)  # the subscription has reached the publisher
         pub.publish([blocks_event(kv, 0)])
         await soon(lambda: engine.last_seq == 0)
@@ -280,7 +291,7 @@ async def test_a_gap_is_replayed_and_live_batches_queued_meanwhile_keep_the_stat
         await asyncio.sleep(0.3)  # the queued live batches 3-5 have been read
         print(f"gaps {engine.gaps}, resets {engine.resets}, blocks {engine.blocks}")
         assert (engine.gaps, engine.resets, engine.blocks, engine.last_seq) == (1, 0, 12, 5)
-        assert router.backends["a"].precise
+        assert router.backends["a"].events_up
 
 
 async def test_a_refused_bind_is_logged_counted_and_retried_until_it_works(
@@ -296,7 +307,7 @@ async def test_a_refused_bind_is_logged_counted_and_retried_until_it_works(
         holder.close()
         pub = KvEventPublisher(KvEventsConfig(endpoint=f"tcp://127.0.0.1:{port}"))
         try:
-            took = await soon(lambda: router.backends["a"].precise, 8.0)
+            took = await soon(lambda: router.backends["a"].events_up, 8.0)
             print(f"bound {took:.2f} s after the address was freed")
             await asyncio.sleep(0.3)
             pub.publish([blocks_event(pub.cfg, 1)])
@@ -319,23 +330,23 @@ async def test_bigram_and_malformed_messages_never_stop_the_subscriber() -> None
     cfg = backend_cfg(endpoint=f"tcp://*:{port}")
     try:
         async with subscribed(cfg) as (router, clients, engine):
-            await soon(lambda: router.backends["a"].precise)
+            await soon(lambda: router.backends["a"].events_up)
             await asyncio.sleep(0.3)
             pub.sock.send_multipart([b"", b"two frames"])
             pub.send(0, b"\xc1 not msgpack")
-            raw = list(range(10, 19))  # EAGLE: pages of (token, next token) pairs
+            raw = list(range(10, 43))  # EAGLE: pages of (token, next token) pairs
             bigram = {"type": "BlockStored", "block_hashes": [7, 8], "parent_block_hash": None}
-            bigram |= {"token_ids": [[raw[j], raw[j + 1]] for j in range(8)], "block_size": 4}
+            bigram |= {"token_ids": [[raw[j], raw[j + 1]] for j in range(32)], "block_size": 16}
             bad = {"type": "BlockStored", "block_hashes": "x"}
             pub.send(0, [1.0, [bad, bigram], 0])
             await soon(lambda: engine.blocks == 2)
-            pub.send(1, [2.0, [{**bigram, "block_hashes": [9], "token_ids": [[1, 2]] * 4}], 0])
+            pub.send(1, [2.0, [{**bigram, "block_hashes": [9], "token_ids": [[1, 2]] * 16}], 0])
             await soon(lambda: engine.blocks == 3)
             snap = clients.snapshot("a")
             assert snap is not None
             assert (snap["errors"], snap["restarts"], snap["skipped_events"]) == (2, 0, 1)
             assert "undecodable message" in snap["last_error"]
-            assert router.backends["a"].precise and engine.resets == 0
+            assert router.backends["a"].events_up and engine.resets == 0
     finally:
         pub.close()
 
@@ -358,7 +369,7 @@ async def test_a_failing_subscriber_is_restarted_with_growing_backoff(
     async with subscribed(backend_cfg(endpoint=f"tcp://*:{port}"), pub) as (router, clients, e):
         restarted_at = []
         for i in range(3):
-            await soon(lambda: router.backends["a"].precise)
+            await soon(lambda: router.backends["a"].events_up)
             await asyncio.sleep(0.3)
             t0 = time.monotonic()
             pub.publish([blocks_event(kv, 10 * i)])
@@ -416,18 +427,18 @@ async def test_a_link_that_stops_forwarding_turns_the_backend_approximate_in_sec
     await link.start(link_port)
     try:
         async with subscribed(backend_cfg(endpoint=f"tcp://*:{link_port}"), pub) as (r, _, e):
-            await soon(lambda: r.backends["a"].precise)
+            await soon(lambda: r.backends["a"].events_up)
             await asyncio.sleep(0.3)
             pub.publish([blocks_event(kv, 1)])
             await soon(lambda: e.blocks == 2)  # the events do flow through the link
             link.flowing.clear()
-            took = await soon(lambda: not r.backends["a"].precise, 10.0)
+            took = await soon(lambda: not r.backends["a"].events_up, 10.0)
             print(f"approximate {took:.2f} s after the link went silent")
             assert took < 6.0
             await asyncio.sleep(1.0)
-            assert not r.backends["a"].precise  # a TCP connect alone is not a stream
+            assert not r.backends["a"].events_up  # a TCP connect alone is not a stream
             link.flowing.set()
-            back = await soon(lambda: r.backends["a"].precise, 10.0)
+            back = await soon(lambda: r.backends["a"].events_up, 10.0)
             print(f"precise again {back:.2f} s after the link recovered")
     finally:
         await link.stop()
@@ -444,10 +455,10 @@ async def test_each_dp_rank_has_its_subscriber_and_all_must_be_up(
         async with subscribed(cfg, rank0) as (router, clients, engine):
             await soon(lambda: (clients.snapshot("a") or {}).get("ranks_up") == 1)
             await asyncio.sleep(0.5)
-            assert not router.backends["a"].precise  # rank 1's events are missing
+            assert not router.backends["a"].events_up  # rank 1's events are missing
             rank1 = RawPublisher(f"tcp://*:{base + 1}")  # an engine that names no rank
             try:
-                await soon(lambda: router.backends["a"].precise)
+                await soon(lambda: router.backends["a"].events_up)
                 await asyncio.sleep(0.3)
                 for i in range(2):
                     rank0.publish([blocks_event(kv, 10 * i)])
@@ -470,7 +481,7 @@ async def test_publishers_on_one_router_bound_socket_keep_their_ranks(
         async with subscribed(backend_cfg(endpoint=f"tcp://127.0.0.1:{port}")) as (r, _, e):
             pubs = [RawPublisher(f"tcp://127.0.0.1:{port}") for _ in range(2)]
             try:
-                await soon(lambda: r.backends["a"].precise)
+                await soon(lambda: r.backends["a"].events_up)
                 await asyncio.sleep(0.5)
                 for seq in range(2):
                     for rank, pub in enumerate(pubs):
@@ -536,18 +547,21 @@ async def test_a_32k_event_burst_never_holds_the_event_loop_long(
 
     with recorded(monkeypatch) as seen:
         async with subscribed(backend_cfg(endpoint=f"tcp://*:{port}"), pub) as (r, _, engine):
-            await soon(lambda: r.backends["a"].precise)
+            await soon(lambda: r.backends["a"].events_up)
             await asyncio.sleep(0.3)
             # the engine's work (packing 32k events holds the GIL ~50 ms), not the router's
             await asyncio.to_thread(pub.publish, events)
             ticker = asyncio.create_task(tick())
             t0 = time.monotonic()
-            await soon(lambda: len(seen) == 128, 30.0)  # parts of 256 events
+            parts = 32_768 // PART_EVENTS
+            await soon(lambda: len(seen) == parts, 30.0)
             applied_s = time.monotonic() - t0
             await cancel_and_wait([ticker])
             worst = max(lags_ms)
             print(f"applied in {applied_s:.2f} s; loop lag max {worst:.1f} ms")
-            assert [b.part for b in seen] == list(range(128)) and {b.seq for b in seen} == {0}
+            assert [b.part for b in seen] == list(range(parts)) and {b.seq for b in seen} == {0}
             assert worst < 15.0  # whole, the batch held the loop for ~200-300 ms
-            if engine_tracks(parts=True):
-                assert engine.blocks == 32_768 and engine.resets == 0
+            # the same state as the batch applied whole, at once
+            whole = EngineBlocks()
+            whole.apply(decode_message([b"", (0).to_bytes(8, "big"), msgpack.packb([0, events])]))
+            assert engine.blocks == whole.blocks > 0 and engine.resets == 0
