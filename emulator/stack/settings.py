@@ -94,6 +94,8 @@ class StackSettings:
     real_engine: bool = False
     vllm_venv: Path = Path(__file__).resolve().parents[2] / ".venv-vllm"  # the repo's
     vllm_small_pool: Sequence[int] = (1,)
+    # More `vllm serve` flags for every real engine (e.g. --trust-request-chat-template).
+    vllm_args: Sequence[str] = ()
     # The emulated engines' --tokenizer: "tiny" (the tiny model's real BPE and chat
     # template, what a real vLLM here serves), "approx" (4 bytes per token) or a path.
     engine_tokenizer: str = "tiny"

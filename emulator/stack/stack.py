@@ -159,16 +159,18 @@ class Stack(SupervisedChildren):
             venv=venv,
             model=ensure_tiny_model(venv),
             port=self.settings.ports.engine(i),
-            # the engine binds tcp://*:pub and its replay ROUTER: any number of routers (and
-            # tests) subscribe, as backends[i].kv_events names them (settings.py)
+            # --kv-events: the engine binds tcp://*:pub and a replay ROUTER, and every
+            # router connects (backends[i].kv_events, settings.py); else it connects to
+            # 127.0.0.1:pub, where a subscriber of one's own (a test) may bind
             kv_port=pub,
-            kv_bind=True,
+            kv_bind=self.settings.kv_events,
             kv_replay_port=replay,
             work_dir=self.workdir / f"vllm-{self.settings.regions[i].id}",
             threads_bind=str(i % (os.cpu_count() or 1)),
             # 160 blocks of 32 tokens: 5,120 tokens, just over max_model_len / block_size
             block_size=32 if small else None,
             num_blocks=160 if small else None,
+            extra_args=list(self.settings.vllm_args),
         )
         for d in ("cache", "tmp"):
             (spec.work_dir / d).mkdir(parents=True, exist_ok=True)

@@ -12,14 +12,14 @@ import threading
 import time
 import urllib.request
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 
 import aiohttp
 import pytest
 
 from emulator.stack import Region, Stack, StackPorts, StackSettings
-from ext_proc.feeds.kv_events import BlockStored, EventBatch, subscribe
+from ext_proc.feeds.kv_events import BlockStored, EventBatch, decode_message
 from loadgen.client import Result, chat_body, send_chat
 from tests.e2e.stack_harness import router_state, wait_for
 
@@ -39,12 +39,29 @@ class Collected:
     errors: dict[str, str] = field(default_factory=dict)  # a subscriber that ended
 
 
+async def subscribe(port: int) -> AsyncIterator[EventBatch]:
+    """Every batch the engines connecting to 127.0.0.1:port publish, decoded by the
+    router's code (without --kv-events the stack's vLLM connects to this port)."""
+    import zmq
+    import zmq.asyncio
+
+    sock = zmq.asyncio.Context.instance().socket(zmq.SUB)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt_string(zmq.SUBSCRIBE, "")
+    sock.bind(f"tcp://127.0.0.1:{port}")
+    try:
+        while True:
+            yield decode_message(await sock.recv_multipart())
+    finally:
+        sock.close()
+
+
 def collect(stack: Stack, into: Collected) -> threading.Thread:
     """A subscriber per engine on its loopback port (the engine connects to it)."""
 
     async def one(region: str, port: int) -> None:
         try:
-            async for batch in subscribe(f"tcp://127.0.0.1:{port}"):
+            async for batch in subscribe(port):
                 into.batches.setdefault(region, []).append(batch)
         except Exception as e:  # said by the test that waits for its batches
             into.errors[region] = repr(e)
