@@ -16,6 +16,11 @@ from typing import Any
 from ext_proc.cli import Commands
 from ext_proc.config.schema import ConfigError, split_host_port
 
+TOKENIZER_HELP = (
+    "tiny (the default): the tiny model's byte-level BPE and ChatML template (the real-vLLM "
+    "tier's), built once into ~/.cache/gorgo ($GORGO_CACHE_DIR); approx: 4 UTF-8 bytes per "
+    "token; or a tokenizer.json, or a model directory holding one"
+)
 # Launch flags each engine has, by flavor: (flag, setting). The twin takes the real
 # engine's names, so one command line serves both; the other engine's name is an error.
 ENGINE_FLAGS = {
@@ -293,11 +298,8 @@ def add_commands(commands: Commands) -> None:
         "--enable-force-include-usage", action="store_true", help="vllm: usage in every stream"
     )
     g.add_argument("--enable-metrics", action="store_true", help="sglang: serve /metrics")
-    g.add_argument(
-        "--trust-request-chat-template",
-        action="store_true",
-        help="vllm: a request may bring its own chat_template",
-    )
+    trust = "vllm: a request may bring its own chat_template"
+    g.add_argument("--trust-request-chat-template", action="store_true", help=trust)
     g.add_argument(
         "--kv-events-config",
         default="",
@@ -313,14 +315,7 @@ def add_commands(commands: Commands) -> None:
         help="sglang: /health answers 503 this long after start (the engine's warmup)",
     )
     s.add_argument("--seed", type=int, default=0, help="seeds step jitter and fault draws")
-    s.add_argument(
-        "--tokenizer",
-        default="tiny",
-        metavar="tiny|approx|PATH",
-        help="tiny (the default): the real-vLLM tier's tiny model's byte-level BPE and ChatML "
-        "template, built once into ~/.cache/gorgo ($GORGO_CACHE_DIR); approx: 4 UTF-8 bytes "
-        "per token; or a local tokenizer.json, or a model directory holding one",
-    )
+    s.add_argument("--tokenizer", default="tiny", metavar="tiny|approx|PATH", help=TOKENIZER_HELP)
     s.add_argument(
         "--chat-template",
         default="",
@@ -442,9 +437,7 @@ def add_commands(commands: Commands) -> None:
         "--tokenizer",
         default="tiny",
         metavar="tiny|approx|PATH",
-        help="the emulated engines' tokenizer (gorgo engine --tokenizer): tiny, the real "
-        "tiny model's (the default); approx, 4 bytes per token; or a tokenizer.json or "
-        "model directory. The router finds it from each engine's /v1/models root",
+        help="the emulated engines' (gorgo engine --tokenizer); the router finds it itself",
     )
     s.set_defaults(func=_up)
 

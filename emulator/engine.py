@@ -6,7 +6,8 @@ source file (or the measurement on the real vLLM) it comes from.
 Three layers under it:
 - `emulator.model.EngineModel`: pure scheduler (continuous batching, chunked prefill,
   radix prefix cache), shared with the offline simulator;
-- `emulator.wire`: pure request parsing and response formatting (OpenAI and SGLang);
+- `emulator.parse` and `emulator.wire`: pure request parsing and response formatting
+  (OpenAI and SGLang);
 - `emulator.runner.ModelRunner`: one task advances the model on the event loop's clock and
   hands each emitted token to the request's handler here, which writes it.
 
@@ -38,18 +39,9 @@ from emulator.model_api import (
     sglang_tokenize,
     vllm_tokenize,
 )
+from emulator.parse import BadRequest, GenRequest, Kind, decode_json, parse_request
 from emulator.runner import EngineStats, ModelRunner, TokenChannel
-from emulator.wire import (
-    BadRequest,
-    GenRequest,
-    Kind,
-    StreamEncoder,
-    decode_json,
-    dumps,
-    error_body,
-    parse_request,
-    response_body,
-)
+from emulator.wire import StreamEncoder, dumps, error_body, response_body
 
 log = logging.getLogger(__name__)
 

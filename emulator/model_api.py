@@ -17,7 +17,7 @@ from typing import Any
 
 from emulator.chat import ChatError, chat_prompt
 from emulator.engine_config import SGLANG, VLLM, EngineConfig
-from emulator.wire import BadRequest, InvalidBody, chat_messages, request_model
+from emulator.parse import BadRequest, InvalidBody, chat_messages, request_model
 from ext_proc.prompt.tokens import APPROX
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from emulator.kv_publisher import KvEventEmitter
 from emulator.model import Emission, EngineModel
-from emulator.wire import GenRequest
+from emulator.parse import GenRequest
 
 # The event loop's timers wake up to 1 ms late (epoll's millisecond timeout is rounded up):
 # sleep until this long before a step ends, then yield until it is due.

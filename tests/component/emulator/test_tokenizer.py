@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from emulator.engine_config import SGLANG, VLLM, EngineConfig
+from emulator.parse import parse_request
 from emulator.stack.settings import StackSettings
 from emulator.tokenizer import (
     APPROX_SPEC,
@@ -23,7 +24,6 @@ from emulator.tokenizer import (
     tiny_tokenizer_dir,
 )
 from emulator.vllm.tiny_model import CHAT_TEMPLATE
-from emulator.wire import parse_request
 from ext_proc.config.schema import ConfigError
 from ext_proc.prompt.chat_template import TOKENIZER_CONFIG
 from ext_proc.prompt.tokens import APPROX
