@@ -157,7 +157,7 @@ class RankStream:
                 await cancel_and_wait([watch])
             self._connecting.clear()
             self._handshaken.clear()
-            self.synced = False
+            self.synced = self._dropped = self._reconnected = False
             self._changed()
             sock.disable_monitor()
             monitor.close()
