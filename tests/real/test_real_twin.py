@@ -186,6 +186,8 @@ def test_both_routers_subscribe_to_the_real_engines_kv_events(
     body = {"model": "tiny", "messages": [{"role": "user", "content": text}], "max_tokens": 4}
     status, out = post(f"{stack.front_door_url}/v1/chat/completions", body)
     assert status == 200 and out["usage"]["prompt_tokens"] > 4 * 128
+    # --enable-prompt-tokens-details (README's flags): the report reaches the client
+    assert out["usage"]["prompt_tokens_details"]["cached_tokens"] >= 0
 
     def kv(admin: str) -> dict[str, Any]:
         state = get_json(f"{admin}/state")["backends"][REGION.id]
