@@ -64,7 +64,7 @@ def event_extras(e: BlockStored) -> tuple[str | None, list[Extras] | None]:
     is left (a multimodal item, an embedding) no text-only request has: such a block is
     stored under a key no text request can reach. SGLang names the salt in its own field
     (python/sglang/srt/disaggregation/kv_events.py, cache_salt)."""
-    salt = getattr(e, "cache_salt", None)
+    salt = e.cache_salt
     salt = salt if isinstance(salt, str) and e.parent_block_hash is None else None
     if not e.extra_keys:
         return salt, None

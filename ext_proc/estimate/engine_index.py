@@ -249,7 +249,7 @@ class EngineBlocks:
         gid = e.group_idx or 0
         g = self._groups.get(gid)
         if g is None and full and e.block_hashes:
-            window = getattr(e, "sliding_window", None)
+            window = e.sliding_window
             g = self._groups[gid] = make_group(e.block_size, e.spec_kind, window)
         salt, extras = event_extras(e)
         if (
@@ -263,10 +263,10 @@ class EngineBlocks:
             self.skipped_stores += 1
             if g is not None:
                 g.add_medium(rank, e)
-            self.health.stored(e, odd_size=g is not None and e.block_size != g.block_size)
+            self.health.stored(e, ts, odd_size=g is not None and e.block_size != g.block_size)
             return 0
         reused = g.store(rank, e, namespace_seed(e.lora_name, salt), extras)
-        self.health.stored(e, reused=max(0, reused))
+        self.health.stored(e, ts, reused=max(0, reused))
         if reused < 0:
             self.health.unknown_parent(ts, len(e.block_hashes))
             return 1

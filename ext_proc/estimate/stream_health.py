@@ -8,7 +8,11 @@ subscribed is never heard of. A stream whose first batch on every DP rank is seq
 engine's first events, or a replay that reached back to them) has it all; any other is
 warming until its predictions prove out: `WARM_AGREEMENTS` completed requests in a row
 whose prediction, had it been precise, was within one block of what the engine reported.
-A request where both are 0 says nothing either way and does not count. An engine that has
+A request where both are 0 says nothing either way and does not count. A router that hears
+no reports (the live service: the usage block never reaches it) has a second sign: a
+request that reuses a block the router never heard of stores its new blocks under that
+unknown parent, so `QUIET_STORES` stores over `UNKNOWN_RECENT_S` of the engine's time
+without one mean the blind spot no longer touches the traffic. An engine that has
 published nothing since the router subscribed is taken as fresh: its first batch decides.
 
 Unsupported (`unsupported`): streams the index can key nothing of, told by their shape
@@ -31,6 +35,8 @@ WARM_AGREEMENTS = 3
 EXPECTED_MAX = 4096
 # "Recent" unknown parents: those of the last minute (a warm-up's show in seconds).
 UNKNOWN_RECENT_S = 60.0
+# Stores without an unknown parent, over at least UNKNOWN_RECENT_S, that end warming.
+QUIET_STORES = 64
 # Stores seen before a stream's shape is judged (a few requests' worth).
 UNSUPPORTED_MIN_STORES = 64
 # Share of stores that must look so (a real stream shows the opposite within a request).
@@ -67,6 +73,9 @@ class StreamHealth:
         self.warmed = False
         self.agreements = 0
         self._expected: dict[str, int] = {}
+        # Since when (engine time) and over how many stores no parent was unknown.
+        self._quiet_since: float | None = None
+        self._quiet_stores = 0
 
     # -- warm-up --------------------------------------------------------------------
 
@@ -78,8 +87,12 @@ class StreamHealth:
     def first_batch(self, rank: int, seq: int) -> None:
         self._from_start[rank] = seq == 0
         if seq != 0:
-            self.warmed = False
-            self.agreements = 0
+            self._unwarm()
+
+    def _unwarm(self) -> None:
+        self.warmed = False
+        self.agreements = 0
+        self._quiet_since, self._quiet_stores = None, 0
 
     def forget(self, rank: int | None = None) -> None:
         """The rank's (None: every rank's) state was reset: its next batch decides again,
@@ -88,8 +101,7 @@ class StreamHealth:
             self._from_start.clear()
         else:
             self._from_start.pop(rank, None)
-        self.warmed = False
-        self.agreements = 0
+        self._unwarm()
         self.stores = self._rootless_single = self._reused = self._odd_sizes = 0
 
     def expect(self, request_id: str, tokens: int) -> None:
@@ -111,13 +123,23 @@ class StreamHealth:
 
     # -- what the stores showed -------------------------------------------------------
 
-    def stored(self, e: BlockStored, reused: int = 0, odd_size: bool = False) -> None:
+    def stored(self, e: BlockStored, ts: float, reused: int = 0, odd_size: bool = False) -> None:
+        if self._quiet_since is None:
+            self._quiet_since = ts
+        self._quiet_stores += 1
+        if (
+            self._quiet_stores >= QUIET_STORES
+            and ts - self._quiet_since >= UNKNOWN_RECENT_S
+            and not self.warmed
+        ):
+            self.warmed = True
         self.stores += 1
         self._rootless_single += e.parent_block_hash is None and len(e.block_hashes) == 1
         self._reused += reused > 0
         self._odd_sizes += odd_size
 
     def unknown_parent(self, ts: float, blocks: int) -> None:
+        self._quiet_since, self._quiet_stores = ts, 0
         self.unknown_parents += 1
         self.unknown_parent_blocks += blocks
         self._unknown_at.append(ts)

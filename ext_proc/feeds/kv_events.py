@@ -78,6 +78,10 @@ class BlockStored:
     extra_keys: tuple[tuple[object, ...] | None, ...] | None = None
     group_idx: int | None = None
     spec_kind: str | None = None
+    # vLLM's sliding-window groups name their window (kv_cache_spec_sliding_window);
+    # SGLang's events carry the request's cache_salt by name.
+    sliding_window: int | None = None
+    cache_salt: str | None = None
 
 
 @dataclass(frozen=True)
@@ -181,6 +185,8 @@ _Stored = tuple[
     tuple[tuple[object, ...] | None, ...] | None,
     int | None,
     str | None,
+    int | None,
+    str | None,
 ]
 
 
@@ -206,6 +212,8 @@ def _stored(fields: dict[str, Any]) -> _Stored:
         _extra_keys(fields.get("extra_keys")),
         _optional(fields, "group_idx", int),
         _optional(fields, "kv_cache_spec_kind", str),
+        _optional(fields, "kv_cache_spec_sliding_window", int),
+        _optional(fields, "cache_salt", str),
     )
 
 
@@ -228,8 +236,8 @@ def _full(s: _Stored) -> bool:
 
 
 def _kind_of(s: _Stored) -> tuple[object, ...]:
-    # Block size, medium, LoRA id and name, KV cache group and spec kind.
-    return (s[3], s[4], s[5], s[6], s[8], s[9])
+    # Block size, medium, LoRA id and name, KV cache group, spec kind, window and salt.
+    return (s[3], s[4], s[5], s[6], s[8], s[9], s[10], s[11])
 
 
 class _Chain:
@@ -268,7 +276,7 @@ class _Chain:
             return BlockStored(*self.first)
         extra = None if self.extra is None else tuple(self.extra)
         f = self.first
-        return BlockStored(tuple(self.hashes), f[1], tuple(self.tokens), *f[3:7], extra, f[8], f[9])
+        return BlockStored(tuple(self.hashes), f[1], tuple(self.tokens), *f[3:7], extra, *f[8:])
 
 
 def _unpacker(payload: bytes, start: int = 0) -> msgpack.Unpacker:

@@ -156,6 +156,8 @@ async def running_service(
                 # approximation (None); where it came from and its checks.
                 "tokenizer": ext_proc.tokens.snapshot() if ext_proc.tokens else None,
                 "tokenizer_checks": tokenizers.snapshot(),
+                # Per backend with KV events: its subscribers' ranks up, errors, restarts.
+                "kv_event_subscribers": {b: kv_events.snapshot(b) for b in kv_events.backends},
                 # The other routers' dispatches over NATS (None: a single router).
                 "fleet": fleet.snapshot(),
                 # The backends' shell tasks and Envoy's xDS files.

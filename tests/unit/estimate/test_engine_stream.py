@@ -166,3 +166,28 @@ def test_a_chain_split_anywhere_keys_as_the_whole_prompt(page: int) -> None:
         branch = ids[: at * page] + tail
         expected = len(branch) // COARSE_TOKENS * COARSE_TOKENS
         assert e.cached_tokens(chain_keys(branch, COARSE_TOKENS)) == expected
+
+
+def test_a_stream_whose_stores_all_find_their_parents_for_a_minute_warms_without_reports() -> None:
+    """The live router hears no engine reports: stores under known parents for a minute
+    of the engine's time mean the blind spot no longer touches the traffic."""
+    from ext_proc.estimate.stream_health import QUIET_STORES, UNKNOWN_RECENT_S
+
+    e = EngineBlocks()
+    ts0 = 2000.0
+
+    def store(seq: int, ts: float, parent: int | None, h: int) -> None:
+        e.apply(EventBatch("", seq, ts, (stored([h], parent, TOKENS[:16]),), 0))
+
+    store(5, ts0, 77, 1)  # heard mid-way, under a parent cached before the router listened
+    assert not e.history_complete
+    step_s = UNKNOWN_RECENT_S / QUIET_STORES
+    for i in range(QUIET_STORES):  # fresh prompts: each chain starts at its root
+        store(6 + i, ts0 + 1 + i * step_s / 2, None, 100 + i)
+    assert not e.history_complete  # enough stores, but only half a minute of them
+    store(6 + QUIET_STORES, ts0 + 2 + UNKNOWN_RECENT_S / 2, 99, 500)  # another blind reuse
+    seq = 7 + QUIET_STORES
+    for i in range(QUIET_STORES):  # a minute of stores since that one, all placed
+        assert not e.history_complete
+        store(seq + i, ts0 + 3 + UNKNOWN_RECENT_S / 2 + i * step_s * 1.01, None, 1000 + i)
+    assert e.history_complete

@@ -238,3 +238,25 @@ def test_the_dp_ranks_key_is_checked_at_load() -> None:
         config_from_dict(kv(endpoint="tcp://*:5557", dp_ranks=0))
     with pytest.raises(ConfigError, match=r"replay_endpoint: DP rank r .* at most 65532"):
         config_from_dict(kv(endpoint="tcp://*:1", replay_endpoint="tcp://*:65535", dp_ranks=4))
+
+
+def test_a_sliding_windows_size_and_sglangs_cache_salt_are_decoded() -> None:
+    stored = {
+        "type": "BlockStored",
+        "block_hashes": [5],
+        "parent_block_hash": None,
+        "token_ids": [1, 2, 3, 4],
+        "block_size": 4,
+        "kv_cache_spec_kind": "sliding_window",
+        "kv_cache_spec_sliding_window": 128,
+        "cache_salt": "tenant-a",
+    }
+    (e,) = decode_message(frames([stored])).events
+    assert isinstance(e, BlockStored)
+    assert (e.spec_kind, e.sliding_window, e.cache_salt) == ("sliding_window", 128, "tenant-a")
+    # a chain of them decoded in parts keeps both
+    chain = [stored, {**stored, "block_hashes": [6], "parent_block_hash": 5}]
+    (part,) = parts_of(frames(chain), 128)
+    (joined,) = part.events
+    assert isinstance(joined, BlockStored) and joined.block_hashes == (5, 6)
+    assert (joined.sliding_window, joined.cache_salt) == (128, "tenant-a")
