@@ -200,8 +200,7 @@ class _LiveGauges(Collector):
         )
         unknown = GaugeMetricFamily(
             "gorgo_kv_event_unknown_parents",
-            "Stored blocks dropped because their parent was never seen (the warm-start "
-            "blind spot)",
+            "Stored blocks dropped because their parent was never seen (the warm-start blind spot)",
             labels=["backend"],
         )
         now = time.time()  # event batches carry the engine's wall-clock stamp
