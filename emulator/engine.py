@@ -23,6 +23,7 @@ import random
 import secrets
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any, TypeVar
 
@@ -60,6 +61,10 @@ HEALTH_CHECK_TIMEOUT_S = 20.0
 # Bodies this long are parsed (tokenized) in a thread: ~8k tokens, ~10 ms of tokenizing;
 # shorter ones cost less than the hop to a thread.
 OFF_LOOP_BYTES = 32 * 1024
+# One thread for them, as the engines' one tokenizer (SGLang's TokenizerManager): long
+# prompts are tokenized in arrival order, and a conversation's turns meet the same prompt
+# cache (emulator/tokenizer.py keeps one per thread).
+TOKENIZE_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
 T = TypeVar("T")
 
 
@@ -293,7 +298,7 @@ class Engine:
         tokenizes in its API server while the scheduler runs on)."""
         if len(raw) < OFF_LOOP_BYTES:
             return fn(arg, self.cfg)
-        return await asyncio.to_thread(fn, arg, self.cfg)
+        return await asyncio.get_running_loop().run_in_executor(TOKENIZE_THREAD, fn, arg, self.cfg)
 
     def _load(self) -> dict[str, Any]:
         m = self.runner.model

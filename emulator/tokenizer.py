@@ -104,7 +104,8 @@ class TwinTokenizer:
     without special tokens for a rendered chat (the template wrote them), with them when
     the engine adds them (vLLM's completions default). Earlier prompts are reused
     (ext_proc/prompt/engine_tokens.py PromptCache): a chat's next turn tokenizes only what
-    it added. Thread-safe (the engine tokenizes long prompts off its event loop)."""
+    it added. Thread-safe: a prompt cache per thread (the engine tokenizes long prompts
+    off its event loop)."""
 
     def __init__(self, tokenizer_json: Path, cache_entries: int = PROMPT_CACHE_ENTRIES) -> None:
         from tokenizers import Tokenizer as RawTokenizer
@@ -119,9 +120,19 @@ class TwinTokenizer:
         # same way (serving_chat.py _tokenizer_auto_adds_specials).
         self.adds_special_tokens = bool(self._raw.encode("", add_special_tokens=True).ids)
         self.model_max_length = _model_max_length(self.model_dir / TOKENIZER_CONFIG)
-        boundaries, _ = self._hf.boundaries()
-        self.cache = PromptCache(lambda text: self._encode(text, False), boundaries, cache_entries)
-        self._lock = threading.Lock()  # the cache is an OrderedDict
+        self._boundaries, _ = self._hf.boundaries()
+        self._entries = cache_entries
+        self._local = threading.local()
+
+    @property
+    def cache(self) -> PromptCache:
+        """This thread's prompt cache (an OrderedDict, not to be shared): the event loop's,
+        and the tokenizing thread's for long prompts (emulator/engine.py)."""
+        cache: PromptCache | None = getattr(self._local, "cache", None)
+        if cache is None:
+            encode = lambda text: self._encode(text, False)  # noqa: E731
+            cache = self._local.cache = PromptCache(encode, self._boundaries, self._entries)
+        return cache
 
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         # The batch path without offsets: the same ids, ~2x faster than encode() here, and
@@ -134,8 +145,7 @@ class TwinTokenizer:
         """The token ids of `text` (`TokenIds`, packed for block hashing)."""
         if add_special_tokens and self.adds_special_tokens:
             return TokenIds(self._encode(text, True))
-        with self._lock:
-            return self.cache.ids(text)
+        return self.cache.ids(text)
 
     def ids(self, text: str) -> list[int]:
         return list(self.encode(text))

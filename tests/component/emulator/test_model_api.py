@@ -5,7 +5,9 @@ served name by default), SGLang's /get_model_info, vLLM's /tokenize and SGLang's
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -182,11 +184,24 @@ async def test_each_flavor_has_only_its_own_tokenize_paths(http: aiohttp.ClientS
 
 
 async def test_a_long_prompt_is_tokenized_off_the_loop(http: aiohttp.ClientSession) -> None:
-    """A ~200 KB body is parsed in a thread; the counts are the same."""
+    """A long body is parsed in the engine's tokenizing thread: the counts are the same, and
+    the engine answers other requests meanwhile (the library lets go of the GIL)."""
     text = "hello world " * 20_000
     n = len(TOKENS.tokenizer.ids(text))
+    huge = "ab cd " * 100_000  # 600 KB: tokenizing it takes ~0.3 s
     async with running(cfg_of(VLLM)) as srv:
         _, out = await post(http, f"{srv.url}/tokenize", {"prompt": text})
         body = {"model": "tiny", "prompt": text, "max_tokens": 1}
         _, done = await post(http, f"{srv.url}{COMPLETIONS}", body)
+        t0 = time.perf_counter()
+        long = asyncio.create_task(post(http, f"{srv.url}/tokenize", {"prompt": huge}))
+        await asyncio.sleep(0.05)
+        async with http.get(f"{srv.url}/health") as resp:
+            assert resp.status == 200
+        health_s = time.perf_counter() - t0
+        status, big = await long
+        long_s = time.perf_counter() - t0
     assert out["count"] == done["usage"]["prompt_tokens"] == n > 20_000
+    print(f"/health answered after {health_s:.3f} s, the long /tokenize after {long_s:.3f} s")
+    assert status == 200 and big["count"] > 200_000
+    assert health_s < long_s / 2
