@@ -39,6 +39,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 from emulator.stack import DEFAULT_REGIONS, Stack, StackPorts, StackSettings
 from emulator.stack.ports import free_ports
 from ext_proc.common.names import HEADER_REQUEST_ID
+from ext_proc.config.schema import Config
 from ext_proc.service.telemetry import A_BACKEND, A_PREDICTED_CACHED, A_PREFIX_STATE, A_REQUEST_ID
 from loadgen.bench_live import fast_profile_file
 from loadgen.client import percentile
@@ -257,36 +258,73 @@ def _wait(ok: Callable[[], bool], timeout_s: float) -> bool:
     return True
 
 
-def _all_precise(stack: Stack) -> bool:
-    return all(b["prefix_state"] == "precise" for b in _state(stack)["backends"].values())
+@dataclass(frozen=True)
+class Fleet:
+    """What the two fleets run: front doors (an Envoy and a router in each of the first N
+    regions, all subscribed to the engines' events), and real vLLM engines or the twins."""
+
+    front_doors: int = 1
+    real_engine: bool = False
+    # Real engines serve 4,096-token contexts: longer trace requests are left out.
+    max_input_tokens: int | None = None
 
 
-def _stack(profile: str, kv_events: bool, otlp_port: int) -> Stack:
+def _stack(profile: str, kv_events: bool, otlp_port: int, fleet: Fleet) -> Stack:
+    regions = DEFAULT_REGIONS
     stack = Stack(
         StackSettings(
             policy="gorgo",
-            regions=DEFAULT_REGIONS,
-            ports=StackPorts.ephemeral(len(DEFAULT_REGIONS)),
+            regions=regions,
+            ports=StackPorts.ephemeral(len(regions)),
             rtt_profile="network",
-            engine_profile=profile,
+            engine_profile=None if fleet.real_engine else profile,
             tuner_mode="off",  # static weights: the two fleets differ only in prefix state
             kv_events=kv_events,
+            real_engine=fleet.real_engine,
+            vllm_small_pool=(),
+            front_door_regions=tuple(r.id for r in regions[1 : fleet.front_doors])
+            if kv_events
+            else (),
         )
     )
-    cfg = stack.config
-    stack.config = replace(
-        cfg, telemetry=replace(cfg.telemetry, otlp_endpoint=f"127.0.0.1:{otlp_port}")
-    )
+
+    # Every router sends its decision spans to this run's receiver.
+    def traced(cfg: Config) -> Config:
+        return replace(
+            cfg, telemetry=replace(cfg.telemetry, otlp_endpoint=f"127.0.0.1:{otlp_port}")
+        )
+
+    stack.config = traced(stack.config)
+    for door in stack.doors:
+        door.config = traced(door.config)
     return stack
+
+
+def _door_urls(stack: Stack) -> list[str]:
+    return [stack.front_door_url, *(d.url for d in stack.doors)]
+
+
+def _all_precise(stack: Stack) -> bool:
+    states = [_state(stack), *(_get_state(d.admin_url) for d in stack.doors)]
+    return all(b["prefix_state"] == "precise" for st in states for b in st["backends"].values())
+
+
+def _get_state(admin_url: str) -> dict[str, Any]:
+    with urllib.request.urlopen(f"{admin_url}/state", timeout=5) as r:
+        doc: dict[str, Any] = json.loads(r.read())
+    return doc
 
 
 async def _replay_all(
     stacks: Mapping[str, Stack], trace: Sequence[TraceRequest]
 ) -> dict[str, ReplayRun]:
-    async def one(stack: Stack) -> ReplayRun:
+    """Each fleet replays the whole slice; with several front doors each conversation
+    enters one door (by its session), as clients in several regions would."""
+
+    async def one(url: str, requests: Sequence[TraceRequest]) -> ReplayRun:
         replay = TaggedReplay(
-            trace,
-            stack.front_door_url,
+            requests,
+            url,
             api="completions",
             max_concurrency=512,
             timeout_s=600.0,
@@ -295,8 +333,27 @@ async def _replay_all(
         )
         return await replay.run()
 
-    runs = await asyncio.gather(*(one(s) for s in stacks.values()))
+    async def fleet(stack: Stack) -> ReplayRun:
+        urls = _door_urls(stack)
+        shares = [
+            [r for r in trace if _door_of(r.session, len(urls)) == i] for i in range(len(urls))
+        ]
+        runs = await asyncio.gather(
+            *(one(u, part) for u, part in zip(urls, shares, strict=True) if part)
+        )
+        return replace(
+            runs[0],
+            sent=[x for run in runs for x in run.sent],
+            planned=sum(run.planned for run in runs),
+            wall_s=max(run.wall_s for run in runs),
+        )
+
+    runs = await asyncio.gather(*(fleet(s) for s in stacks.values()))
     return dict(zip(stacks, runs, strict=True))
+
+
+def _door_of(session: str, doors: int) -> int:
+    return int.from_bytes(session.encode()[-4:].rjust(4, b"\0"), "big") % doors
 
 
 def run_prefix_bench(
@@ -306,8 +363,12 @@ def run_prefix_bench(
     limit: int | None,
     time_scale: float,
     out_dir: Path,
+    fleet: Fleet = Fleet(),
 ) -> int:
-    chosen = window(read_trace(trace_path), start_s, duration_s, limit)
+    requests = read_trace(trace_path)
+    if fleet.max_input_tokens is not None:
+        requests = [r for r in requests if r.input_tokens <= fleet.max_input_tokens]
+    chosen = window(requests, start_s, duration_s, limit)
     if not chosen:
         print("gorgo bench prefix-state: no requests in the slice", file=sys.stderr)
         return 2
@@ -316,7 +377,9 @@ def run_prefix_bench(
     with tempfile.TemporaryDirectory(prefix="gorgo-prefix-") as tmp, ExitStack() as sinks:
         profile = fast_profile_file(Path(tmp))
         otlp_ports = dict(zip(MODES, free_ports(len(MODES)), strict=True))
-        stacks = {mode: _stack(profile, mode == "precise", otlp_ports[mode]) for mode in MODES}
+        stacks = {
+            mode: _stack(profile, mode == "precise", otlp_ports[mode], fleet) for mode in MODES
+        }
         print(
             f"bench prefix-state: {len(trace)} requests ({start_s:g} s + {duration_s:g} s of "
             f"{Path(trace_path).name}, time_scale {time_scale:g}) on two isolated fleets, "
@@ -356,6 +419,8 @@ def run_prefix_bench(
             "trace": trace_path,
             "window": {"start_s": start_s, "duration_s": duration_s, "limit": limit},
             "time_scale": time_scale,
+            "front_doors": fleet.front_doors if mode == "precise" else 1,
+            "engines": "vllm" if fleet.real_engine else "twin",
             "wall_s": round(run.wall_s, 1),
             "report": asdict(reports[mode]),
             "kv_events": kv,

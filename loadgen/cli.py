@@ -148,10 +148,17 @@ def _bench_live(args: argparse.Namespace) -> int:
 def _bench_prefix(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from loadgen.bench_prefix import run_prefix_bench
+    from loadgen.bench_prefix import Fleet, run_prefix_bench
 
+    fleet = Fleet(args.front_doors, args.engine == "vllm", args.max_input_tokens)
     return run_prefix_bench(
-        args.trace, args.start_s, args.duration_s, args.limit, args.time_scale, Path(args.out)
+        args.trace,
+        args.start_s,
+        args.duration_s,
+        args.limit,
+        args.time_scale,
+        Path(args.out),
+        fleet,
     )
 
 
@@ -415,6 +422,26 @@ def add_commands(commands: Commands) -> None:
     b.add_argument("--limit", type=int, default=None, help="at most this many requests")
     b.add_argument("--time-scale", type=float, default=1.0)
     b.add_argument("--out", default="out/bench", help="result files")
+    b.add_argument(
+        "--front-doors",
+        type=int,
+        default=1,
+        metavar="N",
+        help="the precise fleet's front doors: an Envoy and a router in each of the first N "
+        "regions, all on the engines' events, each conversation through one of them",
+    )
+    b.add_argument(
+        "--engine",
+        choices=["twin", "vllm"],
+        default="twin",
+        help="the engines: the emulated twins, or real vLLM (the tiny model; make vllm)",
+    )
+    b.add_argument(
+        "--max-input-tokens",
+        type=int,
+        default=None,
+        help="leave out longer trace requests (real vLLM here serves 4,096-token contexts)",
+    )
     b.set_defaults(func=_bench_prefix)
     b = bench.add_parser("load", help="concurrent streams through one router: errors, CPU, memory")
     b.add_argument("--streams", type=int, default=200)
