@@ -4,6 +4,9 @@ approximate.
 One slice of the conversation trace is replayed through Envoy, the router and the emulated
 fleet on two isolated fleets at once: one whose engines publish their KV events, which the
 router subscribes to (precise), and one without (approximate: the router's own index).
+`--front-doors N` gives the precise fleet a front door (an Envoy and a router) in each of
+the first N regions, each conversation entering one; `--engine vllm` runs real vLLM engines
+(the tiny model) instead of the twins.
 Per request, the router's predicted cached tokens on the backend it chose, taken from its
 decision span (`gorgo.predicted_cached_tokens`, `gorgo.prefix_state`; received here over
 OTLP, joined on the request id the client sends), against what that engine reported in the
@@ -267,6 +270,8 @@ class Fleet:
     real_engine: bool = False
     # Real engines serve 4,096-token contexts: longer trace requests are left out.
     max_input_tokens: int | None = None
+    # Which fleets run (both by default: their ratios are the point; one to spare cores).
+    modes: tuple[str, ...] = MODES
 
 
 def _stack(profile: str, kv_events: bool, otlp_port: int, fleet: Fleet) -> Stack:
@@ -376,21 +381,25 @@ def run_prefix_bench(
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="gorgo-prefix-") as tmp, ExitStack() as sinks:
         profile = fast_profile_file(Path(tmp))
-        otlp_ports = dict(zip(MODES, free_ports(len(MODES)), strict=True))
+        otlp_ports = dict(zip(fleet.modes, free_ports(len(fleet.modes)), strict=True))
         stacks = {
-            mode: _stack(profile, mode == "precise", otlp_ports[mode], fleet) for mode in MODES
+            mode: _stack(profile, mode == "precise", otlp_ports[mode], fleet)
+            for mode in fleet.modes
         }
         print(
             f"bench prefix-state: {len(trace)} requests ({start_s:g} s + {duration_s:g} s of "
-            f"{Path(trace_path).name}, time_scale {time_scale:g}) on two isolated fleets, "
-            "with KV events (precise) and without (approximate)...",
+            f"{Path(trace_path).name}, time_scale {time_scale:g}) on isolated fleets: "
+            f"{', '.join(fleet.modes)} (precise: KV events, {fleet.front_doors} front "
+            f"door(s)), on {'real vLLM engines' if fleet.real_engine else 'the twins'}...",
             file=sys.stderr,
         )
         try:
             for s in stacks.values():
                 s.start()
             receivers = {m: sinks.enter_context(span_sink(p)) for m, p in otlp_ports.items()}
-            if not _wait(partial(_all_precise, stacks["precise"]), PRECISE_WAIT_S):
+            if "precise" in stacks and not _wait(
+                partial(_all_precise, stacks["precise"]), PRECISE_WAIT_S
+            ):
                 raise RuntimeError("the precise fleet's KV event streams did not come up")
             runs = asyncio.run(_replay_all(stacks, trace))
             for mode, run in runs.items():  # the last spans come with the next batch export

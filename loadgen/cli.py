@@ -150,7 +150,8 @@ def _bench_prefix(args: argparse.Namespace) -> int:
 
     from loadgen.bench_prefix import Fleet, run_prefix_bench
 
-    fleet = Fleet(args.front_doors, args.engine == "vllm", args.max_input_tokens)
+    modes = ("precise", "approximate") if args.only is None else (args.only,)
+    fleet = Fleet(args.front_doors, args.engine == "vllm", args.max_input_tokens, modes)
     return run_prefix_bench(
         args.trace,
         args.start_s,
@@ -441,6 +442,12 @@ def add_commands(commands: Commands) -> None:
         type=int,
         default=None,
         help="leave out longer trace requests (real vLLM here serves 4,096-token contexts)",
+    )
+    b.add_argument(
+        "--only",
+        choices=["precise", "approximate"],
+        default=None,
+        help="run one fleet only (default: both, and their ratios)",
     )
     b.set_defaults(func=_bench_prefix)
     b = bench.add_parser("load", help="concurrent streams through one router: errors, CPU, memory")
