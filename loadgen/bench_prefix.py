@@ -47,11 +47,13 @@ from ext_proc.service.telemetry import A_BACKEND, A_PREDICTED_CACHED, A_PREFIX_S
 from loadgen.bench_live import fast_profile_file
 from loadgen.client import percentile
 from loadgen.replay_loop import Replay, ReplayRun
-from loadgen.replay_requests import Encoded
+from loadgen.replay_requests import Encoded, build_request
 from loadgen.results import RequestResult, summarize, write_result
 from loadgen.traces import TraceRequest, read_trace, scaled, window
 
 MODES = ("precise", "approximate")
+# The served name of the real-vLLM tier's tiny model (emulator/vllm/serve.py).
+VLLM_MODEL = "tiny"
 # The router's batch exporter sends every 5 s: wait that long and more for the last spans.
 SPAN_WAIT_S = 20.0
 # The precise fleet starts measuring once every engine's event stream is up.
@@ -115,11 +117,16 @@ def span_sink(port: int) -> Iterator[SpanSink]:
 
 class TaggedReplay(Replay):
     """The live replay, each request sent with its trace id as `x-request-id` (the front
-    door keeps a client's id), so its decision span can be found."""
+    door keeps a client's id), so its decision span can be found; `model` names the served
+    model (None: the replay's own, which any twin serves)."""
+
+    model: str | None = None
 
     def prepare(self, r: TraceRequest) -> Encoded:
-        e = super().prepare(r)
-        return Encoded(e.path, e.data, {**e.headers, HEADER_REQUEST_ID: r.id})
+        req = build_request(r, self.api, self.synth)
+        body = req.body if self.model is None else {**req.body, "model": self.model}
+        e = replace(req, body=body, headers={**req.headers, HEADER_REQUEST_ID: r.id})
+        return e.encoded()
 
 
 def with_predictions(
@@ -321,10 +328,12 @@ def _get_state(admin_url: str) -> dict[str, Any]:
 
 
 async def _replay_all(
-    stacks: Mapping[str, Stack], trace: Sequence[TraceRequest]
+    stacks: Mapping[str, Stack], trace: Sequence[TraceRequest], real_engine: bool = False
 ) -> dict[str, ReplayRun]:
     """Each fleet replays the whole slice; with several front doors each conversation
     enters one door (by its session), as clients in several regions would."""
+
+    model = VLLM_MODEL if real_engine else None
 
     async def one(url: str, requests: Sequence[TraceRequest]) -> ReplayRun:
         replay = TaggedReplay(
@@ -336,6 +345,7 @@ async def _replay_all(
             progress=None,
             stop=None,
         )
+        replay.model = model
         return await replay.run()
 
     async def fleet(stack: Stack) -> ReplayRun:
@@ -401,7 +411,7 @@ def run_prefix_bench(
                 partial(_all_precise, stacks["precise"]), PRECISE_WAIT_S
             ):
                 raise RuntimeError("the precise fleet's KV event streams did not come up")
-            runs = asyncio.run(_replay_all(stacks, trace))
+            runs = asyncio.run(_replay_all(stacks, trace, fleet.real_engine))
             for mode, run in runs.items():  # the last spans come with the next batch export
                 sink = receivers[mode]
                 wanted = {r.id for r in run.results if r.status == "ok"}
