@@ -16,6 +16,7 @@ approximation on the same bodies.
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import json
 import random
@@ -232,6 +233,42 @@ def measure_tokenized(
     return run
 
 
+def cold_turn_hold_ms(engine: EngineTokenizer, body: bytes, off_loop: bool) -> float:
+    """The longest the event loop was held (ms) while a cold turn (nothing cached) was
+    tokenized: on the loop itself, or in a worker thread as the shell does for a long
+    body (ext_proc/envoy/server.py OFF_LOOP_BODY_BYTES). A ticker that wakes every 1 ms
+    stands in for other requests' decisions."""
+    boundaries, _ = engine.tokenizer.boundaries()
+    engine.cache = PromptCache(engine.tokenizer.ids, boundaries, TokenizerConfig().cache_entries)
+    step = PromptTokenizer(engine)
+
+    async def run() -> float:
+        done = asyncio.Event()
+        worst_s = 0.0
+
+        async def ticker() -> None:
+            nonlocal worst_s
+            last = time.perf_counter()
+            while not done.is_set():
+                await asyncio.sleep(0.001)
+                now = time.perf_counter()
+                worst_s, last = max(worst_s, now - last - 0.001), now
+
+        tick = asyncio.create_task(ticker())
+        await asyncio.sleep(0.01)
+        llm = parse_body(CHAT, body)
+        if off_loop:
+            await asyncio.to_thread(step.apply, llm)
+        else:
+            step.apply(llm)
+        await asyncio.sleep(0.005)
+        done.set()
+        await tick
+        return worst_s * 1e3
+
+    return asyncio.run(run())
+
+
 # -- the measurements' figures, and their tables --------------------------------------------
 
 
@@ -402,6 +439,15 @@ def run_tokenized_bench(iterations: int = 600, cold_iterations: int = 30) -> boo
         study = tokenized_study(turns, measure_tokenized(engine, turns, n, cold))
         print(tokenized_lines(study))
         met = met and study.meets
+    history, lasts = chat_conversation(engine, CHAT_TURNS)
+    body = _chat_body([*history, {"role": "user", "content": lasts[0]}])
+    inline = [cold_turn_hold_ms(engine, body, False) for _ in range(5)]
+    threaded = [cold_turn_hold_ms(engine, body, True) for _ in range(5)]
+    print(
+        f"a cold {CHAT_TURNS}-turn chat holds the event loop (worst of 5): "
+        f"{max(inline):.1f} ms tokenized on it, {max(threaded):.1f} ms in a worker thread "
+        f"(x{max(threaded) / max(inline):.2f})"
+    )
     print(
         f"'new': tokens tokenized per warm decision (the previous answer and the new message); "
         f"{time.monotonic() - t0:.1f} s (the tokenizer is trained once into {TINY_DIR})"
