@@ -61,15 +61,44 @@ def _shares(text: str) -> tuple[float, ...]:
         ) from None
 
 
+def _weights(text: str) -> tuple[float, float]:
+    """--weights RTT,QUEUE: gorgo's two weights, both positive (its parameters' bounds)."""
+    try:
+        rtt, queue = (float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected RTT,QUEUE like 1,0.5, got {text!r}") from None
+    if not (rtt > 0 and queue > 0):  # also refuses nan
+        raise argparse.ArgumentTypeError(f"both weights must be > 0, got {text!r}")
+    return rtt, queue
+
+
+def _sim_router(args: argparse.Namespace) -> dict[str, object]:
+    """The router config the simulate flags add (merged into the generated one)."""
+    router: dict[str, object] = {}
+    if args.weights is not None:
+        rtt, queue = args.weights
+        router["policies"] = {"gorgo": {"weights": {"rtt": rtt, "queue": queue}}}
+    if args.refit_prefill:
+        router["routing"] = {"refit_prefill": True}
+    return router
+
+
 def _simulate(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from emulator.fleet import NO_FLEET, load_fleet
+    from emulator.stack import DEFAULT_REGIONS
     from loadgen.protocol import protocol_for
     from loadgen.sim_cli import run_simulate_command
     from loadgen.simulate import SimSettings
     from loadgen.traces import TraceError, load_trace
 
+    if args.router_knows_fleet and args.fleet is None:
+        print("gorgo simulate: --router-knows-fleet needs --fleet", file=sys.stderr)
+        return 2
     try:
+        regions = [r.id for r in DEFAULT_REGIONS]
+        fleet = NO_FLEET if args.fleet is None else load_fleet(args.fleet, regions)
         protocol = protocol_for(
             args.protocol,
             max_concurrency=args.max_concurrency,
@@ -89,6 +118,9 @@ def _simulate(args: argparse.Namespace) -> int:
             origin_shares=args.origin_shares or (),
             share_dispatches=args.share_dispatches,
             protocol=protocol,
+            router=_sim_router(args),
+            fleet=fleet,
+            router_knows_fleet=args.router_knows_fleet,
         )
         base.config()  # validates the profiles before hours of simulation
     except (TraceError, ValueError) as e:
@@ -380,6 +412,29 @@ def add_commands(commands: Commands) -> None:
         default=None,
         metavar="A,B,C",
         help="share of sessions from each region (with --front-doors; default equal)",
+    )
+    s.add_argument(
+        "--fleet",
+        metavar="FLEET.yaml",
+        help="each region's engine profile, the engines' truth (emulator/fleet.py, "
+        "docs/engine-model.md); the router keeps --engine-profile for every backend",
+    )
+    s.add_argument(
+        "--router-knows-fleet",
+        action="store_true",
+        help="with --fleet: tell the router each engine's true profile (the reference)",
+    )
+    s.add_argument(
+        "--weights",
+        type=_weights,
+        default=None,
+        metavar="RTT,QUEUE",
+        help="gorgo's starting weights (static with --tune off); default the policy's (1,1)",
+    )
+    s.add_argument(
+        "--refit-prefill",
+        action="store_true",
+        help="the router refits each backend's prefill rate from its TTFTs (routing.refit_prefill)",
     )
     _add_protocol(s, "open protocol: no cap")
     s.set_defaults(func=_simulate)

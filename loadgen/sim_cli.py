@@ -52,6 +52,9 @@ def run_simulations(
                 "time_scale": ts,
                 "rtt_profile": base.rtt_profile,
                 "engine_profile": base.engine_profile,
+                "fleet": base.fleet.path or None,
+                "router_knows_fleet": base.router_knows_fleet,
+                "router_overrides": base.router,
                 "seed": base.seed,
                 "tune": base.tune,
                 "prefix_state": base.prefix_state,
@@ -91,6 +94,13 @@ def run_simulations(
                     file=sys.stderr,
                 )
     return summaries
+
+
+def _fleet_note(base: SimSettings) -> str:
+    if not base.fleet.path:
+        return ""
+    told = "their true profiles" if base.router_knows_fleet else "the engine profile"
+    return f", engines per fleet `{base.fleet.path}` (the router told {told})"
 
 
 def by_region(requests: Sequence[RequestResult]) -> dict[str, dict[str, Any]]:
@@ -218,7 +228,8 @@ def run_simulate_command(
         f"{'whole' if duration_s is None else f'{duration_s:g} s'}"
         f"{'' if limit is None else f', at most {limit} requests'} ({len(sliced)} requests"
         f"{f', {dropped} dropped by the protocol' if dropped else ''}); {protocol.describe()}; "
-        f"RTT profile `{base.rtt_profile}`, engine profile `{base.engine_profile}`, seed "
+        f"RTT profile `{base.rtt_profile}`, engine profile `{base.engine_profile}`"
+        f"{_fleet_note(base)}, seed "
         f"{base.seed}"
         f"{f'; arrivals spread over {spread_s:g} s' if spread_s else ''}. "
         f"Workload as run: {stats_line(workload_stats(kept))}."

@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from emulator.fleet import NO_FLEET, Fleet
 from emulator.model import EngineModel
 from emulator.stack import DEFAULT_REGIONS
 from emulator.wan import (
@@ -108,6 +109,11 @@ class SimSettings:
     # request that finds every connection of its worker to its backend busy opens one and
     # waits for the TCP handshake, one more round trip (emulator/wan.py). 0: not modelled.
     envoy_workers: int = 0
+    # The engines' truth per region (emulator/fleet.py; a region it does not list runs
+    # engine_profile). The router is configured as a user would be, engine_profile for
+    # every backend, unless router_knows_fleet tells it each engine's own (the reference).
+    fleet: Fleet = NO_FLEET
+    router_knows_fleet: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.front_doors <= len(self.regions):
@@ -154,6 +160,14 @@ class SimSettings:
         doors = self.doors
         return origin if origin in doors else doors[0]
 
+    def engine_profile_of(self, region: str) -> str:
+        """The profile region's engine runs."""
+        return self.fleet.profile_of(region, self.engine_profile)
+
+    def router_profile_of(self, region: str) -> str:
+        """The profile the router is told region's engine runs."""
+        return self.engine_profile_of(region) if self.router_knows_fleet else self.engine_profile
+
     def config(self, door: str = PROXY) -> Config:
         raw: dict[str, Any] = {
             "policy": self.policy,
@@ -163,7 +177,7 @@ class SimSettings:
                     "id": r,
                     "address": f"127.0.0.1:{18101 + i}",
                     "rtt_prior_ms": self.rtt_ms(door, r)[0],
-                    "engine_profile": self.engine_profile,
+                    "engine_profile": self.router_profile_of(r),
                 }
                 for i, r in enumerate(self.regions)
             ],
@@ -206,9 +220,9 @@ class Simulation:
         # The service's own factory, on the virtual clock (it draws the policy's and the
         # tuner's RNGs from `rng` first).
         self.router = build_router(cfg, lambda: self.now_s, rng)
-        profile = load_profile(settings.engine_profile)
+        profiles = {r: load_profile(settings.engine_profile_of(r)) for r in settings.regions}
         self.engines = {
-            r: EngineModel(profile, random.Random(rng.random())) for r in settings.regions
+            r: EngineModel(profiles[r], random.Random(rng.random())) for r in settings.regions
         }
         self.links: dict[tuple[str, str], DelayModel] = {}
         self.routers_at: dict[str, list[Router]] = {}
@@ -239,9 +253,13 @@ class Simulation:
             for door, rs in self.routers_at.items():
                 for i, router in enumerate(rs):
                     router.subscribe(PeerPublisher(f"{door}/{i}", self._sender(door, router)))
-        self.engine_block_tokens = profile.block_tokens
-        self.kv_capacity_tokens = profile.kv_capacity_tokens
+        # Per engine: a fleet's profiles may cache at other granularities and pool sizes.
+        self.engine_block_tokens = {r: p.block_tokens for r, p in profiles.items()}
+        self.kv_capacity_tokens = {r: p.kv_capacity_tokens for r, p in profiles.items()}
         if settings.prefix_state == "precise":
+            # One request's engine keys serve every candidate (RouteRequest.engine_keys).
+            if len(set(self.engine_block_tokens.values())) > 1:
+                raise ValueError("prefix_state precise: the fleet's block_tokens must agree")
             for r in settings.regions:
                 self.engines[r].cache.events = []
                 for router in self.routers:
@@ -337,7 +355,8 @@ class Simulation:
             elif kind == _AT_ENGINE:
                 backend, r = data
                 engine = self.engines[backend]
-                blocks = _sub_blocks(r.block_ids, r.block_tokens // self.engine_block_tokens, 0)
+                per_engine = r.block_tokens // self.engine_block_tokens[backend]
+                blocks = _sub_blocks(r.block_ids, per_engine, 0)
                 engine.submit(r.id, r.input_tokens, r.output_tokens, blocks, t)
                 self._publish_cache_changes(backend, t)
                 self._schedule_step(backend)
@@ -363,7 +382,9 @@ class Simulation:
             elif kind == _KV_EVENTS:
                 door, backend, changes = data
                 for router in self.routers_at[door]:
-                    router.apply_keyed_kv_events(backend, self.engine_block_tokens, changes)
+                    router.apply_keyed_kv_events(
+                        backend, self.engine_block_tokens[backend], changes
+                    )
             elif kind == _SCRAPE:
                 # The engine's reading now (as emulator/engine.py renders /metrics; one
                 # code path would need the engine server here) reaches
@@ -406,7 +427,8 @@ class Simulation:
 
     def _report(self, backend: str) -> EngineReport:
         m = self.engines[backend]
-        return EngineReport(m.num_queued, m.num_started, m.held_tokens / self.kv_capacity_tokens)
+        kv_use = m.held_tokens / self.kv_capacity_tokens[backend]
+        return EngineReport(m.num_queued, m.num_started, kv_use)
 
     def _publish_cache_changes(self, backend: str, t: float) -> None:
         """Precise mode: the engine's cache changes reach each front door's routers a
@@ -433,7 +455,7 @@ class Simulation:
         blocks = _sub_blocks(r.block_ids, per, 1)[: r.input_tokens // self.router_block_tokens]
         engine_keys = None
         if self.s.prefix_state == "precise":
-            per_engine = r.block_tokens // self.engine_block_tokens
+            per_engine = r.block_tokens // self.engine_block_tokens[self.s.regions[0]]
             engine_keys = _sub_blocks(r.block_ids, per_engine, 0)
         routers = self.routers_at[door]
         router = routers[zlib.crc32((r.session or r.id).encode()) % len(routers)]

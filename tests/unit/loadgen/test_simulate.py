@@ -330,3 +330,53 @@ def test_envoy_opens_a_connection_only_when_every_one_is_busy() -> None:
 
     assert mean_ttft(res.requests[:6]) - mean_ttft(off.requests[:6]) > 0.8 * rtt_ms
     assert abs(mean_ttft(res.requests[6:]) - mean_ttft(off.requests[6:])) < 0.1 * rtt_ms
+
+
+FLEETS = SLICE.parent / "fleets"
+
+
+def test_a_fleet_sets_the_engines_and_the_router_keeps_the_shipped_profile(trace) -> None:  # type: ignore[no-untyped-def]
+    from emulator.fleet import load_fleet
+
+    regions = SimSettings().regions
+    fleet = load_fleet(FLEETS / "mixed-gpus.yaml", regions)
+    for knows in (False, True):
+        sim = Simulation(trace[:5], SimSettings(fleet=fleet, router_knows_fleet=knows))
+        engines = {r: e.profile.name for r, e in sim.engines.items()}
+        told = {r: b.profile.name for r, b in sim.router.backends.items()}
+        assert engines == {
+            "us-ashburn": "h100-llama3.1-8b",
+            "eu-frankfurt": "h200-llama3.1-70b-fp8",
+            "ap-seoul": "a10g-llama3.1-8b",
+        }
+        assert told == (engines if knows else dict.fromkeys(regions, SimSettings().engine_profile))
+        # each engine's load report counts against its own pool
+        assert sim.kv_capacity_tokens["ap-seoul"] == 31_000
+
+
+def test_faster_far_engines_draw_the_router_only_when_it_knows_them(trace) -> None:  # type: ignore[no-untyped-def]
+    from emulator.fleet import load_fleet
+
+    fleet = load_fleet(FLEETS / "fast-far.yaml", SimSettings().regions)
+    far = {"eu-frankfurt", "ap-seoul"}
+    shares = {}
+    for knows in (False, True):
+        res = simulate(trace, SimSettings(time_scale=3.0, fleet=fleet, router_knows_fleet=knows))
+        assert all(r.status == "ok" for r in res.requests)
+        shares[knows] = sum(r.backend in far for r in res.requests) / len(res.requests)
+    # told that the far engines prefill 3x as fast, it sends them more of the load
+    assert shares[True] > shares[False] + 0.05
+
+
+def test_precise_state_needs_one_engine_block_size(tmp_path: Path) -> None:
+    from emulator.fleet import fleet_from_dict
+
+    coarse = tmp_path / "coarse.yaml"
+    default = SLICE.parents[2] / "ext_proc/estimate/profiles/l40s-qwen3.5-35b-a3b-fp8.yaml"
+    coarse.write_text(default.read_text().replace("block_tokens: 64", "block_tokens: 128"))
+    fleet = fleet_from_dict(
+        {"backends": [{"id": "ap-seoul", "engine_profile": str(coarse)}]}, SimSettings().regions
+    )
+    Simulation([], SimSettings(fleet=fleet))  # approximate state: any sizes
+    with pytest.raises(ValueError, match="block_tokens must agree"):
+        Simulation([], SimSettings(fleet=fleet, prefix_state="precise"))
