@@ -13,6 +13,7 @@ import sys
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
+from emulator.up_cli import add_up_command
 from ext_proc.cli import Commands
 from ext_proc.config.schema import ConfigError, split_host_port
 
@@ -212,30 +213,6 @@ def _run_forever(coro: Coroutine[Any, Any, None]) -> int:
     return 0
 
 
-def _up(args: argparse.Namespace) -> int:
-    from emulator.stack import StackSettings
-    from emulator.stack.settings import regions_for_profile
-    from emulator.stack.stack import run_until_signalled
-
-    regions = regions_for_profile(args.rtt_profile)
-    if not 1 <= args.front_doors <= len(regions):
-        print(f"gorgo up: --front-doors must be 1..{len(regions)}", file=sys.stderr)
-        return 2
-    return run_until_signalled(
-        StackSettings(
-            policy=args.policy,
-            regions=regions,
-            rtt_profile=args.rtt_profile,
-            flavor=args.flavor,
-            real_engine=args.engine == "vllm",
-            engine_tokenizer=args.tokenizer,
-            kv_events=args.kv_events or args.front_doors > 1,
-            front_door_regions=[r.id for r in regions[1 : args.front_doors]],
-            share_dispatches=not args.no_share_dispatches,
-        )
-    )
-
-
 def _bench_engine_model(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -391,55 +368,7 @@ def add_commands(commands: Commands) -> None:
     )
     s.set_defaults(func=_wan)
 
-    s = sub.add_parser("up", help="run the whole local stack (Envoy, gorgo, 3 regions)")
-    s.add_argument("--policy", default="gorgo", choices=policies)
-    s.add_argument(
-        "--rtt-profile",
-        default="network",
-        choices=["network", "paper"],
-        help="WAN delays: network = 1/90/180 ms, paper = 37/279/456 ms (with jitter)",
-    )
-    s.add_argument(
-        "--engine",
-        default="emulated",
-        choices=["emulated", "vllm"],
-        help="emulated engines (the default), or real vLLM instances serving a tiny local "
-        "model on this machine's CPU (installed on first use by `make vllm`)",
-    )
-    s.add_argument(
-        "--flavor",
-        default="sglang",
-        choices=["sglang", "vllm"],
-        help="which engine the emulated backends are the twin of",
-    )
-    s.add_argument(
-        "--front-doors",
-        type=int,
-        default=1,
-        metavar="N",
-        help="an Envoy and a router in each of the first N regions, each reaching every "
-        "backend at its own RTTs; the routers share the engines' KV events (implies "
-        "--kv-events) and tell each other their dispatches over a NATS server the stack "
-        "starts. Default 1: one front door in us-ashburn (the paper's setup)",
-    )
-    s.add_argument(
-        "--no-share-dispatches",
-        action="store_true",
-        help="with several front doors, no NATS: each router knows only its own dispatches",
-    )
-    s.add_argument(
-        "--kv-events",
-        action="store_true",
-        help="the router subscribes to the engines' KV cache events (emulated or real vLLM): "
-        "its prefix state is the engines' own (/state prefix_state: precise)",
-    )
-    s.add_argument(
-        "--tokenizer",
-        default="tiny",
-        metavar="tiny|approx|PATH",
-        help="the emulated engines' (gorgo engine --tokenizer); the router finds it itself",
-    )
-    s.set_defaults(func=_up)
+    add_up_command(sub, policies)
 
     bench = commands.bench()
     b = bench.add_parser("engine-model", help="engine model vs calibration targets, figures")

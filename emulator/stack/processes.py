@@ -63,17 +63,17 @@ def engine_argv(settings: StackSettings, i: int, name: str, port: int, seed: int
     """An emulated engine; `i` is the region whose KV event ports it publishes on."""
     return gorgo_argv(
         "engine", "--name", name, "--port", str(port), "--seed", str(seed),
-        *(["--profile", p] if (p := settings.engine_profile) else []),
+        *(["--profile", p] if (p := settings.engine_profile_of(name)) else []),
         "--tokenizer", settings.engine_tokenizer,
-        *flavor_flags(settings, i), *settings.engine_args,
+        *flavor_flags(settings, i, name), *settings.engine_args,
     )  # fmt: skip
 
 
-def flavor_flags(settings: StackSettings, i: int) -> list[str]:
+def flavor_flags(settings: StackSettings, i: int, region: str) -> list[str]:
     """The real engine's flags the router relies on: cached-token reports, metrics, and
     the profile's cache granularity (the engines' own defaults, 1-token pages for
     SGLang, would make the emulator's radix cache needlessly fine)."""
-    page = str(load_profile(settings.engine_profile or DEFAULT_PROFILE).block_tokens)
+    page = str(load_profile(settings.engine_profile_of(region) or DEFAULT_PROFILE).block_tokens)
     events = []
     if settings.kv_events:
         pub, replay = settings.kv_event_ports(i)

@@ -5,7 +5,7 @@ they make.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -125,6 +125,9 @@ class StackSettings:
     envoy_mode: str = "cluster"
     # Engine profile (name or YAML) for the engines and the router's estimates alike.
     engine_profile: str | None = None
+    # The engines' own profiles by region (a fleet file's, emulator/fleet.py), which the
+    # router is not told: it keeps engine_profile (else the shipped one) and must learn.
+    engine_profiles: Mapping[str, str] = field(default_factory=dict)
     # The router's weight tuner: paired by default, "off" for static weights (benchmarks
     # that compare against the simulator's static runs).
     tuner_mode: str = "paired"
@@ -134,6 +137,10 @@ class StackSettings:
     # "" = each engine's path that does no work (ext_proc/config/schema.py PROBE_PATH).
     probe_path: str = ""
     seed: int = 0
+
+    def engine_profile_of(self, region: str) -> str | None:
+        """The profile region's emulated engine runs (None: the engine's default)."""
+        return self.engine_profiles.get(region, self.engine_profile)
 
     def kv_event_ports(self, i: int) -> tuple[int, int]:
         """Where region i's engine publishes (events, replay): free ports, chosen once."""

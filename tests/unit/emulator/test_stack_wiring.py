@@ -85,3 +85,51 @@ def test_a_real_vllm_gets_the_flags_the_readme_names() -> None:
         "publisher": "zmq",
         "endpoint": "tcp://127.0.0.1:21001",
     }
+
+
+def test_a_fleet_gives_each_engine_its_profile_and_the_router_the_shipped_one() -> None:
+    """`gorgo up --fleet`: each emulated engine runs its region's profile (and its cache
+    granularity); the router's config keeps the shipped profile, which it must correct."""
+    from emulator.fleet import load_fleet
+    from ext_proc.estimate.profile import DEFAULT_PROFILE
+
+    fleets = Path(__file__).resolve().parents[3] / "loadgen/data/fleets"
+    fleet = load_fleet(fleets / "mixed-gpus.yaml", [r.id for r in DEFAULT_REGIONS])
+    s = settings(engine_profiles=fleet.profiles)
+    profiles = {}
+    for i, r in enumerate(DEFAULT_REGIONS):
+        argv = engine_argv(s, i, r.id, 18001 + i, i)
+        profiles[r.id] = argv[argv.index("--profile") + 1]
+        assert argv[argv.index("--page-size") + 1] == "64"
+    assert profiles == {
+        "us-ashburn": "h100-llama3.1-8b",
+        "eu-frankfurt": "h200-llama3.1-70b-fp8",
+        "ap-seoul": "a10g-llama3.1-8b",
+    }
+    raw = config_as_dict(s.gorgo_config())
+    assert {b["engine_profile"] for b in raw["backends"]} == {DEFAULT_PROFILE}
+    # without a fleet the engines run the stack's one profile (none: the engine's default)
+    assert "--profile" not in engine_argv(settings(), 0, "us-ashburn", 18001, 0)
+
+
+def test_up_reads_the_fleet_file_and_refuses_a_bad_one(monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
+    import emulator.stack.stack
+    from ext_proc.cli import build_parser
+
+    started: list[StackSettings] = []
+    monkeypatch.setattr(emulator.stack.stack, "run_until_signalled", started.append)
+    fleets = Path(__file__).resolve().parents[3] / "loadgen/data/fleets"
+    args = build_parser().parse_args(["up", "--fleet", str(fleets / "slow-near.yaml")])
+    args.func(args)
+    assert Path(started[0].engine_profiles["us-ashburn"]).name == (
+        "l40s-prefill-third-decode-half.yaml"
+    )
+    assert started[0].engine_profile is None
+    bad = build_parser().parse_args(["up", "--fleet", str(fleets / "nope.yaml")])
+    assert bad.func(bad) == 2
+    assert "gorgo up: fleet" in capsys.readouterr().err
+    real = build_parser().parse_args(
+        ["up", "--engine", "vllm", "--fleet", str(fleets / "slow-near.yaml")]
+    )
+    assert real.func(real) == 2
+    assert len(started) == 1
