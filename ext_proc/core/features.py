@@ -97,6 +97,18 @@ def _capped(per_prompt: Sequence[float], lengths: Sequence[int]) -> int:
     return sum(min(int(c), max(0, n - 1)) for c, n in zip(per_prompt, lengths, strict=False))
 
 
+def newcomer_step_ms(b: BackendState, input_tokens: int) -> float:
+    """The decode step a newcomer's tokens come at there: with every request in flight
+    (those ahead will be decoding by the time it is) and itself in the batch, at most the
+    engine's running limit (the rest wait), their prompts as the context. A dispatch-time
+    estimate: who finishes or arrives while it decodes is not foreseen."""
+    profile = b.profile
+    batch = b.in_flight + 1
+    running = min(batch, profile.max_running_requests)
+    context = (b.in_flight_tokens + input_tokens) * running // batch
+    return profile.decode_ms(running, context)
+
+
 def pace_ms(r: Routing, b: BackendState, chosen: Candidate, now_s: float) -> float:
     """Dispatch pacing: how long to hold a request before it is sent on (ms).
 
@@ -188,6 +200,7 @@ class Features:
         lengths = request.llm.prompt_tokens if request.llm else ()
         input_tokens = sum(lengths)
         need_kv = kv_tokens(request)
+        out_tokens = output_tokens(request)
         bt = self.fleet.cfg.routing.block_tokens
         active = [b for b in state.backends.values() if b.lifecycle is _ACTIVE]
         if not active:
@@ -219,6 +232,7 @@ class Features:
                     cached_tokens=cached,
                     uncached_tokens=uncached,
                     decode_stall_ms=decode_stall_ms(prefill_ms, b.in_flight),
+                    decode_ms=out_tokens * newcomer_step_ms(b, input_tokens),
                     kv_ms=kv_headroom_ms(
                         items,
                         step_ms,

@@ -23,6 +23,7 @@ from ext_proc.core.state import BackendState, FleetState, TokenCheck
 from ext_proc.core.types import BackendChange, BackendLifecycle
 from ext_proc.estimate.cost import PrefillModel
 from ext_proc.estimate.engine_index import EngineBlocks
+from ext_proc.estimate.latency_error import LatencyStats
 from ext_proc.estimate.prediction import PredictionStats
 from ext_proc.estimate.prefix import PrefixCache
 from ext_proc.estimate.profile import load_profile
@@ -177,6 +178,7 @@ class Fleet:
         if new.engine_profile != old.engine_profile or reset:
             b.profile = load_profile(new.engine_profile)
             b.prefill = PrefillModel(b.profile, self.cfg.routing.refit_prefill)
+            b.latency = LatencyStats()  # another engine, or another model of it
         capacity = new.kv_capacity_tokens or b.profile.kv_capacity_tokens
         if reset:
             b.prefix = PrefixCache(capacity, self.cfg.routing.block_tokens)  # empty again

@@ -10,7 +10,6 @@ outcomes subscribes to the lifecycle events (`core.events`).
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any
@@ -81,7 +80,7 @@ class Router(RouterInputs, FleetControls):
         self._fleet = Fleet(cfg, clock, self._emit)
         self._features = Features(self._fleet, clock)
         self._decisions = 0
-        self._recent: deque[Decision] = deque(maxlen=RECENT_DECISIONS)
+        self._recent = views.RecentDecisions(RECENT_DECISIONS)
         state = self._fleet.state
         # The learners, in the order they hear each event; more can subscribe.
         self._listeners: list[Listener] = [
@@ -89,6 +88,7 @@ class Router(RouterInputs, FleetControls):
             PrefillLearner(state),
             Ejector(state, cfg.routing),
             PredictionLearner(state),
+            self._recent,
         ]
         if tuner is not None:
             failure_ms = cfg.request_timeout_s * 1000
@@ -123,7 +123,7 @@ class Router(RouterInputs, FleetControls):
 
     @property
     def recent(self) -> tuple[Decision, ...]:
-        return tuple(self._recent)
+        return self._recent.decisions
 
     @property
     def backends(self) -> Mapping[str, BackendState]:
@@ -216,6 +216,8 @@ class Router(RouterInputs, FleetControls):
             prefill_ms=chosen.prefill_ms,
             rtt_ms=chosen.rtt_ms,
             queue_ms=chosen.queue_ms,
+            predicted_ttft_ms=chosen.predicted_ttft_ms,
+            predicted_e2e_ms=chosen.predicted_e2e_ms,
             blocks=np.concatenate(blocks) if blocks else None,
             matched_last_used_s=None if held is None else b.prefix.last_used_s(held),
             streaming=request.llm.stream if request.llm else True,
@@ -234,7 +236,7 @@ class Router(RouterInputs, FleetControls):
             hold_ms=pace_ms(self.cfg.routing, b, chosen, now_s),
         )
         self._decisions += 1
-        self._recent.append(decision)
+        self._recent.add(decision)
         event = Dispatched(request, decision, rec, now_s)
         for listener in self._listeners:
             listener.on_dispatch(event)

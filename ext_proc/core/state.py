@@ -18,6 +18,7 @@ from ext_proc.config.schema import Backend
 from ext_proc.core.types import BackendLifecycle, InFlight, Status
 from ext_proc.estimate.cost import PrefillModel
 from ext_proc.estimate.engine_index import EngineBlocks
+from ext_proc.estimate.latency_error import LatencyStats
 from ext_proc.estimate.prediction import PredictionStats
 from ext_proc.estimate.prefix import PrefixCache
 from ext_proc.estimate.profile import EngineProfile
@@ -58,6 +59,8 @@ class BackendState:
     tokens: TokenCheck = field(default_factory=TokenCheck)
     # How far its cached-token predictions were from the engine's reports.
     prediction: PredictionStats = field(default_factory=PredictionStats)
+    # How far its TTFT and E2E predictions were from what the router measured.
+    latency: LatencyStats = field(default_factory=LatencyStats)
     rtt_ms: float = 0.0
     rtt_samples: int = 0
     # Exponentially weighted variance of the probe samples (ms^2): the WAN's jitter.

@@ -98,6 +98,19 @@ class Candidate:
     # decode_stall_ms); and the wait beyond queue_ms when the KV pool is nearly full (kv_ms).
     decode_stall_ms: float = 0.0
     kv_ms: float = 0.0
+    # Its own decode, predicted: output tokens x the backend's decode step with the
+    # requests in flight there and this one (docs/cost-model.md, "What is predicted").
+    decode_ms: float = 0.0
+
+    @property
+    def predicted_ttft_ms(self) -> float:
+        """The TTFT the router predicts there: the request's trip, the prefill owed ahead
+        of it (with the decode step it meets) and its own prefill, the time form's terms."""
+        return self.rtt_ms + self.queue_ms + self.prefill_ms
+
+    @property
+    def predicted_e2e_ms(self) -> float:
+        return self.predicted_ttft_ms + self.decode_ms
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -111,6 +124,9 @@ class Candidate:
             "uncached_tokens": self.uncached_tokens,
             "decode_stall_ms": round(self.decode_stall_ms, 3),
             "kv_ms": round(self.kv_ms, 3),
+            "decode_ms": round(self.decode_ms, 3),
+            "predicted_ttft_ms": round(self.predicted_ttft_ms, 3),
+            "predicted_e2e_ms": round(self.predicted_e2e_ms, 3),
         }
 
 
@@ -146,6 +162,10 @@ class InFlight:
     prefill_ms: float = 0.0
     rtt_ms: float = 0.0
     queue_ms: float = 0.0
+    # What it predicted for the chosen backend (None: no prediction, a peer's record),
+    # judged against the measured TTFT and E2E at the close (estimate.latency_error).
+    predicted_ttft_ms: float | None = None
+    predicted_e2e_ms: float | None = None
     # The prompt's prefix blocks (for trimming the index) and when the chosen backend had
     # last used each block it was believed to hold.
     blocks: npt.NDArray[np.uint64] | None = None

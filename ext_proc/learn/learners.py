@@ -97,8 +97,9 @@ class Ejector(Listener):
 
 class PredictionLearner(Listener):
     """Each backend's prediction figures: the cached tokens predicted on the chosen
-    backend against what its engine reported at completion; and, while its KV events are
-    warming, whether a precise prediction would have been right (EngineBlocks.settle)."""
+    backend against what its engine reported at completion; its TTFT and E2E predicted
+    against those measured (LatencyStats); and, while its KV events are warming, whether
+    a precise prediction would have been right (EngineBlocks.settle)."""
 
     def __init__(self, state: FleetState) -> None:
         self.state = state
@@ -110,6 +111,7 @@ class PredictionLearner(Listener):
             b.engine_blocks.settle(e.request_id, None if err is None else err.reported_tokens)
         if err is not None:
             b.prediction.add(e.record.prefix_state, err)
+        b.latency.observe(e)
 
 
 class TunerLearner(Listener):

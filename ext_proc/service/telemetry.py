@@ -32,6 +32,7 @@ from ext_proc.core.features import prefix_state
 from ext_proc.core.router import Router
 from ext_proc.core.types import BackendLifecycle, Decision, PrefixState, Status
 from ext_proc.estimate.prediction import prediction_error
+from ext_proc.service.prediction_metrics import latency_prediction_gauges
 
 SPAN_NAME = "gorgo.route"
 # Attribute names (docs/operations.md lists them all).
@@ -59,11 +60,17 @@ A_ENGINE_REPORT_AGE_S = "gorgo.engine_report.age_s"
 A_ENGINE_CACHED = "gorgo.engine_cached_tokens"
 A_PREDICTION_ERROR_TOKENS = "gorgo.prediction_error_tokens"
 A_PREDICTION_ERROR_RATIO = "gorgo.prediction_error_ratio"
+# The chosen backend's predicted TTFT and E2E (beside gorgo.ttft_ms and gorgo.e2e_ms).
+A_PREDICTED_TTFT_MS = "gorgo.predicted_ttft_ms"
+A_PREDICTED_E2E_MS = "gorgo.predicted_e2e_ms"
 # Backends left out of the decision because they are draining (only when there are some).
 A_DRAINING_BACKENDS = "gorgo.draining_backends"
 # How long dispatch pacing held the request before it was sent on (only when it did).
 A_PACE_HOLD_MS = "gorgo.pace_hold_ms"
-CANDIDATE_FIELDS = ("rtt_ms", "queue_ms", "prefill_ms", "cached_tokens", "cost")
+CANDIDATE_FIELDS = (
+    *("rtt_ms", "queue_ms", "prefill_ms", "cached_tokens", "cost"),
+    *("predicted_ttft_ms", "predicted_e2e_ms"),
+)
 
 # Buckets (seconds / ms) sized for LLM latencies: TTFT from 10 ms to minutes.
 LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -118,6 +125,7 @@ class _LiveGauges(Collector):
         yield from (in_flight, rtt, suspect, ejected, ejections, report_age, weights)
         yield from self._tuner()
         yield from self._prefix_state()
+        yield from latency_prediction_gauges(self.router.backends.values())
         yield self._lifecycle()
 
     def _lifecycle(self) -> GaugeMetricFamily:
@@ -399,6 +407,8 @@ class Telemetry(Listener):
             A_BACKEND: d.backend,
             A_INPUT_TOKENS: d.input_tokens,
             A_SESSION_HASH: session_hash(session_key),
+            A_PREDICTED_TTFT_MS: round(d.chosen.predicted_ttft_ms, 3),
+            A_PREDICTED_E2E_MS: round(d.chosen.predicted_e2e_ms, 3),
         }
         if d.draining:
             attrs[A_DRAINING_BACKENDS] = list(d.draining)
@@ -418,6 +428,8 @@ class Telemetry(Listener):
                 "prefill_ms": c.prefill_ms,
                 "cached_tokens": c.cached_tokens,
                 "cost": d.scores.get(c.backend_id, 0.0),
+                "predicted_ttft_ms": c.predicted_ttft_ms,
+                "predicted_e2e_ms": c.predicted_e2e_ms,
             }
             for f, v in values.items():
                 attrs[A_CANDIDATE.format(backend=c.backend_id, field=f)] = (

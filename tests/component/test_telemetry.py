@@ -136,7 +136,8 @@ def _normalize(span: Any) -> dict[str, Any]:
         v = kv.value
         kind = v.WhichOneof("value")
         value = getattr(v, kind)
-        if kv.key in ("gorgo.ttft_ms", "gorgo.e2e_ms") or ".queue_ms" in kv.key:
+        predicted_ms = "predicted_" in kv.key and kv.key.endswith("_ms")  # queue_ms in them
+        if kv.key in ("gorgo.ttft_ms", "gorgo.e2e_ms") or ".queue_ms" in kv.key or predicted_ms:
             value = f"<{kind}>"  # measured: present and typed, value varies
         attrs[kv.key] = value
     return {"name": span.name, "kind": span.kind, "attributes": dict(sorted(attrs.items()))}

@@ -1,6 +1,7 @@
 """Dispatch pacing: a request routed right after another to the same backend is held for
 the WAN's jitter, so the two reach the engine in the order the queue estimate assumed;
-never longer than the queue it would meet there on arrival, nor than routing.pace_max_ms."""
+never longer than the queue it would meet there on arrival, nor than routing.pace_max_ms.
+And each candidate's predicted TTFT (the sum of its terms) and E2E (plus its decode)."""
 
 from __future__ import annotations
 
@@ -12,12 +13,13 @@ import pytest
 
 from ext_proc.config.load import config_from_dict
 from ext_proc.config.schema import ConfigError
+from ext_proc.core.features import newcomer_step_ms
 from ext_proc.core.router import Router
 from ext_proc.core.types import RouteRequest
 from ext_proc.prompt.parse import CHAT, parse_body
 from loadgen.simulate import _AT_ENGINE, SimSettings, Simulation
 from loadgen.traces import TraceRequest
-from tests.builders import Dispatches, make_router
+from tests.builders import Dispatches, load, make_router
 from tests.fakes import FakeClock
 
 
@@ -143,3 +145,43 @@ def test_pacing_keeps_the_order_the_queue_estimate_assumed() -> None:
     unpaced = _overtaken_pairs(0.0)
     assert unpaced > 100
     assert _overtaken_pairs(2.0) <= unpaced / 4
+
+
+# -- the predicted TTFT and E2E -----------------------------------------------------------
+
+
+def test_the_predicted_ttft_is_the_sum_of_the_terms_and_e2e_adds_the_decode() -> None:
+    router, _ = make_router("gorgo", backends=["a", "b"])
+    load(router, "p1", "a", 4000, 100, prefill_ms=300.0)  # queued ahead on a
+    load(router, "p2", "a", 2000, 100, decoding=True)
+    body = {"messages": [{"role": "user", "content": "w " * 500}], "max_tokens": 64}
+    request = RouteRequest("r", parse_body(CHAT, json.dumps(body).encode()), None)
+    blocks = router.prompt_blocks(request)
+    a, b = sorted(router.candidates(request, blocks), key=lambda c: c.backend_id)
+    assert a.queue_ms > 0 and a.prefill_ms > 0 and b.queue_ms == 0
+    for c in (a, b):
+        assert c.predicted_ttft_ms == c.rtt_ms + c.queue_ms + c.prefill_ms
+        assert c.predicted_e2e_ms == c.predicted_ttft_ms + c.decode_ms
+        assert c.as_json()["predicted_ttft_ms"] == round(c.predicted_ttft_ms, 3)
+    n = a.cached_tokens + a.uncached_tokens
+    profile = router.backends["a"].profile
+    # a's batch: the two in flight there and the newcomer, with their prompts as context
+    assert a.decode_ms == 64 * profile.decode_ms(3, 6000 + n)
+    assert a.decode_ms == 64 * newcomer_step_ms(router.backends["a"], n)
+    assert b.decode_ms == 64 * profile.decode_ms(1, n) < a.decode_ms
+    d = router.decide(request)
+    rec = router.in_flight["r"]
+    assert (rec.predicted_ttft_ms, rec.predicted_e2e_ms) == (
+        d.chosen.predicted_ttft_ms,
+        d.chosen.predicted_e2e_ms,
+    )
+
+
+def test_the_newcomers_step_counts_no_more_than_the_engine_runs() -> None:
+    router, _ = make_router("gorgo", backends=["a"])
+    b = router.backends["a"]
+    limit = b.profile.max_running_requests
+    for i in range(limit + 9):
+        load(router, f"p{i}", "a", 100)
+    # limit + 10 requests, the limit of them running: their share of the context
+    assert newcomer_step_ms(b, 100) == b.profile.decode_ms(limit, 100 * limit)

@@ -245,3 +245,38 @@ def test_alert_rules_carry_for_severity_and_a_runbook_section() -> None:
         for p in _panels(json.loads(path.read_text())):
             if p["type"] != "row":
                 assert p["title"] in ops, f"docs/operations.md does not describe {p['title']!r}"
+
+
+def test_latency_prediction_error_is_exported_and_each_span_has_the_prediction() -> None:
+    router, clock = make_router("gorgo", backends=["a", "b"])
+    exporter = InMemorySpanExporter()
+    telemetry = Telemetry(TelemetryConfig(), router, exporter)
+    router.subscribe(telemetry)
+    decided = []
+    for i, (ttft_s, e2e_ms) in enumerate(((0.2, 900.0), (0.1, 1200.0))):
+        d = router.decide(chat(rid=f"r{i}", text=f"question {i}"))
+        decided.append(d)
+        clock.advance(ttft_s)
+        router.first_byte(d.request_id)
+        router.close(d.request_id, Status.OK, e2e_ms=e2e_ms)
+    served = {d.backend for d in decided}
+    for b in served:
+        lat = router.backends[b].latency
+        assert lat.ttft.mape is not None and lat.e2e.bias_ms is not None
+        assert _sample(telemetry, "gorgo_ttft_prediction_mape", backend=b) == lat.ttft.mape
+        assert _sample(telemetry, "gorgo_ttft_prediction_bias_ms", backend=b) == lat.ttft.bias_ms
+        assert _sample(telemetry, "gorgo_e2e_prediction_mape", backend=b) == lat.e2e.mape
+        assert _sample(telemetry, "gorgo_e2e_prediction_bias_ms", backend=b) == lat.e2e.bias_ms
+    text = telemetry.metrics.render().decode()
+    for b in set(router.backends) - served:  # nothing measured there: no sample, not a 0
+        assert f'gorgo_ttft_prediction_mape{{backend="{b}"}}' not in text
+    telemetry.shutdown()
+    spans = {s.attributes["gorgo.request_id"]: s.attributes for s in exporter.get_finished_spans()}
+    for d in decided:
+        a = spans[d.request_id]
+        assert a["gorgo.predicted_ttft_ms"] == round(d.chosen.predicted_ttft_ms, 3)
+        assert a["gorgo.predicted_e2e_ms"] == round(d.chosen.predicted_e2e_ms, 3)
+        assert "gorgo.ttft_ms" in a and "gorgo.e2e_ms" in a  # the measures beside them
+        for c in d.candidates:
+            key = f"gorgo.candidate.{c.backend_id}.predicted_ttft_ms"
+            assert a[key] == round(c.predicted_ttft_ms, 3)
