@@ -3,11 +3,22 @@
     {"meta": {...},
      "summary": {"requests", "ok", "errors",
                  "ttft_ms": {p50, p90, p95, p99, mean}, "e2e_ms": {...}, "itl_ms": {...},
-                 "slip_ms": {..., "max", "waited"}, "cache_hit_rate"},
+                 "slip_ms": {..., "max", "waited"}, "cache_hit_rate",
+                 "ttft_prediction": {"mape", "bias_ms", "requests"},
+                 "ttft_prediction_by_backend": {backend: {"mape", "bias_ms", "requests"}},
+                 "e2e_prediction": {...}, "e2e_prediction_by_backend": {...}},
      "requests": [{"id", "backend", "ttft_ms", "e2e_ms", "input_tokens", "output_tokens",
-                   "cached_tokens", "status", "error", "slip_ms", ...}, ...]}
+                   "cached_tokens", "status", "error", "slip_ms", "predicted_ttft_ms",
+                   "predicted_e2e_ms", ...}, ...]}
 
-ITL statistics are over every inter-token gap of every successful request. Slip is how
+ITL statistics are over every inter-token gap of every successful request.
+
+The prediction figures set the TTFT and E2E the router predicted for the backend it chose
+(`predicted_ttft_ms`, `predicted_e2e_ms`: None where not known, as in `gorgo replay`)
+beside the measured ones: MAPE is the mean |predicted - measured| / measured (a fraction),
+bias_ms the mean predicted - measured (> 0: predicted slower), over the successful requests
+with both after the first 20 % of the requests by arrival (the rows' order), so an empty
+fleet's warm-up does not flatter the figures; `requests` says how many counted. Slip is how
 long a request waited past its arrival for a concurrency slot (loadgen.protocol): TTFT and
 E2E are measured from dispatch, so slip is reported beside them, never inside.
 """
@@ -25,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from ext_proc.common.files import write_atomic
+from ext_proc.estimate.latency_error import LatencyError, error_summary
 
 QUANTILES = (50, 90, 95, 99)
 
@@ -48,13 +60,17 @@ class RequestResult:
     # How long it waited past its due time before it was sent (a concurrency slot, or a
     # client that fell behind); TTFT and E2E start at dispatch. None where not measured.
     slip_ms: float | None = None
+    # The TTFT and E2E the router predicted on the backend it chose, counted from where
+    # ttft_ms and e2e_ms count (None where not known).
+    predicted_ttft_ms: float | None = None
+    predicted_e2e_ms: float | None = None
     # Not in the file: inter-token gaps feed the ITL summary.
     itl_ms: list[float] = field(default_factory=list, repr=False)
 
     def row(self) -> dict[str, Any]:
         out = asdict(self)
         del out["itl_ms"]
-        for key in ("ttft_ms", "e2e_ms", "slip_ms"):
+        for key in ("ttft_ms", "e2e_ms", "slip_ms", "predicted_ttft_ms", "predicted_e2e_ms"):
             if out[key] is not None:
                 out[key] = round(out[key], 3)
         return out
@@ -88,7 +104,28 @@ def summarize(
         "itl_ms": stats(gaps),
         "slip_ms": slip_stats(results),
         "cache_hit_rate": round(sum(r.cached_tokens for r in ok) / prompt, 4) if prompt else None,
+        **prediction_summary(results),
     }
+
+
+# The share of the requests (by arrival) left out of the prediction figures: the warm-up.
+PREDICTION_WARMUP = 0.2
+
+
+def prediction_summary(results: Sequence[RequestResult]) -> dict[str, Any]:
+    """The TTFT and E2E prediction error over the successful requests after the first
+    PREDICTION_WARMUP of `results` (in arrival order), overall and per backend."""
+    after = [r for r in results[int(len(results) * PREDICTION_WARMUP) :] if r.status == "ok"]
+    out: dict[str, Any] = {}
+    for measure in ("ttft", "e2e"):
+        errs: dict[str, list[LatencyError]] = {}
+        for r in after:
+            predicted, measured = getattr(r, f"predicted_{measure}_ms"), getattr(r, f"{measure}_ms")
+            if predicted is not None and measured is not None and measured > 0:
+                errs.setdefault(r.backend, []).append(LatencyError(predicted, measured))
+        out[f"{measure}_prediction"] = error_summary(e for es in errs.values() for e in es)
+        out[f"{measure}_prediction_by_backend"] = {b: error_summary(errs[b]) for b in sorted(errs)}
+    return out
 
 
 def slip_stats(results: Sequence[RequestResult]) -> dict[str, float | int | None]:

@@ -472,6 +472,11 @@ class Simulation:
         )
         # TTFT and E2E count from the door's arrival (a wait for the door included).
         self._arrival_s[r.id] = self._door_arrival_s.pop(r.id, self.now_s)
+        # The router's predictions count from its decision: the row's, from where its
+        # TTFT and E2E count (the door's wait and the access leg are known, not predicted).
+        before_ms = (self.now_s - self._arrival_s[r.id]) * 1000 + access_ms
+        self.results[r.id].predicted_ttft_ms = d.chosen.predicted_ttft_ms + before_ms
+        self.results[r.id].predicted_e2e_ms = d.chosen.predicted_e2e_ms + before_ms
         self._access_ms[r.id] = access_ms
         link = self._link_of[r.id] = self.links[(door, d.backend)]
         # Dispatch pacing: the router holds the request before Envoy sends it on.

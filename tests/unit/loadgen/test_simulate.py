@@ -380,3 +380,22 @@ def test_precise_state_needs_one_engine_block_size(tmp_path: Path) -> None:
     Simulation([], SimSettings(fleet=fleet))  # approximate state: any sizes
     with pytest.raises(ValueError, match="block_tokens must agree"):
         Simulation([], SimSettings(fleet=fleet, prefix_state="precise"))
+
+
+def test_each_row_has_the_routers_prediction_and_the_summary_its_error() -> None:
+    trace = synthetic(sessions=20, turns=4, rate_rps=1.0, system_tokens=512, turn_tokens=1500)
+    res = simulate(trace, SimSettings(policy="gorgo", time_scale=3.0))
+    for r in res.requests:
+        assert r.predicted_ttft_ms is not None and r.predicted_e2e_ms is not None
+        assert 0 < r.predicted_ttft_ms < r.predicted_e2e_ms
+    s = summarize(res.requests)
+    pred = s["ttft_prediction"]
+    assert pred["requests"] == len(trace) - len(trace) // 5  # after the first 20 %
+    # a light load on the engine model the router's profile describes: within a few %
+    assert 0 < pred["mape"] < 0.1 and abs(pred["bias_ms"]) < 0.1 * s["ttft_ms"]["mean"]
+    by_backend = s["ttft_prediction_by_backend"]
+    assert sum(b["requests"] for b in by_backend.values()) == pred["requests"]
+    assert 0 < s["e2e_prediction"]["mape"] < 0.5
+    # the router's own per-backend figures agree on what it saw
+    seen = {b: st.latency.ttft.requests for b, st in res.router.backends.items()}
+    assert sum(seen.values()) == len(trace)
