@@ -1,0 +1,80 @@
+"""Online least squares for the per-backend latency model (issue 27): recursive least
+squares with exponential forgetting, robust to outliers.
+
+A backend's prefill time is linear in its physically shaped features (per chunk a base
+cost, per token a rate that grows with the context: ext_proc/estimate/cost.py), and so is
+its decode step in the profile's step curve; what is not known is the coefficients of
+*this* engine. `OnlineFit` starts from the profile's coefficients as a prior worth a few
+samples, moves to the data as completions come (recursive least squares: O(k^2) per
+sample, k = 2 here, microseconds), forgets old samples geometrically (`forget` per sample:
+0.99 keeps an effective memory of ~100 completions, so a backend that changes is
+relearned within a few hundred), and bounds each sample's pull (a residual beyond
+`clip_sigmas` robust standard deviations counts as that many: a queue stall or a GC pause
+does not drag the rates). The covariance is capped so that a long run of alike samples
+(no excitation) cannot wind it up into a jump later.
+
+Pure: no clock, no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+# A residual's robust scale: an exponentially weighted mean absolute (clipped) residual,
+# with this weight per sample; x1.25 turns a mean absolute deviation into a normal sigma.
+SCALE_EWMA = 0.05
+MAD_TO_SIGMA = 1.25
+
+
+class OnlineFit:
+    """y ~ theta . x, learned one sample at a time."""
+
+    def __init__(
+        self,
+        prior: Sequence[float],
+        prior_weight: float = 4.0,
+        forget: float = 0.99,
+        clip_sigmas: float = 3.0,
+        max_covariance: float = 1e6,
+    ) -> None:
+        """`prior`: the starting coefficients (the profile's); `prior_weight`: how many
+        unit-feature samples the prior is worth."""
+        self.theta: npt.NDArray[np.float64] = np.array(prior, dtype=float)
+        self._p = np.eye(len(prior)) / prior_weight
+        self.forget = forget
+        self.clip_sigmas = clip_sigmas
+        self.max_covariance = max_covariance
+        self.samples = 0
+        # None until the first residual: the robust scale of the residuals (y units).
+        self.scale: float | None = None
+
+    def predict(self, x: Sequence[float]) -> float:
+        return float(self.theta @ np.asarray(x, dtype=float))
+
+    def update(self, x: Sequence[float], y: float) -> float:
+        """Learn from one sample; returns its residual before the update (y - predicted)."""
+        v = np.asarray(x, dtype=float)
+        residual = y - float(self.theta @ v)
+        pulled = residual
+        if self.scale is not None and self.scale > 0:
+            bound = self.clip_sigmas * MAD_TO_SIGMA * self.scale
+            pulled = max(-bound, min(bound, residual))
+        # The scale learns from the clipped residual too, or outliers would widen their
+        # own bound.
+        self.scale = (
+            abs(residual)
+            if self.scale is None
+            else self.scale + SCALE_EWMA * (abs(pulled) - self.scale)
+        )
+        pv = self._p @ v
+        gain = pv / (self.forget + float(v @ pv))
+        self.theta = self.theta + gain * pulled
+        self._p = (self._p - np.outer(gain, pv)) / self.forget
+        trace = float(np.trace(self._p))
+        if trace > self.max_covariance:  # no excitation for long: do not wind up
+            self._p *= self.max_covariance / trace
+        self.samples += 1
+        return residual
