@@ -11,12 +11,10 @@ framework computes the terms; policies weigh and compare them (docs/cost-model.m
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass
 
-import numpy as np
-
 from ext_proc.core.types import Weights
+from ext_proc.estimate.online_fit import OnlineFit
 from ext_proc.estimate.profile import EngineProfile
 
 
@@ -39,56 +37,50 @@ def decode_stall_ms(prefill_ms: float, held_requests: int) -> float:
 
 class PrefillModel:
     """Milliseconds to prefill U uncached tokens after C cached ones, on one backend:
-    base + per_token_ms * U * (1 + (C + U/2) / context_tokens) (the profile's form).
+    base_ms per chunk + per_token_ms * U * (1 + (C + U/2) / context_tokens) (the profile's
+    form).
 
-    With refit on, the two coefficients are refitted by least squares from observed TTFTs
-    of requests that met no queue (TTFT - RTT = prefill), over the most recent samples.
+    With refit on, the two coefficients are learned online (`OnlineFit`: recursive least
+    squares from the profile's values as a prior, forgetting, outliers clipped) from clean
+    samples: requests that met no queue, whose TTFT - RTT was their prefill.
     """
-
-    # Samples kept for the fit, and how many are needed before it replaces the profile.
-    SAMPLES = 256
-    MIN_SAMPLES = 32
 
     def __init__(self, profile: EngineProfile, refit: bool = False) -> None:
         self.profile = profile
         self.refit = refit
         self.base_ms = profile.prefill_base_ms
         self.per_token_ms = 1000.0 / profile.prefill_tokens_per_s
-        self._work: deque[float] = deque(maxlen=self.SAMPLES)
-        self._observed_ms: deque[float] = deque(maxlen=self.SAMPLES)
+        # Features: chunks, and the work in thousands of tokens (both O(1) per sample).
+        self._fit = OnlineFit((self.base_ms, self.per_token_ms * 1000))
 
     def _work_units(self, uncached: float, cached: float) -> float:
         return uncached * (1 + (cached + uncached / 2) / self.profile.prefill_context_tokens)
 
+    def _features(self, uncached_tokens: int, cached_tokens: int) -> tuple[int, float]:
+        # One base cost per chunk: a long prompt is prefilled in several steps.
+        chunks = -(-uncached_tokens // self.profile.chunk_tokens)
+        return chunks, self._work_units(uncached_tokens, cached_tokens) / 1000
+
     def prefill_ms(self, uncached_tokens: int, cached_tokens: int) -> float:
         if uncached_tokens <= 0:
             return 0.0
-        # One base cost per chunk: a long prompt is prefilled in several steps.
-        chunks = -(-uncached_tokens // self.profile.chunk_tokens)
-        return chunks * self.base_ms + self.per_token_ms * self._work_units(
-            uncached_tokens, cached_tokens
-        )
+        chunks, work_k = self._features(uncached_tokens, cached_tokens)
+        return chunks * self.base_ms + self.per_token_ms * 1000 * work_k
 
     def observe(self, uncached_tokens: int, cached_tokens: int, prefill_ms: float) -> None:
         """A clean sample: the request met no queue, so TTFT - RTT was its prefill."""
         if not self.refit or uncached_tokens <= 0:
             return
-        chunks = -(-uncached_tokens // self.profile.chunk_tokens)
-        self._work.append(self._work_units(uncached_tokens, cached_tokens) / chunks)
-        self._observed_ms.append(prefill_ms / chunks)
-        if len(self._work) >= self.MIN_SAMPLES:
-            self._fit()
+        self._fit.update(self._features(uncached_tokens, cached_tokens), prefill_ms)
+        base, per_k = self._fit.theta
+        # Keep the model physical: noise can pull a coefficient below zero for a while.
+        self.base_ms = max(0.0, float(base))
+        if per_k > 0:
+            self.per_token_ms = float(per_k) / 1000
 
-    def _fit(self) -> None:
-        x = np.array(self._work)
-        y = np.array(self._observed_ms)
-        if np.ptp(x) <= 0:
-            return  # all samples alike: the slope is not identifiable
-        slope, intercept = np.polyfit(x, y, 1)
-        # Keep the fit physical: noise on few samples can give a negative base or slope.
-        if slope > 0:
-            self.per_token_ms = float(slope)
-            self.base_ms = float(max(0.0, intercept))
+    @property
+    def samples(self) -> int:
+        return self._fit.samples
 
 
 @dataclass(frozen=True)

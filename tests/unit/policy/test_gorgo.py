@@ -294,21 +294,21 @@ def test_learn_cached_trims_only_settled_evidence() -> None:
 
 def test_prefill_learns_at_completion_and_only_from_the_chosen_backend() -> None:
     r, clock = make_router("gorgo", backends=REGIONS, routing={"refit_prefill": True})
-    samples = r.backends["near"].prefill._work
+    model = r.backends["near"].prefill
 
     def unqueued(served_by: str | None) -> None:
         d = r.decide(chat(f"sample {random.random()} " * 20))
         assert d.backend == "near"
         clock.advance(0.2)
         r.first_byte(d.request_id)
-        before = len(samples)
+        before = model.samples
         r.close(d.request_id, Status.OK, served_by=served_by)
-        assert before == len(samples) - (served_by is None)  # learned at completion only
+        assert before == model.samples - (served_by is None)  # learned at completion only
         clock.advance(60)  # let the queue drain
 
     unqueued("mid")  # Envoy retried elsewhere: that TTFT is not near's prefill
     unqueued(None)
-    assert len(samples) == 1
+    assert model.samples == 1
 
 
 def completion(prompt: object, rid: str) -> RouteRequest:
