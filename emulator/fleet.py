@@ -19,7 +19,7 @@ from typing import Any
 
 import yaml
 
-from ext_proc.estimate.profile import EngineProfile, load_profile
+from ext_proc.estimate.profile import load_profile
 
 _BACKEND_KEYS = ("id", "engine_profile")
 
@@ -93,8 +93,3 @@ def _resolve(name: str, base: Path) -> str:
     if p.suffix in (".yaml", ".yml") and not p.is_absolute():
         return str(base / p)
     return name
-
-
-def fleet_profiles(fleet: Fleet, regions: Sequence[str], default: str) -> dict[str, EngineProfile]:
-    """Each region's engine profile, loaded."""
-    return {r: load_profile(fleet.profile_of(r, default)) for r in regions}
