@@ -78,8 +78,13 @@ def _sim_router(args: argparse.Namespace) -> dict[str, object]:
     if args.weights is not None:
         rtt, queue = args.weights
         router["policies"] = {"gorgo": {"weights": {"rtt": rtt, "queue": queue}}}
+    routing: dict[str, object] = {}
     if args.refit_prefill:
-        router["routing"] = {"refit_prefill": True}
+        routing["refit_prefill"] = True
+    if args.no_learn:
+        routing["learn_latency"] = False
+    if routing:
+        router["routing"] = routing
     return router
 
 
@@ -435,6 +440,12 @@ def add_commands(commands: Commands) -> None:
         "--refit-prefill",
         action="store_true",
         help="the router refits each backend's prefill rate from its TTFTs (routing.refit_prefill)",
+    )
+    s.add_argument(
+        "--no-learn",
+        action="store_true",
+        help="the router keeps its profiles as they are: no learned speed per backend "
+        "(routing.learn_latency false)",
     )
     _add_protocol(s, "open protocol: no cap")
     s.set_defaults(func=_simulate)

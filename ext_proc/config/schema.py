@@ -143,6 +143,9 @@ class Routing:
     block_tokens: int = bounded(256, **POSITIVE)
     # Refit each backend's prefill coefficients from observed TTFTs (least squares).
     refit_prefill: bool = False
+    # Learn each backend's speed against its profile from its completions (prefill and
+    # decode factors, ext_proc/estimate/latency_model.py); off: the profile as it is.
+    learn_latency: bool = True
     # Passive health: this many failed requests in a row (5xx, reset) eject a backend for
     # eject_s, doubling while it keeps failing when re-admitted (0 = never eject).
     eject_after_errors: int = bounded(2, **NON_NEGATIVE)

@@ -106,7 +106,7 @@ def newcomer_step_ms(b: BackendState, input_tokens: int) -> float:
     batch = b.in_flight + 1
     running = min(batch, profile.max_running_requests)
     context = (b.in_flight_tokens + input_tokens) * running // batch
-    return profile.decode_ms(running, context)
+    return profile.decode_ms(running, context) * b.speed.decode_factor
 
 
 def pace_ms(r: Routing, b: BackendState, chosen: Candidate, now_s: float) -> float:
@@ -217,7 +217,7 @@ class Features:
                 per_prompt = [b.prefix.match(prompt) * bt for prompt in blocks]
             cached = _capped(per_prompt, lengths)
             uncached = input_tokens - cached
-            prefill_ms = b.prefill.prefill_ms(uncached, cached)
+            prefill_ms = b.prefill.prefill_ms(uncached, cached) * b.speed.prefill_factor
             items, step_ms = self._queue_items(b)
             queue_ms = self._queue_ms(b, now_s, need_kv, items, step_ms)
             out.append(
@@ -265,7 +265,10 @@ class Features:
             for r in b.records.values()
         ]
         decoding = [r for r in b.records.values() if r.first_byte_s is not None]
-        step_ms = b.profile.decode_ms(len(decoding), sum(r.input_tokens for r in decoding))
+        step_ms = (
+            b.profile.decode_ms(len(decoding), sum(r.input_tokens for r in decoding))
+            * b.speed.decode_factor
+        )
         return items, step_ms
 
     def queue_estimate_ms(self, backend: str, now_s: float, need_kv_tokens: int = 0) -> float:

@@ -24,6 +24,7 @@ from ext_proc.core.types import BackendChange, BackendLifecycle
 from ext_proc.estimate.cost import PrefillModel
 from ext_proc.estimate.engine_index import EngineBlocks
 from ext_proc.estimate.latency_error import LatencyStats
+from ext_proc.estimate.latency_model import LatencyModel
 from ext_proc.estimate.prediction import PredictionStats
 from ext_proc.estimate.prefix import PrefixCache
 from ext_proc.estimate.profile import load_profile
@@ -84,6 +85,7 @@ def new_record(b: Backend, cfg: Config, now_s: float) -> BackendState:
             b.kv_capacity_tokens or profile.kv_capacity_tokens, cfg.routing.block_tokens
         ),
         engine_blocks=EngineBlocks() if b.kv_events.endpoint else None,
+        speed=LatencyModel(cfg.routing.learn_latency),
         lifecycle_since_s=now_s,
     )
 
@@ -179,6 +181,7 @@ class Fleet:
             b.profile = load_profile(new.engine_profile)
             b.prefill = PrefillModel(b.profile, self.cfg.routing.refit_prefill)
             b.latency = LatencyStats()  # another engine, or another model of it
+            b.speed = LatencyModel(self.cfg.routing.learn_latency)
         capacity = new.kv_capacity_tokens or b.profile.kv_capacity_tokens
         if reset:
             b.prefix = PrefixCache(capacity, self.cfg.routing.block_tokens)  # empty again

@@ -39,6 +39,7 @@ from ext_proc.learn.learners import (
     PredictionLearner,
     PrefillLearner,
     PrefixLearner,
+    SpeedLearner,
     TunerLearner,
 )
 from ext_proc.learn.tuner import Tuner
@@ -86,6 +87,7 @@ class Router(RouterInputs, FleetControls):
         self._listeners: list[Listener] = [
             PrefixLearner(state, cfg.routing.block_tokens),
             PrefillLearner(state),
+            SpeedLearner(state),
             Ejector(state, cfg.routing),
             PredictionLearner(state),
             self._recent,
@@ -218,6 +220,8 @@ class Router(RouterInputs, FleetControls):
             queue_ms=chosen.queue_ms,
             predicted_ttft_ms=chosen.predicted_ttft_ms,
             predicted_e2e_ms=chosen.predicted_e2e_ms,
+            prefill_factor=b.speed.prefill_factor,
+            decode_factor=b.speed.decode_factor,
             blocks=np.concatenate(blocks) if blocks else None,
             matched_last_used_s=None if held is None else b.prefix.last_used_s(held),
             streaming=request.llm.stream if request.llm else True,

@@ -19,6 +19,7 @@ from ext_proc.core.types import BackendLifecycle, InFlight, Status
 from ext_proc.estimate.cost import PrefillModel
 from ext_proc.estimate.engine_index import EngineBlocks
 from ext_proc.estimate.latency_error import LatencyStats
+from ext_proc.estimate.latency_model import LatencyModel
 from ext_proc.estimate.prediction import PredictionStats
 from ext_proc.estimate.prefix import PrefixCache
 from ext_proc.estimate.profile import EngineProfile
@@ -61,6 +62,8 @@ class BackendState:
     prediction: PredictionStats = field(default_factory=PredictionStats)
     # How far its TTFT and E2E predictions were from what the router measured.
     latency: LatencyStats = field(default_factory=LatencyStats)
+    # How much faster or slower than its profile the engine runs, learned online.
+    speed: LatencyModel = field(default_factory=LatencyModel)
     rtt_ms: float = 0.0
     rtt_samples: int = 0
     # Exponentially weighted variance of the probe samples (ms^2): the WAN's jitter.
@@ -122,6 +125,7 @@ class BackendState:
             "rtt_samples": self.rtt_samples,
             "suspect": self.suspect,
             "tokens": {"ok": self.tokens.ok, "reason": self.tokens.reason},
+            "speed": self.speed.as_json(),
             "ejected": self.ejected_until_s is not None,
             "in_flight": self.in_flight,
             "waiting_first_byte": self.waiting_first_byte,

@@ -166,6 +166,9 @@ class InFlight:
     # judged against the measured TTFT and E2E at the close (estimate.latency_error).
     predicted_ttft_ms: float | None = None
     predicted_e2e_ms: float | None = None
+    # The backend's learned speed factors when it was chosen (its estimates carry them).
+    prefill_factor: float = 1.0
+    decode_factor: float = 1.0
     # The prompt's prefix blocks (for trimming the index) and when the chosen backend had
     # last used each block it was believed to hold.
     blocks: npt.NDArray[np.uint64] | None = None

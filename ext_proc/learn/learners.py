@@ -9,6 +9,7 @@ from ext_proc.config.schema import Routing
 from ext_proc.core.events import Closed, Dispatched, Listener
 from ext_proc.core.state import FleetState
 from ext_proc.core.types import PrefixState, Status
+from ext_proc.estimate.latency_model import MIN_DECODE_TOKENS
 from ext_proc.estimate.prediction import prediction_error
 from ext_proc.estimate.profile import EngineProfile
 from ext_proc.learn.settings import EXCESS_TTFT
@@ -76,6 +77,38 @@ class PrefillLearner(Listener):
             self.state.backends[rec.backend].prefill.observe(
                 rec.input_tokens - rec.cached_tokens, rec.cached_tokens, e.ttft_ms - rec.rtt_ms
             )
+
+
+class SpeedLearner(Listener):
+    """Teaches each backend's latency model (ext_proc/estimate/latency_model.py) from its
+    streamed completions: the engine's part of the TTFT (TTFT - RTT) against what the
+    profile predicted for it (queue + prefill, without the model's factor), and the mean
+    decode step against the profile's step for the batch it joined. The output count is
+    the request's budget: exact when clients ask for lengths, an overestimate of the
+    step's count (so a step read too fast) when generation stops early."""
+
+    def __init__(self, state: FleetState) -> None:
+        self.state = state
+
+    def on_close(self, e: Closed) -> None:
+        rec = e.record
+        b = self.state.backends.get(rec.backend)
+        if (
+            b is None
+            or e.status != Status.OK
+            or e.ttft_ms is None
+            or not rec.streaming
+            or rec.predicted_ttft_ms is None
+            or rec.predicted_e2e_ms is None
+        ):
+            return
+        b.speed.observe_ttft(
+            (rec.queue_ms + rec.prefill_ms) / rec.prefill_factor, e.ttft_ms - rec.rtt_ms
+        )
+        out = rec.output_tokens
+        if out >= MIN_DECODE_TOKENS:
+            step_ms = (rec.predicted_e2e_ms - rec.predicted_ttft_ms) / out / rec.decode_factor
+            b.speed.observe_decode(step_ms, (e.e2e_ms - e.ttft_ms) / (out - 1))
 
 
 class Ejector(Listener):
