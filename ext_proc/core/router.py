@@ -239,6 +239,7 @@ class Router(RouterInputs, FleetControls):
             draining=self._fleet.draining,
             hold_ms=pace_ms(self.cfg.routing, b, chosen, now_s),
         )
+        rec.hold_ms = decision.hold_ms
         self._decisions += 1
         self._recent.add(decision)
         event = Dispatched(request, decision, rec, now_s)

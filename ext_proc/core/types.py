@@ -169,6 +169,8 @@ class InFlight:
     # The backend's learned speed factors when it was chosen (its estimates carry them).
     prefill_factor: float = 1.0
     decode_factor: float = 1.0
+    # How long dispatch pacing held it before it was sent on (its TTFT includes that).
+    hold_ms: float = 0.0
     # The prompt's prefix blocks (for trimming the index) and when the chosen backend had
     # last used each block it was believed to hold.
     blocks: npt.NDArray[np.uint64] | None = None

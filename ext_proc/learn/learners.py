@@ -102,9 +102,8 @@ class SpeedLearner(Listener):
             or rec.predicted_e2e_ms is None
         ):
             return
-        b.speed.observe_ttft(
-            (rec.queue_ms + rec.prefill_ms) / rec.prefill_factor, e.ttft_ms - rec.rtt_ms
-        )
+        profile_ms = (rec.queue_ms + rec.prefill_ms) / rec.prefill_factor
+        b.speed.observe_ttft(profile_ms, e.ttft_ms - rec.rtt_ms - rec.hold_ms)
         out = rec.output_tokens
         if out >= MIN_DECODE_TOKENS:
             step_ms = (rec.predicted_e2e_ms - rec.predicted_ttft_ms) / out / rec.decode_factor
