@@ -28,6 +28,10 @@ from ext_proc.estimate.online_fit import OnlineFit
 PRIOR_WEIGHT = 2.0
 # Geometric forgetting per sample: an effective memory of ~100 completions.
 FORGET = 0.99
+# The spread of a log ratio expected before any is seen (~30 %): the first completions are
+# clipped like the rest, so one request stuck behind something unseen cannot make its
+# backend look many times slower.
+PRIOR_SCALE = 0.3
 # Factors are kept within this range of the profile's speed (a model gone wrong must not
 # make a backend look free or hopeless).
 MIN_FACTOR, MAX_FACTOR = 0.05, 20.0
@@ -41,8 +45,8 @@ class LatencyModel:
     def __init__(self, learn: bool = True) -> None:
         self.learn = learn
         # Each fits log(observed / profile) on a constant: its theta is log(factor).
-        self._prefill = OnlineFit((0.0,), PRIOR_WEIGHT, FORGET)
-        self._decode = OnlineFit((0.0,), PRIOR_WEIGHT, FORGET)
+        self._prefill = OnlineFit((0.0,), PRIOR_WEIGHT, FORGET, scale=PRIOR_SCALE)
+        self._decode = OnlineFit((0.0,), PRIOR_WEIGHT, FORGET, scale=PRIOR_SCALE)
         self.prefill_factor = 1.0
         self.decode_factor = 1.0
 

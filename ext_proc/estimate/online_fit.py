@@ -39,17 +39,19 @@ class OnlineFit:
         forget: float = 0.99,
         clip_sigmas: float = 3.0,
         max_covariance: float = 1e6,
+        scale: float | None = None,
     ) -> None:
         """`prior`: the starting coefficients (the profile's); `prior_weight`: how many
-        unit-feature samples the prior is worth."""
+        unit-feature samples the prior is worth; `scale`: the residuals' expected robust
+        scale before any is seen (None: the first residual's, unclipped)."""
         self.theta: npt.NDArray[np.float64] = np.array(prior, dtype=float)
         self._p = np.eye(len(prior)) / prior_weight
         self.forget = forget
         self.clip_sigmas = clip_sigmas
         self.max_covariance = max_covariance
         self.samples = 0
-        # None until the first residual: the robust scale of the residuals (y units).
-        self.scale: float | None = None
+        # The robust scale of the residuals (y units); None until the first residual.
+        self.scale: float | None = scale
 
     def predict(self, x: Sequence[float]) -> float:
         return float(self.theta @ np.asarray(x, dtype=float))

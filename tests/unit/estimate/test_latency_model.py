@@ -62,3 +62,9 @@ def test_factors_stay_within_bounds() -> None:
         m.observe_decode(100.0, 0.001)
     assert m.decode_factor == MIN_FACTOR
     assert m.samples == (500, 500)
+
+
+def test_one_stuck_request_does_not_make_its_backend_look_many_times_slower() -> None:
+    m = LatencyModel()
+    m.observe_ttft(10.0, 2000.0)  # 200x: stuck behind something the model did not see
+    assert 1.0 < m.prefill_factor < 2.0
