@@ -20,14 +20,13 @@ import asyncio
 import gc
 import json
 import random
-import tempfile
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from emulator.tokenizer import TOKENIZER_JSON, tiny_tokenizer_dir
 from ext_proc.config.load import config_from_dict
 from ext_proc.config.schema import TokenizerConfig
 from ext_proc.core.build import build_router
@@ -49,27 +48,6 @@ TARGET_BYTES_PER_BLOCK = 64
 TARGET_WARM_P99_MS = 5.0
 CHAT_TOKENS = 32_768
 CHAT_TURNS = 32
-# Where the tiny tokenizer is trained once (~4 s) and kept for later runs.
-TINY_DIR = Path(tempfile.gettempdir()) / "gorgo-tiny-tokenizer-seed0"
-
-
-def write_tiny_tokenizer(out: Path) -> Path:
-    """The real-vLLM tier's tokenizer (emulator/vllm/tiny_model.py: a byte-level BPE trained
-    locally, ~4 s) and its ChatML template in a tokenizer_config.json, written to `out` once;
-    returns the tokenizer.json."""
-    from emulator.vllm.tiny_model import CHAT_TEMPLATE, build_tokenizer
-
-    path = out / "tokenizer.json"
-    if not path.is_file():
-        out.mkdir(parents=True, exist_ok=True)
-        build_tokenizer(0, 4096).save(str(path))
-        config = {
-            "chat_template": CHAT_TEMPLATE,
-            "eos_token": "<|im_end|>",
-            "pad_token": "<|endoftext|>",
-        }
-        (out / "tokenizer_config.json").write_text(json.dumps(config))
-    return path
 
 
 def _router(n_backends: int, precise: bool = False) -> Router:
@@ -427,7 +405,8 @@ def run_tokenized_bench(iterations: int = 600, cold_iterations: int = 30) -> boo
     for the target's conversation (600: its p99 is the 6th slowest, steadier than 300's
     3rd), a third as many for the other."""
     t0 = time.monotonic()
-    path = write_tiny_tokenizer(TINY_DIR)
+    tiny = tiny_tokenizer_dir()
+    path = tiny / TOKENIZER_JSON
     engine = _load_engine_tokenizer(TokenizerConfig(str(path)))
     assert engine is not None
     print(TOKENIZED_HEAD)
@@ -450,7 +429,7 @@ def run_tokenized_bench(iterations: int = 600, cold_iterations: int = 30) -> boo
     )
     print(
         f"'new': tokens tokenized per warm decision (the previous answer and the new message); "
-        f"{time.monotonic() - t0:.1f} s (the tokenizer is trained once into {TINY_DIR})"
+        f"{time.monotonic() - t0:.1f} s (the tokenizer is built once into {tiny})"
     )
     return met
 

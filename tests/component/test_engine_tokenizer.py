@@ -15,6 +15,7 @@ import pytest
 from aiohttp import web
 from tokenizers import Tokenizer
 
+from emulator.tokenizer import tiny_tokenizer_dir
 from ext_proc.config.schema import TokenizerConfig
 from ext_proc.envoy.encoders import decision_encoder
 from ext_proc.envoy.server import ExtProcService
@@ -22,16 +23,13 @@ from ext_proc.prompt.engine_tokens import PromptTokenizer, load_engine_tokenizer
 from ext_proc.prompt.parse import CHAT, parse_body
 from ext_proc.service import engine_tokenizer
 from ext_proc.service.engine_tokenizer import PENDING, EngineTokenizers
-from loadgen.bench_decide import write_tiny_tokenizer
 from tests.builders import make_router
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(pytestconfig: pytest.Config, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    cache = getattr(pytestconfig, "cache", None)
-    out = cache.mkdir("tiny-tokenizer-seed0") if cache else tmp_path_factory.mktemp("tiny")
-    write_tiny_tokenizer(out)
-    return out
+def tiny_dir() -> Path:
+    """The tiny model's tokenizer files (built once into the cache, ~4 s)."""
+    return tiny_tokenizer_dir()
 
 
 class FakeVllm:

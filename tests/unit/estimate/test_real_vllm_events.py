@@ -11,24 +11,21 @@ from pathlib import Path
 
 import pytest
 
+from emulator.tokenizer import tiny_tokenizer_dir
 from emulator.vllm.capture import prose
 from ext_proc.config.schema import TokenizerConfig
 from ext_proc.estimate.engine_index import EngineBlocks, chain_keys
 from ext_proc.feeds.kv_events import BlockStored, decode_message
 from ext_proc.prompt.engine_tokens import EngineTokenizer, load_engine_tokenizer
 from ext_proc.prompt.parse import Chat
-from loadgen.bench_decide import write_tiny_tokenizer
 
 VLLM = Path(__file__).resolve().parents[2] / "fixtures" / "vllm"
 
 
 @pytest.fixture(scope="module")
-def engine(
-    pytestconfig: pytest.Config, tmp_path_factory: pytest.TempPathFactory
-) -> EngineTokenizer:
-    cache = getattr(pytestconfig, "cache", None)
-    out = cache.mkdir("tiny-tokenizer-seed0") if cache else tmp_path_factory.mktemp("tiny")
-    loaded = load_engine_tokenizer(TokenizerConfig(str(write_tiny_tokenizer(out))))
+def engine() -> EngineTokenizer:
+    tokenizer = tiny_tokenizer_dir() / "tokenizer.json"
+    loaded = load_engine_tokenizer(TokenizerConfig(str(tokenizer)))
     assert loaded is not None
     return loaded
 

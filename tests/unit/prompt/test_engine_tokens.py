@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from emulator.engine_config import EngineConfig
 from emulator.kv_publisher import KvEventsConfig
+from emulator.tokenizer import tiny_tokenizer_dir
 from emulator.vllm.tiny_model import CHAT_TEMPLATE
 from emulator.wire import parse_chat
 from ext_proc.config.load import config_from_dict
@@ -32,18 +33,14 @@ from ext_proc.prompt.engine_tokens import (
 )
 from ext_proc.prompt.parse import CHAT, COMPLETIONS, GENERATE, parse_body
 from ext_proc.prompt.tokens import HfTokenizer, block_hashes_of_ids
-from loadgen.bench_decide import write_tiny_tokenizer
 from tests.builders import REGIONS, make_router
 from tests.messages import body, headers
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(pytestconfig: pytest.Config, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny model's tokenizer (trained once, ~4 s, then kept in pytest's cache)."""
-    cache = getattr(pytestconfig, "cache", None)  # None: the cacheprovider plugin is off
-    out = cache.mkdir("tiny-tokenizer-seed0") if cache else tmp_path_factory.mktemp("tiny")
-    write_tiny_tokenizer(out)
-    return out
+def tiny_dir() -> Path:
+    """The tiny model's tokenizer files (built once into the cache, ~4 s)."""
+    return tiny_tokenizer_dir()
 
 
 @pytest.fixture(scope="module")
