@@ -82,9 +82,7 @@ class EngineTokenizers:
         self.cfg = cfg
         self.router = router
         self._ext_proc = ext_proc
-        configured = ext_proc.tokens
-        self.engine = configured.engine if configured is not None else None
-        self.source = "config" if configured is not None else ""
+        self.source = "config" if ext_proc.tokens is not None else ""
         self._task: asyncio.Task[None] | None = None
         self._session: aiohttp.ClientSession | None = None
         # Per backend: whether its stream was up at the last look (a rise re-checks), when
@@ -95,6 +93,12 @@ class EngineTokenizers:
         self._not_found = ""
         self.checks = 0
         self.mismatches = 0
+
+    @property
+    def engine(self) -> EngineTokenizer | None:
+        """The tokenizer the sessions use (configured, or found and installed)."""
+        tokens = self._ext_proc.tokens
+        return tokens.engine if tokens is not None else None
 
     def _watched(self) -> list[Backend]:
         return [b for b in self.router.cfg.backends if b.kv_events.endpoint]
@@ -218,7 +222,7 @@ class EngineTokenizers:
             self._not_found = f"engine serves {model!r}: {found.where}"
             return
         engine = await asyncio.to_thread(_load, found.config)
-        self.engine, self.source = engine, f"discovered from {b.id}: {found.where}"
+        self.source = f"discovered from {b.id}: {found.where}"
         self._not_found = ""
         log.info("tokenizer of %r found at %s (served by %s)", model, found.where, b.id)
         self._ext_proc.use_tokenizer(PromptTokenizer(engine))
