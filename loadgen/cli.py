@@ -78,13 +78,8 @@ def _sim_router(args: argparse.Namespace) -> dict[str, object]:
     if args.weights is not None:
         rtt, queue = args.weights
         router["policies"] = {"gorgo": {"weights": {"rtt": rtt, "queue": queue}}}
-    routing: dict[str, object] = {}
-    if args.refit_prefill:
-        routing["refit_prefill"] = True
     if args.no_learn:
-        routing["learn_latency"] = False
-    if routing:
-        router["routing"] = routing
+        router["routing"] = {"learn_latency": False}
     return router
 
 
@@ -435,11 +430,6 @@ def add_commands(commands: Commands) -> None:
         default=None,
         metavar="RTT,QUEUE",
         help="gorgo's starting weights (static with --tune off); default the policy's (1,1)",
-    )
-    s.add_argument(
-        "--refit-prefill",
-        action="store_true",
-        help="the router refits each backend's prefill rate from its TTFTs (routing.refit_prefill)",
     )
     s.add_argument(
         "--no-learn",

@@ -38,6 +38,9 @@ MOVED = {
     # Dispatch pacing keeps same-instant dispatches in order, so none overtakes another.
     "policies.gorgo.overtake_weight": "routing.pace_sigmas (dispatch pacing replaced the "
     "overtake term)",
+    # The learned speed factors replaced refitting the profile's prefill coefficients.
+    "routing.refit_prefill": "routing.learn_latency (on by default: each backend's speed "
+    "is learned against its profile)",
 }
 
 

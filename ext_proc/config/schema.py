@@ -141,8 +141,6 @@ class Routing:
     # Prefix-index granularity (tokens per hashed block). 256 = the ART-Chat traces'
     # blocks; a 128k-token prompt is 512 blocks, hashed in ~0.3-0.6 ms.
     block_tokens: int = bounded(256, **POSITIVE)
-    # Refit each backend's prefill coefficients from observed TTFTs (least squares).
-    refit_prefill: bool = False
     # Learn each backend's speed against its profile from its completions (prefill and
     # decode factors, ext_proc/estimate/latency_model.py); off: the profile as it is.
     learn_latency: bool = True

@@ -80,7 +80,7 @@ def new_record(b: Backend, cfg: Config, now_s: float) -> BackendState:
         rtt_prior_ms=b.rtt_prior_ms,
         config=b,
         profile=profile,
-        prefill=PrefillModel(profile, cfg.routing.refit_prefill),
+        prefill=PrefillModel(profile),
         prefix=PrefixCache(
             b.kv_capacity_tokens or profile.kv_capacity_tokens, cfg.routing.block_tokens
         ),
@@ -179,7 +179,7 @@ class Fleet:
         reset = any(getattr(old, f) != getattr(new, f) for f in IDENTITY_FIELDS)
         if new.engine_profile != old.engine_profile or reset:
             b.profile = load_profile(new.engine_profile)
-            b.prefill = PrefillModel(b.profile, self.cfg.routing.refit_prefill)
+            b.prefill = PrefillModel(b.profile)
             b.latency = LatencyStats()  # another engine, or another model of it
             b.speed = LatencyModel(self.cfg.routing.learn_latency)
         capacity = new.kv_capacity_tokens or b.profile.kv_capacity_tokens

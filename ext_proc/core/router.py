@@ -37,7 +37,6 @@ from ext_proc.estimate.prefix import Hashes
 from ext_proc.learn.learners import (
     Ejector,
     PredictionLearner,
-    PrefillLearner,
     PrefixLearner,
     SpeedLearner,
     TunerLearner,
@@ -86,7 +85,6 @@ class Router(RouterInputs, FleetControls):
         # The learners, in the order they hear each event; more can subscribe.
         self._listeners: list[Listener] = [
             PrefixLearner(state, cfg.routing.block_tokens),
-            PrefillLearner(state),
             SpeedLearner(state),
             Ejector(state, cfg.routing),
             PredictionLearner(state),

@@ -14,7 +14,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ext_proc.core.types import Weights
-from ext_proc.estimate.online_fit import OnlineFit
 from ext_proc.estimate.profile import EngineProfile
 
 
@@ -36,51 +35,25 @@ def decode_stall_ms(prefill_ms: float, held_requests: int) -> float:
 
 
 class PrefillModel:
-    """Milliseconds to prefill U uncached tokens after C cached ones, on one backend:
-    base_ms per chunk + per_token_ms * U * (1 + (C + U/2) / context_tokens) (the profile's
-    form).
+    """Milliseconds to prefill U uncached tokens after C cached ones, on one backend's
+    profile: base_ms per chunk + per_token_ms * U * (1 + (C + U/2) / context_tokens).
+    How far a backend's engine is from its profile is learned apart, as a speed factor
+    (ext_proc/estimate/latency_model.py), which replaced refitting these coefficients."""
 
-    With refit on, the two coefficients are learned online (`OnlineFit`: recursive least
-    squares from the profile's values as a prior, forgetting, outliers clipped) from clean
-    samples: requests that met no queue, whose TTFT - RTT was their prefill.
-    """
-
-    def __init__(self, profile: EngineProfile, refit: bool = False) -> None:
+    def __init__(self, profile: EngineProfile) -> None:
         self.profile = profile
-        self.refit = refit
         self.base_ms = profile.prefill_base_ms
         self.per_token_ms = 1000.0 / profile.prefill_tokens_per_s
-        # Features: chunks, and the work in thousands of tokens (both O(1) per sample).
-        self._fit = OnlineFit((self.base_ms, self.per_token_ms * 1000))
-
-    def _work_units(self, uncached: float, cached: float) -> float:
-        return uncached * (1 + (cached + uncached / 2) / self.profile.prefill_context_tokens)
-
-    def _features(self, uncached_tokens: int, cached_tokens: int) -> tuple[int, float]:
-        # One base cost per chunk: a long prompt is prefilled in several steps.
-        chunks = -(-uncached_tokens // self.profile.chunk_tokens)
-        return chunks, self._work_units(uncached_tokens, cached_tokens) / 1000
 
     def prefill_ms(self, uncached_tokens: int, cached_tokens: int) -> float:
         if uncached_tokens <= 0:
             return 0.0
-        chunks, work_k = self._features(uncached_tokens, cached_tokens)
-        return chunks * self.base_ms + self.per_token_ms * 1000 * work_k
-
-    def observe(self, uncached_tokens: int, cached_tokens: int, prefill_ms: float) -> None:
-        """A clean sample: the request met no queue, so TTFT - RTT was its prefill."""
-        if not self.refit or uncached_tokens <= 0:
-            return
-        self._fit.update(self._features(uncached_tokens, cached_tokens), prefill_ms)
-        base, per_k = self._fit.theta
-        # Keep the model physical: noise can pull a coefficient below zero for a while.
-        self.base_ms = max(0.0, float(base))
-        if per_k > 0:
-            self.per_token_ms = float(per_k) / 1000
-
-    @property
-    def samples(self) -> int:
-        return self._fit.samples
+        # One base cost per chunk: a long prompt is prefilled in several steps.
+        chunks = -(-uncached_tokens // self.profile.chunk_tokens)
+        work = uncached_tokens * (
+            1 + (cached_tokens + uncached_tokens / 2) / self.profile.prefill_context_tokens
+        )
+        return chunks * self.base_ms + self.per_token_ms * work
 
 
 @dataclass(frozen=True)

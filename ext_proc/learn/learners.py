@@ -58,27 +58,6 @@ class PrefixLearner(Listener):
         return self.state.backends[rec.backend].prefix.trim(missing_last_used_s)
 
 
-class PrefillLearner(Listener):
-    """Feeds each backend's prefill model with clean samples: a request that met no queue
-    took TTFT = RTT + prefill. Taken at completion: only then is it known that Envoy did
-    not retry elsewhere."""
-
-    def __init__(self, state: FleetState) -> None:
-        self.state = state
-
-    def on_close(self, e: Closed) -> None:
-        rec = e.record
-        if (
-            e.status == Status.OK
-            and rec.queue_ms == 0
-            and rec.input_tokens
-            and e.ttft_ms is not None
-        ):
-            self.state.backends[rec.backend].prefill.observe(
-                rec.input_tokens - rec.cached_tokens, rec.cached_tokens, e.ttft_ms - rec.rtt_ms
-            )
-
-
 class SpeedLearner(Listener):
     """Teaches each backend's latency model (ext_proc/estimate/latency_model.py) from its
     streamed completions: the engine's part of the TTFT (TTFT - RTT) against what the

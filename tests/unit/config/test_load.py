@@ -72,6 +72,10 @@ BACKEND = {"id": "a", "address": "127.0.0.1:1"}
             {"backends": [BACKEND], "routing": {"prefix_min_fraction": 0.1}},
             "routing.prefix_min_fraction: moved to policies.prefix_cache.min_fraction",
         ),
+        (
+            {"backends": [BACKEND], "routing": {"refit_prefill": True}},
+            "routing.refit_prefill: moved to routing.learn_latency",
+        ),
         # each policy's own parameters, decoded strictly
         ({"backends": [BACKEND], "policies": {"nope": {}}}, "policies.nope: unknown policy"),
         (

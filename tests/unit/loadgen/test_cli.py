@@ -1,4 +1,4 @@
-"""`gorgo simulate`'s flags: --weights, --refit-prefill, --fleet and --router-knows-fleet
+"""`gorgo simulate`'s flags: --weights, --no-learn, --fleet and --router-knows-fleet
 reach the simulation's settings, and bad values fail before any simulating."""
 
 import argparse
@@ -23,12 +23,12 @@ def test_weights_are_two_positive_numbers() -> None:
             _weights(bad)
 
 
-def test_weights_and_refit_become_router_config() -> None:
+def test_weights_and_no_learn_become_router_config() -> None:
     assert _sim_router(_args()) == {}
-    router = _sim_router(_args("--weights", "4,0.25", "--refit-prefill"))
+    router = _sim_router(_args("--weights", "4,0.25", "--no-learn"))
     assert router == {
         "policies": {"gorgo": {"weights": {"rtt": 4.0, "queue": 0.25}}},
-        "routing": {"refit_prefill": True},
+        "routing": {"learn_latency": False},
     }
 
 

@@ -59,17 +59,6 @@ def test_prefill_model_matches_the_profile_formula() -> None:
     assert m.prefill_ms(0, 5_000) == 0
 
 
-def test_prefill_refit_recovers_the_true_coefficients() -> None:
-    m = PrefillModel(PROFILE, refit=True)
-    rng = random.Random(0)
-    for _ in range(200):  # a faster GPU: 10 ms base, 20k tokens/s
-        u, c = rng.randrange(100, 4000), rng.randrange(0, 20_000)
-        work = u * (1 + (c + u / 2) / PROFILE.prefill_context_tokens)
-        m.observe(u, c, (10 + work / 20) * rng.uniform(0.98, 1.02))
-    assert m.base_ms == pytest.approx(10, abs=2)
-    assert m.per_token_ms == pytest.approx(0.05, rel=0.05)
-
-
 BIG_KV = 10**9
 
 
@@ -292,23 +281,24 @@ def test_learn_cached_trims_only_settled_evidence() -> None:
     assert near.match(other_blocks) == len(other_blocks)
 
 
-def test_prefill_learns_at_completion_and_only_from_the_chosen_backend() -> None:
-    r, clock = make_router("gorgo", backends=REGIONS, routing={"refit_prefill": True})
-    model = r.backends["near"].prefill
+def test_speed_learns_at_completion_and_only_from_the_chosen_backend() -> None:
+    r, clock = make_router("gorgo", backends=REGIONS)
+    speed = r.backends["near"].speed
 
     def unqueued(served_by: str | None) -> None:
         d = r.decide(chat(f"sample {random.random()} " * 20))
         assert d.backend == "near"
         clock.advance(0.2)
         r.first_byte(d.request_id)
-        before = model.samples
-        r.close(d.request_id, Status.OK, served_by=served_by)
-        assert before == model.samples - (served_by is None)  # learned at completion only
+        before = speed.samples[0]
+        status = Status.OK if served_by is None else Status.FAILED_OVER
+        r.close(d.request_id, status, served_by=served_by)
+        assert speed.samples[0] == before + (served_by is None)  # learned at completion only
         clock.advance(60)  # let the queue drain
 
-    unqueued("mid")  # Envoy retried elsewhere: that TTFT is not near's prefill
+    unqueued("mid")  # Envoy retried elsewhere: that TTFT is not near's
     unqueued(None)
-    assert model.samples == 1
+    assert speed.samples[0] == 1
 
 
 def completion(prompt: object, rid: str) -> RouteRequest:
