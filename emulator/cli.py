@@ -32,6 +32,8 @@ ENGINE_FLAGS = {
         "enable_cache_report": "--enable-cache-report",
         "stream_response_default_include_usage": "--stream-response-default-include-usage",
         "enable_metrics": "--enable-metrics",
+        "lora_paths": "--lora-paths",
+        "max_loras_per_batch": "--max-loras-per-batch",
     },
     "vllm": {
         "block_size": "--block-size",
@@ -39,6 +41,8 @@ ENGINE_FLAGS = {
         "max_model_len": "--max-model-len",
         "enable_prompt_tokens_details": "--enable-prompt-tokens-details",
         "enable_force_include_usage": "--enable-force-include-usage",
+        "lora_modules": "--lora-modules",
+        "max_loras": "--max-loras",
     },
 }
 
@@ -91,11 +95,17 @@ def _engine(args: argparse.Namespace) -> int:
         # SGLang's served name defaults to the model path (server_args.py); the vLLM
         # twin keeps the real tier's --served-model-name tiny.
         sglang_name = tokens.model_dir or "default"
+        names = args.served_model_name or [sglang_name if args.flavor == "sglang" else "tiny"]
+        if len(names) > 1 and args.flavor == "sglang":
+            raise ValueError("--served-model-name takes one name in sglang (several in vllm)")
+        lora = _lora_settings(args)
         cfg = EngineConfig(
             name=args.name,
             profile=profile,
             seed=args.seed,
-            model=args.served_model_name or (sglang_name if args.flavor == "sglang" else "tiny"),
+            model=names[0],
+            model_aliases=tuple(names[1:]),
+            **lora,
             model_path=tokens.model_dir,
             tokenizer=tokens.tokenizer,
             chat_template=tokens.template,
@@ -129,6 +139,43 @@ def _engine(args: argparse.Namespace) -> int:
         print(f"gorgo engine: {e}", file=sys.stderr)
         return 2
     return _run_forever(serve_engine(cfg, args.host, args.port))
+
+
+def _lora_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """EngineConfig's LoRA settings from the flavor's flags (emulator/lora.py)."""
+    import os
+
+    from emulator.lora import LoraModule, check_slowdown, parse_lora_module
+
+    flag = "--lora-modules" if args.flavor == "vllm" else "--lora-paths"
+    items = _flavor_setting(args, "lora_paths", "lora_modules") or []
+    modules = [parse_lora_module(item, flag) for item in items]
+    default, per_name = 1.0, {}
+    for item in args.lora_slowdown:
+        name, sep, value = item.rpartition("=")
+        try:
+            factor = check_slowdown(float(value), f"--lora-slowdown {item!r}")
+        except ValueError as e:
+            raise ValueError(
+                f"--lora-slowdown {item!r}: expected FACTOR or NAME=FACTOR >= 1"
+            ) from e
+        if sep:
+            per_name[name] = factor
+        else:
+            default = factor
+    unknown = sorted(set(per_name) - {m.name for m in modules})
+    if unknown:
+        raise ValueError(f"--lora-slowdown {unknown[0]}: no such adapter in {flag}")
+    env = os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING")
+    return {
+        "runtime_lora_updating": None if env is None else env.lower() in ("1", "true"),
+        "enable_lora": args.enable_lora,
+        "lora_modules": tuple(
+            LoraModule(m.name, m.path, per_name.get(m.name, m.slowdown)) for m in modules
+        ),
+        "max_loras": _flavor_setting(args, "max_loras_per_batch", "max_loras"),
+        "lora_slowdown": default,
+    }
 
 
 def _key_values(items: Sequence[str], flag: str) -> dict[str, Any]:
@@ -240,7 +287,12 @@ def add_commands(commands: Commands) -> None:
     s.add_argument("--name", required=True, help="backend id reported by the engine")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=30000)
-    s.add_argument("--served-model-name", default="", help="model name (/v1/models, responses)")
+    s.add_argument(
+        "--served-model-name",
+        nargs="+",
+        metavar="NAME",
+        help="model name (/v1/models, responses); vllm takes several, responses name the first",
+    )
     s.add_argument("--profile", default="l40s-qwen3.5-35b-a3b-fp8", help="profile name or YAML")
     s.add_argument(
         "--set",
@@ -275,6 +327,21 @@ def add_commands(commands: Commands) -> None:
         "--enable-force-include-usage", action="store_true", help="vllm: usage in every stream"
     )
     g.add_argument("--enable-metrics", action="store_true", help="sglang: serve /metrics")
+    g.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters")
+    g.add_argument(
+        "--lora-modules",
+        nargs="+",
+        metavar="NAME=PATH",
+        help='vllm: adapters loaded at start (NAME=PATH or {"name", "path"}; needs --enable-lora)',
+    )
+    g.add_argument(
+        "--lora-paths",
+        nargs="+",
+        metavar="NAME=PATH",
+        help="sglang: adapters loaded at start (NAME=PATH or PATH; enables LoRA)",
+    )
+    g.add_argument("--max-loras", type=int, help="vllm: adapters per batch (default 1)")
+    g.add_argument("--max-loras-per-batch", type=int, help="sglang: adapters per batch (default 8)")
     trust = "vllm: a request may bring its own chat_template"
     g.add_argument("--trust-request-chat-template", action="store_true", help=trust)
     g.add_argument(
@@ -300,6 +367,13 @@ def add_commands(commands: Commands) -> None:
         "tokenizer_config.json beside the tokenizer)",
     )
     s.add_argument("--zero-delay", action="store_true", help="every step takes no time")
+    s.add_argument(
+        "--lora-slowdown",
+        action="append",
+        default=[],
+        metavar="FACTOR|NAME=FACTOR",
+        help="an adapter's steps take FACTOR times the base model's (default 1; repeatable)",
+    )
     s.add_argument("--error-rate", type=float, default=0.0, help="share answered with HTTP 500")
     s.add_argument("--stall-rate", type=float, default=0.0, help="share held before scheduling")
     s.add_argument("--stall-ms", type=float, default=0.0, help="how long a stalled request waits")

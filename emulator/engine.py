@@ -31,13 +31,16 @@ from aiohttp import web
 
 from emulator.engine_config import SGLANG, VLLM, VLLM_VERSION, EngineConfig
 from emulator.kv_publisher import DEFAULT_BUFFER_STEPS, KvEventEmitter, KvEventPublisher
+from emulator.lora import LoraError, LoraInfoGauge
 from emulator.model import EngineModel
 from emulator.model_api import (
     TOKENIZE_PATHS,
+    load_lora,
     model_info_body,
     model_path,
     models_body,
     sglang_tokenize,
+    unload_lora,
     vllm_tokenize,
 )
 from emulator.parse import BadRequest, GenRequest, Kind, decode_json, parse_request
@@ -80,7 +83,13 @@ class Engine:
             if self.publisher
             else None
         )
-        self.runner = ModelRunner(EngineModel(cfg.profile, random.Random(cfg.seed)), emitter)
+        max_loras = cfg.max_loras if cfg.enable_lora else None
+        model = EngineModel(cfg.profile, random.Random(cfg.seed), max_loras)
+        self.runner = ModelRunner(model, emitter)
+        # vLLM exports vllm:lora_requests_info only with a LoRA config (--enable-lora).
+        self.lora_info = (
+            LoraInfoGauge(cfg.max_loras or 1) if cfg.enable_lora and cfg.flavor == VLLM else None
+        )
         self.stats = EngineStats()
         self.started_s = 0.0
         self._health_seq = 0
@@ -278,6 +287,28 @@ class Engine:
         """Answered without the scheduler in both engines (a probe path that does no work)."""
         return web.json_response(models_body(self.cfg))
 
+    async def load_lora_adapter(self, request: web.Request) -> web.Response:
+        """vLLM POST /v1/load_lora_adapter: 200 with a text body, else its ErrorResponse
+        with its code (serve/lora/api_router.py). Mounted as vLLM mounts it with
+        VLLM_ALLOW_RUNTIME_LORA_UPDATING=true, which the twin takes as set whenever LoRA
+        is enabled (EngineConfig.runtime_lora_updating)."""
+        return await self._lora_change(request, load_lora)
+
+    async def unload_lora_adapter(self, request: web.Request) -> web.Response:
+        """vLLM POST /v1/unload_lora_adapter, as load_lora_adapter."""
+        return await self._lora_change(request, unload_lora)
+
+    async def _lora_change(
+        self, request: web.Request, change: Callable[[Any, EngineConfig], str]
+    ) -> web.Response:
+        try:
+            text = change(decode_json(await request.read()), self.cfg)
+        except BadRequest as exc:
+            return self.error_response(exc.status, exc.message, exc.param, err_type=exc.err_type)
+        except LoraError as exc:
+            return self.error_response(exc.status, exc.message, err_type=exc.err_type)
+        return web.Response(text=text)
+
     async def model_info(self, request: web.Request) -> web.Response:
         """SGLang /get_model_info (/model_info): from the HTTP process."""
         return web.json_response(model_info_body(self.cfg))
@@ -376,6 +407,9 @@ class Engine:
                 "flavor": self.cfg.flavor,
                 "model_path": model_path(self.cfg),
                 "served_model_name": self.cfg.model,
+                "served_model_names": list(self.cfg.served_names),
+                "lora_adapters": [vars(a) for a in self.cfg.adapters],
+                "max_loras": self.cfg.max_loras if self.cfg.enable_lora else None,
                 "engine_profile": p.name,
                 "tokenizer": self.cfg.tokenizer.name,
                 "max_total_num_tokens": p.kv_capacity_tokens,
@@ -485,6 +519,8 @@ class Engine:
             lines += [f"# TYPE {name} counter", f"{name}{{{labels}}} {value}"]
         lines += s.ttft_s.prometheus(ttft, labels)
         lines += s.itl_s.prometheus(itl, labels)
+        if self.lora_info is not None:
+            lines += self.lora_info.lines(*m.lora_counts())
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
     async def stats_handler(self, request: web.Request) -> web.Response:
@@ -544,6 +580,9 @@ def make_app(cfg: EngineConfig) -> web.Application:
         app.router.add_get("/version", engine.version)
         app.router.add_get("/kv_event_sources", engine.kv_event_sources)
         app.router.add_post("/reset_prefix_cache", engine.flush_cache)
+        if cfg.runtime_lora_updating:
+            app.router.add_post("/v1/load_lora_adapter", engine.load_lora_adapter)
+            app.router.add_post("/v1/unload_lora_adapter", engine.unload_lora_adapter)
     # The emulator's own: fault injection and counters (no engine has them).
     app.router.add_post("/faults", engine.set_faults)
     app.router.add_get("/stats", engine.stats_handler)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from emulator.kv_publisher import KvEventsConfig
+from emulator.lora import DEFAULT_MAX_LORAS, LoraAdapters, LoraModule, check_slowdown
 from ext_proc.estimate.profile import DEFAULT_PROFILE, EngineProfile, load_profile
 from ext_proc.prompt.chat_template import ChatTemplate
 from ext_proc.prompt.tokens import APPROX, Tokenizer
@@ -83,6 +84,9 @@ class EngineConfig:
     default_max_tokens: int = 16  # when the request names no limit
     max_tokens_cap: int = 32768  # requested limits above this are clamped
     model: str = "emulated"  # served model name (/v1/models, responses)
+    # vLLM's further --served-model-name names for the same model: requests may name any,
+    # responses name `model`, the first (entrypoints/openai/models/serving.py model_name).
+    model_aliases: tuple[str, ...] = ()
     # The model directory the engine was started with (vLLM's `serve MODEL`, SGLang's
     # --model-path): the twin's tokenizer directory ("": the served name stands in).
     model_path: str = ""
@@ -117,6 +121,22 @@ class EngineConfig:
     # How often SGLang's /health looks for output (it sleeps 1 s, then checks: so it
     # takes at least 1 s). Tests shorten it.
     health_poll_s: float = 1.0
+    # LoRA (emulator/lora.py): --enable-lora; adapters loaded at start (vLLM
+    # --lora-modules, SGLang --lora-paths); how many adapters one batch may hold (vLLM
+    # --max-loras, SGLang --max-loras-per-batch; None: the engine's default); and the
+    # twin's own step-time factor for adapters' requests (LoRA kernels add work to every
+    # step they are in; 1.0: no public figure fits every adapter rank and kernel, so none
+    # is assumed), per adapter in LoraModule.slowdown.
+    enable_lora: bool = False
+    lora_modules: tuple[LoraModule, ...] = ()
+    max_loras: int | None = None
+    lora_slowdown: float = 1.0
+    # vLLM mounts /v1/load_lora_adapter and /v1/unload_lora_adapter only with
+    # VLLM_ALLOW_RUNTIME_LORA_UPDATING=true (serve/lora/api_router.py); None: the twin
+    # mounts them whenever LoRA is enabled.
+    runtime_lora_updating: bool | None = None
+    # The adapters loaded now (run-time loads change it), made from lora_modules.
+    adapters: LoraAdapters = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -130,6 +150,23 @@ class EngineConfig:
                 f"EngineConfig.default_max_tokens must be >= 1, got {self.default_max_tokens}"
             )
         self.faults.validate()
+        if self.lora_modules and not self.enable_lora:
+            if self.flavor == VLLM:  # no LoRA config: loading them fails at start
+                raise ValueError("--lora-modules needs --enable-lora (vLLM has no LoRA config)")
+            self.enable_lora = True  # SGLang: --lora-paths enables LoRA (server_args.py)
+        if self.max_loras is None:
+            self.max_loras = DEFAULT_MAX_LORAS[self.flavor]
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
+        self.lora_slowdown = check_slowdown(self.lora_slowdown, "lora_slowdown")
+        self.adapters = LoraAdapters(self.lora_modules, self.lora_slowdown)
+        if self.runtime_lora_updating is None:
+            self.runtime_lora_updating = self.enable_lora and self.flavor == VLLM
+
+    @property
+    def served_names(self) -> tuple[str, ...]:
+        """Every name the base model is served under, the first the one responses name."""
+        return (self.model, *self.model_aliases)
 
     @classmethod
     def zero_delay(cls, name: str, **overrides: Any) -> EngineConfig:

@@ -47,6 +47,8 @@ UINT64_MASK = (1 << 64) - 1
 # How many batches the replay endpoint keeps (SGLang's buffer_steps default).
 DEFAULT_BUFFER_STEPS = 10_000
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
+# A LoRA adapter as KV events name it: (lora_name, lora_id); None for the base model.
+Lora = tuple[str, int] | None
 
 
 @dataclass(frozen=True)
@@ -103,13 +105,17 @@ def offset_port(endpoint: str, dp_rank: int) -> str:
     return endpoint if int(port) == 0 else f"{base}:{int(port) + dp_rank}"
 
 
-def page_hash(parent: int | None, token_ids: Sequence[int]) -> int:
-    """SHA-256 over the parent's hash and the page's tokens as uint32, as a signed int64."""
+def page_hash(parent: int | None, token_ids: Sequence[int], lora: str | None = None) -> int:
+    """SHA-256 over the parent's hash and the page's tokens as uint32, as a signed int64;
+    an adapter's pages also over its name (vLLM hashes the LoRA name into every block of
+    an adapter's request: v1/core/kv_cache_utils.py generate_block_hash_extra_keys)."""
     h = hashlib.sha256()
     if parent is not None:
         h.update(parent.to_bytes(8, "big", signed=True))
     for t in token_ids:
         h.update((t & 0xFFFFFFFF).to_bytes(4, "little"))
+    if lora is not None:
+        h.update(b"lora:" + lora.encode())
     return int.from_bytes(h.digest()[:8], "big", signed=True)
 
 
@@ -127,26 +133,32 @@ def stored_event(
     token_ids: Sequence[int],
     block_size: int,
     flavor: str = SGLANG_FLAVOR,
+    lora: Lora = None,
 ) -> Any:
+    """`lora`: the adapter's (name, int id) the blocks were stored for (None: the base
+    model)."""
     hashes = [wire_hash(h, flavor) for h in hashes]
     parent = None if parent is None else wire_hash(parent, flavor)
+    lora_id = None if lora is None else lora[1]
     if cfg.encoding == ARRAY:
-        return ["BlockStored", hashes, parent, list(token_ids), block_size, None, cfg.medium]
+        return ["BlockStored", hashes, parent, list(token_ids), block_size, lora_id, cfg.medium]
     event: dict[str, Any] = {
         "type": "BlockStored",
         "block_hashes": hashes,
         "parent_block_hash": parent,
         "token_ids": list(token_ids),
         "block_size": block_size,
-        "lora_id": None,
+        "lora_id": lora_id,
         "medium": cfg.medium,
     }
     if flavor == VLLM_FLAVOR:
-        # The real vLLM's further fields (tests/fixtures/vllm/kv_events.jsonl): no LoRA,
-        # no extra keys per block, one full-attention KV cache group.
+        # The real vLLM's further fields (tests/fixtures/vllm/kv_events.jsonl): the
+        # adapter's name (None for the base model) and, per block, its extra hash keys
+        # (an adapter's: its name; v1/core/block_pool.py _build_block_stored_event,
+        # kv_cache_utils.py generate_block_hash_extra_keys), one full-attention group.
         event.update(
-            lora_name=None,
-            extra_keys=[None] * len(hashes),
+            lora_name=None if lora is None else lora[0],
+            extra_keys=[None if lora is None else (lora[0],)] * len(hashes),
             group_idx=0,
             kv_cache_spec_kind="full_attention",
         )
@@ -260,18 +272,19 @@ class KvEventEmitter:
         self.cfg = publisher.cfg
         self.block_tokens = block_tokens
         self.flavor = flavor
-        # Model hash -> (published hash, token ids): blocks in the cache, and the blocks
-        # of requests in flight (counted by how many of them carry each).
-        self._blocks: dict[int, tuple[int, tuple[int, ...]]] = {}
+        # Model hash -> (published hash, token ids, adapter): blocks in the cache, and the
+        # blocks of requests in flight (counted by how many of them carry each).
+        self._blocks: dict[int, tuple[int, tuple[int, ...], Lora]] = {}
         self._pending: dict[int, int] = {}
         self._stored: set[int] = set()
 
-    def register(self, blocks: Sequence[int], token_ids: Sequence[int]) -> None:
+    def register(self, blocks: Sequence[int], token_ids: Sequence[int], lora: Lora = None) -> None:
         bt, parent = self.block_tokens, None
+        name = None if lora is None else lora[0]
         for i, h in enumerate(blocks):
             if h not in self._blocks:
                 tokens = tuple(token_ids[i * bt : (i + 1) * bt])
-                self._blocks[h] = (page_hash(parent, tokens), tokens)
+                self._blocks[h] = (page_hash(parent, tokens, name), tokens, lora)
             parent = self._blocks[h][0]
             self._pending[h] = self._pending.get(h, 0) + 1
 
@@ -298,14 +311,15 @@ class KvEventEmitter:
                 parent = None if first is None else self._blocks[first][0]
                 hashes = [self._blocks[h][0] for h in run]
                 tokens = [t for h in run for t in self._blocks[h][1]]
-                bt = self.block_tokens
+                lora = self._blocks[run[0]][2]  # a chain is one adapter's (or the base's)
+                bt, flavor = self.block_tokens, self.flavor
                 if self.cfg.per_page_events:
                     for i, h in enumerate(hashes):
                         page = tokens[i * bt : (i + 1) * bt]
-                        events.append(stored_event(self.cfg, [h], parent, page, bt, self.flavor))
+                        events.append(stored_event(self.cfg, [h], parent, page, bt, flavor, lora))
                         parent = h
                 else:
-                    events.append(stored_event(self.cfg, hashes, parent, tokens, bt, self.flavor))
+                    events.append(stored_event(self.cfg, hashes, parent, tokens, bt, flavor, lora))
                 run.clear()
 
         for change in changes:

@@ -162,6 +162,9 @@ class _Request:
     # KV reserved at admission and not yet in the cache: uncomputed full blocks, the
     # prompt's partial tail and the whole output.
     reserved_tokens: int = 0
+    # The LoRA adapter it runs (None: the base model) and its step-time factor.
+    lora: str | None = None
+    cost: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -197,9 +200,13 @@ class ModelStats:
 
 
 class EngineModel:
-    def __init__(self, profile: EngineProfile, rng: random.Random) -> None:
+    def __init__(
+        self, profile: EngineProfile, rng: random.Random, max_loras: int | None = None
+    ) -> None:
         self.profile = profile
         self.rng = rng
+        # At most this many adapters among running requests (None: no limit).
+        self.max_loras = max_loras
         self.cache = PrefixCache(profile.block_tokens)
         self.waiting: deque[_Request] = deque()
         # Admitted requests still prefilling, in admission order (FCFS within chunks).
@@ -220,14 +227,18 @@ class EngineModel:
         output_tokens: int,
         blocks: Sequence[int],
         now_s: float,
+        lora: str | None = None,
+        cost: float = 1.0,
     ) -> None:
-        """A request arrives. `blocks`: chained hashes of its prompt's full blocks."""
+        """A request arrives. `blocks`: chained hashes of its prompt's full blocks; `lora`:
+        the adapter it runs, whose steps take `cost` times the base model's."""
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} already in the engine")
         if input_tokens < 1 or output_tokens < 1:
             raise ValueError("a request needs at least one input and one output token")
         full_blocks = input_tokens // self.profile.block_tokens
         req = _Request(rid, tuple(blocks[:full_blocks]), input_tokens, output_tokens, now_s)
+        req.lora, req.cost = lora, cost
         self.requests[rid] = req
         self.waiting.append(req)
         if self.step is None or self.step.start_s >= now_s:
@@ -303,6 +314,24 @@ class EngineModel:
         """Requests prefilling or decoding: what the engines report as running."""
         return self.num_running + self.num_waiting - self.num_queued
 
+    def lora_counts(self) -> tuple[dict[str, int], dict[str, int]]:
+        """Requests per adapter, running and waiting (split as num_started and num_queued),
+        each in the order the scheduler meets them (vLLM v1/core/sched/scheduler.py
+        make_stats: running_lora_adapters, waiting_lora_adapters)."""
+        running: dict[str, int] = {}
+        waiting: dict[str, int] = {}
+        step = self.step
+        in_step = {r.rid for r, _ in step.prefill} if step is not None else set()
+        for r in (*self.prefilling, *self.decoding.values()):
+            if r.lora is not None:
+                begun = r.state == DECODE or r.prefilled_tokens > r.cached_tokens
+                into = running if begun or r.rid in in_step else waiting
+                into[r.lora] = into.get(r.lora, 0) + 1
+        for r in self.waiting:
+            if r.lora is not None:
+                waiting[r.lora] = waiting.get(r.lora, 0) + 1
+        return running, waiting
+
     @property
     def held_tokens(self) -> int:
         """KV held by requests: cached blocks nobody holds are free to reuse and do not
@@ -330,10 +359,26 @@ class EngineModel:
         return math.exp(self.rng.gauss(0.0, sigma)) if sigma > 0 else 1.0
 
     def _admit(self, now_s: float) -> None:
-        """FCFS admission while a slot and KV room exist (head-of-line blocking)."""
+        """FCFS admission while a slot and KV room exist (head-of-line blocking). A request
+        for an adapter that would make more than max_loras among the running is passed
+        over (it keeps its place), as vLLM's scheduler skips it (v1/core/sched/scheduler.py
+        schedule: "Scheduling would exceed max_loras, skip")."""
+        skipped: list[_Request] = []
+        try:
+            self._admit_fcfs(now_s, skipped)
+        finally:
+            self.waiting.extendleft(reversed(skipped))
+
+    def _admit_fcfs(self, now_s: float, skipped: list[_Request]) -> None:
         p = self.profile
         while self.waiting and self.num_running < p.max_running_requests:
             req = self.waiting[0]
+            if req.lora is not None and self.max_loras is not None:
+                active = {r.lora for r in (*self.prefilling, *self.decoding.values())}
+                active.discard(None)
+                if req.lora not in active and len(active) >= self.max_loras:
+                    skipped.append(self.waiting.popleft())
+                    continue
             # At least one prompt token is always computed (it yields the first logits).
             matched = min(self.cache.match(req.blocks), (req.input_tokens - 1) // p.block_tokens)
             # Pin the matched prefix first, so making room cannot evict it.
@@ -368,14 +413,15 @@ class EngineModel:
                 if budget <= 0:
                     break
                 n = min(budget, req.input_tokens - req.prefilled_tokens)
-                ms += p.prefill_ms(n, req.prefilled_tokens)
+                ms += p.prefill_ms(n, req.prefilled_tokens) * req.cost
                 batch.append((req, n))
                 budget -= n
             self.step = _Step(now_s, now_s + ms * self._jitter() / 1e3, PREFILL, batch, [])
         elif self.decoding:
             reqs = list(self.decoding.values())
             context = sum(r.input_tokens + r.generated for r in reqs)
-            ms = p.decode_ms(len(reqs), context)
+            # An adapter's kernels run over the whole batch: the costliest one sets it.
+            ms = p.decode_ms(len(reqs), context) * max(r.cost for r in reqs)
             self.step = _Step(now_s, now_s + ms * self._jitter() / 1e3, DECODE, [], reqs)
 
     def _complete(self, step: _Step, out: list[Emission]) -> None:

@@ -1,7 +1,7 @@
 """What the engines say about their model, and their tokenize endpoints, pure: the bodies of
 `GET /v1/models`, SGLang's `GET /get_model_info`, vLLM's `POST /tokenize` and SGLang's
-`POST /v1/tokenize` (also at `/tokenize`). Errors are `BadRequest`s (emulator/wire.py),
-answered in the flavor's error shape.
+`POST /v1/tokenize` (also at `/tokenize`), and vLLM's LoRA adapter loads and unloads.
+Errors are `BadRequest`s (emulator/wire.py), answered in the flavor's error shape.
 
 The model path is the twin's tokenizer directory (emulator/tokenizer.py), so a router on
 this machine finds the engine's tokenizer files from `root` (vLLM) or `model_path` (SGLang)
@@ -17,6 +17,7 @@ from typing import Any
 
 from emulator.chat import ChatError, chat_prompt
 from emulator.engine_config import SGLANG, VLLM, EngineConfig
+from emulator.lora import LORA_NOT_ENABLED, LoraError
 from emulator.parse import BadRequest, InvalidBody, chat_messages, request_model
 from ext_proc.prompt.tokens import APPROX
 
@@ -28,19 +29,34 @@ def model_path(cfg: EngineConfig) -> str:
 
 
 def models_body(cfg: EngineConfig) -> dict[str, Any]:
-    """GET /v1/models. vLLM (openai/models/serving.py): root = the model path it serves;
-    every ModelPermission field (tests/fixtures/vllm/routes.json). SGLang (http_server.py
+    """GET /v1/models. vLLM (openai/models/serving.py show_available_models): a card per
+    served name (root = the model path it serves), then one per loaded adapter (id = its
+    name, root = its path, parent = the first served name, max_model_len null); every
+    ModelPermission field (tests/fixtures/vllm/routes.json). SGLang (http_server.py
     available_models): root = the served name, which defaults to the model path
-    (server_args.py). max_model_len: the context limit the twin enforces (null: none)."""
+    (server_args.py); with LoRA enabled, its adapters likewise (parent the served name).
+    max_model_len: the context limit the twin enforces (null: none)."""
     created = int(time.time())
+    names = cfg.served_names if cfg.flavor == VLLM else (cfg.model,)
+    root = model_path(cfg) if cfg.flavor == VLLM else cfg.model
+    cards = [_card(cfg, name, root, None, cfg.context_length, created) for name in names]
+    if cfg.enable_lora:
+        for a in cfg.adapters:
+            cards.append(_card(cfg, a.name, a.path, cfg.model, None, created))
+    return {"object": "list", "data": cards}
+
+
+def _card(
+    cfg: EngineConfig, name: str, root: str, parent: str | None, ctx: int | None, created: int
+) -> dict[str, Any]:
     model: dict[str, Any] = {
-        "id": cfg.model,
+        "id": name,
         "object": "model",
         "created": created,
         "owned_by": cfg.flavor,
-        "root": model_path(cfg) if cfg.flavor == VLLM else cfg.model,
-        "parent": None,
-        "max_model_len": cfg.context_length,
+        "root": root,
+        "parent": parent,
+        "max_model_len": ctx,
     }
     if cfg.flavor == VLLM:
         model["permission"] = [
@@ -59,7 +75,7 @@ def models_body(cfg: EngineConfig) -> dict[str, Any]:
                 "is_blocking": False,
             }
         ]
-    return {"object": "list", "data": [model]}
+    return model
 
 
 def model_info_body(cfg: EngineConfig) -> dict[str, Any]:
@@ -149,3 +165,33 @@ def sglang_tokenize(body: Any, cfg: EngineConfig) -> dict[str, Any]:
 
 
 TOKENIZE_PATHS = {SGLANG: ("/v1/tokenize", "/tokenize"), VLLM: ("/tokenize",)}
+
+
+def _lora_field(body: Mapping[str, Any], key: str) -> str:
+    value = body.get(key)
+    if value is None:
+        raise InvalidBody(f"missing required field '{key}'", key)
+    if not isinstance(value, str):
+        raise InvalidBody(f"'{key}' must be a string, got {type(value).__name__}", key)
+    return value
+
+
+def load_lora(body: Any, cfg: EngineConfig) -> str:
+    """vLLM POST /v1/load_lora_adapter (serve/lora/protocol.py LoadLoRAAdapterRequest:
+    lora_name, lora_path, load_inplace): the 200 text. Raises InvalidBody, or LoraError in
+    the engine's words (models/serving.py; without --enable-lora the engine refuses the
+    adapter, answered as an InternalServerError)."""
+    body = _object(body)
+    name, path = _lora_field(body, "lora_name"), _lora_field(body, "lora_path")
+    inplace = _bool(body, "load_inplace", False)
+    if not cfg.enable_lora and name and path:
+        raise LoraError(500, LORA_NOT_ENABLED, "InternalServerError")
+    cfg.adapters.load(name, path, inplace)
+    return f"Success: LoRA adapter '{name}' added successfully."
+
+
+def unload_lora(body: Any, cfg: EngineConfig) -> str:
+    """vLLM POST /v1/unload_lora_adapter (UnloadLoRAAdapterRequest: lora_name)."""
+    name = _lora_field(_object(body), "lora_name")
+    cfg.adapters.unload(name)
+    return f"Success: LoRA adapter '{name}' removed successfully."

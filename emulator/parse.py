@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from emulator.chat import ChatError, chat_prompt
 from emulator.engine_config import SGLANG, VLLM, EngineConfig
+from emulator.lora import LoraAdapter, namespaced_blocks
 from ext_proc.prompt.tokens import APPROX, block_hashes_of_ids
 
 Kind = Literal["chat", "completion", "generate"]
@@ -60,6 +61,9 @@ class GenRequest:
     blocks: tuple[int, ...] = ()
     # The prompt's token ids, when the engine publishes KV events (they carry them).
     token_ids: tuple[int, ...] = ()
+    # The LoRA adapter the request runs (None: the base model); `blocks` are then in the
+    # adapter's namespace (emulator/lora.py namespaced_blocks).
+    adapter: LoraAdapter | None = None
 
 
 Prompt = tuple[int, tuple[int, ...], tuple[int, ...]]  # tokens, block hashes, token ids
@@ -125,21 +129,40 @@ class UnknownModel(BadRequest):
 
 
 def request_model(body: Mapping[str, Any], cfg: EngineConfig) -> str:
+    """The model name a response gives (raises UnknownModel for one vLLM does not serve)."""
+    return request_target(body, cfg)[0]
+
+
+def request_target(body: Mapping[str, Any], cfg: EngineConfig) -> tuple[str, LoraAdapter | None]:
+    """The model a request names: the name its response gives and the adapter it runs.
+    vLLM (entrypoints/openai/engine/serving.py _check_model, _maybe_get_adapters;
+    models/serving.py model_name): no model or any served name is the base model, named
+    by the first served name; a loaded adapter's name is that adapter, named by itself;
+    anything else is 404. SGLang echoes whatever it is given and runs the base model."""
     value = body.get("model")
     if value is None:
-        return cfg.model if cfg.flavor == VLLM else "default"
+        return (cfg.model if cfg.flavor == VLLM else "default"), None
     if not isinstance(value, str):
         raise InvalidBody(f"'model' must be a string, got {type(value).__name__}", "model")
-    if cfg.flavor == VLLM and value != cfg.model:
-        # The real one's words (tests/fixtures/vllm/errors.json).
-        raise UnknownModel(
-            f"The model `{value}` does not exist. Valid aliases: {cfg.model}.", "model"
-        )
-    return value
+    if cfg.flavor != VLLM:
+        return value, None
+    if value in cfg.served_names:
+        return cfg.model, None
+    adapter = cfg.adapters.get(value)
+    if adapter is not None:
+        return adapter.name, adapter
+    # The real one's words (tests/fixtures/vllm/errors.json): the served names.
+    raise UnknownModel(
+        f"The model `{value}` does not exist. Valid aliases: {', '.join(cfg.served_names)}.",
+        "model",
+    )
 
 
-def _openai_common(body: Mapping[str, Any], cfg: EngineConfig) -> tuple[int, bool, bool, str]:
-    """max tokens, stream, include_usage and model of an OpenAI-style body."""
+Common = tuple[int, bool, bool, str, LoraAdapter | None]
+
+
+def _openai_common(body: Mapping[str, Any], cfg: EngineConfig) -> Common:
+    """max tokens, stream, include_usage, model and adapter of an OpenAI-style body."""
     max_tokens = _opt_int(body, "max_completion_tokens", 1)
     if max_tokens is None:
         max_tokens = _opt_int(body, "max_tokens", 1)
@@ -158,7 +181,8 @@ def _openai_common(body: Mapping[str, Any], cfg: EngineConfig) -> tuple[int, boo
         if cfg.flavor == VLLM and "include_usage" not in options:
             asked = True  # vLLM's StreamOptions.include_usage defaults to true
         include_usage = asked or include_usage
-    return min(max_tokens, cfg.max_tokens_cap), stream, include_usage, request_model(body, cfg)
+    model, adapter = request_target(body, cfg)
+    return min(max_tokens, cfg.max_tokens_cap), stream, include_usage, model, adapter
 
 
 def _token_ids(value: list[Any], field: str) -> list[int]:
@@ -173,13 +197,22 @@ def parse_chat(body: Any, cfg: EngineConfig) -> GenRequest:
     if not isinstance(body, Mapping):
         raise InvalidBody(f"request body must be a JSON object, got {type(body).__name__}")
     messages = chat_messages(body)
-    max_tokens, stream, include_usage, model = _openai_common(body, cfg)
+    max_tokens, stream, include_usage, model, adapter = _openai_common(body, cfg)
     try:
         text, specials = chat_prompt(body, messages, cfg)
     except ChatError as e:
         raise BadRequest(str(e), e.param) from None
     input_tokens, blocks, ids = _text_prompt(text, cfg, "messages", specials)
-    return GenRequest("chat", input_tokens, max_tokens, stream, include_usage, model, blocks, ids)
+    return _with_adapter(
+        GenRequest("chat", input_tokens, max_tokens, stream, include_usage, model, blocks, ids),
+        adapter,
+    )
+
+
+def _with_adapter(req: GenRequest, adapter: LoraAdapter | None) -> GenRequest:
+    if adapter is None:
+        return req
+    return replace(req, adapter=adapter, blocks=namespaced_blocks(req.blocks, adapter.name))
 
 
 def chat_messages(body: Mapping[str, Any]) -> list[Any]:
@@ -246,10 +279,11 @@ def parse_completion(body: Any, cfg: EngineConfig) -> GenRequest:
             "'prompt' must be a string, a non-empty list of strings or a list of token ids",
             "prompt",
         )
-    max_tokens, stream, include_usage, model = _openai_common(body, cfg)
-    return GenRequest(
+    max_tokens, stream, include_usage, model, adapter = _openai_common(body, cfg)
+    req = GenRequest(
         "completion", input_tokens, max_tokens, stream, include_usage, model, blocks, ids
     )
+    return _with_adapter(req, adapter)
 
 
 def parse_generate(body: Any, cfg: EngineConfig) -> GenRequest:

@@ -170,10 +170,15 @@ class ModelRunner:
         channel = TokenChannel()
         self._channels[rid] = channel
         now = asyncio.get_running_loop().time()
+        adapter = req.adapter
         if self.events is not None:
-            self.events.register(req.blocks, req.token_ids)
+            lora = None if adapter is None else (adapter.name, adapter.int_id)
+            self.events.register(req.blocks, req.token_ids, lora)
             self._blocks[rid] = req.blocks
-        self.model.submit(rid, req.input_tokens, max(1, req.output_tokens), req.blocks, now)
+        lora_name, cost = (None, 1.0) if adapter is None else (adapter.name, adapter.slowdown)
+        self.model.submit(
+            rid, req.input_tokens, max(1, req.output_tokens), req.blocks, now, lora_name, cost
+        )
         self._wake.set()
         return channel
 

@@ -27,6 +27,12 @@ def _up(args: argparse.Namespace) -> int:
     if fleet.profiles and args.engine == "vllm":
         print("gorgo up: --fleet sets emulated engines' profiles, not real vLLM's", file=sys.stderr)
         return 2
+    if (fleet.models or fleet.loras) and args.engine == "vllm":
+        print(
+            "gorgo up: --fleet's model and lora_modules set emulated engines', not real vLLM's",
+            file=sys.stderr,
+        )
+        return 2
     return run_until_signalled(
         StackSettings(
             policy=args.policy,
@@ -39,6 +45,8 @@ def _up(args: argparse.Namespace) -> int:
             front_door_regions=[r.id for r in regions[1 : args.front_doors]],
             share_dispatches=not args.no_share_dispatches,
             engine_profiles=fleet.profiles,
+            engine_models=fleet.models,
+            engine_loras=fleet.loras,
         )
     )
 
@@ -96,7 +104,8 @@ def add_up_command(sub: Any, policies: Sequence[str]) -> None:
     s.add_argument(
         "--fleet",
         metavar="FLEET.yaml",
-        help="each region's emulated engine profile (docs/engine-model.md); the router keeps "
-        "the shipped profile and must learn them",
+        help="each region's emulated engine profile (docs/engine-model.md), served model "
+        "name and LoRA adapters (docs/engines.md); the router keeps the shipped profile and "
+        "must learn them",
     )
     s.set_defaults(func=_up)

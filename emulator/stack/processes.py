@@ -65,8 +65,27 @@ def engine_argv(settings: StackSettings, i: int, name: str, port: int, seed: int
         "engine", "--name", name, "--port", str(port), "--seed", str(seed),
         *(["--profile", p] if (p := settings.engine_profile_of(name)) else []),
         "--tokenizer", settings.engine_tokenizer,
-        *flavor_flags(settings, i, name), *settings.engine_args,
+        *flavor_flags(settings, i, name), *model_flags(settings, name), *settings.engine_args,
     )  # fmt: skip
+
+
+def model_flags(settings: StackSettings, region: str) -> list[str]:
+    """The region's served name and LoRA adapters (a fleet file's), as the flavor's flags:
+    vLLM --enable-lora --lora-modules NAME=PATH..., SGLang --lora-paths NAME=PATH..."""
+    from emulator.lora import fleet_module
+
+    out = []
+    model = settings.engine_models.get(region)
+    if model:
+        out += ["--served-model-name", model]
+    loras = [fleet_module(e) for e in settings.engine_loras.get(region, ())]
+    if loras:
+        items = [f"{m.name}={m.path}" for m in loras]
+        if settings.flavor == "vllm":
+            out += ["--enable-lora", "--lora-modules", *items]
+        else:
+            out += ["--lora-paths", *items]
+    return out
 
 
 def flavor_flags(settings: StackSettings, i: int, region: str) -> list[str]:

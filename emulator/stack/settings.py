@@ -128,6 +128,11 @@ class StackSettings:
     # The engines' own profiles by region (a fleet file's, emulator/fleet.py), which the
     # router is not told: it keeps engine_profile (else the shipped one) and must learn.
     engine_profiles: Mapping[str, str] = field(default_factory=dict)
+    # The model name each region's emulated engine serves and the LoRA adapters it loads
+    # at start (a fleet file's `model` and `lora_modules`: NAME or NAME=PATH); a region
+    # not named serves the engine's default name, without adapters.
+    engine_models: Mapping[str, str] = field(default_factory=dict)
+    engine_loras: Mapping[str, Sequence[str]] = field(default_factory=dict)
     # The router's weight tuner: paired by default, "off" for static weights (benchmarks
     # that compare against the simulator's static runs).
     tuner_mode: str = "paired"

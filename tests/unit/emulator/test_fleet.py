@@ -85,3 +85,42 @@ def test_a_bad_file_names_the_file(tmp_path: Path) -> None:
     bad.write_text("backends:\n  - id: ap-seoul\n    engine_profile: nope.yaml\n")
     with pytest.raises(ValueError, match=r"bad.yaml: backends\[0\].engine_profile: .*nope.yaml"):
         load_fleet(bad, REGIONS)
+
+
+def test_a_backend_may_name_its_model_and_adapters() -> None:
+    fleet = fleet_from_dict(
+        {
+            "backends": [
+                {"id": "us-ashburn", "model": "alpha", "lora_modules": ["sql", "chat=/a/chat"]},
+                {"id": "ap-seoul", "engine_profile": "h100-llama3.1-8b", "model": "beta"},
+            ]
+        },
+        REGIONS,
+    )
+    assert fleet.models == {"us-ashburn": "alpha", "ap-seoul": "beta"}
+    assert fleet.loras == {"us-ashburn": ("sql", "chat=/a/chat")}
+    assert fleet.profile_of("us-ashburn", DEFAULT_PROFILE) == DEFAULT_PROFILE
+    # the shipped fleets name none: every engine serves its default name, no adapters
+    shipped = load_fleet(FLEETS / "mixed-gpus.yaml", REGIONS)
+    assert shipped.models == {} and shipped.loras == {}
+
+
+@pytest.mark.parametrize(
+    ("backend", "message"),
+    [
+        ({"model": ""}, r"backends\[0\].model: expected a non-empty model name"),
+        ({"model": 3}, r"backends\[0\].model: expected"),
+        ({"lora_modules": "sql"}, r"backends\[0\].lora_modules: expected a list"),
+        ({"lora_modules": [""]}, r"backends\[0\].lora_modules\[0\]: expected an adapter name"),
+        ({"lora_modules": ["=/p"]}, r"backends\[0\].lora_modules\[0\]: '=/p': expected NAME"),
+        ({"lora_modules": ["a", "a=/x"]}, r"lora_modules\[1\]: adapter 'a' listed twice"),
+        (
+            {"model": "a", "lora_modules": ["a"]},
+            r"lora_modules\[0\]: adapter 'a' has the model's own name",
+        ),
+        ({"models": ["a"]}, r"backends\[0\]: unknown key 'models'"),
+    ],
+)
+def test_a_bad_model_or_adapter_names_the_key(backend: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        fleet_from_dict({"backends": [{"id": "us-ashburn", **backend}]}, REGIONS, "f.yaml")

@@ -133,3 +133,44 @@ def test_up_reads_the_fleet_file_and_refuses_a_bad_one(monkeypatch, capsys) -> N
     )
     assert real.func(real) == 2
     assert len(started) == 1
+
+
+def test_a_fleets_models_and_adapters_become_each_engines_own_flags(
+    tmp_path: Path, monkeypatch, capsys
+) -> None:  # type: ignore[no-untyped-def]
+    """`gorgo up --fleet` with `model` and `lora_modules`: each engine serves its name and
+    loads its adapters with the flavor's flags (vLLM --enable-lora --lora-modules, SGLang
+    --lora-paths), which `gorgo engine` reads; a region not named keeps the defaults."""
+    import emulator.stack.stack
+    from emulator.cli import _lora_settings
+    from ext_proc.cli import build_parser
+
+    fleet = tmp_path / "f.yaml"
+    fleet.write_text(
+        "backends:\n  - id: eu-frankfurt\n    model: beta\n    lora_modules: [sql, chat=/c]\n"
+    )
+    started: list[StackSettings] = []
+    monkeypatch.setattr(emulator.stack.stack, "run_until_signalled", started.append)
+    args = build_parser().parse_args(["up", "--flavor", "vllm", "--fleet", str(fleet)])
+    args.func(args)
+    (s,) = started
+    assert s.engine_models == {"eu-frankfurt": "beta"}
+    assert s.engine_loras == {"eu-frankfurt": ("sql", "chat=/c")}
+    argv = engine_argv(s, 1, "eu-frankfurt", 18002, 1)
+    parsed = build_parser().parse_args(argv[3:])
+    assert parsed.served_model_name == ["beta"] and parsed.enable_lora
+    assert parsed.lora_modules == ["sql=/lora/sql", "chat=/c"]
+    lora = _lora_settings(parsed)
+    assert [(m.name, m.path) for m in lora["lora_modules"]] == [
+        ("sql", "/lora/sql"),
+        ("chat", "/c"),
+    ]
+    plain = build_parser().parse_args(engine_argv(s, 0, "us-ashburn", 18001, 0)[3:])
+    assert plain.served_model_name is None and not plain.enable_lora and not plain.lora_modules
+    sglang = engine_argv(StackSettings(engine_loras={"ap-seoul": ["a"]}), 2, "ap-seoul", 1, 2)
+    assert sglang[sglang.index("--lora-paths") + 1] == "a=/lora/a"
+    assert "--enable-lora" not in sglang  # SGLang: --lora-paths enables LoRA itself
+    # real vLLM engines are not the twin's to name
+    real = build_parser().parse_args(["up", "--engine", "vllm", "--fleet", str(fleet)])
+    assert real.func(real) == 2
+    assert "model and lora_modules set emulated engines'" in capsys.readouterr().err
