@@ -76,9 +76,12 @@ def chat(
     user: str | None = None,
     rid: str | None = None,
     stream: bool = True,
+    model: str | None = None,
 ) -> RouteRequest:
     """A one-message chat request (a random id unless `rid`)."""
     body: dict[str, object] = {"messages": [{"role": "user", "content": text}]}
+    if model is not None:
+        body["model"] = model
     if stream:
         body["stream"] = True
     if user:

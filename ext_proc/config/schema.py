@@ -134,6 +134,9 @@ class Backend:
     kv_capacity_tokens: int = bounded(0, **NON_NEGATIVE)
     # The engine's KV cache events: with them, what the engine really holds.
     kv_events: KvEventsSource = field(default_factory=KvEventsSource)
+    # The models (and LoRA adapters) it may be sent: empty = what its engine lists on
+    # /v1/models (discovered); set = only these, of what it lists once discovery answers.
+    models: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -207,6 +210,9 @@ class Probes:
     # than metrics_stale_s ages out to the router's own estimate.
     metrics_interval_s: float = bounded(1.0, **NON_NEGATIVE)
     metrics_stale_s: float = bounded(10.0, **POSITIVE)
+    # Read each engine's /v1/models this often (what it serves: models and LoRA adapters
+    # loaded at run time; 0 = never, config's backends[].models or every model).
+    models_interval_s: float = bounded(5.0, **NON_NEGATIVE)
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,11 @@ chooses.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Callable, Sequence
+
+import numpy as np
 
 from ext_proc.config.schema import Routing
 from ext_proc.core.fleet import Fleet
@@ -97,7 +100,12 @@ def _capped(per_prompt: Sequence[float], lengths: Sequence[int]) -> int:
     return sum(min(int(c), max(0, n - 1)) for c, n in zip(per_prompt, lengths, strict=False))
 
 
-def newcomer_step_ms(b: BackendState, input_tokens: int) -> float:
+def adapter_salt(model: str) -> int:
+    """What an adapter's block hashes are XORed with in the router's own index."""
+    return int.from_bytes(hashlib.blake2b(model.encode(), digest_size=8).digest(), "little")
+
+
+def newcomer_step_ms(b: BackendState, input_tokens: int, decode_factor: float) -> float:
     """The decode step a newcomer's tokens come at there: with every request in flight
     (those ahead will be decoding by the time it is) and itself in the batch, at most the
     engine's running limit (the rest wait), their prompts as the context. A dispatch-time
@@ -106,7 +114,7 @@ def newcomer_step_ms(b: BackendState, input_tokens: int) -> float:
     batch = b.in_flight + 1
     running = min(batch, profile.max_running_requests)
     context = (b.in_flight_tokens + input_tokens) * running // batch
-    return profile.decode_ms(running, context) * b.speed.decode_factor
+    return profile.decode_ms(running, context) * decode_factor
 
 
 def pace_ms(r: Routing, b: BackendState, chosen: Candidate, now_s: float) -> float:
@@ -148,18 +156,28 @@ class Features:
         self.precise_cached: dict[str, int] = {}
 
     def prompt_blocks(self, request: RouteRequest) -> list[Hashes]:
-        """Each prompt's prefix-block hashes (one list per prompt of a batch)."""
+        """Each prompt's prefix-block hashes (one list per prompt of a batch), in the
+        namespace of the LoRA adapter it asks for, if any: the engines key an adapter's
+        blocks apart from its base model's, so neither is a hit for the other."""
         if request.blocks is not None:
-            return [as_hashes(list(request.blocks))]
-        if request.llm is None:
+            blocks = [as_hashes(list(request.blocks))]
+        elif request.llm is None:
             return []
-        bt = self.fleet.cfg.routing.block_tokens
-        return [
-            as_hashes(
-                block_hashes_of_ids(p, bt) if isinstance(p, tuple) else APPROX.block_hashes(p, bt)
-            )
-            for p in request.llm.prompts
-        ]
+        else:
+            bt = self.fleet.cfg.routing.block_tokens
+            blocks = [
+                as_hashes(
+                    block_hashes_of_ids(p, bt)
+                    if isinstance(p, tuple)
+                    else APPROX.block_hashes(p, bt)
+                )
+                for p in request.llm.prompts
+            ]
+        model = request.llm.model if request.llm else None
+        if model is not None and self.fleet.state.is_adapter(model):
+            salt = np.uint64(adapter_salt(model))
+            blocks = [h ^ salt for h in blocks]
+        return blocks
 
     def _precise_cached(
         self,
@@ -202,9 +220,10 @@ class Features:
         need_kv = kv_tokens(request)
         out_tokens = output_tokens(request)
         bt = self.fleet.cfg.routing.block_tokens
-        active = [b for b in state.backends.values() if b.lifecycle is _ACTIVE]
+        model = request.llm.model if request.llm else None
+        active = [b for b in state.backends.values() if b.lifecycle is _ACTIVE and b.serves(model)]
         if not active:
-            raise NoActiveBackend("no active backend")
+            raise NoActiveBackend(f"no active backend serves {model!r}")
         healthy = [b for b in active if state.available(b, now_s)]
         keys_of = _keys_by_block_size(request)
         self.precise_cached.clear()
@@ -217,7 +236,8 @@ class Features:
                 per_prompt = [b.prefix.match(prompt) * bt for prompt in blocks]
             cached = _capped(per_prompt, lengths)
             uncached = input_tokens - cached
-            prefill_ms = b.prefill.prefill_ms(uncached, cached) * b.speed.prefill_factor
+            speed = b.speed_for(model)
+            prefill_ms = b.prefill.prefill_ms(uncached, cached) * speed.prefill_factor
             items, step_ms = self._queue_items(b)
             queue_ms = self._queue_ms(b, now_s, need_kv, items, step_ms)
             out.append(
@@ -232,7 +252,7 @@ class Features:
                     cached_tokens=cached,
                     uncached_tokens=uncached,
                     decode_stall_ms=decode_stall_ms(prefill_ms, b.in_flight),
-                    decode_ms=out_tokens * newcomer_step_ms(b, input_tokens),
+                    decode_ms=out_tokens * newcomer_step_ms(b, input_tokens, speed.decode_factor),
                     kv_ms=kv_headroom_ms(
                         items,
                         step_ms,

@@ -1,6 +1,6 @@
 """What the router hears besides Envoy, as methods of the router (`RouterInputs`, mixed
 into `core.router.Router`): the engines' KV events, RTT probes, engine load reports,
-fallback completions and the other routers' dispatches."""
+fallback completions, the models each engine serves and the other routers' dispatches."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from ext_proc.estimate.engine_index import Applied, EngineBlocks
 from ext_proc.feeds.engine_metrics import EngineReport
 from ext_proc.feeds.kv_events import EventBatch
 from ext_proc.feeds.peers import PeerEvent, PeerKind
+from ext_proc.feeds.served_models import ServedModels
 
 
 class RouterInputs:
@@ -80,6 +81,11 @@ class RouterInputs:
     def record_engine_report(self, backend: str, report: EngineReport) -> None:
         """The engine's own load report (/metrics), read now."""
         self._fleet.state.record_engine_report(backend, report, self.clock())
+
+    def record_models(self, backend: str, served: ServedModels) -> bool:
+        """What the backend's engine lists on /v1/models now. Returns whether that
+        changed."""
+        return self._fleet.state.set_discovered(backend, served)
 
     def record_fallback(self, backend: str) -> None:
         self._fleet.state.record_fallback(backend)

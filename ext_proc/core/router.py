@@ -18,6 +18,7 @@ import numpy as np
 
 from ext_proc.config.schema import Config
 from ext_proc.core import views
+from ext_proc.core.admission import fleet_models, model_refusal
 from ext_proc.core.events import BackendChanged, Closed, Dispatched, FirstByte, Listener
 from ext_proc.core.features import Features, output_tokens, pace_ms, prefix_state_for
 from ext_proc.core.fleet import Fleet, FleetControls
@@ -28,8 +29,8 @@ from ext_proc.core.types import (
     Decision,
     InFlight,
     PrefixState,
+    Refusal,
     RouteRequest,
-    Shed,
     Status,
     Weights,
 )
@@ -170,14 +171,26 @@ class Router(RouterInputs, FleetControls):
     def queue_estimate_ms(self, backend: str, now_s: float, need_kv_tokens: int = 0) -> float:
         return self._features.queue_estimate_ms(backend, now_s, need_kv_tokens)
 
-    def admit(self, request: RouteRequest) -> Shed | None:
-        """The admission step before a decision. With shedding on, a request is refused
-        when every backend's queue estimate is past the bound (None: admitted)."""
+    def served_models(self) -> dict[str, str | None] | None:
+        """The fleet's models, name -> parent (core.admission.fleet_models)."""
+        return fleet_models(self._fleet.state)
+
+    def admit(self, request: RouteRequest) -> Refusal | None:
+        """The admission step before a decision (None: admitted): a model no backend
+        serves, none named when several are, or none of whose backends is in rotation
+        (core.admission); with shedding on, every backend's queue estimate past the
+        bound (429)."""
+        model = request.llm.model if request.llm else None
+        refused = model_refusal(self._fleet.state, model, self.clock())
+        if refused is not None:
+            return refused
         bound_ms = self.cfg.routing.shed_queue_ms
         if not bound_ms:
             return None
         least_ms = self._features.least_queue_ms(request)
-        return Shed(least_ms / 1000) if least_ms > bound_ms else None
+        if least_ms <= bound_ms:
+            return None
+        return Refusal(429, "overloaded", "all backends overloaded, retry later", least_ms / 1000)
 
     def decide(self, request: RouteRequest) -> Decision:
         """Choose a backend and record the dispatch."""
@@ -201,6 +214,8 @@ class Router(RouterInputs, FleetControls):
         # only for a single prompt.
         held = blocks[0][: chosen.cached_tokens // bt] if len(blocks) == 1 else None
         state = prefix_state_for(b, request)
+        model = request.llm.model if request.llm else None
+        speed = b.speed_for(model)
         if state is PrefixState.WARMING and b.engine_blocks is not None:
             # judged at its close: would a precise prediction have been right?
             precise = self._features.precise_cached.get(b.id, 0)
@@ -218,8 +233,9 @@ class Router(RouterInputs, FleetControls):
             queue_ms=chosen.queue_ms,
             predicted_ttft_ms=chosen.predicted_ttft_ms,
             predicted_e2e_ms=chosen.predicted_e2e_ms,
-            prefill_factor=b.speed.prefill_factor,
-            decode_factor=b.speed.decode_factor,
+            prefill_factor=speed.prefill_factor,
+            decode_factor=speed.decode_factor,
+            model=model,
             blocks=np.concatenate(blocks) if blocks else None,
             matched_last_used_s=None if held is None else b.prefix.last_used_s(held),
             streaming=request.llm.stream if request.llm else True,

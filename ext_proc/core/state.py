@@ -24,6 +24,7 @@ from ext_proc.estimate.prediction import PredictionStats
 from ext_proc.estimate.prefix import PrefixCache
 from ext_proc.estimate.profile import EngineProfile
 from ext_proc.feeds.engine_metrics import EngineReport
+from ext_proc.feeds.served_models import ServedModels
 
 # How many recent TTFT/E2E samples /state shows per backend.
 RECENT_SAMPLES = 16
@@ -62,8 +63,12 @@ class BackendState:
     prediction: PredictionStats = field(default_factory=PredictionStats)
     # How far its TTFT and E2E predictions were from what the router measured.
     latency: LatencyStats = field(default_factory=LatencyStats)
-    # How much faster or slower than its profile the engine runs, learned online.
+    # How much faster or slower than its profile the engine runs, learned online: the
+    # base model's, and each LoRA adapter's apart (an adapter's requests run slower).
     speed: LatencyModel = field(default_factory=LatencyModel)
+    adapter_speed: dict[str, LatencyModel] = field(default_factory=dict)
+    # What its engine lists on /v1/models (None: not read yet, or discovery is off).
+    discovered: ServedModels | None = None
     rtt_ms: float = 0.0
     rtt_samples: int = 0
     # Exponentially weighted variance of the probe samples (ms^2): the WAN's jitter.
@@ -112,6 +117,33 @@ class BackendState:
         token ids are the engine's)."""
         return self.events_up and self.engine_blocks is not None and self.tokens.ok
 
+    @property
+    def models(self) -> ServedModels | None:
+        """What it may be sent: what its engine lists, only the configured ones of it when
+        `backends[].models` is set; the configured ones until the engine has answered;
+        None (anything) with neither."""
+        pinned = self.config.models
+        if self.discovered is not None:
+            return self.discovered.restricted_to(pinned) if pinned else self.discovered
+        return ServedModels(frozenset(pinned)) if pinned else None
+
+    def serves(self, model: str | None) -> bool:
+        """Whether a request for `model` may go here (None, no model named: anywhere)."""
+        served = self.models
+        return model is None or served is None or served.serves(model)
+
+    def speed_for(self, model: str | None) -> LatencyModel:
+        """The speed a request for `model` runs at here: its adapter's, or the base's."""
+        served = self.models
+        if model is None or served is None or model not in served.adapters:
+            return self.speed
+        speed = self.adapter_speed.get(model)
+        if speed is None:
+            base = self.speed
+            speed = LatencyModel(base.learn, base.prefill_factor, base.decode_factor)
+            self.adapter_speed[model] = speed
+        return speed
+
     def ejected_at(self, now_s: float) -> bool:
         """Out for failing requests at now_s (an ejection ends by itself)."""
         return self.ejected_until_s is not None and now_s < self.ejected_until_s
@@ -126,6 +158,8 @@ class BackendState:
             "suspect": self.suspect,
             "tokens": {"ok": self.tokens.ok, "reason": self.tokens.reason},
             "speed": self.speed.as_json(),
+            "adapter_speed": {k: v.as_json() for k, v in sorted(self.adapter_speed.items())},
+            "models": None if self.models is None else self.models.as_json(),
             "ejected": self.ejected_until_s is not None,
             "in_flight": self.in_flight,
             "waiting_first_byte": self.waiting_first_byte,
@@ -149,6 +183,23 @@ class FleetState:
         # What other routers dispatched (shared through the fleet's message bus): it loads
         # the backends' counters and queues like our own, and nothing learns from it.
         self.peer_in_flight: OrderedDict[str, InFlight] = OrderedDict()
+        # Every name some engine serves as a LoRA adapter (their blocks are keyed apart).
+        self.adapters: frozenset[str] = frozenset()
+
+    def is_adapter(self, model: str) -> bool:
+        """Whether some backend's engine serves `model` as a LoRA adapter."""
+        return model in self.adapters
+
+    def set_discovered(self, backend: str, served: ServedModels | None) -> bool:
+        """What the backend's engine lists now; returns whether that changed."""
+        b = self.backends.get(backend)
+        if b is None or b.discovered == served:
+            return False
+        b.discovered = served
+        self.adapters = frozenset(
+            a for x in self.backends.values() if x.discovered for a in x.discovered.adapters
+        )
+        return True
 
     def dispatch(self, rec: InFlight) -> None:
         old = self.in_flight.pop(rec.request_id, None)

@@ -171,6 +171,8 @@ class InFlight:
     decode_factor: float = 1.0
     # How long dispatch pacing held it before it was sent on (its TTFT includes that).
     hold_ms: float = 0.0
+    # The model it asked for (None: none named): its LoRA adapter's speed learns from it.
+    model: str | None = None
     # The prompt's prefix blocks (for trimming the index) and when the chosen backend had
     # last used each block it was believed to hold.
     blocks: npt.NDArray[np.uint64] | None = None
@@ -232,7 +234,11 @@ class Decision:
 
 
 @dataclass(frozen=True)
-class Shed:
-    """Admission refused: every backend's queue is past the bound."""
+class Refusal:
+    """Admission refused: the router answers the client itself (OpenAI's error shape),
+    no engine reached. `kind` is the error's type, `retry_after_s` the Retry-After."""
 
-    retry_after_s: float
+    status: int
+    kind: str
+    message: str
+    retry_after_s: float | None = None

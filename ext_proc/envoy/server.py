@@ -55,6 +55,8 @@ Reply = codec.ProcessingResponse | None
 # A request body at least this long is tokenized in a worker thread (~8k tokens of text:
 # a few ms to tokenize cold; shorter ones are cheaper than the thread hop).
 OFF_LOOP_BODY_BYTES = 32 * 1024
+# The OpenAI API's model list, answered by the router for the whole fleet.
+MODELS_PATH = "/v1/models"
 
 
 # -- one session type per role, chosen from the stream's first message --------------------
@@ -96,6 +98,28 @@ class PassThroughSession(Session):
     def handle(self, p: codec.Phase) -> Reply:
         self.done = True
         return self._reply(p.name)
+
+
+class ModelsSession(Session):
+    """`GET /v1/models` at the front door: the fleet's models (every name some backend
+    serves), answered here in OpenAI's list shape; while some backend's models are not
+    known, the fallback route takes it to an engine as before."""
+
+    def __init__(self, router: Router, info: codec.StreamInfo) -> None:
+        super().__init__(info)
+        self.router = router
+
+    def handle(self, p: codec.Phase) -> Reply:
+        self.done = True
+        models = self.router.served_models()
+        if models is None:
+            return self._reply(p.name)
+        data = [
+            {"id": name, "object": "model", "owned_by": "gorgo", "parent": parent}
+            for name, parent in models.items()
+        ]
+        body = json.dumps({"object": "list", "data": data}).encode()
+        return codec.immediate_response(200, body, {"content-type": "application/json"})
 
 
 class _FirstByteWatcher(Session):
@@ -238,14 +262,15 @@ class RoutingSession(_FirstByteWatcher):
         request = RouteRequest(
             self.request_id, llm, self.session_header or llm.user, trace_context=self.trace_context
         )
-        shed = self.router.admit(request)
-        if shed is not None:  # every backend is past the queue bound: shed, honestly
+        refused = self.router.admit(request)
+        if refused is not None:  # answered here: no engine could serve it now
             self.done = True
-            log.warning("request %s shed: every queue past the bound", self.request_id)
-            retry_after = {"retry-after": str(max(1, math.ceil(shed.retry_after_s)))}
-            return json_error(
-                429, "overloaded", "all backends overloaded, retry later", retry_after
+            log.warning(
+                "request %s refused %d: %s", self.request_id, refused.status, refused.message
             )
+            retry = refused.retry_after_s
+            headers = {"retry-after": str(max(1, math.ceil(retry)))} if retry is not None else None
+            return json_error(refused.status, refused.kind, refused.message, headers)
         try:
             self.decision = self.router.decide(request)
         except NoActiveBackend:  # a fleet replaced whole, until Envoy has the new one
@@ -278,6 +303,12 @@ def open_session(
     if info.observe_only:
         return ObservingSession(router, info, codec.request_id_attribute(first))
     headers = phase.headers
+    if (
+        phase.name == codec.REQUEST_HEADERS
+        and headers.get(":method") == "GET"
+        and headers.get(":path", "").split("?", 1)[0].rstrip("/") == MODELS_PATH
+    ):
+        return ModelsSession(router, info)
     if (
         phase.name == codec.REQUEST_HEADERS
         and api_for_path(headers.get(":path", "")) is not None

@@ -42,13 +42,18 @@ MIN_DECODE_TOKENS = 8
 class LatencyModel:
     """Speed factors of one backend against its profile (1.0 = as the profile says)."""
 
-    def __init__(self, learn: bool = True) -> None:
+    def __init__(
+        self, learn: bool = True, prefill_factor: float = 1.0, decode_factor: float = 1.0
+    ) -> None:
+        """The factors start at the profile's speed (1.0), or at a related model's (a LoRA
+        adapter starts from its engine's base model)."""
         self.learn = learn
         # Each fits log(observed / profile) on a constant: its theta is log(factor).
-        self._prefill = OnlineFit((0.0,), PRIOR_WEIGHT, FORGET, scale=PRIOR_SCALE)
-        self._decode = OnlineFit((0.0,), PRIOR_WEIGHT, FORGET, scale=PRIOR_SCALE)
-        self.prefill_factor = 1.0
-        self.decode_factor = 1.0
+        prior = math.log(prefill_factor), math.log(decode_factor)
+        self._prefill = OnlineFit((prior[0],), PRIOR_WEIGHT, FORGET, scale=PRIOR_SCALE)
+        self._decode = OnlineFit((prior[1],), PRIOR_WEIGHT, FORGET, scale=PRIOR_SCALE)
+        self.prefill_factor = prefill_factor
+        self.decode_factor = decode_factor
 
     def observe_ttft(self, profile_engine_ms: float, observed_engine_ms: float) -> None:
         """A completion's engine time to its first token against the profile's prediction

@@ -1,5 +1,5 @@
-"""Active RTT probes and engine-metrics scrapes: the async shell that feeds the router's
-RTT and load features.
+"""Active RTT probes, engine-metrics scrapes and model lists: the async shell that feeds
+the router's RTT and load features and what each backend serves.
 
 Each backend is probed with a small GET over a kept-alive connection, the same network
 path Envoy uses, every `probes.interval_s`, on a path the engine answers without work
@@ -26,6 +26,7 @@ from ext_proc.common.aio import cancel_and_wait
 from ext_proc.config.schema import PROBE_PATH, Backend, Config
 from ext_proc.core.router import Router
 from ext_proc.feeds.engine_metrics import MetricsError, parse_engine_metrics
+from ext_proc.feeds.served_models import ModelsError, parse_models
 
 log = logging.getLogger("gorgo.probe")
 
@@ -63,6 +64,8 @@ class Prober:
         tasks = [asyncio.create_task(self._probe_loop(b))]
         if self.cfg.probes.metrics_interval_s > 0:
             tasks.append(asyncio.create_task(self._metrics_loop(b)))
+        if self.cfg.probes.models_interval_s > 0:
+            tasks.append(asyncio.create_task(self._models_loop(b)))
         self._tasks[b.id] = tasks
 
     def cancel(self, backend: str) -> list[asyncio.Task[None]]:
@@ -179,3 +182,23 @@ class Prober:
                 # The last report stands until it is stale: then the router's own count.
                 log.debug("metrics of %s: %s", b.id, e)
             await asyncio.sleep(self.cfg.probes.metrics_interval_s)
+
+    async def _models_loop(self, b: Backend) -> None:
+        """What the engine serves (`/v1/models`): read when the backend is added and every
+        models_interval_s, so an adapter loaded at run time is routed to within one
+        interval. An answer that cannot be read leaves what was known."""
+        assert self._session is not None
+        url = f"http://{b.address}/v1/models"
+        while True:
+            try:
+                async with self._session.get(
+                    url, timeout=aiohttp.ClientTimeout(total=self.cfg.probes.timeout_s)
+                ) as resp:
+                    if resp.status != 200:
+                        raise ModelsError(f"HTTP {resp.status}")
+                    served = parse_models(await resp.json(content_type=None))
+                if self.router.record_models(b.id, served):
+                    log.info("backend %s serves %s", b.id, ", ".join(sorted(served.names)))
+            except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as e:
+                log.debug("models of %s: %s", b.id, e)
+            await asyncio.sleep(self.cfg.probes.models_interval_s)

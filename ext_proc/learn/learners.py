@@ -82,11 +82,12 @@ class SpeedLearner(Listener):
         ):
             return
         profile_ms = (rec.queue_ms + rec.prefill_ms) / rec.prefill_factor
-        b.speed.observe_ttft(profile_ms, e.ttft_ms - rec.rtt_ms - rec.hold_ms)
+        speed = b.speed_for(rec.model)
+        speed.observe_ttft(profile_ms, e.ttft_ms - rec.rtt_ms - rec.hold_ms)
         out = rec.output_tokens
         if out >= MIN_DECODE_TOKENS:
             step_ms = (rec.predicted_e2e_ms - rec.predicted_ttft_ms) / out / rec.decode_factor
-            b.speed.observe_decode(step_ms, (e.e2e_ms - e.ttft_ms) / (out - 1))
+            speed.observe_decode(step_ms, (e.e2e_ms - e.ttft_ms) / (out - 1))
 
 
 class Ejector(Listener):

@@ -167,7 +167,7 @@ def test_the_predicted_ttft_is_the_sum_of_the_terms_and_e2e_adds_the_decode() ->
     profile = router.backends["a"].profile
     # a's batch: the two in flight there and the newcomer, with their prompts as context
     assert a.decode_ms == 64 * profile.decode_ms(3, 6000 + n)
-    assert a.decode_ms == 64 * newcomer_step_ms(router.backends["a"], n)
+    assert a.decode_ms == 64 * newcomer_step_ms(router.backends["a"], n, 1.0)
     assert b.decode_ms == 64 * profile.decode_ms(1, n) < a.decode_ms
     d = router.decide(request)
     rec = router.in_flight["r"]
@@ -184,4 +184,4 @@ def test_the_newcomers_step_counts_no_more_than_the_engine_runs() -> None:
     for i in range(limit + 9):
         load(router, f"p{i}", "a", 100)
     # limit + 10 requests, the limit of them running: their share of the context
-    assert newcomer_step_ms(b, 100) == b.profile.decode_ms(limit, 100 * limit)
+    assert newcomer_step_ms(b, 100, 1.0) == b.profile.decode_ms(limit, 100 * limit)

@@ -1,0 +1,66 @@
+"""The admission step before a decision: requests the router answers itself, no engine
+reached. By the request's `model`, against what the backends serve (their engines'
+/v1/models, or config): a model no backend serves (404), no model named when the fleet
+serves several (400), a model whose every backend is out of rotation (503); and, with
+shedding on, every queue past its bound (429). The answers are those of the vLLM
+production-stack router (src/vllm_router/services/request_service/request.py) and
+OpenAI's API. Pure.
+"""
+
+from __future__ import annotations
+
+from ext_proc.core.state import FleetState
+from ext_proc.core.types import BackendLifecycle, Refusal
+
+# Retry-After of a model whose backends are all draining or pending (none comes back by
+# itself on a timer): about a probe round and a models read.
+UNAVAILABLE_RETRY_S = 5.0
+
+
+def model_refusal(state: FleetState, model: str | None, now_s: float) -> Refusal | None:
+    """None: the request may go on (some backend may serve it)."""
+    backends = list(state.backends.values())
+    known = [b.models for b in backends]
+    if model is None:
+        bases = {name for served in known if served is not None for name in served.base}
+        if len(bases) > 1:
+            listed = ", ".join(sorted(bases))
+            return Refusal(
+                400,
+                "invalid_request_error",
+                f"you must provide a model parameter (this endpoint serves {listed})",
+            )
+        return None
+    serving = [b for b in backends if b.serves(model)]
+    if not serving:
+        return Refusal(
+            404,
+            "model_not_found",
+            f"Model '{model}' not found. Available models can be listed at /v1/models.",
+        )
+    active = [b for b in serving if b.lifecycle is BackendLifecycle.ACTIVE]
+    if any(not b.ejected_at(now_s) for b in active):
+        return None
+    waits = [b.ejected_until_s - now_s for b in active if b.ejected_until_s is not None]
+    return Refusal(
+        503,
+        "service_unavailable",
+        f"model '{model}': every backend serving it is ejected or draining, retry later",
+        min(waits) if waits else UNAVAILABLE_RETRY_S,
+    )
+
+
+def fleet_models(state: FleetState) -> dict[str, str | None] | None:
+    """Every model name some active backend serves, each with its parent (a LoRA
+    adapter's base model; None for a base model): the fleet's /v1/models. None while
+    some active backend's models are not known (it may serve anything)."""
+    out: dict[str, str | None] = {}
+    for b in state.backends.values():
+        if b.lifecycle is not BackendLifecycle.ACTIVE:
+            continue
+        served = b.models
+        if served is None:
+            return None
+        out.update(dict.fromkeys(served.base))
+        out.update(served.adapters)
+    return dict(sorted(out.items()))

@@ -1,0 +1,99 @@
+"""Routing by the request's model: only backends serving it are candidates, and the router
+answers itself (no engine reached) for a model no backend serves (404), no model named
+when several are served (400), and a model whose every backend is out of rotation (503)."""
+
+from ext_proc.core.router import Router
+from ext_proc.core.types import Status
+from ext_proc.feeds.served_models import ServedModels
+from tests.builders import FakeClock, chat, make_router
+
+BACKENDS = [
+    {"id": "a", "address": "127.0.0.1:1", "rtt_prior_ms": 10},
+    {"id": "b", "address": "127.0.0.1:2", "rtt_prior_ms": 20},
+    {"id": "c", "address": "127.0.0.1:3", "rtt_prior_ms": 30},
+]
+
+
+def fleet(**routing: object) -> tuple[Router, FakeClock]:
+    r, clock = make_router("gorgo", backends=BACKENDS, routing=routing)
+    r.record_models("a", ServedModels(frozenset({"alpha"})))
+    r.record_models("b", ServedModels(frozenset({"alpha"}), {"alpha-sql": "alpha"}))
+    r.record_models("c", ServedModels(frozenset({"beta"})))
+    return r, clock
+
+
+def test_a_model_goes_only_where_it_is_served() -> None:
+    r, _ = fleet()
+    for i in range(20):
+        beta = chat(f"q{i}", model="beta")
+        assert r.admit(beta) is None
+        assert r.decide(beta).backend == "c"
+        alpha = chat(f"q{i}", model="alpha")
+        d = r.decide(alpha)
+        assert d.backend in ("a", "b") and {c.backend_id for c in d.candidates} == {"a", "b"}
+        assert r.decide(chat(f"s{i}", model="alpha-sql")).backend == "b"
+
+
+def test_unknown_missing_and_unavailable_models_are_answered() -> None:
+    r, _ = fleet()
+    unknown = r.admit(chat(model="gamma"))
+    assert unknown is not None and unknown.status == 404
+    assert "gamma" in unknown.message and "/v1/models" in unknown.message
+    missing = r.admit(chat())
+    assert missing is not None and missing.status == 400
+    assert "alpha, beta" in missing.message
+    r.decide(chat(model="beta"))  # in flight on c: draining keeps c until it ends
+    r.drain_backend("c")
+    gone = r.admit(chat(model="beta"))
+    assert gone is not None and gone.status == 503 and gone.retry_after_s == 5.0
+
+
+def test_an_ejected_backends_model_is_unavailable_until_the_ejection_ends() -> None:
+    r, clock = fleet(eject_after_errors=1, eject_s=4.0)
+    d = r.decide(chat(model="beta"))
+    r.close(d.request_id, Status.ERROR)
+    refused = r.admit(chat(model="beta"))
+    assert refused is not None and refused.status == 503
+    assert refused.retry_after_s == 4.0
+    clock.advance(4.5)
+    assert r.admit(chat(model="beta")) is None
+
+
+def test_one_model_served_needs_none_named_and_unknown_backends_serve_anything() -> None:
+    r, _ = make_router("gorgo", backends=BACKENDS)
+    assert r.admit(chat(model="anything")) is None  # nothing known: nothing refused
+    assert r.served_models() is None
+    r.record_models("a", ServedModels(frozenset({"alpha"})))
+    d = r.decide(chat(model="zeta"))
+    assert d.backend in ("b", "c")  # a does not serve it; b and c may
+    for b in ("b", "c"):
+        r.record_models(b, ServedModels(frozenset({"alpha"})))
+    assert r.admit(chat()) is None  # one model served: no model named is fine
+    assert r.served_models() == {"alpha": None}
+
+
+def test_configured_models_pin_and_restrict_what_is_discovered() -> None:
+    backends = [{**BACKENDS[0], "models": ["alpha"]}, BACKENDS[1]]
+    r, _ = make_router("gorgo", backends=backends)
+    assert r.backends["a"].models == ServedModels(frozenset({"alpha"}))
+    r.record_models("a", ServedModels(frozenset({"alpha"}), {"alpha-sql": "alpha"}))
+    assert r.backends["a"].serves("alpha") and not r.backends["a"].serves("alpha-sql")
+
+
+def test_an_adapter_has_its_own_cache_and_speed_on_its_engine() -> None:
+    r, _ = make_router("gorgo", backends=BACKENDS[1:2])
+    r.record_models("b", ServedModels(frozenset({"alpha"}), {"alpha-sql": "alpha"}))
+    text = "a long shared document " * 400
+
+    def cached_on_b(model: str) -> int:
+        d = r.decide(chat(text, model=model))
+        return d.candidates[0].cached_tokens
+
+    assert cached_on_b("alpha") == 0
+    assert cached_on_b("alpha") > 0  # the base model's blocks are in the index
+    assert cached_on_b("alpha-sql") == 0  # but they are not the adapter's
+    assert cached_on_b("alpha-sql") > 0
+    b = r.backends["b"]
+    assert b.speed_for("alpha-sql") is not b.speed
+    assert b.speed_for("alpha") is b.speed
+    assert {rec.model for rec in r.in_flight.values()} == {"alpha", "alpha-sql"}
