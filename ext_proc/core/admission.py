@@ -9,12 +9,33 @@ OpenAI's API. Pure.
 
 from __future__ import annotations
 
-from ext_proc.core.state import FleetState
+from ext_proc.config.schema import EngineKind
+from ext_proc.core.state import BackendState, FleetState
 from ext_proc.core.types import BackendLifecycle, Refusal
 
 # Retry-After of a model whose backends are all draining or pending (none comes back by
 # itself on a timer): about a probe round and a models read.
 UNAVAILABLE_RETRY_S = 5.0
+
+
+def serving(state: FleetState, model: str | None) -> list[BackendState]:
+    """The backends (any lifecycle) a request for `model` may go to: those serving it
+    (or whose models are not known). A name no backend lists goes, when the fleet serves
+    a single base model, to its SGLang backends: SGLang answers any name with its model
+    (sglang/srt/entrypoints/openai/serving_chat.py ignores it unless it names a LoRA
+    adapter), so clients that send a placeholder keep working; vLLM answers such a name
+    404 (serving_engine.py `_check_model`), as the router then does."""
+    backends = state.backends.values()
+    if model is None:
+        return list(backends)
+    unknown = [b for b in backends if b.models is None]
+    listing = [b for b in backends if (m := b.models) is not None and m.serves(model)]
+    if listing:
+        return listing + unknown
+    bases = {name for b in backends if (m := b.models) is not None for name in m.base}
+    if len(bases) > 1:
+        return unknown
+    return [b for b in backends if b.models is None or b.config.engine is EngineKind.SGLANG]
 
 
 def model_refusal(state: FleetState, model: str | None, now_s: float) -> Refusal | None:
@@ -31,14 +52,14 @@ def model_refusal(state: FleetState, model: str | None, now_s: float) -> Refusal
                 f"you must provide a model parameter (this endpoint serves {listed})",
             )
         return None
-    serving = [b for b in backends if b.serves(model)]
-    if not serving:
+    candidates = serving(state, model)
+    if not candidates:
         return Refusal(
             404,
             "model_not_found",
             f"Model '{model}' not found. Available models can be listed at /v1/models.",
         )
-    active = [b for b in serving if b.lifecycle is BackendLifecycle.ACTIVE]
+    active = [b for b in candidates if b.lifecycle is BackendLifecycle.ACTIVE]
     if any(not b.ejected_at(now_s) for b in active):
         return None
     waits = [b.ejected_until_s - now_s for b in active if b.ejected_until_s is not None]

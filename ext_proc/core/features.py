@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from ext_proc.config.schema import Routing
+from ext_proc.core.admission import serving
 from ext_proc.core.fleet import Fleet
 from ext_proc.core.state import BackendState
 from ext_proc.core.types import BackendLifecycle, Candidate, PrefixState, RouteRequest
@@ -221,7 +222,7 @@ class Features:
         out_tokens = output_tokens(request)
         bt = self.fleet.cfg.routing.block_tokens
         model = request.llm.model if request.llm else None
-        active = [b for b in state.backends.values() if b.lifecycle is _ACTIVE and b.serves(model)]
+        active = [b for b in serving(state, model) if b.lifecycle is _ACTIVE]
         if not active:
             raise NoActiveBackend(f"no active backend serves {model!r}")
         healthy = [b for b in active if state.available(b, now_s)]

@@ -60,7 +60,8 @@ def test_an_ejected_backends_model_is_unavailable_until_the_ejection_ends() -> N
 
 
 def test_one_model_served_needs_none_named_and_unknown_backends_serve_anything() -> None:
-    r, _ = make_router("gorgo", backends=BACKENDS)
+    # vLLM engines: a name no engine lists is not taken by one that lists another
+    r, _ = make_router("gorgo", backends=[{**b, "engine": "vllm"} for b in BACKENDS])
     assert r.admit(chat(model="anything")) is None  # nothing known: nothing refused
     assert r.served_models() is None
     r.record_models("a", ServedModels(frozenset({"alpha"})))
@@ -97,3 +98,16 @@ def test_an_adapter_has_its_own_cache_and_speed_on_its_engine() -> None:
     assert b.speed_for("alpha-sql") is not b.speed
     assert b.speed_for("alpha") is b.speed
     assert {rec.model for rec in r.in_flight.values()} == {"alpha", "alpha-sql"}
+
+
+def test_a_placeholder_name_reaches_a_one_model_sglang_fleet_not_vllm() -> None:
+    sglang = [{**b, "engine": "sglang"} for b in BACKENDS]
+    vllm = [{**b, "engine": "vllm"} for b in BACKENDS]
+    for backends, refused in ((sglang, None), (vllm, 404)):
+        r, _ = make_router("gorgo", backends=backends)
+        for b in ("a", "b", "c"):
+            r.record_models(b, ServedModels(frozenset({"alpha"})))
+        answer = r.admit(chat(model="default"))
+        assert (answer and answer.status) == refused
+        if refused is None:
+            assert r.decide(chat(model="default")).backend in ("a", "b", "c")
