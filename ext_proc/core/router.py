@@ -93,7 +93,8 @@ class Router(RouterInputs, FleetControls):
         ]
         if tuner is not None:
             failure_ms = cfg.request_timeout_s * 1000
-            self._listeners.append(TunerLearner(tuner, failure_ms, state.profiles))
+            would_pick = getattr(policy, "would_pick", None)
+            self._listeners.append(TunerLearner(tuner, failure_ms, state.profiles, would_pick))
 
     def subscribe(self, listener: Listener) -> None:
         self._listeners.append(listener)

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 from ext_proc.config.schema import Routing
 from ext_proc.core.events import Closed, Dispatched, Listener
 from ext_proc.core.state import FleetState
-from ext_proc.core.types import PrefixState, Status
+from ext_proc.core.types import Candidate, PrefixState, Status, Weights
 from ext_proc.estimate.latency_model import MIN_DECODE_TOKENS
 from ext_proc.estimate.prediction import prediction_error
 from ext_proc.estimate.profile import EngineProfile
@@ -126,6 +126,11 @@ class PredictionLearner(Listener):
         b.latency.observe(e)
 
 
+# A weighted policy's `would_pick(candidates, weights, backend)`: would those weights
+# choose that backend too (policy.gorgo)?
+WouldPick = Callable[[Sequence[Candidate], Weights, str], bool]
+
+
 class TunerLearner(Listener):
     """Scores the tuner's arms. A request that failed (error, expiry, failover) counts
     against the arm that routed it as if it had waited `failure_ms`; a cancelled or bad
@@ -134,17 +139,29 @@ class TunerLearner(Listener):
     With each success goes the request's floor, for the `excess_ttft` objective: the
     prefill of its whole prompt, uncached, on an idle engine, with the fastest of the
     fleet's profiles (`profiles`, the router's live map). No weight changes it: it depends
-    on neither the chosen backend's RTT, nor its queue, nor its cache."""
+    on neither the chosen backend's RTT, nor its queue, nor its cache.
+
+    At each dispatch, given the policy's `would_pick`, it tells the tuner whether the
+    other arm's weights would have chosen the same backend (`Tuner.decided`)."""
 
     def __init__(
         self,
         tuner: Tuner,
         failure_ms: float,
         profiles: Mapping[str, EngineProfile] | None = None,
+        would_pick: WouldPick | None = None,
     ) -> None:
         self.tuner = tuner
         self.failure_ms = failure_ms
         self.profiles = profiles if profiles is not None else {}
+        self.would_pick = would_pick
+
+    def on_dispatch(self, e: Dispatched) -> None:
+        """Tells the tuner whether the other arm's weights would have decided alike."""
+        d = e.decision
+        other = self.tuner.other_weights(d.request_id)
+        if other is not None and self.would_pick is not None:
+            self.tuner.decided(d.request_id, self.would_pick(d.candidates, other, d.backend))
 
     def floor_ms(self, input_tokens: int) -> float:
         """What the prompt alone costs: its TTFT on the fastest idle engine, nothing cached."""

@@ -20,6 +20,9 @@ class PairedRounds:
         self.t = tuner
         # This round's samples per arm: (ttft, e2e).
         self.round: dict[str, list[tuple[float, float]]] = {PARENT: [], CHILD: []}
+        # Decisions reported under the current child (both arms), and how many of them
+        # the other arm's weights would have decided differently.
+        self.decisions = self.differing = 0
 
     def start(self) -> None:
         """Fresh weights: a child to compare at once (none while frozen)."""
@@ -29,6 +32,7 @@ class PairedRounds:
 
     def reset(self) -> None:
         self.round = {PARENT: [], CHILD: []}
+        self.decisions = self.differing = 0
 
     def arm_sizes(self) -> dict[str, int]:
         return {k: len(v) for k, v in self.round.items()}
@@ -42,7 +46,9 @@ class PairedRounds:
             return CHILD if zlib.crc32(f"arm:{session_key}".encode()) & 1 else PARENT
         return CHILD if zlib.crc32(request_id.encode()) & 1 else PARENT
 
-    def observe(self, arm: str, ttft_ms: float, e2e_ms: float) -> Step | None:
+    def observe(
+        self, arm: str, ttft_ms: float, e2e_ms: float, alike: bool | None = None
+    ) -> Step | None:
         self.round[arm].append((ttft_ms, e2e_ms))
         if self.t.state.frozen:
             return self._watch_frozen()
@@ -54,15 +60,32 @@ class PairedRounds:
             return self._round_ends(early=True)
         return None
 
+    def decided(self, alike: bool) -> Step | None:
+        if self.t.state.frozen:
+            return None
+        self.decisions += 1
+        self.differing += not alike
+        if self.differing == 0 and self.decisions >= self.t.s.tie_decisions:
+            return self._tie()
+        return None
+
+    def _tie(self) -> Step:
+        """The arms decided alike: a new child, from a wider step (TunerCore.finish_tie)."""
+        note = f"decided alike ({self.differing} of {self.decisions} decisions differed): tie"
+        self.reset()
+        return self.t.finish_tie(note)
+
     def _round_ends(self, early: bool = False) -> Step | None:
         s, st = self.t.s, self.t.state
         parent = np.array(self.round[PARENT], dtype=float)
         child = np.array(self.round[CHILD], dtype=float)
+        p95_parent, p95_child = p95(parent[:, 0]), p95(child[:, 0])
+        if self.decisions and self.differing < s.tie_share * self.decisions:
+            return self._tie()
         better = self._confidence_better(parent[:, 0], child[:, 0])
         if early and 1 - s.early_confidence < better < s.early_confidence:
             return None  # not sure yet: the round goes on to arm_size
         self.reset()
-        p95_parent, p95_child = p95(parent[:, 0]), p95(child[:, 0])
         e2e_ok = bool(score(s, child[:, 1]) <= score(s, parent[:, 1]) * (1 + s.e2e_guard))
         won = better >= s.confidence and e2e_ok
         note = f"P(child better) {better:.2f}" + ("" if e2e_ok else ", E2E guard")

@@ -30,7 +30,13 @@ class PaperRule:
     def arm_sizes(self) -> dict[str, int]:
         return {PARENT: 0, CHILD: 0}
 
-    def observe(self, arm: str, ttft_ms: float, e2e_ms: float) -> Step | None:
+    def decided(self, alike: bool) -> Step | None:
+        """The paper's rule scores every window, whatever the weights decided."""
+        return None
+
+    def observe(
+        self, arm: str, ttft_ms: float, e2e_ms: float, alike: bool | None = None
+    ) -> Step | None:
         self._recent.append(ttft_ms)
         self._since_score += 1
         if self._since_score < self.t.s.rescore_every or len(self._recent) < self.t.s.window:

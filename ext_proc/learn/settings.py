@@ -70,6 +70,16 @@ class TunerSettings:
     e2e_guard: float = 0.05
     freeze_after: int = 6
     drift: float = 1.5
+    # A round whose arms decided alike tells nothing: the router reports, per decision,
+    # whether the other arm's weights would have chosen the same backend. A child whose
+    # first `tie_decisions` decisions (both arms) all agree with the parent's, or whose
+    # round ends with fewer than `tie_share` of its decisions different, ties: no
+    # 1/5-rule outcome, sigma grows by 1 / factor, up to tie_sigma_max (the next verdict
+    # bounds it by sigma_max again), and a new child is drawn. Without the reports (a
+    # policy without `would_pick`) every round is judged on its samples alone.
+    tie_decisions: int = 16
+    tie_share: float = 0.1
+    tie_sigma_max: float = 3.0
 
     @staticmethod
     def paper() -> TunerSettings:
@@ -98,6 +108,8 @@ class Step:
     note: str = ""
     # The child won this round and runs another before it is accepted (no verdict yet).
     confirming: bool = False
+    # The arms decided alike: no verdict, a wider step (TunerSettings.tie_decisions).
+    tie: bool = False
 
 
 @dataclass
@@ -153,6 +165,12 @@ def score(settings: TunerSettings, samples: np.ndarray) -> Any:
     return tail_mean(samples, settings.tail_fraction)  # "tail" (checked at construction)
 
 
+def _reflect(x: float, lo: float, hi: float) -> float:
+    """exp(x), with x mirrored once at log(lo) or log(hi) when it lies beyond it."""
+    a, b = math.log(lo), math.log(hi)
+    return math.exp(2 * a - x if x < a else 2 * b - x if x > b else x)
+
+
 class TunerCore:
     """What the strategies use of the tuner: its settings, state and RNG, and the shared
     steps (sigma's 1/5 rule, the history, mutation, saving); `learn.tuner.Tuner` is one."""
@@ -170,6 +188,7 @@ class TunerCore:
         # capped and comes back from the state file).
         self.steps_accepted = 0
         self.steps_rejected = 0
+        self.steps_tied = 0
 
     def finish_round(
         self,
@@ -194,6 +213,17 @@ class TunerCore:
         self.save()
         return step
 
+    def finish_tie(self, note: str) -> Step:
+        """The arms decided alike: the round says nothing about the child. Not an outcome
+        of the 1/5 rule; sigma grows (to sigma_max) and a new child is drawn."""
+        st = self.state
+        st.sigma = min(self.s.tie_sigma_max, max(self.s.sigma_min, st.sigma / self.s.factor))
+        st.wins = st.stale_rounds = 0
+        step = self.record(False, None, None, note, tie=True)
+        st.child = self.mutate(st.parent)
+        self.save()
+        return step
+
     def record(
         self,
         accepted: bool,
@@ -201,6 +231,7 @@ class TunerCore:
         child_ms: float | None,
         note: str,
         confirming: bool = False,
+        tie: bool = False,
     ) -> Step:
         st = self.state
         step = Step(
@@ -213,9 +244,12 @@ class TunerCore:
             child_p95_ms=child_ms,
             note=note,
             confirming=confirming,
+            tie=tie,
         )
         if accepted:
             self.steps_accepted += 1
+        elif tie:
+            self.steps_tied += 1
         elif not confirming:
             self.steps_rejected += 1
         st.history = [*st.history, asdict(step)][-self.HISTORY :]
@@ -224,11 +258,14 @@ class TunerCore:
     # -- weights ----------------------------------------------------------------------
 
     def mutate(self, w: tuple[float, float]) -> tuple[float, float]:
+        """A Gaussian step in log space, reflected at the bounds (clipping would put half
+        the draws from a corner back on it), then clipped (a step wider than the box)."""
         sigma = self.state.sigma
+        (rlo, rhi), (qlo, qhi) = self.s.rtt_bounds, self.s.queue_bounds
         return self.s.clip(
             (
-                math.exp(math.log(w[0]) + sigma * self.rng.gauss(0, 1)),
-                math.exp(math.log(w[1]) + sigma * self.rng.gauss(0, 1)),
+                _reflect(math.log(w[0]) + sigma * self.rng.gauss(0, 1), rlo, rhi),
+                _reflect(math.log(w[1]) + sigma * self.rng.gauss(0, 1), qlo, qhi),
             )
         )
 
@@ -253,5 +290,12 @@ class Strategy(Protocol):
 
     def arm_sizes(self) -> dict[str, int]: ...
 
-    def observe(self, arm: str, ttft_ms: float, e2e_ms: float) -> Step | None:
-        """A scored completion of `arm`; the step it ended, if any."""
+    def observe(
+        self, arm: str, ttft_ms: float, e2e_ms: float, alike: bool | None = None
+    ) -> Step | None:
+        """A scored completion of `arm`; the step it ended, if any. `alike`: the other arm
+        would have decided it the same way (None: not reported)."""
+
+    def decided(self, alike: bool) -> Step | None:
+        """A decision of the current arms: whether the other arm's weights would have
+        chosen the same backend; the step it ended (a tie), if any."""

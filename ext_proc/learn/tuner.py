@@ -20,7 +20,10 @@ Two modes:
   minimal sigma, the parent is frozen (all traffic); if its p95 later drifts above
   `drift` x what it earned, exploration resumes. A child that wins a round runs another
   and is accepted only if it wins that too (`confirm_rounds`); a round already sure
-  either way at `early_arm_size` per arm ends there.
+  either way at `early_arm_size` per arm ends there. A round whose arms decide alike
+  (the router reports, per decision, whether the other arm's weights would have chosen
+  the same backend: `decided`) is a tie: it tells nothing, so it is no 1/5-rule failure;
+  sigma grows instead and a new child is drawn (`tie_decisions`, `tie_share`).
 
 The objective (`objective`) says what a completion's TTFT sample is: its TTFT (`ttft`,
 default), or its excess over its own floor (`excess_ttft`: TTFT minus what the prompt
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from ext_proc.config.schema import TunerMode
@@ -43,6 +47,7 @@ from ext_proc.learn.settings import (
     EXCESS_TTFT,
     PAIRED,
     PAPER,
+    PARENT,
     StateSink,
     Step,
     Strategy,
@@ -50,6 +55,17 @@ from ext_proc.learn.settings import (
     TunerSettings,
     TunerState,
 )
+
+
+@dataclass(slots=True)
+class _Tag:
+    """A request in flight: its arm, that arm's weights, and whether the other arm would
+    have decided it alike (None: not reported)."""
+
+    arm: str
+    weights: tuple[float, float]
+    alike: bool | None = None
+
 
 # One strategy per mode: how arms are served and when a round ends.
 STRATEGIES: dict[TunerMode, Callable[[TunerCore], Strategy]] = {
@@ -74,8 +90,9 @@ class Tuner(TunerCore):
         self._strategy = STRATEGIES[settings.mode](self)
         if self.state.child == self.state.parent:
             self._strategy.start()
-        # Arm and weights of each request in flight.
-        self._arm: dict[str, tuple[str, tuple[float, float]]] = {}
+        # Arm and weights of each request in flight, and whether the other arm would
+        # have decided it alike (None: not reported).
+        self._arm: dict[str, _Tag] = {}
         # Completions not scored: their request was decided by weights since replaced.
         self.stale_samples = 0
 
@@ -87,7 +104,7 @@ class Tuner(TunerCore):
     def weights_for(self, request_id: str, session_key: str | None = None) -> Weights:
         arm = self.arm_for(request_id, session_key)
         w = self._arm_weights(arm)
-        self._arm[request_id] = (arm, w)
+        self._arm[request_id] = _Tag(arm, w)
         return Weights(*w)
 
     def _arm_weights(self, arm: str) -> tuple[float, float]:
@@ -97,7 +114,29 @@ class Tuner(TunerCore):
     def weights(self) -> Weights:
         return Weights(*self.state.parent)
 
+    def other_weights(self, request_id: str) -> Weights | None:
+        """The weights of the arm that did not decide this request in flight (None when
+        no comparison is running: frozen, the paper's mode, or a request not seen)."""
+        tag = self._arm.get(request_id)
+        if tag is None or self.state.frozen or self.s.mode != PAIRED:
+            return None
+        return Weights(*self._arm_weights(PARENT if tag.arm == CHILD else CHILD))
+
     # -- learning ---------------------------------------------------------------------
+
+    def decided(self, request_id: str, alike: bool) -> Step | None:
+        """The router's report on a decision: `alike` if the other arm's weights
+        (`other_weights`) would have chosen the same backend. Returns the step taken, if
+        it ended one (a round whose arms decide alike is a tie, see TunerSettings)."""
+        tag = self._arm.get(request_id)
+        if tag is None or not self._current(tag):
+            return None  # decided by weights a finished round replaced
+        tag.alike = alike
+        return self._strategy.decided(alike)
+
+    def _current(self, tag: _Tag) -> bool:
+        """Decided by the weights its arm still has."""
+        return tag.weights == self._arm_weights(tag.arm)
 
     def forget(self, request_id: str) -> None:
         """A request closed without saying anything about its weights (cancelled)."""
@@ -116,15 +155,14 @@ class Tuner(TunerCore):
         tag = self._arm.pop(request_id, None)
         if tag is None or ttft_ms is None:
             return None
-        arm, w = tag
-        if self._strategy.checks_stale and w != self._arm_weights(arm):
+        if self._strategy.checks_stale and not self._current(tag):
             self.stale_samples += 1  # decided by weights a finished round replaced
             return None
         self.state.samples += 1
         e2e = e2e_ms if e2e_ms is not None else ttft_ms
         if self.s.objective == EXCESS_TTFT:
             ttft_ms -= floor_ms
-        return self._strategy.observe(arm, ttft_ms, e2e)
+        return self._strategy.observe(tag.arm, ttft_ms, e2e, tag.alike)
 
     # -- operations -------------------------------------------------------------------
 

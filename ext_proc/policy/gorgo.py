@@ -121,6 +121,13 @@ class _Scored(Generic[P]):
     def pick(self, candidates: Sequence[Candidate], scores: dict[str, float]) -> Choice:
         raise NotImplementedError
 
+    def would_pick(self, candidates: Sequence[Candidate], weights: Weights, backend: str) -> bool:
+        """Whether `weights` would choose `backend` too (it is among their near-ties; no
+        RNG drawn): the tuner asks it with the other arm's weights at each decision."""
+        scores = {c.backend_id: self.score(c, weights) for c in candidates}
+        tie_ms = getattr(self._p, "tie_ms", 0.0)
+        return backend in near_ties(scores, tie_ms, getattr(self._p, "tie_fraction", 0.0))
+
     def choose(
         self, request: RouteRequest, candidates: Sequence[Candidate], weights: Weights | None
     ) -> Choice:

@@ -156,6 +156,8 @@ class _LiveGauges(Collector):
         )
         steps.add_metric(["accepted"], tuner.steps_accepted)
         steps.add_metric(["rejected"], tuner.steps_rejected)
+        # the arms decided alike: no verdict (TunerSettings.tie_decisions)
+        steps.add_metric(["tied"], tuner.steps_tied)
         samples = CounterMetricFamily(
             "gorgo_tuner_samples", "Completions the tuner scored (restored from its state file)"
         )

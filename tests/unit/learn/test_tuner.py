@@ -393,3 +393,97 @@ def test_arm_key_is_a_strict_config_key_wired_into_the_router() -> None:
         config_from_dict({"backends": [backend], "tuner": {"arm_key": "user"}})
     router = build_router(cfg, lambda: 0.0, random.Random(0))
     assert router.tuner is not None and router.tuner.s.arm_key == TunerArmKey.SESSION
+
+
+# -- a round whose arms decided alike tells nothing (issue 27) -------------------------
+
+
+def route(t: Tuner, rid: str, alike: bool) -> None:
+    """A request is routed and the router reports whether the other arm agreed."""
+    t.weights_for(rid)
+    t.decided(rid, alike)
+
+
+def test_a_child_that_decides_alike_ties_widens_sigma_and_is_no_failure() -> None:
+    t = Tuner(PAIRED_S, Weights(1.0, 1.0), random.Random(0))
+    child, sigma = t.state.child, t.state.sigma
+    for i in range(PAIRED_S.tie_decisions - 1):
+        route(t, f"r{i}", alike=True)
+    assert not t.state.history  # not yet
+    route(t, "last", alike=True)
+    (step,) = t.state.history
+    assert step["tie"] and not step["accepted"] and "decided alike" in step["note"]
+    assert t.state.sigma == pytest.approx(sigma / PAIRED_S.factor)  # wider, not narrower
+    assert t.state.outcomes == [] and t.state.child != child  # no verdict; a new child
+    assert t.steps_tied == 1 and t.steps_rejected == 0
+
+
+def test_ties_grow_sigma_up_to_tie_sigma_max_and_a_verdict_bounds_it_again() -> None:
+    t = Tuner(PAIRED_S, Weights(1.0, 1.0), random.Random(0))
+    for i in range(40 * PAIRED_S.tie_decisions):
+        route(t, f"r{i}", alike=True)
+    assert t.state.sigma == pytest.approx(PAIRED_S.tie_sigma_max)
+    t.finish_round(False, 1.0, 1.0, bounded=True)
+    assert t.state.sigma == PAIRED_S.sigma_max
+
+
+def test_a_round_with_few_differing_decisions_is_a_tie_not_a_failure() -> None:
+    t = Tuner(PAIRED_S, Weights(1.0, 1.0), random.Random(0))
+    sigma = t.state.sigma
+    i = 0
+    while not t.state.history:  # 1 decision in 20 differs: below tie_share (0.1)
+        rid = f"r{i}"
+        route(t, rid, alike=i % 20 != 0)
+        t.observe(rid, 1000.0 if t.arm_for(rid) == CHILD else 500.0, 5000.0)
+        i += 1
+    (step,) = t.state.history
+    assert step["tie"] and t.state.outcomes == [] and t.state.sigma > sigma
+    # the same round with most decisions different is judged: the worse child rejected
+    u = Tuner(PAIRED_S, Weights(1.0, 1.0), random.Random(0))
+    i = 0
+    while not u.state.history:
+        rid = f"r{i}"
+        route(u, rid, alike=i % 2 == 0)
+        u.observe(rid, 1000.0 if u.arm_for(rid) == CHILD else 500.0, 5000.0)
+        i += 1
+    (step,) = u.state.history
+    assert not step["tie"] and u.state.outcomes == [False]
+
+
+def test_children_from_a_corner_are_reflected_inside_not_clipped_onto_it() -> None:
+    s = PAIRED_S
+    corner = Weights(s.rtt_bounds[1], s.queue_bounds[0])
+    t = Tuner(s, corner, random.Random(0))
+    children = [t.mutate(t.state.parent) for _ in range(200)]
+    assert not any(c[0] == s.rtt_bounds[1] or c[1] == s.queue_bounds[0] for c in children)
+    assert all(s.clip(c) == c for c in children)
+
+
+def test_the_router_reports_whether_the_other_arm_would_have_decided_alike() -> None:
+    from ext_proc.learn.learners import TunerLearner
+
+    t = Tuner(PAIRED_S, Weights(1.0, 1.0), random.Random(0))
+    seen: list[Weights] = []
+
+    def would_pick(candidates: Any, w: Weights, backend: str) -> bool:
+        seen.append(w)
+        return True
+
+    learner = TunerLearner(t, 60_000.0, would_pick=would_pick)
+
+    class Event:  # what TunerLearner reads of a Dispatched event
+        def __init__(self, rid: str) -> None:
+            self.decision = type("D", (), {"request_id": rid, "candidates": (), "backend": "a"})
+
+    for i in range(PAIRED_S.tie_decisions):
+        rid = f"r{i}"
+        arm = t.arm_for(rid)
+        t.weights_for(rid)
+        learner.on_dispatch(Event(rid))  # type: ignore[arg-type]
+        other = t.state.parent if arm == CHILD else t.state.child
+        assert seen[-1] == Weights(*other) or t.state.history
+    assert t.state.history[-1]["tie"]
+    t.freeze()
+    t.weights_for("frozen")
+    learner.on_dispatch(Event("frozen"))  # type: ignore[arg-type]
+    assert len(seen) == PAIRED_S.tie_decisions  # frozen: nothing to compare

@@ -74,7 +74,8 @@ def drive_router() -> tuple[Router, Telemetry]:
             break
     assert sum(b.ejections for b in router.backends.values()) == 1
     telemetry.fallback(next(iter(router.backends)))
-    assert router.tuner is not None and router.tuner.steps_accepted + router.tuner.steps_rejected
+    t = router.tuner
+    assert t is not None and t.steps_accepted + t.steps_rejected + t.steps_tied
     return router, telemetry
 
 
@@ -116,9 +117,11 @@ def test_the_router_exports_ejections_and_the_tuners_progress() -> None:
     assert tuner is not None
     history = tuner.state.history
     accepted = sum(1 for h in history if h["accepted"])
+    tied = sum(1 for h in history if h["tie"])
     assert _sample(telemetry, "gorgo_tuner_steps_total", outcome="accepted") == accepted
+    assert _sample(telemetry, "gorgo_tuner_steps_total", outcome="tied") == tied
     assert _sample(telemetry, "gorgo_tuner_steps_total", outcome="rejected") == (
-        len(history) - accepted
+        len(history) - accepted - tied
     )
     assert len(history) >= 2
     assert _sample(telemetry, "gorgo_tuner_samples_total") == tuner.state.samples > 0
