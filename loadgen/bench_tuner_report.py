@@ -310,20 +310,23 @@ def run_tuner_bench(
     convergence: bool = False,
     paper_regime: bool = False,
 ) -> int:
-    """The regime change, the room it leaves and the false accepts (~15 min on 2 cores);
-    with `convergence`, first the grid and the convergence runs on the paper-shaped
-    tuning window and on the trace's tuning window (first 10 minutes at time_scale 3), as
-    `make bench` (~35 min more); with `paper_regime`, then the regime change on the
+    """Issue 27's three tuner targets, per seed with pass/fail (loadgen.bench_targets,
+    ~10 min on 2 cores); with `convergence`, then the grid and the convergence runs on the
+    paper-shaped tuning window and on the trace's tuning window (first 10 minutes at
+    time_scale 3), as `make bench`, and the trace's regime change with its room and the
+    false accepts (~50 min more); with `paper_regime`, then the regime change on the
     paper-shaped window under the paper's protocol (~2 min more)."""
+    from loadgen.bench_targets import run_targets
     from loadgen.traces import read_trace, window
 
-    trace = read_trace(trace_path)
+    print(run_targets(seeds), flush=True)
     if convergence:
+        trace = read_trace(trace_path)
         img = Path("out/bench-tuner")
         print(paper_tuner_section(img))
         md, _ = tuner_section(window(trace, 0, 600), 3.0, img, "first 10 minutes")
         print(md)
-    print(regime_section(window(trace, 0, 1200), ts, RegimeChange(at_s), seeds))
+        print(regime_section(window(trace, 0, 1200), ts, RegimeChange(at_s), seeds))
     if paper_regime:
         print(paper_regime_sections(seeds))
     return 0
