@@ -166,13 +166,31 @@ def _bench_parity(args: argparse.Namespace) -> int:
 
 
 def _bench_live(args: argparse.Namespace) -> int:
+    if args.fleet:
+        from pathlib import Path
+
+        from loadgen.bench_fleet_live import run_fleet_live
+
+        if args.policy and len(args.policy) > 1:
+            print("gorgo bench live: --fleet runs one policy", file=sys.stderr)
+            return 2
+        return run_fleet_live(
+            args.trace,
+            args.fleet,
+            (args.policy or ["gorgo"])[0],
+            args.start_s,
+            args.duration_s,
+            args.limit,
+            args.time_scale,
+            Path(args.work),
+        )
     from loadgen.bench_live import run_live_side_by_side
 
     return run_live_side_by_side(
         args.trace,
         args.policy or ["gorgo", "least_request", "session_affinity", "prefix_cache"],
         args.start_s,
-        args.duration_s,
+        120.0 if args.duration_s is None else args.duration_s,
         args.time_scale,
     )
 
@@ -452,14 +470,32 @@ def add_commands(commands: Commands) -> None:
     b.set_defaults(func=_bench_results)
     for name, func, help_text, duration in (
         ("parity", _bench_parity, "live replay vs simulator on one slice", 300.0),
-        ("live", _bench_live, "policies side by side on isolated live fleets", 120.0),
+        ("live", _bench_live, "policies side by side on isolated live fleets", None),
     ):
         b = bench.add_parser(name, help=help_text)
         b.add_argument("--trace", default=DEFAULT_TRACE)
         b.add_argument("--policy", action="append", choices=policies, help="repeatable")
         b.add_argument("--start-s", type=float, default=600.0, help="slice start (trace time)")
-        b.add_argument("--duration-s", type=float, default=duration, help="slice length")
+        b.add_argument(
+            "--duration-s",
+            type=float,
+            default=duration,
+            help="slice length"
+            if duration
+            else "slice length (default 120; with --fleet the rest of the trace, cut by --limit)",
+        )
         b.add_argument("--time-scale", type=float, default=1.0)
+        if name == "live":
+            b.add_argument(
+                "--fleet",
+                metavar="FLEET.yaml",
+                help="instead: one stack as `gorgo up --fleet FLEET.yaml` (one --policy, "
+                "gorgo by default), the slice replayed, then /state's per-backend "
+                "completions, TTFT/E2E prediction MAPE and bias; PASS when every backend "
+                "has >= 200 completions and TTFT MAPE <= 15 %% (issue 27)",
+            )
+            b.add_argument("--limit", type=int, default=None, help="at most this many requests")
+            b.add_argument("--work", default="out/bench", help="result file and final /state")
         if name == "parity":
             b.add_argument("--results", default="docs/results.md", help="where to write it")
             b.add_argument("--work", default="out/bench", help="result files")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import re
 import threading
 import time
@@ -14,6 +15,7 @@ import urllib.request
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import aiohttp
 import pytest
@@ -145,9 +147,15 @@ def document(n_units: int, tag: str) -> str:
     return " ".join(f"{tag}{i % 97} alpha beta gamma" for i in range(n_units))
 
 
+def ttft_predictions(stack: Stack) -> dict[str, dict[str, Any]]:
+    """Each backend's /state latency_prediction.ttft (MAPE, bias, window, requests)."""
+    return {b: router_state(stack)["backends"][b]["latency_prediction"]["ttft"] for b in IDS}
+
+
 def test_requests_route_by_the_policy(fleet: tuple[Stack, Collected]) -> None:
     stack, _ = fleet
     before = served_counts(stack)
+    predicted_before = ttft_predictions(stack)
     results = [chats(stack, [f"hello {i}"])[0] for i in range(6)]  # one at a time
     assert all(r.ok for r in results), [r.error for r in results]
     seen = Counter(r.backend for r in results)
@@ -155,6 +163,22 @@ def test_requests_route_by_the_policy(fleet: tuple[Stack, Collected]) -> None:
     assert seen == {b: 3 for b in IDS}  # round robin, as the engines' own counters say:
     after = served_counts(stack)
     assert {b: after[b] - before[b] for b in IDS} == {b: 3.0 for b in IDS}
+
+    # The router's TTFT prediction error for a real engine (issue 27): every streamed
+    # completion counted, on the backend that served it, once its close is recorded.
+    def counted() -> dict[str, int]:
+        now = ttft_predictions(stack)
+        return {b: now[b]["requests"] - predicted_before[b]["requests"] for b in IDS}
+
+    wait_for(lambda: counted() == {b: 3 for b in IDS}, 10)
+    for b, p in ttft_predictions(stack).items():
+        measured = [r.ttft_ms for r in results if r.backend == b]
+        print(f"{b}: TTFT prediction MAPE {p['mape']:.1%}, bias {p['bias_ms']:+.1f} ms over "
+              f"{p['window']} requests (measured TTFT {min(measured):.0f}-{max(measured):.0f} "
+              "ms)")  # fmt: skip
+        assert isinstance(p["mape"], float) and math.isfinite(p["mape"]) and p["mape"] >= 0, p
+        assert isinstance(p["bias_ms"], float) and math.isfinite(p["bias_ms"]), p
+        assert p["window"] == p["requests"] >= 3, p
 
 
 def test_a_repeated_long_prompt_comes_back_cached(fleet: tuple[Stack, Collected]) -> None:
