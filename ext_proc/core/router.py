@@ -252,6 +252,7 @@ class Router(RouterInputs, FleetControls):
             weights=weights,
             arm=arm,
             draining=self._fleet.draining,
+            model=model,
             hold_ms=pace_ms(self.cfg.routing, b, chosen, now_s),
         )
         rec.hold_ms = decision.hold_ms

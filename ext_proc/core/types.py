@@ -199,6 +199,8 @@ class Decision:
     arm: str | None = None
     # Backends left out because they are draining (never a candidate, nor a failover).
     draining: tuple[str, ...] = ()
+    # The model the request asked for (None: none named).
+    model: str | None = None
     # How long to hold the dispatch before sending it on (dispatch pacing).
     hold_ms: float = 0.0
 
@@ -214,10 +216,11 @@ class Decision:
         return [self.backend, *others]
 
     def as_json(self) -> dict[str, Any]:
-        out = {
+        out: dict[str, Any] = {
             "request_id": self.request_id,
             "backend": self.backend,
             "policy": self.policy,
+            "model": self.model,
             "input_tokens": self.input_tokens,
             "candidates": [
                 {**c.as_json(), "score": round(self.scores[c.backend_id], 3)}

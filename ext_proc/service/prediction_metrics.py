@@ -1,7 +1,8 @@
-"""The latency predictions' error as Prometheus gauges, per backend and measure: the MAPE
-(a fraction) and the bias (mean predicted - measured, ms) over each backend's last
-completions (`estimate.latency_error.LATENCY_WINDOW`), read from the router at scrape time.
-A backend without a measured completion yet has no sample (not a 0 that reads as exact).
+"""Per-backend gauges read from the router at scrape time: the latency predictions' error
+per measure, the MAPE (a fraction) and the bias (mean predicted - measured, ms) over each
+backend's last completions (`estimate.latency_error.LATENCY_WINDOW`; a backend without a
+measured completion yet has no sample, not a 0 that reads as exact); and the models each
+backend serves.
 """
 
 from __future__ import annotations
@@ -47,3 +48,22 @@ def latency_prediction_gauges(backends: Iterable[BackendState]) -> Iterable[Metr
                 mape.add_metric([b.id], m)
                 bias.add_metric([b.id], bias_ms)
         yield from (mape, bias)
+
+
+def served_model_gauges(backends: Iterable[BackendState]) -> Iterable[Metric]:
+    """gorgo_backend_model{backend, model, kind}: 1 per model a backend may be sent (its
+    engine's /v1/models or config), kind "base" or "adapter" (a LoRA adapter)."""
+    served = GaugeMetricFamily(
+        "gorgo_backend_model",
+        "1 per model a backend serves (its engine's /v1/models, or backends[].models)",
+        labels=["backend", "model", "kind"],
+    )
+    for b in backends:
+        models = b.models
+        if models is None:
+            continue
+        for name in sorted(models.base):
+            served.add_metric([b.id, name, "base"], 1)
+        for name in sorted(models.adapters):
+            served.add_metric([b.id, name, "adapter"], 1)
+    yield served

@@ -32,13 +32,14 @@ from ext_proc.core.features import prefix_state
 from ext_proc.core.router import Router
 from ext_proc.core.types import BackendLifecycle, Decision, PrefixState, Status
 from ext_proc.estimate.prediction import prediction_error
-from ext_proc.service.prediction_metrics import latency_prediction_gauges
+from ext_proc.service.prediction_metrics import latency_prediction_gauges, served_model_gauges
 
 SPAN_NAME = "gorgo.route"
 # Attribute names (docs/operations.md lists them all).
 A_POLICY = "gorgo.policy"
 A_BACKEND = "gorgo.backend"
 A_INPUT_TOKENS = "gorgo.input_tokens"
+A_MODEL = "gorgo.model"
 A_SESSION_HASH = "gorgo.session_hash"
 A_WEIGHT_RTT = "gorgo.weights.rtt"
 A_WEIGHT_QUEUE = "gorgo.weights.queue"
@@ -126,6 +127,7 @@ class _LiveGauges(Collector):
         yield from self._tuner()
         yield from self._prefix_state()
         yield from latency_prediction_gauges(self.router.backends.values())
+        yield from served_model_gauges(self.router.backends.values())
         yield self._lifecycle()
 
     def _lifecycle(self) -> GaugeMetricFamily:
@@ -237,7 +239,7 @@ class Metrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.decisions = Counter(
-            "gorgo_decisions", "Routing decisions", ["backend", "policy"], registry=r
+            "gorgo_decisions", "Routing decisions", ["backend", "policy", "model"], registry=r
         )
         self.ttft = Histogram(
             "gorgo_ttft_seconds",
@@ -324,7 +326,7 @@ class Telemetry(Listener):
     def on_dispatch(self, e: Dispatched) -> None:
         d = e.decision
         m = self.metrics
-        m.decisions.labels(d.backend, d.policy).inc()
+        m.decisions.labels(d.backend, d.policy, d.model or "").inc()
         chosen = d.chosen
         m.term.labels("rtt").observe(chosen.rtt_ms)
         m.term.labels("queue").observe(chosen.queue_ms)
@@ -408,6 +410,7 @@ class Telemetry(Listener):
             A_POLICY: d.policy,
             A_BACKEND: d.backend,
             A_INPUT_TOKENS: d.input_tokens,
+            A_MODEL: d.model or "",
             A_SESSION_HASH: session_hash(session_key),
             A_PREDICTED_TTFT_MS: round(d.chosen.predicted_ttft_ms, 3),
             A_PREDICTED_E2E_MS: round(d.chosen.predicted_e2e_ms, 3),

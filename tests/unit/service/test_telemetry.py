@@ -283,3 +283,24 @@ def test_latency_prediction_error_is_exported_and_each_span_has_the_prediction()
         for c in d.candidates:
             key = f"gorgo.candidate.{c.backend_id}.predicted_ttft_ms"
             assert a[key] == round(c.predicted_ttft_ms, 3)
+
+
+def test_models_are_on_the_span_the_decision_counter_and_a_gauge_per_backend() -> None:
+    from ext_proc.feeds.served_models import ServedModels
+
+    router, _ = make_router("gorgo", backends=["a", "b"])
+    router.record_models("a", ServedModels(frozenset({"alpha"}), {"alpha-sql": "alpha"}))
+    router.record_models("b", ServedModels(frozenset({"beta"})))
+    exporter = InMemorySpanExporter()
+    telemetry = Telemetry(TelemetryConfig(), router, exporter)
+    router.subscribe(telemetry)
+    d = router.decide(chat(rid="m1", model="beta"))
+    assert d.backend == "b" and d.as_json()["model"] == "beta"
+    text = telemetry.metrics.render().decode()
+    assert 'gorgo_backend_model{backend="a",kind="adapter",model="alpha-sql"} 1.0' in text
+    assert 'gorgo_backend_model{backend="b",kind="base",model="beta"} 1.0' in text
+    assert 'gorgo_decisions_total{backend="b",model="beta",policy="gorgo"} 1.0' in text
+    router.close(d.request_id, Status.OK)
+    telemetry.shutdown()
+    (span,) = exporter.get_finished_spans()
+    assert span.attributes is not None and span.attributes["gorgo.model"] == "beta"
