@@ -167,10 +167,27 @@ def _validate(cfg: Config) -> None:
     interval_s = cfg.probes.metrics_interval_s
     if 0 < interval_s < 0.1:
         raise ConfigError(f"probes.metrics_interval_s: at least 0.1 (or 0 = off), got {interval_s}")
+    _validate_models(cfg)
     if cfg.policy not in POLICIES:
         raise ConfigError(
             f"policy: unknown policy {cfg.policy!r} (known: {', '.join(sorted(POLICIES))})"
         )
+
+
+def _validate_models(cfg: Config) -> None:
+    names: set[str] = set()
+    for i, alias in enumerate(cfg.models):
+        key = f"models[{i}]"
+        if not alias.name:
+            raise ConfigError(f"{key}.name: a model name is required")
+        if alias.name in names:
+            raise ConfigError(f"{key}.name: {alias.name!r} listed twice")
+        names.add(alias.name)
+        if not alias.served:
+            raise ConfigError(f"{key}.served: at least one served model is required")
+        for j, share in enumerate(alias.served):
+            if not share.model:
+                raise ConfigError(f"{key}.served[{j}].model: a model name is required")
 
 
 def validate_backend(b: Backend, prefix: str = "") -> None:

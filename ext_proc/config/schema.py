@@ -338,6 +338,23 @@ class FleetConfig:
 
 
 @dataclass(frozen=True)
+class ServedShare:
+    # A model name the engines serve, and its share of the alias's requests (relative).
+    model: str
+    weight: float = bounded(1.0, gt=0.0)
+
+
+@dataclass(frozen=True)
+class ModelAlias:
+    """A public model name that the router maps to served names, in shares: an alias, or
+    a rollout from one version to the next (`served: [{model: v1, weight: 90}, {model:
+    v2, weight: 10}]`). A session keeps its share; the body's `model` is rewritten."""
+
+    name: str
+    served: tuple[ServedShare, ...]
+
+
+@dataclass(frozen=True)
 class Config:
     backends: tuple[Backend, ...]
     policy: str = "gorgo"
@@ -353,6 +370,8 @@ class Config:
     envoy: EnvoySettings = field(default_factory=EnvoySettings)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     fleet: FleetConfig = field(default_factory=FleetConfig)
+    # Public model names mapped to served ones (aliases, version splits).
+    models: tuple[ModelAlias, ...] = ()
     # In-flight records whose completion never arrives (lost access log) expire after
     # this long, so the in-flight table stays bounded.
     request_timeout_s: float = bounded(900.0, **POSITIVE)

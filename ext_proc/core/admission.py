@@ -9,13 +9,32 @@ OpenAI's API. Pure.
 
 from __future__ import annotations
 
-from ext_proc.config.schema import EngineKind
+import zlib
+from collections.abc import Sequence
+
+from ext_proc.config.schema import EngineKind, ModelAlias
 from ext_proc.core.state import BackendState, FleetState
 from ext_proc.core.types import BackendLifecycle, Refusal
 
 # Retry-After of a model whose backends are all draining or pending (none comes back by
 # itself on a timer): about a probe round and a models read.
 UNAVAILABLE_RETRY_S = 5.0
+
+
+def served_name(aliases: Sequence[ModelAlias], model: str | None, key: str) -> str | None:
+    """The served name a request for `model` goes as: an alias's share picked by a hash
+    of `key` (the session's, so a conversation stays on one version and its cache; else the
+    request id's), or `model` itself when it is no alias."""
+    alias = next((a for a in aliases if a.name == model), None)
+    if alias is None:
+        return model
+    total = sum(s.weight for s in alias.served)
+    point = zlib.crc32(f"model:{key}".encode()) / 2**32 * total
+    for share in alias.served:
+        point -= share.weight
+        if point < 0:
+            return share.model
+    return alias.served[-1].model
 
 
 def serving(state: FleetState, model: str | None) -> list[BackendState]:
@@ -73,15 +92,17 @@ def model_refusal(state: FleetState, model: str | None, now_s: float) -> Refusal
 
 def fleet_models(state: FleetState) -> dict[str, str | None] | None:
     """Every model name some active backend serves, each with its parent (a LoRA
-    adapter's base model; None for a base model): the fleet's /v1/models. None while
-    some active backend's models are not known (it may serve anything)."""
+    adapter's base model; None for a base model): the fleet's /v1/models. A backend
+    whose models are not known (its engine has not answered) adds none until it does:
+    the others' are still the fleet's (one engine's list, the fallback, would hide
+    theirs). None while no active backend's models are known."""
     out: dict[str, str | None] = {}
+    known = False
     for b in state.backends.values():
-        if b.lifecycle is not BackendLifecycle.ACTIVE:
-            continue
         served = b.models
-        if served is None:
-            return None
+        if b.lifecycle is not BackendLifecycle.ACTIVE or served is None:
+            continue
+        known = True
         out.update(dict.fromkeys(served.base))
         out.update(served.adapters)
-    return dict(sorted(out.items()))
+    return dict(sorted(out.items())) if known else None

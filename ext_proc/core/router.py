@@ -18,7 +18,7 @@ import numpy as np
 
 from ext_proc.config.schema import Config
 from ext_proc.core import views
-from ext_proc.core.admission import fleet_models, model_refusal
+from ext_proc.core.admission import fleet_models, model_refusal, served_name
 from ext_proc.core.events import BackendChanged, Closed, Dispatched, FirstByte, Listener
 from ext_proc.core.features import Features, output_tokens, pace_ms, prefix_state_for
 from ext_proc.core.fleet import Fleet, FleetControls
@@ -173,8 +173,18 @@ class Router(RouterInputs, FleetControls):
         return self._features.queue_estimate_ms(backend, now_s, need_kv_tokens)
 
     def served_models(self) -> dict[str, str | None] | None:
-        """The fleet's models, name -> parent (core.admission.fleet_models)."""
-        return fleet_models(self._fleet.state)
+        """The fleet's models, name -> parent (core.admission.fleet_models), and the
+        configured aliases of those it serves."""
+        models = fleet_models(self._fleet.state)
+        if models is not None:
+            for alias in self.cfg.models:
+                if any(s.model in models for s in alias.served):
+                    models.setdefault(alias.name, None)
+        return models
+
+    def served_name(self, model: str | None, key: str) -> str | None:
+        """The served name a request for `model` goes as (an alias resolved by `key`)."""
+        return served_name(self.cfg.models, model, key)
 
     def admit(self, request: RouteRequest) -> Refusal | None:
         """The admission step before a decision (None: admitted): a model no backend

@@ -114,10 +114,13 @@ def continue_response(
     remove_headers: Iterable[str] = (),
     clear_route_cache: bool = False,
     dynamic_metadata: Mapping[str, Mapping[str, str]] | None = None,
+    body: bytes | None = None,
 ) -> pb.ProcessingResponse:
-    """CONTINUE for `phase`, optionally mutating headers, re-selecting the route and
-    setting dynamic metadata ({namespace: {key: value}})."""
+    """CONTINUE for `phase`, optionally mutating headers, re-selecting the route,
+    setting dynamic metadata ({namespace: {key: value}}) and replacing the body."""
     common = pb.CommonResponse(clear_route_cache=clear_route_cache)
+    if body is not None:
+        common.body_mutation.body = body
     if set_headers or remove_headers:
         common.header_mutation.CopyFrom(_mutation(set_headers or {}, remove_headers))
     resp = pb.ProcessingResponse()

@@ -21,9 +21,13 @@ class ClusterHeaderEncoder:
     """The backend's cluster in x-gorgo-backend (as raw_value) with clear_route_cache:
     the route's cluster_header picks it up."""
 
-    def encode(self, d: Decision) -> codec.ProcessingResponse:
+    def encode(self, d: Decision, body: bytes | None = None) -> codec.ProcessingResponse:
+        """`body`: the request's new body (its model rewritten), with its length."""
         return codec.continue_response(
-            codec.REQUEST_BODY, set_headers={HEADER_BACKEND: d.backend}, clear_route_cache=True
+            codec.REQUEST_BODY,
+            set_headers={HEADER_BACKEND: d.backend, **_length(body)},
+            clear_route_cache=True,
+            body=body,
         )
 
     def set_backends(self, backends: Iterable[Backend]) -> None:
@@ -42,14 +46,20 @@ class EndpointPickerEncoder:
         """The fleet changed (a backend added, or its address): the endpoints to name."""
         self.addresses = {b.id: b.address for b in backends}
 
-    def encode(self, d: Decision) -> codec.ProcessingResponse:
+    def encode(self, d: Decision, body: bytes | None = None) -> codec.ProcessingResponse:
         ranked = d.ranked()[: 1 + self.connect_retries]
         endpoint = ",".join(self.addresses[b] for b in ranked)
         return codec.continue_response(
             codec.REQUEST_BODY,
-            set_headers={HEADER_GATEWAY_ENDPOINT: endpoint},
+            set_headers={HEADER_GATEWAY_ENDPOINT: endpoint, **_length(body)},
             dynamic_metadata={LB_METADATA_NAMESPACE: {HEADER_GATEWAY_ENDPOINT: endpoint}},
+            body=body,
         )
+
+
+def _length(body: bytes | None) -> dict[str, str]:
+    # A replaced body goes with its own length (the client's no longer holds).
+    return {} if body is None else {"content-length": str(len(body))}
 
 
 DecisionEncoder = ClusterHeaderEncoder | EndpointPickerEncoder

@@ -21,6 +21,7 @@ import json
 import logging
 import math
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from typing import Any, ClassVar
 
 import grpc
@@ -45,6 +46,7 @@ from ext_proc.prompt.parse import (
     api_for_path,
     is_error_event,
     parse_body,
+    with_model,
 )
 from ext_proc.service.telemetry import Telemetry
 
@@ -102,8 +104,9 @@ class PassThroughSession(Session):
 
 class ModelsSession(Session):
     """`GET /v1/models` at the front door: the fleet's models (every name some backend
-    serves), answered here in OpenAI's list shape; while some backend's models are not
-    known, the fallback route takes it to an engine as before."""
+    serves), answered here in OpenAI's list shape (a backend whose models are not known
+    adds none); while no backend's models are known, the fallback route takes it to an
+    engine as before."""
 
     def __init__(self, router: Router, info: codec.StreamInfo) -> None:
         super().__init__(info)
@@ -259,9 +262,12 @@ class RoutingSession(_FirstByteWatcher):
             return self._reply(codec.REQUEST_BODY)
         if self.tokens is not None and self._prepared is None:  # fails open
             llm = self.tokens.apply(llm, self.request_id)  # token ids as the engine's
-        request = RouteRequest(
-            self.request_id, llm, self.session_header or llm.user, trace_context=self.trace_context
-        )
+        session = self.session_header or llm.user
+        served = self.router.served_name(llm.model, session or self.request_id)
+        new_body = None
+        if served is not None and served != llm.model:  # an alias: the engine's name
+            llm, new_body = replace(llm, model=served), with_model(body, served)
+        request = RouteRequest(self.request_id, llm, session, trace_context=self.trace_context)
         refused = self.router.admit(request)
         if refused is not None:  # answered here: no engine could serve it now
             self.done = True
@@ -279,7 +285,7 @@ class RoutingSession(_FirstByteWatcher):
             return self._reply(codec.REQUEST_BODY)
         self.done = not self.info.sends_response_body
         self.hold_s = self.decision.hold_ms / 1000
-        return self.encoder.encode(self.decision)
+        return self.encoder.encode(self.decision, new_body)
 
     _handlers: ClassVar[dict[str, Callable[[Any, codec.Phase], Reply]]] = {
         codec.REQUEST_HEADERS: on_request_headers,

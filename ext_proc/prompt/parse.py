@@ -180,6 +180,14 @@ def _generate_prompts(body: dict[str, Any]) -> tuple[Prompt, ...]:
     return _prompts(body.get("text"), "text")
 
 
+def with_model(body: bytes, model: str) -> bytes:
+    """The body with its `model` set to `model` (an alias resolved to a served name);
+    everything else as it was, re-serialized."""
+    decoded = orjson.loads(body)
+    decoded["model"] = model
+    return orjson.dumps(decoded)
+
+
 def parse_body(api: str, body: bytes) -> LlmRequest:
     """Parse the body of a request to `api` (see `api_for_path`)."""
     try:

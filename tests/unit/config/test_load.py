@@ -76,6 +76,21 @@ BACKEND = {"id": "a", "address": "127.0.0.1:1"}
             {"backends": [BACKEND], "routing": {"refit_prefill": True}},
             "routing.refit_prefill: moved to routing.learn_latency",
         ),
+        (
+            {"backends": [BACKEND], "models": [{"name": "chat", "served": []}]},
+            r"models\[0\].served: at least one",
+        ),
+        (
+            {"backends": [BACKEND], "models": [{"name": "x", "served": [{"model": "y"}]}] * 2},
+            r"models\[1\].name: 'x' listed twice",
+        ),
+        (
+            {
+                "backends": [BACKEND],
+                "models": [{"name": "x", "served": [{"model": "y", "weight": 0}]}],
+            },
+            r"models\[0\].served\[0\].weight: must be > 0",
+        ),
         # each policy's own parameters, decoded strictly
         ({"backends": [BACKEND], "policies": {"nope": {}}}, "policies.nope: unknown policy"),
         (

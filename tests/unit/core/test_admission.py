@@ -111,3 +111,15 @@ def test_a_placeholder_name_reaches_a_one_model_sglang_fleet_not_vllm() -> None:
         assert (answer and answer.status) == refused
         if refused is None:
             assert r.decide(chat(model="default")).backend in ("a", "b", "c")
+
+
+def test_the_fleets_models_are_the_known_ones_while_a_backend_is_not_known() -> None:
+    # c's engine has not answered /v1/models (down at start): a and b's models are still
+    # the fleet's, not one engine's list through the fallback route
+    r, _ = make_router("gorgo", backends=BACKENDS)
+    assert r.served_models() is None  # nothing known: the fallback route answers
+    r.record_models("a", ServedModels(frozenset({"alpha"})))
+    r.record_models("b", ServedModels(frozenset({"beta"}), {"beta-sql": "beta"}))
+    assert r.served_models() == {"alpha": None, "beta": None, "beta-sql": "beta"}
+    r.record_models("c", ServedModels(frozenset({"gamma"})))
+    assert r.served_models() == {"alpha": None, "beta": None, "beta-sql": "beta", "gamma": None}
