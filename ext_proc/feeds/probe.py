@@ -55,17 +55,24 @@ class Prober:
         # One connection per backend is plenty; keep it alive across probes.
         connector = aiohttp.TCPConnector(limit_per_host=2, keepalive_timeout=60)
         self._session = aiohttp.ClientSession(connector=connector, trace_configs=[trace])
-        for b in self.router.cfg.backends:
-            self.add(b)
+        backends = self.router.cfg.backends
+        if self.cfg.probes.models_interval_s > 0:
+            # What each engine serves, read before start returns (the service answers
+            # /healthz after it): until then every backend takes every model, and a
+            # request for a model one engine serves could go to another, which 404s it.
+            await asyncio.gather(*(self._read_models(b) for b in backends))
+        for b in backends:
+            self.add(b, models_read=True)
 
-    def add(self, b: Backend) -> None:
-        """Probe (and scrape) a backend from now on (restarted if it was)."""
+    def add(self, b: Backend, models_read: bool = False) -> None:
+        """Probe (and scrape) a backend from now on (restarted if it was); `models_read`:
+        its models were just read (the next read is an interval away)."""
         self.cancel(b.id)
         tasks = [asyncio.create_task(self._probe_loop(b))]
         if self.cfg.probes.metrics_interval_s > 0:
             tasks.append(asyncio.create_task(self._metrics_loop(b)))
         if self.cfg.probes.models_interval_s > 0:
-            tasks.append(asyncio.create_task(self._models_loop(b)))
+            tasks.append(asyncio.create_task(self._models_loop(b, models_read)))
         self._tasks[b.id] = tasks
 
     def cancel(self, backend: str) -> list[asyncio.Task[None]]:
@@ -183,22 +190,29 @@ class Prober:
                 log.debug("metrics of %s: %s", b.id, e)
             await asyncio.sleep(self.cfg.probes.metrics_interval_s)
 
-    async def _models_loop(self, b: Backend) -> None:
-        """What the engine serves (`/v1/models`): read when the backend is added and every
-        models_interval_s, so an adapter loaded at run time is routed to within one
-        interval. An answer that cannot be read leaves what was known."""
+    async def _models_loop(self, b: Backend, read: bool = False) -> None:
+        """What the engine serves (`/v1/models`): read when the backend is added (unless
+        `read`, just done) and every models_interval_s, so an adapter loaded at run time
+        is routed to within one interval."""
+        if read:
+            await asyncio.sleep(self.cfg.probes.models_interval_s)
+        while True:
+            await self._read_models(b)
+            await asyncio.sleep(self.cfg.probes.models_interval_s)
+
+    async def _read_models(self, b: Backend) -> None:
+        """One read of the engine's models; an answer that cannot be read (or none within
+        probes.timeout_s) leaves what was known."""
         assert self._session is not None
         url = f"http://{b.address}/v1/models"
-        while True:
-            try:
-                async with self._session.get(
-                    url, timeout=aiohttp.ClientTimeout(total=self.cfg.probes.timeout_s)
-                ) as resp:
-                    if resp.status != 200:
-                        raise ModelsError(f"HTTP {resp.status}")
-                    served = parse_models(await resp.json(content_type=None))
-                if self.router.record_models(b.id, served):
-                    log.info("backend %s serves %s", b.id, ", ".join(sorted(served.names)))
-            except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as e:
-                log.debug("models of %s: %s", b.id, e)
-            await asyncio.sleep(self.cfg.probes.models_interval_s)
+        try:
+            async with self._session.get(
+                url, timeout=aiohttp.ClientTimeout(total=self.cfg.probes.timeout_s)
+            ) as resp:
+                if resp.status != 200:
+                    raise ModelsError(f"HTTP {resp.status}")
+                served = parse_models(await resp.json(content_type=None))
+            if self.router.record_models(b.id, served):
+                log.info("backend %s serves %s", b.id, ", ".join(sorted(served.names)))
+        except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as e:
+            log.debug("models of %s: %s", b.id, e)

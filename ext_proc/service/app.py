@@ -146,6 +146,10 @@ async def running_service(
             raise OSError(f"listen.grpc: cannot bind {cfg.listen.grpc} (port in use?)")
         await server.start()
         stack.push_async_callback(server.stop, STOP_GRACE_S)
+        # Before the admin answers /healthz: the probes' start reads what each engine
+        # serves (a request routed before would go to any backend, whatever its model).
+        await prober.start()
+        stack.push_async_callback(prober.stop)
 
         admin_app = make_admin_app(
             router,
@@ -180,7 +184,7 @@ async def running_service(
         bound_admin = int(runner.addresses[0][1])
         # Stopping: the routed requests drain while the admin API still answers.
         stack.push_async_callback(_drain, router, ext_proc)
-        for part in (tokenizers, prober, kv_events):
+        for part in (tokenizers, kv_events):
             await part.start()
             stack.push_async_callback(part.stop)
         fleet_shell.start()

@@ -38,3 +38,35 @@ async def test_the_scrape_reads_the_engines_own_load_report() -> None:
             assert state["engine"]["age_s"] < 1.0 and state["rtt_samples"] >= 2
     finally:
         await engine.stop()
+
+
+async def test_each_engines_models_are_known_when_the_service_has_started() -> None:
+    """The first read of /v1/models is part of the start: the first request routed (and
+    the first /healthz) finds what each engine serves, not every backend taking every
+    model; an engine that does not answer adds none and holds no one up past the probe
+    timeout."""
+    engines = [
+        EngineServer(EngineConfig(name=n, flavor="vllm", model=m), "127.0.0.1", 0)
+        for n, m in (("a", "alpha"), ("b", "beta"))
+    ]
+    for e in engines:
+        await e.start()
+    try:
+        backends = [{"id": e.cfg.name, "address": f"127.0.0.1:{e.port}"} for e in engines]
+        backends.append({"id": "down", "address": "127.0.0.1:9"})  # nothing listens
+        cfg = config_from_dict(
+            {
+                "backends": [{**b, "engine": "vllm"} for b in backends],
+                "listen": {"grpc": "127.0.0.1:0", "admin": "127.0.0.1:0"},
+                "probes": {"timeout_s": 1.0, "models_interval_s": 30.0},
+            }
+        )
+        async with running_service(cfg) as svc:
+            models = {b: s.models for b, s in svc.router.backends.items()}
+            assert models["a"] is not None and models["a"].base == {"alpha"}
+            assert models["b"] is not None and models["b"].base == {"beta"}
+            assert models["down"] is None
+            assert svc.router.served_models() == {"alpha": None, "beta": None}
+    finally:
+        for e in engines:
+            await e.stop()
