@@ -1,7 +1,7 @@
 """The result schema shared by `gorgo replay` and `gorgo simulate` (DESIGN section 5).
 
     {"meta": {...},
-     "summary": {"requests", "ok", "errors",
+     "summary": {"requests", "ok", "errors", "refused": {status: n},
                  "ttft_ms": {p50, p90, p95, p99, mean}, "e2e_ms": {...}, "itl_ms": {...},
                  "slip_ms": {..., "max", "waited"}, "cache_hit_rate",
                  "ttft_prediction": {"mape", "bias_ms", "requests"},
@@ -99,6 +99,7 @@ def summarize(
         "requests": len(results),
         "ok": len(ok),
         "errors": len(results) - len(ok),
+        "refused": refused_counts(results),
         "ttft_ms": stats([r.ttft_ms for r in ok if r.ttft_ms is not None]),
         "e2e_ms": stats([r.e2e_ms for r in ok if r.e2e_ms is not None]),
         "itl_ms": stats(gaps),
@@ -106,6 +107,17 @@ def summarize(
         "cache_hit_rate": round(sum(r.cached_tokens for r in ok) / prompt, 4) if prompt else None,
         **prediction_summary(results),
     }
+
+
+def refused_counts(results: Sequence[RequestResult]) -> dict[str, int]:
+    """The requests the router answered itself (status "refused", error "HTTP CODE ..."),
+    by HTTP status: 404 unknown model, 400 none named, 503 none in rotation, 429 shed."""
+    out: dict[str, int] = {}
+    for r in results:
+        if r.status == "refused":
+            code = r.error.split()[1] if r.error.startswith("HTTP ") else "?"
+            out[code] = out.get(code, 0) + 1
+    return dict(sorted(out.items()))
 
 
 # The share of the requests (by arrival) left out of the prediction figures: the warm-up.

@@ -64,6 +64,7 @@ def run_simulations(
                 "share_dispatches": base.share_dispatches,
                 "protocol": base.protocol.meta(),
                 "dropped": res.dropped,
+                "refused": {str(k): v for k, v in res.refused.items()},
                 "final_weights": None
                 if tuner is None
                 else {"rtt": tuner.state.parent[0], "queue": tuner.state.parent[1]},
@@ -80,12 +81,13 @@ def run_simulations(
                 else f"slip p50/p95 {s['slip_ms']['p50']:.0f}/{s['slip_ms']['p95']:.0f} ms  "
             )
             mape = s["ttft_prediction"]["mape"]
+            refused = ", ".join(f"{n} x {code}" for code, n in s["refused"].items())
             print(
                 f"  {policy:<16} time_scale {ts:<4g} TTFT p50/p95 {s['ttft_ms']['p50']:.0f}/"
                 f"{s['ttft_ms']['p95']:.0f} ms  E2E p95 {s['e2e_ms']['p95']:.0f} ms  {slip}"
                 f"cache prediction error {prediction_error(res.requests):.2%}  "
                 f"TTFT prediction MAPE {'-' if mape is None else f'{mape:.1%}'}  "
-                f"({wall_s:.1f} s)",
+                f"{f'refused {refused}  ' if refused else ''}({wall_s:.1f} s)",
                 file=sys.stderr,
                 flush=True,
             )
@@ -135,6 +137,13 @@ def summary_markdown(
     for ts in scales:
         rows = [(p, s) for (p, t), s in summaries.items() if t == ts]
         parts.append(f"time_scale {ts:g} (ms):\n\n{table(rows, slip=slip)}\n")
+        refused = [
+            f"{p} {', '.join(f'{n} x {code}' for code, n in s['refused'].items())}"
+            for p, s in rows
+            if s.get("refused")
+        ]
+        if refused:
+            parts.append(f"Refused by the router (no engine reached): {'; '.join(refused)}.\n")
     return "\n".join(parts)
 
 

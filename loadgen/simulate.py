@@ -35,7 +35,7 @@ from ext_proc.config.load import config_from_dict
 from ext_proc.config.schema import Config
 from ext_proc.core.build import build_router
 from ext_proc.core.router import Router
-from ext_proc.core.types import RouteRequest, Status
+from ext_proc.core.types import Refusal, RouteRequest, Status
 from ext_proc.estimate.profile import DEFAULT_PROFILE, load_profile
 from ext_proc.feeds.engine_metrics import EngineReport
 from ext_proc.feeds.peers import PeerEvent, PeerPublisher
@@ -43,6 +43,7 @@ from ext_proc.prompt.parse import COMPLETIONS, LlmRequest
 from loadgen.concurrency import Admitted, ConcurrencyCap
 from loadgen.protocol import OPEN, Protocol
 from loadgen.results import RequestResult
+from loadgen.sim_models import cache_salt, default_model, max_loras, names_models, served_models
 from loadgen.traces import TraceRequest
 
 _ARRIVE, _AT_ENGINE, _STEP, _FIRST_BYTE, _DONE, _PROBE, _KV_EVENTS = range(7)
@@ -195,9 +196,12 @@ class SimResult:
     router: Router
     # Requests the protocol dropped (prompts over max_input_tokens).
     dropped: int = 0
+    # Requests the router answered itself (admission refused: 404 unknown model, 400 none
+    # named, 503 none in rotation, 429 shed), by HTTP status.
+    refused: dict[int, int] = field(default_factory=dict)
 
 
-def _sub_blocks(ids: Sequence[int], per_block: int, salt: int) -> list[int]:
+def _sub_blocks(ids: Sequence[int], per_block: int, salt: int | tuple[int, int]) -> list[int]:
     """Finer blocks of a trace's blocks: trace id k names its block and whole prefix, so
     (k, j) names sub-block j likewise. Tuples of ints hash the same in every process."""
     return [hash((k, j, salt)) for k in ids for j in range(per_block)]
@@ -221,9 +225,17 @@ class Simulation:
         # tuner's RNGs from `rng` first).
         self.router = build_router(cfg, lambda: self.now_s, rng)
         profiles = {r: load_profile(settings.engine_profile_of(r)) for r in settings.regions}
+        fleet = settings.fleet
         self.engines = {
-            r: EngineModel(profiles[r], random.Random(rng.random())) for r in settings.regions
+            r: EngineModel(profiles[r], random.Random(rng.random()), max_loras(fleet, r))
+            for r in settings.regions
         }
+        # What each engine serves (sim_models); with models in the fleet file, its blocks
+        # are keyed by the model asked for (an adapter shares no cache with its base).
+        self.served = {r: served_models(fleet, r) for r in settings.regions}
+        self.by_model = names_models(fleet)
+        self.default_model = default_model(list(self.served.values()))
+        self.refused: dict[int, int] = {}
         self.links: dict[tuple[str, str], DelayModel] = {}
         self.routers_at: dict[str, list[Router]] = {}
         for door in doors:
@@ -249,6 +261,9 @@ class Simulation:
                     build_router(door_cfg, lambda: self.now_s, random.Random(rng.random()))
                 ]
         self.routers = [router for rs in self.routers_at.values() for router in rs]
+        for router in self.routers:  # as discovery reads each engine's /v1/models at start
+            for r in settings.regions:
+                router.record_models(r, self.served[r])
         if settings.share_dispatches:
             for door, rs in self.routers_at.items():
                 for i, router in enumerate(rs):
@@ -346,8 +361,8 @@ class Simulation:
             for door in self.routers_at:
                 for b in self.s.regions:
                     self._push(0.0, _SCRAPE, (door, b))
-        pending = len(self.trace)
-        while self._events and pending:
+        self._pending = len(self.trace)
+        while self._events and self._pending:
             t, _, kind, data = heapq.heappop(self._events)
             self.now_s = t
             if kind == _ARRIVE:
@@ -356,8 +371,9 @@ class Simulation:
                 backend, r = data
                 engine = self.engines[backend]
                 per_engine = r.block_tokens // self.engine_block_tokens[backend]
-                blocks = _sub_blocks(r.block_ids, per_engine, 0)
-                engine.submit(r.id, r.input_tokens, r.output_tokens, blocks, t)
+                blocks = _sub_blocks(r.block_ids, per_engine, self._engine_salt(r))
+                lora = r.model if r.model in self.served[backend].adapters else None
+                engine.submit(r.id, r.input_tokens, r.output_tokens, blocks, t, lora)
                 self._publish_cache_changes(backend, t)
                 self._schedule_step(backend)
             elif kind == _STEP:
@@ -372,7 +388,7 @@ class Simulation:
                     router.first_byte(data)
             elif kind == _DONE:
                 self._done(data)
-                pending -= 1
+                self._pending -= 1
             elif kind == _PROBE:
                 door, b = data
                 rtt_ms = self.links[data].sample_rtt_ms()
@@ -414,7 +430,14 @@ class Simulation:
                 self.now_s = t
                 self._deliver(*data)
         ordered = [self.results[r.id] for r in self.trace]
-        return SimResult(self.s, ordered, self.itl_ms, self.router, self.dropped)
+        return SimResult(
+            self.s,
+            ordered,
+            self.itl_ms,
+            self.router,
+            self.dropped,
+            dict(sorted(self.refused.items())),
+        )
 
     def _dispatch(self, sent: Admitted[_Arrival] | None) -> None:
         """The client sends a request given a slot (if any) now, holding the slot until
@@ -450,17 +473,24 @@ class Simulation:
                 self._push(free_s, _ARRIVE, (r, origin, door, access_ms))
                 return
             self._door_free_s[door] = self.now_s + self.s.door_spacing_ms / 1000
-        llm = LlmRequest(COMPLETIONS, ("",), (r.input_tokens,), r.output_tokens, True, None, None)
+        llm = LlmRequest(
+            COMPLETIONS, ("",), (r.input_tokens,), r.output_tokens, True, r.model, None
+        )
         per = max(1, r.block_tokens // self.router_block_tokens)
         blocks = _sub_blocks(r.block_ids, per, 1)[: r.input_tokens // self.router_block_tokens]
         engine_keys = None
         if self.s.prefix_state == "precise":
             per_engine = r.block_tokens // self.engine_block_tokens[self.s.regions[0]]
-            engine_keys = _sub_blocks(r.block_ids, per_engine, 0)
+            engine_keys = _sub_blocks(r.block_ids, per_engine, self._engine_salt(r))
         routers = self.routers_at[door]
         router = routers[zlib.crc32((r.session or r.id).encode()) % len(routers)]
+        request = RouteRequest(r.id, llm, r.session, blocks, engine_keys)
+        refusal = router.admit(request)
+        if refusal is not None:
+            self._refuse(r, origin, access_ms, refusal)
+            return
         self._router_of[r.id] = router
-        d = router.decide(RouteRequest(r.id, llm, r.session, blocks, engine_keys))
+        d = router.decide(request)
         self.results[r.id] = RequestResult(
             r.id,
             d.backend,
@@ -490,6 +520,31 @@ class Simulation:
                 delay_s += link.sample_rtt_ms() / 1000  # the handshake
             self._conns_busy[key] = busy + 1
         self._push(self.now_s + delay_s, _AT_ENGINE, (d.backend, r))
+
+    def _engine_salt(self, r: TraceRequest) -> int | tuple[int, int]:
+        """What the request's engine blocks are keyed with: its model's namespace when the
+        fleet names models (one salt for every engine: precise mode's keys serve all)."""
+        return (0, cache_salt(r.model or self.default_model)) if self.by_model else 0
+
+    def _refuse(self, r: TraceRequest, origin: str, access_ms: float, refusal: Refusal) -> None:
+        """The router answered the request itself, no engine reached: counted, not timed
+        (its TTFT and E2E are not a model's); the client's slot frees when the answer
+        is back."""
+        code = refusal.status
+        self.refused[code] = self.refused.get(code, 0) + 1
+        self.results[r.id] = RequestResult(
+            r.id,
+            input_tokens=r.input_tokens,
+            output_tokens=r.output_tokens,
+            status="refused",
+            error=f"HTTP {code} {refusal.kind}: {refusal.message}",
+            region=origin or None,
+            slip_ms=self._slip_ms.pop(r.id, 0.0),
+        )
+        self._door_arrival_s.pop(r.id, None)
+        if self.s.protocol.max_concurrency is not None:
+            self._push(self.now_s + access_ms / 2000, _SLOT, r.id)
+        self._pending -= 1
 
     def _step(self, backend: str, t: float) -> None:
         # TTFT and E2E as the client sees them: at its front door, plus its access leg.

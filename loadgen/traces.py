@@ -49,6 +49,9 @@ class TraceRequest:
     session: str
     # ART-Chat rows carry the request body itself.
     body: dict[str, Any] | None = None
+    # The model it asks for (the request's `model`; None: none named). Mooncake rows may
+    # carry it as `model`; `two-models[:PATH]` assigns one per conversation.
+    model: str | None = None
 
     @property
     def id(self) -> str:
@@ -82,7 +85,7 @@ def _int(row: dict[str, Any], key: str, where: str) -> int:
 
 def read_mooncake(path: str | Path) -> list[TraceRequest]:
     p = Path(path)
-    raw: list[tuple[int, int, int, tuple[int, ...]]] = []
+    raw: list[tuple[int, int, int, tuple[int, ...], str | None]] = []
     for n, row in _rows(p):
         where = f"{p}:{n}"
         ids = row.get("hash_ids")
@@ -94,9 +97,11 @@ def read_mooncake(path: str | Path) -> list[TraceRequest]:
                 f"{where}: {len(ids)} hash_ids for {n_in} input tokens "
                 f"(expected ceil({n_in}/{MOONCAKE_BLOCK_TOKENS}))"
             )
-        raw.append(
-            (_int(row, "timestamp", where), n_in, _int(row, "output_length", where), tuple(ids))
-        )
+        model = row.get("model")
+        if model is not None and (not isinstance(model, str) or not model.strip()):
+            raise TraceError(f"{where}: 'model' must be a non-empty string, got {model!r}")
+        out_len = _int(row, "output_length", where)
+        raw.append((_int(row, "timestamp", where), n_in, out_len, tuple(ids), model))
     if not raw:
         raise TraceError(f"{p}: no requests")
     shared = _common_prefix_len([r[3] for r in raw])
@@ -112,8 +117,9 @@ def read_mooncake(path: str | Path) -> list[TraceRequest]:
             # The conversation's root: its first block after the prefix every request
             # shares (a system prompt: block 0 in the conversation trace).
             f"s{ids[min(shared, len(ids) - 1)]}",
+            model=model,
         )
-        for i, (ts, n_in, n_out, ids) in enumerate(raw)
+        for i, (ts, n_in, n_out, ids, model) in enumerate(raw)
     ]
 
 
@@ -164,8 +170,14 @@ PAPER_SYNTHETIC = "paper-synthetic"
 
 def load_trace(source: str | Path) -> list[TraceRequest]:
     """A trace file (`read_trace`), or `paper-synthetic[:SEED]`: the paper-shaped window
-    generated for that seed (0 by default). A file of that very name: `./paper-synthetic`."""
+    generated for that seed (0 by default), or `two-models[:PATH]`: a trace (the Mooncake
+    conversation trace by default) with a model per conversation (loadgen.trace_models).
+    A file of either name: `./paper-synthetic`."""
     name, _, seed = str(source).partition(":")
+    if name == "two-models":
+        from loadgen.trace_models import two_models
+
+        return two_models(seed or None)
     if name == PAPER_SYNTHETIC:
         try:
             return paper_synthetic(int(seed or 0))
@@ -187,12 +199,14 @@ def write_mooncake(path: str | Path, trace: Iterable[TraceRequest]) -> Path:
                 f"request {r.id}: {r.block_tokens}-token blocks; Mooncake rows use "
                 f"{MOONCAKE_BLOCK_TOKENS}"
             )
-        row = {
+        row: dict[str, Any] = {
             "timestamp": round(r.arrival_s * 1000),
             "input_length": r.input_tokens,
             "output_length": r.output_tokens,
             "hash_ids": list(r.block_ids),
         }
+        if r.model is not None:
+            row["model"] = r.model
         lines.append(json.dumps(row) + "\n")
     p.parent.mkdir(parents=True, exist_ok=True)
     p.write_text("".join(lines), encoding="utf-8")
