@@ -44,6 +44,9 @@ LIVE_KEYS = (
     "routing.pace_sigmas",
     "routing.pace_max_ms",
 )
+# Top-level keys a reload applies live (the model aliases' shares: a rollout moves by
+# reload).
+LIVE_TOP_KEYS = ("models",)
 
 # A backend's fields that say which engine it is and how the router reaches it: changed
 # in place, what the router knew of the old engine is forgotten (`Fleet.update`).
@@ -230,13 +233,17 @@ class Fleet:
         return FleetChanges(tuple(added), tuple(back), tuple(updated), tuple(gone))
 
     def apply_live_keys(self, new: Config) -> list[str]:
-        """Take the LIVE_KEYS of a reloaded config; returns those that changed."""
+        """Take the LIVE_KEYS and LIVE_TOP_KEYS of a reloaded config; returns those that
+        changed."""
         fields = [k.split(".")[1] for k in LIVE_KEYS]
         changed = [f for f in fields if getattr(self.cfg.routing, f) != getattr(new.routing, f)]
         if changed:
             routing = replace(self.cfg.routing, **{f: getattr(new.routing, f) for f in changed})
             self.cfg = replace(self.cfg, routing=routing)
-        return [f"routing.{f}" for f in changed]
+        top = [k for k in LIVE_TOP_KEYS if getattr(self.cfg, k) != getattr(new, k)]
+        if top:
+            self.cfg = replace(self.cfg, **{k: getattr(new, k) for k in top})
+        return [f"routing.{f}" for f in changed] + top
 
     def remove_if_drained(self, backend: str) -> bool:
         """Remove a draining backend whose last request of this router has closed."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -548,3 +549,21 @@ def test_the_last_backend_active_or_pending_cannot_be_drained() -> None:
     with pytest.raises(FleetConflict, match="last active or pending"):
         router.drain_backend("b")
     assert router.lifecycle("b") == PENDING
+
+
+def test_a_rollouts_shares_move_by_reload() -> None:
+    router, _clock, _changes = fleet()
+    served = [{"model": "v1", "weight": 1}, {"model": "v2", "weight": 1}]
+    new = replace(
+        router.cfg,
+        models=config_from_dict(
+            {
+                "backends": [{"id": "a", "address": "h:1"}],
+                "models": [{"name": "chat", "served": served}],
+            }
+        ).models,
+    )
+    assert router.apply_live_keys(new) == ["models"]
+    names = {router.served_name("chat", f"s{i}") for i in range(50)}
+    assert names == {"v1", "v2"}
+    assert "models" not in changed_keys(router.cfg, new)
