@@ -90,12 +90,15 @@ def model_refusal(state: FleetState, model: str | None, now_s: float) -> Refusal
     )
 
 
-def fleet_models(state: FleetState) -> dict[str, str | None] | None:
+def fleet_models(
+    state: FleetState, aliases: Sequence[ModelAlias] = ()
+) -> dict[str, str | None] | None:
     """Every model name some active backend serves, each with its parent (a LoRA
     adapter's base model; None for a base model): the fleet's /v1/models. A backend
     whose models are not known (its engine has not answered) adds none until it does:
     the others' are still the fleet's (one engine's list, the fallback, would hide
-    theirs). None while no active backend's models are known."""
+    theirs); with the `aliases` whose served names it serves. None while no active
+    backend's models are known."""
     out: dict[str, str | None] = {}
     known = False
     for b in state.backends.values():
@@ -105,4 +108,9 @@ def fleet_models(state: FleetState) -> dict[str, str | None] | None:
         known = True
         out.update(dict.fromkeys(served.base))
         out.update(served.adapters)
-    return dict(sorted(out.items())) if known else None
+    if not known:
+        return None
+    for alias in aliases:  # a public name the router maps to one the fleet serves
+        if any(s.model in out for s in alias.served):
+            out.setdefault(alias.name, None)
+    return dict(sorted(out.items()))

@@ -173,14 +173,8 @@ class Router(RouterInputs, FleetControls):
         return self._features.queue_estimate_ms(backend, now_s, need_kv_tokens)
 
     def served_models(self) -> dict[str, str | None] | None:
-        """The fleet's models, name -> parent (core.admission.fleet_models), and the
-        configured aliases of those it serves."""
-        models = fleet_models(self._fleet.state)
-        if models is not None:
-            for alias in self.cfg.models:
-                if any(s.model in models for s in alias.served):
-                    models.setdefault(alias.name, None)
-        return models
+        """The fleet's models, name -> parent (core.admission.fleet_models)."""
+        return fleet_models(self._fleet.state, self.cfg.models)
 
     def served_name(self, model: str | None, key: str) -> str | None:
         """The served name a request for `model` goes as (an alias resolved by `key`)."""
