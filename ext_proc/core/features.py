@@ -118,6 +118,25 @@ def newcomer_step_ms(b: BackendState, input_tokens: int, decode_factor: float) -
     return profile.decode_ms(running, context) * decode_factor
 
 
+def lora_slot_wait_ms(
+    report: EngineReport | None, adapter: str, items: list[QueueItem], step_ms: float, now_s: float
+) -> float:
+    """LoRA affinity: vLLM batches at most `max_lora` adapters at once, and a request for
+    one that is neither running nor waiting there while every slot is taken is passed over
+    until a request of another adapter finishes (vllm/v1/core/sched/scheduler.py): it
+    waits at least for the soonest of those in flight to finish. 0 where the adapter is
+    already there, a slot is free, or the engine reports no LoRA state."""
+    if (
+        report is None
+        or report.max_lora is None
+        or adapter in report.adapters
+        or len(report.adapters) < report.max_lora
+        or not items
+    ):
+        return 0.0
+    return min(it.remaining_ms(now_s, step_ms) for it in items)
+
+
 def pace_ms(r: Routing, b: BackendState, chosen: Candidate, now_s: float) -> float:
     """Dispatch pacing: how long to hold a request before it is sent on (ms).
 
@@ -241,6 +260,9 @@ class Features:
             prefill_ms = b.prefill.prefill_ms(uncached, cached) * speed.prefill_factor
             items, step_ms = self._queue_items(b)
             queue_ms = self._queue_ms(b, now_s, need_kv, items, step_ms)
+            if model is not None and model in state.adapters:
+                report = self.fresh_engine_report(b, now_s)
+                queue_ms += lora_slot_wait_ms(report, model, items, step_ms, now_s)
             out.append(
                 Candidate(
                     backend_id=b.id,

@@ -21,6 +21,10 @@ WAITING = ("sglang:num_queue_reqs", "vllm:num_requests_waiting")
 RUNNING = ("sglang:num_running_reqs", "vllm:num_requests_running")
 # Share of the KV pool held by running requests (0-1); evictable cached blocks excluded.
 KV_USAGE = ("sglang:token_usage", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+# vLLM's LoRA gauge (v1/metrics/loggers.py): labels running_lora_adapters and
+# waiting_lora_adapters (comma-separated names) and max_lora (adapters a batch may hold);
+# its value is when it was set, so the newest sample is the state.
+LORA_INFO = "vllm:lora_requests_info"
 # The label that tells data-parallel schedulers apart, per engine.
 DP_LABELS = ("dp_rank", "engine")
 
@@ -32,9 +36,20 @@ class EngineReport:
     waiting: float | None
     running: float | None
     kv_usage: float | None
+    # LoRA adapters of the requests running and waiting, and how many a batch may hold
+    # (None: the page has no LoRA gauge).
+    adapters: frozenset[str] = frozenset()
+    max_lora: int | None = None
 
-    def as_json(self) -> dict[str, float | None]:
-        return {"waiting": self.waiting, "running": self.running, "kv_usage": self.kv_usage}
+    def as_json(self) -> dict[str, object]:
+        out: dict[str, object] = {
+            "waiting": self.waiting,
+            "running": self.running,
+            "kv_usage": self.kv_usage,
+        }
+        if self.max_lora is not None:
+            out["adapters"], out["max_lora"] = sorted(self.adapters), self.max_lora
+        return out
 
 
 class MetricsError(ValueError):
@@ -49,9 +64,12 @@ def _aggregate(by_rank: dict[str, list[float]], fraction: bool) -> float:
 def parse_engine_metrics(text: str) -> EngineReport:
     samples: dict[str, dict[str, list[float]]] = {}
     wanted = set(WAITING + RUNNING + KV_USAGE)
+    lora: tuple[float, dict[str, str]] | None = None
     try:
         for family in text_string_to_metric_families(text):
             for s in family.samples:
+                if s.name == LORA_INFO and (lora is None or s.value >= lora[0]):
+                    lora = (float(s.value), s.labels)
                 if s.name not in wanted:
                     continue
                 rank = next((s.labels[k] for k in DP_LABELS if k in s.labels), "")
@@ -65,4 +83,15 @@ def parse_engine_metrics(text: str) -> EngineReport:
                 return _aggregate(samples[name], fraction)
         return None
 
-    return EngineReport(read(WAITING), read(RUNNING), read(KV_USAGE, fraction=True))
+    adapters: frozenset[str] = frozenset()
+    max_lora = None
+    if lora is not None:
+        labels = lora[1]
+        names = (
+            f"{labels.get('running_lora_adapters', '')},{labels.get('waiting_lora_adapters', '')}"
+        )
+        adapters = frozenset(n.strip() for n in names.split(",") if n.strip())
+        max_lora = int(labels["max_lora"]) if labels.get("max_lora", "").isdigit() else None
+    return EngineReport(
+        read(WAITING), read(RUNNING), read(KV_USAGE, fraction=True), adapters, max_lora
+    )

@@ -123,3 +123,24 @@ def test_the_fleets_models_are_the_known_ones_while_a_backend_is_not_known() -> 
     assert r.served_models() == {"alpha": None, "beta": None, "beta-sql": "beta"}
     r.record_models("c", ServedModels(frozenset({"gamma"})))
     assert r.served_models() == {"alpha": None, "beta": None, "beta-sql": "beta", "gamma": None}
+
+
+def test_an_adapter_prefers_where_it_is_loaded_over_a_full_batch_of_others() -> None:
+    from ext_proc.feeds.engine_metrics import EngineReport
+
+    r, _ = make_router("gorgo", backends=BACKENDS[:2])  # a is nearer than b
+    for b in ("a", "b"):
+        r.record_models(b, ServedModels(frozenset({"alpha"}), {"sql": "alpha", "doc": "alpha"}))
+    for i in range(4):
+        r.decide(chat(f"doc {i} " * 50, model="doc"))
+
+    def queue_on_a(max_lora: int) -> tuple[str, float]:
+        r.record_engine_report("a", EngineReport(0, 4, 0.1, frozenset({"doc"}), max_lora))
+        r.record_engine_report("b", EngineReport(0, 1, 0.1, frozenset({"sql"}), 1))
+        d = r.decide(chat(f"sql {max_lora}", model="sql"))
+        return d.backend, next(c.queue_ms for c in d.candidates if c.backend_id == "a")
+
+    free_backend, free_ms = queue_on_a(2)  # a slot free on a: no wait for one
+    full_backend, full_ms = queue_on_a(1)  # a's one slot held by doc: wait for a finish
+    assert free_backend == "a" and full_backend == "b"
+    assert full_ms > free_ms + 1000

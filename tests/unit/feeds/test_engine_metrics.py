@@ -79,3 +79,19 @@ def test_real_vllm_eviction_and_reset_events_decode() -> None:
     reset = captured_batches("kv_events-reset.jsonl")
     kinds = {type(e) for b in reset for e in b.events}
     assert kinds & {AllBlocksCleared, BlockRemoved}
+
+
+def test_vllms_lora_gauge_gives_the_adapters_there_and_the_slots() -> None:
+    info = "vllm:lora_requests_info"
+    page = f"""# HELP {info} Running stats on lora requests.
+# TYPE {info} gauge
+{info}{{max_lora="2",running_lora_adapters="sql",waiting_lora_adapters=""}} 1.7e+09
+{info}{{max_lora="2",running_lora_adapters="sql,chat",waiting_lora_adapters="doc"}} 1.8e+09
+vllm:num_requests_waiting{{engine="0",model_name="m"}} 1.0
+"""
+    report = parse_engine_metrics(page)
+    assert report.adapters == {"sql", "chat", "doc"}  # the newest sample
+    assert report.max_lora == 2 and report.waiting == 1.0
+    assert report.as_json()["adapters"] == ["chat", "doc", "sql"]
+    plain = parse_engine_metrics("vllm:num_requests_waiting 0.0\n")
+    assert plain.max_lora is None and "adapters" not in plain.as_json()
