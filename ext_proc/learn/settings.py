@@ -74,12 +74,18 @@ class TunerSettings:
     # whether the other arm's weights would have chosen the same backend. A child whose
     # first `tie_decisions` decisions (both arms) all agree with the parent's, or whose
     # round ends with fewer than `tie_share` of its decisions different, ties: no
-    # 1/5-rule outcome, sigma grows by 1 / factor, up to tie_sigma_max (the next verdict
-    # bounds it by sigma_max again), and a new child is drawn. Without the reports (a
-    # policy without `would_pick`) every round is judged on its samples alone.
+    # 1/5-rule outcome, sigma grows by 1 / factor up to tie_sigma_max (if above
+    # sigma_max, the next verdict bounds it by sigma_max again; 3 did harm from the
+    # defaults, docs/tuner.md), and a new child is drawn. Without the reports (a policy
+    # without `would_pick`) every round is judged on its samples alone.
+    # Off by default: measured, ties leave the worst corner but do not reach the target
+    # and, as they keep the tuner from settling, cost 7-24 % of p95 TTFT from the
+    # defaults (docs/tuner.md, "Issue 27's targets"). With ties on, children are also
+    # reflected at the bounds instead of clipped onto them.
+    ties: bool = False
     tie_decisions: int = 16
     tie_share: float = 0.1
-    tie_sigma_max: float = 3.0
+    tie_sigma_max: float = 1.0
 
     @staticmethod
     def paper() -> TunerSettings:
@@ -258,9 +264,16 @@ class TunerCore:
     # -- weights ----------------------------------------------------------------------
 
     def mutate(self, w: tuple[float, float]) -> tuple[float, float]:
-        """A Gaussian step in log space, reflected at the bounds (clipping would put half
-        the draws from a corner back on it), then clipped (a step wider than the box)."""
+        """A Gaussian step in log space, clipped to the bounds; with `ties`, reflected at
+        them first (clipping puts half the draws from a corner back on it)."""
         sigma = self.state.sigma
+        if not self.s.ties:  # clipped
+            return self.s.clip(
+                (
+                    math.exp(math.log(w[0]) + sigma * self.rng.gauss(0, 1)),
+                    math.exp(math.log(w[1]) + sigma * self.rng.gauss(0, 1)),
+                )
+            )
         (rlo, rhi), (qlo, qhi) = self.s.rtt_bounds, self.s.queue_bounds
         return self.s.clip(
             (

@@ -118,7 +118,7 @@ class Tuner(TunerCore):
         """The weights of the arm that did not decide this request in flight (None when
         no comparison is running: frozen, the paper's mode, or a request not seen)."""
         tag = self._arm.get(request_id)
-        if tag is None or self.state.frozen or self.s.mode != PAIRED:
+        if tag is None or self.state.frozen or self.s.mode != PAIRED or not self.s.ties:
             return None
         return Weights(*self._arm_weights(PARENT if tag.arm == CHILD else CHILD))
 

@@ -397,6 +397,8 @@ def test_arm_key_is_a_strict_config_key_wired_into_the_router() -> None:
 
 # -- a round whose arms decided alike tells nothing (issue 27) -------------------------
 
+TIES = replace(PAIRED_S, ties=True)
+
 
 def route(t: Tuner, rid: str, alike: bool) -> None:
     """A request is routed and the router reports whether the other arm agreed."""
@@ -405,30 +407,31 @@ def route(t: Tuner, rid: str, alike: bool) -> None:
 
 
 def test_a_child_that_decides_alike_ties_widens_sigma_and_is_no_failure() -> None:
-    t = Tuner(PAIRED_S, Weights(1.0, 1.0), random.Random(0))
+    t = Tuner(TIES, Weights(1.0, 1.0), random.Random(0))
     child, sigma = t.state.child, t.state.sigma
-    for i in range(PAIRED_S.tie_decisions - 1):
+    for i in range(TIES.tie_decisions - 1):
         route(t, f"r{i}", alike=True)
     assert not t.state.history  # not yet
     route(t, "last", alike=True)
     (step,) = t.state.history
     assert step["tie"] and not step["accepted"] and "decided alike" in step["note"]
-    assert t.state.sigma == pytest.approx(sigma / PAIRED_S.factor)  # wider, not narrower
+    assert t.state.sigma == pytest.approx(sigma / TIES.factor)  # wider, not narrower
     assert t.state.outcomes == [] and t.state.child != child  # no verdict; a new child
     assert t.steps_tied == 1 and t.steps_rejected == 0
 
 
 def test_ties_grow_sigma_up_to_tie_sigma_max_and_a_verdict_bounds_it_again() -> None:
-    t = Tuner(PAIRED_S, Weights(1.0, 1.0), random.Random(0))
-    for i in range(40 * PAIRED_S.tie_decisions):
+    s = replace(TIES, tie_sigma_max=3.0)
+    t = Tuner(s, Weights(1.0, 1.0), random.Random(0))
+    for i in range(40 * s.tie_decisions):
         route(t, f"r{i}", alike=True)
-    assert t.state.sigma == pytest.approx(PAIRED_S.tie_sigma_max)
+    assert t.state.sigma == pytest.approx(s.tie_sigma_max)
     t.finish_round(False, 1.0, 1.0, bounded=True)
-    assert t.state.sigma == PAIRED_S.sigma_max
+    assert t.state.sigma == s.sigma_max
 
 
 def test_a_round_with_few_differing_decisions_is_a_tie_not_a_failure() -> None:
-    t = Tuner(PAIRED_S, Weights(1.0, 1.0), random.Random(0))
+    t = Tuner(TIES, Weights(1.0, 1.0), random.Random(0))
     sigma = t.state.sigma
     i = 0
     while not t.state.history:  # 1 decision in 20 differs: below tie_share (0.1)
@@ -439,7 +442,7 @@ def test_a_round_with_few_differing_decisions_is_a_tie_not_a_failure() -> None:
     (step,) = t.state.history
     assert step["tie"] and t.state.outcomes == [] and t.state.sigma > sigma
     # the same round with most decisions different is judged: the worse child rejected
-    u = Tuner(PAIRED_S, Weights(1.0, 1.0), random.Random(0))
+    u = Tuner(TIES, Weights(1.0, 1.0), random.Random(0))
     i = 0
     while not u.state.history:
         rid = f"r{i}"
@@ -451,7 +454,7 @@ def test_a_round_with_few_differing_decisions_is_a_tie_not_a_failure() -> None:
 
 
 def test_children_from_a_corner_are_reflected_inside_not_clipped_onto_it() -> None:
-    s = PAIRED_S
+    s = TIES
     corner = Weights(s.rtt_bounds[1], s.queue_bounds[0])
     t = Tuner(s, corner, random.Random(0))
     children = [t.mutate(t.state.parent) for _ in range(200)]
@@ -462,7 +465,7 @@ def test_children_from_a_corner_are_reflected_inside_not_clipped_onto_it() -> No
 def test_the_router_reports_whether_the_other_arm_would_have_decided_alike() -> None:
     from ext_proc.learn.learners import TunerLearner
 
-    t = Tuner(PAIRED_S, Weights(1.0, 1.0), random.Random(0))
+    t = Tuner(TIES, Weights(1.0, 1.0), random.Random(0))
     seen: list[Weights] = []
 
     def would_pick(candidates: Any, w: Weights, backend: str) -> bool:
@@ -475,7 +478,7 @@ def test_the_router_reports_whether_the_other_arm_would_have_decided_alike() -> 
         def __init__(self, rid: str) -> None:
             self.decision = type("D", (), {"request_id": rid, "candidates": (), "backend": "a"})
 
-    for i in range(PAIRED_S.tie_decisions):
+    for i in range(TIES.tie_decisions):
         rid = f"r{i}"
         arm = t.arm_for(rid)
         t.weights_for(rid)
@@ -486,4 +489,16 @@ def test_the_router_reports_whether_the_other_arm_would_have_decided_alike() -> 
     t.freeze()
     t.weights_for("frozen")
     learner.on_dispatch(Event("frozen"))  # type: ignore[arg-type]
-    assert len(seen) == PAIRED_S.tie_decisions  # frozen: nothing to compare
+    assert len(seen) == TIES.tie_decisions  # frozen: nothing to compare
+
+
+def test_ties_are_off_by_default_and_the_router_then_reports_nothing() -> None:
+    from ext_proc.learn.learners import TunerLearner
+
+    t = Tuner(PAIRED_S, Weights(1.0, 1.0), random.Random(0))
+    asked: list[Weights] = []
+    learner = TunerLearner(t, 60_000.0, would_pick=lambda c, w, b: bool(asked.append(w)) or True)
+    decision = type("D", (), {"request_id": "r0", "candidates": (), "backend": "a"})
+    t.weights_for("r0")
+    learner.on_dispatch(type("E", (), {"decision": decision})())  # type: ignore[arg-type]
+    assert not asked and t.other_weights("r0") is None and not t.state.history
