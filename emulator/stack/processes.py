@@ -72,20 +72,21 @@ def engine_argv(settings: StackSettings, i: int, name: str, port: int, seed: int
 def model_flags(settings: StackSettings, region: str) -> list[str]:
     """The region's served name and LoRA adapters (a fleet file's), as the flavor's flags:
     vLLM --enable-lora --lora-modules NAME=PATH..., SGLang --lora-paths NAME=PATH..."""
+    model = settings.engine_models.get(region)
+    return [*(["--served-model-name", model] if model else []), *lora_flags(settings, region)]
+
+
+def lora_flags(settings: StackSettings, region: str) -> list[str]:
+    """The region's LoRA adapters as the flavor's flags (a real vLLM's are vLLM's)."""
     from emulator.lora import fleet_module
 
-    out = []
-    model = settings.engine_models.get(region)
-    if model:
-        out += ["--served-model-name", model]
     loras = [fleet_module(e) for e in settings.engine_loras.get(region, ())]
-    if loras:
-        items = [f"{m.name}={m.path}" for m in loras]
-        if settings.flavor == "vllm":
-            out += ["--enable-lora", "--lora-modules", *items]
-        else:
-            out += ["--lora-paths", *items]
-    return out
+    if not loras:
+        return []
+    items = [f"{m.name}={m.path}" for m in loras]
+    if settings.flavor == "vllm" or settings.real_engine:
+        return ["--enable-lora", "--lora-modules", *items]
+    return ["--lora-paths", *items]
 
 
 def flavor_flags(settings: StackSettings, i: int, region: str) -> list[str]:

@@ -96,6 +96,10 @@ class StackSettings:
     vllm_small_pool: Sequence[int] = (1,)
     # More `vllm serve` flags for every real engine (e.g. --trust-request-chat-template).
     vllm_args: Sequence[str] = ()
+    # The tiny model's seed by region (emulator/vllm/tiny.py; 0 where not named): regions
+    # given different seeds serve different models. Their served names and adapters are
+    # engine_models and engine_loras, as for the emulated engines.
+    vllm_model_seeds: Mapping[str, int] = field(default_factory=dict)
     # The emulated engines' --tokenizer: "tiny" (the tiny model's real BPE and chat
     # template, what a real vLLM here serves), "approx" (4 bytes per token) or a path.
     engine_tokenizer: str = "tiny"

@@ -25,6 +25,7 @@ from emulator.stack.processes import (
     engine_argv,
     envoy_argv,
     gorgo_argv,
+    lora_flags,
     nats_argv,
     wan_argv,
 )
@@ -155,9 +156,11 @@ class Stack(SupervisedChildren):
             raise StackError(f"no vLLM environment at {venv}: run `make vllm` first")
         small = i in self.settings.vllm_small_pool
         pub, replay = self.settings.kv_event_ports(i)
+        region = self.settings.regions[i].id
         spec = EngineSpec(
             venv=venv,
-            model=ensure_tiny_model(venv),
+            model=ensure_tiny_model(venv, self.settings.vllm_model_seeds.get(region, 0)),
+            name=self.settings.engine_models.get(region) or "tiny",
             port=self.settings.ports.engine(i),
             # --kv-events: the engine binds tcp://*:pub and a replay ROUTER, and every
             # router connects (backends[i].kv_events, settings.py); else it connects to
@@ -170,7 +173,8 @@ class Stack(SupervisedChildren):
             # 160 blocks of 32 tokens: 5,120 tokens, just over max_model_len / block_size
             block_size=32 if small else None,
             num_blocks=160 if small else None,
-            extra_args=list(self.settings.vllm_args),
+            # the region's LoRA adapters (NAME=PATH of a real adapter)
+            extra_args=[*lora_flags(self.settings, region), *self.settings.vllm_args],
         )
         for d in ("cache", "tmp"):
             (spec.work_dir / d).mkdir(parents=True, exist_ok=True)

@@ -131,6 +131,10 @@ class Prober:
         pairs: deque[tuple[float, float]] = deque(maxlen=COMPARE_PAIRS)
         while True:
             rtt_ms = await self.probe_once(b, path)
+            if rtt_ms is not None and self._models_unread(b):
+                # an engine that was not up when the router started (or was added) answers:
+                # what it serves is read before it counts as healthy, not an interval later
+                await self._read_models(b)
             state = self.router.backends.get(b.id)
             if state is None:  # removed while the probe was out
                 return
@@ -199,6 +203,12 @@ class Prober:
         while True:
             await self._read_models(b)
             await asyncio.sleep(self.cfg.probes.models_interval_s)
+
+    def _models_unread(self, b: Backend) -> bool:
+        state = self.router.backends.get(b.id)
+        return (
+            self.cfg.probes.models_interval_s > 0 and state is not None and state.discovered is None
+        )
 
     async def _read_models(self, b: Backend) -> None:
         """One read of the engine's models; an answer that cannot be read (or none within
