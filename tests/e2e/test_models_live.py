@@ -425,3 +425,32 @@ def test_an_adapter_loaded_at_run_time_is_routed_to_and_unloaded_is_not() -> Non
     assert all(r.status == 404 and not r.backend for r in after_read)
     assert all("model_not_found" in r.error for r in after_read)
     assert t_end > t_forgot
+
+
+def test_an_alias_is_sent_on_as_its_served_names_with_the_body_rewritten() -> None:
+    """Aliases (config `models[]`): a public name split over two served ones; Envoy takes
+    the router's body mutation (the body's `model` and its content-length), so each
+    engine gets a request for a name it serves, and a session keeps its share."""
+    from ext_proc.config.schema import ModelAlias, ServedShare
+
+    stack = models_stack({ASHBURN: "alpha", FRANKFURT: "alpha", SEOUL: "beta"})
+    split = ModelAlias("chat", (ServedShare("alpha", 1.0), ServedShare("beta", 1.0)))
+    stack.config = replace(stack.config, models=(split,))
+    stack.start()
+    try:
+        by_session: dict[str, set[str]] = {}
+        for i in range(40):
+            session = f"s{i % 10}"
+            body = chat_body(f"turn {i} of {session}", 2, stream=False)
+            body["model"], body["user"] = "chat", session
+            a = call(f"{stack.front_door_url}/v1/chat/completions", body)
+            assert a.status == 200, (a.status, a.body)
+            served = {ASHBURN: "alpha", FRANKFURT: "alpha", SEOUL: "beta"}[a.backend]
+            assert a.body["model"] == served  # the engine answered for the served name
+            by_session.setdefault(session, set()).add(served)
+        assert all(len(v) == 1 for v in by_session.values())  # a session keeps its share
+        assert {m for v in by_session.values() for m in v} == {"alpha", "beta"}
+        listed = [m["id"] for m in front_door_models(stack).body["data"]]
+        assert listed == ["alpha", "beta", "chat"]
+    finally:
+        stack.stop()
