@@ -185,6 +185,7 @@ class Fleet:
             b.prefill = PrefillModel(b.profile)
             b.latency = LatencyStats()  # another engine, or another model of it
             b.speed = LatencyModel(self.cfg.routing.learn_latency)
+            b.adapter_speed = {}
         capacity = new.kv_capacity_tokens or b.profile.kv_capacity_tokens
         if reset:
             b.prefix = PrefixCache(capacity, self.cfg.routing.block_tokens)  # empty again
@@ -194,6 +195,7 @@ class Fleet:
             b.rtt_samples = b.probe_failures = b.request_failures = 0
             b.suspect = False
             b.ejected_until_s = b.engine = b.engine_at_s = None
+            self.state.set_discovered(b.id, None)  # what it serves: read again
         else:
             b.prefix.set_capacity(capacity)
         b.rtt_prior_ms = new.rtt_prior_ms

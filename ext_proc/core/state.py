@@ -191,7 +191,8 @@ class FleetState:
         return model in self.adapters
 
     def set_discovered(self, backend: str, served: ServedModels | None) -> bool:
-        """What the backend's engine lists now; returns whether that changed."""
+        """What the backend's engine lists now (None: not known); returns whether that
+        changed."""
         b = self.backends.get(backend)
         if b is None or b.discovered == served:
             return False

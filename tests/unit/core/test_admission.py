@@ -144,3 +144,22 @@ def test_an_adapter_prefers_where_it_is_loaded_over_a_full_batch_of_others() -> 
     full_backend, full_ms = queue_on_a(1)  # a's one slot held by doc: wait for a finish
     assert free_backend == "a" and full_backend == "b"
     assert full_ms > free_ms + 1000
+
+
+def test_a_reload_restricts_a_backend_before_its_adapter_is_unloaded() -> None:
+    """The operator's way to take an adapter off one backend with no request failing:
+    leave it out of that backend's `backends[].models` (a reload), then unload it."""
+    from dataclasses import replace
+
+    r, _ = make_router("gorgo", backends=BACKENDS[:2])
+    for b in ("a", "b"):
+        r.record_models(b, ServedModels(frozenset({"alpha"}), {"sql": "alpha"}))
+    assert {c.backend_id for c in r.decide(chat(model="sql")).candidates} == {"a", "b"}
+    kept = replace(r.backends["a"].config, models=("alpha",))
+    r.reconcile([kept, r.backends["b"].config])
+    for i in range(10):
+        assert r.decide(chat(f"q{i}", model="sql")).backend == "b"
+    assert r.decide(chat("base", model="alpha")).backend in ("a", "b")
+    moved = replace(r.backends["b"].config, address="127.0.0.1:9")  # another engine
+    r.reconcile([kept, moved])
+    assert r.backends["b"].models is None  # to be read again from the new engine
