@@ -46,6 +46,9 @@ class Prober:
         self._tasks: dict[str, list[asyncio.Task[None]]] = {}
         self._stopping: set[asyncio.Task[None]] = set()
         self._session: aiohttp.ClientSession | None = None
+        # Metrics scrapes and model reads go on connections of their own: a probe that
+        # waited for a connection another request holds would time that wait as RTT.
+        self._aux: aiohttp.ClientSession | None = None
         # Backends whose configured probe path was found to make the engine work.
         self.slow_paths: dict[str, str] = {}
 
@@ -55,6 +58,9 @@ class Prober:
         # One connection per backend is plenty; keep it alive across probes.
         connector = aiohttp.TCPConnector(limit_per_host=2, keepalive_timeout=60)
         self._session = aiohttp.ClientSession(connector=connector, trace_configs=[trace])
+        self._aux = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit_per_host=2, keepalive_timeout=60)
+        )
         backends = self.router.cfg.backends
         if self.cfg.probes.models_interval_s > 0:
             # What each engine serves, read before start returns (the service answers
@@ -92,8 +98,9 @@ class Prober:
     async def stop(self) -> None:
         await cancel_and_wait([*(t for ts in self._tasks.values() for t in ts), *self._stopping])
         self._tasks.clear()
-        if self._session is not None:
-            await self._session.close()
+        for session in (self._session, self._aux):
+            if session is not None:
+                await session.close()
 
     @staticmethod
     async def _on_new_connection(
@@ -177,11 +184,11 @@ class Prober:
             )
 
     async def _metrics_loop(self, b: Backend) -> None:
-        assert self._session is not None
+        assert self._aux is not None
         url = f"http://{b.address}/metrics"
         while True:
             try:
-                async with self._session.get(
+                async with self._aux.get(
                     url, timeout=aiohttp.ClientTimeout(total=self.cfg.probes.timeout_s)
                 ) as resp:
                     text = await resp.text()
@@ -213,10 +220,10 @@ class Prober:
     async def _read_models(self, b: Backend) -> None:
         """One read of the engine's models; an answer that cannot be read (or none within
         probes.timeout_s) leaves what was known."""
-        assert self._session is not None
+        assert self._aux is not None
         url = f"http://{b.address}/v1/models"
         try:
-            async with self._session.get(
+            async with self._aux.get(
                 url, timeout=aiohttp.ClientTimeout(total=self.cfg.probes.timeout_s)
             ) as resp:
                 if resp.status != 200:

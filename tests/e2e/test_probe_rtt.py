@@ -4,14 +4,17 @@ The emulated SGLang's /health runs a one-token generation that queues behind eve
 in front of it, as the real one does (python/sglang/srt/entrypoints/http_server.py). The
 router's default probe path for SGLang (/v1/models) is answered without the scheduler, so
 through `gorgo up`'s stack, idle and under load, /state shows each backend's RTT within
-10 % + 5 ms of its WAN link's 1 / 90 / 180 ms. Probing /health instead reads a second or
-more (SGLang looks for output once a second) and the engine's queue, and the router says
-so.
+10 % + 5 ms of its WAN link's 1 / 90 / 180 ms, or of a round trip through that link
+measured in the same run when the machine's timers make the link slower than it is
+configured (a user-space link adds a few ms of its own on a busy or throttled VM).
+Probing /health instead reads a second or more (SGLang looks for output once a second)
+and the engine's queue, and the router says so.
 """
 
 from __future__ import annotations
 
 import asyncio
+import http.client
 import statistics
 import time
 from collections.abc import Iterator
@@ -30,6 +33,33 @@ IDS = [r.id for r in DEFAULT_REGIONS]
 
 def within(measured_ms: float, true_ms: float) -> bool:
     return abs(measured_ms - true_ms) <= 0.10 * true_ms + 5.0
+
+
+def link_rtts(stack: Stack) -> dict[str, float]:
+    """Each backend's round trip measured here, idle: the median of 15 GETs of the engine's
+    no-work path (/v1/models) through its WAN link, on a kept-alive connection."""
+    out: dict[str, float] = {}
+    for b in stack.config.backends:
+        host, port = b.address.rsplit(":", 1)
+        conn = http.client.HTTPConnection(host, int(port), timeout=5)
+        samples = []
+        for i in range(16):
+            t = time.perf_counter()
+            conn.request("GET", "/v1/models")
+            conn.getresponse().read()
+            if i:  # the first one opened the connection
+                samples.append((time.perf_counter() - t) * 1000)
+            time.sleep(0.02)
+        conn.close()
+        out[b.id] = statistics.median(samples)
+    return out
+
+
+def near_link(measured: dict[str, float], links: dict[str, float]) -> bool:
+    return all(
+        within(measured[r.id], r.rtt_ms) or within(measured[r.id], links[r.id])
+        for r in DEFAULT_REGIONS
+    )
 
 
 def rtts(stack: Stack) -> dict[str, float]:
@@ -82,7 +112,8 @@ def test_rtt_is_the_network_idle_and_under_load(default_probe_stack: Stack) -> N
     stack = default_probe_stack
     wait_for(lambda: all(router_state(stack)["backends"][b]["rtt_samples"] >= 3 for b in IDS))
     idle = sample_rtts(stack, 1.5)
-    assert all(within(idle[r.id], r.rtt_ms) for r in DEFAULT_REGIONS), idle
+    links = link_rtts(stack)
+    assert near_link(idle, links), (idle, links)
 
     async def busy() -> tuple[dict[str, float], list[bool]]:
         loop = asyncio.get_running_loop()
@@ -92,9 +123,9 @@ def test_rtt_is_the_network_idle_and_under_load(default_probe_stack: Stack) -> N
         return during, await task
 
     during, ok = asyncio.run(busy())
-    print(f"rtt_ms idle {idle} under load {during}")  # the figures for the record (-s)
+    print(f"rtt_ms idle {idle} under load {during}, links {links}")  # the record (-s)
     assert all(ok)
-    assert all(within(during[r.id], r.rtt_ms) for r in DEFAULT_REGIONS), during
+    assert near_link(during, links), (during, links)
 
 
 def test_probing_health_reads_the_queue_and_is_flagged() -> None:
