@@ -10,7 +10,7 @@ OpenAI's API. Pure.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from ext_proc.config.schema import EngineKind, ModelAlias
 from ext_proc.core.state import BackendState, FleetState
@@ -51,18 +51,20 @@ def serving(state: FleetState, model: str | None) -> list[BackendState]:
     listing = [b for b in backends if (m := b.models) is not None and m.serves(model)]
     if listing:
         return listing + unknown
-    bases = {name for b in backends if (m := b.models) is not None for name in m.base}
-    if len(bases) > 1:
+    if len(_base_names(backends)) > 1:
         return unknown
     return [b for b in backends if b.models is None or b.config.engine is EngineKind.SGLANG]
 
 
+def _base_names(backends: Iterable[BackendState]) -> set[str]:
+    """The base models the backends whose models are known serve."""
+    return {name for b in backends if (m := b.models) is not None for name in m.base}
+
+
 def model_refusal(state: FleetState, model: str | None, now_s: float) -> Refusal | None:
     """None: the request may go on (some backend may serve it)."""
-    backends = list(state.backends.values())
-    known = [b.models for b in backends]
     if model is None:
-        bases = {name for served in known if served is not None for name in served.base}
+        bases = _base_names(state.backends.values())
         if len(bases) > 1:
             listed = ", ".join(sorted(bases))
             return Refusal(

@@ -260,7 +260,7 @@ class Features:
             prefill_ms = b.prefill.prefill_ms(uncached, cached) * speed.prefill_factor
             items, step_ms = self._queue_items(b)
             queue_ms = self._queue_ms(b, now_s, need_kv, items, step_ms)
-            if model is not None and model in state.adapters:
+            if model is not None and state.is_adapter(model):
                 report = self.fresh_engine_report(b, now_s)
                 queue_ms += lora_slot_wait_ms(report, model, items, step_ms, now_s)
             out.append(

@@ -46,6 +46,7 @@ from ext_proc.prompt.parse import (
     api_for_path,
     is_error_event,
     parse_body,
+    route_path,
     with_model,
 )
 from ext_proc.service.telemetry import Telemetry
@@ -312,7 +313,7 @@ def open_session(
     if (
         phase.name == codec.REQUEST_HEADERS
         and headers.get(":method") == "GET"
-        and headers.get(":path", "").split("?", 1)[0].rstrip("/") == MODELS_PATH
+        and route_path(headers.get(":path", "")) == MODELS_PATH
     ):
         return ModelsSession(router, info)
     if (

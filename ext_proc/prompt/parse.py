@@ -92,7 +92,12 @@ def prompt_tokens(prompt: Prompt) -> int:
 
 def api_for_path(path: str) -> str | None:
     """The API a request path addresses, or None when it is not an LLM call."""
-    return _API_BY_PATH.get(path.split("?", 1)[0].rstrip("/") or "/")
+    return _API_BY_PATH.get(route_path(path))
+
+
+def route_path(path: str) -> str:
+    """A request path as routes compare it: no query, no trailing slash."""
+    return path.split("?", 1)[0].rstrip("/") or "/"
 
 
 def _optional_int(body: dict[str, Any], *keys: str) -> int | None:
