@@ -15,13 +15,12 @@ import argparse
 import sys
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
-from pathlib import Path
 
 import numpy as np
 
 from loadgen.bench_target import CONVERSATION, SYNTHETIC, Cell, cells_for, windows_for
 from loadgen.cli import DEFAULT_TRACE
-from loadgen.results import summarize
+from loadgen.results import print_report, summarize
 from loadgen.simulate import simulate
 
 WITHIN = 1.05
@@ -75,10 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{worst[2]}: TTFT {worst[0]:.3f}, E2E {worst[1]:.3f}",
     ]
     text = "\n".join(lines)
-    print(text)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text + "\n")
+    print_report(text, args.out)
     return 0
 
 

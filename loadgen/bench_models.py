@@ -26,7 +26,7 @@ from pathlib import Path
 
 from emulator.fleet import load_fleet
 from loadgen.bench_target import BASELINES
-from loadgen.results import summarize
+from loadgen.results import print_report, summarize
 from loadgen.sim_models import served_models
 from loadgen.simulate import SimSettings, simulate
 from loadgen.trace_models import CONVERSATION_TRACE, two_models
@@ -146,10 +146,7 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
     text = report(runs)
-    print(text)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text + "\n")
+    print_report(text, args.out)
     return 0
 
 

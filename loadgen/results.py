@@ -167,6 +167,15 @@ def write_result(
     return doc
 
 
+def print_report(text: str, out: str) -> None:
+    """A bench's table on stdout, and in `out` too ('' : not written)."""
+    print(text)
+    if out:
+        p = Path(out)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(text + "\n")
+
+
 def write_csv(path: str | Path, results: Sequence[RequestResult]) -> None:
     with Path(path).open("w", newline="") as f:
         fields = list(RequestResult("x").row())
