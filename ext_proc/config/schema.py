@@ -300,6 +300,12 @@ class TelemetryConfig:
     # Share of decisions traced; a decision under a sampled Envoy span follows Envoy's.
     sample_ratio: float = bounded(1.0, ge=0.0, le=1.0)
     service_name: str = "gorgo"
+    # Decisions kept for the operator's page (/ui) and /state, with their outcomes. A
+    # decision over 64 backends costs ~20 KB (its candidates' terms).
+    recent_decisions: int = bounded(1000, ge=8, le=100_000)
+    # Where the page links a decision's trace: a URL with {trace_id}, for example Jaeger's
+    # http://127.0.0.1:16686/trace/{trace_id} ("" = the trace id is shown, not linked).
+    trace_url: str = ""
 
 
 @dataclass(frozen=True)

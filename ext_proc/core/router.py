@@ -19,6 +19,7 @@ import numpy as np
 from ext_proc.config.schema import Config
 from ext_proc.core import views
 from ext_proc.core.admission import fleet_models, model_refusal, served_name
+from ext_proc.core.decision_log import DecisionLog
 from ext_proc.core.events import BackendChanged, Closed, Dispatched, FirstByte, Listener
 from ext_proc.core.features import Features, output_tokens, pace_ms, prefix_state_for
 from ext_proc.core.fleet import Fleet, FleetControls
@@ -45,9 +46,6 @@ from ext_proc.learn.learners import (
 from ext_proc.learn.tuner import Tuner
 from ext_proc.policy.base import Policy
 
-# How many recent decisions /state shows.
-RECENT_DECISIONS = 8
-
 
 class Router(RouterInputs, FleetControls):
     __slots__ = (
@@ -55,8 +53,8 @@ class Router(RouterInputs, FleetControls):
         "_features",
         "_fleet",
         "_listeners",
+        "_log",
         "_policy",
-        "_recent",
         "_tuner",
         "_weights",
         "clock",
@@ -81,7 +79,7 @@ class Router(RouterInputs, FleetControls):
         self._fleet = Fleet(cfg, clock, self._emit)
         self._features = Features(self._fleet, clock)
         self._decisions = 0
-        self._recent = views.RecentDecisions(RECENT_DECISIONS)
+        self._log = DecisionLog(cfg.telemetry.recent_decisions)
         state = self._fleet.state
         # The learners, in the order they hear each event; more can subscribe.
         self._listeners: list[Listener] = [
@@ -89,7 +87,7 @@ class Router(RouterInputs, FleetControls):
             SpeedLearner(state),
             Ejector(state, cfg.routing),
             PredictionLearner(state),
-            self._recent,
+            self._log,
         ]
         if tuner is not None:
             failure_ms = cfg.request_timeout_s * 1000
@@ -124,8 +122,9 @@ class Router(RouterInputs, FleetControls):
         return self._decisions
 
     @property
-    def recent(self) -> tuple[Decision, ...]:
-        return self._recent.decisions
+    def recent(self) -> DecisionLog:
+        """The last decisions made (telemetry.recent_decisions of them)."""
+        return self._log
 
     @property
     def backends(self) -> Mapping[str, BackendState]:
@@ -157,7 +156,7 @@ class Router(RouterInputs, FleetControls):
             self.weights,
             self._tuner,
             self._decisions,
-            self._recent,
+            self._log,
         )
 
     # -- deciding -----------------------------------------------------------------------
@@ -261,7 +260,7 @@ class Router(RouterInputs, FleetControls):
         )
         rec.hold_ms = decision.hold_ms
         self._decisions += 1
-        self._recent.add(decision)
+        self._log.add(decision, now_s)
         event = Dispatched(request, decision, rec, now_s)
         for listener in self._listeners:
             listener.on_dispatch(event)

@@ -5,55 +5,16 @@ tuner and the recent decisions (each with its outcome, once its request closed).
 from __future__ import annotations
 
 import time
-from collections import deque
 from typing import Any
 
-from ext_proc.core.events import Closed, Listener
+from ext_proc.core.decision_log import DecisionLog
 from ext_proc.core.features import Features, prefix_state
 from ext_proc.core.state import BackendState
-from ext_proc.core.types import Decision, Weights
+from ext_proc.core.types import Weights
 from ext_proc.learn.tuner import Tuner
 
-
-class RecentDecisions(Listener):
-    """The last `size` decisions for /state and, once a request closed, what came beside
-    what the chosen backend predicted: its status, measured TTFT (None: not a stream, or
-    no first byte) and E2E. Bounded: an outcome is kept only with a decision still shown."""
-
-    def __init__(self, size: int) -> None:
-        self._shown: deque[tuple[Decision, dict[str, Any]]] = deque(maxlen=size)
-
-    @property
-    def decisions(self) -> tuple[Decision, ...]:
-        return tuple(d for d, _ in self._shown)
-
-    def add(self, d: Decision) -> None:
-        self._shown.append((d, {}))
-
-    def on_close(self, e: Closed) -> None:
-        for d, observed in reversed(self._shown):  # the newest first: a reused request id
-            if d.request_id == e.request_id and not observed:
-                streamed = e.record.streaming and e.ttft_ms is not None
-                observed.update(
-                    status=str(e.status),
-                    ttft_ms=round(e.ttft_ms, 3) if streamed and e.ttft_ms is not None else None,
-                    e2e_ms=round(e.e2e_ms, 3),
-                )
-                return
-
-    def as_json(self) -> list[dict[str, Any]]:
-        out = []
-        for d, observed in self._shown:
-            chosen = d.chosen
-            out.append(
-                {
-                    **d.as_json(),
-                    "predicted_ttft_ms": round(chosen.predicted_ttft_ms, 3),
-                    "predicted_e2e_ms": round(chosen.predicted_e2e_ms, 3),
-                    "observed": observed or None,
-                }
-            )
-        return out
+# How many of the recent decisions /state shows (the operator's page shows them all).
+STATE_DECISIONS = 8
 
 
 def prefix_state_json(b: BackendState, wall_s: float) -> dict[str, Any]:
@@ -86,7 +47,7 @@ def snapshot(
     weights: Weights | None,
     tuner: Tuner | None,
     decisions: int,
-    recent: RecentDecisions,
+    log: DecisionLog,
 ) -> dict[str, Any]:
     fleet = features.fleet
     now_s = features.clock()
@@ -117,5 +78,5 @@ def snapshot(
         "in_flight": len(fleet.state.in_flight),
         "backends": backends,
         "removed_backends": fleet.removed_json(now_s),
-        "recent_decisions": recent.as_json(),
+        "recent_decisions": log.as_json(STATE_DECISIONS),
     }

@@ -1,5 +1,5 @@
-"""Admin HTTP on loopback: /healthz, /state, POST /tuner, and the fleet: GET/POST
-/backends, POST /backends/{id}/drain, DELETE /backends/{id}."""
+"""Admin HTTP on loopback: /healthz, /state, POST /tuner, the fleet (GET/POST /backends,
+POST /backends/{id}/drain, DELETE /backends/{id}) and the operator's page (/ui)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from ext_proc.config.schema import ConfigError
 from ext_proc.core.fleet import FleetConflict, UnknownBackend
 from ext_proc.core.router import Router
 from ext_proc.core.types import Weights
+from ext_proc.service.operator_page import add_page_routes
 from ext_proc.service.telemetry import Telemetry
 
 TUNER_ACTIONS = ("freeze", "unfreeze", "set")
@@ -161,4 +162,5 @@ def make_admin_app(
     # The REST spelling of a drain: no new decisions at once, gone once its requests in
     # flight have closed (so none of them fails).
     app.router.add_delete("/backends/{id}", drain_backend)
+    add_page_routes(app, router, router.cfg.telemetry.trace_url)
     return app

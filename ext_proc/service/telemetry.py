@@ -341,6 +341,7 @@ class Telemetry(Listener):
         span = self._tracer.start_span(SPAN_NAME, context=ctx, attributes=attributes)
         if span.is_recording():
             self._spans[d.request_id] = span
+            self.router.recent.set_trace(d.request_id, f"{span.get_span_context().trace_id:032x}")
 
     def on_first_byte(self, e: FirstByte) -> None:
         self.metrics.ttft.labels(e.backend).observe(e.ttft_ms / 1000)

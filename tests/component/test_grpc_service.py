@@ -251,7 +251,7 @@ async def test_a_paced_decision_is_sent_after_its_hold() -> None:
             assert (await call.read()).request_body.response.header_mutation.set_headers
             waited_s.append(asyncio.get_running_loop().time() - t0)
         await channel.close()
-        first, second = list(svc.router.recent)[-2:]
+        first, second = svc.router.recent.decisions[-2:]
         assert first.hold_ms == 0.0
         assert 100 < second.hold_ms <= 250
         assert waited_s[1] >= second.hold_ms / 1000

@@ -105,7 +105,7 @@ def test_a_stalled_backend_is_avoided_while_it_answers_probes() -> None:
     clock.advance(1.0)  # the first request is over a second late: near is stalled
     assert r.decide(chat("third")).backend != "near"
     r.first_byte(stuck.request_id)  # it answers at last
-    r.first_byte(r.recent[-2].request_id)
+    r.first_byte(r.recent.decisions[-2].request_id)
     assert r.decide(chat("fourth")).backend == "near"
 
 
@@ -115,7 +115,7 @@ def test_lateness_counts_only_for_streams_and_once_first_bytes_are_observed() ->
     clock.advance(2.0)  # no first byte ever seen: maybe no observer, lateness is no signal
     assert r.decide(chat("second")).backend == "near"
     r.first_byte(stuck.request_id)
-    for d in list(r.recent):
+    for d in r.recent.decisions:
         r.first_byte(d.request_id)
         r.close(d.request_id, Status.OK)
     body = b'{"messages": [{"role": "user", "content": "x"}], "stream": false}'
@@ -145,7 +145,7 @@ def test_equal_caches_and_load_the_nearest_wins() -> None:
     # queued prefill on near: once it outweighs the RTT gap, the next region takes over
     for i in range(20):
         r.decide(chat(f"long document {i} " * 3000))
-    assert Counter(d.backend for d in r.recent)["mid"] > 0
+    assert Counter(d.backend for d in r.recent.decisions)["mid"] > 0
 
 
 def test_a_session_follows_its_cache_unless_that_backend_is_overloaded() -> None:

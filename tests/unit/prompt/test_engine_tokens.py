@@ -295,7 +295,7 @@ def test_a_routing_session_decides_on_the_engines_ids(engine: EngineTokenizer) -
     reply = session.handle(codec.decode(body(chat_body(messages))))
     assert reply is not None and reply.WhichOneof("response") == "request_body"
     ids = whole(engine, messages)
-    assert r.recent[-1].input_tokens == len(ids) > 8
+    assert r.recent.decisions[-1].input_tokens == len(ids) > 8
     blocks = r.in_flight["tok-1"].blocks
     assert blocks is not None and list(blocks) == list(as_hashes(block_hashes_of_ids(ids, 4)))
 

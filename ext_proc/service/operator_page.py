@@ -1,0 +1,193 @@
+"""The operator's page on the admin port: GET /ui (HTML, CSS and JavaScript shipped in
+ext_proc/service/page/, nothing fetched from elsewhere) and the compact JSON it polls.
+
+GET /ui/feed?since=SEQ&steps=KEY answers what changed since the page's last poll: the
+fleet (a row per backend, ~64 rows at most in practice), the decisions made or closed
+after SEQ (each with its best candidates' cost terms), and the tuner's path when it moved.
+GET /ui/decision?request_id=X answers one decision with every candidate. Both read only
+what the router holds already (the bounded decision log, /state's per-backend figures):
+serving them costs the router a poll's worth of JSON, never a request's time."""
+
+from __future__ import annotations
+
+import functools
+from importlib import resources
+from typing import Any
+
+from aiohttp import web
+
+from ext_proc.core.decision_log import Entry
+from ext_proc.core.router import Router
+
+# Candidates per decision in the feed (the chosen one first, then the best scores): the
+# table's bars. The decision's own endpoint has them all.
+FEED_CANDIDATES = 4
+ASSETS = {
+    "page.js": "text/javascript",
+    "page.css": "text/css",
+}
+
+
+@functools.cache
+def _asset(name: str) -> bytes:
+    return resources.files("ext_proc.service").joinpath("page", name).read_bytes()
+
+
+def prefix_why(b: dict[str, Any]) -> str:
+    """Why the backend's cached-token predictions come from where they do (/state's row)."""
+    state = b["prefix_state"]
+    kv = b.get("kv_events")
+    tokens = b.get("tokens") or {}
+    if state == "precise":
+        return "the engine's KV events"
+    if state == "warming":
+        return "KV events up; warming until predictions match the engine's reports"
+    if kv is None:
+        return "no KV events configured: the router's own index"
+    if kv.get("unsupported"):
+        return f"KV events unusable: {kv['unsupported']}"
+    if not tokens.get("ok", True):
+        return f"token ids differ from the engine's: {tokens.get('reason', '')}"
+    if not kv["up"]:
+        return "KV-event stream down: the router's own index"
+    return "the router's own index"
+
+
+def backend_rows(router: Router, state: dict[str, Any]) -> list[dict[str, Any]]:
+    regions = {b["id"]: b["config"].get("region", "") for b in router.backends_json()}
+    rows = []
+    for bid, b in state["backends"].items():
+        ttft = b["latency_prediction"]["ttft"]
+        models = b["models"]
+        rows.append(
+            {
+                "id": bid,
+                "region": regions.get(bid, ""),
+                "lifecycle": b["lifecycle"],
+                "suspect": b["suspect"],
+                "ejected": b["ejected"],
+                "rtt_ms": b["rtt_ms"],
+                "rtt_std_ms": b["rtt_std_ms"],
+                "queue_ms": b["queue_ms"],
+                "in_flight": b["in_flight"],
+                "completed": b["completed"],
+                "errors": b["errors"],
+                "engine": b["engine"],
+                "prefix_state": b["prefix_state"],
+                "prefix_why": prefix_why(b),
+                "ttft_mape": ttft["mape"],
+                "ttft_bias_ms": ttft["bias_ms"],
+                "models": None
+                if models is None
+                else [*models["base"], *sorted(models.get("adapters") or {})],
+            }
+        )
+    return rows
+
+
+def _candidate(entry: Entry, c: Any) -> list[Any]:
+    score = entry.decision.scores.get(c.backend_id)
+    return [
+        c.backend_id,
+        round(c.rtt_ms, 2),
+        round(c.queue_ms, 2),
+        round(c.prefill_ms, 2),
+        round(c.decode_stall_ms, 2),
+        round(c.kv_ms, 2),
+        None if score is None else round(score, 3),
+        c.cached_tokens,
+        c.uncached_tokens,
+    ]
+
+
+def entry_row(entry: Entry, every_candidate: bool = False) -> dict[str, Any]:
+    """One decision, compact: candidates as [backend, rtt, queue, prefill, stall, kv,
+    score, cached tokens, uncached tokens] (ms)."""
+    d = entry.decision
+    chosen = d.chosen
+    others = sorted(
+        (c for c in d.candidates if c.backend_id != d.backend),
+        key=lambda c: d.scores.get(c.backend_id, float("inf")),
+    )
+    shown = [chosen, *others] if every_candidate else [chosen, *others[: FEED_CANDIDATES - 1]]
+    return {
+        "n": entry.number,
+        "seq": entry.seq,
+        "id": d.request_id,
+        "at_s": round(entry.at_s, 3),
+        "model": d.model,
+        "tokens": d.input_tokens,
+        "backend": d.backend,
+        "policy": d.policy,
+        "hold_ms": round(d.hold_ms, 2),
+        "candidates": [_candidate(entry, c) for c in shown],
+        "of": len(d.candidates),
+        "predicted": [round(chosen.predicted_ttft_ms, 2), round(chosen.predicted_e2e_ms, 2)],
+        "observed": entry.observed,
+        "trace_id": entry.trace_id,
+    }
+
+
+def _steps_key(history: list[dict[str, Any]]) -> str:
+    return f"{len(history)}:{history[-1]['samples'] if history else 0}"
+
+
+def feed(router: Router, since: int, steps_key: str, trace_url: str) -> dict[str, Any]:
+    state = router.snapshot()
+    log = router.recent
+    tuner = router.tuner
+    tuner_json = None
+    if tuner is not None:
+        history = tuner.state.history
+        key = _steps_key(history)
+        tuner_json = {
+            **{k: v for k, v in tuner.snapshot().items() if k != "recent_steps"},
+            "steps_key": key,
+            # The whole path (<= 500 steps) only when it moved since the page's last poll.
+            "steps": None if key == steps_key else history,
+        }
+    return {
+        "seq": log.seq,
+        "now_s": round(router.clock(), 3),
+        "log_size": log.size,
+        "policy": state["policy"],
+        "weights": state["weights"],
+        "decisions_total": state["decisions"],
+        "in_flight": state["in_flight"],
+        "trace_url": trace_url,
+        "backends": backend_rows(router, state),
+        "tuner": tuner_json,
+        "decisions": [entry_row(e) for e in log.changed_since(since)],
+    }
+
+
+def add_page_routes(app: web.Application, router: Router, trace_url: str) -> None:
+    async def page(_: web.Request) -> web.Response:
+        return web.Response(body=_asset("index.html"), content_type="text/html", charset="utf-8")
+
+    async def asset(request: web.Request) -> web.Response:
+        name = request.match_info["name"]
+        if name not in ASSETS:
+            raise web.HTTPNotFound(text=f"no asset {name!r}; the page has {', '.join(ASSETS)}")
+        return web.Response(body=_asset(name), content_type=ASSETS[name], charset="utf-8")
+
+    async def feed_handler(request: web.Request) -> web.Response:
+        raw = request.query.get("since", "0")
+        if not raw.isdigit():
+            why = f"since: expected an integer >= 0, got {raw!r}"
+            return web.json_response({"error": why}, status=400)
+        body = feed(router, int(raw), request.query.get("steps", ""), trace_url)
+        return web.json_response(body)
+
+    async def decision(request: web.Request) -> web.Response:
+        rid = request.query.get("request_id", "")
+        entry = router.recent.find(rid) if rid else None
+        if entry is None:
+            why = "request_id: required" if not rid else f"no recent decision for {rid!r}"
+            return web.json_response({"error": why}, status=404 if rid else 400)
+        return web.json_response(entry_row(entry, every_candidate=True))
+
+    app.router.add_get("/ui", page)
+    app.router.add_get("/ui/feed", feed_handler)
+    app.router.add_get("/ui/decision", decision)
+    app.router.add_get("/ui/{name}", asset)

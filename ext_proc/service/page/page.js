@@ -1,0 +1,265 @@
+// The operator's page: polls /ui/feed for what changed since its last poll and redraws.
+// Everything it shows comes from the router's admin port; nothing is fetched elsewhere.
+"use strict";
+
+const POLL_MS = 1000;
+const TERMS = ["rtt", "queue", "prefill", "stall", "kv"];
+const TERM_NAMES = { rtt: "RTT", queue: "queue", prefill: "prefill", stall: "decode stall", kv: "KV wait" };
+// A feed candidate: [backend, rtt, queue, prefill, stall, kv, score, cached, uncached].
+const C = { backend: 0, rtt: 1, queue: 2, prefill: 3, stall: 4, kv: 5, score: 6, cached: 7, uncached: 8 };
+
+const page = {
+  seq: 0, // the log's change count seen last
+  steps: "", // the tuner path's key seen last
+  decisions: new Map(), // decision number -> row
+  logSize: 1000,
+  feed: null,
+  path: [],
+  selected: null, // request id shown in the detail panel
+  detail: null,
+  drawn: false,
+};
+
+const $ = (id) => document.getElementById(id);
+const esc = (v) => String(v ?? "").replace(/[&<>"']/g, (c) => `&#${c.charCodeAt(0)};`);
+const ms = (v) => (v === null || v === undefined ? "–" : v >= 100 ? v.toFixed(0) : v.toFixed(1));
+const pct = (v) => (v === null || v === undefined ? "–" : `${(100 * v).toFixed(0)} %`);
+
+async function poll() {
+  try {
+    const url = `/ui/feed?since=${page.seq}&steps=${encodeURIComponent(page.steps)}`;
+    const r = await fetch(url, { cache: "no-store" });
+    if (!r.ok) throw new Error(`HTTP ${r.status}`);
+    apply(await r.json());
+    setLive(true, "live");
+  } catch (e) {
+    setLive(false, `no answer from the router: ${e.message}`);
+  }
+  setTimeout(poll, POLL_MS);
+}
+
+function setLive(ok, text) {
+  const el = $("live");
+  el.className = `live ${ok ? "ok" : "bad"}`;
+  el.textContent = ok ? `${text}, updated ${new Date().toLocaleTimeString()}` : text;
+}
+
+function apply(f) {
+  if (f.seq < page.seq) page.decisions.clear(); // a restarted router: its log began again
+  page.feed = f;
+  page.seq = f.seq;
+  page.logSize = f.log_size;
+  for (const d of f.decisions) page.decisions.set(d.n, d);
+  // Keep what the router keeps: its newest log_size decisions.
+  if (page.decisions.size > page.logSize) {
+    const keys = [...page.decisions.keys()].sort((a, b) => a - b);
+    for (const k of keys.slice(0, keys.length - page.logSize)) page.decisions.delete(k);
+  }
+  if (f.tuner && f.tuner.steps !== null) {
+    page.path = f.tuner.steps;
+    page.steps = f.tuner.steps_key;
+  }
+  drawSummary(f);
+  drawFleet(f);
+  drawTuner(f.tuner);
+  if (f.decisions.length || !page.drawn) drawDecisions();
+  page.drawn = true;
+}
+
+function drawSummary(f) {
+  const w = f.weights ? `w_rtt ${f.weights.rtt.toFixed(3)}, w_queue ${f.weights.queue.toFixed(3)}` : "no weights";
+  $("summary").textContent =
+    `policy ${f.policy} (${w}) · ${f.decisions_total} decisions · ${f.in_flight} in flight · ${f.backends.length} backends`;
+}
+
+function hitRatios() {
+  const sums = new Map();
+  for (const d of page.decisions.values()) {
+    const c = d.candidates[0]; // the chosen one
+    const s = sums.get(d.backend) || [0, 0];
+    s[0] += c[C.cached];
+    s[1] += c[C.cached] + c[C.uncached];
+    sums.set(d.backend, s);
+  }
+  return sums;
+}
+
+function drawFleet(f) {
+  const hits = hitRatios();
+  const rows = f.backends.map((b) => {
+    const badges = [`<span class="badge b-${esc(b.lifecycle)}">${esc(b.lifecycle)}</span>`];
+    if (b.suspect) badges.push('<span class="badge b-suspect">suspect</span>');
+    if (b.ejected) badges.push('<span class="badge b-ejected">ejected</span>');
+    const e = b.engine;
+    const engine = e
+      ? `${e.running ?? "–"} / ${e.waiting ?? "–"}, KV ${pct(e.kv_usage)} <span class="muted">${e.age_s.toFixed(1)} s ago</span>`
+      : '<span class="muted">no report</span>';
+    const h = hits.get(b.id);
+    const bias = b.ttft_bias_ms === null ? "" : ` <span class="muted">bias ${ms(b.ttft_bias_ms)} ms</span>`;
+    return `<tr data-backend="${esc(b.id)}">
+      <td><b>${esc(b.id)}</b></td><td>${esc(b.region)}</td><td>${badges.join("")}</td>
+      <td class="num">${ms(b.rtt_ms)} ± ${ms(b.rtt_std_ms)}</td><td class="num">${ms(b.queue_ms)}</td>
+      <td class="num">${b.in_flight}</td><td>${engine}</td>
+      <td><span class="badge b-${esc(b.prefix_state)}">${esc(b.prefix_state)}</span><div class="why">${esc(b.prefix_why)}</div></td>
+      <td class="num">${h && h[1] ? pct(h[0] / h[1]) : "–"}</td>
+      <td class="num">${pct(b.ttft_mape)}${bias}</td>
+      <td class="why">${b.models === null ? '<span class="muted">unknown</span>' : esc(b.models.join(", "))}</td></tr>`;
+  });
+  document.querySelector("#fleet tbody").innerHTML = rows.join("");
+}
+
+function drawTuner(t) {
+  const status = $("tuner-status");
+  const svg = $("tuner-chart");
+  if (!t) {
+    status.textContent = "(off)";
+    $("tuner-text").textContent = "No tuner: the policy has no weights, or tuner.mode is off.";
+    svg.innerHTML = "";
+    return;
+  }
+  const path = page.path;
+  const accepted = path.filter((s) => s.accepted).length;
+  const verdicts = path.filter((s) => !s.confirming && !s.tie).length;
+  status.innerHTML = `<span class="badge ${t.frozen ? "b-active" : "b-warming"}">${t.frozen ? "frozen" : "exploring"}</span>`;
+  $("tuner-text").textContent =
+    `${t.mode}, objective ${t.objective} · parent w_rtt ${t.weights.rtt.toFixed(3)} w_queue ${t.weights.queue.toFixed(3)}` +
+    ` · child w_rtt ${t.child.rtt.toFixed(3)} w_queue ${t.child.queue.toFixed(3)} · sigma ${t.sigma.toFixed(3)}` +
+    ` · ${t.samples} completions · rounds: ${accepted} accepted, ${verdicts - accepted} rejected`;
+  svg.innerHTML = tunerChart(path);
+}
+
+function tunerChart(path) {
+  const W = 900, H = 180, P = 24;
+  if (!path.length) {
+    return `<text x="${W / 2}" y="${H / 2}" text-anchor="middle" fill="#777">no round finished yet</text>`;
+  }
+  const xs = path.map((s) => s.samples);
+  const x0 = Math.min(...xs), x1 = Math.max(...xs, x0 + 1);
+  const logs = path.flatMap((s) => [Math.log(s.parent[0]), Math.log(s.parent[1])]);
+  const y0 = Math.min(...logs, -0.1), y1 = Math.max(...logs, 0.1);
+  const sMax = Math.max(...path.map((s) => s.sigma), 1e-9);
+  const X = (v) => P + ((v - x0) / (x1 - x0)) * (W - 2 * P);
+  const Y = (v) => H - P - ((v - y0) / (y1 - y0)) * (H - 2 * P);
+  const S = (v) => H - P - (v / sMax) * (H - 2 * P);
+  const line = (f, cls) =>
+    `<polyline fill="none" stroke="var(--${cls})" stroke-width="2" points="${path.map((s) => `${X(s.samples).toFixed(1)},${f(s).toFixed(1)}`).join(" ")}"/>`;
+  const dots = path.map((s) => {
+    const color = s.confirming || s.tie ? "#aaa" : s.accepted ? "#2a2" : "#c22";
+    return `<circle cx="${X(s.samples).toFixed(1)}" cy="${Y(Math.log(s.parent[0])).toFixed(1)}" r="3" fill="${color}"><title>after ${s.samples} completions: ${s.accepted ? "accepted" : "rejected"} ${esc(s.note)}</title></circle>`;
+  });
+  return [
+    `<line x1="${P}" x2="${W - P}" y1="${Y(0)}" y2="${Y(0)}" stroke="#ddd"/>`,
+    `<text x="${P}" y="12" fill="#777" font-size="11">weights (log scale; the line is 1.0), sigma on its own scale (max ${sMax.toFixed(2)})</text>`,
+    line((s) => S(s.sigma), "sigma"),
+    line((s) => Y(Math.log(s.parent[0])), "rtt"),
+    line((s) => Y(Math.log(s.parent[1])), "queue"),
+    ...dots,
+    `<text x="${P}" y="${H - 6}" fill="#777" font-size="11">${x0}</text>`,
+    `<text x="${W - P}" y="${H - 6}" fill="#777" font-size="11" text-anchor="end">${x1} completions</text>`,
+  ].join("");
+}
+
+function terms(c) {
+  return { rtt: c[C.rtt], queue: c[C.queue], prefill: c[C.prefill], stall: c[C.stall], kv: c[C.kv] };
+}
+
+function termsTitle(c) {
+  const t = terms(c);
+  return TERMS.map((k) => `${TERM_NAMES[k]} ${ms(t[k])} ms`).join(", ");
+}
+
+function bar(c, scale) {
+  const t = terms(c);
+  return `<span class="bar">${TERMS.map((k) => (t[k] > 0 ? `<i class="t-${k}" style="width:${((100 * t[k]) / scale).toFixed(2)}%"></i>` : "")).join("")}</span>`;
+}
+
+const sum = (c) => TERMS.reduce((a, k) => a + Math.max(0, terms(c)[k]), 0);
+
+function candidates(d) {
+  const scale = Math.max(...d.candidates.map(sum), 1e-9);
+  const lines = d.candidates.map((c, i) => {
+    const score = c[C.score] === null ? "" : ` ${ms(c[C.score])}`;
+    return `<div class="cand${i === 0 ? " chosen" : ""}" title="${esc(`${c[C.backend]}: ${termsTitle(c)}`)}">` +
+      `<span class="cn">${esc(c[C.backend])}</span>${bar(c, scale)}<span class="cs">${score}</span></div>`;
+  });
+  if (d.of > d.candidates.length) lines.push(`<div class="muted">and ${d.of - d.candidates.length} more</div>`);
+  return lines.join("");
+}
+
+function traceCell(d) {
+  if (!d.trace_id) return '<span class="muted">–</span>';
+  const url = page.feed && page.feed.trace_url;
+  const short = esc(d.trace_id.slice(0, 8));
+  return url ? `<a href="${esc(url.replace("{trace_id}", d.trace_id))}" target="_blank" rel="noopener">${short}</a>` : short;
+}
+
+function came(d, i) {
+  const o = d.observed;
+  const predicted = ms(d.predicted[i]);
+  if (!o) return `${predicted} / <span class="muted">in flight</span>`;
+  const v = i === 0 ? o.ttft_ms : o.e2e_ms;
+  const status = o.status === "ok" ? "" : ` <span class="status-${esc(o.status)}">${esc(o.status)}</span>`;
+  return `${predicted} / ${v === null ? '<span class="muted">–</span>' : ms(v)}${status}`;
+}
+
+function visible() {
+  const q = $("search").value.trim();
+  const all = [...page.decisions.values()].sort((a, b) => b.n - a.n);
+  return q ? all.filter((d) => d.id.includes(q)) : all;
+}
+
+function drawDecisions() {
+  const now = page.feed ? page.feed.now_s : 0;
+  const shown = visible();
+  $("decision-count").textContent = `(${shown.length} of the last ${page.decisions.size} shown; the router keeps ${page.logSize})`;
+  document.querySelector("#decisions tbody").innerHTML = shown
+    .map((d) => `<tr data-request-id="${esc(d.id)}"${d.id === page.selected ? ' class="selected"' : ""}>
+      <td class="num">${Math.max(0, now - d.at_s).toFixed(1)} s</td><td>${esc(d.id)}</td><td>${esc(d.model ?? "–")}</td>
+      <td class="num">${d.tokens}</td><td><b>${esc(d.backend)}</b></td><td>${candidates(d)}</td>
+      <td class="num">${came(d, 0)}</td><td class="num">${came(d, 1)}</td><td>${traceCell(d)}</td></tr>`)
+    .join("");
+  if (page.selected) {
+    const d = [...page.decisions.values()].find((x) => x.id === page.selected);
+    if (d && page.detail && d.seq > page.detail.seq) showDetail(page.selected); // its outcome came
+  }
+}
+
+async function showDetail(requestId) {
+  page.selected = requestId;
+  const el = $("detail");
+  const r = await fetch(`/ui/decision?request_id=${encodeURIComponent(requestId)}`, { cache: "no-store" });
+  const d = await r.json();
+  el.hidden = false;
+  if (!r.ok) {
+    page.detail = null;
+    el.innerHTML = `<b>${esc(requestId)}</b>: ${esc(d.error)}`;
+    return;
+  }
+  page.detail = d;
+  const scale = Math.max(...d.candidates.map(sum), 1e-9);
+  const rows = d.candidates.map((c) => `<tr class="${c[C.backend] === d.backend ? "chosen" : ""}" data-candidate="${esc(c[C.backend])}">
+    <td>${esc(c[C.backend])}</td>${TERMS.map((k) => `<td class="num" data-term="${k}">${ms(terms(c)[k])}</td>`).join("")}
+    <td class="num">${c[C.cached]} / ${c[C.uncached]}</td><td class="num">${c[C.score] === null ? "–" : ms(c[C.score])}</td><td>${bar(c, scale)}</td></tr>`);
+  el.innerHTML = `<div>Request <b id="detail-id">${esc(d.id)}</b> (${esc(d.model ?? "no model")}, ${d.tokens} tokens, policy ${esc(d.policy)})
+    went to <b id="detail-backend">${esc(d.backend)}</b>${d.hold_ms ? `, held ${ms(d.hold_ms)} ms by pacing` : ""}.
+    TTFT ${came(d, 0)} ms, E2E ${came(d, 1)} ms (predicted / came). Trace: ${traceCell(d)}</div>
+    <table><thead><tr><th>candidate</th>${TERMS.map((k) => `<th>${TERM_NAMES[k]} ms</th>`).join("")}
+    <th>cached / uncached tokens</th><th>score</th><th></th></tr></thead><tbody>${rows.join("")}</tbody></table>`;
+  drawDecisions();
+}
+
+$("decisions").addEventListener("click", (ev) => {
+  const tr = ev.target.closest("tr[data-request-id]");
+  if (tr && !ev.target.closest("a")) showDetail(tr.dataset.requestId);
+});
+$("search").addEventListener("input", () => {
+  const q = $("search").value.trim();
+  const exact = [...page.decisions.values()].some((d) => d.id === q);
+  if (exact) showDetail(q);
+  drawDecisions();
+});
+$("search").addEventListener("keydown", (ev) => {
+  const q = $("search").value.trim();
+  if (ev.key === "Enter" && q) showDetail(q); // asks the router: older than the page
+});
+poll();
