@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 
 VLLM_VENV ?= .venv-vllm
 
-.PHONY: venv proto demo up test test-all test-real vllm check lint types bench bench-overhead clean
+.PHONY: venv proto demo up test test-all test-real vllm check lint types bench bench-overhead screenshot clean
 
 venv: $(STAMP) $(PROTO_OUT)
 
@@ -59,6 +59,11 @@ check: lint types test
 
 bench-overhead: venv
 	$(VENV)/bin/gorgo bench overhead
+
+# docs/img/operator-page.png: the operator's page of a fresh local stack, in headless
+# Chromium (Debian's chromium package).
+screenshot: venv
+	$(PY) -m loadgen.page_shot docs/img/operator-page.png
 
 # The paper's experiment in the simulator: regenerates docs/results.md and its figures.
 bench: venv

@@ -50,13 +50,15 @@ CHAT_TOKENS = 32_768
 CHAT_TURNS = 32
 
 
-def _router(n_backends: int, precise: bool = False) -> Router:
+def _router(n_backends: int, precise: bool = False, recent_decisions: int = 1000) -> Router:
     """`precise`: every backend's engine publishes KV events (the stream is up, no events
-    yet), so a decision chains the prompt's token ids as it matches them."""
+    yet), so a decision chains the prompt's token ids as it matches them. `recent_decisions`:
+    the decision log's size (the operator page's; /state shows 8)."""
     events = {"kv_events": {"endpoint": "tcp://127.0.0.1:1"}} if precise else {}
     cfg = config_from_dict(
         {
             "policy": "gorgo",
+            "telemetry": {"recent_decisions": recent_decisions},
             "backends": [
                 {
                     "id": f"b{i}",
@@ -99,8 +101,10 @@ def _freeze_gc() -> None:
     gc.set_threshold(GC_GEN0_THRESHOLD)
 
 
-def measure(n_backends: int, tokens: int, iterations: int) -> tuple[list[float], list[float]]:
-    router = _router(n_backends)
+def measure(
+    n_backends: int, tokens: int, iterations: int, recent_decisions: int = 1000
+) -> tuple[list[float], list[float]]:
+    router = _router(n_backends, recent_decisions=recent_decisions)
     _warm(router)
     body = _body(_text(tokens, 12345))
     # the measured prompt's history is cached on a third of the backends

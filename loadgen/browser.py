@@ -41,11 +41,46 @@ def find_chromium() -> str | None:
     return next((p for p in map(shutil.which, CANDIDATES) if p), None)
 
 
+def _tree_cpu_s(root: int) -> float:
+    """CPU seconds (user + system) of a process and its live descendants (Linux /proc)."""
+    parents: dict[int, int] = {}
+    times: dict[int, float] = {}
+    ticks = os.sysconf("SC_CLK_TCK")
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # gone meanwhile
+        pid = int(entry.name)
+        parents[pid] = int(fields[1])
+        times[pid] = (int(fields[11]) + int(fields[12])) / ticks
+    total = 0.0
+    for pid, t in times.items():
+        p = pid
+        while p > 1 and p != root:
+            p = parents.get(p, 0)
+        if p == root:
+            total += t
+    return total
+
+
 class Browser:
-    def __init__(self, ws: aiohttp.ClientWebSocketResponse, session: aiohttp.ClientSession):
+    def __init__(
+        self,
+        ws: aiohttp.ClientWebSocketResponse,
+        session: aiohttp.ClientSession,
+        proc: subprocess.Popen[bytes],
+    ):
         self._ws = ws
         self._session = session
+        self._proc = proc
         self._ids = itertools.count(1)
+
+    def cpu_s(self) -> float:
+        """CPU seconds the browser's processes have used (renderers included)."""
+        return _tree_cpu_s(self._proc.pid)
 
     @classmethod
     @contextlib.asynccontextmanager
@@ -79,7 +114,7 @@ class Browser:
                     targets = await r.json()
                 page = next(t for t in targets if t["type"] == "page")
                 async with session.ws_connect(page["webSocketDebuggerUrl"], max_msg_size=0) as ws:
-                    b = cls(ws, session)
+                    b = cls(ws, session, proc)
                     await b.send("Page.enable")
                     await b.send("Runtime.enable")
                     await b.send(
@@ -98,7 +133,9 @@ class Browser:
 
     async def send(self, method: str, params: dict[str, Any] | None = None) -> dict[str, Any]:
         msg_id = next(self._ids)
-        await self._ws.send_str(json.dumps({"id": msg_id, "method": method, "params": params or {}}))
+        await self._ws.send_str(
+            json.dumps({"id": msg_id, "method": method, "params": params or {}})
+        )
         while True:  # events arrive between answers; only ours matters
             msg = await self._ws.receive(timeout=60)
             if msg.type != aiohttp.WSMsgType.TEXT:
@@ -134,19 +171,16 @@ class Browser:
                 raise BrowserError(f"not within {timeout_s} s: {condition}")
             await asyncio.sleep(0.05)
 
-    async def screenshot(self, path: Path) -> None:
-        """The whole page as PNG."""
-        size = await self.evaluate(
-            "[document.documentElement.scrollWidth, document.documentElement.scrollHeight]"
-        )
-        shot = await self.send(
-            "Page.captureScreenshot",
-            {
-                "format": "png",
-                "captureBeyondViewport": True,
-                "clip": {"x": 0, "y": 0, "width": size[0], "height": size[1], "scale": 1},
-            },
-        )
+    async def screenshot(self, path: Path, full_page: bool = True) -> None:
+        """The page as PNG: whole, or what the window shows."""
+        params: dict[str, Any] = {"format": "png"}
+        if full_page:
+            size = await self.evaluate(
+                "[document.documentElement.scrollWidth, document.documentElement.scrollHeight]"
+            )
+            clip = {"x": 0, "y": 0, "width": size[0], "height": size[1], "scale": 1}
+            params.update(captureBeyondViewport=True, clip=clip)
+        shot = await self.send("Page.captureScreenshot", params)
         path.write_bytes(base64.b64decode(shot["data"]))
 
 

@@ -219,6 +219,12 @@ def _bench_load(args: argparse.Namespace) -> int:
     return run_load_bench(args.streams, args.duration_s)
 
 
+def _bench_page(args: argparse.Namespace) -> int:
+    from loadgen.bench_page import run_page_bench
+
+    return run_page_bench(args.streams, args.phase_s, args.requests)
+
+
 def _bench_decide(args: argparse.Namespace) -> int:
     from loadgen.bench_decide import run_decide_bench
 
@@ -546,6 +552,15 @@ def add_commands(commands: Commands) -> None:
     b.add_argument("--streams", type=int, default=200)
     b.add_argument("--duration-s", type=float, default=60.0)
     b.set_defaults(func=_bench_load)
+    b = bench.add_parser(
+        "page",
+        help="the operator page: render time in headless Chromium, and the router's decide, "
+        "overhead and load figures with the page closed and open",
+    )
+    b.add_argument("--streams", type=int, default=200, help="concurrent streams of the load phases")
+    b.add_argument("--phase-s", type=float, default=20.0, help="length of each load phase")
+    b.add_argument("--requests", type=int, default=200, help="pairs per overhead phase")
+    b.set_defaults(func=_bench_page)
     b = bench.add_parser("tuner", help="the tuner through a regime change; false accepts")
     b.add_argument("--trace", default=DEFAULT_TRACE, help="Mooncake conversation trace")
     b.add_argument("--time-scale", type=float, default=6.0)

@@ -203,6 +203,7 @@ class StackSettings:
                 "backends": [
                     {
                         "id": r.id,
+                        "region": r.id,
                         "address": f"127.0.0.1:{self.backend_port(i)}",
                         **self._kv_events_of(i),
                         "engine": "vllm" if self.real_engine else self.flavor,

@@ -292,6 +292,7 @@ class Stack(SupervisedChildren):
         self.added.append(region)
         return {
             "id": region.id,
+            "region": region.id,
             "address": f"127.0.0.1:{port}",
             "engine": self.settings.flavor,
             "rtt_prior_ms": region.rtt_ms,

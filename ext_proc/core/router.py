@@ -149,14 +149,15 @@ class Router(RouterInputs, FleetControls):
     def own_in_flight(self, backend: str) -> int:
         return self._fleet.state.own_in_flight(backend)
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self, decisions: bool = True) -> dict[str, Any]:
+        """/state; `decisions=False` leaves out the recent decisions (the page's poll)."""
         return views.snapshot(
             self._features,
             self._policy.name,
             self.weights,
             self._tuner,
             self._decisions,
-            self._log,
+            self._log if decisions else None,
         )
 
     # -- deciding -----------------------------------------------------------------------

@@ -47,7 +47,7 @@ def snapshot(
     weights: Weights | None,
     tuner: Tuner | None,
     decisions: int,
-    log: DecisionLog,
+    log: DecisionLog | None,
 ) -> dict[str, Any]:
     fleet = features.fleet
     now_s = features.clock()
@@ -78,5 +78,5 @@ def snapshot(
         "in_flight": len(fleet.state.in_flight),
         "backends": backends,
         "removed_backends": fleet.removed_json(now_s),
-        "recent_decisions": log.as_json(STATE_DECISIONS),
+        "recent_decisions": None if log is None else log.as_json(STATE_DECISIONS),
     }

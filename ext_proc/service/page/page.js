@@ -45,15 +45,25 @@ function setLive(ok, text) {
 }
 
 function apply(f) {
-  if (f.seq < page.seq) page.decisions.clear(); // a restarted router: its log began again
+  if (f.seq < page.seq) resetDecisions(); // a restarted router: its log began again
   page.feed = f;
   page.seq = f.seq;
   page.logSize = f.log_size;
-  for (const d of f.decisions) page.decisions.set(d.n, d);
+  // Wall-clock time of each new decision, from the router's clock (its own, monotonic).
+  const nowMs = Date.now();
+  for (const d of f.decisions) {
+    const known = page.decisions.get(d.n);
+    d.atMs = known ? known.atMs : nowMs - (f.now_s - d.at_s) * 1000;
+    page.decisions.set(d.n, d);
+  }
   // Keep what the router keeps: its newest log_size decisions.
+  const evicted = [];
   if (page.decisions.size > page.logSize) {
     const keys = [...page.decisions.keys()].sort((a, b) => a - b);
-    for (const k of keys.slice(0, keys.length - page.logSize)) page.decisions.delete(k);
+    for (const k of keys.slice(0, keys.length - page.logSize)) {
+      page.decisions.delete(k);
+      evicted.push(k);
+    }
   }
   if (f.tuner && f.tuner.steps !== null) {
     page.path = f.tuner.steps;
@@ -62,7 +72,9 @@ function apply(f) {
   drawSummary(f);
   drawFleet(f);
   drawTuner(f.tuner);
-  if (f.decisions.length || !page.drawn) drawDecisions();
+  drawDecisions(f.decisions, evicted);
+  // When the first answer was drawn, in ms since navigation began (the render bench's).
+  if (!page.drawn) document.body.dataset.firstDrawMs = performance.now().toFixed(1);
   page.drawn = true;
 }
 
@@ -202,25 +214,74 @@ function came(d, i) {
   return `${predicted} / ${v === null ? '<span class="muted">–</span>' : ms(v)}${status}`;
 }
 
-function visible() {
-  const q = $("search").value.trim();
-  const all = [...page.decisions.values()].sort((a, b) => b.n - a.n);
-  return q ? all.filter((d) => d.id.includes(q)) : all;
+const rowsById = new Map(); // decision number -> its <tr>
+
+function resetDecisions() {
+  page.decisions.clear();
+  rowsById.clear();
+  document.querySelector("#decisions tbody").innerHTML = "";
 }
 
-function drawDecisions() {
-  const now = page.feed ? page.feed.now_s : 0;
-  const shown = visible();
-  $("decision-count").textContent = `(${shown.length} of the last ${page.decisions.size} shown; the router keeps ${page.logSize})`;
-  document.querySelector("#decisions tbody").innerHTML = shown
-    .map((d) => `<tr data-request-id="${esc(d.id)}"${d.id === page.selected ? ' class="selected"' : ""}>
-      <td class="num">${Math.max(0, now - d.at_s).toFixed(1)} s</td><td>${esc(d.id)}</td><td>${esc(d.model ?? "–")}</td>
-      <td class="num">${d.tokens}</td><td><b>${esc(d.backend)}</b></td><td>${candidates(d)}</td>
-      <td class="num">${came(d, 0)}</td><td class="num">${came(d, 1)}</td><td>${traceCell(d)}</td></tr>`)
-    .join("");
-  if (page.selected) {
-    const d = [...page.decisions.values()].find((x) => x.id === page.selected);
-    if (d && page.detail && d.seq > page.detail.seq) showDetail(page.selected); // its outcome came
+function rowHtml(d) {
+  const q = $("search").value.trim();
+  const hidden = q && !d.id.includes(q) ? " hidden" : "";
+  const selected = d.id === page.selected ? ' class="selected"' : "";
+  return `<tr data-n="${d.n}" data-request-id="${esc(d.id)}"${selected}${hidden}>
+    <td class="num">${new Date(d.atMs).toLocaleTimeString()}</td><td>${esc(d.id)}</td><td>${esc(d.model ?? "–")}</td>
+    <td class="num">${d.tokens}</td><td><b>${esc(d.backend)}</b></td><td>${candidates(d)}</td>
+    <td class="num">${came(d, 0)}</td><td class="num">${came(d, 1)}</td><td>${traceCell(d)}</td></tr>`;
+}
+
+// Only what changed is drawn: new decisions go on top, a closed one's row is replaced,
+// evicted ones leave; a poll under load touches tens of rows, not the table.
+function drawDecisions(changed, evicted) {
+  const tbody = document.querySelector("#decisions tbody");
+  for (const n of evicted) {
+    const tr = rowsById.get(n);
+    if (tr) tr.remove();
+    rowsById.delete(n);
+  }
+  const fresh = [];
+  for (const d of changed) {
+    if (!page.decisions.has(d.n)) continue; // evicted in the same poll
+    const tr = rowsById.get(d.n);
+    if (tr) {
+      const t = document.createElement("tbody");
+      t.innerHTML = rowHtml(d);
+      const next = t.firstElementChild;
+      tr.replaceWith(next);
+      rowsById.set(d.n, next);
+    } else {
+      fresh.push(d);
+    }
+  }
+  fresh.sort((a, b) => b.n - a.n);
+  if (fresh.length) {
+    tbody.insertAdjacentHTML("afterbegin", fresh.map(rowHtml).join(""));
+    for (let i = 0; i < fresh.length; i++) rowsById.set(fresh[i].n, tbody.children[i]);
+  }
+  countShown();
+  if (page.selected && page.detail) {
+    const d = changed.find((x) => x.id === page.selected);
+    if (d && d.seq > page.detail.seq) showDetail(page.selected); // its outcome came
+  }
+}
+
+function countShown() {
+  const shown = document.querySelectorAll("#decisions tbody tr:not([hidden])").length;
+  $("decision-count").textContent = `(${shown} shown of the last ${page.decisions.size}; the router keeps ${page.logSize})`;
+}
+
+function filter() {
+  const q = $("search").value.trim();
+  for (const [n, tr] of rowsById) tr.hidden = Boolean(q) && !page.decisions.get(n).id.includes(q);
+  countShown();
+}
+
+function markSelected() {
+  for (const tr of document.querySelectorAll("#decisions tr.selected")) tr.classList.remove("selected");
+  for (const tr of document.querySelectorAll("#decisions tbody tr")) {
+    if (tr.dataset.requestId === page.selected) tr.classList.add("selected");
   }
 }
 
@@ -245,7 +306,7 @@ async function showDetail(requestId) {
     TTFT ${came(d, 0)} ms, E2E ${came(d, 1)} ms (predicted / came). Trace: ${traceCell(d)}</div>
     <table><thead><tr><th>candidate</th>${TERMS.map((k) => `<th>${TERM_NAMES[k]} ms</th>`).join("")}
     <th>cached / uncached tokens</th><th>score</th><th></th></tr></thead><tbody>${rows.join("")}</tbody></table>`;
-  drawDecisions();
+  markSelected();
 }
 
 $("decisions").addEventListener("click", (ev) => {
@@ -256,7 +317,7 @@ $("search").addEventListener("input", () => {
   const q = $("search").value.trim();
   const exact = [...page.decisions.values()].some((d) => d.id === q);
   if (exact) showDetail(q);
-  drawDecisions();
+  filter();
 });
 $("search").addEventListener("keydown", (ev) => {
   const q = $("search").value.trim();
