@@ -42,7 +42,7 @@ from loadgen.client import Result, chat_body, percentile, send_chat
 TARGET_RENDER_MS = 1000.0
 ROWS = (
     "document.querySelectorAll('#fleet tbody tr').length === {backends} && "
-    "document.querySelectorAll('#decisions tbody tr').length === {decisions}"
+    "document.querySelectorAll('#decision-rows .drow').length === {decisions}"
 )
 
 
@@ -211,22 +211,54 @@ def overhead(requests: int) -> list[str]:
 # -- 4. load ------------------------------------------------------------------------------
 
 
-async def _streams(url: str, streams: int, duration_s: float, tag: str) -> list[Result]:
-    deadline = time.monotonic() + duration_s
-    out: list[Result] = []
-    connector = aiohttp.TCPConnector(limit=streams)
+# Each state at each position once: drift over the run hits all three alike.
+ORDER = (CLOSED, POLLED, BROWSER, BROWSER, CLOSED, POLLED, POLLED, BROWSER, CLOSED)
+# The stack's first half minute under 200 streams settles (TTFT falls several-fold).
+WARMUP_S = 30.0
+
+
+async def _phases(
+    admin_url: str, url: str, streams: int, phase_s: float, pid: int
+) -> tuple[list[tuple[str, list[float], float]], list[float], int]:
+    """One closed loop of `streams` clients for the whole run while the page's state
+    changes every `phase_s` (ORDER); each request counts in the phase it started in.
+    Returns per phase (state, TTFTs, router CPU ms per request), the browser's CPU share
+    per browser phase, and the errors."""
+    windows: list[tuple[float, float, str, float]] = []  # start, end, state, router CPU s
+    results: list[tuple[float, Result]] = []
+    stop = asyncio.Event()
     timeout = aiohttp.ClientTimeout(total=60)
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as s:
+    async with aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=streams), timeout=timeout
+    ) as s:
 
         async def client(i: int) -> None:
             n = 0
-            while time.monotonic() < deadline:
-                body = chat_body(f"{tag} client {i} turn {n} " * 200, 200)
-                out.append(await send_chat(s, url, body, f"{tag}-{i}-{n}", timeout_s=60))
+            while not stop.is_set():
+                body = chat_body(f"client {i} turn {n} " * 200, 200)
+                t = time.monotonic()
+                results.append((t, await send_chat(s, url, body, f"c{i}-{n}", timeout_s=60)))
                 n += 1
 
-        await asyncio.gather(*(client(i) for i in range(streams)))
-    return out
+        clients = [asyncio.create_task(client(i)) for i in range(streams)]
+        await asyncio.sleep(WARMUP_S)
+        browser_share: list[float] = []
+        for how in ORDER:
+            _say(f"load, page {how}: {phase_s:.0f} s...")
+            cpu: list[float] = []
+            async with _page(admin_url, how, cpu):
+                t0, cpu0 = time.monotonic(), bench_load._proc_cpu_s(pid)
+                await asyncio.sleep(phase_s)
+                windows.append((t0, time.monotonic(), how, bench_load._proc_cpu_s(pid) - cpu0))
+            browser_share += [c / phase_s for c in cpu]
+        stop.set()
+        await asyncio.gather(*clients)
+    phases = []
+    for t0, t1, how, cpu_s in windows:
+        rs = [r for t, r in results if t0 <= t < t1]
+        ttfts = [r.ttft_ms for r in rs if r.ok and r.ttft_ms is not None]
+        phases.append((how, ttfts, cpu_s * 1e3 / max(1, len(rs))))
+    return phases, browser_share, sum(not r.ok for _, r in results)
 
 
 def load(streams: int, phase_s: float) -> list[str]:
@@ -240,29 +272,27 @@ def load(streams: int, phase_s: float) -> list[str]:
         )
     )
     stack.start()
-    rows: list[str] = []
     try:
         pid = stack.procs["gorgo-serve"].pid
-        for k, how in enumerate((CLOSED, POLLED, BROWSER) * 2):
-            _say(f"load, page {how}: {streams} streams, {phase_s:.0f} s...")
-            browser_cpu: list[float] = []
-
-            async def phase(tag: str, how: str = how, cpu: list[float] = browser_cpu) -> Any:
-                async with _page(stack.admin_url, how, cpu):
-                    return await _streams(stack.front_door_url, streams, phase_s, tag)
-
-            cpu0 = bench_load._proc_cpu_s(pid)
-            results = asyncio.run(phase(f"p{k}"))
-            cpu_ms = (bench_load._proc_cpu_s(pid) - cpu0) * 1e3 / max(1, len(results))
-            ok = [r.ttft_ms for r in results if r.ok and r.ttft_ms is not None]
-            browser = f", browser {browser_cpu[0] / phase_s:.0%} of a core" if browser_cpu else ""
-            rows.append(
-                f"load, page {how:<7}: {len(results)} requests, {len(results) - len(ok)} errors, "
-                f"TTFT p50 {percentile(ok, 50):.1f} ms, p99 {percentile(ok, 99):.1f} ms, "
-                f"router CPU {cpu_ms:.3f} ms per request{browser}"
-            )
+        _say(f"load: {streams} streams, {len(ORDER)} phases of {phase_s:.0f} s...")
+        phases, browser_share, errors = asyncio.run(
+            _phases(stack.admin_url, stack.front_door_url, streams, phase_s, pid)
+        )
     finally:
         stack.stop()
+    rows = [f"load, {streams} streams: {errors} errors over the run"]
+    for how in (CLOSED, POLLED, BROWSER):
+        mine = [(t, c) for h, t, c in phases if h == how]
+        p99 = [percentile(t, 99) for t, _ in mine]
+        p50 = [percentile(t, 50) for t, _ in mine]
+        extra = ""
+        if how == BROWSER:
+            extra = f", browser {'/'.join(f'{v:.0%}' for v in browser_share)} of a core"
+        rows.append(
+            f"load, page {how:<7}: TTFT p50 {'/'.join(f'{v:.0f}' for v in p50)} ms, "
+            f"p99 {'/'.join(f'{v:.0f}' for v in p99)} ms, router CPU "
+            f"{'/'.join(f'{c:.2f}' for _, c in mine)} ms per request{extra}"
+        )
     return rows
 
 

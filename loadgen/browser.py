@@ -154,7 +154,9 @@ class Browser:
             {"expression": expression, "returnByValue": True, "awaitPromise": True},
         )
         if "exceptionDetails" in r:
-            raise BrowserError(f"{expression[:80]}: {r['exceptionDetails'].get('text')}")
+            details = r["exceptionDetails"]
+            why = details.get("exception", {}).get("description") or details.get("text")
+            raise BrowserError(f"{expression[:80]}: {why}")
         return r["result"].get("value")
 
     async def goto(self, url: str) -> None:

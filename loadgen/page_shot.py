@@ -46,10 +46,10 @@ async def _traffic(url: str) -> None:
 async def _shoot(admin_url: str, out: Path) -> None:
     async with Browser.launch(width=1400, height=1300) as b:
         await b.goto(f"{admin_url}/ui")
-        await b.wait_for(f"document.querySelector('tr[data-request-id=\"{OPENED}\"]')")
+        await b.wait_for(f"document.querySelector('.drow[data-request-id=\"{OPENED}\"]')")
         await b.evaluate(
             f"(() => {{ const s = document.getElementById('search'); s.value = '{OPENED}';"
-            " s.dispatchEvent(new Event('input')); }})()"
+            " s.dispatchEvent(new Event('input')); })()"
         )
         await b.wait_for("document.getElementById('detail-id')")
         await b.evaluate(

@@ -152,6 +152,11 @@ class Gorgo(_Scored[GorgoParams]):
             self._rng, candidates, scores, self._p.tie_ms, self._p.tie_fraction
         )
 
+    def term_weights(self, w: Weights) -> tuple[float, float, float, float, float]:
+        """The score as a weighted sum of (rtt, queue, prefill, stall, kv) ms: the
+        operator page draws each term at its weight, so a bar's length is the score."""
+        return (w.rtt, w.queue, 1.0, self._p.decode_stall_weight, self._p.kv_weight)
+
 
 @register("gorgo_time3", params=GorgoTime3Params)
 class GorgoTime3(_Scored[GorgoTime3Params]):
@@ -166,6 +171,9 @@ class GorgoTime3(_Scored[GorgoTime3Params]):
         return _fewest_in_flight(
             self._rng, candidates, scores, self._p.tie_ms, self._p.tie_fraction
         )
+
+    def term_weights(self, w: Weights) -> tuple[float, float, float, float, float]:
+        return (w.rtt, w.queue, 1.0, 0.0, 0.0)
 
 
 @register("gorgo_tokens", params=GorgoTokensParams)

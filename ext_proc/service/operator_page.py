@@ -5,8 +5,8 @@ GET /ui/feed?since=SEQ&steps=KEY answers what changed since the page's last poll
 fleet (a row per backend, ~64 rows at most in practice), the decisions made or closed
 after SEQ (each with its best candidates' cost terms), and the tuner's path when it moved.
 GET /ui/decision?request_id=X answers one decision with every candidate. Both read only
-what the router holds already (the bounded decision log, /state's per-backend figures):
-serving them costs the router a poll's worth of JSON, never a request's time."""
+what the router holds already (the bounded decision log, /state's per-backend figures),
+and build it between requests, in chunks (gorgo bench page measures it)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import asyncio
 import functools
 import heapq
 import math
+from collections.abc import Callable
 from importlib import resources
 from typing import Any
 
@@ -22,12 +23,15 @@ from aiohttp import web
 
 from ext_proc.core.decision_log import Entry
 from ext_proc.core.router import Router
+from ext_proc.core.types import Weights
+
+TermWeights = Callable[[Weights], tuple[float, float, float, float, float]]
 
 # Candidates per decision in the feed (the chosen one first, then the best scores): the
 # table's bars. The decision's own endpoint has them all.
 FEED_CANDIDATES = 4
-# Decision rows built per turn of the event loop (~2 ms at 64 backends): a page's first
-# poll of 1,000 decisions never holds the router's requests for its whole ~20 ms.
+# Decision rows built per turn of the event loop (~3.5 ms at 64 backends): a page's first
+# poll of 1,000 decisions never holds the router's requests for its whole ~35 ms.
 ROWS_PER_TURN = 100
 ASSETS = {
     "page.js": "text/javascript",
@@ -107,9 +111,12 @@ def _candidate(entry: Entry, c: Any) -> list[Any]:
     ]
 
 
-def entry_row(entry: Entry, every_candidate: bool = False) -> dict[str, Any]:
+def entry_row(
+    entry: Entry, term_weights: TermWeights | None = None, every_candidate: bool = False
+) -> dict[str, Any]:
     """One decision, compact: candidates as [backend, rtt, queue, prefill, stall, kv,
-    score, cached tokens, uncached tokens] (ms)."""
+    score, cached tokens, uncached tokens] (ms); `term_weights`: the policy's, when its
+    score is the weighted sum of those five terms."""
     d = entry.decision
     chosen = d.chosen
     others = [c for c in d.candidates if c.backend_id != d.backend]
@@ -136,7 +143,17 @@ def entry_row(entry: Entry, every_candidate: bool = False) -> dict[str, Any]:
         "predicted": [round(chosen.predicted_ttft_ms, 2), round(chosen.predicted_e2e_ms, 2)],
         "observed": entry.observed,
         "trace_id": entry.trace_id,
+        # Multipliers of the five terms in the score (None: the score is not their sum).
+        "term_weights": None
+        if term_weights is None or d.weights is None
+        else [round(v, 4) for v in term_weights(d.weights)],
     }
+
+
+def term_weights_of(router: Router) -> TermWeights | None:
+    """The policy's term weights (Gorgo.term_weights), if its score is their sum."""
+    f: TermWeights | None = getattr(router.policy, "term_weights", None)
+    return f
 
 
 def _steps_key(history: list[dict[str, Any]]) -> str:
@@ -171,7 +188,9 @@ def feed(
         "trace_url": trace_url,
         "backends": backend_rows(router, state),
         "tuner": tuner_json,
-        "decisions": [entry_row(e) for e in log.changed_since(since)] if decisions else [],
+        "decisions": [entry_row(e, term_weights_of(router)) for e in log.changed_since(since)]
+        if decisions
+        else [],
     }
 
 
@@ -193,11 +212,12 @@ def add_page_routes(app: web.Application, router: Router, trace_url: str) -> Non
         since = int(raw)
         body = feed(router, since, request.query.get("steps", ""), trace_url, decisions=False)
         entries = router.recent.changed_since(since)
+        weights = term_weights_of(router)
         rows = body["decisions"]
         for i in range(0, len(entries), ROWS_PER_TURN):
             if i:
                 await asyncio.sleep(0)  # a page's first poll: requests go between chunks
-            rows += [entry_row(e) for e in entries[i : i + ROWS_PER_TURN]]
+            rows += [entry_row(e, weights) for e in entries[i : i + ROWS_PER_TURN]]
         return web.Response(body=orjson.dumps(body), content_type="application/json")
 
     async def decision(request: web.Request) -> web.Response:
@@ -206,10 +226,8 @@ def add_page_routes(app: web.Application, router: Router, trace_url: str) -> Non
         if entry is None:
             why = "request_id: required" if not rid else f"no recent decision for {rid!r}"
             return web.json_response({"error": why}, status=404 if rid else 400)
-        return web.Response(
-            body=orjson.dumps(entry_row(entry, every_candidate=True)),
-            content_type="application/json",
-        )
+        row = entry_row(entry, term_weights_of(router), every_candidate=True)
+        return web.Response(body=orjson.dumps(row), content_type="application/json")
 
     app.router.add_get("/ui", page)
     app.router.add_get("/ui/feed", feed_handler)

@@ -54,7 +54,7 @@ async def decision(stack: Stack, request_id: str) -> Any:
             return await r.json()
 
 
-ROW = "document.querySelector('#decisions tr[data-request-id=\"{}\"]')"
+ROW = "document.querySelector('#decision-rows .drow[data-request-id=\"{}\"]')"
 
 
 async def test_the_page_shows_the_fleet_a_decision_and_its_terms_live(

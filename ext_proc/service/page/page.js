@@ -35,7 +35,7 @@ async function poll() {
   } catch (e) {
     setLive(false, `no answer from the router: ${e.message}`);
   }
-  setTimeout(poll, POLL_MS);
+  setTimeout(poll, document.hidden ? 5 * POLL_MS : POLL_MS); // a background tab: slower
 }
 
 function setLive(ok, text) {
@@ -65,13 +65,14 @@ function apply(f) {
       evicted.push(k);
     }
   }
-  if (f.tuner && f.tuner.steps !== null) {
+  const moved = Boolean(f.tuner && f.tuner.steps !== null);
+  if (moved) {
     page.path = f.tuner.steps;
     page.steps = f.tuner.steps_key;
   }
   drawSummary(f);
   drawFleet(f);
-  drawTuner(f.tuner);
+  drawTuner(f.tuner, moved || !page.drawn);
   drawDecisions(f.decisions, evicted);
   // When the first answer was drawn, in ms since navigation began (the render bench's).
   if (!page.drawn) document.body.dataset.firstDrawMs = performance.now().toFixed(1);
@@ -120,7 +121,7 @@ function drawFleet(f) {
   document.querySelector("#fleet tbody").innerHTML = rows.join("");
 }
 
-function drawTuner(t) {
+function drawTuner(t, moved) {
   const status = $("tuner-status");
   const svg = $("tuner-chart");
   if (!t) {
@@ -137,11 +138,11 @@ function drawTuner(t) {
     `${t.mode}, objective ${t.objective} · parent w_rtt ${t.weights.rtt.toFixed(3)} w_queue ${t.weights.queue.toFixed(3)}` +
     ` · child w_rtt ${t.child.rtt.toFixed(3)} w_queue ${t.child.queue.toFixed(3)} · sigma ${t.sigma.toFixed(3)}` +
     ` · ${t.samples} completions · rounds: ${accepted} accepted, ${verdicts - accepted} rejected`;
-  svg.innerHTML = tunerChart(path);
+  if (moved) svg.innerHTML = tunerChart(path); // a path of <= 500 rounds: only when it grew
 }
 
 function tunerChart(path) {
-  const W = 900, H = 180, P = 24;
+  const W = 900, H = 180, P = 36;
   if (!path.length) {
     return `<text x="${W / 2}" y="${H / 2}" text-anchor="middle" fill="#777">no round finished yet</text>`;
   }
@@ -153,16 +154,18 @@ function tunerChart(path) {
   const X = (v) => P + ((v - x0) / (x1 - x0)) * (W - 2 * P);
   const Y = (v) => H - P - ((v - y0) / (y1 - y0)) * (H - 2 * P);
   const S = (v) => H - P - (v / sMax) * (H - 2 * P);
-  const line = (f, cls) =>
-    `<polyline fill="none" stroke="var(--${cls})" stroke-width="2" points="${path.map((s) => `${X(s.samples).toFixed(1)},${f(s).toFixed(1)}`).join(" ")}"/>`;
+  const line = (f, cls, dash = "") =>
+    `<polyline fill="none" stroke="var(--${cls})" stroke-width="2"${dash} points="${path.map((s) => `${X(s.samples).toFixed(1)},${f(s).toFixed(1)}`).join(" ")}"/>`;
+  const label = (v) => `<text x="2" y="${(Y(v) + 4).toFixed(1)}" fill="#777" font-size="10">${Math.exp(v).toFixed(2)}</text>`;
   const dots = path.map((s) => {
     const color = s.confirming || s.tie ? "#aaa" : s.accepted ? "#2a2" : "#c22";
     return `<circle cx="${X(s.samples).toFixed(1)}" cy="${Y(Math.log(s.parent[0])).toFixed(1)}" r="3" fill="${color}"><title>after ${s.samples} completions: ${s.accepted ? "accepted" : "rejected"} ${esc(s.note)}</title></circle>`;
   });
   return [
     `<line x1="${P}" x2="${W - P}" y1="${Y(0)}" y2="${Y(0)}" stroke="#ddd"/>`,
-    `<text x="${P}" y="12" fill="#777" font-size="11">weights (log scale; the line is 1.0), sigma on its own scale (max ${sMax.toFixed(2)})</text>`,
-    line((s) => S(s.sigma), "sigma"),
+    `<text x="${P}" y="12" fill="#777" font-size="11">the parent's weights after each round (log scale), sigma dashed on its own scale (top: ${sMax.toFixed(2)})</text>`,
+    label(y0), label(0), label(y1),
+    line((s) => S(s.sigma), "sigma", ' stroke-dasharray="6 4"'),
     line((s) => Y(Math.log(s.parent[0])), "rtt"),
     line((s) => Y(Math.log(s.parent[1])), "queue"),
     ...dots,
@@ -175,24 +178,34 @@ function terms(c) {
   return { rtt: c[C.rtt], queue: c[C.queue], prefill: c[C.prefill], stall: c[C.stall], kv: c[C.kv] };
 }
 
-function termsTitle(c) {
+// Each term as it counts in the score: times the policy's weight for it when the score is
+// their weighted sum (gorgo: w_rtt, w_queue, 1, decode_stall_weight, kv_weight), so a bar's
+// length is the score and the shortest won; else the raw ms.
+function weighted(c, tw) {
   const t = terms(c);
-  return TERMS.map((k) => `${TERM_NAMES[k]} ${ms(t[k])} ms`).join(", ");
+  if (tw) TERMS.forEach((k, i) => (t[k] *= tw[i]));
+  return t;
 }
 
-function bar(c, scale) {
+function termsTitle(c, tw) {
   const t = terms(c);
+  return TERMS.map((k, i) => `${TERM_NAMES[k]} ${ms(t[k])} ms${tw && tw[i] !== 1 ? ` x${tw[i]}` : ""}`).join(", ");
+}
+
+function bar(c, scale, tw) {
+  const t = weighted(c, tw);
   return `<span class="bar">${TERMS.map((k) => (t[k] > 0 ? `<i class="t-${k}" style="width:${((100 * t[k]) / scale).toFixed(2)}%"></i>` : "")).join("")}</span>`;
 }
 
-const sum = (c) => TERMS.reduce((a, k) => a + Math.max(0, terms(c)[k]), 0);
+const sum = (c, tw) => TERMS.reduce((a, k) => a + Math.max(0, weighted(c, tw)[k]), 0);
 
 function candidates(d) {
-  const scale = Math.max(...d.candidates.map(sum), 1e-9);
+  const tw = d.term_weights;
+  const scale = Math.max(...d.candidates.map((c) => sum(c, tw)), 1e-9);
   const lines = d.candidates.map((c, i) => {
     const score = c[C.score] === null ? "" : ` ${ms(c[C.score])}`;
-    return `<div class="cand${i === 0 ? " chosen" : ""}" title="${esc(`${c[C.backend]}: ${termsTitle(c)}`)}">` +
-      `<span class="cn">${esc(c[C.backend])}</span>${bar(c, scale)}<span class="cs">${score}</span></div>`;
+    return `<div class="cand${i === 0 ? " chosen" : ""}" title="${esc(`${c[C.backend]}: ${termsTitle(c, tw)}`)}">` +
+      `<span class="cn">${esc(c[C.backend])}</span>${bar(c, scale, tw)}<span class="cs">${score}</span></div>`;
   });
   if (d.of > d.candidates.length) lines.push(`<div class="muted">and ${d.of - d.candidates.length} more</div>`);
   return lines.join("");
@@ -214,28 +227,28 @@ function came(d, i) {
   return `${predicted} / ${v === null ? '<span class="muted">–</span>' : ms(v)}${status}`;
 }
 
-const rowsById = new Map(); // decision number -> its <tr>
+const rowsById = new Map(); // decision number -> its row
 
 function resetDecisions() {
   page.decisions.clear();
   rowsById.clear();
-  document.querySelector("#decisions tbody").innerHTML = "";
+  $("decision-rows").innerHTML = "";
 }
 
 function rowHtml(d) {
   const q = $("search").value.trim();
   const hidden = q && !d.id.includes(q) ? " hidden" : "";
-  const selected = d.id === page.selected ? ' class="selected"' : "";
-  return `<tr data-n="${d.n}" data-request-id="${esc(d.id)}"${selected}${hidden}>
-    <td class="num">${new Date(d.atMs).toLocaleTimeString()}</td><td>${esc(d.id)}</td><td>${esc(d.model ?? "–")}</td>
-    <td class="num">${d.tokens}</td><td><b>${esc(d.backend)}</b></td><td>${candidates(d)}</td>
-    <td class="num">${came(d, 0)}</td><td class="num">${came(d, 1)}</td><td>${traceCell(d)}</td></tr>`;
+  const selected = d.id === page.selected ? " selected" : "";
+  return `<div class="drow${selected}" data-n="${d.n}" data-request-id="${esc(d.id)}"${hidden}>
+    <span class="num">${new Date(d.atMs).toLocaleTimeString()}</span><span>${esc(d.id)}</span><span>${esc(d.model ?? "–")}</span>
+    <span class="num">${d.tokens}</span><span><b>${esc(d.backend)}</b></span><span>${candidates(d)}</span>
+    <span class="num">${came(d, 0)}</span><span class="num">${came(d, 1)}</span><span>${traceCell(d)}</span></div>`;
 }
 
-// Only what changed is drawn: new decisions go on top, a closed one's row is replaced,
+// Only what changed is drawn: new decisions go on top, a closed one's outcome is filled in,
 // evicted ones leave; a poll under load touches tens of rows, not the table.
 function drawDecisions(changed, evicted) {
-  const tbody = document.querySelector("#decisions tbody");
+  const list = $("decision-rows");
   for (const n of evicted) {
     const tr = rowsById.get(n);
     if (tr) tr.remove();
@@ -244,21 +257,21 @@ function drawDecisions(changed, evicted) {
   const fresh = [];
   for (const d of changed) {
     if (!page.decisions.has(d.n)) continue; // evicted in the same poll
-    const tr = rowsById.get(d.n);
-    if (tr) {
-      const t = document.createElement("tbody");
-      t.innerHTML = rowHtml(d);
-      const next = t.firstElementChild;
-      tr.replaceWith(next);
-      rowsById.set(d.n, next);
+    const row = rowsById.get(d.n);
+    if (row) {
+      // Closed (or traced) since: only its outcome and trace cells change.
+      const cells = row.children;
+      cells[6].innerHTML = came(d, 0);
+      cells[7].innerHTML = came(d, 1);
+      cells[8].innerHTML = traceCell(d);
     } else {
       fresh.push(d);
     }
   }
   fresh.sort((a, b) => b.n - a.n);
   if (fresh.length) {
-    tbody.insertAdjacentHTML("afterbegin", fresh.map(rowHtml).join(""));
-    for (let i = 0; i < fresh.length; i++) rowsById.set(fresh[i].n, tbody.children[i]);
+    list.insertAdjacentHTML("afterbegin", fresh.map(rowHtml).join(""));
+    for (let i = 0; i < fresh.length; i++) rowsById.set(fresh[i].n, list.children[i]);
   }
   countShown();
   if (page.selected && page.detail) {
@@ -268,7 +281,8 @@ function drawDecisions(changed, evicted) {
 }
 
 function countShown() {
-  const shown = document.querySelectorAll("#decisions tbody tr:not([hidden])").length;
+  let shown = 0;
+  for (const row of rowsById.values()) shown += row.hidden ? 0 : 1;
   $("decision-count").textContent = `(${shown} shown of the last ${page.decisions.size}; the router keeps ${page.logSize})`;
 }
 
@@ -279,10 +293,7 @@ function filter() {
 }
 
 function markSelected() {
-  for (const tr of document.querySelectorAll("#decisions tr.selected")) tr.classList.remove("selected");
-  for (const tr of document.querySelectorAll("#decisions tbody tr")) {
-    if (tr.dataset.requestId === page.selected) tr.classList.add("selected");
-  }
+  for (const row of rowsById.values()) row.classList.toggle("selected", row.dataset.requestId === page.selected);
 }
 
 async function showDetail(requestId) {
@@ -297,21 +308,23 @@ async function showDetail(requestId) {
     return;
   }
   page.detail = d;
-  const scale = Math.max(...d.candidates.map(sum), 1e-9);
+  const tw = d.term_weights;
+  const scale = Math.max(...d.candidates.map((c) => sum(c, tw)), 1e-9);
   const rows = d.candidates.map((c) => `<tr class="${c[C.backend] === d.backend ? "chosen" : ""}" data-candidate="${esc(c[C.backend])}">
     <td>${esc(c[C.backend])}</td>${TERMS.map((k) => `<td class="num" data-term="${k}">${ms(terms(c)[k])}</td>`).join("")}
-    <td class="num">${c[C.cached]} / ${c[C.uncached]}</td><td class="num">${c[C.score] === null ? "–" : ms(c[C.score])}</td><td>${bar(c, scale)}</td></tr>`);
+    <td class="num">${c[C.cached]} / ${c[C.uncached]}</td><td class="num">${c[C.score] === null ? "–" : ms(c[C.score])}</td><td>${bar(c, scale, tw)}</td></tr>`);
   el.innerHTML = `<div>Request <b id="detail-id">${esc(d.id)}</b> (${esc(d.model ?? "no model")}, ${d.tokens} tokens, policy ${esc(d.policy)})
     went to <b id="detail-backend">${esc(d.backend)}</b>${d.hold_ms ? `, held ${ms(d.hold_ms)} ms by pacing` : ""}.
     TTFT ${came(d, 0)} ms, E2E ${came(d, 1)} ms (predicted / came). Trace: ${traceCell(d)}</div>
+    <div class="muted">${tw ? `score = ${TERMS.map((k, i) => `${tw[i]} x ${TERM_NAMES[k]}`).join(" + ")}; the bars draw each term at its weight` : "the bars draw the raw terms: this policy's score is not their sum"}</div>
     <table><thead><tr><th>candidate</th>${TERMS.map((k) => `<th>${TERM_NAMES[k]} ms</th>`).join("")}
     <th>cached / uncached tokens</th><th>score</th><th></th></tr></thead><tbody>${rows.join("")}</tbody></table>`;
   markSelected();
 }
 
 $("decisions").addEventListener("click", (ev) => {
-  const tr = ev.target.closest("tr[data-request-id]");
-  if (tr && !ev.target.closest("a")) showDetail(tr.dataset.requestId);
+  const row = ev.target.closest(".drow[data-request-id]");
+  if (row && !ev.target.closest("a")) showDetail(row.dataset.requestId);
 });
 $("search").addEventListener("input", () => {
   const q = $("search").value.trim();

@@ -81,6 +81,14 @@ async def test_the_feed_gives_what_changed_since_the_last_poll(
     ]
     scores = [c[6] for c in x["candidates"][1:]]
     assert scores == sorted(scores)
+    # gorgo's score is the weighted sum of the five terms: the page's bars draw them so
+    weights = x["term_weights"]
+    assert d.weights is not None  # the tuner's arm for X: its weights, not the parent's
+    assert weights == [round(d.weights.rtt, 4), round(d.weights.queue, 4), 1.0, 0.3, 1.0]
+    for c in x["candidates"]:
+        assert sum(w * t for w, t in zip(weights, c[1:6], strict=True)) == pytest.approx(
+            c[6], abs=0.05
+        )
     assert SECRET not in str(first)
 
     again = await feed(client, first["seq"])
@@ -102,6 +110,7 @@ async def test_one_decision_whole_by_request_id(
     body = await r.json()
     assert r.status == 200 and len(body["candidates"]) == len(BACKENDS)
     assert {c[0] for c in body["candidates"]} == {b["id"] for b in BACKENDS}
+    assert body["term_weights"] is not None and body["term_weights"][3] == 0.3
     unknown = await client.get("/ui/decision", params={"request_id": "nobody"})
     assert unknown.status == 404 and "nobody" in (await unknown.json())["error"]
     assert (await client.get("/ui/decision")).status == 400
@@ -131,6 +140,14 @@ async def test_the_tuner_path_is_sent_only_when_it_moved(
 async def test_bad_queries_name_the_parameter(client: TestClient[Any, Any]) -> None:
     r = await client.get("/ui/feed", params={"since": "-1"})
     assert r.status == 400 and "since" in (await r.json())["error"]
+
+
+async def test_a_policy_whose_score_is_no_sum_of_the_terms_has_no_term_weights() -> None:
+    router, _ = make_router("least_request", backends=BACKENDS)
+    router.decide(chat(rid="lr"))
+    async with TestClient(TestServer(make_admin_app(router, MagicMock(), dict))) as c:
+        (row,) = (await feed(c))["decisions"]
+    assert row["term_weights"] is None and row["candidates"][0][6] is not None
 
 
 def test_why_a_prefix_state_is_what_it_is() -> None:
