@@ -55,11 +55,22 @@ def _serve(args: argparse.Namespace) -> int:
             )
             await stop.wait()
 
+    profiler = None
+    if args.profile:
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
     try:
         asyncio.run(main())
     except OSError as e:
         print(f"gorgo serve: {e}", file=sys.stderr)
         return 1
+    finally:
+        if profiler is not None:
+            profiler.disable()
+            profiler.dump_stats(args.profile)
+            print(f"gorgo serve: profile written to {args.profile}", file=sys.stderr)
     return 0
 
 
@@ -119,6 +130,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="run the ext_proc gRPC service and admin HTTP")
     s.add_argument("--config", required=True, help="gorgo YAML config file")
+    s.add_argument(
+        "--profile",
+        metavar="FILE",
+        help="profile the whole run (cProfile; slows it) and write the stats to FILE on "
+        "exit, for python -m pstats FILE or gorgo bench path",
+    )
     s.set_defaults(func=_serve)
 
     s = sub.add_parser("envoy-config", help="print the Envoy front-door config for a gorgo config")

@@ -219,6 +219,12 @@ def _bench_load(args: argparse.Namespace) -> int:
     return run_load_bench(args.streams, args.duration_s)
 
 
+def _bench_path(args: argparse.Namespace) -> int:
+    from loadgen.bench_path import run_path_bench
+
+    return run_path_bench(args.requests)
+
+
 def _bench_page(args: argparse.Namespace) -> int:
     from loadgen.bench_page import run_page_bench
 
@@ -552,6 +558,11 @@ def add_commands(commands: Commands) -> None:
     b.add_argument("--streams", type=int, default=200)
     b.add_argument("--duration-s", type=float, default=60.0)
     b.set_defaults(func=_bench_load)
+    b = bench.add_parser(
+        "path", help="where a request's time goes in the router: CPU per step (cProfile)"
+    )
+    b.add_argument("--requests", type=int, default=300, help="requests per prompt size")
+    b.set_defaults(func=_bench_path)
     b = bench.add_parser(
         "page",
         help="the operator page: render time in headless Chromium, and the router's decide, "

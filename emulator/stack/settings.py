@@ -146,6 +146,8 @@ class StackSettings:
     # "" = each engine's path that does no work (ext_proc/config/schema.py PROBE_PATH).
     probe_path: str = ""
     seed: int = 0
+    # More `gorgo serve` flags for the stack's router (e.g. --profile FILE).
+    serve_args: Sequence[str] = ()
 
     def engine_profile_of(self, region: str) -> str | None:
         """The profile region's emulated engine runs (None: the engine's default)."""

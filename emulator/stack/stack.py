@@ -202,7 +202,8 @@ class Stack(SupervisedChildren):
 
     def start_router(self) -> None:
         cfg_path = self.workdir / "gorgo.yaml"
-        self._spawn("gorgo-serve", gorgo_argv("serve", "--config", str(cfg_path)))
+        argv = gorgo_argv("serve", "--config", str(cfg_path), *self.settings.serve_args)
+        self._spawn("gorgo-serve", argv)
 
     def start_envoy(self, name: str = "envoy", config_text: str | None = None) -> None:
         """Start an Envoy; the front door by default, or another config (benchmarks)."""
