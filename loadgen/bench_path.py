@@ -41,8 +41,10 @@ STEPS = (
     ("telemetry: span and metrics", "service/telemetry.py", "on_dispatch", 3),
     ("encode the decision", "envoy/encoders.py", "encode", 2),
     ("first response chunk (TTFT)", "envoy/server.py", "on_response_body", 1),
-    ("access log: completions", "envoy/access_log.py", "stream_access_logs", 0),
-    ("close: learners, telemetry", "core/router.py", "close", 1),
+    ("access log: completions read", "envoy/access_log.py", "stream_access_logs", 0),
+    # called a moment later from the event loop (access_log.COMPLETION_GRACE_S)
+    ("close: learners, telemetry", "core/router.py", "close", 0),
+    ("engine load reports (periodic scrapes)", "feeds/engine_metrics.py", "parse_engine_metrics", 0),
 )
 IDLE = ("select.epoll", "poll")  # the event loop waiting: not the router's work
 

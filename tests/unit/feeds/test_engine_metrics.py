@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from ext_proc.feeds.engine_metrics import MetricsError, parse_engine_metrics
+from ext_proc.feeds.engine_metrics import WANTED, MetricsError, _wanted_lines, parse_engine_metrics
 from ext_proc.feeds.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, decode_message
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
@@ -43,6 +43,15 @@ def test_a_missing_metric_is_unknown_and_garbage_is_an_error() -> None:
     assert parse_engine_metrics("").waiting is None
     with pytest.raises(MetricsError):
         parse_engine_metrics("this is { not prometheus")
+
+
+def test_only_the_gauges_read_are_parsed_and_a_broken_one_still_fails() -> None:
+    page = (VLLM / "metrics-small-pool-busy.txt").read_text()
+    kept = _wanted_lines(page)
+    assert len(kept.splitlines()) < len(page.splitlines()) / 10  # the real page: histograms
+    assert all(line.startswith(WANTED) for line in kept.splitlines())
+    with pytest.raises(MetricsError):
+        parse_engine_metrics(page + "vllm:num_requests_waiting{model_name= 3\n")
 
 
 def captured_batches(name: str) -> list:
