@@ -30,6 +30,9 @@ REGIONS = (Region("us-ashburn", 0.0), Region("eu-frankfurt", 0.0), Region("ap-se
 TARGET_P50_MS = 2.0
 TARGET_P99_MS = 5.0
 TARGET_PER_TOKEN_MS = 0.1
+HEADER = f"{'measurement':<34} {'envoy alone':>12} {'envoy+gorgo':>12} {'added':>9} {'target':>8}"
+# Issue 30: 128k-token prompts from 32 clients, added TTFT p99.
+TARGET_LONG_P99_MS = 20.0
 
 
 def _prompt(tokens: int) -> str:
@@ -72,6 +75,42 @@ async def _throughput(url: str, body: dict[str, object], n: int, concurrency: in
     return n / elapsed
 
 
+async def _concurrent(url: str, body: dict[str, object], n: int, concurrency: int) -> list[Result]:
+    sem = asyncio.Semaphore(concurrency)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency)) as s:
+
+        async def one(i: int) -> Result:
+            async with sem:
+                return await send_chat(s, url, body, f"l{i}")
+
+        return await asyncio.gather(*(one(i) for i in range(n)))
+
+
+def long_prompts(
+    urls: tuple[str, str], n: int, tokens: int = 131_072, clients: int = 32
+) -> list[str]:
+    """`clients` concurrent clients sending `tokens`-token prompts, each proxy in turn
+    (twice: envoy, gorgo, envoy, gorgo); TTFT p50/p99 and what gorgo adds."""
+    body = chat_body(_prompt(tokens), 1)
+    asyncio.run(_concurrent(urls[0], body, clients, clients))  # warm both
+    asyncio.run(_concurrent(urls[1], body, clients, clients))
+    got: dict[int, list[float]] = {0: [], 1: []}
+    for _ in range(2):
+        for which in (0, 1):
+            who = "envoy alone" if which == 0 else "envoy+gorgo"
+            print(
+                f"  {tokens // 1024}k-token prompts, {clients} clients, {who}...", file=sys.stderr
+            )
+            got[which] += _ttfts(asyncio.run(_concurrent(urls[which], body, n, clients)))
+    e, g = got[0], got[1]
+    return [
+        f"{f'TTFT p{q} ms, {tokens // 1024}k tokens, {clients} clients':<34} "
+        f"{percentile(e, q):>12.3f} {percentile(g, q):>12.3f} "
+        f"{percentile(g, q) - percentile(e, q):>9.3f} {target:>8}"
+        for q, target in ((50, ""), (99, f"<= {TARGET_LONG_P99_MS:g}"))
+    ]
+
+
 def _ttfts(rs: list[Result]) -> list[float]:
     bad = [r for r in rs if not r.ok or r.ttft_ms is None]
     if bad:
@@ -84,7 +123,7 @@ def _per_token_ms(rs: list[Result]) -> float:
     return percentile(gaps, 50) / max(1, rs[0].output_tokens - 1)
 
 
-def run_overhead_bench(requests: int = 200) -> int:
+def run_overhead_bench(requests: int = 200, long_only: bool = False) -> int:
     settings = StackSettings(
         policy="round_robin",
         regions=REGIONS,
@@ -107,7 +146,10 @@ def run_overhead_bench(requests: int = 200) -> int:
         stack.start_envoy("envoy-alone", render_envoy_config(baseline_cfg, ext_proc=False))
         _wait_ok(f"http://127.0.0.1:{admin}/ready")
         urls = (f"http://127.0.0.1:{front}", stack.front_door_url)
-        lines = _measure(urls, requests)
+        if long_only:
+            lines = [HEADER, *long_prompts(urls, max(64, requests // 2))]
+        else:
+            lines = _measure(urls, requests)
     finally:
         stack.stop()
     print("\n".join(lines))
@@ -115,9 +157,7 @@ def run_overhead_bench(requests: int = 200) -> int:
 
 
 def _measure(urls: tuple[str, str], n: int) -> list[str]:
-    lines = [
-        f"{'measurement':<34} {'envoy alone':>12} {'envoy+gorgo':>12} {'added':>9} {'target':>8}"
-    ]
+    lines = [HEADER]
     for tokens in (1024, 32768):
         body = chat_body(_prompt(tokens), 1)
         asyncio.run(_alternate(urls, body, 10))  # warm connections and caches

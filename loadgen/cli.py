@@ -24,7 +24,7 @@ def _demo(args: argparse.Namespace) -> int:
 def _bench_overhead(args: argparse.Namespace) -> int:
     from loadgen.bench_overhead import run_overhead_bench
 
-    return run_overhead_bench(requests=args.requests)
+    return run_overhead_bench(requests=args.requests, long_only=args.long_prompts)
 
 
 def _replay(args: argparse.Namespace) -> int:
@@ -473,6 +473,11 @@ def add_commands(commands: Commands) -> None:
     bench = commands.bench()
     b = bench.add_parser("overhead", help="Envoy alone vs Envoy + gorgo ext_proc")
     b.add_argument("--requests", type=int, default=500, help="requests per measurement")
+    b.add_argument(
+        "--long-prompts",
+        action="store_true",
+        help="only 128k-token prompts from 32 concurrent clients (requests/2 per phase, >= 64)",
+    )
     b.set_defaults(func=_bench_overhead)
     b = bench.add_parser("results", help="the paper's experiment in the simulator")
     b.add_argument("--trace", default=DEFAULT_TRACE, help="Mooncake conversation trace")
