@@ -123,9 +123,13 @@ def _per_token_ms(rs: list[Result]) -> float:
     return percentile(gaps, 50) / max(1, rs[0].output_tokens - 1)
 
 
-def run_overhead_bench(requests: int = 200, long_only: bool = False) -> int:
+def paired_stack(
+    policy: str = "round_robin", serve_args: tuple[str, ...] = ()
+) -> tuple[Stack, tuple[str, str]]:
+    """Envoy + gorgo and Envoy alone (the same generated config without ext_proc) in front
+    of 3 zero-delay engines, started; returns the stack and (alone, gorgo) URLs."""
     settings = StackSettings(
-        policy="round_robin",
+        policy=policy,
         regions=REGIONS,
         ports=StackPorts.ephemeral(len(REGIONS)),
         engine_args=("--zero-delay",),
@@ -133,19 +137,28 @@ def run_overhead_bench(requests: int = 200, long_only: bool = False) -> int:
         # One worker per Envoy: two proxies, three engines, the router and the client
         # share two cores, and fewer threads make the tails less noisy for both.
         envoy_concurrency=1,
+        serve_args=serve_args,
     )
     stack = Stack(settings)
     front, admin = free_ports(2)
-    baseline_cfg = replace(
+    alone = replace(
         stack.config,
         envoy=replace(stack.config.envoy, listen=f"127.0.0.1:{front}", admin=f"127.0.0.1:{admin}"),
     )
-    print("starting Envoy + gorgo and Envoy alone in front of 3 zero-delay engines...")
     stack.start()
     try:
-        stack.start_envoy("envoy-alone", render_envoy_config(baseline_cfg, ext_proc=False))
+        stack.start_envoy("envoy-alone", render_envoy_config(alone, ext_proc=False))
         _wait_ok(f"http://127.0.0.1:{admin}/ready")
-        urls = (f"http://127.0.0.1:{front}", stack.front_door_url)
+    except BaseException:
+        stack.stop()
+        raise
+    return stack, (f"http://127.0.0.1:{front}", stack.front_door_url)
+
+
+def run_overhead_bench(requests: int = 200, long_only: bool = False) -> int:
+    print("starting Envoy + gorgo and Envoy alone in front of 3 zero-delay engines...")
+    stack, urls = paired_stack()
+    try:
         if long_only:
             lines = [HEADER, *long_prompts(urls, max(64, requests // 2))]
         else:

@@ -22,7 +22,6 @@ import random
 import sys
 import time
 from collections.abc import AsyncIterator
-from dataclasses import replace
 from typing import Any
 
 import aiohttp
@@ -31,7 +30,6 @@ from aiohttp import web
 from emulator.stack import Stack, StackPorts, StackSettings
 from emulator.stack.ports import free_ports
 from ext_proc.core.types import RouteRequest, Status
-from ext_proc.envoy.bootstrap import render_envoy_config
 from ext_proc.prompt.parse import CHAT, parse_body
 from ext_proc.service.admin import make_admin_app
 from ext_proc.service.operator_page import feed
@@ -158,26 +156,9 @@ def decide(iterations: int) -> list[str]:
 
 
 def overhead(requests: int) -> list[str]:
-    settings = StackSettings(
-        policy="gorgo",
-        regions=bench_overhead.REGIONS,
-        ports=StackPorts.ephemeral(len(bench_overhead.REGIONS)),
-        engine_args=("--zero-delay",),
-        wan_links=False,
-        envoy_concurrency=1,
-    )
-    stack = Stack(settings)
-    front, admin = free_ports(2)
-    alone = replace(
-        stack.config,
-        envoy=replace(stack.config.envoy, listen=f"127.0.0.1:{front}", admin=f"127.0.0.1:{admin}"),
-    )
-    stack.start()
+    stack, urls = bench_overhead.paired_stack("gorgo")
     added: dict[bool, list[float]] = {False: [], True: []}
     try:
-        stack.start_envoy("envoy-alone", render_envoy_config(alone, ext_proc=False))
-        bench_overhead._wait_ok(f"http://127.0.0.1:{admin}/ready")
-        urls = (f"http://127.0.0.1:{front}", stack.front_door_url)
         body = chat_body(bench_overhead._prompt(1024), 1)
         asyncio.run(bench_overhead._alternate(urls, body, 10))
 

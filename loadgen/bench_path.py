@@ -18,12 +18,9 @@ import asyncio
 import pstats
 import sys
 import tempfile
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
-from emulator.stack import Stack, StackPorts, StackSettings
-from emulator.stack.ports import free_ports
-from ext_proc.envoy.bootstrap import render_envoy_config
 from loadgen import bench_load, bench_overhead
 from loadgen.client import chat_body, percentile
 
@@ -44,7 +41,12 @@ STEPS = (
     ("access log: completions read", "envoy/access_log.py", "stream_access_logs", 0),
     # called a moment later from the event loop (access_log.COMPLETION_GRACE_S)
     ("close: learners, telemetry", "core/router.py", "close", 0),
-    ("engine load reports (periodic scrapes)", "feeds/engine_metrics.py", "parse_engine_metrics", 0),
+    (
+        "engine load reports (periodic scrapes)",
+        "feeds/engine_metrics.py",
+        "parse_engine_metrics",
+        0,
+    ),
 )
 IDLE = ("select.epoll", "poll")  # the event loop waiting: not the router's work
 
@@ -56,30 +58,8 @@ class Plain:
     added_p99_ms: float
 
 
-def _stack(serve_args: tuple[str, ...] = ()) -> tuple[Stack, tuple[str, str]]:
-    settings = StackSettings(
-        policy="gorgo",
-        regions=bench_overhead.REGIONS,
-        ports=StackPorts.ephemeral(len(bench_overhead.REGIONS)),
-        engine_args=("--zero-delay",),
-        wan_links=False,
-        envoy_concurrency=1,
-        serve_args=serve_args,
-    )
-    stack = Stack(settings)
-    front, admin = free_ports(2)
-    alone = replace(
-        stack.config,
-        envoy=replace(stack.config.envoy, listen=f"127.0.0.1:{front}", admin=f"127.0.0.1:{admin}"),
-    )
-    stack.start()
-    stack.start_envoy("envoy-alone", render_envoy_config(alone, ext_proc=False))
-    bench_overhead._wait_ok(f"http://127.0.0.1:{admin}/ready")
-    return stack, (f"http://127.0.0.1:{front}", stack.front_door_url)
-
-
 def plain(tokens: int, requests: int) -> Plain:
-    stack, urls = _stack()
+    stack, urls = bench_overhead.paired_stack("gorgo")
     try:
         body = chat_body(bench_overhead._prompt(tokens), 1)
         asyncio.run(bench_overhead._alternate(urls, body, 10))
@@ -98,7 +78,7 @@ def plain(tokens: int, requests: int) -> Plain:
 
 
 def profiled(tokens: int, requests: int, out: Path) -> pstats.Stats:
-    stack, urls = _stack(("--profile", str(out)))
+    stack, urls = bench_overhead.paired_stack("gorgo", ("--profile", str(out)))
     try:
         body = chat_body(bench_overhead._prompt(tokens), 1)
         asyncio.run(bench_overhead._alternate(urls, body, requests))

@@ -10,7 +10,7 @@ import asyncio
 
 import pytest
 
-from loadgen import bench_overhead, bench_path
+from loadgen import bench_overhead
 from loadgen.client import chat_body, percentile
 
 pytestmark = pytest.mark.e2e
@@ -20,7 +20,7 @@ REQUESTS = 80
 
 
 def test_the_router_adds_at_most_a_few_milliseconds_to_the_first_token() -> None:
-    stack, urls = bench_path._stack()
+    stack, urls = bench_overhead.paired_stack("gorgo")
     try:
         body = chat_body(bench_overhead._prompt(1024), 1)
         asyncio.run(bench_overhead._alternate(urls, body, 10))
