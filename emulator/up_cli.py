@@ -19,6 +19,9 @@ def _up(args: argparse.Namespace) -> int:
     if not 1 <= args.front_doors <= len(regions):
         print(f"gorgo up: --front-doors must be 1..{len(regions)}", file=sys.stderr)
         return 2
+    if args.routers < 1:
+        print("gorgo up: --routers must be 1 or more", file=sys.stderr)
+        return 2
     try:  # the engines' profiles; the router keeps the shipped one
         fleet = NO_FLEET if args.fleet is None else load_fleet(args.fleet, [r.id for r in regions])
     except ValueError as e:
@@ -41,7 +44,8 @@ def _up(args: argparse.Namespace) -> int:
             flavor=args.flavor,
             real_engine=args.engine == "vllm",
             engine_tokenizer=args.tokenizer,
-            kv_events=args.kv_events or args.front_doors > 1,
+            kv_events=args.kv_events or args.front_doors > 1 or args.routers > 1,
+            routers=args.routers,
             front_door_regions=[r.id for r in regions[1 : args.front_doors]],
             share_dispatches=not args.no_share_dispatches,
             engine_profiles=fleet.profiles,
@@ -83,6 +87,15 @@ def add_up_command(sub: Any, policies: Sequence[str]) -> None:
         "backend at its own RTTs; the routers share the engines' KV events (implies "
         "--kv-events) and tell each other their dispatches over a NATS server the stack "
         "starts. Default 1: one front door in us-ashburn (the paper's setup)",
+    )
+    s.add_argument(
+        "--routers",
+        type=int,
+        default=1,
+        metavar="N",
+        help="N router processes behind the front door's Envoy (its ext_proc cluster lists "
+        "them all): they share the engines' KV events (implies --kv-events) and, over a NATS "
+        "server the stack starts, their dispatches and what each saw of the others' requests",
     )
     s.add_argument(
         "--no-share-dispatches",

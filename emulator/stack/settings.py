@@ -115,6 +115,11 @@ class StackSettings:
     # starts (ext_proc.peers); False: each decides from its own view and the engines'.
     share_dispatches: bool = True
     nats_port: int = 0
+    # Router processes behind the (first) front door's Envoy: its ext_proc cluster lists
+    # them all (envoy.ext_proc_addresses); more than 1 share dispatches over NATS.
+    routers: int = 1
+    # The extra routers' (grpc, admin) ports, picked with the config.
+    router_ports: list[tuple[int, int]] = field(default_factory=list)
     workdir: Path | None = None
     # False: Envoy reaches the engines directly (benchmarks that measure the proxy alone).
     wan_links: bool = True
@@ -170,11 +175,17 @@ class StackSettings:
     @property
     def nats_url(self) -> str:
         """The NATS server of several routers ("" for one router, or no sharing)."""
-        if not (self.front_door_regions and self.share_dispatches):
+        if not ((self.front_door_regions or self.routers > 1) and self.share_dispatches):
             return ""
         if not self.nats_port:
             self.nats_port = free_ports(1)[0]
         return f"nats://127.0.0.1:{self.nats_port}"
+
+    def extra_router_ports(self) -> list[tuple[int, int]]:
+        if len(self.router_ports) < self.routers - 1:
+            free = free_ports(2 * (self.routers - 1))
+            self.router_ports = list(zip(free[0::2], free[1::2], strict=True))
+        return self.router_ports
 
     def backend_port(self, i: int) -> int:
         return self.ports.wan(i) if self.wan_links else self.ports.engine(i)
@@ -201,6 +212,16 @@ class StackSettings:
                     "listen": f"127.0.0.1:{p.front_door}",
                     "admin": f"127.0.0.1:{p.envoy_admin}",
                     "mode": self.envoy_mode,
+                    **(
+                        {
+                            "ext_proc_addresses": [
+                                f"127.0.0.1:{p.grpc}",
+                                *(f"127.0.0.1:{g}" for g, _ in self.extra_router_ports()),
+                            ]
+                        }
+                        if self.routers > 1
+                        else {}
+                    ),
                 },
                 "backends": [
                     {

@@ -33,7 +33,7 @@ from emulator.stack.settings import Region, StackSettings, config_yaml
 from emulator.stack.supervision import SupervisedChildren, http_ok, wait_port
 from emulator.tokenizer import TINY, tiny_tokenizer_dir
 from ext_proc.common.files import write_atomic
-from ext_proc.config.schema import PROBE_PATH, EngineKind
+from ext_proc.config.schema import PROBE_PATH, Config, EngineKind
 from ext_proc.envoy.bootstrap import render_envoy_config
 from ext_proc.envoy.xds import write_xds
 
@@ -66,6 +66,21 @@ class Stack(SupervisedChildren):
         self.wan_control_ports = free_ports(len(settings.regions)) if settings.wan_control else []
         self.added: list[Region] = []  # engines started by add_engine
         self.doors = [FrontDoor(region, self) for region in settings.front_door_regions]
+        # More routers behind the front door's Envoy: the same config on their own ports,
+        # each with its own (unread) xDS directory: only the first writes Envoy's files.
+        extra = settings.extra_router_ports() if settings.routers > 1 else []
+        self.extra_routers = [self._extra_router(k + 2, g, a) for k, (g, a) in enumerate(extra)]
+
+    def _extra_router(self, n: int, grpc_port: int, admin_port: int) -> Config:
+        c = self.config
+        return replace(
+            c,
+            listen=replace(
+                c.listen, grpc=f"127.0.0.1:{grpc_port}", admin=f"127.0.0.1:{admin_port}"
+            ),
+            fleet=replace(c.fleet, router_id=f"router-{n}"),
+            envoy=replace(c.envoy, xds_dir=str(self.workdir / f"router-{n}-xds")),
+        )
 
     # -- URLs ---------------------------------------------------------------------------
 
@@ -115,6 +130,10 @@ class Stack(SupervisedChildren):
             f"{self.admin_url}/state | backends: {fleet}"
             + "".join(
                 f" | front door {d.region} {d.url} (admin {d.admin_url}/state)" for d in self.doors
+            )
+            + "".join(
+                f" | router {c.fleet.router_id} http://{c.listen.admin}/state"
+                for c in self.extra_routers
             )
             + (f" | routers share dispatches on {url}" if (url := self.settings.nats_url) else "")
             + f" | logs {self.workdir}"
@@ -204,6 +223,12 @@ class Stack(SupervisedChildren):
         cfg_path = self.workdir / "gorgo.yaml"
         argv = gorgo_argv("serve", "--config", str(cfg_path), *self.settings.serve_args)
         self._spawn("gorgo-serve", argv)
+        for cfg in self.extra_routers:
+            name = cfg.fleet.router_id
+            path = self.workdir / f"{name}-gorgo.yaml"
+            write_atomic(path, config_yaml(cfg))
+            argv = gorgo_argv("serve", "--config", str(path), *self.settings.serve_args)
+            self._spawn(f"{name}-gorgo-serve", argv)
 
     def start_envoy(self, name: str = "envoy", config_text: str | None = None) -> None:
         """Start an Envoy; the front door by default, or another config (benchmarks)."""
@@ -251,6 +276,7 @@ class Stack(SupervisedChildren):
         path = PROBE_PATH[EngineKind(self.config.backends[0].engine)]
         urls = [f"{self.engine_url(i)}{path}" for i in range(len(self.settings.regions))]
         urls.append(f"{self.admin_url}/healthz")
+        urls += [f"http://{cfg.listen.admin}/healthz" for cfg in self.extra_routers]
         urls.append(f"{self.envoy_admin_url}/ready")
         deadline = time.monotonic() + timeout_s
         for url in urls:

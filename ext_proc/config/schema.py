@@ -257,6 +257,11 @@ class EnvoySettings:
     admin: str = "127.0.0.1:9901"
     # Where Envoy reaches the ext_proc; defaults to listen.grpc.
     ext_proc_address: str = ""
+    # Several router processes behind this Envoy (each one's listen.grpc; replaces
+    # ext_proc_address): Envoy spreads the ext_proc and access-log streams over them.
+    # They must share their dispatches (fleet.nats_url), which also carries what one saw
+    # of another's request (its first chunk, its completion) to the one that decided it.
+    ext_proc_addresses: tuple[str, ...] = ()
     ext_proc_tls: ClientTls = field(default_factory=ClientTls)
     # Whole-body buffering for routing: 128k-token prompts are ~0.5 MB of text, JSON
     # escaping and multimodal parts can multiply that; 16 MiB leaves room.
@@ -388,7 +393,14 @@ class Config:
 
     @property
     def ext_proc_address(self) -> str:
-        return self.envoy.ext_proc_address or self.listen.grpc
+        return (self.envoy.ext_proc_addresses or (self.envoy.ext_proc_address,))[
+            0
+        ] or self.listen.grpc
+
+    @property
+    def ext_proc_addresses(self) -> tuple[str, ...]:
+        """Every router process Envoy reaches."""
+        return self.envoy.ext_proc_addresses or (self.ext_proc_address,)
 
     def probe_path(self, b: Backend) -> str:
         return self.probes.path or PROBE_PATH[b.engine]

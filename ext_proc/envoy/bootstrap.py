@@ -20,7 +20,7 @@ from ext_proc.common.names import (
     ROUTE_GORGO,
     ROUTING_HEADERS,
 )
-from ext_proc.config.schema import Config, split_host_port
+from ext_proc.config.schema import Config, ConfigError, split_host_port
 from ext_proc.envoy.clusters import (
     API,
     CDS_FILE,
@@ -304,9 +304,14 @@ def build_envoy_config(cfg: Config, ext_proc: bool = True) -> dict[str, Any]:
         hcm["tracing"] = _tracing(cfg)
     dynamic = bool(cfg.envoy.xds_dir)
     clusters = [] if dynamic else backend_clusters(cfg)
-    ext_proc_cluster = grpc_cluster(
-        EXT_PROC_CLUSTER, cfg.ext_proc_address, "envoy.ext_proc_address"
-    )
+    first, *more = cfg.ext_proc_addresses
+    key = "envoy.ext_proc_addresses" if more else "envoy.ext_proc_address"
+    if more and not cfg.fleet.nats_url:
+        raise ConfigError(
+            f"{key}: {len(more) + 1} routers behind one Envoy must share their dispatches "
+            "and completions: set fleet.nats_url"
+        )
+    ext_proc_cluster = grpc_cluster(EXT_PROC_CLUSTER, first, key, *more)
     if cfg.envoy.ext_proc_tls.ca_file:
         ext_proc_cluster["transport_socket"] = _ext_proc_tls(cfg)
     clusters.append(ext_proc_cluster)

@@ -137,7 +137,8 @@ def pool_cluster(cfg: Config, backends: list[Backend]) -> dict[str, Any]:
     return c
 
 
-def grpc_cluster(name: str, address: str, key: str) -> dict[str, Any]:
+def grpc_cluster(name: str, address: str, key: str, *more: str) -> dict[str, Any]:
+    """`more`: further endpoints of the same cluster (several router processes)."""
     host, _port = split_host_port(address, key)
     return {
         "name": name,
@@ -153,7 +154,11 @@ def grpc_cluster(name: str, address: str, key: str) -> dict[str, Any]:
         "load_assignment": {
             "cluster_name": name,
             "endpoints": [
-                {"lb_endpoints": [{"endpoint": {"address": socket_address(address, key)}}]}
+                {
+                    "lb_endpoints": [
+                        {"endpoint": {"address": socket_address(a, key)}} for a in (address, *more)
+                    ]
+                }
             ],
         },
     }

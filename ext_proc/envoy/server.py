@@ -37,7 +37,7 @@ from ext_proc.core.features import NoActiveBackend
 from ext_proc.core.router import Router
 from ext_proc.core.types import Decision, RouteRequest, Status
 from ext_proc.envoy import codec
-from ext_proc.envoy.access_log import AccessLogService
+from ext_proc.envoy.access_log import AccessLogService, Forward, first_chunk_event
 from ext_proc.envoy.encoders import DecisionEncoder, decision_encoder
 from ext_proc.prompt.engine_tokens import PromptTokenizer
 from ext_proc.prompt.parse import (
@@ -131,11 +131,19 @@ class _FirstByteWatcher(Session):
     watched for it and ends without it means the request ended without a body (client
     gone, upstream reset), and the request is closed as cancelled."""
 
-    def __init__(self, router: Router, info: codec.StreamInfo, request_id: str) -> None:
+    def __init__(
+        self,
+        router: Router,
+        info: codec.StreamInfo,
+        request_id: str,
+        forward: Forward | None = None,
+    ) -> None:
         super().__init__(info)
         self.router = router
         self.request_id = request_id
         self.first_byte_seen = False
+        # Several routers behind one Envoy: another router's request goes to it.
+        self.forward = forward
 
     def on_response_headers(self, p: codec.Phase) -> Reply:
         if p.end_of_stream:  # no body will follow: the headers were the first byte
@@ -149,13 +157,16 @@ class _FirstByteWatcher(Session):
     def _first_byte(self, chunk: bytes = b"") -> None:
         if not self.first_byte_seen and self.request_id:
             self.first_byte_seen = True
-            if is_error_event(chunk):
+            error = is_error_event(chunk)
+            if error:
                 # An error inside a 200 stream: not a first token, and the backend's
                 # failure (the access log's 200 that follows finds it closed).
                 log.info("request %s: error event in the stream", self.request_id)
-                self.router.close(self.request_id, Status.ERROR)
+                mine = self.router.close(self.request_id, Status.ERROR) is not None
             else:
-                self.router.first_byte(self.request_id)
+                mine = self.router.first_byte(self.request_id) is not None
+            if not mine and self.forward is not None:  # another router's, or a repeat
+                self.forward(first_chunk_event(self.request_id, error))
         self.done = True
 
     def finish(self) -> None:
@@ -303,12 +314,13 @@ def open_session(
     phase: codec.Phase,
     trace_context: tuple[tuple[str, str], ...] = (),
     tokens: PromptTokenizer | None = None,
+    forward: Forward | None = None,
 ) -> Session:
     """The session for a stream, from its first message (`phase`, decoded) (Envoy AI
     Gateway's processorForPath + passThroughProcessor pattern)."""
     info = codec.stream_info(first)
     if info.observe_only:
-        return ObservingSession(router, info, codec.request_id_attribute(first))
+        return ObservingSession(router, info, codec.request_id_attribute(first), forward)
     headers = phase.headers
     if (
         phase.name == codec.REQUEST_HEADERS
@@ -340,11 +352,16 @@ TRACE_KEYS = ("traceparent", "tracestate")
 
 class ExtProcService:
     def __init__(
-        self, router: Router, encoder: DecisionEncoder, tokens: PromptTokenizer | None = None
+        self,
+        router: Router,
+        encoder: DecisionEncoder,
+        tokens: PromptTokenizer | None = None,
+        forward: Forward | None = None,
     ) -> None:
         self.router = router
         self.encoder = encoder
         self.tokens = tokens
+        self.forward = forward
         self.active_streams = 0
         # Shutting down: new streams are closed at once, and Envoy takes the fallback.
         self.draining = False
@@ -368,7 +385,7 @@ class ExtProcService:
                     metadata = context.invocation_metadata() or ()
                     carrier = tuple((k, v) for k, v in metadata if k in TRACE_KEYS)
                     session = open_session(
-                        self.router, self.encoder, req, phase, carrier, self.tokens
+                        self.router, self.encoder, req, phase, carrier, self.tokens, self.forward
                     )
                 if isinstance(session, RoutingSession) and session.tokenizes_off_loop(phase):
                     await session.tokenize_off_loop(phase)
@@ -391,9 +408,11 @@ def add_services(
     router: Router,
     telemetry: Telemetry,
     tokens: PromptTokenizer | None = None,
-) -> ExtProcService:
-    ext_proc = ExtProcService(router, decision_encoder(router.cfg), tokens)
-    access_log = AccessLogService(router, telemetry)
+    forward: Forward | None = None,
+) -> tuple[ExtProcService, AccessLogService]:
+    """`forward`: hands what this router saw of another's request to it (FleetBus)."""
+    access_log = AccessLogService(router, telemetry, forward)
+    ext_proc = ExtProcService(router, decision_encoder(router.cfg), tokens, forward)
     server.add_generic_rpc_handlers(
         (
             grpc.method_handlers_generic_handler(
@@ -418,7 +437,7 @@ def add_services(
             ),
         )
     )
-    return ext_proc
+    return ext_proc, access_log
 
 
 def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:

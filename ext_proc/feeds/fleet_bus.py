@@ -12,6 +12,8 @@ import contextlib
 import logging
 import os
 import socket
+from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import nats
@@ -21,7 +23,7 @@ from nats.aio.msg import Msg
 from ext_proc.common.aio import cancel_and_wait
 from ext_proc.config.schema import Config
 from ext_proc.core.router import Router
-from ext_proc.feeds.peers import PeerEvent, PeerPublisher
+from ext_proc.feeds.peers import PeerEvent, PeerKind, PeerPublisher
 
 log = logging.getLogger("gorgo.fleet")
 
@@ -46,6 +48,10 @@ class FleetBus:
         self._nc: Client | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self.sent = self.received = self.dropped = self.bad = 0
+        self.forwarded = self.forwarded_here = 0
+        # Applies another router's FIRST_CHUNK or COMPLETED for one of ours (the shell's
+        # ExtProcService.apply_forwarded).
+        self.on_forwarded: Callable[[PeerEvent], None] | None = None
 
     @property
     def connected(self) -> bool:
@@ -63,6 +69,15 @@ class FleetBus:
             with contextlib.suppress(Exception):  # already closed, or NATS gone
                 await self._nc.close()
 
+    @property
+    def forward(self) -> Callable[[PeerEvent], None] | None:
+        """How the shell hands another router's request to it (None: a single router)."""
+        return self._forward if self.cfg.fleet.nats_url else None
+
+    def _forward(self, e: PeerEvent) -> None:
+        self.forwarded += 1
+        self._send(replace(e, router=self.router_id))
+
     def snapshot(self) -> dict[str, Any] | None:
         if not self.cfg.fleet.nats_url:
             return None
@@ -74,6 +89,10 @@ class FleetBus:
             "received": self.received,
             "dropped": self.dropped,
             "malformed": self.bad,
+            # What this router saw of others' requests (several routers behind one
+            # Envoy), and what others saw of its own.
+            "forwarded": self.forwarded,
+            "forwarded_here": self.forwarded_here,
         }
 
     def _send(self, e: PeerEvent) -> None:
@@ -115,9 +134,15 @@ class FleetBus:
             self.bad += 1
             log.warning("fleet bus: dropped a message on %s: %s", msg.subject, err)
             return
-        if e.router != self.router_id:
-            self.received += 1
-            self.router.apply_peer(e)
+        if e.router == self.router_id:
+            return
+        self.received += 1
+        if e.kind in (PeerKind.FIRST_CHUNK, PeerKind.COMPLETED):
+            if self.on_forwarded is not None and e.request_id in self.router.in_flight:
+                self.forwarded_here += 1
+                self.on_forwarded(e)  # ours: the others ignore it
+            return
+        self.router.apply_peer(e)
 
     async def _on_error(self, e: Exception) -> None:
         log.warning("fleet bus: %s", e)

@@ -25,6 +25,12 @@ class PeerKind(enum.StrEnum):
     DISPATCHED = "dispatched"
     FIRST_BYTE = "first_byte"
     CLOSED = "closed"
+    # Behind one Envoy with several router processes, the observing and access-log
+    # streams reach any of them: what one saw of another's request goes to the router
+    # that decided it (it alone learns from it). FIRST_CHUNK: the first response chunk
+    # (`error`: an error event inside the stream); COMPLETED: the access-log entry.
+    FIRST_CHUNK = "first_chunk"
+    COMPLETED = "completed"
 
 
 @dataclass(frozen=True)
@@ -46,6 +52,12 @@ class PeerEvent:
     rtt_ms: float = 0.0
     queue_ms: float = 0.0
     streaming: bool = True
+    # FIRST_CHUNK and COMPLETED: what Envoy said (ext_proc.envoy.codec.AccessLogEntry).
+    error: bool = False
+    response_code: int = 0
+    e2e_ms: float | None = None
+    attempts: int = 1
+    route_name: str = ""
 
     def encode(self) -> bytes:
         return orjson.dumps(asdict(self))
@@ -69,6 +81,11 @@ class PeerEvent:
                 rtt_ms=float(raw.get("rtt_ms", 0.0)),
                 queue_ms=float(raw.get("queue_ms", 0.0)),
                 streaming=bool(raw.get("streaming", True)),
+                error=bool(raw.get("error", False)),
+                response_code=int(raw.get("response_code", 0)),
+                e2e_ms=None if raw.get("e2e_ms") is None else float(raw["e2e_ms"]),
+                attempts=int(raw.get("attempts", 1)),
+                route_name=str(raw.get("route_name", "")),
             )
         except (orjson.JSONDecodeError, KeyError, TypeError) as e:
             raise ValueError(f"peer event: {e}") from e

@@ -127,7 +127,8 @@ async def running_service(
         tokens = PromptTokenizer(engine_tokens) if engine_tokens is not None else None
         fleet = FleetBus(cfg, router)
         server = grpc.aio.server(options=grpc_options(cfg.envoy.max_body_bytes))
-        ext_proc = add_services(server, router, telemetry, tokens)
+        ext_proc, access_log = add_services(server, router, telemetry, tokens, fleet.forward)
+        fleet.on_forwarded = access_log.apply_forwarded
         # The engine's tokenizer, found when none is configured, and checked against the
         # engines: until then a backend with KV events stays approximate.
         tokenizers = EngineTokenizers(cfg, router, ext_proc)

@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from ext_proc.config.load import config_from_dict
+from ext_proc.config.schema import ConfigError
 from ext_proc.envoy.bootstrap import build_envoy_config, build_mesh_snippet
 from ext_proc.envoy.xds import missing_in, write_xds, xds_files
 from tests.xds_configs import BACKENDS, cfg_of
@@ -177,3 +178,19 @@ def test_missing_in_reads_envoys_clusters_listing() -> None:
 def test_the_mesh_snippet_keeps_the_clusters_in_full(tmp_path: Path) -> None:
     snippet = build_mesh_snippet(cfg_of(tmp_path))
     assert {c["name"] for c in snippet["clusters"]} >= {"near", "gorgo_fallback"}
+
+
+def test_several_routers_are_one_ext_proc_cluster_and_need_nats() -> None:
+    two = ["127.0.0.1:50051", "127.0.0.1:50052"]
+    raw = {"backends": BACKENDS, "envoy": {"ext_proc_addresses": two}}
+    with pytest.raises(ConfigError, match=r"envoy.ext_proc_addresses: 2 routers .* fleet.nats_url"):
+        build_envoy_config(config_from_dict(raw))
+    cfg = config_from_dict({**raw, "fleet": {"nats_url": "nats://127.0.0.1:4222"}})
+    (cluster,) = [
+        c
+        for c in build_envoy_config(cfg)["static_resources"]["clusters"]
+        if c["name"] == "gorgo_ext_proc"
+    ]
+    endpoints = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"]
+    ports = [e["endpoint"]["address"]["socket_address"]["port_value"] for e in endpoints]
+    assert ports == [50051, 50052] and cfg.ext_proc_address == two[0]
