@@ -225,6 +225,12 @@ def _bench_path(args: argparse.Namespace) -> int:
     return run_path_bench(args.requests)
 
 
+def _bench_routers(args: argparse.Namespace) -> int:
+    from loadgen.bench_routers import run_routers_bench
+
+    return run_routers_bench(args.routers, args.concurrency, args.duration_s)
+
+
 def _bench_page(args: argparse.Namespace) -> int:
     from loadgen.bench_page import run_page_bench
 
@@ -563,6 +569,13 @@ def add_commands(commands: Commands) -> None:
     b.add_argument("--streams", type=int, default=200)
     b.add_argument("--duration-s", type=float, default=60.0)
     b.set_defaults(func=_bench_load)
+    b = bench.add_parser(
+        "routers", help="requests/s with several router processes behind one Envoy vs one"
+    )
+    b.add_argument("--routers", type=int, default=2)
+    b.add_argument("--concurrency", type=int, default=32)
+    b.add_argument("--duration-s", type=float, default=20.0, help="per round (4 rounds)")
+    b.set_defaults(func=_bench_routers)
     b = bench.add_parser(
         "path", help="where a request's time goes in the router: CPU per step (cProfile)"
     )
