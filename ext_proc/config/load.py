@@ -7,6 +7,7 @@ knobs under `policies.<name>:` are decoded by the policy's own parameter class.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import enum
 import re
 import types
@@ -108,7 +109,9 @@ def decode(cls: type[T], raw: Any, prefix: str) -> T:
         dotted = f"{prefix}.{unknown[0]}" if prefix else str(unknown[0])
         if dotted in MOVED:
             raise ConfigError(f"{dotted}: moved to {MOVED[dotted]}")
-        raise ConfigError(f"{dotted}: unknown key (expected one of: {', '.join(fields)})")
+        near = difflib.get_close_matches(str(unknown[0]), list(fields), n=1)
+        hint = f"did you mean {near[0]!r}? " if near else ""
+        raise ConfigError(f"{dotted}: unknown key ({hint}expected one of: {', '.join(fields)})")
     kwargs: dict[str, Any] = {}
     for name, f in fields.items():
         key = f"{prefix}.{name}" if prefix else name
@@ -138,6 +141,8 @@ def _validate(cfg: Config) -> None:
     split_host_port(cfg.envoy.listen, "envoy.listen")
     split_host_port(cfg.envoy.admin, "envoy.admin")
     split_host_port(cfg.ext_proc_address, "envoy.ext_proc_address")
+    for i, address in enumerate(cfg.envoy.ext_proc_addresses):
+        split_host_port(address, f"envoy.ext_proc_addresses[{i}]")
     if cfg.envoy.tracing_endpoint:
         split_host_port(cfg.envoy.tracing_endpoint, "envoy.tracing_endpoint")
     _validate_tls(cfg)

@@ -7,6 +7,7 @@ generated from it. Every section is a frozen dataclass; each field's range sits 
 from __future__ import annotations
 
 import enum
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -406,8 +407,25 @@ class Config:
         return self.probes.path or PROBE_PATH[b.engine]
 
 
+# A DNS name (labels of letters, digits, '-' and '_'), an IPv4 address, or [IPv6].
+_HOST = re.compile(r"\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_](?:[A-Za-z0-9_.-]*[A-Za-z0-9_])?")
+
+
 def split_host_port(value: str, key: str) -> tuple[str, int]:
+    """`host:port`, as Envoy's socket addresses and gRPC targets take it: no scheme, no
+    spaces, a port 0-65535. The error names the key and what to write instead."""
+    if "://" in value:
+        bare = value.split("://", 1)[1].rstrip("/")
+        raise ConfigError(
+            f"{key}: expected host:port without a scheme, got {value!r} (write {bare!r})"
+        )
+    if any(c.isspace() for c in value):
+        raise ConfigError(f"{key}: expected host:port without spaces, got {value!r}")
     host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+    if not sep or not host or not port.isdigit():
         raise ConfigError(f"{key}: expected host:port, got {value!r}")
+    if not 0 <= int(port) <= 65535:
+        raise ConfigError(f"{key}: port {port} is out of range (0-65535), got {value!r}")
+    if not _HOST.fullmatch(host):
+        raise ConfigError(f"{key}: {host!r} is not a host name or IP address, got {value!r}")
     return host, int(port)

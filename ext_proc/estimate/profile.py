@@ -6,6 +6,7 @@ in ext_proc/estimate/profiles/NAME.yaml; any YAML file with the same keys works.
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, fields
 from importlib import resources
 from pathlib import Path
@@ -86,10 +87,12 @@ def profile_from_dict(raw: Any, where: str = "profile") -> EngineProfile:
     names = {f.name: f for f in fields(EngineProfile)}
     unknown = sorted(set(raw) - set(names))
     if unknown:
-        raise ValueError(f"{where}: unknown key {unknown[0]!r}")
+        near = difflib.get_close_matches(unknown[0], list(names), n=1)
+        hint = f" (did you mean {near[0]!r}?)" if near else ""
+        raise ValueError(f"{where}: unknown key {unknown[0]!r}{hint}")
     missing = sorted(set(names) - set(raw))
-    if missing:
-        raise ValueError(f"{where}: missing key {missing[0]!r}")
+    if missing:  # all at once: a hand-written profile should not take one run per key
+        raise ValueError(f"{where}: missing keys {', '.join(missing)}")
     values: dict[str, Any] = {}
     for key, f in names.items():
         v = raw[key]

@@ -1,0 +1,91 @@
+"""The bad configs a reviewer would try: each gets one clear error that names the key
+(and says what to write instead where it can)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from ext_proc.config.load import config_from_dict
+from ext_proc.config.schema import ConfigError
+
+OK = {"id": "a", "address": "10.0.0.1:8000"}
+
+
+def with_backend(**b: Any) -> dict[str, Any]:
+    return {"backends": [{**OK, **b}]}
+
+
+def with_key(section: str, **kv: Any) -> dict[str, Any]:
+    return {"backends": [OK], section: kv}
+
+
+CASES = [
+    # addresses
+    (
+        with_backend(address="http://10.0.0.1:8000"),
+        r"backends\[0\].address: .*without a scheme.*'10.0.0.1:8000'",
+    ),
+    (with_backend(address="not a host:8000"), r"backends\[0\].address: .*without spaces"),
+    (with_backend(address=" 10.0.0.1:8000"), r"backends\[0\].address: .*without spaces"),
+    (with_backend(address="10.0.0.1:99999"), r"backends\[0\].address: port 99999 is out of range"),
+    (with_backend(address="10.0.0.1"), r"backends\[0\].address: expected host:port"),
+    (with_backend(address="10.0.0.1:http"), r"backends\[0\].address: expected host:port"),
+    (
+        with_backend(address="bad/host:8000"),
+        r"backends\[0\].address: 'bad/host' is not a host name",
+    ),
+    (
+        with_key("envoy", tracing_endpoint="http://otel:4317"),
+        r"envoy.tracing_endpoint: .*'otel:4317'",
+    ),
+    (with_key("envoy", ext_proc_address="gorgo :50051"), r"envoy.ext_proc_address: .*spaces"),
+    (
+        with_key("envoy", ext_proc_addresses=["127.0.0.1:1", "https://r2:2"]),
+        r"envoy.ext_proc_addresses\[1\]: .*scheme",
+    ),
+    (with_key("envoy", listen="0.0.0.0:70000"), r"envoy.listen: port 70000 is out of range"),
+    (with_key("listen", grpc="localhost"), r"listen.grpc: expected host:port"),
+    (with_key("listen", admin="http://127.0.0.1:9180"), r"listen.admin: .*scheme"),
+    # unknown keys, with the near miss
+    ({"backends": [OK], "polcy": "gorgo"}, r"polcy: unknown key \(did you mean 'policy'\?"),
+    (
+        with_key("routing", block_tokns=16),
+        r"routing.block_tokns: unknown key \(did you mean 'block_tokens'\?",
+    ),
+    (
+        {"backends": [{"id": "a", "adress": "10.0.0.1:8000"}]},
+        r"backends\[0\].adress: unknown key \(did you mean 'address'\?",
+    ),
+    (
+        with_key("probes", intervl_s=1),
+        r"probes.intervl_s: unknown key \(did you mean 'interval_s'\?",
+    ),
+    # values
+    ({"backends": [OK], "policy": "gorgoo"}, r"policy: unknown policy 'gorgoo'"),
+    (
+        with_backend(engine_profile="nope"),
+        r"backends\[0\].engine_profile: unknown engine profile 'nope'",
+    ),
+    (with_backend(engine="tgi"), r"backends\[0\].engine: "),
+    (with_backend(rtt_prior_ms=-1), r"backends\[0\].rtt_prior_ms: must be >= 0"),
+    ({"backends": [OK, OK]}, r"backends\[1\].id: duplicate backend id 'a'"),
+    ({"backends": []}, r"backends"),
+    (with_key("telemetry", sample_ratio=1.5), r"telemetry.sample_ratio: must be <= 1"),
+]
+
+
+@pytest.mark.parametrize(("raw", "error"), CASES, ids=[c[1][:40] for c in CASES])
+def test_a_bad_config_gets_one_clear_error_naming_its_key(raw: dict[str, Any], error: str) -> None:
+    with pytest.raises(ConfigError, match=error):
+        config_from_dict(raw)
+
+
+def test_a_hand_written_profile_missing_keys_names_them_all(tmp_path: Path) -> None:
+    profile = tmp_path / "my-gpu.yaml"
+    profile.write_text(yaml.safe_dump({"prefill_tokens_per_s": 20000, "prefill_base_ms": 5}))
+    with pytest.raises(ConfigError, match=r"backends\[0\].engine_profile: .*missing keys .*, .*, "):
+        config_from_dict(with_backend(engine_profile=str(profile)))
