@@ -14,11 +14,9 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
-
 from emulator.stack import DEFAULT_REGIONS, Region, Stack, StackPorts, StackSettings
 from ext_proc.estimate.profile import load_profile
-from loadgen.client import chat_body, send_chat
+from loadgen.client import chat_body, closed_loop
 
 # Engines that stream for a few seconds per request: 200 streams stay open at once.
 ENGINE_ARGS = tuple(
@@ -77,34 +75,23 @@ async def _closed_loop(
     url: str, streams: int, duration_s: float, pid: int
 ) -> tuple[int, int, int, list[float]]:
     deadline = time.monotonic() + duration_s
-    requests = errors = timeouts = 0
     samples: list[float] = []
-    timeout = aiohttp.ClientTimeout(total=60)
-    connector = aiohttp.TCPConnector(limit=streams)
 
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as s:
+    def body_of(i: int, n: int) -> dict[str, Any]:
+        # ~900 tokens, unique per request: 3 new prefix blocks each, so the router's prefix
+        # index fills up and must stay bounded.
+        return chat_body(f"client {i} turn {n} " * 200, 200)
 
-        async def client(i: int) -> None:
-            nonlocal requests, errors, timeouts
-            n = 0
-            while time.monotonic() < deadline:
-                # ~900 tokens, unique per request: 3 new prefix blocks each, so the
-                # router's prefix index fills up and must stay bounded.
-                body = chat_body(f"client {i} turn {n} " * 200, 200)
-                r = await send_chat(s, url, body, f"c{i}-{n}", timeout_s=60)
-                requests += 1
-                if not r.ok:
-                    errors += 1
-                    timeouts += "Timeout" in r.error
-                n += 1
+    async def sampler() -> None:
+        while time.monotonic() < deadline:
+            samples.append(_proc_rss_mb(pid))
+            await asyncio.sleep(max(1.0, duration_s / 10))
 
-        async def sampler() -> None:
-            while time.monotonic() < deadline:
-                samples.append(_proc_rss_mb(pid))
-                await asyncio.sleep(max(1.0, duration_s / 10))
-
-        await asyncio.gather(sampler(), *(client(i) for i in range(streams)))
-    return requests, errors, timeouts, samples
+    _, sent = await asyncio.gather(
+        sampler(), closed_loop(url, streams, body_of, lambda: time.monotonic() < deadline)
+    )
+    failed = [r for _, r in sent if not r.ok]
+    return len(sent), len(failed), sum("Timeout" in r.error for r in failed), samples
 
 
 def _settled_state(admin_url: str, wait_s: float = 5.0) -> dict[str, Any]:

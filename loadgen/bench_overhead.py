@@ -58,32 +58,28 @@ async def _alternate(urls: tuple[str, str], body: dict[str, object], n: int) -> 
     return out
 
 
-async def _throughput(url: str, body: dict[str, object], n: int, concurrency: int) -> float:
+async def _concurrent(
+    url: str, body: dict[str, object], n: int, concurrency: int, tag: str = "l"
+) -> list[Result]:
+    """n requests, at most `concurrency` at once."""
     sem = asyncio.Semaphore(concurrency)
     async with aiohttp.ClientSession() as s:
 
         async def one(i: int) -> Result:
             async with sem:
-                return await send_chat(s, url, body, f"t{i}")
+                return await send_chat(s, url, body, f"{tag}{i}")
 
-        t0 = time.perf_counter()
-        results = await asyncio.gather(*(one(i) for i in range(n)))
-        elapsed = time.perf_counter() - t0
+        return await asyncio.gather(*(one(i) for i in range(n)))
+
+
+async def _throughput(url: str, body: dict[str, object], n: int, concurrency: int) -> float:
+    t0 = time.perf_counter()
+    results = await _concurrent(url, body, n, concurrency, "t")
+    elapsed = time.perf_counter() - t0
     failed = [r for r in results if not r.ok]
     if failed:
         raise RuntimeError(f"{len(failed)} requests failed, first: {failed[0].error}")
     return n / elapsed
-
-
-async def _concurrent(url: str, body: dict[str, object], n: int, concurrency: int) -> list[Result]:
-    sem = asyncio.Semaphore(concurrency)
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency)) as s:
-
-        async def one(i: int) -> Result:
-            async with sem:
-                return await send_chat(s, url, body, f"l{i}")
-
-        return await asyncio.gather(*(one(i) for i in range(n)))
 
 
 def long_prompts(

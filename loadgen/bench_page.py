@@ -35,7 +35,7 @@ from ext_proc.service.admin import make_admin_app
 from ext_proc.service.operator_page import feed
 from loadgen import bench_decide, bench_load, bench_overhead
 from loadgen.browser import Browser
-from loadgen.client import Result, chat_body, percentile, send_chat
+from loadgen.client import chat_body, closed_loop, percentile
 
 TARGET_RENDER_MS = 1000.0
 ROWS = (
@@ -206,34 +206,24 @@ async def _phases(
     Returns per phase (state, TTFTs, router CPU ms per request), the browser's CPU share
     per browser phase, and the errors."""
     windows: list[tuple[float, float, str, float]] = []  # start, end, state, router CPU s
-    results: list[tuple[float, Result]] = []
     stop = asyncio.Event()
-    timeout = aiohttp.ClientTimeout(total=60)
-    async with aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=streams), timeout=timeout
-    ) as s:
 
-        async def client(i: int) -> None:
-            n = 0
-            while not stop.is_set():
-                body = chat_body(f"client {i} turn {n} " * 200, 200)
-                t = time.monotonic()
-                results.append((t, await send_chat(s, url, body, f"c{i}-{n}", timeout_s=60)))
-                n += 1
+    def body_of(i: int, n: int) -> dict[str, Any]:
+        return chat_body(f"client {i} turn {n} " * 200, 200)
 
-        clients = [asyncio.create_task(client(i)) for i in range(streams)]
-        await asyncio.sleep(WARMUP_S)
-        browser_share: list[float] = []
-        for how in ORDER:
-            _say(f"load, page {how}: {phase_s:.0f} s...")
-            cpu: list[float] = []
-            async with _page(admin_url, how, cpu):
-                t0, cpu0 = time.monotonic(), bench_load._proc_cpu_s(pid)
-                await asyncio.sleep(phase_s)
-                windows.append((t0, time.monotonic(), how, bench_load._proc_cpu_s(pid) - cpu0))
-            browser_share += [c / phase_s for c in cpu]
-        stop.set()
-        await asyncio.gather(*clients)
+    loop = asyncio.create_task(closed_loop(url, streams, body_of, lambda: not stop.is_set()))
+    await asyncio.sleep(WARMUP_S)
+    browser_share: list[float] = []
+    for how in ORDER:
+        _say(f"load, page {how}: {phase_s:.0f} s...")
+        cpu: list[float] = []
+        async with _page(admin_url, how, cpu):
+            t0, cpu0 = time.monotonic(), bench_load._proc_cpu_s(pid)
+            await asyncio.sleep(phase_s)
+            windows.append((t0, time.monotonic(), how, bench_load._proc_cpu_s(pid) - cpu0))
+        browser_share += [c / phase_s for c in cpu]
+    stop.set()
+    results = await loop
     phases = []
     for t0, t1, how, cpu_s in windows:
         rs = [r for t, r in results if t0 <= t < t1]

@@ -16,11 +16,9 @@ import time
 import urllib.request
 from dataclasses import dataclass
 
-import aiohttp
-
 from emulator.stack import Stack, StackPorts, StackSettings
 from loadgen import bench_load, bench_overhead
-from loadgen.client import chat_body, send_chat
+from loadgen.client import chat_body, closed_loop
 
 TARGET_RATIO = 1.3
 
@@ -37,21 +35,11 @@ class Round:
 
 async def _drive(url: str, concurrency: int, duration_s: float) -> tuple[int, int]:
     deadline = time.monotonic() + duration_s
-    done = errors = 0
     body = chat_body(bench_overhead._prompt(1024), 16)
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency)) as s:
-
-        async def client(i: int) -> None:
-            nonlocal done, errors
-            n = 0
-            while time.monotonic() < deadline:
-                r = await send_chat(s, url, body, f"c{i}-{n}")
-                done += 1
-                errors += not r.ok
-                n += 1
-
-        await asyncio.gather(*(client(i) for i in range(concurrency)))
-    return done, errors
+    sent = await closed_loop(
+        url, concurrency, lambda _i, _n: body, lambda: time.monotonic() < deadline, 600.0
+    )
+    return len(sent), sum(not r.ok for _, r in sent)
 
 
 def _decisions(admin_url: str) -> int:

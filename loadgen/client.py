@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -155,3 +156,31 @@ def percentile(values: Sequence[float], q: float) -> float:
     lo = int(pos)
     hi = min(lo + 1, len(s) - 1)
     return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+async def closed_loop(
+    url: str,
+    clients: int,
+    body_of: Callable[[int, int], dict[str, Any]],
+    running: Callable[[], bool],
+    timeout_s: float = 60.0,
+) -> list[tuple[float, Result]]:
+    """`clients` clients, each sending its next chat as soon as the last one ended, while
+    `running()`; `body_of(client, turn)` is each request's body. Returns every result
+    with the monotonic time it was sent."""
+    sent: list[tuple[float, Result]] = []
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    connector = aiohttp.TCPConnector(limit=clients)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as s:
+
+        async def client(i: int) -> None:
+            n = 0
+            while running():
+                t = time.monotonic()
+                sent.append(
+                    (t, await send_chat(s, url, body_of(i, n), f"c{i}-{n}", timeout_s=timeout_s))
+                )
+                n += 1
+
+        await asyncio.gather(*(client(i) for i in range(clients)))
+    return sent
