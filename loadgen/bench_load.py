@@ -105,8 +105,9 @@ def _settled_state(admin_url: str, wait_s: float = 5.0) -> dict[str, Any]:
         time.sleep(0.1)
 
 
-def run_load(streams: int = 200, duration_s: float = 60.0) -> LoadReport:
-    stack = Stack(
+def load_stack() -> Stack:
+    """The load benchmarks' stack (not started): gorgo, engines that stream for seconds."""
+    return Stack(
         StackSettings(
             policy="gorgo",
             regions=REGIONS,
@@ -115,6 +116,10 @@ def run_load(streams: int = 200, duration_s: float = 60.0) -> LoadReport:
             envoy_concurrency=1,
         )
     )
+
+
+def run_load(streams: int = 200, duration_s: float = 60.0) -> LoadReport:
+    stack = load_stack()
     stack.start()
     try:
         pid = stack.procs["gorgo-serve"].pid

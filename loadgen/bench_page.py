@@ -27,7 +27,6 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from emulator.stack import Stack, StackPorts, StackSettings
 from emulator.stack.ports import free_ports
 from ext_proc.core.types import RouteRequest, Status
 from ext_proc.prompt.parse import CHAT, parse_body
@@ -233,15 +232,7 @@ async def _phases(
 
 
 def load(streams: int, phase_s: float) -> list[str]:
-    stack = Stack(
-        StackSettings(
-            policy="gorgo",
-            regions=bench_load.REGIONS,
-            ports=StackPorts.ephemeral(len(bench_load.REGIONS)),
-            engine_args=bench_load.ENGINE_ARGS,
-            envoy_concurrency=1,
-        )
-    )
+    stack = bench_load.load_stack()
     stack.start()
     try:
         pid = stack.procs["gorgo-serve"].pid
