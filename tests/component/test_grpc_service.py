@@ -173,12 +173,13 @@ async def test_admin_tuner_freeze_set_and_errors(harness: Harness) -> None:
         assert state["tuner"] is None  # round_robin has no weights to tune
         async with s.post(f"{url}/tuner", json={"action": "freeze"}) as r:
             assert r.status == 409
-    # the same admin API on a gorgo router
+    # the same admin API on a gorgo router that tunes
     cfg = config_from_dict(
         {
             "policy": "gorgo",
             "listen": {"grpc": "127.0.0.1:0", "admin": "127.0.0.1:0"},
             "backends": [{"id": "a", "address": "127.0.0.1:1"}],
+            "tuner": {"mode": "paired"},
         }
     )
     async with running_service(cfg) as svc, aiohttp.ClientSession() as s:
@@ -204,6 +205,7 @@ async def test_admin_token_guards_state_changes_only() -> None:
             "policy": "gorgo",
             "listen": {"grpc": "127.0.0.1:0", "admin": "127.0.0.1:0", "admin_token": "s3cret"},
             "backends": [{"id": "a", "address": "127.0.0.1:1"}],
+            "tuner": {"mode": "paired"},
         }
     )
     async with running_service(cfg) as svc, aiohttp.ClientSession() as s:

@@ -334,7 +334,8 @@ def test_every_endpoint_the_docs_name_exists() -> None:
 
 
 def metric_names() -> set[str]:
-    cfg = config_from_dict({"backends": [{"id": "a", "address": "127.0.0.1:1"}]})
+    backends = [{"id": "a", "address": "127.0.0.1:1"}]
+    cfg = config_from_dict({"backends": backends, "tuner": {"mode": "paired"}})
     names = set()
     for family in Metrics(build_router(cfg, lambda: 0.0, random.Random(0))).registry.collect():
         names.add(family.name)
@@ -367,3 +368,18 @@ def test_every_command_is_in_the_configuration_doc() -> None:
     named = {n for cmd in mentions for n in _commands_of(cmd)}
     absent = sorted(set(PARSERS) - named - {"gorgo", "gorgo bench"})
     assert not absent, f"{CONFIG_DOC}'s command table lacks {absent}"
+
+
+def test_every_span_attribute_is_in_the_operations_doc() -> None:
+    from ext_proc.service import telemetry
+
+    doc = DOCS["docs/operations.md"]
+    names = [v for k, v in vars(telemetry).items() if k.startswith("A_") and isinstance(v, str)]
+
+    def named(attr: str) -> bool:  # `gorgo.kv_events.age_s`, `.gaps` names both
+        attr = attr.split("{")[0].rstrip(".")
+        parent, _, last = attr.rpartition(".")
+        return f"`{attr}" in doc or (f"`{parent}." in doc and f"`.{last}`" in doc)
+
+    absent = [n for n in names if not named(n)]
+    assert names and not absent, f"docs/operations.md's span table lacks {absent}"

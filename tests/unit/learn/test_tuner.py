@@ -323,7 +323,8 @@ def test_objective_is_a_strict_config_key_wired_into_the_router(tmp_path: Path) 
 
     backend = {"id": "a", "address": "127.0.0.1:1"}
     assert config_from_dict({"backends": [backend]}).tuner.objective == TTFT
-    cfg = config_from_dict({"backends": [backend], "tuner": {"objective": "excess_ttft"}})
+    tuner = {"mode": "paired", "objective": "excess_ttft"}
+    cfg = config_from_dict({"backends": [backend], "tuner": tuner})
     assert cfg.tuner.objective == EXCESS_TTFT
     with pytest.raises(ConfigError, match=r"tuner\.objective"):
         config_from_dict({"backends": [backend], "tuner": {"objective": "e2e"}})
@@ -388,7 +389,8 @@ def test_arm_key_is_a_strict_config_key_wired_into_the_router() -> None:
 
     backend = {"id": "a", "address": "127.0.0.1:1"}
     assert config_from_dict({"backends": [backend]}).tuner.arm_key == TunerArmKey.REQUEST
-    cfg = config_from_dict({"backends": [backend], "tuner": {"arm_key": "session"}})
+    tuner = {"mode": "paired", "arm_key": "session"}
+    cfg = config_from_dict({"backends": [backend], "tuner": tuner})
     with pytest.raises(ConfigError, match=r"tuner\.arm_key"):
         config_from_dict({"backends": [backend], "tuner": {"arm_key": "user"}})
     router = build_router(cfg, lambda: 0.0, random.Random(0))
