@@ -46,6 +46,7 @@ from emulator.model_api import (
 from emulator.parse import BadRequest, GenRequest, Kind, decode_json, parse_request
 from emulator.runner import EngineStats, ModelRunner, TokenChannel
 from emulator.wire import StreamEncoder, dumps, error_body, response_body
+from ext_proc.estimate.profile import EngineProfile
 
 log = logging.getLogger(__name__)
 
@@ -521,6 +522,8 @@ class Engine:
         lines += s.itl_s.prometheus(itl, labels)
         if self.lora_info is not None:
             lines += self.lora_info.lines(*m.lora_counts())
+        if self.cfg.flavor == VLLM:
+            lines += vllm_cache_config_info(self.cfg.profile)
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
     async def stats_handler(self, request: web.Request) -> web.Response:
@@ -536,6 +539,32 @@ class Engine:
                 "requests_by_path": dict(s.requests_by_path),
             }
         )
+
+
+def vllm_cache_config_info(profile: EngineProfile) -> list[str]:
+    """vLLM's KV pool on its /metrics page: an info gauge set to 1 whose labels are its
+    CacheConfig.metrics_info() plus `engine` (vllm/v1/metrics/loggers.py
+    log_metrics_info; the real page: tests/fixtures/vllm/metrics.txt). The labels the
+    pool is read from (num_gpu_blocks, block_size, and newer vLLMs' kv_cache_size_tokens)
+    and a few others as the real engine spells them; the rest of its config is not
+    emulated. The pool is the profile's in whole blocks."""
+    blocks = profile.kv_capacity_tokens // profile.block_tokens
+    labels = {
+        "block_size": profile.block_tokens,
+        "cache_dtype": "auto",
+        "enable_prefix_caching": "True",
+        "engine": "0",
+        "kv_cache_size_tokens": blocks * profile.block_tokens,
+        "num_cpu_blocks": "None",
+        "num_gpu_blocks": blocks,
+        "num_gpu_blocks_override": "None",
+    }
+    text = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    return [
+        "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig",
+        "# TYPE vllm:cache_config_info gauge",
+        f"vllm:cache_config_info{{{text}}} 1.0",
+    ]
 
 
 FLUSH_TEXT = (

@@ -186,9 +186,10 @@ class Fleet:
             b.latency = LatencyStats()  # another engine, or another model of it
             b.speed = LatencyModel(self.cfg.routing.learn_latency)
             b.adapter_speed = {}
-        capacity = new.kv_capacity_tokens or b.profile.kv_capacity_tokens
+        b.config = new
         if reset:
-            b.prefix = PrefixCache(capacity, self.cfg.routing.block_tokens)  # empty again
+            b.engine_kv_capacity_tokens = None  # another engine: its pool is read again
+            b.prefix = PrefixCache(b.kv_capacity[0], self.cfg.routing.block_tokens)
             b.engine_blocks = EngineBlocks() if new.kv_events.endpoint else None
             b.events_up = False
             b.prediction = PredictionStats()
@@ -197,11 +198,10 @@ class Fleet:
             b.ejected_until_s = b.engine = b.engine_at_s = None
             self.state.set_discovered(b.id, None)  # what it serves: read again
         else:
-            b.prefix.set_capacity(capacity)
+            b.prefix.set_capacity(b.kv_capacity[0])  # config, else engine, else profile
         b.rtt_prior_ms = new.rtt_prior_ms
         if b.rtt_samples == 0:
             b.rtt_ms = new.rtt_prior_ms
-        b.config = new
         self._sync_cfg()
         self._emit(b, BackendChange.UPDATED, self.clock(), reason, reset)
         return reset

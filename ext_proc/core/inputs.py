@@ -78,9 +78,10 @@ class RouterInputs:
         p = self._fleet.cfg.probes
         self._fleet.state.record_probe(backend, rtt_ms, p.ewma_alpha, p.suspect_after)
 
-    def record_engine_report(self, backend: str, report: EngineReport) -> None:
-        """The engine's own load report (/metrics), read now."""
-        self._fleet.state.record_engine_report(backend, report, self.clock())
+    def record_engine_report(self, backend: str, report: EngineReport) -> bool:
+        """The engine's own load report (/metrics), read now. Returns whether it brought
+        a new KV pool (the prefix index is resized to it unless the config sets one)."""
+        return self._fleet.state.record_engine_report(backend, report, self.clock())
 
     def record_models(self, backend: str, served: ServedModels) -> bool:
         """What the backend's engine lists on /v1/models now. Returns whether that

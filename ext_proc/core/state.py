@@ -98,6 +98,8 @@ class BackendState:
     # never).
     engine: EngineReport | None = None
     engine_at_s: float | None = None
+    # The KV pool its engine reports (None: not reported), kept across stale reports.
+    engine_kv_capacity_tokens: int | None = None
     # Running mean of the prefill estimates of requests sent here (ms).
     mean_prefill_ms: float = 100.0
     recent_ttft_ms: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_SAMPLES))
@@ -116,6 +118,17 @@ class BackendState:
         """Its prefix state comes from its engine's events (they are up, and the router's
         token ids are the engine's)."""
         return self.events_up and self.engine_blocks is not None and self.tokens.ok
+
+    @property
+    def kv_capacity(self) -> tuple[int, str]:
+        """The KV pool the prefix index is sized to, and where it comes from: the
+        config's backends[].kv_capacity_tokens wins, then what the engine reports, then
+        the engine profile's."""
+        if self.config.kv_capacity_tokens:
+            return self.config.kv_capacity_tokens, "config"
+        if self.engine_kv_capacity_tokens:
+            return self.engine_kv_capacity_tokens, "engine"
+        return self.profile.kv_capacity_tokens, "profile"
 
     @property
     def models(self) -> ServedModels | None:
@@ -161,6 +174,8 @@ class BackendState:
             "adapter_speed": {k: v.as_json() for k, v in sorted(self.adapter_speed.items())},
             "models": None if self.models is None else self.models.as_json(),
             "ejected": self.ejected_until_s is not None,
+            "kv_capacity_tokens": self.kv_capacity[0],
+            "kv_capacity_source": self.kv_capacity[1],
             "in_flight": self.in_flight,
             "waiting_first_byte": self.waiting_first_byte,
             "in_flight_tokens": self.in_flight_tokens,
@@ -357,10 +372,19 @@ class FleetState:
             b.rtt_var_ms2 = (1 - alpha) * (b.rtt_var_ms2 + alpha * d * d)
         b.rtt_samples += 1
 
-    def record_engine_report(self, backend: str, report: EngineReport, now_s: float) -> None:
+    def record_engine_report(self, backend: str, report: EngineReport, now_s: float) -> bool:
+        """Returns whether the engine's KV pool is new (first reported, or changed): the
+        prefix index is resized to it unless the config sets the backend's."""
         b = self.backends.get(backend)
-        if b is not None:  # not removed while the scrape was out
-            b.engine, b.engine_at_s = report, now_s
+        if b is None:  # removed while the scrape was out
+            return False
+        b.engine, b.engine_at_s = report, now_s
+        pool = report.kv_capacity_tokens
+        if not pool or pool == b.engine_kv_capacity_tokens:
+            return False
+        b.engine_kv_capacity_tokens = pool
+        b.prefix.set_capacity(b.kv_capacity[0])
+        return True
 
     def overdue(self, now_s: float, timeout_s: float) -> list[str]:
         """Requests in flight for timeout_s or longer (their completion was lost)."""

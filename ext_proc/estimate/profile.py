@@ -2,6 +2,11 @@
 backend (hardware + model + serving engine). The router uses them to estimate prefill and
 queueing time; the emulated engine and the simulator run on them. Built-in profiles live
 in ext_proc/estimate/profiles/NAME.yaml; any YAML file with the same keys works.
+
+A profile for the router alone needs only ROUTER_KEYS: the terms in OPTIONAL_KEYS default
+to off (a dense model's decode, every batch CUDA-graphed), and EMULATOR_KEYS are read
+only by the emulated engine and the simulator, so they default to the shipped profiles'
+values (docs/engines.md, "Describe your hardware").
 """
 
 from __future__ import annotations
@@ -16,6 +21,32 @@ import yaml
 
 DEFAULT_PROFILE = "l40s-qwen3.5-35b-a3b-fp8"
 
+# What the router reads: prefill speed and chunking (PrefillModel), the decode step
+# (queue and decode estimates), the KV pool (prefix index size) and the running limit.
+ROUTER_KEYS = (
+    "prefill_base_ms",
+    "prefill_tokens_per_s",
+    "prefill_context_tokens",
+    "chunk_tokens",
+    "decode_base_ms",
+    "decode_per_request_ms",
+    "decode_per_1k_context_ms",
+    "kv_capacity_tokens",
+    "max_running_requests",
+)
+# Decode terms the router reads too, off unless set: the expert-activation term of a
+# mixture-of-experts model (batch_ms 0: a dense model) and the eager-step cost past the
+# largest CUDA-graphed batch (ms 0: every batch graphed).
+OPTIONAL_KEYS = (
+    "decode_batch_ms",
+    "decode_batch_fraction",
+    "no_cuda_graph_batch",
+    "no_cuda_graph_ms",
+)
+# Read only by the emulated engine (emulator/) and the simulator (loadgen/), never by the
+# router: its cache granularity is routing.block_tokens.
+EMULATOR_KEYS = ("block_tokens", "jitter_sigma")
+
 
 @dataclass(frozen=True)
 class EngineProfile:
@@ -25,16 +56,19 @@ class EngineProfile:
     prefill_context_tokens: float
     chunk_tokens: int
     decode_base_ms: float
-    decode_batch_ms: float
-    decode_batch_fraction: float
     decode_per_request_ms: float
     decode_per_1k_context_ms: float
-    no_cuda_graph_batch: int
-    no_cuda_graph_ms: float
     kv_capacity_tokens: int
     max_running_requests: int
-    block_tokens: int
-    jitter_sigma: float
+    decode_batch_ms: float = 0.0
+    # Every shipped profile's; it shapes the term only when decode_batch_ms is set.
+    decode_batch_fraction: float = 0.03125
+    no_cuda_graph_batch: int = 0
+    no_cuda_graph_ms: float = 0.0
+    # Emulator-only (EMULATOR_KEYS): the emulated cache's block, and a multiplicative
+    # lognormal jitter on every step.
+    block_tokens: int = 64
+    jitter_sigma: float = 0.02
 
     def prefill_ms(self, uncached_tokens: float, cached_tokens: float) -> float:
         """One request's share of a prefill step (without the step's base cost)."""
@@ -90,21 +124,32 @@ def profile_from_dict(raw: Any, where: str = "profile") -> EngineProfile:
         near = difflib.get_close_matches(unknown[0], list(names), n=1)
         hint = f" (did you mean {near[0]!r}?)" if near else ""
         raise ValueError(f"{where}: unknown key {unknown[0]!r}{hint}")
-    missing = sorted(set(names) - set(raw))
+    missing = [k for k in ROUTER_KEYS if k not in raw]
     if missing:  # all at once: a hand-written profile should not take one run per key
         raise ValueError(f"{where}: missing keys {', '.join(missing)}")
-    values: dict[str, Any] = {}
+    if raw.get("no_cuda_graph_ms") and "no_cuda_graph_batch" not in raw:
+        raise ValueError(
+            f"{where}: no_cuda_graph_ms needs no_cuda_graph_batch (the largest batch the "
+            "engine runs as a CUDA graph)"
+        )
+    # A file's own name when it has none: what /state and the logs call it.
+    stem = Path(where).stem if where.endswith((".yaml", ".yml")) else where
+    values: dict[str, Any] = {"name": str(raw.get("name", stem))}
     for key, f in names.items():
-        v = raw[key]
-        if f.type == "str":
-            values[key] = str(v)
+        if key == "name" or key not in raw:
             continue
+        v = raw[key]
         if isinstance(v, bool) or not isinstance(v, int | float) or v < 0:
             raise ValueError(f"{where}: {key} must be a non-negative number, got {v!r}")
         values[key] = int(v) if f.type == "int" else float(v)
+    p = EngineProfile(**values)
     for key in ("chunk_tokens", "block_tokens", "max_running_requests", "kv_capacity_tokens"):
-        if values[key] < 1:
+        if getattr(p, key) < 1:
             raise ValueError(f"{where}: {key} must be >= 1")
-    if values["prefill_tokens_per_s"] <= 0:
+    if p.prefill_tokens_per_s <= 0:
         raise ValueError(f"{where}: prefill_tokens_per_s must be > 0")
-    return EngineProfile(**values)
+    if p.prefill_context_tokens <= 0:
+        raise ValueError(f"{where}: prefill_context_tokens must be > 0")
+    if p.decode_batch_fraction > 1 or (p.decode_batch_ms > 0 and p.decode_batch_fraction == 0):
+        raise ValueError(f"{where}: decode_batch_fraction must be in (0, 1]")
+    return p

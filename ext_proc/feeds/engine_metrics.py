@@ -27,6 +27,12 @@ KV_USAGE = ("sglang:token_usage", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_us
 LORA_INFO = "vllm:lora_requests_info"
 # The label that tells data-parallel schedulers apart, per engine.
 DP_LABELS = ("dp_rank", "engine")
+# The KV pool in tokens, set once at start. SGLang: a gauge (metrics/collector.py,
+# "Maximum total number of tokens in the KV cache pool"). vLLM: an info gauge, value 1,
+# whose labels are CacheConfig.metrics_info() (v1/metrics/loggers.py log_metrics_info),
+# num_gpu_blocks and block_size among them; "None" until the engine has profiled memory.
+SGLANG_POOL = "sglang:max_total_num_tokens"
+VLLM_CACHE_INFO = "vllm:cache_config_info"
 
 
 @dataclass(frozen=True)
@@ -40,12 +46,16 @@ class EngineReport:
     # (None: the page has no LoRA gauge).
     adapters: frozenset[str] = frozenset()
     max_lora: int | None = None
+    # The engine's KV pool in tokens, summed over its data-parallel schedulers (None:
+    # the page does not say).
+    kv_capacity_tokens: int | None = None
 
     def as_json(self) -> dict[str, object]:
         out: dict[str, object] = {
             "waiting": self.waiting,
             "running": self.running,
             "kv_usage": self.kv_usage,
+            "kv_capacity_tokens": self.kv_capacity_tokens,
         }
         if self.max_lora is not None:
             out["adapters"], out["max_lora"] = sorted(self.adapters), self.max_lora
@@ -61,7 +71,12 @@ def _aggregate(by_rank: dict[str, list[float]], fraction: bool) -> float:
     return sum(per_rank) / len(per_rank) if fraction else sum(per_rank)
 
 
-WANTED = (*WAITING, *RUNNING, *KV_USAGE, LORA_INFO)
+WANTED = (*WAITING, *RUNNING, *KV_USAGE, LORA_INFO, SGLANG_POOL, VLLM_CACHE_INFO)
+
+
+def _vllm_pool_tokens(labels: dict[str, str]) -> int | None:
+    blocks, size = labels.get("num_gpu_blocks", ""), labels.get("block_size", "")
+    return int(blocks) * int(size) if blocks.isdigit() and size.isdigit() else None
 
 
 def _wanted_lines(text: str) -> str:
@@ -75,13 +90,16 @@ def _wanted_lines(text: str) -> str:
 
 def parse_engine_metrics(text: str) -> EngineReport:
     samples: dict[str, dict[str, list[float]]] = {}
-    wanted = set(WAITING + RUNNING + KV_USAGE)
+    wanted = {*WAITING, *RUNNING, *KV_USAGE, SGLANG_POOL}
     lora: tuple[float, dict[str, str]] | None = None
+    vllm_pools: dict[str, int] = {}  # per engine (data-parallel rank)
     try:
         for family in text_string_to_metric_families(_wanted_lines(text)):
             for s in family.samples:
                 if s.name == LORA_INFO and (lora is None or s.value >= lora[0]):
                     lora = (float(s.value), s.labels)
+                if s.name == VLLM_CACHE_INFO and (tokens := _vllm_pool_tokens(s.labels)):
+                    vllm_pools[s.labels.get("engine", "")] = tokens
                 if s.name not in wanted:
                     continue
                 rank = next((s.labels[k] for k in DP_LABELS if k in s.labels), "")
@@ -104,6 +122,12 @@ def parse_engine_metrics(text: str) -> EngineReport:
         )
         adapters = frozenset(n.strip() for n in names.split(",") if n.strip())
         max_lora = int(labels["max_lora"]) if labels.get("max_lora", "").isdigit() else None
+    pool = read((SGLANG_POOL,))
     return EngineReport(
-        read(WAITING), read(RUNNING), read(KV_USAGE, fraction=True), adapters, max_lora
+        read(WAITING),
+        read(RUNNING),
+        read(KV_USAGE, fraction=True),
+        adapters,
+        max_lora,
+        sum(vllm_pools.values()) if vllm_pools else (int(pool) if pool else None),
     )

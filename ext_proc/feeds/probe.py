@@ -25,6 +25,7 @@ import aiohttp
 from ext_proc.common.aio import cancel_and_wait
 from ext_proc.config.schema import PROBE_PATH, Backend, Config
 from ext_proc.core.router import Router
+from ext_proc.core.state import BackendState
 from ext_proc.feeds.engine_metrics import MetricsError, parse_engine_metrics
 from ext_proc.feeds.served_models import ModelsError, parse_models
 
@@ -36,6 +37,38 @@ log = logging.getLogger("gorgo.probe")
 COMPARE_PAIRS = 3
 SLOWER_FACTOR = 2.0
 SLOWER_MARGIN_MS = 10.0
+# An engine's pool this close to its profile's is the profile's (the emulated engine
+# rounds it down to whole blocks): logged, not warned of.
+POOL_TOLERANCE = 0.01
+
+
+def kv_pool_note(b: BackendState) -> tuple[int, str]:
+    """What to log once the backend's engine has said (or not said) its KV pool: a
+    warning when the prefix index is sized to a pool other than the engine's, or to the
+    profile's because the engine does not report one."""
+    engine, (used, source) = b.engine_kv_capacity_tokens, b.kv_capacity
+    profile = b.profile
+    if engine is None:
+        if source == "config":
+            return logging.DEBUG, f"backend {b.id}: KV pool {used} tokens (config)"
+        return logging.WARNING, (
+            f"backend {b.id}: its engine's /metrics does not report its KV pool "
+            "(vllm:cache_config_info, sglang:max_total_num_tokens): the prefix index is sized "
+            f"to engine profile {profile.name}'s {used} tokens; set "
+            "backends[].kv_capacity_tokens to the engine's (docs/engines.md)"
+        )
+    if source == "config" and abs(engine - used) > POOL_TOLERANCE * engine:
+        return logging.WARNING, (
+            f"backend {b.id}: its engine reports a KV pool of {engine} tokens, "
+            f"backends[].kv_capacity_tokens says {used}: the config's is used"
+        )
+    if source == "engine" and abs(engine - profile.kv_capacity_tokens) > POOL_TOLERANCE * engine:
+        return logging.WARNING, (
+            f"backend {b.id}: its engine reports a KV pool of {engine} tokens, engine "
+            f"profile {profile.name} says {profile.kv_capacity_tokens}: the prefix index is "
+            "sized to the engine's"
+        )
+    return logging.INFO, f"backend {b.id}: KV pool {used} tokens ({source})"
 
 
 class Prober:
@@ -186,16 +219,30 @@ class Prober:
     async def _metrics_loop(self, b: Backend) -> None:
         assert self._aux is not None
         url = f"http://{b.address}/metrics"
+        pool_said = False  # whether its KV pool (or that it has none) was logged
         while True:
             try:
                 async with self._aux.get(
                     url, timeout=aiohttp.ClientTimeout(total=self.cfg.probes.timeout_s)
                 ) as resp:
                     text = await resp.text()
+                    if resp.status == 404 and not pool_said:
+                        # SGLang mounts /metrics only with --enable-metrics (http_server.py)
+                        log.warning(
+                            "backend %s has no /metrics (SGLang: start it with "
+                            "--enable-metrics): no engine load reports, and its KV pool is "
+                            "backends[].kv_capacity_tokens or the engine profile's",
+                            b.id,
+                        )
+                        pool_said = True
                     if resp.status != 200:
                         raise MetricsError(f"HTTP {resp.status}")
                 report = parse_engine_metrics(text)
-                self.router.record_engine_report(b.id, report)
+                new_pool = self.router.record_engine_report(b.id, report)
+                state = self.router.backends.get(b.id)
+                if state is not None and (new_pool or not pool_said):
+                    log.log(*kv_pool_note(state))
+                    pool_said = True
             except (aiohttp.ClientError, TimeoutError, OSError, MetricsError) as e:
                 # The last report stands until it is stale: then the router's own count.
                 log.debug("metrics of %s: %s", b.id, e)

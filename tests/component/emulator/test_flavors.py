@@ -831,6 +831,9 @@ async def test_metrics_names_and_labels(flavor: str, http: aiohttp.ClientSession
     expect.update({running_: "gauge", waiting: "gauge", usage: "gauge", prompt_counter: "counter"})
     for name, kind in expect.items():
         assert idle[name].type == kind, name
+    # vLLM's cache config is an info gauge: its labels are the config (checked below)
+    info = idle.pop("vllm:cache_config_info", None)
+    assert (info is not None) == (flavor == VLLM)
     for family in idle.values():
         for s in family.samples:
             assert {k: v for k, v in s.labels.items() if k != "le"} == labels, s
@@ -848,6 +851,10 @@ async def test_metrics_names_and_labels(flavor: str, http: aiohttp.ClientSession
             assert real[name].type == family.type, name
             real_labels = {k for s in real[name].samples for k in s.labels if k != "le"}
             assert real_labels == set(labels), name
+        assert info is not None
+        (pool,) = info.samples
+        (real_pool,) = real["vllm:cache_config_info"].samples
+        assert set(pool.labels) <= set(real_pool.labels) and pool.value == real_pool.value
 
 
 async def test_sglang_metrics_need_enable_metrics(http: aiohttp.ClientSession) -> None:

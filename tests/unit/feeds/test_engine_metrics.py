@@ -36,10 +36,25 @@ def test_an_sglang_page_written_from_its_source() -> None:
     assert r.kv_usage == pytest.approx((0.42 + 0.21) / 2)
 
 
+def test_the_kv_pool_a_real_vllm_and_an_sglang_page_report() -> None:
+    # vLLM's info gauge: num_gpu_blocks x block_size (8192 x 128; the small pool's
+    # --num-gpu-blocks-override 160 x 32), as its own kv_cache_size_tokens label says
+    for page, tokens in (("metrics.txt", 1_048_576), ("metrics-small-pool-busy.txt", 5120)):
+        assert parse_engine_metrics((VLLM / page).read_text()).kv_capacity_tokens == tokens
+    sglang = parse_engine_metrics((FIXTURES / "sglang" / "metrics-tp2-dp2.txt").read_text())
+    assert sglang.kv_capacity_tokens == 983_549  # sglang:max_total_num_tokens
+    # one vLLM engine per data-parallel rank, each its own pool; a pool not yet profiled
+    # ("None") is unknown
+    line = 'vllm:cache_config_info{{block_size="16",engine="{}",num_gpu_blocks="{}"}} 1.0'
+    two = "\n".join(line.format(e, n) for e, n in (("0", 100), ("1", 50))) + "\n"
+    assert parse_engine_metrics(two).kv_capacity_tokens == 150 * 16
+    assert parse_engine_metrics(line.format("0", "None") + "\n").kv_capacity_tokens is None
+
+
 def test_a_missing_metric_is_unknown_and_garbage_is_an_error() -> None:
     only_running = "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 2\n"
     r = parse_engine_metrics(only_running)
-    assert (r.running, r.waiting, r.kv_usage) == (2.0, None, None)  # unknown, never 0
+    assert (r.running, r.waiting, r.kv_usage, r.kv_capacity_tokens) == (2.0, None, None, None)
     assert parse_engine_metrics("").waiting is None
     with pytest.raises(MetricsError):
         parse_engine_metrics("this is { not prometheus")
