@@ -118,3 +118,13 @@ def test_the_emulator_keys_are_read_nowhere_in_the_router() -> None:
         for key in EMULATOR_KEYS:
             for reader in ("profile.", "p."):
                 assert f"{reader}{key}" not in text, f"{path} reads {key}"
+
+
+def test_the_docs_router_side_example_loads_as_the_router_loads_it() -> None:
+    doc = Path(__file__).resolve().parents[3] / "docs" / "engines.md"
+    section = doc.read_text().split("## Describe your hardware", 1)[1]
+    example = section.split("```yaml\n", 1)[1].split("```", 1)[0]
+    raw = yaml.safe_load(example)
+    assert set(raw) - {"name"} == set(ROUTER_KEYS)  # the router's keys, no more
+    p = profile_from_dict(raw, "docs/engines.md")
+    assert p.name == "my-h100-8b" and p.kv_capacity_tokens == 437_000
