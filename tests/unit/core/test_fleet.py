@@ -431,7 +431,6 @@ def test_live_keys_apply_and_the_rest_are_left() -> None:
         "policy",
         "request_timeout_s",
         "routing.block_tokens",
-        "tuner.mode",
     ]
 
 
