@@ -8,9 +8,23 @@ PROTO_SRC := ext_proc/envoy/proto/envoy_wire.proto
 PROTO_OUT := ext_proc/envoy/proto/envoy_wire_pb2.py
 PYTEST_ARGS ?=
 
+# Python 3.11 or newer, checked before anything is installed (3.10 would fail midway in pip).
+PY_VERSION := $(shell $(PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null)
+ifeq ($(PY_VERSION),)
+$(error $(PYTHON) not found: install Python 3.11 or newer, or run make PYTHON=/path/to/python3.11)
+endif
+ifneq ($(shell $(PYTHON) -c 'import sys; print(int(sys.version_info >= (3, 11)))'),1)
+$(error GORGO needs Python 3.11 or newer; $(PYTHON) is $(PY_VERSION): run make PYTHON=python3.11 (or newer))
+endif
+
+# The Mooncake conversation trace the benchmarks replay (kvcache-ai/Mooncake, Apache-2.0),
+# kept outside the repository; `make trace` fetches it where the network allows.
+TRACE ?= ../shared/traces/mooncake-fast25/conversation_trace.jsonl
+TRACE_URL := https://raw.githubusercontent.com/kvcache-ai/Mooncake/main/FAST25-release/traces/conversation_trace.jsonl
+
 VLLM_VENV ?= .venv-vllm
 
-.PHONY: venv proto demo up test test-all test-real vllm check lint types bench bench-overhead screenshot clean
+.PHONY: venv proto demo up test test-long test-all test-real vllm check lint types bench bench-overhead screenshot trace clean
 
 venv: $(STAMP) $(PROTO_OUT)
 
@@ -36,7 +50,12 @@ up: venv
 test: venv
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
-# Includes the slow tier (soak, long replays); not the real-engine tier.
+# The end-to-end tests of 5 s or more (kills under load, probe phases): ~3 min; CI runs them
+# after `make test`.
+test-long: venv
+	$(PY) -m pytest -q -m long $(PYTEST_ARGS)
+
+# Includes the long and slow tiers (soak, long replays); not the real-engine tier.
 test-all: venv
 	$(PY) -m pytest -q -m 'not real' $(PYTEST_ARGS)
 
@@ -66,8 +85,14 @@ screenshot: venv
 	$(PY) -m loadgen.page_shot docs/img/operator-page.png
 
 # The paper's experiment in the simulator: regenerates docs/results.md and its figures.
-bench: venv
+bench: venv $(TRACE)
 	$(VENV)/bin/gorgo bench results
+
+trace: $(TRACE)
+
+$(TRACE):
+	mkdir -p $(dir $@)
+	curl -fL --retry 3 -o $@.part $(TRACE_URL) && mv $@.part $@
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) ext_proc/envoy/proto/*_pb2.py ext_proc/envoy/proto/*_pb2.pyi .pytest_cache .mypy_cache

@@ -127,6 +127,7 @@ def admin(stack: Stack, method: str, path: str, body: Any = None) -> tuple[int, 
         return r.status, json.load(r)
 
 
+@pytest.mark.long  # `make test-long`
 def test_add_drain_and_delete_while_requests_flow(stack: Stack) -> None:
     pids = (stack.procs["envoy"].pid, stack.procs["gorgo-serve"].pid)
     figures: dict[str, Any] = {}

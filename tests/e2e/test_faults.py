@@ -39,6 +39,7 @@ def post_json(url: str, body: dict[str, object]) -> None:
     urllib.request.urlopen(req, timeout=5).close()
 
 
+@pytest.mark.long  # `make test-long`
 def test_a_backend_answering_5xx_is_avoided_within_3_requests(stack: Stack) -> None:
     url = stack.front_door_url
     spread_regions(stack)  # ashburn is clearly the best region...
@@ -159,6 +160,7 @@ def test_sigterm_drains_in_flight_requests_within_the_deadline(stack: Stack) -> 
     assert "stopped: 1 requests completed while draining, 0 still in flight" in log, log
 
 
+@pytest.mark.long  # `make test-long`
 @pytest.mark.parametrize("envoy_mode", ["cluster", "endpoint_picker"])
 def test_connect_failures_are_retried_on_another_backend_and_the_backend_avoided(
     envoy_mode: str,

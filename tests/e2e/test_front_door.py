@@ -80,6 +80,7 @@ def test_unreadable_body_is_answered_by_a_backend_via_the_fallback(stack: Stack)
     )
 
 
+@pytest.mark.long  # `make test-long`
 def test_router_killed_requests_still_succeed_then_routing_resumes() -> None:
     stack = start_stack()
     try:

@@ -64,6 +64,7 @@ def test_idle_fleet_equal_caches_the_nearest_wins(gorgo_stack: Stack) -> None:
         assert r.ok and r.backend == ASHBURN
 
 
+@pytest.mark.long  # `make test-long`
 def test_a_session_follows_its_cache_unless_that_backend_is_overloaded(gorgo_stack: Stack) -> None:
     url = gorgo_stack.front_door_url
     history = words(4000, "history")

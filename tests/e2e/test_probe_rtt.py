@@ -27,7 +27,8 @@ from loadgen.client import chat_body, send_chat
 from tests.e2e.conftest import fast_settings
 from tests.e2e.stack_harness import router_state, wait_for
 
-pytestmark = pytest.mark.e2e
+# Long (5 s and more a test): `make test-long`, which CI runs after `make test`.
+pytestmark = [pytest.mark.e2e, pytest.mark.long]
 IDS = [r.id for r in DEFAULT_REGIONS]
 
 

@@ -24,7 +24,8 @@ from loadgen.client import Result, chat_body, send_chat
 from tests.e2e.conftest import FAST_ENGINE, FAST_REGIONS, fast_settings
 from tests.e2e.stack_harness import router_state
 
-pytestmark = pytest.mark.e2e
+# Long (5 s and more a test): `make test-long`, which CI runs after `make test`.
+pytestmark = [pytest.mark.e2e, pytest.mark.long]
 
 ASHBURN = FAST_REGIONS[0].id
 CLIENTS = 32
