@@ -17,7 +17,7 @@ Run-time change: `WanLink.settings` / `set_rtt_ms`, or the optional HTTP control
 on 127.0.0.1:`control_port` (`GET /rtt`, `POST /rtt` with a JSON object of settings).
 Changes apply to bytes read from then on; data already queued keeps its due time.
 
-`RTT_PROFILES` holds the named region RTTs of DESIGN 7 (`network`, `paper`).
+`RTT_PROFILES` holds the named region RTTs (`network`, `paper`; docs/engine-model.md).
 
 Connection setup: the local accept is instant, but a real TCP handshake costs one RTT
 before the client can send. With `handshake=True` (the default) bytes the client sends
@@ -62,7 +62,7 @@ CONTROL_HOST = "127.0.0.1"
 # the region gaps the router must tell apart.
 NETWORK_JITTER_FRACTION = 0.05
 
-# profile -> region -> (mean_ms, std_ms) of the round-trip time (DESIGN 7).
+# profile -> region -> (mean_ms, std_ms) of the round-trip time (docs/engine-model.md).
 # RTT between regions (ms): a front door in each region reaches every backend; the
 # `network` profile's row for us-ashburn is its single-proxy RTTs, and Frankfurt-Seoul is
 # about the public-internet round trip between them.

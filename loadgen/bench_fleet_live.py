@@ -5,8 +5,8 @@ the fleet's profiles behind WAN links at the network RTTs; the router keeps the 
 profile and must learn them), one slice of the trace replayed through the front door,
 then the router's own account from /state: per backend its completions, the TTFT and E2E
 prediction error over its last completions (`latency_prediction`: MAPE and bias over the
-window of ext_proc/estimate/latency_error.py) and the speed factors it learned. Issue 27's
-live target: per-backend TTFT MAPE <= 15 % once every backend has >= 200 completions.
+window of ext_proc/estimate/latency_error.py) and the speed factors it learned. The live
+prediction target: per-backend TTFT MAPE <= 15 % once every backend has >= 200 completions.
 
 Writes the replay's result file and the final /state to --work.
 """

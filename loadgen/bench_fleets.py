@@ -1,5 +1,5 @@
 """`python -m loadgen.bench_fleets`: the learned latency model on heterogeneous fleets, in
-the simulator (issue 27's done-when 1).
+the simulator, against the shipped and the true profiles.
 
 Per fleet (loadgen/data/fleets/), window (the shared conversation trace's three 20-minute
 windows, two paper-shaped ones) and time_scale: gorgo, static weights, three routers on

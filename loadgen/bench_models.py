@@ -1,4 +1,4 @@
-"""`python -m loadgen.bench_models`: many models in the simulator (issue 28's done-when 3).
+"""`python -m loadgen.bench_models`: many models in the simulator (routing by model).
 
 The `two-models` trace (the Mooncake conversation trace, each conversation asking for
 `alpha` or `beta`, loadgen/trace_models.py) on the fleet of loadgen/data/fleets/

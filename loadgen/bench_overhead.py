@@ -31,7 +31,7 @@ TARGET_P50_MS = 2.0
 TARGET_P99_MS = 5.0
 TARGET_PER_TOKEN_MS = 0.1
 HEADER = f"{'measurement':<34} {'envoy alone':>12} {'envoy+gorgo':>12} {'added':>9} {'target':>8}"
-# Issue 30: 128k-token prompts from 32 clients, added TTFT p99.
+# Long prompts: 128k-token prompts from 32 clients, added TTFT p99.
 TARGET_LONG_P99_MS = 20.0
 
 

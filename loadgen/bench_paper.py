@@ -17,7 +17,7 @@ from loadgen.results import summarize
 from loadgen.sim_cli import run_simulations
 from loadgen.simulate import SimSettings, simulate
 
-# DESIGN section 2: the paper's Table 2 and Table 3, p95 TTFT (ms) / p95 E2E (s).
+# The GORGO paper's Table 2 and Table 3, p95 TTFT (ms) / p95 E2E (s).
 PAPER_TABLE2: dict[tuple[str, float], dict[str, tuple[float, float]]] = {
     ("tuning", 1.0): {
         "gorgo": (2514, 8.91),
@@ -180,9 +180,9 @@ def paper_markdown(s: PaperStudy) -> str:
         "# The paper's experiment, under the paper's protocol\n",
         f"Workload: the paper-shaped synthetic windows (`paper-synthetic:SEED`, 30 min each; "
         f"docs/benchmarks.md has its statistics beside the paper's); {PAPER.describe()}. "
-        "Cells: p95 TTFT (ms) / p95 E2E (s). The paper's rows are its Table 2 and 3 (DESIGN "
-        "section 2), measured on its own fleet: set them beside ours for the shape (which "
-        "policy wins, by how much), not the absolute values.\n",
+        "Cells: p95 TTFT (ms) / p95 E2E (s). The paper's rows are its Table 2 and 3 (the GORGO "
+        'paper: README, "Citation"), measured on its own fleet: set them beside ours for the '
+        "shape (which policy wins, by how much), not the absolute values.\n",
         "## Table 2: a tuning window (online tuning), two held-out windows (weights frozen)\n",
     ]
     rows = []

@@ -31,7 +31,7 @@ from loadgen.sim_cli import run_simulations, summary_markdown, write_figures
 from loadgen.simulate import SimSettings
 from loadgen.traces import read_trace, window
 
-# The prefix-state and fleet-view measurements (issue 14), carried over like parity's.
+# The prefix-state and fleet-view measurements (measured separately), carried over like parity's.
 FLEET_VIEW_START = "<!-- fleet-view:start -->"
 FLEET_VIEW_END = "<!-- fleet-view:end -->"
 

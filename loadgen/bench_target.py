@@ -1,4 +1,4 @@
-"""`gorgo bench target`: issue 15's target matrix, reproducibly.
+"""`gorgo bench target`: the target matrix (gorgo vs the best baseline per cell), reproducibly.
 
 A cell is (workload window, RTT profile, client protocol, time_scale). In each, every
 baseline and `gorgo` (and any `--extra` policy) is simulated on the same fleet and seed;

@@ -1,4 +1,4 @@
-"""Issue 27's tuner targets, measured per seed (`gorgo bench tuner`):
+"""The tuner's three targets, measured per seed (`gorgo bench tuner`):
 
 (a) from the worst corner of the bounds (256, 1/16), the parent after 1,000 completions
     within 10 % of the grid optimum's p95 TTFT, its p95 E2E no more than 5 % worse, in 4
@@ -273,7 +273,7 @@ def run_targets(seeds: Sequence[int] = SEEDS, jobs: int = 2) -> str:
     assert TunerSettings().mode == PAIRED
     with ProcessPoolExecutor(max_workers=jobs) as pool:
         parts = [f(pool, seeds) for f in (target_a, target_b, target_c)]
-    head = "## Issue 27's tuner targets\n"
+    head = "## The tuner's targets\n"
     summary = "\n".join(
         f"- {t.name}: {'PASS' if t.met >= t.need else 'FAIL'} ({t.met} of {len(t.rows)}, "
         f"needs {t.need})"

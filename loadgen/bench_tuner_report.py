@@ -310,7 +310,7 @@ def run_tuner_bench(
     convergence: bool = False,
     paper_regime: bool = False,
 ) -> int:
-    """Issue 27's three tuner targets, per seed with pass/fail (loadgen.bench_targets,
+    """The tuner's three targets, per seed with pass/fail (loadgen.bench_targets,
     ~10 min on 2 cores); with `convergence`, then the grid and the convergence runs on the
     paper-shaped tuning window and on the trace's tuning window (first 10 minutes at
     time_scale 3), as `make bench`, and the trace's regime change with its room and the

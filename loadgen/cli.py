@@ -515,7 +515,7 @@ def add_commands(commands: Commands) -> None:
                 help="instead: one stack as `gorgo up --fleet FLEET.yaml` (one --policy, "
                 "gorgo by default), the slice replayed, then /state's per-backend "
                 "completions, TTFT/E2E prediction MAPE and bias; PASS when every backend "
-                "has >= 200 completions and TTFT MAPE <= 15 %% (issue 27)",
+                "has >= 200 completions and TTFT MAPE <= 15 %% (the live prediction target)",
             )
             b.add_argument("--limit", type=int, default=None, help="at most this many requests")
             b.add_argument("--work", default="out/bench", help="result file and final /state")
@@ -610,7 +610,8 @@ def add_commands(commands: Commands) -> None:
     b.set_defaults(func=_bench_tuner)
     b = bench.add_parser(
         "target",
-        help="issue 15's target matrix: gorgo vs the best baseline per cell, with its floors",
+        help="the target matrix: gorgo vs the best baseline per cell (p95 TTFT <= 0.8 x, "
+        "E2E <= 1.0 x), with its floors",
         description="Every baseline and gorgo in each cell (workload window x RTT profile x "
         "protocol x time_scale); per cell the best baseline, gorgo's p95 TTFT and E2E "
         "ratios, whether it meets the target (<= 0.8 / <= 1.0), the no-queue and burst "

@@ -7,8 +7,8 @@
 - `max_tokens`: every request's output length is set to N (the paper forced 128).
 - `max_input_tokens`: prompts longer than N tokens are dropped before the run, and counted.
 
-`open` (no caps: the trace as it is, open loop) and `paper` (64, 128, 24,000: DESIGN
-section 2) are the presets; explicit values override a preset's.
+`open` (no caps: the trace as it is, open loop) and `paper` (64, 128, 24,000: the GORGO
+paper's client) are the presets; explicit values override a preset's.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ class Protocol:
 
 OPEN = Protocol()
 # The paper's client: 64 workers, max_tokens 128 on every request, prompts over 24,000
-# tokens dropped (DESIGN section 2).
+# tokens dropped.
 PAPER = Protocol(max_concurrency=64, max_tokens=128, max_input_tokens=24_000)
 PRESETS = {"open": OPEN, "paper": PAPER}
 

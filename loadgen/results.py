@@ -1,4 +1,5 @@
-"""The result schema shared by `gorgo replay` and `gorgo simulate` (DESIGN section 5).
+"""The result schema shared by `gorgo replay` and `gorgo simulate` (a contract:
+change it only on purpose, with docs).
 
     {"meta": {...},
      "summary": {"requests", "ok", "errors", "refused": {status: n},

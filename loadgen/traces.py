@@ -308,7 +308,7 @@ def synthetic(
 
 @dataclass(frozen=True)
 class Target:
-    """One statistic of the paper's windows (DESIGN section 2): the range it reports
+    """One statistic of the GORGO paper's windows: the range it reports
     (low == high where it gives one value) and the tolerance a generated window must
     meet, as a share of the range's ends."""
 
@@ -323,7 +323,7 @@ class Target:
         return f"{self.low:g}" if self.low == self.high else f"{self.low:g}-{self.high:g}"
 
 
-# The paper's windows of ART-Chat-2.5M (30 minutes each; DESIGN section 2). Its "turns per
+# The GORGO paper's windows of ART-Chat-2.5M (30 minutes each). Its "turns per
 # conversation" is read here as the turns of a conversation that has more than one (the
 # one reading that fits 74 % multi-turn requests with 12.8-16.4 requests per user); its
 # 0.3 % of reuse across users makes reuse within a user's session 99.7 %. Tolerances: 10 %
@@ -382,7 +382,7 @@ def paper_synthetic(
     document_sigma: float = 0.8,
     min_gap_s: float = 10.0,
 ) -> list[TraceRequest]:
-    """A window shaped like the paper's (PAPER_WINDOW; DESIGN section 2), deterministic
+    """A window shaped like the GORGO paper's (PAPER_WINDOW), deterministic
     for a seed, in 512-token blocks (Mooncake rows: `write_mooncake` writes it).
 
     Defaults: the middle of the paper's ranges (573 users x 14.6 requests in 30 minutes:
@@ -541,7 +541,7 @@ def workload_stats(trace: Sequence[TraceRequest]) -> WorkloadStats:
     )
 
 
-# (label, how to show it) per statistic, in the order of DESIGN section 2.
+# (label, how to show it) per statistic, in the order the paper gives them.
 _STAT_ROWS = (
     ("users", "users", "{:.0f}"),
     ("requests_per_user", "requests per user", "{:.1f}"),
@@ -564,7 +564,8 @@ def _paper_cell(key: str, fmt: str) -> str:
 
 def stats_table(columns: Sequence[tuple[str, WorkloadStats]]) -> str:
     """A markdown table: the paper's windows, then one column per (label, stats)."""
-    head = "| statistic | paper (DESIGN section 2) | " + " | ".join(c for c, _ in columns) + " |"
+    head = "| statistic | paper (its reported windows) | "
+    head += " | ".join(c for c, _ in columns) + " |"
     lines = [head, "|---" * (2 + len(columns)) + "|"]
     for key, label, fmt in _STAT_ROWS:
         cells = [fmt.format(getattr(st, key)) for _, st in columns]

@@ -23,7 +23,7 @@ class Region:
     rtt_ms: float
 
 
-# DESIGN section 5: the default local fleet and its network profile.
+# The default local fleet and its network profile.
 DEFAULT_REGIONS = (
     Region("us-ashburn", 1.0),
     Region("eu-frankfurt", 90.0),

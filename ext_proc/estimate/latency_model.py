@@ -1,4 +1,4 @@
-"""A backend's latency model learned online (issue 27): how much faster or slower its
+"""A backend's latency model learned online: how much faster or slower its
 engine is than its profile says, for prefill and for decode.
 
 The profile gives the shape (prefill per chunk and per token of context-weighted work, a

@@ -1,4 +1,4 @@
-"""Online least squares for the per-backend latency model (issue 27): recursive least
+"""Online least squares for the per-backend latency model: recursive least
 squares with exponential forgetting, robust to outliers.
 
 A backend's prefill time is linear in its physically shaped features (per chunk a base

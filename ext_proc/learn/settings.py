@@ -80,7 +80,7 @@ class TunerSettings:
     # without `would_pick`) every round is judged on its samples alone.
     # Off by default: measured, ties leave the worst corner but do not reach the target
     # and, as they keep the tuner from settling, cost 7-24 % of p95 TTFT from the
-    # defaults (docs/tuner.md, "Issue 27's targets"). With ties on, children are also
+    # defaults (docs/tuner.md, "The tuner's targets"). With ties on, children are also
     # reflected at the bounds instead of clipped onto them.
     ties: bool = False
     tie_decisions: int = 16

@@ -7,7 +7,8 @@ the request there does to the requests already there.
     + decode_stall_weight * Tstall                   its prefill stalls every request there
     + kv_weight * Tkv                                the KV pool there is nearly full
 
-`gorgo_time3` is the paper's three-term time form alone (what `gorgo` was before issue 15);
+`gorgo_time3` is the paper's three-term time form alone (what `gorgo` was before it priced
+what a decision does to the others);
 `gorgo_tokens` the paper's implementation, in token units: w_rtt * rtt_ms +
 uncached_tokens + w_queue * in_flight_tokens. The router hands each decision its current
 (w_rtt, w_queue) (it owns and tunes them); the other weights are the policy's parameters.

@@ -383,3 +383,36 @@ def test_every_span_attribute_is_in_the_operations_doc() -> None:
 
     absent = [n for n in names if not named(n)]
     assert names and not absent, f"docs/operations.md's span table lacks {absent}"
+
+
+# -- references a reader cannot follow -------------------------------------------------------
+
+# Tracker issues, the design notes (DESIGN.md, kept outside the repo) and commit hashes:
+# the docs say what they mean instead (the target itself, "the paper" with README's
+# Citation, a date).
+INTERNAL = re.compile(r"\b[Ii]ssues?\s+\d+|\bDESIGN\b")
+COMMIT_LIKE = re.compile(r"\b[0-9a-f]{7,12}\b")
+# 7-12 hex-digit tokens that are data the text gives, not commits.
+DATA_VALUES = {
+    "9835490",  # docs/cost-model.md: kv_capacity_tokens, ten times the default pool
+}
+
+
+def test_the_docs_name_no_issue_design_section_or_commit() -> None:
+    wrong = []
+    for doc, text in DOCS.items():
+        found = [*INTERNAL.finditer(text), *COMMIT_LIKE.finditer(text)]
+        for m in found:
+            if m.group() not in DATA_VALUES:
+                line = text.count("\n", 0, m.start()) + 1
+                wrong.append(f"{doc}:{line}: {m.group()!r}")
+    assert not wrong, wrong
+
+
+def test_no_help_text_names_an_issue() -> None:
+    wrong = [
+        (name, m.group())
+        for name, parser in PARSERS.items()
+        for m in INTERNAL.finditer(parser.format_help())
+    ]
+    assert not wrong, wrong
