@@ -165,12 +165,18 @@ class StackSettings:
         return self.kv_ports[2 * i], self.kv_ports[2 * i + 1]
 
     def _kv_events_of(self, i: int) -> dict[str, object]:
-        """Backend i's `kv_events`: the engine's own --kv-events-config endpoints, emulated
-        or real (`tcp://*:P`: the engine binds, every router connects)."""
+        """Backend i's `kv_events`: the engine's own publisher and replay endpoint, emulated
+        or real. The engine binds both (`tcp://*:P`) and every router connects (mode
+        connect, the default) to the engine's port itself, not to the WAN link (address)."""
         if not self.kv_events:
             return {}
         pub, replay = self.kv_event_ports(i)
-        return {"kv_events": {"endpoint": f"tcp://*:{pub}", "replay_endpoint": f"tcp://*:{replay}"}}
+        return {
+            "kv_events": {
+                "endpoint": f"tcp://127.0.0.1:{pub}",
+                "replay_endpoint": f"tcp://127.0.0.1:{replay}",
+            }
+        }
 
     @property
     def nats_url(self) -> str:

@@ -17,6 +17,7 @@ from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
+from ext_proc.config.kv_endpoints import validate_distinct_binds, validate_kv_events
 from ext_proc.config.schema import Backend, Config, ConfigError, split_host_port
 from ext_proc.estimate.profile import load_profile
 from ext_proc.policy.catalog import POLICIES
@@ -136,6 +137,7 @@ def _validate(cfg: Config) -> None:
         if b.id in seen:
             raise ConfigError(f"backends[{i}].id: duplicate backend id {b.id!r}")
         seen.add(b.id)
+    validate_distinct_binds(cfg.backends)
     split_host_port(cfg.listen.grpc, "listen.grpc")
     split_host_port(cfg.listen.admin, "listen.admin")
     split_host_port(cfg.envoy.listen, "envoy.listen")
@@ -203,18 +205,7 @@ def validate_backend(b: Backend, prefix: str = "") -> None:
             "'-' (it becomes an Envoy cluster name and a header value)"
         )
     split_host_port(b.address, f"{prefix}address")
-    for key in ("endpoint", "replay_endpoint"):
-        value = getattr(b.kv_events, key)
-        if value and not re.match(r"^tcp://(\*|[^:/]+|\[[0-9a-fA-F:]+\]):\d{1,5}$", value):
-            raise ConfigError(
-                f"{prefix}kv_events.{key}: expected tcp://HOST:PORT or tcp://*:PORT, got {value!r}"
-            )
-        ranks = b.kv_events.dp_ranks
-        if value and int(value.rpartition(":")[2]) + ranks - 1 > 65535:
-            raise ConfigError(
-                f"{prefix}kv_events.{key}: DP rank r publishes on port + r: with dp_ranks "
-                f"{ranks} the port is at most {65536 - ranks}, got {value!r}"
-            )
+    validate_kv_events(b, prefix)
     try:
         load_profile(b.engine_profile)
     except ValueError as e:

@@ -103,16 +103,27 @@ class UnreadableBody(enum.StrEnum):
     REJECT = "reject"
 
 
+class KvEventsMode(enum.StrEnum):
+    # The engine binds (its endpoint has `*`: SGLang's and vLLM's kv_events.py,
+    # _socket_setup); the router connects: any number of routers can.
+    CONNECT = "connect"
+    # The engine connects to this router's address, which the router binds: one router.
+    BIND = "bind"
+
+
 @dataclass(frozen=True)
 class KvEventsSource:
     """Where a backend's engine publishes its KV cache events (its --kv-events-config)."""
 
-    # The engine's endpoint as configured there: tcp://*:PORT (the engine binds; the
-    # router connects to the backend's host) or tcp://HOST:PORT (the engine connects; the
-    # router binds it). "" = no events: the router's own estimate serves this backend.
+    # tcp://HOST:PORT, the router's side of the stream: what it connects to (the engine's
+    # publisher as the router reaches it, any host and port: a proxy's, a WAN link's; `*`
+    # = the host of `address`), or with mode bind what it binds (`*` = every interface).
+    # "" = no events: the router's own estimate serves this backend.
     endpoint: str = ""
+    mode: KvEventsMode = KvEventsMode.CONNECT
     topic: str = ""
-    # SGLang's replay endpoint (ROUTER), to fetch what a gap lost; "" = none (reset).
+    # The engine's replay endpoint (a ROUTER it always binds), to fetch what a gap lost:
+    # the router connects (`*` = the host of `address`); "" = none (reset).
     replay_endpoint: str = ""
     # The engine's data-parallel ranks: each publishes on its own port, the endpoint's
     # (and the replay endpoint's) port + its rank, with its own sequence (SGLang's and

@@ -59,14 +59,16 @@ def describe(e: BaseException, s: RankStream) -> str:
     """An error as one line, with the fix where there is one."""
     if isinstance(e, zmq.ZMQError) and s.bind and e.errno == zmq.EADDRINUSE:
         return (
-            f"cannot bind {s.address}: address in use. With a tcp://HOST:PORT endpoint the "
-            "engine connects and exactly one router can bind that address (another router "
-            "or process holds it): give the engine tcp://*:PORT so that every router connects"
+            f"cannot bind {s.address}: address in use. With kv_events.mode bind the engine "
+            "connects to this address and exactly one router can bind it (another router or "
+            "process holds it): give the engine tcp://*:PORT to bind and every router mode "
+            "connect with the engine's tcp://HOST:PORT"
         )
     if isinstance(e, zmq.ZMQError) and s.bind and e.errno == errno.EADDRNOTAVAIL:
         return (
-            f"cannot bind {s.address}: not an address of this host. With a tcp://HOST:PORT "
-            "endpoint the engine connects to HOST, which must be this router's"
+            f"cannot bind {s.address}: not an address of this host. With kv_events.mode "
+            "bind the endpoint is the router's own address (the engine connects to it); to "
+            "reach the engine's address, use mode connect"
         )
     return f"{type(e).__name__}: {e}"
 

@@ -24,7 +24,6 @@ import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
-from urllib.parse import urlsplit
 
 import msgpack
 
@@ -371,16 +370,3 @@ def offset_port(endpoint: str, rank: int) -> str:
         return endpoint
     base, _, port = endpoint.rpartition(":")
     return endpoint if int(port) == 0 else f"{base}:{int(port) + rank}"
-
-
-def subscriber_address(endpoint: str, host: str) -> tuple[str, bool]:
-    """Where a subscriber goes for an engine's publisher endpoint, and whether it binds.
-    `tcp://*:P` makes the engine bind: the subscriber connects to host:P (any number of
-    routers can). A concrete address makes the engine connect: the subscriber binds it
-    (exactly one router can; one socket can then collect several engines)."""
-    parts = urlsplit(endpoint)
-    if parts.scheme != "tcp" or parts.port is None:
-        raise ValueError(f"kv events endpoint: expected tcp://HOST:PORT, got {endpoint!r}")
-    if parts.hostname in ("*", None) or endpoint.startswith("tcp://*"):
-        return f"tcp://{host}:{parts.port}", False
-    return endpoint, True

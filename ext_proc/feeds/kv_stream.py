@@ -23,6 +23,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from ext_proc.common.aio import cancel_and_wait
+from ext_proc.config.kv_endpoints import connect_address, subscriber_address
 from ext_proc.config.schema import Backend, split_host_port
 from ext_proc.core.router import Router
 from ext_proc.estimate.engine_index import Applied, EngineBlocks
@@ -32,7 +33,6 @@ from ext_proc.feeds.kv_events import (
     KvEventError,
     decode_parts,
     offset_port,
-    subscriber_address,
 )
 
 log = logging.getLogger("gorgo.kv_events")
@@ -99,7 +99,7 @@ class RankStream:
         self.rank = rank
         self.host = split_host_port(b.address, "address")[0]
         endpoint = offset_port(b.kv_events.endpoint, rank)
-        self.address, self.bind = subscriber_address(endpoint, self.host)
+        self.address, self.bind = subscriber_address(endpoint, b.kv_events.mode, self.host)
         self.topic = b.kv_events.topic
         self.replay_endpoint = b.kv_events.replay_endpoint
         self._changed = changed  # up or synced changed
@@ -264,8 +264,8 @@ class RankStream:
         await self._apply(frames, live=False)
 
     def _replay_target(self, rank: int | None) -> str:
-        endpoint = offset_port(self.replay_endpoint, rank or 0)
-        return subscriber_address(endpoint, self.host)[0]
+        # the engine's ROUTER binds in either mode: always a connect
+        return connect_address(offset_port(self.replay_endpoint, rank or 0), self.host)
 
     async def _replay(self, rank: int | None, start_seq: int) -> bool:
         """Fetch and apply a DP rank's buffered batches from `start_seq` on: True if the

@@ -302,7 +302,7 @@ async def test_a_refused_bind_is_logged_counted_and_retried_until_it_works(
     holder = socket.socket()  # another router (or process) holds the address
     holder.bind(("127.0.0.1", port))
     holder.listen()
-    cfg = backend_cfg(endpoint=f"tcp://127.0.0.1:{port}")  # the engine connects: we bind
+    cfg = backend_cfg(endpoint=f"tcp://127.0.0.1:{port}", mode="bind")  # the engine connects
     async with subscribed(cfg) as (router, clients, engine):
         await soon(lambda: (clients.snapshot("a") or {}).get("restarts", 0) >= 2)
         holder.close()
@@ -318,11 +318,29 @@ async def test_a_refused_bind_is_logged_counted_and_retried_until_it_works(
         snap = clients.snapshot("a")
         assert snap is not None and snap["errors"] >= 2 and snap["restarts"] >= 2
         assert snap["ranks_up"] == 1 and snap["last_error_age_s"] is not None
-        assert "address in use" in snap["last_error"] and "tcp://*:PORT" in snap["last_error"]
+        assert "address in use" in snap["last_error"] and "mode bind" in snap["last_error"]
+        assert "tcp://*:PORT" in snap["last_error"]  # the fix: the engine binds
     lines = [r.getMessage() for r in caplog.records if "address in use" in r.getMessage()]
     assert lines and all("kv events of a, DP rank 0" in line for line in lines)
     assert all("\n" not in line for line in lines)  # one line each, no traceback
     assert clients.snapshot("a") is None  # stopped
+
+
+async def test_the_stream_comes_from_its_own_host_and_port_not_the_backends_address() -> None:
+    """An engine behind a proxy or WAN link: `address` is the link's (here a host that
+    does not exist), the router connects to the engine's publisher itself."""
+    (port,) = free_ports(1)
+    pub = KvEventPublisher(KvEventsConfig(endpoint=f"tcp://*:{port}"))  # the engine binds
+    raw = {"id": "a", "address": "wan-link.invalid:31000"}
+    cfg = config_from_dict(
+        {"backends": [{**raw, "kv_events": {"endpoint": f"tcp://127.0.0.1:{port}"}}]}
+    )
+    async with subscribed(cfg, pub) as (router, clients, engine):
+        await soon(lambda: router.backends["a"].events_up)
+        await asyncio.sleep(0.3)  # the subscription has reached the publisher
+        pub.publish([blocks_event(pub.cfg, 1)])
+        await soon(lambda: engine.blocks == 2)
+        assert clients.snapshot("a") is not None
 
 
 async def test_bigram_and_malformed_messages_never_stop_the_subscriber() -> None:
@@ -479,7 +497,8 @@ async def test_publishers_on_one_router_bound_socket_keep_their_ranks(
     (port,) = free_ports(1)
     kv = KvEventsConfig(endpoint=f"tcp://127.0.0.1:{port}")
     with recorded(monkeypatch) as seen:
-        async with subscribed(backend_cfg(endpoint=f"tcp://127.0.0.1:{port}")) as (r, _, e):
+        bound = backend_cfg(endpoint=f"tcp://127.0.0.1:{port}", mode="bind")
+        async with subscribed(bound) as (r, _, e):
             pubs = [RawPublisher(f"tcp://127.0.0.1:{port}") for _ in range(2)]
             try:
                 await soon(lambda: r.backends["a"].events_up)

@@ -67,7 +67,10 @@ def vllm_stack(edit: Callable[[dict[str, Any], Stack], None]) -> Iterator[Stack]
 def with_events(ttl_s: float | None = None) -> Callable[[dict[str, Any], Stack], None]:
     def edit(raw: dict[str, Any], s: Stack) -> None:
         # the engine connects to this loopback port (emulator/vllm/serve.py); the router binds
-        raw["backends"][0]["kv_events"] = {"endpoint": f"tcp://127.0.0.1:{s.kv_ports[0]}"}
+        raw["backends"][0]["kv_events"] = {
+            "endpoint": f"tcp://127.0.0.1:{s.kv_ports[0]}",
+            "mode": "bind",
+        }
         if ttl_s is not None:
             raw.setdefault("routing", {})["optimistic_ttl_s"] = ttl_s
 

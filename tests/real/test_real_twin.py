@@ -178,8 +178,8 @@ def test_both_routers_subscribe_to_the_real_engines_kv_events(
     for cfg in (stack.config, door.config):
         (backend,) = cfg.backends
         assert (backend.kv_events.endpoint, backend.kv_events.replay_endpoint) == (
-            f"tcp://*:{pub}",
-            f"tcp://*:{replay}",
+            f"tcp://127.0.0.1:{pub}",
+            f"tcp://127.0.0.1:{replay}",
         )
     admins = [stack.admin_url, door.admin_url]
     text = "doc9 alpha beta gamma " * 80  # ~1,000 tokens: several 128-token blocks

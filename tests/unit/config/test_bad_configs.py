@@ -89,3 +89,71 @@ def test_a_hand_written_profile_missing_keys_names_them_all(tmp_path: Path) -> N
     profile.write_text(yaml.safe_dump({"prefill_tokens_per_s": 20000, "prefill_base_ms": 5}))
     with pytest.raises(ConfigError, match=r"backends\[0\].engine_profile: .*missing keys .*, .*, "):
         config_from_dict(with_backend(engine_profile=str(profile)))
+
+
+def with_kv(address: str = OK["address"], **kv: Any) -> dict[str, Any]:
+    return {"backends": [{**OK, "address": address, "kv_events": kv}]}
+
+
+# KV events: the router's side of the stream is kv_events.mode, never guessed from the host
+KV_CASES = [
+    (with_kv(endpoint="http://engine:5557"), r"backends\[0\].kv_events.endpoint: expected tcp://"),
+    (with_kv(endpoint="engine:5557"), r"backends\[0\].kv_events.endpoint: expected tcp://"),
+    (with_kv(endpoint="tcp://engine"), r"backends\[0\].kv_events.endpoint: .*a port after"),
+    (with_kv(endpoint="tcp://engine:0"), r"backends\[0\].kv_events.endpoint: port 0 is out of"),
+    (with_kv(endpoint="tcp://en gine:5557"), r"backends\[0\].kv_events.endpoint: .*spaces"),
+    (with_kv(endpoint="tcp://*:5557", mode="sub"), r"backends\[0\].kv_events.mode: expected"),
+    (
+        with_kv(endpoint="tcp://0.0.0.0:5557"),
+        r"backends\[0\].kv_events.endpoint: .*no host to connect to.*mode: bind",
+    ),
+    (
+        with_kv("0.0.0.0:8000", endpoint="tcp://*:5557"),
+        r"backends\[0\].kv_events.endpoint: `\*` connects to the host of address",
+    ),
+    (
+        with_kv(endpoint="tcp://10.0.0.1:5557", mode="bind", replay_endpoint="tcp://[::]:5558"),
+        r"backends\[0\].kv_events.replay_endpoint: .*no host to connect to",
+    ),
+    (with_kv(replay_endpoint="tcp://*:5558"), r"backends\[0\].kv_events.replay_endpoint: set"),
+    (
+        with_kv(endpoint="tcp://*:5557", replay_endpoint="tcp://10.0.0.1:5558", dp_ranks=2),
+        r"backends\[0\].kv_events.replay_endpoint: the same host and port as endpoint",
+    ),
+    (
+        {
+            "backends": [
+                {**OK, "kv_events": {"endpoint": "tcp://*:5557", "mode": "bind", "dp_ranks": 2}},
+                {
+                    "id": "b",
+                    "address": "10.0.0.2:8000",
+                    "kv_events": {"endpoint": "tcp://10.9.9.9:5558", "mode": "bind"},
+                },
+            ]
+        },
+        r"backends\[1\].kv_events.endpoint: backends\[0\] binds the same port",
+    ),
+]
+
+
+@pytest.mark.parametrize(("raw", "error"), KV_CASES, ids=[c[1][25:65] for c in KV_CASES])
+def test_a_bad_kv_events_source_gets_one_clear_error(raw: dict[str, Any], error: str) -> None:
+    with pytest.raises(ConfigError, match=error):
+        config_from_dict(raw)
+
+
+def test_kv_events_endpoints_that_load() -> None:
+    def kv(**keys: Any) -> Any:
+        return config_from_dict(with_kv(**keys)).backends[0].kv_events
+
+    assert kv(endpoint="tcp://engine-a:5557").mode == "connect"  # its own host and port
+    assert kv(endpoint="tcp://[fd00::1]:5557", replay_endpoint="tcp://*:5558").dp_ranks == 1
+    assert kv(endpoint="tcp://*:5557", mode="bind").mode == "bind"  # every interface
+    # two backends connecting to one host on their own ports, binding distinct ports
+    two = [
+        {**OK, "kv_events": {"endpoint": "tcp://10.0.0.1:5557", "mode": "bind"}},
+        {"id": "b", "address": "10.0.0.2:8000", "kv_events": {"endpoint": "tcp://*:5558"}},
+        {"id": "c", "address": "10.0.0.3:8000", "kv_events": {"endpoint": "tcp://*:5558"}},
+        {"id": "d", "address": "h:1", "kv_events": {"endpoint": "tcp://*:5558", "mode": "bind"}},
+    ]
+    assert len(config_from_dict({"backends": two}).backends) == 4

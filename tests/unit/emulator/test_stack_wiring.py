@@ -33,8 +33,9 @@ def test_the_engines_tokenize_with_the_tiny_model_and_the_router_is_told_nothing
 
 def test_kv_events_name_each_engines_endpoints_for_emulated_and_real_engines() -> None:
     """With --kv-events (or several front doors) every backend's kv_events are its engine's
-    own --kv-events-config endpoints, the engine binding both (tcp://*:P): any number of
-    routers connect. Real vLLM backends too (they used to stay approximate)."""
+    own publisher and replay endpoint, the engine binding both (tcp://*:P): any number of
+    routers connect (mode connect), to the engine's port rather than the WAN link's. Real
+    vLLM backends too (they used to stay approximate)."""
     for real in (False, True):
         off = config_as_dict(settings(real_engine=real).gorgo_config())
         assert all(not b["kv_events"]["endpoint"] for b in off["backends"])
@@ -42,10 +43,12 @@ def test_kv_events_name_each_engines_endpoints_for_emulated_and_real_engines() -
         got = [
             (b["kv_events"]["endpoint"], b["kv_events"]["replay_endpoint"]) for b in raw["backends"]
         ]
+        # the engine's own ports (events straight from it; traffic through the WAN link)
         assert got == [
-            (f"tcp://*:{KV_PORTS[2 * i]}", f"tcp://*:{KV_PORTS[2 * i + 1]}")
+            (f"tcp://127.0.0.1:{KV_PORTS[2 * i]}", f"tcp://127.0.0.1:{KV_PORTS[2 * i + 1]}")
             for i in range(len(DEFAULT_REGIONS))
         ]
+        assert {b["kv_events"].get("mode", "connect") for b in raw["backends"]} == {"connect"}
         assert {b["engine"] for b in raw["backends"]} == {"vllm" if real else "sglang"}
     argv = engine_argv(settings(kv_events=True), 1, "eu-frankfurt", 18002, 1)
     spec = json.loads(argv[argv.index("--kv-events-config") + 1])

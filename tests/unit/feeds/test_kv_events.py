@@ -10,6 +10,8 @@ from typing import Any
 import msgpack
 import pytest
 
+from ext_proc.config.kv_endpoints import connect_address, subscriber_address
+from ext_proc.config.schema import KvEventsMode
 from ext_proc.estimate.engine_index import chain_keys
 from ext_proc.feeds.kv_events import (
     SKIP_EVENTS,
@@ -21,7 +23,6 @@ from ext_proc.feeds.kv_events import (
     decode_message,
     decode_parts,
     offset_port,
-    subscriber_address,
 )
 
 VLLM = Path(__file__).resolve().parents[2] / "fixtures" / "vllm"
@@ -219,8 +220,48 @@ def test_dp_rank_endpoints_and_bind_or_connect() -> None:
     assert offset_port("tcp://10.0.0.5:5557", 1) == "tcp://10.0.0.5:5558"
     assert offset_port("tcp://*:0", 2) == "tcp://*:0"  # vLLM leaves port 0 to the OS
     assert offset_port("", 2) == ""
-    assert subscriber_address("tcp://*:5557", "10.1.1.1") == ("tcp://10.1.1.1:5557", False)
-    assert subscriber_address("tcp://10.0.0.5:5557", "x") == ("tcp://10.0.0.5:5557", True)
+    connect, bind = KvEventsMode.CONNECT, KvEventsMode.BIND
+    # connect (the engine binds): the endpoint's own host, or `*` = the backend's host
+    assert subscriber_address("tcp://*:5557", connect, "10.1.1.1") == ("tcp://10.1.1.1:5557", False)
+    assert subscriber_address("tcp://10.0.0.5:5557", connect, "wan-a") == (
+        "tcp://10.0.0.5:5557",
+        False,
+    )
+    assert subscriber_address("tcp://[fd00::5]:5557", connect, "x") == (
+        "tcp://[fd00::5]:5557",
+        False,
+    )
+    # bind (the engine connects to us): as written, `*` = every interface
+    assert subscriber_address("tcp://10.0.0.5:5557", bind, "x") == ("tcp://10.0.0.5:5557", True)
+    assert subscriber_address("tcp://*:5557", bind, "10.1.1.1") == ("tcp://*:5557", True)
+    # the replay ROUTER is bound by the engine in either mode
+    assert connect_address("tcp://*:5558", "10.1.1.1") == "tcp://10.1.1.1:5558"
+    assert connect_address("tcp://engine-a:5558", "wan-a") == "tcp://engine-a:5558"
+
+
+def test_the_event_stream_reaches_an_engine_behind_a_wan_link() -> None:
+    """Traffic through a WAN link or proxy (address), the events from the engine's own
+    host and port, with several routers connecting: nothing is inferred from the host."""
+    from ext_proc.config.load import config_from_dict
+
+    raw = {
+        "id": "us",
+        "address": "wan-us:31000",
+        "kv_events": {"endpoint": "tcp://sglang-us:5557", "replay_endpoint": "tcp://*:5558"},
+    }
+    (b,) = config_from_dict({"backends": [raw]}).backends
+    assert b.kv_events.mode is KvEventsMode.CONNECT  # the default: the engine binds
+    assert subscriber_address(b.kv_events.endpoint, b.kv_events.mode, "wan-us") == (
+        "tcp://sglang-us:5557",
+        False,
+    )
+    assert connect_address(offset_port(b.kv_events.replay_endpoint, 1), "wan-us") == (
+        "tcp://wan-us:5559"
+    )
+    bound = config_from_dict(
+        {"backends": [{**raw, "kv_events": {"endpoint": "tcp://0.0.0.0:5557", "mode": "bind"}}]}
+    )
+    assert bound.backends[0].kv_events.mode is KvEventsMode.BIND
 
 
 def test_the_dp_ranks_key_is_checked_at_load() -> None:
