@@ -128,9 +128,8 @@ async def _settled(router: Router, before: tuple[Any, ...], timeout_s: float = 6
 async def _measure(bursts: int, idle_s: float, tokens: int) -> dict[str, Any]:
     port = _free_port()
     endpoint = f"tcp://127.0.0.1:{port}"  # the engine connects, the router binds it
-    cfg = config_from_dict(
-        {"backends": [{"id": "a", "address": "127.0.0.1:1", "kv_events": {"endpoint": endpoint}}]}
-    )
+    kv = {"endpoint": endpoint, "mode": "bind"}
+    cfg = config_from_dict({"backends": [{"id": "a", "address": "127.0.0.1:1", "kv_events": kv}]})
     router = build_router(cfg, time.monotonic, random.Random(0))
     clients = KvEventClients(cfg, router)
     await clients.start()

@@ -6,7 +6,9 @@ No Docker engine or cluster here: the files are checked statically (the Envoy co
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
+import json
 import re
 import shlex
 from collections.abc import Callable
@@ -18,8 +20,9 @@ import pytest
 import yaml
 
 from ext_proc.common.names import HEADER_BACKEND
+from ext_proc.config.kv_endpoints import split_tcp_endpoint
 from ext_proc.config.load import config_from_dict, load_config
-from ext_proc.config.schema import Config, split_host_port
+from ext_proc.config.schema import Config, EngineKind, KvEventsMode, split_host_port
 from ext_proc.envoy.bootstrap import (
     build_envoy_config,
     build_mesh_snippet,
@@ -211,6 +214,39 @@ def test_gpu_profile_addresses_name_the_sglang_services(
         assert any(f"GORGO_{r.upper().replace('-', '_')}_ADDR" in a for a in raw)
 
 
+# The gpu profiles' router configs: gorgo.yaml with each backend subscribed to its engine.
+GPU_CONFIGS = {
+    "gpu": ("gorgo-gpu.yaml", EngineKind.SGLANG),
+    "gpu-vllm": ("gorgo-gpu-vllm.yaml", EngineKind.VLLM),
+}
+
+
+@pytest.mark.parametrize("profile", sorted(GPU_CONFIGS))
+def test_the_gpu_profiles_subscribe_to_their_engines_kv_events(
+    profile: str, services: dict[str, dict[str, Any]], cfg: Config
+) -> None:
+    """Requests through the WAN links, KV events straight from each real engine (it binds
+    tcp://*:PORT, the router connects), selected by GORGO_CONFIG; Envoy's config as is."""
+    name, kind = GPU_CONFIGS[profile]
+    gpu = load_config(ROOT / "config/compose" / name)
+    assert render_envoy_config(gpu) == (ROOT / "envoy/compose/envoy.yaml").read_text()
+    assert dataclasses.replace(gpu, backends=cfg.backends) == cfg  # the rest is gorgo.yaml's
+    for b, base in zip(gpu.backends, cfg.backends, strict=True):
+        assert dataclasses.replace(b, engine=base.engine, kv_events=base.kv_events) == base
+        assert b.engine == kind and not base.kv_events.endpoint
+        engine = services[f"{kind}-{b.id}"]
+        assert engine["profiles"] == [profile]
+        published = json.loads(_flag(engine, "--kv-events-config"))["endpoint"]
+        host, port = split_tcp_endpoint(b.kv_events.endpoint, b.id)
+        assert (host, b.kv_events.mode) == (f"{kind}-{b.id}", KvEventsMode.CONNECT)
+        assert published == f"tcp://*:{port}"  # the engine binds
+        assert _host(b.address) == f"wan-{b.id}"  # its requests still cross the WAN link
+    text = COMPOSE_FILE.read_text()
+    mount = "./config/compose/${GORGO_CONFIG:-gorgo.yaml}:/etc/gorgo/gorgo.yaml:ro"
+    assert mount in yaml.safe_load(text)["services"]["gorgo"]["volumes"]
+    assert re.search(rf"^#.*GORGO_CONFIG={re.escape(name)}\b", text, re.M)
+
+
 def test_ports_agree_between_compose_config_and_envoy(
     services: dict[str, dict[str, Any]], cfg: Config
 ) -> None:
@@ -316,10 +352,14 @@ def test_compose_variables_are_documented() -> None:
     used = set(_VAR.findall(text))
     names = {name for name, _default in used}
     header = "".join(line for line in text.splitlines(keepends=True) if line.startswith("#"))
-    readme = (ROOT / "README.md").read_text()
     for name in names:
         assert re.search(rf"#\s+{name}\s", header), f"{name} not in the compose comment block"
-        assert name in readme, f"{name} not in README.md"
+    # README leaves the list to that block and says so
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert (
+        "the comment block of [`docker-compose.yml`](docker-compose.yml) lists every variable"
+        in (readme)
+    )
 
 
 def test_dockerfile_builds_like_the_makefile() -> None:
