@@ -18,7 +18,7 @@ from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
 import yaml
 
 from ext_proc.config.kv_endpoints import validate_distinct_binds, validate_kv_events
-from ext_proc.config.schema import Backend, Config, ConfigError, split_host_port
+from ext_proc.config.schema import Backend, Config, ConfigError, TelemetryConfig, split_host_port
 from ext_proc.estimate.profile import load_profile
 from ext_proc.policy.catalog import POLICIES
 from ext_proc.prompt.engine_tokens import load_engine_tokenizer
@@ -148,6 +148,7 @@ def _validate(cfg: Config) -> None:
     if cfg.envoy.tracing_endpoint:
         split_host_port(cfg.envoy.tracing_endpoint, "envoy.tracing_endpoint")
     _validate_tls(cfg)
+    _validate_otlp(cfg.telemetry)
     nats = cfg.fleet.nats_url
     if nats and not re.match(
         r"^(nats|tls)://[^/\s]+:\d{1,5}(,(nats|tls)://[^/\s]+:\d{1,5})*$", nats
@@ -236,6 +237,35 @@ def _validate_tls(cfg: Config) -> None:
             "envoy.ext_proc_tls.cert_file: required when listen.tls.client_ca_file is set "
             "(the router would refuse Envoy without a client certificate)"
         )
+
+
+def _validate_otlp(t: TelemetryConfig) -> None:
+    key = "telemetry.otlp_endpoint"
+    if t.otlp_endpoint.startswith("https://"):  # the OTel variable's form: TLS by scheme
+        bare = t.otlp_endpoint.split("://", 1)[1].rstrip("/")
+        raise ConfigError(
+            f"{key}: expected host:port without a scheme, got {t.otlp_endpoint!r} (write "
+            f"{bare!r} and set telemetry.otlp_tls: true)"
+        )
+    if t.otlp_endpoint:
+        split_host_port(t.otlp_endpoint, key)
+    files = {"ca_file": t.otlp_ca_file, "cert_file": t.otlp_cert_file, "key_file": t.otlp_key_file}
+    if bool(t.otlp_cert_file) != bool(t.otlp_key_file):
+        raise ConfigError(
+            "telemetry.otlp_cert_file, otlp_key_file: a client certificate and its key go "
+            "together (one is missing)"
+        )
+    for name, path in files.items():
+        if not path:
+            continue
+        if not t.otlp_tls:  # a certificate file means TLS was meant: never plaintext silently
+            raise ConfigError(f"telemetry.otlp_{name}: set telemetry.otlp_tls: true to use it")
+        try:
+            pem = Path(path).read_bytes()
+        except OSError as e:
+            raise ConfigError(f"telemetry.otlp_{name}: cannot read {path!r}: {e.strerror}") from e
+        if b"-----BEGIN " not in pem:
+            raise ConfigError(f"telemetry.otlp_{name}: {path!r} is not a PEM file")
 
 
 def config_from_dict(raw: Any) -> Config:

@@ -313,9 +313,14 @@ class EnvoySettings:
 
 @dataclass(frozen=True)
 class TelemetryConfig:
-    # OTLP/gRPC endpoint for the router's decision spans ("" = the standard
-    # OTEL_EXPORTER_OTLP_ENDPOINT variable, and if that is unset too, no export).
+    # OTLP/gRPC collector for the router's decision spans, host:port with no scheme ("" =
+    # the standard OTEL_EXPORTER_OTLP_ENDPOINT variable, and if that is unset too, no export).
     otlp_endpoint: str = ""
+    # TLS to the collector, checked against a PEM CA bundle ("" = system roots); cert+key: mTLS
+    otlp_tls: bool = False
+    otlp_ca_file: str = ""
+    otlp_cert_file: str = ""
+    otlp_key_file: str = ""
     # Share of decisions traced; a decision under a sampled Envoy span follows Envoy's.
     sample_ratio: float = bounded(1.0, ge=0.0, le=1.0)
     service_name: str = "gorgo"

@@ -32,6 +32,7 @@ from ext_proc.core.features import prefix_state
 from ext_proc.core.router import Router
 from ext_proc.core.types import BackendLifecycle, Decision, PrefixState, Status
 from ext_proc.estimate.prediction import prediction_error
+from ext_proc.service.otlp import otlp_exporter
 from ext_proc.service.prediction_metrics import latency_prediction_gauges, served_model_gauges
 
 SPAN_NAME = "gorgo.route"
@@ -296,8 +297,8 @@ class Metrics:
 
 class Telemetry(Listener):
     """Spans and metrics for decisions, subscribed to the router's lifecycle. `exporter`:
-    injected in tests; otherwise OTLP over gRPC when an endpoint is configured (config or
-    OTEL_EXPORTER_OTLP_ENDPOINT)."""
+    injected in tests; otherwise OTLP over gRPC (plaintext or TLS, service/otlp.py) when an
+    endpoint is configured (config or OTEL_EXPORTER_OTLP_ENDPOINT)."""
 
     def __init__(
         self, cfg: TelemetryConfig, router: Router, exporter: SpanExporter | None = None
@@ -307,9 +308,7 @@ class Telemetry(Listener):
         self._spans: dict[str, Span] = {}
         endpoint = cfg.otlp_endpoint or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", "")
         if exporter is None and endpoint:
-            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-
-            exporter = OTLPSpanExporter(endpoint=endpoint, insecure=True)
+            exporter = otlp_exporter(cfg, endpoint)
         self.provider: TracerProvider | None = None
         self._tracer: trace.Tracer | None = None
         if exporter is not None:

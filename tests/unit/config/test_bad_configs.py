@@ -44,6 +44,15 @@ CASES = [
     ),
     (with_key("envoy", ext_proc_address="gorgo :50051"), r"envoy.ext_proc_address: .*spaces"),
     (
+        with_key("telemetry", otlp_endpoint="http://otel:4317"),
+        r"telemetry.otlp_endpoint: .*without a scheme.*\(write 'otel:4317'\)",
+    ),
+    (
+        with_key("telemetry", otlp_endpoint="https://otel:4317"),
+        r"telemetry.otlp_endpoint: .*\(write 'otel:4317' and set telemetry.otlp_tls: true\)",
+    ),
+    (with_key("telemetry", otlp_endpoint="otel"), r"telemetry.otlp_endpoint: expected host:port"),
+    (
         with_key("envoy", ext_proc_addresses=["127.0.0.1:1", "https://r2:2"]),
         r"envoy.ext_proc_addresses\[1\]: .*scheme",
     ),
@@ -75,6 +84,20 @@ CASES = [
     ({"backends": [OK, OK]}, r"backends\[1\].id: duplicate backend id 'a'"),
     ({"backends": []}, r"backends"),
     (with_key("telemetry", sample_ratio=1.5), r"telemetry.sample_ratio: must be <= 1"),
+    # the router's OTLP exporter over TLS
+    (
+        with_key("telemetry", otlp_ca_file="/etc/ssl/ca.pem"),
+        r"telemetry.otlp_ca_file: set telemetry.otlp_tls: true to use it",
+    ),
+    (
+        with_key("telemetry", otlp_tls=True, otlp_cert_file="/c.pem"),
+        r"telemetry.otlp_cert_file, otlp_key_file: .*go together",
+    ),
+    (
+        with_key("telemetry", otlp_tls=True, otlp_ca_file="/nonexistent/ca.pem"),
+        r"telemetry.otlp_ca_file: cannot read '/nonexistent/ca.pem'",
+    ),
+    (with_key("telemetry", otlp_tls="yes"), r"telemetry.otlp_tls: expected true or false"),
 ]
 
 
@@ -89,6 +112,15 @@ def test_a_hand_written_profile_missing_keys_names_them_all(tmp_path: Path) -> N
     profile.write_text(yaml.safe_dump({"prefill_tokens_per_s": 20000, "prefill_base_ms": 5}))
     with pytest.raises(ConfigError, match=r"backends\[0\].engine_profile: .*missing keys .*, .*, "):
         config_from_dict(with_backend(engine_profile=str(profile)))
+
+
+def test_otlp_tls_files_must_be_pem_and_tls_alone_takes_the_system_roots(tmp_path: Path) -> None:
+    not_pem = tmp_path / "ca.der"
+    not_pem.write_bytes(b"\x30\x82\x01\x0a")
+    tls = {"otlp_endpoint": "otel:4317", "otlp_tls": True}
+    with pytest.raises(ConfigError, match=r"telemetry.otlp_ca_file: .*ca.der' is not a PEM file"):
+        config_from_dict(with_key("telemetry", **tls, otlp_ca_file=str(not_pem)))
+    assert config_from_dict(with_key("telemetry", **tls)).telemetry.otlp_ca_file == ""
 
 
 def with_kv(address: str = OK["address"], **kv: Any) -> dict[str, Any]:
