@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import re
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -15,9 +16,12 @@ import pytest
 import yaml
 
 from emulator.stack.processes import envoy_binary
+from emulator.tokenizer import tiny_tokenizer_dir
 from ext_proc.cli import main
 from ext_proc.config.load import load_config
+from ext_proc.config.schema import EngineKind, TunerMode
 from ext_proc.envoy.bootstrap import render_envoy_config
+from tests.certs import Ca
 from tests.xds_configs import BACKENDS, cfg_of
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -141,3 +145,54 @@ def test_real_envoy_accepts_the_snippet_pasted_into_an_existing_config(tmp_path:
     path = tmp_path / "existing-envoy.yaml"
     path.write_text(yaml.safe_dump(_paste_snippet(snippet), sort_keys=False))
     _validate(path)
+
+
+# -- the README's own-fleet config -----------------------------------------------------------
+
+
+def readme_fleet_yaml() -> str:
+    """The YAML block of the README's "Put it in front of your fleet" section."""
+    text = (ROOT / "README.md").read_text()
+    section = text.split("## Put it in front of your fleet", 1)[1].split("\n## ", 1)[0]
+    block = re.search(r"```yaml\n(.*?)```", section, re.S)
+    assert block is not None, "the section has no yaml block"
+    return block.group(1)
+
+
+def test_the_readme_fleet_config_loads_and_envoy_accepts_what_it_generates(
+    tmp_path: Path,
+) -> None:
+    # The files it names, made real: the TLS material and the engines' tokenizer.
+    ca = Ca(tmp_path)
+    router, envoy = ca.issue("router", dns="gorgo.internal"), ca.issue("envoy")
+    tokenizer = tiny_tokenizer_dir()
+    files = {
+        "/etc/gorgo/tls/ca.crt": ca.pem.cert,
+        "/etc/gorgo/tls/router.crt": router.cert,
+        "/etc/gorgo/tls/router.key": router.key,
+        "/etc/gorgo/tls/envoy.crt": envoy.cert,
+        "/etc/gorgo/tls/envoy.key": envoy.key,
+        "/models/Llama-3.1-8B-Instruct/tokenizer.json": tokenizer / "tokenizer.json",
+    }
+    text = readme_fleet_yaml()
+    for name, path in files.items():
+        text = text.replace(name, str(path))
+    assert not re.search(r"/etc/|/models/", text), "a file the config names is not provided"
+    config = tmp_path / "gorgo.yaml"
+    config.write_text(text)
+
+    cfg = load_config(config)
+    assert [b.engine for b in cfg.backends] == [EngineKind.VLLM, EngineKind.VLLM, EngineKind.SGLANG]
+    assert all(b.kv_events.endpoint and b.kv_capacity_tokens for b in cfg.backends)
+    assert cfg.listen.tls.client_ca_file and cfg.envoy.ext_proc_tls.cert_file
+    assert cfg.listen.admin_token and cfg.telemetry.otlp_endpoint and cfg.envoy.tracing_endpoint
+    assert cfg.tuner.mode == TunerMode.OFF  # the default
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert main(["envoy-config", "--config", str(config)]) == 0
+    out = tmp_path / "envoy.yaml"
+    out.write_text(buf.getvalue())
+    assert "OK" in _validate(out)
+    clusters = {c["name"] for c in yaml.safe_load(buf.getvalue())["static_resources"]["clusters"]}
+    assert {"us-east", "eu-west", "ap-northeast"} <= clusters
