@@ -31,7 +31,8 @@ from functools import lru_cache
 from pathlib import Path
 
 from emulator.vllm import TINY_MODEL
-from ext_proc.config.schema import ConfigError, TokenizerConfig
+from ext_proc.config.fields import ConfigError
+from ext_proc.config.schema import TokenizerConfig
 from ext_proc.prompt.chat_template import (
     TOKENIZER_CONFIG,
     ChatTemplate,

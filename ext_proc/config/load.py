@@ -17,8 +17,9 @@ from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
+from ext_proc.config.fields import ConfigError, split_host_port
 from ext_proc.config.kv_endpoints import validate_distinct_binds, validate_kv_events
-from ext_proc.config.schema import Backend, Config, ConfigError, TelemetryConfig, split_host_port
+from ext_proc.config.schema import Backend, Config, TelemetryConfig
 from ext_proc.estimate.profile import load_profile
 from ext_proc.policy.catalog import POLICIES
 from ext_proc.prompt.engine_tokens import load_engine_tokenizer

@@ -7,52 +7,13 @@ generated from it. Every section is a frozen dataclass; each field's range sits 
 from __future__ import annotations
 
 import enum
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ext_proc.config.fields import NON_NEGATIVE, POSITIVE, bounded
+from ext_proc.config.transport import EnvoySettings, Listen
 from ext_proc.estimate.profile import DEFAULT_PROFILE
-
-
-class ConfigError(ValueError):
-    """A configuration value is missing, unknown or of the wrong type or range."""
-
-
-@dataclass(frozen=True)
-class Range:
-    """Bounds of a number field; None = unbounded on that side."""
-
-    gt: float | None = None
-    ge: float | None = None
-    le: float | None = None
-
-    def check(self, value: float, key: str) -> None:
-        if self.gt is not None and not value > self.gt:
-            raise ConfigError(f"{key}: must be > {self.gt:g}, got {value}")
-        if self.ge is not None and not value >= self.ge:
-            raise ConfigError(f"{key}: must be >= {self.ge:g}, got {value}")
-        if self.le is not None and not value <= self.le:
-            raise ConfigError(f"{key}: must be <= {self.le:g}, got {value}")
-
-
-def bounded(
-    default: Any, *, gt: float | None = None, ge: float | None = None, le: float | None = None
-) -> Any:
-    """A number field with its allowed range, checked at load."""
-    return field(default=default, metadata={"range": Range(gt, ge, le)})
-
-
-POSITIVE = {"gt": 0.0}
-NON_NEGATIVE = {"ge": 0.0}
-
-
-class EnvoyMode(enum.StrEnum):
-    # Header x-gorgo-backend names a cluster per backend (cluster_header route).
-    CLUSTER = "cluster"
-    # The Gateway API Inference Extension protocol: header x-gateway-destination-endpoint
-    # and the envoy.lb dynamic metadata name the endpoint inside one cluster.
-    ENDPOINT_PICKER = "endpoint_picker"
 
 
 class TunerMode(enum.StrEnum):
@@ -230,88 +191,6 @@ class Probes:
 
 
 @dataclass(frozen=True)
-class ServerTls:
-    """TLS on the ext_proc's gRPC port (PEM files). All empty: plaintext, for loopback or a
-    trusted pod network."""
-
-    cert_file: str = ""
-    key_file: str = ""
-    # Set: every client (Envoy) must present a certificate signed by this CA (mTLS).
-    client_ca_file: str = ""
-
-
-@dataclass(frozen=True)
-class ClientTls:
-    """How Envoy reaches the ext_proc over TLS (paths as Envoy sees them)."""
-
-    # Set: TLS, the ext_proc's certificate verified against this CA.
-    ca_file: str = ""
-    # Envoy's client certificate, for an ext_proc that requires mTLS.
-    cert_file: str = ""
-    key_file: str = ""
-    # SNI and the name the certificate must carry; "" = the host of ext_proc_address.
-    server_name: str = ""
-
-
-@dataclass(frozen=True)
-class Listen:
-    grpc: str = "127.0.0.1:50051"
-    tls: ServerTls = field(default_factory=ServerTls)
-    # Admin HTTP (/healthz, /state): loopback by default, it shows internal state.
-    admin: str = "127.0.0.1:9180"
-    # Bearer token required by admin calls that change state (POST /tuner, /backends);
-    # "" = none, and then such calls are taken from loopback peers only (the
-    # GORGO_ADMIN_TOKEN environment variable is used when this is empty).
-    admin_token: str = ""
-
-
-@dataclass(frozen=True)
-class EnvoySettings:
-    listen: str = "127.0.0.1:10000"
-    admin: str = "127.0.0.1:9901"
-    # Where Envoy reaches the ext_proc; defaults to listen.grpc.
-    ext_proc_address: str = ""
-    # Several router processes behind this Envoy (each one's listen.grpc; replaces
-    # ext_proc_address): Envoy spreads the ext_proc and access-log streams over them.
-    # They must share their dispatches (fleet.nats_url), which also carries what one saw
-    # of another's request (its first chunk, its completion) to the one that decided it.
-    ext_proc_addresses: tuple[str, ...] = ()
-    ext_proc_tls: ClientTls = field(default_factory=ClientTls)
-    # Whole-body buffering for routing: 128k-token prompts are ~0.5 MB of text, JSON
-    # escaping and multimodal parts can multiply that; 16 MiB leaves room.
-    max_body_bytes: int = bounded(16 * 1024 * 1024, **POSITIVE)
-    # Per-message ext_proc deadline. One Python process answering a burst of new
-    # streams needs slack beyond its ~1 ms typical reply; past it Envoy fails open.
-    message_timeout_ms: int = bounded(1000, **POSITIVE)
-    # Long generations stream for minutes; Envoy's 15 s default route timeout cuts them.
-    route_timeout_s: float = bounded(600.0, **POSITIVE)
-    # Upstream connect timeout; a WAN hop costs one RTT (<0.5 s) per attempt.
-    connect_timeout_s: float = bounded(5.0, **POSITIVE)
-    # A request whose backend cannot be reached (connection refused or reset before the
-    # request was sent) is retried this many times on other backends (0 = never).
-    connect_retries: int = bounded(2, **NON_NEGATIVE)
-    # Retry too when the backend's connection is reset before its response began: a
-    # backend that died, or a proxy or link in front of it that accepted the connection
-    # and then lost it (the request written into a connection that was already dying
-    # never reached the engine). Nothing has reached the client yet, and the engine
-    # aborts a request whose connection is gone. The cost: a request that itself crashes
-    # engines is tried on connect_retries more. False: only connections that never
-    # carried the request are retried.
-    retry_resets: bool = True
-    # How the decision reaches Envoy (see EnvoyMode).
-    mode: EnvoyMode = EnvoyMode.CLUSTER
-    # OTLP/gRPC collector (host:port) for Envoy's own spans; "" = no Envoy tracing.
-    tracing_endpoint: str = ""
-    # Share of requests Envoy traces (percent).
-    tracing_sample_percent: float = bounded(100.0, ge=0.0, le=100.0)
-    # Directory of the backend clusters' xDS files ("" = static clusters in the bootstrap).
-    # Set: the generated Envoy bootstrap reads its backend clusters from files here (CDS,
-    # EDS), which the router rewrites when backends are added, drained or removed, so
-    # Envoy follows without a restart (docs/envoy.md). Relative to the current directory.
-    xds_dir: str = ""
-
-
-@dataclass(frozen=True)
 class TelemetryConfig:
     # OTLP/gRPC collector for the router's decision spans, host:port with no scheme ("" =
     # the standard OTEL_EXPORTER_OTLP_ENDPOINT variable, and if that is unset too, no export).
@@ -423,27 +302,3 @@ class Config:
 
     def probe_path(self, b: Backend) -> str:
         return self.probes.path or PROBE_PATH[b.engine]
-
-
-# A DNS name (labels of letters, digits, '-' and '_'), an IPv4 address, or [IPv6].
-_HOST = re.compile(r"\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_](?:[A-Za-z0-9_.-]*[A-Za-z0-9_])?")
-
-
-def split_host_port(value: str, key: str) -> tuple[str, int]:
-    """`host:port`, as Envoy's socket addresses and gRPC targets take it: no scheme, no
-    spaces, a port 0-65535. The error names the key and what to write instead."""
-    if "://" in value:
-        bare = value.split("://", 1)[1].rstrip("/")
-        raise ConfigError(
-            f"{key}: expected host:port without a scheme, got {value!r} (write {bare!r})"
-        )
-    if any(c.isspace() for c in value):
-        raise ConfigError(f"{key}: expected host:port without spaces, got {value!r}")
-    host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise ConfigError(f"{key}: expected host:port, got {value!r}")
-    if not 0 <= int(port) <= 65535:
-        raise ConfigError(f"{key}: port {port} is out of range (0-65535), got {value!r}")
-    if not _HOST.fullmatch(host):
-        raise ConfigError(f"{key}: {host!r} is not a host name or IP address, got {value!r}")
-    return host, int(port)

@@ -20,7 +20,8 @@ from ext_proc.common.names import (
     ROUTE_GORGO,
     ROUTING_HEADERS,
 )
-from ext_proc.config.schema import Config, ConfigError, split_host_port
+from ext_proc.config.fields import ConfigError, split_host_port
+from ext_proc.config.schema import Config
 from ext_proc.envoy.clusters import (
     API,
     CDS_FILE,

@@ -14,7 +14,8 @@ from ext_proc.common.names import (
     HEADER_GATEWAY_ENDPOINT,
     LB_METADATA_NAMESPACE,
 )
-from ext_proc.config.schema import Backend, Config, split_host_port
+from ext_proc.config.fields import split_host_port
+from ext_proc.config.schema import Backend, Config
 
 EXT_PROC_CLUSTER = "gorgo_ext_proc"
 FALLBACK_CLUSTER = "gorgo_fallback"

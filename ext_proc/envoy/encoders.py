@@ -12,7 +12,8 @@ from ext_proc.common.names import (
     HEADER_GATEWAY_ENDPOINT,
     LB_METADATA_NAMESPACE,
 )
-from ext_proc.config.schema import Backend, Config, EnvoyMode
+from ext_proc.config.schema import Backend, Config
+from ext_proc.config.transport import EnvoyMode
 from ext_proc.core.types import Decision
 from ext_proc.envoy import codec
 

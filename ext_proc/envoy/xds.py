@@ -29,7 +29,8 @@ from typing import Any
 import yaml
 
 from ext_proc.common.files import write_atomic
-from ext_proc.config.schema import Config, split_host_port
+from ext_proc.config.fields import split_host_port
+from ext_proc.config.schema import Config
 from ext_proc.envoy.clusters import (
     CDS_FILE,
     POOL_CLUSTER,

@@ -23,8 +23,9 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from ext_proc.common.aio import cancel_and_wait
+from ext_proc.config.fields import split_host_port
 from ext_proc.config.kv_endpoints import connect_address, subscriber_address
-from ext_proc.config.schema import Backend, split_host_port
+from ext_proc.config.schema import Backend
 from ext_proc.core.router import Router
 from ext_proc.estimate.engine_index import Applied, EngineBlocks
 from ext_proc.feeds.kv_events import (

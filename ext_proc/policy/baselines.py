@@ -8,7 +8,7 @@ from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ext_proc.config.schema import bounded
+from ext_proc.config.fields import bounded
 from ext_proc.core.types import Candidate, RouteRequest, Weights
 from ext_proc.policy.base import Choice, NoParams, pick_min, register
 from ext_proc.prompt.tokens import BYTES_PER_TOKEN

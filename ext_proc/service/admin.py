@@ -12,8 +12,8 @@ from typing import Any
 
 from aiohttp import web
 
+from ext_proc.config.fields import ConfigError
 from ext_proc.config.load import backend_from_dict
-from ext_proc.config.schema import ConfigError
 from ext_proc.core.fleet import FleetConflict, UnknownBackend
 from ext_proc.core.router import Router
 from ext_proc.core.types import Weights

@@ -17,7 +17,8 @@ import grpc
 from aiohttp import web
 from opentelemetry.sdk.trace.export import SpanExporter
 
-from ext_proc.config.schema import Config, TunerMode, split_host_port
+from ext_proc.config.fields import split_host_port
+from ext_proc.config.schema import Config, TunerMode
 from ext_proc.core.build import build_router, tuner_settings
 from ext_proc.core.router import Router
 from ext_proc.envoy.server import ExtProcService, add_services, grpc_options

@@ -12,7 +12,8 @@ import pytest
 
 from emulator.stack import Stack
 from emulator.stack.ports import free_ports
-from ext_proc.config.schema import ClientTls, Config, ServerTls
+from ext_proc.config.schema import Config
+from ext_proc.config.transport import ClientTls, ServerTls
 from ext_proc.envoy.bootstrap import render_envoy_config
 from loadgen.client import chat_body
 from tests.certs import Ca

@@ -20,9 +20,10 @@ import pytest
 import yaml
 
 from ext_proc.common.names import HEADER_BACKEND
+from ext_proc.config.fields import split_host_port
 from ext_proc.config.kv_endpoints import split_tcp_endpoint
 from ext_proc.config.load import config_from_dict, load_config
-from ext_proc.config.schema import Config, EngineKind, KvEventsMode, split_host_port
+from ext_proc.config.schema import Config, EngineKind, KvEventsMode
 from ext_proc.envoy.bootstrap import (
     build_envoy_config,
     build_mesh_snippet,

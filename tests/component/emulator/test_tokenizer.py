@@ -24,7 +24,7 @@ from emulator.tokenizer import (
     tiny_tokenizer_dir,
 )
 from emulator.vllm.tiny_model import CHAT_TEMPLATE
-from ext_proc.config.schema import ConfigError
+from ext_proc.config.fields import ConfigError
 from ext_proc.prompt.chat_template import TOKENIZER_CONFIG
 from ext_proc.prompt.tokens import APPROX
 

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
+from ext_proc.config.fields import ConfigError
 from ext_proc.config.load import config_from_dict
-from ext_proc.config.schema import ConfigError
 from ext_proc.core.features import newcomer_step_ms
 from ext_proc.core.router import Router
 from ext_proc.core.types import RouteRequest

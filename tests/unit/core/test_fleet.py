@@ -14,8 +14,9 @@ from hypothesis import strategies as st
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from ext_proc.config.dump import changed_keys
+from ext_proc.config.fields import ConfigError
 from ext_proc.config.load import backend_from_dict, config_from_dict
-from ext_proc.config.schema import Backend, ConfigError, KvEventsSource, TelemetryConfig
+from ext_proc.config.schema import Backend, KvEventsSource, TelemetryConfig
 from ext_proc.core.events import BackendChanged, Listener
 from ext_proc.core.features import NoActiveBackend
 from ext_proc.core.fleet import FleetConflict, UnknownBackend

@@ -265,8 +265,8 @@ def test_the_event_stream_reaches_an_engine_behind_a_wan_link() -> None:
 
 
 def test_the_dp_ranks_key_is_checked_at_load() -> None:
+    from ext_proc.config.fields import ConfigError
     from ext_proc.config.load import config_from_dict
-    from ext_proc.config.schema import ConfigError
 
     def kv(**keys: Any) -> dict[str, Any]:
         return {"backends": [{"id": "a", "address": "h:1", "kv_events": keys}]}

@@ -313,8 +313,8 @@ def test_objective_is_a_strict_config_key_wired_into_the_router(tmp_path: Path) 
 
     import yaml
 
+    from ext_proc.config.fields import ConfigError
     from ext_proc.config.load import backend_from_dict, config_from_dict
-    from ext_proc.config.schema import ConfigError
     from ext_proc.core.build import build_router
     from ext_proc.core.types import RouteRequest, Status
     from ext_proc.learn.settings import EXCESS_TTFT, TTFT
@@ -383,8 +383,9 @@ def test_session_arm_key_keeps_a_conversation_in_one_arm() -> None:
 
 
 def test_arm_key_is_a_strict_config_key_wired_into_the_router() -> None:
+    from ext_proc.config.fields import ConfigError
     from ext_proc.config.load import config_from_dict
-    from ext_proc.config.schema import ConfigError, TunerArmKey
+    from ext_proc.config.schema import TunerArmKey
     from ext_proc.core.build import build_router
 
     backend = {"id": "a", "address": "127.0.0.1:1"}

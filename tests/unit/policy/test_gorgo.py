@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ext_proc.config.schema import ConfigError
+from ext_proc.config.fields import ConfigError
 from ext_proc.core.router import Router
 from ext_proc.core.types import RouteRequest, Status, Weights
 from ext_proc.estimate.cost import (

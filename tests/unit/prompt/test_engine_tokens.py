@@ -18,8 +18,9 @@ from emulator.kv_publisher import KvEventsConfig
 from emulator.tokenizer import tiny_tokenizer_dir
 from emulator.vllm.tiny_model import CHAT_TEMPLATE
 from emulator.wire import parse_chat
+from ext_proc.config.fields import ConfigError
 from ext_proc.config.load import config_from_dict
-from ext_proc.config.schema import ConfigError, TokenizerConfig
+from ext_proc.config.schema import TokenizerConfig
 from ext_proc.envoy import codec
 from ext_proc.envoy.encoders import decision_encoder
 from ext_proc.envoy.server import open_session
