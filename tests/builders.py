@@ -15,7 +15,7 @@ from ext_proc.core.router import Router
 from ext_proc.core.types import RouteRequest
 from ext_proc.envoy import codec
 from ext_proc.envoy.encoders import decision_encoder
-from ext_proc.envoy.server import Session, open_session
+from ext_proc.envoy.sessions import Session, open_session
 from ext_proc.feeds.peers import PeerEvent, PeerKind
 from ext_proc.prompt.parse import CHAT, parse_body
 from tests.fakes import FakeClock

@@ -12,6 +12,9 @@ LB_METADATA_NAMESPACE = "envoy.lb"
 
 HEADER_SESSION = "x-session-id"
 HEADER_REQUEST_ID = "x-request-id"
+# gRPC metadata on the ext_proc streams naming the Envoy that opened them (its node id, as
+# its access-log streams name it): a request is lost when that Envoy's reports stop.
+METADATA_ENVOY_NODE = "x-gorgo-envoy"
 # The same id as an Envoy attribute (the observer filter gets no request headers), and the
 # attributes namespace Envoy's ext_proc filter sends them under.
 REQUEST_ID_ATTRIBUTE = "request.id"

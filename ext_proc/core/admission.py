@@ -13,7 +13,8 @@ import zlib
 from collections.abc import Iterable, Sequence
 
 from ext_proc.config.schema import EngineKind, ModelAlias
-from ext_proc.core.state import BackendState, FleetState
+from ext_proc.core.backend import BackendState
+from ext_proc.core.state import FleetState
 from ext_proc.core.types import BackendLifecycle, Refusal
 
 # Retry-After of a model whose backends are all draining or pending (none comes back by

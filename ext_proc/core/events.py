@@ -54,6 +54,8 @@ class Closed:
     served_by: str | None = None
     # Prompt tokens the engine reported it had cached, when it reports them.
     cached_tokens: int | None = None
+    # What ended it, as Envoy said it (code, flags, details) or the router's own reason.
+    reason: str = ""
 
 
 @dataclass(frozen=True)

@@ -14,9 +14,9 @@ import numpy as np
 
 from ext_proc.config.schema import Routing
 from ext_proc.core.admission import serving
+from ext_proc.core.backend import BackendState
 from ext_proc.core.fleet import Fleet
-from ext_proc.core.state import BackendState
-from ext_proc.core.types import BackendLifecycle, Candidate, PrefixState, RouteRequest
+from ext_proc.core.types import BackendLifecycle, Candidate, InFlight, PrefixState, RouteRequest
 from ext_proc.estimate.chain import chain_keys
 from ext_proc.estimate.cost import (
     KV_HEADROOM_MARGIN,
@@ -29,6 +29,9 @@ from ext_proc.estimate.prefix import Hashes, as_hashes, leading_true
 from ext_proc.feeds.engine_metrics import EngineReport
 from ext_proc.prompt.tokens import APPROX, block_hashes_of_ids
 
+# How long after arriving at the engine a request is surely in its next load report
+# (waiting or running): a scrape's own delay, the gauges' update.
+REPORT_SLACK_MS = 250.0
 # Output budget assumed when a request names no max tokens (KV and decode estimates).
 DEFAULT_OUTPUT_TOKENS = 256
 _ACTIVE = BackendLifecycle.ACTIVE
@@ -289,9 +292,30 @@ class Features:
             )
         return tuple(out)
 
+    def credible_records(self, b: BackendState, now_s: float) -> list[InFlight]:
+        """The backend's requests in flight that its engine's last report does not deny.
+        Those that reached the engine before it reported (one way plus REPORT_SLACK_MS
+        after their dispatch) are at most its waiting plus running count: beyond that,
+        the oldest are gone whatever the router heard (their ends were never reported, an
+        Envoy that went away) and load nothing there."""
+        records = list(b.records.values())
+        report = self.fresh_engine_report(b, now_s)
+        if report is None or report.waiting is None or report.running is None:
+            return records
+        assert b.engine_at_s is not None
+        reached_by_s = b.engine_at_s - (b.rtt_ms / 2 + REPORT_SLACK_MS) / 1000
+        reached = sum(1 for r in records if r.dispatched_s <= reached_by_s)
+        denied = reached - int(report.waiting + report.running)
+        if denied <= 0:
+            return records
+        oldest = sorted(records, key=lambda r: r.dispatched_s)[:denied]
+        gone = {r.request_id for r in oldest if r.dispatched_s <= reached_by_s}
+        return [r for r in records if r.request_id not in gone]
+
     def _queue_items(self, b: BackendState) -> tuple[list[QueueItem], float]:
         """The backend's requests in flight as the queue and KV estimates see them, and its
         decode step now."""
+        records = self.credible_records(b, self.clock())
         items = [
             QueueItem(
                 r.prefill_ms,
@@ -305,9 +329,9 @@ class Features:
                 if r.streaming
                 else None,
             )
-            for r in b.records.values()
+            for r in records
         ]
-        decoding = [r for r in b.records.values() if r.first_byte_s is not None]
+        decoding = [r for r in records if r.first_byte_s is not None]
         step_ms = (
             b.profile.decode_ms(len(decoding), sum(r.input_tokens for r in decoding))
             * b.speed.decode_factor

@@ -18,8 +18,9 @@ from typing import Any
 
 from ext_proc.config.dump import backend_as_dict
 from ext_proc.config.schema import Backend, Config
+from ext_proc.core.backend import BackendState, TokenCheck
 from ext_proc.core.events import BackendChanged
-from ext_proc.core.state import BackendState, FleetState, TokenCheck
+from ext_proc.core.state import FleetState
 from ext_proc.core.types import BackendChange, BackendLifecycle
 from ext_proc.estimate.cost import PrefillModel
 from ext_proc.estimate.engine_index import EngineBlocks

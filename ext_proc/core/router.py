@@ -19,12 +19,12 @@ import numpy as np
 from ext_proc.config.schema import Config
 from ext_proc.core import views
 from ext_proc.core.admission import fleet_models, model_refusal, served_name
+from ext_proc.core.backend import BackendState
 from ext_proc.core.decision_log import DecisionLog
 from ext_proc.core.events import BackendChanged, Closed, Dispatched, FirstByte, Listener
 from ext_proc.core.features import Features, output_tokens, pace_ms, prefix_state_for
 from ext_proc.core.fleet import Fleet, FleetControls
 from ext_proc.core.inputs import RouterInputs
-from ext_proc.core.state import BackendState
 from ext_proc.core.types import (
     Candidate,
     Decision,
@@ -215,36 +215,12 @@ class Router(RouterInputs, FleetControls):
             )
         now_s = self.clock()
         b = self._fleet.state.backends[chosen.backend_id]
-        # The engine reports one cached count per request: it says which blocks it lost
-        # only for a single prompt.
-        held = blocks[0][: chosen.cached_tokens // bt] if len(blocks) == 1 else None
         state = prefix_state_for(b, request)
-        model = request.llm.model if request.llm else None
-        speed = b.speed_for(model)
         if state is PrefixState.WARMING and b.engine_blocks is not None:
             # judged at its close: would a precise prediction have been right?
             precise = self._features.precise_cached.get(b.id, 0)
             b.engine_blocks.expect(request.request_id, precise)
-        rec = InFlight(
-            request_id=request.request_id,
-            backend=chosen.backend_id,
-            dispatched_s=now_s,
-            input_tokens=chosen.cached_tokens + chosen.uncached_tokens,
-            output_tokens=output_tokens(request),
-            cached_tokens=chosen.cached_tokens,
-            prefix_state=state,
-            prefill_ms=chosen.prefill_ms,
-            rtt_ms=chosen.rtt_ms,
-            queue_ms=chosen.queue_ms,
-            predicted_ttft_ms=chosen.predicted_ttft_ms,
-            predicted_e2e_ms=chosen.predicted_e2e_ms,
-            prefill_factor=speed.prefill_factor,
-            decode_factor=speed.decode_factor,
-            model=model,
-            blocks=np.concatenate(blocks) if blocks else None,
-            matched_last_used_s=None if held is None else b.prefix.last_used_s(held),
-            streaming=request.llm.stream if request.llm else True,
-        )
+        rec = in_flight_record(request, chosen, b, blocks, state, now_s, bt)
         self._fleet.state.dispatch(rec)
         decision = Decision(
             request_id=request.request_id,
@@ -256,7 +232,7 @@ class Router(RouterInputs, FleetControls):
             weights=weights,
             arm=arm,
             draining=self._fleet.draining,
-            model=model,
+            model=rec.model,
             hold_ms=pace_ms(self.cfg.routing, b, chosen, now_s),
         )
         rec.hold_ms = decision.hold_ms
@@ -299,10 +275,12 @@ class Router(RouterInputs, FleetControls):
         e2e_ms: float | None = None,
         cached_tokens: int | None = None,
         served_by: str | None = None,
+        reason: str = "",
     ) -> Closed | None:
         """The one way a request ends, however it ends; idempotent (a second call returns
         None). served_by: the backend that answered, when known: if it is not the chosen
-        one (Envoy retried a connect failure elsewhere), the request failed over."""
+        one (Envoy retried a connect failure elsewhere), the request failed over.
+        `reason`: what ended it, for the log and /state."""
         now_s = self.clock()
         state = self._fleet.state
         pending = state.in_flight.get(request_id)
@@ -310,7 +288,7 @@ class Router(RouterInputs, FleetControls):
             status = Status.FAILED_OVER
         else:
             served_by = None
-        closed = state.close(request_id, now_s, status, e2e_ms)
+        closed = state.close(request_id, now_s, status, e2e_ms, reason)
         if closed is None:
             return None
         rec, measured_e2e_ms = closed
@@ -325,6 +303,7 @@ class Router(RouterInputs, FleetControls):
             now_s=now_s,
             served_by=served_by if served_by in state.backends else None,
             cached_tokens=cached_tokens,
+            reason=reason,
         )
         for listener in self._listeners:
             listener.on_close(event)
@@ -332,7 +311,8 @@ class Router(RouterInputs, FleetControls):
         return event
 
     def expire(self) -> list[Closed]:
-        """Close the requests whose completion never arrived (request_timeout_s)."""
+        """Close the requests whose completion never arrived by their deadline
+        (core.state.lost_after_s)."""
         now_s = self.clock()
         state = self._fleet.state
         state.expire_peers(now_s, self.cfg.fleet.peer_ttl_s)
@@ -342,6 +322,51 @@ class Router(RouterInputs, FleetControls):
             self._fleet.remove_if_drained(backend)
         return closed
 
+    def lose(self, envoys: set[str]) -> list[Closed]:
+        """The Envoys named went away (their access-log streams ended): the requests they
+        carried will never be reported. Close them as lost, now."""
+        gone = [r.request_id for r in self._fleet.state.in_flight.values() if r.envoy in envoys]
+        closed = [c for rid in gone if (c := self.close(rid, Status.LOST, reason="envoy gone"))]
+        return closed
+
     def _emit(self, e: BackendChanged) -> None:
         for listener in self._listeners:
             listener.on_backend(e)
+
+
+def in_flight_record(
+    request: RouteRequest,
+    chosen: Candidate,
+    b: BackendState,
+    blocks: list[Hashes],
+    state: PrefixState,
+    now_s: float,
+    block_tokens: int,
+) -> InFlight:
+    """What the router keeps of a request it sends to `chosen` (to learn from its end)."""
+    # The engine reports one cached count per request: it says which blocks it lost only
+    # for a single prompt.
+    held = blocks[0][: chosen.cached_tokens // block_tokens] if len(blocks) == 1 else None
+    model = request.llm.model if request.llm else None
+    speed = b.speed_for(model)
+    return InFlight(
+        request_id=request.request_id,
+        backend=chosen.backend_id,
+        dispatched_s=now_s,
+        input_tokens=chosen.cached_tokens + chosen.uncached_tokens,
+        output_tokens=output_tokens(request),
+        cached_tokens=chosen.cached_tokens,
+        prefix_state=state,
+        prefill_ms=chosen.prefill_ms,
+        rtt_ms=chosen.rtt_ms,
+        queue_ms=chosen.queue_ms,
+        predicted_ttft_ms=chosen.predicted_ttft_ms,
+        predicted_e2e_ms=chosen.predicted_e2e_ms,
+        prefill_factor=speed.prefill_factor,
+        decode_factor=speed.decode_factor,
+        model=model,
+        blocks=np.concatenate(blocks) if blocks else None,
+        matched_last_used_s=None if held is None else b.prefix.last_used_s(held),
+        streaming=request.llm.stream if request.llm else True,
+        envoy=request.envoy,
+    )

@@ -21,14 +21,22 @@ class Status(enum.StrEnum):
     """How a request was closed."""
 
     OK = "ok"
-    # The backend failed it (5xx, reset, an error inside the stream).
+    # The backend failed it (5xx, a connection refused or reset from upstream, no first
+    # byte by its deadline, an error inside the stream): the only status that is evidence
+    # against the backend.
     ERROR = "error"
     # The backend answered 4xx: the request's fault, not the backend's.
     CLIENT_ERROR = "client_error"
     # The client went away: says nothing about the backend.
     CANCELLED = "cancelled"
-    # No completion arrived within request_timeout_s (a lost access-log entry).
+    # Envoy refused or could not send it on by itself (no healthy host, overflow, its own
+    # 5xx without an upstream failure): not the backend's doing.
+    GATEWAY_ERROR = "gateway_error"
+    # No completion arrived by its deadline (a lost access-log entry).
     EXPIRED = "expired"
+    # The Envoy that carried it went away (its access-log stream ended): no report of it
+    # will ever come.
+    LOST = "lost"
     # Envoy could not connect to the chosen backend and another one served it.
     FAILED_OVER = "failed_over"
 
@@ -146,6 +154,9 @@ class RouteRequest:
     # The caller's W3C trace context (traceparent, tracestate), passed through untouched
     # to the telemetry listener so the decision span joins Envoy's trace.
     trace_context: tuple[tuple[str, str], ...] = ()
+    # The Envoy that carries it (its node id; "" = not said): its completion comes from
+    # that Envoy's access log, and it is lost if that Envoy goes away.
+    envoy: str = ""
 
 
 @dataclass
@@ -184,6 +195,8 @@ class InFlight:
     # The response already ended this long after it began (Envoy's E2E), before its first
     # byte was reported: the first byte cannot have come later.
     ended_e2e_ms: float | None = None
+    # The Envoy that carries it (RouteRequest.envoy).
+    envoy: str = ""
 
 
 @dataclass(frozen=True)

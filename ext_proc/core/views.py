@@ -7,9 +7,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from ext_proc.core.backend import BackendState
 from ext_proc.core.decision_log import DecisionLog
 from ext_proc.core.features import Features, prefix_state
-from ext_proc.core.state import BackendState
 from ext_proc.core.types import Weights
 from ext_proc.learn.tuner import Tuner
 
@@ -56,7 +56,7 @@ def snapshot(
     backends = {}
     for b in fleet.state.backends.values():
         backends[b.id] = {
-            **b.as_json(),
+            **b.as_json(now_s),
             "queue_ms": round(features.queue_estimate_ms(b.id, now_s), 3),
             "cached_tokens": b.prefix.size_blocks * bt,
             # What the engine last said of its load, and how old that is (None: never).

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -15,8 +16,11 @@ from ext_proc.common.names import (
 from ext_proc.core.router import Router
 from ext_proc.core.types import Status
 from ext_proc.envoy import codec
+from ext_proc.envoy.outcome import outcome_of
 from ext_proc.feeds.peers import PeerEvent, PeerKind
 from ext_proc.service.telemetry import Telemetry
+
+log = logging.getLogger("gorgo.access_log")
 
 # How long a streamed request's completion waits for its first-chunk message when the
 # access-log entry arrives first (they travel over two gRPC streams).
@@ -38,6 +42,8 @@ def completed_event(e: codec.AccessLogEntry) -> PeerEvent:
         e2e_ms=e.e2e_ms,
         attempts=e.attempts,
         route_name=e.route_name,
+        flags=tuple(sorted(e.flags)),
+        details=e.details,
     )
 
 
@@ -47,26 +53,58 @@ def first_chunk_event(request_id: str, error: bool) -> PeerEvent:
 
 def entry_of(e: PeerEvent) -> codec.AccessLogEntry:
     return codec.AccessLogEntry(
-        e.request_id, e.backend, e.route_name, e.response_code, e.e2e_ms, e.attempts
+        e.request_id,
+        e.backend,
+        e.route_name,
+        e.response_code,
+        e.e2e_ms,
+        e.attempts,
+        frozenset(e.flags),
+        e.details,
     )
 
 
 class AccessLogService:
     """Receives Envoy's access-log entries: the completion of every request. With several
-    routers behind one Envoy, an entry for another router's request is forwarded to it."""
+    routers behind one Envoy, an entry for another router's request is forwarded to it.
+
+    Each Envoy keeps its access-log streams open for as long as it runs (one per worker,
+    named by its node id). When the last stream of an Envoy ends, that Envoy is gone
+    (killed, restarted): the requests it carried will never be reported, and are closed
+    as lost at once instead of loading their backends' queues until they expire."""
 
     def __init__(self, router: Router, telemetry: Telemetry, forward: Forward | None = None):
         self.router = router
         self.telemetry = telemetry
         self.forward = forward
+        # The open streams' Envoy node ids (one entry per stream).
+        self.streams: list[str] = []
 
     async def stream_access_logs(
         self, requests: AsyncIterator[codec.StreamAccessLogsMessage], context: Any
     ) -> codec.StreamAccessLogsResponse:
-        async for msg in requests:
-            for e in codec.access_log_entries(msg):
-                self.observe(e)
+        node: str | None = None
+        try:
+            async for msg in requests:
+                if node is None:  # the first message names the Envoy
+                    node = codec.access_log_node(msg)
+                    self.streams.append(node)
+                for e in codec.access_log_entries(msg):
+                    self.observe(e)
+        finally:
+            if node is not None:
+                self.streams.remove(node)
+                self._stream_ended(node)
         return codec.StreamAccessLogsResponse()
+
+    def _stream_ended(self, node: str) -> None:
+        """An Envoy whose last stream ended is gone: its requests are lost (and, once no
+        Envoy is left, those of an Envoy that never said its name)."""
+        if node in self.streams:
+            return
+        nodes = {node} if self.streams else {node, ""}
+        for c in self.router.lose(nodes):
+            log.warning("request %s on %s: its Envoy went away, lost", c.request_id, c.backend)
 
     def apply_forwarded(self, e: PeerEvent) -> None:
         """What another router behind the same Envoy saw of one of our requests: its first
@@ -97,8 +135,9 @@ class AccessLogService:
         # failure (a failover), or because the router answered too late and Envoy failed
         # open (not the backend's fault): only the first takes several attempts.
         served_by = e.backend if e.attempts > 1 else None
+        outcome = outcome_of(e.response_code, e.flags, e.details)
         closed = self.router.close(
-            e.request_id, status_for(e.response_code), e.e2e_ms, served_by=served_by
+            e.request_id, outcome.status, e.e2e_ms, served_by=served_by, reason=outcome.reason
         )
         if closed is not None or forwarded:
             return
@@ -107,13 +146,3 @@ class AccessLogService:
             self.telemetry.fallback(e.backend)
         elif self.forward is not None:  # routed, by another router: its to learn from
             self.forward(completed_event(e))
-
-
-def status_for(code: int) -> Status:
-    if 200 <= code < 300:
-        return Status.OK
-    if 400 <= code < 500:
-        return Status.CLIENT_ERROR
-    # 0: nothing was sent to the client, which went away first (an upstream failure gets
-    # Envoy's own 5xx). A cancellation says nothing about the backend.
-    return Status.CANCELLED if code == 0 else Status.ERROR

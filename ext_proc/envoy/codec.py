@@ -149,6 +149,39 @@ def immediate_response(
     return resp
 
 
+# The ResponseFlags message's fields (api/envoy/data/accesslog/v3/accesslog.proto) by the
+# short code Envoy prints for each.
+FLAG_CODES = {
+    "failed_local_healthcheck": "LH",
+    "no_healthy_upstream": "UH",
+    "upstream_request_timeout": "UT",
+    "local_reset": "LR",
+    "upstream_remote_reset": "UR",
+    "upstream_connection_failure": "UF",
+    "upstream_connection_termination": "UC",
+    "upstream_overflow": "UO",
+    "no_route_found": "NR",
+    "delay_injected": "DI",
+    "fault_injected": "FI",
+    "rate_limited": "RL",
+    "rate_limit_service_error": "RLSE",
+    "downstream_connection_termination": "DC",
+    "upstream_retry_limit_exceeded": "URX",
+    "stream_idle_timeout": "SI",
+    "invalid_envoy_request_headers": "IH",
+    "downstream_protocol_error": "DPE",
+    "upstream_max_stream_duration_reached": "UMSDR",
+    "response_from_cache_filter": "RFCF",
+    "no_filter_config_found": "NFCF",
+    "duration_timeout": "DT",
+    "upstream_protocol_error": "UPE",
+    "no_cluster_found": "NC",
+    "overload_manager": "OM",
+    "dns_resolution_failure": "DF",
+    "downstream_remote_reset": "DR",
+}
+
+
 @dataclass(frozen=True)
 class AccessLogEntry:
     """What we learn from Envoy's gRPC access log at the end of a request."""
@@ -162,10 +195,23 @@ class AccessLogEntry:
     e2e_ms: float | None
     # Upstream attempts: more than 1 when Envoy retried (a connect failure).
     attempts: int = 1
+    # Envoy's response flags (short codes: UF, DC, ...) and response code details.
+    flags: frozenset[str] = frozenset()
+    details: str = ""
 
 
 def _ms(d: Duration) -> float:
     return float(d.seconds * 1e3 + d.nanos / 1e6)
+
+
+def response_flags(f: pb.ResponseFlags) -> frozenset[str]:
+    """The flags set, by Envoy's short codes."""
+    return frozenset(FLAG_CODES[d.name] for d, v in f.ListFields() if v is True)
+
+
+def access_log_node(msg: pb.StreamAccessLogsMessage) -> str:
+    """The node id of the Envoy sending this stream ("" when its bootstrap sets none)."""
+    return str(msg.identifier.node.id)
 
 
 def access_log_entries(msg: pb.StreamAccessLogsMessage) -> list[AccessLogEntry]:
@@ -182,6 +228,8 @@ def access_log_entries(msg: pb.StreamAccessLogsMessage) -> list[AccessLogEntry]:
                 if c.HasField("time_to_last_downstream_tx_byte")
                 else None,
                 attempts=c.upstream_request_attempt_count or 1,
+                flags=response_flags(c.response_flags),
+                details=e.response.response_code_details,
             )
         )
     return out

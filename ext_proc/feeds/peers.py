@@ -58,6 +58,8 @@ class PeerEvent:
     e2e_ms: float | None = None
     attempts: int = 1
     route_name: str = ""
+    flags: tuple[str, ...] = ()
+    details: str = ""
 
     def encode(self) -> bytes:
         return orjson.dumps(asdict(self))
@@ -86,6 +88,8 @@ class PeerEvent:
                 e2e_ms=None if raw.get("e2e_ms") is None else float(raw["e2e_ms"]),
                 attempts=int(raw.get("attempts", 1)),
                 route_name=str(raw.get("route_name", "")),
+                flags=tuple(str(f) for f in raw.get("flags", ())),
+                details=str(raw.get("details", "")),
             )
         except (orjson.JSONDecodeError, KeyError, TypeError) as e:
             raise ValueError(f"peer event: {e}") from e

@@ -100,10 +100,12 @@ class Ejector(Listener):
 
     def on_close(self, e: Closed) -> None:
         if self.after and self.state.eject_failing(e.backend, e.now_s, self.after, self.eject_s):
+            failures = self.state.backends[e.backend].recent_failures
             log.warning(
-                "backend %s ejected: %d failed or unreachable requests in a row",
+                "backend %s ejected: %d failed or unreachable requests in a row (%s)",
                 e.backend,
                 self.after,
+                "; ".join(failures),
             )
 
 
@@ -126,6 +128,11 @@ class PredictionLearner(Listener):
         b.latency.observe(e)
 
 
+# Ends that say nothing of how good the weights' choice was.
+NOT_THE_WEIGHTS = frozenset(
+    {Status.CANCELLED, Status.CLIENT_ERROR, Status.GATEWAY_ERROR, Status.LOST}
+)
+
 # A weighted policy's `would_pick(candidates, weights, backend)`: would those weights
 # choose that backend too (policy.gorgo)?
 WouldPick = Callable[[Sequence[Candidate], Weights, str], bool]
@@ -133,8 +140,8 @@ WouldPick = Callable[[Sequence[Candidate], Weights, str], bool]
 
 class TunerLearner(Listener):
     """Scores the tuner's arms. A request that failed (error, expiry, failover) counts
-    against the arm that routed it as if it had waited `failure_ms`; a cancelled or bad
-    request says nothing about the weights and is only forgotten.
+    against the arm that routed it as if it had waited `failure_ms`; a cancelled, bad,
+    refused or lost request says nothing about the weights and is only forgotten.
 
     With each success goes the request's floor, for the `excess_ttft` objective: the
     prefill of its whole prompt, uncached, on an idle engine, with the fastest of the
@@ -175,7 +182,7 @@ class TunerLearner(Listener):
             if self.tuner.s.objective == EXCESS_TTFT:
                 floor = self.floor_ms(e.record.input_tokens)
             self.tuner.observe(e.request_id, e.ttft_ms, e.e2e_ms, floor)
-        elif e.status in (Status.CANCELLED, Status.CLIENT_ERROR):
+        elif e.status in NOT_THE_WEIGHTS:
             self.tuner.forget(e.request_id)
         else:
             self.tuner.observe(e.request_id, self.failure_ms, self.failure_ms)

@@ -11,7 +11,7 @@ from collections.abc import Iterable
 
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from ext_proc.core.state import BackendState
+from ext_proc.core.backend import BackendState
 from ext_proc.estimate.latency_error import ErrorWindow
 
 # (measure, what it measures): the metric names are gorgo_{measure}_prediction_mape and

@@ -50,7 +50,7 @@ def test_probe_samples_give_the_jitter_estimate() -> None:
     assert jitter(router, (100.0,) * 6) == 0.0
     sigma = jitter(router)
     assert 20 < sigma < 60  # samples 40 ms either side of 100
-    assert router.backends["a"].as_json()["rtt_std_ms"] == pytest.approx(sigma, abs=1e-3)
+    assert router.backends["a"].as_json(0.0)["rtt_std_ms"] == pytest.approx(sigma, abs=1e-3)
 
 
 def test_a_second_dispatch_at_once_is_held_for_the_jitter() -> None:

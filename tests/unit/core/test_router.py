@@ -36,7 +36,8 @@ def test_cancel_before_first_byte_releases_everything() -> None:
     done = router.close("r1", Status.CANCELLED)
     assert done is not None and done.ttft_ms is None and done.e2e_ms == pytest.approx(100.0)
     b = router.backends[d.backend]
-    assert (b.in_flight, b.waiting_first_byte, b.errors, b.completed) == (0, 0, 1, 0)
+    assert (b.in_flight, b.waiting_first_byte, b.errors, b.completed) == (0, 0, 0, 0)
+    assert b.cancelled == 1  # the client went away: not the backend's failure
     assert not router.in_flight
 
 
