@@ -4,6 +4,9 @@
 HEADER_BACKEND = "x-gorgo-backend"
 # Gateway API Inference Extension endpoint-picker header (stripped from clients too).
 HEADER_GATEWAY_ENDPOINT = "x-gateway-destination-endpoint"
+# Envoy's per-try timeout, set by the router on each request it routes: the first-byte
+# deadline (Envoy honours it from a filter; it stops once response headers arrive).
+HEADER_PER_TRY_TIMEOUT = "x-envoy-upstream-rq-per-try-timeout-ms"
 # Client-sent copies of these are removed before routing.
 ROUTING_HEADERS = (HEADER_BACKEND, HEADER_GATEWAY_ENDPOINT)
 

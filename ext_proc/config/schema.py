@@ -146,6 +146,14 @@ class Routing:
     # within envoy.message_timeout_ms). 0 = off.
     pace_sigmas: float = bounded(2.0, **NON_NEGATIVE)
     pace_max_ms: float = bounded(250.0, **NON_NEGATIVE)
+    # First-byte deadline: a request whose backend has not begun its response this long
+    # after the dispatch (factor x its predicted TTFT, or E2E when not streamed, plus the
+    # slack) is given up there by Envoy (a per-try timeout: retried on another backend
+    # like a connect failure, else a 504) and makes the backend suspect. Envoy's timer
+    # stops when response headers arrive (vLLM sends them at once, SGLang with the first
+    # token). 0 and 0 = off.
+    first_byte_factor: float = bounded(4.0, **NON_NEGATIVE)
+    first_byte_slack_ms: float = bounded(5000.0, **NON_NEGATIVE)
 
 
 @dataclass(frozen=True)

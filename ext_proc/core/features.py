@@ -140,6 +140,19 @@ def lora_slot_wait_ms(
     return min(it.remaining_ms(now_s, step_ms) for it in items)
 
 
+def first_byte_deadline_ms(
+    r: Routing, chosen: Candidate, streaming: bool, route_timeout_s: float
+) -> float | None:
+    """How long the chosen backend has to begin its response (None: no deadline): a
+    multiple of the predicted TTFT (E2E when not streamed: the headers come at the end)
+    plus the slack, under Envoy's route timeout, which a per-try timeout must be."""
+    if not r.first_byte_factor and not r.first_byte_slack_ms:
+        return None
+    predicted_ms = chosen.predicted_ttft_ms if streaming else chosen.predicted_e2e_ms
+    deadline_ms = r.first_byte_factor * predicted_ms + r.first_byte_slack_ms
+    return min(deadline_ms, route_timeout_s * 1000 - 1)
+
+
 def pace_ms(r: Routing, b: BackendState, chosen: Candidate, now_s: float) -> float:
     """Dispatch pacing: how long to hold a request before it is sent on (ms).
 

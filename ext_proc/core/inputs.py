@@ -75,8 +75,19 @@ class RouterInputs:
             state.peer_close(e.request_id)
 
     def record_probe(self, backend: str, rtt_ms: float | None) -> None:
+        """A probe answered in rtt_ms, or failed (None). One failure is enough to make a
+        backend suspect when a request there is late for its first byte too (a link
+        that swallows everything); probes alone need probes.suspect_after."""
         p = self._fleet.cfg.probes
-        self._fleet.state.record_probe(backend, rtt_ms, p.ewma_alpha, p.suspect_after)
+        after = p.suspect_after
+        if rtt_ms is None and backend in self.late_backends():
+            after = 1
+        self._fleet.state.record_probe(backend, rtt_ms, p.ewma_alpha, after)
+
+    def late_backends(self) -> set[str]:
+        """Backends with a request still waiting for its first byte past the time it was
+        due, beyond routing.stall_grace_ms: worth a probe now."""
+        return self._fleet.state.late_backends(self.clock(), self._fleet.cfg.routing.stall_grace_ms)
 
     def record_engine_report(self, backend: str, report: EngineReport) -> bool:
         """The engine's own load report (/metrics), read now. Returns whether it brought

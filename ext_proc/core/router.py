@@ -10,6 +10,7 @@ outcomes subscribes to the lifecycle events (`core.events`).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any
@@ -22,7 +23,13 @@ from ext_proc.core.admission import fleet_models, model_refusal, served_name
 from ext_proc.core.backend import BackendState
 from ext_proc.core.decision_log import DecisionLog
 from ext_proc.core.events import BackendChanged, Closed, Dispatched, FirstByte, Listener
-from ext_proc.core.features import Features, output_tokens, pace_ms, prefix_state_for
+from ext_proc.core.features import (
+    Features,
+    first_byte_deadline_ms,
+    output_tokens,
+    pace_ms,
+    prefix_state_for,
+)
 from ext_proc.core.fleet import Fleet, FleetControls
 from ext_proc.core.inputs import RouterInputs
 from ext_proc.core.types import (
@@ -45,6 +52,8 @@ from ext_proc.learn.learners import (
 )
 from ext_proc.learn.tuner import Tuner
 from ext_proc.policy.base import Policy
+
+log = logging.getLogger("gorgo.router")
 
 
 class Router(RouterInputs, FleetControls):
@@ -234,8 +243,15 @@ class Router(RouterInputs, FleetControls):
             draining=self._fleet.draining,
             model=rec.model,
             hold_ms=pace_ms(self.cfg.routing, b, chosen, now_s),
+            first_byte_deadline_ms=first_byte_deadline_ms(
+                self.cfg.routing, chosen, rec.streaming, self.cfg.envoy.route_timeout_s
+            ),
         )
         rec.hold_ms = decision.hold_ms
+        if decision.first_byte_deadline_ms is not None:
+            rec.first_byte_deadline_s = (
+                now_s + (decision.hold_ms + decision.first_byte_deadline_ms) / 1000
+            )
         self._decisions += 1
         self._log.add(decision, now_s)
         event = Dispatched(request, decision, rec, now_s)
@@ -315,6 +331,10 @@ class Router(RouterInputs, FleetControls):
         (core.state.lost_after_s)."""
         now_s = self.clock()
         state = self._fleet.state
+        for r in state.missed_first_byte(now_s):
+            log.warning(
+                "backend %s suspect: no first byte of %s by its deadline", r.backend, r.request_id
+            )
         state.expire_peers(now_s, self.cfg.fleet.peer_ttl_s)
         overdue = state.overdue(now_s, self.cfg.request_timeout_s)
         closed = [c for rid in overdue if (c := self.close(rid, Status.EXPIRED)) is not None]

@@ -246,6 +246,34 @@ class FleetState:
             if now_s - rec.dispatched_s >= lost_after_s(rec, timeout_s)
         ]
 
+    def late_backends(self, now_s: float, grace_ms: float) -> set[str]:
+        """Backends with one of this router's requests waiting for its first byte more
+        than grace_ms past when it was due (dispatch + its predicted TTFT)."""
+        return {
+            r.backend
+            for r in self.in_flight.values()
+            if r.first_byte_s is None
+            and r.streaming
+            and r.predicted_ttft_ms is not None
+            and now_s - r.dispatched_s > (r.hold_ms + r.predicted_ttft_ms + grace_ms) / 1e3
+        }
+
+    def missed_first_byte(self, now_s: float) -> list[InFlight]:
+        """Requests whose backend let their first-byte deadline pass (each once): their
+        backends are suspect (a probe that answers clears it), and Envoy gives up on them
+        there."""
+        missed = [
+            r
+            for r in self.in_flight.values()
+            if r.first_byte_s is None
+            and r.first_byte_deadline_s is not None
+            and now_s > r.first_byte_deadline_s
+        ]
+        for r in missed:
+            r.first_byte_deadline_s = None
+            self.backends[r.backend].suspect = True
+        return missed
+
     def _hold(self, rec: InFlight) -> BackendState:
         """Count a request in flight on its backend (undone by _release)."""
         b = self.backends[rec.backend]

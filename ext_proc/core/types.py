@@ -182,6 +182,8 @@ class InFlight:
     decode_factor: float = 1.0
     # How long dispatch pacing held it before it was sent on (its TTFT includes that).
     hold_ms: float = 0.0
+    # When its response must have begun (None: no deadline): routing.first_byte_factor.
+    first_byte_deadline_s: float | None = None
     # The model it asked for (None: none named): its LoRA adapter's speed learns from it.
     model: str | None = None
     # The prompt's prefix blocks (for trimming the index) and when the chosen backend had
@@ -216,6 +218,9 @@ class Decision:
     model: str | None = None
     # How long to hold the dispatch before sending it on (dispatch pacing).
     hold_ms: float = 0.0
+    # How long after it is sent on the backend must begin its response (Envoy's per-try
+    # timeout; None: no deadline).
+    first_byte_deadline_ms: float | None = None
 
     @property
     def chosen(self) -> Candidate:

@@ -15,6 +15,7 @@ from ext_proc.common.names import (
     ACCESS_LOG_NAME,
     HEADER_BACKEND,
     LB_METADATA_NAMESPACE,
+    METADATA_ENVOY_NODE,
     REQUEST_ID_ATTRIBUTE,
     ROUTE_FALLBACK,
     ROUTE_GORGO,
@@ -72,11 +73,22 @@ def _retry_policy(cfg: Config, other_priorities: bool) -> dict[str, Any]:
     return policy
 
 
+def node_id(cfg: Config) -> str:
+    """The front door's node id: one per listen address, so that several front doors
+    sharing a router are told apart."""
+    return f"gorgo-front-door@{cfg.envoy.listen}"
+
+
 def _ext_proc_filters(cfg: Config) -> list[dict[str, Any]]:
     """Two ext_proc filters to the same service: one routes (Envoy waits for it), one
     observes the first response chunk without holding it (observability mode)."""
     typed = f"{API}.extensions.filters.http.ext_proc.v3.ExternalProcessor"
-    grpc_service = {"envoy_grpc": {"cluster_name": EXT_PROC_CLUSTER}}
+    grpc_service = {
+        "envoy_grpc": {"cluster_name": EXT_PROC_CLUSTER},
+        # Names this Envoy on every stream, as its access-log streams name it: the router
+        # closes the requests of an Envoy whose log streams all ended (it went away).
+        "initial_metadata": [{"key": METADATA_ENVOY_NODE, "value": node_id(cfg)}],
+    }
     route = {
         "name": "envoy.filters.http.ext_proc",
         "typed_config": {
@@ -321,8 +333,8 @@ def build_envoy_config(cfg: Config, ext_proc: bool = True) -> dict[str, Any]:
             grpc_cluster(OTEL_CLUSTER, cfg.envoy.tracing_endpoint, "envoy.tracing_endpoint")
         )
     return {
-        # xDS needs a node identity, even from files.
-        **({"node": {"id": "gorgo-front-door", "cluster": "gorgo"}} if dynamic else {}),
+        # xDS needs a node identity, even from files; the access log names it.
+        "node": {"id": node_id(cfg), "cluster": "gorgo"},
         "admin": {"address": socket_address(cfg.envoy.admin, "envoy.admin")},
         **(
             {"dynamic_resources": {"cds_config": file_config_source(xds_path(cfg, CDS_FILE))}}
@@ -362,10 +374,13 @@ def build_mesh_snippet(cfg: Config) -> dict[str, Any]:
     listener = full["static_resources"]["listeners"][0]
     hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
     vhost = hcm["route_config"]["virtual_hosts"][0]
+    filters = hcm["http_filters"][:-1]  # everything but the router filter
+    for f in filters:  # the mesh's Envoy has its own node id: its streams go unnamed
+        f["typed_config"].get("grpc_service", {}).pop("initial_metadata", None)
     return {
         "per_connection_buffer_limit_bytes": listener["per_connection_buffer_limit_bytes"],
         "early_header_mutation_extensions": hcm["early_header_mutation_extensions"],
-        "http_filters": hcm["http_filters"][:-1],  # everything but the router filter
+        "http_filters": filters,
         "access_log": hcm["access_log"],
         **({"tracing": hcm["tracing"]} if "tracing" in hcm else {}),
         "routes": vhost["routes"],

@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from ext_proc.common.names import (
     HEADER_BACKEND,
     HEADER_GATEWAY_ENDPOINT,
+    HEADER_PER_TRY_TIMEOUT,
     LB_METADATA_NAMESPACE,
 )
 from ext_proc.config.schema import Backend, Config
@@ -26,7 +27,7 @@ class ClusterHeaderEncoder:
         """`body`: the request's new body (its model rewritten), with its length."""
         return codec.continue_response(
             codec.REQUEST_BODY,
-            set_headers={HEADER_BACKEND: d.backend, **_length(body)},
+            set_headers={HEADER_BACKEND: d.backend, **_length(body), **_deadline(d)},
             clear_route_cache=True,
             body=body,
         )
@@ -52,7 +53,7 @@ class EndpointPickerEncoder:
         endpoint = ",".join(self.addresses[b] for b in ranked)
         return codec.continue_response(
             codec.REQUEST_BODY,
-            set_headers={HEADER_GATEWAY_ENDPOINT: endpoint, **_length(body)},
+            set_headers={HEADER_GATEWAY_ENDPOINT: endpoint, **_length(body), **_deadline(d)},
             dynamic_metadata={LB_METADATA_NAMESPACE: {HEADER_GATEWAY_ENDPOINT: endpoint}},
             body=body,
         )
@@ -61,6 +62,13 @@ class EndpointPickerEncoder:
 def _length(body: bytes | None) -> dict[str, str]:
     # A replaced body goes with its own length (the client's no longer holds).
     return {} if body is None else {"content-length": str(len(body))}
+
+
+def _deadline(d: Decision) -> dict[str, str]:
+    # The first-byte deadline, as Envoy's per-try timeout.
+    if d.first_byte_deadline_ms is None:
+        return {}
+    return {HEADER_PER_TRY_TIMEOUT: str(max(1, round(d.first_byte_deadline_ms)))}
 
 
 DecisionEncoder = ClusterHeaderEncoder | EndpointPickerEncoder

@@ -14,6 +14,7 @@ added at run time gets its tasks (`add`); a removed one's are cancelled (`cancel
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import statistics
 import time
@@ -37,6 +38,11 @@ log = logging.getLogger("gorgo.probe")
 COMPARE_PAIRS = 3
 SLOWER_FACTOR = 2.0
 SLOWER_MARGIN_MS = 10.0
+# A probe waits at most this many of the backend's RTTs (never less than the floor, never
+# more than probes.timeout_s): a link that swallows everything is caught in well under a
+# second instead of after the whole timeout, and a loaded router's slow loop is no failure.
+PROBE_TIMEOUT_RTTS = 5.0
+PROBE_TIMEOUT_FLOOR_S = 0.5
 # An engine's pool this close to its profile's is the profile's (the emulated engine
 # rounds it down to whole blocks): logged, not warned of.
 POOL_TOLERANCE = 0.01
@@ -84,6 +90,8 @@ class Prober:
         self._aux: aiohttp.ClientSession | None = None
         # Backends whose configured probe path was found to make the engine work.
         self.slow_paths: dict[str, str] = {}
+        # Set to probe a backend now rather than at its next interval (poke).
+        self._pokes: dict[str, asyncio.Event] = {}
 
     async def start(self) -> None:
         trace = aiohttp.TraceConfig()
@@ -114,9 +122,23 @@ class Prober:
             tasks.append(asyncio.create_task(self._models_loop(b, models_read)))
         self._tasks[b.id] = tasks
 
+    def poke(self, backend: str) -> None:
+        """Probe the backend now (a request there is late for its first byte)."""
+        event = self._pokes.get(backend)
+        if event is not None:
+            event.set()
+
+    def timeout_s(self, backend: str) -> float:
+        """How long a probe of the backend may take (PROBE_TIMEOUT_RTTS)."""
+        state = self.router.backends.get(backend)
+        rtt_s = state.rtt_ms / 1000 if state is not None else 0.0
+        limit_s = self.cfg.probes.timeout_s
+        return min(limit_s, max(PROBE_TIMEOUT_FLOOR_S, PROBE_TIMEOUT_RTTS * rtt_s))
+
     def cancel(self, backend: str) -> list[asyncio.Task[None]]:
         """Stop a backend's tasks: cancelled now, returned to be awaited."""
         tasks = self._tasks.pop(backend, [])
+        self._pokes.pop(backend, None)
         for t in tasks:
             t.cancel()
             self._stopping.add(t)  # a reference until it has ended
@@ -147,15 +169,13 @@ class Prober:
         """One probe: RTT in ms, or None if it failed. A sample that had to open a
         connection is not an RTT (it includes the handshake): it is retried at once."""
         assert self._session is not None
-        p = self.cfg.probes
         url = f"http://{b.address}{path or self.cfg.probe_path(b)}"
+        timeout = aiohttp.ClientTimeout(total=self.timeout_s(b.id))
         for _ in range(2):
             ctx: dict[str, bool] = {}
             start = time.perf_counter()
             try:
-                async with self._session.get(
-                    url, timeout=aiohttp.ClientTimeout(total=p.timeout_s), trace_request_ctx=ctx
-                ) as resp:
+                async with self._session.get(url, timeout=timeout, trace_request_ctx=ctx) as resp:
                     await resp.read()
                     if resp.status >= 500:
                         return None
@@ -169,7 +189,9 @@ class Prober:
         path = self.cfg.probe_path(b)
         reference = PROBE_PATH[b.engine]
         pairs: deque[tuple[float, float]] = deque(maxlen=COMPARE_PAIRS)
+        poked = self._pokes.setdefault(b.id, asyncio.Event())
         while True:
+            poked.clear()
             rtt_ms = await self.probe_once(b, path)
             if rtt_ms is not None and self._models_unread(b):
                 # an engine that was not up when the router started (or was added) answers:
@@ -192,7 +214,10 @@ class Prober:
                 if ref_ms is not None:
                     pairs.append((rtt_ms, ref_ms))
                     self._check_path(b, path, reference, pairs)
-            await asyncio.sleep(self.cfg.probes.interval_s)
+            if rtt_ms is None and not now_suspect:
+                continue  # one failure: ask again at once, to know sooner
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(poked.wait(), self.cfg.probes.interval_s)
 
     def _check_path(
         self, b: Backend, path: str, reference: str, pairs: deque[tuple[float, float]]

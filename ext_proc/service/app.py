@@ -37,8 +37,9 @@ from ext_proc.service.tuner_file import TunerStateFile
 
 log = logging.getLogger("gorgo")
 
-# How often lost completions are looked for; cheap (stops at the first young record).
-EXPIRE_INTERVAL_S = 5.0
+# How often requests are checked against their deadlines: a first byte missed makes its
+# backend suspect within this, a lost completion closes them.
+EXPIRE_INTERVAL_S = 0.5
 # Objects allocated between young-generation collections (Python's default: 700). Each
 # request allocates a few hundred; 20k keeps collections to about one per 50 requests.
 GC_GEN0_THRESHOLD = 20_000
@@ -94,9 +95,11 @@ class Running:
     reloader: ConfigReloader | None = None
 
 
-async def _expire_loop(router: Router) -> None:
+async def _expire_loop(router: Router, prober: Prober) -> None:
     while True:
         await asyncio.sleep(EXPIRE_INTERVAL_S)
+        for backend in router.late_backends():  # a late first byte: is the link still there?
+            prober.poke(backend)
         for c in router.expire():
             log.warning("request %s on %s: no completion seen, expired", c.request_id, c.backend)
 
@@ -196,7 +199,7 @@ async def running_service(
         if reloader is not None:
             reloader.start()
             stack.push_async_callback(reloader.stop)
-        expirer = asyncio.create_task(_expire_loop(router))
+        expirer = asyncio.create_task(_expire_loop(router, prober))
         stack.callback(expirer.cancel)
         # Start-up objects never die: keep them out of the collector's scans, and collect
         # the young generation less often, so GC pauses do not land on requests' tails.

@@ -11,7 +11,7 @@ import aiohttp
 import grpc
 from google.protobuf.duration_pb2 import Duration
 
-from ext_proc.common.names import ACCESS_LOG_SERVICE, EXT_PROC_SERVICE
+from ext_proc.common.names import ACCESS_LOG_SERVICE, EXT_PROC_SERVICE, METADATA_ENVOY_NODE
 from ext_proc.envoy.proto import envoy_wire_pb2 as pb
 from ext_proc.service.app import Running
 from tests.messages import body, headers
@@ -19,28 +19,57 @@ from tests.messages import body, headers
 CHAT = json.dumps({"messages": [{"role": "user", "content": "hello"}], "stream": True}).encode()
 
 
+# The Envoy node id the harness's access-log streams carry.
+NODE = "harness-envoy"
+
+
+def log_message(*entries: pb.HTTPAccessLogEntry, node: str = NODE) -> pb.StreamAccessLogsMessage:
+    msg = pb.StreamAccessLogsMessage()
+    msg.identifier.log_name = "gorgo"
+    msg.identifier.node.id = node
+    msg.http_logs.log_entry.extend(entries)
+    return msg
+
+
 @dataclass
 class Harness:
     svc: Running
     channel: grpc.aio.Channel
+    # An access-log stream held open for the harness's life, as a running Envoy holds one
+    # per worker: the short streams `access_log` opens end without the Envoy going away.
+    keeper: grpc.aio.StreamUnaryCall | None = None  # type: ignore[type-arg]
 
-    def process(self) -> grpc.aio.StreamStreamCall:  # type: ignore[type-arg]
+    def process(self, envoy: str = "") -> grpc.aio.StreamStreamCall:  # type: ignore[type-arg]
+        """An ext_proc stream; `envoy`: the node id its metadata names (as the generated
+        Envoy config's initial_metadata does)."""
         return self.channel.stream_stream(
             f"/{EXT_PROC_SERVICE}/Process",
             request_serializer=pb.ProcessingRequest.SerializeToString,
             response_deserializer=pb.ProcessingResponse.FromString,
-        )()
+        )(metadata=((METADATA_ENVOY_NODE, envoy),) if envoy else None)
 
-    async def access_log(self, *entries: pb.HTTPAccessLogEntry) -> None:
-        msg = pb.StreamAccessLogsMessage()
-        msg.identifier.log_name = "gorgo"
-        msg.http_logs.log_entry.extend(entries)
-        call = self.channel.stream_unary(
+    def log_stream(self) -> grpc.aio.StreamUnaryCall:  # type: ignore[type-arg]
+        return self.channel.stream_unary(
             f"/{ACCESS_LOG_SERVICE}/StreamAccessLogs",
             request_serializer=pb.StreamAccessLogsMessage.SerializeToString,
             response_deserializer=pb.StreamAccessLogsResponse.FromString,
-        )
-        await call(iter([msg]))
+        )()
+
+    async def access_log(self, *entries: pb.HTTPAccessLogEntry) -> None:
+        if self.keeper is None:
+            self.keeper = self.log_stream()
+            await self.keeper.write(log_message())
+        call = self.log_stream()
+        await call.write(log_message(*entries))
+        await call.done_writing()
+        await call
+
+    async def close(self) -> None:
+        """The harness's Envoy goes away: its access-log streams end."""
+        if self.keeper is not None:
+            await self.keeper.done_writing()
+            await self.keeper
+        await self.channel.close()
 
     async def state(self) -> dict:  # type: ignore[type-arg]
         url = f"http://127.0.0.1:{self.svc.admin_port}/state"
@@ -61,17 +90,20 @@ def log_entry(
     return e
 
 
-async def route(h: Harness, rid: str) -> str:
+async def route(h: Harness, rid: str, envoy: str = "") -> str:
     """The routing filter's stream: headers, then the body; returns the chosen backend."""
-    call = h.process()
+    call = h.process(envoy)
     await call.write(headers("/v1/chat/completions", rid))
     assert (await call.read()).WhichOneof("response") == "request_headers"
     await call.write(body(CHAT))
     r = await call.read()
     common = r.request_body.response
     assert common.clear_route_cache
-    (opt,) = common.header_mutation.set_headers
+    opt, deadline = common.header_mutation.set_headers
     assert opt.header.key == "x-gorgo-backend"
+    # the first-byte deadline: Envoy's per-try timeout, in ms
+    assert deadline.header.key == "x-envoy-upstream-rq-per-try-timeout-ms"
+    assert int(deadline.header.raw_value) >= 5000
     # routing done and the filter sends no response phases: the server closed the stream
     assert await call.read() == grpc.aio.EOF
     assert await call.code() == grpc.StatusCode.OK

@@ -14,7 +14,7 @@ from ext_proc.common.names import EXT_PROC_SERVICE
 from ext_proc.config.load import config_from_dict
 from ext_proc.envoy.proto import envoy_wire_pb2 as pb
 from ext_proc.service.app import running_service
-from tests.component.grpc_harness import CHAT, Harness, log_entry, route
+from tests.component.grpc_harness import CHAT, Harness, log_entry, log_message, route
 from tests.messages import body, headers
 
 pytestmark = pytest.mark.component
@@ -35,14 +35,16 @@ async def harness() -> AsyncIterator[Harness]:
     )
     async with running_service(cfg) as svc:
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{svc.grpc_port}")
-        yield Harness(svc, channel)
-        await channel.close()
-        # nothing leaked: every stream ended and nothing is left in flight
+        h = Harness(svc, channel)
+        yield h
+        # nothing leaked: every stream ended and nothing is left in flight (checked before
+        # the harness's Envoy goes away, which would close what is left as lost)
         await asyncio.sleep(0.05)
         assert svc.ext_proc.active_streams == 0
         assert not svc.router.in_flight
         for b in svc.router.backends.values():
             assert (b.in_flight, b.waiting_first_byte) == (0, 0)
+        await h.close()
 
 
 async def observe_first_chunk(h: Harness, rid: str) -> None:
@@ -104,7 +106,40 @@ async def test_cancel_before_first_byte_closes_the_loop(harness: Harness) -> Non
         if not harness.svc.router.in_flight:
             break
         await asyncio.sleep(0.01)
-    assert harness.svc.router.backends["us-ashburn"].errors == 1
+    ashburn = harness.svc.router.backends["us-ashburn"]
+    assert (ashburn.cancelled, ashburn.errors) == (1, 0)  # not the backend's failure
+
+
+async def test_the_requests_of_an_envoy_that_went_away_are_lost_at_once(
+    harness: Harness,
+) -> None:
+    """Each Envoy holds its access-log streams open while it runs; when the last one of an
+    Envoy ends (killed, restarted), nothing it carried will ever be reported."""
+    router = harness.svc.router
+    for rid, envoy in (("a1", "edge-a"), ("a2", "edge-a"), ("b1", "edge-b")):
+        await route(harness, rid, envoy)
+    streams = {}
+    for node in ("edge-a", "edge-a", "edge-b"):  # edge-a has two workers
+        call = harness.log_stream()
+        await call.write(log_message(node=node))
+        streams.setdefault(node, []).append(call)
+    await asyncio.sleep(0.05)
+    first, second = streams["edge-a"]
+    await first.done_writing()
+    await first
+    await asyncio.sleep(0.05)
+    assert set(router.in_flight) == {"a1", "a2", "b1"}  # edge-a still has a stream: alive
+    await second.done_writing()
+    await second
+    await asyncio.sleep(0.05)
+    assert set(router.in_flight) == {"b1"}  # edge-a is gone: its requests were lost
+    assert sum(b.lost for b in router.backends.values()) == 2
+    assert sum(b.errors for b in router.backends.values()) == 0  # not the backends' doing
+    (b_stream,) = streams["edge-b"]
+    await b_stream.done_writing()
+    await b_stream
+    await asyncio.sleep(0.05)
+    assert not router.in_flight
 
 
 async def test_a_client_gone_before_any_response_is_a_cancellation(harness: Harness) -> None:

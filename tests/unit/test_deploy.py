@@ -432,6 +432,9 @@ def test_mesh_snippet_is_cut_from_the_front_door() -> None:
     full = build_envoy_config(cfg)
     hcm = full["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
     hcm = hcm["typed_config"]
+    # the front door's filters name its Envoy; a mesh's Envoy has its own node id
+    routing = hcm["http_filters"][0]["typed_config"]["grpc_service"]  # shared by both
+    assert routing.pop("initial_metadata")[0]["key"] == "x-gorgo-envoy"
     assert snippet["http_filters"] == hcm["http_filters"][:-1]
     assert [f["name"] for f in snippet["http_filters"]] == [
         "envoy.filters.http.ext_proc",

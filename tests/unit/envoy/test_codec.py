@@ -1,15 +1,19 @@
 """Our minimal proto against envoy-data-plane's complete Envoy schema, both directions."""
 
-from envoy_data_plane.envoy.config.core.v3 import HeaderMap, HeaderValue
+import dataclasses
+
+from envoy_data_plane.envoy.config.core.v3 import HeaderMap, HeaderValue, Node
 from envoy_data_plane.envoy.data.accesslog.v3 import (
     AccessLogCommon,
     HttpAccessLogEntry,
     HttpRequestProperties,
     HttpResponseProperties,
+    ResponseFlags,
 )
 from envoy_data_plane.envoy.service.accesslog.v3 import (
     StreamAccessLogsMessage,
     StreamAccessLogsMessageHttpAccessLogEntries,
+    StreamAccessLogsMessageIdentifier,
 )
 from envoy_data_plane.envoy.service.ext_proc.v3 import (
     HttpBody,
@@ -113,6 +117,31 @@ def test_access_log_entries_decode() -> None:
         503,
     )
     assert e.e2e_ms == 1234.5
+    assert (e.flags, e.details) == (frozenset(), "")
+
+
+def test_response_flags_details_and_the_envoy_node_decode() -> None:
+    """Every boolean of Envoy's ResponseFlags reads as its short code; the stream's
+    identifier names the Envoy."""
+    booleans = [f.name for f in dataclasses.fields(ResponseFlags) if f.name in codec.FLAG_CODES]
+    assert len(booleans) == 27  # all but unauthorized_details (a message)
+    for name in booleans:
+        entry = HttpAccessLogEntry(
+            common_properties=AccessLogCommon(response_flags=ResponseFlags(**{name: True})),
+            response=HttpResponseProperties(
+                response_code=503,
+                response_code_details="upstream_reset_before_response_started{connection_failure}",
+            ),
+        )
+        msg = StreamAccessLogsMessage(
+            identifier=StreamAccessLogsMessageIdentifier(node=Node(id="edge-1"), log_name="g"),
+            http_logs=StreamAccessLogsMessageHttpAccessLogEntries(log_entry=[entry]),
+        )
+        ours = codec.StreamAccessLogsMessage.FromString(bytes(msg))
+        (e,) = codec.access_log_entries(ours)
+        assert e.flags == {codec.FLAG_CODES[name]}
+        assert e.details.startswith("upstream_reset_before_response_started")
+        assert codec.access_log_node(ours) == "edge-1"
 
 
 def test_request_id_attribute_from_the_observer_first_message() -> None:

@@ -40,7 +40,9 @@ def test_no_xds_dir_writes_nothing_and_keeps_static_clusters(
     write_xds(cfg)
     assert list(tmp_path.iterdir()) == []
     envoy = build_envoy_config(cfg)
-    assert "dynamic_resources" not in envoy and "node" not in envoy
+    assert "dynamic_resources" not in envoy
+    # a node id all the same: the access log names the Envoy whose requests it reports
+    assert envoy["node"]["id"] == "gorgo-front-door@127.0.0.1:10000"
     names = {c["name"] for c in envoy["static_resources"]["clusters"]}
     assert names == {"near", "mid", "far", "gorgo_fallback", "gorgo_ext_proc"}
 
