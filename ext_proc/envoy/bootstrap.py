@@ -98,6 +98,9 @@ def _ext_proc_filters(cfg: Config) -> list[dict[str, Any]]:
             # the routing header and the fallback route serves it.
             "failure_mode_allow": True,
             "message_timeout": f"{cfg.envoy.message_timeout_ms / 1000}s",
+            # The first-byte deadline is Envoy's per-try timeout header, an x-envoy-*
+            # header, which ext_proc may set only when allowed (silently dropped else).
+            "mutation_rules": {"allow_envoy": True},
             # endpoint_picker: accept the envoy.lb dynamic metadata override_host reads.
             **(
                 {"metadata_options": {"receiving_namespaces": {"untyped": [LB_METADATA_NAMESPACE]}}}

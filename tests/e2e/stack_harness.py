@@ -4,15 +4,18 @@ apart (1 / 60 / 120 ms)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import threading
 import time
 import urllib.request
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 
 from emulator.stack import Stack
-from loadgen.client import Result, send_chat
+from loadgen.client import Result, chat_body, send_chat
 from tests.e2e.conftest import FAST_REGIONS
 
 ASHBURN, FRANKFURT, SEOUL = (r.id for r in FAST_REGIONS)
@@ -58,3 +61,62 @@ def spread_regions(stack: Stack) -> None:
     stack.set_rtt_ms(1, 60)
     stack.set_rtt_ms(2, 120)
     wait_for(lambda: rtt(stack, FRANKFURT) > 40 and rtt(stack, SEOUL) > 80, timeout_s=10)
+
+
+@dataclass
+class Timed:
+    result: Result
+    start_s: float  # monotonic
+    end_s: float
+
+
+class ClosedLoop:
+    """`clients` closed-loop streaming clients in a thread of their own until the `with`
+    block ends; each request's result with when it was sent and when it ended."""
+
+    def __init__(self, url: str, clients: int, output_tokens: int, timeout_s: float = 30) -> None:
+        self.url = url
+        self.clients = clients
+        self.output_tokens = output_tokens
+        self.timeout_s = timeout_s
+        self.done: list[Timed] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._run()))
+
+    async def _run(self) -> None:
+        connector = aiohttp.TCPConnector(limit=self.clients)
+        async with aiohttp.ClientSession(connector=connector) as session:
+
+            async def client(i: int) -> None:
+                n = 0
+                while not self._stop.is_set():
+                    start_s = time.monotonic()
+                    body = chat_body(f"client {i} turn {n} " * 20, self.output_tokens)
+                    r = await send_chat(session, self.url, body, f"c{i}-{n}", None, self.timeout_s)
+                    self.done.append(Timed(r, start_s, time.monotonic()))
+                    n += 1
+
+            await asyncio.gather(*(client(i) for i in range(self.clients)))
+
+    def __enter__(self) -> ClosedLoop:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=60)
+
+    def failed(self) -> list[Timed]:
+        return [d for d in self.done if not d.result.ok]
+
+
+def decisions_by_backend(stack: Stack) -> dict[str, float]:
+    """The router's gorgo_decisions_total, summed per backend."""
+    with urllib.request.urlopen(f"{stack.admin_url}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("gorgo_decisions_total{"):
+            backend = line.split('backend="', 1)[1].split('"', 1)[0]
+            out[backend] = out.get(backend, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
