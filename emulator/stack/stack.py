@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
+import shutil
 import signal
 import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -51,13 +54,17 @@ class Stack(SupervisedChildren):
 
     def __init__(self, settings: StackSettings) -> None:
         self.settings = settings
-        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        # A temporary work directory (None: the settings'), its logs kept once stopped.
+        self._tmp: Path | None = None
         if settings.workdir is None:
-            self._tmp = tempfile.TemporaryDirectory(prefix="gorgo-up-")
-            super().__init__(Path(self._tmp.name))
+            self._tmp = Path(tempfile.mkdtemp(prefix="gorgo-up-"))
+            super().__init__(self._tmp)
         else:
             super().__init__(settings.workdir)
             self.workdir.mkdir(parents=True, exist_ok=True)
+        # Every router's admin token (GORGO_ADMIN_TOKEN): without one, a web page could
+        # post to the admin port (docs/reliability.md, Security).
+        self.admin_token = settings.admin_token or secrets.token_urlsafe(24)
         # Envoy takes the backend clusters from files the router rewrites (envoy.xds_dir),
         # so backends can be added, drained and removed while the stack runs.
         config = settings.gorgo_config()
@@ -97,6 +104,14 @@ class Stack(SupervisedChildren):
         return f"http://127.0.0.1:{self.settings.ports.envoy_admin}"
 
     @property
+    def admin_headers(self) -> dict[str, str]:
+        """What a call that changes a router's state sends (POST /tuner, /backends...)."""
+        return {
+            "Authorization": f"Bearer {self.admin_token}",
+            "Content-Type": "application/json",
+        }
+
+    @property
     def kv_ports(self) -> list[int]:
         """Where each region's engine publishes its KV events (it binds tcp://*:PORT)."""
         return [self.settings.kv_event_ports(i)[0] for i in range(len(self.settings.regions))]
@@ -127,7 +142,8 @@ class Stack(SupervisedChildren):
         return (
             f"gorgo up: ready. front door {self.front_door_url} | envoy admin "
             f"{self.envoy_admin_url} | ext_proc gRPC 127.0.0.1:{p.grpc} | gorgo admin "
-            f"{self.admin_url}/state | backends: {fleet}"
+            f"{self.admin_url}/state (changes: Authorization: Bearer {self.admin_token}) | "
+            f"backends: {fleet}"
             + "".join(
                 f" | front door {d.region} {d.url} (admin {d.admin_url}/state)" for d in self.doors
             )
@@ -220,15 +236,21 @@ class Stack(SupervisedChildren):
         wait_port(port, time.monotonic() + 10)
 
     def start_router(self) -> None:
-        cfg_path = self.workdir / "gorgo.yaml"
-        argv = gorgo_argv("serve", "--config", str(cfg_path), *self.settings.serve_args)
-        self._spawn("gorgo-serve", argv)
+        self.spawn_router("gorgo-serve", self.workdir / "gorgo.yaml", self.settings.serve_args)
         for cfg in self.extra_routers:
             name = cfg.fleet.router_id
             path = self.workdir / f"{name}-gorgo.yaml"
             write_atomic(path, config_yaml(cfg))
-            argv = gorgo_argv("serve", "--config", str(path), *self.settings.serve_args)
-            self._spawn(f"{name}-gorgo-serve", argv)
+            self.spawn_router(f"{name}-gorgo-serve", path, self.settings.serve_args)
+
+    def spawn_router(self, name: str, config: Path, args: Sequence[str] = ()) -> None:
+        """A `gorgo serve` child on `config`, with the stack's admin token and a last good
+        config of its own beside its log (a restart with a broken file starts from it)."""
+        last_good = self.workdir / f"{name}.last-good.yaml"
+        argv = gorgo_argv(
+            "serve", "--config", str(config), "--last-good-config", str(last_good), *args
+        )
+        self._spawn(name, argv, {"GORGO_ADMIN_TOKEN": self.admin_token})
 
     def start_envoy(self, name: str = "envoy", config_text: str | None = None) -> None:
         """Start an Envoy; the front door by default, or another config (benchmarks)."""
@@ -329,7 +351,12 @@ class Stack(SupervisedChildren):
     def stop(self) -> None:
         super().stop()
         if self._tmp is not None:
-            self._tmp.cleanup()
+            if self.settings.keep_logs:  # the logs and configs; not xDS files, caches
+                for entry in self._tmp.iterdir():
+                    if entry.is_dir():
+                        shutil.rmtree(entry, ignore_errors=True)
+            else:
+                shutil.rmtree(self._tmp, ignore_errors=True)
             self._tmp = None
 
     def __enter__(self) -> Stack:
@@ -343,7 +370,7 @@ class Stack(SupervisedChildren):
 def run_until_signalled(settings: StackSettings) -> int:
     """`gorgo up`: start (any child failing to start fails it), print the ready line,
     restart children that die (Stack.tend), stop everything on SIGINT or SIGTERM or on a
-    crash loop (exit 1)."""
+    crash loop of a child other than a router (exit 1); say where the logs are kept."""
     stack = Stack(settings)
     stopping = False
 
@@ -351,12 +378,17 @@ def run_until_signalled(settings: StackSettings) -> int:
         nonlocal stopping
         stopping = True
 
+    def logs_kept() -> None:
+        if settings.keep_logs or settings.workdir is not None:
+            print(f"gorgo up: the logs are kept in {stack.workdir}", file=sys.stderr, flush=True)
+
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     try:
         stack.start()
     except StackError as e:
         print(f"gorgo up: {e}", file=sys.stderr)
+        logs_kept()
         return 1
     stack.supervised = True
     print(stack.ready_line(), flush=True)
@@ -373,4 +405,5 @@ def run_until_signalled(settings: StackSettings) -> int:
     finally:
         print("gorgo up: stopping", file=sys.stderr, flush=True)
         stack.stop()
+        logs_kept()
     return 0
