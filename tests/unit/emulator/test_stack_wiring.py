@@ -7,6 +7,7 @@ logs a stopped stack keeps. Nothing binds or starts (the KV ports are given)."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -253,3 +254,37 @@ def test_a_stopped_stack_keeps_its_logs_unless_told(keep: bool) -> None:
         assert not (workdir / "xds").exists()
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+@pytest.mark.parametrize("fails", ["at start", "in a crash loop"])
+def test_gorgo_up_says_where_the_logs_are_kept_when_it_stops(
+    fails: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import signal
+
+    from emulator.stack import StackError
+    from emulator.stack import stack as stack_module
+
+    def start(self: Stack) -> None:
+        (self.workdir / "envoy.log").write_text("envoy: bad\n")
+        if fails == "at start":
+            raise StackError("envoy exited with code 1")
+
+    def tend(self: Stack) -> None:
+        raise StackError("wan-ap-seoul exited (code 1) after 5 restarts within 60 s")
+
+    monkeypatch.setattr(stack_module.Stack, "start", start)
+    monkeypatch.setattr(stack_module.Stack, "tend", tend)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        rc = stack_module.run_until_signalled(StackSettings(ports=StackPorts.ephemeral(3)))
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+    err = capsys.readouterr().err
+    kept = re.search(r"gorgo up: the logs are kept in (\S+)", err)
+    assert rc == 1 and kept, err
+    try:
+        assert (Path(kept.group(1)) / "envoy.log").read_text() == "envoy: bad\n"
+    finally:
+        shutil.rmtree(kept.group(1), ignore_errors=True)
