@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import shutil
 import signal
 import sys
 import tempfile
@@ -27,9 +26,10 @@ from emulator.stack.processes import (
     StackError,
     engine_argv,
     envoy_argv,
-    gorgo_argv,
     lora_flags,
     nats_argv,
+    serve_argv,
+    tidy_workdir,
     wan_argv,
 )
 from emulator.stack.settings import Region, StackSettings, config_yaml
@@ -45,6 +45,21 @@ from ext_proc.envoy.xds import write_xds
 VLLM_START_S = 240.0
 
 
+def check_ports(settings: StackSettings) -> None:
+    """StackError naming every port of the stack something already listens on."""
+    taken = [
+        f"{name} port {port}"
+        for name, port in settings.ports.all(len(settings.regions))
+        if port_taken(port)
+    ]
+    if taken:
+        raise StackError(
+            "cannot start the stack, ports already in use: "
+            + ", ".join(taken)
+            + " (another `gorgo up` running? stop it, or free the ports)"
+        )
+
+
 class Stack(SupervisedChildren):
     """Starts and stops the local stack's child processes. Use as a context manager.
 
@@ -54,16 +69,11 @@ class Stack(SupervisedChildren):
 
     def __init__(self, settings: StackSettings) -> None:
         self.settings = settings
-        # A temporary work directory (None: the settings'), its logs kept once stopped.
-        self._tmp: Path | None = None
-        if settings.workdir is None:
-            self._tmp = Path(tempfile.mkdtemp(prefix="gorgo-up-"))
-            super().__init__(self._tmp)
-        else:
-            super().__init__(settings.workdir)
-            self.workdir.mkdir(parents=True, exist_ok=True)
-        # Every router's admin token (GORGO_ADMIN_TOKEN): without one, a web page could
-        # post to the admin port (docs/reliability.md, Security).
+        workdir = settings.workdir or Path(tempfile.mkdtemp(prefix="gorgo-up-"))
+        self._tmp = None if settings.workdir else workdir  # tidied by stop(), logs kept
+        super().__init__(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        # Every router's (docs/reliability.md, Security: no web page may post to them).
         self.admin_token = settings.admin_token or secrets.token_urlsafe(24)
         # Envoy takes the backend clusters from files the router rewrites (envoy.xds_dir),
         # so backends can be added, drained and removed while the stack runs.
@@ -106,10 +116,7 @@ class Stack(SupervisedChildren):
     @property
     def admin_headers(self) -> dict[str, str]:
         """What a call that changes a router's state sends (POST /tuner, /backends...)."""
-        return {
-            "Authorization": f"Bearer {self.admin_token}",
-            "Content-Type": "application/json",
-        }
+        return {"Authorization": f"Bearer {self.admin_token}", "Content-Type": "application/json"}
 
     @property
     def kv_ports(self) -> list[int]:
@@ -157,19 +164,6 @@ class Stack(SupervisedChildren):
         )
 
     # -- lifecycle ----------------------------------------------------------------------
-
-    def check_ports(self) -> None:
-        taken = [
-            f"{name} port {port}"
-            for name, port in self.settings.ports.all(len(self.settings.regions))
-            if port_taken(port)
-        ]
-        if taken:
-            raise StackError(
-                "cannot start the stack, ports already in use: "
-                + ", ".join(taken)
-                + " (another `gorgo up` running? stop it, or free the ports)"
-            )
 
     def start_engine(self, i: int) -> None:
         if self.settings.real_engine:
@@ -244,12 +238,8 @@ class Stack(SupervisedChildren):
             self.spawn_router(f"{name}-gorgo-serve", path, self.settings.serve_args)
 
     def spawn_router(self, name: str, config: Path, args: Sequence[str] = ()) -> None:
-        """A `gorgo serve` child on `config`, with the stack's admin token and a last good
-        config of its own beside its log (a restart with a broken file starts from it)."""
-        last_good = self.workdir / f"{name}.last-good.yaml"
-        argv = gorgo_argv(
-            "serve", "--config", str(config), "--last-good-config", str(last_good), *args
-        )
+        """A `gorgo serve` child with the stack's admin token and a last good config."""
+        argv = serve_argv(config, self.workdir / f"{name}.last-good.yaml", args)
         self._spawn(name, argv, {"GORGO_ADMIN_TOKEN": self.admin_token})
 
     def start_envoy(self, name: str = "envoy", config_text: str | None = None) -> None:
@@ -269,7 +259,7 @@ class Stack(SupervisedChildren):
             timeout_s = max(timeout_s, VLLM_START_S)
         elif self.settings.engine_tokenizer == TINY:
             tiny_tokenizer_dir()  # built once here (~4 s), not by every engine at once
-        self.check_ports()
+        check_ports(self.settings)
         self.write_configs()
         try:
             if self.settings.nats_url:
@@ -351,12 +341,7 @@ class Stack(SupervisedChildren):
     def stop(self) -> None:
         super().stop()
         if self._tmp is not None:
-            if self.settings.keep_logs:  # the logs and configs; not xDS files, caches
-                for entry in self._tmp.iterdir():
-                    if entry.is_dir():
-                        shutil.rmtree(entry, ignore_errors=True)
-            else:
-                shutil.rmtree(self._tmp, ignore_errors=True)
+            tidy_workdir(self._tmp, self.settings.keep_logs)
             self._tmp = None
 
     def __enter__(self) -> Stack:
