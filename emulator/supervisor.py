@@ -5,7 +5,9 @@ emulator/stack/supervision.py (SupervisedChildren.tend) applies its decisions to
 A child that exits is restarted after a backoff that doubles with each exit in a row
 (0.5, 1, 2, 4, 8 s with the defaults); one that then runs `healthy_after_s` without
 exiting starts the next backoff afresh. More than `max_restarts` restarts of one child
-within `window_s` is a crash loop: the supervisor gives up on it.
+within `window_s` is a crash loop: the supervisor gives up on it, except on a router
+(`persistent_suffixes`), which it keeps restarting every `backoff_max_s`: Envoy fails open
+while it is down, so the front door serves on until its config is fixed.
 """
 
 from __future__ import annotations
@@ -31,6 +33,14 @@ class RestartPolicy:
     # real vLLM in ~30 s, which then counts its exits as a streak, still bounded by the
     # crash-loop rule): its next exit waits backoff_s again.
     healthy_after_s: float = 10.0
+    # Children whose name ends so are never given up on: past the crash-loop rule they are
+    # restarted every backoff_max_s. The routers: while one is down Envoy fails open (the
+    # fallback route), so the front door serves on, and giving up would stop the whole
+    # stack, front door and engines, for a config file someone is about to fix.
+    persistent_suffixes: tuple[str, ...] = ("gorgo-serve",)
+
+    def persistent(self, name: str) -> bool:
+        return name.endswith(self.persistent_suffixes) if self.persistent_suffixes else False
 
     def __post_init__(self) -> None:
         if not 0 < self.backoff_s <= self.backoff_max_s:
@@ -41,12 +51,16 @@ class RestartPolicy:
 
 @dataclass(frozen=True)
 class Restart:
-    """Restart `name` at `at_s`: its `attempt`-th restart in a row, after `delay_s`."""
+    """Restart `name` at `at_s`: its `attempt`-th restart in a row, after `delay_s`.
+    `crash_loop`: past the crash-loop rule (a child never given up on); `loop_began`: the
+    first such restart of this streak (the one to tell the operator about)."""
 
     name: str
     attempt: int
     delay_s: float
     at_s: float
+    crash_loop: bool = False
+    loop_began: bool = False
 
 
 @dataclass(frozen=True)
@@ -63,6 +77,7 @@ class _Child:
     started_s: float
     streak: int = 0  # exits in a row, each within healthy_after_s of its start
     restarts_s: deque[float] = field(default_factory=deque)  # when restarts were scheduled
+    looping: bool = False  # in a crash loop it is kept restarted through (told once)
 
 
 class Supervisor:
@@ -89,15 +104,21 @@ class Supervisor:
         child = self._children.setdefault(name, _Child(started_s=now_s))
         if now_s - child.started_s >= p.healthy_after_s:
             child.streak = 0
+            child.looping = False
         while child.restarts_s and child.restarts_s[0] <= now_s - p.window_s:
             child.restarts_s.popleft()
-        if len(child.restarts_s) >= p.max_restarts:
+        crash_loop = len(child.restarts_s) >= p.max_restarts
+        if crash_loop and not p.persistent(name):
             self._pending.pop(name, None)
             return GiveUp(name, len(child.restarts_s), p.window_s)
         child.streak += 1
         delay_s = min(p.backoff_s * 2 ** (child.streak - 1), p.backoff_max_s)
+        loop_began = crash_loop and not child.looping
+        if crash_loop:
+            delay_s = p.backoff_max_s
+            child.looping = True
         child.restarts_s.append(now_s)
-        restart = Restart(name, child.streak, delay_s, now_s + delay_s)
+        restart = Restart(name, child.streak, delay_s, now_s + delay_s, crash_loop, loop_began)
         self._pending[name] = restart
         return restart
 
@@ -109,6 +130,21 @@ class Supervisor:
         """The scheduled restarts whose time has come (the caller restarts them and calls
         started())."""
         return sorted((r for r in self._pending.values() if r.at_s <= now_s), key=lambda r: r.at_s)
+
+    def recovered(self, now_s: float) -> list[str]:
+        """Children kept restarted through a crash loop that have now run healthy_after_s
+        since their last start: out of it (each reported once)."""
+        out = []
+        for name, child in self._children.items():
+            running_s = now_s - child.started_s
+            if (
+                child.looping
+                and name not in self._pending
+                and running_s >= self.policy.healthy_after_s
+            ):
+                child.looping = False
+                out.append(name)
+        return out
 
     def forget(self, name: str) -> None:
         """`name` was stopped on purpose: no restart, no history."""

@@ -4,6 +4,7 @@ links), its flags and how they become StackSettings."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -51,6 +52,7 @@ def _up(args: argparse.Namespace) -> int:
             engine_profiles=fleet.profiles,
             engine_models=fleet.models,
             engine_loras=fleet.loras,
+            admin_token=args.admin_token,
         )
     )
 
@@ -120,5 +122,12 @@ def add_up_command(sub: Any, policies: Sequence[str]) -> None:
         help="each region's emulated engine profile (docs/engine-model.md), served model "
         "name and LoRA adapters (docs/engines.md); the router keeps the shipped profile and "
         "must learn them",
+    )
+    s.add_argument(
+        "--admin-token",
+        default=os.environ.get("GORGO_ADMIN_TOKEN", ""),
+        metavar="TOKEN",
+        help="the routers' admin token, for calls that change their state (Authorization: "
+        "Bearer TOKEN); default GORGO_ADMIN_TOKEN, else a random one, printed in the ready line",
     )
     s.set_defaults(func=_up)

@@ -29,9 +29,10 @@ log = logging.getLogger("gorgo.cli")
 def _serve(args: argparse.Namespace) -> int:
     # Imported here so `gorgo envoy-config` and the harness's commands start fast.
     from ext_proc.service.app import running_service
+    from ext_proc.service.last_good import FILE, load_starting_config
 
-    try:
-        cfg = load_config(args.config)
+    try:  # the file, else (it does not load) the last good config
+        cfg, text, source = load_starting_config(args.config, args.last_good_config)
     except ConfigError as e:
         print(f"gorgo serve: {e}", file=sys.stderr)
         return 2
@@ -41,16 +42,19 @@ def _serve(args: argparse.Namespace) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        async with running_service(cfg, config_path=args.config) as svc:
+        async with running_service(cfg, config_path=args.config, source=source) as svc:
             reloader = svc.reloader
             assert reloader is not None
+            if source.source == FILE:
+                source.running(text)  # started: this is the last good config now
             # SIGHUP reloads the config file (so does a change to it, within a second).
             loop.add_signal_handler(signal.SIGHUP, reloader.request)
             print(
                 f"gorgo serve: ready. ext_proc gRPC on {cfg.listen.grpc.rpartition(':')[0]}:"
                 f"{svc.grpc_port}, admin http://{cfg.listen.admin.rpartition(':')[0]}:"
                 f"{svc.admin_port}/state, policy {cfg.policy}, "
-                f"backends {', '.join(cfg.backend_ids)}",
+                f"backends {', '.join(cfg.backend_ids)}"
+                + (f" (from the last good config {source.last_good})" if source.error else ""),
                 flush=True,
             )
             await stop.wait()
@@ -135,6 +139,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="profile the whole run (cProfile; slows it) and write the stats to FILE on "
         "exit, for python -m pstats FILE or gorgo bench path",
+    )
+    s.add_argument(
+        "--last-good-config",
+        metavar="PATH",
+        help="keep a copy of the running config here (written after the start and each "
+        "accepted reload); a --config that does not load at start then starts from it, "
+        "with the error on /state (config.source last-good) and the file reloaded once "
+        "fixed. gorgo up passes one in its work directory",
     )
     s.set_defaults(func=_serve)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from emulator.stack.ports import free_ports
-from emulator.stack.processes import gorgo_argv, wan_argv
+from emulator.stack.processes import wan_argv
 from emulator.stack.settings import config_yaml
 from emulator.wan import region_rtt_ms
 from ext_proc.common.files import write_atomic
@@ -65,6 +65,6 @@ class FrontDoor:
             stack._spawn(f"{name}-wan-{r.id}", wan_argv(link, target, ["--rtt-ms", str(rtt_ms)]))
         cfg_path = stack.workdir / f"{name}-gorgo.yaml"
         write_atomic(cfg_path, config_yaml(self.config))
-        stack._spawn(f"{name}-gorgo-serve", gorgo_argv("serve", "--config", str(cfg_path)))
+        stack.spawn_router(f"{name}-gorgo-serve", cfg_path)
         write_xds(self.config)
         stack.start_envoy(f"{name}-envoy", render_envoy_config(self.config))

@@ -59,6 +59,12 @@ def gorgo_argv(*args: str) -> list[str]:
     return [sys.executable, "-m", "ext_proc.cli", *args]
 
 
+def serve_argv(config: Path, last_good: Path, args: Sequence[str] = ()) -> list[str]:
+    """A router on `config`, keeping a copy of the config it runs in `last_good` (a restart
+    with a broken `config` starts from it: ext_proc/service/last_good.py)."""
+    return gorgo_argv("serve", "--config", str(config), "--last-good-config", str(last_good), *args)
+
+
 def engine_argv(settings: StackSettings, i: int, name: str, port: int, seed: int) -> list[str]:
     """An emulated engine; `i` is the region whose KV event ports it publishes on."""
     return gorgo_argv(
@@ -174,6 +180,17 @@ def terminate(procs: Sequence[subprocess.Popen[bytes]], timeout_s: float) -> Non
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def tidy_workdir(path: Path, keep_logs: bool) -> None:
+    """A stopped stack's temporary work directory: its logs and the configs written kept
+    (its subdirectories, xDS files and caches, removed), or all of it removed."""
+    if not keep_logs:
+        shutil.rmtree(path, ignore_errors=True)
+        return
+    for entry in path.iterdir():
+        if entry.is_dir():
+            shutil.rmtree(entry, ignore_errors=True)
 
 
 class Children:

@@ -153,6 +153,13 @@ class StackSettings:
     seed: int = 0
     # More `gorgo serve` flags for the stack's router (e.g. --profile FILE).
     serve_args: Sequence[str] = ()
+    # The routers' admin token (GORGO_ADMIN_TOKEN in their environment): "" = a random one
+    # per stack (Stack.admin_token, printed in the ready line), so that no web page in the
+    # operator's browser can change a router's state (docs/reliability.md, Security).
+    admin_token: str = ""
+    # Keep the logs (and the configs written) in the temporary work directory when the
+    # stack stops, and say where; False removes it (tests that start many stacks).
+    keep_logs: bool = True
 
     def engine_profile_of(self, region: str) -> str | None:
         """The profile region's emulated engine runs (None: the engine's default)."""

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -24,9 +26,10 @@ from emulator.stack.processes import (
     StackError,
     engine_argv,
     envoy_argv,
-    gorgo_argv,
     lora_flags,
     nats_argv,
+    serve_argv,
+    tidy_workdir,
     wan_argv,
 )
 from emulator.stack.settings import Region, StackSettings, config_yaml
@@ -42,6 +45,21 @@ from ext_proc.envoy.xds import write_xds
 VLLM_START_S = 240.0
 
 
+def check_ports(settings: StackSettings) -> None:
+    """StackError naming every port of the stack something already listens on."""
+    taken = [
+        f"{name} port {port}"
+        for name, port in settings.ports.all(len(settings.regions))
+        if port_taken(port)
+    ]
+    if taken:
+        raise StackError(
+            "cannot start the stack, ports already in use: "
+            + ", ".join(taken)
+            + " (another `gorgo up` running? stop it, or free the ports)"
+        )
+
+
 class Stack(SupervisedChildren):
     """Starts and stops the local stack's child processes. Use as a context manager.
 
@@ -51,13 +69,12 @@ class Stack(SupervisedChildren):
 
     def __init__(self, settings: StackSettings) -> None:
         self.settings = settings
-        self._tmp: tempfile.TemporaryDirectory[str] | None = None
-        if settings.workdir is None:
-            self._tmp = tempfile.TemporaryDirectory(prefix="gorgo-up-")
-            super().__init__(Path(self._tmp.name))
-        else:
-            super().__init__(settings.workdir)
-            self.workdir.mkdir(parents=True, exist_ok=True)
+        workdir = settings.workdir or Path(tempfile.mkdtemp(prefix="gorgo-up-"))
+        self._tmp = None if settings.workdir else workdir  # tidied by stop(), logs kept
+        super().__init__(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        # Every router's (docs/reliability.md, Security: no web page may post to them).
+        self.admin_token = settings.admin_token or secrets.token_urlsafe(24)
         # Envoy takes the backend clusters from files the router rewrites (envoy.xds_dir),
         # so backends can be added, drained and removed while the stack runs.
         config = settings.gorgo_config()
@@ -97,6 +114,11 @@ class Stack(SupervisedChildren):
         return f"http://127.0.0.1:{self.settings.ports.envoy_admin}"
 
     @property
+    def admin_headers(self) -> dict[str, str]:
+        """What a call that changes a router's state sends (POST /tuner, /backends...)."""
+        return {"Authorization": f"Bearer {self.admin_token}", "Content-Type": "application/json"}
+
+    @property
     def kv_ports(self) -> list[int]:
         """Where each region's engine publishes its KV events (it binds tcp://*:PORT)."""
         return [self.settings.kv_event_ports(i)[0] for i in range(len(self.settings.regions))]
@@ -127,7 +149,8 @@ class Stack(SupervisedChildren):
         return (
             f"gorgo up: ready. front door {self.front_door_url} | envoy admin "
             f"{self.envoy_admin_url} | ext_proc gRPC 127.0.0.1:{p.grpc} | gorgo admin "
-            f"{self.admin_url}/state | backends: {fleet}"
+            f"{self.admin_url}/state (changes: Authorization: Bearer {self.admin_token}) | "
+            f"backends: {fleet}"
             + "".join(
                 f" | front door {d.region} {d.url} (admin {d.admin_url}/state)" for d in self.doors
             )
@@ -141,19 +164,6 @@ class Stack(SupervisedChildren):
         )
 
     # -- lifecycle ----------------------------------------------------------------------
-
-    def check_ports(self) -> None:
-        taken = [
-            f"{name} port {port}"
-            for name, port in self.settings.ports.all(len(self.settings.regions))
-            if port_taken(port)
-        ]
-        if taken:
-            raise StackError(
-                "cannot start the stack, ports already in use: "
-                + ", ".join(taken)
-                + " (another `gorgo up` running? stop it, or free the ports)"
-            )
 
     def start_engine(self, i: int) -> None:
         if self.settings.real_engine:
@@ -220,15 +230,17 @@ class Stack(SupervisedChildren):
         wait_port(port, time.monotonic() + 10)
 
     def start_router(self) -> None:
-        cfg_path = self.workdir / "gorgo.yaml"
-        argv = gorgo_argv("serve", "--config", str(cfg_path), *self.settings.serve_args)
-        self._spawn("gorgo-serve", argv)
+        self.spawn_router("gorgo-serve", self.workdir / "gorgo.yaml", self.settings.serve_args)
         for cfg in self.extra_routers:
             name = cfg.fleet.router_id
             path = self.workdir / f"{name}-gorgo.yaml"
             write_atomic(path, config_yaml(cfg))
-            argv = gorgo_argv("serve", "--config", str(path), *self.settings.serve_args)
-            self._spawn(f"{name}-gorgo-serve", argv)
+            self.spawn_router(f"{name}-gorgo-serve", path, self.settings.serve_args)
+
+    def spawn_router(self, name: str, config: Path, args: Sequence[str] = ()) -> None:
+        """A `gorgo serve` child with the stack's admin token and a last good config."""
+        argv = serve_argv(config, self.workdir / f"{name}.last-good.yaml", args)
+        self._spawn(name, argv, {"GORGO_ADMIN_TOKEN": self.admin_token})
 
     def start_envoy(self, name: str = "envoy", config_text: str | None = None) -> None:
         """Start an Envoy; the front door by default, or another config (benchmarks)."""
@@ -247,7 +259,7 @@ class Stack(SupervisedChildren):
             timeout_s = max(timeout_s, VLLM_START_S)
         elif self.settings.engine_tokenizer == TINY:
             tiny_tokenizer_dir()  # built once here (~4 s), not by every engine at once
-        self.check_ports()
+        check_ports(self.settings)
         self.write_configs()
         try:
             if self.settings.nats_url:
@@ -329,7 +341,7 @@ class Stack(SupervisedChildren):
     def stop(self) -> None:
         super().stop()
         if self._tmp is not None:
-            self._tmp.cleanup()
+            tidy_workdir(self._tmp, self.settings.keep_logs)
             self._tmp = None
 
     def __enter__(self) -> Stack:
@@ -343,7 +355,7 @@ class Stack(SupervisedChildren):
 def run_until_signalled(settings: StackSettings) -> int:
     """`gorgo up`: start (any child failing to start fails it), print the ready line,
     restart children that die (Stack.tend), stop everything on SIGINT or SIGTERM or on a
-    crash loop (exit 1)."""
+    crash loop of a child other than a router (exit 1); say where the logs are kept."""
     stack = Stack(settings)
     stopping = False
 
@@ -351,12 +363,17 @@ def run_until_signalled(settings: StackSettings) -> int:
         nonlocal stopping
         stopping = True
 
+    def logs_kept() -> None:
+        if settings.keep_logs or settings.workdir is not None:
+            print(f"gorgo up: the logs are kept in {stack.workdir}", file=sys.stderr, flush=True)
+
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     try:
         stack.start()
     except StackError as e:
         print(f"gorgo up: {e}", file=sys.stderr)
+        logs_kept()
         return 1
     stack.supervised = True
     print(stack.ready_line(), flush=True)
@@ -373,4 +390,5 @@ def run_until_signalled(settings: StackSettings) -> int:
     finally:
         print("gorgo up: stopping", file=sys.stderr, flush=True)
         stack.stop()
+        logs_kept()
     return 0

@@ -132,8 +132,9 @@ class SupervisedChildren(Children):
         return (
             f"a child that exits is restarted after {p.backoff_s:g} s, doubling to "
             f"{p.backoff_max_s:g} s; more than {p.max_restarts} restarts of one child in "
-            f"{p.window_s:g} s are a crash loop, which stops the stack; routers restart from "
-            "a warm spare"
+            f"{p.window_s:g} s are a crash loop, which stops the stack, except for a router: "
+            f"it is restarted every {p.backoff_max_s:g} s while Envoy fails open; routers "
+            "restart from a warm spare"
         )
 
     def tend(self) -> None:
@@ -155,6 +156,15 @@ class SupervisedChildren(Children):
                         f"{decision.window_s:g} s: a crash loop, not restarting it. The last "
                         f"lines of {self.workdir / f'{name}.log'}:\n{self.log_tail(name)}"
                     )
+                if decision.loop_began:
+                    p = self.supervisor.policy
+                    _say(
+                        f"{name} exited ({how}) after {p.max_restarts} restarts within "
+                        f"{p.window_s:g} s: a crash loop. A router is never given up on: it "
+                        f"is restarted every {decision.delay_s:g} s until it starts (fix "
+                        "what its log says), while Envoy fails open and the engines stay up. "
+                        f"The last lines of {self.workdir / f'{name}.log'}:\n{self.log_tail(name)}"
+                    )
                 _say(f"{name} exited ({how}); restart {decision.attempt} in {decision.delay_s:g} s")
             for due in self.supervisor.due(time.monotonic()):
                 if due.name not in self.procs:
@@ -168,6 +178,8 @@ class SupervisedChildren(Children):
                 self.restarts.append(ChildRestart(due.name, due.attempt, pid, time.monotonic()))
                 how = " from its warm spare" if warm else ""
                 _say(f"{due.name} restarted{how} (restart {due.attempt}, pid {pid})")
+            for name in self.supervisor.recovered(time.monotonic()):
+                _say(f"{name} is out of its crash loop: it has run since its last restart")
             self._keep_spares()
 
     def _stop_supervising(self) -> None:

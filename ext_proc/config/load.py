@@ -27,6 +27,9 @@ from ext_proc.prompt.engine_tokens import load_engine_tokenizer
 # What a backend id may be: it names an Envoy cluster and a routing header's value.
 _BACKEND_ID = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
 
+# An admin_hosts entry: a name or IP as a Host header writes it, with or without a port.
+_ADMIN_HOST = re.compile(r"^([A-Za-z0-9_.-]+|\[[0-9A-Fa-f:.]+\])(:\d{1,5})?$")
+
 # Keys that moved: an old config fails with the new key's name instead of a bare
 # "unknown key".
 MOVED = {
@@ -141,6 +144,12 @@ def _validate(cfg: Config) -> None:
     validate_distinct_binds(cfg.backends)
     split_host_port(cfg.listen.grpc, "listen.grpc")
     split_host_port(cfg.listen.admin, "listen.admin")
+    for i, host in enumerate(cfg.listen.admin_hosts):
+        if not _ADMIN_HOST.match(host):
+            raise ConfigError(
+                f"listen.admin_hosts[{i}]: expected a host name or name:port as a client "
+                f"sends it in Host (gorgo, gorgo.gorgo.svc:9180, [::1]), got {host!r}"
+            )
     split_host_port(cfg.envoy.listen, "envoy.listen")
     split_host_port(cfg.envoy.admin, "envoy.admin")
     split_host_port(cfg.ext_proc_address, "envoy.ext_proc_address")
@@ -276,6 +285,12 @@ def config_from_dict(raw: Any) -> Config:
 
 
 def load_config(path: str | Path) -> Config:
+    return read_config(path)[0]
+
+
+def read_config(path: str | Path) -> tuple[Config, str]:
+    """The config in `path` and the very text it was loaded from (what the router keeps
+    as its last good config: service/last_good.py)."""
     p = Path(path)
     try:
         text = p.read_text(encoding="utf-8")
@@ -286,7 +301,7 @@ def load_config(path: str | Path) -> Config:
     except yaml.YAMLError as e:
         raise ConfigError(f"{p}: not valid YAML: {e}") from e
     try:
-        return config_from_dict(raw if raw is not None else {})
+        return config_from_dict(raw if raw is not None else {}), text
     except ConfigError as e:
         raise ConfigError(f"{p}: {e}") from e
 

@@ -49,9 +49,15 @@ class Listen:
     # Admin HTTP (/healthz, /state): loopback by default, it shows internal state.
     admin: str = "127.0.0.1:9180"
     # Bearer token required by admin calls that change state (POST /tuner, /backends);
-    # "" = none, and then such calls are taken from loopback peers only (the
-    # GORGO_ADMIN_TOKEN environment variable is used when this is empty).
+    # "" = none, and then such calls are taken from loopback peers only, as JSON with no
+    # foreign Origin (the GORGO_ADMIN_TOKEN environment variable is used when this is
+    # empty; `gorgo up` generates one).
     admin_token: str = ""
+    # More names the admin answers to besides its own address (and localhost on loopback):
+    # every request but /healthz must carry one of them in Host, so a web page cannot read
+    # it by DNS rebinding. `name` (any port) or `name:port`: a Prometheus target
+    # (`gorgo:9180` in docker compose), a Kubernetes Service (`gorgo.gorgo.svc`).
+    admin_hosts: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -1,12 +1,11 @@
 """Admin HTTP on loopback: /healthz, /state, POST /tuner, the fleet (GET/POST /backends,
-POST /backends/{id}/drain, DELETE /backends/{id}) and the operator's page (/ui)."""
+POST /backends/{id}/drain, DELETE /backends/{id}) and the operator's page (/ui); who may
+use it is admin_guard.py's."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
-import ipaddress
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -17,6 +16,7 @@ from ext_proc.config.load import backend_from_dict
 from ext_proc.core.fleet import FleetConflict, UnknownBackend
 from ext_proc.core.router import Router
 from ext_proc.core.types import Weights
+from ext_proc.service.admin_guard import AdminGuard, Peer
 from ext_proc.service.operator_page import add_page_routes
 from ext_proc.service.telemetry import Telemetry
 
@@ -26,14 +26,13 @@ TUNER_ACTIONS = ("freeze", "unfreeze", "set")
 SETTLE_S = 6.0
 
 
-def _loopback(remote: str | None) -> bool:
-    """A peer on this host (aiohttp's request.remote; None for a Unix socket)."""
-    if remote is None:
-        return True
-    try:
-        return ipaddress.ip_address(remote).is_loopback
-    except ValueError:
-        return False
+def _peer(request: web.Request) -> Peer:
+    """The client's IP (None for a Unix socket) and the local address it reached."""
+    transport = request.transport
+    sockname = transport.get_extra_info("sockname") if transport is not None else None
+    if isinstance(sockname, tuple) and len(sockname) >= 2:
+        return Peer(request.remote, str(sockname[0]), int(sockname[1]))
+    return Peer(request.remote)
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -46,24 +45,22 @@ def make_admin_app(
     extra_state: Callable[[], dict[str, Any]],
     token: str = "",
     settle: Callable[[], Awaitable[None]] | None = None,
+    listen: str = "127.0.0.1:0",
+    hosts: tuple[str, ...] = (),
 ) -> web.Application:
-    """`settle`: waits until the shell has applied the fleet's changes (FleetShell)."""
+    """`settle`: waits until the shell has applied the fleet's changes (FleetShell);
+    `listen`, `hosts`, `token`: listen.admin, listen.admin_hosts and the admin token, which
+    decide who may use it (admin_guard.py)."""
+
+    guard = AdminGuard(listen, token, hosts)
 
     @web.middleware
-    async def require_token(request: web.Request, handler: Any) -> web.StreamResponse:
-        # Reads stay open on loopback; anything that changes state needs the token.
-        if request.method != "GET":
-            if not token and not _loopback(request.remote):
-                # An open admin on the network could route prompts anywhere (POST /backends).
-                return _error(
-                    403,
-                    "changes from another host need a token: set listen.admin_token "
-                    "(or GORGO_ADMIN_TOKEN) and send Authorization: Bearer <token>",
-                )
-            if token and not hmac.compare_digest(
-                request.headers.get("Authorization", ""), f"Bearer {token}"
-            ):
-                return _error(401, "admin token required: Authorization: Bearer <token>")
+    async def guarded(request: web.Request, handler: Any) -> web.StreamResponse:
+        # admin_guard.py: the Host on every request; a token, or JSON with no foreign
+        # Origin from loopback, on every change.
+        refusal = guard.refuse(request.method, request.path, request.headers, _peer(request))
+        if refusal is not None:
+            return _error(*refusal)
         response: web.StreamResponse = await handler(request)
         return response
 
@@ -151,7 +148,7 @@ def make_admin_app(
             headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"},
         )
 
-    app = web.Application(middlewares=[require_token])
+    app = web.Application(middlewares=[guarded])
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/state", state)

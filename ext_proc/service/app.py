@@ -31,6 +31,7 @@ from ext_proc.prompt.engine_tokens import PromptTokenizer, load_engine_tokenizer
 from ext_proc.service.admin import make_admin_app
 from ext_proc.service.engine_tokenizer import EngineTokenizers
 from ext_proc.service.fleet_shell import FleetShell
+from ext_proc.service.last_good import ConfigSource
 from ext_proc.service.reloader import ConfigReloader
 from ext_proc.service.telemetry import Telemetry
 from ext_proc.service.tuner_file import TunerStateFile
@@ -106,12 +107,17 @@ async def _expire_loop(router: Router, prober: Prober) -> None:
 
 @contextlib.asynccontextmanager
 async def running_service(
-    cfg: Config, exporter: SpanExporter | None = None, config_path: str | Path | None = None
+    cfg: Config,
+    exporter: SpanExporter | None = None,
+    config_path: str | Path | None = None,
+    source: ConfigSource | None = None,
 ) -> AsyncIterator[Running]:
     """Start the ext_proc gRPC server and admin HTTP; stop them on exit. `config_path`:
     the file `cfg` came from, reloaded on SIGHUP (`Running.reloader.request`) and when it
-    changes. Each piece registers its own stop as it starts (an AsyncExitStack), so the
-    teardown is the start-up in reverse, whatever step failed."""
+    changes; `source`: where `cfg` came from (that file, or its last good copy) and where
+    an accepted reload keeps its copy (service/last_good.py). Each piece registers its own
+    stop as it starts (an AsyncExitStack), so the teardown is the start-up in reverse,
+    whatever step failed."""
     async with contextlib.AsyncExitStack() as stack:
         tuned = cfg.tuner.state_file and cfg.tuner.mode != TunerMode.OFF
         state_file = TunerStateFile(cfg.tuner.state_file) if tuned else None
@@ -140,7 +146,9 @@ async def running_service(
         kv_events = KvEventClients(cfg, router)
         fleet_shell = FleetShell(router, prober, kv_events, ext_proc)
         router.subscribe(fleet_shell)
-        reloader = ConfigReloader(config_path, router, telemetry) if config_path else None
+        if config_path and source is None:
+            source = ConfigSource(str(config_path))
+        reloader = ConfigReloader(config_path, router, telemetry, source) if config_path else None
         host, port = split_host_port(cfg.listen.grpc, "listen.grpc")
         credentials = server_credentials(cfg)
         if credentials is None:
@@ -173,9 +181,14 @@ async def running_service(
                 "fleet_shell": fleet_shell.snapshot(),
                 # Config reloads (None: no config file to reload).
                 "reload": reloader.snapshot() if reloader is not None else None,
+                # Where the running config came from: its file, or the last good copy
+                # when the file did not load at start (with the file's error).
+                "config": source.snapshot() if source is not None else None,
             },
             cfg.listen.admin_token or os.environ.get("GORGO_ADMIN_TOKEN", ""),
             fleet_shell.settle,
+            cfg.listen.admin,
+            cfg.listen.admin_hosts,
         )
         runner = web.AppRunner(admin_app, access_log=None)
         await runner.setup()

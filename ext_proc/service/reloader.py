@@ -15,9 +15,10 @@ from typing import Any
 from ext_proc.common.aio import cancel_and_wait
 from ext_proc.config.dump import changed_keys
 from ext_proc.config.fields import ConfigError
-from ext_proc.config.load import load_config
+from ext_proc.config.load import read_config
 from ext_proc.core.fleet import FleetConflict
 from ext_proc.core.router import Router
+from ext_proc.service.last_good import LAST_GOOD, ConfigSource
 from ext_proc.service.telemetry import Telemetry
 
 log = logging.getLogger("gorgo")
@@ -35,12 +36,19 @@ class ConfigReloader:
     the key), logged, shown in /state and counted, and the running config stays. Valid,
     the router's fleet becomes the file's (`Router.reconcile`), the keys read live are
     applied (`Router.apply_live_keys`), and a warning names any other key that changed:
-    those need a restart."""
+    those need a restart. An accepted file becomes the last good config (`source`)."""
 
-    def __init__(self, path: str | Path, router: Router, telemetry: Telemetry) -> None:
+    def __init__(
+        self,
+        path: str | Path,
+        router: Router,
+        telemetry: Telemetry,
+        source: ConfigSource | None = None,
+    ) -> None:
         self.path = Path(path)
         self.router = router
         self.telemetry = telemetry
+        self.source = source or ConfigSource(str(path))
         self._seen = self._stat()
         self._digest = self._hash()
         self._lock = asyncio.Lock()
@@ -100,7 +108,7 @@ class ConfigReloader:
             self.last_trigger = trigger
             try:
                 # Off the event loop: a configured tokenizer is loaded to validate it.
-                new = await asyncio.to_thread(load_config, self.path)
+                new, text = await asyncio.to_thread(read_config, self.path)
                 changes = self.router.reconcile(new.backends, "reload")
             except Exception as e:  # ConfigError names the key; anything else: still refused
                 if not isinstance(e, ConfigError | FleetConflict):
@@ -108,10 +116,13 @@ class ConfigReloader:
                 self.failures += 1
                 self.last_error, self.last_error_at_s = str(e), time.time()
                 self.telemetry.metrics.reloads.labels("error").inc()
+                if self.source.source == LAST_GOOD:
+                    self.source.error = str(e)  # still not the file's config that runs
                 log.error("config reload (%s) refused, the running config stays: %s", trigger, e)
                 return False
             live = self.router.apply_live_keys(new)
             self.restart_required = changed_keys(self.router.cfg, new)
+            self.source.running(text)
             self.reloads += 1
             self.last_ok_at_s = time.time()
             self.telemetry.metrics.reloads.labels("ok").inc()

@@ -30,13 +30,14 @@ def fast_settings(
     engine_args: Sequence[str] = FAST_ENGINE,
     **extra: Any,
 ) -> StackSettings:
-    """The e2e tier's local stack: fast regions and engines on free ports."""
+    """The e2e tier's local stack: fast regions and engines on free ports; its temporary
+    work directory removed when it stops (keep_logs=True keeps the logs, as gorgo up)."""
     return StackSettings(
         policy=policy,
         regions=regions,
         ports=StackPorts.ephemeral(len(regions)),
         engine_args=engine_args,
-        **extra,
+        **{"keep_logs": False, **extra},
     )
 
 

@@ -23,6 +23,7 @@ import yaml
 from emulator.stack import Region, Stack
 from loadgen.client import Result, chat_body, send_chat
 from tests.e2e.conftest import FAST_ENGINE, FAST_REGIONS, fast_settings
+from tests.e2e.stack_harness import admin_call
 
 pytestmark = pytest.mark.e2e
 
@@ -116,17 +117,6 @@ def until(predicate: Any, timeout_s: float, what: str) -> float:
     return time.monotonic()
 
 
-def admin(stack: Stack, method: str, path: str, body: Any = None) -> tuple[int, Any]:
-    req = urllib.request.Request(
-        f"{stack.admin_url}{path}",
-        method=method,
-        data=None if body is None else json.dumps(body).encode(),
-        headers={"content-type": "application/json"},
-    )
-    with urllib.request.urlopen(req, timeout=15) as r:
-        return r.status, json.load(r)
-
-
 @pytest.mark.long  # `make test-long`
 def test_add_drain_and_delete_while_requests_flow(stack: Stack) -> None:
     pids = (stack.procs["envoy"].pid, stack.procs["gorgo-serve"].pid)
@@ -138,7 +128,7 @@ def test_add_drain_and_delete_while_requests_flow(stack: Stack) -> None:
         # (1) a fourth engine, started now, added through the admin API
         item = stack.add_engine(Region("sa-saopaulo", 3.0))
         t_add = time.monotonic()
-        status, row = admin(stack, "POST", "/backends", item)
+        status, row = admin_call(stack, "POST", "/backends", item)
         assert status == 201 and row["lifecycle"] == "active", row
         figures["add_call_s"] = time.monotonic() - t_add
         assert "sa-saopaulo" in envoy_clusters(stack)  # active only once Envoy has it
@@ -147,7 +137,7 @@ def test_add_drain_and_delete_while_requests_flow(stack: Stack) -> None:
         time.sleep(1.0)
 
         # (2) drain ashburn: no decision after the call, its requests finish, then removed
-        status, _ = admin(stack, "POST", f"/backends/{ASHBURN}/drain")
+        status, _ = admin_call(stack, "POST", f"/backends/{ASHBURN}/drain")
         assert status == 202
         t_drain = time.monotonic()
         until(lambda: ASHBURN not in lifecycle(stack), 15, "drained backend removed")
@@ -155,7 +145,7 @@ def test_add_drain_and_delete_while_requests_flow(stack: Stack) -> None:
         figures["drain_to_removed_s"] = time.monotonic() - t_drain
 
         # (3) delete frankfurt
-        status, _ = admin(stack, "DELETE", f"/backends/{FRANKFURT}")
+        status, _ = admin_call(stack, "DELETE", f"/backends/{FRANKFURT}")
         assert status == 202
         t_delete = time.monotonic()
         until(lambda: FRANKFURT not in lifecycle(stack), 15, "deleted backend removed")

@@ -29,7 +29,7 @@ from emulator.stack import Stack
 from ext_proc.common.names import HEADER_BACKEND
 from loadgen.client import Result, chat_body, send_chat
 from tests.e2e.conftest import FAST_ENGINE, FAST_REGIONS, fast_settings
-from tests.e2e.stack_harness import get_json, router_state
+from tests.e2e.stack_harness import admin_call, get_json, router_state
 
 # Long (5 s and more a test): `make test-long`, which CI runs after `make test`.
 pytestmark = [pytest.mark.e2e, pytest.mark.long]
@@ -221,8 +221,8 @@ def test_each_model_goes_where_it_is_served_and_the_rest_are_answered() -> None:
         while router_state(stack)["backends"][SEOUL]["in_flight"] == 0:
             assert time.monotonic() < deadline
             time.sleep(0.02)
-        drain = call(f"{stack.admin_url}/backends/{SEOUL}/drain", {}, "POST")
-        assert drain.status == 202 and drain.body["lifecycle"] == "draining"
+        status, drained = admin_call(stack, "POST", f"/backends/{SEOUL}/drain")
+        assert status == 202 and drained["lifecycle"] == "draining"
         counts = engine_counts(stack)
         draining = ask(stack, "beta")
         assert_router_answered(draining, 503, "service_unavailable")

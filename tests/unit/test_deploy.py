@@ -31,6 +31,7 @@ from ext_proc.envoy.bootstrap import (
     render_mesh_snippet,
 )
 from ext_proc.envoy.clusters import EXT_PROC_CLUSTER
+from ext_proc.service.admin_guard import AdminGuard, Peer
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = ROOT / "docker-compose.yml"
@@ -348,6 +349,30 @@ def test_prometheus_and_grafana_are_provisioned(
     assert "prometheus" in grafana["depends_on"]
 
 
+def test_every_compose_config_admin_answers_prometheus_and_the_published_port(
+    services: dict[str, dict[str, Any]],
+) -> None:
+    """The admin refuses a Host it does not know (DNS rebinding, listen.admin_hosts): the
+    name Prometheus scrapes it by and the host's published port must be among its names,
+    in every config the gorgo service may mount."""
+    config = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())
+    job = next(j for j in config["scrape_configs"] if j["job_name"] == "gorgo")
+    (target,) = [t for c in job["static_configs"] for t in c["targets"]]
+    published = [str(p).rsplit(":", 2) for p in services["gorgo"]["ports"]]
+    for path in sorted((ROOT / "config/compose").glob("*.yaml")):
+        c = load_config(path)
+        admin_port = _port(c.listen.admin)
+        guard = AdminGuard(c.listen.admin, extra_hosts=c.listen.admin_hosts)
+        # in the container: connections arrive on its own IP (compose's network)
+        peer = Peer("172.18.0.9", "172.18.0.4", admin_port)
+        assert guard.host_ok(target, peer), (path.name, target)
+        for host_ip, host_port, container_port in published:
+            if int(container_port) == admin_port:
+                for name in ("localhost", host_ip):
+                    assert guard.host_ok(f"{name}:{host_port}", peer), (path.name, name)
+        assert not guard.host_ok(f"attacker.example:{admin_port}", peer)
+
+
 def test_compose_variables_are_documented() -> None:
     text = COMPOSE_FILE.read_text()
     used = set(_VAR.findall(text))
@@ -481,6 +506,26 @@ def test_k8s_service_deployment_and_config_ports_agree(k8s: dict[str, dict[str, 
     labels = k8s["Deployment/gorgo"]["spec"]["template"]["metadata"]["labels"]
     assert k8s["Service/gorgo"]["spec"]["selector"].items() <= labels.items()
     assert container["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": "admin"}
+
+
+def test_the_k8s_admin_answers_its_service_names_and_the_pod_ip(
+    k8s: dict[str, dict[str, Any]],
+) -> None:
+    """Prometheus by the Service's DNS names or the pod's IP, kubectl port-forward by
+    localhost; kubelet's probes by the pod's IP on /healthz (exempt from the Host rule)."""
+    cfg = config_from_dict(yaml.safe_load(k8s["ConfigMap/gorgo-config"]["data"]["gorgo.yaml"]))
+    service = k8s["Service/gorgo"]["metadata"]
+    port = _port(cfg.listen.admin)
+    guard = AdminGuard(cfg.listen.admin, extra_hosts=cfg.listen.admin_hosts)
+    pod = Peer("10.244.1.1", "10.244.0.7", port)
+    name, ns = service["name"], service["namespace"]
+    for host in (name, f"{name}.{ns}", f"{name}.{ns}.svc", f"{name}.{ns}.svc.cluster.local"):
+        assert guard.host_ok(f"{host}:{port}", pod), host
+    assert guard.host_ok(f"10.244.0.7:{port}", pod)
+    forwarded = Peer("127.0.0.1", "127.0.0.1", port)
+    assert guard.host_ok("localhost:8080", forwarded)
+    assert guard.refuse("GET", "/healthz", {"Host": f"10.244.0.7:{port}"}, pod) is None
+    assert not guard.host_ok(f"attacker.example:{port}", pod)
 
 
 def test_envoy_gateway_policy_attaches_gorgo(k8s: dict[str, dict[str, Any]]) -> None:

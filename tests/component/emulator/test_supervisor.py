@@ -90,6 +90,46 @@ def test_a_crash_loop_gives_up_with_the_last_log_lines_and_the_rest_keep_running
     assert alive(stack.procs["sleeper"].pid)  # the thread's children outlive the give-up
 
 
+def test_a_router_in_a_crash_loop_is_restarted_until_it_starts_and_nothing_else_stops(
+    stack: Stack, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A router that exits at once (a broken config, no last good copy) is never given up
+    on: past the crash-loop rule it is restarted every backoff_max_s, said once, while the
+    other children (Envoy, engines) run on; fixed, it stays up (issue 39, point 4)."""
+    fixed = stack.workdir / "fixed"
+    code = (
+        "import os, sys, time; print('listen.admin: bad', flush=True); "
+        f"os.path.exists({str(fixed)!r}) or sys.exit(2); time.sleep(60)"
+    )
+    stack._spawn("gorgo-serve", [sys.executable, "-c", code])
+    stack._spawn("envoy", SLEEPER)
+    envoy = stack.procs["envoy"].pid
+    policy = RestartPolicy(
+        backoff_s=0.05, backoff_max_s=0.2, max_restarts=3, window_s=60, healthy_after_s=0.5
+    )
+    stack.supervise(policy, interval_s=0.02)
+    wait_until(lambda: len(stack.restarts) >= 7)  # 3 within the rule, 4 past it
+    assert stack.supervisor_error is None and alive(envoy)
+    assert [r.attempt for r in stack.restarts[:7]] == [1, 2, 3, 4, 5, 6, 7]
+    fixed.touch()
+    said: list[str] = []
+
+    def out_of_the_loop() -> bool:
+        said.append(capsys.readouterr().err)
+        return "gorgo-serve is out of its crash loop" in said[-1]
+
+    wait_until(out_of_the_loop)  # it ran healthy_after_s since its last restart
+    restarts = len(stack.restarts)
+    time.sleep(0.3)
+    assert len(stack.restarts) == restarts and stack.supervisor_error is None
+    err = "".join(said)
+    assert err.count("a crash loop. A router is never given up on") == 1
+    assert "restarted every 0.2 s until it starts" in err and "listen.admin: bad" in err
+    assert "gorgo up: gorgo-serve exited (code 2); restart 5 in 0.2 s" in err
+    assert "gorgo-serve is out of its crash loop" in err
+    assert alive(envoy) and alive(stack.procs["gorgo-serve"].pid)
+
+
 def test_stop_ends_restarted_children_too(stack: Stack) -> None:
     stack._spawn("sleeper", SLEEPER)
     stack.supervise(FAST, interval_s=0.02)

@@ -59,6 +59,11 @@ CASES = [
     (with_key("envoy", listen="0.0.0.0:70000"), r"envoy.listen: port 70000 is out of range"),
     (with_key("listen", grpc="localhost"), r"listen.grpc: expected host:port"),
     (with_key("listen", admin="http://127.0.0.1:9180"), r"listen.admin: .*scheme"),
+    (
+        with_key("listen", admin_hosts=["gorgo", "http://gorgo:9180"]),
+        r"listen.admin_hosts\[1\]: expected a host name or name:port .*'http://gorgo:9180'",
+    ),
+    (with_key("listen", admin_hosts="gorgo"), r"listen.admin_hosts: expected a list"),
     # unknown keys, with the near miss
     ({"backends": [OK], "polcy": "gorgo"}, r"polcy: unknown key \(did you mean 'policy'\?"),
     (

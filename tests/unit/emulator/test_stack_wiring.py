@@ -1,13 +1,20 @@
 """What `gorgo up` starts and what it tells the router (emulator/stack/settings.py,
 processes.py, emulator/vllm/serve.py): the emulated engines' tokenizer flag, the router's
-config without a `tokenizer:` key, and each engine's KV events (emulated or a real vLLM)
-named in its backend's config. Pure: the KV ports are given, nothing binds."""
+config without a `tokenizer:` key, each engine's KV events (emulated or a real vLLM)
+named in its backend's config, every router's admin token and last good config, and the
+logs a stopped stack keeps. Nothing binds or starts (the KV ports are given)."""
 
 from __future__ import annotations
 
 import json
+import re
+import shutil
 from pathlib import Path
+from typing import Any
 
+import pytest
+
+from emulator.stack import Stack, StackPorts
 from emulator.stack.processes import engine_argv
 from emulator.stack.settings import DEFAULT_REGIONS, StackSettings
 from emulator.vllm.serve import EngineSpec
@@ -177,3 +184,107 @@ def test_a_fleets_models_and_adapters_become_each_engines_own_flags(
     real = build_parser().parse_args(["up", "--engine", "vllm", "--fleet", str(fleet)])
     assert real.func(real) == 2
     assert "model and lora_modules set emulated engines'" in capsys.readouterr().err
+
+
+def test_each_stack_gives_every_router_its_own_admin_token_and_a_last_good_config(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`gorgo up` sets an admin token (issue 39: without one a web page could post to the
+    admin), random per stack unless given, and hands it, with a last good config path of
+    its own, to every router it starts: the main one, the extra ones, each front door's."""
+    ports = StackPorts.ephemeral(len(DEFAULT_REGIONS))
+    stack = Stack(
+        StackSettings(ports=ports, workdir=tmp_path, routers=2, front_door_regions=["ap-seoul"])
+    )
+    spawned: dict[str, tuple[list[str], dict[str, str] | None]] = {}
+
+    def spawn(name: str, argv: list[str], env: dict[str, str] | None = None, **_: Any) -> None:
+        spawned[name] = (argv, env)
+
+    monkeypatch.setattr(stack, "_spawn", spawn)
+    stack.start_router()
+    stack.doors[0].start(stack)
+    routers = sorted(n for n in spawned if n.endswith("gorgo-serve"))
+    assert routers == ["door-ap-seoul-gorgo-serve", "gorgo-serve", "router-2-gorgo-serve"]
+    token = stack.admin_token
+    assert len(token) >= 32
+    for name in routers:
+        argv, env = spawned[name]
+        assert env == {"GORGO_ADMIN_TOKEN": token}
+        last_good = argv[argv.index("--last-good-config") + 1]
+        assert last_good == str(tmp_path / f"{name}.last-good.yaml")
+    assert spawned["door-ap-seoul-envoy"][1] is None  # only the routers get it
+    assert f"Authorization: Bearer {token}" in stack.ready_line()
+    assert stack.admin_headers["Authorization"] == f"Bearer {token}"
+    other = Stack(StackSettings(ports=ports, workdir=tmp_path / "b"))
+    assert other.admin_token != token
+    given = Stack(StackSettings(ports=ports, workdir=tmp_path / "c", admin_token="mine"))
+    assert given.admin_token == "mine"
+
+
+def test_up_takes_the_admin_token_from_its_flag_or_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import emulator.stack.stack
+    from ext_proc.cli import build_parser
+
+    started: list[StackSettings] = []
+    monkeypatch.setattr(emulator.stack.stack, "run_until_signalled", started.append)
+    monkeypatch.delenv("GORGO_ADMIN_TOKEN", raising=False)
+    for argv in (["up"], ["up", "--admin-token", "flag"]):
+        args = build_parser().parse_args(argv)
+        args.func(args)
+    monkeypatch.setenv("GORGO_ADMIN_TOKEN", "env")
+    args = build_parser().parse_args(["up"])
+    args.func(args)
+    assert [s.admin_token for s in started] == ["", "flag", "env"]  # "": a random one
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_a_stopped_stack_keeps_its_logs_unless_told(keep: bool) -> None:
+    stack = Stack(StackSettings(ports=StackPorts.ephemeral(3), keep_logs=keep))
+    workdir = stack.workdir
+    (workdir / "gorgo-serve.log").write_text("gorgo serve: ready\n")
+    (workdir / "gorgo.yaml").write_text("policy: gorgo\n")
+    (workdir / "xds").mkdir()
+    stack.stop()
+    try:
+        assert (workdir / "gorgo-serve.log").exists() == keep
+        assert (workdir / "gorgo.yaml").exists() == keep
+        assert not (workdir / "xds").exists()
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+@pytest.mark.parametrize("fails", ["at start", "in a crash loop"])
+def test_gorgo_up_says_where_the_logs_are_kept_when_it_stops(
+    fails: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import signal
+
+    from emulator.stack import StackError
+    from emulator.stack import stack as stack_module
+
+    def start(self: Stack) -> None:
+        (self.workdir / "envoy.log").write_text("envoy: bad\n")
+        if fails == "at start":
+            raise StackError("envoy exited with code 1")
+
+    def tend(self: Stack) -> None:
+        raise StackError("wan-ap-seoul exited (code 1) after 5 restarts within 60 s")
+
+    monkeypatch.setattr(stack_module.Stack, "start", start)
+    monkeypatch.setattr(stack_module.Stack, "tend", tend)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        rc = stack_module.run_until_signalled(StackSettings(ports=StackPorts.ephemeral(3)))
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+    err = capsys.readouterr().err
+    kept = re.search(r"gorgo up: the logs are kept in (\S+)", err)
+    assert rc == 1 and kept, err
+    try:
+        assert (Path(kept.group(1)) / "envoy.log").read_text() == "envoy: bad\n"
+    finally:
+        shutil.rmtree(kept.group(1), ignore_errors=True)

@@ -53,16 +53,65 @@ def test_a_child_that_ran_long_enough_starts_its_backoff_afresh() -> None:
 def test_more_than_max_restarts_within_the_window_is_a_crash_loop() -> None:
     sup = Supervisor(RestartPolicy(max_restarts=5, window_s=60))
     now = 0.0
-    sup.started("gorgo-serve", now)
+    sup.started("wan-ap-seoul", now)
     for attempt in range(1, 6):
         now += 0.2  # fails at once, every time
-        r = sup.exited("gorgo-serve", now)
-        assert isinstance(r, Restart) and r.attempt == attempt
+        r = sup.exited("wan-ap-seoul", now)
+        assert isinstance(r, Restart) and r.attempt == attempt and not r.crash_loop
         now = r.at_s
-        sup.started("gorgo-serve", now)
+        sup.started("wan-ap-seoul", now)
     assert now < 60  # 0.5 + 1 + 2 + 4 + 8 s of backoff, 1 s of running
-    assert sup.exited("gorgo-serve", now + 0.2) == GiveUp("gorgo-serve", 5, 60)
-    assert not sup.pending("gorgo-serve") and sup.due(1e9) == []
+    assert sup.exited("wan-ap-seoul", now + 0.2) == GiveUp("wan-ap-seoul", 5, 60)
+    assert not sup.pending("wan-ap-seoul") and sup.due(1e9) == []
+
+
+@pytest.mark.parametrize("name", ["gorgo-serve", "router-2-gorgo-serve", "door-eu-gorgo-serve"])
+def test_a_router_is_never_given_up_on_past_the_crash_loop_it_waits_the_max_backoff(
+    name: str,
+) -> None:
+    """A router that cannot start (a broken config and no last good copy) is retried every
+    backoff_max_s for as long as it takes; Envoy fails open meanwhile (issue 39)."""
+    sup = Supervisor(RestartPolicy(max_restarts=5, window_s=60))
+    now, seen = 0.0, []
+    sup.started(name, now)
+    for _ in range(20):  # ~2.5 minutes of exiting at once
+        now += 0.2
+        r = sup.exited(name, now)
+        assert isinstance(r, Restart), r
+        seen.append((r.delay_s, r.crash_loop, r.loop_began))
+        now = r.at_s
+        sup.started(name, now)
+    assert [d for d, _, _ in seen[:5]] == [0.5, 1, 2, 4, 8]
+    assert not any(loop for _, loop, _ in seen[:5])
+    # past the rule: every 8 s, in a crash loop, told once (the 6th restart)
+    assert seen[5:] == [(8.0, True, True)] + [(8.0, True, False)] * 14
+    assert sup.recovered(now + 9.9) == []  # not yet healthy_after_s since its start
+    assert sup.recovered(now + 10.0) == [name] and sup.recovered(now + 20) == []
+    # healthy since: the next exit starts afresh, and a new loop is told again
+    now += 30.0
+    r = sup.exited(name, now)
+    assert isinstance(r, Restart) and (r.attempt, r.delay_s, r.crash_loop) == (1, 0.5, False)
+
+
+def test_a_router_loop_that_ran_healthy_is_told_again_next_time() -> None:
+    sup = Supervisor(RestartPolicy(max_restarts=1, window_s=1000, healthy_after_s=10))
+    sup.started("gorgo-serve", 0.0)
+    assert not sup.exited("gorgo-serve", 1.0).loop_began  # type: ignore[union-attr]
+    sup.started("gorgo-serve", 2.0)
+    r = sup.exited("gorgo-serve", 3.0)
+    assert isinstance(r, Restart) and r.crash_loop and r.loop_began
+    sup.started("gorgo-serve", r.at_s)
+    r = sup.exited("gorgo-serve", r.at_s + 20)  # ran 20 s: its streak is over
+    assert isinstance(r, Restart) and r.crash_loop and r.loop_began  # still 2 in 1000 s
+
+
+def test_which_children_are_never_given_up_on_is_the_policys() -> None:
+    assert RestartPolicy().persistent("gorgo-serve")
+    assert not RestartPolicy().persistent("envoy")
+    assert not RestartPolicy().persistent("engine-us-ashburn")
+    sup = Supervisor(RestartPolicy(max_restarts=0, persistent_suffixes=()))
+    sup.started("gorgo-serve", 0.0)
+    assert sup.exited("gorgo-serve", 1.0) == GiveUp("gorgo-serve", 0, 60)
 
 
 def test_restarts_older_than_the_window_do_not_count() -> None:
