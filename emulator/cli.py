@@ -65,6 +65,7 @@ def _engine(args: argparse.Namespace) -> int:
 
     from emulator.engine import serve_engine
     from emulator.engine_config import (
+        DEFAULT_CONTEXT_TOKENS,
         DEFAULT_PAGE_TOKENS,
         EngineConfig,
         Faults,
@@ -128,7 +129,8 @@ def _engine(args: argparse.Namespace) -> int:
             ),
             # vLLM always serves /metrics; SGLang only with --enable-metrics.
             enable_metrics=args.flavor == "vllm" or args.enable_metrics,
-            context_length=_flavor_setting(args, "context_length", "max_model_len"),
+            context_length=_flavor_setting(args, "context_length", "max_model_len")
+            or DEFAULT_CONTEXT_TOKENS,
             kv_events=KvEventsConfig.parse(args.kv_events_config, args.flavor)
             if args.kv_events_config
             else None,

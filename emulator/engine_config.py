@@ -39,6 +39,12 @@ def zero_delay_profile(base: EngineProfile) -> EngineProfile:
     )
 
 
+# The emulated model's context when no flag sets one (Qwen3's A3B models' config.json,
+# max_position_embeddings): both engines then refuse a longer prompt, or a max_tokens
+# beyond it (vLLM), with a 400.
+DEFAULT_CONTEXT_TOKENS = 262_144
+
+
 @dataclass
 class Faults:
     """Fault injection, for reliability tests; all off by default."""
@@ -109,8 +115,9 @@ class EngineConfig:
     default_include_usage: bool = False
     # /metrics: SGLang only with --enable-metrics; vLLM always.
     enable_metrics: bool = False
-    # Longest prompt + output: SGLang --context-length, vLLM --max-model-len (None: the
-    # model's, unbounded here).
+    # Longest prompt + output: SGLang --context-length, vLLM --max-model-len (None:
+    # unbounded; `gorgo engine` always sets one, DEFAULT_CONTEXT_TOKENS unless told, as
+    # both engines take the model's own when no flag is given).
     context_length: int | None = None
     # --kv-events-config (None: no events).
     kv_events: KvEventsConfig | None = None

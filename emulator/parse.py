@@ -182,7 +182,7 @@ def _openai_common(body: Mapping[str, Any], cfg: EngineConfig) -> Common:
             asked = True  # vLLM's StreamOptions.include_usage defaults to true
         include_usage = asked or include_usage
     model, adapter = request_target(body, cfg)
-    return min(max_tokens, cfg.max_tokens_cap), stream, include_usage, model, adapter
+    return max_tokens, stream, include_usage, model, adapter
 
 
 def _token_ids(value: list[Any], field: str) -> list[int]:
@@ -327,7 +327,7 @@ def parse_generate(body: Any, cfg: EngineConfig) -> GenRequest:
     return GenRequest(
         kind="generate",
         input_tokens=input_tokens,
-        output_tokens=min(max_new_tokens, cfg.max_tokens_cap),
+        output_tokens=max_new_tokens,
         stream=_opt_bool(body, "stream"),
         include_usage=False,
         model=cfg.model,
@@ -361,13 +361,23 @@ def _json_invalid(pos: int, reason: str) -> InvalidBody:
 def parse_request(kind: Kind, raw: bytes, cfg: EngineConfig) -> GenRequest:
     """Validate the raw body of a request for endpoint `kind`."""
     body = decode_json(raw)
-    if kind == "chat":
-        req = parse_chat(body, cfg)
-    elif kind == "completion":
-        req = parse_completion(body, cfg)
-    else:
-        req = parse_generate(body, cfg)
-    return _check_context(req, cfg)
+    try:
+        if kind == "chat":
+            req = parse_chat(body, cfg)
+        elif kind == "completion":
+            req = parse_completion(body, cfg)
+        else:
+            req = parse_generate(body, cfg)
+    except (UnicodeEncodeError, TypeError) as e:
+        # A lone surrogate ("\ud800") is valid JSON, but text the tokenizers library cannot
+        # take (a TypeError from its Rust binding): vLLM's handler answers such errors 400
+        # (serving_chat.py create_chat_completion catches ValueError and TypeError), SGLang's
+        # too (tokenizer_manager's errors reach serving_base.py as a 400).
+        raise BadRequest(str(e)) from None
+    # the engines check the limit asked for against the context; the twin then caps what
+    # it generates (max_tokens_cap)
+    req = _check_context(req, cfg)
+    return replace(req, output_tokens=min(req.output_tokens, cfg.max_tokens_cap))
 
 
 def _check_context(req: GenRequest, cfg: EngineConfig) -> GenRequest:

@@ -1,8 +1,9 @@
 """The admission step before a decision: requests the router answers itself, no engine
 reached. By the request's `model`, against what the backends serve (their engines'
 /v1/models, or config): a model no backend serves (404), no model named when the fleet
-serves several (400), a model whose every backend is out of rotation (503); and, with
-shedding on, every queue past its bound (429). The answers are those of the vLLM
+serves several (400), a model whose every backend is out of rotation (503), a prompt longer
+than every such backend's context (400); and, with shedding on, every queue past its
+bound (429). The answers are those of the vLLM
 production-stack router (src/vllm_router/services/request_service/request.py) and
 OpenAI's API. Pure.
 """
@@ -16,6 +17,7 @@ from ext_proc.config.schema import EngineKind, ModelAlias
 from ext_proc.core.backend import BackendState
 from ext_proc.core.state import FleetState
 from ext_proc.core.types import BackendLifecycle, Refusal
+from ext_proc.prompt.parse import LlmRequest
 
 # Retry-After of a model whose backends are all draining or pending (none comes back by
 # itself on a timer): about a probe round and a models read.
@@ -90,6 +92,41 @@ def model_refusal(state: FleetState, model: str | None, now_s: float) -> Refusal
         "service_unavailable",
         f"model '{model}': every backend serving it is ejected or draining, retry later",
         min(waits) if waits else UNAVAILABLE_RETRY_S,
+    )
+
+
+# Without the engine's tokenizer the router counts ~4 bytes a token, which can be off
+# either way by about this factor (code, other scripts): a prompt so counted is taken as
+# too long for a context only beyond it.
+APPROX_TOKENS_FACTOR = 2.0
+
+
+def fits_context(b: BackendState, llm: LlmRequest | None) -> bool:
+    """Whether the request's prompt fits the context its backend's engine reports
+    (`max_model_len` on /v1/models; unknown: it may). Both engines refuse a prompt of the
+    whole context or more (vLLM's and SGLang's 400, docs/engine-model.md)."""
+    served = b.models
+    limit = served.max_model_len if served is not None else None
+    if llm is None or limit is None:
+        return True
+    exact = all(isinstance(p, tuple) for p in llm.prompts)
+    tokens = llm.input_tokens if exact else llm.input_tokens / APPROX_TOKENS_FACTOR
+    return tokens < limit
+
+
+def context_refusal(state: FleetState, llm: LlmRequest | None) -> Refusal | None:
+    """400 when no backend that may serve the request can hold its prompt: answered here
+    instead of by an engine after a trip, and never counted as that engine's cache."""
+    model = llm.model if llm is not None else None
+    backends = [b for b in serving(state, model) if b.lifecycle is BackendLifecycle.ACTIVE]
+    if llm is None or not backends or any(fits_context(b, llm) for b in backends):
+        return None
+    longest = max(b.models.max_model_len or 0 for b in backends if b.models is not None)
+    return Refusal(
+        400,
+        "invalid_request_error",
+        f"the prompt ({llm.input_tokens} tokens) is longer than the context of every "
+        f"backend that serves {model or 'this request'} (at most {longest} tokens)",
     )
 
 

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from ext_proc.config.schema import Routing
-from ext_proc.core.admission import serving
+from ext_proc.core.admission import fits_context, serving
 from ext_proc.core.backend import BackendState
 from ext_proc.core.fleet import Fleet
 from ext_proc.core.types import BackendLifecycle, Candidate, InFlight, PrefixState, RouteRequest
@@ -178,6 +178,26 @@ def pace_ms(r: Routing, b: BackendState, chosen: Candidate, now_s: float) -> flo
     return hold_ms
 
 
+def credible_records(b: BackendState, report: EngineReport | None) -> list[InFlight]:
+    """The backend's requests in flight that its engine's last report does not deny.
+    Those that reached the engine before it reported (one way plus REPORT_SLACK_MS after
+    their dispatch) are at most its waiting plus running count: beyond that, the oldest
+    are gone whatever the router heard (their ends were never reported, an Envoy that
+    went away) and load nothing there."""
+    records = list(b.records.values())
+    if report is None or report.waiting is None or report.running is None:
+        return records
+    assert b.engine_at_s is not None
+    reached_by_s = b.engine_at_s - (b.rtt_ms / 2 + REPORT_SLACK_MS) / 1000
+    reached = sum(1 for r in records if r.dispatched_s <= reached_by_s)
+    denied = reached - int(report.waiting + report.running)
+    if denied <= 0:
+        return records
+    oldest = sorted(records, key=lambda r: r.dispatched_s)[:denied]
+    gone = {r.request_id for r in oldest if r.dispatched_s <= reached_by_s}
+    return [r for r in records if r.request_id not in gone]
+
+
 class Features:
     """Computes candidates from the fleet's records on the router's clock."""
 
@@ -260,6 +280,8 @@ class Features:
         active = [b for b in serving(state, model) if b.lifecycle is _ACTIVE]
         if not active:
             raise NoActiveBackend(f"no active backend serves {model!r}")
+        # those whose context holds the prompt (admission refused it if none does)
+        active = [b for b in active if fits_context(b, request.llm)] or active
         healthy = [b for b in active if state.available(b, now_s)]
         keys_of = _keys_by_block_size(request)
         self.precise_cached.clear()
@@ -305,30 +327,10 @@ class Features:
             )
         return tuple(out)
 
-    def credible_records(self, b: BackendState, now_s: float) -> list[InFlight]:
-        """The backend's requests in flight that its engine's last report does not deny.
-        Those that reached the engine before it reported (one way plus REPORT_SLACK_MS
-        after their dispatch) are at most its waiting plus running count: beyond that,
-        the oldest are gone whatever the router heard (their ends were never reported, an
-        Envoy that went away) and load nothing there."""
-        records = list(b.records.values())
-        report = self.fresh_engine_report(b, now_s)
-        if report is None or report.waiting is None or report.running is None:
-            return records
-        assert b.engine_at_s is not None
-        reached_by_s = b.engine_at_s - (b.rtt_ms / 2 + REPORT_SLACK_MS) / 1000
-        reached = sum(1 for r in records if r.dispatched_s <= reached_by_s)
-        denied = reached - int(report.waiting + report.running)
-        if denied <= 0:
-            return records
-        oldest = sorted(records, key=lambda r: r.dispatched_s)[:denied]
-        gone = {r.request_id for r in oldest if r.dispatched_s <= reached_by_s}
-        return [r for r in records if r.request_id not in gone]
-
     def _queue_items(self, b: BackendState) -> tuple[list[QueueItem], float]:
         """The backend's requests in flight as the queue and KV estimates see them, and its
         decode step now."""
-        records = self.credible_records(b, self.clock())
+        records = credible_records(b, self.fresh_engine_report(b, self.clock()))
         items = [
             QueueItem(
                 r.prefill_ms,

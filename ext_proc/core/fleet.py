@@ -44,6 +44,8 @@ LIVE_KEYS = (
     "routing.unreadable_body",
     "routing.pace_sigmas",
     "routing.pace_max_ms",
+    "routing.first_byte_factor",
+    "routing.first_byte_slack_ms",
 )
 # Top-level keys a reload applies live (the model aliases' shares: a rollout moves by
 # reload).

@@ -19,7 +19,7 @@ import numpy as np
 
 from ext_proc.config.schema import Config
 from ext_proc.core import views
-from ext_proc.core.admission import fleet_models, model_refusal, served_name
+from ext_proc.core.admission import context_refusal, fleet_models, model_refusal, served_name
 from ext_proc.core.backend import BackendState
 from ext_proc.core.decision_log import DecisionLog
 from ext_proc.core.events import BackendChanged, Closed, Dispatched, FirstByte, Listener
@@ -191,11 +191,12 @@ class Router(RouterInputs, FleetControls):
 
     def admit(self, request: RouteRequest) -> Refusal | None:
         """The admission step before a decision (None: admitted): a model no backend
-        serves, none named when several are, or none of whose backends is in rotation
-        (core.admission); with shedding on, every backend's queue estimate past the
-        bound (429)."""
+        serves, none named when several are, none of whose backends is in rotation, a
+        prompt no backend's context holds (core.admission); with shedding on, every
+        backend's queue estimate past the bound (429)."""
         model = request.llm.model if request.llm else None
-        refused = model_refusal(self._fleet.state, model, self.clock())
+        state = self._fleet.state
+        refused = model_refusal(state, model, self.clock()) or context_refusal(state, request.llm)
         if refused is not None:
             return refused
         bound_ms = self.cfg.routing.shed_queue_ms

@@ -12,11 +12,7 @@ from typing import Any
 import yaml
 
 from ext_proc.common.names import (
-    ACCESS_LOG_NAME,
     HEADER_BACKEND,
-    LB_METADATA_NAMESPACE,
-    METADATA_ENVOY_NODE,
-    REQUEST_ID_ATTRIBUTE,
     ROUTE_FALLBACK,
     ROUTE_GORGO,
     ROUTING_HEADERS,
@@ -29,7 +25,6 @@ from ext_proc.envoy.clusters import (
     EXT_PROC_CLUSTER,
     FALLBACK_CLUSTER,
     METADATA_NAMESPACE,
-    OBSERVE_STAT_PREFIX,
     OTEL_CLUSTER,
     POOL_CLUSTER,
     TYPE,
@@ -40,6 +35,7 @@ from ext_proc.envoy.clusters import (
     socket_address,
     xds_path,
 )
+from ext_proc.envoy.filters import access_log, ext_proc_filters, node_id
 
 
 def _retry_policy(cfg: Config, other_priorities: bool) -> dict[str, Any]:
@@ -71,103 +67,6 @@ def _retry_policy(cfg: Config, other_priorities: bool) -> dict[str, Any]:
             },
         }
     return policy
-
-
-def node_id(cfg: Config) -> str:
-    """The front door's node id: one per listen address, so that several front doors
-    sharing a router are told apart."""
-    return f"gorgo-front-door@{cfg.envoy.listen}"
-
-
-def _ext_proc_filters(cfg: Config) -> list[dict[str, Any]]:
-    """Two ext_proc filters to the same service: one routes (Envoy waits for it), one
-    observes the first response chunk without holding it (observability mode)."""
-    typed = f"{API}.extensions.filters.http.ext_proc.v3.ExternalProcessor"
-    grpc_service = {
-        "envoy_grpc": {"cluster_name": EXT_PROC_CLUSTER},
-        # Names this Envoy on every stream, as its access-log streams name it: the router
-        # closes the requests of an Envoy whose log streams all ended (it went away).
-        "initial_metadata": [{"key": METADATA_ENVOY_NODE, "value": node_id(cfg)}],
-    }
-    route = {
-        "name": "envoy.filters.http.ext_proc",
-        "typed_config": {
-            TYPE: typed,
-            "grpc_service": grpc_service,
-            # Fail open: if the router is down or slow, Envoy forwards the request without
-            # the routing header and the fallback route serves it.
-            "failure_mode_allow": True,
-            "message_timeout": f"{cfg.envoy.message_timeout_ms / 1000}s",
-            # The first-byte deadline is Envoy's per-try timeout header, an x-envoy-*
-            # header, which ext_proc may set only when allowed (silently dropped else).
-            "mutation_rules": {"allow_envoy": True},
-            # endpoint_picker: accept the envoy.lb dynamic metadata override_host reads.
-            **(
-                {"metadata_options": {"receiving_namespaces": {"untyped": [LB_METADATA_NAMESPACE]}}}
-                if cfg.envoy.mode == "endpoint_picker"
-                else {}
-            ),
-            # Two messages, each one gRPC round trip on the request's path.
-            "processing_mode": {
-                # Needed even though routing reads the body: with headers skipped Envoy
-                # forwards them at once and a body-phase route change is ignored.
-                "request_header_mode": "SEND",
-                # The whole body in one message: routing needs the prompt before the
-                # upstream is chosen. Bounded by the listener's buffer limit.
-                "request_body_mode": "BUFFERED",
-                "request_trailer_mode": "SKIP",
-                "response_header_mode": "SKIP",
-                "response_body_mode": "NONE",
-                "response_trailer_mode": "SKIP",
-            },
-        },
-    }
-    observe = {
-        "name": "gorgo.observe",
-        "typed_config": {
-            TYPE: typed,
-            "grpc_service": grpc_service,
-            "failure_mode_allow": True,
-            # Envoy sends and does not wait: timing the first token never delays it.
-            "observability_mode": True,
-            # Its own stats (http.<prefix>.ext_proc.gorgo_observe.*), so the routing
-            # filter's failure_mode_allowed counts each request that failed open once.
-            "stat_prefix": OBSERVE_STAT_PREFIX,
-            # No request phase: the stream opens with the first response chunk, which
-            # carries the request id as an attribute, so nothing of this filter competes
-            # with the routing stream while Envoy waits for the decision.
-            "response_attributes": [REQUEST_ID_ATTRIBUTE],
-            "processing_mode": {
-                "request_header_mode": "SKIP",
-                "request_body_mode": "NONE",
-                "request_trailer_mode": "SKIP",
-                "response_header_mode": "SKIP",
-                # The first chunk is TTFT; the server then closes the stream, so no later
-                # chunk reaches Python.
-                "response_body_mode": "STREAMED",
-                "response_trailer_mode": "SKIP",
-            },
-        },
-    }
-    return [route, observe]
-
-
-def _access_log() -> dict[str, Any]:
-    return {
-        "name": "envoy.access_loggers.http_grpc",
-        "typed_config": {
-            TYPE: f"{API}.extensions.access_loggers.grpc.v3.HttpGrpcAccessLogConfig",
-            "common_config": {
-                "log_name": ACCESS_LOG_NAME,
-                "transport_api_version": "V3",
-                "grpc_service": {"envoy_grpc": {"cluster_name": EXT_PROC_CLUSTER}},
-                # Completion feeds the in-flight count: send each entry at once.
-                "buffer_size_bytes": 0,
-                "buffer_flush_interval": "0.05s",
-            },
-            "additional_response_headers_to_log": [HEADER_BACKEND],
-        },
-    }
 
 
 def _tracing(cfg: Config) -> dict[str, Any]:
@@ -285,6 +184,30 @@ def _route(cfg: Config) -> dict[str, Any]:
     }
 
 
+def _json_local_replies() -> dict[str, Any]:
+    """Envoy's own error answers in the OpenAI error shape the router's use, so a client's
+    SDK parses every error alike: a body over the buffer limit (413) and those that carry
+    a response flag (no healthy upstream, a connect failure or timeout). The router's own
+    answers (ext_proc immediate responses) are JSON already and carry no flag."""
+    body = {
+        "error": {
+            "message": "%LOCAL_REPLY_BODY%",
+            "type": "%RESPONSE_CODE_DETAILS%",
+            "code": "%RESPONSE_CODE%",
+        }
+    }
+    override = {"json_format": body, "content_type": "application/json"}
+    too_large = {
+        "comparison": {"op": "EQ", "value": {"default_value": 413, "runtime_key": "gorgo.413"}}
+    }
+    return {
+        "mappers": [
+            {"filter": {"status_code_filter": too_large}, "body_format_override": override},
+            {"filter": {"response_flag_filter": {}}, "body_format_override": override},
+        ]
+    }
+
+
 def build_envoy_config(cfg: Config, ext_proc: bool = True) -> dict[str, Any]:
     """The front door. ext_proc=False gives the same proxy without the router (every
     request takes the fallback route): the baseline of the overhead benchmark.
@@ -306,10 +229,11 @@ def build_envoy_config(cfg: Config, ext_proc: bool = True) -> dict[str, Any]:
                 },
             }
         ],
-        "access_log": [_access_log()] if ext_proc else [],
+        "access_log": [access_log()] if ext_proc else [],
+        "local_reply_config": _json_local_replies(),
         "route_config": _route(cfg),
         "http_filters": [
-            *(_ext_proc_filters(cfg) if ext_proc else []),
+            *(ext_proc_filters(cfg) if ext_proc else []),
             {
                 "name": "envoy.filters.http.router",
                 "typed_config": {TYPE: f"{API}.extensions.filters.http.router.v3.Router"},

@@ -11,6 +11,7 @@ from ext_proc.common.names import (
     HEADER_BACKEND,
     HEADER_GATEWAY_ENDPOINT,
     HEADER_PER_TRY_TIMEOUT,
+    HEADER_REQUEST_ID,
     LB_METADATA_NAMESPACE,
 )
 from ext_proc.config.schema import Backend, Config
@@ -23,11 +24,19 @@ class ClusterHeaderEncoder:
     """The backend's cluster in x-gorgo-backend (as raw_value) with clear_route_cache:
     the route's cluster_header picks it up."""
 
-    def encode(self, d: Decision, body: bytes | None = None) -> codec.ProcessingResponse:
-        """`body`: the request's new body (its model rewritten), with its length."""
+    def encode(
+        self, d: Decision, body: bytes | None = None, request_id: str | None = None
+    ) -> codec.ProcessingResponse:
+        """`body`: the request's new body (its model rewritten), with its length;
+        `request_id`: the id the router gave it, when not the client's."""
         return codec.continue_response(
             codec.REQUEST_BODY,
-            set_headers={HEADER_BACKEND: d.backend, **_length(body), **_deadline(d)},
+            set_headers={
+                HEADER_BACKEND: d.backend,
+                **_length(body),
+                **_deadline(d),
+                **_renamed(request_id),
+            },
             clear_route_cache=True,
             body=body,
         )
@@ -48,12 +57,19 @@ class EndpointPickerEncoder:
         """The fleet changed (a backend added, or its address): the endpoints to name."""
         self.addresses = {b.id: b.address for b in backends}
 
-    def encode(self, d: Decision, body: bytes | None = None) -> codec.ProcessingResponse:
+    def encode(
+        self, d: Decision, body: bytes | None = None, request_id: str | None = None
+    ) -> codec.ProcessingResponse:
         ranked = d.ranked()[: 1 + self.connect_retries]
         endpoint = ",".join(self.addresses[b] for b in ranked)
         return codec.continue_response(
             codec.REQUEST_BODY,
-            set_headers={HEADER_GATEWAY_ENDPOINT: endpoint, **_length(body), **_deadline(d)},
+            set_headers={
+                HEADER_GATEWAY_ENDPOINT: endpoint,
+                **_length(body),
+                **_deadline(d),
+                **_renamed(request_id),
+            },
             dynamic_metadata={LB_METADATA_NAMESPACE: {HEADER_GATEWAY_ENDPOINT: endpoint}},
             body=body,
         )
@@ -69,6 +85,11 @@ def _deadline(d: Decision) -> dict[str, str]:
     if d.first_byte_deadline_ms is None:
         return {}
     return {HEADER_PER_TRY_TIMEOUT: str(max(1, round(d.first_byte_deadline_ms)))}
+
+
+def _renamed(request_id: str | None) -> dict[str, str]:
+    # Envoy logs and observes the request by its x-request-id from here on.
+    return {} if request_id is None else {HEADER_REQUEST_ID: request_id}
 
 
 DecisionEncoder = ClusterHeaderEncoder | EndpointPickerEncoder

@@ -6,10 +6,11 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any, ClassVar
 
@@ -39,6 +40,8 @@ Reply = codec.ProcessingResponse | None
 # A request body at least this long is tokenized in a worker thread (~8k tokens of text:
 # a few ms to tokenize cold; shorter ones are cheaper than the thread hop).
 OFF_LOOP_BODY_BYTES = 32 * 1024
+# A client's request id longer than this is shortened (its start and a hash of it).
+MAX_REQUEST_ID_CHARS = 200
 # The OpenAI API's model list, answered by the router for the whole fleet.
 MODELS_PATH = "/v1/models"
 
@@ -259,6 +262,8 @@ class RoutingSession(_FirstByteWatcher):
         if self.tokens is not None and self._prepared is None:  # fails open
             llm = self.tokens.apply(llm, self.request_id)  # token ids as the engine's
         session = self.session_header or llm.user
+        original_id = self.request_id
+        self.request_id = own_request_id(original_id, self.router.in_flight)
         served = self.router.served_name(llm.model, session or self.request_id)
         new_body = None
         if served is not None and served != llm.model:  # an alias: the engine's name
@@ -283,7 +288,8 @@ class RoutingSession(_FirstByteWatcher):
             return self._reply(codec.REQUEST_BODY)
         self.done = not self.info.sends_response_body
         self.hold_s = self.decision.hold_ms / 1000
-        return self.encoder.encode(self.decision, new_body)
+        renamed = self.request_id if self.request_id != original_id else None
+        return self.encoder.encode(self.decision, new_body, renamed)
 
     _handlers: ClassVar[dict[str, Callable[[Any, codec.Phase], Reply]]] = {
         codec.REQUEST_HEADERS: on_request_headers,
@@ -291,6 +297,21 @@ class RoutingSession(_FirstByteWatcher):
         codec.RESPONSE_HEADERS: _FirstByteWatcher.on_response_headers,
         codec.RESPONSE_BODY: _FirstByteWatcher.on_response_body,
     }
+
+
+def own_request_id(request_id: str, in_flight: Mapping[str, object]) -> str:
+    """The id the router tracks a request by, and Envoy then logs it by (the router's reply
+    rewrites x-request-id when it differs): the client's own, unless a request with that
+    id is still in flight (a client reusing one: each must count, and close, apart) or it
+    is absurdly long (kept in the decision log and the page's feed)."""
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        digest = hashlib.blake2b(request_id.encode(), digest_size=8).hexdigest()
+        request_id = f"{request_id[:64]}~{digest}"
+    own, n = request_id, 1
+    while own in in_flight:
+        n += 1
+        own = f"{request_id}~{n}"
+    return own
 
 
 def open_session(

@@ -103,6 +103,16 @@ class PrefixCache:
             keep[np.argpartition(self.stamps, over - 1)[:over]] = False
             self._keep(keep)
 
+    def forget(self, blocks: Hashes, used_at_s: float) -> int:
+        """A dispatch that inserted these blocks at used_at_s never reached a prefill (the
+        engine refused the request, or it went elsewhere): drop those not used since.
+        Returns how many."""
+        pos, hit = self._positions(blocks)
+        stale = np.zeros(len(self.keys), dtype=bool)
+        stale[pos[hit]] = self.stamps[pos[hit]] <= used_at_s
+        self._keep(~stale)
+        return int(stale.sum())
+
     def trim(self, used_before_s: float) -> int:
         """The engine no longer had a block last used at used_before_s: an LRU cache
         evicts older blocks first, so drop every block not used since. Returns how many."""

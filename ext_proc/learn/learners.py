@@ -17,6 +17,9 @@ from ext_proc.learn.tuner import Tuner
 
 log = logging.getLogger("gorgo.router")
 
+# Ends that mean the chosen engine computed nothing of the prompt: it refused it (4xx:
+# too long, malformed) or another backend served it (Envoy failed over).
+NO_PREFILL = frozenset({Status.CLIENT_ERROR, Status.FAILED_OVER})
 # A block the router believed cached for this long that the engine no longer had was
 # evicted (any prefill that could still be computing it is long over): see `learn_cached`.
 SETTLED_S = 30.0
@@ -36,9 +39,14 @@ class PrefixLearner(Listener):
             self.state.backends[e.record.backend].prefix.insert(e.record.blocks, e.now_s)
 
     def on_close(self, e: Closed) -> None:
-        if e.status == Status.FAILED_OVER and e.served_by and e.record.blocks is not None:
+        rec = e.record
+        if e.status in NO_PREFILL and rec.first_byte_s is None and rec.blocks is not None:
+            # what the dispatch inserted was never computed there
+            held = rec.cached_tokens // self.block_tokens
+            self.state.backends[rec.backend].prefix.forget(rec.blocks[held:], rec.dispatched_s)
+        if e.status == Status.FAILED_OVER and e.served_by and rec.blocks is not None:
             # its KV is there now
-            self.state.backends[e.served_by].prefix.insert(e.record.blocks, e.now_s)
+            self.state.backends[e.served_by].prefix.insert(rec.blocks, e.now_s)
         elif e.status == Status.OK and e.cached_tokens is not None:
             self.learn_cached(e)
 

@@ -11,24 +11,28 @@ import os
 import signal
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 
+import aiohttp
 import pytest
 
 from emulator.stack import Stack
 from emulator.supervisor import RestartPolicy
-from loadgen.client import Result, chat_body
+from loadgen.client import Result, chat_body, send_chat
 from tests.e2e.conftest import FAST_ENGINE, FAST_REGIONS, fast_settings
 from tests.e2e.stack_harness import (
     ClosedLoop,
     chats,
     decisions_by_backend,
+    engine_counts,
     router_state,
     spread_regions,
     wait_for,
 )
 
-pytestmark = [pytest.mark.e2e, pytest.mark.long]
+pytestmark = pytest.mark.e2e
 
 ASHBURN = FAST_REGIONS[0].id
 # ~0.5 s streams (100 tokens at ~5 ms a step); prefill at 20k tokens/s, so a 5k-token
@@ -43,6 +47,90 @@ def stack() -> Iterator[Stack]:
     s.supervise(RestartPolicy(), interval_s=0.05)
     yield s
     s.stop()
+
+
+@pytest.fixture(scope="module")
+def small_context() -> Iterator[Stack]:
+    """Engines with a 4,096-token context (the real vLLM tier's)."""
+    engine = (*ENGINE_ARGS, "--context-length", "4096")
+    s = Stack(fast_settings("gorgo", engine_args=engine, tuner_mode="off"))
+    s.start()
+    yield s
+    s.stop()
+
+
+def post(url: str, body: bytes, headers: dict[str, str]) -> tuple[int, dict[str, str], bytes]:
+    req = urllib.request.Request(url, data=body, headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, dict(r.headers), r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), e.read()
+
+
+def test_requests_sharing_one_request_id_each_count_and_close(small_context: Stack) -> None:
+    url = small_context.front_door_url
+    same = {"x-request-id": "one-id-for-all"}
+
+    async def eight() -> list[Result]:
+        async with aiohttp.ClientSession() as session:
+            body = chat_body("same id " * 20, 200)  # ~1 s each
+            return await asyncio.gather(
+                *(send_chat(session, url, body, "one-id-for-all", same) for _ in range(8))
+            )
+
+    runner = threading.Thread(target=lambda: results.extend(asyncio.run(eight())))
+    results: list[Result] = []
+    runner.start()
+    wait_for(lambda: router_state(small_context)["in_flight"] == 8, timeout_s=5)
+    runner.join(timeout=30)
+    assert len(results) == 8 and all(r.ok for r in results)
+    wait_for(lambda: router_state(small_context)["in_flight"] == 0, timeout_s=5)
+    state = router_state(small_context)
+    assert sum(b["completed"] for b in state["backends"].values()) >= 8
+    assert sum(b["lost"] for b in state["backends"].values()) == 0
+
+
+def test_a_prompt_longer_than_every_context_is_refused_by_the_router(small_context: Stack) -> None:
+    """A 15 MB prompt (some 4M tokens) against 4,096-token contexts: answered 400 by the
+    router, in the OpenAI error shape, and no engine sees it."""
+    before = engine_counts(small_context)
+    body = json.dumps(chat_body("fifteen megabytes " * 850_000, 10)).encode()
+    status, headers, answer = post(
+        f"{small_context.front_door_url}/v1/chat/completions",
+        body,
+        {"content-type": "application/json"},
+    )
+    assert status == 400, answer[:200]
+    assert headers["content-type"].startswith("application/json")
+    assert "longer than the context" in json.loads(answer)["error"]["message"]
+    assert engine_counts(small_context) == before
+
+
+def test_a_body_over_the_limit_gets_a_json_413(small_context: Stack) -> None:
+    body = b'{"messages": [{"role": "user", "content": "' + b"x" * (17 << 20) + b'"}]}'
+    status, headers, answer = post(
+        f"{small_context.front_door_url}/v1/chat/completions",
+        body,
+        {"content-type": "application/json"},
+    )
+    assert status == 413
+    assert headers["content-type"].startswith("application/json")
+    error = json.loads(answer)["error"]
+    assert error["code"] == 413 and "too large" in error["message"].lower()
+
+
+def test_a_28_kb_request_id_does_not_swell_the_page_feed(small_context: Stack) -> None:
+    huge = "id-" + "x" * 28_000
+    (r,) = asyncio.run(
+        chats(small_context.front_door_url, [chat_body("hi", 2)], {"x-request-id": huge})
+    )
+    assert r.ok
+    with urllib.request.urlopen(f"{small_context.admin_url}/ui/feed?since=0", timeout=5) as f:
+        feed = f.read()
+    assert len(feed) < 64_000 and huge.encode() not in feed
+    shown = [d["request_id"] for d in router_state(small_context)["recent_decisions"]]
+    assert any(rid.startswith("id-xxx") and len(rid) < 100 for rid in shown)
 
 
 async def hang_up(port: int, n: int) -> None:
@@ -63,6 +151,7 @@ async def hang_up(port: int, n: int) -> None:
     writer.close()  # gone before the first byte
 
 
+@pytest.mark.long  # `make test-long`
 def test_clients_that_hang_up_eject_no_backend_and_fail_no_one_else(stack: Stack) -> None:
     """20 s of Expect: 100-continue hang-ups, 6 every 0.6 s, beside 4 normal streams."""
     port = int(stack.front_door_url.rsplit(":", 1)[1])
@@ -93,6 +182,7 @@ def test_clients_that_hang_up_eject_no_backend_and_fail_no_one_else(stack: Stack
     assert cancelled > sent / 2  # the hang-ups were routed, and closed as the client's doing
 
 
+@pytest.mark.long  # `make test-long`
 def test_an_envoy_killed_with_streams_open_leaves_no_phantom_load(stack: Stack) -> None:
     spread_regions(stack)
     url = stack.front_door_url
@@ -126,6 +216,7 @@ def test_an_envoy_killed_with_streams_open_leaves_no_phantom_load(stack: Stack) 
     assert sum(b["errors"] for b in state.values()) == 0
 
 
+@pytest.mark.long  # `make test-long`
 def test_a_black_holed_link_is_avoided_within_2_s_and_its_requests_end(stack: Stack) -> None:
     """A WAN link that accepts connections and forwards nothing (SIGSTOP) for 20 s, under
     open-loop arrivals (10 a second). A request already streaming from it when it froze

@@ -1180,3 +1180,29 @@ def test_router_decoder_reads_the_real_vllm_capture() -> None:
             if isinstance(event, BlockRemoved):
                 assert set(raw) == VLLM_REMOVED_KEYS
     assert BlockStored in kinds
+
+
+@pytest.mark.parametrize("flavor", [SGLANG, VLLM])
+async def test_absurd_max_tokens_and_a_lone_surrogate_are_400s(
+    http: aiohttp.ClientSession, flavor: str
+) -> None:
+    """A max_tokens beyond any context (past int64) is checked against the context before
+    the twin caps what it generates: the engines' 400, not a 32k-token answer. A lone
+    surrogate is valid JSON the tokenizer cannot take: the engines' 400, not a 500."""
+    async with running(cfg_of(flavor, context_length=262_144)) as srv:
+        huge = (
+            b'{"model": "%s", "messages": [{"role": "user", "content": "hi"}], ' % (MODEL.encode())
+            + b'"max_tokens": 99999999999999999999}'
+        )
+        async with http.post(f"{srv.url}{CHAT}", data=huge) as r:
+            too_many = (r.status, await r.json())
+        lone = b'{"model": "%s", "messages": [{"role": "user", "content": "hi \\ud800"}]}' % (
+            MODEL.encode()
+        )
+        async with http.post(f"{srv.url}{CHAT}", data=lone) as r:
+            surrogate = (r.status, await r.json())
+    assert too_many[0] == surrogate[0] == 400
+    error = too_many[1] if flavor == SGLANG else too_many[1]["error"]
+    assert error["type"] == "BadRequestError" and "99999999999999999999" in error["message"]
+    error = surrogate[1] if flavor == SGLANG else surrogate[1]["error"]
+    assert error["type"] == "BadRequestError"

@@ -1,10 +1,14 @@
 """Routing by the request's model: only backends serving it are candidates, and the router
 answers itself (no engine reached) for a model no backend serves (404), no model named
-when several are served (400), and a model whose every backend is out of rotation (503)."""
+when several are served (400), a model whose every backend is out of rotation (503), and a
+prompt longer than every context (400)."""
+
+import json
 
 from ext_proc.core.router import Router
-from ext_proc.core.types import Status
+from ext_proc.core.types import RouteRequest, Status
 from ext_proc.feeds.served_models import ServedModels
+from ext_proc.prompt.parse import COMPLETIONS, parse_body
 from tests.builders import FakeClock, chat, make_router
 
 BACKENDS = [
@@ -163,3 +167,45 @@ def test_a_reload_restricts_a_backend_before_its_adapter_is_unloaded() -> None:
     moved = replace(r.backends["b"].config, address="127.0.0.1:9")  # another engine
     r.reconcile([kept, moved])
     assert r.backends["b"].models is None  # to be read again from the new engine
+
+
+def test_a_prompt_longer_than_every_context_is_refused_and_a_shorter_one_avoids_small_ones() -> (
+    None
+):
+    """Engines report their context (`max_model_len` on /v1/models): a prompt no backend
+    can hold is the router's 400; one only the larger hold goes there."""
+    r, _ = make_router(backends=["small", "large"])
+    r.record_models("small", ServedModels(frozenset({"m"}), max_model_len=4096))
+    r.record_models("large", ServedModels(frozenset({"m"}), max_model_len=32768))
+    ids = tuple(range(5000))  # the engine's own token ids: an exact count
+
+    def request(n: int) -> RouteRequest:
+        body = json.dumps({"model": "m", "prompt": list(ids[:n])}).encode()
+        return RouteRequest(f"r{n}", parse_body(COMPLETIONS, body), None)
+
+    assert r.admit(request(4095)) is None
+    assert {c.backend_id for c in r.candidates(request(4095), [])} == {"small", "large"}
+    assert r.admit(request(5000)) is None
+    assert {c.backend_id for c in r.candidates(request(5000), [])} == {"large"}
+    huge = RouteRequest(
+        "h",
+        parse_body(COMPLETIONS, json.dumps({"model": "m", "prompt": list(range(40000))}).encode()),
+        None,
+    )
+    refused = r.admit(huge)
+    assert refused is not None and refused.status == 400
+    assert "40000 tokens" in refused.message and "32768" in refused.message
+
+
+def test_an_approximate_count_is_refused_only_well_past_the_context() -> None:
+    """~4 bytes a token without the engine's tokenizer: off by up to 2x either way."""
+    r, _ = make_router(backends=["a"])
+    r.record_models("a", ServedModels(frozenset({"m"}), max_model_len=4096))
+
+    def text(n_bytes: int) -> RouteRequest:
+        body = json.dumps({"model": "m", "prompt": "x" * n_bytes}).encode()
+        return RouteRequest("t", parse_body(COMPLETIONS, body), None)
+
+    assert r.admit(text(4 * 6000)) is None  # ~6,000 counted: may well fit
+    refused = r.admit(text(4 * 9000))  # ~9,000 counted: over 2 x 4,096
+    assert refused is not None and refused.status == 400

@@ -4,6 +4,7 @@ lets its first-byte deadline pass (and the backend is then suspect)."""
 
 import pytest
 
+from ext_proc.core.features import credible_records
 from ext_proc.core.state import LOST_AFTER_E2E_FACTOR, LOST_AFTER_FLOOR_S
 from ext_proc.core.types import RouteRequest, Status
 from ext_proc.feeds.engine_metrics import EngineReport
@@ -53,7 +54,8 @@ def test_an_engine_that_reports_nothing_running_denies_the_routers_old_records()
     # and a report of 3 running keeps the 3 newest of those that were there at it
     clock.advance(1.0)
     router.record_engine_report("a", EngineReport(waiting=0, running=3, kv_usage=0.1))
-    kept = router._features.credible_records(router.backends["a"], clock())
+    a = router.backends["a"]
+    kept = credible_records(a, a.engine)
     assert [r.request_id for r in kept] == ["p6", "p7", "new"]
 
 
@@ -101,3 +103,38 @@ def test_one_failed_probe_is_enough_when_a_first_byte_is_late_there() -> None:
     assert router.late_backends() == {d.backend}
     router.record_probe(d.backend, None)
     assert router.backends[d.backend].suspect
+
+
+def test_a_prompt_the_engine_refused_is_not_counted_as_cached_there() -> None:
+    """The engine answered 4xx (a prompt over its context): it computed nothing, so what
+    the dispatch inserted into the backend's index goes; a prefix another request had
+    put there stays."""
+    router, clock = make_router("gorgo", backends=["a"], routing={"block_tokens": 16})
+    shared = "a shared system prompt " * 40
+    first = chat(shared + "first", rid="r1")
+    router.decide(first)
+    router.first_byte("r1")
+    router.close("r1", Status.OK)
+    b = router.backends["a"]
+    held = b.prefix.size_blocks
+    clock.advance(1.0)
+    refused = chat(shared + "then a long new tail " * 40, rid="r2")
+    router.decide(refused)
+    assert b.prefix.size_blocks > held
+    router.close("r2", Status.CLIENT_ERROR, reason="400 via_upstream")
+    assert b.prefix.size_blocks == held
+    assert b.prefix.match(router.prompt_blocks(first)[0]) >= held - 1
+
+
+def test_ejected_reads_false_once_the_ejection_is_over() -> None:
+    router, clock = make_router("gorgo", backends=["a"], routing={"eject_s": 5.0})
+    for i in range(2):
+        d = router.decide(chat(rid=f"e{i}"))
+        router.close(d.request_id, Status.ERROR, reason="503 UF")
+    b = router.backends[d.backend]
+    now = router.snapshot()["backends"][d.backend]
+    assert now["ejected"] and now["ejected_for"] == ["503 UF", "503 UF"]
+    clock.advance(5.1)  # no decision since: the state says it is back all the same
+    later = router.snapshot()["backends"][d.backend]
+    assert not later["ejected"] and later["ejected_for"] == []
+    assert b.errors == 2
