@@ -29,8 +29,8 @@ from ext_proc.estimate.prefix import Hashes, as_hashes, leading_true
 from ext_proc.feeds.engine_metrics import EngineReport
 from ext_proc.prompt.tokens import APPROX, block_hashes_of_ids
 
-# How long after arriving at the engine a request is surely in its next load report
-# (waiting or running): a scrape's own delay, the gauges' update.
+# How long after its first token a request is surely in the engine's next load report: a
+# scrape's own delay, the gauges' update.
 REPORT_SLACK_MS = 250.0
 # Output budget assumed when a request names no max tokens (KV and decode estimates).
 DEFAULT_OUTPUT_TOKENS = 256
@@ -179,22 +179,23 @@ def pace_ms(r: Routing, b: BackendState, chosen: Candidate, now_s: float) -> flo
 
 
 def credible_records(b: BackendState, report: EngineReport | None) -> list[InFlight]:
-    """The backend's requests in flight that its engine's last report does not deny.
-    Those that reached the engine before it reported (one way plus REPORT_SLACK_MS after
-    their dispatch) are at most its waiting plus running count: beyond that, the oldest
-    are gone whatever the router heard (their ends were never reported, an Envoy that
-    went away) and load nothing there."""
+    """The backend's requests in flight that its engine's last report does not deny. A
+    request whose first token came before the report (by REPORT_SLACK_MS) runs there, and
+    the engine says how many run and wait: beyond that count, the oldest of them are gone
+    whatever the router heard (their ends were never reported: an Envoy that went away)
+    and load nothing there. A request still waiting for its first token is kept: the
+    engine not counting it is what a stall looks like (held before the scheduler), and
+    stall detection needs it."""
     records = list(b.records.values())
     if report is None or report.waiting is None or report.running is None:
         return records
     assert b.engine_at_s is not None
-    reached_by_s = b.engine_at_s - (b.rtt_ms / 2 + REPORT_SLACK_MS) / 1000
-    reached = sum(1 for r in records if r.dispatched_s <= reached_by_s)
-    denied = reached - int(report.waiting + report.running)
+    seen_by_s = b.engine_at_s - REPORT_SLACK_MS / 1000
+    running = [r for r in records if r.first_byte_s is not None and r.first_byte_s <= seen_by_s]
+    denied = len(running) - int(report.waiting + report.running)
     if denied <= 0:
         return records
-    oldest = sorted(records, key=lambda r: r.dispatched_s)[:denied]
-    gone = {r.request_id for r in oldest if r.dispatched_s <= reached_by_s}
+    gone = {r.request_id for r in sorted(running, key=lambda r: r.dispatched_s)[:denied]}
     return [r for r in records if r.request_id not in gone]
 
 

@@ -44,16 +44,20 @@ class Outcome:
 def outcome_of(code: int, flags: frozenset[str], details: str) -> Outcome:
     """Classify one access-log entry (first rule that matches)."""
     said = " ".join(x for x in (str(code), ",".join(sorted(flags)), details) if x)
-    if flags & CLIENT_FLAGS or details.startswith("downstream_remote_disconnect"):
-        return Outcome(Status.CANCELLED, said)
-    if code == 0 or 100 <= code < 200:
+    answered = 200 <= code < 300
+    client_left = bool(flags & CLIENT_FLAGS) or details.startswith("downstream_remote_disconnect")
+    if code == 0 or 100 <= code < 200 or (client_left and not answered):
         # No final response: the client went away first (an upstream failure gets
         # Envoy's own 5xx).
         return Outcome(Status.CANCELLED, said)
-    if flags & UPSTREAM_FLAGS or details.startswith(UPSTREAM_DETAILS):
+    if not client_left and (flags & UPSTREAM_FLAGS or details.startswith(UPSTREAM_DETAILS)):
         return Outcome(Status.ERROR, said)
     if flags & GATEWAY_FLAGS:
         return Outcome(Status.GATEWAY_ERROR, said)
+    if answered:
+        # served; a client that closed its connection before the stream's very end (read
+        # to `[DONE]`, then gone) is logged DC all the same
+        return Outcome(Status.OK, said)
     if 400 <= code < 500:
         return Outcome(Status.CLIENT_ERROR, said)
     if code >= 500:
@@ -61,4 +65,4 @@ def outcome_of(code: int, flags: frozenset[str], details: str) -> Outcome:
         # that blames the upstream is not.
         upstream = details in ("", VIA_UPSTREAM)
         return Outcome(Status.ERROR if upstream else Status.GATEWAY_ERROR, said)
-    return Outcome(Status.OK, said)
+    return Outcome(Status.OK, said)  # 3xx

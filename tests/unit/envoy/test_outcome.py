@@ -40,6 +40,8 @@ CASES = [
     (429, set(), "via_upstream", Status.CLIENT_ERROR),
     (413, set(), "request_payload_too_large", Status.CLIENT_ERROR),
     (200, set(), "via_upstream", Status.OK),
+    # served, the client closed its connection before the stream's very end
+    (200, {"DC"}, DISCONNECT, Status.OK),
     (200, set(), "", Status.OK),
 ]
 
