@@ -39,10 +39,12 @@ COMPARE_PAIRS = 3
 SLOWER_FACTOR = 2.0
 SLOWER_MARGIN_MS = 10.0
 # A probe waits at most this many of the backend's RTTs (never less than the floor, never
-# more than probes.timeout_s): a link that swallows everything is caught in well under a
-# second instead of after the whole timeout, and a loaded router's slow loop is no failure.
+# more than probes.timeout_s; the whole timeout until a first probe has answered, so a
+# slow probe path is measured, not failed): a link that swallows everything is caught in
+# about a second instead of after the whole timeout, and a loaded router's slow loop or a
+# busy engine's HTTP server is no failure.
 PROBE_TIMEOUT_RTTS = 5.0
-PROBE_TIMEOUT_FLOOR_S = 0.5
+PROBE_TIMEOUT_FLOOR_S = 1.0
 # An engine's pool this close to its profile's is the profile's (the emulated engine
 # rounds it down to whole blocks): logged, not warned of.
 POOL_TOLERANCE = 0.01
@@ -131,9 +133,10 @@ class Prober:
     def timeout_s(self, backend: str) -> float:
         """How long a probe of the backend may take (PROBE_TIMEOUT_RTTS)."""
         state = self.router.backends.get(backend)
-        rtt_s = state.rtt_ms / 1000 if state is not None else 0.0
         limit_s = self.cfg.probes.timeout_s
-        return min(limit_s, max(PROBE_TIMEOUT_FLOOR_S, PROBE_TIMEOUT_RTTS * rtt_s))
+        if state is None or not state.rtt_samples:
+            return limit_s
+        return min(limit_s, max(PROBE_TIMEOUT_FLOOR_S, PROBE_TIMEOUT_RTTS * state.rtt_ms / 1000))
 
     def cancel(self, backend: str) -> list[asyncio.Task[None]]:
         """Stop a backend's tasks: cancelled now, returned to be awaited."""
@@ -214,8 +217,6 @@ class Prober:
                 if ref_ms is not None:
                     pairs.append((rtt_ms, ref_ms))
                     self._check_path(b, path, reference, pairs)
-            if rtt_ms is None and not now_suspect:
-                continue  # one failure: ask again at once, to know sooner
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(poked.wait(), self.cfg.probes.interval_s)
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import random
+import time
 
 import aiohttp
 
@@ -70,3 +72,39 @@ async def test_each_engines_models_are_known_when_the_service_has_started() -> N
     finally:
         for e in engines:
             await e.stop()
+
+
+async def test_a_probe_into_a_silent_link_fails_after_a_few_rtts_not_the_whole_timeout() -> None:
+    """A backend that has answered probes, then accepts connections and says nothing (a
+    frozen link): its probe gives up after max(1 s, 5 RTTs), not probes.timeout_s."""
+    from ext_proc.core.build import build_router
+    from ext_proc.feeds.probe import PROBE_TIMEOUT_FLOOR_S, Prober
+
+    silent: list[asyncio.StreamWriter] = []
+
+    async def swallow(_r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        silent.append(w)  # held open, never answered
+
+    server = await asyncio.start_server(swallow, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    cfg = config_from_dict(
+        {
+            "backends": [{"id": "a", "address": f"127.0.0.1:{port}", "rtt_prior_ms": 20}],
+            "probes": {"timeout_s": 5.0, "models_interval_s": 0, "metrics_interval_s": 0},
+        }
+    )
+    router = build_router(cfg, time.monotonic, random.Random(0))
+    prober = Prober(cfg, router)
+    await prober.start()
+    try:
+        assert prober.timeout_s("a") == 5.0  # no probe has answered yet: the whole timeout
+        router.record_probe("a", 20.0)  # it had answered once
+        assert prober.timeout_s("a") == PROBE_TIMEOUT_FLOOR_S
+        start = time.monotonic()
+        assert await prober.probe_once(cfg.backends[0]) is None
+        assert PROBE_TIMEOUT_FLOOR_S - 0.05 < time.monotonic() - start < 2.0
+    finally:
+        await prober.stop()
+        server.close()
+        for w in silent:
+            w.close()
