@@ -126,6 +126,10 @@ class ClosedLoop:
     def failed(self) -> list[Timed]:
         return [d for d in self.done if not d.result.ok]
 
+    def after(self, t_s: float) -> list[Timed]:
+        """The requests that ended after t_s (monotonic)."""
+        return [d for d in self.done if d.end_s > t_s]
+
 
 def decisions_by_backend(stack: Stack) -> dict[str, float]:
     """The router's gorgo_decisions_total, summed per backend."""

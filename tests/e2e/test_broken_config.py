@@ -10,24 +10,19 @@ acceptance run is 60: `GORGO_FAULT_TRAFFIC_S=60 pytest -s -m long tests/e2e/test
 
 from __future__ import annotations
 
-import asyncio
 import os
 import shutil
 import signal
-import threading
 import time
 import urllib.error
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 
-import aiohttp
 import pytest
 
 from emulator.stack import Stack
 from emulator.supervisor import RestartPolicy
-from loadgen.client import Result, chat_body, send_chat
 from tests.e2e.conftest import FAST_ENGINE, fast_settings
-from tests.e2e.stack_harness import router_state
+from tests.e2e.stack_harness import ClosedLoop, router_state
 
 pytestmark = [pytest.mark.e2e, pytest.mark.long]
 
@@ -40,48 +35,6 @@ ENGINE_ARGS = (*FAST_ENGINE, "--set", "decode_base_ms=5")
 POLICY = RestartPolicy(max_restarts=3, backoff_max_s=2.0)
 # What a careless edit leaves: not even YAML.
 BROKEN = "listen: {grpc: 127.0.0.1:1\nbackends: [\n"
-
-
-@dataclass
-class Timed:
-    result: Result
-    start_s: float
-    end_s: float
-
-
-class Load:
-    """CLIENTS closed-loop streaming clients in a thread of their own, until stop()."""
-
-    def __init__(self, url: str) -> None:
-        self.url = url
-        self.done: list[Timed] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=lambda: asyncio.run(self._run()))
-
-    async def _run(self) -> None:
-        async with aiohttp.ClientSession() as session:
-
-            async def client(i: int) -> None:
-                n = 0
-                while not self._stop.is_set():
-                    start_s = time.monotonic()
-                    body = chat_body(f"client {i} turn {n} " * 20, 50)
-                    r = await send_chat(session, self.url, body, f"c{i}-{n}", timeout_s=30)
-                    self.done.append(Timed(r, start_s, time.monotonic()))
-                    n += 1
-
-            await asyncio.gather(*(client(i) for i in range(CLIENTS)))
-
-    def __enter__(self) -> Load:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=60)
-
-    def after(self, t_s: float) -> list[Timed]:
-        return [d for d in self.done if d.end_s > t_s]
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +79,7 @@ def test_a_router_kill_with_a_broken_config_on_disk_fails_nothing(stack: Stack) 
     log = stack.workdir / "gorgo-serve.log"
     pids = {n: p.pid for n, p in stack.procs.items() if n != "gorgo-serve"}
     poll(lambda: "warm spare" in log.read_text(), timeout_s=30, every_s=0.05)
-    with Load(stack.front_door_url) as load:
+    with ClosedLoop(stack.front_door_url, CLIENTS, 50) as load:
         poll(lambda: len(load.done) >= 4 * CLIENTS, timeout_s=20)
         before = router_state(stack)
         config.write_text(BROKEN)
@@ -175,7 +128,7 @@ def test_no_last_good_copy_either_the_router_is_retried_until_the_file_is_fixed(
     last_good = stack.workdir / "gorgo-serve.last-good.yaml"
     good = last_good.read_text() if last_good.exists() else config.read_text()
     pids = {n: p.pid for n, p in stack.procs.items() if n != "gorgo-serve"}
-    with Load(stack.front_door_url) as load:
+    with ClosedLoop(stack.front_door_url, CLIENTS, 50) as load:
         poll(lambda: len(load.done) >= 2 * CLIENTS, timeout_s=20)
         config.write_text(BROKEN)
         last_good.unlink(missing_ok=True)

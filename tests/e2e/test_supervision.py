@@ -4,25 +4,20 @@ rest of the stack keeps serving (issue 16, done-when 1)."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
-import threading
 import time
 import urllib.error
 import urllib.request
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 
-import aiohttp
 import pytest
 
 from emulator.stack import Stack
 from emulator.supervisor import RestartPolicy
-from loadgen.client import Result, chat_body, send_chat
 from tests.e2e.conftest import FAST_ENGINE, FAST_REGIONS, fast_settings
-from tests.e2e.stack_harness import router_state
+from tests.e2e.stack_harness import ClosedLoop, router_state
 
 # Long (5 s and more a test): `make test-long`, which CI runs after `make test`.
 pytestmark = [pytest.mark.e2e, pytest.mark.long]
@@ -33,49 +28,6 @@ OUTPUT_TOKENS = 200
 # ~1 s streams (200 tokens at ~5 ms a step): long enough that many are open across each
 # kill, short enough that 100 complete in a few seconds on two cores.
 ENGINE_ARGS = (*FAST_ENGINE, "--set", "decode_base_ms=5")
-
-
-@dataclass
-class Timed:
-    result: Result
-    start_s: float  # monotonic, the clock the supervisor's restarts are stamped with
-    end_s: float
-
-
-class Load:
-    """CLIENTS closed-loop streaming clients in a thread of their own, until stop()."""
-
-    def __init__(self, url: str) -> None:
-        self.url = url
-        self.done: list[Timed] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=lambda: asyncio.run(self._run()))
-
-    async def _run(self) -> None:
-        connector = aiohttp.TCPConnector(limit=CLIENTS)
-        async with aiohttp.ClientSession(connector=connector) as session:
-
-            async def client(i: int) -> None:
-                n = 0
-                while not self._stop.is_set():
-                    start_s = time.monotonic()
-                    body = chat_body(f"client {i} turn {n} " * 20, OUTPUT_TOKENS)
-                    r = await send_chat(session, self.url, body, f"c{i}-{n}", timeout_s=30)
-                    self.done.append(Timed(r, start_s, time.monotonic()))
-                    n += 1
-
-            await asyncio.gather(*(client(i) for i in range(CLIENTS)))
-
-    def __enter__(self) -> Load:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=60)
-
-    def completed_after(self, t_s: float) -> int:
-        return sum(1 for d in self.done if d.end_s > t_s)
 
 
 @pytest.fixture(scope="module")  # one stack for both kills: it heals in between
@@ -130,7 +82,7 @@ def test_router_kill_9_under_load_fails_nothing_and_routing_resumes_within_2_s(
     # dying within its first seconds restarts cold: a Python start-up more)
     log = stack.workdir / "gorgo-serve.log"
     poll(lambda: "warm spare" in log.read_text(), timeout_s=30, every_s=0.05)
-    with Load(stack.front_door_url) as load:
+    with ClosedLoop(stack.front_door_url, CLIENTS, OUTPUT_TOKENS) as load:
         poll(lambda: len(load.done) >= CLIENTS, timeout_s=20, every_s=0.05)  # warmed up
         killed_s = time.monotonic()
         os.kill(stack.procs["gorgo-serve"].pid, signal.SIGKILL)
@@ -138,7 +90,7 @@ def test_router_kill_9_under_load_fails_nothing_and_routing_resumes_within_2_s(
         healthy_s = poll(lambda: ok(f"{stack.admin_url}/healthz"), timeout_s=30)
         routed_s = poll(lambda: decisions(stack) > 0, timeout_s=10)
         # keep the load on until 100 requests have completed since the kill
-        poll(lambda: load.completed_after(killed_s) >= 100, timeout_s=30, every_s=0.05)
+        poll(lambda: len(load.after(killed_s)) >= 100, timeout_s=30, every_s=0.05)
     across = [d for d in load.done if d.end_s > killed_s]
     failed = [d.result.error for d in across if not d.result.ok]
     open_at_kill = sum(1 for d in across if d.start_s < killed_s)
@@ -162,7 +114,7 @@ def test_engine_kill_9_under_load_fails_no_request_sent_after_it_and_it_comes_ba
     stack: Stack,
 ) -> None:
     name = f"engine-{ASHBURN}"
-    with Load(stack.front_door_url) as load:
+    with ClosedLoop(stack.front_door_url, CLIENTS, OUTPUT_TOKENS) as load:
         poll(lambda: len(load.done) >= CLIENTS, timeout_s=20, every_s=0.05)
         poll(lambda: any(d.result.backend == ASHBURN for d in load.done), timeout_s=10)
         killed_s = time.monotonic()
@@ -176,7 +128,7 @@ def test_engine_kill_9_under_load_fails_no_request_sent_after_it_and_it_comes_ba
             )
 
         back_s = poll(served_by_it_since_restart, timeout_s=20, every_s=0.05)
-        poll(lambda: load.completed_after(back_s) >= CLIENTS, timeout_s=20, every_s=0.05)
+        poll(lambda: len(load.after(back_s)) >= CLIENTS, timeout_s=20, every_s=0.05)
     across = [d for d in load.done if d.end_s > killed_s]
     open_at_kill = [d for d in across if d.start_s < killed_s]
     sent_after = [d for d in across if d.start_s >= killed_s]
