@@ -50,7 +50,7 @@ up: venv
 test: venv
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
-# The end-to-end tests of 5 s or more (kills under load, probe phases): ~3 min; CI runs them
+# The end-to-end tests of 5 s or more (kills under load, probe phases): ~4 min; CI runs them
 # after `make test`.
 test-long: venv
 	$(PY) -m pytest -q -m long $(PYTEST_ARGS)
