@@ -15,7 +15,7 @@ from typing import Any
 
 from emulator.up_cli import add_up_command
 from ext_proc.cli import Commands
-from ext_proc.config.fields import ConfigError, split_host_port
+from ext_proc.vocab.params import ConfigError, split_host_port
 
 TOKENIZER_HELP = (
     "tiny (the default): the tiny model's byte-level BPE and ChatML template (the real-vLLM "

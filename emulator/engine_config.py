@@ -10,9 +10,10 @@ from typing import Any
 
 from emulator.kv_publisher import KvEventsConfig
 from emulator.lora import DEFAULT_MAX_LORAS, LoraAdapters, LoraModule, check_slowdown
-from ext_proc.estimate.profile import DEFAULT_PROFILE, EngineProfile, load_profile
+from ext_proc.estimate.profile import EngineProfile, load_profile
 from ext_proc.prompt.chat_template import ChatTemplate
 from ext_proc.prompt.tokens import APPROX, Tokenizer
+from ext_proc.vocab.backend import DEFAULT_PROFILE
 
 SGLANG, VLLM = "sglang", "vllm"
 FLAVORS = (SGLANG, VLLM)

@@ -31,8 +31,6 @@ from functools import lru_cache
 from pathlib import Path
 
 from emulator.vllm import TINY_MODEL
-from ext_proc.config.fields import ConfigError
-from ext_proc.config.schema import TokenizerConfig
 from ext_proc.prompt.chat_template import (
     TOKENIZER_CONFIG,
     ChatTemplate,
@@ -40,6 +38,7 @@ from ext_proc.prompt.chat_template import (
     load_chat_template,
 )
 from ext_proc.prompt.engine_tokens import PromptCache, check_tokenizer_files, template_path
+from ext_proc.prompt.tokenizer_config import TokenizerConfig
 from ext_proc.prompt.tokens import (
     APPROX,
     HfTokenizer,
@@ -47,6 +46,7 @@ from ext_proc.prompt.tokens import (
     Tokenizer,
     block_hashes_of_ids,
 )
+from ext_proc.vocab.params import ConfigError
 
 TINY, APPROX_SPEC = "tiny", "approx"
 TOKENIZER_JSON = "tokenizer.json"

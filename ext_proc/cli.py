@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Any
 
-from ext_proc.config.fields import ConfigError
 from ext_proc.config.load import load_config
+from ext_proc.vocab.params import ConfigError
 
 ENTRY_POINT_GROUP = "gorgo.commands"
 log = logging.getLogger("gorgo.cli")

@@ -28,14 +28,14 @@ import numpy as np
 
 from emulator.tokenizer import TOKENIZER_JSON, tiny_tokenizer_dir
 from ext_proc.config.load import config_from_dict
-from ext_proc.config.schema import TokenizerConfig
 from ext_proc.core.build import build_router
 from ext_proc.core.router import Router
-from ext_proc.core.types import RouteRequest, Status
 from ext_proc.prompt.engine_tokens import EngineTokenizer, PromptCache, PromptTokenizer
 from ext_proc.prompt.engine_tokens import load_engine_tokenizer as _load_engine_tokenizer
 from ext_proc.prompt.parse import CHAT, parse_body
+from ext_proc.prompt.tokenizer_config import TokenizerConfig
 from ext_proc.service.app import GC_GEN0_THRESHOLD
+from ext_proc.vocab.types import RouteRequest, Status
 from loadgen.client import percentile
 
 # Targets from the issue (p99, decide only).

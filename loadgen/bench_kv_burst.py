@@ -8,7 +8,7 @@ and run on the router's event loop, as the gRPC servicer's do: `Router.decide` o
 32k-token prompt, timed from its scheduled arrival to its end, so a loop held by anything
 else counts. Measured with no events arriving and, in turns, while 32k-token prompts'
 bursts (~32k events, ~3.7 MB each) are applied through the real subscriber
-(ext_proc/feeds/kv_client.py), with the collector set as the service sets it (one burst
+(ext_proc/service/loops/kv_client.py), with the collector set as the service sets it (one burst
 first, unmeasured: the collector's first full pass after the start-up freeze happens once
 in a service's life). Prints p50/p99/max of both, what the burst adds and the ratio.
 Target: the burst adds < 5 ms to any decision (judged at p99; the max is one sample, at
@@ -29,9 +29,9 @@ from emulator.kv_publisher import KvEventPublisher, KvEventsConfig, stored_event
 from ext_proc.config.load import config_from_dict
 from ext_proc.core.build import build_router
 from ext_proc.core.router import Router
-from ext_proc.core.types import RouteRequest, Status
-from ext_proc.feeds.kv_client import KvEventClients
 from ext_proc.prompt.parse import CHAT, parse_body
+from ext_proc.service.loops.kv_client import KvEventClients
+from ext_proc.vocab.types import RouteRequest, Status
 from loadgen.bench_decide import _body, _freeze_gc, _text
 from loadgen.client import percentile
 

@@ -24,11 +24,11 @@ from collections.abc import Callable
 
 from ext_proc.config.load import config_from_dict
 from ext_proc.core.build import build_router
-from ext_proc.core.types import RouteRequest
 from ext_proc.estimate.engine_index import EngineBlocks
 from ext_proc.feeds.kv_events import BlockStored, EventBatch, KvEvent
 from ext_proc.prompt.parse import COMPLETIONS, parse_body
 from ext_proc.prompt.tokens import TokenIds
+from ext_proc.vocab.types import RouteRequest
 
 PAGE = 1  # SGLang's default page size
 

@@ -28,10 +28,10 @@ import aiohttp
 from aiohttp import web
 
 from emulator.stack.ports import free_ports
-from ext_proc.core.types import RouteRequest, Status
 from ext_proc.prompt.parse import CHAT, parse_body
 from ext_proc.service.admin import make_admin_app
 from ext_proc.service.operator_page import feed
+from ext_proc.vocab.types import RouteRequest, Status
 from loadgen import bench_decide, bench_load, bench_overhead
 from loadgen.browser import Browser
 from loadgen.client import chat_body, closed_loop, percentile

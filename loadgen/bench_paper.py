@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from ext_proc.core.types import Weights
+from ext_proc.vocab.types import Weights
 from loadgen.results import summarize
 from loadgen.sim_cli import run_simulations
 from loadgen.simulate import SimSettings, simulate

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ext_proc.core.types import Weights
+from ext_proc.vocab.types import Weights
 from loadgen.bench_live import parity_block
 from loadgen.bench_paper import paper_section
 from loadgen.bench_regime import RegimeChange

@@ -61,7 +61,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ext_proc.estimate.profile import DEFAULT_PROFILE
+from ext_proc.vocab.backend import DEFAULT_PROFILE
 from loadgen.bench_floors import burst_floor_ttfts_ms, clairvoyant_greedy_ttfts_ms, floor_ttfts_ms
 from loadgen.bench_results import POLICIES
 from loadgen.protocol import PRESETS

@@ -8,7 +8,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ext_proc.common.files import write_atomic
-from ext_proc.estimate.profile import DEFAULT_PROFILE, load_profile
+from ext_proc.estimate.profile import load_profile
+from ext_proc.vocab.backend import DEFAULT_PROFILE
 from loadgen.bench_target import (
     BASELINES,
     TARGET_E2E,

@@ -25,8 +25,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ext_proc.core.router import Router
-from ext_proc.core.types import Weights
 from ext_proc.learn.settings import PAIRED, TunerSettings
+from ext_proc.vocab.types import Weights
 from loadgen.bench_regime import PAPER_REGIME_VENUES, RegimeChange, regime_run
 from loadgen.bench_tuner import static_run
 from loadgen.protocol import PAPER

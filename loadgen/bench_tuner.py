@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 
 from ext_proc.core.router import Router
-from ext_proc.core.types import Weights
 from ext_proc.learn.settings import PAIRED, TunerSettings
+from ext_proc.vocab.types import Weights
 from loadgen.results import RequestResult, summarize
 from loadgen.simulate import SimSettings, simulate
 from loadgen.traces import TraceRequest

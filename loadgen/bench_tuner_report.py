@@ -10,8 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from ext_proc.core.types import Weights
 from ext_proc.learn.settings import TunerSettings
+from ext_proc.vocab.types import Weights
 from loadgen.bench_regime import (
     PAPER_REGIME_VENUES,
     REGIME_TARGET,

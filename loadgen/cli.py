@@ -9,7 +9,7 @@ import argparse
 import sys
 
 from ext_proc.cli import Commands
-from ext_proc.estimate.profile import DEFAULT_PROFILE
+from ext_proc.vocab.backend import DEFAULT_PROFILE
 
 # The conversation trace beside the checkout (shared/ sits next to the project).
 DEFAULT_TRACE = "../shared/traces/mooncake-fast25/conversation_trace.jsonl"

@@ -35,11 +35,13 @@ from ext_proc.config.load import config_from_dict
 from ext_proc.config.schema import Config
 from ext_proc.core.build import build_router
 from ext_proc.core.router import Router
-from ext_proc.core.types import Refusal, RouteRequest, Status
-from ext_proc.estimate.profile import DEFAULT_PROFILE, load_profile
+from ext_proc.estimate.profile import load_profile
 from ext_proc.feeds.engine_metrics import EngineReport
 from ext_proc.feeds.peers import PeerEvent, PeerPublisher
-from ext_proc.prompt.parse import COMPLETIONS, LlmRequest
+from ext_proc.prompt.parse import COMPLETIONS
+from ext_proc.vocab.backend import DEFAULT_PROFILE
+from ext_proc.vocab.request import LlmRequest
+from ext_proc.vocab.types import Refusal, RouteRequest, Status
 from loadgen.concurrency import Admitted, ConcurrencyCap
 from loadgen.protocol import OPEN, Protocol
 from loadgen.results import RequestResult

@@ -10,14 +10,14 @@ from collections.abc import Iterable, Mapping, Sequence
 from ext_proc.config.load import config_from_dict
 from ext_proc.config.schema import Config
 from ext_proc.core.build import build_router
-from ext_proc.core.events import Dispatched, Listener
 from ext_proc.core.router import Router
-from ext_proc.core.types import RouteRequest
 from ext_proc.envoy import codec
 from ext_proc.envoy.encoders import decision_encoder
 from ext_proc.envoy.sessions import Session, open_session
 from ext_proc.feeds.peers import PeerEvent, PeerKind
 from ext_proc.prompt.parse import CHAT, parse_body
+from ext_proc.vocab.events import Dispatched, Listener
+from ext_proc.vocab.types import RouteRequest
 from tests.fakes import FakeClock
 
 # The default fleet: three backends at the default RTT prior.

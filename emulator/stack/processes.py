@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import IO
 
 from emulator.stack.settings import StackSettings
-from ext_proc.estimate.profile import DEFAULT_PROFILE, load_profile
+from ext_proc.estimate.profile import load_profile
+from ext_proc.vocab.backend import DEFAULT_PROFILE
 
 
 class StackError(RuntimeError):

@@ -1,3 +1,3 @@
 """Leaves every step may import: header, span and metric names, small asyncio and file
-helpers. Imports nothing of the router.
+helpers. May import: nothing of the router.
 """

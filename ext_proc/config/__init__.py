@@ -1,4 +1,4 @@
-"""The config: its schema (a leaf), how it is loaded and checked, and how it is written
-back and compared on reload. May import: common, estimate.profile (the profiles' names),
-prompt (checks a configured tokenizer), policy (decodes `policies.<name>`).
+"""The config: its schema, how it is loaded and checked (strict decoding, checks across
+fields, each policy's parameters, each profile and tokenizer named), and how it is written
+back and compared on reload. May import: vocab, prompt, estimate, policy.
 """

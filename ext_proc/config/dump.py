@@ -7,7 +7,8 @@ import enum
 from collections.abc import Mapping
 from typing import Any
 
-from ext_proc.config.schema import Backend, Config
+from ext_proc.config.schema import Config
+from ext_proc.vocab.backend import Backend
 
 
 def _plain(value: Any) -> Any:

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ext_proc.config.fields import ConfigError, split_host_port
-from ext_proc.config.schema import Backend, KvEventsMode
+from ext_proc.vocab.backend import Backend, KvEventsMode
+from ext_proc.vocab.params import ConfigError, split_host_port
 
 TCP = "tcp://"
 # Hosts that are every interface of a machine: something to bind, nothing to connect to.

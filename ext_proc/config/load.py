@@ -17,12 +17,13 @@ from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
-from ext_proc.config.fields import ConfigError, split_host_port
 from ext_proc.config.kv_endpoints import validate_distinct_binds, validate_kv_events
-from ext_proc.config.schema import Backend, Config, TelemetryConfig
+from ext_proc.config.schema import Config, TelemetryConfig
 from ext_proc.estimate.profile import load_profile
 from ext_proc.policy.catalog import POLICIES
 from ext_proc.prompt.engine_tokens import load_engine_tokenizer
+from ext_proc.vocab.backend import Backend
+from ext_proc.vocab.params import ConfigError, split_host_port
 
 # What a backend id may be: it names an Envoy cluster and a routing header's value.
 _BACKEND_ID = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")

@@ -11,9 +11,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ext_proc.config.fields import NON_NEGATIVE, POSITIVE, bounded
 from ext_proc.config.transport import EnvoySettings, Listen
-from ext_proc.estimate.profile import DEFAULT_PROFILE
+from ext_proc.prompt.tokenizer_config import TokenizerConfig
+from ext_proc.vocab.backend import Backend, EngineKind
+from ext_proc.vocab.params import NON_NEGATIVE, POSITIVE, bounded
 
 
 class TunerMode(enum.StrEnum):
@@ -42,13 +43,6 @@ class TunerArmKey(enum.StrEnum):
     SESSION = "session"
 
 
-class EngineKind(enum.StrEnum):
-    """Which engine serves a backend: what its probe path and metrics are."""
-
-    SGLANG = "sglang"
-    VLLM = "vllm"
-
-
 # A path each engine answers without work, the default RTT probe: SGLang's /health runs a
 # one-token generation (python/sglang/srt/entrypoints/http_server.py, unless
 # SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION is false), so it would time the engine's queue;
@@ -62,56 +56,6 @@ class UnreadableBody(enum.StrEnum):
     ROUTE = "route"
     # Answer 400 with a JSON error naming the problem, without loading a backend.
     REJECT = "reject"
-
-
-class KvEventsMode(enum.StrEnum):
-    # The engine binds (its endpoint has `*`: SGLang's and vLLM's kv_events.py,
-    # _socket_setup); the router connects: any number of routers can.
-    CONNECT = "connect"
-    # The engine connects to this router's address, which the router binds: one router.
-    BIND = "bind"
-
-
-@dataclass(frozen=True)
-class KvEventsSource:
-    """Where a backend's engine publishes its KV cache events (its --kv-events-config)."""
-
-    # tcp://HOST:PORT, the router's side of the stream: what it connects to (the engine's
-    # publisher as the router reaches it, any host and port: a proxy's, a WAN link's; `*`
-    # = the host of `address`), or with mode bind what it binds (`*` = every interface).
-    # "" = no events: the router's own estimate serves this backend.
-    endpoint: str = ""
-    mode: KvEventsMode = KvEventsMode.CONNECT
-    topic: str = ""
-    # The engine's replay endpoint (a ROUTER it always binds), to fetch what a gap lost:
-    # the router connects (`*` = the host of `address`); "" = none (reset).
-    replay_endpoint: str = ""
-    # The engine's data-parallel ranks: each publishes on its own port, the endpoint's
-    # (and the replay endpoint's) port + its rank, with its own sequence (SGLang's and
-    # vLLM's kv_events.py, offset_endpoint_port). 1 = no data parallelism.
-    dp_ranks: int = bounded(1, ge=1, le=256)
-
-
-@dataclass(frozen=True)
-class Backend:
-    # Backend id = Envoy cluster name = value of the routing header.
-    id: str
-    # host:port where Envoy reaches this backend's engine (through its WAN link locally).
-    address: str
-    region: str = ""
-    # The engine behind it (sglang or vllm): its probe path and metric names.
-    engine: EngineKind = EngineKind.SGLANG
-    # RTT assumed until the first probe answers (ms).
-    rtt_prior_ms: float = bounded(50.0, **NON_NEGATIVE)
-    # Engine profile (ext_proc/estimate/profiles/NAME.yaml or a file): turns tokens into ms.
-    engine_profile: str = DEFAULT_PROFILE
-    # KV cache the prefix index mirrors for this backend; 0 = the profile's KV pool.
-    kv_capacity_tokens: int = bounded(0, **NON_NEGATIVE)
-    # The engine's KV cache events: with them, what the engine really holds.
-    kv_events: KvEventsSource = field(default_factory=KvEventsSource)
-    # The models (and LoRA adapters) it may be sent: empty = what its engine lists on
-    # /v1/models (discovered); set = only these, of what it lists once discovery answers.
-    models: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -217,26 +161,6 @@ class TelemetryConfig:
     # Where the page links a decision's trace: a URL with {trace_id}, for example Jaeger's
     # http://127.0.0.1:16686/trace/{trace_id} ("" = the trace id is shown, not linked).
     trace_url: str = ""
-
-
-@dataclass(frozen=True)
-class TokenizerConfig:
-    """How the router tokenizes prompts. Empty: 4 UTF-8 bytes per token (no file needed;
-    ext_proc/prompt/tokens.py). Set: as the engines do (ext_proc/prompt/engine_tokens.py), so prompt
-    lengths are real and precise prefix state matches the engines' own token ids."""
-
-    # The engine's tokenizer.json (a local file; nothing is downloaded).
-    path: str = ""
-    # The chat template: a Jinja file, or a tokenizer_config.json carrying chat_template;
-    # "" = the tokenizer_config.json beside `path`.
-    chat_template: str = ""
-    # Earlier prompts remembered (text and token ids) so a conversation's next turn
-    # tokenizes only its new messages (0 = tokenize every prompt whole). About one entry
-    # per conversation active now: 512 covers ~5 new turns a second with 100 s between a
-    # conversation's turns. An entry costs ~20 bytes per token (the ids twice: a tuple and
-    # packed for hashing; the text) besides the int objects, which a conversation's
-    # entries share: ~650 KB for a 32k-token prompt, 330 MB if all 512 were that long.
-    cache_entries: int = bounded(512, **NON_NEGATIVE)
 
 
 @dataclass(frozen=True)

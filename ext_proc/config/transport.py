@@ -7,7 +7,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from ext_proc.config.fields import NON_NEGATIVE, POSITIVE, bounded
+from ext_proc.vocab.params import NON_NEGATIVE, POSITIVE, bounded
 
 
 class EnvoyMode(enum.StrEnum):

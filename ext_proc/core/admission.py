@@ -13,11 +13,12 @@ from __future__ import annotations
 import zlib
 from collections.abc import Iterable, Sequence
 
-from ext_proc.config.schema import EngineKind, ModelAlias
+from ext_proc.config.schema import ModelAlias
 from ext_proc.core.backend import BackendState
 from ext_proc.core.state import FleetState
-from ext_proc.core.types import BackendLifecycle, Refusal
-from ext_proc.prompt.parse import LlmRequest
+from ext_proc.vocab.backend import EngineKind
+from ext_proc.vocab.request import LlmRequest
+from ext_proc.vocab.types import BackendLifecycle, Refusal
 
 # Retry-After of a model whose backends are all draining or pending (none comes back by
 # itself on a timer): about a probe round and a models read.

@@ -12,8 +12,6 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from ext_proc.config.schema import Backend
-from ext_proc.core.types import BackendLifecycle, InFlight
 from ext_proc.estimate.cost import PrefillModel
 from ext_proc.estimate.engine_index import EngineBlocks
 from ext_proc.estimate.latency_error import LatencyStats
@@ -23,6 +21,8 @@ from ext_proc.estimate.prefix import PrefixCache
 from ext_proc.estimate.profile import EngineProfile
 from ext_proc.feeds.engine_metrics import EngineReport
 from ext_proc.feeds.served_models import ServedModels
+from ext_proc.vocab.backend import Backend
+from ext_proc.vocab.types import BackendLifecycle, InFlight
 
 # How many recent TTFT/E2E samples /state shows per backend.
 RECENT_SAMPLES = 16

@@ -7,13 +7,13 @@ from collections.abc import Callable, Iterable
 from dataclasses import replace
 
 from ext_proc.config.schema import Config, TunerMode
-from ext_proc.core.events import Listener
 from ext_proc.core.router import Router
-from ext_proc.core.types import Weights
 from ext_proc.learn.settings import StateSink, TunerSettings, TunerState
 from ext_proc.learn.tuner import Tuner
 from ext_proc.policy.base import PolicyInfo
 from ext_proc.policy.catalog import make_policy, policy_info, policy_params
+from ext_proc.vocab.events import Listener
+from ext_proc.vocab.types import Weights
 
 
 def tuner_settings(cfg: Config, info: PolicyInfo) -> TunerSettings:

@@ -8,8 +8,8 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
-from ext_proc.core.events import Closed, Listener
-from ext_proc.core.types import Decision
+from ext_proc.vocab.events import Closed, Listener
+from ext_proc.vocab.types import Decision
 
 
 class Entry:

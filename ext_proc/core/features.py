@@ -16,7 +16,6 @@ from ext_proc.config.schema import Routing
 from ext_proc.core.admission import fits_context, serving
 from ext_proc.core.backend import BackendState
 from ext_proc.core.fleet import Fleet
-from ext_proc.core.types import BackendLifecycle, Candidate, InFlight, PrefixState, RouteRequest
 from ext_proc.estimate.chain import chain_keys
 from ext_proc.estimate.cost import (
     KV_HEADROOM_MARGIN,
@@ -28,6 +27,7 @@ from ext_proc.estimate.cost import (
 from ext_proc.estimate.prefix import Hashes, as_hashes, leading_true
 from ext_proc.feeds.engine_metrics import EngineReport
 from ext_proc.prompt.tokens import APPROX, block_hashes_of_ids
+from ext_proc.vocab.types import BackendLifecycle, Candidate, InFlight, PrefixState, RouteRequest
 
 # How long after its first token a request is surely in the engine's next load report: a
 # scrape's own delay, the gauges' update.

@@ -17,11 +17,9 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ext_proc.config.dump import backend_as_dict
-from ext_proc.config.schema import Backend, Config
+from ext_proc.config.schema import Config
 from ext_proc.core.backend import BackendState, TokenCheck
-from ext_proc.core.events import BackendChanged
 from ext_proc.core.state import FleetState
-from ext_proc.core.types import BackendChange, BackendLifecycle
 from ext_proc.estimate.cost import PrefillModel
 from ext_proc.estimate.engine_index import EngineBlocks
 from ext_proc.estimate.latency_error import LatencyStats
@@ -29,6 +27,9 @@ from ext_proc.estimate.latency_model import LatencyModel
 from ext_proc.estimate.prediction import PredictionStats
 from ext_proc.estimate.prefix import PrefixCache
 from ext_proc.estimate.profile import load_profile
+from ext_proc.vocab.backend import Backend
+from ext_proc.vocab.events import BackendChanged
+from ext_proc.vocab.types import BackendChange, BackendLifecycle
 
 # How many removed backends /state and the lifecycle metric still show.
 RECENT_REMOVED = 16

@@ -7,12 +7,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from ext_proc.core.fleet import Fleet
-from ext_proc.core.types import InFlight
 from ext_proc.estimate.engine_index import Applied, EngineBlocks
 from ext_proc.feeds.engine_metrics import EngineReport
 from ext_proc.feeds.kv_events import EventBatch
 from ext_proc.feeds.peers import PeerEvent, PeerKind
 from ext_proc.feeds.served_models import ServedModels
+from ext_proc.vocab.types import InFlight
 
 
 class RouterInputs:

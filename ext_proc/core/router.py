@@ -22,7 +22,6 @@ from ext_proc.core import views
 from ext_proc.core.admission import context_refusal, fleet_models, model_refusal, served_name
 from ext_proc.core.backend import BackendState
 from ext_proc.core.decision_log import DecisionLog
-from ext_proc.core.events import BackendChanged, Closed, Dispatched, FirstByte, Listener
 from ext_proc.core.features import (
     Features,
     first_byte_deadline_ms,
@@ -32,7 +31,18 @@ from ext_proc.core.features import (
 )
 from ext_proc.core.fleet import Fleet, FleetControls
 from ext_proc.core.inputs import RouterInputs
-from ext_proc.core.types import (
+from ext_proc.core.learners import (
+    Ejector,
+    PredictionLearner,
+    PrefixLearner,
+    SpeedLearner,
+    TunerLearner,
+)
+from ext_proc.estimate.prefix import Hashes
+from ext_proc.learn.tuner import Tuner
+from ext_proc.vocab.events import BackendChanged, Closed, Dispatched, FirstByte, Listener
+from ext_proc.vocab.policy import Policy
+from ext_proc.vocab.types import (
     Candidate,
     Decision,
     InFlight,
@@ -42,16 +52,6 @@ from ext_proc.core.types import (
     Status,
     Weights,
 )
-from ext_proc.estimate.prefix import Hashes
-from ext_proc.learn.learners import (
-    Ejector,
-    PredictionLearner,
-    PrefixLearner,
-    SpeedLearner,
-    TunerLearner,
-)
-from ext_proc.learn.tuner import Tuner
-from ext_proc.policy.base import Policy
 
 log = logging.getLogger("gorgo.router")
 

@@ -12,10 +12,10 @@ from collections import OrderedDict, deque
 from collections.abc import Iterator, Mapping
 
 from ext_proc.core.backend import BackendState
-from ext_proc.core.types import InFlight, Status
 from ext_proc.estimate.profile import EngineProfile
 from ext_proc.feeds.engine_metrics import EngineReport
 from ext_proc.feeds.served_models import ServedModels
+from ext_proc.vocab.types import InFlight, Status
 
 # Weight of a new dispatch in a backend's mean prefill estimate (prices engine-reported
 # queue lengths): about the last 20 requests.

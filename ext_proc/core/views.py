@@ -10,8 +10,8 @@ from typing import Any
 from ext_proc.core.backend import BackendState
 from ext_proc.core.decision_log import DecisionLog
 from ext_proc.core.features import Features, prefix_state
-from ext_proc.core.types import Weights
 from ext_proc.learn.tuner import Tuner
+from ext_proc.vocab.types import Weights
 
 # How many of the recent decisions /state shows (the operator's page shows them all).
 STATE_DECISIONS = 8

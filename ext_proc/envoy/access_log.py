@@ -14,11 +14,10 @@ from ext_proc.common.names import (
     ROUTE_FALLBACK,
 )
 from ext_proc.core.router import Router
-from ext_proc.core.types import Status
 from ext_proc.envoy import codec
 from ext_proc.envoy.outcome import outcome_of
 from ext_proc.feeds.peers import PeerEvent, PeerKind
-from ext_proc.service.telemetry import Telemetry
+from ext_proc.vocab.types import Status
 
 log = logging.getLogger("gorgo.access_log")
 
@@ -28,7 +27,7 @@ COMPLETION_GRACE_S = 0.25
 
 
 # Hands what this router saw of another router's request to the router that decided it
-# (ext_proc.feeds.fleet_bus.FleetBus.forward; None: a single router).
+# (ext_proc.service.loops.fleet_bus.FleetBus.forward; None: a single router).
 Forward = Callable[[PeerEvent], None]
 
 
@@ -73,9 +72,16 @@ class AccessLogService:
     (killed, restarted): the requests it carried will never be reported, and are closed
     as lost at once instead of loading their backends' queues until they expire."""
 
-    def __init__(self, router: Router, telemetry: Telemetry, forward: Forward | None = None):
+    def __init__(
+        self,
+        router: Router,
+        on_fallback: Callable[[str], None] | None = None,
+        forward: Forward | None = None,
+    ):
+        """`on_fallback`: told of each request a backend served by Envoy's fallback route
+        (telemetry counts them)."""
         self.router = router
-        self.telemetry = telemetry
+        self.on_fallback = on_fallback
         self.forward = forward
         # The open streams' Envoy node ids (one entry per stream).
         self.streams: list[str] = []
@@ -143,6 +149,7 @@ class AccessLogService:
             return
         if e.route_name == ROUTE_FALLBACK:
             self.router.record_fallback(e.backend)
-            self.telemetry.fallback(e.backend)
+            if self.on_fallback is not None:
+                self.on_fallback(e.backend)
         elif self.forward is not None:  # routed, by another router: its to learn from
             self.forward(completed_event(e))

@@ -17,7 +17,6 @@ from ext_proc.common.names import (
     ROUTE_GORGO,
     ROUTING_HEADERS,
 )
-from ext_proc.config.fields import ConfigError, split_host_port
 from ext_proc.config.schema import Config
 from ext_proc.envoy.clusters import (
     API,
@@ -36,6 +35,7 @@ from ext_proc.envoy.clusters import (
     xds_path,
 )
 from ext_proc.envoy.filters import access_log, ext_proc_filters, node_id
+from ext_proc.vocab.params import ConfigError, split_host_port
 
 
 def _retry_policy(cfg: Config, other_priorities: bool) -> dict[str, Any]:

@@ -14,8 +14,9 @@ from ext_proc.common.names import (
     HEADER_GATEWAY_ENDPOINT,
     LB_METADATA_NAMESPACE,
 )
-from ext_proc.config.fields import split_host_port
-from ext_proc.config.schema import Backend, Config
+from ext_proc.config.schema import Config
+from ext_proc.vocab.backend import Backend
+from ext_proc.vocab.params import split_host_port
 
 EXT_PROC_CLUSTER = "gorgo_ext_proc"
 FALLBACK_CLUSTER = "gorgo_fallback"

@@ -14,10 +14,11 @@ from ext_proc.common.names import (
     HEADER_REQUEST_ID,
     LB_METADATA_NAMESPACE,
 )
-from ext_proc.config.schema import Backend, Config
+from ext_proc.config.schema import Config
 from ext_proc.config.transport import EnvoyMode
-from ext_proc.core.types import Decision
 from ext_proc.envoy import codec
+from ext_proc.vocab.backend import Backend
+from ext_proc.vocab.types import Decision
 
 
 class ClusterHeaderEncoder:

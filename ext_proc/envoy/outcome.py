@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ext_proc.core.types import Status
+from ext_proc.vocab.types import Status
 
 # The client ended it: disconnected, reset its stream, or spoke bad HTTP.
 CLIENT_FLAGS = frozenset({"DC", "DR", "DPE"})

@@ -16,7 +16,7 @@ both (a mesh's own settings) works too: the stream stays open until the first ch
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
@@ -28,7 +28,6 @@ from ext_proc.envoy.access_log import AccessLogService, Forward
 from ext_proc.envoy.encoders import DecisionEncoder, decision_encoder
 from ext_proc.envoy.sessions import RoutingSession, Session, open_session
 from ext_proc.prompt.engine_tokens import PromptTokenizer
-from ext_proc.service.telemetry import Telemetry
 
 # gRPC metadata keys that carry Envoy's trace context.
 TRACE_KEYS = ("traceparent", "tracestate")
@@ -98,12 +97,12 @@ class ExtProcService:
 def add_services(
     server: grpc.aio.Server,
     router: Router,
-    telemetry: Telemetry,
+    on_fallback: Callable[[str], None] | None = None,
     tokens: PromptTokenizer | None = None,
     forward: Forward | None = None,
 ) -> tuple[ExtProcService, AccessLogService]:
     """`forward`: hands what this router saw of another's request to it (FleetBus)."""
-    access_log = AccessLogService(router, telemetry, forward)
+    access_log = AccessLogService(router, on_fallback, forward)
     ext_proc = ExtProcService(router, decision_encoder(router.cfg), tokens, forward)
     server.add_generic_rpc_handlers(
         (

@@ -18,13 +18,11 @@ from ext_proc.common.names import HEADER_REQUEST_ID, HEADER_SESSION
 from ext_proc.config.schema import UnreadableBody
 from ext_proc.core.features import NoActiveBackend
 from ext_proc.core.router import Router
-from ext_proc.core.types import Decision, RouteRequest, Status
 from ext_proc.envoy import codec
 from ext_proc.envoy.access_log import Forward, first_chunk_event
 from ext_proc.envoy.encoders import DecisionEncoder
 from ext_proc.prompt.engine_tokens import PromptTokenizer
 from ext_proc.prompt.parse import (
-    LlmRequest,
     ParseError,
     api_for_path,
     is_error_event,
@@ -32,6 +30,8 @@ from ext_proc.prompt.parse import (
     route_path,
     with_model,
 )
+from ext_proc.vocab.request import LlmRequest
+from ext_proc.vocab.types import Decision, RouteRequest, Status
 
 log = logging.getLogger("gorgo.server")
 

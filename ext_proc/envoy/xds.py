@@ -29,7 +29,6 @@ from typing import Any
 import yaml
 
 from ext_proc.common.files import write_atomic
-from ext_proc.config.fields import split_host_port
 from ext_proc.config.schema import Config
 from ext_proc.envoy.clusters import (
     CDS_FILE,
@@ -39,6 +38,7 @@ from ext_proc.envoy.clusters import (
     file_config_source,
     xds_path,
 )
+from ext_proc.vocab.params import split_host_port
 
 _CLUSTER_TYPE = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
 _ASSIGNMENT_TYPE = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ext_proc.core.types import Weights
 from ext_proc.estimate.profile import EngineProfile
+from ext_proc.vocab.types import Weights
 
 
 def time_cost_ms(w: Weights, rtt_ms: float, queue_ms: float, prefill_ms: float) -> float:

@@ -15,8 +15,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ext_proc.core.events import Closed
-from ext_proc.core.types import Status
+from ext_proc.vocab.events import Closed
+from ext_proc.vocab.types import Status
 
 # The window of /state's and the metrics' figures per backend: the last 128 completions
 # there, a few minutes of one backend's traffic, so a backend that changes shows within

@@ -13,8 +13,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from ext_proc.core.events import Closed
-from ext_proc.core.types import PrefixState, Status
+from ext_proc.vocab.events import Closed
+from ext_proc.vocab.types import PrefixState, Status
 
 # /state's mean is over the last 128 reports per backend and prefix state: a few minutes
 # of one backend's traffic, so a stream gone stale shows within minutes, not hours.

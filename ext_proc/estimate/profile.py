@@ -19,7 +19,7 @@ from typing import Any
 
 import yaml
 
-DEFAULT_PROFILE = "l40s-qwen3.5-35b-a3b-fp8"
+from ext_proc.vocab.backend import DEFAULT_PROFILE
 
 # What the router reads: prefill speed and chunking (PrefillModel), the decode step
 # (queue and decode estimates), the KV pool (prefix index size) and the running limit.

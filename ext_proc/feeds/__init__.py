@@ -1,5 +1,5 @@
-"""What the router hears from outside besides Envoy: RTT probes and engine load reports,
-the engines' KV-event streams, and the other routers' dispatches (NATS). Decoders are pure;
-clients are thin asyncio shells that call the router's public methods. May import: common,
-config, core.
+"""What the router hears from outside besides Envoy, decoded: engine load reports
+(engine_metrics.py), model lists (served_models.py), KV cache events (kv_events.py), other
+routers' lifecycle events (peers.py). Pure decoders and their value types; the loops that
+fetch them are the service's (`ext_proc/service/loops/`). May import: vocab.
 """

@@ -18,7 +18,7 @@ from typing import Any
 
 import orjson
 
-from ext_proc.core.events import Closed, Dispatched, FirstByte, Listener
+from ext_proc.vocab.events import Closed, Dispatched, FirstByte, Listener
 
 
 class PeerKind(enum.StrEnum):

@@ -1,4 +1,3 @@
-"""What the router learns from outcomes (step 6): the lifecycle listeners (prefix index,
-prefill model, ejection, the tuner's samples) and the (1+1)-ES tuner with one strategy per
-mode. Pure. May import: config.schema, estimate, core.types, core.events, core.state.
+"""The (1+1)-ES tuner of the cost weights, with one strategy per mode, and its settings.
+Pure. May import: vocab, config.
 """

@@ -39,7 +39,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from ext_proc.config.schema import TunerMode
-from ext_proc.core.types import Weights
 from ext_proc.learn.paired import PairedRounds
 from ext_proc.learn.paper import PaperRule
 from ext_proc.learn.settings import (
@@ -55,6 +54,7 @@ from ext_proc.learn.settings import (
     TunerSettings,
     TunerState,
 )
+from ext_proc.vocab.types import Weights
 
 
 @dataclass(slots=True)

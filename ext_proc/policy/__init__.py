@@ -1,4 +1,4 @@
-"""Step 3's plugin seam: a policy chooses among candidates (`base`), the built-in ones
-(`baselines`, `gorgo`) and the registry by name (`catalog`). May import: config.schema,
-estimate.cost, core.types, prompt.tokens.
+"""Step 3's plugin seam: the built-in policies (`baselines`, `gorgo`) and the registry by
+name (`base`, `catalog`); what a policy is lives in `vocab.policy`. May import: vocab,
+prompt, estimate.
 """

@@ -13,29 +13,12 @@ its `weights`, may tune them, and hands the current ones to every `choose` call.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar
 
-from ext_proc.core.types import Candidate, RouteRequest, Weights
-
-
-@dataclass(frozen=True)
-class Choice:
-    backend_id: str
-    # The policy's score per backend (lower is better), for the decision's explanation.
-    scores: dict[str, float]
-
-
-class Policy(Protocol):
-    name: str
-
-    def choose(
-        self, request: RouteRequest, candidates: Sequence[Candidate], weights: Weights | None
-    ) -> Choice:
-        """Pick one of `candidates` (never empty). `weights`: the router's current cost
-        weights for a weighted policy, None for the others."""
-        ...
+from ext_proc.vocab.policy import Policy
+from ext_proc.vocab.types import Weights
 
 
 @dataclass(frozen=True)

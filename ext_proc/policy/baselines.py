@@ -8,10 +8,11 @@ from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ext_proc.config.fields import bounded
-from ext_proc.core.types import Candidate, RouteRequest, Weights
-from ext_proc.policy.base import Choice, NoParams, pick_min, register
+from ext_proc.policy.base import NoParams, pick_min, register
 from ext_proc.prompt.tokens import BYTES_PER_TOKEN
+from ext_proc.vocab.params import bounded
+from ext_proc.vocab.policy import Choice
+from ext_proc.vocab.types import Candidate, RouteRequest, Weights
 
 
 @register("round_robin")

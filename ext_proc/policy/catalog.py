@@ -7,11 +7,12 @@ Import policies from here, not from `base` (where the registry may still be empt
 from __future__ import annotations
 
 import random
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, Protocol
 
-from ext_proc.config.schema import Config
 from ext_proc.policy import baselines, gorgo  # noqa: F401  (they register on import)
-from ext_proc.policy.base import POLICIES, Policy, PolicyInfo
+from ext_proc.policy.base import POLICIES, PolicyInfo
+from ext_proc.vocab.policy import Policy
 
 __all__ = ["POLICIES", "make_policy", "policy_info", "policy_params"]
 
@@ -31,7 +32,17 @@ def make_policy(name: str, rng: random.Random, params: Any = None) -> Policy:
     return info.factory(rng, params if params is not None else info.params())
 
 
-def policy_params(cfg: Config, name: str | None = None) -> Any:
+class Configured(Protocol):
+    """What of a config names policies (ext_proc.config.schema.Config)."""
+
+    @property
+    def policy(self) -> str: ...
+
+    @property
+    def policies(self) -> Mapping[str, Any]: ...
+
+
+def policy_params(cfg: Configured, name: str | None = None) -> Any:
     """The decoded parameters of a policy (the configured one by default)."""
     name = name or cfg.policy
     params = cfg.policies.get(name)

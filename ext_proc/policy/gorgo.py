@@ -21,10 +21,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar, Generic, TypeVar
 
-from ext_proc.config.fields import bounded
-from ext_proc.core.types import Candidate, RouteRequest, Weights
 from ext_proc.estimate.cost import time_cost_ms, token_cost
-from ext_proc.policy.base import Choice, WeightedParams, near_ties, pick_min, register
+from ext_proc.policy.base import WeightedParams, near_ties, pick_min, register
+from ext_proc.vocab.params import bounded
+from ext_proc.vocab.policy import Choice
+from ext_proc.vocab.types import Candidate, RouteRequest, Weights
 
 P = TypeVar("P")
 

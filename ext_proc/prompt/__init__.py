@@ -1,4 +1,3 @@
 """Step 2 of a request: the body read into an `LlmRequest` (parse), its tokens (the
-approximation, or the engine's own tokenizer and chat template). May import: common,
-config.schema.
+approximation, or the engine's own tokenizer and chat template). May import: vocab.
 """

@@ -32,8 +32,6 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from ext_proc.config.fields import ConfigError
-from ext_proc.config.schema import TokenizerConfig
 from ext_proc.prompt.chat_template import (
     TOKENIZER_CONFIG,
     ChatTemplate,
@@ -41,8 +39,10 @@ from ext_proc.prompt.chat_template import (
     load_chat_template,
     template_in_config,
 )
-from ext_proc.prompt.parse import Chat, LlmRequest, Prompt
+from ext_proc.prompt.tokenizer_config import TokenizerConfig
 from ext_proc.prompt.tokens import Boundaries, HfTokenizer, TokenIds
+from ext_proc.vocab.params import ConfigError
+from ext_proc.vocab.request import Chat, LlmRequest, Prompt
 
 log = logging.getLogger("gorgo.tokens")
 

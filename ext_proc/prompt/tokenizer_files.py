@@ -11,8 +11,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from ext_proc.config.schema import TokenizerConfig
 from ext_proc.prompt.chat_template import TOKENIZER_CONFIG, ChatTemplateError, template_in_config
+from ext_proc.prompt.tokenizer_config import TokenizerConfig
 
 TOKENIZER_JSON = "tokenizer.json"
 # transformers (since 4.43) may save the template beside the config instead of in it.

@@ -11,14 +11,14 @@ from typing import Any
 
 from aiohttp import web
 
-from ext_proc.config.fields import ConfigError
 from ext_proc.config.load import backend_from_dict
 from ext_proc.core.fleet import FleetConflict, UnknownBackend
 from ext_proc.core.router import Router
-from ext_proc.core.types import Weights
 from ext_proc.service.admin_guard import AdminGuard, Peer
 from ext_proc.service.operator_page import add_page_routes
 from ext_proc.service.telemetry import Telemetry
+from ext_proc.vocab.params import ConfigError
+from ext_proc.vocab.types import Weights
 
 TUNER_ACTIONS = ("freeze", "unfreeze", "set")
 # POST /backends answers once the new backend is a candidate (Envoy has its cluster:

@@ -17,24 +17,24 @@ import grpc
 from aiohttp import web
 from opentelemetry.sdk.trace.export import SpanExporter
 
-from ext_proc.config.fields import split_host_port
 from ext_proc.config.schema import Config, TunerMode
 from ext_proc.core.build import build_router, tuner_settings
 from ext_proc.core.router import Router
 from ext_proc.envoy.server import ExtProcService, add_services, grpc_options
 from ext_proc.envoy.xds import write_xds
-from ext_proc.feeds.fleet_bus import FleetBus
-from ext_proc.feeds.kv_client import KvEventClients
-from ext_proc.feeds.probe import Prober
 from ext_proc.policy.catalog import policy_info
 from ext_proc.prompt.engine_tokens import PromptTokenizer, load_engine_tokenizer
 from ext_proc.service.admin import make_admin_app
 from ext_proc.service.engine_tokenizer import EngineTokenizers
 from ext_proc.service.fleet_shell import FleetShell
 from ext_proc.service.last_good import ConfigSource
+from ext_proc.service.loops.fleet_bus import FleetBus
+from ext_proc.service.loops.kv_client import KvEventClients
+from ext_proc.service.loops.probe import Prober
 from ext_proc.service.reloader import ConfigReloader
 from ext_proc.service.telemetry import Telemetry
 from ext_proc.service.tuner_file import TunerStateFile
+from ext_proc.vocab.params import split_host_port
 
 log = logging.getLogger("gorgo")
 
@@ -137,7 +137,9 @@ async def running_service(
         tokens = PromptTokenizer(engine_tokens) if engine_tokens is not None else None
         fleet = FleetBus(cfg, router)
         server = grpc.aio.server(options=grpc_options(cfg.envoy.max_body_bytes))
-        ext_proc, access_log = add_services(server, router, telemetry, tokens, fleet.forward)
+        ext_proc, access_log = add_services(
+            server, router, telemetry.fallback, tokens, fleet.forward
+        )
         fleet.on_forwarded = access_log.apply_forwarded
         # The engine's tokenizer, found when none is configured, and checked against the
         # engines: until then a backend with KV events stays approximate.

@@ -31,12 +31,14 @@ from typing import Any
 import aiohttp
 
 from ext_proc.common.aio import cancel_and_wait
-from ext_proc.config.schema import Backend, Config, EngineKind, TokenizerConfig
+from ext_proc.config.schema import Config
 from ext_proc.core.router import Router
 from ext_proc.envoy.server import ExtProcService
 from ext_proc.prompt.engine_tokens import EngineTokenizer, PromptTokenizer, load_engine_tokenizer
-from ext_proc.prompt.parse import Chat
+from ext_proc.prompt.tokenizer_config import TokenizerConfig
 from ext_proc.prompt.tokenizer_files import find_tokenizer
+from ext_proc.vocab.backend import Backend, EngineKind
+from ext_proc.vocab.request import Chat
 
 log = logging.getLogger("gorgo.tokens")
 

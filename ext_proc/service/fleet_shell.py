@@ -11,13 +11,13 @@ import time
 from typing import Any
 
 from ext_proc.common.aio import cancel_and_wait
-from ext_proc.core.events import BackendChanged, Listener
 from ext_proc.core.router import Router
-from ext_proc.core.types import BackendChange, BackendLifecycle
 from ext_proc.envoy.server import ExtProcService
 from ext_proc.envoy.xds import wait_envoy, write_xds
-from ext_proc.feeds.kv_client import KvEventClients
-from ext_proc.feeds.probe import Prober
+from ext_proc.service.loops.kv_client import KvEventClients
+from ext_proc.service.loops.probe import Prober
+from ext_proc.vocab.events import BackendChanged, Listener
+from ext_proc.vocab.types import BackendChange, BackendLifecycle
 
 log = logging.getLogger("gorgo")
 

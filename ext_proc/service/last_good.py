@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from ext_proc.common.files import write_atomic
-from ext_proc.config.fields import ConfigError
 from ext_proc.config.load import read_config
 from ext_proc.config.schema import Config
+from ext_proc.vocab.params import ConfigError
 
 log = logging.getLogger("gorgo")
 

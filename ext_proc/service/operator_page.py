@@ -23,7 +23,7 @@ from aiohttp import web
 
 from ext_proc.core.decision_log import Entry
 from ext_proc.core.router import Router
-from ext_proc.core.types import Weights
+from ext_proc.vocab.types import Weights
 
 TermWeights = Callable[[Weights], tuple[float, float, float, float, float]]
 

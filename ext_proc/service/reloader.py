@@ -14,12 +14,12 @@ from typing import Any
 
 from ext_proc.common.aio import cancel_and_wait
 from ext_proc.config.dump import changed_keys
-from ext_proc.config.fields import ConfigError
 from ext_proc.config.load import read_config
 from ext_proc.core.fleet import FleetConflict
 from ext_proc.core.router import Router
 from ext_proc.service.last_good import LAST_GOOD, ConfigSource
 from ext_proc.service.telemetry import Telemetry
+from ext_proc.vocab.params import ConfigError
 
 log = logging.getLogger("gorgo")
 

@@ -27,13 +27,13 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from ext_proc.config.schema import TelemetryConfig
-from ext_proc.core.events import Closed, Dispatched, FirstByte, Listener
 from ext_proc.core.features import prefix_state
 from ext_proc.core.router import Router
-from ext_proc.core.types import BackendLifecycle, Decision, PrefixState, Status
 from ext_proc.estimate.prediction import prediction_error
 from ext_proc.service.otlp import otlp_exporter
 from ext_proc.service.prediction_metrics import latency_prediction_gauges, served_model_gauges
+from ext_proc.vocab.events import Closed, Dispatched, FirstByte, Listener
+from ext_proc.vocab.types import BackendLifecycle, Decision, PrefixState, Status
 
 SPAN_NAME = "gorgo.route"
 # Attribute names (docs/operations.md lists them all).

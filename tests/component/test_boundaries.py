@@ -19,7 +19,8 @@ class Block(importlib.abc.MetaPathFinder):
             raise ModuleNotFoundError(f"No module named {{name!r}} (blocked)")
         return None
 sys.meta_path.insert(0, Block())
-import ext_proc.service.app, ext_proc.envoy.server, ext_proc.feeds.probe, ext_proc.envoy.bootstrap
+import ext_proc.service.app, ext_proc.envoy.server, ext_proc.envoy.bootstrap
+import ext_proc.service.loops.probe
 from ext_proc.cli import build_parser, main
 commands = build_parser()._subparsers._group_actions[0].choices
 print(sorted(commands))

@@ -16,11 +16,11 @@ from aiohttp import web
 from tokenizers import Tokenizer
 
 from emulator.tokenizer import tiny_tokenizer_dir
-from ext_proc.config.schema import TokenizerConfig
 from ext_proc.envoy.encoders import decision_encoder
 from ext_proc.envoy.server import ExtProcService
 from ext_proc.prompt.engine_tokens import PromptTokenizer, load_engine_tokenizer
 from ext_proc.prompt.parse import CHAT, parse_body
+from ext_proc.prompt.tokenizer_config import TokenizerConfig
 from ext_proc.service import engine_tokenizer
 from ext_proc.service.engine_tokenizer import PENDING, EngineTokenizers
 from tests.builders import make_router

@@ -19,8 +19,9 @@ from emulator.stack.processes import envoy_binary
 from emulator.tokenizer import tiny_tokenizer_dir
 from ext_proc.cli import main
 from ext_proc.config.load import load_config
-from ext_proc.config.schema import EngineKind, TunerMode
+from ext_proc.config.schema import TunerMode
 from ext_proc.envoy.bootstrap import render_envoy_config
+from ext_proc.vocab.backend import EngineKind
 from tests.certs import Ca
 from tests.xds_configs import BACKENDS, cfg_of
 

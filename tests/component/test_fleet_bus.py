@@ -17,9 +17,10 @@ from emulator.stack.supervision import wait_port
 from ext_proc.config.load import config_from_dict
 from ext_proc.config.schema import Config
 from ext_proc.core.router import Router
-from ext_proc.core.types import RouteRequest, Status
-from ext_proc.prompt.parse import COMPLETIONS, LlmRequest
+from ext_proc.prompt.parse import COMPLETIONS
 from ext_proc.service.app import Running, running_service
+from ext_proc.vocab.request import LlmRequest
+from ext_proc.vocab.types import RouteRequest, Status
 
 
 class Nats:

@@ -30,12 +30,12 @@ from ext_proc.config.load import config_from_dict
 from ext_proc.config.schema import Config
 from ext_proc.core.build import build_router
 from ext_proc.core.router import Router
-from ext_proc.core.types import RouteRequest
 from ext_proc.estimate.engine_index import Applied, EngineBlocks
-from ext_proc.feeds.kv_client import KvEventClients
 from ext_proc.feeds.kv_events import PART_EVENTS, BlockStored, EventBatch, decode_message
 from ext_proc.prompt.parse import CHAT, parse_body
 from ext_proc.service.app import running_service
+from ext_proc.service.loops.kv_client import KvEventClients
+from ext_proc.vocab.types import RouteRequest
 from tests.component.engine_harness import FAST
 
 

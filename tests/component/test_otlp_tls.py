@@ -18,9 +18,9 @@ import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
 
 from ext_proc.config.load import config_from_dict
-from ext_proc.core.types import RouteRequest, Status
 from ext_proc.prompt.parse import CHAT, parse_body
 from ext_proc.service.app import running_service
+from ext_proc.vocab.types import RouteRequest, Status
 from tests.certs import Ca, Pem
 from tests.component.test_telemetry import Receiver
 

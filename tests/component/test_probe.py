@@ -78,7 +78,7 @@ async def test_a_probe_into_a_silent_link_fails_after_a_few_rtts_not_the_whole_t
     """A backend that has answered probes, then accepts connections and says nothing (a
     frozen link): its probe gives up after max(1 s, 5 RTTs), not probes.timeout_s."""
     from ext_proc.core.build import build_router
-    from ext_proc.feeds.probe import PROBE_TIMEOUT_FLOOR_S, Prober
+    from ext_proc.service.loops.probe import PROBE_TIMEOUT_FLOOR_S, Prober
 
     silent: list[asyncio.StreamWriter] = []
 

@@ -18,10 +18,10 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 
 from ext_proc.common.names import ACCESS_LOG_SERVICE, EXT_PROC_SERVICE
 from ext_proc.config.load import config_from_dict
-from ext_proc.core.types import RouteRequest, Status
 from ext_proc.envoy.proto import envoy_wire_pb2 as pb
 from ext_proc.prompt.parse import CHAT, parse_body
 from ext_proc.service.app import Running, running_service
+from ext_proc.vocab.types import RouteRequest, Status
 
 pytestmark = pytest.mark.component
 

@@ -20,10 +20,9 @@ import pytest
 import yaml
 
 from ext_proc.common.names import HEADER_BACKEND
-from ext_proc.config.fields import split_host_port
 from ext_proc.config.kv_endpoints import split_tcp_endpoint
 from ext_proc.config.load import config_from_dict, load_config
-from ext_proc.config.schema import Config, EngineKind, KvEventsMode
+from ext_proc.config.schema import Config
 from ext_proc.envoy.bootstrap import (
     build_envoy_config,
     build_mesh_snippet,
@@ -32,6 +31,8 @@ from ext_proc.envoy.bootstrap import (
 )
 from ext_proc.envoy.clusters import EXT_PROC_CLUSTER
 from ext_proc.service.admin_guard import AdminGuard, Peer
+from ext_proc.vocab.backend import EngineKind, KvEventsMode
+from ext_proc.vocab.params import split_host_port
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = ROOT / "docker-compose.yml"

@@ -101,6 +101,42 @@ def test_one_subpackage_per_step_each_saying_what_it_is_for() -> None:
         assert not any(isinstance(n, ast.Import | ast.ImportFrom) for n in tree.body), p.name
 
 
+def package_of(module: str) -> str:
+    """The top-level package of a product module (`ext_proc.core.router` -> `core`)."""
+    return module.split(".")[1] if module.count(".") >= 1 else module
+
+
+def package_graph() -> dict[str, set[str]]:
+    """Package -> the other product packages its modules import."""
+    graph: dict[str, set[str]] = {}
+    for a, bs in import_graph().items():
+        for b in bs:
+            if package_of(a) != package_of(b):
+                graph.setdefault(package_of(a), set()).add(package_of(b))
+    return graph
+
+
+def test_no_package_imports_another_in_a_loop() -> None:
+    assert find_cycle(package_graph()) == []
+
+
+ALLOWED = re.compile(r"May\s+import:\s+([^.]*)\.", re.S)
+
+
+@pytest.mark.parametrize("package", sorted({package_of(m) for m in MODULES if m.count(".")}))
+def test_a_package_imports_only_what_its_docstring_allows(package: str) -> None:
+    """Every package's __init__ says what it may import; its modules import no more."""
+    init = PRODUCT / package / "__init__.py"
+    if not init.exists():  # a top-level module (cli)
+        return
+    said = ALLOWED.search(init.read_text(encoding="utf-8"))
+    assert said, f"{package}/__init__.py does not say what it may import"
+    allowed = (
+        set() if "nothing" in said.group(1) else set(re.split(r"[,\s]+", said.group(1).strip()))
+    )
+    assert package_graph().get(package, set()) <= allowed
+
+
 @pytest.mark.parametrize("name", sorted(MODULES))
 def test_files_and_classes_stay_small(name: str) -> None:
     text = MODULES[name].read_text(encoding="utf-8")

@@ -24,9 +24,9 @@ from emulator.tokenizer import (
     tiny_tokenizer_dir,
 )
 from emulator.vllm.tiny_model import CHAT_TEMPLATE
-from ext_proc.config.fields import ConfigError
 from ext_proc.prompt.chat_template import TOKENIZER_CONFIG
 from ext_proc.prompt.tokens import APPROX
+from ext_proc.vocab.params import ConfigError
 
 # The real tiny model's tokenizer, as emulator/vllm/tiny.py ensure_tiny_model builds it.
 REAL_MODEL = StackSettings().vllm_venv / "tiny-model-seed0"

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 import yaml
 
-from ext_proc.config.fields import ConfigError
 from ext_proc.config.load import config_from_dict
+from ext_proc.vocab.params import ConfigError
 
 OK = {"id": "a", "address": "10.0.0.1:8000"}
 

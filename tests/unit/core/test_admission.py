@@ -6,9 +6,9 @@ prompt longer than every context (400)."""
 import json
 
 from ext_proc.core.router import Router
-from ext_proc.core.types import RouteRequest, Status
 from ext_proc.feeds.served_models import ServedModels
 from ext_proc.prompt.parse import COMPLETIONS, parse_body
+from ext_proc.vocab.types import RouteRequest, Status
 from tests.builders import FakeClock, chat, make_router
 
 BACKENDS = [

@@ -6,8 +6,8 @@ import pytest
 
 from ext_proc.core.features import credible_records
 from ext_proc.core.state import LOST_AFTER_E2E_FACTOR, LOST_AFTER_FLOOR_S
-from ext_proc.core.types import RouteRequest, Status
 from ext_proc.feeds.engine_metrics import EngineReport
+from ext_proc.vocab.types import RouteRequest, Status
 from tests.builders import chat, make_router
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from ext_proc.core.decision_log import DecisionLog
-from ext_proc.core.types import Status
+from ext_proc.vocab.types import Status
 from tests.builders import chat, make_router
 
 

@@ -8,13 +8,13 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from ext_proc.config.schema import TelemetryConfig
 from ext_proc.core.build import build_router
-from ext_proc.core.events import Closed, Dispatched, FirstByte, Listener
 from ext_proc.core.router import Router
-from ext_proc.core.types import Status, Weights
 from ext_proc.learn.settings import TunerSettings
 from ext_proc.learn.tuner import Tuner
 from ext_proc.policy.catalog import make_policy
 from ext_proc.service.telemetry import Telemetry
+from ext_proc.vocab.events import Closed, Dispatched, FirstByte, Listener
+from ext_proc.vocab.types import Status, Weights
 from tests.builders import chat, make_config, make_router
 from tests.fakes import FakeClock
 

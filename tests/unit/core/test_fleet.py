@@ -14,19 +14,20 @@ from hypothesis import strategies as st
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from ext_proc.config.dump import changed_keys
-from ext_proc.config.fields import ConfigError
 from ext_proc.config.load import backend_from_dict, config_from_dict
-from ext_proc.config.schema import Backend, KvEventsSource, TelemetryConfig
-from ext_proc.core.events import BackendChanged, Listener
+from ext_proc.config.schema import TelemetryConfig
 from ext_proc.core.features import NoActiveBackend
 from ext_proc.core.fleet import FleetConflict, UnknownBackend
 from ext_proc.core.router import Router
-from ext_proc.core.types import BackendChange, BackendLifecycle, Status
 from ext_proc.feeds.engine_metrics import EngineReport
 from ext_proc.feeds.kv_events import EventBatch
 from ext_proc.feeds.peers import PeerEvent, PeerKind
 from ext_proc.policy.catalog import POLICIES
 from ext_proc.service.telemetry import A_DRAINING_BACKENDS, Telemetry
+from ext_proc.vocab.backend import Backend, KvEventsSource
+from ext_proc.vocab.events import BackendChanged, Listener
+from ext_proc.vocab.params import ConfigError
+from ext_proc.vocab.types import BackendChange, BackendLifecycle, Status
 from tests.builders import Stream, chat, make_router
 from tests.fakes import FakeClock
 

@@ -9,10 +9,10 @@ import json
 import time
 
 from ext_proc.core.router import Router
-from ext_proc.core.types import RouteRequest, Status
 from ext_proc.estimate.stream_health import NO_PARENTS, UNSUPPORTED_MIN_STORES, WARM_AGREEMENTS
 from ext_proc.feeds.kv_events import BlockRemoved, BlockStored, EventBatch, KvEvent
 from ext_proc.prompt.parse import COMPLETIONS, parse_body
+from ext_proc.vocab.types import RouteRequest, Status
 from tests.builders import make_router
 from tests.fakes import FakeClock
 

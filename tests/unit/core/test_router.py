@@ -5,8 +5,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ext_proc.core.types import Candidate, Status
 from ext_proc.policy.catalog import POLICIES, make_policy, policy_params
+from ext_proc.vocab.types import Candidate, Status
 from tests.builders import BACKENDS, chat, make_config, make_router
 
 

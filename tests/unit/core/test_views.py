@@ -3,8 +3,8 @@ the chosen one's, and once its request closed what came; bounded to the decision
 
 from __future__ import annotations
 
-from ext_proc.core.types import Status
 from ext_proc.core.views import STATE_DECISIONS as RECENT_DECISIONS
+from ext_proc.vocab.types import Status
 from tests.builders import chat, make_router
 
 

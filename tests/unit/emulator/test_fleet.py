@@ -5,7 +5,8 @@ from pathlib import Path
 import pytest
 
 from emulator.fleet import NO_FLEET, fleet_from_dict, load_fleet
-from ext_proc.estimate.profile import DEFAULT_PROFILE, load_profile
+from ext_proc.estimate.profile import load_profile
+from ext_proc.vocab.backend import DEFAULT_PROFILE
 
 ROOT = Path(__file__).resolve().parents[3]
 FLEETS = ROOT / "loadgen/data/fleets"

@@ -101,7 +101,7 @@ def test_a_fleet_gives_each_engine_its_profile_and_the_router_the_shipped_one() 
     """`gorgo up --fleet`: each emulated engine runs its region's profile (and its cache
     granularity); the router's config keeps the shipped profile, which it must correct."""
     from emulator.fleet import load_fleet
-    from ext_proc.estimate.profile import DEFAULT_PROFILE
+    from ext_proc.vocab.backend import DEFAULT_PROFILE
 
     fleets = Path(__file__).resolve().parents[3] / "loadgen/data/fleets"
     fleet = load_fleet(fleets / "mixed-gpus.yaml", [r.id for r in DEFAULT_REGIONS])

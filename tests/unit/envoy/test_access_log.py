@@ -8,11 +8,11 @@ from dataclasses import dataclass
 
 from ext_proc.config.schema import TelemetryConfig
 from ext_proc.core.router import Router
-from ext_proc.core.types import Status
 from ext_proc.envoy import codec
 from ext_proc.envoy.access_log import AccessLogService, first_chunk_event
 from ext_proc.feeds.peers import PeerEvent, PeerKind
 from ext_proc.service.telemetry import Telemetry
+from ext_proc.vocab.types import Status
 from tests.builders import REGIONS, chat, make_router
 from tests.fakes import FakeClock
 
@@ -32,8 +32,8 @@ def pair() -> Pair:
     a, clock = make_router("gorgo", backends=REGIONS)
     b, _ = make_router("gorgo", backends=REGIONS, clock=clock)
     sent: list[PeerEvent] = []
-    log_a = AccessLogService(a, Telemetry(TelemetryConfig(), a), sent.append)
-    log_b = AccessLogService(b, Telemetry(TelemetryConfig(), b), sent.append)
+    log_a = AccessLogService(a, Telemetry(TelemetryConfig(), a).fallback, sent.append)
+    log_b = AccessLogService(b, Telemetry(TelemetryConfig(), b).fallback, sent.append)
     return Pair(a, clock, log_a, log_b, sent)
 
 

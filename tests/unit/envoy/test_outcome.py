@@ -2,8 +2,8 @@
 
 import pytest
 
-from ext_proc.core.types import Status
 from ext_proc.envoy.outcome import outcome_of
+from ext_proc.vocab.types import Status
 
 DISCONNECT = "downstream_remote_disconnect"
 RESET_BEFORE = "upstream_reset_before_response_started{connection_termination}"

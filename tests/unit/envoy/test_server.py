@@ -10,11 +10,11 @@ from hypothesis import strategies as st
 
 from ext_proc.config.schema import TelemetryConfig
 from ext_proc.core.router import Router
-from ext_proc.core.types import Status
 from ext_proc.envoy import codec
 from ext_proc.envoy.access_log import AccessLogService
 from ext_proc.prompt.parse import ParseError, api_for_path, parse_body
 from ext_proc.service.telemetry import Telemetry
+from ext_proc.vocab.types import Status
 from tests.builders import REGIONS, Stream, chat, load, make_router
 from tests.messages import body, headers
 
@@ -77,7 +77,7 @@ def test_requests_another_backend_served_count_against_the_chosen_one() -> None:
 
 def test_only_a_retried_request_counts_as_a_failover() -> None:
     r, _ = make_router("gorgo", backends=REGIONS)
-    log = AccessLogService(r, Telemetry(TelemetryConfig(), r))
+    log = AccessLogService(r, Telemetry(TelemetryConfig(), r).fallback)
 
     def served_elsewhere(attempts: int) -> None:
         d = r.decide(chat(f"p{random.random()}"))
@@ -280,7 +280,7 @@ async def test_an_access_log_entry_that_overtakes_the_first_chunk_waits_for_it()
     from ext_proc.envoy.access_log import COMPLETION_GRACE_S
 
     r, clock = make_router("gorgo", backends=REGIONS)
-    log = AccessLogService(r, Telemetry(TelemetryConfig(), r))
+    log = AccessLogService(r, Telemetry(TelemetryConfig(), r).fallback)
     d = r.decide(chat("quick"))
     clock.advance(0.010)
     log.observe(codec.AccessLogEntry(d.request_id, d.backend, "gorgo", 200, 6.0, 1))

@@ -1,6 +1,5 @@
 """The router's view of what an engine holds, from its KV events."""
 
-from ext_proc.core.types import Status
 from ext_proc.estimate.engine_index import EngineBlocks, chain_keys
 from ext_proc.feeds.kv_events import (
     AllBlocksCleared,
@@ -10,6 +9,7 @@ from ext_proc.feeds.kv_events import (
     KvEvent,
 )
 from ext_proc.prompt.tokens import APPROX
+from ext_proc.vocab.types import Status
 from tests.builders import chat, make_router
 
 BS = 16

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import pytest
 
-from ext_proc.core.events import Closed
-from ext_proc.core.types import InFlight, Status
 from ext_proc.estimate.latency_error import (
     LatencyError,
     LatencyStats,
@@ -15,6 +13,8 @@ from ext_proc.estimate.latency_error import (
     error_summary,
     ttft_error,
 )
+from ext_proc.vocab.events import Closed
+from ext_proc.vocab.types import InFlight, Status
 from tests.builders import chat, make_router
 
 

@@ -5,8 +5,8 @@ import random
 
 import pytest
 
-from ext_proc.core.types import Status
 from ext_proc.estimate.latency_model import MAX_FACTOR, MIN_FACTOR, LatencyModel
+from ext_proc.vocab.types import Status
 from tests.builders import chat, make_router
 
 BACKEND = [{"id": "a", "address": "127.0.0.1:1", "rtt_prior_ms": 20}]

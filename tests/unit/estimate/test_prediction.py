@@ -9,9 +9,7 @@ import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from ext_proc.config.schema import TelemetryConfig
-from ext_proc.core.events import Closed, Listener
 from ext_proc.core.router import Router
-from ext_proc.core.types import PrefixState, Status
 from ext_proc.estimate.prediction import PredictionStats, prediction_error
 from ext_proc.feeds.engine_metrics import EngineReport
 from ext_proc.feeds.kv_events import EventBatch
@@ -26,6 +24,8 @@ from ext_proc.service.telemetry import (
     A_PREFIX_STATE,
     Telemetry,
 )
+from ext_proc.vocab.events import Closed, Listener
+from ext_proc.vocab.types import PrefixState, Status
 from tests.builders import chat, make_router
 from tests.fakes import FakeClock
 

@@ -13,11 +13,11 @@ import pytest
 
 from emulator.tokenizer import tiny_tokenizer_dir
 from emulator.vllm.capture import prose
-from ext_proc.config.schema import TokenizerConfig
 from ext_proc.estimate.engine_index import EngineBlocks, chain_keys
 from ext_proc.feeds.kv_events import BlockStored, decode_message
 from ext_proc.prompt.engine_tokens import EngineTokenizer, load_engine_tokenizer
-from ext_proc.prompt.parse import Chat
+from ext_proc.prompt.tokenizer_config import TokenizerConfig
+from ext_proc.vocab.request import Chat
 
 VLLM = Path(__file__).resolve().parents[2] / "fixtures" / "vllm"
 

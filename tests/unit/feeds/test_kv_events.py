@@ -11,7 +11,6 @@ import msgpack
 import pytest
 
 from ext_proc.config.kv_endpoints import connect_address, subscriber_address
-from ext_proc.config.schema import KvEventsMode
 from ext_proc.estimate.engine_index import chain_keys
 from ext_proc.feeds.kv_events import (
     SKIP_EVENTS,
@@ -24,6 +23,7 @@ from ext_proc.feeds.kv_events import (
     decode_parts,
     offset_port,
 )
+from ext_proc.vocab.backend import KvEventsMode
 
 VLLM = Path(__file__).resolve().parents[2] / "fixtures" / "vllm"
 
@@ -265,8 +265,8 @@ def test_the_event_stream_reaches_an_engine_behind_a_wan_link() -> None:
 
 
 def test_the_dp_ranks_key_is_checked_at_load() -> None:
-    from ext_proc.config.fields import ConfigError
     from ext_proc.config.load import config_from_dict
+    from ext_proc.vocab.params import ConfigError
 
     def kv(**keys: Any) -> dict[str, Any]:
         return {"backends": [{"id": "a", "address": "h:1", "kv_events": keys}]}

@@ -8,9 +8,10 @@ from collections.abc import Callable
 import pytest
 
 from ext_proc.core.router import Router
-from ext_proc.core.types import RouteRequest, Status
 from ext_proc.feeds.peers import PeerEvent, PeerKind, PeerPublisher
-from ext_proc.prompt.parse import COMPLETIONS, LlmRequest
+from ext_proc.prompt.parse import COMPLETIONS
+from ext_proc.vocab.request import LlmRequest
+from ext_proc.vocab.types import RouteRequest, Status
 from tests.builders import make_router
 from tests.fakes import FakeClock
 

@@ -14,7 +14,7 @@ from aiohttp import web
 
 from ext_proc.config.load import config_from_dict
 from ext_proc.core.build import build_router
-from ext_proc.feeds.probe import Prober
+from ext_proc.service.loops.probe import Prober
 
 
 def free_port() -> int:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 
 from ext_proc.feeds.engine_metrics import EngineReport
-from ext_proc.feeds.probe import kv_pool_note
+from ext_proc.service.loops.probe import kv_pool_note
 from tests.builders import make_router
 
 

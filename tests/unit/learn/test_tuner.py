@@ -10,10 +10,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ext_proc.core.types import Weights
 from ext_proc.learn.settings import CHILD, PAIRED, PAPER, PARENT, TunerSettings
 from ext_proc.learn.tuner import Tuner
 from ext_proc.service.tuner_file import TunerStateFile
+from ext_proc.vocab.types import Weights
 from loadgen.bench_tuner import false_accept_rate
 
 PAIRED_S = TunerSettings(arm_size=8, bootstrap=200)
@@ -251,8 +251,8 @@ def test_the_tail_score_also_climbs_and_also_rejects_a_worse_e2e() -> None:
 
 
 def _close_ok(learner, rid: str, tokens: int, ttft_ms: float, e2e_ms: float) -> None:  # type: ignore[no-untyped-def]
-    from ext_proc.core.events import Closed
-    from ext_proc.core.types import InFlight, Status
+    from ext_proc.vocab.events import Closed
+    from ext_proc.vocab.types import InFlight, Status
 
     rec = InFlight(rid, "a", 0.0, tokens)
     learner.on_close(Closed(rid, "a", Status.OK, ttft_ms, e2e_ms, rec, 0.0))
@@ -264,8 +264,8 @@ def test_excess_objective_ignores_the_prompts_own_cost(objective: str) -> None:
     gets 100k-token prompts, the parent 1k-token ones, and both wait the same 300 ms
     beyond what the prompt alone costs. `excess_ttft` scores them equal (and keeps the
     parent); `ttft` sees the child ~20 s slower."""
+    from ext_proc.core.learners import TunerLearner
     from ext_proc.estimate.profile import load_profile
-    from ext_proc.learn.learners import TunerLearner
     from ext_proc.learn.settings import EXCESS_TTFT
 
     profile = load_profile()
@@ -289,8 +289,8 @@ def test_excess_objective_ignores_the_prompts_own_cost(objective: str) -> None:
 
 
 def test_excess_floor_is_the_fastest_profiles_idle_prefill_and_e2e_is_untouched() -> None:
+    from ext_proc.core.learners import TunerLearner
     from ext_proc.estimate.profile import load_profile
-    from ext_proc.learn.learners import TunerLearner
     from ext_proc.learn.settings import EXCESS_TTFT
 
     fast = load_profile()
@@ -313,12 +313,12 @@ def test_objective_is_a_strict_config_key_wired_into_the_router(tmp_path: Path) 
 
     import yaml
 
-    from ext_proc.config.fields import ConfigError
     from ext_proc.config.load import backend_from_dict, config_from_dict
     from ext_proc.core.build import build_router
-    from ext_proc.core.types import RouteRequest, Status
     from ext_proc.learn.settings import EXCESS_TTFT, TTFT
     from ext_proc.prompt.parse import CHAT, parse_body
+    from ext_proc.vocab.params import ConfigError
+    from ext_proc.vocab.types import RouteRequest, Status
     from tests.fakes import FakeClock
 
     backend = {"id": "a", "address": "127.0.0.1:1"}
@@ -383,10 +383,10 @@ def test_session_arm_key_keeps_a_conversation_in_one_arm() -> None:
 
 
 def test_arm_key_is_a_strict_config_key_wired_into_the_router() -> None:
-    from ext_proc.config.fields import ConfigError
     from ext_proc.config.load import config_from_dict
     from ext_proc.config.schema import TunerArmKey
     from ext_proc.core.build import build_router
+    from ext_proc.vocab.params import ConfigError
 
     backend = {"id": "a", "address": "127.0.0.1:1"}
     assert config_from_dict({"backends": [backend]}).tuner.arm_key == TunerArmKey.REQUEST
@@ -466,7 +466,7 @@ def test_children_from_a_corner_are_reflected_inside_not_clipped_onto_it() -> No
 
 
 def test_the_router_reports_whether_the_other_arm_would_have_decided_alike() -> None:
-    from ext_proc.learn.learners import TunerLearner
+    from ext_proc.core.learners import TunerLearner
 
     t = Tuner(TIES, Weights(1.0, 1.0), random.Random(0))
     seen: list[Weights] = []
@@ -496,7 +496,7 @@ def test_the_router_reports_whether_the_other_arm_would_have_decided_alike() -> 
 
 
 def test_ties_are_off_by_default_and_the_router_then_reports_nothing() -> None:
-    from ext_proc.learn.learners import TunerLearner
+    from ext_proc.core.learners import TunerLearner
 
     t = Tuner(PAIRED_S, Weights(1.0, 1.0), random.Random(0))
     asked: list[Weights] = []

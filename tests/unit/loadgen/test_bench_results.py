@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from ext_proc.core.types import Weights
+from ext_proc.vocab.types import Weights
 from loadgen import bench_paper, traces
 from loadgen.bench_paper import (
     PAPER_TABLE2,

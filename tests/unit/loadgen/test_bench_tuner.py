@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from ext_proc.core.types import Weights
 from ext_proc.learn.settings import TunerSettings
+from ext_proc.vocab.types import Weights
 from loadgen import bench_regime, bench_tuner
 from loadgen.bench_regime import RegimeChange, RegimeRun, RegimeSeed, RegimeStudy, changed_trace
 from loadgen.bench_tuner import GridPoint, StaticScores, false_accept_rate, worst_corner

@@ -9,9 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ext_proc.config.fields import ConfigError
+from ext_proc.core.learners import SETTLED_S
 from ext_proc.core.router import Router
-from ext_proc.core.types import RouteRequest, Status, Weights
 from ext_proc.estimate.cost import (
     PrefillModel,
     QueueItem,
@@ -22,8 +21,9 @@ from ext_proc.estimate.cost import (
     token_cost,
 )
 from ext_proc.estimate.profile import load_profile
-from ext_proc.learn.learners import SETTLED_S
 from ext_proc.prompt.parse import CHAT, COMPLETIONS, parse_body
+from ext_proc.vocab.params import ConfigError
+from ext_proc.vocab.types import RouteRequest, Status, Weights
 from tests.builders import REGIONS, chat, load, make_config, make_router
 
 PROFILE = load_profile()

@@ -18,9 +18,7 @@ from emulator.kv_publisher import KvEventsConfig
 from emulator.tokenizer import tiny_tokenizer_dir
 from emulator.vllm.tiny_model import CHAT_TEMPLATE
 from emulator.wire import parse_chat
-from ext_proc.config.fields import ConfigError
 from ext_proc.config.load import config_from_dict
-from ext_proc.config.schema import TokenizerConfig
 from ext_proc.envoy import codec
 from ext_proc.envoy.encoders import decision_encoder
 from ext_proc.envoy.sessions import open_session
@@ -33,7 +31,9 @@ from ext_proc.prompt.engine_tokens import (
     load_engine_tokenizer,
 )
 from ext_proc.prompt.parse import CHAT, COMPLETIONS, GENERATE, parse_body
+from ext_proc.prompt.tokenizer_config import TokenizerConfig
 from ext_proc.prompt.tokens import HfTokenizer, block_hashes_of_ids
+from ext_proc.vocab.params import ConfigError
 from tests.builders import REGIONS, make_router
 from tests.messages import body, headers
 

@@ -26,9 +26,10 @@ import zmq
 import zmq.asyncio
 
 from ext_proc.common.aio import cancel_and_wait
-from ext_proc.config.schema import Backend, Config
+from ext_proc.config.schema import Config
 from ext_proc.core.router import Router
-from ext_proc.feeds.kv_stream import RankStream
+from ext_proc.service.loops.kv_stream import RankStream
+from ext_proc.vocab.backend import Backend
 
 log = logging.getLogger("gorgo.kv_events")
 

@@ -24,11 +24,12 @@ from types import SimpleNamespace
 import aiohttp
 
 from ext_proc.common.aio import cancel_and_wait
-from ext_proc.config.schema import PROBE_PATH, Backend, Config
+from ext_proc.config.schema import PROBE_PATH, Config
 from ext_proc.core.backend import BackendState
 from ext_proc.core.router import Router
 from ext_proc.feeds.engine_metrics import MetricsError, parse_engine_metrics
 from ext_proc.feeds.served_models import ModelsError, parse_models
+from ext_proc.vocab.backend import Backend
 
 log = logging.getLogger("gorgo.probe")
 

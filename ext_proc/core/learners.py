@@ -6,14 +6,14 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 
 from ext_proc.config.schema import Routing
-from ext_proc.core.events import Closed, Dispatched, Listener
 from ext_proc.core.state import FleetState
-from ext_proc.core.types import Candidate, PrefixState, Status, Weights
 from ext_proc.estimate.latency_model import MIN_DECODE_TOKENS
 from ext_proc.estimate.prediction import prediction_error
 from ext_proc.estimate.profile import EngineProfile
 from ext_proc.learn.settings import EXCESS_TTFT
 from ext_proc.learn.tuner import Tuner
+from ext_proc.vocab.events import Closed, Dispatched, Listener
+from ext_proc.vocab.types import Candidate, PrefixState, Status, Weights
 
 log = logging.getLogger("gorgo.router")
 

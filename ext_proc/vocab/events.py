@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ext_proc.config.schema import Backend
-from ext_proc.core.types import (
+from ext_proc.vocab.backend import Backend
+from ext_proc.vocab.types import (
     BackendChange,
     BackendLifecycle,
     Decision,

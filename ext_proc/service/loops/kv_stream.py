@@ -23,9 +23,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from ext_proc.common.aio import cancel_and_wait
-from ext_proc.config.fields import split_host_port
 from ext_proc.config.kv_endpoints import connect_address, subscriber_address
-from ext_proc.config.schema import Backend
 from ext_proc.core.router import Router
 from ext_proc.estimate.engine_index import Applied, EngineBlocks
 from ext_proc.feeds.kv_events import (
@@ -35,6 +33,8 @@ from ext_proc.feeds.kv_events import (
     decode_parts,
     offset_port,
 )
+from ext_proc.vocab.backend import Backend
+from ext_proc.vocab.params import split_host_port
 
 log = logging.getLogger("gorgo.kv_events")
 

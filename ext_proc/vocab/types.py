@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ext_proc.prompt.parse import LlmRequest
+from ext_proc.vocab.request import LlmRequest
 
 
 class Status(enum.StrEnum):

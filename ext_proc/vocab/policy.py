@@ -1,0 +1,28 @@
+"""What a routing policy is: it chooses one of the candidates the framework built, with the
+router's cost weights when it weighs cost terms (`ext_proc/policy/` registers them)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from ext_proc.vocab.types import Candidate, RouteRequest, Weights
+
+
+@dataclass(frozen=True)
+class Choice:
+    backend_id: str
+    # The policy's score per backend (lower is better), for the decision's explanation.
+    scores: dict[str, float]
+
+
+class Policy(Protocol):
+    name: str
+
+    def choose(
+        self, request: RouteRequest, candidates: Sequence[Candidate], weights: Weights | None
+    ) -> Choice:
+        """Pick one of `candidates` (never empty). `weights`: the router's current cost
+        weights for a weighted policy, None for the others."""
+        ...
