@@ -34,6 +34,7 @@ from emulator.wan import (
 from ext_proc.config.load import config_from_dict
 from ext_proc.config.schema import Config
 from ext_proc.core.build import build_router
+from ext_proc.core.pipeline import Director, Refused, Routed
 from ext_proc.core.router import Router
 from ext_proc.estimate.profile import load_profile
 from ext_proc.feeds.engine_metrics import EngineReport
@@ -263,6 +264,8 @@ class Simulation:
                     build_router(door_cfg, lambda: self.now_s, random.Random(rng.random()))
                 ]
         self.routers = [router for rs in self.routers_at.values() for router in rs]
+        # Each router's recipe for a request (the live service's own: core.pipeline).
+        self.directors = {id(router): Director(router) for router in self.routers}
         for router in self.routers:  # as discovery reads each engine's /v1/models at start
             for r in settings.regions:
                 router.record_models(r, self.served[r])
@@ -487,12 +490,13 @@ class Simulation:
         routers = self.routers_at[door]
         router = routers[zlib.crc32((r.session or r.id).encode()) % len(routers)]
         request = RouteRequest(r.id, llm, r.session, blocks, engine_keys)
-        refusal = router.admit(request)
-        if refusal is not None:
-            self._refuse(r, origin, access_ms, refusal)
+        outcome = self.directors[id(router)].handle(request)
+        if isinstance(outcome, Refused):
+            self._refuse(r, origin, access_ms, outcome.refusal)
             return
+        assert isinstance(outcome, Routed), outcome  # the simulator's fleet stays active
         self._router_of[r.id] = router
-        d = router.decide(request)
+        d = outcome.decision
         self.results[r.id] = RequestResult(
             r.id,
             d.backend,

@@ -22,6 +22,7 @@ from typing import Any
 import grpc
 
 from ext_proc.common.names import ACCESS_LOG_SERVICE, EXT_PROC_SERVICE, METADATA_ENVOY_NODE
+from ext_proc.core.pipeline import Director
 from ext_proc.core.router import Router
 from ext_proc.envoy import codec
 from ext_proc.envoy.access_log import AccessLogService, Forward
@@ -42,6 +43,8 @@ class ExtProcService:
         forward: Forward | None = None,
     ) -> None:
         self.router = router
+        # The request's recipe, shared by every routing session.
+        self.director = Director(router)
         self.encoder = encoder
         self.tokens = tokens
         self.forward = forward
@@ -77,6 +80,7 @@ class ExtProcService:
                         self.tokens,
                         self.forward,
                         envoy,
+                        self.director,
                     )
                 if isinstance(session, RoutingSession) and session.tokenizes_off_loop(phase):
                     await session.tokenize_off_loop(phase)

@@ -11,12 +11,11 @@ import json
 import logging
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import replace
 from typing import Any, ClassVar
 
 from ext_proc.common.names import HEADER_REQUEST_ID, HEADER_SESSION
 from ext_proc.config.schema import UnreadableBody
-from ext_proc.core.features import NoActiveBackend
+from ext_proc.core.pipeline import Director, Refused, Unrouted
 from ext_proc.core.router import Router
 from ext_proc.envoy import codec
 from ext_proc.envoy.access_log import Forward, first_chunk_event
@@ -187,14 +186,16 @@ class RoutingSession(_FirstByteWatcher):
 
     def __init__(
         self,
-        router: Router,
+        director: Director,
         encoder: DecisionEncoder,
         info: codec.StreamInfo,
         trace_context: tuple[tuple[str, str], ...],
         tokens: PromptTokenizer | None = None,
         envoy: str = "",
     ) -> None:
-        super().__init__(router, info, "")
+        super().__init__(director.router, info, "")
+        # The request's recipe (admit, schedule, record); this session does the wire.
+        self.director = director
         # The Envoy that opened the stream (gRPC metadata METADATA_ENVOY_NODE).
         self.envoy = envoy
         self.encoder = encoder
@@ -261,33 +262,34 @@ class RoutingSession(_FirstByteWatcher):
             return self._reply(codec.REQUEST_BODY)
         if self.tokens is not None and self._prepared is None:  # fails open
             llm = self.tokens.apply(llm, self.request_id)  # token ids as the engine's
-        session = self.session_header or llm.user
         original_id = self.request_id
         self.request_id = own_request_id(original_id, self.router.in_flight)
-        served = self.router.served_name(llm.model, session or self.request_id)
-        new_body = None
-        if served is not None and served != llm.model:  # an alias: the engine's name
-            llm, new_body = replace(llm, model=served), with_model(body, served)
         request = RouteRequest(
-            self.request_id, llm, session, trace_context=self.trace_context, envoy=self.envoy
+            self.request_id,
+            llm,
+            self.session_header or llm.user,
+            trace_context=self.trace_context,
+            envoy=self.envoy,
         )
-        refused = self.router.admit(request)
-        if refused is not None:  # answered here: no engine could serve it now
-            self.done = True
+        outcome = self.director.handle(request)
+        self.done = True
+        if isinstance(outcome, Refused):  # answered here: no engine could serve it now
+            refused = outcome.refusal
             log.warning(
                 "request %s refused %d: %s", self.request_id, refused.status, refused.message
             )
             retry = refused.retry_after_s
             headers = {"retry-after": str(max(1, math.ceil(retry)))} if retry is not None else None
             return json_error(refused.status, refused.kind, refused.message, headers)
-        try:
-            self.decision = self.router.decide(request)
-        except NoActiveBackend:  # a fleet replaced whole, until Envoy has the new one
-            self.done = True
-            log.warning("request %s: no active backend: fallback route", self.request_id)
+        if isinstance(outcome, Unrouted):  # the fallback route takes it
+            log.warning("request %s: %s: fallback route", self.request_id, outcome.reason)
             return self._reply(codec.REQUEST_BODY)
+        self.decision = outcome.decision
         self.done = not self.info.sends_response_body
         self.hold_s = self.decision.hold_ms / 1000
+        # an alias: the body names the engine's model
+        served = outcome.served_model
+        new_body = with_model(body, served) if served is not None else None
         renamed = self.request_id if self.request_id != original_id else None
         return self.encoder.encode(self.decision, new_body, renamed)
 
@@ -323,6 +325,7 @@ def open_session(
     tokens: PromptTokenizer | None = None,
     forward: Forward | None = None,
     envoy: str = "",
+    director: Director | None = None,
 ) -> Session:
     """The session for a stream, from its first message (`phase`, decoded) (Envoy AI
     Gateway's processorForPath + passThroughProcessor pattern)."""
@@ -341,7 +344,8 @@ def open_session(
         and api_for_path(headers.get(":path", "")) is not None
         and headers.get(HEADER_REQUEST_ID)
     ):
-        return RoutingSession(router, encoder, info, trace_context, tokens, envoy)
+        director = director if director is not None else Director(router)
+        return RoutingSession(director, encoder, info, trace_context, tokens, envoy)
     return PassThroughSession(info)
 
 
