@@ -6,18 +6,20 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 from ext_proc.config.load import config_from_dict
 from ext_proc.config.schema import Config
 from ext_proc.core.build import build_router
 from ext_proc.core.router import Router
+from ext_proc.core.terms.catalog import TERMS
 from ext_proc.envoy import codec
 from ext_proc.envoy.encoders import decision_encoder
 from ext_proc.envoy.sessions import Session, open_session
 from ext_proc.feeds.peers import PeerEvent, PeerKind
 from ext_proc.prompt.parse import CHAT, parse_body
 from ext_proc.vocab.events import Dispatched, Listener
-from ext_proc.vocab.types import RouteRequest
+from ext_proc.vocab.types import Candidate, RouteRequest
 from tests.fakes import FakeClock
 
 # The default fleet: three backends at the default RTT prior.
@@ -69,6 +71,15 @@ def make_router(
     clock = clock if clock is not None else FakeClock()
     cfg = make_config(policy, timeout_s, backends, **extra)
     return build_router(cfg, clock, random.Random(seed), listeners=listeners), clock
+
+
+def candidate(backend_id: str = "a", **kw: Any) -> Candidate:
+    """A candidate as the framework builds one: its fields, and each built-in cost term
+    from a `<name>_ms` keyword (0 unless given), in the registry's order."""
+    terms = {name: float(kw.pop(f"{name}_ms", 0.0)) for name in TERMS}
+    kw.setdefault("in_flight", 0)
+    kw.setdefault("waiting_first_byte", 0)
+    return Candidate(backend_id, terms=terms, **kw)
 
 
 def chat(

@@ -16,14 +16,11 @@ from ext_proc.config.schema import Routing
 from ext_proc.core.admission import fits_context, serving
 from ext_proc.core.backend import BackendState
 from ext_proc.core.fleet import Fleet
+from ext_proc.core.terms.base import TermInputs
+from ext_proc.core.terms.catalog import TERMS
+from ext_proc.core.terms.queue import queue_ms
 from ext_proc.estimate.chain import chain_keys
-from ext_proc.estimate.cost import (
-    KV_HEADROOM_MARGIN,
-    QueueItem,
-    decode_stall_ms,
-    estimate_queue_ms,
-    kv_headroom_ms,
-)
+from ext_proc.estimate.cost import QueueItem
 from ext_proc.estimate.prefix import Hashes, as_hashes, leading_true
 from ext_proc.feeds.engine_metrics import EngineReport
 from ext_proc.prompt.tokens import APPROX, block_hashes_of_ids
@@ -107,37 +104,6 @@ def _capped(per_prompt: Sequence[float], lengths: Sequence[int]) -> int:
 def adapter_salt(model: str) -> int:
     """What an adapter's block hashes are XORed with in the router's own index."""
     return int.from_bytes(hashlib.blake2b(model.encode(), digest_size=8).digest(), "little")
-
-
-def newcomer_step_ms(b: BackendState, input_tokens: int, decode_factor: float) -> float:
-    """The decode step a newcomer's tokens come at there: with every request in flight
-    (those ahead will be decoding by the time it is) and itself in the batch, at most the
-    engine's running limit (the rest wait), their prompts as the context. A dispatch-time
-    estimate: who finishes or arrives while it decodes is not foreseen."""
-    profile = b.profile
-    batch = b.in_flight + 1
-    running = min(batch, profile.max_running_requests)
-    context = (b.in_flight_tokens + input_tokens) * running // batch
-    return profile.decode_ms(running, context) * decode_factor
-
-
-def lora_slot_wait_ms(
-    report: EngineReport | None, adapter: str, items: list[QueueItem], step_ms: float, now_s: float
-) -> float:
-    """LoRA affinity: vLLM batches at most `max_lora` adapters at once, and a request for
-    one that is neither running nor waiting there while every slot is taken is passed over
-    until a request of another adapter finishes (vllm/v1/core/sched/scheduler.py): it
-    waits at least for the soonest of those in flight to finish. 0 where the adapter is
-    already there, a slot is free, or the engine reports no LoRA state."""
-    if (
-        report is None
-        or report.max_lora is None
-        or adapter in report.adapters
-        or len(report.adapters) < report.max_lora
-        or not items
-    ):
-        return 0.0
-    return min(it.remaining_ms(now_s, step_ms) for it in items)
 
 
 def first_byte_deadline_ms(
@@ -284,6 +250,8 @@ class Features:
         # those whose context holds the prompt (admission refused it if none does)
         active = [b for b in active if fits_context(b, request.llm)] or active
         healthy = [b for b in active if state.available(b, now_s)]
+        adapter = model is not None and state.is_adapter(model)
+        grace_ms = self.grace_ms
         keys_of = _keys_by_block_size(request)
         self.precise_cached.clear()
         out = []
@@ -294,36 +262,37 @@ class Features:
             else:
                 per_prompt = [b.prefix.match(prompt) * bt for prompt in blocks]
             cached = _capped(per_prompt, lengths)
-            uncached = input_tokens - cached
-            speed = b.speed_for(model)
-            prefill_ms = b.prefill.prefill_ms(uncached, cached) * speed.prefill_factor
             items, step_ms = self._queue_items(b)
-            queue_ms = self._queue_ms(b, now_s, need_kv, items, step_ms)
-            if model is not None and state.is_adapter(model):
-                report = self.fresh_engine_report(b, now_s)
-                queue_ms += lora_slot_wait_ms(report, model, items, step_ms, now_s)
+            x = TermInputs(
+                backend=b,
+                request=request,
+                now_s=now_s,
+                model=model,
+                adapter=adapter,
+                input_tokens=input_tokens,
+                cached_tokens=cached,
+                uncached_tokens=input_tokens - cached,
+                output_tokens=out_tokens,
+                need_kv_tokens=need_kv,
+                speed=b.speed_for(model),
+                items=items,
+                step_ms=step_ms,
+                report=self.fresh_engine_report(b, now_s),
+                capacity_tokens=b.prefix.capacity_blocks * bt,
+                stall_grace_ms=grace_ms,
+            )
+            terms: dict[str, float] = {}
+            for term in TERMS.values():  # in order: a term may read those before it
+                terms[term.name] = term.compute(x, terms)
             out.append(
                 Candidate(
                     backend_id=b.id,
                     in_flight=b.in_flight,
                     waiting_first_byte=b.waiting_first_byte,
                     in_flight_tokens=b.in_flight_tokens,
-                    rtt_ms=b.rtt_ms,
-                    queue_ms=queue_ms,
-                    prefill_ms=prefill_ms,
                     cached_tokens=cached,
-                    uncached_tokens=uncached,
-                    decode_stall_ms=decode_stall_ms(prefill_ms, b.in_flight),
-                    decode_ms=out_tokens * newcomer_step_ms(b, input_tokens, speed.decode_factor),
-                    kv_ms=kv_headroom_ms(
-                        items,
-                        step_ms,
-                        now_s,
-                        b.prefix.capacity_blocks * bt,
-                        need_kv,
-                        KV_HEADROOM_MARGIN,
-                        queue_ms,
-                    ),
+                    uncached_tokens=x.uncached_tokens,
+                    terms=terms,
                 )
             )
         return tuple(out)
@@ -354,38 +323,19 @@ class Features:
         )
         return items, step_ms
 
+    @property
+    def grace_ms(self) -> float:
+        """Stall detection's grace, once first bytes are seen at all."""
+        return self.fleet.cfg.routing.stall_grace_ms if self.sees_first_bytes else 0.0
+
     def queue_estimate_ms(self, backend: str, now_s: float, need_kv_tokens: int = 0) -> float:
         """How long a new request needing need_kv_tokens of KV would wait on `backend`
-        before its own prefill starts."""
+        before its own prefill starts (the queue term, core.terms.queue)."""
         b = self.fleet.state.backends[backend]
         items, step_ms = self._queue_items(b)
-        return self._queue_ms(b, now_s, need_kv_tokens, items, step_ms)
-
-    def _queue_ms(
-        self,
-        b: BackendState,
-        now_s: float,
-        need_kv_tokens: int,
-        items: list[QueueItem],
-        step_ms: float,
-    ) -> float:
         capacity = b.prefix.capacity_blocks * self.fleet.cfg.routing.block_tokens
-        grace_ms = self.fleet.cfg.routing.stall_grace_ms if self.sees_first_bytes else 0.0
-        own_ms = estimate_queue_ms(
-            items, step_ms, now_s, b.rtt_ms / 2, capacity, need_kv_tokens, grace_ms
-        )
         report = self.fresh_engine_report(b, now_s)
-        if report is not None and report.waiting is not None and b.engine_at_s is not None:
-            # The engine's own count of requests waiting (load this router did not route:
-            # other routers, direct clients), priced at the mean prefill of what we sent
-            # there lately, plus what this router sent there since that report.
-            since = sum(
-                r.prefill_ms
-                for r in b.records.values()
-                if r.dispatched_s > b.engine_at_s and r.first_byte_s is None
-            )
-            own_ms = max(own_ms, report.waiting * b.mean_prefill_ms + since)
-        return own_ms
+        return queue_ms(b, now_s, need_kv_tokens, items, step_ms, capacity, self.grace_ms, report)
 
     def fresh_engine_report(self, b: BackendState, now_s: float) -> EngineReport | None:
         """The engine's last load report, unless older than probes.metrics_stale_s."""

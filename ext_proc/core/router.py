@@ -380,7 +380,7 @@ def in_flight_record(
         prefix_state=state,
         prefill_ms=chosen.prefill_ms,
         rtt_ms=chosen.rtt_ms,
-        queue_ms=chosen.queue_ms,
+        queue_ms=chosen.wait_ms,
         predicted_ttft_ms=chosen.predicted_ttft_ms,
         predicted_e2e_ms=chosen.predicted_e2e_ms,
         prefill_factor=speed.prefill_factor,

@@ -17,14 +17,15 @@ uncached_tokens + w_queue * in_flight_tokens. The router hands each decision its
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar, Generic, TypeVar
+from typing import ClassVar, Generic, Protocol, TypeVar
 
-from ext_proc.estimate.cost import time_cost_ms, token_cost
+from ext_proc.estimate.cost import token_cost
 from ext_proc.policy.base import WeightedParams, near_ties, pick_min, register
 from ext_proc.vocab.params import bounded
 from ext_proc.vocab.policy import Choice
+from ext_proc.vocab.terms import TERMS
 from ext_proc.vocab.types import Candidate, RouteRequest, Weights
 
 P = TypeVar("P")
@@ -117,7 +118,7 @@ class _Scored(Generic[P]):
         self._rng = rng
         self._p = params
 
-    def score(self, c: Candidate, w: Weights) -> float:
+    def scores(self, candidates: Sequence[Candidate], w: Weights) -> dict[str, float]:
         raise NotImplementedError
 
     def pick(self, candidates: Sequence[Candidate], scores: dict[str, float]) -> Choice:
@@ -126,64 +127,94 @@ class _Scored(Generic[P]):
     def would_pick(self, candidates: Sequence[Candidate], weights: Weights, backend: str) -> bool:
         """Whether `weights` would choose `backend` too (it is among their near-ties; no
         RNG drawn): the tuner asks it with the other arm's weights at each decision."""
-        scores = {c.backend_id: self.score(c, weights) for c in candidates}
+        scores = self.scores(candidates, weights)
         tie_ms = getattr(self._p, "tie_ms", 0.0)
         return backend in near_ties(scores, tie_ms, getattr(self._p, "tie_fraction", 0.0))
 
     def choose(
         self, request: RouteRequest, candidates: Sequence[Candidate], weights: Weights | None
     ) -> Choice:
-        w = _weights(weights)
-        return self.pick(candidates, {c.backend_id: self.score(c, w) for c in candidates})
+        return self.pick(candidates, self.scores(candidates, _weights(weights)))
+
+
+def weighted_sum(c: Candidate, weights: Mapping[str, float]) -> float:
+    """A candidate's terms, each times its weight (in the terms' order: the sum is the
+    same float whichever way it is asked for)."""
+    total = 0.0
+    for name, value in c.terms.items():
+        weight = weights.get(name)
+        if weight:
+            total += weight * value
+    return total
+
+
+class _TieRule(Protocol):
+    @property
+    def tie_ms(self) -> float: ...
+
+    @property
+    def tie_fraction(self) -> float: ...
+
+
+T = TypeVar("T", bound=_TieRule)
+
+
+class _Weighted(_Scored[T]):
+    """A score that is a weighted sum of the cost terms (vocab.terms)."""
+
+    def term_weights(self, w: Weights) -> dict[str, float]:
+        """Each registered term's weight in the score: the operator page draws each term
+        at its weight, so a bar's length is the score."""
+        raise NotImplementedError
+
+    def scores(self, candidates: Sequence[Candidate], w: Weights) -> dict[str, float]:
+        weights = self.term_weights(w)
+        return {c.backend_id: weighted_sum(c, weights) for c in candidates}
+
+    def pick(self, candidates: Sequence[Candidate], scores: dict[str, float]) -> Choice:
+        p = self._p
+        return _fewest_in_flight(self._rng, candidates, scores, p.tie_ms, p.tie_fraction)
+
+
+def _own_ttft(w: Weights) -> dict[str, float]:
+    """The newcomer's own TTFT: its trip weighed by w_rtt, the waits ahead of it by
+    w_queue, its prefill as it is; any other registered term at its own weight."""
+    weights = {name: info.weight for name, info in TERMS.items()}
+    weights.update(rtt=w.rtt, queue=w.queue, lora_wait=w.queue, prefill=1.0)
+    return weights
 
 
 @register("gorgo", params=GorgoParams)
-class Gorgo(_Scored[GorgoParams]):
+class Gorgo(_Weighted[GorgoParams]):
     name = "gorgo"
 
-    def score(self, c: Candidate, w: Weights) -> float:
-        p = self._p
-        return (
-            time_cost_ms(w, c.rtt_ms, c.queue_ms, c.prefill_ms)
-            + p.decode_stall_weight * c.decode_stall_ms
-            + p.kv_weight * c.kv_ms
-        )
-
-    def pick(self, candidates: Sequence[Candidate], scores: dict[str, float]) -> Choice:
-        return _fewest_in_flight(
-            self._rng, candidates, scores, self._p.tie_ms, self._p.tie_fraction
-        )
-
-    def term_weights(self, w: Weights) -> tuple[float, float, float, float, float]:
-        """The score as a weighted sum of (rtt, queue, prefill, stall, kv) ms: the
-        operator page draws each term at its weight, so a bar's length is the score."""
-        return (w.rtt, w.queue, 1.0, self._p.decode_stall_weight, self._p.kv_weight)
+    def term_weights(self, w: Weights) -> dict[str, float]:
+        return {
+            **_own_ttft(w),
+            "decode_stall": self._p.decode_stall_weight,
+            "kv": self._p.kv_weight,
+        }
 
 
 @register("gorgo_time3", params=GorgoTime3Params)
-class GorgoTime3(_Scored[GorgoTime3Params]):
+class GorgoTime3(_Weighted[GorgoTime3Params]):
     """The paper's three-term time form: the newcomer's own TTFT only."""
 
     name = "gorgo_time3"
 
-    def score(self, c: Candidate, w: Weights) -> float:
-        return time_cost_ms(w, c.rtt_ms, c.queue_ms, c.prefill_ms)
-
-    def pick(self, candidates: Sequence[Candidate], scores: dict[str, float]) -> Choice:
-        return _fewest_in_flight(
-            self._rng, candidates, scores, self._p.tie_ms, self._p.tie_fraction
-        )
-
-    def term_weights(self, w: Weights) -> tuple[float, float, float, float, float]:
-        return (w.rtt, w.queue, 1.0, 0.0, 0.0)
+    def term_weights(self, w: Weights) -> dict[str, float]:
+        return {**_own_ttft(w), "decode_stall": 0.0, "kv": 0.0}
 
 
 @register("gorgo_tokens", params=GorgoTokensParams)
 class GorgoTokens(_Scored[GorgoTokensParams]):
     name = "gorgo_tokens"
 
-    def score(self, c: Candidate, w: Weights) -> float:
-        return token_cost(w, c.rtt_ms, c.uncached_tokens, c.in_flight_tokens)
+    def scores(self, candidates: Sequence[Candidate], w: Weights) -> dict[str, float]:
+        return {
+            c.backend_id: token_cost(w, c.rtt_ms, c.uncached_tokens, c.in_flight_tokens)
+            for c in candidates
+        }
 
     def pick(self, candidates: Sequence[Candidate], scores: dict[str, float]) -> Choice:
         return Choice(pick_min(scores, self._rng, 0.0, self._p.tie_fraction), scores)

@@ -14,7 +14,7 @@ import asyncio
 import functools
 import heapq
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from importlib import resources
 from typing import Any
 
@@ -23,9 +23,10 @@ from aiohttp import web
 
 from ext_proc.core.decision_log import Entry
 from ext_proc.core.router import Router
+from ext_proc.core.terms.catalog import TERMS
 from ext_proc.vocab.types import Weights
 
-TermWeights = Callable[[Weights], tuple[float, float, float, float, float]]
+TermWeights = Callable[[Weights], Mapping[str, float]]
 
 # Candidates per decision in the feed (the chosen one first, then the best scores): the
 # table's bars. The decision's own endpoint has them all.
@@ -96,27 +97,37 @@ def backend_rows(router: Router, state: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
-def _candidate(entry: Entry, c: Any) -> list[Any]:
+def shown_terms() -> list[str]:
+    """The cost terms the page draws, in their order (every registered cost)."""
+    return [name for name, info in TERMS.items() if info.cost]
+
+
+def terms_json() -> list[dict[str, str]]:
+    """The terms a feed's candidate rows carry, with their labels (the page's columns)."""
+    return [{"name": n, "label": TERMS[n].label, "unit": TERMS[n].unit} for n in shown_terms()]
+
+
+def _candidate(entry: Entry, c: Any, names: list[str]) -> list[Any]:
     score = entry.decision.scores.get(c.backend_id)
     return [
         c.backend_id,
-        round(c.rtt_ms, 2),
-        round(c.queue_ms, 2),
-        round(c.prefill_ms, 2),
-        round(c.decode_stall_ms, 2),
-        round(c.kv_ms, 2),
         None if score is None else round(score, 3),
         c.cached_tokens,
         c.uncached_tokens,
+        *(round(c.term(n), 2) for n in names),
     ]
+
+
+def _aligned(weights: Mapping[str, float], names: list[str]) -> list[float]:
+    return [round(weights.get(n, 0.0), 4) for n in names]
 
 
 def entry_row(
     entry: Entry, term_weights: TermWeights | None = None, every_candidate: bool = False
 ) -> dict[str, Any]:
-    """One decision, compact: candidates as [backend, rtt, queue, prefill, stall, kv,
-    score, cached tokens, uncached tokens] (ms); `term_weights`: the policy's, when its
-    score is the weighted sum of those five terms."""
+    """One decision, compact: candidates as [backend, score, cached tokens, uncached
+    tokens, then each shown term's value (shown_terms)]; `term_weights`: the policy's,
+    when its score is the weighted sum of the terms."""
     d = entry.decision
     chosen = d.chosen
     others = [c for c in d.candidates if c.backend_id != d.backend]
@@ -128,6 +139,7 @@ def entry_row(
             FEED_CANDIDATES - 1, others, lambda c: best(c.backend_id, math.inf)
         )
     shown = [chosen, *others]
+    names = shown_terms()
     return {
         "n": entry.number,
         "seq": entry.seq,
@@ -138,15 +150,15 @@ def entry_row(
         "backend": d.backend,
         "policy": d.policy,
         "hold_ms": round(d.hold_ms, 2),
-        "candidates": [_candidate(entry, c) for c in shown],
+        "candidates": [_candidate(entry, c, names) for c in shown],
         "of": len(d.candidates),
         "predicted": [round(chosen.predicted_ttft_ms, 2), round(chosen.predicted_e2e_ms, 2)],
         "observed": entry.observed,
         "trace_id": entry.trace_id,
-        # Multipliers of the five terms in the score (None: the score is not their sum).
+        # Each shown term's multiplier in the score (None: the score is not their sum).
         "term_weights": None
         if term_weights is None or d.weights is None
-        else [round(v, 4) for v in term_weights(d.weights)],
+        else _aligned(term_weights(d.weights), names),
     }
 
 
@@ -186,6 +198,8 @@ def feed(
         "decisions_total": state["decisions"],
         "in_flight": state["in_flight"],
         "trace_url": trace_url,
+        # What each candidate row carries after its four first fields.
+        "terms": terms_json(),
         "backends": backend_rows(router, state),
         "tuner": tuner_json,
         "decisions": [entry_row(e, term_weights_of(router)) for e in log.changed_since(since)]
@@ -226,7 +240,8 @@ def add_page_routes(app: web.Application, router: Router, trace_url: str) -> Non
         if entry is None:
             why = "request_id: required" if not rid else f"no recent decision for {rid!r}"
             return web.json_response({"error": why}, status=404 if rid else 400)
-        row = entry_row(entry, term_weights_of(router), every_candidate=True)
+        row = {**entry_row(entry, term_weights_of(router), every_candidate=True)}
+        row["terms"] = terms_json()
         return web.Response(body=orjson.dumps(row), content_type="application/json")
 
     app.router.add_get("/ui", page)

@@ -29,6 +29,7 @@ from prometheus_client.registry import Collector
 from ext_proc.config.schema import TelemetryConfig
 from ext_proc.core.features import prefix_state
 from ext_proc.core.router import Router
+from ext_proc.core.terms.catalog import TERMS
 from ext_proc.estimate.prediction import prediction_error
 from ext_proc.service.otlp import otlp_exporter
 from ext_proc.service.prediction_metrics import latency_prediction_gauges, served_model_gauges
@@ -69,10 +70,9 @@ A_PREDICTED_E2E_MS = "gorgo.predicted_e2e_ms"
 A_DRAINING_BACKENDS = "gorgo.draining_backends"
 # How long dispatch pacing held the request before it was sent on (only when it did).
 A_PACE_HOLD_MS = "gorgo.pace_hold_ms"
-CANDIDATE_FIELDS = (
-    *("rtt_ms", "queue_ms", "prefill_ms", "cached_tokens", "cost"),
-    *("predicted_ttft_ms", "predicted_e2e_ms"),
-)
+# Each candidate's fields besides its cost terms (one attribute per registered term,
+# `<name>_<unit>`: vocab.terms).
+CANDIDATE_FIELDS = ("cached_tokens", "cost", "predicted_ttft_ms", "predicted_e2e_ms")
 
 # Buckets (seconds / ms) sized for LLM latencies: TTFT from 10 ms to minutes.
 LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -327,9 +327,8 @@ class Telemetry(Listener):
         m = self.metrics
         m.decisions.labels(d.backend, d.policy, d.model or "").inc()
         chosen = d.chosen
-        m.term.labels("rtt").observe(chosen.rtt_ms)
-        m.term.labels("queue").observe(chosen.queue_ms)
-        m.term.labels("prefill").observe(chosen.prefill_ms)
+        for name, value in chosen.terms.items():
+            m.term.labels(name).observe(value)
         m.term.labels("pace_hold").observe(d.hold_ms)
         m.prompt_tokens.inc(d.input_tokens)
         m.cached_tokens.inc(chosen.cached_tokens)
@@ -427,15 +426,16 @@ class Telemetry(Listener):
             attrs[A_WEIGHTS_VERSION] = len(tuner.state.history)
             attrs[A_TUNER_ARM] = d.arm or ""
         for c in d.candidates:
-            values = {
-                "rtt_ms": c.rtt_ms,
-                "queue_ms": c.queue_ms,
-                "prefill_ms": c.prefill_ms,
-                "cached_tokens": c.cached_tokens,
-                "cost": d.scores.get(c.backend_id, 0.0),
-                "predicted_ttft_ms": c.predicted_ttft_ms,
-                "predicted_e2e_ms": c.predicted_e2e_ms,
+            values: dict[str, float | int] = {
+                TERMS[name].key if name in TERMS else name: value
+                for name, value in c.terms.items()
             }
+            values.update(
+                cached_tokens=c.cached_tokens,
+                cost=d.scores.get(c.backend_id, 0.0),
+                predicted_ttft_ms=c.predicted_ttft_ms,
+                predicted_e2e_ms=c.predicted_e2e_ms,
+            )
             for f, v in values.items():
                 attrs[A_CANDIDATE.format(backend=c.backend_id, field=f)] = (
                     round(v, 3) if isinstance(v, float) else v

@@ -8,13 +8,16 @@ enums of a request's and a backend's life. They import only the parsed body's ty
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from ext_proc.vocab.request import LlmRequest
+from ext_proc.vocab.terms import TERMS
 
 
 class Status(enum.StrEnum):
@@ -90,52 +93,79 @@ class Weights:
 
 @dataclass(frozen=True)
 class Candidate:
+    """One backend as a candidate for one request: its load, the request's cached and
+    uncached tokens there, and every cost term (`vocab.terms`) by name."""
+
     backend_id: str
     in_flight: int
     waiting_first_byte: int
     # Prompt tokens of the requests in flight there, decoding ones included (the paper's
     # load, in tokens).
     in_flight_tokens: int = 0
-    rtt_ms: float = 0.0
-    queue_ms: float = 0.0
-    prefill_ms: float = 0.0
     cached_tokens: int = 0
     uncached_tokens: int = 0
-    # What sending the request there does to the others (ms, summed over them;
-    # docs/cost-model.md): its prefill stalls the requests there (ext_proc.cost.
-    # decode_stall_ms); and the wait beyond queue_ms when the KV pool is nearly full (kv_ms).
-    decode_stall_ms: float = 0.0
-    kv_ms: float = 0.0
-    # Its own decode, predicted: output tokens x the backend's decode step with the
-    # requests in flight there and this one (docs/cost-model.md, "What is predicted").
-    decode_ms: float = 0.0
+    # Each registered cost term's value there, by name, in registration order (ms for
+    # the built-in ones: docs/cost-model.md).
+    terms: Mapping[str, float] = field(default_factory=dict)
+
+    def term(self, name: str) -> float:
+        return self.terms.get(name, 0.0)
 
     @property
+    def rtt_ms(self) -> float:
+        return self.term("rtt")
+
+    @property
+    def queue_ms(self) -> float:
+        return self.term("queue")
+
+    @property
+    def prefill_ms(self) -> float:
+        return self.term("prefill")
+
+    @property
+    def decode_ms(self) -> float:
+        """Its own decode: output tokens x the backend's step with it there."""
+        return self.term("decode")
+
+    def _ttft_sum(self, leave_out: tuple[str, ...] = ()) -> float:
+        total = 0.0
+        for name, value in self.terms.items():
+            info = TERMS.get(name)
+            if info is not None and info.ttft and name not in leave_out:
+                total += value
+        return total
+
+    @cached_property
     def predicted_ttft_ms(self) -> float:
-        """The TTFT the router predicts there: the request's trip, the prefill owed ahead
-        of it (with the decode step it meets) and its own prefill, the time form's terms."""
-        return self.rtt_ms + self.queue_ms + self.prefill_ms
+        """The TTFT the router predicts there: the sum of the terms that make it up (the
+        request's trip, the waits ahead of it, its own prefill)."""
+        return self._ttft_sum()
+
+    @cached_property
+    def wait_ms(self) -> float:
+        """Its wait before its own prefill starts: the TTFT terms but the trip and the
+        prefill (the queue, a LoRA slot)."""
+        return self._ttft_sum(("rtt", "prefill"))
 
     @property
     def predicted_e2e_ms(self) -> float:
         return self.predicted_ttft_ms + self.decode_ms
 
     def as_json(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "backend": self.backend_id,
             "in_flight": self.in_flight,
             "in_flight_tokens": self.in_flight_tokens,
-            "rtt_ms": round(self.rtt_ms, 3),
-            "queue_ms": round(self.queue_ms, 3),
-            "prefill_ms": round(self.prefill_ms, 3),
             "cached_tokens": self.cached_tokens,
             "uncached_tokens": self.uncached_tokens,
-            "decode_stall_ms": round(self.decode_stall_ms, 3),
-            "kv_ms": round(self.kv_ms, 3),
-            "decode_ms": round(self.decode_ms, 3),
-            "predicted_ttft_ms": round(self.predicted_ttft_ms, 3),
-            "predicted_e2e_ms": round(self.predicted_e2e_ms, 3),
         }
+        for name, value in self.terms.items():
+            info = TERMS.get(name)
+            out[info.key if info is not None else name] = round(value, 3)
+        out["predicted_ttft_ms"] = round(self.predicted_ttft_ms, 3)
+        out["predicted_e2e_ms"] = round(self.predicted_e2e_ms, 3)
+        return out
 
 
 @dataclass(frozen=True)

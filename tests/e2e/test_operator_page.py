@@ -71,7 +71,7 @@ async def test_the_page_shows_the_fleet_a_decision_and_its_terms_live(
     row = await browser.evaluate(ROW.format("page-X") + ".innerText")
     assert "page-X" in row and went in row
 
-    # the search opens the decision whole: every candidate with its five terms
+    # the search opens the decision whole: every candidate with every cost term
     await browser.evaluate(
         "(() => { const s = document.getElementById('search'); s.value = 'page-X';"
         " s.dispatchEvent(new Event('input')); })()"
@@ -83,10 +83,13 @@ async def test_the_page_shows_the_fleet_a_decision_and_its_terms_live(
         "r => [r.dataset.candidate, Object.fromEntries([...r.querySelectorAll('td[data-term]')]"
         ".map(t => [t.dataset.term, t.textContent]))]))"
     )
-    truth = (await decision(stack, "page-X"))["candidates"]
+    whole = await decision(stack, "page-X")
+    names = [t["name"] for t in whole["terms"]]
+    assert names[:6] == ["rtt", "queue", "lora_wait", "prefill", "decode_stall", "kv"]
     assert set(shown) == set(stack.config.backend_ids)
-    for backend, rtt, queue, prefill, stall, kv, *_ in truth:
-        terms = {"rtt": rtt, "queue": queue, "prefill": prefill, "stall": stall, "kv": kv}
+    for backend, _score, _cached, _uncached, *values in whole["candidates"]:
+        terms = dict(zip(names, values, strict=True))
+        assert set(shown[backend]) == set(names)
         for term, value in terms.items():
             assert float(shown[backend][term]) == pytest.approx(value, abs=0.051 + 0.005 * value)
     assert float(shown[went]["rtt"]) > 0

@@ -3,10 +3,18 @@
 "use strict";
 
 const POLL_MS = 1000;
-const TERMS = ["rtt", "queue", "prefill", "stall", "kv"];
-const TERM_NAMES = { rtt: "RTT", queue: "queue", prefill: "prefill", stall: "decode stall", kv: "KV wait" };
-// A feed candidate: [backend, rtt, queue, prefill, stall, kv, score, cached, uncached].
-const C = { backend: 0, rtt: 1, queue: 2, prefill: 3, stall: 4, kv: 5, score: 6, cached: 7, uncached: 8 };
+// The cost terms, as the feed names them (its `terms`: every registered cost term, in
+// their order); a feed candidate is [backend, score, cached, uncached, ...one value per term].
+let TERMS = [];
+let TERM_NAMES = {};
+const C = { backend: 0, score: 1, cached: 2, uncached: 3, terms: 4 };
+
+function useTerms(terms) {
+  if (!terms || TERMS.join() === terms.map((t) => t.name).join()) return;
+  TERMS = terms.map((t) => t.name);
+  TERM_NAMES = Object.fromEntries(terms.map((t) => [t.name, t.label]));
+  $("term-legend").innerHTML = TERMS.map((k) => `<i class="t-${esc(k)}"></i>${esc(TERM_NAMES[k])}`).join(" ");
+}
 
 const page = {
   seq: 0, // the log's change count seen last
@@ -47,6 +55,7 @@ function setLive(ok, text) {
 function apply(f) {
   if (f.seq < page.seq) resetDecisions(); // a restarted router: its log began again
   page.feed = f;
+  useTerms(f.terms);
   page.seq = f.seq;
   page.logSize = f.log_size;
   // Wall-clock time of each new decision, from the router's clock (its own, monotonic).
@@ -175,11 +184,11 @@ function tunerChart(path) {
 }
 
 function terms(c) {
-  return { rtt: c[C.rtt], queue: c[C.queue], prefill: c[C.prefill], stall: c[C.stall], kv: c[C.kv] };
+  return Object.fromEntries(TERMS.map((k, i) => [k, c[C.terms + i]]));
 }
 
 // Each term as it counts in the score: times the policy's weight for it when the score is
-// their weighted sum (gorgo: w_rtt, w_queue, 1, decode_stall_weight, kv_weight), so a bar's
+// their weighted sum (gorgo: w_rtt, w_queue, w_queue, 1, decode_stall_weight, kv_weight), so a bar's
 // length is the score and the shortest won; else the raw ms.
 function weighted(c, tw) {
   const t = terms(c);

@@ -142,7 +142,7 @@ def test_an_adapter_prefers_where_it_is_loaded_over_a_full_batch_of_others() -> 
         r.record_engine_report("a", EngineReport(0, 4, 0.1, frozenset({"doc"}), max_lora))
         r.record_engine_report("b", EngineReport(0, 1, 0.1, frozenset({"sql"}), 1))
         d = r.decide(chat(f"sql {max_lora}", model="sql"))
-        return d.backend, next(c.queue_ms for c in d.candidates if c.backend_id == "a")
+        return d.backend, next(c.wait_ms for c in d.candidates if c.backend_id == "a")
 
     free_backend, free_ms = queue_on_a(2)  # a slot free on a: no wait for one
     full_backend, full_ms = queue_on_a(1)  # a's one slot held by doc: wait for a finish

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 
 from ext_proc.config.load import config_from_dict
-from ext_proc.core.features import newcomer_step_ms
 from ext_proc.core.router import Router
+from ext_proc.core.terms.decode import newcomer_step_ms
 from ext_proc.prompt.parse import CHAT, parse_body
 from ext_proc.vocab.params import ConfigError
 from ext_proc.vocab.types import RouteRequest

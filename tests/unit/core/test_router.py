@@ -6,8 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ext_proc.policy.catalog import POLICIES, make_policy, policy_params
-from ext_proc.vocab.types import Candidate, Status
-from tests.builders import BACKENDS, chat, make_config, make_router
+from ext_proc.vocab.types import Status
+from tests.builders import BACKENDS, candidate, chat, make_config, make_router
 
 
 def test_lifecycle_counts_ttft_and_e2e() -> None:
@@ -109,7 +109,17 @@ def test_a_policy_always_returns_one_of_its_candidates(
     policy = make_policy(name, random.Random(seed))
     weights = policy_params(make_config(), name).weights if POLICIES[name].weighted else None
     candidates = [
-        Candidate(f"b{i}", n, min(n, w), n * 100, 10.0 * w, 5.0 * n, 20.0, 64 * w, 100)
+        candidate(
+            f"b{i}",
+            in_flight=n,
+            waiting_first_byte=min(n, w),
+            in_flight_tokens=n * 100,
+            rtt_ms=10.0 * w,
+            queue_ms=5.0 * n,
+            prefill_ms=20.0,
+            cached_tokens=64 * w,
+            uncached_tokens=100,
+        )
         for i, (n, w) in enumerate(loads)
     ]
     for i in range(5):

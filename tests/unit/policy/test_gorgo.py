@@ -373,8 +373,8 @@ def test_a_long_uncached_prompt_avoids_the_backend_decoding_many() -> None:
         idle = next(c for c in d.candidates if c.backend_id == "idle")
         assert busy.queue_ms < 50 and idle.queue_ms > 990
         assert busy.prefill_ms > 2000
-        assert busy.decode_stall_ms == pytest.approx(12 * busy.prefill_ms)
-        assert idle.decode_stall_ms == pytest.approx(idle.prefill_ms)
+        assert busy.term("decode_stall") == pytest.approx(12 * busy.prefill_ms)
+        assert idle.term("decode_stall") == pytest.approx(idle.prefill_ms)
         assert d.backend == expected, policy
     # a short prompt stalls the decodes for a few ms: gorgo takes the nearer one
     r, clock = make_router("gorgo", backends=TWINS)
@@ -413,8 +413,10 @@ def test_a_nearly_full_kv_pool_is_priced_and_avoided() -> None:
         load(r, f"big{i}", "busy", capacity * 23 // 100 - 200, 200, decoding=True)
     d = r.decide(chat("a question " * 200))
     busy = next(c for c in d.candidates if c.backend_id == "busy")
-    assert busy.kv_ms > 0 and busy.queue_ms < busy.kv_ms  # full pool: not yet; margin: yes
-    assert next(c for c in d.candidates if c.backend_id == "idle").kv_ms == 0
+    assert busy.term("kv") > 0 and busy.queue_ms < busy.term(
+        "kv"
+    )  # full pool: not yet; margin: yes
+    assert next(c for c in d.candidates if c.backend_id == "idle").term("kv") == 0
     assert d.backend == "idle"
 
 

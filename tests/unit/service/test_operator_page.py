@@ -67,27 +67,29 @@ async def test_the_feed_gives_what_changed_since_the_last_poll(
     (x,) = first["decisions"]
     assert x["id"] == "X" and x["backend"] == router.recent.decisions[0].backend
     assert x["observed"] is None and x["of"] == len(BACKENDS)
-    # the chosen candidate first, then the best scores; each with its five terms and score
+    # the chosen candidate first, then the best scores; each with its score, its tokens
+    # and every cost term the feed names
+    names = [t["name"] for t in first["terms"]]
+    assert names == ["rtt", "queue", "lora_wait", "prefill", "decode_stall", "kv"]
     assert len(x["candidates"]) == FEED_CANDIDATES and x["candidates"][0][0] == x["backend"]
     d = router.recent.decisions[0]
     chosen = d.chosen
-    assert x["candidates"][0][1:7] == [
-        round(chosen.rtt_ms, 2),
-        round(chosen.queue_ms, 2),
-        round(chosen.prefill_ms, 2),
-        round(chosen.decode_stall_ms, 2),
-        round(chosen.kv_ms, 2),
+    assert x["candidates"][0][1:] == [
         round(d.scores[chosen.backend_id], 3),
+        chosen.cached_tokens,
+        chosen.uncached_tokens,
+        *(round(chosen.terms[n], 2) for n in names),
     ]
-    scores = [c[6] for c in x["candidates"][1:]]
+    scores = [c[1] for c in x["candidates"][1:]]
     assert scores == sorted(scores)
-    # gorgo's score is the weighted sum of the five terms: the page's bars draw them so
+    # gorgo's score is the weighted sum of the terms: the page's bars draw them so
     weights = x["term_weights"]
     assert d.weights is not None  # the tuner's arm for X: its weights, not the parent's
-    assert weights == [round(d.weights.rtt, 4), round(d.weights.queue, 4), 1.0, 0.3, 1.0]
+    w = d.weights
+    assert weights == [round(w.rtt, 4), round(w.queue, 4), round(w.queue, 4), 1.0, 0.3, 1.0]
     for c in x["candidates"]:
-        assert sum(w * t for w, t in zip(weights, c[1:6], strict=True)) == pytest.approx(
-            c[6], abs=0.05
+        assert sum(w * t for w, t in zip(weights, c[4:], strict=True)) == pytest.approx(
+            c[1], abs=0.05
         )
     assert SECRET not in str(first)
 
@@ -110,7 +112,8 @@ async def test_one_decision_whole_by_request_id(
     body = await r.json()
     assert r.status == 200 and len(body["candidates"]) == len(BACKENDS)
     assert {c[0] for c in body["candidates"]} == {b["id"] for b in BACKENDS}
-    assert body["term_weights"] is not None and body["term_weights"][3] == 0.3
+    decode_stall = [t["name"] for t in body["terms"]].index("decode_stall")
+    assert body["term_weights"] is not None and body["term_weights"][decode_stall] == 0.3
     unknown = await client.get("/ui/decision", params={"request_id": "nobody"})
     assert unknown.status == 404 and "nobody" in (await unknown.json())["error"]
     assert (await client.get("/ui/decision")).status == 400
@@ -147,7 +150,7 @@ async def test_a_policy_whose_score_is_no_sum_of_the_terms_has_no_term_weights()
     router.decide(chat(rid="lr"))
     async with TestClient(TestServer(make_admin_app(router, MagicMock(), dict))) as c:
         (row,) = (await feed(c))["decisions"]
-    assert row["term_weights"] is None and row["candidates"][0][6] is not None
+    assert row["term_weights"] is None and row["candidates"][0][1] is not None
 
 
 def test_why_a_prefix_state_is_what_it_is() -> None:

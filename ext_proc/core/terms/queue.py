@@ -1,0 +1,54 @@
+"""The wait before the request's own prefill starts: the prefill owed to the requests
+ahead of it there, the decode step it meets, the KV it waits for when the pool is full,
+lateness that says the backend stalls, and the engine's own count of requests waiting
+(estimate.cost.estimate_queue_ms; docs/cost-model.md)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from ext_proc.core.backend import BackendState
+from ext_proc.core.terms.base import TermInputs
+from ext_proc.estimate.cost import QueueItem, estimate_queue_ms
+from ext_proc.feeds.engine_metrics import EngineReport
+from ext_proc.vocab.terms import register_term
+
+
+def queue_ms(
+    b: BackendState,
+    now_s: float,
+    need_kv_tokens: int,
+    items: list[QueueItem],
+    step_ms: float,
+    capacity_tokens: int,
+    grace_ms: float,
+    report: EngineReport | None,
+) -> float:
+    own_ms = estimate_queue_ms(
+        items, step_ms, now_s, b.rtt_ms / 2, capacity_tokens, need_kv_tokens, grace_ms
+    )
+    if report is not None and report.waiting is not None and b.engine_at_s is not None:
+        # The engine's own count of requests waiting (load this router did not route:
+        # other routers, direct clients), priced at the mean prefill of what we sent
+        # there lately, plus what this router sent there since that report.
+        since = sum(
+            r.prefill_ms
+            for r in b.records.values()
+            if r.dispatched_s > b.engine_at_s and r.first_byte_s is None
+        )
+        own_ms = max(own_ms, report.waiting * b.mean_prefill_ms + since)
+    return own_ms
+
+
+@register_term("queue", ttft=True)
+def queue_term_ms(x: TermInputs, terms: Mapping[str, float]) -> float:
+    return queue_ms(
+        x.backend,
+        x.now_s,
+        x.need_kv_tokens,
+        x.items,
+        x.step_ms,
+        x.capacity_tokens,
+        x.stall_grace_ms,
+        x.report,
+    )
