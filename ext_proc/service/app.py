@@ -146,7 +146,7 @@ async def running_service(
         tokenizers = EngineTokenizers(cfg, router, ext_proc)
         prober = Prober(cfg, router)
         kv_events = KvEventClients(cfg, router)
-        fleet_shell = FleetShell(router, prober, kv_events, ext_proc)
+        fleet_shell = FleetShell(router, [prober, kv_events, fleet], ext_proc)
         router.subscribe(fleet_shell)
         if config_path and source is None:
             source = ConfigSource(str(config_path))

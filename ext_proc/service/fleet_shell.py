@@ -1,6 +1,6 @@
 """The fleet's shell: it hears each backend change of the router and starts or stops that
-backend's probes and KV-event subscriber, rewrites Envoy's xDS files, and activates a
-pending backend once Envoy can route to it.
+backend in every feed (probes, metrics, models, KV events: `vocab.feeds.Feed`), rewrites
+Envoy's xDS files, and activates a pending backend once Envoy can route to it.
 """
 
 from __future__ import annotations
@@ -8,15 +8,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from ext_proc.common.aio import cancel_and_wait
 from ext_proc.core.router import Router
 from ext_proc.envoy.server import ExtProcService
 from ext_proc.envoy.xds import wait_envoy, write_xds
-from ext_proc.service.loops.kv_client import KvEventClients
-from ext_proc.service.loops.probe import Prober
 from ext_proc.vocab.events import BackendChanged, Listener
+from ext_proc.vocab.feeds import Feed
 from ext_proc.vocab.types import BackendChange, BackendLifecycle
 
 log = logging.getLogger("gorgo")
@@ -31,19 +31,18 @@ _PENDING = BackendLifecycle.PENDING
 
 
 class FleetShell(Listener):
-    """The shell's side of a fleet change (`BackendChanged`): a removed backend's probes,
-    metrics scrape and KV-event subscriber stop at once (cancelled before the router's
-    next step, so none of them touches a backend that is gone); one worker task then, in
+    """The shell's side of a fleet change (`BackendChanged`): a removed backend's tasks in
+    every feed (probes, metrics scrape, KV-event subscriber) stop at once (cancelled
+    before the router's next step, so none of them touches a backend that is gone); one
+    worker task then, in
     order, awaits them, starts a new backend's tasks, and tells Envoy: `write_xds` with
     the pending, active and draining backends (once per burst of changes), and for a
     pending backend `wait_envoy` before the router may name it."""
 
-    def __init__(
-        self, router: Router, prober: Prober, kv_events: KvEventClients, ext_proc: ExtProcService
-    ) -> None:
+    def __init__(self, router: Router, feeds: Sequence[Feed], ext_proc: ExtProcService) -> None:
         self.router = router
-        self.prober = prober
-        self.kv_events = kv_events
+        # Every loop that reads the fleet per backend (vocab.feeds.Feed), driven alike.
+        self.feeds = list(feeds)
         self.ext_proc = ext_proc
         # (the change, tasks to await); None: look at the pending backends again.
         self._queue: asyncio.Queue[tuple[BackendChanged | None, list[asyncio.Task[None]]]] = (
@@ -57,7 +56,7 @@ class FleetShell(Listener):
     def on_backend(self, e: BackendChanged) -> None:
         tasks: list[asyncio.Task[None]] = []
         if e.change == BackendChange.REMOVED or (e.change == BackendChange.UPDATED and e.reset):
-            tasks = [*self.prober.cancel(e.backend), *self.kv_events.cancel(e.backend)]
+            tasks = self._cancel(e.backend)
         log.info(
             "backend %s %s (%s)%s",
             e.backend,
@@ -84,8 +83,7 @@ class FleetShell(Listener):
         return {
             "xds_writes": self.xds_writes,
             "xds_error": self.xds_error or None,
-            "probed": self.prober.backends,
-            "kv_event_subscribers": self.kv_events.backends,
+            **{f.name: f.backends for f in self.feeds},
         }
 
     async def _run(self) -> None:
@@ -110,12 +108,13 @@ class FleetShell(Listener):
         config = None if record is None else record.config
         starts = e.change == BackendChange.ADDED or (e.change == BackendChange.UPDATED and e.reset)
         if starts and config is not None:  # (not removed again meanwhile)
-            await cancel_and_wait(
-                [*self.prober.cancel(e.backend), *self.kv_events.cancel(e.backend)]
-            )
-            self.prober.add(config)
-            self.kv_events.add(config)
+            await cancel_and_wait(self._cancel(e.backend))
+            for feed in self.feeds:
+                feed.add(config)
         self.ext_proc.encoder.set_backends(self.router.cfg.backends)
+
+    def _cancel(self, backend: str) -> list[asyncio.Task[None]]:
+        return [task for feed in self.feeds for task in feed.cancel(backend)]
 
     async def _tell_envoy(self) -> None:
         try:  # off the loop: the files grow with the fleet (snapshots: cfg, draining)

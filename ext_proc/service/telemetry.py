@@ -427,8 +427,7 @@ class Telemetry(Listener):
             attrs[A_TUNER_ARM] = d.arm or ""
         for c in d.candidates:
             values: dict[str, float | int] = {
-                TERMS[name].key if name in TERMS else name: value
-                for name, value in c.terms.items()
+                TERMS[name].key if name in TERMS else name: value for name, value in c.terms.items()
             }
             values.update(
                 cached_tokens=c.cached_tokens,

@@ -24,6 +24,7 @@ from ext_proc.common.aio import cancel_and_wait
 from ext_proc.config.schema import Config
 from ext_proc.core.router import Router
 from ext_proc.feeds.peers import PeerEvent, PeerKind, PeerPublisher
+from ext_proc.vocab.backend import Backend
 
 log = logging.getLogger("gorgo.fleet")
 
@@ -39,6 +40,11 @@ def default_router_id() -> str:
 
 
 class FleetBus:
+    """The other routers' lifecycle events over NATS, and ours to them (a `Feed` of the
+    whole fleet: nothing per backend)."""
+
+    name = "fleet_bus"
+
     def __init__(self, cfg: Config, router: Router) -> None:
         self.cfg = cfg
         self.router = router
@@ -52,6 +58,16 @@ class FleetBus:
         # Applies another router's FIRST_CHUNK or COMPLETED for one of ours (the shell's
         # ExtProcService.apply_forwarded).
         self.on_forwarded: Callable[[PeerEvent], None] | None = None
+
+    def add(self, backend: Backend) -> None:
+        """Nothing per backend: every router's events name their backend."""
+
+    def cancel(self, backend: str) -> list[asyncio.Task[None]]:
+        return []
+
+    @property
+    def backends(self) -> list[str]:
+        return []
 
     @property
     def connected(self) -> bool:

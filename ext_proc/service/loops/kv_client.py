@@ -75,6 +75,10 @@ def describe(e: BaseException, s: RankStream) -> str:
 
 
 class KvEventClients:
+    """The KV-event subscribers of every backend that publishes events (a `Feed`)."""
+
+    name = "kv_event_subscribers"
+
     def __init__(self, cfg: Config, router: Router) -> None:
         self.cfg = cfg
         self.router = router

@@ -81,6 +81,10 @@ def kv_pool_note(b: BackendState) -> tuple[int, str]:
 
 
 class Prober:
+    """RTT probes, metrics scrapes and model reads of every backend (a `Feed`)."""
+
+    name = "probed"
+
     def __init__(self, cfg: Config, router: Router) -> None:
         self.cfg = cfg
         self.router = router
