@@ -149,7 +149,8 @@ async def test_admin_add_drain_delete_with_tokens_and_the_shell_follows(
         await eventually(
             lambda: engines[3].hits["/v1/models"] >= 2 and engines[3].hits["/metrics"] >= 1
         )
-        assert "d" in shell.prober.backends and "d" in shell.kv_events.backends
+        fed = shell.snapshot()
+        assert "d" in fed["probed"] and "d" in fed["kv_event_subscribers"]
         # Decisions reach it over the real ext_proc stream.
         h = Harness(svc, grpc.aio.insecure_channel(f"127.0.0.1:{svc.grpc_port}"))
         chosen = [await route(h, f"r{i}") for i in range(6)]
@@ -181,7 +182,8 @@ async def test_admin_add_drain_delete_with_tokens_and_the_shell_follows(
         await eventually(lambda: "b" not in svc.router.backends)
         await shell.settle()
         assert "b" not in svc.router.backends
-        assert "b" not in shell.prober.backends and "b" not in shell.kv_events.backends
+        fed = shell.snapshot()
+        assert "b" not in fed["probed"] and "b" not in fed["kv_event_subscribers"]
         assert await quiet(engines[1])
         async with s.get(f"{url}/state") as r:
             state = await r.json()
@@ -201,7 +203,8 @@ async def test_admin_add_drain_delete_with_tokens_and_the_shell_follows(
         await h.channel.close()
         # nothing leaked: no request in flight, no task of a removed backend
         await eventually(lambda: not svc.router.in_flight)
-        assert shell.prober.backends == ["a"] and shell.kv_events.backends == ["a"]
+        fed = shell.snapshot()
+        assert fed["probed"] == ["a"] and fed["kv_event_subscribers"] == ["a"]
 
 
 async def test_a_new_backend_waits_for_envoy_then_the_files_follow_the_fleet(
