@@ -106,7 +106,7 @@ class Schedule:
 
 
 def _signature(router: Router) -> tuple[Any, ...]:
-    engine = router.backends["a"].engine_blocks
+    engine = router.backends["a"].engine.blocks
     assert engine is not None
     return (engine.blocks, engine.resets, engine.gaps, engine.last_ts)
 
@@ -147,7 +147,7 @@ async def _measure(bursts: int, idle_s: float, tokens: int) -> dict[str, Any]:
         return sent, await _settled(router, before)
 
     try:
-        while not router.backends["a"].events_up:
+        while not router.backends["a"].engine.events_up:
             await asyncio.sleep(0.01)
         await asyncio.sleep(0.3)  # the subscription has reached the engine
         await burst(-1)  # a small one, warm-up

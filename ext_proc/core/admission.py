@@ -85,9 +85,11 @@ def model_refusal(state: FleetState, model: str | None, now_s: float) -> Refusal
             f"Model '{model}' not found. Available models can be listed at /v1/models.",
         )
     active = [b for b in candidates if b.lifecycle is BackendLifecycle.ACTIVE]
-    if any(not b.ejected_at(now_s) for b in active):
+    if any(not b.health.ejected_at(now_s) for b in active):
         return None
-    waits = [b.ejected_until_s - now_s for b in active if b.ejected_until_s is not None]
+    waits = [
+        b.health.ejected_until_s - now_s for b in active if b.health.ejected_until_s is not None
+    ]
     return Refusal(
         503,
         "service_unavailable",

@@ -41,7 +41,110 @@ class TokenCheck:
 
 
 @dataclass
+class Health:
+    """Whether the backend can be reached and serves: its probes and its requests."""
+
+    # The probes' smoothed round trip (the config's prior until the first answers), how
+    # many answered, and their exponentially weighted variance (ms^2): the WAN's jitter.
+    rtt_ms: float
+    rtt_samples: int = 0
+    rtt_var_ms2: float = 0.0
+    probe_failures: int = 0
+    # Probes fail (or a first byte missed its deadline): not chosen while others are well.
+    suspect: bool = False
+    # Passive health: its requests that failed in a row, and until when it is out of
+    # rotation because of them (None: in rotation).
+    request_failures: int = 0
+    ejections: int = 0
+    ejected_until_s: float | None = None
+    # What ended its last failed requests (newest last), shown with an ejection.
+    recent_failures: deque[str] = field(default_factory=lambda: deque(maxlen=4))
+
+    def ejected_at(self, now_s: float) -> bool:
+        """Out for failing requests at now_s (an ejection ends by itself)."""
+        return self.ejected_until_s is not None and now_s < self.ejected_until_s
+
+
+@dataclass
+class Load:
+    """What this router and its peers have sent there and not yet seen end."""
+
+    in_flight: int = 0
+    # Dispatched and not yet past the first response byte (still queued or prefilling).
+    waiting_first_byte: int = 0
+    # Prompt tokens of the requests in flight, decoding ones included (the paper's queue
+    # load, in tokens).
+    in_flight_tokens: int = 0
+    # This backend's share of the in-flight table (ours and peers').
+    records: dict[str, InFlight] = field(default_factory=dict)
+    # When the last request routed here was sent on (dispatch pacing; -inf: never).
+    sent_s: float = float("-inf")
+    # Running mean of the prefill estimates of requests sent here (ms).
+    mean_prefill_ms: float = 100.0
+
+
+@dataclass
+class EngineView:
+    """What its engine says of itself: its load, its KV pool, its models, its cache."""
+
+    # The engine's last report of its own load (/metrics), and when it was read (None:
+    # never).
+    report: EngineReport | None = None
+    report_at_s: float | None = None
+    # The KV pool its engine reports (None: not reported), kept across stale reports.
+    kv_capacity_tokens: int | None = None
+    # What its engine lists on /v1/models (None: not read yet, or discovery is off).
+    discovered: ServedModels | None = None
+    # What the engine's KV events say it holds (None: it publishes none), and whether
+    # that stream is up now (down, the router's own estimate serves).
+    blocks: EngineBlocks | None = None
+    events_up: bool = False
+    tokens: TokenCheck = field(default_factory=TokenCheck)
+
+
+@dataclass
+class Learned:
+    """How the engine behaves against its profile and the router's predictions, learned."""
+
+    # How much faster or slower than its profile the engine runs: the base model's, and
+    # each LoRA adapter's apart (an adapter's requests run slower).
+    speed: LatencyModel = field(default_factory=LatencyModel)
+    adapter_speed: dict[str, LatencyModel] = field(default_factory=dict)
+    # How far its cached-token predictions were from the engine's reports.
+    prediction: PredictionStats = field(default_factory=PredictionStats)
+    # How far its TTFT and E2E predictions were from what the router measured.
+    latency: LatencyStats = field(default_factory=LatencyStats)
+
+
+@dataclass
+class Stats:
+    """Its closed requests, by whose doing: the backend's failures (the only evidence
+    against it), the clients' (4xx, gone before the end), Envoy's own refusals, and those
+    whose end was never reported (lost with their Envoy, expired)."""
+
+    completed: int = 0
+    errors: int = 0
+    client_errors: int = 0
+    cancelled: int = 0
+    gateway_errors: int = 0
+    lost: int = 0
+    # Requests sent here that Envoy served elsewhere (a connect failure, a missed
+    # first-byte deadline).
+    failovers: int = 0
+    # Requests that reached this backend by Envoy's fallback route, not by our decision.
+    fallback_completed: int = 0
+    recent_ttft_ms: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_SAMPLES))
+    recent_e2e_ms: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_SAMPLES))
+
+
+@dataclass
 class BackendState:
+    """Everything the router knows of one backend, in one record grouped by concern:
+    what it is (config, engine profile, prefill model, lifecycle), what the router
+    believes it caches (prefix), its health, its load, what its engine says, what was
+    learned of it, and its closed requests. Added and removed in one step
+    (core.state.FleetState)."""
+
     id: str
     rtt_prior_ms: float
     config: Backend
@@ -49,79 +152,24 @@ class BackendState:
     prefill: PrefillModel
     # What the router believes the engine caches (its own estimate from its decisions).
     prefix: PrefixCache
-    # What the engine's KV events say it holds (None: it publishes none), and whether
-    # that stream is up now (down, the router's own estimate serves).
-    engine_blocks: EngineBlocks | None = None
-    events_up: bool = False
-    tokens: TokenCheck = field(default_factory=TokenCheck)
-    # How far its cached-token predictions were from the engine's reports.
-    prediction: PredictionStats = field(default_factory=PredictionStats)
-    # How far its TTFT and E2E predictions were from what the router measured.
-    latency: LatencyStats = field(default_factory=LatencyStats)
-    # How much faster or slower than its profile the engine runs, learned online: the
-    # base model's, and each LoRA adapter's apart (an adapter's requests run slower).
-    speed: LatencyModel = field(default_factory=LatencyModel)
-    adapter_speed: dict[str, LatencyModel] = field(default_factory=dict)
-    # What its engine lists on /v1/models (None: not read yet, or discovery is off).
-    discovered: ServedModels | None = None
-    rtt_ms: float = 0.0
-    rtt_samples: int = 0
-    # Exponentially weighted variance of the probe samples (ms^2): the WAN's jitter.
-    rtt_var_ms2: float = 0.0
-    # When the last request routed here was sent on (dispatch pacing; -inf: never).
-    sent_s: float = float("-inf")
-    probe_failures: int = 0
-    suspect: bool = False
-    # Passive health: requests that failed in a row, and until when the backend is out
-    # of rotation because of them (None: in rotation).
-    request_failures: int = 0
-    ejections: int = 0
-    ejected_until_s: float | None = None
-    in_flight: int = 0
-    # Dispatched and not yet past the first response byte (still queued or prefilling).
-    waiting_first_byte: int = 0
-    # Prompt tokens of the requests in flight, decoding ones included (the paper's queue
-    # load, in tokens).
-    in_flight_tokens: int = 0
-    completed: int = 0
-    # Closed requests by whose doing: the backend's failures (the only evidence against
-    # it), the clients' (4xx, gone before the end), Envoy's own refusals, and those whose
-    # end was never reported (lost with their Envoy, expired).
-    errors: int = 0
-    client_errors: int = 0
-    cancelled: int = 0
-    gateway_errors: int = 0
-    lost: int = 0
-    # What ended its last failed requests (newest last), shown with an ejection.
-    recent_failures: deque[str] = field(default_factory=lambda: deque(maxlen=4))
-    # Requests sent here that Envoy retried elsewhere because it could not connect.
-    failovers: int = 0
-    # Requests that reached this backend by Envoy's fallback route, not by our decision.
-    fallback_completed: int = 0
-    # The engine's last report of its own load (/metrics), and when it was read (None:
-    # never).
-    engine: EngineReport | None = None
-    engine_at_s: float | None = None
-    # The KV pool its engine reports (None: not reported), kept across stale reports.
-    engine_kv_capacity_tokens: int | None = None
-    # Running mean of the prefill estimates of requests sent here (ms).
-    mean_prefill_ms: float = 100.0
-    recent_ttft_ms: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_SAMPLES))
-    recent_e2e_ms: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_SAMPLES))
-    # This backend's share of the in-flight table.
-    records: dict[str, InFlight] = field(default_factory=dict)
+    health: Health = field(init=False)
+    load: Load = field(default_factory=Load)
+    engine: EngineView = field(default_factory=EngineView)
+    learned: Learned = field(default_factory=Learned)
+    stats: Stats = field(default_factory=Stats)
     # Active, or draining (no new decisions) since `lifecycle_since_s`.
     lifecycle: BackendLifecycle = BackendLifecycle.ACTIVE
     lifecycle_since_s: float = 0.0
 
     def __post_init__(self) -> None:
-        self.rtt_ms = self.rtt_prior_ms
+        self.health = Health(self.rtt_prior_ms)
 
     @property
     def precise(self) -> bool:
         """Its prefix state comes from its engine's events (they are up, and the router's
         token ids are the engine's)."""
-        return self.events_up and self.engine_blocks is not None and self.tokens.ok
+        e = self.engine
+        return e.events_up and e.blocks is not None and e.tokens.ok
 
     @property
     def kv_capacity(self) -> tuple[int, str]:
@@ -130,8 +178,8 @@ class BackendState:
         the engine profile's."""
         if self.config.kv_capacity_tokens:
             return self.config.kv_capacity_tokens, "config"
-        if self.engine_kv_capacity_tokens:
-            return self.engine_kv_capacity_tokens, "engine"
+        if self.engine.kv_capacity_tokens:
+            return self.engine.kv_capacity_tokens, "engine"
         return self.profile.kv_capacity_tokens, "profile"
 
     @property
@@ -140,8 +188,9 @@ class BackendState:
         `backends[].models` is set; the configured ones until the engine has answered;
         None (anything) with neither."""
         pinned = self.config.models
-        if self.discovered is not None:
-            return self.discovered.restricted_to(pinned) if pinned else self.discovered
+        discovered = self.engine.discovered
+        if discovered is not None:
+            return discovered.restricted_to(pinned) if pinned else discovered
         return ServedModels(frozenset(pinned)) if pinned else None
 
     def serves(self, model: str | None) -> bool:
@@ -152,46 +201,45 @@ class BackendState:
     def speed_for(self, model: str | None) -> LatencyModel:
         """The speed a request for `model` runs at here: its adapter's, or the base's."""
         served = self.models
+        learned = self.learned
         if model is None or served is None or model not in served.adapters:
-            return self.speed
-        speed = self.adapter_speed.get(model)
+            return learned.speed
+        speed = learned.adapter_speed.get(model)
         if speed is None:
-            base = self.speed
+            base = learned.speed
             speed = LatencyModel(base.learn, base.prefill_factor, base.decode_factor)
-            self.adapter_speed[model] = speed
+            learned.adapter_speed[model] = speed
         return speed
 
-    def ejected_at(self, now_s: float) -> bool:
-        """Out for failing requests at now_s (an ejection ends by itself)."""
-        return self.ejected_until_s is not None and now_s < self.ejected_until_s
-
     def as_json(self, now_s: float) -> dict[str, Any]:
+        h, load, e, learned, st = self.health, self.load, self.engine, self.learned, self.stats
+        ejected = h.ejected_at(now_s)
         return {
             "lifecycle": str(self.lifecycle),
-            "rtt_ms": round(self.rtt_ms, 3),
+            "rtt_ms": round(h.rtt_ms, 3),
             # The probes' jitter: dispatch pacing holds requests a multiple of it apart.
-            "rtt_std_ms": round(math.sqrt(self.rtt_var_ms2), 3),
-            "rtt_samples": self.rtt_samples,
-            "suspect": self.suspect,
-            "tokens": {"ok": self.tokens.ok, "reason": self.tokens.reason},
-            "speed": self.speed.as_json(),
-            "adapter_speed": {k: v.as_json() for k, v in sorted(self.adapter_speed.items())},
+            "rtt_std_ms": round(math.sqrt(h.rtt_var_ms2), 3),
+            "rtt_samples": h.rtt_samples,
+            "suspect": h.suspect,
+            "tokens": {"ok": e.tokens.ok, "reason": e.tokens.reason},
+            "speed": learned.speed.as_json(),
+            "adapter_speed": {k: v.as_json() for k, v in sorted(learned.adapter_speed.items())},
             "models": None if self.models is None else self.models.as_json(),
-            "ejected": self.ejected_at(now_s),
-            "ejected_for": list(self.recent_failures) if self.ejected_at(now_s) else [],
+            "ejected": ejected,
+            "ejected_for": list(h.recent_failures) if ejected else [],
             "kv_capacity_tokens": self.kv_capacity[0],
             "kv_capacity_source": self.kv_capacity[1],
-            "in_flight": self.in_flight,
-            "waiting_first_byte": self.waiting_first_byte,
-            "in_flight_tokens": self.in_flight_tokens,
-            "completed": self.completed,
-            "errors": self.errors,
-            "client_errors": self.client_errors,
-            "cancelled": self.cancelled,
-            "gateway_errors": self.gateway_errors,
-            "lost": self.lost,
-            "failovers": self.failovers,
-            "fallback_completed": self.fallback_completed,
-            "last_ttft_ms": [round(v, 3) for v in self.recent_ttft_ms],
-            "last_e2e_ms": [round(v, 3) for v in self.recent_e2e_ms],
+            "in_flight": load.in_flight,
+            "waiting_first_byte": load.waiting_first_byte,
+            "in_flight_tokens": load.in_flight_tokens,
+            "completed": st.completed,
+            "errors": st.errors,
+            "client_errors": st.client_errors,
+            "cancelled": st.cancelled,
+            "gateway_errors": st.gateway_errors,
+            "lost": st.lost,
+            "failovers": st.failovers,
+            "fallback_completed": st.fallback_completed,
+            "last_ttft_ms": [round(v, 3) for v in st.recent_ttft_ms],
+            "last_e2e_ms": [round(v, 3) for v in st.recent_e2e_ms],
         }

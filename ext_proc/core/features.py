@@ -54,7 +54,7 @@ def prefix_state(b: BackendState) -> PrefixState:
     """Where the backend's predictions come from: its engine's events while their stream
     is up, warming while the router may lack the engine's earlier history, the router's
     own index while they are down or of a shape the router cannot key."""
-    engine = b.engine_blocks
+    engine = b.engine.blocks
     if not b.precise or engine is None or engine.unsupported is not None:
         return PrefixState.APPROXIMATE
     return PrefixState.PRECISE if engine.history_complete else PrefixState.WARMING
@@ -135,12 +135,12 @@ def pace_ms(r: Routing, b: BackendState, chosen: Candidate, now_s: float) -> flo
     """
     hold_ms = 0.0
     if r.pace_sigmas:
-        due_ms = (b.sent_s - now_s) * 1000 + r.pace_sigmas * math.sqrt(b.rtt_var_ms2)
+        due_ms = (b.load.sent_s - now_s) * 1000 + r.pace_sigmas * math.sqrt(b.health.rtt_var_ms2)
         # The queue it meets on arrival: what is owed there now, less what the engine
         # gets through while the request travels.
-        wait_ms = chosen.queue_ms - b.rtt_ms / 2
+        wait_ms = chosen.queue_ms - b.health.rtt_ms / 2
         hold_ms = min(max(0.0, due_ms), max(0.0, wait_ms), r.pace_max_ms)
-    b.sent_s = now_s + hold_ms / 1000
+    b.load.sent_s = now_s + hold_ms / 1000
     return hold_ms
 
 
@@ -152,11 +152,11 @@ def credible_records(b: BackendState, report: EngineReport | None) -> list[InFli
     and load nothing there. A request still waiting for its first token is kept: the
     engine not counting it is what a stall looks like (held before the scheduler), and
     stall detection needs it."""
-    records = list(b.records.values())
+    records = list(b.load.records.values())
     if report is None or report.waiting is None or report.running is None:
         return records
-    assert b.engine_at_s is not None
-    seen_by_s = b.engine_at_s - REPORT_SLACK_MS / 1000
+    assert b.engine.report_at_s is not None
+    seen_by_s = b.engine.report_at_s - REPORT_SLACK_MS / 1000
     running = [r for r in records if r.first_byte_s is not None and r.first_byte_s <= seen_by_s]
     denied = len(running) - int(report.waiting + report.running)
     if denied <= 0:
@@ -215,7 +215,7 @@ class Features:
         used: that, or while warming (the engine's earlier history may be missing) at
         least what the router's own index holds."""
         routing = self.fleet.cfg.routing
-        engine = b.engine_blocks
+        engine = b.engine.blocks
         assert engine is not None  # precise_for
         llm = request.llm
         seed = engine.seed_for(llm.model, llm.cache_salt) if llm else 0
@@ -287,9 +287,9 @@ class Features:
             out.append(
                 Candidate(
                     backend_id=b.id,
-                    in_flight=b.in_flight,
-                    waiting_first_byte=b.waiting_first_byte,
-                    in_flight_tokens=b.in_flight_tokens,
+                    in_flight=b.load.in_flight,
+                    waiting_first_byte=b.load.waiting_first_byte,
+                    in_flight_tokens=b.load.in_flight_tokens,
                     cached_tokens=cached,
                     uncached_tokens=x.uncached_tokens,
                     terms=terms,
@@ -319,7 +319,7 @@ class Features:
         decoding = [r for r in records if r.first_byte_s is not None]
         step_ms = (
             b.profile.decode_ms(len(decoding), sum(r.input_tokens for r in decoding))
-            * b.speed.decode_factor
+            * b.learned.speed.decode_factor
         )
         return items, step_ms
 
@@ -339,9 +339,10 @@ class Features:
 
     def fresh_engine_report(self, b: BackendState, now_s: float) -> EngineReport | None:
         """The engine's last load report, unless older than probes.metrics_stale_s."""
-        if b.engine_at_s is None or now_s - b.engine_at_s > self.fleet.cfg.probes.metrics_stale_s:
+        at_s = b.engine.report_at_s
+        if at_s is None or now_s - at_s > self.fleet.cfg.probes.metrics_stale_s:
             return None
-        return b.engine
+        return b.engine.report
 
     def least_queue_ms(self, request: RouteRequest) -> float:
         """The shortest queue estimate over the active backends (admission)."""

@@ -18,7 +18,7 @@ from typing import Any
 
 from ext_proc.config.dump import backend_as_dict
 from ext_proc.config.schema import Config
-from ext_proc.core.backend import BackendState, TokenCheck
+from ext_proc.core.backend import BackendState, EngineView, Learned, TokenCheck
 from ext_proc.core.state import FleetState
 from ext_proc.estimate.cost import PrefillModel
 from ext_proc.estimate.engine_index import EngineBlocks
@@ -91,8 +91,8 @@ def new_record(b: Backend, cfg: Config, now_s: float) -> BackendState:
         prefix=PrefixCache(
             b.kv_capacity_tokens or profile.kv_capacity_tokens, cfg.routing.block_tokens
         ),
-        engine_blocks=EngineBlocks() if b.kv_events.endpoint else None,
-        speed=LatencyModel(cfg.routing.learn_latency),
+        engine=EngineView(blocks=EngineBlocks() if b.kv_events.endpoint else None),
+        learned=Learned(speed=LatencyModel(cfg.routing.learn_latency)),
         lifecycle_since_s=now_s,
     )
 
@@ -187,25 +187,25 @@ class Fleet:
         if new.engine_profile != old.engine_profile or reset:
             b.profile = load_profile(new.engine_profile)
             b.prefill = PrefillModel(b.profile)
-            b.latency = LatencyStats()  # another engine, or another model of it
-            b.speed = LatencyModel(self.cfg.routing.learn_latency)
-            b.adapter_speed = {}
+            b.learned.latency = LatencyStats()  # another engine, or another model of it
+            b.learned.speed = LatencyModel(self.cfg.routing.learn_latency)
+            b.learned.adapter_speed = {}
         b.config = new
         if reset:
-            b.engine_kv_capacity_tokens = None  # another engine: its pool is read again
+            b.engine.kv_capacity_tokens = None  # another engine: its pool is read again
             b.prefix = PrefixCache(b.kv_capacity[0], self.cfg.routing.block_tokens)
-            b.engine_blocks = EngineBlocks() if new.kv_events.endpoint else None
-            b.events_up = False
-            b.prediction = PredictionStats()
-            b.rtt_samples = b.probe_failures = b.request_failures = 0
-            b.suspect = False
-            b.ejected_until_s = b.engine = b.engine_at_s = None
+            b.engine.blocks = EngineBlocks() if new.kv_events.endpoint else None
+            b.engine.events_up = False
+            b.learned.prediction = PredictionStats()
+            b.health.rtt_samples = b.health.probe_failures = b.health.request_failures = 0
+            b.health.suspect = False
+            b.health.ejected_until_s = b.engine.report = b.engine.report_at_s = None
             self.state.set_discovered(b.id, None)  # what it serves: read again
         else:
             b.prefix.set_capacity(b.kv_capacity[0])  # config, else engine, else profile
         b.rtt_prior_ms = new.rtt_prior_ms
-        if b.rtt_samples == 0:
-            b.rtt_ms = new.rtt_prior_ms
+        if b.health.rtt_samples == 0:
+            b.health.rtt_ms = new.rtt_prior_ms
         self._sync_cfg()
         self._emit(b, BackendChange.UPDATED, self.clock(), reason, reset)
         return reset
@@ -264,9 +264,9 @@ class Fleet:
                 "id": backend,
                 "removed_s": now_s,
                 "drained_s": round(now_s - b.lifecycle_since_s, 3),
-                "completed": b.completed,
-                "errors": b.errors,
-                "failovers": b.failovers,
+                "completed": b.stats.completed,
+                "errors": b.stats.errors,
+                "failovers": b.stats.failovers,
             }
         )
         self._emit(b, BackendChange.REMOVED, now_s, "drained")
@@ -282,7 +282,7 @@ class Fleet:
                 "lifecycle": str(b.lifecycle),
                 "lifecycle_age_s": round(now_s - b.lifecycle_since_s, 3),
                 "in_flight": self.state.own_in_flight(b.id),
-                "peer_in_flight": b.in_flight - self.state.own_in_flight(b.id),
+                "peer_in_flight": b.load.in_flight - self.state.own_in_flight(b.id),
                 "config": backend_as_dict(b.config),
             }
             for b in self.state.backends.values()
@@ -381,7 +381,7 @@ class FleetControls:
         meanwhile is ignored); not ok keeps its prefix state approximate."""
         b = self._fleet.state.backends.get(backend)
         if b is not None:
-            b.tokens = TokenCheck(ok, reason)
+            b.engine.tokens = TokenCheck(ok, reason)
 
     def removed_json(self, now_s: float) -> list[dict[str, Any]]:
         return self._fleet.removed_json(now_s)

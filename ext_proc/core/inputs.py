@@ -24,14 +24,14 @@ class RouterInputs:
         """One batch from the backend's engine, in order (see EngineBlocks.apply); a
         backend removed meanwhile, or one without events, ignores it."""
         b = self._fleet.state.backends.get(backend)
-        return Applied() if b is None or b.engine_blocks is None else b.engine_blocks.apply(batch)
+        return Applied() if b is None or b.engine.blocks is None else b.engine.blocks.apply(batch)
 
     def apply_keyed_kv_events(
         self, backend: str, block_size: int, changes: Sequence[tuple[object, ...]]
     ) -> None:
         """Changes from an engine whose blocks are keyed as the caller keys prompts (the
         simulator's engine models): see EngineBlocks.apply_keyed."""
-        engine = self._fleet.state.backends[backend].engine_blocks
+        engine = self._fleet.state.backends[backend].engine.blocks
         if engine is not None:
             engine.apply_keyed(block_size, changes)
 
@@ -39,16 +39,16 @@ class RouterInputs:
         """The backend's engine reports its blocks from now on, whatever its config says
         (the simulator's engines); the stream starts up."""
         b = self._fleet.state.backends[backend]
-        if b.engine_blocks is None:
-            b.engine_blocks = EngineBlocks()
-        b.events_up = True
+        if b.engine.blocks is None:
+            b.engine.blocks = EngineBlocks()
+        b.engine.events_up = True
 
     def set_event_stream(self, backend: str, up: bool) -> None:
         """The backend's event stream is up (its state is the engine's) or down (the
         router's own estimate serves it until it is back)."""
         b = self._fleet.state.backends.get(backend)
         if b is not None:
-            b.events_up = up and b.engine_blocks is not None
+            b.engine.events_up = up and b.engine.blocks is not None
 
     def apply_peer(self, e: PeerEvent) -> None:
         """Another router's lifecycle event: its requests load our view of the backends

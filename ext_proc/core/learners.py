@@ -108,7 +108,7 @@ class Ejector(Listener):
 
     def on_close(self, e: Closed) -> None:
         if self.after and self.state.eject_failing(e.backend, e.now_s, self.after, self.eject_s):
-            failures = self.state.backends[e.backend].recent_failures
+            failures = self.state.backends[e.backend].health.recent_failures
             log.warning(
                 "backend %s ejected: %d failed or unreachable requests in a row (%s)",
                 e.backend,
@@ -129,11 +129,11 @@ class PredictionLearner(Listener):
     def on_close(self, e: Closed) -> None:
         err = prediction_error(e)
         b = self.state.backends[e.backend]
-        if e.record.prefix_state == PrefixState.WARMING and b.engine_blocks is not None:
-            b.engine_blocks.settle(e.request_id, None if err is None else err.reported_tokens)
+        if e.record.prefix_state == PrefixState.WARMING and b.engine.blocks is not None:
+            b.engine.blocks.settle(e.request_id, None if err is None else err.reported_tokens)
         if err is not None:
-            b.prediction.add(e.record.prefix_state, err)
-        b.latency.observe(e)
+            b.learned.prediction.add(e.record.prefix_state, err)
+        b.learned.latency.observe(e)
 
 
 # Ends that say nothing of how good the weights' choice was.

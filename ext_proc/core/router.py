@@ -226,10 +226,10 @@ class Router(RouterInputs, FleetControls):
         now_s = self.clock()
         b = self._fleet.state.backends[chosen.backend_id]
         state = prefix_state_for(b, request)
-        if state is PrefixState.WARMING and b.engine_blocks is not None:
+        if state is PrefixState.WARMING and b.engine.blocks is not None:
             # judged at its close: would a precise prediction have been right?
             precise = self._features.precise_cached.get(b.id, 0)
-            b.engine_blocks.expect(request.request_id, precise)
+            b.engine.blocks.expect(request.request_id, precise)
         rec = in_flight_record(request, chosen, b, blocks, state, now_s, bt)
         self._fleet.state.dispatch(rec)
         decision = Decision(

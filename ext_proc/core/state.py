@@ -50,11 +50,14 @@ class FleetState:
         """What the backend's engine lists now (None: not known); returns whether that
         changed."""
         b = self.backends.get(backend)
-        if b is None or b.discovered == served:
+        if b is None or b.engine.discovered == served:
             return False
-        b.discovered = served
+        b.engine.discovered = served
         self.adapters = frozenset(
-            a for x in self.backends.values() if x.discovered for a in x.discovered.adapters
+            a
+            for x in self.backends.values()
+            if x.engine.discovered
+            for a in x.engine.discovered.adapters
         )
         return True
 
@@ -64,7 +67,7 @@ class FleetState:
             self._release(old)
         self.in_flight[rec.request_id] = rec
         b = self._hold(rec)
-        b.mean_prefill_ms += PREFILL_EWMA * (rec.prefill_ms - b.mean_prefill_ms)
+        b.load.mean_prefill_ms += PREFILL_EWMA * (rec.prefill_ms - b.load.mean_prefill_ms)
 
     def first_byte(self, request_id: str, now_s: float) -> tuple[float, InFlight] | None:
         """Mark the first response byte: TTFT in ms and the record (None if unknown or
@@ -77,8 +80,8 @@ class FleetState:
             ttft_ms = min(ttft_ms, rec.ended_e2e_ms)
         rec.first_byte_s = rec.dispatched_s + ttft_ms / 1000.0
         b = self.backends[rec.backend]
-        b.waiting_first_byte -= 1
-        b.recent_ttft_ms.append(ttft_ms)
+        b.load.waiting_first_byte -= 1
+        b.stats.recent_ttft_ms.append(ttft_ms)
         return ttft_ms, rec
 
     def close(
@@ -98,18 +101,18 @@ class FleetState:
         b = self.backends[rec.backend]
         measured_e2e_ms = e2e_ms if e2e_ms is not None else (now_s - rec.dispatched_s) * 1000.0
         if status == Status.FAILED_OVER:  # only the failure to connect was the chosen one's
-            b.failovers += 1
-            b.request_failures += 1
-            b.recent_failures.append(f"failed over: {reason}" if reason else "failed over")
+            b.stats.failovers += 1
+            b.health.request_failures += 1
+            b.health.recent_failures.append(f"failed over: {reason}" if reason else "failed over")
         elif status == Status.OK:
-            b.completed += 1
-            b.recent_e2e_ms.append(measured_e2e_ms)
+            b.stats.completed += 1
+            b.stats.recent_e2e_ms.append(measured_e2e_ms)
         elif status == Status.ERROR:
-            b.errors += 1
-            b.recent_failures.append(reason or "error")
+            b.stats.errors += 1
+            b.health.recent_failures.append(reason or "error")
         else:
             counter = _OTHER_COUNTERS[status]
-            setattr(b, counter, getattr(b, counter) + 1)
+            setattr(b.stats, counter, getattr(b.stats, counter) + 1)
         end_s = rec.dispatched_s + measured_e2e_ms / 1000.0
         if rec.first_byte_s is not None and rec.first_byte_s > end_s:
             # The first chunk's message reached the router after the response ended (a
@@ -117,10 +120,10 @@ class FleetState:
             # byte came before the last.
             late_ms = (rec.first_byte_s - rec.dispatched_s) * 1000.0
             rec.first_byte_s = end_s
-            _replace_last(b.recent_ttft_ms, late_ms, measured_e2e_ms)
+            _replace_last(b.stats.recent_ttft_ms, late_ms, measured_e2e_ms)
         # A cancelled client or a bad request says nothing about the backend.
         if status in (Status.OK, Status.ERROR):
-            b.request_failures = 0 if status == Status.OK else b.request_failures + 1
+            b.health.request_failures = 0 if status == Status.OK else b.health.request_failures + 1
         return rec, measured_e2e_ms
 
     @property
@@ -137,7 +140,7 @@ class FleetState:
 
     def own_in_flight(self, backend: str) -> int:
         """This router's requests in flight on the backend (its peers' not counted)."""
-        return sum(1 for rid in self.backends[backend].records if rid in self.in_flight)
+        return sum(1 for rid in self.backends[backend].load.records if rid in self.in_flight)
 
     def remove(self, backend: str) -> BackendState:
         """Forget a backend that has none of this router's requests in flight; its peers'
@@ -145,7 +148,7 @@ class FleetState:
         if self.own_in_flight(backend):
             raise ValueError(f"backend {backend!r} has requests in flight")
         b = self.backends.pop(backend)
-        for rid in list(b.records):
+        for rid in list(b.load.records):
             self.peer_in_flight.pop(rid, None)
         return b
 
@@ -160,7 +163,7 @@ class FleetState:
         rec = self.peer_in_flight.get(request_id)
         if rec is not None and rec.first_byte_s is None:
             rec.first_byte_s = now_s
-            self.backends[rec.backend].waiting_first_byte -= 1
+            self.backends[rec.backend].load.waiting_first_byte -= 1
 
     def peer_close(self, request_id: str) -> None:
         rec = self.peer_in_flight.pop(request_id, None)
@@ -181,24 +184,24 @@ class FleetState:
     def available(self, b: BackendState, now_s: float) -> bool:
         """In rotation: probes answer, and not ejected for failing requests. An ejection
         ends by itself; the next request there then tests the backend (half-open)."""
-        if not b.ejected_at(now_s):
-            b.ejected_until_s = None
-        return not b.suspect and b.ejected_until_s is None
+        if not b.health.ejected_at(now_s):
+            b.health.ejected_until_s = None
+        return not b.health.suspect and b.health.ejected_until_s is None
 
     def eject_failing(self, backend: str, now_s: float, after: int, base_s: float) -> bool:
         """Eject a backend whose last `after` requests failed, for base_s doubling with
         each ejection in a row (at most 16x). Returns True if it was ejected now."""
         b = self.backends[backend]
-        if b.request_failures < after or b.ejected_until_s is not None:
+        if b.health.request_failures < after or b.health.ejected_until_s is not None:
             return False
-        b.ejections += 1
-        b.ejected_until_s = now_s + base_s * 2 ** min(b.ejections - 1, 4)
-        b.request_failures = 0
+        b.health.ejections += 1
+        b.health.ejected_until_s = now_s + base_s * 2 ** min(b.health.ejections - 1, 4)
+        b.health.request_failures = 0
         return True
 
     def record_fallback(self, backend: str) -> None:
         if backend in self.backends:
-            self.backends[backend].fallback_completed += 1
+            self.backends[backend].stats.fallback_completed += 1
 
     def record_probe(
         self, backend: str, rtt_ms: float | None, alpha: float, suspect_after: int
@@ -209,19 +212,19 @@ class FleetState:
         if b is None:
             return
         if rtt_ms is None:
-            b.probe_failures += 1
-            b.suspect = b.probe_failures >= suspect_after
+            b.health.probe_failures += 1
+            b.health.suspect = b.health.probe_failures >= suspect_after
             return
-        b.probe_failures = 0
-        b.suspect = False
+        b.health.probe_failures = 0
+        b.health.suspect = False
         # The first sample replaces the configured prior; later ones are smoothed.
-        if b.rtt_samples == 0:
-            b.rtt_ms = rtt_ms
+        if b.health.rtt_samples == 0:
+            b.health.rtt_ms = rtt_ms
         else:
-            d = rtt_ms - b.rtt_ms
-            b.rtt_ms += alpha * d
-            b.rtt_var_ms2 = (1 - alpha) * (b.rtt_var_ms2 + alpha * d * d)
-        b.rtt_samples += 1
+            d = rtt_ms - b.health.rtt_ms
+            b.health.rtt_ms += alpha * d
+            b.health.rtt_var_ms2 = (1 - alpha) * (b.health.rtt_var_ms2 + alpha * d * d)
+        b.health.rtt_samples += 1
 
     def record_engine_report(self, backend: str, report: EngineReport, now_s: float) -> bool:
         """Returns whether the engine's KV pool is new (first reported, or changed): the
@@ -229,11 +232,11 @@ class FleetState:
         b = self.backends.get(backend)
         if b is None:  # removed while the scrape was out
             return False
-        b.engine, b.engine_at_s = report, now_s
+        b.engine.report, b.engine.report_at_s = report, now_s
         pool = report.kv_capacity_tokens
-        if not pool or pool == b.engine_kv_capacity_tokens:
+        if not pool or pool == b.engine.kv_capacity_tokens:
             return False
-        b.engine_kv_capacity_tokens = pool
+        b.engine.kv_capacity_tokens = pool
         b.prefix.set_capacity(b.kv_capacity[0])
         return True
 
@@ -271,25 +274,25 @@ class FleetState:
         ]
         for r in missed:
             r.first_byte_deadline_s = None
-            self.backends[r.backend].suspect = True
+            self.backends[r.backend].health.suspect = True
         return missed
 
     def _hold(self, rec: InFlight) -> BackendState:
         """Count a request in flight on its backend (undone by _release)."""
         b = self.backends[rec.backend]
-        b.records[rec.request_id] = rec
-        b.in_flight += 1
-        b.waiting_first_byte += 1
-        b.in_flight_tokens += rec.input_tokens
+        b.load.records[rec.request_id] = rec
+        b.load.in_flight += 1
+        b.load.waiting_first_byte += 1
+        b.load.in_flight_tokens += rec.input_tokens
         return b
 
     def _release(self, rec: InFlight) -> None:
         b = self.backends[rec.backend]
-        del b.records[rec.request_id]
-        b.in_flight -= 1
-        b.in_flight_tokens -= rec.input_tokens
+        del b.load.records[rec.request_id]
+        b.load.in_flight -= 1
+        b.load.in_flight_tokens -= rec.input_tokens
         if rec.first_byte_s is None:
-            b.waiting_first_byte -= 1
+            b.load.waiting_first_byte -= 1
 
 
 # The counter each status that is neither a success nor the backend's failure adds to.

@@ -23,7 +23,7 @@ def prefix_state_json(b: BackendState, wall_s: float) -> dict[str, Any]:
     router has the engine's whole history (warming until its predictions prove out),
     stores under a parent it never heard of, and why a stream is unusable."""
     out: dict[str, Any] = {"prefix_state": str(prefix_state(b))}
-    engine = b.engine_blocks
+    engine = b.engine.blocks
     if engine is not None:
         out["kv_events"] = {
             "up": b.precise,
@@ -61,13 +61,13 @@ def snapshot(
             "cached_tokens": b.prefix.size_blocks * bt,
             # What the engine last said of its load, and how old that is (None: never).
             "engine": None
-            if b.engine is None or b.engine_at_s is None
-            else {**b.engine.as_json(), "age_s": round(now_s - b.engine_at_s, 3)},
+            if b.engine.report is None or b.engine.report_at_s is None
+            else {**b.engine.report.as_json(), "age_s": round(now_s - b.engine.report_at_s, 3)},
             **prefix_state_json(b, wall_s),
             # How far its cached-token predictions were from the engine's reports.
-            "prefix_prediction": b.prediction.as_json(),
+            "prefix_prediction": b.learned.prediction.as_json(),
             # How far its TTFT and E2E predictions were from what came (MAPE, bias).
-            "latency_prediction": b.latency.as_json(),
+            "latency_prediction": b.learned.latency.as_json(),
             "lifecycle_age_s": round(now_s - b.lifecycle_since_s, 3),
         }
     return {

@@ -248,4 +248,6 @@ async def _drain(router: Router, ext_proc: ExtProcService) -> None:
 
 
 def _closed(router: Router) -> int:
-    return sum(b.completed + b.errors + b.failovers for b in router.backends.values())
+    return sum(
+        b.stats.completed + b.stats.errors + b.stats.failovers for b in router.backends.values()
+    )

@@ -147,12 +147,12 @@ class EngineTokenizers:
             state = self.router.backends.get(b.id)
             if state is None:
                 continue
-            rose = state.events_up and not self._was_up.get(b.id, False)
-            self._was_up[b.id] = state.events_up
+            rose = state.engine.events_up and not self._was_up.get(b.id, False)
+            self._was_up[b.id] = state.engine.events_up
             last = self._checked_s.get(b.id)
             if last is None or rose:
                 spot = False
-            elif not state.tokens.ok:
+            elif not state.engine.tokens.ok:
                 if now_s - last < RETRY_S:
                     continue
                 spot = False
@@ -191,13 +191,13 @@ class EngineTokenizers:
         if verdict:
             self.mismatches += 1
             self._fail(b, verdict)
-        elif not self.router.backends[b.id].tokens.ok or not spot:
+        elif not self.router.backends[b.id].engine.tokens.ok or not spot:
             log.info("backend %s: tokenizer %s matches its engine", b.id, engine.tokenizer.name)
             self.router.set_token_check(b.id, True, f"verified against {model}")
 
     def _fail(self, b: Backend, reason: str) -> None:
         state = self.router.backends.get(b.id)
-        if state is not None and state.tokens.reason != reason:
+        if state is not None and state.engine.tokens.reason != reason:
             log.warning(
                 "backend %s: prefix state approximate: %s. Fix: set tokenizer.path (and "
                 "tokenizer.chat_template) to the files the engine serves with",

@@ -23,7 +23,7 @@ MEASURES = (
 
 
 def _window(b: BackendState, measure: str) -> ErrorWindow:
-    return b.latency.ttft if measure == "ttft" else b.latency.e2e
+    return b.learned.latency.ttft if measure == "ttft" else b.learned.latency.e2e
 
 
 def latency_prediction_gauges(backends: Iterable[BackendState]) -> Iterable[Metric]:

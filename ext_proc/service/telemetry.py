@@ -105,20 +105,20 @@ class _LiveGauges(Collector):
         )
         now_s = self.router.clock()
         for b in self.router.backends.values():
-            in_flight.add_metric([b.id], b.in_flight)
-            rtt.add_metric([b.id], b.rtt_ms)
-            suspect.add_metric([b.id], 1.0 if b.suspect else 0.0)
+            in_flight.add_metric([b.id], b.load.in_flight)
+            rtt.add_metric([b.id], b.health.rtt_ms)
+            suspect.add_metric([b.id], 1.0 if b.health.suspect else 0.0)
             # An ejection ends by itself (the state clears it at the next decision).
-            ejected.add_metric([b.id], 1.0 if b.ejected_at(now_s) else 0.0)
-            ejections.add_metric([b.id], b.ejections)
+            ejected.add_metric([b.id], 1.0 if b.health.ejected_at(now_s) else 0.0)
+            ejections.add_metric([b.id], b.health.ejections)
         report_age = GaugeMetricFamily(
             "gorgo_engine_report_age_seconds",
             "Seconds since the engine's last load report (/metrics) was read",
             labels=["backend"],
         )
         for b in self.router.backends.values():
-            if b.engine_at_s is not None:
-                report_age.add_metric([b.id], max(0.0, now_s - b.engine_at_s))
+            if b.engine.report_at_s is not None:
+                report_age.add_metric([b.id], max(0.0, now_s - b.engine.report_at_s))
         weights = GaugeMetricFamily("gorgo_weight", "Current cost weights", labels=["name"])
         w = self.router.weights
         if w is not None:
@@ -220,13 +220,13 @@ class _LiveGauges(Collector):
         for b, st in self.router.backends.items():
             state = prefix_state(st)
             precise.add_metric([b], 1.0 if state is PrefixState.PRECISE else 0.0)
-            engine = st.engine_blocks
+            engine = st.engine.blocks
             if engine is None:
                 continue
             warming.add_metric([b], 1.0 if state is PrefixState.WARMING else 0.0)
             unsupported.add_metric([b], 0.0 if engine.unsupported is None else 1.0)
             unknown.add_metric([b], engine.health.unknown_parent_blocks)
-            tokens_ok.add_metric([b], 1.0 if st.tokens.ok else 0.0)
+            tokens_ok.add_metric([b], 1.0 if st.engine.tokens.ok else 0.0)
             blocks.add_metric([b], engine.blocks)
             gaps.add_metric([b], engine.gaps)
             resets.add_metric([b], engine.resets)
@@ -393,14 +393,14 @@ class Telemetry(Listener):
             A_PREDICTED_CACHED: rec.cached_tokens,
         }
         b = self.router.backends[rec.backend]
-        engine = b.engine_blocks
+        engine = b.engine.blocks
         if engine is not None:
             attrs[A_KV_EVENT_GAPS] = engine.gaps
             attrs[A_KV_EVENT_RESETS] = engine.resets
             if engine.last_ts is not None:  # the engine's wall-clock stamp
                 attrs[A_KV_EVENT_AGE_S] = round(max(0.0, time.time() - engine.last_ts), 3)
-        if b.engine_at_s is not None:
-            attrs[A_ENGINE_REPORT_AGE_S] = round(e.now_s - b.engine_at_s, 3)
+        if b.engine.report_at_s is not None:
+            attrs[A_ENGINE_REPORT_AGE_S] = round(e.now_s - b.engine.report_at_s, 3)
         return attrs
 
     def _attributes(self, d: Decision, session_key: str | None) -> dict[str, Any]:

@@ -106,9 +106,9 @@ async def started(unused_tcp_port_factory: Callable[[], int]) -> AsyncIterator[S
 async def settled(router: Any, backend: str = "a", timeout_s: float = 10.0) -> Any:
     """The backend's token check once it is no longer pending."""
     async with asyncio.timeout(timeout_s):
-        while router.backends[backend].tokens.reason == PENDING:
+        while router.backends[backend].engine.tokens.reason == PENDING:
             await asyncio.sleep(0.02)
-    return router.backends[backend].tokens
+    return router.backends[backend].engine.tokens
 
 
 async def test_no_tokenizer_key_finds_and_verifies_the_engines(
@@ -184,8 +184,8 @@ async def test_a_stream_that_comes_back_is_checked_again_and_spot_checks_use_liv
     ext_proc.tokens.apply(parse_body(CHAT, json.dumps(body).encode()))
     monkeypatch.setattr(engine_tokenizer, "SPOT_CHECK_S", 0.0)
     await checker.check_due()
-    assert engine.tokenize_calls == calls + 2 + 3 and router.backends["a"].tokens.ok
+    assert engine.tokenize_calls == calls + 2 + 3 and router.backends["a"].engine.tokens.ok
     # the engine changes its template (a restart with another one): the spot check sees it
     engine.template = jinja2.Environment().from_string("{{ messages[0]['content'] }}")
     await checker.check_due()
-    assert not router.backends["a"].tokens.ok
+    assert not router.backends["a"].engine.tokens.ok

@@ -98,9 +98,9 @@ async def test_dispatches_reach_the_other_router_and_nats_loss_fails_open(
 
         east.router.decide(request("r-1"))
         await until(lambda: "r-1" in peer.peer_in_flight)
-        assert peer.backends["a"].in_flight == 1 and west.router.decisions == 0
+        assert peer.backends["a"].load.in_flight == 1 and west.router.decisions == 0
         east.router.close("r-1", Status.OK, 10.0)
-        await until(lambda: peer.backends["a"].in_flight == 0)
+        await until(lambda: peer.backends["a"].load.in_flight == 0)
         state = await fleet(west.admin_port)
         assert state["connected"] is True and state["router_id"] == "west"
         assert state["received"] >= 3 and state["malformed"] == 0  # type: ignore[operator]

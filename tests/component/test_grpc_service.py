@@ -43,7 +43,7 @@ async def harness() -> AsyncIterator[Harness]:
         assert svc.ext_proc.active_streams == 0
         assert not svc.router.in_flight
         for b in svc.router.backends.values():
-            assert (b.in_flight, b.waiting_first_byte) == (0, 0)
+            assert (b.load.in_flight, b.load.waiting_first_byte) == (0, 0)
         await h.close()
 
 
@@ -92,7 +92,7 @@ async def test_one_filter_doing_both_keeps_the_stream_until_the_first_chunk(
     await call.write(body(b"data: {}\n\n", response=True))
     assert (await call.read()).WhichOneof("response") == "response_body"
     assert await call.read() == grpc.aio.EOF
-    assert len(harness.svc.router.backends["us-ashburn"].recent_ttft_ms) == 1
+    assert len(harness.svc.router.backends["us-ashburn"].stats.recent_ttft_ms) == 1
     await harness.access_log(log_entry("r5", 200, 9))
 
 
@@ -107,7 +107,7 @@ async def test_cancel_before_first_byte_closes_the_loop(harness: Harness) -> Non
             break
         await asyncio.sleep(0.01)
     ashburn = harness.svc.router.backends["us-ashburn"]
-    assert (ashburn.cancelled, ashburn.errors) == (1, 0)  # not the backend's failure
+    assert (ashburn.stats.cancelled, ashburn.stats.errors) == (1, 0)  # not the backend's failure
 
 
 async def test_the_requests_of_an_envoy_that_went_away_are_lost_at_once(
@@ -133,8 +133,8 @@ async def test_the_requests_of_an_envoy_that_went_away_are_lost_at_once(
     await second
     await asyncio.sleep(0.05)
     assert set(router.in_flight) == {"b1"}  # edge-a is gone: its requests were lost
-    assert sum(b.lost for b in router.backends.values()) == 2
-    assert sum(b.errors for b in router.backends.values()) == 0  # not the backends' doing
+    assert sum(b.stats.lost for b in router.backends.values()) == 2
+    assert sum(b.stats.errors for b in router.backends.values()) == 0  # not the backends' doing
     (b_stream,) = streams["edge-b"]
     await b_stream.done_writing()
     await b_stream
@@ -148,14 +148,14 @@ async def test_a_client_gone_before_any_response_is_a_cancellation(harness: Harn
         await harness.access_log(log_entry(rid, 0, 30))
     ashburn = harness.svc.router.backends["us-ashburn"]
     assert not harness.svc.router.in_flight
-    assert (ashburn.request_failures, ashburn.ejected_until_s) == (0, None)
+    assert (ashburn.health.request_failures, ashburn.health.ejected_until_s) == (0, None)
 
 
 async def test_upstream_error_status_is_recorded_from_the_access_log(harness: Harness) -> None:
     await route(harness, "r3")
     await observe_first_chunk(harness, "r3")
     await harness.access_log(log_entry("r3", 503, 20))
-    assert harness.svc.router.backends["us-ashburn"].errors == 1
+    assert harness.svc.router.backends["us-ashburn"].stats.errors == 1
 
 
 @pytest.mark.parametrize(
@@ -183,7 +183,7 @@ async def test_unroutable_requests_go_to_the_fallback_route(
 
 async def test_fallback_completions_are_counted_per_backend(harness: Harness) -> None:
     await harness.access_log(log_entry("x", 200, 5, route="fallback", backend="ap-seoul"))
-    assert harness.svc.router.backends["ap-seoul"].fallback_completed == 1
+    assert harness.svc.router.backends["ap-seoul"].stats.fallback_completed == 1
 
 
 async def test_many_concurrent_streams(harness: Harness) -> None:
@@ -196,8 +196,8 @@ async def test_many_concurrent_streams(harness: Harness) -> None:
     chosen = await asyncio.gather(*(one(i) for i in range(60)))
     assert sorted(set(chosen)) == sorted(BACKENDS)
     backends = harness.svc.router.backends.values()
-    assert sum(b.completed for b in backends) == 60
-    assert sum(len(b.recent_ttft_ms) for b in backends) == min(60, 3 * 16)
+    assert sum(b.stats.completed for b in backends) == 60
+    assert sum(len(b.stats.recent_ttft_ms) for b in backends) == min(60, 3 * 16)
 
 
 async def test_admin_tuner_freeze_set_and_errors(harness: Harness) -> None:

@@ -221,7 +221,7 @@ async def subscribed(
     replays = asyncio.create_task(serve_replays())
     await clients.start()
     try:
-        engine = router.backends["a"].engine_blocks
+        engine = router.backends["a"].engine.blocks
         assert engine is not None
         yield router, clients, engine
     finally:
@@ -289,7 +289,7 @@ async def test_a_gap_is_replayed_and_live_batches_queued_meanwhile_keep_the_stat
     pub = KvEventPublisher(kv)
     cfg = backend_cfg(endpoint=f"tcp://*:{port}", replay_endpoint=f"tcp://*:{replay}")
     async with subscribed(cfg, pub) as (router, _, engine):
-        await soon(lambda: router.backends["a"].events_up)
+        await soon(lambda: router.backends["a"].engine.events_up)
         await asyncio.sleep(0.3)  # the subscription has reached the publisher
         pub.publish([blocks_event(kv, 0)])
         await soon(lambda: engine.last_seq == 0)
@@ -300,7 +300,7 @@ async def test_a_gap_is_replayed_and_live_batches_queued_meanwhile_keep_the_stat
         await asyncio.sleep(0.3)  # the queued live batches 3-5 have been read
         print(f"gaps {engine.gaps}, resets {engine.resets}, blocks {engine.blocks}")
         assert (engine.gaps, engine.resets, engine.blocks, engine.last_seq) == (1, 0, 12, 5)
-        assert router.backends["a"].events_up
+        assert router.backends["a"].engine.events_up
 
 
 async def test_a_refused_bind_is_logged_counted_and_retried_until_it_works(
@@ -316,7 +316,7 @@ async def test_a_refused_bind_is_logged_counted_and_retried_until_it_works(
         holder.close()
         pub = KvEventPublisher(KvEventsConfig(endpoint=f"tcp://127.0.0.1:{port}"))
         try:
-            took = await soon(lambda: router.backends["a"].events_up, 8.0)
+            took = await soon(lambda: router.backends["a"].engine.events_up, 8.0)
             print(f"bound {took:.2f} s after the address was freed")
             await asyncio.sleep(0.3)
             pub.publish([blocks_event(pub.cfg, 1)])
@@ -344,7 +344,7 @@ async def test_the_stream_comes_from_its_own_host_and_port_not_the_backends_addr
         {"backends": [{**raw, "kv_events": {"endpoint": f"tcp://127.0.0.1:{port}"}}]}
     )
     async with subscribed(cfg, pub) as (router, clients, engine):
-        await soon(lambda: router.backends["a"].events_up)
+        await soon(lambda: router.backends["a"].engine.events_up)
         await asyncio.sleep(0.3)  # the subscription has reached the publisher
         pub.publish([blocks_event(pub.cfg, 1)])
         await soon(lambda: engine.blocks == 2)
@@ -357,7 +357,7 @@ async def test_bigram_and_malformed_messages_never_stop_the_subscriber() -> None
     cfg = backend_cfg(endpoint=f"tcp://*:{port}")
     try:
         async with subscribed(cfg) as (router, clients, engine):
-            await soon(lambda: router.backends["a"].events_up)
+            await soon(lambda: router.backends["a"].engine.events_up)
             await asyncio.sleep(0.3)
             pub.sock.send_multipart([b"", b"two frames"])
             pub.send(0, b"\xc1 not msgpack")
@@ -373,7 +373,7 @@ async def test_bigram_and_malformed_messages_never_stop_the_subscriber() -> None
             assert snap is not None
             assert (snap["errors"], snap["restarts"], snap["skipped_events"]) == (2, 0, 1)
             assert "undecodable message" in snap["last_error"]
-            assert router.backends["a"].events_up and engine.resets == 0
+            assert router.backends["a"].engine.events_up and engine.resets == 0
     finally:
         pub.close()
 
@@ -396,7 +396,7 @@ async def test_a_failing_subscriber_is_restarted_with_growing_backoff(
     async with subscribed(backend_cfg(endpoint=f"tcp://*:{port}"), pub) as (router, clients, e):
         restarted_at = []
         for i in range(3):
-            await soon(lambda: router.backends["a"].events_up)
+            await soon(lambda: router.backends["a"].engine.events_up)
             await asyncio.sleep(0.3)
             t0 = time.monotonic()
             pub.publish([blocks_event(kv, 10 * i)])
@@ -454,18 +454,18 @@ async def test_a_link_that_stops_forwarding_turns_the_backend_approximate_in_sec
     await link.start(link_port)
     try:
         async with subscribed(backend_cfg(endpoint=f"tcp://*:{link_port}"), pub) as (r, _, e):
-            await soon(lambda: r.backends["a"].events_up)
+            await soon(lambda: r.backends["a"].engine.events_up)
             await asyncio.sleep(0.3)
             pub.publish([blocks_event(kv, 1)])
             await soon(lambda: e.blocks == 2)  # the events do flow through the link
             link.flowing.clear()
-            took = await soon(lambda: not r.backends["a"].events_up, 10.0)
+            took = await soon(lambda: not r.backends["a"].engine.events_up, 10.0)
             print(f"approximate {took:.2f} s after the link went silent")
             assert took < 6.0
             await asyncio.sleep(1.0)
-            assert not r.backends["a"].events_up  # a TCP connect alone is not a stream
+            assert not r.backends["a"].engine.events_up  # a TCP connect alone is not a stream
             link.flowing.set()
-            back = await soon(lambda: r.backends["a"].events_up, 10.0)
+            back = await soon(lambda: r.backends["a"].engine.events_up, 10.0)
             print(f"precise again {back:.2f} s after the link recovered")
     finally:
         await link.stop()
@@ -482,10 +482,10 @@ async def test_each_dp_rank_has_its_subscriber_and_all_must_be_up(
         async with subscribed(cfg, rank0) as (router, clients, engine):
             await soon(lambda: (clients.snapshot("a") or {}).get("ranks_up") == 1)
             await asyncio.sleep(0.5)
-            assert not router.backends["a"].events_up  # rank 1's events are missing
+            assert not router.backends["a"].engine.events_up  # rank 1's events are missing
             rank1 = RawPublisher(f"tcp://*:{base + 1}")  # an engine that names no rank
             try:
-                await soon(lambda: router.backends["a"].events_up)
+                await soon(lambda: router.backends["a"].engine.events_up)
                 await asyncio.sleep(0.3)
                 for i in range(2):
                     rank0.publish([blocks_event(kv, 10 * i)])
@@ -509,7 +509,7 @@ async def test_publishers_on_one_router_bound_socket_keep_their_ranks(
         async with subscribed(bound) as (r, _, e):
             pubs = [RawPublisher(f"tcp://127.0.0.1:{port}") for _ in range(2)]
             try:
-                await soon(lambda: r.backends["a"].events_up)
+                await soon(lambda: r.backends["a"].engine.events_up)
                 await asyncio.sleep(0.5)
                 for seq in range(2):
                     for rank, pub in enumerate(pubs):
@@ -575,7 +575,7 @@ async def test_a_32k_event_burst_never_holds_the_event_loop_long(
 
     with recorded(monkeypatch) as seen:
         async with subscribed(backend_cfg(endpoint=f"tcp://*:{port}"), pub) as (r, _, engine):
-            await soon(lambda: r.backends["a"].events_up)
+            await soon(lambda: r.backends["a"].engine.events_up)
             await asyncio.sleep(0.3)
             # the engine's work (packing 32k events holds the GIL ~50 ms), not the router's
             await asyncio.to_thread(pub.publish, events)

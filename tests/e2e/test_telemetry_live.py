@@ -129,8 +129,8 @@ async def test_a_real_envoy_and_gorgo_serve_export_what_they_name(live_fleet: Li
                 assert r.status == 200  # not an LLM call: the fallback route
             assert statuses == [200] * n
             deadline = time.monotonic() + 10
-            while sum(b.completed for b in svc.router.backends.values()) < n or not any(
-                b.fallback_completed for b in svc.router.backends.values()
+            while sum(b.stats.completed for b in svc.router.backends.values()) < n or not any(
+                b.stats.fallback_completed for b in svc.router.backends.values()
             ):
                 assert time.monotonic() < deadline, "completions did not arrive"
                 await asyncio.sleep(0.05)

@@ -17,9 +17,9 @@ def newcomer_step_ms(b: BackendState, input_tokens: int, decode_factor: float) -
     engine's running limit (the rest wait), their prompts as the context. A dispatch-time
     estimate: who finishes or arrives while it decodes is not foreseen."""
     profile = b.profile
-    batch = b.in_flight + 1
+    batch = b.load.in_flight + 1
     running = min(batch, profile.max_running_requests)
-    context = (b.in_flight_tokens + input_tokens) * running // batch
+    context = (b.load.in_flight_tokens + input_tokens) * running // batch
     return profile.decode_ms(running, context) * decode_factor
 
 

@@ -13,4 +13,4 @@ from ext_proc.vocab.terms import register_term
 
 @register_term("decode_stall", label="decode stall")
 def decode_stall_term_ms(x: TermInputs, terms: Mapping[str, float]) -> float:
-    return decode_stall_ms(terms["prefill"], x.backend.in_flight)
+    return decode_stall_ms(terms["prefill"], x.backend.load.in_flight)

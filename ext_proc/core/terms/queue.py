@@ -25,18 +25,18 @@ def queue_ms(
     report: EngineReport | None,
 ) -> float:
     own_ms = estimate_queue_ms(
-        items, step_ms, now_s, b.rtt_ms / 2, capacity_tokens, need_kv_tokens, grace_ms
+        items, step_ms, now_s, b.health.rtt_ms / 2, capacity_tokens, need_kv_tokens, grace_ms
     )
-    if report is not None and report.waiting is not None and b.engine_at_s is not None:
+    if report is not None and report.waiting is not None and b.engine.report_at_s is not None:
         # The engine's own count of requests waiting (load this router did not route:
         # other routers, direct clients), priced at the mean prefill of what we sent
         # there lately, plus what this router sent there since that report.
         since = sum(
             r.prefill_ms
-            for r in b.records.values()
-            if r.dispatched_s > b.engine_at_s and r.first_byte_s is None
+            for r in b.load.records.values()
+            if r.dispatched_s > b.engine.report_at_s and r.first_byte_s is None
         )
-        own_ms = max(own_ms, report.waiting * b.mean_prefill_ms + since)
+        own_ms = max(own_ms, report.waiting * b.load.mean_prefill_ms + since)
     return own_ms
 
 

@@ -11,4 +11,4 @@ from ext_proc.vocab.terms import register_term
 
 @register_term("rtt", ttft=True, label="RTT")
 def rtt_ms(x: TermInputs, terms: Mapping[str, float]) -> float:
-    return x.backend.rtt_ms
+    return x.backend.health.rtt_ms

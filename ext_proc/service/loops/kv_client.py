@@ -197,7 +197,7 @@ class KvEventClients:
         subs = self._subs.get(backend)
         up = subs is not None and all(s.precise for s in subs.streams)
         b = self.router.backends.get(backend)
-        if b is not None and up != b.events_up:
+        if b is not None and up != b.engine.events_up:
             log.warning(
                 "kv events of %s %s",
                 backend,

@@ -125,7 +125,7 @@ class RankStream:
         return self.up and self.synced
 
     def _engine(self) -> EngineBlocks:
-        engine = self.router.backends[self.backend].engine_blocks
+        engine = self.router.backends[self.backend].engine.blocks
         assert engine is not None  # only backends with kv_events get a subscriber
         return engine
 

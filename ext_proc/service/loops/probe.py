@@ -55,7 +55,7 @@ def kv_pool_note(b: BackendState) -> tuple[int, str]:
     """What to log once the backend's engine has said (or not said) its KV pool: a
     warning when the prefix index is sized to a pool other than the engine's, or to the
     profile's because the engine does not report one."""
-    engine, (used, source) = b.engine_kv_capacity_tokens, b.kv_capacity
+    engine, (used, source) = b.engine.kv_capacity_tokens, b.kv_capacity
     profile = b.profile
     if engine is None:
         if source == "config":
@@ -139,9 +139,11 @@ class Prober:
         """How long a probe of the backend may take (PROBE_TIMEOUT_RTTS)."""
         state = self.router.backends.get(backend)
         limit_s = self.cfg.probes.timeout_s
-        if state is None or not state.rtt_samples:
+        if state is None or not state.health.rtt_samples:
             return limit_s
-        return min(limit_s, max(PROBE_TIMEOUT_FLOOR_S, PROBE_TIMEOUT_RTTS * state.rtt_ms / 1000))
+        return min(
+            limit_s, max(PROBE_TIMEOUT_FLOOR_S, PROBE_TIMEOUT_RTTS * state.health.rtt_ms / 1000)
+        )
 
     def cancel(self, backend: str) -> list[asyncio.Task[None]]:
         """Stop a backend's tasks: cancelled now, returned to be awaited."""
@@ -208,9 +210,9 @@ class Prober:
             state = self.router.backends.get(b.id)
             if state is None:  # removed while the probe was out
                 return
-            was_suspect = state.suspect
+            was_suspect = state.health.suspect
             self.router.record_probe(b.id, rtt_ms)
-            now_suspect = state.suspect
+            now_suspect = state.health.suspect
             if now_suspect != was_suspect:
                 log.warning(
                     "backend %s %s",
@@ -292,7 +294,9 @@ class Prober:
     def _models_unread(self, b: Backend) -> bool:
         state = self.router.backends.get(b.id)
         return (
-            self.cfg.probes.models_interval_s > 0 and state is not None and state.discovered is None
+            self.cfg.probes.models_interval_s > 0
+            and state is not None
+            and state.engine.discovered is None
         )
 
     async def _read_models(self, b: Backend) -> None:

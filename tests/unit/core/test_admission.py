@@ -99,8 +99,8 @@ def test_an_adapter_has_its_own_cache_and_speed_on_its_engine() -> None:
     assert cached_on_b("alpha-sql") == 0  # but they are not the adapter's
     assert cached_on_b("alpha-sql") > 0
     b = r.backends["b"]
-    assert b.speed_for("alpha-sql") is not b.speed
-    assert b.speed_for("alpha") is b.speed
+    assert b.speed_for("alpha-sql") is not b.learned.speed
+    assert b.speed_for("alpha") is b.learned.speed
     assert {rec.model for rec in r.in_flight.values()} == {"alpha", "alpha-sql"}
 
 

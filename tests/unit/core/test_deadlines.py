@@ -23,7 +23,11 @@ def test_a_lost_completion_ends_at_a_deadline_from_its_predicted_e2e() -> None:
     (closed,) = router.expire()
     assert (closed.request_id, closed.status) == ("r1", Status.EXPIRED)
     b = router.backends["a"]
-    assert (b.in_flight, b.errors, b.lost) == (0, 0, 1)  # not the backend's failure
+    assert (b.load.in_flight, b.stats.errors, b.stats.lost) == (
+        0,
+        0,
+        1,
+    )  # not the backend's failure
 
 
 def test_requests_of_a_gone_envoy_are_lost_and_others_stay() -> None:
@@ -34,7 +38,7 @@ def test_requests_of_a_gone_envoy_are_lost_and_others_stay() -> None:
     assert sorted(c.request_id for c in lost) == ["x1", "x2"]
     assert {c.status for c in lost} == {Status.LOST}
     assert set(router.in_flight) == {"y1", "z1"}
-    assert sum(b.errors for b in router.backends.values()) == 0
+    assert sum(b.stats.errors for b in router.backends.values()) == 0
 
 
 def test_an_engine_that_reports_nothing_running_denies_the_routers_old_records() -> None:
@@ -48,11 +52,11 @@ def test_an_engine_that_reports_nothing_running_denies_the_routers_old_records()
     a = router.backends["a"]
     clock.advance(5.0)
     router.record_engine_report("a", EngineReport(waiting=0, running=0, kv_usage=0.0))
-    assert credible_records(a, a.engine) == []
+    assert credible_records(a, a.engine.report) == []
     router.decide(chat("long prompt " * 400, rid="waiting"))
     clock.advance(1.0)
     router.record_engine_report("a", EngineReport(waiting=0, running=3, kv_usage=0.1))
-    kept = credible_records(a, a.engine)
+    kept = credible_records(a, a.engine.report)
     assert [r.request_id for r in kept] == ["p5", "p6", "p7", "waiting"]
 
 
@@ -64,13 +68,13 @@ def test_a_missed_first_byte_deadline_makes_the_backend_suspect_once() -> None:
     b = router.backends[d.backend]
     clock.advance(deadline_ms / 1000 - 0.01)
     router.expire()
-    assert not b.suspect
+    assert not b.health.suspect
     clock.advance(0.02)
     router.expire()
-    assert b.suspect
+    assert b.health.suspect
     router.record_probe(d.backend, 5.0)  # its probe answers: the link is there
     router.expire()
-    assert not b.suspect  # the missed deadline counted once
+    assert not b.health.suspect  # the missed deadline counted once
 
 
 def test_a_non_streamed_request_gets_its_predicted_e2e_as_deadline() -> None:
@@ -93,13 +97,13 @@ def test_deadlines_off_and_under_the_route_timeout() -> None:
 def test_one_failed_probe_is_enough_when_a_first_byte_is_late_there() -> None:
     router, clock = make_router("gorgo", backends=["a", "b"])
     router.record_probe("a", None)
-    assert not router.backends["a"].suspect  # probes alone need suspect_after (2)
+    assert not router.backends["a"].health.suspect  # probes alone need suspect_after (2)
     router.record_probe("a", 1.0)
     d = router.decide(chat(rid="r1"))
     clock.advance((d.chosen.predicted_ttft_ms + 500.0) / 1000 + 0.01)  # past due + grace
     assert router.late_backends() == {d.backend}
     router.record_probe(d.backend, None)
-    assert router.backends[d.backend].suspect
+    assert router.backends[d.backend].health.suspect
 
 
 def test_a_prompt_the_engine_refused_is_not_counted_as_cached_there() -> None:
@@ -134,4 +138,4 @@ def test_ejected_reads_false_once_the_ejection_is_over() -> None:
     clock.advance(5.1)  # no decision since: the state says it is back all the same
     later = router.snapshot()["backends"][d.backend]
     assert not later["ejected"] and later["ejected_for"] == []
-    assert b.errors == 2
+    assert b.stats.errors == 2

@@ -66,7 +66,12 @@ def test_ten_thousand_expired_requests_leave_every_table_empty() -> None:
     assert len(expired) == 10_000 and {c.status for c in expired} == {Status.EXPIRED}
     assert not router.in_flight
     for b in router.backends.values():
-        assert (b.records, b.in_flight, b.waiting_first_byte, b.in_flight_tokens) == ({}, 0, 0, 0)
+        assert (
+            b.load.records,
+            b.load.in_flight,
+            b.load.waiting_first_byte,
+            b.load.in_flight_tokens,
+        ) == ({}, 0, 0, 0)
         assert router.queue_estimate_ms(b.id, clock()) == 0
     assert router.tuner.snapshot()["requests_in_flight"] == 0  # the arm table does not grow forever
     assert ended_spans() == 10_000  # every span ended

@@ -42,7 +42,7 @@ def jitter(router: Router, samples: tuple[float, ...] = (100, 140, 60, 140, 60, 
     """Feed probe samples; the router's estimate of their standard deviation (ms)."""
     for s in samples:
         router.record_probe("a", s)
-    return math.sqrt(router.backends["a"].rtt_var_ms2)
+    return math.sqrt(router.backends["a"].health.rtt_var_ms2)
 
 
 def test_probe_samples_give_the_jitter_estimate() -> None:
@@ -83,7 +83,7 @@ def test_the_hold_is_capped_by_the_queue_and_by_pace_max_ms() -> None:
         jitter(router, (100, 1000, 100, 1000, 100))
         router.decide(chat("s1", words=words))
         held = router.decide(chat("s2", words=2))
-        on_arrival_ms = held.chosen.queue_ms - router.backends["a"].rtt_ms / 2
+        on_arrival_ms = held.chosen.queue_ms - router.backends["a"].health.rtt_ms / 2
         assert (on_arrival_ms > 0) is held_at_all
         assert held.hold_ms == pytest.approx(max(0.0, on_arrival_ms))
         assert held.hold_ms < 250

@@ -93,8 +93,8 @@ def assert_complete(router: Router, bid: str) -> None:
     assert b.profile.name == b.config.engine_profile
     assert b.prefill.prefill_ms(1000, 0) > 0
     assert b.prefix.capacity_blocks == b.profile.kv_capacity_tokens // bt
-    assert b.engine_blocks is not None  # its config names a KV-event endpoint
-    assert b.prediction.as_json() == {}
+    assert b.engine.blocks is not None  # its config names a KV-event endpoint
+    assert b.learned.prediction.as_json() == {}
 
 
 def test_an_added_backend_gets_every_structure_and_decisions() -> None:
@@ -115,7 +115,7 @@ def test_drain_with_requests_in_flight_removes_it_when_the_last_one_closes() -> 
     router, clock, changes = fleet("round_robin")
     for i in range(6):
         router.decide(chat(rid=f"r{i}"))
-    on_b = sorted(router.backends["b"].records)
+    on_b = sorted(router.backends["b"].load.records)
     assert len(on_b) == 2
     assert router.drain_backend("b") == DRAINING
     assert changes.seen() == [("b", "draining")]
@@ -144,7 +144,7 @@ def test_drain_with_requests_in_flight_removes_it_when_the_last_one_closes() -> 
     assert [(r["id"], r["completed"], r["errors"]) for r in removed] == [("b", 1, 1)]
     # An id that was removed can be added again, from scratch.
     router.add_backend(backend("b"))
-    assert router.backends["b"].completed == 0
+    assert router.backends["b"].stats.completed == 0
 
 
 def test_drain_of_an_idle_backend_removes_it_at_once_and_again_is_unknown() -> None:
@@ -293,7 +293,7 @@ def test_peers_events_naming_unknown_or_removed_backends_are_ignored() -> None:
     router.apply_peer(peer(PeerKind.DISPATCHED, "p2", busy))
     assert not router.peer_in_flight
     for b in router.backends.values():
-        assert (b.in_flight, b.waiting_first_byte, b.in_flight_tokens) == (0, 0, 0)
+        assert (b.load.in_flight, b.load.waiting_first_byte, b.load.in_flight_tokens) == (0, 0, 0)
     clock.advance(1.0)
 
 
@@ -322,13 +322,13 @@ def test_reconcile_adds_updates_reactivates_and_drains() -> None:
     # Named again before it was removed: back in rotation, nothing lost.
     done = router.reconcile([*keep, router.backends[busy].config, backend("d")])
     assert done.reactivated == (busy,) and router.lifecycle(busy) == ACTIVE
-    assert "r1" in router.backends[busy].records
+    assert "r1" in router.backends[busy].load.records
     changes.seen()
     # Estimates only: in place, nothing forgotten.
     a = router.backends["a"]
     for _ in range(4):
         router.record_probe("a", 33.0)
-    assert (a.rtt_ms, a.rtt_samples) == (33.0, 4)
+    assert (a.health.rtt_ms, a.health.rtt_samples) == (33.0, 4)
     router.backends["a"].prefix.insert(router.prompt_blocks(chat("x" * 4000, rid="x"))[0], clock())
     blocks = router.backends["a"].prefix.size_blocks
     changed = [
@@ -338,7 +338,7 @@ def test_reconcile_adds_updates_reactivates_and_drains() -> None:
     ]
     done = router.reconcile(changed)
     assert done.updated == ("a",) and router.backends["a"].config.region == "eu"
-    assert (a.rtt_ms, a.rtt_prior_ms, router.backends["a"].prefix.size_blocks) == (
+    assert (a.health.rtt_ms, a.rtt_prior_ms, router.backends["a"].prefix.size_blocks) == (
         33.0,
         7.0,
         blocks,
@@ -355,8 +355,12 @@ def test_reconcile_adds_updates_reactivates_and_drains() -> None:
     assert [(e.backend, e.change, e.reset) for e in changes.events] == [
         ("a", BackendChange.UPDATED, True)
     ]
-    assert (a.rtt_ms, a.rtt_samples, router.backends["a"].prefix.size_blocks) == (50.0, 0, 0)
-    engine = router.backends["a"].engine_blocks
+    assert (a.health.rtt_ms, a.health.rtt_samples, router.backends["a"].prefix.size_blocks) == (
+        50.0,
+        0,
+        0,
+    )
+    engine = router.backends["a"].engine.blocks
     assert not router.backends["a"].precise and engine is not None and engine.blocks == 0
     assert router.backends["a"].config.address == "127.0.0.1:5"
 
@@ -371,7 +375,7 @@ def test_decision_span_and_metric_show_the_lifecycle() -> None:
     router.drain_backend(busy)
     router.decide(chat(rid="r1"))
     router.close("r1", Status.OK)
-    idle = next(b for b in ("a", "b", "c") if b != busy and not router.backends[b].records)
+    idle = next(b for b in ("a", "b", "c") if b != busy and not router.backends[b].load.records)
     router.drain_backend(idle)  # removed at once
     router.close("r0", Status.OK)
     telemetry.shutdown()
@@ -501,7 +505,7 @@ def test_decisions_only_reach_active_backends_and_removed_ones_leave_no_trace(
         for rec in [*router.in_flight.values(), *router.peer_in_flight.values()]:
             assert rec.backend in present
         for b in router.backends.values():
-            assert b.in_flight == len(b.records)
+            assert b.load.in_flight == len(b.load.records)
     removed = [e.backend for e in changes.events if e.change == BackendChange.REMOVED]
     drained = [e.backend for e in changes.events if e.change == BackendChange.DRAINING]
     assert Counter(removed) <= Counter(drained)

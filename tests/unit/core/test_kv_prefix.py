@@ -122,8 +122,8 @@ def test_a_warming_prediction_is_the_larger_of_the_events_and_the_routers_index(
     assert d.chosen.cached_tokens == 256
     # precise, only an unconfirmed dispatch this recent would count
     r.close(d.request_id, Status.OK, cached_tokens=256)
-    assert r.backends["a"].engine_blocks is not None
-    assert r.backends["a"].engine_blocks.health.agreements == 0  # a precise one said 0
+    assert r.backends["a"].engine.blocks is not None
+    assert r.backends["a"].engine.blocks.health.agreements == 0  # a precise one said 0
 
 
 def test_state_shows_unknown_parents_and_each_ranks_sequence() -> None:

@@ -14,18 +14,18 @@ def test_lifecycle_counts_ttft_and_e2e() -> None:
     router, clock = make_router(seed=1)
     d = router.decide(chat(rid="r1", stream=False))
     b = router.backends[d.backend]
-    assert (b.in_flight, b.waiting_first_byte) == (1, 1)
+    assert (b.load.in_flight, b.load.waiting_first_byte) == (1, 1)
     assert d.input_tokens == 7
     clock.advance(0.25)
     first = router.first_byte("r1")
     assert first is not None and (first.backend, first.ttft_ms) == (d.backend, pytest.approx(250.0))
     assert router.first_byte("r1") is None  # only the first byte counts
-    assert (b.in_flight, b.waiting_first_byte) == (1, 0)
+    assert (b.load.in_flight, b.load.waiting_first_byte) == (1, 0)
     clock.advance(1.0)
     done = router.close("r1", Status.OK, e2e_ms=1300.0)
     assert done is not None
     assert (done.status, done.ttft_ms, done.e2e_ms) == (Status.OK, pytest.approx(250.0), 1300.0)
-    assert (b.in_flight, b.completed, list(b.recent_e2e_ms)) == (0, 1, [1300.0])
+    assert (b.load.in_flight, b.stats.completed, list(b.stats.recent_e2e_ms)) == (0, 1, [1300.0])
     assert router.close("r1", Status.OK) is None  # idempotent: the loop closes once
 
 
@@ -36,8 +36,13 @@ def test_cancel_before_first_byte_releases_everything() -> None:
     done = router.close("r1", Status.CANCELLED)
     assert done is not None and done.ttft_ms is None and done.e2e_ms == pytest.approx(100.0)
     b = router.backends[d.backend]
-    assert (b.in_flight, b.waiting_first_byte, b.errors, b.completed) == (0, 0, 0, 0)
-    assert b.cancelled == 1  # the client went away: not the backend's failure
+    assert (b.load.in_flight, b.load.waiting_first_byte, b.stats.errors, b.stats.completed) == (
+        0,
+        0,
+        0,
+        0,
+    )
+    assert b.stats.cancelled == 1  # the client went away: not the backend's failure
     assert not router.in_flight
 
 
@@ -57,8 +62,8 @@ def test_reused_request_id_does_not_leak_in_flight() -> None:
     router.decide(chat(rid="dup", stream=False))
     router.decide(chat(rid="dup", stream=False))
     router.close("dup", Status.OK)
-    assert sum(b.in_flight for b in router.backends.values()) == 0
-    assert sum(b.waiting_first_byte for b in router.backends.values()) == 0
+    assert sum(b.load.in_flight for b in router.backends.values()) == 0
+    assert sum(b.load.waiting_first_byte for b in router.backends.values()) == 0
 
 
 def test_round_robin_cycles() -> None:
@@ -86,7 +91,7 @@ def test_error_completion_counts_as_error() -> None:
     router, _ = make_router(seed=1)
     d = router.decide(chat(rid="r", stream=False))
     router.close("r", Status.ERROR)
-    assert router.backends[d.backend].errors == 1
+    assert router.backends[d.backend].stats.errors == 1
 
 
 def test_snapshot_shows_recent_decisions_without_prompt() -> None:
@@ -145,5 +150,5 @@ def test_in_flight_accounting_stays_consistent(ops: list[tuple[str, int]]) -> No
             router.expire()
         for b in router.backends.values():
             recs = [r for r in router.in_flight.values() if r.backend == b.id]
-            assert b.in_flight == len(recs) >= 0
-            assert b.waiting_first_byte == sum(r.first_byte_s is None for r in recs)
+            assert b.load.in_flight == len(recs) >= 0
+            assert b.load.waiting_first_byte == sum(r.first_byte_s is None for r in recs)

@@ -29,13 +29,13 @@ def test_two_failures_in_a_row_eject_a_backend_until_it_cools_down() -> None:
     r, clock = make_router("gorgo", backends=REGIONS)
     assert fail(r, Status.ERROR) == "near"
     assert fail(r, Status.ERROR) == "near"  # second failure in a row: ejected
-    assert r.backends["near"].ejected_until_s == clock() + 5.0
+    assert r.backends["near"].health.ejected_until_s == clock() + 5.0
     assert all(fail(r, Status.OK) != "near" for _ in range(5))
     clock.advance(5.1)  # cooled down: back in rotation (half-open)
     assert fail(r, Status.ERROR) == "near"
     assert fail(r, Status.ERROR) == "near"
     # failing again right away: twice as long this time
-    assert r.backends["near"].ejected_until_s == pytest.approx(clock() + 10.0)
+    assert r.backends["near"].health.ejected_until_s == pytest.approx(clock() + 10.0)
 
 
 def test_client_errors_and_cancellations_do_not_eject() -> None:
@@ -50,7 +50,7 @@ def test_client_errors_and_cancellations_do_not_eject() -> None:
         Status.ERROR,
     ):
         assert fail(r, status) == "near"
-    assert r.backends["near"].ejected_until_s is None
+    assert r.backends["near"].health.ejected_until_s is None
 
 
 def test_requests_another_backend_served_count_against_the_chosen_one() -> None:
@@ -61,8 +61,8 @@ def test_requests_another_backend_served_count_against_the_chosen_one() -> None:
         closed = r.close(d.request_id, Status.OK, served_by="mid")
         assert closed is not None and closed.status == Status.FAILED_OVER
     near = r.backends["near"]
-    assert (near.failovers, near.ejected_until_s) == (2, clock() + 5.0)
-    assert near.completed == 0  # mid's answers are not near's
+    assert (near.stats.failovers, near.health.ejected_until_s) == (2, clock() + 5.0)
+    assert near.stats.completed == 0  # mid's answers are not near's
     # a long prompt served by mid after a failover: its blocks are cached on mid now
     d = r.decide(chat("long prompt " * 2000))
     served = "far" if d.backend != "far" else "mid"
@@ -72,7 +72,7 @@ def test_requests_another_backend_served_count_against_the_chosen_one() -> None:
     clock.advance(5.1)
     d = r.decide(chat("back"))
     r.close(d.request_id, Status.OK, served_by="")
-    assert (near.failovers, near.request_failures) == (2, 0)
+    assert (near.stats.failovers, near.health.request_failures) == (2, 0)
 
 
 def test_only_a_retried_request_counts_as_a_failover() -> None:
@@ -87,10 +87,10 @@ def test_only_a_retried_request_counts_as_a_failover() -> None:
     # one attempt: the router answered too late and Envoy failed open, not near's fault
     served_elsewhere(1)
     served_elsewhere(1)
-    assert r.backends["near"].failovers == 0
-    assert r.backends["near"].ejected_until_s is None
+    assert r.backends["near"].stats.failovers == 0
+    assert r.backends["near"].health.ejected_until_s is None
     served_elsewhere(2)  # Envoy retried a connect failure elsewhere
-    assert r.backends["near"].failovers == 1
+    assert r.backends["near"].stats.failovers == 1
 
 
 def test_ranked_puts_the_choice_first_then_best_scores() -> None:
@@ -245,14 +245,16 @@ def test_an_error_event_as_the_first_chunk_is_a_failure_not_a_ttft() -> None:
         event = b'data: {"error": {"object": "error", "message": "boom", "code": 500}}\n\n'
         Stream(r).handle(observer_chunk(d.request_id, event))
         assert d.request_id not in r.in_flight  # closed as an error, at once
-        assert not r.backends[d.backend].recent_ttft_ms  # not a first token
+        assert not r.backends[d.backend].stats.recent_ttft_ms  # not a first token
         # the access log's 200 that follows finds it closed
         assert r.close(d.request_id, Status.OK) is None
     near = r.backends["near"]
-    assert near.errors == 2 and near.ejected_until_s is not None  # two in a row: ejected
+    assert (
+        near.stats.errors == 2 and near.health.ejected_until_s is not None
+    )  # two in a row: ejected
     d = r.decide(chat("fine"))
     Stream(r).handle(observer_chunk(d.request_id, b'data: {"id": "x", "choices": []}\n\n'))
-    assert r.backends[d.backend].recent_ttft_ms  # a normal first chunk is timed
+    assert r.backends[d.backend].stats.recent_ttft_ms  # a normal first chunk is timed
 
 
 def test_a_first_chunk_timed_after_the_response_ended_is_moved_back_to_its_end() -> None:
@@ -267,8 +269,8 @@ def test_a_first_chunk_timed_after_the_response_ended_is_moved_back_to_its_end()
     closed = r.close(d.request_id, Status.OK, e2e_ms=21.7)
     assert closed is not None and closed.ttft_ms == pytest.approx(21.7)
     b = r.backends[d.backend]
-    assert list(b.recent_ttft_ms) == pytest.approx([21.7])
-    assert list(b.recent_e2e_ms) == [21.7] and (b.completed, b.errors) == (1, 0)
+    assert list(b.stats.recent_ttft_ms) == pytest.approx([21.7])
+    assert list(b.stats.recent_e2e_ms) == [21.7] and (b.stats.completed, b.stats.errors) == (1, 0)
 
 
 async def test_an_access_log_entry_that_overtakes_the_first_chunk_waits_for_it() -> None:
@@ -290,7 +292,7 @@ async def test_an_access_log_entry_that_overtakes_the_first_chunk_waits_for_it()
     assert first is not None and first.ttft_ms == 6.0  # not after the response's end
     await asyncio.sleep(COMPLETION_GRACE_S + 0.05)
     assert d.request_id not in r.in_flight
-    assert list(r.backends[d.backend].recent_e2e_ms) == [6.0]
+    assert list(r.backends[d.backend].stats.recent_e2e_ms) == [6.0]
     # an error or a client gone sends no body to wait for: closed at once
     d2 = r.decide(chat("gone"))
     log.observe(codec.AccessLogEntry(d2.request_id, d2.backend, "gorgo", 0, 3.0, 1))

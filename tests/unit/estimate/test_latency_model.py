@@ -25,17 +25,17 @@ def serve(learn: bool, prefill_x: float, decode_x: float, n: int) -> tuple[objec
         c = d.chosen
         ttft_ms = (
             c.rtt_ms
-            + (c.queue_ms + c.prefill_ms) / r.backends["a"].speed.prefill_factor * prefill_x
+            + (c.queue_ms + c.prefill_ms) / r.backends["a"].learned.speed.prefill_factor * prefill_x
         )
         ttft_ms *= rng.lognormvariate(0, 0.05)
         errors.append(abs(c.predicted_ttft_ms - ttft_ms) / ttft_ms)
         clock.advance(ttft_ms / 1000)
         r.first_byte(d.request_id)
-        decode_ms = c.decode_ms / r.backends["a"].speed.decode_factor * decode_x
+        decode_ms = c.decode_ms / r.backends["a"].learned.speed.decode_factor * decode_x
         clock.advance(decode_ms / 1000)
         r.close(d.request_id, Status.OK)
         clock.advance(30)  # idle between requests
-    return r.backends["a"].speed, errors
+    return r.backends["a"].learned.speed, errors
 
 
 def test_a_slower_engine_is_learned_within_200_completions() -> None:

@@ -132,7 +132,7 @@ def test_state_keeps_a_window_of_recent_errors() -> None:
     telemetry.shutdown()
     assert count == 3 and total is not None
     # The backend's own figures: all three are within its window.
-    assert router.backends["a"].prediction.as_json() == {
+    assert router.backends["a"].learned.prediction.as_json() == {
         "approximate": {"requests": 3, "mean_error_ratio": round(total / 3, 6)}
     }
     # A window of two keeps the two latest, the largest errors.

@@ -66,22 +66,22 @@ def test_peer_dispatches_load_the_queue_and_teach_nothing() -> None:
     idle_ms = b.queue_estimate_ms("near", 0.0)
     d = a.decide(request("r-1"))
     sb = b.backends[d.backend]
-    assert (sb.in_flight, sb.waiting_first_byte, sb.in_flight_tokens) == (1, 1, 8000)
+    assert (sb.load.in_flight, sb.load.waiting_first_byte, sb.load.in_flight_tokens) == (1, 1, 8000)
     assert b.queue_estimate_ms(d.backend, 0.0) > idle_ms + 100  # an 8k prefill ahead
     assert b.decisions == 0 and b.backends[d.backend].prefix.size_blocks == 0
     clock.now_s = 1.0
     a.first_byte("r-1")
-    assert (sb.in_flight, sb.waiting_first_byte) == (1, 0)
+    assert (sb.load.in_flight, sb.load.waiting_first_byte) == (1, 0)
     a.close("r-1", Status.OK, 2000.0)
-    assert (sb.in_flight, sb.in_flight_tokens, sb.completed) == (0, 0, 0)
-    assert not b.peer_in_flight and not sb.records
+    assert (sb.load.in_flight, sb.load.in_flight_tokens, sb.stats.completed) == (0, 0, 0)
+    assert not b.peer_in_flight and not sb.load.records
 
 
 def test_an_echo_of_our_own_dispatch_is_ignored() -> None:
     (a,), _ = routers(1, share=False)
     d = a.decide(request("r-1"))
     a.apply_peer(PeerEvent(PeerKind.DISPATCHED, "me", "r-1", d.backend, 8000))
-    assert a.backends[d.backend].in_flight == 1
+    assert a.backends[d.backend].load.in_flight == 1
     assert not a.peer_in_flight
 
 
@@ -94,7 +94,7 @@ def test_a_dead_peers_requests_stop_counting_after_the_ttl() -> None:
     clock.now_s = 31.0
     b.expire()
     assert not b.peer_in_flight
-    assert sum(s.in_flight for s in b.backends.values()) == 0
+    assert sum(s.load.in_flight for s in b.backends.values()) == 0
 
 
 @pytest.mark.parametrize("share", [False, True])
@@ -110,7 +110,7 @@ def test_routers_that_share_do_not_herd(share: bool) -> None:
     else:
         assert chosen == ["near", "near", "near"]
     for i, r in enumerate(rs):
-        seen = {b: s.in_flight for b, s in r.backends.items()}
+        seen = {b: s.load.in_flight for b, s in r.backends.items()}
         if share:
             assert seen == {"near": 2, "far": 1}
         else:

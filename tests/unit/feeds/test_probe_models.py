@@ -46,7 +46,7 @@ async def test_an_engine_up_after_the_router_is_read_before_it_counts_as_healthy
     runner = None
     try:
         await asyncio.sleep(0.2)
-        assert state.discovered is None and state.suspect
+        assert state.engine.discovered is None and state.health.suspect
         app = web.Application()
         app.router.add_get("/health", health)
         app.router.add_get("/v1/models", models)
@@ -54,10 +54,10 @@ async def test_an_engine_up_after_the_router_is_read_before_it_counts_as_healthy
         await runner.setup()
         await web.TCPSite(runner, "127.0.0.1", port).start()
         deadline = time.monotonic() + 5
-        while state.suspect:  # healthy again: its models were read first, not in 60 s
+        while state.health.suspect:  # healthy again: its models were read first, not in 60 s
             assert time.monotonic() < deadline
             await asyncio.sleep(0.01)
-        assert state.discovered is not None and state.discovered.base == {"alpha"}
+        assert state.engine.discovered is not None and state.engine.discovered.base == {"alpha"}
     finally:
         await prober.stop()
         if runner is not None:

@@ -28,7 +28,7 @@ def test_every_request_completes_with_sane_timings(trace) -> None:  # type: igno
         assert 0 <= r.cached_tokens < r.input_tokens
     # the router's books are closed: nothing left in flight
     assert not res.router.in_flight
-    assert sum(b.completed for b in res.router.backends.values()) == len(trace)
+    assert sum(b.stats.completed for b in res.router.backends.values()) == len(trace)
     assert len(res.itl_ms) == sum(t.output_tokens - 1 for t in trace)
 
 
@@ -113,7 +113,7 @@ def test_several_routers_share_the_load_and_close_what_they_dispatched(trace) ->
     assert sum(decisions) == len(trace) and min(decisions) > 0  # every router decided some
     for router in sim.routers:  # each closed exactly what it dispatched
         assert not router.in_flight
-        assert sum(b.completed for b in router.backends.values()) == router.decisions
+        assert sum(b.stats.completed for b in router.backends.values()) == router.decisions
 
 
 def test_shared_dispatches_reach_every_other_router_and_are_all_closed(trace) -> None:  # type: ignore[no-untyped-def]
@@ -136,8 +136,8 @@ def test_shared_dispatches_reach_every_other_router_and_are_all_closed(trace) ->
     assert min(peak) > 0  # each router carried the others' load at some point
     for router in sim.routers:
         assert not router.in_flight and not router.peer_in_flight
-        assert sum(b.in_flight for b in router.backends.values()) == 0
-        assert sum(b.completed for b in router.backends.values()) == router.decisions
+        assert sum(b.load.in_flight for b in router.backends.values()) == 0
+        assert sum(b.stats.completed for b in router.backends.values()) == router.decisions
 
 
 def test_engine_reports_reach_the_routers(trace) -> None:  # type: ignore[no-untyped-def]
@@ -145,9 +145,9 @@ def test_engine_reports_reach_the_routers(trace) -> None:  # type: ignore[no-unt
 
     sim = Simulation(trace, SimSettings(policy="gorgo", time_scale=1.0, engine_reports=True))
     sim.run()
-    reports = [b.engine for b in sim.router.backends.values()]
+    reports = [b.engine.report for b in sim.router.backends.values()]
     assert all(r is not None and r.running is not None for r in reports)
-    assert all(b.engine_at_s is not None for b in sim.router.backends.values())
+    assert all(b.engine.report_at_s is not None for b in sim.router.backends.values())
 
 
 def test_front_doors_give_each_region_its_door_and_access_leg(trace) -> None:  # type: ignore[no-untyped-def]
@@ -405,5 +405,5 @@ def test_each_row_has_the_routers_prediction_and_the_summary_its_error() -> None
     assert sum(b["requests"] for b in by_backend.values()) == pred["requests"]
     assert 0 < s["e2e_prediction"]["mape"] < 0.5
     # the router's own per-backend figures agree on what it saw
-    seen = {b: st.latency.ttft.requests for b, st in res.router.backends.items()}
+    seen = {b: st.learned.latency.ttft.requests for b, st in res.router.backends.items()}
     assert sum(seen.values()) == len(trace)

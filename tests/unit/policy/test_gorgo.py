@@ -175,10 +175,10 @@ def test_suspect_backends_are_not_chosen_while_others_are_healthy() -> None:
     r, _ = make_router("gorgo", backends=REGIONS)
     for _ in range(2):
         r.record_probe("near", None)
-    assert r.backends["near"].suspect
+    assert r.backends["near"].health.suspect
     assert all(r.decide(chat(f"x{i}")).backend != "near" for i in range(20))
     r.record_probe("near", 1.2)  # one success clears it
-    assert not r.backends["near"].suspect
+    assert not r.backends["near"].health.suspect
     for name in ("mid", "far"):
         r.record_probe(name, None)
         r.record_probe(name, None)
@@ -191,9 +191,9 @@ def test_suspect_backends_are_not_chosen_while_others_are_healthy() -> None:
 def test_probes_smooth_rtt_after_replacing_the_prior() -> None:
     r, _ = make_router("gorgo", backends=REGIONS)
     r.record_probe("mid", 100)
-    assert r.backends["mid"].rtt_ms == 100  # first sample replaces the prior
+    assert r.backends["mid"].health.rtt_ms == 100  # first sample replaces the prior
     r.record_probe("mid", 200)
-    assert r.backends["mid"].rtt_ms == pytest.approx(0.3 * 200 + 0.7 * 100)
+    assert r.backends["mid"].health.rtt_ms == pytest.approx(0.3 * 200 + 0.7 * 100)
 
 
 def test_near_ties_are_broken_at_random() -> None:
@@ -283,7 +283,7 @@ def test_learn_cached_trims_only_settled_evidence() -> None:
 
 def test_speed_learns_at_completion_and_only_from_the_chosen_backend() -> None:
     r, clock = make_router("gorgo", backends=REGIONS)
-    speed = r.backends["near"].speed
+    speed = r.backends["near"].learned.speed
 
     def unqueued(served_by: str | None) -> None:
         d = r.decide(chat(f"sample {random.random()} " * 20))

@@ -70,9 +70,9 @@ def drive_router() -> tuple[Router, Telemetry]:
     for i in range(12):  # failures in a row on one backend eject it
         d = router.decide(chat(rid=f"err-{i}", text="hello"))
         router.close(d.request_id, Status.ERROR)
-        if any(b.ejections for b in router.backends.values()):
+        if any(b.health.ejections for b in router.backends.values()):
             break
-    assert sum(b.ejections for b in router.backends.values()) == 1
+    assert sum(b.health.ejections for b in router.backends.values()) == 1
     telemetry.fallback(next(iter(router.backends)))
     t = router.tuner
     assert t is not None and t.steps_accepted + t.steps_rejected + t.steps_tied
@@ -101,17 +101,17 @@ def test_the_router_exports_ejections_and_the_tuners_progress() -> None:
     router, telemetry = drive_router()
     clock = router.clock
     assert isinstance(clock, FakeClock)
-    (out,) = [b for b in router.backends.values() if b.ejected_until_s is not None]
+    (out,) = [b for b in router.backends.values() if b.health.ejected_until_s is not None]
     assert _sample(telemetry, "gorgo_ejected", backend=out.id) == 1
-    assert _sample(telemetry, "gorgo_ejections_total", backend=out.id) == out.ejections >= 1
+    assert _sample(telemetry, "gorgo_ejections_total", backend=out.id) == out.health.ejections >= 1
     for b in router.backends.values():
         if b is not out:
             assert _sample(telemetry, "gorgo_ejected", backend=b.id) == 0
     # the ejection ends by itself: the gauge says so before any decision clears it
-    assert out.ejected_until_s is not None
-    clock.advance(out.ejected_until_s - clock() + 0.001)
+    assert out.health.ejected_until_s is not None
+    clock.advance(out.health.ejected_until_s - clock() + 0.001)
     assert _sample(telemetry, "gorgo_ejected", backend=out.id) == 0
-    assert _sample(telemetry, "gorgo_ejections_total", backend=out.id) == out.ejections
+    assert _sample(telemetry, "gorgo_ejections_total", backend=out.id) == out.health.ejections
     # the tuner: every step it recorded, by outcome, its samples, sigma, frozen
     tuner = router.tuner
     assert tuner is not None
@@ -264,7 +264,7 @@ def test_latency_prediction_error_is_exported_and_each_span_has_the_prediction()
         router.close(d.request_id, Status.OK, e2e_ms=e2e_ms)
     served = {d.backend for d in decided}
     for b in served:
-        lat = router.backends[b].latency
+        lat = router.backends[b].learned.latency
         assert lat.ttft.mape is not None and lat.e2e.bias_ms is not None
         assert _sample(telemetry, "gorgo_ttft_prediction_mape", backend=b) == lat.ttft.mape
         assert _sample(telemetry, "gorgo_ttft_prediction_bias_ms", backend=b) == lat.ttft.bias_ms

@@ -23,7 +23,7 @@ def toy() -> Iterator[str]:
 
     @register_term("crowd", weight=1.0, label="crowd")
     def crowd_ms(x: TermInputs, terms: Mapping[str, float]) -> float:
-        return 1000.0 * x.backend.in_flight
+        return 1000.0 * x.backend.load.in_flight
 
     yield "crowd"
     unregister_term("crowd")
