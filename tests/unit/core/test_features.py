@@ -17,8 +17,8 @@ from ext_proc.core.features import newcomer_step_ms
 from ext_proc.core.router import Router
 from ext_proc.core.types import RouteRequest
 from ext_proc.prompt.parse import CHAT, parse_body
-from loadgen.simulate import _AT_ENGINE, SimSettings, Simulation
-from loadgen.traces import TraceRequest
+from loadgen.sim.simulate import _AT_ENGINE, SimSettings, Simulation
+from loadgen.traces.request import TraceRequest
 from tests.builders import Dispatches, load, make_router
 from tests.fakes import FakeClock
 

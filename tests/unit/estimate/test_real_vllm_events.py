@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from emulator.tokenizer import tiny_tokenizer_dir
+from emulator.engine.tokenizer import tiny_tokenizer_dir
 from emulator.vllm.capture import prose
 from ext_proc.config.schema import TokenizerConfig
 from ext_proc.estimate.engine_index import EngineBlocks, chain_keys
