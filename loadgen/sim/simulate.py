@@ -230,7 +230,7 @@ class Simulation:
             r: EngineModel(profiles[r], random.Random(rng.random()), max_loras(fleet, r))
             for r in settings.regions
         }
-        # What each engine serves (sim_models); with models in the fleet file, its blocks
+        # What each engine serves (sim/models.py); with models in the fleet file, its blocks
         # are keyed by the model asked for (an adapter shares no cache with its base).
         self.served = {r: served_models(fleet, r) for r in settings.regions}
         self.by_model = names_models(fleet)

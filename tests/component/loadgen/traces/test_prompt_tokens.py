@@ -1,6 +1,6 @@
-"""The replay's synthesized prompts (loadgen/traces.py) count exactly the trace's tokens under
-the emulated engines' default tokenizer, the tiny model's BPE, as under the 4-bytes-per-token
-approximation: the replay reproduces trace lengths on a fleet of twins."""
+"""The replay's synthesized prompts (loadgen/traces/prompts.py) count exactly the trace's
+tokens under the emulated engines' default tokenizer, the tiny model's BPE, as under the
+4-bytes-per-token approximation: the replay reproduces trace lengths on a fleet of twins."""
 
 from __future__ import annotations
 
