@@ -61,7 +61,8 @@ SWEEP_SCALES = (2.0, 3.0, 4.0, 6.0)
 # The grid and the convergence runs use the tuning window's first 10 minutes: 7x7 points x
 # 3 seeds, 10 tuning runs (from the defaults and from the worst corner), and every distinct
 # tuned point and the optimum on 3 fresh seeds (about 200 simulations, ~25 min on 2 cores);
-# the paper-shaped tuning window's grid and runs (bench_tuner_report.paper_tuner_section) ~13 min.
+# the paper-shaped tuning window's grid and runs (loadgen.bench.tuner.report's
+# paper_tuner_section) ~13 min.
 TUNER_WINDOW_S = 600.0
 # The regime change: the first 20 minutes at time_scale 6 (lightly loaded, so that the
 # half more load after the change at 10 minutes does not saturate the fleet).
