@@ -4,12 +4,15 @@
 source file (or the measurement on the real vLLM) it comes from.
 
 Three layers under it:
-- `emulator.engine.model.EngineModel`: pure scheduler (continuous batching, chunked prefill,
-  radix prefix cache), shared with the offline simulator;
-- `emulator.engine.parse` and `emulator.engine.wire`: pure request parsing and response formatting
-  (OpenAI and SGLang);
-- `emulator.engine.runner.ModelRunner`: one task advances the model on the event loop's clock and
-  hands each emitted token to the request's handler here, which writes it.
+- `emulator.engine.model.EngineModel`: pure scheduler (continuous batching, chunked
+  prefill, radix prefix cache), shared with the offline simulator;
+- `emulator.engine.parse` and `emulator.engine.wire`: pure request parsing and response
+  formatting (OpenAI and SGLang);
+- `emulator.engine.runner.ModelRunner`: one task advances the model on the event loop's
+  clock and hands each emitted token to the request's handler here, which writes it.
+Beside them, `emulator.engine.status` writes what the status endpoints answer (/v1/loads,
+/get_load, /server_info, /kv_event_sources, /metrics, /stats) and
+`emulator.engine.model_api` the model and tokenize endpoints' bodies.
 
 The prefix cache holds prompt blocks only (not generated text).
 """
