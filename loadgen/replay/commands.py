@@ -12,7 +12,7 @@ from loadgen.traces.load import TRACE_HELP
 
 
 def _replay(args: argparse.Namespace) -> int:
-    from loadgen.replay.command import ReplayOptions, run_replay
+    from loadgen.replay.run import ReplayOptions, run_replay
 
     return run_replay(
         ReplayOptions(

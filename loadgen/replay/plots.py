@@ -1,7 +1,7 @@
 """Figures of a `gorgo replay` run (`--plot`).
 
 matplotlib is imported inside the plotting function, so importing this module (or
-`loadgen.replay.command`, which uses it) costs nothing until a figure is actually drawn.
+`loadgen.replay.run`, which uses it) costs nothing until a figure is actually drawn.
 """
 
 from __future__ import annotations

@@ -51,7 +51,7 @@ def _simulate(args: argparse.Namespace) -> int:
     from emulator.stack.fleet import NO_FLEET, load_fleet
     from emulator.stack.settings import DEFAULT_REGIONS
     from loadgen.client.protocol import protocol_for
-    from loadgen.sim.command import run_simulate_command
+    from loadgen.sim.run import run_simulate_command
     from loadgen.sim.simulate import SimSettings
     from loadgen.traces.load import load_trace
     from loadgen.traces.request import TraceError

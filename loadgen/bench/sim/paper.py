@@ -14,8 +14,8 @@ from typing import Any
 
 from ext_proc.core.types import Weights
 from loadgen.results import summarize
-from loadgen.sim.command import run_simulations
 from loadgen.sim.figures import convergence_plot
+from loadgen.sim.run import run_simulations
 from loadgen.sim.simulate import SimSettings, simulate
 
 # The GORGO paper's Table 2 and Table 3, p95 TTFT (ms) / p95 E2E (s).

@@ -18,8 +18,8 @@ import pytest
 from aiohttp import web
 
 from loadgen.client.protocol import PAPER
-from loadgen.replay.command import ReplayOptions, run_replay
 from loadgen.replay.loop import replay
+from loadgen.replay.run import ReplayOptions, run_replay
 from loadgen.results import summarize
 from loadgen.traces.readers import write_mooncake
 from loadgen.traces.request import TraceRequest
@@ -62,7 +62,7 @@ async def test_a_replay_stopped_before_it_starts_sends_nothing() -> None:
 
 
 def test_the_replay_module_does_not_import_matplotlib() -> None:
-    code = "import sys, loadgen.replay.command; print('matplotlib' in sys.modules)"
+    code = "import sys, loadgen.replay.run; print('matplotlib' in sys.modules)"
     root = Path(__file__).resolve().parents[4]
     res = subprocess.run(
         [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True

@@ -12,10 +12,10 @@ import pytest
 from ext_proc.prompt.tokens import count_tokens
 from loadgen.client.concurrency import Admitted
 from loadgen.client.stream import Result
-from loadgen.replay.command import ReplayOptions
 from loadgen.replay.loop import Progress, ReplayRun, Sent
 from loadgen.replay.plots import plot_run
 from loadgen.replay.requests import build_request, to_result
+from loadgen.replay.run import ReplayOptions
 from loadgen.results import RequestResult
 from loadgen.traces.prompts import PromptSynth
 from loadgen.traces.request import TraceRequest

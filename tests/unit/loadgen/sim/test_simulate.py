@@ -89,7 +89,7 @@ def test_precise_prefix_state_predicts_what_the_engines_report(trace) -> None:  
     """With the engines' own cache changes (as KV events deliver them), the router's
     predicted cached tokens for its choice match the engine's report within 2 % of the
     prompt on average; the approximate state is reported beside it."""
-    from loadgen.sim.command import prediction_error
+    from loadgen.sim.run import prediction_error
 
     precise = simulate(trace, SimSettings(policy="gorgo", time_scale=3.0, prefix_state="precise"))
     approximate = simulate(trace, SimSettings(policy="gorgo", time_scale=3.0))
