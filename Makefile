@@ -82,7 +82,7 @@ bench-overhead: venv
 # docs/img/operator-page.png: the operator's page of a fresh local stack, in headless
 # Chromium (Debian's chromium package).
 screenshot: venv
-	$(PY) -m loadgen.page_shot docs/img/operator-page.png
+	$(VENV)/bin/gorgo bench screenshot docs/img/operator-page.png
 
 # The paper's experiment in the simulator: regenerates docs/results.md and its figures.
 bench: venv $(TRACE)

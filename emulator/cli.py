@@ -13,7 +13,7 @@ import sys
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
-from emulator.up_cli import add_up_command
+from emulator.stack.up_cli import add_up_command
 from ext_proc.cli import Commands
 from ext_proc.vocab.params import ConfigError, split_host_port
 
@@ -63,16 +63,16 @@ def _flavor_setting(args: argparse.Namespace, sglang: str, vllm: str) -> Any:
 def _engine(args: argparse.Namespace) -> int:
     import os
 
-    from emulator.engine import serve_engine
-    from emulator.engine_config import (
+    from emulator.engine.config import (
         DEFAULT_CONTEXT_TOKENS,
         DEFAULT_PAGE_TOKENS,
         EngineConfig,
         Faults,
         zero_delay_profile,
     )
-    from emulator.kv_publisher import KvEventsConfig
-    from emulator.tokenizer import load_twin_tokenizer
+    from emulator.engine.kv_publisher import KvEventsConfig
+    from emulator.engine.server import serve_engine
+    from emulator.engine.tokenizer import load_twin_tokenizer
     from ext_proc.estimate.profile import load_profile, profile_from_dict
 
     try:
@@ -144,10 +144,10 @@ def _engine(args: argparse.Namespace) -> int:
 
 
 def _lora_settings(args: argparse.Namespace) -> dict[str, Any]:
-    """EngineConfig's LoRA settings from the flavor's flags (emulator/lora.py)."""
+    """EngineConfig's LoRA settings from the flavor's flags (emulator/engine/lora.py)."""
     import os
 
-    from emulator.lora import LoraModule, check_slowdown, parse_lora_module
+    from emulator.engine.lora import LoraModule, check_slowdown, parse_lora_module
 
     flag = "--lora-modules" if args.flavor == "vllm" else "--lora-paths"
     items = _flavor_setting(args, "lora_paths", "lora_modules") or []
@@ -265,7 +265,7 @@ def _run_forever(coro: Coroutine[Any, Any, None]) -> int:
 def _bench_engine_model(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from emulator.calibrate import run_calibration
+    from emulator.engine.calibrate import run_calibration
 
     return run_calibration(args.profile, Path(args.out), args.requests)
 

@@ -12,8 +12,10 @@ from collections import defaultdict
 
 import aiohttp
 
-from emulator.stack import Stack, StackError, StackSettings
-from loadgen.client import Result, chat_body, percentile, send_chat
+from emulator.stack.processes import StackError
+from emulator.stack.settings import StackSettings
+from emulator.stack.stack import Stack
+from loadgen.client.stream import Result, chat_body, percentile, send_chat
 
 # Prompt sizes (tokens) cycle through short chat turns and long documents.
 PROMPT_TOKENS = (64, 512, 2048, 8192)

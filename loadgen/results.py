@@ -20,7 +20,7 @@ beside the measured ones: MAPE is the mean |predicted - measured| / measured (a 
 bias_ms the mean predicted - measured (> 0: predicted slower), over the successful requests
 with both after the first 20 % of the requests by arrival (the rows' order), so an empty
 fleet's warm-up does not flatter the figures; `requests` says how many counted. Slip is how
-long a request waited past its arrival for a concurrency slot (loadgen.protocol): TTFT and
+long a request waited past its arrival for a concurrency slot (loadgen.client.protocol): TTFT and
 E2E are measured from dispatch, so slip is reported beside them, never inside.
 """
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from loadgen.traces import TraceRequest
+from loadgen.traces.request import TraceRequest
 
 
 def rows(short: int, long: int = 0) -> list[TraceRequest]:

@@ -3,17 +3,18 @@ behind a WAN delay link, all as child processes, no Docker. Used by the CLI, `ma
 the end-to-end tests and the benchmarks, so they all exercise the same wiring.
 
     settings.py     regions, port layout, StackSettings and the router config they make
+    fleet.py        fleet files: each region's engine profile, model and LoRA adapters
     ports.py        free ports, each handed out once per process
     processes.py    the children's command lines; spawning, logging and stopping them
+    supervisor.py   when to restart a child that died (the policy, no processes)
     supervision.py  readiness waits; restarting children that die (warm spares)
+    spare.py        a warm spare: a Python child's modules imported ahead, waiting to become it
     front_door.py   more front doors (an Envoy and a router per region)
     stack.py        Stack, which wires the above, and `gorgo up`'s main loop
+    up_cli.py       `gorgo up`'s flags and how they become StackSettings
 
-This package's names are the stack's public entry; the rest is imported from its module.
+May import the engine room (emulator.engine: LoRA names, the tiny tokenizer), the WAN link
+(emulator.wan), emulator.vllm (real engines) and the router's config and Envoy rendering;
+never the load generator. This file imports nothing: import each name from its module
+(`from emulator.stack.stack import Stack`).
 """
-
-from emulator.stack.processes import StackError
-from emulator.stack.settings import DEFAULT_REGIONS, Region, StackPorts, StackSettings
-from emulator.stack.stack import Stack
-
-__all__ = ["DEFAULT_REGIONS", "Region", "Stack", "StackError", "StackPorts", "StackSettings"]

@@ -5,20 +5,42 @@ region, reaching the stack's engines over WAN links at that region's RTTs
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Protocol
 
 from emulator.stack.ports import free_ports
 from emulator.stack.processes import wan_argv
-from emulator.stack.settings import config_yaml
+from emulator.stack.settings import StackSettings, config_yaml
 from emulator.wan import region_rtt_ms
 from ext_proc.common.files import write_atomic
 from ext_proc.config.dump import config_as_dict
 from ext_proc.config.load import config_from_dict
+from ext_proc.config.schema import Config
 from ext_proc.envoy.bootstrap import render_envoy_config
 from ext_proc.envoy.xds import write_xds
 
-if TYPE_CHECKING:
-    from emulator.stack.stack import Stack
+
+class DoorHost(Protocol):
+    """What a front door needs of the stack it joins (emulator/stack/stack.py's Stack):
+    its settings, router config and work directory, and its ways to start children."""
+
+    @property
+    def settings(self) -> StackSettings: ...
+
+    @property
+    def config(self) -> Config: ...
+
+    @property
+    def workdir(self) -> Path: ...
+
+    def _spawn(
+        self, name: str, argv: list[str], env: dict[str, str] | None = None, group: bool = False
+    ) -> None: ...
+
+    def spawn_router(self, name: str, config: Path, args: Sequence[str] = ()) -> None: ...
+
+    def start_envoy(self, name: str = "envoy", config_text: str | None = None) -> None: ...
 
 
 class FrontDoor:
@@ -26,7 +48,7 @@ class FrontDoor:
     WAN links of its own at that region's RTTs; the engines (and their KV events) are the
     stack's."""
 
-    def __init__(self, region: str, stack: Stack) -> None:
+    def __init__(self, region: str, stack: DoorHost) -> None:
         self.region = region
         regions = stack.settings.regions
         ports = free_ports(4 + len(regions))
@@ -57,7 +79,7 @@ class FrontDoor:
     def envoy_admin_url(self) -> str:
         return f"http://127.0.0.1:{self.envoy_admin}"
 
-    def start(self, stack: Stack) -> None:
+    def start(self, stack: DoorHost) -> None:
         name = f"door-{self.region}"
         for i, (r, link) in enumerate(zip(stack.settings.regions, self.links, strict=True)):
             rtt_ms = region_rtt_ms(self.region, r.id)

@@ -85,7 +85,7 @@ def model_flags(settings: StackSettings, region: str) -> list[str]:
 
 def lora_flags(settings: StackSettings, region: str) -> list[str]:
     """The region's LoRA adapters as the flavor's flags (a real vLLM's are vLLM's)."""
-    from emulator.lora import fleet_module
+    from emulator.engine.lora import fleet_module
 
     loras = [fleet_module(e) for e in settings.engine_loras.get(region, ())]
     if not loras:

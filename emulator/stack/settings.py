@@ -134,7 +134,7 @@ class StackSettings:
     envoy_mode: str = "cluster"
     # Engine profile (name or YAML) for the engines and the router's estimates alike.
     engine_profile: str | None = None
-    # The engines' own profiles by region (a fleet file's, emulator/fleet.py), which the
+    # The engines' own profiles by region (a fleet file's, emulator/stack/fleet.py), which the
     # router is not told: it keeps engine_profile (else the shipped one) and must learn.
     engine_profiles: Mapping[str, str] = field(default_factory=dict)
     # The model name each region's emulated engine serves and the LoRA adapters it loads

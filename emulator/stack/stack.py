@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
+from emulator.engine.tokenizer import TINY, tiny_tokenizer_dir
 from emulator.stack.front_door import FrontDoor
 from emulator.stack.ports import free_ports, port_taken
 from emulator.stack.processes import (
@@ -34,7 +35,6 @@ from emulator.stack.processes import (
 )
 from emulator.stack.settings import Region, StackSettings, config_yaml
 from emulator.stack.supervision import SupervisedChildren, http_ok, wait_port
-from emulator.tokenizer import TINY, tiny_tokenizer_dir
 from ext_proc.common.files import write_atomic
 from ext_proc.config.schema import PROBE_PATH, Config
 from ext_proc.envoy.bootstrap import render_envoy_config

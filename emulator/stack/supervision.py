@@ -1,11 +1,11 @@
 """Keeping the local stack's children up: readiness waits, and `SupervisedChildren`, which
-restarts a child that dies (routers from a warm spare) under emulator/supervisor.py's
+restarts a child that dies (routers from a warm spare) under emulator/stack/supervisor.py's
 policy.
 
 `gorgo up` restarts a child that dies, with exactly the argv (so the ports and config) it
 had, while the others keep serving: Envoy fails open while the router is down, and the
 router's probes and ejection keep requests off an engine or link that is down until it is
-back. The policy (backoff, crash loop) is emulator/supervisor.py.
+back. The policy (backoff, crash loop) is emulator/stack/supervisor.py.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import IO
 
 from emulator.stack.processes import Children, Spawn, StackError, terminate
-from emulator.supervisor import GiveUp, RestartPolicy, Supervisor
+from emulator.stack.supervisor import GiveUp, RestartPolicy, Supervisor
 
 
 def wait_port(port: int, deadline: float) -> None:
@@ -66,7 +66,7 @@ class SupervisedChildren(Children):
     """Children restarted when they die, by tend() (`gorgo up`'s main loop) or by
     supervise() (a background thread)."""
 
-    # A router restarts from a warm spare (emulator/spare.py): a process that has imported
+    # A router restarts from a warm spare (emulator/stack/spare.py): a process that has imported
     # it already and waits to become it, so a restarted router is up in well under a
     # second instead of a Python start-up (1.5 s idle here, 2-8 s on two busy cores), and
     # Envoy's fail-open spell is about the backoff. Only the routers: an engine's or a
@@ -212,7 +212,7 @@ class SupervisedChildren(Children):
 
     def _start_spare(self, name: str, spec: Spawn) -> None:
         preload = [f"--preload={m}" for m in self.SPARE_PRELOAD[spec.argv[2]]]
-        argv = (sys.executable, "-m", "emulator.spare", *preload, *spec.argv[2:])
+        argv = (sys.executable, "-m", "emulator.stack.spare", *preload, *spec.argv[2:])
         self._spares[name] = self._popen(name, spec, argv, stdin=subprocess.PIPE)
 
     def _activate_spare(self, name: str) -> bool:

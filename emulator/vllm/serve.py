@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-LAUNCHER = Path(__file__).resolve().parent / "launcher.py"
+from emulator.vllm.paths import LAUNCHER
 
 
 @dataclass

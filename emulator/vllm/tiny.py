@@ -9,7 +9,7 @@ import struct
 import subprocess
 from pathlib import Path
 
-from emulator.vllm import TINY_MODEL
+from emulator.vllm.paths import TINY_MODEL
 
 # The tiny model's attention shapes (tiny_model.py): hidden 256, 4 query heads and 2 KV
 # heads of 64, 2 layers.

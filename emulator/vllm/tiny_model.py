@@ -18,7 +18,7 @@ The model's output is random tokens: ask for exact lengths with ``"ignore_eos": 
 
 ``--tokenizer-only`` writes the tokenizer files alone (tokenizer.json, tokenizer_config.json),
 the same bytes ``save_pretrained`` writes, with ``tokenizers`` alone (no torch, no
-transformers): the emulated engines tokenize with them (emulator/tokenizer.py).
+transformers): the emulated engines tokenize with them (emulator/engine/tokenizer.py).
 """
 
 import argparse

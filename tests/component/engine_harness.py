@@ -11,8 +11,8 @@ from dataclasses import replace
 
 import aiohttp
 
-from emulator.engine import EngineServer
-from emulator.engine_config import EngineConfig
+from emulator.engine.config import EngineConfig
+from emulator.engine.server import EngineServer
 from ext_proc.estimate.profile import load_profile
 from ext_proc.prompt.tokens import count_tokens
 

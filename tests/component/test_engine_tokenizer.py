@@ -15,7 +15,7 @@ import pytest
 from aiohttp import web
 from tokenizers import Tokenizer
 
-from emulator.tokenizer import tiny_tokenizer_dir
+from emulator.engine.tokenizer import tiny_tokenizer_dir
 from ext_proc.envoy.encoders import decision_encoder
 from ext_proc.envoy.server import ExtProcService
 from ext_proc.prompt.engine_tokens import PromptTokenizer, load_engine_tokenizer

@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 import yaml
 
+from emulator.engine.tokenizer import tiny_tokenizer_dir
 from emulator.stack.processes import envoy_binary
-from emulator.tokenizer import tiny_tokenizer_dir
 from ext_proc.cli import main
 from ext_proc.config.load import load_config
 from ext_proc.config.schema import TunerMode

@@ -21,10 +21,10 @@ import msgpack
 import pytest
 import zmq
 
-from emulator.engine import EngineServer
-from emulator.engine_config import EngineConfig
-from emulator.kv_publisher import KvEventPublisher, KvEventsConfig, stored_event
-from emulator.tokenizer import load_twin_tokenizer
+from emulator.engine.config import EngineConfig
+from emulator.engine.kv_publisher import KvEventPublisher, KvEventsConfig, stored_event
+from emulator.engine.server import EngineServer
+from emulator.engine.tokenizer import load_twin_tokenizer
 from ext_proc.common.aio import cancel_and_wait
 from ext_proc.config.load import config_from_dict
 from ext_proc.config.schema import Config

@@ -8,8 +8,8 @@ import time
 
 import aiohttp
 
-from emulator.engine import EngineServer
-from emulator.engine_config import EngineConfig
+from emulator.engine.config import EngineConfig
+from emulator.engine.server import EngineServer
 from ext_proc.config.load import config_from_dict
 from ext_proc.service.app import running_service
 

@@ -5,7 +5,8 @@ from typing import Any
 
 import pytest
 
-from emulator.stack import Region, Stack, StackPorts, StackSettings
+from emulator.stack.settings import Region, StackPorts, StackSettings
+from emulator.stack.stack import Stack
 
 # Small RTTs and fast engines keep the tier quick; the network profile itself is tested
 # with the WAN link's own tests.

@@ -15,8 +15,8 @@ from typing import Any
 
 import aiohttp
 
-from emulator.stack import Stack
-from loadgen.client import Result, chat_body, send_chat
+from emulator.stack.stack import Stack
+from loadgen.client.stream import Result, chat_body, send_chat
 from tests.e2e.conftest import FAST_REGIONS
 
 ASHBURN, FRANKFURT, SEOUL = (r.id for r in FAST_REGIONS)

@@ -20,8 +20,9 @@ import aiohttp
 import pytest
 import yaml
 
-from emulator.stack import Region, Stack
-from loadgen.client import Result, chat_body, send_chat
+from emulator.stack.settings import Region
+from emulator.stack.stack import Stack
+from loadgen.client.stream import Result, chat_body, send_chat
 from tests.e2e.conftest import FAST_ENGINE, FAST_REGIONS, fast_settings
 from tests.e2e.stack_harness import admin_call
 

@@ -19,8 +19,8 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from emulator.stack import Stack
-from emulator.supervisor import RestartPolicy
+from emulator.stack.stack import Stack
+from emulator.stack.supervisor import RestartPolicy
 from tests.e2e.conftest import FAST_ENGINE, fast_settings
 from tests.e2e.stack_harness import ClosedLoop, router_state
 

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from emulator.stack import Stack
+from emulator.stack.stack import Stack
 from tests.e2e.conftest import FAST_REGIONS, fast_settings
 from tests.e2e.stack_harness import chats, engine_counts, router_state
 
@@ -20,7 +20,7 @@ def test_override_host_routes_to_the_picked_endpoint() -> None:
     stack = Stack(fast_settings("round_robin", envoy_mode="endpoint_picker"))
     stack.start()
     try:
-        from loadgen.client import chat_body
+        from loadgen.client.stream import chat_body
 
         before = engine_counts(stack)
         forged = {"x-gateway-destination-endpoint": f"127.0.0.1:{stack.settings.backend_port(2)}"}

@@ -14,8 +14,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from emulator.stack import Region, Stack
-from loadgen.client import Result, chat_body
+from emulator.stack.settings import Region
+from emulator.stack.stack import Stack
+from loadgen.client.stream import Result, chat_body
 from tests.e2e.conftest import FAST_REGIONS, fast_settings
 from tests.e2e.stack_harness import chats, router_state, spread_regions, wait_for
 

@@ -9,8 +9,8 @@ import urllib.request
 
 import pytest
 
-from emulator.stack import Stack
-from loadgen.client import chat_body
+from emulator.stack.stack import Stack
+from loadgen.client.stream import chat_body
 from tests.e2e.conftest import FAST_REGIONS, start_stack
 from tests.e2e.stack_harness import admin_call, chats, engine_counts, router_state, wait_for
 

@@ -9,8 +9,8 @@ from collections.abc import Iterator
 import aiohttp
 import pytest
 
-from emulator.stack import Stack
-from loadgen.client import Result, chat_body, send_chat
+from emulator.stack.stack import Stack
+from loadgen.client.stream import Result, chat_body, send_chat
 from tests.e2e.conftest import fast_settings
 from tests.e2e.stack_harness import (
     ASHBURN,

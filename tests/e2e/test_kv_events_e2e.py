@@ -16,8 +16,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from emulator.stack import Stack
-from loadgen.client import chat_body, send_chat
+from emulator.stack.stack import Stack
+from loadgen.client.stream import chat_body, send_chat
 from tests.e2e.conftest import FAST_REGIONS, fast_settings
 from tests.e2e.stack_harness import router_state, wait_for
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from loadgen.bench_load import run_load
+from loadgen.bench.live.load import run_load
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

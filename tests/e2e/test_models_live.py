@@ -25,9 +25,9 @@ from typing import Any
 import aiohttp
 import pytest
 
-from emulator.stack import Stack
+from emulator.stack.stack import Stack
 from ext_proc.common.names import HEADER_BACKEND
-from loadgen.client import Result, chat_body, send_chat
+from loadgen.client.stream import Result, chat_body, send_chat
 from tests.e2e.conftest import FAST_ENGINE, FAST_REGIONS, fast_settings
 from tests.e2e.stack_harness import admin_call, get_json, router_state
 

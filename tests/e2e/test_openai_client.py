@@ -5,8 +5,8 @@ from __future__ import annotations
 import openai
 import pytest
 
-from emulator.stack import Stack
-from emulator.tokenizer import load_twin_tokenizer
+from emulator.engine.tokenizer import load_twin_tokenizer
+from emulator.stack.stack import Stack
 from tests.e2e.conftest import FAST_REGIONS
 
 pytestmark = pytest.mark.e2e

@@ -12,9 +12,9 @@ from typing import Any
 import aiohttp
 import pytest
 
-from emulator.stack import Stack
-from loadgen.browser import Browser, find_chromium
-from loadgen.client import chat_body, send_chat
+from emulator.stack.stack import Stack
+from loadgen.client.browser import Browser, find_chromium
+from loadgen.client.stream import chat_body, send_chat
 from tests.e2e.conftest import fast_settings
 
 pytestmark = [

@@ -10,8 +10,8 @@ import asyncio
 
 import pytest
 
-from loadgen import bench_overhead
-from loadgen.client import chat_body, percentile
+from loadgen.bench.live import overhead as bench_overhead
+from loadgen.client.stream import chat_body, percentile
 
 pytestmark = pytest.mark.e2e
 

@@ -22,8 +22,9 @@ from collections.abc import Iterator
 import aiohttp
 import pytest
 
-from emulator.stack import DEFAULT_REGIONS, Stack
-from loadgen.client import chat_body, send_chat
+from emulator.stack.settings import DEFAULT_REGIONS
+from emulator.stack.stack import Stack
+from loadgen.client.stream import chat_body, send_chat
 from tests.e2e.conftest import fast_settings
 from tests.e2e.stack_harness import router_state, wait_for
 

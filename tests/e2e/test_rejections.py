@@ -11,8 +11,8 @@ from collections.abc import Iterator
 import aiohttp
 import pytest
 
-from emulator.stack import Stack
-from loadgen.client import chat_body
+from emulator.stack.stack import Stack
+from loadgen.client.stream import chat_body
 from tests.e2e.conftest import fast_settings
 from tests.e2e.stack_harness import router_state
 

@@ -11,11 +11,13 @@ from typing import Any
 
 import pytest
 
-from emulator.stack import Stack
 from emulator.stack.ports import free_ports
+from emulator.stack.stack import Stack
 from ext_proc.cli import main
 from loadgen.results import RequestResult
-from loadgen.traces import TraceRequest, read_trace, synthetic, write_mooncake
+from loadgen.traces.readers import read_trace, write_mooncake
+from loadgen.traces.request import TraceRequest
+from loadgen.traces.synthetic import synthetic
 from tests.e2e.conftest import FAST_REGIONS, start_stack
 
 pytestmark = pytest.mark.e2e

@@ -15,8 +15,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from emulator.stack import Stack
-from loadgen.client import chat_body, send_chat
+from emulator.stack.stack import Stack
+from loadgen.client.stream import chat_body, send_chat
 from tests.e2e.conftest import fast_settings
 
 pytestmark = pytest.mark.e2e

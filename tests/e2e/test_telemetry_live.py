@@ -16,8 +16,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from emulator.engine import EngineServer
-from emulator.engine_config import EngineConfig
+from emulator.engine.config import EngineConfig
+from emulator.engine.server import EngineServer
 from emulator.stack.ports import free_ports
 from emulator.stack.processes import envoy_binary
 from ext_proc.config.load import config_from_dict

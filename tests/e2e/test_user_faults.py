@@ -18,9 +18,9 @@ from collections.abc import Iterator
 import aiohttp
 import pytest
 
-from emulator.stack import Stack
-from emulator.supervisor import RestartPolicy
-from loadgen.client import Result, chat_body, send_chat
+from emulator.stack.stack import Stack
+from emulator.stack.supervisor import RestartPolicy
+from loadgen.client.stream import Result, chat_body, send_chat
 from tests.e2e.conftest import FAST_ENGINE, FAST_REGIONS, fast_settings
 from tests.e2e.stack_harness import (
     ClosedLoop,

@@ -19,9 +19,10 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from emulator.stack import Region, Stack, StackPorts, StackSettings
+from emulator.stack.settings import Region, StackPorts, StackSettings
+from emulator.stack.stack import Stack
 from emulator.vllm.tiny import ensure_tiny_lora
-from loadgen.client import Result, chat_body, send_chat
+from loadgen.client.stream import Result, chat_body, send_chat
 from tests.e2e.stack_harness import get_json, router_state, wait_for
 from tests.e2e.test_models_live import ask, assert_router_answered, call
 from tests.real.test_real_vllm import served_counts

@@ -24,7 +24,8 @@ from typing import Any
 
 import pytest
 
-from emulator.stack import Region, Stack, StackPorts, StackSettings
+from emulator.stack.settings import Region, StackPorts, StackSettings
+from emulator.stack.stack import Stack
 from emulator.vllm.tiny import ensure_tiny_model
 from ext_proc.config.dump import config_as_dict
 from ext_proc.config.load import config_from_dict

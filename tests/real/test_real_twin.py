@@ -20,8 +20,9 @@ from typing import Any
 
 import pytest
 
-from emulator.stack import Region, Stack, StackPorts, StackSettings
 from emulator.stack.ports import free_ports
+from emulator.stack.settings import Region, StackPorts, StackSettings
+from emulator.stack.stack import Stack
 from emulator.stack.supervision import http_ok
 from emulator.vllm.tiny import ensure_tiny_model
 from tests.e2e.stack_harness import get_json, wait_for

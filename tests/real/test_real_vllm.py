@@ -20,9 +20,10 @@ from typing import Any
 import aiohttp
 import pytest
 
-from emulator.stack import Region, Stack, StackPorts, StackSettings
+from emulator.stack.settings import Region, StackPorts, StackSettings
+from emulator.stack.stack import Stack
 from ext_proc.feeds.kv_events import BlockStored, EventBatch, decode_message
-from loadgen.client import Result, chat_body, send_chat
+from loadgen.client.stream import Result, chat_body, send_chat
 from tests.e2e.stack_harness import router_state, wait_for
 
 pytestmark = pytest.mark.real

@@ -17,8 +17,8 @@ from unittest.mock import MagicMock
 
 import pytest
 
-from emulator.engine import make_app
-from emulator.engine_config import EngineConfig
+from emulator.engine.config import EngineConfig
+from emulator.engine.server import make_app
 from ext_proc.cli import build_parser
 from ext_proc.config.load import MOVED, config_from_dict
 from ext_proc.config.schema import Config

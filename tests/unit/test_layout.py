@@ -1,10 +1,18 @@
 """The product's layout holds: one subpackage per step of a request's flow, small files and
 classes, an import graph without cycles (every import counted: late ones and
-TYPE_CHECKING ones too), and a router whose insides nothing outside the core touches."""
+TYPE_CHECKING ones too), and a router whose insides nothing outside the core touches.
+
+The harness (emulator/, loadgen/) in rooms, under looser rules of its own (the end of this
+file): no import cycle between its modules, at most 15 modules directly in any of its
+folders, files of at most 600 lines and classes of at most 400 (the product's: 450 and
+300; benchmarks and the engine twin carry long tables, reports and request handlers), and
+every package's __init__.py a docstring that imports nothing. That the product never
+imports the harness is tests/unit/test_boundaries.py's."""
 
 import ast
 import random
 import re
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -17,9 +25,9 @@ MAX_FILE_LINES = 450
 MAX_CLASS_LINES = 300
 
 
-def _modules() -> dict[str, Path]:
+def _modules(roots: Sequence[Path] = (PRODUCT,)) -> dict[str, Path]:
     out = {}
-    for p in sorted(PRODUCT.rglob("*.py")):
+    for p in sorted(p for root in roots for p in root.rglob("*.py")):
         if p.name.endswith("_pb2.py"):
             continue
         parts = list(p.relative_to(ROOT).with_suffix("").parts)
@@ -32,10 +40,12 @@ def _modules() -> dict[str, Path]:
 MODULES = _modules()
 
 
-def import_graph() -> dict[str, set[str]]:
-    """Module -> the product modules it imports, wherever the import statement is."""
+def import_graph(
+    modules: dict[str, Path] = MODULES, prefixes: tuple[str, ...] = ("ext_proc",)
+) -> dict[str, set[str]]:
+    """Module -> the modules of `modules` it imports, wherever the import statement is."""
     graph: dict[str, set[str]] = {}
-    for name, path in MODULES.items():
+    for name, path in modules.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
         edges = graph.setdefault(name, set())
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
@@ -50,9 +60,9 @@ def import_graph() -> dict[str, set[str]]:
                 targets = [f"{base}.{a.name}" for a in node.names] + [base]
             for t in targets:
                 # the longest prefix that is a module: `from pkg import mod` names mod
-                while t and t not in MODULES:
+                while t and t not in modules:
                     t = t.rpartition(".")[0]
-                if t and t != name and t.startswith("ext_proc"):
+                if t and t != name and t.startswith(prefixes):
                     edges.add(t)
     return graph
 
@@ -135,16 +145,21 @@ def test_a_package_imports_only_what_its_docstring_allows(package: str) -> None:
         set() if "nothing" in said.group(1) else set(re.split(r"[,\s]+", said.group(1).strip()))
     )
     assert package_graph().get(package, set()) <= allowed
+def oversized(path: Path, max_file_lines: int, max_class_lines: int) -> list[str]:
+    """What of the file is over the caps: the file itself, or a class in it."""
+    text = path.read_text(encoding="utf-8")
+    lines = len(text.splitlines())
+    found = [f"{lines} lines"] if lines > max_file_lines else []
+    classes = [n for n in ast.walk(ast.parse(text)) if isinstance(n, ast.ClassDef)]
+    for c in classes:
+        if (n := (c.end_lineno or c.lineno) - c.lineno + 1) > max_class_lines:
+            found.append(f"class {c.name}: {n} lines")
+    return found
 
 
 @pytest.mark.parametrize("name", sorted(MODULES))
 def test_files_and_classes_stay_small(name: str) -> None:
-    text = MODULES[name].read_text(encoding="utf-8")
-    assert len(text.splitlines()) <= MAX_FILE_LINES
-    for node in ast.walk(ast.parse(text)):
-        if isinstance(node, ast.ClassDef):
-            assert node.end_lineno is not None
-            assert node.end_lineno - node.lineno + 1 <= MAX_CLASS_LINES, node.name
+    assert oversized(MODULES[name], MAX_FILE_LINES, MAX_CLASS_LINES) == []
 
 
 # -- the router's surface ------------------------------------------------------------------
@@ -233,3 +248,46 @@ def test_the_architecture_doc_shows_the_import_graph_of_the_code() -> None:
                 edges.setdefault(short(a), set()).add(short(b))
     expected = "".join(f"    {a:<10} -> {', '.join(sorted(edges[a]))}\n" for a in sorted(edges))
     assert shown == expected
+
+
+# -- the harness -----------------------------------------------------------------------------
+
+HARNESS = (ROOT / "emulator", ROOT / "loadgen")
+HARNESS_MODULES = _modules(HARNESS)
+MAX_HARNESS_FILE_LINES = 600
+MAX_HARNESS_CLASS_LINES = 400
+MAX_MODULES_IN_A_FOLDER = 15
+
+
+def test_the_harness_import_graph_has_no_cycle() -> None:
+    graph = import_graph(HARNESS_MODULES, ("emulator", "loadgen"))
+    assert graph["loadgen.sim.simulate"] >= {"loadgen.traces.request", "emulator.engine.model"}
+    assert find_cycle(graph) == []
+
+
+def test_no_harness_folder_holds_more_than_15_modules() -> None:
+    folders = {p.parent for p in HARNESS_MODULES.values()}
+    counts = {
+        str(f.relative_to(ROOT)): sum(p.name != "__init__.py" for p in f.glob("*.py"))
+        for f in folders
+    }
+    assert counts["loadgen/bench/live"] >= 10  # the count sees a room's modules
+    assert {f: n for f, n in counts.items() if n > MAX_MODULES_IN_A_FOLDER} == {}
+
+
+@pytest.mark.parametrize("name", sorted(HARNESS_MODULES))
+def test_harness_files_and_classes_stay_under_their_caps(name: str) -> None:
+    path = HARNESS_MODULES[name]
+    assert oversized(path, MAX_HARNESS_FILE_LINES, MAX_HARNESS_CLASS_LINES) == []
+
+
+def test_every_harness_package_says_what_it_is_for_and_imports_nothing() -> None:
+    inits = sorted(p for p in HARNESS_MODULES.values() if p.name == "__init__.py")
+    assert len(inits) >= 12
+    trees = {str(p.relative_to(ROOT)): ast.parse(p.read_text(encoding="utf-8")) for p in inits}
+    assert [name for name, tree in trees.items() if not ast.get_docstring(tree)] == []
+    assert [
+        name
+        for name, tree in trees.items()
+        if any(isinstance(n, ast.Import | ast.ImportFrom) for n in tree.body)
+    ] == []

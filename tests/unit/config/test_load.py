@@ -3,7 +3,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from emulator.stack import StackSettings
+from emulator.stack.settings import StackSettings
 from ext_proc.config.dump import config_as_dict
 from ext_proc.config.load import config_from_dict, load_config
 from ext_proc.config.transport import EnvoyMode

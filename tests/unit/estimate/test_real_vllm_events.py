@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from emulator.tokenizer import tiny_tokenizer_dir
+from emulator.engine.tokenizer import tiny_tokenizer_dir
 from emulator.vllm.capture import prose
 from ext_proc.estimate.engine_index import EngineBlocks, chain_keys
 from ext_proc.feeds.kv_events import BlockStored, decode_message

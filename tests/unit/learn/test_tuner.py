@@ -14,7 +14,7 @@ from ext_proc.learn.settings import CHILD, PAIRED, PAPER, PARENT, TunerSettings
 from ext_proc.learn.tuner import Tuner
 from ext_proc.service.tuner_file import TunerStateFile
 from ext_proc.vocab.types import Weights
-from loadgen.bench_tuner import false_accept_rate
+from loadgen.bench.tuner.study import false_accept_rate
 
 PAIRED_S = TunerSettings(arm_size=8, bootstrap=200)
 

@@ -1,52 +1,63 @@
-"""`gorgo simulate`'s flags: --weights, --no-learn, --fleet and --router-knows-fleet
-reach the simulation's settings, and bad values fail before any simulating."""
+"""The load generator's commands: each room registers its own parsers (its commands.py),
+the benches once run by `python -m` are `gorgo bench` commands with their flags, and
+building `gorgo`'s parser (which every command does, `gorgo serve` too) imports none of
+the modules that run them."""
 
-import argparse
-from pathlib import Path
-
-import pytest
+import re
+import subprocess
+import sys
 
 from ext_proc.cli import build_parser
-from loadgen.cli import _sim_router, _weights
+from loadgen import cli
 
-FLEETS = Path(__file__).resolve().parents[3] / "loadgen/data/fleets"
-
-
-def _args(*argv: str) -> argparse.Namespace:
-    return build_parser().parse_args(["simulate", "paper-synthetic", *argv])
+# The modules a parser may import: each room's parsers, the benches' policy names.
+LIGHT = {"commands", "policies"}
 
 
-def test_weights_are_two_positive_numbers() -> None:
-    assert _weights("2,0.5") == (2.0, 0.5)
-    for bad in ("1", "1,2,3", "a,b", "0,1", "1,-1", "nan,1"):
-        with pytest.raises(argparse.ArgumentTypeError):
-            _weights(bad)
+def _bench_parsers() -> dict[str, object]:
+    commands = build_parser()._subparsers._group_actions[0].choices  # type: ignore[union-attr]
+    return commands["bench"]._subparsers._group_actions[0].choices
 
 
-def test_weights_and_no_learn_become_router_config() -> None:
-    assert _sim_router(_args()) == {}
-    router = _sim_router(_args("--weights", "4,0.25", "--no-learn"))
-    assert router == {
-        "policies": {"gorgo": {"weights": {"rtt": 4.0, "queue": 0.25}}},
-        "routing": {"learn_latency": False},
+def test_every_room_adds_its_commands() -> None:
+    names = [f.__name__ for f in (*cli.COMMANDS, *cli.BENCHES)]
+    assert len(names) == len(set(names))
+    assert {"add_demo", "add_replay", "add_simulate", "add_results", "add_target"} <= set(names)
+    assert len(_bench_parsers()) == len(cli.BENCHES) + 1  # and the emulator's engine-model
+
+
+def test_the_benches_once_run_by_python_m_are_gorgo_bench_commands() -> None:
+    bench = _bench_parsers()
+    flags = {
+        "fleets": {"--fleets", "--time-scales", "--workers"},
+        "learn": {"--trace", "--jobs", "--seeds", "--out"},
+        "models": {"--trace", "--windows", "--time-scales", "--policies", "--seed", "--workers"},
+        "kv-index": {"--tokens", "--repeat"},
+        "screenshot": set(),
     }
+    for name, expected in flags.items():
+        own = {o for a in bench[name]._actions for o in a.option_strings}  # type: ignore[attr-defined]
+        assert expected <= own, name
+    args = build_parser().parse_args(["bench", "models", "--policies", "gorgo", "random"])
+    assert args.policies == ["gorgo", "random"]
+    args = build_parser().parse_args(["bench", "screenshot", "shot.png"])
+    assert args.path == "shot.png"
 
 
-def test_the_router_starts_from_the_weights_given() -> None:
-    from loadgen.simulate import SimSettings, Simulation
-
-    sim = Simulation([], SimSettings(router=_sim_router(_args("--weights", "4,0.25"))))
-    assert (sim.router.weights.rtt, sim.router.weights.queue) == (4.0, 0.25)
-
-
-def test_bad_flags_fail_with_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit) as e:
-        _args("--weights", "0,1")
-    assert e.value.code == 2
-    assert "both weights must be > 0" in capsys.readouterr().err
-    args = _args("--router-knows-fleet")
-    assert args.func(args) == 2
-    assert "--router-knows-fleet needs --fleet" in capsys.readouterr().err
-    args = _args("--fleet", str(FLEETS / "nope.yaml"))
-    assert args.func(args) == 2
-    assert "fleet " in (err := capsys.readouterr().err) and "nope.yaml" in err
+def test_building_the_parser_imports_no_bench_simulator_or_replay() -> None:
+    code = (
+        "import sys; from ext_proc.cli import build_parser; build_parser(); "
+        "print('\\n'.join(m for m in sys.modules if m.startswith(('loadgen', 'emulator'))))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout.split()
+    # a module of the benches, the simulator, the replay or the engine that runs something
+    runs = re.compile(r"^(loadgen\.(bench(\.\w+)?|sim|replay)|emulator\.engine)\.\w+$")
+    packages = {m.rpartition(".")[0] for m in out}
+    heavy = [
+        m for m in out if runs.match(m) and m not in packages and m.rpartition(".")[2] not in LIGHT
+    ]
+    assert "loadgen.bench.live.commands" in out
+    assert heavy == []
+    assert "emulator.stack.stack" not in out and "loadgen.client.stream" not in out

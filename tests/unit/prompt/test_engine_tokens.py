@@ -13,11 +13,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from emulator.engine_config import EngineConfig
-from emulator.kv_publisher import KvEventsConfig
-from emulator.tokenizer import tiny_tokenizer_dir
+from emulator.engine.config import EngineConfig
+from emulator.engine.kv_publisher import KvEventsConfig
+from emulator.engine.tokenizer import tiny_tokenizer_dir
+from emulator.engine.wire import parse_chat
 from emulator.vllm.tiny_model import CHAT_TEMPLATE
-from emulator.wire import parse_chat
 from ext_proc.config.load import config_from_dict
 from ext_proc.envoy import codec
 from ext_proc.envoy.encoders import decision_encoder

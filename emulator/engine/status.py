@@ -1,0 +1,199 @@
+"""What the engine says about its load and state, pure (no HTTP server): the bodies of
+SGLang's `/v1/loads`, `/get_load` and `/server_info`, vLLM's `/kv_event_sources`, the
+emulator's own `/stats`, and the `/metrics` page in each flavor's names and labels. The
+handlers of emulator/engine/server.py answer with them.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from emulator.engine.config import SGLANG, VLLM, EngineConfig
+from emulator.engine.kv_publisher import DEFAULT_BUFFER_STEPS
+from emulator.engine.lora import LoraInfoGauge
+from emulator.engine.model import EngineModel
+from emulator.engine.model_api import model_path
+from emulator.engine.runner import EngineStats
+from ext_proc.estimate.profile import EngineProfile
+
+
+def load(cfg: EngineConfig, m: EngineModel) -> dict[str, Any]:
+    """One DP rank's load, as SGLang's /v1/loads reports it."""
+    cap = cfg.profile.kv_capacity_tokens
+    used = m.held_tokens
+    return {
+        "dp_rank": 0,
+        "num_running_reqs": m.num_started,
+        "num_waiting_reqs": m.num_queued,
+        "num_used_tokens": used,
+        "num_total_tokens": used,
+        "max_total_num_tokens": cap,
+        "token_usage": round(used / cap, 6),
+        "cache_hit_rate": round(m.cache_hit_rate, 6),
+        "max_running_requests": cfg.profile.max_running_requests,
+    }
+
+
+def loads_body(cfg: EngineConfig, m: EngineModel) -> dict[str, Any]:
+    """SGLang /v1/loads (v1_loads.py)."""
+    return {
+        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "version": "emulated",
+        "accelerator": None,
+        "num_accelerators": 1,
+        "loads": [load(cfg, m)],
+    }
+
+
+def get_load_body(cfg: EngineConfig, m: EngineModel) -> list[dict[str, Any]]:
+    """SGLang /get_load: per DP rank, requests and tokens."""
+    now = load(cfg, m)
+    return [
+        {
+            "dp_rank": 0,
+            "num_reqs": now["num_running_reqs"] + now["num_waiting_reqs"],
+            "num_waiting_reqs": now["num_waiting_reqs"],
+            "num_tokens": now["num_used_tokens"],
+        }
+    ]
+
+
+def kv_event_sources_body(cfg: EngineConfig) -> dict[str, Any]:
+    """vLLM /kv_event_sources: the --kv-events-config per DP rank, as given (the real
+    one: tests/fixtures/vllm/routes.json; vLLM's KVEventsConfig defaults otherwise)."""
+    kv = cfg.kv_events
+    return {
+        "0": {
+            "enable_kv_cache_events": kv is not None,
+            "publisher": "null" if kv is None else "zmq",
+            "endpoint": "tcp://*:5557" if kv is None else kv.endpoint,
+            "replay_endpoint": (kv.replay_endpoint or None) if kv else None,
+            "buffer_steps": DEFAULT_BUFFER_STEPS if kv is None else kv.buffer_steps,
+            "hwm": 100_000,
+            "max_queue_size": 100_000,
+            "topic": "" if kv is None else kv.topic,
+        }
+    }
+
+
+def server_info_body(cfg: EngineConfig, m: EngineModel, stats: EngineStats) -> dict[str, Any]:
+    p = cfg.profile
+    return {
+        "name": cfg.name,
+        "flavor": cfg.flavor,
+        "model_path": model_path(cfg),
+        "served_model_name": cfg.model,
+        "served_model_names": list(cfg.served_names),
+        "lora_adapters": [vars(a) for a in cfg.adapters],
+        "max_loras": cfg.max_loras if cfg.enable_lora else None,
+        "engine_profile": p.name,
+        "tokenizer": cfg.tokenizer.name,
+        "max_total_num_tokens": p.kv_capacity_tokens,
+        "max_running_requests": p.max_running_requests,
+        "chunked_prefill_size": p.chunk_tokens,
+        "page_size": p.block_tokens,
+        "context_length": cfg.context_length,
+        "enable_cache_report": cfg.cache_report,
+        "enable_metrics": cfg.enable_metrics,
+        "kv_events_config": None if cfg.kv_events is None else vars(cfg.kv_events),
+        "faults": vars(cfg.faults),
+        "internal_states": [{"load": load(cfg, m)}],
+        "timing": stats.timing(),
+        "version": "emulated",
+    }
+
+
+def metrics_text(
+    cfg: EngineConfig, m: EngineModel, s: EngineStats, lora_info: LoraInfoGauge | None
+) -> str:
+    """Prometheus text with each engine's names and labels: SGLang's scheduler gauges
+    carry model_name, engine_type, tp_rank, pp_rank (metrics/collector.py); vLLM's
+    model_name and engine (v1/metrics/loggers.py)."""
+    now = load(cfg, m)
+    gauges: tuple[tuple[str, Any], ...]
+    counters: tuple[tuple[str, int], ...]
+    if cfg.flavor == SGLANG:
+        labels = f'model_name="{cfg.model}",engine_type="unified",tp_rank="0",pp_rank="0"'
+        gauges = (
+            ("sglang:num_running_reqs", now["num_running_reqs"]),
+            ("sglang:num_queue_reqs", now["num_waiting_reqs"]),
+            ("sglang:num_used_tokens", now["num_used_tokens"]),
+            ("sglang:max_total_num_tokens", now["max_total_num_tokens"]),
+            ("sglang:token_usage", now["token_usage"]),
+            ("sglang:cache_hit_rate", now["cache_hit_rate"]),
+        )
+        counters = (
+            ("sglang:prompt_tokens_total", s.prompt_tokens),
+            ("sglang:generation_tokens_total", s.tokens_written),
+            ("sglang:cached_tokens_total", m.stats.cached_tokens),
+            ("sglang:num_requests_total", s.requests_total),
+        )
+        ttft, itl = "sglang:time_to_first_token_seconds", "sglang:inter_token_latency_seconds"
+    else:
+        labels = f'engine="0",model_name="{cfg.model}"'
+        gauges = (
+            ("vllm:num_requests_running", now["num_running_reqs"]),
+            ("vllm:num_requests_waiting", now["num_waiting_reqs"]),
+            ("vllm:kv_cache_usage_perc", now["token_usage"]),
+        )
+        counters = (
+            ("vllm:prompt_tokens_total", s.prompt_tokens),
+            ("vllm:generation_tokens_total", s.tokens_written),
+            ("vllm:prefix_cache_queries_total", m.stats.prompt_tokens),
+            ("vllm:prefix_cache_hits_total", m.stats.cached_tokens),
+            ("vllm:prompt_tokens_cached_total", m.stats.cached_tokens),
+        )
+        ttft, itl = "vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds"
+    lines = []
+    for name, value in gauges:
+        lines += [f"# TYPE {name} gauge", f"{name}{{{labels}}} {value}"]
+    for name, value in counters:
+        # prometheus_client (both engines) declares a counter by its _total name.
+        lines += [f"# TYPE {name} counter", f"{name}{{{labels}}} {value}"]
+    lines += s.ttft_s.prometheus(ttft, labels)
+    lines += s.itl_s.prometheus(itl, labels)
+    if lora_info is not None:
+        lines += lora_info.lines(*m.lora_counts())
+    if cfg.flavor == VLLM:
+        lines += vllm_cache_config_info(cfg.profile)
+    return "\n".join(lines) + "\n"
+
+
+def stats_body(cfg: EngineConfig, s: EngineStats) -> dict[str, Any]:
+    """The emulator's own /stats: its request counters."""
+    return {
+        "name": cfg.name,
+        "requests_total": s.requests_total,
+        "bad_requests_total": s.bad_requests_total,
+        "injected_errors_total": s.injected_errors_total,
+        "completed_total": s.completed_total,
+        "in_flight": s.in_flight,
+        "requests_by_path": dict(s.requests_by_path),
+    }
+
+
+def vllm_cache_config_info(profile: EngineProfile) -> list[str]:
+    """vLLM's KV pool on its /metrics page: an info gauge set to 1 whose labels are its
+    CacheConfig.metrics_info() plus `engine` (vllm/v1/metrics/loggers.py
+    log_metrics_info; the real page: tests/fixtures/vllm/metrics.txt). The labels the
+    pool is read from (num_gpu_blocks, block_size, and newer vLLMs' kv_cache_size_tokens)
+    and a few others as the real engine spells them; the rest of its config is not
+    emulated. The pool is the profile's in whole blocks."""
+    blocks = profile.kv_capacity_tokens // profile.block_tokens
+    labels = {
+        "block_size": profile.block_tokens,
+        "cache_dtype": "auto",
+        "enable_prefix_caching": "True",
+        "engine": "0",
+        "kv_cache_size_tokens": blocks * profile.block_tokens,
+        "num_cpu_blocks": "None",
+        "num_gpu_blocks": blocks,
+        "num_gpu_blocks_override": "None",
+    }
+    text = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    return [
+        "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig",
+        "# TYPE vllm:cache_config_info gauge",
+        f"vllm:cache_config_info{{{text}}} 1.0",
+    ]

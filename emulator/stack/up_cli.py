@@ -1,0 +1,132 @@
+"""`gorgo up`: the whole local stack (Envoy, gorgo, the emulated or real engines, WAN
+links), its flags and how they become StackSettings."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+
+def _up(args: argparse.Namespace) -> int:
+    from emulator.stack.fleet import NO_FLEET, load_fleet
+    from emulator.stack.settings import StackSettings, regions_for_profile
+    from emulator.stack.stack import run_until_signalled
+
+    regions = regions_for_profile(args.rtt_profile)
+    if not 1 <= args.front_doors <= len(regions):
+        print(f"gorgo up: --front-doors must be 1..{len(regions)}", file=sys.stderr)
+        return 2
+    if args.routers < 1:
+        print("gorgo up: --routers must be 1 or more", file=sys.stderr)
+        return 2
+    try:  # the engines' profiles; the router keeps the shipped one
+        fleet = NO_FLEET if args.fleet is None else load_fleet(args.fleet, [r.id for r in regions])
+    except ValueError as e:
+        print(f"gorgo up: {e}", file=sys.stderr)
+        return 2
+    if fleet.profiles and args.engine == "vllm":
+        print("gorgo up: --fleet sets emulated engines' profiles, not real vLLM's", file=sys.stderr)
+        return 2
+    if (fleet.models or fleet.loras) and args.engine == "vllm":
+        print(
+            "gorgo up: --fleet's model and lora_modules set emulated engines', not real vLLM's",
+            file=sys.stderr,
+        )
+        return 2
+    return run_until_signalled(
+        StackSettings(
+            policy=args.policy,
+            regions=regions,
+            rtt_profile=args.rtt_profile,
+            flavor=args.flavor,
+            real_engine=args.engine == "vllm",
+            engine_tokenizer=args.tokenizer,
+            kv_events=args.kv_events or args.front_doors > 1 or args.routers > 1,
+            routers=args.routers,
+            front_door_regions=[r.id for r in regions[1 : args.front_doors]],
+            share_dispatches=not args.no_share_dispatches,
+            engine_profiles=fleet.profiles,
+            engine_models=fleet.models,
+            engine_loras=fleet.loras,
+            admin_token=args.admin_token,
+        )
+    )
+
+
+def add_up_command(sub: Any, policies: Sequence[str]) -> None:
+    """The `up` subcommand on `gorgo`'s subparsers."""
+    s = sub.add_parser("up", help="run the whole local stack (Envoy, gorgo, 3 regions)")
+    s.add_argument("--policy", default="gorgo", choices=policies)
+    s.add_argument(
+        "--rtt-profile",
+        default="network",
+        choices=["network", "paper"],
+        help="WAN delays: network = 1/90/180 ms, paper = 37/279/456 ms (with jitter)",
+    )
+    s.add_argument(
+        "--engine",
+        default="emulated",
+        choices=["emulated", "vllm"],
+        help="emulated engines (the default), or real vLLM instances serving a tiny local "
+        "model on this machine's CPU (installed on first use by `make vllm`)",
+    )
+    s.add_argument(
+        "--flavor",
+        default="sglang",
+        choices=["sglang", "vllm"],
+        help="which engine the emulated backends are the twin of",
+    )
+    s.add_argument(
+        "--front-doors",
+        type=int,
+        default=1,
+        metavar="N",
+        help="an Envoy and a router in each of the first N regions, each reaching every "
+        "backend at its own RTTs; the routers share the engines' KV events (implies "
+        "--kv-events) and tell each other their dispatches over a NATS server the stack "
+        "starts. Default 1: one front door in us-ashburn (the paper's setup)",
+    )
+    s.add_argument(
+        "--routers",
+        type=int,
+        default=1,
+        metavar="N",
+        help="N router processes behind the front door's Envoy (its ext_proc cluster lists "
+        "them all): they share the engines' KV events (implies --kv-events) and, over a NATS "
+        "server the stack starts, their dispatches and what each saw of the others' requests",
+    )
+    s.add_argument(
+        "--no-share-dispatches",
+        action="store_true",
+        help="with several front doors, no NATS: each router knows only its own dispatches",
+    )
+    s.add_argument(
+        "--kv-events",
+        action="store_true",
+        help="the router subscribes to the engines' KV cache events (emulated or real vLLM): "
+        "its prefix state is the engines' own (/state prefix_state: precise)",
+    )
+    s.add_argument(
+        "--tokenizer",
+        default="tiny",
+        metavar="tiny|approx|PATH",
+        help="the emulated engines' (gorgo engine --tokenizer); the router finds it itself",
+    )
+    s.add_argument(
+        "--fleet",
+        metavar="FLEET.yaml",
+        help="each region's emulated engine profile (docs/engine-model.md), served model "
+        "name and LoRA adapters (docs/engines.md); the router keeps the shipped profile and "
+        "must learn them",
+    )
+    s.add_argument(
+        "--admin-token",
+        default=os.environ.get("GORGO_ADMIN_TOKEN", ""),
+        metavar="TOKEN",
+        help="the routers' admin token, for calls that change their state (Authorization: "
+        "Bearer TOKEN); default GORGO_ADMIN_TOKEN, else a random one, printed in the ready line",
+    )
+    s.set_defaults(func=_up)

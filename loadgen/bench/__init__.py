@@ -1,0 +1,15 @@
+"""`gorgo bench ...`: the benchmarks, a room for each kind, each room's commands.py
+registering its benches' parsers:
+
+    sim/      in the simulator: the target matrix and its floors, fleets, models, learn,
+              the paper's experiment under its protocol
+    tuner/    the tuner in the simulator: grid, convergence, regime change, its targets
+    live/     through a live local stack: overhead, load, routers, path, page, engine,
+              parity with the simulator, prefix state, a fleet learned live, the screenshot
+    router/   the router core in one process: decide, KV bursts, the KV index
+    results.py  `gorgo bench results` (`make bench`): docs/results.md from all of the above
+
+A bench room may import the rooms below the benches (traces, client, replay, sim,
+results) and the emulator; live/ also router/'s measurements; only results.py imports
+across the bench rooms. This file imports nothing.
+"""

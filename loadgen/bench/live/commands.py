@@ -1,0 +1,279 @@
+"""The live-stack benches' `gorgo bench` parsers, one `add_<bench>` a bench. Each imports
+its bench only when it runs: every `gorgo` command, `gorgo serve` and its warm spares too,
+builds all parsers, and the benches import the stack, aiohttp and numpy."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from loadgen.traces.readers import CONVERSATION_TRACE
+
+
+def _overhead(args: argparse.Namespace) -> int:
+    from loadgen.bench.live.overhead import run_overhead_bench
+
+    return run_overhead_bench(requests=args.requests, long_only=args.long_prompts)
+
+
+def add_overhead(bench: Any, policies: Sequence[str]) -> None:
+    b = bench.add_parser("overhead", help="Envoy alone vs Envoy + gorgo ext_proc")
+    b.add_argument("--requests", type=int, default=500, help="requests per measurement")
+    b.add_argument(
+        "--long-prompts",
+        action="store_true",
+        help="only 128k-token prompts from 32 concurrent clients (requests/2 per phase, >= 64)",
+    )
+    b.set_defaults(func=_overhead)
+
+
+def _slice_flags(b: argparse.ArgumentParser, policies: Sequence[str]) -> None:
+    """The trace slice `parity` and `live` replay, and the policies on it."""
+    b.add_argument("--trace", default=CONVERSATION_TRACE)
+    b.add_argument("--policy", action="append", choices=policies, help="repeatable")
+    b.add_argument("--start-s", type=float, default=600.0, help="slice start (trace time)")
+
+
+def _parity(args: argparse.Namespace) -> int:
+    from loadgen.bench.live.parity import run_parity
+
+    return run_parity(
+        args.trace,
+        args.policy or ["gorgo", "least_request"],
+        args.start_s,
+        args.duration_s,
+        args.time_scale,
+        Path(args.results),
+        Path(args.work),
+        args.reuse_live,
+    )
+
+
+def add_parity(bench: Any, policies: Sequence[str]) -> None:
+    b = bench.add_parser("parity", help="live replay vs simulator on one slice")
+    _slice_flags(b, policies)
+    b.add_argument("--duration-s", type=float, default=300.0, help="slice length")
+    b.add_argument("--time-scale", type=float, default=1.0)
+    b.add_argument("--results", default="docs/results.md", help="where to write it")
+    b.add_argument("--work", default="out/bench", help="result files")
+    b.add_argument(
+        "--reuse-live",
+        action="store_true",
+        help="reuse the live result files in --work (only re-simulate)",
+    )
+    b.set_defaults(func=_parity)
+
+
+def _live(args: argparse.Namespace) -> int:
+    if args.fleet:
+        from loadgen.bench.live.fleet import run_fleet_live
+
+        if args.policy and len(args.policy) > 1:
+            print("gorgo bench live: --fleet runs one policy", file=sys.stderr)
+            return 2
+        return run_fleet_live(
+            args.trace,
+            args.fleet,
+            (args.policy or ["gorgo"])[0],
+            args.start_s,
+            args.duration_s,
+            args.limit,
+            args.time_scale,
+            Path(args.work),
+        )
+    from loadgen.bench.live.parity import run_live_side_by_side
+
+    return run_live_side_by_side(
+        args.trace,
+        args.policy or ["gorgo", "least_request", "session_affinity", "prefix_cache"],
+        args.start_s,
+        120.0 if args.duration_s is None else args.duration_s,
+        args.time_scale,
+    )
+
+
+def add_live(bench: Any, policies: Sequence[str]) -> None:
+    b = bench.add_parser("live", help="policies side by side on isolated live fleets")
+    _slice_flags(b, policies)
+    b.add_argument(
+        "--duration-s",
+        type=float,
+        default=None,
+        help="slice length (default 120; with --fleet the rest of the trace, cut by --limit)",
+    )
+    b.add_argument("--time-scale", type=float, default=1.0)
+    b.add_argument(
+        "--fleet",
+        metavar="FLEET.yaml",
+        help="instead: one stack as `gorgo up --fleet FLEET.yaml` (one --policy, "
+        "gorgo by default), the slice replayed, then /state's per-backend "
+        "completions, TTFT/E2E prediction MAPE and bias; PASS when every backend "
+        "has >= 200 completions and TTFT MAPE <= 15 %% (the live prediction target)",
+    )
+    b.add_argument("--limit", type=int, default=None, help="at most this many requests")
+    b.add_argument("--work", default="out/bench", help="result file and final /state")
+    b.set_defaults(func=_live)
+
+
+def _prefix_state(args: argparse.Namespace) -> int:
+    from loadgen.bench.live.prefix_state import Fleet, run_prefix_bench
+
+    modes = ("precise", "approximate") if args.only is None else (args.only,)
+    fleet = Fleet(args.front_doors, args.engine == "vllm", args.max_input_tokens, modes)
+    return run_prefix_bench(
+        args.trace,
+        args.start_s,
+        args.duration_s,
+        args.limit,
+        args.time_scale,
+        Path(args.out),
+        fleet,
+    )
+
+
+def add_prefix_state(bench: Any, policies: Sequence[str]) -> None:
+    b = bench.add_parser(
+        "prefix-state",
+        help="precise vs approximate prefix state live: prediction error, hit rate, p95s",
+    )
+    b.add_argument("--trace", default=CONVERSATION_TRACE)
+    b.add_argument("--start-s", type=float, default=600.0, help="slice start (trace time)")
+    b.add_argument("--duration-s", type=float, default=120.0, help="slice length")
+    b.add_argument("--limit", type=int, default=None, help="at most this many requests")
+    b.add_argument("--time-scale", type=float, default=1.0)
+    b.add_argument("--out", default="out/bench", help="result files")
+    b.add_argument(
+        "--front-doors",
+        type=int,
+        default=1,
+        metavar="N",
+        help="the precise fleet's front doors: an Envoy and a router in each of the first N "
+        "regions, all on the engines' events, each conversation through one of them",
+    )
+    b.add_argument(
+        "--engine",
+        choices=["twin", "vllm"],
+        default="twin",
+        help="the engines: the emulated twins, or real vLLM (the tiny model; make vllm)",
+    )
+    b.add_argument(
+        "--max-input-tokens",
+        type=int,
+        default=None,
+        help="leave out longer trace requests (real vLLM here serves 4,096-token contexts)",
+    )
+    b.add_argument(
+        "--only",
+        choices=["precise", "approximate"],
+        default=None,
+        help="run one fleet only (default: both, and their ratios)",
+    )
+    b.set_defaults(func=_prefix_state)
+
+
+def _load(args: argparse.Namespace) -> int:
+    from loadgen.bench.live.load import run_load_bench
+
+    return run_load_bench(args.streams, args.duration_s)
+
+
+def add_load(bench: Any, policies: Sequence[str]) -> None:
+    b = bench.add_parser("load", help="concurrent streams through one router: errors, CPU, memory")
+    b.add_argument("--streams", type=int, default=200)
+    b.add_argument("--duration-s", type=float, default=60.0)
+    b.set_defaults(func=_load)
+
+
+def _routers(args: argparse.Namespace) -> int:
+    from loadgen.bench.live.routers import run_routers_bench
+
+    return run_routers_bench(args.routers, args.concurrency, args.duration_s)
+
+
+def add_routers(bench: Any, policies: Sequence[str]) -> None:
+    b = bench.add_parser(
+        "routers", help="requests/s with several router processes behind one Envoy vs one"
+    )
+    b.add_argument("--routers", type=int, default=2)
+    b.add_argument("--concurrency", type=int, default=32)
+    b.add_argument("--duration-s", type=float, default=20.0, help="per round (4 rounds)")
+    b.set_defaults(func=_routers)
+
+
+def _path(args: argparse.Namespace) -> int:
+    from loadgen.bench.live.path import run_path_bench
+
+    return run_path_bench(args.requests)
+
+
+def add_path(bench: Any, policies: Sequence[str]) -> None:
+    b = bench.add_parser(
+        "path", help="where a request's time goes in the router: CPU per step (cProfile)"
+    )
+    b.add_argument("--requests", type=int, default=300, help="requests per prompt size")
+    b.set_defaults(func=_path)
+
+
+def _page(args: argparse.Namespace) -> int:
+    from loadgen.bench.live.page import run_page_bench
+
+    return run_page_bench(args.streams, args.phase_s, args.requests)
+
+
+def add_page(bench: Any, policies: Sequence[str]) -> None:
+    b = bench.add_parser(
+        "page",
+        help="the operator page: render time in headless Chromium, and the router's decide, "
+        "overhead and load figures with the page closed and open",
+    )
+    b.add_argument("--streams", type=int, default=200, help="concurrent streams of the load phases")
+    b.add_argument("--phase-s", type=float, default=20.0, help="length of each load phase")
+    b.add_argument("--requests", type=int, default=200, help="pairs per overhead phase")
+    b.set_defaults(func=_page)
+
+
+def _engine(args: argparse.Namespace) -> int:
+    from loadgen.bench.live.engine import run_engine_bench
+
+    return run_engine_bench(args.streams, args.output_tokens, args.prompt_tokens)
+
+
+def add_engine(bench: Any, policies: Sequence[str]) -> None:
+    b = bench.add_parser("engine", help="live engine: emission lag vs the model, CPU per token")
+    b.add_argument("--streams", type=int, default=64)
+    b.add_argument("--output-tokens", type=int, default=256)
+    b.add_argument("--prompt-tokens", type=int, default=1024)
+    b.set_defaults(func=_engine)
+
+
+def _screenshot(args: argparse.Namespace) -> int:
+    from loadgen.bench.live.screenshot import OUT, run_screenshot
+
+    return run_screenshot(Path(args.path) if args.path else OUT)
+
+
+def add_screenshot(bench: Any, policies: Sequence[str]) -> None:
+    b = bench.add_parser(
+        "screenshot",
+        help="the operator's page of a fresh local stack after a few hundred chats, as a PNG "
+        "(headless Chromium; make screenshot)",
+    )
+    b.add_argument("path", nargs="?", help="where to write it (default docs/img/operator-page.png)")
+    b.set_defaults(func=_screenshot)
+
+
+PARSERS = (
+    add_overhead,
+    add_parity,
+    add_live,
+    add_prefix_state,
+    add_load,
+    add_routers,
+    add_path,
+    add_page,
+    add_engine,
+    add_screenshot,
+)

@@ -1,0 +1,216 @@
+"""`gorgo bench overhead`: what the router adds to a request, Envoy alone as the baseline.
+
+Both proxies run side by side in the same run, in front of the same zero-delay engines,
+and requests alternate between them, so machine noise hits both alike:
+- "envoy": Envoy alone (same config, no ext_proc filter: the fallback route).
+- "gorgo": the front door, ext_proc routing every request.
+Reported: added latency to the first token (p50/p99) at concurrency 1 for 1k- and
+32k-token prompts, the throughput ratio at concurrency 16, and the added time per
+streamed token after the first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, replace
+
+import aiohttp
+
+from emulator.stack.ports import free_ports
+from emulator.stack.settings import Region, StackPorts, StackSettings
+from emulator.stack.stack import Stack
+from ext_proc.envoy.bootstrap import render_envoy_config
+from loadgen.client.stream import Result, chat_body, percentile, send_chat
+from loadgen.traces.prompts import block_text
+
+REGIONS = (Region("us-ashburn", 0.0), Region("eu-frankfurt", 0.0), Region("ap-seoul", 0.0))
+# Targets from the issue: added p50 <= 2 ms and p99 <= 5 ms at 32k tokens; <= 0.1 ms/token.
+TARGET_P50_MS = 2.0
+TARGET_P99_MS = 5.0
+TARGET_PER_TOKEN_MS = 0.1
+HEADER = f"{'measurement':<34} {'envoy alone':>12} {'envoy+gorgo':>12} {'added':>9} {'target':>8}"
+# Long prompts: 128k-token prompts from 32 clients, added TTFT p99.
+TARGET_LONG_P99_MS = 20.0
+
+
+def _prompt(tokens: int) -> str:
+    # exactly `tokens` tokens under the approximation and the engines' tiny BPE alike
+    return block_text(0, tokens)
+
+
+@dataclass
+class Pair:
+    envoy: list[Result]
+    gorgo: list[Result]
+
+
+async def _alternate(urls: tuple[str, str], body: dict[str, object], n: int) -> Pair:
+    """n requests to each proxy, one at a time, alternating which goes first."""
+    out = Pair([], [])
+    async with aiohttp.ClientSession() as s:
+        for i in range(n):
+            order = (0, 1) if i % 2 == 0 else (1, 0)
+            for which in order:
+                r = await send_chat(s, urls[which], body, f"b{i}")
+                (out.envoy if which == 0 else out.gorgo).append(r)
+    return out
+
+
+async def _concurrent(
+    url: str, body: dict[str, object], n: int, concurrency: int, tag: str = "l"
+) -> list[Result]:
+    """n requests, at most `concurrency` at once."""
+    sem = asyncio.Semaphore(concurrency)
+    async with aiohttp.ClientSession() as s:
+
+        async def one(i: int) -> Result:
+            async with sem:
+                return await send_chat(s, url, body, f"{tag}{i}")
+
+        return await asyncio.gather(*(one(i) for i in range(n)))
+
+
+async def _throughput(url: str, body: dict[str, object], n: int, concurrency: int) -> float:
+    t0 = time.perf_counter()
+    results = await _concurrent(url, body, n, concurrency, "t")
+    elapsed = time.perf_counter() - t0
+    failed = [r for r in results if not r.ok]
+    if failed:
+        raise RuntimeError(f"{len(failed)} requests failed, first: {failed[0].error}")
+    return n / elapsed
+
+
+def long_prompts(
+    urls: tuple[str, str], n: int, tokens: int = 131_072, clients: int = 32
+) -> list[str]:
+    """`clients` concurrent clients sending `tokens`-token prompts, each proxy in turn
+    (twice: envoy, gorgo, envoy, gorgo); TTFT p50/p99 and what gorgo adds."""
+    body = chat_body(_prompt(tokens), 1)
+    asyncio.run(_concurrent(urls[0], body, clients, clients))  # warm both
+    asyncio.run(_concurrent(urls[1], body, clients, clients))
+    got: dict[int, list[float]] = {0: [], 1: []}
+    for _ in range(2):
+        for which in (0, 1):
+            who = "envoy alone" if which == 0 else "envoy+gorgo"
+            print(
+                f"  {tokens // 1024}k-token prompts, {clients} clients, {who}...", file=sys.stderr
+            )
+            got[which] += _ttfts(asyncio.run(_concurrent(urls[which], body, n, clients)))
+    e, g = got[0], got[1]
+    return [
+        f"{f'TTFT p{q} ms, {tokens // 1024}k tokens, {clients} clients':<34} "
+        f"{percentile(e, q):>12.3f} {percentile(g, q):>12.3f} "
+        f"{percentile(g, q) - percentile(e, q):>9.3f} {target:>8}"
+        for q, target in ((50, ""), (99, f"<= {TARGET_LONG_P99_MS:g}"))
+    ]
+
+
+def _ttfts(rs: list[Result]) -> list[float]:
+    bad = [r for r in rs if not r.ok or r.ttft_ms is None]
+    if bad:
+        raise RuntimeError(f"{len(bad)} requests failed, first: {bad[0].status} {bad[0].error}")
+    return [r.ttft_ms for r in rs if r.ttft_ms is not None]
+
+
+def _per_token_ms(rs: list[Result]) -> float:
+    gaps = [(r.e2e_ms or 0) - (r.ttft_ms or 0) for r in rs]
+    return percentile(gaps, 50) / max(1, rs[0].output_tokens - 1)
+
+
+def paired_stack(
+    policy: str = "round_robin", serve_args: tuple[str, ...] = ()
+) -> tuple[Stack, tuple[str, str]]:
+    """Envoy + gorgo and Envoy alone (the same generated config without ext_proc) in front
+    of 3 zero-delay engines, started; returns the stack and (alone, gorgo) URLs."""
+    settings = StackSettings(
+        policy=policy,
+        regions=REGIONS,
+        ports=StackPorts.ephemeral(len(REGIONS)),
+        engine_args=("--zero-delay",),
+        wan_links=False,
+        # One worker per Envoy: two proxies, three engines, the router and the client
+        # share two cores, and fewer threads make the tails less noisy for both.
+        envoy_concurrency=1,
+        serve_args=serve_args,
+    )
+    stack = Stack(settings)
+    front, admin = free_ports(2)
+    alone = replace(
+        stack.config,
+        envoy=replace(stack.config.envoy, listen=f"127.0.0.1:{front}", admin=f"127.0.0.1:{admin}"),
+    )
+    stack.start()
+    try:
+        stack.start_envoy("envoy-alone", render_envoy_config(alone, ext_proc=False))
+        _wait_ok(f"http://127.0.0.1:{admin}/ready")
+    except BaseException:
+        stack.stop()
+        raise
+    return stack, (f"http://127.0.0.1:{front}", stack.front_door_url)
+
+
+def run_overhead_bench(requests: int = 200, long_only: bool = False) -> int:
+    print("starting Envoy + gorgo and Envoy alone in front of 3 zero-delay engines...")
+    stack, urls = paired_stack()
+    try:
+        if long_only:
+            lines = [HEADER, *long_prompts(urls, max(64, requests // 2))]
+        else:
+            lines = _measure(urls, requests)
+    finally:
+        stack.stop()
+    print("\n".join(lines))
+    return 0
+
+
+def _measure(urls: tuple[str, str], n: int) -> list[str]:
+    lines = [HEADER]
+    for tokens in (1024, 32768):
+        body = chat_body(_prompt(tokens), 1)
+        asyncio.run(_alternate(urls, body, 10))  # warm connections and caches
+        print(f"  concurrency 1, {tokens}-token prompt, {n} requests each...", file=sys.stderr)
+        pair = asyncio.run(_alternate(urls, body, n))
+        e, g = _ttfts(pair.envoy), _ttfts(pair.gorgo)
+        for q, target in ((50, TARGET_P50_MS), (99, TARGET_P99_MS)):
+            pe, pg = percentile(e, q), percentile(g, q)
+            tgt = f"<= {target:g}" if tokens == 32768 else ""
+            lines.append(
+                f"{f'TTFT p{q} ms, {tokens // 1024}k-token prompt':<34} {pe:>12.3f} {pg:>12.3f} "
+                f"{pg - pe:>9.3f} {tgt:>8}"
+            )
+
+    body = chat_body(_prompt(1024), 16)
+    print("  concurrency 16 throughput...", file=sys.stderr)
+    rates: dict[str, list[float]] = {"envoy": [], "gorgo": []}
+    for _ in range(2):  # envoy, gorgo, envoy, gorgo: drift hits both
+        for name, url in zip(("envoy", "gorgo"), urls, strict=True):
+            rates[name].append(asyncio.run(_throughput(url, body, n * 2, 16)))
+    re, rg = sum(rates["envoy"]) / 2, sum(rates["gorgo"]) / 2
+    lines.append(
+        f"{'requests/s, concurrency 16':<34} {re:>12.1f} {rg:>12.1f} {f'x{rg / re:.3f}':>9} {'':>8}"
+    )
+
+    print("  streamed tokens...", file=sys.stderr)
+    body = chat_body(_prompt(64), 1000)
+    pair = asyncio.run(_alternate(urls, body, max(10, n // 10)))
+    te, tg = _per_token_ms(pair.envoy), _per_token_ms(pair.gorgo)
+    lines.append(
+        f"{'ms per token after the first':<34} {te:>12.4f} {tg:>12.4f} {tg - te:>9.4f} "
+        f"{f'<= {TARGET_PER_TOKEN_MS:g}':>8}"
+    )
+    return lines
+
+
+def _wait_ok(url: str, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=1) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"{url} not ready after {timeout_s:.0f} s")

@@ -1,0 +1,176 @@
+"""The simulator benches' `gorgo bench` parsers, one `add_<bench>` a bench. Each imports its
+bench only when it runs: every `gorgo` command, `gorgo serve` and its warm spares too,
+builds all parsers, and the benches import the simulator and numpy."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from ext_proc.estimate.profile import DEFAULT_PROFILE
+from loadgen.bench.sim.policies import BASELINES
+from loadgen.traces.readers import CONVERSATION_TRACE
+
+
+def _target(args: argparse.Namespace) -> int:
+    import shlex
+
+    from loadgen.bench.sim.target import CONVERSATION, SYNTHETIC
+    from loadgen.bench.sim.target_report import run_target_bench
+
+    return run_target_bench(
+        args.trace,
+        args.workload or [CONVERSATION, SYNTHETIC],
+        args.start_s,
+        args.duration_s,
+        args.rtt_profile or ["network", "paper"],
+        args.protocol or ["open", "paper"],
+        args.time_scale,
+        args.extra or [],
+        Path(args.work),
+        Path(args.out) if args.out else None,
+        args.jobs,
+        args.reuse,
+        args.rerun or [],
+        args.seed,
+        "gorgo " + shlex.join(sys.argv[1:]),
+        not args.no_run,
+        args.engine_profile,
+    )
+
+
+def add_target(bench: Any, policies: Sequence[str]) -> None:
+    b = bench.add_parser(
+        "target",
+        help="the target matrix: gorgo vs the best baseline per cell (p95 TTFT <= 0.8 x, "
+        "E2E <= 1.0 x), with its floors",
+        description="Every baseline and gorgo in each cell (workload window x RTT profile x "
+        "protocol x time_scale); per cell the best baseline, gorgo's p95 TTFT and E2E "
+        "ratios, whether it meets the target (<= 0.8 / <= 1.0), the no-queue and burst "
+        "floors and two clairvoyant references, unbounded cache and the engines' real KV pool "
+        "(loadgen/bench/sim/target.py). Progress on stderr, the table on stdout and in --out.",
+    )
+    b.add_argument("--trace", default=CONVERSATION_TRACE, help="Mooncake conversation trace")
+    b.add_argument(
+        "--workload",
+        action="append",
+        choices=["conversation", "synthetic"],
+        help="repeatable; default both (conversation: the trace's windows; synthetic: "
+        "paper-synthetic)",
+    )
+    b.add_argument(
+        "--start-s",
+        action="append",
+        type=float,
+        help="conversation window start, repeatable (default 0, 1200, 2400)",
+    )
+    b.add_argument("--duration-s", type=float, default=1200.0, help="conversation window length")
+    b.add_argument("--rtt-profile", action="append", choices=["network", "paper"])
+    b.add_argument("--protocol", action="append", choices=["open", "paper"])
+    b.add_argument(
+        "--time-scale",
+        action="append",
+        type=float,
+        help="repeatable; default per workload and protocol (loadgen.bench.sim.target's "
+        "TIME_SCALES)",
+    )
+    b.add_argument("--extra", action="append", choices=policies, help="another policy's ratios too")
+    b.add_argument(
+        "--engine-profile",
+        default=DEFAULT_PROFILE,
+        help="every engine's profile (a built-in name or a YAML file): what the cells "
+        "would be on other engines, e.g. a larger KV pool",
+    )
+    b.add_argument("--jobs", type=int, default=1, help="simulations in parallel")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--work", default="out/bench-target", help="result files, one per run")
+    b.add_argument("--out", default="out/bench-target/target.md", help="the table ('' : none)")
+    b.add_argument(
+        "--reuse", action="store_true", help="read existing result files instead of running"
+    )
+    b.add_argument(
+        "--rerun", action="append", metavar="POLICY", help="with --reuse: run this one anyway"
+    )
+    b.add_argument(
+        "--no-run",
+        action="store_true",
+        help="only the table from the result files in --work (cells missing a run left out)",
+    )
+    b.set_defaults(func=_target)
+
+
+def _learn(args: argparse.Namespace) -> int:
+    from loadgen.bench.sim.learn import run_learn_bench
+
+    return run_learn_bench(args.trace, args.jobs, args.seeds, args.out)
+
+
+def add_learn(bench: Any, policies: Sequence[str]) -> None:
+    b = bench.add_parser(
+        "learn",
+        help="the learned speed on the uniform fleet: gorgo with routing.learn_latency on "
+        "vs off in every cell of gorgo bench target",
+    )
+    b.add_argument("--trace", default=CONVERSATION_TRACE)
+    b.add_argument("--jobs", type=int, default=1)
+    b.add_argument("--seeds", type=int, nargs="+", default=[0])
+    b.add_argument("--out", default="out/bench-learn.md")
+    b.set_defaults(func=_learn)
+
+
+def _fleets(args: argparse.Namespace) -> int:
+    from loadgen.bench.sim import fleets
+
+    return fleets.run_fleets_bench(
+        args.fleets or fleets.FLEETS, args.time_scales or fleets.TIME_SCALES, args.workers
+    )
+
+
+def add_fleets(bench: Any, policies: Sequence[str]) -> None:
+    b = bench.add_parser(
+        "fleets",
+        help="the learned latency model on heterogeneous fleets (loadgen/data/fleets/), "
+        "against the shipped and the true profiles",
+    )
+    b.add_argument("--fleets", nargs="+", help="default fast-far slow-near mixed-gpus")
+    b.add_argument("--time-scales", nargs="+", type=float, help="default 3 4 6")
+    b.add_argument("--workers", type=int, default=2)
+    b.set_defaults(func=_fleets)
+
+
+def _models(args: argparse.Namespace) -> int:
+    from loadgen.bench.sim import models
+
+    return models.run_models_bench(
+        args.trace,
+        args.windows or models.WINDOWS,
+        args.time_scales or models.TIME_SCALES,
+        args.policies or models.POLICIES,
+        args.seed,
+        args.workers,
+        args.out,
+    )
+
+
+def add_models(bench: Any, policies: Sequence[str]) -> None:
+    b = bench.add_parser(
+        "models",
+        help="many models in the simulator (routing by model): the two-models trace on "
+        "loadgen/data/fleets/two-models.yaml, gorgo vs every baseline",
+    )
+    b.add_argument("--trace", default=CONVERSATION_TRACE, help="Mooncake conversation trace")
+    b.add_argument(
+        "--windows", nargs="+", type=float, metavar="START_S", help="default 0 1200 2400"
+    )
+    b.add_argument("--time-scales", nargs="+", type=float, help="default 3 4")
+    b.add_argument("--policies", nargs="+", choices=("gorgo", *BASELINES), help="default all")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--workers", type=int, default=2)
+    b.add_argument("--out", default="out/bench-models.md")
+    b.set_defaults(func=_models)
+
+
+PARSERS = (add_target, add_learn, add_fleets, add_models)

@@ -1,0 +1,8 @@
+"""The client side of a run: the streaming OpenAI client that times each request as a user
+sees it (stream.py), the client protocol `replay` and `simulate` follow alike (protocol.py)
+with its concurrency cap (concurrency.py, pure), and a headless Chromium driver for the
+operator page (browser.py).
+
+May import loadgen.traces (the rows a protocol filters) and the router's header names;
+nothing else of the harness. This file imports nothing.
+"""

@@ -1,0 +1,210 @@
+"""`gorgo simulate`'s parser and how its flags become SimSettings. Light: the simulator
+is imported only when it runs, since every `gorgo` command, `gorgo serve` too, builds all
+parsers."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from ext_proc.estimate.profile import DEFAULT_PROFILE
+from loadgen.client.protocol import add_protocol_flags
+from loadgen.traces.load import TRACE_HELP
+
+
+def _shares(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected numbers like 0.5,0.3,0.2, got {text!r}"
+        ) from None
+
+
+def _weights(text: str) -> tuple[float, float]:
+    """--weights RTT,QUEUE: gorgo's two weights, both positive (its parameters' bounds)."""
+    try:
+        rtt, queue = (float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected RTT,QUEUE like 1,0.5, got {text!r}") from None
+    if not (rtt > 0 and queue > 0):  # also refuses nan
+        raise argparse.ArgumentTypeError(f"both weights must be > 0, got {text!r}")
+    return rtt, queue
+
+
+def _sim_router(args: argparse.Namespace) -> dict[str, object]:
+    """The router config the simulate flags add (merged into the generated one)."""
+    router: dict[str, object] = {}
+    if args.weights is not None:
+        rtt, queue = args.weights
+        router["policies"] = {"gorgo": {"weights": {"rtt": rtt, "queue": queue}}}
+    if args.no_learn:
+        router["routing"] = {"learn_latency": False}
+    return router
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from emulator.stack.fleet import NO_FLEET, load_fleet
+    from emulator.stack.settings import DEFAULT_REGIONS
+    from loadgen.client.protocol import protocol_for
+    from loadgen.sim.run import run_simulate_command
+    from loadgen.sim.simulate import SimSettings
+    from loadgen.traces.load import load_trace
+    from loadgen.traces.request import TraceError
+
+    if args.router_knows_fleet and args.fleet is None:
+        print("gorgo simulate: --router-knows-fleet needs --fleet", file=sys.stderr)
+        return 2
+    try:
+        regions = [r.id for r in DEFAULT_REGIONS]
+        fleet = NO_FLEET if args.fleet is None else load_fleet(args.fleet, regions)
+        protocol = protocol_for(
+            args.protocol,
+            max_concurrency=args.max_concurrency,
+            max_tokens=args.max_tokens,
+            max_input_tokens=args.max_input_tokens,
+        )
+        trace = load_trace(args.trace)
+        base = SimSettings(
+            rtt_profile=args.rtt_profile,
+            engine_profile=args.engine_profile,
+            seed=args.seed,
+            tune=args.tune,
+            prefix_state=args.prefix_state,
+            routers=args.routers,
+            engine_reports=args.engine_reports,
+            front_doors=args.front_doors,
+            origin_shares=args.origin_shares or (),
+            share_dispatches=args.share_dispatches,
+            protocol=protocol,
+            router=_sim_router(args),
+            fleet=fleet,
+            router_knows_fleet=args.router_knows_fleet,
+        )
+        base.config()  # validates the profiles before hours of simulation
+    except (TraceError, ValueError) as e:
+        print(f"gorgo simulate: {e}", file=sys.stderr)
+        return 2
+    return run_simulate_command(
+        trace,
+        args.policy or ["gorgo"],
+        args.time_scale or [1.0],
+        Path(args.out),
+        base,
+        args.start_s,
+        args.duration_s,
+        args.limit,
+        str(args.trace),
+        args.spread_arrivals,
+    )
+
+
+def add_simulate(sub: Any, policies: Sequence[str]) -> None:
+    s = sub.add_parser(
+        "simulate",
+        help="replay a trace offline on a virtual clock, policies side by side",
+        description="The same router and engine model as the live fleet, on a virtual "
+        "clock: one result file per policy and time_scale, summary.md and figures in --out.",
+    )
+    s.add_argument("trace", help=TRACE_HELP)
+    s.add_argument("--policy", action="append", choices=policies, help="repeatable")
+    s.add_argument(
+        "--time-scale", action="append", type=float, help="repeatable; 2 = half the rate"
+    )
+    s.add_argument("--rtt-profile", default="network", choices=["network", "paper"])
+    s.add_argument("--engine-profile", default=DEFAULT_PROFILE)
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--start-s", type=float, default=0.0, help="window start (trace time)")
+    s.add_argument("--duration-s", type=float, default=None, help="window length")
+    s.add_argument("--limit", type=int, default=None, help="at most this many requests")
+    s.add_argument("--out", default="out/sim", help="output directory")
+    s.add_argument(
+        "--tune",
+        default="off",
+        choices=["off", "paired", "paper"],
+        help="tune gorgo's weights online while simulating; writes a convergence plot",
+    )
+    s.add_argument(
+        "--prefix-state",
+        default="approximate",
+        choices=["approximate", "precise"],
+        help="the router's prefix state: its own estimate, or the engines' own cache changes "
+        "(as their KV events would deliver them)",
+    )
+    s.add_argument(
+        "--routers",
+        type=int,
+        default=1,
+        metavar="N",
+        help="routers deciding side by side, each session through one of them (with "
+        "--prefix-state precise they share the engines' view; else each knows its own)",
+    )
+    s.add_argument(
+        "--engine-reports",
+        action="store_true",
+        help="the routers read the engines' own load reports (/metrics) every "
+        "probes.metrics_interval_s, as the live ones do",
+    )
+    s.add_argument(
+        "--front-doors",
+        type=int,
+        default=0,
+        metavar="N",
+        help="a front door (Envoy + router) in each of the first N regions; sessions come "
+        "from every region and enter their own region's door (1: the single proxy, its "
+        "clients spread over the regions; 0, the default: the paper's single proxy with its "
+        "clients beside it). Results per region",
+    )
+    s.add_argument(
+        "--spread-arrivals",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="spread each arrival over [t, t + S) (the conversation trace stamps arrivals in "
+        "3 s steps); 0: as stamped",
+    )
+    s.add_argument(
+        "--share-dispatches",
+        action="store_true",
+        help="the routers tell each other their dispatches (live: over NATS, fleet.nats_url)",
+    )
+    s.add_argument(
+        "--origin-shares",
+        type=_shares,
+        default=None,
+        metavar="A,B,C",
+        help="share of sessions from each region (with --front-doors; default equal)",
+    )
+    s.add_argument(
+        "--fleet",
+        metavar="FLEET.yaml",
+        help="each region's engine profile, the engines' truth (emulator/stack/fleet.py, "
+        "docs/engine-model.md); the router keeps --engine-profile for every backend",
+    )
+    s.add_argument(
+        "--router-knows-fleet",
+        action="store_true",
+        help="with --fleet: tell the router each engine's true profile (the reference)",
+    )
+    s.add_argument(
+        "--weights",
+        type=_weights,
+        default=None,
+        metavar="RTT,QUEUE",
+        help="gorgo's starting weights (static with --tune off); default the policy's (1,1)",
+    )
+    s.add_argument(
+        "--no-learn",
+        action="store_true",
+        help="the router keeps its profiles as they are: no learned speed per backend "
+        "(routing.learn_latency false)",
+    )
+    add_protocol_flags(s, "open protocol: no cap")
+    s.set_defaults(func=_simulate)
+
+
+PARSERS = (add_simulate,)

@@ -1,0 +1,597 @@
+"""The offline simulator: a trace replayed on a virtual clock through the very same router
+(policy, prefix index, queue estimate, probes' arithmetic) and the very same engine model
+as the live emulated fleet, with the WAN's RTT profile. Deterministic for a given seed.
+
+Per request: it arrives at the proxy at its (scaled) trace time; the router decides; it
+reaches the engine one WAN half-trip later; the engine model schedules it; each token
+travels back one half-trip. The router sees the first token (TTFT) and the completion
+(E2E, and the engine's cached-token count) when they reach the proxy, as live.
+
+Under a client protocol with a concurrency cap (loadgen.client.protocol), a request whose
+arrival finds every slot taken waits, first come first served, for the first client to
+see its answer end; the wait is its slip, and its TTFT and E2E count from dispatch.
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from emulator.engine.model import EngineModel
+from emulator.stack.fleet import NO_FLEET, Fleet
+from emulator.stack.settings import DEFAULT_REGIONS
+from emulator.wan import (
+    NETWORK_JITTER_FRACTION,
+    DelayModel,
+    DelaySettings,
+    region_rtt_ms,
+    rtt_profile_ms,
+)
+from ext_proc.config.load import config_from_dict
+from ext_proc.config.schema import Config
+from ext_proc.core.build import build_router
+from ext_proc.core.pipeline import Director, Refused, Routed
+from ext_proc.core.router import Router
+from ext_proc.estimate.profile import load_profile
+from ext_proc.feeds.engine_metrics import EngineReport
+from ext_proc.feeds.peers import PeerEvent, PeerPublisher
+from ext_proc.prompt.parse import COMPLETIONS
+from ext_proc.vocab.backend import DEFAULT_PROFILE
+from ext_proc.vocab.request import LlmRequest
+from ext_proc.vocab.types import Refusal, RouteRequest, Status
+from loadgen.client.concurrency import Admitted, ConcurrencyCap
+from loadgen.client.protocol import OPEN, Protocol
+from loadgen.results import RequestResult
+from loadgen.sim.models import cache_salt, default_model, max_loras, names_models, served_models
+from loadgen.traces.request import TraceRequest
+
+_ARRIVE, _AT_ENGINE, _STEP, _FIRST_BYTE, _DONE, _PROBE, _KV_EVENTS = range(7)
+_SCRAPE, _REPORT, _PEER, _CALL = range(7, 11)
+# A client's due time and its concurrency slot coming free (only with a cap).
+_SEND, _SLOT = range(11, 13)
+# One hop through the fleet's message bus between routers in one place (NATS on a LAN).
+BUS_HOP_S = 0.0005
+# The single proxy of the paper's setup (front_doors 0): its RTTs are the RTT profile's.
+PROXY = ""
+
+# A request on its way to its front door: (request, origin region, door, access RTT ms).
+_Arrival = tuple[TraceRequest, str, str, float]
+
+# Called after each completion with (request result, the router): the tuner's hook.
+CompletionHook = Callable[[RequestResult, Router], None]
+
+
+@dataclass
+class SimSettings:
+    policy: str = "gorgo"
+    time_scale: float = 1.0
+    rtt_profile: str = "network"
+    engine_profile: str = DEFAULT_PROFILE
+    seed: int = 0
+    regions: Sequence[str] = tuple(r.id for r in DEFAULT_REGIONS)
+    # Extra router config (weights, routing, probes), merged into the generated config.
+    router: dict[str, Any] = field(default_factory=dict)
+    # Tune the weights online: "off", "paired" or "paper" (the router config's tuner mode).
+    tune: str = "off"
+    # "approximate": the router's own estimate of what each engine caches; "precise": the
+    # engines' own cache changes reach it (as KV events would, one WAN half-trip later).
+    prefix_state: str = "approximate"
+    # Routers deciding side by side (replicas, or one per region's front door), each with
+    # its own state; a session always goes through the same one (crc32 of its key). With
+    # precise state they all see every engine's cache changes; approximate, each knows only
+    # what it dispatched.
+    routers: int = 1
+    # The engines' own load reports (/metrics), scraped by every router each
+    # probes.metrics_interval_s as live; the report reaches it a WAN half-trip after the
+    # engine's reading.
+    engine_reports: bool = False
+    # 0: the paper's setup, one proxy with its clients beside it. N >= 1: a front door
+    # (Envoy + router) in each of the first N regions, at the inter-region RTTs of
+    # emulator.wan.REGION_RTT_MS; each session comes from an origin region (a crc32 of its
+    # key over origin_shares, per region, equal by default) and enters the door of its own
+    # region (the first door when its region has none): TTFT and E2E then include that
+    # access leg. --front-doors 1 is the single proxy with clients spread over the regions.
+    front_doors: int = 0
+    origin_shares: Sequence[float] = ()
+    # The routers publish their dispatches to each other (ext_proc.peers, over NATS live):
+    # one bus hop later, or the half-trip between two front doors' regions.
+    share_dispatches: bool = False
+    # The client protocol (loadgen.client.protocol): a concurrency cap with slip, output lengths
+    # forced, long prompts dropped. OPEN: the trace as it is, open loop.
+    protocol: Protocol = OPEN
+    # The live front door's pace: it takes in one request at a time (client, Envoy and
+    # the router's ext_proc in turn), door_spacing_ms apart, so requests the trace sends at
+    # one instant are decided, and reach an engine, in the order sent. 0: all decided at
+    # that instant, and their order at an engine is the WAN jitter's.
+    door_spacing_ms: float = 0.0
+    # Envoy's upstream connections (HTTP/1.1: one per request in flight, kept open when
+    # idle), one pool per Envoy worker thread, each request on a worker at random: a
+    # request that finds every connection of its worker to its backend busy opens one and
+    # waits for the TCP handshake, one more round trip (emulator/wan.py). 0: not modelled.
+    envoy_workers: int = 0
+    # The engines' truth per region (emulator/stack/fleet.py; a region it does not list runs
+    # engine_profile). The router is configured as a user would be, engine_profile for
+    # every backend, unless router_knows_fleet tells it each engine's own (the reference).
+    fleet: Fleet = NO_FLEET
+    router_knows_fleet: bool = False
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.front_doors <= len(self.regions):
+            raise ValueError(
+                f"front_doors: 0..{len(self.regions)} (one per region), got {self.front_doors}"
+            )
+        if self.front_doors and self.routers != 1:
+            raise ValueError("front_doors: each door has one router; leave routers at 1")
+        if self.front_doors and self.rtt_profile != "network":
+            raise ValueError("front_doors: the inter-region RTTs are the `network` profile's")
+        if self.origin_shares and (
+            len(self.origin_shares) != len(self.regions)
+            or min(self.origin_shares) < 0
+            or sum(self.origin_shares) <= 0
+        ):
+            raise ValueError(
+                f"origin_shares: one non-negative share per region ({', '.join(self.regions)}), "
+                f"not all zero; got {list(self.origin_shares)}"
+            )
+
+    @property
+    def doors(self) -> list[str]:
+        """The front doors' regions ([PROXY]: the single proxy of the paper's setup)."""
+        return list(self.regions[: self.front_doors]) or [PROXY]
+
+    def rtt_ms(self, door: str, backend: str) -> tuple[float, float]:
+        """(mean, std) of the round trip from a front door to a backend."""
+        if door == PROXY:
+            return rtt_profile_ms(self.rtt_profile, backend)
+        mean_ms = region_rtt_ms(door, backend)
+        return mean_ms, mean_ms * NETWORK_JITTER_FRACTION
+
+    def origin(self, session: str) -> str:
+        """The region a session's client is in (deterministic in its key)."""
+        shares = list(self.origin_shares) or [1.0] * len(self.regions)
+        x = zlib.crc32(f"origin:{session}".encode()) / 2**32 * sum(shares)
+        for region, share in zip(self.regions, shares, strict=True):
+            x -= share
+            if x < 0:
+                return region
+        return self.regions[-1]
+
+    def door_of(self, origin: str) -> str:
+        doors = self.doors
+        return origin if origin in doors else doors[0]
+
+    def engine_profile_of(self, region: str) -> str:
+        """The profile region's engine runs."""
+        return self.fleet.profile_of(region, self.engine_profile)
+
+    def router_profile_of(self, region: str) -> str:
+        """The profile the router is told region's engine runs."""
+        return self.engine_profile_of(region) if self.router_knows_fleet else self.engine_profile
+
+    def config(self, door: str = PROXY) -> Config:
+        raw: dict[str, Any] = {
+            "policy": self.policy,
+            "seed": self.seed,
+            "backends": [
+                {
+                    "id": r,
+                    "address": f"127.0.0.1:{18101 + i}",
+                    "rtt_prior_ms": self.rtt_ms(door, r)[0],
+                    "engine_profile": self.router_profile_of(r),
+                }
+                for i, r in enumerate(self.regions)
+            ],
+        }
+        raw["tuner"] = {"mode": self.tune}
+        raw.update(self.router)
+        return config_from_dict(raw)
+
+
+@dataclass
+class SimResult:
+    settings: SimSettings
+    requests: list[RequestResult]
+    itl_ms: list[float]
+    router: Router
+    # Requests the protocol dropped (prompts over max_input_tokens).
+    dropped: int = 0
+    # Requests the router answered itself (admission refused: 404 unknown model, 400 none
+    # named, 503 none in rotation, 429 shed), by HTTP status.
+    refused: dict[int, int] = field(default_factory=dict)
+
+
+def _sub_blocks(ids: Sequence[int], per_block: int, salt: int | tuple[int, int]) -> list[int]:
+    """Finer blocks of a trace's blocks: trace id k names its block and whole prefix, so
+    (k, j) names sub-block j likewise. Tuples of ints hash the same in every process."""
+    return [hash((k, j, salt)) for k in ids for j in range(per_block)]
+
+
+class Simulation:
+    def __init__(
+        self,
+        trace: Sequence[TraceRequest],
+        settings: SimSettings,
+        hook: CompletionHook | None = None,
+    ) -> None:
+        self.trace, self.dropped = settings.protocol.apply(trace)
+        self.s = settings
+        self.hook = hook
+        self.now_s = 0.0
+        doors = settings.doors
+        cfg = settings.config(doors[0])
+        rng = random.Random(settings.seed)
+        # The service's own factory, on the virtual clock (it draws the policy's and the
+        # tuner's RNGs from `rng` first).
+        self.router = build_router(cfg, lambda: self.now_s, rng)
+        profiles = {r: load_profile(settings.engine_profile_of(r)) for r in settings.regions}
+        fleet = settings.fleet
+        self.engines = {
+            r: EngineModel(profiles[r], random.Random(rng.random()), max_loras(fleet, r))
+            for r in settings.regions
+        }
+        # What each engine serves (sim/models.py); with models in the fleet file, its blocks
+        # are keyed by the model asked for (an adapter shares no cache with its base).
+        self.served = {r: served_models(fleet, r) for r in settings.regions}
+        self.by_model = names_models(fleet)
+        self.default_model = default_model(list(self.served.values()))
+        self.refused: dict[int, int] = {}
+        self.links: dict[tuple[str, str], DelayModel] = {}
+        self.routers_at: dict[str, list[Router]] = {}
+        for door in doors:
+            self.links.update(
+                (
+                    (door, r),
+                    DelayModel(
+                        DelaySettings(*settings.rtt_ms(door, r)), random.Random(rng.random())
+                    ),
+                )
+                for r in settings.regions
+            )
+            # Later routers draw their RNGs after the engines', so one router runs as before.
+            if door == doors[0]:
+                extra = [
+                    build_router(cfg, lambda: self.now_s, random.Random(rng.random()))
+                    for _ in range(settings.routers - 1)
+                ]
+                self.routers_at[door] = [self.router, *extra]
+            else:
+                door_cfg = settings.config(door)
+                self.routers_at[door] = [
+                    build_router(door_cfg, lambda: self.now_s, random.Random(rng.random()))
+                ]
+        self.routers = [router for rs in self.routers_at.values() for router in rs]
+        # Each router's recipe for a request (the live service's own: core.pipeline).
+        self.directors = {id(router): Director(router) for router in self.routers}
+        for router in self.routers:  # as discovery reads each engine's /v1/models at start
+            for r in settings.regions:
+                router.record_models(r, self.served[r])
+        if settings.share_dispatches:
+            for door, rs in self.routers_at.items():
+                for i, router in enumerate(rs):
+                    router.subscribe(PeerPublisher(f"{door}/{i}", self._sender(door, router)))
+        # Per engine: a fleet's profiles may cache at other granularities and pool sizes.
+        self.engine_block_tokens = {r: p.block_tokens for r, p in profiles.items()}
+        self.kv_capacity_tokens = {r: p.kv_capacity_tokens for r, p in profiles.items()}
+        if settings.prefix_state == "precise":
+            # One request's engine keys serve every candidate (RouteRequest.engine_keys).
+            if len(set(self.engine_block_tokens.values())) > 1:
+                raise ValueError("prefix_state precise: the fleet's block_tokens must agree")
+            for r in settings.regions:
+                self.engines[r].cache.events = []
+                for router in self.routers:
+                    router.expect_engine_events(r)
+        self.router_block_tokens = cfg.routing.block_tokens
+        self.probe_interval_s = cfg.probes.interval_s
+        self.metrics_interval_s = cfg.probes.metrics_interval_s
+        self._events: list[tuple[float, int, int, Any]] = []
+        self._seq = 0
+        self.results: dict[str, RequestResult] = {}
+        # Per request in flight: its router, its WAN link, when it reached its front door
+        # and its client's access round trip to that door.
+        self._router_of: dict[str, Router] = {}
+        self._link_of: dict[str, DelayModel] = {}
+        self._arrival_s: dict[str, float] = {}
+        self._access_ms: dict[str, float] = {}
+        self._last_emit_s: dict[str, float] = {}
+        self.itl_ms: list[float] = []
+        # The client's concurrency slots (protocol.max_concurrency, first come, first
+        # served, on the virtual clock), and each request's slip.
+        cap = settings.protocol.max_concurrency
+        self._cap: ConcurrencyCap[_Arrival] | None = (
+            None if cap is None else ConcurrencyCap(cap, lambda: self.now_s)
+        )
+        self._slip_ms: dict[str, float] = {}
+        # door_spacing_ms: when each front door takes its next request, and when each
+        # request waiting there reached it. envoy_workers: per (door, backend, worker), the
+        # connections open and those busy, and the connection each request holds.
+        self._door_free_s: dict[str, float] = {}
+        self._door_arrival_s: dict[str, float] = {}
+        self._conns_open: dict[tuple[str, str, int], int] = {}
+        self._conns_busy: dict[tuple[str, str, int], int] = {}
+        self._conn_of: dict[str, tuple[str, str, int]] = {}
+        # Its own RNG: the other draws stay as they were.
+        self._worker_rng = random.Random(f"envoy-workers:{settings.seed}")
+
+    def _push(self, t: float, kind: int, data: Any) -> None:
+        self._seq += 1
+        heapq.heappush(self._events, (t, self._seq, kind, data))
+
+    def _schedule_step(self, backend: str) -> None:
+        t = self.engines[backend].next_event_s()
+        if t is not None:
+            self._push(t, _STEP, (backend, t))
+
+    def _sender(self, door: str, sender: Router) -> Callable[[PeerEvent], None]:
+        def send(e: PeerEvent) -> None:
+            for to in self.routers_at:
+                hop_s = BUS_HOP_S if to == door else region_rtt_ms(door, to) / 2000
+                self._push(self.now_s + hop_s, _PEER, (to, sender, e))
+
+        return send
+
+    def at(self, t_s: float, change: Callable[[], None]) -> None:
+        """Run `change` at virtual time t_s (a scenario's regime change: a link's delay)."""
+        self._push(t_s, _CALL, change)
+
+    def _deliver(self, door: str, sender: Router, e: PeerEvent) -> None:
+        for router in self.routers_at[door]:
+            if router is not sender:
+                router.apply_peer(e)
+
+    def _one_way_s(self, door: str, backend: str) -> float:
+        """The mean half-trip (no draw: the seeded delays of requests stay what they are)."""
+        return self.s.rtt_ms(door, backend)[0] / 2000
+
+    def run(self) -> SimResult:
+        for r in self.trace:
+            if self.s.front_doors:
+                origin = self.s.origin(r.session or r.id)
+                door = self.s.door_of(origin)
+                access_ms = region_rtt_ms(origin, door)
+            else:
+                origin, door, access_ms = "", PROXY, 0.0
+            sent_s = r.arrival_s * self.s.time_scale
+            if self.s.protocol.max_concurrency is None:
+                self._push(sent_s + access_ms / 2000, _ARRIVE, (r, origin, door, access_ms))
+            else:
+                self._push(sent_s, _SEND, (r, origin, door, access_ms))
+        for door in self.routers_at:
+            for b in self.s.regions:
+                self._push(0.0, _PROBE, (door, b))
+        if self.s.engine_reports:
+            for door in self.routers_at:
+                for b in self.s.regions:
+                    self._push(0.0, _SCRAPE, (door, b))
+        self._pending = len(self.trace)
+        while self._events and self._pending:
+            t, _, kind, data = heapq.heappop(self._events)
+            self.now_s = t
+            if kind == _ARRIVE:
+                self._arrive(*data)
+            elif kind == _AT_ENGINE:
+                backend, r = data
+                engine = self.engines[backend]
+                per_engine = r.block_tokens // self.engine_block_tokens[backend]
+                blocks = _sub_blocks(r.block_ids, per_engine, self._engine_salt(r))
+                lora = r.model if r.model in self.served[backend].adapters else None
+                engine.submit(r.id, r.input_tokens, r.output_tokens, blocks, t, lora)
+                self._publish_cache_changes(backend, t)
+                self._schedule_step(backend)
+            elif kind == _STEP:
+                backend, due = data
+                if self.engines[backend].next_event_s() != due:
+                    continue  # replanned since: a newer event stands for this engine
+                self._step(backend, t)
+            elif kind == _FIRST_BYTE:
+                # a one-token answer's completion can reach the proxy first: then no router
+                # holds it any more
+                if (router := self._router_of.get(data)) is not None:
+                    router.first_byte(data)
+            elif kind == _DONE:
+                self._done(data)
+                self._pending -= 1
+            elif kind == _PROBE:
+                door, b = data
+                rtt_ms = self.links[data].sample_rtt_ms()
+                for router in self.routers_at[door]:
+                    router.record_probe(b, rtt_ms)
+                self._push(t + self.probe_interval_s, _PROBE, data)
+            elif kind == _KV_EVENTS:
+                door, backend, changes = data
+                for router in self.routers_at[door]:
+                    router.apply_keyed_kv_events(
+                        backend, self.engine_block_tokens[backend], changes
+                    )
+            elif kind == _SCRAPE:
+                # The engine's reading now (as emulator/engine/status.py renders /metrics; one
+                # code path would need the engine server here) reaches
+                # the door a half-trip later.
+                door, b = data
+                self._push(t + self._one_way_s(door, b), _REPORT, (door, b, self._report(b)))
+                self._push(t + self.metrics_interval_s, _SCRAPE, data)
+            elif kind == _REPORT:
+                door, b, report = data
+                for router in self.routers_at[door]:
+                    router.record_engine_report(b, report)
+            elif kind == _PEER:
+                self._deliver(*data)
+            elif kind == _CALL:
+                data()
+            elif kind == _SEND:
+                # The client's due time: a free slot sends it now, else it waits.
+                assert self._cap is not None
+                self._dispatch(self._cap.arrive(data))
+            elif kind == _SLOT:
+                # A client saw its answer end: its slot goes to the longest waiting.
+                assert self._cap is not None
+                self._dispatch(self._cap.release())
+        # The last closes are still on the bus: deliver them, so every router's books close.
+        for t, _, kind, data in sorted(self._events):
+            if kind == _PEER:
+                self.now_s = t
+                self._deliver(*data)
+        ordered = [self.results[r.id] for r in self.trace]
+        return SimResult(
+            self.s,
+            ordered,
+            self.itl_ms,
+            self.router,
+            self.dropped,
+            dict(sorted(self.refused.items())),
+        )
+
+    def _dispatch(self, sent: Admitted[_Arrival] | None) -> None:
+        """The client sends a request given a slot (if any) now, holding the slot until
+        it sees the answer end; it reaches its front door one access half-trip later."""
+        if sent is None:
+            return
+        r, _, _, access_ms = sent.item
+        self._slip_ms[r.id] = sent.slip_s * 1000
+        self._push(self.now_s + access_ms / 2000, _ARRIVE, sent.item)
+
+    def _report(self, backend: str) -> EngineReport:
+        m = self.engines[backend]
+        kv_use = m.held_tokens / self.kv_capacity_tokens[backend]
+        return EngineReport(m.num_queued, m.num_started, kv_use)
+
+    def _publish_cache_changes(self, backend: str, t: float) -> None:
+        """Precise mode: the engine's cache changes reach each front door's routers a
+        half-trip later."""
+        cache = self.engines[backend].cache
+        if cache.events:
+            for door in self.routers_at:
+                self._push(
+                    t + self._one_way_s(door, backend), _KV_EVENTS, (door, backend, cache.events)
+                )
+            cache.events = []
+
+    def _arrive(self, r: TraceRequest, origin: str, door: str, access_ms: float) -> None:
+        if self.s.door_spacing_ms:
+            # The door is busy with an earlier request: this one waits its turn (FIFO).
+            self._door_arrival_s.setdefault(r.id, self.now_s)
+            free_s = self._door_free_s.get(door, 0.0)
+            if self.now_s < free_s:
+                self._push(free_s, _ARRIVE, (r, origin, door, access_ms))
+                return
+            self._door_free_s[door] = self.now_s + self.s.door_spacing_ms / 1000
+        llm = LlmRequest(
+            COMPLETIONS, ("",), (r.input_tokens,), r.output_tokens, True, r.model, None
+        )
+        per = max(1, r.block_tokens // self.router_block_tokens)
+        blocks = _sub_blocks(r.block_ids, per, 1)[: r.input_tokens // self.router_block_tokens]
+        engine_keys = None
+        if self.s.prefix_state == "precise":
+            per_engine = r.block_tokens // self.engine_block_tokens[self.s.regions[0]]
+            engine_keys = _sub_blocks(r.block_ids, per_engine, self._engine_salt(r))
+        routers = self.routers_at[door]
+        router = routers[zlib.crc32((r.session or r.id).encode()) % len(routers)]
+        request = RouteRequest(r.id, llm, r.session, blocks, engine_keys)
+        outcome = self.directors[id(router)].handle(request)
+        if isinstance(outcome, Refused):
+            self._refuse(r, origin, access_ms, outcome.refusal)
+            return
+        assert isinstance(outcome, Routed), outcome  # the simulator's fleet stays active
+        self._router_of[r.id] = router
+        d = outcome.decision
+        self.results[r.id] = RequestResult(
+            r.id,
+            d.backend,
+            input_tokens=r.input_tokens,
+            output_tokens=r.output_tokens,
+            predicted_cached_tokens=d.chosen.cached_tokens,
+            region=origin or None,
+            slip_ms=self._slip_ms.pop(r.id, 0.0),
+        )
+        # TTFT and E2E count from the door's arrival (a wait for the door included).
+        self._arrival_s[r.id] = self._door_arrival_s.pop(r.id, self.now_s)
+        # The router's predictions count from its decision: the row's, from where its
+        # TTFT and E2E count (the door's wait and the access leg are known, not predicted).
+        before_ms = (self.now_s - self._arrival_s[r.id]) * 1000 + access_ms
+        self.results[r.id].predicted_ttft_ms = d.chosen.predicted_ttft_ms + before_ms
+        self.results[r.id].predicted_e2e_ms = d.chosen.predicted_e2e_ms + before_ms
+        self._access_ms[r.id] = access_ms
+        link = self._link_of[r.id] = self.links[(door, d.backend)]
+        # Dispatch pacing: the router holds the request before Envoy sends it on.
+        delay_s = d.hold_ms / 1000 + link.one_way_delay_s()
+        if self.s.envoy_workers:
+            worker = self._worker_rng.randrange(self.s.envoy_workers)
+            key = self._conn_of[r.id] = (door, d.backend, worker)
+            busy = self._conns_busy.get(key, 0)
+            if busy >= self._conns_open.get(key, 0):
+                self._conns_open[key] = busy + 1
+                delay_s += link.sample_rtt_ms() / 1000  # the handshake
+            self._conns_busy[key] = busy + 1
+        self._push(self.now_s + delay_s, _AT_ENGINE, (d.backend, r))
+
+    def _engine_salt(self, r: TraceRequest) -> int | tuple[int, int]:
+        """What the request's engine blocks are keyed with: its model's namespace when the
+        fleet names models (one salt for every engine: precise mode's keys serve all)."""
+        return (0, cache_salt(r.model or self.default_model)) if self.by_model else 0
+
+    def _refuse(self, r: TraceRequest, origin: str, access_ms: float, refusal: Refusal) -> None:
+        """The router answered the request itself, no engine reached: counted, not timed
+        (its TTFT and E2E are not a model's); the client's slot frees when the answer
+        is back."""
+        code = refusal.status
+        self.refused[code] = self.refused.get(code, 0) + 1
+        self.results[r.id] = RequestResult(
+            r.id,
+            input_tokens=r.input_tokens,
+            output_tokens=r.output_tokens,
+            status="refused",
+            error=f"HTTP {code} {refusal.kind}: {refusal.message}",
+            region=origin or None,
+            slip_ms=self._slip_ms.pop(r.id, 0.0),
+        )
+        self._door_arrival_s.pop(r.id, None)
+        if self.s.protocol.max_concurrency is not None:
+            self._push(self.now_s + access_ms / 2000, _SLOT, r.id)
+        self._pending -= 1
+
+    def _step(self, backend: str, t: float) -> None:
+        # TTFT and E2E as the client sees them: at its front door, plus its access leg.
+        for e in self.engines[backend].advance(t):
+            res = self.results[e.rid]
+            link = self._link_of[e.rid]
+            if e.index == 0:
+                at_proxy_s = t + link.one_way_delay_s()
+                res.ttft_ms = (at_proxy_s - self._arrival_s[e.rid]) * 1000 + self._access_ms[e.rid]
+                res.cached_tokens = e.cached_tokens
+                self._push(at_proxy_s, _FIRST_BYTE, e.rid)
+            else:
+                self.itl_ms.append((t - self._last_emit_s[e.rid]) * 1000)
+            self._last_emit_s[e.rid] = t
+            if e.finished:
+                done_s = t + link.one_way_delay_s()
+                e2e_ms = (done_s - self._arrival_s[e.rid]) * 1000 + self._access_ms[e.rid]
+                res.e2e_ms = max(res.ttft_ms or 0.0, e2e_ms)
+                self._push(max(done_s, t), _DONE, e.rid)
+        self._publish_cache_changes(backend, t)
+        self._schedule_step(backend)
+
+    def _done(self, rid: str) -> None:
+        res = self.results[rid]
+        assert res.e2e_ms is not None
+        access_ms = self._access_ms.pop(rid)
+        at_door_ms = res.e2e_ms - access_ms
+        if self.s.protocol.max_concurrency is not None:
+            # The client frees its slot when it has seen the whole answer: E2E after it
+            # sent the request (a first byte delayed past the last one included).
+            sent_s = self._arrival_s[rid] - access_ms / 2000
+            self._push(max(self.now_s, sent_s + res.e2e_ms / 1000), _SLOT, rid)
+        del self._link_of[rid], self._last_emit_s[rid]
+        if (conn := self._conn_of.pop(rid, None)) is not None:
+            self._conns_busy[conn] -= 1
+        self._router_of.pop(rid).close(rid, Status.OK, at_door_ms, cached_tokens=res.cached_tokens)
+        if self.hook is not None:
+            self.hook(res, self.router)
+
+
+def simulate(
+    trace: Sequence[TraceRequest], settings: SimSettings, hook: CompletionHook | None = None
+) -> SimResult:
+    return Simulation(trace, settings, hook).run()
