@@ -113,7 +113,7 @@ def load(
     """A request another router sent to `backend`, in flight from now: it loads the
     queue and KV estimates and the in-flight counts as the router's own requests do, and
     nothing learns from it. decoding: its first byte came now (nothing left to prefill)."""
-    router.apply_peer(
+    router.inputs.apply_peer(
         PeerEvent(
             PeerKind.DISPATCHED,
             "peer",
@@ -125,7 +125,7 @@ def load(
         )
     )
     if decoding:
-        router.apply_peer(PeerEvent(PeerKind.FIRST_BYTE, "peer", request_id, backend))
+        router.inputs.apply_peer(PeerEvent(PeerKind.FIRST_BYTE, "peer", request_id, backend))
 
 
 class Dispatches(Listener):

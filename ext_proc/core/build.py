@@ -7,6 +7,13 @@ from collections.abc import Callable, Iterable
 from dataclasses import replace
 
 from ext_proc.config.schema import Config, TunerMode
+from ext_proc.core.learners import (
+    Ejector,
+    PredictionLearner,
+    PrefixLearner,
+    SpeedLearner,
+    TunerLearner,
+)
 from ext_proc.core.router import Router
 from ext_proc.learn.settings import StateSink, TunerSettings, TunerState
 from ext_proc.learn.tuner import Tuner
@@ -56,6 +63,23 @@ def build_router(
         settings = tuner_settings(cfg, info)
         tuner = Tuner(settings, weights, tuner_rng, tuner_state, tuner_sink)
     router = Router(cfg, clock, policy, weights, tuner)
-    for listener in listeners:
+    for listener in (*learners(router, tuner), *listeners):
         router.subscribe(listener)
     return router
+
+
+def learners(router: Router, tuner: Tuner | None) -> list[Listener]:
+    """What learns from each outcome, in the order it hears: the prefix index, each
+    backend's speed, ejection, the prediction figures, the tuner's arms."""
+    state, cfg = router.fleet.state, router.cfg
+    out: list[Listener] = [
+        PrefixLearner(state, cfg.routing.block_tokens),
+        SpeedLearner(state),
+        Ejector(state, cfg.routing),
+        PredictionLearner(state),
+    ]
+    if tuner is not None:
+        failure_ms = cfg.request_timeout_s * 1000
+        would_pick = getattr(router.policy, "would_pick", None)
+        out.append(TunerLearner(tuner, failure_ms, state.profiles, would_pick))
+    return out

@@ -18,7 +18,7 @@ from typing import Any
 
 from ext_proc.config.dump import backend_as_dict
 from ext_proc.config.schema import Config
-from ext_proc.core.backend import BackendState, EngineView, Learned, TokenCheck
+from ext_proc.core.backend import BackendState, EngineView, Learned
 from ext_proc.core.state import FleetState
 from ext_proc.estimate.cost import PrefillModel
 from ext_proc.estimate.engine_index import EngineBlocks
@@ -328,60 +328,3 @@ class Fleet:
                 reset=reset,
             )
         )
-
-
-class FleetControls:
-    """The fleet's changes as methods of the router (mixed into `core.router.Router`)."""
-
-    __slots__ = ()
-    _fleet: Fleet
-
-    @property
-    def confirm_new_backends(self) -> bool:
-        """New backends start pending until the shell activates them (Envoy has them)."""
-        return self._fleet.confirm_new_backends
-
-    @confirm_new_backends.setter
-    def confirm_new_backends(self, on: bool) -> None:
-        self._fleet.confirm_new_backends = on
-
-    @property
-    def draining(self) -> tuple[str, ...]:
-        return self._fleet.draining
-
-    def lifecycle(self, backend: str) -> BackendLifecycle:
-        return self._fleet.lifecycle(backend)
-
-    def add_backend(self, b: Backend, reason: str = "admin") -> BackendLifecycle:
-        return self._fleet.add(b, reason)
-
-    def activate_backend(self, backend: str, reason: str = "envoy") -> bool:
-        return self._fleet.activate(backend, reason)
-
-    def drain_backend(self, backend: str, reason: str = "admin") -> BackendLifecycle:
-        return self._fleet.drain(backend, reason)
-
-    def reactivate_backend(self, backend: str, reason: str = "reload") -> None:
-        self._fleet.reactivate(backend, reason)
-
-    def update_backend(self, new: Backend, reason: str = "reload") -> bool:
-        return self._fleet.update(new, reason)
-
-    def reconcile(self, backends: Sequence[Backend], reason: str = "reload") -> FleetChanges:
-        return self._fleet.reconcile(backends, reason)
-
-    def apply_live_keys(self, new: Config) -> list[str]:
-        return self._fleet.apply_live_keys(new)
-
-    def backends_json(self) -> list[dict[str, Any]]:
-        return self._fleet.backends_json()
-
-    def set_token_check(self, backend: str, ok: bool, reason: str) -> None:
-        """Whether the router's token ids are the backend's engine's (a backend gone
-        meanwhile is ignored); not ok keeps its prefix state approximate."""
-        b = self._fleet.state.backends.get(backend)
-        if b is not None:
-            b.engine.tokens = TokenCheck(ok, reason)
-
-    def removed_json(self, now_s: float) -> list[dict[str, Any]]:
-        return self._fleet.removed_json(now_s)

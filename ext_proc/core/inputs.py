@@ -1,11 +1,13 @@
-"""What the router hears besides Envoy, as methods of the router (`RouterInputs`, mixed
-into `core.router.Router`): the engines' KV events, RTT probes, engine load reports,
-fallback completions, the models each engine serves and the other routers' dispatches."""
+"""What the router hears besides Envoy (`RouterInputs`, the router's `inputs`): the
+engines' KV events, RTT probes, engine load reports, fallback completions, the models each
+engine serves, whether the router's token ids are an engine's, and the other routers'
+dispatches. Each goes into the fleet's records; a backend removed meanwhile ignores it."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from ext_proc.core.backend import TokenCheck
 from ext_proc.core.fleet import Fleet
 from ext_proc.estimate.engine_index import Applied, EngineBlocks
 from ext_proc.feeds.engine_metrics import EngineReport
@@ -16,9 +18,11 @@ from ext_proc.vocab.types import InFlight
 
 
 class RouterInputs:
-    __slots__ = ()
-    _fleet: Fleet
-    clock: Callable[[], float]
+    __slots__ = ("_fleet", "clock")
+
+    def __init__(self, fleet: Fleet, clock: Callable[[], float]) -> None:
+        self._fleet = fleet
+        self.clock = clock
 
     def apply_kv_events(self, backend: str, batch: EventBatch) -> Applied:
         """One batch from the backend's engine, in order (see EngineBlocks.apply); a
@@ -101,3 +105,10 @@ class RouterInputs:
 
     def record_fallback(self, backend: str) -> None:
         self._fleet.state.record_fallback(backend)
+
+    def set_token_check(self, backend: str, ok: bool, reason: str) -> None:
+        """Whether the router's token ids are the backend's engine's; not ok keeps its
+        prefix state approximate."""
+        b = self._fleet.state.backends.get(backend)
+        if b is not None:
+            b.engine.tokens = TokenCheck(ok, reason)

@@ -29,15 +29,8 @@ from ext_proc.core.features import (
     pace_ms,
     prefix_state_for,
 )
-from ext_proc.core.fleet import Fleet, FleetControls
+from ext_proc.core.fleet import Fleet
 from ext_proc.core.inputs import RouterInputs
-from ext_proc.core.learners import (
-    Ejector,
-    PredictionLearner,
-    PrefixLearner,
-    SpeedLearner,
-    TunerLearner,
-)
 from ext_proc.estimate.prefix import Hashes
 from ext_proc.learn.tuner import Tuner
 from ext_proc.vocab.events import BackendChanged, Closed, Dispatched, FirstByte, Listener
@@ -56,7 +49,11 @@ from ext_proc.vocab.types import (
 log = logging.getLogger("gorgo.router")
 
 
-class Router(RouterInputs, FleetControls):
+class Router:
+    """Decides where each request goes and closes it, whatever ends it (the request's
+    lifecycle); its fleet (`fleet`: backends added, drained, removed) and what it hears
+    from outside (`inputs`) are objects of their own."""
+
     __slots__ = (
         "_decisions",
         "_features",
@@ -67,6 +64,7 @@ class Router(RouterInputs, FleetControls):
         "_tuner",
         "_weights",
         "clock",
+        "inputs",
     )
 
     def __init__(
@@ -86,22 +84,13 @@ class Router(RouterInputs, FleetControls):
         self._tuner = tuner
         self._weights = weights
         self._fleet = Fleet(cfg, clock, self._emit)
+        self.inputs = RouterInputs(self._fleet, clock)
         self._features = Features(self._fleet, clock)
         self._decisions = 0
         self._log = DecisionLog(cfg.telemetry.recent_decisions)
-        state = self._fleet.state
-        # The learners, in the order they hear each event; more can subscribe.
-        self._listeners: list[Listener] = [
-            PrefixLearner(state, cfg.routing.block_tokens),
-            SpeedLearner(state),
-            Ejector(state, cfg.routing),
-            PredictionLearner(state),
-            self._log,
-        ]
-        if tuner is not None:
-            failure_ms = cfg.request_timeout_s * 1000
-            would_pick = getattr(policy, "would_pick", None)
-            self._listeners.append(TunerLearner(tuner, failure_ms, state.profiles, would_pick))
+        # Who hears each event, in order: its own decision log, then what subscribes (the
+        # learners first: core.build.build_router).
+        self._listeners: list[Listener] = [self._log]
 
     def subscribe(self, listener: Listener) -> None:
         self._listeners.append(listener)
@@ -112,6 +101,18 @@ class Router(RouterInputs, FleetControls):
     def cfg(self) -> Config:
         """The config in force (its backends and live keys change at run time)."""
         return self._fleet.cfg
+
+    @property
+    def fleet(self) -> Fleet:
+        """The fleet's changes: backends added, activated, drained, updated, reconciled
+        with a config (core.fleet)."""
+        return self._fleet
+
+    @property
+    def features(self) -> Features:
+        """What each candidate would cost a request (core.features): its prompt's
+        blocks, the candidates with their terms, a backend's queue estimate."""
+        return self._features
 
     @property
     def policy(self) -> Policy:
@@ -150,14 +151,6 @@ class Router(RouterInputs, FleetControls):
         """Other routers' requests in flight, as their dispatches told us."""
         return MappingProxyType(self._fleet.state.peer_in_flight)
 
-    @property
-    def removed(self) -> tuple[dict[str, Any], ...]:
-        """The backends removed lately (for /state and the lifecycle metric)."""
-        return tuple(self._fleet.removed)
-
-    def own_in_flight(self, backend: str) -> int:
-        return self._fleet.state.own_in_flight(backend)
-
     def snapshot(self, decisions: bool = True) -> dict[str, Any]:
         """/state; `decisions=False` leaves out the recent decisions (the page's poll)."""
         return views.snapshot(
@@ -170,16 +163,6 @@ class Router(RouterInputs, FleetControls):
         )
 
     # -- deciding -----------------------------------------------------------------------
-
-    def prompt_blocks(self, request: RouteRequest) -> list[Hashes]:
-        """Each prompt's prefix-block hashes (one list per prompt of a batch)."""
-        return self._features.prompt_blocks(request)
-
-    def candidates(self, request: RouteRequest, blocks: list[Hashes]) -> tuple[Candidate, ...]:
-        return self._features.candidates(request, blocks)
-
-    def queue_estimate_ms(self, backend: str, now_s: float, need_kv_tokens: int = 0) -> float:
-        return self._features.queue_estimate_ms(backend, now_s, need_kv_tokens)
 
     def served_models(self) -> dict[str, str | None] | None:
         """The fleet's models, name -> parent (core.admission.fleet_models)."""

@@ -148,7 +148,7 @@ class AccessLogService:
         if closed is not None or forwarded:
             return
         if e.route_name == ROUTE_FALLBACK:
-            self.router.record_fallback(e.backend)
+            self.router.inputs.record_fallback(e.backend)
             if self.on_fallback is not None:
                 self.on_fallback(e.backend)
         elif self.forward is not None:  # routed, by another router: its to learn from

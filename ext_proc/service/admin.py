@@ -98,7 +98,7 @@ def make_admin_app(
         return web.json_response(t.snapshot())
 
     def backend_json(backend: str) -> dict[str, Any]:
-        for b in router.backends_json():
+        for b in router.fleet.backends_json():
             if b["id"] == backend:
                 return b
         return {"id": backend, "lifecycle": "removed"}
@@ -111,7 +111,7 @@ def make_admin_app(
     async def list_backends(_: web.Request) -> web.Response:
         now_s = router.clock()
         return web.json_response(
-            {"backends": router.backends_json(), "removed": router.removed_json(now_s)}
+            {"backends": router.fleet.backends_json(), "removed": router.fleet.removed_json(now_s)}
         )
 
     async def add_backend(request: web.Request) -> web.Response:
@@ -125,7 +125,7 @@ def make_admin_app(
         except ConfigError as e:
             return _error(400, str(e))
         try:
-            router.add_backend(b, "admin")
+            router.fleet.add(b, "admin")
         except FleetConflict as e:
             return _error(409, str(e))
         await settled()
@@ -135,7 +135,7 @@ def make_admin_app(
         """No new decisions; removed once its requests in flight have closed."""
         backend = request.match_info["id"]
         try:
-            router.drain_backend(backend, "admin")
+            router.fleet.drain(backend, "admin")
         except UnknownBackend:
             return _error(404, f"no backend {backend!r}")
         except FleetConflict as e:

@@ -99,7 +99,7 @@ class Running:
 async def _expire_loop(router: Router, prober: Prober) -> None:
     while True:
         await asyncio.sleep(EXPIRE_INTERVAL_S)
-        for backend in router.late_backends():  # a late first byte: is the link still there?
+        for backend in router.inputs.late_backends():  # a late first byte: is the link still there?
             prober.poke(backend)
         for c in router.expire():
             log.warning("request %s on %s: no completion seen, expired", c.request_id, c.backend)
@@ -125,9 +125,9 @@ async def running_service(
             stack.callback(state_file.close)
         router = make_router(cfg, state_file)
         # New backends wait for Envoy to have their clusters (FleetShell) before decisions.
-        router.confirm_new_backends = True
+        router.fleet.confirm_new_backends = True
         try:  # Envoy's backend clusters, before anything can ask for them
-            write_xds(router.cfg, router.draining)
+            write_xds(router.cfg, router.fleet.draining)
         except OSError as e:
             raise OSError(f"envoy.xds_dir: cannot write {cfg.envoy.xds_dir}: {e}") from e
         telemetry = Telemetry(cfg.telemetry, router, exporter)

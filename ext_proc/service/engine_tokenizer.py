@@ -108,7 +108,7 @@ class EngineTokenizers:
     async def start(self) -> None:
         watched = self._watched()
         for b in watched:
-            self.router.set_token_check(b.id, False, PENDING)
+            self.router.inputs.set_token_check(b.id, False, PENDING)
         self._session = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
         )
@@ -168,7 +168,9 @@ class EngineTokenizers:
         try:
             model, root = await self._served_model(base)
         except (aiohttp.ClientError, TimeoutError, ValueError) as e:
-            self.router.set_token_check(b.id, False, f"engine not reachable for a check: {e}")
+            self.router.inputs.set_token_check(
+                b.id, False, f"engine not reachable for a check: {e}"
+            )
             return
         self._models[b.id] = model
         if self.engine is None:
@@ -180,12 +182,12 @@ class EngineTokenizers:
         try:
             verdict = await self._verify(b, base, model, engine, spot)
         except TokenizeUnsupported:
-            self.router.set_token_check(
+            self.router.inputs.set_token_check(
                 b.id, True, f"trusted: {b.engine} has no tokenize endpoint to check against"
             )
             return
         except (aiohttp.ClientError, TimeoutError, ValueError) as e:
-            self.router.set_token_check(b.id, False, f"tokenize check failed: {e}")
+            self.router.inputs.set_token_check(b.id, False, f"tokenize check failed: {e}")
             return
         self.checks += 1
         if verdict:
@@ -193,7 +195,7 @@ class EngineTokenizers:
             self._fail(b, verdict)
         elif not self.router.backends[b.id].engine.tokens.ok or not spot:
             log.info("backend %s: tokenizer %s matches its engine", b.id, engine.tokenizer.name)
-            self.router.set_token_check(b.id, True, f"verified against {model}")
+            self.router.inputs.set_token_check(b.id, True, f"verified against {model}")
 
     def _fail(self, b: Backend, reason: str) -> None:
         state = self.router.backends.get(b.id)
@@ -204,7 +206,7 @@ class EngineTokenizers:
                 b.id,
                 reason,
             )
-        self.router.set_token_check(b.id, False, reason)
+        self.router.inputs.set_token_check(b.id, False, reason)
 
     async def _served_model(self, base: str) -> tuple[str, str]:
         assert self._session is not None

@@ -118,7 +118,7 @@ class FleetShell(Listener):
 
     async def _tell_envoy(self) -> None:
         try:  # off the loop: the files grow with the fleet (snapshots: cfg, draining)
-            await asyncio.to_thread(write_xds, self.router.cfg, self.router.draining)
+            await asyncio.to_thread(write_xds, self.router.cfg, self.router.fleet.draining)
             self.xds_writes += 1
             self.xds_error = ""
         except OSError as err:
@@ -129,10 +129,10 @@ class FleetShell(Listener):
         pending = [b for b, st in self.router.backends.items() if st.lifecycle is _PENDING]
         if not pending:
             return
-        missing = await wait_envoy(self.router.cfg, self.router.draining, ENVOY_WAIT_S)
+        missing = await wait_envoy(self.router.cfg, self.router.fleet.draining, ENVOY_WAIT_S)
         for b in pending:
             if b not in missing:
-                self.router.activate_backend(b)
+                self.router.fleet.activate(b)
         still = [b for b in pending if b in missing and b in self.router.backends]
         if still:
             log.error(

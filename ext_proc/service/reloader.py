@@ -109,7 +109,7 @@ class ConfigReloader:
             try:
                 # Off the event loop: a configured tokenizer is loaded to validate it.
                 new, text = await asyncio.to_thread(read_config, self.path)
-                changes = self.router.reconcile(new.backends, "reload")
+                changes = self.router.fleet.reconcile(new.backends, "reload")
             except Exception as e:  # ConfigError names the key; anything else: still refused
                 if not isinstance(e, ConfigError | FleetConflict):
                     log.exception("config reload (%s) failed", trigger)
@@ -120,7 +120,7 @@ class ConfigReloader:
                     self.source.error = str(e)  # still not the file's config that runs
                 log.error("config reload (%s) refused, the running config stays: %s", trigger, e)
                 return False
-            live = self.router.apply_live_keys(new)
+            live = self.router.fleet.apply_live_keys(new)
             self.restart_required = changed_keys(self.router.cfg, new)
             self.source.running(text)
             self.reloads += 1

@@ -133,14 +133,14 @@ class _LiveGauges(Collector):
 
     def _lifecycle(self) -> GaugeMetricFamily:
         """Per backend, 1 for its lifecycle now and 0 for the others; the backends removed
-        lately (Router.removed) show removed = 1."""
+        lately (Fleet.removed) show removed = 1."""
         g = GaugeMetricFamily(
             "gorgo_backend_lifecycle",
             "1 for the backend's lifecycle now (pending, active, draining, removed)",
             labels=["backend", "state"],
         )
         current = {b.id: b.lifecycle for b in self.router.backends.values()}
-        for r in self.router.removed:
+        for r in self.router.fleet.removed:
             current.setdefault(r["id"], BackendLifecycle.REMOVED)
         for backend, now in current.items():
             for state in BackendLifecycle:

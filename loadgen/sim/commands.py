@@ -9,7 +9,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from ext_proc.estimate.profile import DEFAULT_PROFILE
+from ext_proc.vocab.backend import DEFAULT_PROFILE
 from loadgen.client.protocol import add_protocol_flags
 from loadgen.traces.load import TRACE_HELP
 

@@ -268,7 +268,7 @@ class Simulation:
         self.directors = {id(router): Director(router) for router in self.routers}
         for router in self.routers:  # as discovery reads each engine's /v1/models at start
             for r in settings.regions:
-                router.record_models(r, self.served[r])
+                router.inputs.record_models(r, self.served[r])
         if settings.share_dispatches:
             for door, rs in self.routers_at.items():
                 for i, router in enumerate(rs):
@@ -283,7 +283,7 @@ class Simulation:
             for r in settings.regions:
                 self.engines[r].cache.events = []
                 for router in self.routers:
-                    router.expect_engine_events(r)
+                    router.inputs.expect_engine_events(r)
         self.router_block_tokens = cfg.routing.block_tokens
         self.probe_interval_s = cfg.probes.interval_s
         self.metrics_interval_s = cfg.probes.metrics_interval_s
@@ -340,7 +340,7 @@ class Simulation:
     def _deliver(self, door: str, sender: Router, e: PeerEvent) -> None:
         for router in self.routers_at[door]:
             if router is not sender:
-                router.apply_peer(e)
+                router.inputs.apply_peer(e)
 
     def _one_way_s(self, door: str, backend: str) -> float:
         """The mean half-trip (no draw: the seeded delays of requests stay what they are)."""
@@ -398,12 +398,12 @@ class Simulation:
                 door, b = data
                 rtt_ms = self.links[data].sample_rtt_ms()
                 for router in self.routers_at[door]:
-                    router.record_probe(b, rtt_ms)
+                    router.inputs.record_probe(b, rtt_ms)
                 self._push(t + self.probe_interval_s, _PROBE, data)
             elif kind == _KV_EVENTS:
                 door, backend, changes = data
                 for router in self.routers_at[door]:
-                    router.apply_keyed_kv_events(
+                    router.inputs.apply_keyed_kv_events(
                         backend, self.engine_block_tokens[backend], changes
                     )
             elif kind == _SCRAPE:
@@ -416,7 +416,7 @@ class Simulation:
             elif kind == _REPORT:
                 door, b, report = data
                 for router in self.routers_at[door]:
-                    router.record_engine_report(b, report)
+                    router.inputs.record_engine_report(b, report)
             elif kind == _PEER:
                 self._deliver(*data)
             elif kind == _CALL:

@@ -86,7 +86,7 @@ async def started(unused_tcp_port_factory: Callable[[], int]) -> AsyncIterator[S
             "kv_events": {"endpoint": "tcp://*:1"},
         }
         router, _ = make_router("gorgo", backends=[backend])
-        router.set_event_stream("a", True)
+        router.inputs.set_event_stream("a", True)
         configured = load_engine_tokenizer(tokenizer) if tokenizer else None
         ext_proc = ExtProcService(
             router,
@@ -174,9 +174,9 @@ async def test_a_stream_that_comes_back_is_checked_again_and_spot_checks_use_liv
     router, ext_proc, checker = await started(engine)
     assert (await settled(router)).ok
     calls = engine.tokenize_calls
-    router.set_event_stream("a", False)
+    router.inputs.set_event_stream("a", False)
     await checker.check_due()
-    router.set_event_stream("a", True)  # back: maybe a restarted engine
+    router.inputs.set_event_stream("a", True)  # back: maybe a restarted engine
     await checker.check_due()
     assert engine.tokenize_calls == calls + 2
     # a spot check: the last live request, tokenized by the engine, with the probe's

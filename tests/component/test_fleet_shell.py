@@ -177,7 +177,7 @@ async def test_admin_add_drain_delete_with_tokens_and_the_shell_follows(
             *(log_entry(rid, 200, 5) for rid in ("s0", "s1", "s2") if rid not in on_b)
         )
         await h.access_log(*(log_entry(f"t{i}", 200, 5) for i in range(8)))
-        assert svc.router.lifecycle("b").value == "draining"
+        assert svc.router.fleet.lifecycle("b").value == "draining"
         await h.access_log(log_entry(on_b[0], 200, 5))
         await eventually(lambda: "b" not in svc.router.backends)
         await shell.settle()
@@ -251,17 +251,17 @@ async def test_a_new_backend_waits_for_envoy_then_the_files_follow_the_fleet(
             async with s.post(f"{url}/backends", json=item, headers=TOKEN) as r:
                 assert r.status == 201 and (await r.json())["lifecycle"] == "pending"
             assert "c" in clusters_in_files()  # Envoy is told first
-            assert svc.router.lifecycle("c").value == "pending"
+            assert svc.router.fleet.lifecycle("c").value == "pending"
             assert all(svc.router.decide(_req(f"p{i}")).backend != "c" for i in range(6))
             for i in range(6):
                 svc.router.close(f"p{i}", Status.OK)
             shown.add("c")  # Envoy has it now: active at the next look
-            await eventually(lambda: svc.router.lifecycle("c").value == "active")
+            await eventually(lambda: svc.router.fleet.lifecycle("c").value == "active")
             writes = svc.fleet_shell.xds_writes
             # Drain: Envoy keeps its cluster while requests finish; removal rewrites.
             svc.router.decide(_req("q"))
             busy = svc.router.in_flight["q"].backend
-            svc.router.drain_backend(busy)
+            svc.router.fleet.drain(busy)
             await svc.fleet_shell.settle()
             assert busy in clusters_in_files() and svc.fleet_shell.xds_writes > writes
             fallback = (xds / "eds-gorgo_fallback.yaml").read_text()
@@ -309,9 +309,9 @@ async def test_a_changed_file_is_applied_and_an_invalid_one_refused(
         path.write_text(yaml.safe_dump(new))
         await eventually(lambda: reloader.reloads == 1, 4.0)
         await svc.fleet_shell.settle()
-        assert svc.router.lifecycle("d").value == "active"
+        assert svc.router.fleet.lifecycle("d").value == "active"
         if busy == "c":  # a request in flight there: draining until it completes
-            assert svc.router.lifecycle("c").value == "draining"
+            assert svc.router.fleet.lifecycle("c").value == "draining"
         else:
             assert "c" not in svc.router.backends
         assert svc.router.cfg.routing.shed_queue_ms == 900  # live

@@ -272,7 +272,7 @@ async def test_a_paced_decision_is_sent_after_its_hold() -> None:
     ).encode()
     async with running_service(cfg) as svc:
         for s in (100, 300, 20, 300, 20, 300):  # a jitter of ~100 ms: 2 sigma ~200 ms
-            svc.router.record_probe("a", s)
+            svc.router.inputs.record_probe("a", s)
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{svc.grpc_port}")
         waited_s = []
         for rid in ("p1", "p2"):

@@ -29,6 +29,7 @@ from ext_proc.common.aio import cancel_and_wait
 from ext_proc.config.load import config_from_dict
 from ext_proc.config.schema import Config
 from ext_proc.core.build import build_router
+from ext_proc.core.inputs import RouterInputs
 from ext_proc.core.router import Router
 from ext_proc.estimate.engine_index import Applied, EngineBlocks
 from ext_proc.feeds.kv_events import PART_EVENTS, BlockStored, EventBatch, decode_message
@@ -130,7 +131,9 @@ async def test_precise_state_follows_the_engine_and_falls_back_when_its_stream_d
             request = RouteRequest("probe", llm, None)
 
             async def predicted() -> int:
-                (c,) = svc.router.candidates(request, svc.router.prompt_blocks(request))
+                (c,) = svc.router.features.candidates(
+                    request, svc.router.features.prompt_blocks(request)
+                )
                 return c.cached_tokens
 
             async def caught_up() -> bool:  # the events travel apart from the answer
@@ -260,13 +263,13 @@ class RawPublisher:
 def recorded(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[EventBatch]]:
     """Every batch (part) the subscribers hand to a router."""
     seen: list[EventBatch] = []
-    apply = Router.apply_kv_events
+    apply = RouterInputs.apply_kv_events
 
-    def record(self: Router, backend: str, batch: EventBatch) -> Applied:
+    def record(self: RouterInputs, backend: str, batch: EventBatch) -> Applied:
         seen.append(batch)
         return apply(self, backend, batch)
 
-    monkeypatch.setattr(Router, "apply_kv_events", record)
+    monkeypatch.setattr(RouterInputs, "apply_kv_events", record)
     yield seen
 
 
@@ -385,14 +388,14 @@ async def test_a_failing_subscriber_is_restarted_with_growing_backoff(
     kv = KvEventsConfig(endpoint=f"tcp://*:{port}")
     pub = KvEventPublisher(kv)
     failures = [RuntimeError("index exploded"), RuntimeError("index exploded again")]
-    apply = Router.apply_kv_events
+    apply = RouterInputs.apply_kv_events
 
-    def flaky(self: Router, backend: str, batch: EventBatch) -> Applied:
+    def flaky(self: RouterInputs, backend: str, batch: EventBatch) -> Applied:
         if failures:
             raise failures.pop(0)
         return apply(self, backend, batch)
 
-    monkeypatch.setattr(Router, "apply_kv_events", flaky)
+    monkeypatch.setattr(RouterInputs, "apply_kv_events", flaky)
     async with subscribed(backend_cfg(endpoint=f"tcp://*:{port}"), pub) as (router, clients, e):
         restarted_at = []
         for i in range(3):

@@ -98,7 +98,7 @@ async def test_a_probe_into_a_silent_link_fails_after_a_few_rtts_not_the_whole_t
     await prober.start()
     try:
         assert prober.timeout_s("a") == 5.0  # no probe has answered yet: the whole timeout
-        router.record_probe("a", 20.0)  # it had answered once
+        router.inputs.record_probe("a", 20.0)  # it had answered once
         assert prober.timeout_s("a") == PROBE_TIMEOUT_FLOOR_S
         start = time.monotonic()
         assert await prober.probe_once(cfg.backends[0]) is None

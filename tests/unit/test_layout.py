@@ -145,6 +145,8 @@ def test_a_package_imports_only_what_its_docstring_allows(package: str) -> None:
         set() if "nothing" in said.group(1) else set(re.split(r"[,\s]+", said.group(1).strip()))
     )
     assert package_graph().get(package, set()) <= allowed
+
+
 def oversized(path: Path, max_file_lines: int, max_class_lines: int) -> list[str]:
     """What of the file is over the caps: the file itself, or a class in it."""
     text = path.read_text(encoding="utf-8")

@@ -158,7 +158,7 @@ class FleetBus:
                 self.forwarded_here += 1
                 self.on_forwarded(e)  # ours: the others ignore it
             return
-        self.router.apply_peer(e)
+        self.router.inputs.apply_peer(e)
 
     async def _on_error(self, e: Exception) -> None:
         log.warning("fleet bus: %s", e)

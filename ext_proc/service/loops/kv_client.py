@@ -203,4 +203,4 @@ class KvEventClients:
                 backend,
                 "up: the engine's own prefix state" if up else "down: approximate prefix state",
             )
-            self.router.set_event_stream(backend, up)
+            self.router.inputs.set_event_stream(backend, up)

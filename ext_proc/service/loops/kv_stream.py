@@ -218,7 +218,7 @@ class RankStream:
                 head = step
                 if live and self._already_replayed(step):
                     return None
-                applied = self.router.apply_kv_events(self.backend, step)
+                applied = self.router.inputs.apply_kv_events(self.backend, step)
                 if applied.gap:
                     return step, applied
                 if applied.restarted:
@@ -228,7 +228,7 @@ class RankStream:
                         step.dp_rank,
                     )
             else:
-                self.router.apply_kv_events(self.backend, step)
+                self.router.inputs.apply_kv_events(self.backend, step)
             self.skipped_events += step.skipped
             started = await _breathe(started)
         assert head is not None  # decode_parts yields part 0 at least

@@ -211,7 +211,7 @@ class Prober:
             if state is None:  # removed while the probe was out
                 return
             was_suspect = state.health.suspect
-            self.router.record_probe(b.id, rtt_ms)
+            self.router.inputs.record_probe(b.id, rtt_ms)
             now_suspect = state.health.suspect
             if now_suspect != was_suspect:
                 log.warning(
@@ -271,7 +271,7 @@ class Prober:
                     if resp.status != 200:
                         raise MetricsError(f"HTTP {resp.status}")
                 report = parse_engine_metrics(text)
-                new_pool = self.router.record_engine_report(b.id, report)
+                new_pool = self.router.inputs.record_engine_report(b.id, report)
                 state = self.router.backends.get(b.id)
                 if state is not None and (new_pool or not pool_said):
                     log.log(*kv_pool_note(state))
@@ -311,7 +311,7 @@ class Prober:
                 if resp.status != 200:
                     raise ModelsError(f"HTTP {resp.status}")
                 served = parse_models(await resp.json(content_type=None))
-            if self.router.record_models(b.id, served):
+            if self.router.inputs.record_models(b.id, served):
                 log.info("backend %s serves %s", b.id, ", ".join(sorted(served.names)))
         except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as e:
             log.debug("models of %s: %s", b.id, e)

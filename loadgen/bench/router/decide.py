@@ -73,7 +73,7 @@ def _router(n_backends: int, precise: bool = False, recent_decisions: int = 1000
     clock_s = [0.0]
     router = build_router(cfg, lambda: clock_s[0], random.Random(0))
     for b in router.backends:
-        router.set_event_stream(b, True)
+        router.inputs.set_event_stream(b, True)
     return router
 
 
@@ -110,7 +110,7 @@ def measure(
     # the measured prompt's history is cached on a third of the backends
     req0 = RouteRequest("seed", parse_body(CHAT, body), None)
     for i in range(0, n_backends, 3):
-        router.backends[f"b{i}"].prefix.insert(router.prompt_blocks(req0)[0], 1.0)
+        router.backends[f"b{i}"].prefix.insert(router.features.prompt_blocks(req0)[0], 1.0)
     _freeze_gc()
     decide_ms, full_ms = [], []
     for i in range(iterations):

@@ -73,17 +73,17 @@ def bench(tokens: int, repeat: int) -> dict[str, float]:
         }
     )
     router = build_router(cfg, lambda: 0.0, random.Random(0))
-    router.apply_kv_events("a", EventBatch("", 0, 0.0, chained, 0))
-    router.set_event_stream("a", True)
+    router.inputs.apply_kv_events("a", EventBatch("", 0, 0.0, chained, 0))
+    router.inputs.set_event_stream("a", True)
     body = json.dumps({"prompt": ids, "max_tokens": 1}).encode()
     llm = parse_body(COMPLETIONS, body)
     llm = dataclasses.replace(llm, prompts=(TokenIds(ids),))
     request = RouteRequest("bench", llm, None)
-    blocks = router.prompt_blocks(request)
-    (c,) = router.candidates(request, blocks)
+    blocks = router.features.prompt_blocks(request)
+    (c,) = router.features.candidates(request, blocks)
     assert c.cached_tokens > 0.9 * tokens, c.cached_tokens  # the engine's state matched
     return {
-        "decide_ms": _best_ms(lambda: router.candidates(request, blocks), repeat),
+        "decide_ms": _best_ms(lambda: router.features.candidates(request, blocks), repeat),
         "apply_one_event_a_token_ms": _best_ms(apply(one_a_token), repeat),
         "apply_coalesced_ms": _best_ms(apply(chained), repeat),
         "cached_tokens": float(c.cached_tokens),

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ext_proc.estimate.profile import DEFAULT_PROFILE
+from ext_proc.vocab.backend import DEFAULT_PROFILE
 from loadgen.bench.sim.policies import BASELINES
 from loadgen.traces.readers import CONVERSATION_TRACE
 

@@ -20,9 +20,9 @@ BACKENDS = [
 
 def fleet(**routing: object) -> tuple[Router, FakeClock]:
     r, clock = make_router("gorgo", backends=BACKENDS, routing=routing)
-    r.record_models("a", ServedModels(frozenset({"alpha"})))
-    r.record_models("b", ServedModels(frozenset({"alpha"}), {"alpha-sql": "alpha"}))
-    r.record_models("c", ServedModels(frozenset({"beta"})))
+    r.inputs.record_models("a", ServedModels(frozenset({"alpha"})))
+    r.inputs.record_models("b", ServedModels(frozenset({"alpha"}), {"alpha-sql": "alpha"}))
+    r.inputs.record_models("c", ServedModels(frozenset({"beta"})))
     return r, clock
 
 
@@ -47,7 +47,7 @@ def test_unknown_missing_and_unavailable_models_are_answered() -> None:
     assert missing is not None and missing.status == 400
     assert "alpha, beta" in missing.message
     r.decide(chat(model="beta"))  # in flight on c: draining keeps c until it ends
-    r.drain_backend("c")
+    r.fleet.drain("c")
     gone = r.admit(chat(model="beta"))
     assert gone is not None and gone.status == 503 and gone.retry_after_s == 5.0
 
@@ -68,11 +68,11 @@ def test_one_model_served_needs_none_named_and_unknown_backends_serve_anything()
     r, _ = make_router("gorgo", backends=[{**b, "engine": "vllm"} for b in BACKENDS])
     assert r.admit(chat(model="anything")) is None  # nothing known: nothing refused
     assert r.served_models() is None
-    r.record_models("a", ServedModels(frozenset({"alpha"})))
+    r.inputs.record_models("a", ServedModels(frozenset({"alpha"})))
     d = r.decide(chat(model="zeta"))
     assert d.backend in ("b", "c")  # a does not serve it; b and c may
     for b in ("b", "c"):
-        r.record_models(b, ServedModels(frozenset({"alpha"})))
+        r.inputs.record_models(b, ServedModels(frozenset({"alpha"})))
     assert r.admit(chat()) is None  # one model served: no model named is fine
     assert r.served_models() == {"alpha": None}
 
@@ -81,13 +81,13 @@ def test_configured_models_pin_and_restrict_what_is_discovered() -> None:
     backends = [{**BACKENDS[0], "models": ["alpha"]}, BACKENDS[1]]
     r, _ = make_router("gorgo", backends=backends)
     assert r.backends["a"].models == ServedModels(frozenset({"alpha"}))
-    r.record_models("a", ServedModels(frozenset({"alpha"}), {"alpha-sql": "alpha"}))
+    r.inputs.record_models("a", ServedModels(frozenset({"alpha"}), {"alpha-sql": "alpha"}))
     assert r.backends["a"].serves("alpha") and not r.backends["a"].serves("alpha-sql")
 
 
 def test_an_adapter_has_its_own_cache_and_speed_on_its_engine() -> None:
     r, _ = make_router("gorgo", backends=BACKENDS[1:2])
-    r.record_models("b", ServedModels(frozenset({"alpha"}), {"alpha-sql": "alpha"}))
+    r.inputs.record_models("b", ServedModels(frozenset({"alpha"}), {"alpha-sql": "alpha"}))
     text = "a long shared document " * 400
 
     def cached_on_b(model: str) -> int:
@@ -110,7 +110,7 @@ def test_a_placeholder_name_reaches_a_one_model_sglang_fleet_not_vllm() -> None:
     for backends, refused in ((sglang, None), (vllm, 404)):
         r, _ = make_router("gorgo", backends=backends)
         for b in ("a", "b", "c"):
-            r.record_models(b, ServedModels(frozenset({"alpha"})))
+            r.inputs.record_models(b, ServedModels(frozenset({"alpha"})))
         answer = r.admit(chat(model="default"))
         assert (answer and answer.status) == refused
         if refused is None:
@@ -122,10 +122,10 @@ def test_the_fleets_models_are_the_known_ones_while_a_backend_is_not_known() -> 
     # the fleet's, not one engine's list through the fallback route
     r, _ = make_router("gorgo", backends=BACKENDS)
     assert r.served_models() is None  # nothing known: the fallback route answers
-    r.record_models("a", ServedModels(frozenset({"alpha"})))
-    r.record_models("b", ServedModels(frozenset({"beta"}), {"beta-sql": "beta"}))
+    r.inputs.record_models("a", ServedModels(frozenset({"alpha"})))
+    r.inputs.record_models("b", ServedModels(frozenset({"beta"}), {"beta-sql": "beta"}))
     assert r.served_models() == {"alpha": None, "beta": None, "beta-sql": "beta"}
-    r.record_models("c", ServedModels(frozenset({"gamma"})))
+    r.inputs.record_models("c", ServedModels(frozenset({"gamma"})))
     assert r.served_models() == {"alpha": None, "beta": None, "beta-sql": "beta", "gamma": None}
 
 
@@ -134,13 +134,15 @@ def test_an_adapter_prefers_where_it_is_loaded_over_a_full_batch_of_others() -> 
 
     r, _ = make_router("gorgo", backends=BACKENDS[:2])  # a is nearer than b
     for b in ("a", "b"):
-        r.record_models(b, ServedModels(frozenset({"alpha"}), {"sql": "alpha", "doc": "alpha"}))
+        r.inputs.record_models(
+            b, ServedModels(frozenset({"alpha"}), {"sql": "alpha", "doc": "alpha"})
+        )
     for i in range(4):
         r.decide(chat(f"doc {i} " * 50, model="doc"))
 
     def queue_on_a(max_lora: int) -> tuple[str, float]:
-        r.record_engine_report("a", EngineReport(0, 4, 0.1, frozenset({"doc"}), max_lora))
-        r.record_engine_report("b", EngineReport(0, 1, 0.1, frozenset({"sql"}), 1))
+        r.inputs.record_engine_report("a", EngineReport(0, 4, 0.1, frozenset({"doc"}), max_lora))
+        r.inputs.record_engine_report("b", EngineReport(0, 1, 0.1, frozenset({"sql"}), 1))
         d = r.decide(chat(f"sql {max_lora}", model="sql"))
         return d.backend, next(c.wait_ms for c in d.candidates if c.backend_id == "a")
 
@@ -157,15 +159,15 @@ def test_a_reload_restricts_a_backend_before_its_adapter_is_unloaded() -> None:
 
     r, _ = make_router("gorgo", backends=BACKENDS[:2])
     for b in ("a", "b"):
-        r.record_models(b, ServedModels(frozenset({"alpha"}), {"sql": "alpha"}))
+        r.inputs.record_models(b, ServedModels(frozenset({"alpha"}), {"sql": "alpha"}))
     assert {c.backend_id for c in r.decide(chat(model="sql")).candidates} == {"a", "b"}
     kept = replace(r.backends["a"].config, models=("alpha",))
-    r.reconcile([kept, r.backends["b"].config])
+    r.fleet.reconcile([kept, r.backends["b"].config])
     for i in range(10):
         assert r.decide(chat(f"q{i}", model="sql")).backend == "b"
     assert r.decide(chat("base", model="alpha")).backend in ("a", "b")
     moved = replace(r.backends["b"].config, address="127.0.0.1:9")  # another engine
-    r.reconcile([kept, moved])
+    r.fleet.reconcile([kept, moved])
     assert r.backends["b"].models is None  # to be read again from the new engine
 
 
@@ -175,8 +177,8 @@ def test_a_prompt_longer_than_every_context_is_refused_and_a_shorter_one_avoids_
     """Engines report their context (`max_model_len` on /v1/models): a prompt no backend
     can hold is the router's 400; one only the larger hold goes there."""
     r, _ = make_router(backends=["small", "large"])
-    r.record_models("small", ServedModels(frozenset({"m"}), max_model_len=4096))
-    r.record_models("large", ServedModels(frozenset({"m"}), max_model_len=32768))
+    r.inputs.record_models("small", ServedModels(frozenset({"m"}), max_model_len=4096))
+    r.inputs.record_models("large", ServedModels(frozenset({"m"}), max_model_len=32768))
     ids = tuple(range(5000))  # the engine's own token ids: an exact count
 
     def request(n: int) -> RouteRequest:
@@ -184,9 +186,9 @@ def test_a_prompt_longer_than_every_context_is_refused_and_a_shorter_one_avoids_
         return RouteRequest(f"r{n}", parse_body(COMPLETIONS, body), None)
 
     assert r.admit(request(4095)) is None
-    assert {c.backend_id for c in r.candidates(request(4095), [])} == {"small", "large"}
+    assert {c.backend_id for c in r.features.candidates(request(4095), [])} == {"small", "large"}
     assert r.admit(request(5000)) is None
-    assert {c.backend_id for c in r.candidates(request(5000), [])} == {"large"}
+    assert {c.backend_id for c in r.features.candidates(request(5000), [])} == {"large"}
     huge = RouteRequest(
         "h",
         parse_body(COMPLETIONS, json.dumps({"model": "m", "prompt": list(range(40000))}).encode()),
@@ -200,7 +202,7 @@ def test_a_prompt_longer_than_every_context_is_refused_and_a_shorter_one_avoids_
 def test_an_approximate_count_is_refused_only_well_past_the_context() -> None:
     """~4 bytes a token without the engine's tokenizer: off by up to 2x either way."""
     r, _ = make_router(backends=["a"])
-    r.record_models("a", ServedModels(frozenset({"m"}), max_model_len=4096))
+    r.inputs.record_models("a", ServedModels(frozenset({"m"}), max_model_len=4096))
 
     def text(n_bytes: int) -> RouteRequest:
         body = json.dumps({"model": "m", "prompt": "x" * n_bytes}).encode()

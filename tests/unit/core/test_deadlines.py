@@ -51,11 +51,11 @@ def test_an_engine_that_reports_nothing_running_denies_the_routers_old_records()
         router.first_byte(f"p{i}")
     a = router.backends["a"]
     clock.advance(5.0)
-    router.record_engine_report("a", EngineReport(waiting=0, running=0, kv_usage=0.0))
+    router.inputs.record_engine_report("a", EngineReport(waiting=0, running=0, kv_usage=0.0))
     assert credible_records(a, a.engine.report) == []
     router.decide(chat("long prompt " * 400, rid="waiting"))
     clock.advance(1.0)
-    router.record_engine_report("a", EngineReport(waiting=0, running=3, kv_usage=0.1))
+    router.inputs.record_engine_report("a", EngineReport(waiting=0, running=3, kv_usage=0.1))
     kept = credible_records(a, a.engine.report)
     assert [r.request_id for r in kept] == ["p5", "p6", "p7", "waiting"]
 
@@ -72,7 +72,7 @@ def test_a_missed_first_byte_deadline_makes_the_backend_suspect_once() -> None:
     clock.advance(0.02)
     router.expire()
     assert b.health.suspect
-    router.record_probe(d.backend, 5.0)  # its probe answers: the link is there
+    router.inputs.record_probe(d.backend, 5.0)  # its probe answers: the link is there
     router.expire()
     assert not b.health.suspect  # the missed deadline counted once
 
@@ -96,13 +96,13 @@ def test_deadlines_off_and_under_the_route_timeout() -> None:
 
 def test_one_failed_probe_is_enough_when_a_first_byte_is_late_there() -> None:
     router, clock = make_router("gorgo", backends=["a", "b"])
-    router.record_probe("a", None)
+    router.inputs.record_probe("a", None)
     assert not router.backends["a"].health.suspect  # probes alone need suspect_after (2)
-    router.record_probe("a", 1.0)
+    router.inputs.record_probe("a", 1.0)
     d = router.decide(chat(rid="r1"))
     clock.advance((d.chosen.predicted_ttft_ms + 500.0) / 1000 + 0.01)  # past due + grace
-    assert router.late_backends() == {d.backend}
-    router.record_probe(d.backend, None)
+    assert router.inputs.late_backends() == {d.backend}
+    router.inputs.record_probe(d.backend, None)
     assert router.backends[d.backend].health.suspect
 
 
@@ -124,7 +124,7 @@ def test_a_prompt_the_engine_refused_is_not_counted_as_cached_there() -> None:
     assert b.prefix.size_blocks > held
     router.close("r2", Status.CLIENT_ERROR, reason="400 via_upstream")
     assert b.prefix.size_blocks == held
-    assert b.prefix.match(router.prompt_blocks(first)[0]) >= held - 1
+    assert b.prefix.match(router.features.prompt_blocks(first)[0]) >= held - 1
 
 
 def test_ejected_reads_false_once_the_ejection_is_over() -> None:

@@ -72,7 +72,7 @@ def test_ten_thousand_expired_requests_leave_every_table_empty() -> None:
             b.load.waiting_first_byte,
             b.load.in_flight_tokens,
         ) == ({}, 0, 0, 0)
-        assert router.queue_estimate_ms(b.id, clock()) == 0
+        assert router.features.queue_estimate_ms(b.id, clock()) == 0
     assert router.tuner.snapshot()["requests_in_flight"] == 0  # the arm table does not grow forever
     assert ended_spans() == 10_000  # every span ended
     # ...and the expired requests counted against the arms that routed them

@@ -41,7 +41,7 @@ def one_backend(routing: dict[str, Any] | None = None) -> tuple[Router, FakeCloc
 def jitter(router: Router, samples: tuple[float, ...] = (100, 140, 60, 140, 60, 100)) -> float:
     """Feed probe samples; the router's estimate of their standard deviation (ms)."""
     for s in samples:
-        router.record_probe("a", s)
+        router.inputs.record_probe("a", s)
     return math.sqrt(router.backends["a"].health.rtt_var_ms2)
 
 
@@ -156,8 +156,8 @@ def test_the_predicted_ttft_is_the_sum_of_the_terms_and_e2e_adds_the_decode() ->
     load(router, "p2", "a", 2000, 100, decoding=True)
     body = {"messages": [{"role": "user", "content": "w " * 500}], "max_tokens": 64}
     request = RouteRequest("r", parse_body(CHAT, json.dumps(body).encode()), None)
-    blocks = router.prompt_blocks(request)
-    a, b = sorted(router.candidates(request, blocks), key=lambda c: c.backend_id)
+    blocks = router.features.prompt_blocks(request)
+    a, b = sorted(router.features.candidates(request, blocks), key=lambda c: c.backend_id)
     assert a.queue_ms > 0 and a.prefill_ms > 0 and b.queue_ms == 0
     for c in (a, b):
         assert c.predicted_ttft_ms == c.rtt_ms + c.queue_ms + c.prefill_ms

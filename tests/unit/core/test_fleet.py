@@ -82,7 +82,7 @@ def shown(router: Router) -> dict[str, set[str]]:
         "records": set(router.backends),
         "cfg": set(router.cfg.backend_ids),
         "snapshot": set(router.snapshot()["backends"]),
-        "backends_json": {b["id"] for b in router.backends_json()},
+        "backends_json": {b["id"] for b in router.fleet.backends_json()},
     }
 
 
@@ -99,16 +99,16 @@ def assert_complete(router: Router, bid: str) -> None:
 
 def test_an_added_backend_gets_every_structure_and_decisions() -> None:
     router, _clock, changes = fleet("round_robin")
-    router.add_backend(backend("d", kv_events={"endpoint": "tcp://*:7"}))
+    router.fleet.add(backend("d", kv_events={"endpoint": "tcp://*:7"}))
     assert changes.seen() == [("d", "added")]
-    assert router.lifecycle("d") == ACTIVE
+    assert router.fleet.lifecycle("d") == ACTIVE
     assert all("d" in ids for ids in shown(router).values())
     assert_complete(router, "d")
     assert router.cfg.backend_ids == ("a", "b", "c", "d")  # the order they came in
     chosen = Counter(router.decide(chat(rid=f"r{i}")).backend for i in range(8))
     assert chosen == {"a": 2, "b": 2, "c": 2, "d": 2}
     with pytest.raises(FleetConflict, match="'d' exists"):
-        router.add_backend(backend("d"))
+        router.fleet.add(backend("d"))
 
 
 def test_drain_with_requests_in_flight_removes_it_when_the_last_one_closes() -> None:
@@ -117,9 +117,9 @@ def test_drain_with_requests_in_flight_removes_it_when_the_last_one_closes() -> 
         router.decide(chat(rid=f"r{i}"))
     on_b = sorted(router.backends["b"].load.records)
     assert len(on_b) == 2
-    assert router.drain_backend("b") == DRAINING
+    assert router.fleet.drain("b") == DRAINING
     assert changes.seen() == [("b", "draining")]
-    assert router.draining == ("b",)
+    assert router.fleet.draining == ("b",)
     assert "b" in router.cfg.backend_ids  # Envoy keeps its cluster while they finish
     # No decision reaches it, whatever the policy would have chosen.
     for i in range(30):
@@ -132,32 +132,32 @@ def test_drain_with_requests_in_flight_removes_it_when_the_last_one_closes() -> 
     assert router.first_byte(on_b[0]) is not None
     closed = router.close(on_b[0], Status.OK, cached_tokens=0)
     assert closed is not None and closed.backend == "b"
-    assert router.lifecycle("b") == DRAINING and not changes.seen()
+    assert router.fleet.lifecycle("b") == DRAINING and not changes.seen()
     router.close(on_b[1], Status.ERROR)
     assert changes.seen() == [("b", "removed")]
     for name, ids in shown(router).items():
         assert ids == {"a", "c"}, name
-    assert router.draining == ()
+    assert router.fleet.draining == ()
     with pytest.raises(UnknownBackend):
-        router.lifecycle("b")
+        router.fleet.lifecycle("b")
     removed = router.snapshot()["removed_backends"]
     assert [(r["id"], r["completed"], r["errors"]) for r in removed] == [("b", 1, 1)]
     # An id that was removed can be added again, from scratch.
-    router.add_backend(backend("b"))
+    router.fleet.add(backend("b"))
     assert router.backends["b"].stats.completed == 0
 
 
 def test_drain_of_an_idle_backend_removes_it_at_once_and_again_is_unknown() -> None:
     router, _clock, changes = fleet()
-    assert router.drain_backend("c") == REMOVED
+    assert router.fleet.drain("c") == REMOVED
     assert changes.seen() == [("c", "draining"), ("c", "removed")]
     with pytest.raises(UnknownBackend):
-        router.drain_backend("c")
+        router.fleet.drain("c")
     # Draining a draining backend changes nothing.
     router.decide(chat(rid="r1"))
     busy = next(iter(router.in_flight.values())).backend
-    assert router.drain_backend(busy) == DRAINING
-    assert router.drain_backend(busy) == DRAINING
+    assert router.fleet.drain(busy) == DRAINING
+    assert router.fleet.drain(busy) == DRAINING
     assert changes.seen() == [(busy, "draining")]
 
 
@@ -165,9 +165,9 @@ def test_expiry_while_draining_removes_it() -> None:
     router, clock, changes = fleet(timeout_s=30.0)
     router.decide(chat(rid="r1"))
     busy = router.in_flight["r1"].backend
-    router.drain_backend(busy)
+    router.fleet.drain(busy)
     clock.advance(29.0)
-    assert router.expire() == [] and router.lifecycle(busy) == DRAINING
+    assert router.expire() == [] and router.fleet.lifecycle(busy) == DRAINING
     clock.advance(2.0)
     expired = router.expire()
     assert [(c.request_id, c.status) for c in expired] == [("r1", Status.EXPIRED)]
@@ -179,30 +179,30 @@ def test_a_record_released_without_a_close_still_lets_it_go_at_the_next_expiry_p
     router, _clock, _changes = fleet()
     router.decide(chat(rid="r1"))
     busy = router.in_flight["r1"].backend
-    router.drain_backend(busy)
+    router.fleet.drain(busy)
     # A reused request id releases the older record without closing it (the new one
     # goes elsewhere: busy is draining).
     assert router.decide(chat(rid="r1")).backend != busy
-    assert router.own_in_flight(busy) == 0 and router.lifecycle(busy) == DRAINING
+    assert router.fleet.state.own_in_flight(busy) == 0 and router.fleet.lifecycle(busy) == DRAINING
     router.expire()
     assert busy not in router.backends
 
 
 def test_the_last_active_backend_cannot_be_drained() -> None:
     router, _clock, _changes = fleet(ids=("a", "b"))
-    router.drain_backend("a")
+    router.fleet.drain("a")
     with pytest.raises(FleetConflict, match="last active"):
-        router.drain_backend("b")
-    assert router.lifecycle("b") == ACTIVE
+        router.fleet.drain("b")
+    assert router.fleet.lifecycle("b") == ACTIVE
 
 
 def test_a_pending_backend_is_no_candidate_until_activated() -> None:
     router, _clock, changes = fleet(ids=("a",))
-    router.confirm_new_backends = True
-    assert router.add_backend(backend("b")) == PENDING
+    router.fleet.confirm_new_backends = True
+    assert router.fleet.add(backend("b")) == PENDING
     assert all(router.decide(chat(rid=f"r{i}")).backend == "a" for i in range(10))
     assert "b" in router.cfg.backend_ids  # Envoy must learn it first
-    assert router.activate_backend("b") and not router.activate_backend("b")
+    assert router.fleet.activate("b") and not router.fleet.activate("b")
     assert changes.seen() == [("b", "added"), ("b", "activated")]
     assert {router.decide(chat(rid=f"s{i}")).backend for i in range(20)} == {"a", "b"}
 
@@ -211,14 +211,14 @@ def test_no_active_backend_is_said_plainly() -> None:
     """A fleet replaced whole: the old one draining, the new one pending (the shell
     answers such a request by the fallback route)."""
     router, _clock, _changes = fleet(ids=("a",))
-    router.confirm_new_backends = True
+    router.fleet.confirm_new_backends = True
     router.decide(chat(rid="r0"))
-    router.reconcile([backend("z")])
-    assert (router.lifecycle("a"), router.lifecycle("z")) == (DRAINING, PENDING)
+    router.fleet.reconcile([backend("z")])
+    assert (router.fleet.lifecycle("a"), router.fleet.lifecycle("z")) == (DRAINING, PENDING)
     assert router.admit(chat(rid="r1")) is None
     with pytest.raises(NoActiveBackend):
         router.decide(chat(rid="r1"))
-    router.activate_backend("z")
+    router.fleet.activate("z")
     assert router.decide(chat(rid="r2")).backend == "z"
 
 
@@ -233,21 +233,21 @@ def test_no_policy_chooses_a_draining_backend_as_the_set_changes(policy: str) ->
         for _ in range(n):
             rid += 1
             d = router.decide(chat(f"hello {rid % 5}", f"u{rid % 7}", rid=f"r{rid}"))
-            assert router.lifecycle(d.backend) == ACTIVE
-            assert all(router.lifecycle(c.backend_id) == ACTIVE for c in d.candidates)
-            assert set(d.ranked()) <= {b for b in router.backends if b not in router.draining}
+            assert router.fleet.lifecycle(d.backend) == ACTIVE
+            assert all(router.fleet.lifecycle(c.backend_id) == ACTIVE for c in d.candidates)
+            assert set(d.ranked()) <= {b for b in router.backends if b not in router.fleet.draining}
             seen[d.backend] += 1
             clock.advance(0.01)
             if rid % 2:
                 router.close(f"r{rid}", Status.OK)
 
     burst(20)
-    router.add_backend(backend("d"))
+    router.fleet.add(backend("d"))
     burst(40)
-    router.drain_backend("a")
+    router.fleet.drain("a")
     burst(40)
-    router.drain_backend("d")
-    router.add_backend(backend("e"))
+    router.fleet.drain("d")
+    router.fleet.add(backend("e"))
     burst(40)
     assert seen["e"] > 0 or policy in ("session_affinity", "prefix_cache")
 
@@ -255,10 +255,10 @@ def test_no_policy_chooses_a_draining_backend_as_the_set_changes(policy: str) ->
 def test_round_robin_shares_evenly_whatever_the_set() -> None:
     router, _clock, _changes = fleet("round_robin")
     router.decide(chat(rid="r0"))  # the rotation is at an odd place
-    router.add_backend(backend("d"))
+    router.fleet.add(backend("d"))
     got = Counter(router.decide(chat(rid=f"r{i}")).backend for i in range(1, 41))
     assert got == {"a": 10, "b": 10, "c": 10, "d": 10}
-    router.drain_backend("b")
+    router.fleet.drain("b")
     got = Counter(router.decide(chat(rid=f"s{i}")).backend for i in range(30))
     assert got == {"a": 10, "c": 10, "d": 10}
 
@@ -266,7 +266,7 @@ def test_round_robin_shares_evenly_whatever_the_set() -> None:
 def test_session_affinity_moves_only_the_sessions_of_a_drained_backend() -> None:
     router, _clock, _changes = fleet("session_affinity")
     before = {u: router.decide(chat(user=f"u{u}", rid=f"b{u}")).backend for u in range(60)}
-    router.drain_backend("b")
+    router.fleet.drain("b")
     after = {u: router.decide(chat(user=f"u{u}", rid=f"a{u}")).backend for u in range(60)}
     assert all(after[u] == before[u] for u in before if before[u] != "b")
     assert all(after[u] != "b" for u in after)
@@ -278,19 +278,19 @@ def test_peers_events_naming_unknown_or_removed_backends_are_ignored() -> None:
     def peer(kind: PeerKind, rid: str, bid: str) -> PeerEvent:
         return PeerEvent(kind, "other", rid, bid, input_tokens=10)
 
-    router.apply_peer(peer(PeerKind.DISPATCHED, "p0", "nowhere"))
+    router.inputs.apply_peer(peer(PeerKind.DISPATCHED, "p0", "nowhere"))
     assert not router.peer_in_flight
     # A peer's request on a draining backend loads it, but does not keep it alive.
     router.decide(chat(rid="r1"))
     busy = router.in_flight["r1"].backend
-    router.apply_peer(peer(PeerKind.DISPATCHED, "p1", busy))
-    router.drain_backend(busy)
+    router.inputs.apply_peer(peer(PeerKind.DISPATCHED, "p1", busy))
+    router.fleet.drain(busy)
     router.close("r1", Status.OK)
     assert busy not in router.backends and not router.peer_in_flight
     # Its first byte and close, arriving later, change nothing.
-    router.apply_peer(peer(PeerKind.FIRST_BYTE, "p1", busy))
-    router.apply_peer(peer(PeerKind.CLOSED, "p1", busy))
-    router.apply_peer(peer(PeerKind.DISPATCHED, "p2", busy))
+    router.inputs.apply_peer(peer(PeerKind.FIRST_BYTE, "p1", busy))
+    router.inputs.apply_peer(peer(PeerKind.CLOSED, "p1", busy))
+    router.inputs.apply_peer(peer(PeerKind.DISPATCHED, "p2", busy))
     assert not router.peer_in_flight
     for b in router.backends.values():
         assert (b.load.in_flight, b.load.waiting_first_byte, b.load.in_flight_tokens) == (0, 0, 0)
@@ -299,13 +299,13 @@ def test_peers_events_naming_unknown_or_removed_backends_are_ignored() -> None:
 
 def test_late_probes_scrapes_and_kv_events_of_a_removed_backend_are_ignored() -> None:
     router, _clock, _changes = fleet()
-    router.drain_backend("c")
-    router.record_probe("c", 12.0)
-    router.record_probe("c", None)
-    router.record_engine_report("c", EngineReport(3, 0, 0.1))
-    applied = router.apply_kv_events("c", EventBatch("", 1, 0.0, (), None))
+    router.fleet.drain("c")
+    router.inputs.record_probe("c", 12.0)
+    router.inputs.record_probe("c", None)
+    router.inputs.record_engine_report("c", EngineReport(3, 0, 0.1))
+    applied = router.inputs.apply_kv_events("c", EventBatch("", 1, 0.0, (), None))
     assert not applied.gap
-    router.set_event_stream("c", True)
+    router.inputs.set_event_stream("c", True)
     assert "c" not in router.backends
     assert all(ids == {"a", "b"} for ids in shown(router).values())
 
@@ -316,27 +316,29 @@ def test_reconcile_adds_updates_reactivates_and_drains() -> None:
     busy = router.in_flight["r1"].backend
     keep = [router.backends[b].config for b in ("a", "b", "c") if b != busy]
     # The file loses `busy` (drained: a request is in flight there) and gains d.
-    done = router.reconcile([*keep, backend("d")])
+    done = router.fleet.reconcile([*keep, backend("d")])
     assert (done.added, done.draining) == (("d",), (busy,))
-    assert router.lifecycle(busy) == DRAINING
+    assert router.fleet.lifecycle(busy) == DRAINING
     # Named again before it was removed: back in rotation, nothing lost.
-    done = router.reconcile([*keep, router.backends[busy].config, backend("d")])
-    assert done.reactivated == (busy,) and router.lifecycle(busy) == ACTIVE
+    done = router.fleet.reconcile([*keep, router.backends[busy].config, backend("d")])
+    assert done.reactivated == (busy,) and router.fleet.lifecycle(busy) == ACTIVE
     assert "r1" in router.backends[busy].load.records
     changes.seen()
     # Estimates only: in place, nothing forgotten.
     a = router.backends["a"]
     for _ in range(4):
-        router.record_probe("a", 33.0)
+        router.inputs.record_probe("a", 33.0)
     assert (a.health.rtt_ms, a.health.rtt_samples) == (33.0, 4)
-    router.backends["a"].prefix.insert(router.prompt_blocks(chat("x" * 4000, rid="x"))[0], clock())
+    router.backends["a"].prefix.insert(
+        router.features.prompt_blocks(chat("x" * 4000, rid="x"))[0], clock()
+    )
     blocks = router.backends["a"].prefix.size_blocks
     changed = [
         backend("a", 1, rtt_prior_ms=7, region="eu", kv_events={"endpoint": "tcp://*:1"}),
         *[router.backends[b].config for b in ("b", "c")],
         backend("d"),
     ]
-    done = router.reconcile(changed)
+    done = router.fleet.reconcile(changed)
     assert done.updated == ("a",) and router.backends["a"].config.region == "eu"
     assert (a.health.rtt_ms, a.rtt_prior_ms, router.backends["a"].prefix.size_blocks) == (
         33.0,
@@ -348,10 +350,10 @@ def test_reconcile_adds_updates_reactivates_and_drains() -> None:
     ]
     changes.seen()
     # Another engine behind the id: what the router knew of the old one is forgotten.
-    router.set_event_stream("a", True)
+    router.inputs.set_event_stream("a", True)
     assert router.backends["a"].precise
     changed[0] = backend("a", 5, kv_events={"endpoint": "tcp://*:1"})
-    router.reconcile(changed)
+    router.fleet.reconcile(changed)
     assert [(e.backend, e.change, e.reset) for e in changes.events] == [
         ("a", BackendChange.UPDATED, True)
     ]
@@ -372,11 +374,11 @@ def test_decision_span_and_metric_show_the_lifecycle() -> None:
     router.subscribe(telemetry)
     router.decide(chat(rid="r0"))
     busy = router.in_flight["r0"].backend
-    router.drain_backend(busy)
+    router.fleet.drain(busy)
     router.decide(chat(rid="r1"))
     router.close("r1", Status.OK)
     idle = next(b for b in ("a", "b", "c") if b != busy and not router.backends[b].load.records)
-    router.drain_backend(idle)  # removed at once
+    router.fleet.drain(idle)  # removed at once
     router.close("r0", Status.OK)
     telemetry.shutdown()
     spans = {s.attributes["gorgo.request_id"]: s for s in exporter.get_finished_spans()}
@@ -431,7 +433,7 @@ def test_live_keys_apply_and_the_rest_are_left() -> None:
             "routing": {"shed_queue_ms": 250, "block_tokens": 64},
         }
     )
-    assert router.apply_live_keys(new) == ["routing.shed_queue_ms"]
+    assert router.fleet.apply_live_keys(new) == ["routing.shed_queue_ms"]
     assert router.cfg.routing.shed_queue_ms == 250 and router.cfg.routing.block_tokens == 256
     assert sorted(changed_keys(router.cfg, new)) == [
         "policy",
@@ -462,7 +464,7 @@ def test_decisions_only_reach_active_backends_and_removed_ones_leave_no_trace(
     ops: list[tuple[str, int]], policy: str, confirm: bool
 ) -> None:
     router, clock, changes = fleet(policy, timeout_s=30.0)
-    router.confirm_new_backends = confirm
+    router.fleet.confirm_new_backends = confirm
     ids = ["a", "b", "c", "d", "e", "f"]
     n = 0
     for op, k in ops:
@@ -474,34 +476,34 @@ def test_decisions_only_reach_active_backends_and_removed_ones_leave_no_trace(
             except NoActiveBackend:
                 assert not any(b.lifecycle == ACTIVE for b in router.backends.values())
                 continue
-            assert router.lifecycle(d.backend) == ACTIVE
-            assert all(router.lifecycle(c.backend_id) == ACTIVE for c in d.candidates)
+            assert router.fleet.lifecycle(d.backend) == ACTIVE
+            assert all(router.fleet.lifecycle(c.backend_id) == ACTIVE for c in d.candidates)
         elif op == "close":
             router.close(f"r{k}", Status.OK)
         elif op == "add":
             try:
-                router.add_backend(backend(ids[k]))
+                router.fleet.add(backend(ids[k]))
             except FleetConflict:
                 assert ids[k] in router.backends
         elif op == "drain":
             with contextlib.suppress(UnknownBackend, FleetConflict):
-                router.drain_backend(ids[k])
+                router.fleet.drain(ids[k])
         elif op == "activate":
-            router.activate_backend(ids[k])
+            router.fleet.activate(ids[k])
         elif op == "expire":
             clock.advance(k)
             router.expire()
         else:
-            router.apply_peer(PeerEvent(PeerKind.DISPATCHED, "peer", f"p{n}", ids[k], 5))
+            router.inputs.apply_peer(PeerEvent(PeerKind.DISPATCHED, "peer", f"p{n}", ids[k], 5))
         # Invariants after every step.
         present = set(router.backends)
         for name, held in shown(router).items():
             assert held == present, name
-        assert set(router.draining) == {
+        assert set(router.fleet.draining) == {
             b for b, s in router.backends.items() if s.lifecycle == DRAINING
         }
-        for b in router.draining:
-            assert router.own_in_flight(b) > 0  # else it would be gone
+        for b in router.fleet.draining:
+            assert router.fleet.state.own_in_flight(b) > 0  # else it would be gone
         for rec in [*router.in_flight.values(), *router.peer_in_flight.values()]:
             assert rec.backend in present
         for b in router.backends.values():
@@ -515,8 +517,8 @@ def test_with_no_active_backend_the_stream_takes_the_fallback_route() -> None:
     from tests.messages import body, headers
 
     router, _clock, _changes = fleet(ids=("a",))
-    router.confirm_new_backends = True
-    router.reconcile([backend("z")])  # a (idle) removed, z pending
+    router.fleet.confirm_new_backends = True
+    router.fleet.reconcile([backend("z")])  # a (idle) removed, z pending
     s = Stream(router)
     s.handle(headers("/v1/chat/completions", "r1"))
     resp = s.handle(body(b'{"messages": [{"role": "user", "content": "hi"}]}'))
@@ -533,9 +535,9 @@ def test_the_endpoint_picker_names_new_addresses_and_never_a_draining_one() -> N
     )
     encoder = decision_encoder(router.cfg)
     assert isinstance(encoder, EndpointPickerEncoder)
-    router.add_backend(backend("c", 33))
+    router.fleet.add(backend("c", 33))
     router.decide(chat(rid="r0"))
-    router.drain_backend("a")
+    router.fleet.drain("a")
     encoder.set_backends(router.cfg.backends)
     for i in range(6):
         d = router.decide(chat(rid=f"r{i + 1}"))
@@ -548,12 +550,12 @@ def test_the_endpoint_picker_names_new_addresses_and_never_a_draining_one() -> N
 def test_the_last_backend_active_or_pending_cannot_be_drained() -> None:
     """b pending, a drained (b will serve): b is then the last one that can serve."""
     router, _clock, _changes = fleet(ids=("a",))
-    router.confirm_new_backends = True
-    assert router.add_backend(backend("b")) == PENDING
-    router.drain_backend("a")
+    router.fleet.confirm_new_backends = True
+    assert router.fleet.add(backend("b")) == PENDING
+    router.fleet.drain("a")
     with pytest.raises(FleetConflict, match="last active or pending"):
-        router.drain_backend("b")
-    assert router.lifecycle("b") == PENDING
+        router.fleet.drain("b")
+    assert router.fleet.lifecycle("b") == PENDING
 
 
 def test_a_rollouts_shares_move_by_reload() -> None:
@@ -568,7 +570,7 @@ def test_a_rollouts_shares_move_by_reload() -> None:
             }
         ).models,
     )
-    assert router.apply_live_keys(new) == ["models"]
+    assert router.fleet.apply_live_keys(new) == ["models"]
     names = {router.served_name("chat", f"s{i}") for i in range(50)}
     assert names == {"v1", "v2"}
     assert "models" not in changed_keys(router.cfg, new)

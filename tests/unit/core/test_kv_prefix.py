@@ -22,7 +22,7 @@ IDS = list(range(1000, 1257))  # 257 tokens: 4 blocks of 64 within the 256 a hit
 def one_backend() -> tuple[Router, FakeClock]:
     backend = {"id": "a", "address": "127.0.0.1:1", "kv_events": {"endpoint": "tcp://*:5557"}}
     r, clock = make_router("gorgo", backends=[backend])
-    r.set_event_stream("a", True)
+    r.inputs.set_event_stream("a", True)
     return r, clock
 
 
@@ -38,11 +38,11 @@ def request(ids: list[int], model: str | None = None, salt: str | None = None) -
 
 
 def events(r: Router, seq: int, *evs: KvEvent, rank: int = 0) -> None:
-    r.apply_kv_events("a", EventBatch("", seq, time.time(), tuple(evs), rank))
+    r.inputs.apply_kv_events("a", EventBatch("", seq, time.time(), tuple(evs), rank))
 
 
 def cached(r: Router, req: RouteRequest) -> int:
-    (c,) = r.candidates(req, r.prompt_blocks(req))
+    (c,) = r.features.candidates(req, r.features.prompt_blocks(req))
     return c.cached_tokens
 
 

@@ -19,7 +19,7 @@ def test_an_alias_goes_as_the_served_name_it_resolves_to() -> None:
         backends=["a"],
         models=[{"name": "chat", "served": [{"model": "qwen-v2"}]}],
     )
-    router.record_models("a", ServedModels(frozenset({"qwen-v2"})))
+    router.inputs.record_models("a", ServedModels(frozenset({"qwen-v2"})))
     out = Director(router).handle(chat(rid="r1", model="chat"))
     assert isinstance(out, Routed) and out.served_model == "qwen-v2"
     assert out.decision.model == "qwen-v2"
@@ -30,7 +30,7 @@ def test_a_model_no_backend_serves_is_refused_and_nothing_is_recorded() -> None:
     router, _ = make_router(
         "gorgo", backends=[{"id": "a", "address": "127.0.0.1:1", "engine": "vllm"}]
     )
-    router.record_models("a", ServedModels(frozenset({"alpha"})))
+    router.inputs.record_models("a", ServedModels(frozenset({"alpha"})))
     out = Director(router).handle(chat(rid="r1", model="beta"))
     assert isinstance(out, Refused) and out.refusal.status == 404
     assert not router.in_flight
@@ -38,9 +38,9 @@ def test_a_model_no_backend_serves_is_refused_and_nothing_is_recorded() -> None:
 
 def test_no_active_backend_leaves_it_to_envoys_fallback_route() -> None:
     router, _ = make_router("gorgo", backends=["a"])
-    router.confirm_new_backends = True
+    router.fleet.confirm_new_backends = True
     new = make_config("gorgo", backends=["b"]).backends[0]
-    router.add_backend(new, "test")  # pending until Envoy has its cluster
-    router.drain_backend("a", "test")  # the only active one goes
+    router.fleet.add(new, "test")  # pending until Envoy has its cluster
+    router.fleet.drain("a", "test")  # the only active one goes
     out = Director(router).handle(chat(rid="r1"))
     assert isinstance(out, Unrouted) and not router.in_flight

@@ -21,8 +21,8 @@ ROLLOUT = [{"name": "chat", "served": [{"model": "v1", "weight": 3}, {"model": "
 
 def fleet() -> Router:
     r, _ = make_router("gorgo", backends=BACKENDS, models=ROLLOUT)
-    r.record_models("a", ServedModels(frozenset({"v1"})))
-    r.record_models("b", ServedModels(frozenset({"v2"}), {"v2-sql": "v2"}))
+    r.inputs.record_models("a", ServedModels(frozenset({"v1"})))
+    r.inputs.record_models("b", ServedModels(frozenset({"v2"}), {"v2-sql": "v2"}))
     return r
 
 

@@ -67,7 +67,10 @@ def test_requests_another_backend_served_count_against_the_chosen_one() -> None:
     d = r.decide(chat("long prompt " * 2000))
     served = "far" if d.backend != "far" else "mid"
     r.close(d.request_id, Status.OK, served_by=served)
-    assert r.backends[served].prefix.match(r.prompt_blocks(chat("long prompt " * 2000))[0]) > 0
+    assert (
+        r.backends[served].prefix.match(r.features.prompt_blocks(chat("long prompt " * 2000))[0])
+        > 0
+    )
     # a request near served itself resets the count; served_by "" (unknown) is not evidence
     clock.advance(5.1)
     d = r.decide(chat("back"))

@@ -235,7 +235,7 @@ def test_the_router_uses_the_engines_state_while_its_stream_is_up() -> None:
     n_blocks = (len(ids) - 1) // 64
     # engine b reports holding the prompt's blocks (64-token pages)
     hashes = list(range(1, n_blocks + 1))
-    r.apply_kv_events(
+    r.inputs.apply_kv_events(
         "b",
         EventBatch(
             "",
@@ -246,23 +246,35 @@ def test_the_router_uses_the_engines_state_while_its_stream_is_up() -> None:
         ),
     )
     # stream down: the router's own (empty) estimate stands
-    cached = {c.backend_id: c.cached_tokens for c in r.candidates(req, r.prompt_blocks(req))}
+    cached = {
+        c.backend_id: c.cached_tokens
+        for c in r.features.candidates(req, r.features.prompt_blocks(req))
+    }
     assert cached == {"a": 0, "b": 0, "c": 0}
     for b in ("a", "b", "c"):
-        r.set_event_stream(b, True)
-    cached = {c.backend_id: c.cached_tokens for c in r.candidates(req, r.prompt_blocks(req))}
+        r.inputs.set_event_stream(b, True)
+    cached = {
+        c.backend_id: c.cached_tokens
+        for c in r.features.candidates(req, r.features.prompt_blocks(req))
+    }
     assert cached["b"] == n_blocks * 64 and cached["a"] == cached["c"] == 0
     assert r.snapshot()["backends"]["b"]["prefix_state"] == "precise"
     # a dispatch counts optimistically where it went, until the engine says otherwise
     d = r.decide(chat("another text entirely " * 100))
     r.close(d.request_id, Status.OK)
     other = chat("another text entirely " * 100)
-    c = {x.backend_id: x.cached_tokens for x in r.candidates(other, r.prompt_blocks(other))}
+    c = {
+        x.backend_id: x.cached_tokens
+        for x in r.features.candidates(other, r.features.prompt_blocks(other))
+    }
     assert c[d.backend] > 0
     clock.advance(r.cfg.routing.optimistic_ttl_s + 1)  # never confirmed by an event
-    c = {x.backend_id: x.cached_tokens for x in r.candidates(other, r.prompt_blocks(other))}
+    c = {
+        x.backend_id: x.cached_tokens
+        for x in r.features.candidates(other, r.features.prompt_blocks(other))
+    }
     assert c[d.backend] == 0
-    r.set_event_stream("b", False)
+    r.inputs.set_event_stream("b", False)
     assert r.snapshot()["backends"]["b"]["prefix_state"] == "approximate"
 
 

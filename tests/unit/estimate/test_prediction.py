@@ -63,7 +63,7 @@ def test_each_requests_error_is_recorded_under_the_state_it_came_from() -> None:
     router.close(second.request_id, Status.OK, cached_tokens=0)
     # precise: the engine's events (none: it holds nothing) once the optimistic window is
     # over; the engine reports 64 tokens cached
-    router.set_event_stream("a", True)
+    router.inputs.set_event_stream("a", True)
     clock.advance(router.cfg.routing.optimistic_ttl_s + 1)
     third = router.decide(chat(PROMPT))
     assert third.chosen.cached_tokens == 0
@@ -95,8 +95,8 @@ def test_each_requests_error_is_recorded_under_the_state_it_came_from() -> None:
 
 def test_event_lag_and_load_report_age_on_state_spans_and_metrics() -> None:
     router, clock, telemetry, exporter = one_backend()
-    router.apply_kv_events("a", EventBatch("", 0, time.time() - 5.0, (), 0))
-    router.record_engine_report("a", EngineReport(0, 1, 0.1))
+    router.inputs.apply_kv_events("a", EventBatch("", 0, time.time() - 5.0, (), 0))
+    router.inputs.record_engine_report("a", EngineReport(0, 1, 0.1))
     clock.advance(2.0)
     kv = router.snapshot()["backends"]["a"]["kv_events"]
     assert kv["age_s"] == pytest.approx(5.0, abs=1.0) and kv["gaps"] == 0

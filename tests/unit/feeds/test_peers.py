@@ -39,7 +39,7 @@ def fan_out(others: list[Router]) -> Callable[[PeerEvent], None]:
 
     def send(e: PeerEvent) -> None:
         for o in others:
-            o.apply_peer(e)
+            o.inputs.apply_peer(e)
 
     return send
 
@@ -63,11 +63,11 @@ def test_event_round_trips_and_bad_messages_are_named() -> None:
 
 def test_peer_dispatches_load_the_queue_and_teach_nothing() -> None:
     (a, b), clock = routers(2, share=True)
-    idle_ms = b.queue_estimate_ms("near", 0.0)
+    idle_ms = b.features.queue_estimate_ms("near", 0.0)
     d = a.decide(request("r-1"))
     sb = b.backends[d.backend]
     assert (sb.load.in_flight, sb.load.waiting_first_byte, sb.load.in_flight_tokens) == (1, 1, 8000)
-    assert b.queue_estimate_ms(d.backend, 0.0) > idle_ms + 100  # an 8k prefill ahead
+    assert b.features.queue_estimate_ms(d.backend, 0.0) > idle_ms + 100  # an 8k prefill ahead
     assert b.decisions == 0 and b.backends[d.backend].prefix.size_blocks == 0
     clock.now_s = 1.0
     a.first_byte("r-1")
@@ -80,7 +80,7 @@ def test_peer_dispatches_load_the_queue_and_teach_nothing() -> None:
 def test_an_echo_of_our_own_dispatch_is_ignored() -> None:
     (a,), _ = routers(1, share=False)
     d = a.decide(request("r-1"))
-    a.apply_peer(PeerEvent(PeerKind.DISPATCHED, "me", "r-1", d.backend, 8000))
+    a.inputs.apply_peer(PeerEvent(PeerKind.DISPATCHED, "me", "r-1", d.backend, 8000))
     assert a.backends[d.backend].load.in_flight == 1
     assert not a.peer_in_flight
 

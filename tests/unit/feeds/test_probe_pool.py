@@ -13,7 +13,7 @@ from tests.builders import make_router
 
 def note(pool: int | None, **backend: object) -> tuple[int, str]:
     router, _ = make_router(backends=[{"id": "a", "address": "127.0.0.1:1", **backend}])
-    router.record_engine_report("a", EngineReport(0, 0, 0.0, kv_capacity_tokens=pool))
+    router.inputs.record_engine_report("a", EngineReport(0, 0, 0.0, kv_capacity_tokens=pool))
     return kv_pool_note(router.backends["a"])
 
 

@@ -349,7 +349,7 @@ def test_objective_is_a_strict_config_key_wired_into_the_router(tmp_path: Path) 
     fast = replace(slow, name="fast", prefill_tokens_per_s=2 * slow.prefill_tokens_per_s)
     path = tmp_path / "fast.yaml"
     path.write_text(yaml.safe_dump(asdict(fast)))
-    router.add_backend(backend_from_dict({**backend, "id": "b", "engine_profile": str(path)}))
+    router.fleet.add(backend_from_dict({**backend, "id": "b", "engine_profile": str(path)}))
     (ttft, _), tokens = scored("r2")
     assert fast.lone_ttft_ms(tokens) < slow.lone_ttft_ms(tokens)
     assert ttft == pytest.approx(2000.0 - fast.lone_ttft_ms(tokens))

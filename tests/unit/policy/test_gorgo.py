@@ -156,7 +156,7 @@ def test_a_session_follows_its_cache_unless_that_backend_is_overloaded() -> None
     r.close(first.request_id, Status.OK)
     # second turn: the prefix is cached where the first went; even if that is not the
     # nearest region, the cached prefill it saves outweighs the RTT
-    r.record_probe("near", 150)  # make "near" no longer the obvious choice
+    r.inputs.record_probe("near", 150)  # make "near" no longer the obvious choice
     second = r.decide(chat(history + " and one more question"))
     assert second.backend == first.backend
     held = next(c for c in second.candidates if c.backend_id == first.backend)
@@ -174,25 +174,25 @@ def test_a_session_follows_its_cache_unless_that_backend_is_overloaded() -> None
 def test_suspect_backends_are_not_chosen_while_others_are_healthy() -> None:
     r, _ = make_router("gorgo", backends=REGIONS)
     for _ in range(2):
-        r.record_probe("near", None)
+        r.inputs.record_probe("near", None)
     assert r.backends["near"].health.suspect
     assert all(r.decide(chat(f"x{i}")).backend != "near" for i in range(20))
-    r.record_probe("near", 1.2)  # one success clears it
+    r.inputs.record_probe("near", 1.2)  # one success clears it
     assert not r.backends["near"].health.suspect
     for name in ("mid", "far"):
-        r.record_probe(name, None)
-        r.record_probe(name, None)
-    r.record_probe("near", None)
-    r.record_probe("near", None)
+        r.inputs.record_probe(name, None)
+        r.inputs.record_probe(name, None)
+    r.inputs.record_probe("near", None)
+    r.inputs.record_probe("near", None)
     # every backend suspect: still route (to someone) rather than fail
     assert r.decide(chat("y")).backend in {"near", "mid", "far"}
 
 
 def test_probes_smooth_rtt_after_replacing_the_prior() -> None:
     r, _ = make_router("gorgo", backends=REGIONS)
-    r.record_probe("mid", 100)
+    r.inputs.record_probe("mid", 100)
     assert r.backends["mid"].health.rtt_ms == 100  # first sample replaces the prior
-    r.record_probe("mid", 200)
+    r.inputs.record_probe("mid", 200)
     assert r.backends["mid"].health.rtt_ms == pytest.approx(0.3 * 200 + 0.7 * 100)
 
 
@@ -259,7 +259,7 @@ def test_learn_cached_trims_only_settled_evidence() -> None:
     d1 = r.decide(chat(doc))
     r.close(d1.request_id, Status.OK)
     assert d1.backend == d_other.backend == "near"
-    other_blocks = r.prompt_blocks(chat(other))[0]
+    other_blocks = r.features.prompt_blocks(chat(other))[0]
     clock.advance(SETTLED_S + 1)
     d2 = r.decide(chat(doc))
     assert d2.backend == "near"
@@ -272,7 +272,7 @@ def test_learn_cached_trims_only_settled_evidence() -> None:
     assert near.match(other_blocks) == len(other_blocks) > 0
     r.close(d2.request_id, Status.OK, cached_tokens=0)
     assert near.match(other_blocks) == 0
-    doc_blocks = r.prompt_blocks(chat(doc))[0]
+    doc_blocks = r.features.prompt_blocks(chat(doc))[0]
     assert near.match(doc_blocks) == len(rec.blocks)
     # a report right after a dispatch (prefill may still be running) is not evidence
     r.decide(RouteRequest("fresh-other", chat(other).llm, None))
@@ -378,7 +378,7 @@ def test_a_long_uncached_prompt_avoids_the_backend_decoding_many() -> None:
         assert d.backend == expected, policy
     # a short prompt stalls the decodes for a few ms: gorgo takes the nearer one
     r, clock = make_router("gorgo", backends=TWINS)
-    r.record_probe("idle", 400.0)
+    r.inputs.record_probe("idle", 400.0)
     decoding_on(r, "busy", 12)
     assert r.decide(chat("hi")).backend == "busy"
 

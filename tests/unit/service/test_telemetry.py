@@ -289,8 +289,8 @@ def test_models_are_on_the_span_the_decision_counter_and_a_gauge_per_backend() -
     from ext_proc.feeds.served_models import ServedModels
 
     router, _ = make_router("gorgo", backends=["a", "b"])
-    router.record_models("a", ServedModels(frozenset({"alpha"}), {"alpha-sql": "alpha"}))
-    router.record_models("b", ServedModels(frozenset({"beta"})))
+    router.inputs.record_models("a", ServedModels(frozenset({"alpha"}), {"alpha-sql": "alpha"}))
+    router.inputs.record_models("b", ServedModels(frozenset({"beta"})))
     exporter = InMemorySpanExporter()
     telemetry = Telemetry(TelemetryConfig(), router, exporter)
     router.subscribe(telemetry)
