@@ -16,7 +16,7 @@ from ext_proc.core.fleet import FleetConflict, UnknownBackend
 from ext_proc.core.router import Router
 from ext_proc.service.admin_guard import AdminGuard, Peer
 from ext_proc.service.operator_page import add_page_routes
-from ext_proc.service.telemetry import Telemetry
+from ext_proc.service.telemetry.listener import Telemetry
 from ext_proc.vocab.params import ConfigError
 from ext_proc.vocab.types import Weights
 

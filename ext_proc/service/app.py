@@ -32,7 +32,7 @@ from ext_proc.service.loops.fleet_bus import FleetBus
 from ext_proc.service.loops.kv_client import KvEventClients
 from ext_proc.service.loops.probe import Prober
 from ext_proc.service.reloader import ConfigReloader
-from ext_proc.service.telemetry import Telemetry
+from ext_proc.service.telemetry.listener import Telemetry
 from ext_proc.service.tuner_file import TunerStateFile
 from ext_proc.vocab.params import split_host_port
 

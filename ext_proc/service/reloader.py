@@ -18,7 +18,7 @@ from ext_proc.config.load import read_config
 from ext_proc.core.fleet import FleetConflict
 from ext_proc.core.router import Router
 from ext_proc.service.last_good import LAST_GOOD, ConfigSource
-from ext_proc.service.telemetry import Telemetry
+from ext_proc.service.telemetry.listener import Telemetry
 from ext_proc.vocab.params import ConfigError
 
 log = logging.getLogger("gorgo")

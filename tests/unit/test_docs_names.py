@@ -26,7 +26,7 @@ from ext_proc.core.build import build_router
 from ext_proc.policy.catalog import POLICIES
 from ext_proc.service.admin import make_admin_app
 from ext_proc.service.operator_page import add_page_routes
-from ext_proc.service.telemetry import Metrics
+from ext_proc.service.telemetry.metrics import Metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = {
@@ -371,10 +371,10 @@ def test_every_command_is_in_the_configuration_doc() -> None:
 
 
 def test_every_span_attribute_is_in_the_operations_doc() -> None:
-    from ext_proc.service import telemetry
+    from ext_proc.service.telemetry import spans
 
     doc = DOCS["docs/operations.md"]
-    names = [v for k, v in vars(telemetry).items() if k.startswith("A_") and isinstance(v, str)]
+    names = [v for k, v in vars(spans).items() if k.startswith("A_") and isinstance(v, str)]
 
     def named(attr: str) -> bool:  # `gorgo.kv_events.age_s`, `.gaps` names both
         attr = attr.split("{")[0].rstrip(".")

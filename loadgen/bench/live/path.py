@@ -36,7 +36,7 @@ STEPS = (
     ("decide", "core/router.py", "decide", 2),
     ("prompt -> prefix blocks", "core/features.py", "prompt_blocks", 3),
     ("candidates and their cost terms", "core/features.py", "candidates", 3),
-    ("telemetry: span and metrics", "service/telemetry.py", "on_dispatch", 3),
+    ("telemetry: span and metrics", "service/telemetry/", "on_dispatch", 3),
     ("encode the decision", "envoy/encoders.py", "encode", 2),
     ("first response chunk (TTFT)", "envoy/server.py", "on_response_body", 1),
     ("access log: completions read", "envoy/access_log.py", "stream_access_logs", 0),

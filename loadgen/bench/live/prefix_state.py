@@ -44,7 +44,12 @@ from emulator.stack.settings import DEFAULT_REGIONS, StackPorts, StackSettings
 from emulator.stack.stack import Stack
 from ext_proc.common.names import HEADER_REQUEST_ID
 from ext_proc.config.schema import Config
-from ext_proc.service.telemetry import A_BACKEND, A_PREDICTED_CACHED, A_PREFIX_STATE, A_REQUEST_ID
+from ext_proc.service.telemetry.spans import (
+    A_BACKEND,
+    A_PREDICTED_CACHED,
+    A_PREFIX_STATE,
+    A_REQUEST_ID,
+)
 from loadgen.bench.live.parity import fast_profile_file
 from loadgen.client.stream import percentile
 from loadgen.replay.loop import Replay, ReplayRun

@@ -12,7 +12,7 @@ from ext_proc.core.router import Router
 from ext_proc.learn.settings import TunerSettings
 from ext_proc.learn.tuner import Tuner
 from ext_proc.policy.catalog import make_policy
-from ext_proc.service.telemetry import Telemetry
+from ext_proc.service.telemetry.listener import Telemetry
 from ext_proc.vocab.events import Closed, Dispatched, FirstByte, Listener
 from ext_proc.vocab.types import Status, Weights
 from tests.builders import chat, make_config, make_router

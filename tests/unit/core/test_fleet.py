@@ -23,7 +23,8 @@ from ext_proc.feeds.engine_metrics import EngineReport
 from ext_proc.feeds.kv_events import EventBatch
 from ext_proc.feeds.peers import PeerEvent, PeerKind
 from ext_proc.policy.catalog import POLICIES
-from ext_proc.service.telemetry import A_DRAINING_BACKENDS, Telemetry
+from ext_proc.service.telemetry.listener import Telemetry
+from ext_proc.service.telemetry.spans import A_DRAINING_BACKENDS
 from ext_proc.vocab.backend import Backend, KvEventsSource
 from ext_proc.vocab.events import BackendChanged, Listener
 from ext_proc.vocab.params import ConfigError

@@ -11,7 +11,7 @@ from ext_proc.core.router import Router
 from ext_proc.envoy import codec
 from ext_proc.envoy.access_log import AccessLogService, first_chunk_event
 from ext_proc.feeds.peers import PeerEvent, PeerKind
-from ext_proc.service.telemetry import Telemetry
+from ext_proc.service.telemetry.listener import Telemetry
 from ext_proc.vocab.types import Status
 from tests.builders import REGIONS, chat, make_router
 from tests.fakes import FakeClock

@@ -13,7 +13,7 @@ from ext_proc.core.router import Router
 from ext_proc.envoy import codec
 from ext_proc.envoy.access_log import AccessLogService
 from ext_proc.prompt.parse import ParseError, api_for_path, parse_body
-from ext_proc.service.telemetry import Telemetry
+from ext_proc.service.telemetry.listener import Telemetry
 from ext_proc.vocab.types import Status
 from tests.builders import REGIONS, Stream, chat, load, make_router
 from tests.messages import body, headers

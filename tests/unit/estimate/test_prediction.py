@@ -13,7 +13,8 @@ from ext_proc.core.router import Router
 from ext_proc.estimate.prediction import PredictionStats, prediction_error
 from ext_proc.feeds.engine_metrics import EngineReport
 from ext_proc.feeds.kv_events import EventBatch
-from ext_proc.service.telemetry import (
+from ext_proc.service.telemetry.listener import Telemetry
+from ext_proc.service.telemetry.spans import (
     A_ENGINE_CACHED,
     A_ENGINE_REPORT_AGE_S,
     A_KV_EVENT_AGE_S,
@@ -22,7 +23,6 @@ from ext_proc.service.telemetry import (
     A_PREDICTION_ERROR_RATIO,
     A_PREDICTION_ERROR_TOKENS,
     A_PREFIX_STATE,
-    Telemetry,
 )
 from ext_proc.vocab.events import Closed, Listener
 from ext_proc.vocab.types import PrefixState, Status

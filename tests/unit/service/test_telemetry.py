@@ -21,7 +21,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from ext_proc.config.schema import TelemetryConfig
 from ext_proc.core.router import Router
-from ext_proc.service.telemetry import Telemetry
+from ext_proc.service.telemetry.listener import Telemetry
 from ext_proc.vocab.types import Status
 from tests.builders import chat, make_router
 from tests.fakes import FakeClock

@@ -1,0 +1,163 @@
+"""Gauges read from the router when Prometheus scrapes (no bookkeeping on the request
+path): each backend's load, RTT, health, lifecycle, prefix state, the tuner's state."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from ext_proc.core.features import prefix_state
+from ext_proc.core.router import Router
+from ext_proc.service.prediction_metrics import latency_prediction_gauges, served_model_gauges
+from ext_proc.vocab.types import BackendLifecycle, PrefixState
+
+
+class LiveGauges(Collector):
+    """Gauges read from the router at scrape time (no bookkeeping on the request path)."""
+
+    def __init__(self, router: Router) -> None:
+        self.router = router
+
+    def collect(self) -> Iterable[Metric]:
+        in_flight = GaugeMetricFamily("gorgo_in_flight", "Requests in flight", labels=["backend"])
+        rtt = GaugeMetricFamily("gorgo_rtt_ms", "Smoothed probe RTT (ms)", labels=["backend"])
+        suspect = GaugeMetricFamily("gorgo_suspect", "1 if probes fail", labels=["backend"])
+        ejected = GaugeMetricFamily(
+            "gorgo_ejected", "1 while ejected for failing requests", labels=["backend"]
+        )
+        ejections = CounterMetricFamily(
+            "gorgo_ejections", "Ejections for failing requests", labels=["backend"]
+        )
+        now_s = self.router.clock()
+        for b in self.router.backends.values():
+            in_flight.add_metric([b.id], b.load.in_flight)
+            rtt.add_metric([b.id], b.health.rtt_ms)
+            suspect.add_metric([b.id], 1.0 if b.health.suspect else 0.0)
+            # An ejection ends by itself (the state clears it at the next decision).
+            ejected.add_metric([b.id], 1.0 if b.health.ejected_at(now_s) else 0.0)
+            ejections.add_metric([b.id], b.health.ejections)
+        report_age = GaugeMetricFamily(
+            "gorgo_engine_report_age_seconds",
+            "Seconds since the engine's last load report (/metrics) was read",
+            labels=["backend"],
+        )
+        for b in self.router.backends.values():
+            if b.engine.report_at_s is not None:
+                report_age.add_metric([b.id], max(0.0, now_s - b.engine.report_at_s))
+        weights = GaugeMetricFamily("gorgo_weight", "Current cost weights", labels=["name"])
+        w = self.router.weights
+        if w is not None:
+            weights.add_metric(["rtt"], w.rtt)
+            weights.add_metric(["queue"], w.queue)
+        yield from (in_flight, rtt, suspect, ejected, ejections, report_age, weights)
+        yield from self._tuner()
+        yield from self._prefix_state()
+        yield from latency_prediction_gauges(self.router.backends.values())
+        yield from served_model_gauges(self.router.backends.values())
+        yield self._lifecycle()
+
+    def _lifecycle(self) -> GaugeMetricFamily:
+        """Per backend, 1 for its lifecycle now and 0 for the others; the backends removed
+        lately (Fleet.removed) show removed = 1."""
+        g = GaugeMetricFamily(
+            "gorgo_backend_lifecycle",
+            "1 for the backend's lifecycle now (pending, active, draining, removed)",
+            labels=["backend", "state"],
+        )
+        current = {b.id: b.lifecycle for b in self.router.backends.values()}
+        for r in self.router.fleet.removed:
+            current.setdefault(r["id"], BackendLifecycle.REMOVED)
+        for backend, now in current.items():
+            for state in BackendLifecycle:
+                g.add_metric([backend, str(state)], 1.0 if state is now else 0.0)
+        return g
+
+    def _tuner(self) -> Iterable[Metric]:
+        """The tuner's progress (nothing without a tuner)."""
+        tuner = self.router.tuner
+        if tuner is None:
+            return
+        steps = CounterMetricFamily(
+            "gorgo_tuner_steps",
+            "Tuner steps (rounds decided) by this process, by outcome",
+            labels=["outcome"],
+        )
+        steps.add_metric(["accepted"], tuner.steps_accepted)
+        steps.add_metric(["rejected"], tuner.steps_rejected)
+        # the arms decided alike: no verdict (TunerSettings.tie_decisions)
+        steps.add_metric(["tied"], tuner.steps_tied)
+        samples = CounterMetricFamily(
+            "gorgo_tuner_samples", "Completions the tuner scored (restored from its state file)"
+        )
+        samples.add_metric([], tuner.state.samples)
+        frozen = GaugeMetricFamily(
+            "gorgo_tuner_frozen", "1 while the tuner is frozen (parent serves all traffic)"
+        )
+        frozen.add_metric([], 1.0 if tuner.state.frozen else 0.0)
+        sigma = GaugeMetricFamily("gorgo_tuner_sigma", "The tuner's mutation step size (log space)")
+        sigma.add_metric([], tuner.state.sigma)
+        yield from (steps, samples, frozen, sigma)
+
+    def _prefix_state(self) -> Iterable[Metric]:
+        """Per backend: whether its prefix state is the engine's own, and its event stream."""
+        precise = GaugeMetricFamily(
+            "gorgo_prefix_state_precise",
+            "1 while the prefix state comes from the engine's KV events, 0: the router's own",
+            labels=["backend"],
+        )
+        blocks = GaugeMetricFamily(
+            "gorgo_kv_event_blocks", "Blocks the engine reports holding", labels=["backend"]
+        )
+        gaps = GaugeMetricFamily(
+            "gorgo_kv_event_gaps", "Gaps seen in the engine's event sequence", labels=["backend"]
+        )
+        resets = GaugeMetricFamily(
+            "gorgo_kv_event_resets", "Times the engine's state was reset", labels=["backend"]
+        )
+        lag = GaugeMetricFamily(
+            "gorgo_kv_event_age_seconds",
+            "Seconds since the engine's last event batch was stamped",
+            labels=["backend"],
+        )
+        tokens_ok = GaugeMetricFamily(
+            "gorgo_backend_tokens_ok",
+            "1 while the router's token ids are known to be the engine's (events can match); "
+            "0: they are not (no tokenizer, a mismatch, or not checked yet)",
+            labels=["backend"],
+        )
+        warming = GaugeMetricFamily(
+            "gorgo_prefix_state_warming",
+            "1 while the engine's events are used but its earlier history may be missing "
+            "(predictions are the events' or the router's own, whichever is more)",
+            labels=["backend"],
+        )
+        unsupported = GaugeMetricFamily(
+            "gorgo_kv_event_unsupported",
+            "1 while the engine's event stream has a shape the router cannot key",
+            labels=["backend"],
+        )
+        unknown = GaugeMetricFamily(
+            "gorgo_kv_event_unknown_parents",
+            "Stored blocks dropped because their parent was never seen (the warm-start blind spot)",
+            labels=["backend"],
+        )
+        now = time.time()  # event batches carry the engine's wall-clock stamp
+        for b, st in self.router.backends.items():
+            state = prefix_state(st)
+            precise.add_metric([b], 1.0 if state is PrefixState.PRECISE else 0.0)
+            engine = st.engine.blocks
+            if engine is None:
+                continue
+            warming.add_metric([b], 1.0 if state is PrefixState.WARMING else 0.0)
+            unsupported.add_metric([b], 0.0 if engine.unsupported is None else 1.0)
+            unknown.add_metric([b], engine.health.unknown_parent_blocks)
+            tokens_ok.add_metric([b], 1.0 if st.engine.tokens.ok else 0.0)
+            blocks.add_metric([b], engine.blocks)
+            gaps.add_metric([b], engine.gaps)
+            resets.add_metric([b], engine.resets)
+            if engine.last_ts is not None:
+                lag.add_metric([b], max(0.0, now - engine.last_ts))
+        yield from (precise, warming, blocks, gaps, resets, lag, tokens_ok, unsupported, unknown)

@@ -1,0 +1,116 @@
+"""The decision span: its name and attributes (each one documented in docs/operations.md),
+built from a decision, its dispatch and its close. Pure."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from typing import Any
+
+from ext_proc.core.backend import BackendState
+from ext_proc.core.terms.catalog import TERMS
+from ext_proc.learn.tuner import Tuner
+from ext_proc.vocab.events import Dispatched
+from ext_proc.vocab.types import Decision
+
+SPAN_NAME = "gorgo.route"
+# Attribute names (docs/operations.md lists them all).
+A_POLICY = "gorgo.policy"
+A_BACKEND = "gorgo.backend"
+A_INPUT_TOKENS = "gorgo.input_tokens"
+A_MODEL = "gorgo.model"
+A_SESSION_HASH = "gorgo.session_hash"
+A_WEIGHT_RTT = "gorgo.weights.rtt"
+A_WEIGHT_QUEUE = "gorgo.weights.queue"
+A_WEIGHTS_VERSION = "gorgo.weights.version"
+A_TUNER_ARM = "gorgo.tuner.arm"
+A_REQUEST_ID = "gorgo.request_id"
+A_CANDIDATE = "gorgo.candidate.{backend}.{field}"
+A_TTFT_MS = "gorgo.ttft_ms"
+A_E2E_MS = "gorgo.e2e_ms"
+A_STATUS = "gorgo.status"
+# The chosen backend's prefix state at the decision, and what it predicted was cached.
+A_PREFIX_STATE = "gorgo.prefix_state"
+A_PREDICTED_CACHED = "gorgo.predicted_cached_tokens"
+A_KV_EVENT_AGE_S = "gorgo.kv_events.age_s"
+A_KV_EVENT_GAPS = "gorgo.kv_events.gaps"
+A_KV_EVENT_RESETS = "gorgo.kv_events.resets"
+A_ENGINE_REPORT_AGE_S = "gorgo.engine_report.age_s"
+# At close, when the engine reported its cached tokens: the report and the error.
+A_ENGINE_CACHED = "gorgo.engine_cached_tokens"
+A_PREDICTION_ERROR_TOKENS = "gorgo.prediction_error_tokens"
+A_PREDICTION_ERROR_RATIO = "gorgo.prediction_error_ratio"
+# The chosen backend's predicted TTFT and E2E (beside gorgo.ttft_ms and gorgo.e2e_ms).
+A_PREDICTED_TTFT_MS = "gorgo.predicted_ttft_ms"
+A_PREDICTED_E2E_MS = "gorgo.predicted_e2e_ms"
+# Backends left out of the decision because they are draining (only when there are some).
+A_DRAINING_BACKENDS = "gorgo.draining_backends"
+# How long dispatch pacing held the request before it was sent on (only when it did).
+A_PACE_HOLD_MS = "gorgo.pace_hold_ms"
+# Each candidate's fields besides its cost terms (one attribute per registered term,
+# `<name>_<unit>`: vocab.terms).
+CANDIDATE_FIELDS = ("cached_tokens", "cost", "predicted_ttft_ms", "predicted_e2e_ms")
+
+
+def session_hash(key: str | None) -> str:
+    """A stable, non-reversible tag for a session key (never the key itself)."""
+    return "" if not key else hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def prefix_attributes(e: Dispatched, b: BackendState) -> dict[str, Any]:
+    """The chosen backend's prefix state: where the prediction came from, and how
+    fresh the engine's events and load report were."""
+    rec = e.record
+    attrs: dict[str, Any] = {
+        A_PREFIX_STATE: str(rec.prefix_state),
+        A_PREDICTED_CACHED: rec.cached_tokens,
+    }
+    engine = b.engine.blocks
+    if engine is not None:
+        attrs[A_KV_EVENT_GAPS] = engine.gaps
+        attrs[A_KV_EVENT_RESETS] = engine.resets
+        if engine.last_ts is not None:  # the engine's wall-clock stamp
+            attrs[A_KV_EVENT_AGE_S] = round(max(0.0, time.time() - engine.last_ts), 3)
+    if b.engine.report_at_s is not None:
+        attrs[A_ENGINE_REPORT_AGE_S] = round(e.now_s - b.engine.report_at_s, 3)
+    return attrs
+
+
+def decision_attributes(
+    d: Decision, session_key: str | None, tuner: Tuner | None
+) -> dict[str, Any]:
+    attrs: dict[str, Any] = {
+        A_REQUEST_ID: d.request_id,
+        A_POLICY: d.policy,
+        A_BACKEND: d.backend,
+        A_INPUT_TOKENS: d.input_tokens,
+        A_MODEL: d.model or "",
+        A_SESSION_HASH: session_hash(session_key),
+        A_PREDICTED_TTFT_MS: round(d.chosen.predicted_ttft_ms, 3),
+        A_PREDICTED_E2E_MS: round(d.chosen.predicted_e2e_ms, 3),
+    }
+    if d.draining:
+        attrs[A_DRAINING_BACKENDS] = list(d.draining)
+    if d.hold_ms:
+        attrs[A_PACE_HOLD_MS] = round(d.hold_ms, 3)
+    if d.weights is not None:
+        attrs[A_WEIGHT_RTT] = d.weights.rtt
+        attrs[A_WEIGHT_QUEUE] = d.weights.queue
+    if tuner is not None:
+        attrs[A_WEIGHTS_VERSION] = len(tuner.state.history)
+        attrs[A_TUNER_ARM] = d.arm or ""
+    for c in d.candidates:
+        values: dict[str, float | int] = {
+            TERMS[name].key if name in TERMS else name: value for name, value in c.terms.items()
+        }
+        values.update(
+            cached_tokens=c.cached_tokens,
+            cost=d.scores.get(c.backend_id, 0.0),
+            predicted_ttft_ms=c.predicted_ttft_ms,
+            predicted_e2e_ms=c.predicted_e2e_ms,
+        )
+        for f, v in values.items():
+            attrs[A_CANDIDATE.format(backend=c.backend_id, field=f)] = (
+                round(v, 3) if isinstance(v, float) else v
+            )
+    return attrs
