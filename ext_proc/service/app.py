@@ -28,6 +28,7 @@ from ext_proc.service.admin import make_admin_app
 from ext_proc.service.engine_tokenizer import EngineTokenizers
 from ext_proc.service.fleet_shell import FleetShell
 from ext_proc.service.last_good import ConfigSource
+from ext_proc.service.loops.catalog import FEEDS
 from ext_proc.service.loops.fleet_bus import FleetBus
 from ext_proc.service.loops.kv_client import KvEventClients
 from ext_proc.service.loops.probe import Prober
@@ -146,7 +147,9 @@ async def running_service(
         tokenizers = EngineTokenizers(cfg, router, ext_proc)
         prober = Prober(cfg, router)
         kv_events = KvEventClients(cfg, router)
-        fleet_shell = FleetShell(router, [prober, kv_events, fleet], ext_proc)
+        # Feeds registered beyond the built-in loops (service/loops/catalog.py).
+        extra_feeds = [make(cfg, router) for make in FEEDS.values()]
+        fleet_shell = FleetShell(router, [prober, kv_events, fleet, *extra_feeds], ext_proc)
         router.subscribe(fleet_shell)
         if config_path and source is None:
             source = ConfigSource(str(config_path))
@@ -209,8 +212,9 @@ async def running_service(
             stack.push_async_callback(part.stop)
         fleet_shell.start()
         stack.push_async_callback(fleet_shell.stop)
-        await fleet.start()
-        stack.push_async_callback(fleet.stop)
+        for feed in (fleet, *extra_feeds):
+            await feed.start()
+            stack.push_async_callback(feed.stop)
         if reloader is not None:
             reloader.start()
             stack.push_async_callback(reloader.stop)
