@@ -213,7 +213,7 @@ def build_envoy_config(cfg: Config, ext_proc: bool = True) -> dict[str, Any]:
     request takes the fallback route): the baseline of the overhead benchmark.
 
     With `envoy.xds_dir` set, the backend clusters are not in it: Envoy reads them from
-    the CDS file there (write them first with ext_proc.xds.write_xds)."""
+    the CDS file there (write them first with ext_proc.envoy.xds.write_xds)."""
     hcm = {
         TYPE: f"{API}.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
         "stat_prefix": "front_door",

@@ -48,7 +48,7 @@ _ARRAY_FIELDS = {
 }
 # Events off the wire per decoded part: one SGLang page-size-1 event decodes in ~4 us here
 # and a part's chain applies in well under that per block, so a part holds the event loop
-# ~0.5 ms and a decision waits for a part or two (loadgen/bench_kv_burst.py: 256 added
+# ~0.5 ms and a decision waits for a part or two (loadgen/bench/router/kv_burst.py: 256 added
 # ~3.5 ms at p50, 128 ~1 ms).
 PART_EVENTS = 128
 # The batch's DP rank comes after its events: they are skipped over first (~0.1 us each,

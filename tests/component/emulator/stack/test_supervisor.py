@@ -1,7 +1,7 @@
 """Stack.tend applying `gorgo up`'s restart policy to real (trivial) child processes: a
 killed child restarted with the same argv, one killed on purpose left down, a crash loop
 given up, warm spares. The policy itself, on a fake clock:
-tests/unit/emulator/test_supervisor.py."""
+tests/unit/emulator/stack/test_supervisor.py."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 error, the cap, a stop), against a fake streaming server that counts what is in flight
 (the protocol's cap, TTFT from dispatch), `run_replay` under the paper protocol; and, in a
 fresh interpreter, the replay module without matplotlib. The pure core:
-tests/unit/loadgen/test_replay.py and tests/unit/loadgen/test_protocol.py."""
+tests/unit/loadgen/replay/test_replay.py and tests/unit/loadgen/client/test_protocol.py."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """`gorgo up`'s supervision: the restart policy on a fake clock, and a stack's ports handed
 out once. Stack.tend applying the policy to real (trivial) child processes:
-tests/component/emulator/test_supervisor.py."""
+tests/component/emulator/stack/test_supervisor.py."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The client protocol (loadgen.client.protocol), alike in `gorgo replay` and `gorgo simulate`:
 presets and overrides, truncation, and the command line's flags. The live replay's cap
-against a fake streaming server: tests/component/loadgen/test_replay.py."""
+against a fake streaming server: tests/component/loadgen/replay/test_replay.py."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The replay's pure core: requests from trace rows, what is kept of the answer, the
 progress line and the options; and its figure without a server. Its asyncio shell over
-real sockets: tests/component/loadgen/test_replay.py (its concurrency cap:
-tests/unit/loadgen/test_concurrency.py)."""
+real sockets: tests/component/loadgen/replay/test_replay.py (its concurrency cap:
+tests/unit/loadgen/client/test_concurrency.py)."""
 
 from __future__ import annotations
 
