@@ -18,6 +18,8 @@ from ext_proc.vocab.params import NON_NEGATIVE, POSITIVE, bounded
 
 
 class TunerMode(enum.StrEnum):
+    """`tuner.mode`: whether and how the cost weights are tuned online (docs/tuner.md)."""
+
     # Static weights (default: measured, online tuning gained nothing on average,
     # docs/results.md, "The tuner through a regime change").
     OFF = "off"
@@ -28,6 +30,8 @@ class TunerMode(enum.StrEnum):
 
 
 class TunerObjective(enum.StrEnum):
+    """`tuner.objective`: what a completion's TTFT sample is when an arm is scored."""
+
     # Each arm scored by its requests' TTFT (default).
     TTFT = "ttft"
     # By each request's TTFT minus its own floor: the prefill of its whole prompt, uncached,
@@ -36,6 +40,8 @@ class TunerObjective(enum.StrEnum):
 
 
 class TunerArmKey(enum.StrEnum):
+    """`tuner.arm_key`: what the paired mode hashes to pick a request's arm."""
+
     # paired: each request's arm from a hash of its request id (default).
     REQUEST = "request"
     # From a hash of its session key (x-session-id, else `user`), so that all turns of a
@@ -52,6 +58,9 @@ PROBE_PATH = {EngineKind.SGLANG: "/v1/models", EngineKind.VLLM: "/health"}
 
 
 class UnreadableBody(enum.StrEnum):
+    """`routing.unreadable_body`: what becomes of a body the router cannot read (bad JSON,
+    wrong types)."""
+
     # Send it on by the fallback route; the backend answers it.
     ROUTE = "route"
     # Answer 400 with a JSON error naming the problem, without loading a backend.
@@ -60,6 +69,10 @@ class UnreadableBody(enum.StrEnum):
 
 @dataclass(frozen=True)
 class Routing:
+    """The `routing:` section: the prefix index's block size, what is learned of each
+    backend, passive health, stall detection, load shedding, dispatch pacing and the
+    first-byte deadline."""
+
     # Prefix-index granularity (tokens per hashed block). 256 = the ART-Chat traces'
     # blocks; a 128k-token prompt is 512 blocks, hashed in ~0.3-0.6 ms.
     block_tokens: int = bounded(256, **POSITIVE)
@@ -102,6 +115,9 @@ class Routing:
 
 @dataclass(frozen=True)
 class TunerConfig:
+    """The `tuner:` section: online tuning of a weighted policy's cost weights, off by
+    default (`learn.tuner` has the method)."""
+
     # Only policies with weights are tuned.
     mode: TunerMode = TunerMode.OFF
     # Weights, sigma and history are saved here after every step and restored on start
@@ -119,6 +135,9 @@ class TunerConfig:
 
 @dataclass(frozen=True)
 class Probes:
+    """The `probes:` section: how often each backend's RTT is probed and its load
+    (/metrics) and models (/v1/models) are read, and when failed probes make it suspect."""
+
     # RTT probe period per backend: fresh enough to follow a changing WAN within seconds
     # (the paper's 30 s was too slow), cheap (one small GET per backend).
     interval_s: float = bounded(2.0, **POSITIVE)
@@ -144,6 +163,9 @@ class Probes:
 
 @dataclass(frozen=True)
 class TelemetryConfig:
+    """The `telemetry:` section: where the decision spans go (OTLP), what share is traced,
+    and how many decisions the operator's page keeps."""
+
     # OTLP/gRPC collector for the router's decision spans, host:port with no scheme ("" =
     # the standard OTEL_EXPORTER_OTLP_ENDPOINT variable, and if that is unset too, no export).
     otlp_endpoint: str = ""
@@ -180,6 +202,9 @@ class FleetConfig:
 
 @dataclass(frozen=True)
 class ServedShare:
+    """One served model of an alias (`models[].served`) and its share of the alias's
+    requests; weights are relative to the alias's other shares."""
+
     # A model name the engines serve, and its share of the alias's requests (relative).
     model: str
     weight: float = bounded(1.0, gt=0.0)
@@ -197,6 +222,10 @@ class ModelAlias:
 
 @dataclass(frozen=True)
 class Config:
+    """The whole config file, one field per top-level key, decoded and checked by
+    `load_config` (ext_proc/config/load.py). Frozen: a reload decodes a new one
+    (ext_proc/service/reloader.py says what changes live)."""
+
     backends: tuple[Backend, ...]
     policy: str = "gorgo"
     seed: int = 0

@@ -11,6 +11,9 @@ from ext_proc.vocab.params import NON_NEGATIVE, POSITIVE, bounded
 
 
 class EnvoyMode(enum.StrEnum):
+    """`envoy.mode`: how Envoy is told the decision: a cluster per backend, or the
+    Gateway API Inference Extension's endpoint inside one cluster."""
+
     # Header x-gorgo-backend names a cluster per backend (cluster_header route).
     CLUSTER = "cluster"
     # The Gateway API Inference Extension protocol: header x-gateway-destination-endpoint
@@ -44,6 +47,9 @@ class ClientTls:
 
 @dataclass(frozen=True)
 class Listen:
+    """The `listen:` section: where the router serves its gRPC (ext_proc, access log) and
+    its admin HTTP, and who may change state through the admin."""
+
     grpc: str = "127.0.0.1:50051"
     tls: ServerTls = field(default_factory=ServerTls)
     # Admin HTTP (/healthz, /state): loopback by default, it shows internal state.
@@ -62,6 +68,10 @@ class Listen:
 
 @dataclass(frozen=True)
 class EnvoySettings:
+    """The `envoy:` section: what the generated Envoy config says (ext_proc/envoy/bootstrap.py):
+    its listener and admin, how it reaches the ext_proc, its body limit, timeouts and
+    retries, its tracing, and where its backend clusters come from."""
+
     listen: str = "127.0.0.1:10000"
     admin: str = "127.0.0.1:9901"
     # Where Envoy reaches the ext_proc; defaults to listen.grpc.

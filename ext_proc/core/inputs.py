@@ -18,6 +18,10 @@ from ext_proc.vocab.types import InFlight
 
 
 class RouterInputs:
+    """The router's `inputs`: what it hears of the backends besides its decisions and
+    their closes (KV events, probes, load reports, model lists, token checks, fallback
+    completions, other routers), written into the fleet's records on the router's clock."""
+
     __slots__ = ("_fleet", "clock")
 
     def __init__(self, fleet: Fleet, clock: Callable[[], float]) -> None:

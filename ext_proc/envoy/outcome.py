@@ -36,6 +36,9 @@ VIA_UPSTREAM = "via_upstream"
 
 @dataclass(frozen=True)
 class Outcome:
+    """Whose doing a request's end was, read from one access-log entry by `outcome_of`:
+    only `Status.ERROR` counts against the backend."""
+
     status: Status
     # What Envoy said, for the log and /state (code, flags, details).
     reason: str

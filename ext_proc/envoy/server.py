@@ -35,6 +35,10 @@ TRACE_KEYS = ("traceparent", "tracestate")
 
 
 class ExtProcService:
+    """Envoy's ext_proc gRPC service: one `process` call per stream, whose session
+    (ext_proc/envoy/sessions.py) the first message chooses. `draining`: shutting down, so
+    a new stream ends at once and Envoy's fallback route takes its request."""
+
     def __init__(
         self,
         router: Router,

@@ -26,6 +26,9 @@ LATENCY_WINDOW = 128
 
 @dataclass(frozen=True)
 class LatencyError:
+    """One request's TTFT or E2E on its chosen backend: predicted at the decision against
+    measured at the close, both in ms."""
+
     predicted_ms: float
     measured_ms: float
 

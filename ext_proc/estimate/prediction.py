@@ -23,6 +23,9 @@ PREDICTION_WINDOW = 128
 
 @dataclass(frozen=True)
 class PredictionError:
+    """One request's cached tokens on its chosen backend: predicted at the decision against
+    what the engine reported at completion, with the prompt's length to scale the error."""
+
     predicted_tokens: int
     reported_tokens: int
     prompt_tokens: int

@@ -50,6 +50,10 @@ EMULATOR_KEYS = ("block_tokens", "jitter_sigma")
 
 @dataclass(frozen=True)
 class EngineProfile:
+    """One kind of backend's constants (hardware + model + engine) in ms, tokens and
+    tokens/s, loaded by `load_profile`. The router reads ROUTER_KEYS and OPTIONAL_KEYS;
+    the emulated engine and the simulator read the rest too."""
+
     name: str
     prefill_base_ms: float
     prefill_tokens_per_s: float

@@ -59,6 +59,10 @@ SIZES_VARY = (
 
 
 class StreamHealth:
+    """How far one engine's KV-event stream can be trusted (its EngineBlocks' `health`):
+    whether the router has the engine's whole history, the stores it could not place,
+    and whether the stream's shape is one it can use (see the module's docstring)."""
+
     def __init__(self) -> None:
         self.stores = 0
         self._rootless_single = 0

@@ -62,6 +62,9 @@ class KvEventError(ValueError):
 
 @dataclass(frozen=True)
 class BlockStored:
+    """Blocks the engine cached: `block_hashes` in chain order after `parent_block_hash`
+    (None: none given), `block_size` tokens each, their tokens in `token_ids`."""
+
     block_hashes: tuple[int, ...]
     parent_block_hash: int | None
     token_ids: tuple[int, ...]
@@ -85,6 +88,8 @@ class BlockStored:
 
 @dataclass(frozen=True)
 class BlockRemoved:
+    """Blocks the engine evicted, from `medium` (None: the device)."""
+
     block_hashes: tuple[int, ...]
     medium: str | None = None
     group_idx: int | None = None
@@ -92,6 +97,9 @@ class BlockRemoved:
 
 @dataclass(frozen=True)
 class AllBlocksCleared:
+    """The engine (the DP rank that sent the batch) dropped every block it cached: what the
+    router knew that rank to hold is forgotten."""
+
     pass
 
 
@@ -100,6 +108,10 @@ KvEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 @dataclass(frozen=True)
 class EventBatch:
+    """One message of an engine's KV events (or one part of a long one), applied in order:
+    `seq` its publisher's sequence number (a gap: events lost; back to 0: a restart), `ts`
+    the engine's timestamp in seconds, `dp_rank` the data-parallel rank that sent it."""
+
     topic: str
     seq: int
     ts: float

@@ -22,6 +22,9 @@ from ext_proc.vocab.events import Closed, Dispatched, FirstByte, Listener
 
 
 class PeerKind(enum.StrEnum):
+    """Which lifecycle event a PeerEvent carries: one every router applies (dispatched,
+    first byte, closed), or what one router saw of another's request and forwards to it."""
+
     DISPATCHED = "dispatched"
     FIRST_BYTE = "first_byte"
     CLOSED = "closed"

@@ -14,6 +14,9 @@ from ext_proc.learn.settings import CHILD, PARENT, Step, TunerCore, p95, score
 
 
 class PairedRounds:
+    """The `paired` mode's Strategy: parent and child serve interleaved traffic, picked by a
+    hash of the request (or its session), and each round compares them on its own samples."""
+
     checks_stale = True  # a sample decided by weights a finished round replaced is dropped
 
     def __init__(self, tuner: TunerCore) -> None:

@@ -11,6 +11,9 @@ from ext_proc.learn.settings import CHILD, PARENT, Step, TunerCore, p95
 
 
 class PaperRule:
+    """The `paper` mode's Strategy: one arm serves everything and is scored every
+    `rescore_every` completions on the last `window`; kept only to reproduce the paper."""
+
     checks_stale = False  # one arm: every completion scores the weights in force
 
     def __init__(self, tuner: TunerCore) -> None:

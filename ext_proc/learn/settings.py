@@ -29,6 +29,10 @@ SCORES = ("p95", "tail", "mean")
 
 @dataclass(frozen=True)
 class TunerSettings:
+    """The tuner's constants: its mode, sigma and the 1/5 rule, the weights' bounds, round
+    sizes, confidence and ties. Built by core.build.tuner_settings from the `tuner:`
+    section and the policy's bounds; the other fields are not config keys."""
+
     mode: TunerMode = PAIRED
     sigma0: float = 0.5
     # 1/5 rule: over the last `success_window` outcomes, sigma /= factor when more than a
@@ -120,6 +124,10 @@ class Step:
 
 @dataclass
 class TunerState:
+    """What the tuner has learned: the parent's and the child's (rtt, queue) weights, sigma,
+    recent outcomes and the history. Handed to the sink after every step (tuner.state_file)
+    and restored by `state_from_doc`."""
+
     parent: tuple[float, float]
     child: tuple[float, float]
     sigma: float

@@ -75,6 +75,11 @@ STRATEGIES: dict[TunerMode, Callable[[TunerCore], Strategy]] = {
 
 
 class Tuner(TunerCore):
+    """Tunes the cost weights online (the module's docstring): each request gets its arm's
+    weights (`weights_for`), each completion scores that arm (`observe`), and the mode's
+    Strategy decides when a child replaces the parent. core.build makes one only for a
+    weighted policy with tuning on."""
+
     def __init__(
         self,
         settings: TunerSettings,

@@ -42,6 +42,10 @@ PolicyFactory = Callable[[random.Random, Any], Policy]
 
 @dataclass(frozen=True)
 class PolicyInfo:
+    """A registered policy: its name, how it is built (`factory`), and its parameter class
+    (decoded strictly from `policies.<name>`). `weighted`: its parameters derive from
+    WeightedParams, so the router owns its weights and may tune them."""
+
     name: str
     # Called with (rng, params).
     factory: PolicyFactory

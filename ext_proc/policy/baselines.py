@@ -17,6 +17,8 @@ from ext_proc.vocab.types import Candidate, RouteRequest, Weights
 
 @register("round_robin")
 class RoundRobin:
+    """The candidates in turn, blind to load, RTT and cache: a baseline."""
+
     name = "round_robin"
 
     def __init__(self, rng: random.Random, params: NoParams) -> None:
@@ -32,6 +34,8 @@ class RoundRobin:
 
 @register("random")
 class UniformRandom:
+    """A candidate drawn uniformly at random, blind to load, RTT and cache: a baseline."""
+
     name = "random"
 
     def __init__(self, rng: random.Random, params: NoParams) -> None:
@@ -77,6 +81,9 @@ class LeastLoad:
 
 @dataclass(frozen=True)
 class SessionAffinityParams:
+    """`policies.session_affinity`: how much of the prompt stands in for a missing session
+    key."""
+
     # Without a session key: hash the first this-many prompt tokens.
     prefix_tokens: int = bounded(256, gt=0)
 
@@ -117,6 +124,9 @@ class SessionAffinity:
 
 @dataclass(frozen=True)
 class PrefixCacheParams:
+    """`policies.prefix_cache`: when the best cache match is followed, and what load
+    imbalance overrides it."""
+
     # Follow the best cache match when it covers at least this share of the prompt,
     # unless load is imbalanced (max - min in flight > balance_abs and max > balance_rel
     # x min); then least request.

@@ -49,6 +49,8 @@ class TokenWeights(Weights):
 
 @dataclass(frozen=True)
 class GorgoTime3Params(WeightedParams):
+    """`policies.gorgo_time3`: its starting time weights and its near-tie band."""
+
     weights: TimeWeights = field(default_factory=TimeWeights)
     # Costs within tie_ms, or within tie_fraction of the best, count as a tie (a fixed
     # order herds requests onto one backend). Among them the fewest in flight: cost
@@ -61,6 +63,9 @@ class GorgoTime3Params(WeightedParams):
 
 @dataclass(frozen=True)
 class GorgoParams(WeightedParams):
+    """`policies.gorgo`: its starting time weights (the router owns them from then on), the
+    weights of the decode-stall and KV terms, and its near-tie rule."""
+
     weights: TimeWeights = field(default_factory=TimeWeights)
     # ms of the others' E2E per ms of the newcomer's TTFT. Measured on the Mooncake
     # trace's windows (time_scale 3-6, both RTT profiles; docs/cost-model.md): 0.1 left p95
@@ -77,6 +82,9 @@ class GorgoParams(WeightedParams):
 
 @dataclass(frozen=True)
 class GorgoTokensParams(WeightedParams):
+    """`policies.gorgo_tokens`: the paper's token-unit weights, a relative tie band, and the
+    paper's tuner bounds in those units."""
+
     weights: TokenWeights = field(default_factory=TokenWeights)
     # Token units: a 1-token tie band would be no band; only the relative one.
     tie_fraction: float = bounded(0.2, ge=0.0)
@@ -186,6 +194,10 @@ def _own_ttft(w: Weights) -> dict[str, float]:
 
 @register("gorgo", params=GorgoParams)
 class Gorgo(_Weighted[GorgoParams]):
+    """The default policy: the newcomer's own estimated TTFT, plus the stall its prefill
+    causes the requests already there and the wait a nearly full KV pool adds, all in ms
+    (the module's docstring); near-ties go to the fewest in flight."""
+
     name = "gorgo"
 
     def term_weights(self, w: Weights) -> dict[str, float]:
@@ -208,6 +220,9 @@ class GorgoTime3(_Weighted[GorgoTime3Params]):
 
 @register("gorgo_tokens", params=GorgoTokensParams)
 class GorgoTokens(_Scored[GorgoTokensParams]):
+    """The paper's implementation, in token units: w_rtt * rtt_ms + uncached_tokens +
+    w_queue * in_flight_tokens; near-ties are drawn at random."""
+
     name = "gorgo_tokens"
 
     def scores(self, candidates: Sequence[Candidate], w: Weights) -> dict[str, float]:

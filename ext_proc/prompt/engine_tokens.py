@@ -68,6 +68,9 @@ class _Entry:
 
 @dataclass
 class CacheStats:
+    """The prompt cache's counters since start (prompts and tokens), shown in /state's
+    `tokenizer` section: what its hits saved, and any cut point that did not line up."""
+
     # Prompts whose beginning was found tokenized, and the tokens reused; prompts
     # tokenized whole.
     hits: int = 0

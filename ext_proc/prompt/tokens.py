@@ -96,6 +96,10 @@ class TokenIds(tuple[int, ...]):
 
 
 class Tokenizer(Protocol):
+    """What the router needs of a tokenizer: token counts, ids, and block hashes for the
+    prefix index. ApproxTokenizer (no file needed) and HfTokenizer (the engines' own
+    tokenizer.json) implement it."""
+
     name: str
 
     def count(self, text: str) -> int: ...

@@ -70,6 +70,9 @@ class Peer:
 
 @dataclass(frozen=True)
 class AdminGuard:
+    """The admin port's three rules (the module's docstring) for one listen address, token
+    and set of extra host names; the admin's middleware asks `refuse` before any handler."""
+
     # listen.admin as configured (host:port; port 0 = whatever was bound)
     listen: str
     token: str = ""

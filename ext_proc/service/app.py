@@ -86,6 +86,10 @@ def server_credentials(cfg: Config) -> grpc.ServerCredentials | None:
 
 @dataclass
 class Running:
+    """What `running_service` started, for the CLI and tests while it runs: the router, the
+    gRPC service and the ports bound (a port 0 in the config becomes the real one),
+    telemetry, the fleet bus and shell, and the config reloader."""
+
     router: Router
     ext_proc: ExtProcService
     grpc_port: int

@@ -22,6 +22,9 @@ class EngineKind(enum.StrEnum):
 
 
 class KvEventsMode(enum.StrEnum):
+    """`backends[].kv_events.mode`: which side binds the ZMQ socket. The engine binding lets
+    any number of routers connect; the router binding allows only one."""
+
     # The engine binds (its endpoint has `*`: SGLang's and vLLM's kv_events.py,
     # _socket_setup); the router connects: any number of routers can.
     CONNECT = "connect"
@@ -51,6 +54,10 @@ class KvEventsSource:
 
 @dataclass(frozen=True)
 class Backend:
+    """One `backends:` item of the config: where Envoy reaches the engine, which engine and
+    profile it is, its KV events and the models it may be sent. `id` is also its Envoy
+    cluster's name and the routing header's value."""
+
     # Backend id = Envoy cluster name = value of the routing header.
     id: str
     # host:port where Envoy reaches this backend's engine (through its WAN link locally).

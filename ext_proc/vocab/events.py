@@ -25,6 +25,9 @@ from ext_proc.vocab.types import (
 
 @dataclass(frozen=True)
 class Dispatched:
+    """The router chose a backend for a request: the decision, and the in-flight record the
+    listeners learn from at its close (`now_s` on the router's clock)."""
+
     request: RouteRequest
     decision: Decision
     record: InFlight
@@ -43,6 +46,9 @@ class FirstByte:
 
 @dataclass(frozen=True)
 class Closed:
+    """A dispatched request ended, however it ended (once per request): its status, its TTFT
+    and E2E in ms (TTFT None: no first byte seen), and its in-flight record."""
+
     request_id: str
     backend: str
     status: Status

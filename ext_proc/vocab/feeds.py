@@ -12,6 +12,9 @@ from ext_proc.vocab.backend import Backend
 
 
 class Feed(Protocol):
+    """A feed's running loop as the fleet shell drives it: started once, told of each
+    backend added or removed, stopped once."""
+
     # Its name in /state's fleet_shell section.
     name: str
 

@@ -12,12 +12,18 @@ from ext_proc.vocab.types import Candidate, RouteRequest, Weights
 
 @dataclass(frozen=True)
 class Choice:
+    """A policy's pick, with its score per backend (lower is better) for the decision's
+    explanation."""
+
     backend_id: str
     # The policy's score per backend (lower is better), for the decision's explanation.
     scores: dict[str, float]
 
 
 class Policy(Protocol):
+    """A routing policy: picks one of the candidates the framework built (registered with
+    `policy.base.register`)."""
+
     name: str
 
     def choose(

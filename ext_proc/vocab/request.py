@@ -33,6 +33,10 @@ class Chat:
 
 @dataclass(frozen=True)
 class LlmRequest:
+    """An LLM request's body as the router reads it (ext_proc/prompt/parse.py): its prompts
+    and their token counts, output budget, stream flag, model and session. Its prompts
+    are never logged, traced or exposed."""
+
     api: str
     # The prompts as the engine will see them (one, or a batch; a chat is rendered). Used
     # for token counting and prefix hashing only: never logged, traced or exposed.

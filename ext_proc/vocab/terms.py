@@ -22,6 +22,9 @@ Compute = Callable[[Any, Mapping[str, float]], float]
 
 @dataclass(frozen=True)
 class TermInfo:
+    """A registered cost term (`register_term`): its name and unit, how it is computed, its
+    default weight, whether it is part of the predicted TTFT, and how it is shown."""
+
     name: str
     # Its unit ("ms"): the JSON key of its value is f"{name}_{unit}".
     unit: str

@@ -87,6 +87,10 @@ class BackendChange(enum.StrEnum):
 
 @dataclass(frozen=True)
 class Weights:
+    """The two cost weights the router owns and its tuner moves: `rtt` weighs the request's
+    trip, `queue` the wait ahead of it. Each policy form has its own starting values
+    (TimeWeights, TokenWeights)."""
+
     rtt: float
     queue: float
 
@@ -170,6 +174,11 @@ class Candidate:
 
 @dataclass(frozen=True)
 class RouteRequest:
+    """One request as the router decides on it: its id, the parsed body (None: not an LLM
+    call, or unreadable), its session key, and what the caller already knows (prompt
+    blocks, trace context, its Envoy). Built by the routing session, or by the simulator
+    and the benchmarks."""
+
     request_id: str
     # None when the request is not an LLM call or its body could not be read.
     llm: LlmRequest | None
@@ -191,6 +200,10 @@ class RouteRequest:
 
 @dataclass
 class InFlight:
+    """What the router keeps of a request from its dispatch to its close: the decision's
+    estimates and predictions, to learn from the outcome, and its times (`*_s`: seconds
+    on the router's clock). Another router's request gets one too, without predictions."""
+
     request_id: str
     backend: str
     dispatched_s: float
@@ -233,6 +246,10 @@ class InFlight:
 
 @dataclass(frozen=True)
 class Decision:
+    """Where the router sent a request and why: the chosen backend, every candidate with
+    its terms and score, the weights and tuner arm used, and how it is sent on: held for
+    `hold_ms` (pacing), then given `first_byte_deadline_ms` to begin its response."""
+
     request_id: str
     backend: str
     policy: str

@@ -1,6 +1,7 @@
 """The product's layout holds: one subpackage per step of a request's flow, small files and
-classes, an import graph without cycles (every import counted: late ones and
-TYPE_CHECKING ones too), and a router whose insides nothing outside the core touches.
+classes, a docstring on every public class, an import graph without cycles (every import
+counted: late ones and TYPE_CHECKING ones too), and a router whose insides nothing outside
+the core touches.
 
 The harness (emulator/, loadgen/) in rooms, under looser rules of its own (the end of this
 file): no import cycle between its modules, at most 15 modules directly in any of its
@@ -162,6 +163,35 @@ def oversized(path: Path, max_file_lines: int, max_class_lines: int) -> list[str
 @pytest.mark.parametrize("name", sorted(MODULES))
 def test_files_and_classes_stay_small(name: str) -> None:
     assert oversized(MODULES[name], MAX_FILE_LINES, MAX_CLASS_LINES) == []
+
+
+def undocumented_classes(text: str) -> list[str]:
+    """The public top-level classes of a module's source that have no docstring."""
+    return [
+        n.name
+        for n in ast.parse(text).body
+        if isinstance(n, ast.ClassDef) and not n.name.startswith("_") and not ast.get_docstring(n)
+    ]
+
+
+def test_every_public_class_says_what_it_is_for() -> None:
+    offenders = [
+        f"{path.relative_to(ROOT)}: class {name}"
+        for path in MODULES.values()
+        if "_pb2" not in path.name
+        for name in undocumented_classes(path.read_text(encoding="utf-8"))
+    ]
+    assert not offenders, "public classes without a docstring:\n" + "\n".join(offenders)
+
+
+def test_the_docstring_check_sees_a_class_without_one() -> None:
+    text = (
+        'class Said:\n    """What it is."""\n\n'
+        "class Unsaid:\n    x = 1\n\n"
+        "class _Private:\n    pass\n\n"
+        "def f() -> None:\n    class Inner:\n        pass\n"
+    )
+    assert undocumented_classes(text) == ["Unsaid"]
 
 
 # -- the router's surface ------------------------------------------------------------------

@@ -14,6 +14,10 @@ from ext_proc.vocab.types import RouteRequest
 
 @dataclass(frozen=True)
 class TermInputs:
+    """One candidate backend for one request as every cost term reads it, gathered once
+    per candidate (core.features) before its terms are computed in order. Times in ms,
+    sizes in tokens, `now_s` on the router's clock."""
+
     backend: BackendState
     request: RouteRequest
     now_s: float

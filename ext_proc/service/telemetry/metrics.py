@@ -17,6 +17,10 @@ ERROR_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)
 
 
 class Metrics:
+    """The router's Prometheus registry, served on /metrics: counters and histograms that
+    Telemetry and the reloader update as requests and reloads happen, and the gauges read
+    from the router at scrape time (gauges.py)."""
+
     def __init__(self, router: Router) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
