@@ -10,12 +10,18 @@ from typing import Any
 
 from ext_proc.config.load import config_from_dict
 from ext_proc.config.schema import Config
+from ext_proc.core.backend import BackendState
 from ext_proc.core.build import build_router
+from ext_proc.core.fleet import new_record
 from ext_proc.core.router import Router
+from ext_proc.core.terms.base import TermInputs
 from ext_proc.core.terms.catalog import TERMS
 from ext_proc.envoy import codec
 from ext_proc.envoy.encoders import decision_encoder
 from ext_proc.envoy.sessions import Session, open_session
+from ext_proc.estimate.cost import PrefillModel
+from ext_proc.estimate.latency_model import LatencyModel
+from ext_proc.estimate.profile import EngineProfile
 from ext_proc.feeds.peers import PeerEvent, PeerKind
 from ext_proc.prompt.parse import CHAT, parse_body
 from ext_proc.vocab.events import Dispatched, Listener
@@ -80,6 +86,63 @@ def candidate(backend_id: str = "a", **kw: Any) -> Candidate:
     kw.setdefault("in_flight", 0)
     kw.setdefault("waiting_first_byte", 0)
     return Candidate(backend_id, terms=terms, **kw)
+
+
+# An engine profile in round numbers, for sums done by hand: a prefill of 10 ms a chunk of
+# 1,000 tokens plus 1 ms a token (x (1 + (cached + uncached / 2) / 10,000)); a decode step
+# of 10 ms + 1 ms a running request + 2 ms per 1k tokens of context; 4 requests running at
+# most; a KV pool of 10,000 tokens.
+ROUND_PROFILE = EngineProfile(
+    name="round",
+    prefill_base_ms=10.0,
+    prefill_tokens_per_s=1000.0,
+    prefill_context_tokens=10_000.0,
+    chunk_tokens=1000,
+    decode_base_ms=10.0,
+    decode_per_request_ms=1.0,
+    decode_per_1k_context_ms=2.0,
+    kv_capacity_tokens=10_000,
+    max_running_requests=4,
+)
+
+
+def backend_state(
+    backend_id: str = "a", rtt_ms: float = 10.0, profile: EngineProfile = ROUND_PROFILE
+) -> BackendState:
+    """One backend's record as the fleet makes it (nothing in flight, no engine report),
+    on `profile`, at `rtt_ms` (its RTT prior): a record of its own, not in any router."""
+    cfg = make_config(
+        backends=[{"id": backend_id, "address": "127.0.0.1:1", "rtt_prior_ms": rtt_ms}]
+    )
+    b = new_record(cfg.backends[0], cfg, 0.0)
+    b.profile, b.prefill = profile, PrefillModel(profile)
+    return b
+
+
+def term_inputs(backend: BackendState | None = None, **kw: Any) -> TermInputs:
+    """What a cost term reads of `backend` (`backend_state()` by default) for one request:
+    a prompt of `input_tokens` (0) with `cached_tokens` of it cached (0), no model, the
+    profile's speed, nothing in flight, no engine report, the profile's KV pool, no stall
+    grace, at time 0; any field given instead."""
+    b = backend if backend is not None else backend_state()
+    input_tokens = kw.setdefault("input_tokens", 0)
+    cached = kw.setdefault("cached_tokens", 0)
+    output = kw.setdefault("output_tokens", 0)
+    kw.setdefault("uncached_tokens", input_tokens - cached)
+    kw.setdefault("need_kv_tokens", input_tokens + output)
+    kw.setdefault("capacity_tokens", b.profile.kv_capacity_tokens)
+    defaults: dict[str, Any] = {
+        "request": chat(rid="r"),
+        "now_s": 0.0,
+        "model": None,
+        "adapter": False,
+        "speed": LatencyModel(),
+        "items": [],
+        "step_ms": 0.0,
+        "report": None,
+        "stall_grace_ms": 0.0,
+    }
+    return TermInputs(backend=b, **(defaults | kw))
 
 
 def chat(

@@ -106,27 +106,6 @@ def test_one_failed_probe_is_enough_when_a_first_byte_is_late_there() -> None:
     assert router.backends[d.backend].health.suspect
 
 
-def test_a_prompt_the_engine_refused_is_not_counted_as_cached_there() -> None:
-    """The engine answered 4xx (a prompt over its context): it computed nothing, so what
-    the dispatch inserted into the backend's index goes; a prefix another request had
-    put there stays."""
-    router, clock = make_router("gorgo", backends=["a"], routing={"block_tokens": 16})
-    shared = "a shared system prompt " * 40
-    first = chat(shared + "first", rid="r1")
-    router.decide(first)
-    router.first_byte("r1")
-    router.close("r1", Status.OK)
-    b = router.backends["a"]
-    held = b.prefix.size_blocks
-    clock.advance(1.0)
-    refused = chat(shared + "then a long new tail " * 40, rid="r2")
-    router.decide(refused)
-    assert b.prefix.size_blocks > held
-    router.close("r2", Status.CLIENT_ERROR, reason="400 via_upstream")
-    assert b.prefix.size_blocks == held
-    assert b.prefix.match(router.features.prompt_blocks(first)[0]) >= held - 1
-
-
 def test_ejected_reads_false_once_the_ejection_is_over() -> None:
     router, clock = make_router("gorgo", backends=["a"], routing={"eject_s": 5.0})
     for i in range(2):

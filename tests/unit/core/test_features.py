@@ -175,13 +175,3 @@ def test_the_predicted_ttft_is_the_sum_of_the_terms_and_e2e_adds_the_decode() ->
         d.chosen.predicted_ttft_ms,
         d.chosen.predicted_e2e_ms,
     )
-
-
-def test_the_newcomers_step_counts_no_more_than_the_engine_runs() -> None:
-    router, _ = make_router("gorgo", backends=["a"])
-    b = router.backends["a"]
-    limit = b.profile.max_running_requests
-    for i in range(limit + 9):
-        load(router, f"p{i}", "a", 100)
-    # limit + 10 requests, the limit of them running: their share of the context
-    assert newcomer_step_ms(b, 100, 1.0) == b.profile.decode_ms(limit, 100 * limit)

@@ -1,13 +1,9 @@
-import random
-from collections import Counter
-
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ext_proc.policy.catalog import POLICIES, make_policy, policy_params
 from ext_proc.vocab.types import Status
-from tests.builders import BACKENDS, candidate, chat, make_config, make_router
+from tests.builders import chat, make_router
 
 
 def test_lifecycle_counts_ttft_and_e2e() -> None:
@@ -66,27 +62,6 @@ def test_reused_request_id_does_not_leak_in_flight() -> None:
     assert sum(b.load.waiting_first_byte for b in router.backends.values()) == 0
 
 
-def test_round_robin_cycles() -> None:
-    router, _ = make_router("round_robin", seed=1)
-    assert [router.decide(chat(rid=f"r{i}", stream=False)).backend for i in range(6)] == list(
-        BACKENDS
-    ) * 2
-
-
-def test_least_request_spreads_then_follows_completions() -> None:
-    router, _ = make_router("least_request", seed=1)
-    first = [router.decide(chat(rid=f"r{i}", stream=False)).backend for i in range(3)]
-    assert sorted(first) == sorted(BACKENDS)
-    router.close("r1", Status.OK)
-    assert router.decide(chat(rid="r3", stream=False)).backend == first[1]
-
-
-def test_random_uses_every_backend() -> None:
-    router, _ = make_router("random", seed=1)
-    counts = Counter(router.decide(chat(rid=f"r{i}", stream=False)).backend for i in range(300))
-    assert set(counts) == set(BACKENDS) and min(counts.values()) > 60
-
-
 def test_error_completion_counts_as_error() -> None:
     router, _ = make_router(seed=1)
     d = router.decide(chat(rid="r", stream=False))
@@ -100,36 +75,6 @@ def test_snapshot_shows_recent_decisions_without_prompt() -> None:
     snap = router.snapshot()
     assert snap["decisions"] == 1 and snap["recent_decisions"][0]["request_id"] == "r1"
     assert "hello" not in repr(snap)
-
-
-@settings(max_examples=100, deadline=None)
-@given(
-    st.sampled_from(sorted(POLICIES)),
-    st.lists(st.tuples(st.integers(0, 3), st.integers(0, 3)), min_size=1, max_size=8),
-    st.integers(0, 2**32),
-)
-def test_a_policy_always_returns_one_of_its_candidates(
-    name: str, loads: list[tuple[int, int]], seed: int
-) -> None:
-    policy = make_policy(name, random.Random(seed))
-    weights = policy_params(make_config(), name).weights if POLICIES[name].weighted else None
-    candidates = [
-        candidate(
-            f"b{i}",
-            in_flight=n,
-            waiting_first_byte=min(n, w),
-            in_flight_tokens=n * 100,
-            rtt_ms=10.0 * w,
-            queue_ms=5.0 * n,
-            prefill_ms=20.0,
-            cached_tokens=64 * w,
-            uncached_tokens=100,
-        )
-        for i, (n, w) in enumerate(loads)
-    ]
-    for i in range(5):
-        chosen = policy.choose(chat(rid=f"r{i}", stream=False), candidates, weights).backend_id
-        assert chosen in {c.backend_id for c in candidates}
 
 
 @settings(max_examples=100, deadline=None)
