@@ -65,6 +65,9 @@ class RequestResult:
     # ttft_ms and e2e_ms count (None where not known).
     predicted_ttft_ms: float | None = None
     predicted_e2e_ms: float | None = None
+    # Its request class and tenant (gorgo simulate --classes; None: not classed).
+    objective: str | None = None
+    tenant: str | None = None
     # Not in the file: inter-token gaps feed the ITL summary.
     itl_ms: list[float] = field(default_factory=list, repr=False)
 
@@ -156,10 +159,12 @@ def write_result(
     results: Sequence[RequestResult],
     meta: dict[str, Any],
     itl_ms: Iterable[float] | None = None,
+    extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """`extra`: more of the summary (the simulator's request classes)."""
     doc = {
         "meta": meta,
-        "summary": summarize(results, itl_ms),
+        "summary": {**summarize(results, itl_ms), **(extra or {})},
         "requests": [r.row() for r in results],
     }
     p = Path(path)

@@ -34,3 +34,7 @@ ACCESS_LOG_NAME = "gorgo"
 # apart by them.
 ROUTE_GORGO = "gorgo"
 ROUTE_FALLBACK = "fallback"
+
+# Flow control's refusals say why in this response header (llm-d's reasons where they
+# agree: x-llm-d-request-dropped-reason).
+HEADER_FLOW_REASON = "x-gorgo-flow-reason"

@@ -187,10 +187,41 @@ def _validate(cfg: Config) -> None:
     if 0 < interval_s < 0.1:
         raise ConfigError(f"probes.metrics_interval_s: at least 0.1 (or 0 = off), got {interval_s}")
     _validate_models(cfg)
+    _validate_flow_control(cfg)
     if cfg.policy not in POLICIES:
         raise ConfigError(
             f"policy: unknown policy {cfg.policy!r} (known: {', '.join(sorted(POLICIES))})"
         )
+
+
+def _validate_flow_control(cfg: Config) -> None:
+    fc = cfg.flow_control
+    names: set[str] = set()
+    regions = {b.region for b in cfg.backends}
+    for i, o in enumerate(fc.objectives):
+        key = f"flow_control.objectives[{i}]"
+        if not o.name:
+            raise ConfigError(f"{key}.name: an objective needs a name")
+        if o.name in names:
+            raise ConfigError(f"{key}.name: {o.name!r} listed twice")
+        names.add(o.name)
+        for j, region in enumerate(o.regions):
+            if region not in regions:
+                known = ", ".join(sorted(r for r in regions if r)) or "none"
+                raise ConfigError(
+                    f"{key}.regions[{j}]: no backend is in region {region!r} (regions: {known})"
+                )
+    if fc.default_objective and fc.default_objective not in names:
+        raise ConfigError(
+            f"flow_control.default_objective: {fc.default_objective!r} is not one of "
+            f"flow_control.objectives ({', '.join(sorted(names)) or 'none'})"
+        )
+    for name in ("objective_header", "tenant_header", "slo_header"):
+        header = getattr(fc, name)
+        if not header or header != header.lower() or not header.replace("-", "").isalnum():
+            raise ConfigError(
+                f"flow_control.{name}: {header!r} is not a lower-case HTTP header name"
+            )
 
 
 def _validate_models(cfg: Config) -> None:

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ext_proc.config.flow import FlowControl
 from ext_proc.config.transport import EnvoySettings, Listen
 from ext_proc.prompt.tokenizer_config import TokenizerConfig
 from ext_proc.vocab.backend import Backend, EngineKind
@@ -233,6 +234,7 @@ class Config:
     # Policies not named here run with their defaults.
     policies: Mapping[str, Any] = field(default_factory=dict, metadata={"decode": "policies"})
     routing: Routing = field(default_factory=Routing)
+    flow_control: FlowControl = field(default_factory=FlowControl)
     tuner: TunerConfig = field(default_factory=TunerConfig)
     probes: Probes = field(default_factory=Probes)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)

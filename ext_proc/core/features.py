@@ -18,9 +18,9 @@ from ext_proc.core.backend import BackendState
 from ext_proc.core.fleet import Fleet
 from ext_proc.core.terms.base import TermInputs
 from ext_proc.core.terms.catalog import TERMS
-from ext_proc.core.terms.queue import queue_ms
+from ext_proc.core.terms.queue import queue_ms, reported_waiting_ms
 from ext_proc.estimate.chain import chain_keys
-from ext_proc.estimate.cost import QueueItem
+from ext_proc.estimate.cost import QueueItem, unstarted_ms
 from ext_proc.estimate.prefix import Hashes, as_hashes, leading_true
 from ext_proc.feeds.engine_metrics import EngineReport
 from ext_proc.prompt.tokens import APPROX, block_hashes_of_ids
@@ -177,6 +177,8 @@ class Features:
         # Per candidate of the last `candidates` call whose engine's events serve: the
         # cached tokens a precise prediction gave (what a warming backend is judged by).
         self.precise_cached: dict[str, int] = {}
+        # Flow control is on: each candidate's work not yet started is measured (its room).
+        self.flow_control = fleet.cfg.flow_control.enabled
 
     def prompt_blocks(self, request: RouteRequest) -> list[Hashes]:
         """Each prompt's prefix-block hashes (one list per prompt of a batch), in the
@@ -245,6 +247,8 @@ class Features:
         bt = self.fleet.cfg.routing.block_tokens
         model = request.llm.model if request.llm else None
         active = [b for b in serving(state, model) if b.lifecycle is _ACTIVE]
+        if request.regions:  # its objective's regions only (flow control checked some serve)
+            active = [b for b in active if b.config.region in request.regions]
         if not active:
             raise NoActiveBackend(f"no active backend serves {model!r}")
         # those whose context holds the prompt (admission refused it if none does)
@@ -292,6 +296,12 @@ class Features:
                     in_flight_tokens=b.load.in_flight_tokens,
                     cached_tokens=cached,
                     uncached_tokens=x.uncached_tokens,
+                    waiting_tokens=sum(
+                        it.kv_tokens - it.output_tokens for it in items if it.first_byte_s is None
+                    )
+                    if self.flow_control
+                    else 0,
+                    unstarted_ms=_unstarted_ms(x) if self.flow_control else 0.0,
                     terms=terms,
                 )
             )
@@ -356,3 +366,13 @@ class Features:
             ),
             default=0.0,
         )
+
+
+def _unstarted_ms(x: TermInputs) -> float:
+    """The backend's work not yet started (estimate.cost.unstarted_ms), or the engine's own
+    count of requests waiting priced as the queue term prices it, if more."""
+    b = x.backend
+    own_ms = unstarted_ms(
+        x.items, x.now_s, b.health.rtt_ms / 2, x.step_ms, x.capacity_tokens, x.need_kv_tokens
+    )
+    return max(own_ms, reported_waiting_ms(b, x.report))

@@ -91,7 +91,8 @@ class SpeedLearner(Listener):
             return
         profile_ms = (rec.queue_ms + rec.prefill_ms) / rec.prefill_factor
         speed = b.speed_for(rec.model)
-        speed.observe_ttft(profile_ms, e.ttft_ms - rec.rtt_ms - rec.hold_ms)
+        # its prediction counts from the dispatch: not its wait in the gateway queue
+        speed.observe_ttft(profile_ms, e.ttft_ms - rec.waited_ms - rec.rtt_ms - rec.hold_ms)
         out = rec.output_tokens
         if out >= MIN_DECODE_TOKENS:
             step_ms = (rec.predicted_e2e_ms - rec.predicted_ttft_ms) / out / rec.decode_factor
@@ -189,7 +190,10 @@ class TunerLearner(Listener):
             floor = 0.0
             if self.tuner.s.objective == EXCESS_TTFT:
                 floor = self.floor_ms(e.record.input_tokens)
-            self.tuner.observe(e.request_id, e.ttft_ms, e.e2e_ms, floor)
+            # the weights chose the backend, not the wait in the gateway queue before it
+            waited_ms = e.record.waited_ms
+            ttft_ms = None if e.ttft_ms is None else e.ttft_ms - waited_ms
+            self.tuner.observe(e.request_id, ttft_ms, e.e2e_ms - waited_ms, floor)
         elif e.status in NOT_THE_WEIGHTS:
             self.tuner.forget(e.request_id)
         else:

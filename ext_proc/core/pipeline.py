@@ -1,19 +1,36 @@
 """The request's recipe, one short function every transport calls (the Envoy session, the
-simulator): resolve the model it asks for, admit it, schedule it (the candidates and the
+simulator): resolve the model it asks for, admit it, let it wait in the gateway queue
+until a backend has room (flow control, when on), schedule it (the candidates and the
 policy's choice), record the dispatch. In the spirit of llm-d's `Director.HandleRequest`
 (parse, admit, locate, prepare, schedule), in our own words; parsing and tokenizing stay
 with the transport, which knows the wire.
 
-Pure and synchronous: the router it drives runs on an injected clock.
+Pure and synchronous: the router it drives runs on an injected clock. A request that must
+wait comes back `Queued`; the transport calls `pump()` when room may have come (a first
+byte, a completion, an engine report, a timer) and takes the outcomes of those released
+or refused from `released`.
 """
 
 from __future__ import annotations
 
+import math
+from collections import Counter
 from dataclasses import dataclass, replace
 
-from ext_proc.core.features import NoActiveBackend
-from ext_proc.core.router import Router
-from ext_proc.vocab.types import Decision, Refusal, RouteRequest
+from ext_proc.core.admission import serving
+from ext_proc.core.features import NoActiveBackend, output_tokens
+from ext_proc.core.router import NoRoom, Router
+from ext_proc.flow.classify import Objectives
+from ext_proc.flow.queue import FlowQueue, Waiting
+from ext_proc.flow.room import has_room
+from ext_proc.vocab.types import Candidate, Decision, Refusal, RouteRequest
+
+# Retry-After of a refusal for a full queue or a wait too long: about the time the queue
+# takes to move (SMG answers 2 s for both).
+RETRY_AFTER_S = 2.0
+# A pump offers room to at most this many waiting requests that find none: past the
+# first few, the fleet is full for the rest too (each try computes the candidates).
+MAX_TRIES_PER_PUMP = 4
 
 
 @dataclass(frozen=True)
@@ -41,6 +58,13 @@ class Unrouted:
     reason: str
 
 
+@dataclass(frozen=True)
+class Queued:
+    """Waiting in the gateway queue: its outcome comes later, in `Director.released`."""
+
+    ticket: Waiting
+
+
 Outcome = Routed | Refused | Unrouted
 
 
@@ -49,17 +73,108 @@ class Director:
 
     def __init__(self, router: Router) -> None:
         self.router = router
+        settings = router.cfg.flow_control
+        self.objectives = Objectives(settings)
+        # The gateway queue (None: flow control off, every request bound at once).
+        self.queue = FlowQueue(settings) if settings.enabled else None
+        # The outcomes of waiting requests decided by a pump, for the transport to take.
+        self.released: list[tuple[Waiting, Outcome]] = []
+        self._served: dict[int, str | None] = {}
+        # What flow control did: passed straight, released after a wait, refused (by
+        # reason), abandoned by the client.
+        self.counts: Counter[str] = Counter()
 
-    def handle(self, request: RouteRequest) -> Outcome:
+    def handle(self, request: RouteRequest, body_bytes: int = 0) -> Outcome | Queued:
         request, served = self.resolve_model(request)
         refused = self.router.admit(request)
         if refused is not None:
             return Refused(refused)
-        try:
-            decision = self.router.decide(request)
-        except NoActiveBackend as e:
-            return Unrouted(str(e))
-        return Routed(decision, served)
+        if self.queue is None:
+            return self._schedule(request, served)
+        objective = self.objectives.of(request)
+        if objective.regions:
+            request = replace(request, regions=frozenset(objective.regions))
+            if not self._servable(request):
+                self.counts["rejected-no-endpoints"] += 1
+                return Refused(
+                    Refusal(
+                        503,
+                        "service_unavailable",
+                        f"objective {objective.name!r}: no backend in regions "
+                        f"{', '.join(sorted(objective.regions))} serves this model",
+                        reason="rejected-no-endpoints",
+                    )
+                )
+        now_s = self.router.clock()
+        max_wait_s = self.objectives.max_wait_s(objective)
+        w = Waiting(
+            request=request,
+            objective=objective.name,
+            tenant=request.tenant,
+            priority=objective.priority,
+            arrival_s=now_s,
+            deadline_s=self.objectives.deadline_s(objective, request, now_s),
+            expires_s=now_s + max_wait_s,
+            sheddable=objective.sheddable,
+            body_bytes=body_bytes,
+            tokens=(request.llm.input_tokens if request.llm else 0) + output_tokens(request),
+        )
+        if not self.queue:  # nobody waits: straight through when a backend has room
+            outcome = self._try(w, served)
+            if outcome is not None:
+                self.counts["straight"] += 1
+                return outcome
+        if self.queue.full(w.priority, body_bytes):
+            self.counts["rejected-saturated"] += 1
+            return Refused(
+                Refusal(
+                    429,
+                    "rate_limit_error",
+                    f"the gateway queue of priority {w.priority} is full, retry later",
+                    RETRY_AFTER_S,
+                    "rejected-saturated",
+                )
+            )
+        self.queue.push(w)
+        self._served[id(w)] = served
+        self.pump()
+        for i, (done, outcome) in enumerate(self.released):
+            if done is w:  # released at once (it was first in order and found room)
+                del self.released[i]
+                return outcome
+        return Queued(w)
+
+    def pump(self) -> None:
+        """Offer room to the waiting requests in order, and refuse those that waited too
+        long; their outcomes go to `released`."""
+        if not self.queue:
+            return
+        now_s = self.router.clock()
+        for w in self.queue.expired(now_s):
+            self._refuse(w, "rejected-ttl-expired", f"waited {now_s - w.arrival_s:.1f} s")
+        failed = 0
+        for w in self.queue.order(now_s):
+            outcome = self._try(w, self._served.get(id(w)))
+            if outcome is None:
+                w.tries += 1
+                failed += 1
+                if failed >= MAX_TRIES_PER_PUMP:
+                    break
+                continue
+            self.queue.remove(w)
+            self._served.pop(id(w), None)
+            self.counts["released"] += isinstance(outcome, Routed)
+            self.released.append((w, outcome))
+
+    def cancel(self, w: Waiting) -> None:
+        """Its client went away while it waited."""
+        if self.queue is not None and not w.done:
+            self.queue.remove(w)
+            self._served.pop(id(w), None)
+            self.counts["cancelled"] += 1
+
+    def next_expiry_s(self) -> float:
+        return self.queue.next_expiry_s() if self.queue is not None else math.inf
 
     def resolve_model(self, request: RouteRequest) -> tuple[RouteRequest, str | None]:
         """A public model name the config maps to served ones (an alias, a rollout's
@@ -71,3 +186,61 @@ class Director:
         if served is None or served == llm.model:
             return request, None
         return replace(request, llm=replace(llm, model=served)), served
+
+    # -- the steps ------------------------------------------------------------------------
+
+    def _schedule(self, request: RouteRequest, served: str | None) -> Outcome:
+        try:
+            decision = self.router.decide(request)
+        except NoActiveBackend as e:
+            return Unrouted(str(e))
+        return Routed(decision, served)
+
+    def _try(self, w: Waiting, served: str | None) -> Outcome | None:
+        """Schedule it on a backend with room (None: none has room, it waits on)."""
+        now_s = self.router.clock()
+        settings = self.router.cfg.flow_control
+
+        def room(c: Candidate) -> bool:
+            return has_room(c, settings)
+
+        try:
+            placed = self.router.place(w.request, room, (now_s - w.arrival_s) * 1000)
+        except NoActiveBackend as e:
+            return Unrouted(str(e))
+        if isinstance(placed, NoRoom):
+            if w.sheddable and now_s + placed.best_ttft_ms / 1000 > w.deadline_s:
+                self.counts["rejected-slo"] += 1
+                return Refused(
+                    Refusal(
+                        429,
+                        "rate_limit_error",
+                        f"objective {w.objective!r}: its TTFT objective cannot be met now "
+                        f"(at best {placed.best_ttft_ms / 1000:.1f} s), retry later",
+                        max(RETRY_AFTER_S, placed.best_ttft_ms / 1000),
+                        "rejected-slo",
+                    )
+                )
+            return None
+        assert self.queue is not None
+        self.queue.charge(w.tenant, w.tokens, now_s)
+        return Routed(placed, served)
+
+    def _refuse(self, w: Waiting, reason: str, why: str) -> None:
+        self._served.pop(id(w), None)
+        self.counts[reason] += 1
+        refusal = Refusal(
+            429,
+            "rate_limit_error",
+            f"no backend had room within the objective {w.objective!r}'s longest wait ({why}), "
+            "retry later",
+            RETRY_AFTER_S,
+            reason,
+        )
+        self.released.append((w, Refused(refusal)))
+
+    def _servable(self, request: RouteRequest) -> bool:
+        model = request.llm.model if request.llm else None
+        return any(
+            b.config.region in request.regions for b in serving(self.router.fleet.state, model)
+        )

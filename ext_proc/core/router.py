@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
@@ -47,6 +48,14 @@ from ext_proc.vocab.types import (
 )
 
 log = logging.getLogger("gorgo.router")
+
+
+@dataclass(frozen=True)
+class NoRoom:
+    """The backend the policy chose had no room (flow control): nothing was recorded."""
+
+    # The least TTFT predicted among the candidates, from now (what it would see at best).
+    best_ttft_ms: float
 
 
 class Router:
@@ -192,6 +201,20 @@ class Router:
 
     def decide(self, request: RouteRequest) -> Decision:
         """Choose a backend and record the dispatch."""
+        placed = self.place(request)
+        assert isinstance(placed, Decision)
+        return placed
+
+    def place(
+        self,
+        request: RouteRequest,
+        room: Callable[[Candidate], bool] | None = None,
+        waited_ms: float = 0.0,
+    ) -> Decision | NoRoom:
+        """Choose a backend and record the dispatch, if the chosen one has `room` (None:
+        always); else NoRoom, nothing recorded (flow control: it waits, and is offered
+        again as the fleet's state changes). `waited_ms`: its wait in the gateway
+        queue, part of the TTFT and E2E reported for it."""
         blocks = self._features.prompt_blocks(request)
         candidates = self._features.candidates(request, blocks)
         bt = self.cfg.routing.block_tokens
@@ -206,6 +229,9 @@ class Router:
             raise ValueError(
                 f"policy {self._policy.name!r} chose {choice.backend_id!r}, not a candidate"
             )
+        if room is not None and not room(chosen):
+            # late binding: it goes where the policy wants it, once that backend has room
+            return NoRoom(min(c.predicted_ttft_ms for c in candidates))
         now_s = self.clock()
         b = self._fleet.state.backends[chosen.backend_id]
         state = prefix_state_for(b, request)
@@ -227,11 +253,13 @@ class Router:
             draining=self._fleet.draining,
             model=rec.model,
             hold_ms=pace_ms(self.cfg.routing, b, chosen, now_s),
+            waited_ms=waited_ms,
             first_byte_deadline_ms=first_byte_deadline_ms(
                 self.cfg.routing, chosen, rec.streaming, self.cfg.envoy.route_timeout_s
             ),
         )
         rec.hold_ms = decision.hold_ms
+        rec.waited_ms = waited_ms
         if decision.first_byte_deadline_ms is not None:
             rec.first_byte_deadline_s = (
                 now_s + (decision.hold_ms + decision.first_byte_deadline_ms) / 1000
@@ -292,7 +320,7 @@ class Router:
         if closed is None:
             return None
         rec, measured_e2e_ms = closed
-        ttft_ms = None if rec.first_byte_s is None else (rec.first_byte_s - rec.dispatched_s) * 1e3
+        ttft_ms = None if rec.first_byte_s is None else (rec.first_byte_s - rec.arrived_s) * 1e3
         event = Closed(
             request_id=request_id,
             backend=rec.backend,

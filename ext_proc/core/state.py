@@ -75,10 +75,10 @@ class FleetState:
         rec = self.in_flight.get(request_id)
         if rec is None or rec.first_byte_s is not None:
             return None
-        ttft_ms = (now_s - rec.dispatched_s) * 1000.0
+        ttft_ms = (now_s - rec.arrived_s) * 1000.0  # its wait in the gateway queue included
         if rec.ended_e2e_ms is not None:
             ttft_ms = min(ttft_ms, rec.ended_e2e_ms)
-        rec.first_byte_s = rec.dispatched_s + ttft_ms / 1000.0
+        rec.first_byte_s = rec.arrived_s + ttft_ms / 1000.0
         b = self.backends[rec.backend]
         b.load.waiting_first_byte -= 1
         b.stats.recent_ttft_ms.append(ttft_ms)
@@ -99,7 +99,7 @@ class FleetState:
             return None
         self._release(rec)
         b = self.backends[rec.backend]
-        measured_e2e_ms = e2e_ms if e2e_ms is not None else (now_s - rec.dispatched_s) * 1000.0
+        measured_e2e_ms = e2e_ms if e2e_ms is not None else (now_s - rec.arrived_s) * 1000.0
         if status == Status.FAILED_OVER:  # only the failure to connect was the chosen one's
             b.stats.failovers += 1
             b.health.request_failures += 1
@@ -113,12 +113,12 @@ class FleetState:
         else:
             counter = _OTHER_COUNTERS[status]
             setattr(b.stats, counter, getattr(b.stats, counter) + 1)
-        end_s = rec.dispatched_s + measured_e2e_ms / 1000.0
+        end_s = rec.arrived_s + measured_e2e_ms / 1000.0
         if rec.first_byte_s is not None and rec.first_byte_s > end_s:
             # The first chunk's message reached the router after the response ended (a
             # short response, a busy loop): Envoy timed the whole exchange, and the first
             # byte came before the last.
-            late_ms = (rec.first_byte_s - rec.dispatched_s) * 1000.0
+            late_ms = (rec.first_byte_s - rec.arrived_s) * 1000.0
             rec.first_byte_s = end_s
             _replace_last(b.stats.recent_ttft_ms, late_ms, measured_e2e_ms)
         # A cancelled client or a bad request says nothing about the backend.

@@ -135,6 +135,18 @@ def continue_response(
     return resp
 
 
+def override_message_timeout(seconds: float) -> pb.ProcessingResponse:
+    """Ask Envoy to wait this long for the reply to the message it sent last (the body
+    held in the gateway queue): Envoy ignores the rest of this response, restarts its
+    message timer with the value (at most the filter's max_message_timeout) and waits for
+    the real reply; once per message (ext_proc.proto, ProcessingResponse field 10)."""
+    resp = pb.ProcessingResponse()
+    ms = max(1, round(seconds * 1000))
+    resp.override_message_timeout.seconds = ms // 1000
+    resp.override_message_timeout.nanos = (ms % 1000) * 1_000_000
+    return resp
+
+
 def immediate_response(
     status_code: int, body: bytes, headers: Mapping[str, str] | None = None, details: str = ""
 ) -> pb.ProcessingResponse:

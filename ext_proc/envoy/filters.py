@@ -13,6 +13,7 @@ from ext_proc.common.names import (
     METADATA_ENVOY_NODE,
     REQUEST_ID_ATTRIBUTE,
 )
+from ext_proc.config.flow import max_hold_s
 from ext_proc.config.schema import Config
 from ext_proc.envoy.clusters import API, EXT_PROC_CLUSTER, OBSERVE_STAT_PREFIX, TYPE
 
@@ -42,6 +43,10 @@ def ext_proc_filters(cfg: Config) -> list[dict[str, Any]]:
             # the routing header and the fallback route serves it.
             "failure_mode_allow": True,
             "message_timeout": f"{cfg.envoy.message_timeout_ms / 1000}s",
+            # A request held in the gateway queue (flow control): the router extends the
+            # timer for that one reply (override_message_timeout), up to this; a hung
+            # router still fails open after message_timeout.
+            "max_message_timeout": f"{max_hold_s(cfg.flow_control):g}s",
             # The first-byte deadline is Envoy's per-try timeout header, an x-envoy-*
             # header, which ext_proc may set only when allowed (silently dropped else).
             "mutation_rules": {"allow_envoy": True},

@@ -27,6 +27,7 @@ from ext_proc.core.router import Router
 from ext_proc.envoy import codec
 from ext_proc.envoy.access_log import AccessLogService, Forward
 from ext_proc.envoy.encoders import DecisionEncoder, decision_encoder
+from ext_proc.envoy.holding import Holding
 from ext_proc.envoy.sessions import RoutingSession, Session, open_session
 from ext_proc.prompt.engine_tokens import PromptTokenizer
 
@@ -47,8 +48,11 @@ class ExtProcService:
         forward: Forward | None = None,
     ) -> None:
         self.router = router
-        # The request's recipe, shared by every routing session.
+        # The request's recipe, shared by every routing session, and where the requests
+        # waiting in its gateway queue are held.
         self.director = Director(router)
+        self.holding = Holding(self.director)
+        router.subscribe(self.holding)
         self.encoder = encoder
         self.tokens = tokens
         self.forward = forward
@@ -89,6 +93,15 @@ class ExtProcService:
                 if isinstance(session, RoutingSession) and session.tokenizes_off_loop(phase):
                     await session.tokenize_off_loop(phase)
                 reply = session.handle(phase)
+                if isinstance(session, RoutingSession) and session.held is not None:
+                    # the gateway queue: Envoy waits longer for this reply, which comes
+                    # when the request is released or refused
+                    assert reply is not None
+                    yield reply
+                    w, body, original_id = session.held
+                    outcome = await self.holding.wait(w)
+                    session.held = None
+                    reply = session.answer(outcome, body, original_id)
                 if session.hold_s:  # dispatch pacing: Envoy sends the request on later
                     await asyncio.sleep(session.hold_s)
                     session.hold_s = 0.0

@@ -13,13 +13,16 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
-from ext_proc.common.names import HEADER_REQUEST_ID, HEADER_SESSION
+from ext_proc.common.names import HEADER_FLOW_REASON, HEADER_REQUEST_ID, HEADER_SESSION
+from ext_proc.config.flow import HOLD_SLACK_S
 from ext_proc.config.schema import UnreadableBody
-from ext_proc.core.pipeline import Director, Refused, Unrouted
+from ext_proc.core.pipeline import Director, Outcome, Queued, Refused, Unrouted
 from ext_proc.core.router import Router
 from ext_proc.envoy import codec
 from ext_proc.envoy.access_log import Forward, first_chunk_event
 from ext_proc.envoy.encoders import DecisionEncoder
+from ext_proc.flow.classify import read_headers
+from ext_proc.flow.queue import Waiting
 from ext_proc.prompt.engine_tokens import PromptTokenizer
 from ext_proc.prompt.parse import (
     ParseError,
@@ -209,6 +212,10 @@ class RoutingSession(_FirstByteWatcher):
         self.decision: Decision | None = None
         # The request as parsed and tokenized in a worker thread (a long body).
         self._prepared: LlmRequest | None = None
+        # Flow control: the objective, tenant and TTFT SLO its headers name; and while it
+        # waits in the gateway queue, its ticket, body and the client's request id.
+        self.flow: tuple[str, str, float] = ("", "", 0.0)
+        self.held: tuple[Waiting, bytes, str] | None = None
 
     def tokenizes_off_loop(self, p: codec.Phase) -> bool:
         """Whether this phase's body is long enough to tokenize in a worker thread: a
@@ -237,6 +244,7 @@ class RoutingSession(_FirstByteWatcher):
         self.path = p.headers.get(":path", "")
         self.request_id = p.headers.get(HEADER_REQUEST_ID, "")
         self.session_header = p.headers.get(HEADER_SESSION)
+        self.flow = read_headers(self.router.cfg.flow_control, p.headers)
         if p.end_of_stream:
             self.done = True  # no body to route on: the fallback route serves it
         return self._reply(codec.REQUEST_HEADERS)
@@ -264,14 +272,27 @@ class RoutingSession(_FirstByteWatcher):
             llm = self.tokens.apply(llm, self.request_id)  # token ids as the engine's
         original_id = self.request_id
         self.request_id = own_request_id(original_id, self.router.in_flight)
+        objective, tenant, slo_ms = self.flow
         request = RouteRequest(
             self.request_id,
             llm,
             self.session_header or llm.user,
             trace_context=self.trace_context,
             envoy=self.envoy,
+            objective=objective,
+            tenant=tenant,
+            ttft_slo_ms=slo_ms,
         )
-        outcome = self.director.handle(request)
+        outcome = self.director.handle(request, len(body))
+        if isinstance(outcome, Queued):  # the gateway queue: the reply waits for room
+            w = outcome.ticket
+            self.held = (w, body, original_id)
+            hold_s = w.expires_s - w.arrival_s + HOLD_SLACK_S
+            return codec.override_message_timeout(hold_s)
+        return self.answer(outcome, body, original_id)
+
+    def answer(self, outcome: Outcome, body: bytes, original_id: str) -> Reply:
+        """The body's reply for the Director's outcome."""
         self.done = True
         if isinstance(outcome, Refused):  # answered here: no engine could serve it now
             refused = outcome.refusal
@@ -279,8 +300,10 @@ class RoutingSession(_FirstByteWatcher):
                 "request %s refused %d: %s", self.request_id, refused.status, refused.message
             )
             retry = refused.retry_after_s
-            headers = {"retry-after": str(max(1, math.ceil(retry)))} if retry is not None else None
-            return json_error(refused.status, refused.kind, refused.message, headers)
+            headers = {"retry-after": str(max(1, math.ceil(retry)))} if retry is not None else {}
+            if refused.reason:
+                headers[HEADER_FLOW_REASON] = refused.reason
+            return json_error(refused.status, refused.kind, refused.message, headers or None)
         if isinstance(outcome, Unrouted):  # the fallback route takes it
             log.warning("request %s: %s: fallback route", self.request_id, outcome.reason)
             return self._reply(codec.REQUEST_BODY)

@@ -115,6 +115,30 @@ def estimate_queue_ms(
     )
 
 
+def unstarted_ms(
+    items: list[QueueItem],
+    now_s: float,
+    one_way_ms: float,
+    decode_step_ms: float,
+    kv_capacity_tokens: int,
+    need_kv_tokens: int,
+) -> float:
+    """The engine time owed to requests sent to this backend whose prefill has not begun
+    there (flow control's room, ext_proc/flow/room.py): the prefill of those waiting for
+    their first token, but the oldest one's once it has had time to arrive (the engine
+    is at work on it, chunk by chunk beside the others); or the wait for KV when the pool
+    cannot hold one more. Unlike the queue term, no lateness: a late request is work
+    under way, not work waiting."""
+    pending = [it for it in items if it.first_byte_s is None]
+    owed_ms = sum(it.prefill_ms for it in pending)
+    if pending:
+        # the engine has worked through the backlog since its oldest request arrived
+        head_s = min(it.dispatched_s for it in pending)
+        owed_ms = max(0.0, owed_ms - max(0.0, (now_s - head_s) * 1000 - one_way_ms))
+    kv_ms = kv_wait_ms(items, decode_step_ms, now_s, kv_capacity_tokens, need_kv_tokens)
+    return max(owed_ms, kv_ms)
+
+
 def late_ms(item: QueueItem, now_s: float, grace_ms: float) -> float:
     """How far past its due time, beyond the grace, a request still waits for its first
     token (0 when on time or without an estimate)."""

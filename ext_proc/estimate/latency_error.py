@@ -54,7 +54,8 @@ def ttft_error(e: Closed) -> LatencyError | None:
         or e.ttft_ms <= 0
     ):
         return None
-    return LatencyError(rec.predicted_ttft_ms, e.ttft_ms)
+    # both from its arrival: the wait in the gateway queue was known when it was sent on
+    return LatencyError(rec.predicted_ttft_ms + rec.waited_ms, e.ttft_ms)
 
 
 def e2e_error(e: Closed) -> LatencyError | None:
@@ -62,7 +63,7 @@ def e2e_error(e: Closed) -> LatencyError | None:
     predicted = e.record.predicted_e2e_ms
     if e.status != Status.OK or predicted is None or e.e2e_ms <= 0:
         return None
-    return LatencyError(predicted, e.e2e_ms)
+    return LatencyError(predicted + e.record.waited_ms, e.e2e_ms)
 
 
 def _means(errs: Sequence[LatencyError]) -> tuple[float | None, float | None]:

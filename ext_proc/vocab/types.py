@@ -108,6 +108,10 @@ class Candidate:
     in_flight_tokens: int = 0
     cached_tokens: int = 0
     uncached_tokens: int = 0
+    # Prompt tokens of the requests there still waiting for their first token, and the
+    # engine time owed to those whose prefill has not begun (flow control's room, ms).
+    waiting_tokens: int = 0
+    unstarted_ms: float = 0.0
     # Each registered cost term's value there, by name, in registration order (ms for
     # the built-in ones: docs/cost-model.md).
     terms: Mapping[str, float] = field(default_factory=dict)
@@ -196,6 +200,13 @@ class RouteRequest:
     # The Envoy that carries it (its node id; "" = not said): its completion comes from
     # that Envoy's access log, and it is lost if that Envoy goes away.
     envoy: str = ""
+    # Flow control (ext_proc/flow/): the objective it names, its tenant, and its own TTFT
+    # SLO in ms (0: its objective's), as its headers say ("": none named).
+    objective: str = ""
+    tenant: str = ""
+    ttft_slo_ms: float = 0.0
+    # The backends' regions it may go to (its objective's `regions`; empty: any).
+    regions: frozenset[str] = frozenset()
 
 
 @dataclass
@@ -225,6 +236,9 @@ class InFlight:
     decode_factor: float = 1.0
     # How long dispatch pacing held it before it was sent on (its TTFT includes that).
     hold_ms: float = 0.0
+    # How long it waited in the gateway queue before this dispatch (flow control): its
+    # reported TTFT and E2E count from its arrival, that wait included.
+    waited_ms: float = 0.0
     # When its response must have begun (None: no deadline): routing.first_byte_factor.
     first_byte_deadline_s: float | None = None
     # The model it asked for (None: none named): its LoRA adapter's speed learns from it.
@@ -242,6 +256,11 @@ class InFlight:
     ended_e2e_ms: float | None = None
     # The Envoy that carries it (RouteRequest.envoy).
     envoy: str = ""
+
+    @property
+    def arrived_s(self) -> float:
+        """When it reached the router: its TTFT and E2E count from here."""
+        return self.dispatched_s - self.waited_ms / 1000 if self.waited_ms else self.dispatched_s
 
 
 @dataclass(frozen=True)
@@ -268,6 +287,8 @@ class Decision:
     # How long after it is sent on the backend must begin its response (Envoy's per-try
     # timeout; None: no deadline).
     first_byte_deadline_ms: float | None = None
+    # How long it waited in the gateway queue before this decision (flow control).
+    waited_ms: float = 0.0
 
     @property
     def chosen(self) -> Candidate:
@@ -298,6 +319,8 @@ class Decision:
             out["draining"] = list(self.draining)
         if self.hold_ms:
             out["hold_ms"] = round(self.hold_ms, 3)
+        if self.waited_ms:
+            out["waited_ms"] = round(self.waited_ms, 3)
         return out
 
 
@@ -310,3 +333,6 @@ class Refusal:
     kind: str
     message: str
     retry_after_s: float | None = None
+    # Flow control's reason, said in a response header (llm-d's values where they agree:
+    # rejected-saturated, rejected-ttl-expired, rejected-no-endpoints; ours: rejected-slo).
+    reason: str = ""

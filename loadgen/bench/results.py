@@ -30,7 +30,7 @@ from loadgen.bench.tuner.report import (
 from loadgen.bench.tuner.study import SEEDS, static_run
 from loadgen.sim.figures import write_figures
 from loadgen.sim.run import run_simulations, summary_markdown
-from loadgen.sim.simulate import SimSettings
+from loadgen.sim.settings import SimSettings
 from loadgen.traces.readers import read_trace
 from loadgen.traces.windows import window
 

@@ -51,8 +51,9 @@ def _simulate(args: argparse.Namespace) -> int:
     from emulator.stack.fleet import NO_FLEET, load_fleet
     from emulator.stack.settings import DEFAULT_REGIONS
     from loadgen.client.protocol import protocol_for
+    from loadgen.sim.classes import load_classes
     from loadgen.sim.run import run_simulate_command
-    from loadgen.sim.simulate import SimSettings
+    from loadgen.sim.settings import SimSettings
     from loadgen.traces.load import load_trace
     from loadgen.traces.request import TraceError
 
@@ -84,6 +85,8 @@ def _simulate(args: argparse.Namespace) -> int:
             router=_sim_router(args),
             fleet=fleet,
             router_knows_fleet=args.router_knows_fleet,
+            flow_control=args.flow_control == "on",
+            classes=None if args.classes is None else load_classes(args.classes),
         )
         base.config()  # validates the profiles before hours of simulation
     except (TraceError, ValueError) as e:
@@ -202,6 +205,20 @@ def add_simulate(sub: Any, policies: Sequence[str]) -> None:
         action="store_true",
         help="the router keeps its profiles as they are: no learned speed per backend "
         "(routing.learn_latency false)",
+    )
+    s.add_argument(
+        "--flow-control",
+        choices=["on", "off"],
+        default="off",
+        help="the router's gateway queue (flow_control.enabled): requests wait in the router "
+        "until the backend chosen for them has room",
+    )
+    s.add_argument(
+        "--classes",
+        default=None,
+        metavar="FILE",
+        help="request classes: YAML of `objectives` (as in the router config, plus each one's "
+        "`share` of the sessions) and optional `tenants` ({name, share}); see docs/results.md",
     )
     add_protocol_flags(s, "open protocol: no cap")
     s.set_defaults(func=_simulate)

@@ -15,8 +15,10 @@ from pathlib import Path
 from typing import Any
 
 from loadgen.results import RequestResult, summarize, table, write_result
+from loadgen.sim.classes import class_summary
 from loadgen.sim.figures import convergence_plot, write_figures
-from loadgen.sim.simulate import SimSettings, simulate
+from loadgen.sim.settings import SimSettings
+from loadgen.sim.simulate import simulate
 from loadgen.traces.request import TraceRequest
 from loadgen.traces.stats import stats_line, workload_stats
 from loadgen.traces.windows import spread_arrivals, window
@@ -72,7 +74,15 @@ def run_simulations(
                 "requests": len(trace),
                 "wall_s": round(wall_s, 2),
             }
-            doc = write_result(out_dir / f"{policy}-ts{ts:g}.json", res.requests, meta, res.itl_ms)
+            meta["flow_control"] = base.flow_control
+            classed = (
+                class_summary(res.requests, base.classes)
+                if base.flow_control or base.classes is not None
+                else None
+            )
+            doc = write_result(
+                out_dir / f"{policy}-ts{ts:g}.json", res.requests, meta, res.itl_ms, classed
+            )
             summaries[(policy, ts)] = s = doc["summary"]
             if base.front_doors:
                 s["regions"] = by_region(res.requests)
@@ -92,6 +102,12 @@ def run_simulations(
                 file=sys.stderr,
                 flush=True,
             )
+            if classed is not None:
+                classes = "  ".join(
+                    f"{name} slo_attained {o['slo_attained']:.3f} ({o['rejected']} rejected)"
+                    for name, o in classed["objectives"].items()
+                )
+                print(f"    goodput {classed['goodput']:.3f}  {classes}", file=sys.stderr)
             for region, rs in s.get("regions", {}).items():
                 print(
                     f"    clients in {region:<13} {rs['requests']:>6} requests  TTFT p95 "

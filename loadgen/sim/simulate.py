@@ -22,173 +22,41 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from emulator.engine.model import EngineModel
-from emulator.stack.fleet import NO_FLEET, Fleet
-from emulator.stack.settings import DEFAULT_REGIONS
 from emulator.wan import (
-    NETWORK_JITTER_FRACTION,
     DelayModel,
     DelaySettings,
     region_rtt_ms,
-    rtt_profile_ms,
 )
-from ext_proc.config.load import config_from_dict
-from ext_proc.config.schema import Config
 from ext_proc.core.build import build_router
-from ext_proc.core.pipeline import Director, Refused, Routed
+from ext_proc.core.pipeline import Director, Outcome, Queued, Refused, Routed
 from ext_proc.core.router import Router
 from ext_proc.estimate.profile import load_profile
 from ext_proc.feeds.engine_metrics import EngineReport
 from ext_proc.feeds.peers import PeerEvent, PeerPublisher
 from ext_proc.prompt.parse import COMPLETIONS
-from ext_proc.vocab.backend import DEFAULT_PROFILE
 from ext_proc.vocab.request import LlmRequest
 from ext_proc.vocab.types import Refusal, RouteRequest, Status
 from loadgen.client.concurrency import Admitted, ConcurrencyCap
-from loadgen.client.protocol import OPEN, Protocol
 from loadgen.results import RequestResult
 from loadgen.sim.models import cache_salt, default_model, max_loras, names_models, served_models
+from loadgen.sim.settings import PROXY, SimSettings
 from loadgen.traces.request import TraceRequest
 
 _ARRIVE, _AT_ENGINE, _STEP, _FIRST_BYTE, _DONE, _PROBE, _KV_EVENTS = range(7)
 _SCRAPE, _REPORT, _PEER, _CALL = range(7, 11)
 # A client's due time and its concurrency slot coming free (only with a cap).
 _SEND, _SLOT = range(11, 13)
+# Flow control: the gateway queues are offered room again (TICK_S apart while any waits).
+_TICK = 13
+TICK_S = 0.05
 # One hop through the fleet's message bus between routers in one place (NATS on a LAN).
 BUS_HOP_S = 0.0005
-# The single proxy of the paper's setup (front_doors 0): its RTTs are the RTT profile's.
-PROXY = ""
 
 # A request on its way to its front door: (request, origin region, door, access RTT ms).
 _Arrival = tuple[TraceRequest, str, str, float]
 
 # Called after each completion with (request result, the router): the tuner's hook.
 CompletionHook = Callable[[RequestResult, Router], None]
-
-
-@dataclass
-class SimSettings:
-    policy: str = "gorgo"
-    time_scale: float = 1.0
-    rtt_profile: str = "network"
-    engine_profile: str = DEFAULT_PROFILE
-    seed: int = 0
-    regions: Sequence[str] = tuple(r.id for r in DEFAULT_REGIONS)
-    # Extra router config (weights, routing, probes), merged into the generated config.
-    router: dict[str, Any] = field(default_factory=dict)
-    # Tune the weights online: "off", "paired" or "paper" (the router config's tuner mode).
-    tune: str = "off"
-    # "approximate": the router's own estimate of what each engine caches; "precise": the
-    # engines' own cache changes reach it (as KV events would, one WAN half-trip later).
-    prefix_state: str = "approximate"
-    # Routers deciding side by side (replicas, or one per region's front door), each with
-    # its own state; a session always goes through the same one (crc32 of its key). With
-    # precise state they all see every engine's cache changes; approximate, each knows only
-    # what it dispatched.
-    routers: int = 1
-    # The engines' own load reports (/metrics), scraped by every router each
-    # probes.metrics_interval_s as live; the report reaches it a WAN half-trip after the
-    # engine's reading.
-    engine_reports: bool = False
-    # 0: the paper's setup, one proxy with its clients beside it. N >= 1: a front door
-    # (Envoy + router) in each of the first N regions, at the inter-region RTTs of
-    # emulator.wan.REGION_RTT_MS; each session comes from an origin region (a crc32 of its
-    # key over origin_shares, per region, equal by default) and enters the door of its own
-    # region (the first door when its region has none): TTFT and E2E then include that
-    # access leg. --front-doors 1 is the single proxy with clients spread over the regions.
-    front_doors: int = 0
-    origin_shares: Sequence[float] = ()
-    # The routers publish their dispatches to each other (ext_proc.peers, over NATS live):
-    # one bus hop later, or the half-trip between two front doors' regions.
-    share_dispatches: bool = False
-    # The client protocol (loadgen.client.protocol): a concurrency cap with slip, output lengths
-    # forced, long prompts dropped. OPEN: the trace as it is, open loop.
-    protocol: Protocol = OPEN
-    # The live front door's pace: it takes in one request at a time (client, Envoy and
-    # the router's ext_proc in turn), door_spacing_ms apart, so requests the trace sends at
-    # one instant are decided, and reach an engine, in the order sent. 0: all decided at
-    # that instant, and their order at an engine is the WAN jitter's.
-    door_spacing_ms: float = 0.0
-    # Envoy's upstream connections (HTTP/1.1: one per request in flight, kept open when
-    # idle), one pool per Envoy worker thread, each request on a worker at random: a
-    # request that finds every connection of its worker to its backend busy opens one and
-    # waits for the TCP handshake, one more round trip (emulator/wan.py). 0: not modelled.
-    envoy_workers: int = 0
-    # The engines' truth per region (emulator/stack/fleet.py; a region it does not list runs
-    # engine_profile). The router is configured as a user would be, engine_profile for
-    # every backend, unless router_knows_fleet tells it each engine's own (the reference).
-    fleet: Fleet = NO_FLEET
-    router_knows_fleet: bool = False
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.front_doors <= len(self.regions):
-            raise ValueError(
-                f"front_doors: 0..{len(self.regions)} (one per region), got {self.front_doors}"
-            )
-        if self.front_doors and self.routers != 1:
-            raise ValueError("front_doors: each door has one router; leave routers at 1")
-        if self.front_doors and self.rtt_profile != "network":
-            raise ValueError("front_doors: the inter-region RTTs are the `network` profile's")
-        if self.origin_shares and (
-            len(self.origin_shares) != len(self.regions)
-            or min(self.origin_shares) < 0
-            or sum(self.origin_shares) <= 0
-        ):
-            raise ValueError(
-                f"origin_shares: one non-negative share per region ({', '.join(self.regions)}), "
-                f"not all zero; got {list(self.origin_shares)}"
-            )
-
-    @property
-    def doors(self) -> list[str]:
-        """The front doors' regions ([PROXY]: the single proxy of the paper's setup)."""
-        return list(self.regions[: self.front_doors]) or [PROXY]
-
-    def rtt_ms(self, door: str, backend: str) -> tuple[float, float]:
-        """(mean, std) of the round trip from a front door to a backend."""
-        if door == PROXY:
-            return rtt_profile_ms(self.rtt_profile, backend)
-        mean_ms = region_rtt_ms(door, backend)
-        return mean_ms, mean_ms * NETWORK_JITTER_FRACTION
-
-    def origin(self, session: str) -> str:
-        """The region a session's client is in (deterministic in its key)."""
-        shares = list(self.origin_shares) or [1.0] * len(self.regions)
-        x = zlib.crc32(f"origin:{session}".encode()) / 2**32 * sum(shares)
-        for region, share in zip(self.regions, shares, strict=True):
-            x -= share
-            if x < 0:
-                return region
-        return self.regions[-1]
-
-    def door_of(self, origin: str) -> str:
-        doors = self.doors
-        return origin if origin in doors else doors[0]
-
-    def engine_profile_of(self, region: str) -> str:
-        """The profile region's engine runs."""
-        return self.fleet.profile_of(region, self.engine_profile)
-
-    def router_profile_of(self, region: str) -> str:
-        """The profile the router is told region's engine runs."""
-        return self.engine_profile_of(region) if self.router_knows_fleet else self.engine_profile
-
-    def config(self, door: str = PROXY) -> Config:
-        raw: dict[str, Any] = {
-            "policy": self.policy,
-            "seed": self.seed,
-            "backends": [
-                {
-                    "id": r,
-                    "address": f"127.0.0.1:{18101 + i}",
-                    "rtt_prior_ms": self.rtt_ms(door, r)[0],
-                    "engine_profile": self.router_profile_of(r),
-                }
-                for i, r in enumerate(self.regions)
-            ],
-        }
-        raw["tuner"] = {"mode": self.tune}
-        raw.update(self.router)
-        return config_from_dict(raw)
 
 
 @dataclass
@@ -305,6 +173,10 @@ class Simulation:
             None if cap is None else ConcurrencyCap(cap, lambda: self.now_s)
         )
         self._slip_ms: dict[str, float] = {}
+        # Flow control: the requests waiting in a router's gateway queue, with where they
+        # came from (as _bind takes them), and whether a tick is due.
+        self._queued: dict[str, tuple[TraceRequest, str, str, float, Router, str, str]] = {}
+        self._ticking = False
         # door_spacing_ms: when each front door takes its next request, and when each
         # request waiting there reached it. envoy_workers: per (door, backend, worker), the
         # connections open and those busy, and the connection each request holds.
@@ -391,9 +263,15 @@ class Simulation:
                 # holds it any more
                 if (router := self._router_of.get(data)) is not None:
                     router.first_byte(data)
+                    self._pump()
             elif kind == _DONE:
                 self._done(data)
                 self._pending -= 1
+                self._pump()
+            elif kind == _TICK:
+                self._ticking = False
+                self._pump()
+                self._tick()
             elif kind == _PROBE:
                 door, b = data
                 rtt_ms = self.links[data].sample_rtt_ms()
@@ -417,6 +295,7 @@ class Simulation:
                 door, b, report = data
                 for router in self.routers_at[door]:
                     router.inputs.record_engine_report(b, report)
+                self._pump()
             elif kind == _PEER:
                 self._deliver(*data)
             elif kind == _CALL:
@@ -489,10 +368,60 @@ class Simulation:
             engine_keys = _sub_blocks(r.block_ids, per_engine, self._engine_salt(r))
         routers = self.routers_at[door]
         router = routers[zlib.crc32((r.session or r.id).encode()) % len(routers)]
-        request = RouteRequest(r.id, llm, r.session, blocks, engine_keys)
-        outcome = self.directors[id(router)].handle(request)
+        key = r.session or r.id
+        classes = self.s.classes
+        objective = classes.objective_of(key) if classes is not None else ""
+        tenant = classes.tenant_of(key) if classes is not None else ""
+        request = RouteRequest(
+            r.id, llm, r.session, blocks, engine_keys, objective=objective, tenant=tenant
+        )
+        # TTFT and E2E count from the door's arrival (a wait for the door included, and
+        # the wait in the router's gateway queue).
+        self._arrival_s[r.id] = self._door_arrival_s.pop(r.id, self.now_s)
+        director = self.directors[id(router)]
+        outcome = director.handle(request)
+        if isinstance(outcome, Queued):
+            self._queued[r.id] = (r, origin, door, access_ms, router, objective, tenant)
+            self._tick()
+            return
+        self._bind(r, origin, door, access_ms, router, outcome, objective, tenant)
+
+    def _tick(self) -> None:
+        """While requests wait in a gateway queue, offer them room every TICK_S too (the
+        queue estimates fall as time passes, not only at events), as the service does."""
+        if not self._ticking and self._queued:
+            self._ticking = True
+            self._push(self.now_s + TICK_S, _TICK, None)
+
+    def _pump(self) -> None:
+        """Room may have come: each director offers it to its queue."""
+        if not self._queued:
+            return
+        for director in self.directors.values():
+            director.pump()
+            released, director.released = director.released, []
+            for w, outcome in released:
+                r, origin, door, access_ms, router, objective, tenant = self._queued.pop(
+                    w.request.request_id
+                )
+                self._bind(r, origin, door, access_ms, router, outcome, objective, tenant)
+
+    def _bind(
+        self,
+        r: TraceRequest,
+        origin: str,
+        door: str,
+        access_ms: float,
+        router: Router,
+        outcome: Outcome,
+        objective: str,
+        tenant: str,
+    ) -> None:
+        """The request's outcome: sent to its backend, or answered by the router."""
         if isinstance(outcome, Refused):
             self._refuse(r, origin, access_ms, outcome.refusal)
+            self.results[r.id].objective = objective or None
+            self.results[r.id].tenant = tenant or None
             return
         assert isinstance(outcome, Routed), outcome  # the simulator's fleet stays active
         self._router_of[r.id] = router
@@ -505,9 +434,9 @@ class Simulation:
             predicted_cached_tokens=d.chosen.cached_tokens,
             region=origin or None,
             slip_ms=self._slip_ms.pop(r.id, 0.0),
+            objective=objective or None,
+            tenant=tenant or None,
         )
-        # TTFT and E2E count from the door's arrival (a wait for the door included).
-        self._arrival_s[r.id] = self._door_arrival_s.pop(r.id, self.now_s)
         # The router's predictions count from its decision: the row's, from where its
         # TTFT and E2E count (the door's wait and the access leg are known, not predicted).
         before_ms = (self.now_s - self._arrival_s[r.id]) * 1000 + access_ms
@@ -542,7 +471,8 @@ class Simulation:
             r.id,
             input_tokens=r.input_tokens,
             output_tokens=r.output_tokens,
-            status="refused",
+            # flow control's refusals (they say a reason) apart from admission's
+            status="rejected" if refusal.reason else "refused",
             error=f"HTTP {code} {refusal.kind}: {refusal.message}",
             region=origin or None,
             slip_ms=self._slip_ms.pop(r.id, 0.0),

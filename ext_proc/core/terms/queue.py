@@ -27,17 +27,21 @@ def queue_ms(
     own_ms = estimate_queue_ms(
         items, step_ms, now_s, b.health.rtt_ms / 2, capacity_tokens, need_kv_tokens, grace_ms
     )
-    if report is not None and report.waiting is not None and b.engine.report_at_s is not None:
-        # The engine's own count of requests waiting (load this router did not route:
-        # other routers, direct clients), priced at the mean prefill of what we sent
-        # there lately, plus what this router sent there since that report.
-        since = sum(
-            r.prefill_ms
-            for r in b.load.records.values()
-            if r.dispatched_s > b.engine.report_at_s and r.first_byte_s is None
-        )
-        own_ms = max(own_ms, report.waiting * b.load.mean_prefill_ms + since)
-    return own_ms
+    return max(own_ms, reported_waiting_ms(b, report))
+
+
+def reported_waiting_ms(b: BackendState, report: EngineReport | None) -> float:
+    """The engine's own count of requests waiting (load this router did not route: other
+    routers, direct clients), priced at the mean prefill of what we sent there lately,
+    plus what this router sent there since that report (0: no report)."""
+    if report is None or report.waiting is None or b.engine.report_at_s is None:
+        return 0.0
+    since = sum(
+        r.prefill_ms
+        for r in b.load.records.values()
+        if r.dispatched_s > b.engine.report_at_s and r.first_byte_s is None
+    )
+    return report.waiting * b.load.mean_prefill_ms + since
 
 
 @register_term("queue", ttft=True)

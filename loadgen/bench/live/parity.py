@@ -28,7 +28,8 @@ from emulator.stack.stack import Stack
 from ext_proc.estimate.profile import load_profile
 from loadgen.replay.loop import replay
 from loadgen.results import read_result, summarize, table, write_result
-from loadgen.sim.simulate import SimSettings, simulate
+from loadgen.sim.settings import SimSettings
+from loadgen.sim.simulate import simulate
 from loadgen.traces.readers import read_trace
 from loadgen.traces.request import TraceRequest
 from loadgen.traces.windows import scaled, window

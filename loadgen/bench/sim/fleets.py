@@ -22,7 +22,8 @@ from typing import Any
 
 from emulator.stack.fleet import load_fleet
 from loadgen.results import prediction_summary, summarize
-from loadgen.sim.simulate import SimSettings, simulate
+from loadgen.sim.settings import SimSettings
+from loadgen.sim.simulate import simulate
 from loadgen.traces.load import load_trace
 from loadgen.traces.readers import CONVERSATION_TRACE
 from loadgen.traces.request import TraceRequest

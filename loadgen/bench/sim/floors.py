@@ -11,7 +11,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from ext_proc.estimate.profile import EngineProfile, load_profile
-from loadgen.sim.simulate import SimSettings, _sub_blocks
+from loadgen.sim.settings import SimSettings
+from loadgen.sim.simulate import _sub_blocks
 from loadgen.traces.request import TraceRequest
 
 

@@ -28,7 +28,8 @@ from emulator.stack.fleet import load_fleet
 from loadgen.bench.sim.policies import BASELINES
 from loadgen.results import print_report, summarize
 from loadgen.sim.models import served_models
-from loadgen.sim.simulate import SimSettings, simulate
+from loadgen.sim.settings import SimSettings
+from loadgen.sim.simulate import simulate
 from loadgen.traces.models import two_models
 from loadgen.traces.readers import CONVERSATION_TRACE
 from loadgen.traces.windows import window

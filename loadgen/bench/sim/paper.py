@@ -16,7 +16,8 @@ from ext_proc.vocab.types import Weights
 from loadgen.results import summarize
 from loadgen.sim.figures import convergence_plot
 from loadgen.sim.run import run_simulations
-from loadgen.sim.simulate import SimSettings, simulate
+from loadgen.sim.settings import SimSettings
+from loadgen.sim.simulate import simulate
 
 # The GORGO paper's Table 2 and Table 3, p95 TTFT (ms) / p95 E2E (s).
 PAPER_TABLE2: dict[tuple[str, float], dict[str, tuple[float, float]]] = {

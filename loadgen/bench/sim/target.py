@@ -70,7 +70,8 @@ from loadgen.bench.sim.floors import (
 from loadgen.bench.sim.policies import BASELINES
 from loadgen.client.protocol import PRESETS
 from loadgen.results import read_result, write_result
-from loadgen.sim.simulate import SimSettings, simulate
+from loadgen.sim.settings import SimSettings
+from loadgen.sim.simulate import simulate
 from loadgen.traces.load import load_trace
 from loadgen.traces.request import TraceRequest
 from loadgen.traces.windows import window

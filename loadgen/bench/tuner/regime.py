@@ -18,7 +18,8 @@ from ext_proc.learn.settings import PAIRED, TunerSettings
 from loadgen.bench.tuner.study import GridPoint, false_accept_rate
 from loadgen.client.protocol import PAPER
 from loadgen.results import RequestResult, summarize
-from loadgen.sim.simulate import SimSettings, simulate
+from loadgen.sim.settings import SimSettings
+from loadgen.sim.simulate import simulate
 from loadgen.traces.request import TraceRequest
 
 

@@ -37,7 +37,7 @@ from loadgen.bench.tuner.study import (
 )
 from loadgen.client.protocol import PAPER
 from loadgen.sim.figures import convergence_plot
-from loadgen.sim.simulate import SimSettings
+from loadgen.sim.settings import SimSettings
 from loadgen.traces.request import TraceRequest
 
 

@@ -17,7 +17,8 @@ from ext_proc.core.router import Router
 from ext_proc.learn.settings import PAIRED, TunerSettings
 from ext_proc.vocab.types import Weights
 from loadgen.results import RequestResult, summarize
-from loadgen.sim.simulate import SimSettings, simulate
+from loadgen.sim.settings import SimSettings
+from loadgen.sim.simulate import simulate
 from loadgen.traces.request import TraceRequest
 
 GRID_N = 7

@@ -31,7 +31,8 @@ from loadgen.bench.tuner.regime import PAPER_REGIME_VENUES, RegimeChange, regime
 from loadgen.bench.tuner.study import static_run
 from loadgen.client.protocol import PAPER
 from loadgen.results import RequestResult, summarize
-from loadgen.sim.simulate import SimSettings, Simulation
+from loadgen.sim.settings import SimSettings
+from loadgen.sim.simulate import Simulation
 
 SEEDS = (0, 1, 2, 3, 4)
 BASE = SimSettings(protocol=PAPER)

@@ -17,7 +17,8 @@ from ext_proc.core.terms.decode import newcomer_step_ms
 from ext_proc.prompt.parse import CHAT, parse_body
 from ext_proc.vocab.params import ConfigError
 from ext_proc.vocab.types import RouteRequest
-from loadgen.sim.simulate import _AT_ENGINE, SimSettings, Simulation
+from loadgen.sim.settings import SimSettings
+from loadgen.sim.simulate import _AT_ENGINE, Simulation
 from loadgen.traces.request import TraceRequest
 from tests.builders import Dispatches, load, make_router
 from tests.fakes import FakeClock

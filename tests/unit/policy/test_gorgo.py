@@ -243,7 +243,8 @@ def test_a_nearly_full_kv_pool_is_priced_and_avoided() -> None:
 
 
 def test_gorgo_time3_is_the_three_term_form_and_reproduces_the_old_gorgo() -> None:
-    from loadgen.sim.simulate import SimSettings, simulate
+    from loadgen.sim.settings import SimSettings
+    from loadgen.sim.simulate import simulate
     from loadgen.traces.synthetic import synthetic
 
     r, _ = make_router("gorgo_time3", backends=REGIONS)

@@ -23,7 +23,7 @@ from loadgen.bench.sim.paper import (
     paper_study,
 )
 from loadgen.results import RequestResult, summarize
-from loadgen.sim.simulate import SimSettings
+from loadgen.sim.settings import SimSettings
 from loadgen.traces import synthetic
 
 

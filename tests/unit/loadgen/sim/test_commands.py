@@ -33,7 +33,8 @@ def test_weights_and_no_learn_become_router_config() -> None:
 
 
 def test_the_router_starts_from_the_weights_given() -> None:
-    from loadgen.sim.simulate import SimSettings, Simulation
+    from loadgen.sim.settings import SimSettings
+    from loadgen.sim.simulate import Simulation
 
     sim = Simulation([], SimSettings(router=_sim_router(_args("--weights", "4,0.25"))))
     assert (sim.router.weights.rtt, sim.router.weights.queue) == (4.0, 0.25)

@@ -14,7 +14,8 @@ from emulator.stack.fleet import NO_FLEET, fleet_from_dict, load_fleet
 from loadgen.client.protocol import Protocol
 from loadgen.results import summarize
 from loadgen.sim.models import DEFAULT_MODEL, served_models
-from loadgen.sim.simulate import SimSettings, simulate
+from loadgen.sim.settings import SimSettings
+from loadgen.sim.simulate import simulate
 from loadgen.traces.load import load_trace
 from loadgen.traces.models import assign_models, model_of
 from loadgen.traces.readers import read_mooncake, write_mooncake

@@ -5,7 +5,8 @@ from pathlib import Path
 import pytest
 
 from loadgen.results import RequestResult, summarize
-from loadgen.sim.simulate import SimSettings, Simulation, simulate
+from loadgen.sim.settings import SimSettings
+from loadgen.sim.simulate import Simulation, simulate
 from loadgen.traces.readers import read_trace
 from loadgen.traces.request import TraceRequest
 from loadgen.traces.synthetic import synthetic
@@ -157,7 +158,8 @@ def test_front_doors_give_each_region_its_door_and_access_leg(trace) -> None:  #
     """Three doors: each session's client region is stable, its door's router decides, and
     TTFT counts the access leg: a single proxy in us-ashburn adds ap-seoul clients' 180 ms
     round trip, their own door 1 ms."""
-    from loadgen.sim.simulate import PROXY, Simulation
+    from loadgen.sim.settings import PROXY
+    from loadgen.sim.simulate import Simulation
 
     one = Simulation(trace, SimSettings(policy="round_robin", time_scale=3.0, front_doors=1))
     three = Simulation(trace, SimSettings(policy="round_robin", time_scale=3.0, front_doors=3))

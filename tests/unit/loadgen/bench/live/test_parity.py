@@ -20,7 +20,7 @@ from loadgen.bench.live.parity import (
     parity_markdown,
 )
 from loadgen.results import RequestResult, write_result
-from loadgen.sim.simulate import SimSettings
+from loadgen.sim.settings import SimSettings
 from loadgen.traces.request import TraceRequest
 
 TRACE = [TraceRequest(i, float(i), 100, 10, (i,), 512, f"s{i}") for i in range(4)]

@@ -24,7 +24,7 @@ from loadgen.bench.sim.target import (
     run_cells,
 )
 from loadgen.bench.sim.target_report import markdown
-from loadgen.sim.simulate import SimSettings
+from loadgen.sim.settings import SimSettings
 from loadgen.traces.readers import read_trace
 from loadgen.traces.request import TraceRequest
 from loadgen.traces.windows import window

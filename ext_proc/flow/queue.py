@@ -1,0 +1,191 @@
+"""The gateway queue's order: priority bands (strict, with a starvation bound), then
+fairness between tenants within a band (the least recent service first: prompt plus
+output tokens, decaying), then each request's deadline (arrival + its TTFT SLO, earliest
+first) or its arrival. Pure: times come from the caller.
+
+The bands' order follows llm-d's flow control (pkg/epp/flowcontrol: band, then flow, then
+item), the starvation bound SMG's head-of-queue promotion, and the token-weighted,
+decaying service its least-attained-service fairness (in our own words).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from ext_proc.config.flow import FlowControl
+from ext_proc.vocab.types import RouteRequest
+
+
+@dataclass(eq=False)
+class Waiting:
+    """A request held in the queue, and what orders it."""
+
+    request: RouteRequest
+    objective: str
+    tenant: str
+    priority: int
+    arrival_s: float
+    # arrival + its TTFT SLO (inf: none), and when it is refused for waiting too long
+    deadline_s: float
+    expires_s: float
+    sheddable: bool
+    # the body's size (the band's byte cap) and the tokens its tenant is charged
+    body_bytes: int
+    tokens: int
+    seq: int = 0
+    # True once it left the queue (released, refused, or its client went away)
+    done: bool = False
+    # How many times it was tried and found no room (for the span).
+    tries: int = 0
+
+    def key(self) -> tuple[float, float, int]:
+        return (self.deadline_s, self.arrival_s, self.seq)
+
+
+@dataclass
+class _Band:
+    by_tenant: dict[str, list[tuple[tuple[float, float, int], Waiting]]] = field(
+        default_factory=dict
+    )
+    by_arrival: deque[Waiting] = field(default_factory=deque)
+    requests: int = 0
+    body_bytes: int = 0
+
+
+class FlowQueue:
+    """The requests waiting for room, in the order they are offered it."""
+
+    def __init__(self, settings: FlowControl) -> None:
+        self.settings = settings
+        self._bands: dict[int, _Band] = {}
+        self._expiry: list[tuple[float, int, Waiting]] = []
+        self._seq = itertools.count(1)
+        # tenant -> (service in tokens, when it was last decayed)
+        self._service: dict[str, tuple[float, float]] = {}
+
+    def __len__(self) -> int:
+        return sum(b.requests for b in self._bands.values())
+
+    def full(self, priority: int, body_bytes: int) -> bool:
+        """Whether a request of this band and size would go past the band's caps."""
+        band = self._bands.get(priority)
+        if band is None:
+            return False
+        s = self.settings
+        return (
+            band.requests + 1 > s.max_queued_requests
+            or band.body_bytes + body_bytes > s.max_queued_bytes
+        )
+
+    def push(self, w: Waiting) -> None:
+        w.seq = next(self._seq)
+        band = self._bands.setdefault(w.priority, _Band())
+        heapq.heappush(band.by_tenant.setdefault(w.tenant, []), (w.key(), w))
+        band.by_arrival.append(w)
+        band.requests += 1
+        band.body_bytes += w.body_bytes
+        heapq.heappush(self._expiry, (w.expires_s, w.seq, w))
+
+    def remove(self, w: Waiting) -> None:
+        """It leaves the queue (its entries are dropped lazily)."""
+        if w.done:
+            return
+        w.done = True
+        band = self._bands[w.priority]
+        band.requests -= 1
+        band.body_bytes -= w.body_bytes
+
+    # -- fairness ---------------------------------------------------------------------------
+
+    def service(self, tenant: str, now_s: float) -> float:
+        value, at_s = self._service.get(tenant, (0.0, now_s))
+        if at_s >= now_s:
+            return value
+        return float(value * 0.5 ** ((now_s - at_s) / self.settings.fairness_half_life_s))
+
+    def charge(self, tenant: str, tokens: int, now_s: float) -> None:
+        """A request of `tenant` was sent on: its tokens count against the tenant."""
+        self._service[tenant] = (self.service(tenant, now_s) + tokens, now_s)
+        if len(self._service) > 4096:  # forget the tenants whose service has decayed away
+            self._service = {
+                t: (v, at) for t, (v, at) in self._service.items() if self.service(t, now_s) > 1
+            }
+
+    # -- order ------------------------------------------------------------------------------
+
+    def order(self, now_s: float) -> Iterator[Waiting]:
+        """The waiting requests in the order they are offered room: any that waited past
+        the starvation bound first (oldest first), then by band, tenant and deadline. The
+        tenants' order is taken when the band is reached; the caller removes what it
+        releases (a released request is not offered again)."""
+        starved = self.settings.starvation_s
+        oldest = sorted(
+            (
+                arrivals[0]
+                for band in self._bands.values()
+                if (arrivals := self._live(band.by_arrival))
+            ),
+            key=lambda w: w.arrival_s,
+        )
+        for w in oldest:
+            if now_s - w.arrival_s >= starved and not w.done:
+                yield w
+        for priority in sorted(self._bands, reverse=True):
+            band = self._bands[priority]
+            tenants = sorted(
+                (t for t, heap in band.by_tenant.items() if self._prune(heap)),
+                key=lambda t: self.service(t, now_s),
+            )
+            for tenant in tenants:
+                heap = list(band.by_tenant[tenant])  # popped in order, lazily
+                while heap:
+                    _, w = heapq.heappop(heap)
+                    if not w.done:
+                        yield w
+
+    def expired(self, now_s: float) -> list[Waiting]:
+        """The requests that waited past their longest wait, taken out of the queue."""
+        out = []
+        while self._expiry and self._expiry[0][0] <= now_s:
+            _, _, w = heapq.heappop(self._expiry)
+            if not w.done:
+                self.remove(w)
+                out.append(w)
+        return out
+
+    def next_expiry_s(self) -> float:
+        while self._expiry and self._expiry[0][2].done:
+            heapq.heappop(self._expiry)
+        return self._expiry[0][0] if self._expiry else math.inf
+
+    def depth(self) -> dict[str, dict[str, int]]:
+        """Requests waiting, by band (its priority) and by tenant."""
+        bands: dict[str, int] = {}
+        tenants: dict[str, int] = {}
+        for priority, band in self._bands.items():
+            if band.requests:
+                bands[str(priority)] = band.requests
+            for tenant, heap in band.by_tenant.items():
+                if n := sum(1 for _, w in heap if not w.done):
+                    tenants[tenant] = tenants.get(tenant, 0) + n
+        return {"bands": bands, "tenants": tenants}
+
+    def waiting(self) -> list[Waiting]:
+        return [w for band in self._bands.values() for w in band.by_arrival if not w.done]
+
+    @staticmethod
+    def _prune(heap: list[tuple[tuple[float, float, int], Waiting]]) -> bool:
+        while heap and heap[0][1].done:
+            heapq.heappop(heap)
+        return bool(heap)
+
+    @staticmethod
+    def _live(arrivals: deque[Waiting]) -> deque[Waiting]:
+        while arrivals and arrivals[0].done:
+            arrivals.popleft()
+        return arrivals
