@@ -23,7 +23,7 @@ from ext_proc.core.router import NoRoom, Router
 from ext_proc.flow.classify import Objectives
 from ext_proc.flow.queue import FlowQueue, Waiting
 from ext_proc.flow.room import has_room
-from ext_proc.vocab.types import Candidate, Decision, Refusal, RouteRequest
+from ext_proc.vocab.types import BackendLifecycle, Candidate, Decision, Refusal, RouteRequest
 
 # Retry-After of a refusal for a full queue or a wait too long: about the time the queue
 # takes to move (SMG answers 2 s for both).
@@ -242,5 +242,6 @@ class Director:
     def _servable(self, request: RouteRequest) -> bool:
         model = request.llm.model if request.llm else None
         return any(
-            b.config.region in request.regions for b in serving(self.router.fleet.state, model)
+            b.config.region in request.regions and b.lifecycle is BackendLifecycle.ACTIVE
+            for b in serving(self.router.fleet.state, model)
         )

@@ -1,9 +1,13 @@
 """The request's recipe (core.pipeline.Director): resolve the model, admit, schedule,
 record; what every transport gets back."""
 
-from ext_proc.core.pipeline import Director, Refused, Routed, Unrouted
+from collections.abc import Sequence
+from dataclasses import replace
+
+from ext_proc.core.pipeline import Director, Queued, Refused, Routed, Unrouted
 from ext_proc.feeds.served_models import ServedModels
-from tests.builders import chat, make_config, make_router
+from tests.builders import BackendSpec, chat, load, make_config, make_router
+from tests.fakes import FakeClock
 
 
 def test_a_request_is_routed_and_recorded() -> None:
@@ -44,3 +48,121 @@ def test_no_active_backend_leaves_it_to_envoys_fallback_route() -> None:
     router.fleet.drain("a", "test")  # the only active one goes
     out = Director(router).handle(chat(rid="r1"))
     assert isinstance(out, Unrouted) and not router.in_flight
+
+
+# -- flow control: the gateway queue between admission and scheduling ----------------------
+
+FLOW = {
+    "enabled": True,
+    "objectives": [
+        {"name": "interactive", "priority": 10, "ttft_slo_ms": 30000},
+        {"name": "batch", "priority": 0, "max_wait_s": 20},
+        {"name": "cheap", "priority": 0, "ttft_slo_ms": 1000, "sheddable": True},
+        {"name": "eu-only", "regions": ["eu"]},
+    ],
+}
+
+
+def flow_router(backends: Sequence[BackendSpec] = ()) -> tuple[Director, FakeClock]:
+    one: list[BackendSpec] = [{"id": "a", "address": "127.0.0.1:1", "region": "eu"}]
+    router, clock = make_router("gorgo", backends=backends or one, flow_control=FLOW)
+    return Director(router), clock
+
+
+def busy(director: Director, backend: str = "a", prefill_ms: float = 5000.0) -> None:
+    """Another router's request there, 5 s of prefill not yet started: no room."""
+    load(director.router, f"peer-{prefill_ms}", backend, 4000, 10, prefill_ms=prefill_ms)
+
+
+def test_with_room_a_request_passes_straight_through() -> None:
+    director, _ = flow_router()
+    out = director.handle(chat(rid="r1"))
+    assert isinstance(out, Routed) and out.decision.waited_ms == 0.0
+    assert director.counts["straight"] == 1 and not director.queue
+
+
+def test_without_room_it_waits_and_goes_when_room_comes_its_wait_in_its_ttft() -> None:
+    director, clock = flow_router()
+    busy(director)
+    out = director.handle(replace(chat(rid="r1"), objective="batch"))
+    assert isinstance(out, Queued) and not director.router.in_flight.get("r1")
+    clock.advance(2.0)
+    director.pump()
+    assert not director.released  # 5 s of work still ahead of it there, less 2 s done
+    clock.advance(3.0)
+    director.pump()
+    [(w, released)] = director.released
+    assert w is out.ticket and isinstance(released, Routed)
+    assert released.decision.waited_ms == 5000.0
+    rec = director.router.in_flight["r1"]
+    assert rec.waited_ms == 5000.0 and rec.arrived_s == clock.now_s - 5.0
+    clock.advance(0.5)
+    first = director.router.first_byte("r1")
+    assert first is not None and first.ttft_ms == 5500.0  # from its arrival at the router
+
+
+def test_a_higher_band_is_released_first() -> None:
+    director, clock = flow_router()
+    busy(director)
+    low = director.handle(replace(chat(rid="low"), objective="batch"))
+    high = director.handle(replace(chat(rid="high"), objective="interactive"))
+    assert isinstance(low, Queued) and isinstance(high, Queued)
+    clock.advance(5.0)
+    director.pump()
+    # room for one: after the first goes, its prefill is work ahead of the next
+    assert [w.request.request_id for w, _ in director.released][0] == "high"
+
+
+def test_a_wait_past_its_objectives_longest_is_refused_429_with_the_reason() -> None:
+    director, clock = flow_router()
+    busy(director, prefill_ms=60_000)
+    out = director.handle(replace(chat(rid="r1"), objective="batch"))
+    assert isinstance(out, Queued)
+    clock.advance(19.9)
+    director.pump()
+    assert not director.released
+    clock.advance(0.1)
+    director.pump()
+    [(_, refused)] = director.released
+    assert isinstance(refused, Refused)
+    assert (refused.refusal.status, refused.refusal.reason) == (429, "rejected-ttl-expired")
+    assert refused.refusal.retry_after_s == 2.0 and not director.queue
+
+
+def test_a_sheddable_request_whose_slo_cannot_be_met_is_refused_at_once() -> None:
+    director, _ = flow_router()
+    busy(director)  # 5 s of prefill ahead: its 1 s SLO cannot be met
+    out = director.handle(replace(chat(rid="r1"), objective="cheap"))
+    assert isinstance(out, Refused)
+    assert (out.refusal.status, out.refusal.reason) == (429, "rejected-slo")
+    assert out.refusal.retry_after_s is not None and out.refusal.retry_after_s >= 5.0
+
+
+def test_a_regions_constraint_is_obeyed_and_a_region_with_no_backend_is_503() -> None:
+    backends = [
+        {"id": "us", "address": "127.0.0.1:1", "region": "us"},
+        {"id": "eu", "address": "127.0.0.1:2", "region": "eu"},
+    ]
+    director, _ = flow_router(backends)
+    for i in range(6):
+        out = director.handle(replace(chat(rid=f"r{i}"), objective="eu-only"))
+        assert isinstance(out, Routed) and out.decision.backend == "eu"
+    director.router.fleet.drain("eu", "test")
+    out = director.handle(replace(chat(rid="r9"), objective="eu-only"))
+    assert isinstance(out, Refused) and out.refusal.status == 503
+    assert out.refusal.reason == "rejected-no-endpoints"
+
+
+def test_a_full_band_is_refused_429_and_a_client_gone_leaves_the_queue() -> None:
+    router, _ = make_router(
+        "gorgo", backends=["a"], flow_control={"enabled": True, "max_queued_requests": 1}
+    )
+    director = Director(router)
+    busy(director)
+    first = director.handle(chat(rid="r1"))
+    assert isinstance(first, Queued)
+    second = director.handle(chat(rid="r2"))
+    assert isinstance(second, Refused) and second.refusal.reason == "rejected-saturated"
+    director.cancel(first.ticket)
+    assert not director.queue and director.counts["cancelled"] == 1
+    assert isinstance(director.handle(chat(rid="r3")), Queued)  # its place is free again

@@ -1,0 +1,114 @@
+"""The gateway queue's order (flow.queue.FlowQueue): bands first, the starvation bound,
+tenants by decaying service, then deadline and arrival; the caps and the expiry."""
+
+import math
+
+import pytest
+
+from ext_proc.config.flow import FlowControl
+from ext_proc.flow.queue import FlowQueue, Waiting
+from ext_proc.vocab.types import RouteRequest
+
+
+def waiting(
+    rid: str,
+    arrival_s: float = 0.0,
+    priority: int = 0,
+    tenant: str = "",
+    deadline_s: float = math.inf,
+    expires_s: float = 60.0,
+    body_bytes: int = 100,
+) -> Waiting:
+    return Waiting(
+        RouteRequest(rid, None, None),
+        "default",
+        tenant,
+        priority,
+        arrival_s,
+        deadline_s,
+        expires_s,
+        False,
+        body_bytes,
+        tokens=1000,
+    )
+
+
+def ids(q: FlowQueue, now_s: float) -> list[str]:
+    return [w.request.request_id for w in q.order(now_s)]
+
+
+def queue(*items: Waiting, **settings: object) -> FlowQueue:
+    q = FlowQueue(FlowControl(enabled=True, **settings))  # type: ignore[arg-type]
+    for w in items:
+        q.push(w)
+    return q
+
+
+@pytest.mark.parametrize(
+    ("case", "items", "now_s", "expected"),
+    [
+        ("arrival order in one band", [waiting("a", 1), waiting("b", 0)], 2, ["b", "a"]),
+        (
+            "a higher band first, whatever its arrival",
+            [waiting("low", 0, priority=0), waiting("high", 5, priority=10)],
+            6,
+            ["high", "low"],
+        ),
+        (
+            "earliest deadline first in a band, no deadline last",
+            [
+                waiting("none", 0),
+                waiting("late", 1, deadline_s=30),
+                waiting("soon", 2, deadline_s=10),
+            ],
+            3,
+            ["soon", "late", "none"],
+        ),
+        (
+            "past the starvation bound a low band goes first",
+            [waiting("old-low", 0, priority=0), waiting("high", 20, priority=10)],
+            31,
+            ["old-low", "high"],
+        ),
+    ],
+)
+def test_the_order(case: str, items: list[Waiting], now_s: float, expected: list[str]) -> None:
+    q = queue(*items)
+    assert ids(q, now_s)[: len(expected)] == expected, case
+
+
+def test_the_tenant_with_less_recent_service_goes_first_and_service_decays() -> None:
+    q = queue(waiting("heavy-1", 0, tenant="heavy"), waiting("light-1", 1, tenant="light"))
+    q.charge("heavy", 10_000, now_s=0.0)
+    q.charge("light", 1_000, now_s=0.0)
+    assert ids(q, 1.0) == ["light-1", "heavy-1"]
+    # one half-life (60 s) halves it: 10,000 -> 5,000
+    assert q.service("heavy", 60.0) == pytest.approx(5_000)
+    assert q.service("heavy", 120.0) == pytest.approx(2_500)
+
+
+def test_a_removed_request_is_not_offered_and_the_caps_count_what_waits() -> None:
+    a, b = waiting("a", 0, body_bytes=600), waiting("b", 1, body_bytes=300)
+    q = queue(a, b, max_queued_requests=2, max_queued_bytes=1000)
+    assert q.full(0, body_bytes=1)  # two requests already: the band is full
+    q.remove(a)
+    assert ids(q, 2) == ["b"] and len(q) == 1
+    assert not q.full(0, body_bytes=700) and q.full(0, body_bytes=701)  # 300 + 701 > 1000
+    assert not q.full(5, body_bytes=10**6 - 1)  # another band is another queue
+
+
+def test_expired_requests_leave_the_queue_in_expiry_order() -> None:
+    q = queue(waiting("a", 0, expires_s=10), waiting("b", 0, expires_s=5), waiting("c", 0))
+    assert q.next_expiry_s() == 5
+    assert [w.request.request_id for w in q.expired(9.9)] == ["b"]
+    assert [w.request.request_id for w in q.expired(10)] == ["a"]
+    assert ids(q, 11) == ["c"] and q.next_expiry_s() == 60
+
+
+def test_depth_by_band_and_tenant() -> None:
+    q = queue(
+        waiting("a", priority=10, tenant="t1"),
+        waiting("b", priority=0, tenant="t1"),
+        waiting("c", priority=0, tenant="t2"),
+    )
+    assert q.depth() == {"bands": {"10": 1, "0": 2}, "tenants": {"t1": 2, "t2": 1}}
