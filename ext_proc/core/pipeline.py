@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import dataclass, replace
+from typing import Any
 
 from ext_proc.core.admission import serving
 from ext_proc.core.features import NoActiveBackend, output_tokens
@@ -172,6 +173,21 @@ class Director:
             self.queue.remove(w)
             self._served.pop(id(w), None)
             self.counts["cancelled"] += 1
+
+    def snapshot(self) -> dict[str, Any]:
+        """/state's `flow`: whether it is on, what waits (by band and tenant, the oldest
+        wait), and what it did (straight, released, refused by reason, cancelled)."""
+        if self.queue is None:
+            return {"enabled": False}
+        now_s = self.router.clock()
+        waiting = self.queue.waiting()
+        return {
+            "enabled": True,
+            "waiting": len(waiting),
+            "oldest_wait_s": round(max((now_s - w.arrival_s for w in waiting), default=0.0), 3),
+            **self.queue.depth(),
+            "outcomes": dict(sorted(self.counts.items())),
+        }
 
     def next_expiry_s(self) -> float:
         return self.queue.next_expiry_s() if self.queue is not None else math.inf

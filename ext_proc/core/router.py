@@ -50,6 +50,10 @@ from ext_proc.vocab.types import (
 log = logging.getLogger("gorgo.router")
 
 
+# Whether a candidate backend has room for the request (flow control: flow.room).
+RoomCheck = Callable[[Candidate], bool]
+
+
 @dataclass(frozen=True)
 class NoRoom:
     """The backend the policy chose had no room (flow control): nothing was recorded."""
@@ -201,20 +205,14 @@ class Router:
 
     def decide(self, request: RouteRequest) -> Decision:
         """Choose a backend and record the dispatch."""
-        placed = self.place(request)
-        assert isinstance(placed, Decision)
-        return placed
+        return self.place(request)  # type: ignore[return-value]  # no room check: placed
 
     def place(
-        self,
-        request: RouteRequest,
-        room: Callable[[Candidate], bool] | None = None,
-        waited_ms: float = 0.0,
+        self, request: RouteRequest, room: RoomCheck | None = None, waited_ms: float = 0.0
     ) -> Decision | NoRoom:
-        """Choose a backend and record the dispatch, if the chosen one has `room` (None:
-        always); else NoRoom, nothing recorded (flow control: it waits, and is offered
-        again as the fleet's state changes). `waited_ms`: its wait in the gateway
-        queue, part of the TTFT and E2E reported for it."""
+        """Choose a backend and record the dispatch if the chosen one has `room` (None:
+        always), else NoRoom (flow control: it waits). `waited_ms`: its wait in the
+        gateway queue, part of the TTFT and E2E reported for it."""
         blocks = self._features.prompt_blocks(request)
         candidates = self._features.candidates(request, blocks)
         bt = self.cfg.routing.block_tokens

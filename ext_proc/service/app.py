@@ -33,6 +33,7 @@ from ext_proc.service.loops.fleet_bus import FleetBus
 from ext_proc.service.loops.kv_client import KvEventClients
 from ext_proc.service.loops.probe import Prober
 from ext_proc.service.reloader import ConfigReloader
+from ext_proc.service.telemetry.gauges import FlowGauges
 from ext_proc.service.telemetry.listener import Telemetry
 from ext_proc.service.tuner_file import TunerStateFile
 from ext_proc.vocab.params import split_host_port
@@ -146,6 +147,7 @@ async def running_service(
             server, router, telemetry.fallback, tokens, fleet.forward
         )
         fleet.on_forwarded = access_log.apply_forwarded
+        telemetry.metrics.registry.register(FlowGauges(ext_proc.director))
         # The engine's tokenizer, found when none is configured, and checked against the
         # engines: until then a backend with KV events stays approximate.
         tokenizers = EngineTokenizers(cfg, router, ext_proc)
@@ -178,6 +180,8 @@ async def running_service(
             telemetry,
             lambda: {
                 "active_ext_proc_streams": ext_proc.active_streams,
+                # The gateway queue (flow control): what waits, what it did.
+                "flow": ext_proc.director.snapshot(),
                 # How prompts are tokenized: the engine's tokenizer and its cache, or the
                 # approximation (None); where it came from and its checks.
                 "tokenizer": ext_proc.tokens.snapshot() if ext_proc.tokens else None,

@@ -19,7 +19,7 @@ import random
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from emulator.engine.model import EngineModel
 from emulator.wan import (
@@ -54,6 +54,19 @@ BUS_HOP_S = 0.0005
 
 # A request on its way to its front door: (request, origin region, door, access RTT ms).
 _Arrival = tuple[TraceRequest, str, str, float]
+
+
+class _Held(NamedTuple):
+    """A request at its front door, as the router's outcome for it is applied."""
+
+    r: TraceRequest
+    origin: str
+    door: str
+    access_ms: float
+    router: Router
+    objective: str
+    tenant: str
+
 
 # Called after each completion with (request result, the router): the tuner's hook.
 CompletionHook = Callable[[RequestResult, Router], None]
@@ -175,7 +188,7 @@ class Simulation:
         self._slip_ms: dict[str, float] = {}
         # Flow control: the requests waiting in a router's gateway queue, with where they
         # came from (as _bind takes them), and whether a tick is due.
-        self._queued: dict[str, tuple[TraceRequest, str, str, float, Router, str, str]] = {}
+        self._queued: dict[str, _Held] = {}
         self._ticking = False
         # door_spacing_ms: when each front door takes its next request, and when each
         # request waiting there reached it. envoy_workers: per (door, backend, worker), the
@@ -263,15 +276,16 @@ class Simulation:
                 # holds it any more
                 if (router := self._router_of.get(data)) is not None:
                     router.first_byte(data)
-                    self._pump()
+                    if self._queued:
+                        self._pump()
             elif kind == _DONE:
                 self._done(data)
                 self._pending -= 1
-                self._pump()
+                if self._queued:
+                    self._pump()
             elif kind == _TICK:
                 self._ticking = False
                 self._pump()
-                self._tick()
             elif kind == _PROBE:
                 door, b = data
                 rtt_ms = self.links[data].sample_rtt_ms()
@@ -295,7 +309,8 @@ class Simulation:
                 door, b, report = data
                 for router in self.routers_at[door]:
                     router.inputs.record_engine_report(b, report)
-                self._pump()
+                if self._queued:
+                    self._pump()
             elif kind == _PEER:
                 self._deliver(*data)
             elif kind == _CALL:
@@ -378,46 +393,29 @@ class Simulation:
         # TTFT and E2E count from the door's arrival (a wait for the door included, and
         # the wait in the router's gateway queue).
         self._arrival_s[r.id] = self._door_arrival_s.pop(r.id, self.now_s)
-        director = self.directors[id(router)]
-        outcome = director.handle(request)
+        held = _Held(r, origin, door, access_ms, router, objective, tenant)
+        outcome = self.directors[id(router)].handle(request)
         if isinstance(outcome, Queued):
-            self._queued[r.id] = (r, origin, door, access_ms, router, objective, tenant)
-            self._tick()
+            self._queued[r.id] = held
+            self._pump()
             return
-        self._bind(r, origin, door, access_ms, router, outcome, objective, tenant)
-
-    def _tick(self) -> None:
-        """While requests wait in a gateway queue, offer them room every TICK_S too (the
-        queue estimates fall as time passes, not only at events), as the service does."""
-        if not self._ticking and self._queued:
-            self._ticking = True
-            self._push(self.now_s + TICK_S, _TICK, None)
+        self._bind(held, outcome)
 
     def _pump(self) -> None:
-        """Room may have come: each director offers it to its queue."""
-        if not self._queued:
-            return
+        """Room may have come: each director offers it to its queue; while any request
+        waits, again TICK_S later (the estimates fall as time passes), as the service."""
         for director in self.directors.values():
             director.pump()
             released, director.released = director.released, []
             for w, outcome in released:
-                r, origin, door, access_ms, router, objective, tenant = self._queued.pop(
-                    w.request.request_id
-                )
-                self._bind(r, origin, door, access_ms, router, outcome, objective, tenant)
+                self._bind(self._queued.pop(w.request.request_id), outcome)
+        if self._queued and not self._ticking:
+            self._ticking = True
+            self._push(self.now_s + TICK_S, _TICK, None)
 
-    def _bind(
-        self,
-        r: TraceRequest,
-        origin: str,
-        door: str,
-        access_ms: float,
-        router: Router,
-        outcome: Outcome,
-        objective: str,
-        tenant: str,
-    ) -> None:
+    def _bind(self, held: _Held, outcome: Outcome) -> None:
         """The request's outcome: sent to its backend, or answered by the router."""
+        r, origin, door, access_ms, router, objective, tenant = held
         if isinstance(outcome, Refused):
             self._refuse(r, origin, access_ms, outcome.refusal)
             self.results[r.id].objective = objective or None

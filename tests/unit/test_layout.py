@@ -5,7 +5,7 @@ the core touches.
 
 The harness (emulator/, loadgen/) in rooms, under looser rules of its own (the end of this
 file): no import cycle between its modules, at most 15 modules directly in any of its
-folders, files of at most 600 lines and classes of at most 400 (the product's: 450 and
+folders, files of at most 600 lines and classes of at most 450 (the product's: 450 and
 300; benchmarks and the engine twin carry long tables, reports and request handlers), and
 every package's __init__.py a docstring that imports nothing. That the product never
 imports the harness is tests/unit/test_boundaries.py's."""
@@ -287,7 +287,7 @@ def test_the_architecture_doc_shows_the_import_graph_of_the_code() -> None:
 HARNESS = (ROOT / "emulator", ROOT / "loadgen")
 HARNESS_MODULES = _modules(HARNESS)
 MAX_HARNESS_FILE_LINES = 600
-MAX_HARNESS_CLASS_LINES = 400
+MAX_HARNESS_CLASS_LINES = 450
 MAX_MODULES_IN_A_FOLDER = 15
 
 

@@ -10,6 +10,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from ext_proc.core.features import prefix_state
+from ext_proc.core.pipeline import Director
 from ext_proc.core.router import Router
 from ext_proc.service.prediction_metrics import latency_prediction_gauges, served_model_gauges
 from ext_proc.vocab.types import BackendLifecycle, PrefixState
@@ -161,3 +162,31 @@ class LiveGauges(Collector):
             if engine.last_ts is not None:
                 lag.add_metric([b], max(0.0, now - engine.last_ts))
         yield from (precise, warming, blocks, gaps, resets, lag, tokens_ok, unsupported, unknown)
+
+
+class FlowGauges(Collector):
+    """The gateway queue (flow control), read at scrape time: requests waiting by band, the
+    oldest wait, and what flow control did with each request, by outcome."""
+
+    def __init__(self, director: Director) -> None:
+        self.director = director
+
+    def collect(self) -> Iterable[Metric]:
+        waiting = GaugeMetricFamily(
+            "gorgo_flow_waiting", "Requests waiting in the gateway queue", labels=["priority"]
+        )
+        oldest = GaugeMetricFamily(
+            "gorgo_flow_oldest_wait_seconds", "How long the oldest waiting request has waited"
+        )
+        outcomes = CounterMetricFamily(
+            "gorgo_flow_outcomes",
+            "Requests through flow control: straight, released, cancelled, or refused by reason",
+            labels=["outcome"],
+        )
+        state = self.director.snapshot()
+        for band, n in state.get("bands", {}).items():
+            waiting.add_metric([band], n)
+        oldest.add_metric([], state.get("oldest_wait_s", 0.0))
+        for outcome, n in state.get("outcomes", {}).items():
+            outcomes.add_metric([outcome], n)
+        yield from (waiting, oldest, outcomes)

@@ -70,6 +70,8 @@ class Telemetry(Listener):
         for name, value in chosen.terms.items():
             m.term.labels(name).observe(value)
         m.term.labels("pace_hold").observe(d.hold_ms)
+        if self.router.cfg.flow_control.enabled:
+            m.flow_wait.observe(d.waited_ms / 1000)
         m.prompt_tokens.inc(d.input_tokens)
         m.cached_tokens.inc(chosen.cached_tokens)
         if self._tracer is None:

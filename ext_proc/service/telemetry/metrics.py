@@ -74,6 +74,12 @@ class Metrics:
             ["result"],
             registry=r,
         )
+        self.flow_wait = Histogram(
+            "gorgo_flow_wait_seconds",
+            "Wait in the gateway queue before the decision (flow control; 0: straight through)",
+            buckets=(0.0, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
+            registry=r,
+        )
         r.register(LiveGauges(router))
 
     def render(self) -> bytes:
