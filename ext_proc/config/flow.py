@@ -46,7 +46,7 @@ class FlowControl:
     # Per priority band: the queue holds at most this many requests and body bytes;
     # beyond, a 429 at once.
     max_queued_requests: int = bounded(5000, **POSITIVE)
-    max_queued_bytes: int = bounded(1 << 30, **POSITIVE)
+    max_queued_bytes: int = bounded(1_000_000_000, **POSITIVE)
     # The default longest wait in the queue (an objective may set its own).
     max_wait_s: float = bounded(60.0, **POSITIVE)
     # A request waiting this long is served before higher bands (the starvation bound).

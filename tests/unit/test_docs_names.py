@@ -23,9 +23,11 @@ from ext_proc.cli import build_parser
 from ext_proc.config.load import MOVED, config_from_dict
 from ext_proc.config.schema import Config
 from ext_proc.core.build import build_router
+from ext_proc.core.pipeline import Director
 from ext_proc.policy.catalog import POLICIES
 from ext_proc.service.admin import make_admin_app
 from ext_proc.service.operator_page import add_page_routes
+from ext_proc.service.telemetry.gauges import FlowGauges
 from ext_proc.service.telemetry.metrics import Metrics
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -337,7 +339,10 @@ def metric_names() -> set[str]:
     backends = [{"id": "a", "address": "127.0.0.1:1"}]
     cfg = config_from_dict({"backends": backends, "tuner": {"mode": "paired"}})
     names = set()
-    for family in Metrics(build_router(cfg, lambda: 0.0, random.Random(0))).registry.collect():
+    router = build_router(cfg, lambda: 0.0, random.Random(0))
+    metrics = Metrics(router)
+    metrics.registry.register(FlowGauges(Director(router)))  # as the service registers it
+    for family in metrics.registry.collect():
         names.add(family.name)
         suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum")}
         names |= {family.name + s for s in suffixes.get(family.type, ())}

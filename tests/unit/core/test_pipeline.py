@@ -110,7 +110,7 @@ def test_a_higher_band_is_released_first() -> None:
     clock.advance(5.0)
     director.pump()
     # room for one: after the first goes, its prefill is work ahead of the next
-    assert [w.request.request_id for w, _ in director.released][0] == "high"
+    assert director.released[0][0].request.request_id == "high"
 
 
 def test_a_wait_past_its_objectives_longest_is_refused_429_with_the_reason() -> None:
