@@ -132,8 +132,9 @@ class FlowQueue:
             ),
             key=lambda w: w.arrival_s,
         )
-        for w in oldest:
-            if now_s - w.arrival_s >= starved and not w.done:
+        promoted = [w for w in oldest if now_s - w.arrival_s >= starved]
+        for w in promoted:
+            if not w.done:
                 yield w
         for priority in sorted(self._bands, reverse=True):
             band = self._bands[priority]
@@ -145,7 +146,7 @@ class FlowQueue:
                 heap = list(band.by_tenant[tenant])  # popped in order, lazily
                 while heap:
                     _, w = heapq.heappop(heap)
-                    if not w.done:
+                    if not w.done and w not in promoted:  # each offered once a pump
                         yield w
 
     def expired(self, now_s: float) -> list[Waiting]:

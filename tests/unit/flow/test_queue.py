@@ -77,6 +77,11 @@ def test_the_order(case: str, items: list[Waiting], now_s: float, expected: list
     assert ids(q, now_s)[: len(expected)] == expected, case
 
 
+def test_a_starved_request_is_offered_once_a_pump() -> None:
+    q = queue(waiting("old-low", 0, priority=0), waiting("high", 20, priority=10))
+    assert ids(q, 31) == ["old-low", "high"]
+
+
 def test_the_tenant_with_less_recent_service_goes_first_and_service_decays() -> None:
     q = queue(waiting("heavy-1", 0, tenant="heavy"), waiting("light-1", 1, tenant="light"))
     q.charge("heavy", 10_000, now_s=0.0)
