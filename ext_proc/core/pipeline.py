@@ -221,7 +221,8 @@ class Director:
             return has_room(c, settings)
 
         try:
-            placed = self.router.place(w.request, room, (now_s - w.arrival_s) * 1000)
+            waited_ms = (now_s - w.arrival_s) * 1000
+            placed = self.router.place(w.request, room, waited_ms, w.behind)
         except NoActiveBackend as e:
             return Unrouted(str(e))
         if isinstance(placed, NoRoom):

@@ -208,11 +208,16 @@ class Router:
         return self.place(request)  # type: ignore[return-value]  # no room check: placed
 
     def place(
-        self, request: RouteRequest, room: RoomCheck | None = None, waited_ms: float = 0.0
+        self,
+        request: RouteRequest,
+        room: RoomCheck | None = None,
+        waited_ms: float = 0.0,
+        queued_behind: int = 0,
     ) -> Decision | NoRoom:
         """Choose a backend and record the dispatch if the chosen one has `room` (None:
         always), else NoRoom (flow control: it waits). `waited_ms`: its wait in the
-        gateway queue, part of the TTFT and E2E reported for it."""
+        gateway queue, part of the TTFT and E2E reported for it; `queued_behind`: the
+        requests waiting there when it joined."""
         blocks = self._features.prompt_blocks(request)
         candidates = self._features.candidates(request, blocks)
         bt = self.cfg.routing.block_tokens
@@ -235,8 +240,7 @@ class Router:
         state = prefix_state_for(b, request)
         if state is PrefixState.WARMING and b.engine.blocks is not None:
             # judged at its close: would a precise prediction have been right?
-            precise = self._features.precise_cached.get(b.id, 0)
-            b.engine.blocks.expect(request.request_id, precise)
+            b.engine.blocks.expect(request.request_id, self._features.precise_cached.get(b.id, 0))
         rec = in_flight_record(request, chosen, b, blocks, state, now_s, bt)
         self._fleet.state.dispatch(rec)
         decision = Decision(
@@ -252,16 +256,12 @@ class Router:
             model=rec.model,
             hold_ms=pace_ms(self.cfg.routing, b, chosen, now_s),
             waited_ms=waited_ms,
+            queued_behind=queued_behind,
             first_byte_deadline_ms=first_byte_deadline_ms(
                 self.cfg.routing, chosen, rec.streaming, self.cfg.envoy.route_timeout_s
             ),
         )
-        rec.hold_ms = decision.hold_ms
-        rec.waited_ms = waited_ms
-        if decision.first_byte_deadline_ms is not None:
-            rec.first_byte_deadline_s = (
-                now_s + (decision.hold_ms + decision.first_byte_deadline_ms) / 1000
-            )
+        _stamp(rec, decision, now_s)
         self._decisions += 1
         self._log.add(decision, now_s)
         event = Dispatched(request, decision, rec, now_s)
@@ -400,3 +400,14 @@ def in_flight_record(
         streaming=request.llm.stream if request.llm else True,
         envoy=request.envoy,
     )
+
+
+def _stamp(rec: InFlight, decision: Decision, now_s: float) -> None:
+    """What the in-flight record keeps of its decision: the pacing hold, the wait in the
+    gateway queue, and when its first byte is due."""
+    rec.hold_ms = decision.hold_ms
+    rec.waited_ms = decision.waited_ms
+    if decision.first_byte_deadline_ms is not None:
+        rec.first_byte_deadline_s = (
+            now_s + (decision.hold_ms + decision.first_byte_deadline_ms) / 1000
+        )

@@ -40,8 +40,10 @@ class Waiting:
     seq: int = 0
     # True once it left the queue (released, refused, or its client went away)
     done: bool = False
-    # How many times it was tried and found no room (for the span).
+    # How many times it was tried and found no room, and the requests waiting when it
+    # joined (for the span).
     tries: int = 0
+    behind: int = 0
 
     def key(self) -> tuple[float, float, int]:
         return (self.deadline_s, self.arrival_s, self.seq)
@@ -84,6 +86,7 @@ class FlowQueue:
 
     def push(self, w: Waiting) -> None:
         w.seq = next(self._seq)
+        w.behind = len(self)
         band = self._bands.setdefault(w.priority, _Band())
         heapq.heappush(band.by_tenant.setdefault(w.tenant, []), (w.key(), w))
         band.by_arrival.append(w)
@@ -119,19 +122,22 @@ class FlowQueue:
     # -- order ------------------------------------------------------------------------------
 
     def order(self, now_s: float) -> Iterator[Waiting]:
-        """The waiting requests in the order they are offered room: any that waited past
-        the starvation bound first (oldest first), then by band, tenant and deadline. The
+        """The waiting requests in the order they are offered room: any of a lower band
+        that waited past the starvation bound first (oldest first), then by band, tenant
+        and deadline. The
         tenants' order is taken when the band is reached; the caller removes what it
         releases (a released request is not offered again)."""
         starved = self.settings.starvation_s
-        oldest = sorted(
-            (
-                arrivals[0]
-                for band in self._bands.values()
-                if (arrivals := self._live(band.by_arrival))
-            ),
-            key=lambda w: w.arrival_s,
-        )
+        # The bound lets a lower band past higher ones; within the highest band waiting,
+        # fairness between tenants orders it (a heavy tenant's old requests do not jump
+        # a light tenant's).
+        heads = [
+            (priority, arrivals[0])
+            for priority, band in self._bands.items()
+            if (arrivals := self._live(band.by_arrival))
+        ]
+        top = max((p for p, _ in heads), default=0)
+        oldest = sorted((w for p, w in heads if p < top), key=lambda w: w.arrival_s)
         promoted = [w for w in oldest if now_s - w.arrival_s >= starved]
         for w in promoted:
             if not w.done:
@@ -143,11 +149,24 @@ class FlowQueue:
                 key=lambda t: self.service(t, now_s),
             )
             for tenant in tenants:
-                heap = list(band.by_tenant[tenant])  # popped in order, lazily
-                while heap:
-                    _, w = heapq.heappop(heap)
-                    if not w.done and w not in promoted:  # each offered once a pump
-                        yield w
+                heap = band.by_tenant[tenant]
+                # Popped in order from the tenant's own heap, and what was offered and
+                # is still waiting pushed back when the pump stops: O(tries x log n) a
+                # pump, not a copy of the queue.
+                offered: list[tuple[tuple[float, float, int], Waiting]] = []
+                try:
+                    while heap:
+                        entry = heapq.heappop(heap)
+                        w = entry[1]
+                        if w.done:
+                            continue
+                        offered.append(entry)
+                        if w not in promoted:  # each offered once a pump
+                            yield w
+                finally:
+                    for entry in offered:
+                        if not entry[1].done:
+                            heapq.heappush(heap, entry)
 
     def expired(self, now_s: float) -> list[Waiting]:
         """The requests that waited past their longest wait, taken out of the queue."""

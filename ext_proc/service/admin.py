@@ -47,10 +47,12 @@ def make_admin_app(
     settle: Callable[[], Awaitable[None]] | None = None,
     listen: str = "127.0.0.1:0",
     hosts: tuple[str, ...] = (),
+    flow: Callable[[], dict[str, Any]] | None = None,
 ) -> web.Application:
     """`settle`: waits until the shell has applied the fleet's changes (FleetShell);
     `listen`, `hosts`, `token`: listen.admin, listen.admin_hosts and the admin token, which
-    decide who may use it (admin_guard.py)."""
+    decide who may use it (admin_guard.py); `flow`: the gateway queue's snapshot, for the
+    operator's page."""
 
     guard = AdminGuard(listen, token, hosts)
 
@@ -159,5 +161,5 @@ def make_admin_app(
     # The REST spelling of a drain: no new decisions at once, gone once its requests in
     # flight have closed (so none of them fails).
     app.router.add_delete("/backends/{id}", drain_backend)
-    add_page_routes(app, router, router.cfg.telemetry.trace_url)
+    add_page_routes(app, router, router.cfg.telemetry.trace_url, flow)
     return app

@@ -202,6 +202,7 @@ async def running_service(
             fleet_shell.settle,
             cfg.listen.admin,
             cfg.listen.admin_hosts,
+            ext_proc.director.snapshot,
         )
         runner = web.AppRunner(admin_app, access_log=None)
         await runner.setup()

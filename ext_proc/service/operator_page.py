@@ -173,9 +173,15 @@ def _steps_key(history: list[dict[str, Any]]) -> str:
 
 
 def feed(
-    router: Router, since: int, steps_key: str, trace_url: str, decisions: bool = True
+    router: Router,
+    since: int,
+    steps_key: str,
+    trace_url: str,
+    decisions: bool = True,
+    flow: Callable[[], dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """The page's poll; `decisions=False` leaves their rows for the caller to build."""
+    """The page's poll; `decisions=False` leaves their rows for the caller to build;
+    `flow`: the gateway queue's snapshot (Director.snapshot)."""
     state = router.snapshot(decisions=False)
     log = router.recent
     tuner = router.tuner
@@ -202,13 +208,20 @@ def feed(
         "terms": terms_json(),
         "backends": backend_rows(router, state),
         "tuner": tuner_json,
+        # The gateway queue: what waits, by band and tenant, and what it did.
+        "flow": flow() if flow is not None else {"enabled": False},
         "decisions": [entry_row(e, term_weights_of(router)) for e in log.changed_since(since)]
         if decisions
         else [],
     }
 
 
-def add_page_routes(app: web.Application, router: Router, trace_url: str) -> None:
+def add_page_routes(
+    app: web.Application,
+    router: Router,
+    trace_url: str,
+    flow: Callable[[], dict[str, Any]] | None = None,
+) -> None:
     async def page(_: web.Request) -> web.Response:
         return web.Response(body=_asset("index.html"), content_type="text/html", charset="utf-8")
 
@@ -224,7 +237,8 @@ def add_page_routes(app: web.Application, router: Router, trace_url: str) -> Non
             why = f"since: expected an integer >= 0, got {raw!r}"
             return web.json_response({"error": why}, status=400)
         since = int(raw)
-        body = feed(router, since, request.query.get("steps", ""), trace_url, decisions=False)
+        steps = request.query.get("steps", "")
+        body = feed(router, since, steps, trace_url, decisions=False, flow=flow)
         entries = router.recent.changed_since(since)
         weights = term_weights_of(router)
         rows = body["decisions"]

@@ -287,8 +287,10 @@ class Decision:
     # How long after it is sent on the backend must begin its response (Envoy's per-try
     # timeout; None: no deadline).
     first_byte_deadline_ms: float | None = None
-    # How long it waited in the gateway queue before this decision (flow control).
+    # How long it waited in the gateway queue before this decision (flow control), and
+    # how many requests were waiting there when it joined (its position on arrival).
     waited_ms: float = 0.0
+    queued_behind: int = 0
 
     @property
     def chosen(self) -> Candidate:
@@ -321,6 +323,7 @@ class Decision:
             out["hold_ms"] = round(self.hold_ms, 3)
         if self.waited_ms:
             out["waited_ms"] = round(self.waited_ms, 3)
+            out["queued_behind"] = self.queued_behind
         return out
 
 

@@ -81,6 +81,7 @@ function apply(f) {
   }
   drawSummary(f);
   drawFleet(f);
+  drawQueue(f.flow);
   drawTuner(f.tuner, moved || !page.drawn);
   drawDecisions(f.decisions, evicted);
   // When the first answer was drawn, in ms since navigation began (the render bench's).
@@ -128,6 +129,23 @@ function drawFleet(f) {
       <td class="why">${b.models === null ? '<span class="muted">unknown</span>' : esc(b.models.join(", "))}</td></tr>`;
   });
   document.querySelector("#fleet tbody").innerHTML = rows.join("");
+}
+
+// The gateway queue (flow control): what waits for room, by band and tenant, and what
+// it did. Hidden when flow control is off.
+function drawQueue(q) {
+  $("queue-section").hidden = !(q && q.enabled);
+  if (!q || !q.enabled) return;
+  $("queue-status").textContent = `${q.waiting} waiting`;
+  $("queue-text").textContent = q.waiting
+    ? `oldest waiting ${q.oldest_wait_s.toFixed(1)} s`
+    : "every backend has room: requests pass straight through";
+  const list = (m) =>
+    Object.entries(m || {})
+      .map(([k, v]) => `<div><b>${esc(k)}</b> <span class="num">${v}</span></div>`)
+      .join("") || '<span class="muted">none</span>';
+  document.querySelector("#queue tbody").innerHTML =
+    `<tr><td>${list(q.bands)}</td><td>${list(q.tenants)}</td><td>${list(q.outcomes)}</td></tr>`;
 }
 
 function drawTuner(t, moved) {

@@ -50,6 +50,7 @@ A_PACE_HOLD_MS = "gorgo.pace_hold_ms"
 # Its wait in the gateway queue before this decision (flow control), and how many times
 # it was offered room and found none.
 A_FLOW_WAITED_MS = "gorgo.flow.waited_ms"
+A_FLOW_QUEUED_BEHIND = "gorgo.flow.queued_behind"
 # Each candidate's fields besides its cost terms (one attribute per registered term,
 # `<name>_<unit>`: vocab.terms).
 CANDIDATE_FIELDS = ("cached_tokens", "cost", "predicted_ttft_ms", "predicted_e2e_ms")
@@ -98,6 +99,7 @@ def decision_attributes(
         attrs[A_PACE_HOLD_MS] = round(d.hold_ms, 3)
     if d.waited_ms:
         attrs[A_FLOW_WAITED_MS] = round(d.waited_ms, 3)
+        attrs[A_FLOW_QUEUED_BEHIND] = d.queued_behind
     if d.weights is not None:
         attrs[A_WEIGHT_RTT] = d.weights.rtt
         attrs[A_WEIGHT_QUEUE] = d.weights.queue

@@ -16,7 +16,9 @@ from loadgen.traces.readers import CONVERSATION_TRACE
 def _overhead(args: argparse.Namespace) -> int:
     from loadgen.bench.live.overhead import run_overhead_bench
 
-    return run_overhead_bench(requests=args.requests, long_only=args.long_prompts)
+    return run_overhead_bench(
+        requests=args.requests, long_only=args.long_prompts, flow=args.flow_control
+    )
 
 
 def add_overhead(bench: Any, policies: Sequence[str]) -> None:
@@ -26,6 +28,11 @@ def add_overhead(bench: Any, policies: Sequence[str]) -> None:
         "--long-prompts",
         action="store_true",
         help="only 128k-token prompts from 32 concurrent clients (requests/2 per phase, >= 64)",
+    )
+    b.add_argument(
+        "--flow-control",
+        action="store_true",
+        help="also a router with flow control on (room everywhere), in turn in the same run",
     )
     b.set_defaults(func=_overhead)
 

@@ -49,13 +49,18 @@ class Pair:
 
 async def _alternate(urls: tuple[str, str], body: dict[str, object], n: int) -> Pair:
     """n requests to each proxy, one at a time, alternating which goes first."""
-    out = Pair([], [])
+    envoy, gorgo = await _rotate(urls, body, n)
+    return Pair(envoy, gorgo)
+
+
+async def _rotate(urls: tuple[str, ...], body: dict[str, object], n: int) -> list[list[Result]]:
+    """n requests to each proxy, one at a time, the order rotated each round."""
+    out: list[list[Result]] = [[] for _ in urls]
     async with aiohttp.ClientSession() as s:
         for i in range(n):
-            order = (0, 1) if i % 2 == 0 else (1, 0)
-            for which in order:
-                r = await send_chat(s, urls[which], body, f"b{i}")
-                (out.envoy if which == 0 else out.gorgo).append(r)
+            for k in range(len(urls)):
+                which = (i + k) % len(urls)
+                out[which].append(await send_chat(s, urls[which], body, f"b{i}"))
     return out
 
 
@@ -125,18 +130,7 @@ def paired_stack(
 ) -> tuple[Stack, tuple[str, str]]:
     """Envoy + gorgo and Envoy alone (the same generated config without ext_proc) in front
     of 3 zero-delay engines, started; returns the stack and (alone, gorgo) URLs."""
-    settings = StackSettings(
-        policy=policy,
-        regions=REGIONS,
-        ports=StackPorts.ephemeral(len(REGIONS)),
-        engine_args=("--zero-delay",),
-        wan_links=False,
-        # One worker per Envoy: two proxies, three engines, the router and the client
-        # share two cores, and fewer threads make the tails less noisy for both.
-        envoy_concurrency=1,
-        serve_args=serve_args,
-    )
-    stack = Stack(settings)
+    stack = _stack(policy, serve_args, flow_control=False)
     front, admin = free_ports(2)
     alone = replace(
         stack.config,
@@ -152,18 +146,78 @@ def paired_stack(
     return stack, (f"http://127.0.0.1:{front}", stack.front_door_url)
 
 
-def run_overhead_bench(requests: int = 200, long_only: bool = False) -> int:
+def _stack(policy: str, serve_args: tuple[str, ...], flow_control: bool) -> Stack:
+    """`flow_control`: the router's gateway queue on (zero-delay engines: room everywhere)."""
+    settings = StackSettings(
+        policy=policy,
+        regions=REGIONS,
+        ports=StackPorts.ephemeral(len(REGIONS)),
+        engine_args=("--zero-delay",),
+        wan_links=False,
+        # One worker per Envoy: two proxies, three engines, the router and the client
+        # share two cores, and fewer threads make the tails less noisy for both.
+        envoy_concurrency=1,
+        serve_args=serve_args,
+    )
+    stack = Stack(settings)
+    if flow_control:
+        flow = replace(stack.config.flow_control, enabled=True)
+        stack.config = replace(stack.config, flow_control=flow)
+    return stack
+
+
+def run_overhead_bench(requests: int = 200, long_only: bool = False, flow: bool = False) -> int:
     print("starting Envoy + gorgo and Envoy alone in front of 3 zero-delay engines...")
     stack, urls = paired_stack()
+    stacks = [stack]
     try:
+        if flow:  # a second router, flow control on, in front of its own engines
+            print("starting Envoy + gorgo with flow control on...")
+            flow_stack = _stack("round_robin", (), flow_control=True)
+            stacks.append(flow_stack)
+            flow_stack.start()
         if long_only:
             lines = [HEADER, *long_prompts(urls, max(64, requests // 2))]
         else:
             lines = _measure(urls, requests)
+            if flow:
+                lines += ["", *_measure_flow((*urls, flow_stack.front_door_url), requests)]
     finally:
-        stack.stop()
+        for s in stacks:
+            s.stop()
     print("\n".join(lines))
     return 0
+
+
+def _measure_flow(urls: tuple[str, ...], n: int) -> list[str]:
+    """Envoy alone, gorgo, gorgo with flow control on (room everywhere): what the queue's
+    check adds, in turn in the same run."""
+    lines = [
+        f"{'flow control on, room everywhere':<34} {'envoy alone':>12} {'envoy+gorgo':>12} "
+        f"{'+flow ctl':>12} {'flow adds':>9}"
+    ]
+    for tokens in (1024, 32768):
+        body = chat_body(_prompt(tokens), 1)
+        asyncio.run(_rotate(urls, body, 10))
+        print(f"  flow control, {tokens}-token prompt, {n} requests each...", file=sys.stderr)
+        e, g, f = (_ttfts(rs) for rs in asyncio.run(_rotate(urls, body, n)))
+        for q in (50, 99):
+            pe, pg, pf = (percentile(x, q) for x in (e, g, f))
+            lines.append(
+                f"{f'TTFT p{q} ms, {tokens // 1024}k-token prompt':<34} {pe:>12.3f} {pg:>12.3f} "
+                f"{pf:>12.3f} {pf - pg:>9.3f}"
+            )
+    body = chat_body(_prompt(1024), 16)
+    rates: list[list[float]] = [[], [], []]
+    for _ in range(2):
+        for which, url in enumerate(urls):
+            rates[which].append(asyncio.run(_throughput(url, body, n * 2, 16)))
+    re, rg, rf = (sum(r) / 2 for r in rates)
+    lines.append(
+        f"{'requests/s, concurrency 16':<34} {re:>12.1f} {rg:>12.1f} {rf:>12.1f} "
+        f"{f'x{rf / rg:.3f}':>9}"
+    )
+    return lines
 
 
 def _measure(urls: tuple[str, str], n: int) -> list[str]:

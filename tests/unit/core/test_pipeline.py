@@ -110,7 +110,11 @@ def test_a_higher_band_is_released_first() -> None:
     clock.advance(5.0)
     director.pump()
     # room for one: after the first goes, its prefill is work ahead of the next
-    assert director.released[0][0].request.request_id == "high"
+    w, first = director.released[0]
+    assert w.request.request_id == "high"
+    # one was waiting when it joined: its position on arrival, on its decision and span
+    assert isinstance(first, Routed) and first.decision.queued_behind == 1
+    assert first.decision.as_json()["queued_behind"] == 1
 
 
 def test_a_wait_past_its_objectives_longest_is_refused_429_with_the_reason() -> None:

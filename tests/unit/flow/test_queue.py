@@ -117,3 +117,18 @@ def test_depth_by_band_and_tenant() -> None:
         waiting("c", priority=0, tenant="t2"),
     )
     assert q.depth() == {"bands": {"10": 1, "0": 2}, "tenants": {"t1": 2, "t2": 1}}
+
+
+def test_in_the_highest_band_an_old_request_of_a_heavy_tenant_does_not_jump_a_light_one() -> None:
+    q = queue(waiting("heavy-old", 0, tenant="heavy"), waiting("light-new", 40, tenant="light"))
+    q.charge("heavy", 10_000, now_s=0.0)
+    assert ids(q, 41) == ["light-new", "heavy-old"]  # 41 s > the 30 s starvation bound
+
+
+def test_a_pump_that_stops_early_leaves_every_unreleased_request_waiting() -> None:
+    q = queue(*(waiting(f"r{i}", i) for i in range(5)))
+    order = q.order(10)
+    first, second = next(order), next(order)
+    q.remove(first)  # released; the pump stops after the second finds no room
+    order.close()
+    assert ids(q, 11) == ["r1", "r2", "r3", "r4"] and second.request.request_id == "r1"

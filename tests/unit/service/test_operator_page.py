@@ -5,6 +5,7 @@ it moved, one decision whole by request id; no prompt text; bad queries answered
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 from unittest.mock import MagicMock
 
@@ -163,3 +164,19 @@ def test_why_a_prefix_state_is_what_it_is() -> None:
     assert prefix_why(odd) == "KV events unusable: no parent"
     tokens = {**down, "tokens": {"ok": False, "reason": "vocab differs"}}
     assert prefix_why(tokens) == "token ids differ from the engine's: vocab differs"
+
+
+async def test_the_page_shows_the_gateway_queue_when_flow_control_is_on() -> None:
+    from tests.unit.core.test_pipeline import busy, flow_router
+
+    director, _ = flow_router()
+    busy(director)
+    director.handle(replace(chat(rid="held"), objective="batch", tenant="acme"))
+    app = make_admin_app(director.router, MagicMock(), dict, flow=director.snapshot)
+    async with TestClient(TestServer(app)) as c:
+        q = (await feed(c))["flow"]
+    assert q["enabled"] and q["waiting"] == 1 and q["bands"] == {"0": 1}
+    assert q["tenants"] == {"acme": 1} and q["oldest_wait_s"] == 0.0
+    # off: the page hides the section
+    async with TestClient(TestServer(make_admin_app(director.router, MagicMock(), dict))) as c:
+        assert (await feed(c))["flow"] == {"enabled": False}

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from ext_proc.config.schema import TelemetryConfig
 from ext_proc.core.router import Router
+from ext_proc.service.telemetry.gauges import FlowGauges
 from ext_proc.service.telemetry.listener import Telemetry
 from ext_proc.vocab.types import Status
 from tests.builders import chat, make_router
@@ -79,10 +81,35 @@ def drive_router() -> tuple[Router, Telemetry]:
     return router, telemetry
 
 
+def drive_flow_control() -> Telemetry:
+    """A router with flow control: one request released after a wait, one still waiting,
+    one refused for waiting too long."""
+    from tests.unit.core.test_pipeline import busy, flow_router
+
+    director, clock = flow_router()
+    telemetry = Telemetry(TelemetryConfig(), director.router, InMemorySpanExporter())
+    director.router.subscribe(telemetry)
+    telemetry.metrics.registry.register(FlowGauges(director))
+    busy(director)
+    for rid, objective in (("late", "batch"), ("first", "interactive")):
+        director.handle(replace(chat(rid=rid), objective=objective))
+    clock.advance(20.5)  # "late" waited past batch's 20 s; the prefill ahead is done
+    director.pump()
+    assert director.counts["released"] == 1 and director.counts["rejected-ttl-expired"] == 1
+    busy(director)
+    director.handle(replace(chat(rid="waits"), objective="interactive"))
+    assert len(director.snapshot()["bands"]) == 1
+    return telemetry
+
+
 @pytest.fixture(scope="module")
 def router_metrics() -> dict[str, list[dict[str, str]]]:
     _, telemetry = drive_router()
-    return exported(telemetry.metrics.render().decode())
+    # the flow-control router's metrics, with the main one's where both export a name
+    return {
+        **exported(drive_flow_control().metrics.render().decode()),
+        **exported(telemetry.metrics.render().decode()),
+    }
 
 
 def _sample(telemetry: Telemetry, name: str, **labels: str) -> float:
