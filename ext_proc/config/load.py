@@ -196,15 +196,10 @@ def _validate(cfg: Config) -> None:
 
 def _validate_flow_control(cfg: Config) -> None:
     fc = cfg.flow_control
-    names: set[str] = set()
+    names = _unique_names([o.name for o in fc.objectives], "flow_control.objectives")
     regions = {b.region for b in cfg.backends}
     for i, o in enumerate(fc.objectives):
         key = f"flow_control.objectives[{i}]"
-        if not o.name:
-            raise ConfigError(f"{key}.name: an objective needs a name")
-        if o.name in names:
-            raise ConfigError(f"{key}.name: {o.name!r} listed twice")
-        names.add(o.name)
         for j, region in enumerate(o.regions):
             if region not in regions:
                 known = ", ".join(sorted(r for r in regions if r)) or "none"
@@ -224,15 +219,22 @@ def _validate_flow_control(cfg: Config) -> None:
             )
 
 
+def _unique_names(names: list[str], key: str) -> set[str]:
+    """The names of a list's items: each given, none twice (the error names the item)."""
+    seen: set[str] = set()
+    for i, name in enumerate(names):
+        if not name:
+            raise ConfigError(f"{key}[{i}].name: a name is required")
+        if name in seen:
+            raise ConfigError(f"{key}[{i}].name: {name!r} listed twice")
+        seen.add(name)
+    return seen
+
+
 def _validate_models(cfg: Config) -> None:
-    names: set[str] = set()
+    _unique_names([alias.name for alias in cfg.models], "models")
     for i, alias in enumerate(cfg.models):
         key = f"models[{i}]"
-        if not alias.name:
-            raise ConfigError(f"{key}.name: a model name is required")
-        if alias.name in names:
-            raise ConfigError(f"{key}.name: {alias.name!r} listed twice")
-        names.add(alias.name)
         if not alias.served:
             raise ConfigError(f"{key}.served: at least one served model is required")
         for j, share in enumerate(alias.served):

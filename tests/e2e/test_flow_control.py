@@ -100,14 +100,14 @@ def test_a_burst_is_held_and_drains_and_interactive_goes_first(stack: Stack) -> 
     burst, (held, vip_first_s, vip) = asyncio.run(burst_with(stack, 30, interactive))
     assert vip.ok and all(r.ok for _, r in burst), [r.error for _, r in burst if not r.ok]
     # The batch requests still waiting when it came: it goes before nearly all of them
-    # (those released in the same turn to another backend may beat it by a step).
+    # (up to one released to each other backend while its own slot frees may beat it).
     later = sum(1 for first_s, _ in burst if first_s > vip_first_s)
     print(
         f"\nburst of 30: {held} held when the interactive request came, {later} batch "
         f"first tokens after its; its TTFT {vip.ttft_ms:.0f} ms, the burst's last "
         f"{max(r.ttft_ms or 0 for _, r in burst):.0f} ms"
     )
-    assert held >= 10 and later >= held - 3
+    assert held >= 10 and later >= held - 4
     assert seen and seen[0] > 0  # the page showed the queue
     # drained: nothing waits, and what waited was released
     wait_for(lambda: flow(stack)["waiting"] == 0)
