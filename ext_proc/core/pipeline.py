@@ -119,6 +119,7 @@ class Director:
             sheddable=objective.sheddable,
             body_bytes=body_bytes,
             tokens=(request.llm.input_tokens if request.llm else 0) + output_tokens(request),
+            protected_ms=self.objectives.protected_ms(objective),
         )
         if not self.queue:  # nobody waits: straight through when a backend has room
             outcome = self._try(w, served)
@@ -217,8 +218,13 @@ class Director:
         now_s = self.router.clock()
         settings = self.router.cfg.flow_control
 
+        # A lower band's request leaves a higher band's SLO room: not where its prefill
+        # and the work ahead of it would make a higher band's next request wait past half
+        # of its SLO (engines start prefills in order), until it waited the starvation bound.
+        protect_ms = w.protected_ms if now_s - w.arrival_s < settings.starvation_s else math.inf
+
         def room(c: Candidate) -> bool:
-            return has_room(c, settings)
+            return c.unstarted_ms + c.prefill_ms <= protect_ms and has_room(c, settings)
 
         try:
             waited_ms = (now_s - w.arrival_s) * 1000

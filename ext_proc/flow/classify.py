@@ -33,6 +33,12 @@ class Objectives:
         model = request.llm.model if request.llm is not None else None
         return self.by_model.get(model or "", self.default)
 
+    def protected_ms(self, o: Objective) -> float:
+        """The tightest TTFT SLO of the bands above this one (inf: none): a request of
+        this band goes where the prefill it puts ahead of theirs leaves half of it."""
+        slos = [h.ttft_slo_ms for h in self.by_name.values() if h.priority > o.priority]
+        return min((s for s in slos if s), default=math.inf) / 2
+
     def max_wait_s(self, o: Objective) -> float:
         return o.max_wait_s or self.settings.max_wait_s
 

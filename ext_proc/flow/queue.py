@@ -44,6 +44,8 @@ class Waiting:
     # joined (for the span).
     tries: int = 0
     behind: int = 0
+    # The most work (ms) it may leave ahead of a higher band's next request (inf: any).
+    protected_ms: float = math.inf
 
     def key(self) -> tuple[float, float, int]:
         return (self.deadline_s, self.arrival_s, self.seq)

@@ -170,3 +170,28 @@ def test_a_full_band_is_refused_429_and_a_client_gone_leaves_the_queue() -> None
     director.cancel(first.ticket)
     assert not director.queue and director.counts["cancelled"] == 1
     assert isinstance(director.handle(chat(rid="r3")), Queued)  # its place is free again
+
+
+def test_a_lower_band_does_not_put_a_long_prefill_ahead_of_a_higher_bands_slo() -> None:
+    flow = {
+        "enabled": True,
+        "objectives": [
+            {"name": "interactive", "priority": 10, "ttft_slo_ms": 1000},
+            {"name": "batch", "priority": 0},
+        ],
+    }
+    router, clock = make_router("gorgo", backends=["a"], flow_control=flow)
+    director = Director(router)
+    long_prompt = "many words " * 6000
+    big = director.handle(replace(chat(long_prompt, rid="big"), objective="batch"))
+    # an idle backend, but its prefill (> 500 ms, half the interactive SLO) would hold it
+    assert isinstance(big, Queued)
+    assert director.objectives.protected_ms(director.objectives.by_name["batch"]) == 500
+    small = director.handle(replace(chat("hi", rid="small"), objective="batch"))
+    assert isinstance(small, Routed)  # a short prefill leaves the SLO its room
+    vip = director.handle(replace(chat(long_prompt, rid="vip"), objective="interactive"))
+    assert isinstance(vip, Routed)  # the top band protects no one above it
+    clock.advance(31.0)  # past the starvation bound it goes
+    director.pump()
+    [(w, out)] = director.released
+    assert w is big.ticket and isinstance(out, Routed)
