@@ -5,7 +5,7 @@ change it only on purpose, with docs).
      "summary": {"requests", "ok", "errors", "refused": {status: n},
                  "ttft_ms": {p50, p90, p95, p99, mean}, "e2e_ms": {...}, "itl_ms": {...},
                  "slip_ms": {..., "max", "waited"}, "cache_hit_rate",
-                 "ttft_prediction": {"mape", "bias_ms", "requests"},
+                 "ttft_prediction": {"mape", "bias_ms", "requests", "rho"},
                  "ttft_prediction_by_backend": {backend: {"mape", "bias_ms", "requests"}},
                  "e2e_prediction": {...}, "e2e_prediction_by_backend": {...}},
      "requests": [{"id", "backend", "ttft_ms", "e2e_ms", "input_tokens", "output_tokens",
@@ -17,8 +17,10 @@ ITL statistics are over every inter-token gap of every successful request.
 The prediction figures set the TTFT and E2E the router predicted for the backend it chose
 (`predicted_ttft_ms`, `predicted_e2e_ms`: None where not known, as in `gorgo replay`)
 beside the measured ones: MAPE is the mean |predicted - measured| / measured (a fraction),
-bias_ms the mean predicted - measured (> 0: predicted slower), over the successful requests
-with both after the first 20 % of the requests by arrival (the rows' order), so an empty
+bias_ms the mean predicted - measured (> 0: predicted slower), rho the Spearman rank
+correlation of predicted and measured (how the GORGO paper's authors validated their cost
+model: the random policy's dispatches, predicted against measured TTFT), over the successful
+requests with both after the first 20 % of the requests by arrival (the rows' order), so an empty
 fleet's warm-up does not flatter the figures; `requests` says how many counted. Slip is how
 long a request waited past its arrival for a concurrency slot (loadgen.client.protocol): TTFT and
 E2E are measured from dispatch, so slip is reported beside them, never inside.
@@ -139,9 +141,36 @@ def prediction_summary(results: Sequence[RequestResult]) -> dict[str, Any]:
             predicted, measured = getattr(r, f"predicted_{measure}_ms"), getattr(r, f"{measure}_ms")
             if predicted is not None and measured is not None and measured > 0:
                 errs.setdefault(r.backend, []).append(LatencyError(predicted, measured))
-        out[f"{measure}_prediction"] = error_summary(e for es in errs.values() for e in es)
+        every = [e for es in errs.values() for e in es]
+        out[f"{measure}_prediction"] = error_summary(every)
         out[f"{measure}_prediction_by_backend"] = {b: error_summary(errs[b]) for b in sorted(errs)}
+    pairs = [
+        (r.predicted_ttft_ms, r.ttft_ms)
+        for r in after
+        if r.predicted_ttft_ms is not None and r.ttft_ms is not None
+    ]
+    out["ttft_prediction"]["rho"] = spearman_rho(pairs)
     return out
+
+
+def spearman_rho(pairs: Sequence[tuple[float, float]]) -> float | None:
+    """Spearman's rank correlation (ties by average rank); None under 3 pairs."""
+    if len(pairs) < 3:
+        return None
+    a, b = (_ranks(np.array(col, dtype=float)) for col in zip(*pairs, strict=True))
+    if a.std() == 0 or b.std() == 0:
+        return None
+    return round(float(np.corrcoef(a, b)[0, 1]), 4)
+
+
+def _ranks(x: np.ndarray) -> np.ndarray:
+    order = np.argsort(x, kind="stable")
+    ranks = np.empty(len(x))
+    ranks[order] = np.arange(len(x), dtype=float)
+    # average the ranks of ties
+    _, inverse, counts = np.unique(x, return_inverse=True, return_counts=True)
+    sums = np.bincount(inverse, weights=ranks)
+    return np.asarray(sums[inverse] / counts[inverse])
 
 
 def slip_stats(results: Sequence[RequestResult]) -> dict[str, float | int | None]:

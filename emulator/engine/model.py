@@ -7,9 +7,18 @@ so the live emulated engine (`gorgo engine`, wall clock) and the offline simulat
 What it models:
 - FCFS waiting queue; at most `max_running_requests` admitted; a request is admitted only
   when the KV pool can hold its prompt and its output (LRU-evicting unused cache blocks).
-- Prefill runs before decode (SGLang's default priority). Prompts are prefilled in chunks
-  of `chunk_tokens`; several short prompts share one chunk; a long prompt holds the GPU
-  until its last chunk, delaying every running decode.
+- Two schedulers, as the engines schedule (`scheduler`):
+  - "sglang": prefill runs before decode (SGLang's default: managers/scheduler.py
+    get_next_batch_to_run takes a new prefill batch before the running decode batch).
+    Prompts are prefilled in chunks of `chunk_tokens` (chunked_prefill_size); several
+    short prompts share one chunk; a long prompt holds the GPU until its last chunk,
+    delaying every running decode.
+  - "vllm": vLLM v1's budgeted steps (v1/core/sched/scheduler.py schedule: "there's no
+    decoding phase nor prefill phase"): each step has a token budget (`chunk_tokens` as
+    max_num_batched_tokens); the running requests take it first, a token per decode and
+    then the partial prefills' next chunks in order, and what is left goes to waiting
+    requests in arrival order (a chunk each, while the budget, the batch slots and the KV
+    pool allow). Decodes and prefill chunks share one forward pass.
 - Continuous batching: each decode step emits one token for every running request.
 - A radix prefix cache over blocks of `block_tokens` tokens (chained block hashes): a new
   prompt reuses the longest cached prefix; blocks in use by running requests are pinned;
@@ -199,11 +208,22 @@ class ModelStats:
     decode_steps: int = 0
 
 
+SCHEDULERS = ("sglang", "vllm")
+
+
 class EngineModel:
     def __init__(
-        self, profile: EngineProfile, rng: random.Random, max_loras: int | None = None
+        self,
+        profile: EngineProfile,
+        rng: random.Random,
+        max_loras: int | None = None,
+        scheduler: str = "sglang",
     ) -> None:
+        if scheduler not in SCHEDULERS:
+            raise ValueError(f"scheduler: one of {', '.join(SCHEDULERS)}, got {scheduler!r}")
         self.profile = profile
+        # Which engine's step planning it follows (the module's docstring).
+        self.scheduler = scheduler
         self.rng = rng
         # At most this many adapters among running requests (None: no limit).
         self.max_loras = max_loras
@@ -358,20 +378,23 @@ class EngineModel:
         sigma = self.profile.jitter_sigma
         return math.exp(self.rng.gauss(0.0, sigma)) if sigma > 0 else 1.0
 
-    def _admit(self, now_s: float) -> None:
+    def _admit(self, now_s: float, budget: float = math.inf) -> None:
         """FCFS admission while a slot and KV room exist (head-of-line blocking). A request
         for an adapter that would make more than max_loras among the running is passed
         over (it keeps its place), as vLLM's scheduler skips it (v1/core/sched/scheduler.py
         schedule: "Scheduling would exceed max_loras, skip")."""
         skipped: list[_Request] = []
         try:
-            self._admit_fcfs(now_s, skipped)
+            self._admit_fcfs(now_s, skipped, budget)
         finally:
             self.waiting.extendleft(reversed(skipped))
 
-    def _admit_fcfs(self, now_s: float, skipped: list[_Request]) -> None:
+    def _admit_fcfs(self, now_s: float, skipped: list[_Request], budget: float = math.inf) -> None:
+        """`budget`: admit only while the prompt tokens still to prefill of the requests
+        admitted so far this step are below it (vLLM: a waiting request is scheduled only
+        with budget left)."""
         p = self.profile
-        while self.waiting and self.num_running < p.max_running_requests:
+        while self.waiting and self.num_running < p.max_running_requests and budget > 0:
             req = self.waiting[0]
             if req.lora is not None and self.max_loras is not None:
                 active = {r.lora for r in (*self.prefilling, *self.decoding.values())}
@@ -397,12 +420,47 @@ class EngineModel:
             self._reserved_tokens += reserve
             req.state = PREFILL
             self.prefilling.append(req)
+            budget -= req.input_tokens - req.prefilled_tokens
             self.stats.requests_admitted += 1
             self.stats.prompt_tokens += req.input_tokens
             self.stats.cached_tokens += req.cached_tokens
 
     def _plan(self, now_s: float) -> None:
-        """Choose the next step: prefill first (chunked), else one decode step."""
+        if self.scheduler == "vllm":
+            self._plan_budgeted(now_s)
+        else:
+            self._plan_prefill_first(now_s)
+
+    def _plan_budgeted(self, now_s: float) -> None:
+        """vLLM v1: decodes first, a token each, then partial prefills, then new requests,
+        under one token budget; one forward pass for all."""
+        p = self.profile
+        budget = p.chunk_tokens
+        decode = list(self.decoding.values())[:budget]
+        budget -= len(decode)
+        owed = sum(r.input_tokens - r.prefilled_tokens for r in self.prefilling)
+        self._admit(now_s, budget - owed)
+        batch: list[tuple[_Request, int]] = []
+        ms = 0.0
+        for req in self.prefilling:
+            if budget <= 0:
+                break
+            n = min(budget, req.input_tokens - req.prefilled_tokens)
+            ms += p.prefill_ms(n, req.prefilled_tokens) * req.cost
+            batch.append((req, n))
+            budget -= n
+        if not batch and not decode:
+            return
+        if decode:
+            context = sum(r.input_tokens + r.generated for r in decode)
+            ms += p.decode_ms(len(decode), context) * max(r.cost for r in decode)
+        else:
+            ms += p.prefill_base_ms
+        kind = PREFILL if batch else DECODE
+        self.step = _Step(now_s, now_s + ms * self._jitter() / 1e3, kind, batch, decode)
+
+    def _plan_prefill_first(self, now_s: float) -> None:
+        """SGLang: prefill first (chunked), else one decode step."""
         p = self.profile
         self._admit(now_s)
         if self.prefilling:

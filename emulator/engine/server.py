@@ -93,7 +93,8 @@ class Engine:
             else None
         )
         max_loras = cfg.max_loras if cfg.enable_lora else None
-        model = EngineModel(cfg.profile, random.Random(cfg.seed), max_loras)
+        # The twin schedules as the engine it stands in for (model.py: SCHEDULERS).
+        model = EngineModel(cfg.profile, random.Random(cfg.seed), max_loras, cfg.flavor)
         self.runner = ModelRunner(model, emitter)
         # vLLM exports vllm:lora_requests_info only with a LoRA config (--enable-lora).
         self.lora_info = (

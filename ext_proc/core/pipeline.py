@@ -29,6 +29,16 @@ from ext_proc.vocab.types import BackendLifecycle, Candidate, Decision, Refusal,
 # Retry-After of a refusal for a full queue or a wait too long: about the time the queue
 # takes to move (SMG answers 2 s for both).
 RETRY_AFTER_S = 2.0
+# What flow control does with a request (Director.counts, gorgo_flow_outcomes_total).
+FLOW_OUTCOMES = (
+    "straight",
+    "released",
+    "cancelled",
+    "rejected-saturated",
+    "rejected-ttl-expired",
+    "rejected-slo",
+    "rejected-no-endpoints",
+)
 # A pump offers room to at most this many waiting requests that find none: past the
 # first few, the fleet is full for the rest too (each try computes the candidates).
 MAX_TRIES_PER_PUMP = 4

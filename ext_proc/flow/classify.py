@@ -33,6 +33,10 @@ class Objectives:
         model = request.llm.model if request.llm is not None else None
         return self.by_model.get(model or "", self.default)
 
+    def priorities(self) -> set[int]:
+        """The priority bands requests can wait in."""
+        return {o.priority for o in self.by_name.values()} | {self.default.priority}
+
     def protected_ms(self, o: Objective) -> float:
         """The tightest TTFT SLO of the bands above this one (inf: none): a request of
         this band goes where the prefill it puts ahead of theirs leaves half of it."""

@@ -91,13 +91,14 @@ def run_simulations(
                 if base.protocol.max_concurrency is None
                 else f"slip p50/p95 {s['slip_ms']['p50']:.0f}/{s['slip_ms']['p95']:.0f} ms  "
             )
-            mape = s["ttft_prediction"]["mape"]
+            mape, rho = s["ttft_prediction"]["mape"], s["ttft_prediction"]["rho"]
             refused = ", ".join(f"{n} x {code}" for code, n in s["refused"].items())
             print(
                 f"  {policy:<16} time_scale {ts:<4g} TTFT p50/p95 {s['ttft_ms']['p50']:.0f}/"
                 f"{s['ttft_ms']['p95']:.0f} ms  E2E p95 {s['e2e_ms']['p95']:.0f} ms  {slip}"
                 f"cache prediction error {prediction_error(res.requests):.2%}  "
-                f"TTFT prediction MAPE {'-' if mape is None else f'{mape:.1%}'}  "
+                f"TTFT prediction MAPE {'-' if mape is None else f'{mape:.1%}'}, "
+                f"rank rho {'-' if rho is None else f'{rho:.3f}'}  "
                 f"{f'refused {refused}  ' if refused else ''}({wall_s:.1f} s)",
                 file=sys.stderr,
                 flush=True,

@@ -81,6 +81,8 @@ async def live_fleet(tmp_path: Path) -> AsyncIterator[LiveFleet]:
         {
             "policy": "gorgo",
             "tuner": {"mode": "paired", "arm_size": 4},
+            # on, so the flow-control series the dashboard and alerts name exist
+            "flow_control": {"enabled": True},
             "listen": {"grpc": f"127.0.0.1:{grpc_port}", "admin": f"127.0.0.1:{gorgo_admin}"},
             "envoy": {"listen": f"127.0.0.1:{front}", "admin": f"127.0.0.1:{admin}"},
             "backends": [

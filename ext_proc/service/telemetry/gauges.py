@@ -10,7 +10,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from ext_proc.core.features import prefix_state
-from ext_proc.core.pipeline import Director
+from ext_proc.core.pipeline import FLOW_OUTCOMES, Director
 from ext_proc.core.router import Router
 from ext_proc.service.prediction_metrics import latency_prediction_gauges, served_model_gauges
 from ext_proc.vocab.types import BackendLifecycle, PrefixState
@@ -184,9 +184,14 @@ class FlowGauges(Collector):
             labels=["outcome"],
         )
         state = self.director.snapshot()
-        for band, n in state.get("bands", {}).items():
+        if not state["enabled"]:
+            return
+        # Every configured band and every outcome, 0 included: a series exists from the
+        # start (rates and alerts need one), not from the first request that waits.
+        bands = {str(p): 0 for p in self.director.objectives.priorities()}
+        for band, n in {**bands, **state["bands"]}.items():
             waiting.add_metric([band], n)
-        oldest.add_metric([], state.get("oldest_wait_s", 0.0))
-        for outcome, n in state.get("outcomes", {}).items():
+        oldest.add_metric([], state["oldest_wait_s"])
+        for outcome, n in {**dict.fromkeys(FLOW_OUTCOMES, 0), **state["outcomes"]}.items():
             outcomes.add_metric([outcome], n)
         yield from (waiting, oldest, outcomes)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from loadgen.results import RequestResult, summarize, write_result
+from loadgen.results import RequestResult, spearman_rho, summarize, write_result
 
 
 def row(
@@ -41,6 +41,9 @@ def test_prediction_figures_skip_the_warm_up_and_what_failed_or_was_not_predicte
         "mape": round(0.8 / 6, 6),
         "bias_ms": round(10 / 6, 3),
         "requests": 6,
+        # ranks predicted 3 1 4 2 5 6 against measured 2 2 5 2 5 5 (ties averaged):
+        # 13.5 / sqrt(17.5 x 13.5)
+        "rho": round(13.5 / (17.5 * 13.5) ** 0.5, 4),
     }
     assert s["ttft_prediction_by_backend"] == {
         "a": {"mape": 0.1, "bias_ms": round(10 / 3, 3), "requests": 3},
@@ -54,7 +57,19 @@ def test_prediction_figures_skip_the_warm_up_and_what_failed_or_was_not_predicte
 
 def test_without_predictions_the_figures_say_so(tmp_path) -> None:  # type: ignore[no-untyped-def]
     doc = write_result(tmp_path / "r.json", [RequestResult("x", "a", 10.0, 20.0)], {})
-    assert doc["summary"]["ttft_prediction"] == {"mape": None, "bias_ms": None, "requests": 0}
+    assert doc["summary"]["ttft_prediction"] == {
+        "mape": None,
+        "bias_ms": None,
+        "requests": 0,
+        "rho": None,
+    }
     assert doc["summary"]["ttft_prediction_by_backend"] == {}
     (saved,) = json.loads((tmp_path / "r.json").read_text())["requests"]
     assert saved["predicted_ttft_ms"] is None and saved["predicted_e2e_ms"] is None
+
+
+def test_spearman_rho_ranks_not_values() -> None:
+    assert spearman_rho([(1, 10), (2, 1000), (3, 1001)]) == 1.0  # monotone, not linear
+    assert spearman_rho([(1, 3), (2, 2), (3, 1)]) == -1.0
+    assert spearman_rho([(1, 1), (2, 2)]) is None  # too few to say
+    assert spearman_rho([(1, 5), (2, 5), (3, 5)]) is None  # no spread

@@ -331,3 +331,18 @@ def test_models_are_on_the_span_the_decision_counter_and_a_gauge_per_backend() -
     telemetry.shutdown()
     (span,) = exporter.get_finished_spans()
     assert span.attributes is not None and span.attributes["gorgo.model"] == "beta"
+
+
+def test_flow_series_exist_from_the_start_with_flow_control_on_and_not_with_it_off() -> None:
+    from ext_proc.core.pipeline import Director
+    from tests.unit.core.test_pipeline import flow_router
+
+    director, _ = flow_router()
+    telemetry = Telemetry(TelemetryConfig(), director.router, InMemorySpanExporter())
+    telemetry.metrics.registry.register(FlowGauges(director))
+    assert _sample(telemetry, "gorgo_flow_waiting", priority="10") == 0  # a configured band
+    assert _sample(telemetry, "gorgo_flow_outcomes_total", outcome="rejected-slo") == 0
+    off, _ = make_router("gorgo")
+    telemetry = Telemetry(TelemetryConfig(), off, InMemorySpanExporter())
+    telemetry.metrics.registry.register(FlowGauges(Director(off)))
+    assert "gorgo_flow_waiting" not in telemetry.metrics.render().decode()

@@ -224,3 +224,47 @@ def test_only_computed_blocks_are_shared() -> None:
     m.advance(first_chunk_end)  # one 4,096-token chunk done
     m.cancel("long", first_chunk_end)
     assert m.cache.match(prompt) == 4096 // BT
+
+
+def test_vllm_decodes_go_on_while_a_long_prompt_prefills_sglang_stalls_them() -> None:
+    """vLLM v1 mixes a decode token per running request into each prefill chunk's step;
+    SGLang runs the new prefill first and decodes wait for its last chunk."""
+    first_tokens_during: dict[str, int] = {}
+    for scheduler in ("vllm", "sglang"):
+        m = EngineModel(PROFILE, random.Random(0), scheduler=scheduler)
+        m.submit("talker", 100, 500, [], now_s=0.0)
+        run(m, until_s=0.1)  # decoding by now
+        m.submit("long", 20_000, 2, blocks(2, 20_000 // BT), now_s=0.1)
+        em = run(m)
+        long_first = next(e.time_s for e in em if e.rid == "long" and e.index == 0)
+        first_tokens_during[scheduler] = sum(
+            1 for e in em if e.rid == "talker" and 0.1 < e.time_s < long_first
+        )
+    # 20k tokens are 5 chunks of 4,096 (less a token per decode): a token each step
+    assert first_tokens_during["vllm"] >= 4
+    assert first_tokens_during["sglang"] <= 1
+
+
+def test_vllm_step_budget_is_shared_decodes_first_then_prefill_chunks() -> None:
+    m = EngineModel(PROFILE, random.Random(0), scheduler="vllm")
+    for i in range(10):
+        m.submit(f"d{i}", 64, 100, [], now_s=0.0)
+    run(m, until_s=0.05)
+    m.submit("long", 10_000, 2, blocks(3, 10_000 // BT), now_s=0.05)
+    step = m.step
+    assert step is not None
+    # the step running at 0.05 s was planned before "long"; the next one takes it
+    run(m, until_s=step.end_s)
+    step = m.step
+    assert step is not None and len(step.decode) == 10
+    [(req, chunk)] = step.prefill
+    assert req.rid == "long" and chunk == PROFILE.chunk_tokens - 10
+    # one forward pass: the decode step's time plus the chunk's prefill share
+    context = sum(r.input_tokens + r.generated for r in step.decode)
+    expected_ms = PROFILE.decode_ms(10, context) + PROFILE.prefill_ms(chunk, 0)
+    assert (step.end_s - step.start_s) * 1e3 == pytest.approx(expected_ms)
+
+
+def test_an_unknown_scheduler_is_refused() -> None:
+    with pytest.raises(ValueError, match="scheduler"):
+        EngineModel(PROFILE, random.Random(0), scheduler="trt")
