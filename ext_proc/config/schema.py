@@ -58,6 +58,16 @@ class TunerArmKey(enum.StrEnum):
 PROBE_PATH = {EngineKind.SGLANG: "/v1/models", EngineKind.VLLM: "/health"}
 
 
+class TtftModel(enum.StrEnum):
+    """`routing.ttft_model`: how the queue and prefill terms are estimated."""
+
+    # The profile's queue-plus-prefill estimate times the learned speed factors.
+    PROFILE = "profile"
+    # The engine's scheduler replayed over what is on the backend, with a step model
+    # fitted online (ext_proc/estimate/replay.py).
+    REPLAY = "replay"
+
+
 class UnreadableBody(enum.StrEnum):
     """`routing.unreadable_body`: what becomes of a body the router cannot read (bad JSON,
     wrong types)."""
@@ -80,6 +90,9 @@ class Routing:
     # Learn each backend's speed against its profile from its completions (prefill and
     # decode factors, ext_proc/estimate/latency_model.py); off: the profile as it is.
     learn_latency: bool = True
+    # How the wait and the prefill are estimated: "profile" or "replay" (docs/cost-model.md,
+    # "Replay").
+    ttft_model: TtftModel = TtftModel.PROFILE
     # Passive health: this many failed requests in a row (5xx, reset) eject a backend for
     # eject_s, doubling while it keeps failing when re-admitted (0 = never eject).
     eject_after_errors: int = bounded(2, **NON_NEGATIVE)

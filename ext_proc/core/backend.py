@@ -19,6 +19,7 @@ from ext_proc.estimate.latency_model import LatencyModel
 from ext_proc.estimate.prediction import PredictionStats
 from ext_proc.estimate.prefix import PrefixCache
 from ext_proc.estimate.profile import EngineProfile
+from ext_proc.estimate.replay import StepFit, profile_coefficients
 from ext_proc.feeds.engine_metrics import EngineReport
 from ext_proc.feeds.served_models import ServedModels
 from ext_proc.vocab.backend import Backend
@@ -114,6 +115,9 @@ class Learned:
     prediction: PredictionStats = field(default_factory=PredictionStats)
     # How far its TTFT and E2E predictions were from what the router measured.
     latency: LatencyStats = field(default_factory=LatencyStats)
+    # Its engine's step time (routing.ttft_model: replay), made from its profile once
+    # needed (BackendState.step_fit).
+    step: StepFit | None = None
 
 
 @dataclass
@@ -197,6 +201,13 @@ class BackendState:
         """Whether a request for `model` may go here (None, no model named: anywhere)."""
         served = self.models
         return model is None or served is None or served.serves(model)
+
+    @property
+    def step_fit(self) -> StepFit:
+        """Its engine's step model (routing.ttft_model: replay), from its profile at first."""
+        if self.learned.step is None:
+            self.learned.step = StepFit(profile_coefficients(self.profile))
+        return self.learned.step
 
     def speed_for(self, model: str | None) -> LatencyModel:
         """The speed a request for `model` runs at here: its adapter's, or the base's."""

@@ -22,6 +22,7 @@ from ext_proc.core.terms.queue import queue_ms, reported_waiting_ms
 from ext_proc.estimate.chain import chain_keys
 from ext_proc.estimate.cost import QueueItem, unstarted_ms
 from ext_proc.estimate.prefix import Hashes, as_hashes, leading_true
+from ext_proc.estimate.replay import Prompt, ReplayEstimate, estimate
 from ext_proc.feeds.engine_metrics import EngineReport
 from ext_proc.prompt.tokens import APPROX, block_hashes_of_ids
 from ext_proc.vocab.types import BackendLifecycle, Candidate, InFlight, PrefixState, RouteRequest
@@ -179,6 +180,10 @@ class Features:
         self.precise_cached: dict[str, int] = {}
         # Flow control is on: each candidate's work not yet started is measured (its room).
         self.flow_control = fleet.cfg.flow_control.enabled
+        # routing.ttft_model: replay: the scheduler's replay per candidate of the last
+        # `candidates` call (its dispatch keeps the chosen one's, to learn from).
+        self.replay = fleet.cfg.routing.ttft_model == "replay"
+        self.replays: dict[str, ReplayEstimate] = {}
 
     def prompt_blocks(self, request: RouteRequest) -> list[Hashes]:
         """Each prompt's prefix-block hashes (one list per prompt of a batch), in the
@@ -258,6 +263,7 @@ class Features:
         grace_ms = self.grace_ms
         keys_of = _keys_by_block_size(request)
         self.precise_cached.clear()
+        self.replays.clear()
         out = []
         for b in healthy or active:  # all suspect: try them all (never a draining one)
             if precise_for(b, request):
@@ -284,7 +290,12 @@ class Features:
                 report=self.fresh_engine_report(b, now_s),
                 capacity_tokens=b.prefix.capacity_blocks * bt,
                 stall_grace_ms=grace_ms,
+                replay=self._replay(b, items, now_s, input_tokens - cached, cached)
+                if self.replay
+                else None,
             )
+            if x.replay is not None:
+                self.replays[b.id] = x.replay
             terms: dict[str, float] = {}
             for term in TERMS.values():  # in order: a term may read those before it
                 terms[term.name] = term.compute(x, terms)
@@ -307,6 +318,19 @@ class Features:
             )
         return tuple(out)
 
+    def _replay(
+        self, b: BackendState, items: list[QueueItem], now_s: float, uncached: int, cached: int
+    ) -> ReplayEstimate:
+        return estimate(
+            b.step_fit,
+            b.config.engine,
+            b.profile.chunk_tokens,
+            items,
+            now_s,
+            b.health.rtt_ms / 2,
+            Prompt(uncached, cached),
+        )
+
     def _queue_items(self, b: BackendState) -> tuple[list[QueueItem], float]:
         """The backend's requests in flight as the queue and KV estimates see them, and its
         decode step now."""
@@ -323,6 +347,8 @@ class Features:
                 r.dispatched_s + (r.rtt_ms + r.queue_ms + r.prefill_ms) / 1000
                 if r.streaming
                 else None,
+                r.input_tokens - r.cached_tokens,
+                r.cached_tokens,
             )
             for r in records
         ]

@@ -69,6 +69,9 @@ class QueueItem:
     first_byte_s: float | None
     # When its first token was expected (dispatch + estimated TTFT); None: no estimate.
     due_s: float | None = None
+    # Its prompt: tokens to prefill, after those cached (the replay, estimate/replay.py).
+    uncached_tokens: int = 0
+    cached_tokens: int = 0
 
     def remaining_ms(self, now_s: float, step_ms: float) -> float:
         """Until it finishes and frees its KV."""

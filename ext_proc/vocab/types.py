@@ -234,6 +234,10 @@ class InFlight:
     # The backend's learned speed factors when it was chosen (its estimates carry them).
     prefill_factor: float = 1.0
     decode_factor: float = 1.0
+    # The scheduler's replay at its dispatch (routing.ttft_model: replay): its features and
+    # the engine time credited to the work ahead, to fit the step model from its TTFT.
+    replay_features: npt.NDArray[np.float64] | None = None
+    replay_credit_ms: float = 0.0
     # How long dispatch pacing held it before it was sent on (its TTFT includes that).
     hold_ms: float = 0.0
     # How long it waited in the gateway queue before this dispatch (flow control): its

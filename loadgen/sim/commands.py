@@ -40,8 +40,13 @@ def _sim_router(args: argparse.Namespace) -> dict[str, object]:
     if args.weights is not None:
         rtt, queue = args.weights
         router["policies"] = {"gorgo": {"weights": {"rtt": rtt, "queue": queue}}}
+    routing: dict[str, object] = {}
     if args.no_learn:
-        router["routing"] = {"learn_latency": False}
+        routing["learn_latency"] = False
+    if args.ttft_model:
+        routing["ttft_model"] = args.ttft_model
+    if routing:
+        router["routing"] = routing
     return router
 
 
@@ -205,6 +210,13 @@ def add_simulate(sub: Any, policies: Sequence[str]) -> None:
         action="store_true",
         help="the router keeps its profiles as they are: no learned speed per backend "
         "(routing.learn_latency false)",
+    )
+    s.add_argument(
+        "--ttft-model",
+        choices=["profile", "replay"],
+        default=None,
+        help="how the router estimates the wait and the prefill (routing.ttft_model; "
+        "default the config's: profile)",
     )
     s.add_argument(
         "--flow-control",

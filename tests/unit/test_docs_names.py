@@ -337,7 +337,9 @@ def test_every_endpoint_the_docs_name_exists() -> None:
 
 def metric_names() -> set[str]:
     backends = [{"id": "a", "address": "127.0.0.1:1"}]
-    cfg = config_from_dict({"backends": backends, "tuner": {"mode": "paired"}})
+    cfg = config_from_dict(
+        {"backends": backends, "tuner": {"mode": "paired"}, "flow_control": {"enabled": True}}
+    )
     names = set()
     router = build_router(cfg, lambda: 0.0, random.Random(0))
     metrics = Metrics(router)

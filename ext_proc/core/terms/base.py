@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from ext_proc.core.backend import BackendState
 from ext_proc.estimate.cost import QueueItem
 from ext_proc.estimate.latency_model import LatencyModel
+from ext_proc.estimate.replay import ReplayEstimate
 from ext_proc.feeds.engine_metrics import EngineReport
 from ext_proc.vocab.types import RouteRequest
 
@@ -42,3 +43,5 @@ class TermInputs:
     capacity_tokens: int
     # Stall detection's grace (0 while no first byte has been seen: lateness is noise).
     stall_grace_ms: float
+    # The scheduler's replay there (routing.ttft_model: replay; None: the profile's).
+    replay: ReplayEstimate | None = None

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 
 from ext_proc.core.backend import BackendState
 from ext_proc.core.terms.base import TermInputs
-from ext_proc.estimate.cost import QueueItem, estimate_queue_ms
+from ext_proc.estimate.cost import QueueItem, estimate_queue_ms, kv_wait_ms
 from ext_proc.feeds.engine_metrics import EngineReport
 from ext_proc.vocab.terms import register_term
 
@@ -46,6 +46,9 @@ def reported_waiting_ms(b: BackendState, report: EngineReport | None) -> float:
 
 @register_term("queue", ttft=True)
 def queue_term_ms(x: TermInputs, terms: Mapping[str, float]) -> float:
+    if x.replay is not None:  # the replayed wait; the KV wait and the engine's count stay
+        kv_ms = kv_wait_ms(x.items, x.step_ms, x.now_s, x.capacity_tokens, x.need_kv_tokens)
+        return max(x.replay.wait_ms, kv_ms, reported_waiting_ms(x.backend, x.report))
     return queue_ms(
         x.backend,
         x.now_s,

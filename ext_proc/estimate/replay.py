@@ -1,0 +1,233 @@
+"""TTFT by replaying the engine's scheduler over what the router knows is on a backend,
+with the step time a small physical model fitted online (docs/cost-model.md, "Replay").
+
+What is on the backend: the requests sent there (this router's and its peers') that have
+not had their first token, in the order sent, each with its uncached and cached prompt
+tokens, and the requests decoding there with their context. The replay plans the
+engine's steps until the new request's last prefill chunk, as the engine plans them:
+
+- "sglang" (managers/scheduler.py `get_next_batch_to_run`, schedule_policy.py): a prefill
+  batch runs before the decode batch, so the waiting prompts are prefilled back to back
+  in chunks of `chunked_prefill_size` tokens (several short prompts share one chunk);
+  the decode step already running when the request arrives is waited out (half a step
+  on average).
+- "vllm" (v1/core/sched/scheduler.py `schedule`): each step has a token budget
+  (`max_num_batched_tokens`); the running decodes take a token each first, the prefills
+  share what is left in arrival order, and a request whose prefill ends decodes in the
+  steps after. One forward pass carries both.
+
+Both are closed forms (no step loop): a chunked prefill's attention work sums to the
+same u * (c + u/2) however it is split, so only the number of steps depends on the
+chunking.
+
+A step takes  a + b * prefill tokens + e * attention work + c * decodes + d * context
+read by the decodes  (the engine profile's own formulas, estimate/profile.py). The
+replay returns how much of each of those the request's wait and prefill hold (its
+`features`); the time is their dot product with the coefficients. `StepFit` learns one
+multiplier per coefficient per backend from every streamed completion (recursive least
+squares on relative error, estimate/online_fit.py), starting from the profile's.
+
+Pure: no clock, no I/O.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from ext_proc.estimate.cost import QueueItem
+from ext_proc.estimate.online_fit import OnlineFit
+from ext_proc.estimate.profile import EngineProfile
+
+SCHEDULERS = ("sglang", "vllm")
+# The features, in the coefficients' order: forward passes, prefill tokens (thousands),
+# attention work (u * (c + u/2), millions of token pairs), decode tokens, and context
+# tokens read by decodes (thousands). Requests that reach the engine before the last
+# step is planned fill its room (a short prompt sent just before a long one waits for the
+# long one's first chunk): that room is steps x budget - tokens, so the fitted step and
+# token coefficients take it in without a feature of its own.
+FEATURES = ("steps", "prefill_ktokens", "attention_mpairs", "decodes", "decode_context_ktokens")
+Features = npt.NDArray[np.float64]
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """A prompt still to prefill there: its uncached tokens after its cached ones."""
+
+    uncached_tokens: int
+    cached_tokens: int
+
+
+def profile_coefficients(p: EngineProfile) -> Features:
+    """The step model's coefficients (ms per feature unit) the profile implies."""
+    per_token_ms = 1000.0 / p.prefill_tokens_per_s
+    return np.array(
+        [
+            p.prefill_base_ms,
+            per_token_ms * 1000,
+            per_token_ms / p.prefill_context_tokens * 1e6,
+            p.decode_per_request_ms,
+            p.decode_per_1k_context_ms,
+        ]
+    )
+
+
+def _attention(p: Prompt) -> float:
+    return p.uncached_tokens * (p.cached_tokens + p.uncached_tokens / 2)
+
+
+def replay_features(
+    scheduler: str,
+    budget_tokens: int,
+    ahead: Sequence[Prompt],
+    new: Prompt,
+    decoding: int,
+    decode_context_tokens: int,
+) -> tuple[Features, Features]:
+    """(the features until the last prompt ahead is prefilled, the features until the
+    new request's last chunk is): the wait and the wait plus its own prefill."""
+    if scheduler == "vllm":
+        return _budgeted(budget_tokens, ahead, new, decoding, decode_context_tokens)
+    return _prefill_first(budget_tokens, ahead, new, decoding, decode_context_tokens)
+
+
+def _prefill_first(
+    budget: int, ahead: Sequence[Prompt], new: Prompt, decoding: int, context: int
+) -> tuple[Features, Features]:
+    # the decode step under way when it arrives, half of one on average
+    half = 0.5 if decoding else 0.0
+    running = np.array([half, 0.0, 0.0, half * decoding, half * context / 1000])
+    tokens = float(sum(p.uncached_tokens for p in ahead))
+    attention = sum(_attention(p) for p in ahead)
+
+    def until(t: float, a: float) -> Features:
+        steps = math.ceil(t / budget) if t > 0 else 0
+        return np.asarray(running + np.array([steps, t / 1000, a / 1e6, 0.0, 0.0]), dtype=float)
+
+    total_t = tokens + max(1, new.uncached_tokens)
+    return until(tokens, attention), until(total_t, attention + _attention(new))
+
+
+def _budgeted(
+    budget: int, ahead: Sequence[Prompt], new: Prompt, decoding: int, context: int
+) -> tuple[Features, Features]:
+    per_step = max(1, budget - decoding)  # the decodes take their tokens first
+    prompts = [*ahead, new]
+    sizes = [p.uncached_tokens for p in ahead] + [max(1, new.uncached_tokens)]
+    total = float(sum(sizes))
+    done_t = done_a = 0.0
+    # decodes, and their context, of prompts whose prefill ends before the new one's
+    extra_decodes = extra_context = 0.0
+    marks: list[Features] = []
+    for p, size in zip(prompts, sizes, strict=True):
+        done_t += size
+        done_a += _attention(p)
+        steps = math.ceil(done_t / per_step)
+        marks.append(
+            np.array(
+                [
+                    steps,
+                    done_t / 1000,
+                    done_a / 1e6,
+                    steps * decoding + extra_decodes,
+                    (steps * context + extra_context) / 1000,
+                ]
+            )
+        )
+        # it decodes in every step after its last chunk, until the new one's ends
+        left = (total - done_t) / per_step
+        extra_decodes += left
+        extra_context += left * (p.cached_tokens + p.uncached_tokens)
+    ahead_f = marks[len(ahead) - 1] if ahead else np.zeros(len(FEATURES))
+    return ahead_f, marks[-1]
+
+
+# How many completions the profile's coefficients are worth, and the memory of the fit
+# (0.99 per sample: ~100 completions).
+PRIOR_WEIGHT = 20.0
+FORGET = 0.99
+# A multiplier stays within these: a coefficient is never negative, nor absurd.
+MIN_MULTIPLIER, MAX_MULTIPLIER = 0.05, 20.0
+
+
+class StepFit:
+    """One backend's step coefficients: the profile's, times a multiplier per feature
+    learned from completions (relative error: a 100 ms miss on a 200 ms TTFT weighs as
+    much as a 5 s miss on a 10 s one)."""
+
+    def __init__(self, prior: Features) -> None:
+        self.prior = prior
+        self._fit = OnlineFit([1.0] * len(prior), PRIOR_WEIGHT, FORGET, scale=0.1)
+
+    @property
+    def coefficients(self) -> Features:
+        return self.prior * self.multipliers
+
+    @property
+    def multipliers(self) -> Features:
+        return np.clip(self._fit.theta, MIN_MULTIPLIER, MAX_MULTIPLIER)
+
+    @property
+    def samples(self) -> int:
+        return self._fit.samples
+
+    def ms(self, features: Features) -> float:
+        return float(self.coefficients @ features)
+
+    def observe(self, features: Features, measured_ms: float) -> None:
+        """A request whose engine time (first token, less the trip and what was credited)
+        was `measured_ms`, with the replay's `features` at its dispatch."""
+        predicted = self.ms(features)
+        if measured_ms <= 0 or predicted <= 0:
+            return
+        scale = max(predicted, measured_ms)
+        self._fit.update((self.prior * features / scale).tolist(), measured_ms / scale)
+        self._fit.theta = np.clip(self._fit.theta, MIN_MULTIPLIER, MAX_MULTIPLIER)
+
+
+@dataclass(frozen=True)
+class ReplayEstimate:
+    """A request's wait and own prefill on one backend, by replay, in ms of engine time;
+    `features` and `credit_ms` are kept with its dispatch to learn from its first token."""
+
+    wait_ms: float
+    prefill_ms: float
+    features: Features
+    credit_ms: float
+
+
+def estimate(
+    fit: StepFit,
+    scheduler: str,
+    budget_tokens: int,
+    items: Sequence[QueueItem],
+    now_s: float,
+    one_way_ms: float,
+    new: Prompt,
+) -> ReplayEstimate:
+    """The replay over `items` (the backend's requests in flight, estimate.cost): those
+    without a first token, in the order sent, are ahead; those with one decode. The
+    engine has been at work on the oldest one ahead since it arrived (a one-way trip after
+    its dispatch): that time is credited, up to that prompt's own share."""
+    pending = sorted(
+        (it for it in items if it.first_byte_s is None), key=lambda it: it.dispatched_s
+    )
+    decoding = [it for it in items if it.first_byte_s is not None]
+    context = sum(it.kv_tokens - it.output_tokens for it in decoding)
+    ahead = [Prompt(it.uncached_tokens, it.cached_tokens) for it in pending]
+    ahead_f, total_f = replay_features(scheduler, budget_tokens, ahead, new, len(decoding), context)
+    credit_ms = 0.0
+    if pending:
+        elapsed_ms = max(0.0, (now_s - pending[0].dispatched_s) * 1000 - one_way_ms)
+        head_f, _ = replay_features(
+            scheduler, budget_tokens, ahead[:1], new, len(decoding), context
+        )
+        credit_ms = min(elapsed_ms, fit.ms(head_f))
+    ahead_ms = fit.ms(ahead_f)
+    return ReplayEstimate(
+        max(0.0, ahead_ms - credit_ms), fit.ms(total_f) - ahead_ms, total_f, credit_ms
+    )
