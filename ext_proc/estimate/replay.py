@@ -212,7 +212,8 @@ def estimate(
     """The replay over `items` (the backend's requests in flight, estimate.cost): those
     without a first token, in the order sent, are ahead; those with one decode. The
     engine has been at work on the oldest one ahead since it arrived (a one-way trip after
-    its dispatch): that time is credited, up to that prompt's own share."""
+    its dispatch) or since the prompts sent before it had their first token there: that
+    time is credited, up to that prompt's own share."""
     pending = sorted(
         (it for it in items if it.first_byte_s is None), key=lambda it: it.dispatched_s
     )
@@ -222,7 +223,17 @@ def estimate(
     ahead_f, total_f = replay_features(scheduler, budget_tokens, ahead, new, len(decoding), context)
     credit_ms = 0.0
     if pending:
-        elapsed_ms = max(0.0, (now_s - pending[0].dispatched_s) * 1000 - one_way_ms)
+        # The engine began the oldest prompt when it arrived, or when the prompts sent
+        # before it had their first token there (a first byte reaches the router a
+        # one-way trip after the engine's first token), if later.
+        head, one_way_s = pending[0], one_way_ms / 1000
+        before = [
+            it.first_byte_s - one_way_s
+            for it in decoding
+            if it.first_byte_s is not None and it.dispatched_s <= head.dispatched_s
+        ]
+        began_s = max([head.dispatched_s + one_way_s, *before])
+        elapsed_ms = max(0.0, (now_s - began_s) * 1000)
         head_f, _ = replay_features(
             scheduler, budget_tokens, ahead[:1], new, len(decoding), context
         )
