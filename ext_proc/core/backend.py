@@ -234,6 +234,9 @@ class BackendState:
             "suspect": h.suspect,
             "tokens": {"ok": e.tokens.ok, "reason": e.tokens.reason},
             "speed": learned.speed.as_json(),
+            # routing.ttft_model: replay: the step model's multipliers on the profile's
+            # coefficients, and the completions it learned from (None: not in use).
+            "step_model": None if learned.step is None else learned.step.as_json(),
             "adapter_speed": {k: v.as_json() for k, v in sorted(learned.adapter_speed.items())},
             "models": None if self.models is None else self.models.as_json(),
             "ejected": ejected,

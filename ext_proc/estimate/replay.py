@@ -35,6 +35,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -174,6 +175,12 @@ class StepFit:
     @property
     def samples(self) -> int:
         return self._fit.samples
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "multipliers": dict(zip(FEATURES, self.multipliers.round(4).tolist(), strict=True)),
+            "samples": self.samples,
+        }
 
     def ms(self, features: Features) -> float:
         return float(self.coefficients @ features)

@@ -106,3 +106,17 @@ def test_the_router_with_the_replay_predicts_and_learns_from_each_completion() -
         clock.advance(0.5)
         router.close(rid, Status.OK, e2e_ms=2500.0)
     assert b.learned.step.samples == 2
+
+
+def test_the_credit_starts_when_the_prompts_sent_before_had_their_first_token() -> None:
+    fit = StepFit(THETA)
+    new = Prompt(100, 0)
+    head = QueueItem(0.0, 60_010, 10, 10.0, None, None, 60_000, 0)
+    # sent before it, its first token reached the router at 12 s: the engine was on it
+    earlier = QueueItem(0.0, 30_010, 10, 9.0, 12.0, None, 30_000, 0)
+    with_earlier = estimate(fit, "sglang", B, [earlier, head], 14.0, 0.0, new)
+    alone = estimate(fit, "sglang", B, [head], 14.0, 0.0, new)
+    assert alone.credit_ms == pytest.approx(4000) and with_earlier.credit_ms == pytest.approx(2000)
+    # its first byte came back a one-way trip after the engine's first token
+    far = estimate(fit, "sglang", B, [earlier, head], 14.0, 500.0, new)
+    assert far.credit_ms == pytest.approx(2500)
