@@ -440,15 +440,7 @@ class EngineModel:
         budget -= len(decode)
         owed = sum(r.input_tokens - r.prefilled_tokens for r in self.prefilling)
         self._admit(now_s, budget - owed)
-        batch: list[tuple[_Request, int]] = []
-        ms = 0.0
-        for req in self.prefilling:
-            if budget <= 0:
-                break
-            n = min(budget, req.input_tokens - req.prefilled_tokens)
-            ms += p.prefill_ms(n, req.prefilled_tokens) * req.cost
-            batch.append((req, n))
-            budget -= n
+        batch, ms = self._chunks(budget, 0.0)
         if not batch and not decode:
             return
         if decode:
@@ -459,21 +451,25 @@ class EngineModel:
         kind = PREFILL if batch else DECODE
         self.step = _Step(now_s, now_s + ms * self._jitter() / 1e3, kind, batch, decode)
 
+    def _chunks(self, budget: int, ms: float) -> tuple[list[tuple[_Request, int]], float]:
+        """The admitted prompts' next chunks in order within `budget` tokens, and `ms`
+        plus their prefill time."""
+        batch: list[tuple[_Request, int]] = []
+        for req in self.prefilling:
+            if budget <= 0:
+                break
+            n = min(budget, req.input_tokens - req.prefilled_tokens)
+            ms += self.profile.prefill_ms(n, req.prefilled_tokens) * req.cost
+            batch.append((req, n))
+            budget -= n
+        return batch, ms
+
     def _plan_prefill_first(self, now_s: float) -> None:
         """SGLang: prefill first (chunked), else one decode step."""
         p = self.profile
         self._admit(now_s)
         if self.prefilling:
-            budget = p.chunk_tokens
-            batch: list[tuple[_Request, int]] = []
-            ms = p.prefill_base_ms
-            for req in self.prefilling:
-                if budget <= 0:
-                    break
-                n = min(budget, req.input_tokens - req.prefilled_tokens)
-                ms += p.prefill_ms(n, req.prefilled_tokens) * req.cost
-                batch.append((req, n))
-                budget -= n
+            batch, ms = self._chunks(p.chunk_tokens, p.prefill_base_ms)
             self.step = _Step(now_s, now_s + ms * self._jitter() / 1e3, PREFILL, batch, [])
         elif self.decoding:
             reqs = list(self.decoding.values())

@@ -290,7 +290,7 @@ class Features:
                 report=self.fresh_engine_report(b, now_s),
                 capacity_tokens=b.prefix.capacity_blocks * bt,
                 stall_grace_ms=grace_ms,
-                replay=self._replay(b, items, now_s, input_tokens - cached, cached)
+                replay=self._replay(b, items, now_s, Prompt(input_tokens - cached, cached), model)
                 if self.replay
                 else None,
             )
@@ -319,7 +319,7 @@ class Features:
         return tuple(out)
 
     def _replay(
-        self, b: BackendState, items: list[QueueItem], now_s: float, uncached: int, cached: int
+        self, b: BackendState, items: list[QueueItem], now_s: float, new: Prompt, model: str | None
     ) -> ReplayEstimate:
         return estimate(
             b.step_fit,
@@ -328,7 +328,8 @@ class Features:
             items,
             now_s,
             b.health.rtt_ms / 2,
-            Prompt(uncached, cached),
+            new,
+            b.speed_for(model).prefill_factor,
         )
 
     def _queue_items(self, b: BackendState) -> tuple[list[QueueItem], float]:

@@ -215,12 +215,15 @@ def estimate(
     now_s: float,
     one_way_ms: float,
     new: Prompt,
+    speed: float = 1.0,
 ) -> ReplayEstimate:
     """The replay over `items` (the backend's requests in flight, estimate.cost): those
     without a first token, in the order sent, are ahead; those with one decode. The
     engine has been at work on the oldest one ahead since it arrived (a one-way trip after
     its dispatch) or since the prompts sent before it had their first token there: that
-    time is credited, up to that prompt's own share."""
+    time is credited, up to that prompt's own share. `speed`: the backend's learned
+    speed factor (estimate/latency_model.py: how much slower than its profile it runs,
+    learned fast from every completion), times the fitted steps (their shape)."""
     pending = sorted(
         (it for it in items if it.first_byte_s is None), key=lambda it: it.dispatched_s
     )
@@ -244,8 +247,8 @@ def estimate(
         head_f, _ = replay_features(
             scheduler, budget_tokens, ahead[:1], new, len(decoding), context
         )
-        credit_ms = min(elapsed_ms, fit.ms(head_f))
-    ahead_ms = fit.ms(ahead_f)
+        credit_ms = min(elapsed_ms, speed * fit.ms(head_f))
+    ahead_ms = speed * fit.ms(ahead_f)
     return ReplayEstimate(
-        max(0.0, ahead_ms - credit_ms), fit.ms(total_f) - ahead_ms, total_f, credit_ms
+        max(0.0, ahead_ms - credit_ms), speed * fit.ms(total_f) - ahead_ms, total_f, credit_ms
     )

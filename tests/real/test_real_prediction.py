@@ -4,7 +4,7 @@ hardware (the shipped GPU profile) and `routing.ttft_model: replay`: it replays 
 budgeted steps and fits the step model online (issue 42).
 
 The workload: 30 sessions of 4 turns in bursts of 6 sessions, each turn the conversation
-so far plus 60-400 new tokens (its prefix cached where the session went before), 8-48
+so far plus 80-400 new tokens (its prefix cached where the session went before), 8-48
 output tokens; up to ~12 requests at once on two cores. Per backend, the TTFT prediction
 error (MAPE, from the dispatch to the first byte, as /state counts it) over the requests
 that completed after the first 50, read from the router's own decision log (the
@@ -63,17 +63,20 @@ def fleet() -> Iterator[Stack]:
 
 
 def words(rng: random.Random, n_units: int, tag: str) -> str:
-    """About 5 tokens a unit with the tiny model's tokenizer."""
+    """About 10 tokens a unit with the tiny model's tokenizer (the engine's limit is
+    4,096 tokens: a session ends under 2,500)."""
     return " ".join(f"{tag}{rng.randrange(97)} alpha beta" for _ in range(n_units))
 
 
 async def session(s: aiohttp.ClientSession, url: str, k: int, out: list[Result]) -> None:
     rng = random.Random(k)
-    history = words(rng, 60, f"doc{k}-")
+    history = words(rng, 30, f"doc{k}-")
     for turn in range(TURNS):
-        history += " " + words(rng, rng.randint(12, 80), f"s{k}t{turn}-")
+        history += " " + words(rng, rng.randint(8, 40), f"s{k}t{turn}-")
         body = chat_body(history, rng.randint(8, 48), model="tiny", ignore_eos=True)
-        out.append(await send_chat(s, url, body, f"s{k}-t{turn}", {"x-session-id": f"s{k}"}))
+        rid = f"s{k}-t{turn}"
+        headers = {"x-session-id": f"s{k}", "x-request-id": rid}
+        out.append(await send_chat(s, url, body, rid, headers))
         await asyncio.sleep(rng.uniform(0.0, 0.3))
 
 
@@ -99,7 +102,10 @@ def test_the_predicted_ttft_is_within_25_percent_per_backend(fleet: Stack) -> No
         rows = get_json(f"{fleet.admin_url}/ui/feed?since=0")["decisions"]
         return [d for d in rows if d["id"] in ids and d["observed"] is not None]
 
-    wait_for(lambda: len(closed()) == len(ids), 15)
+    decided = {d["id"] for d in get_json(f"{fleet.admin_url}/ui/feed?since=0")["decisions"]}
+    print(f"{len(results)} requests, {len(ids & decided)} decided by the router")
+    wait_for(lambda: len(closed()) == len(ids & decided), 30)
+    assert len(ids & decided) >= 0.9 * len(ids)  # the rest failed open (none expected)
     # in the order they closed: the first 50 are the warm-up
     rows = sorted(closed(), key=lambda d: d["seq"])[WARM_UP:]
     errors: dict[str, list[float]] = {b: [] for b in IDS}
