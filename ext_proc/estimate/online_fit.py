@@ -35,17 +35,18 @@ class OnlineFit:
     def __init__(
         self,
         prior: Sequence[float],
-        prior_weight: float = 4.0,
+        prior_weight: float | Sequence[float] = 4.0,
         forget: float = 0.99,
         clip_sigmas: float = 3.0,
         max_covariance: float = 1e6,
         scale: float | None = None,
     ) -> None:
         """`prior`: the starting coefficients (the profile's); `prior_weight`: how many
-        unit-feature samples the prior is worth; `scale`: the residuals' expected robust
+        unit-feature samples the prior is worth (one for all, or one per coefficient: a
+        coefficient held less firmly moves sooner); `scale`: the residuals' expected robust
         scale before any is seen (None: the first residual's, unclipped)."""
         self.theta: npt.NDArray[np.float64] = np.array(prior, dtype=float)
-        self._p = np.eye(len(prior)) / prior_weight
+        self._p = np.diag(np.broadcast_to(1.0 / np.asarray(prior_weight, float), len(prior)))
         self.forget = forget
         self.clip_sigmas = clip_sigmas
         self.max_covariance = max_covariance

@@ -151,8 +151,16 @@ def _budgeted(
 # (0.99 per sample: ~100 completions).
 PRIOR_WEIGHT = 20.0
 FORGET = 0.99
-# A multiplier stays within these: a coefficient is never negative, nor absurd.
-MIN_MULTIPLIER, MAX_MULTIPLIER = 0.05, 20.0
+# A multiplier stays within these: a coefficient is never negative, nor absurd (a CPU
+# engine's decode step against a GPU profile's is tens of times slower).
+MIN_MULTIPLIER, MAX_MULTIPLIER = 0.05, 100.0
+# A typical request's amount of each feature (two steps of 2k tokens beside 20 decodes),
+# and the part of a TTFT a coefficient must be able to explain to be held firmly: a
+# coefficient whose typical share is small (a GPU's decode cost in a prefill step) is held
+# loosely, or its multiplier could never grow enough to matter (a CPU's).
+TYPICAL_FEATURES = (2.0, 2.0, 4.0, 40.0, 40.0)
+FIRM_MS = 50.0
+MIN_PRIOR_WEIGHT = 0.05
 
 
 class StepFit:
@@ -162,7 +170,9 @@ class StepFit:
 
     def __init__(self, prior: Features) -> None:
         self.prior = prior
-        self._fit = OnlineFit([1.0] * len(prior), PRIOR_WEIGHT, FORGET, scale=0.1)
+        share = (prior * np.array(TYPICAL_FEATURES) / FIRM_MS) ** 2
+        weights = np.clip(PRIOR_WEIGHT * share, MIN_PRIOR_WEIGHT, PRIOR_WEIGHT)
+        self._fit = OnlineFit([1.0] * len(prior), weights.tolist(), FORGET, scale=0.1)
 
     @property
     def coefficients(self) -> Features:

@@ -66,3 +66,12 @@ def test_alike_samples_do_not_wind_it_up() -> None:
     assert fit.predict([1.0, 2.0]) == pytest.approx(3.6, rel=1e-3)
     fit.update([4.0, 20.0], 4 * 3.0 + 0.3 * 20.0)  # one new kind of sample: no wild jump
     assert 0 < fit.theta[0] < 10 and 0 < fit.theta[1] < 2
+
+
+def test_a_coefficient_held_loosely_moves_sooner() -> None:
+    from ext_proc.estimate.online_fit import OnlineFit
+
+    fit = OnlineFit([1.0, 1.0], prior_weight=[100.0, 0.1], scale=10.0)
+    fit.update([1.0, 1.0], 4.0)  # 2 more than predicted, to share between the two
+    firm, loose = fit.theta - 1.0
+    assert loose > 100 * firm > 0
