@@ -290,7 +290,7 @@ class Features:
                 report=self.fresh_engine_report(b, now_s),
                 capacity_tokens=b.prefix.capacity_blocks * bt,
                 stall_grace_ms=grace_ms,
-                replay=self._replay(b, items, now_s, Prompt(input_tokens - cached, cached), model)
+                replay=self._replay(b, items, now_s, Prompt(input_tokens - cached, cached))
                 if self.replay
                 else None,
             )
@@ -319,7 +319,7 @@ class Features:
         return tuple(out)
 
     def _replay(
-        self, b: BackendState, items: list[QueueItem], now_s: float, new: Prompt, model: str | None
+        self, b: BackendState, items: list[QueueItem], now_s: float, new: Prompt
     ) -> ReplayEstimate:
         return estimate(
             b.step_fit,
@@ -329,7 +329,6 @@ class Features:
             now_s,
             b.health.rtt_ms / 2,
             new,
-            b.speed_for(model).prefill_factor,
         )
 
     def _queue_items(self, b: BackendState) -> tuple[list[QueueItem], float]:

@@ -95,9 +95,7 @@ class SpeedLearner(Listener):
         engine_ms = e.ttft_ms - rec.waited_ms - rec.rtt_ms - rec.hold_ms
         speed.observe_ttft(profile_ms, engine_ms)
         if rec.replay_features is not None and speed.learn:
-            # the steps' shape, the speed factor its scale (it learns faster)
-            shape_ms = (engine_ms + rec.replay_credit_ms) / rec.prefill_factor
-            b.step_fit.observe(rec.replay_features, shape_ms)
+            b.step_fit.observe(rec.replay_features, engine_ms + rec.replay_credit_ms)
         out = rec.output_tokens
         if out >= MIN_DECODE_TOKENS:
             step_ms = (rec.predicted_e2e_ms - rec.predicted_ttft_ms) / out / rec.decode_factor

@@ -151,16 +151,8 @@ def _budgeted(
 # (0.99 per sample: ~100 completions).
 PRIOR_WEIGHT = 20.0
 FORGET = 0.99
-# A multiplier stays within these: a coefficient is never negative, nor absurd (a CPU
-# engine's decode step against a GPU profile's is tens of times slower).
-MIN_MULTIPLIER, MAX_MULTIPLIER = 0.05, 100.0
-# A typical request's amount of each feature (two steps of 2k tokens beside 20 decodes),
-# and the part of a TTFT a coefficient must be able to explain to be held firmly: a
-# coefficient whose typical share is small (a GPU's decode cost in a prefill step) is held
-# loosely, or its multiplier could never grow enough to matter (a CPU's).
-TYPICAL_FEATURES = (2.0, 2.0, 4.0, 40.0, 40.0)
-FIRM_MS = 50.0
-MIN_PRIOR_WEIGHT = 0.05
+# A multiplier stays within these: a coefficient is never negative, nor absurd.
+MIN_MULTIPLIER, MAX_MULTIPLIER = 0.05, 20.0
 
 
 class StepFit:
@@ -170,9 +162,7 @@ class StepFit:
 
     def __init__(self, prior: Features) -> None:
         self.prior = prior
-        share = (prior * np.array(TYPICAL_FEATURES) / FIRM_MS) ** 2
-        weights = np.clip(PRIOR_WEIGHT * share, MIN_PRIOR_WEIGHT, PRIOR_WEIGHT)
-        self._fit = OnlineFit([1.0] * len(prior), weights.tolist(), FORGET, scale=0.1)
+        self._fit = OnlineFit([1.0] * len(prior), PRIOR_WEIGHT, FORGET, scale=0.1)
 
     @property
     def coefficients(self) -> Features:
@@ -225,15 +215,12 @@ def estimate(
     now_s: float,
     one_way_ms: float,
     new: Prompt,
-    speed: float = 1.0,
 ) -> ReplayEstimate:
     """The replay over `items` (the backend's requests in flight, estimate.cost): those
     without a first token, in the order sent, are ahead; those with one decode. The
     engine has been at work on the oldest one ahead since it arrived (a one-way trip after
     its dispatch) or since the prompts sent before it had their first token there: that
-    time is credited, up to that prompt's own share. `speed`: the backend's learned
-    speed factor (estimate/latency_model.py: how much slower than its profile it runs,
-    learned fast from every completion), times the fitted steps (their shape)."""
+    time is credited, up to that prompt's own share."""
     pending = sorted(
         (it for it in items if it.first_byte_s is None), key=lambda it: it.dispatched_s
     )
@@ -257,8 +244,8 @@ def estimate(
         head_f, _ = replay_features(
             scheduler, budget_tokens, ahead[:1], new, len(decoding), context
         )
-        credit_ms = min(elapsed_ms, speed * fit.ms(head_f))
-    ahead_ms = speed * fit.ms(ahead_f)
+        credit_ms = min(elapsed_ms, fit.ms(head_f))
+    ahead_ms = fit.ms(ahead_f)
     return ReplayEstimate(
-        max(0.0, ahead_ms - credit_ms), speed * fit.ms(total_f) - ahead_ms, total_f, credit_ms
+        max(0.0, ahead_ms - credit_ms), fit.ms(total_f) - ahead_ms, total_f, credit_ms
     )
