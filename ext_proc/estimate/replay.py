@@ -119,15 +119,17 @@ def _budgeted(
     per_step = max(1, budget - decoding)  # the decodes take their tokens first
     prompts = [*ahead, new]
     sizes = [p.uncached_tokens for p in ahead] + [max(1, new.uncached_tokens)]
-    total = float(sum(sizes))
     done_t = done_a = 0.0
-    # decodes, and their context, of prompts whose prefill ends before the new one's
-    extra_decodes = extra_context = 0.0
+    # The prompts already prefilled decode in every step after their last chunk: their
+    # count and context, and the same weighted by where their prefill ended (tokens).
+    n = n_at = ctx = ctx_at = 0.0
     marks: list[Features] = []
     for p, size in zip(prompts, sizes, strict=True):
         done_t += size
         done_a += _attention(p)
         steps = math.ceil(done_t / per_step)
+        extra_decodes = (n * done_t - n_at) / per_step
+        extra_context = (ctx * done_t - ctx_at) / per_step
         marks.append(
             np.array(
                 [
@@ -139,10 +141,9 @@ def _budgeted(
                 ]
             )
         )
-        # it decodes in every step after its last chunk, until the new one's ends
-        left = (total - done_t) / per_step
-        extra_decodes += left
-        extra_context += left * (p.cached_tokens + p.uncached_tokens)
+        n, n_at = n + 1, n_at + done_t
+        tokens = p.cached_tokens + p.uncached_tokens
+        ctx, ctx_at = ctx + tokens, ctx_at + tokens * done_t
     ahead_f = marks[len(ahead) - 1] if ahead else np.zeros(len(FEATURES))
     return ahead_f, marks[-1]
 

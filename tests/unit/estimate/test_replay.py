@@ -120,3 +120,12 @@ def test_the_credit_starts_when_the_prompts_sent_before_had_their_first_token() 
     # its first byte came back a one-way trip after the engine's first token
     far = estimate(fit, "sglang", B, [earlier, head], 14.0, 500.0, new)
     assert far.credit_ms == pytest.approx(2500)
+
+
+def test_vllm_a_prompt_prefilled_decodes_until_each_later_mark_not_past_it() -> None:
+    ahead = [Prompt(B, 0), Prompt(B, 0)]
+    wait, total = replay_features("vllm", B, ahead, Prompt(100, 0), 0, 0)
+    # the first decodes through the second's one step; then both through the new one's
+    assert wait[3] == pytest.approx(1.0)
+    assert total[3] == pytest.approx((B + 100) / B + 100 / B)
+    assert total[4] == pytest.approx(((B + 100) / B * B + 100 / B * B) / 1000)
