@@ -57,7 +57,8 @@ class LoadReport:
         ]
 
 
-def _proc_cpu_s(pid: int) -> float:
+def proc_cpu_s(pid: int) -> float:
+    """A process's CPU time so far (user + system, all its threads), in seconds."""
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     ticks = os.sysconf("SC_CLK_TCK")
@@ -124,11 +125,11 @@ def run_load(streams: int = 200, duration_s: float = 60.0) -> LoadReport:
     stack.start()
     try:
         pid = stack.procs["gorgo-serve"].pid
-        cpu0, rss0 = _proc_cpu_s(pid), _proc_rss_mb(pid)
+        cpu0, rss0 = proc_cpu_s(pid), _proc_rss_mb(pid)
         requests, errors, timeouts, samples = asyncio.run(
             _closed_loop(stack.front_door_url, streams, duration_s, pid)
         )
-        cpu_s, rss1 = _proc_cpu_s(pid) - cpu0, _proc_rss_mb(pid)
+        cpu_s, rss1 = proc_cpu_s(pid) - cpu0, _proc_rss_mb(pid)
         state = _settled_state(stack.admin_url)
     finally:
         stack.stop()

@@ -23,6 +23,7 @@ from emulator.stack.ports import free_ports
 from emulator.stack.settings import Region, StackPorts, StackSettings
 from emulator.stack.stack import Stack
 from ext_proc.envoy.bootstrap import render_envoy_config
+from loadgen.bench.live.load import proc_cpu_s
 from loadgen.client.stream import Result, chat_body, percentile, send_chat
 from loadgen.traces.prompts import block_text
 
@@ -31,6 +32,8 @@ REGIONS = (Region("us-ashburn", 0.0), Region("eu-frankfurt", 0.0), Region("ap-se
 TARGET_P50_MS = 2.0
 TARGET_P99_MS = 5.0
 TARGET_PER_TOKEN_MS = 0.1
+# The router's CPU per request at 1k tokens (issue 43).
+TARGET_CPU_MS = 2.0
 HEADER = f"{'measurement':<34} {'envoy alone':>12} {'envoy+gorgo':>12} {'added':>9} {'target':>8}"
 # Long prompts: 128k-token prompts from 32 clients, added TTFT p99.
 TARGET_LONG_P99_MS = 20.0
@@ -179,7 +182,7 @@ def run_overhead_bench(requests: int = 200, long_only: bool = False, flow: bool 
         if long_only:
             lines = [HEADER, *long_prompts(urls, max(64, requests // 2))]
         else:
-            lines = _measure(urls, requests)
+            lines = _measure(urls, requests, stack.procs["gorgo-serve"].pid)
             if flow:
                 lines += ["", *_measure_flow((*urls, flow_stack.front_door_url), requests)]
     finally:
@@ -220,13 +223,22 @@ def _measure_flow(urls: tuple[str, ...], n: int) -> list[str]:
     return lines
 
 
-def _measure(urls: tuple[str, str], n: int) -> list[str]:
+def _measure(urls: tuple[str, str], n: int, router_pid: int) -> list[str]:
     lines = [HEADER]
+    cpu_lines = []
     for tokens in (1024, 32768):
         body = chat_body(_prompt(tokens), 1)
         asyncio.run(_alternate(urls, body, 10))  # warm connections and caches
         print(f"  concurrency 1, {tokens}-token prompt, {n} requests each...", file=sys.stderr)
+        cpu0_s = proc_cpu_s(router_pid)
         pair = asyncio.run(_alternate(urls, body, n))
+        # the router's process CPU (all its threads) per request routed in the phase
+        cpu_ms = (proc_cpu_s(router_pid) - cpu0_s) * 1e3 / n
+        tgt = f"<= {TARGET_CPU_MS:g}" if tokens == 1024 else ""
+        cpu_lines.append(
+            f"{f'router CPU ms/request, {tokens // 1024}k':<34} {'':>12} {cpu_ms:>12.3f} "
+            f"{'':>9} {tgt:>8}"
+        )
         e, g = _ttfts(pair.envoy), _ttfts(pair.gorgo)
         for q, target in ((50, TARGET_P50_MS), (99, TARGET_P99_MS)):
             pe, pg = percentile(e, q), percentile(g, q)
@@ -236,6 +248,7 @@ def _measure(urls: tuple[str, str], n: int) -> list[str]:
                 f"{pg - pe:>9.3f} {tgt:>8}"
             )
 
+    lines += cpu_lines
     body = chat_body(_prompt(1024), 16)
     print("  concurrency 16 throughput...", file=sys.stderr)
     rates: dict[str, list[float]] = {"envoy": [], "gorgo": []}

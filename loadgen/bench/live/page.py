@@ -219,9 +219,9 @@ async def _phases(
         _say(f"load, page {how}: {phase_s:.0f} s...")
         cpu: list[float] = []
         async with _page(admin_url, how, cpu):
-            t0, cpu0 = time.monotonic(), bench_load._proc_cpu_s(pid)
+            t0, cpu0 = time.monotonic(), bench_load.proc_cpu_s(pid)
             await asyncio.sleep(phase_s)
-            windows.append((t0, time.monotonic(), how, bench_load._proc_cpu_s(pid) - cpu0))
+            windows.append((t0, time.monotonic(), how, bench_load.proc_cpu_s(pid) - cpu0))
         browser_share += [c / phase_s for c in cpu]
     stop.set()
     results = await loop

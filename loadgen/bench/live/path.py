@@ -66,9 +66,9 @@ def plain(tokens: int, requests: int) -> Plain:
         body = chat_body(bench_overhead._prompt(tokens), 1)
         asyncio.run(bench_overhead._alternate(urls, body, 10))
         pid = stack.procs["gorgo-serve"].pid
-        cpu0 = bench_load._proc_cpu_s(pid)
+        cpu0 = bench_load.proc_cpu_s(pid)
         pair = asyncio.run(bench_overhead._alternate(urls, body, requests))
-        cpu_ms = (bench_load._proc_cpu_s(pid) - cpu0) * 1e3 / requests
+        cpu_ms = (bench_load.proc_cpu_s(pid) - cpu0) * 1e3 / requests
     finally:
         stack.stop()
     e, g = bench_overhead._ttfts(pair.envoy), bench_overhead._ttfts(pair.gorgo)

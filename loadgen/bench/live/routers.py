@@ -67,12 +67,12 @@ def one_round(routers: int, concurrency: int, duration_s: float) -> Round:
         admins = [stack.admin_url, *(f"http://{c.listen.admin}" for c in stack.extra_routers)]
         asyncio.run(_drive(stack.front_door_url, concurrency, 2.0))  # warm
         pids = [stack.procs[n].pid for n in names]
-        cpu0 = [bench_load._proc_cpu_s(p) for p in pids]
+        cpu0 = [bench_load.proc_cpu_s(p) for p in pids]
         dec0 = [_decisions(a) for a in admins]
         t0 = time.monotonic()
         done, errors = asyncio.run(_drive(stack.front_door_url, concurrency, duration_s))
         elapsed = time.monotonic() - t0
-        cpu = [bench_load._proc_cpu_s(p) - c for p, c in zip(pids, cpu0, strict=True)]
+        cpu = [bench_load.proc_cpu_s(p) - c for p, c in zip(pids, cpu0, strict=True)]
         dec = [_decisions(a) - d for a, d in zip(admins, dec0, strict=True)]
     finally:
         stack.stop()
