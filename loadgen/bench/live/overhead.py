@@ -32,7 +32,7 @@ REGIONS = (Region("us-ashburn", 0.0), Region("eu-frankfurt", 0.0), Region("ap-se
 TARGET_P50_MS = 2.0
 TARGET_P99_MS = 5.0
 TARGET_PER_TOKEN_MS = 0.1
-# The router's CPU per request at 1k tokens (issue 43).
+# The router's CPU per request at 1k tokens (the target with an OTLP endpoint set).
 TARGET_CPU_MS = 2.0
 HEADER = f"{'measurement':<34} {'envoy alone':>12} {'envoy+gorgo':>12} {'added':>9} {'target':>8}"
 # Long prompts: 128k-token prompts from 32 clients, added TTFT p99.
