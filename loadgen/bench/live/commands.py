@@ -17,7 +17,7 @@ def _overhead(args: argparse.Namespace) -> int:
     from loadgen.bench.live.overhead import run_overhead_bench
 
     return run_overhead_bench(
-        requests=args.requests, long_only=args.long_prompts, flow=args.flow_control
+        requests=args.requests, long_only=args.long_prompts, flow=args.flow_control, otlp=args.otlp
     )
 
 
@@ -33,6 +33,11 @@ def add_overhead(bench: Any, policies: Sequence[str]) -> None:
         "--flow-control",
         action="store_true",
         help="also a router with flow control on (room everywhere), in turn in the same run",
+    )
+    b.add_argument(
+        "--otlp",
+        action="store_true",
+        help="the router exports its decision spans to an OTLP receiver (as a user runs it)",
     )
     b.set_defaults(func=_overhead)
 

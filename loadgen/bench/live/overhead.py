@@ -24,6 +24,7 @@ from emulator.stack.settings import Region, StackPorts, StackSettings
 from emulator.stack.stack import Stack
 from ext_proc.envoy.bootstrap import render_envoy_config
 from loadgen.bench.live.load import proc_cpu_s
+from loadgen.bench.live.otlp_sink import OtlpSink
 from loadgen.client.stream import Result, chat_body, percentile, send_chat
 from loadgen.traces.prompts import block_text
 
@@ -129,11 +130,15 @@ def _per_token_ms(rs: list[Result]) -> float:
 
 
 def paired_stack(
-    policy: str = "round_robin", serve_args: tuple[str, ...] = ()
+    policy: str = "round_robin", serve_args: tuple[str, ...] = (), otlp_endpoint: str = ""
 ) -> tuple[Stack, tuple[str, str]]:
     """Envoy + gorgo and Envoy alone (the same generated config without ext_proc) in front
-    of 3 zero-delay engines, started; returns the stack and (alone, gorgo) URLs."""
+    of 3 zero-delay engines, started; returns the stack and (alone, gorgo) URLs.
+    `otlp_endpoint`: where the router exports its decision spans ("": nowhere)."""
     stack = _stack(policy, serve_args, flow_control=False)
+    if otlp_endpoint:
+        telemetry = replace(stack.config.telemetry, otlp_endpoint=otlp_endpoint)
+        stack.config = replace(stack.config, telemetry=telemetry)
     front, admin = free_ports(2)
     alone = replace(
         stack.config,
@@ -169,16 +174,23 @@ def _stack(policy: str, serve_args: tuple[str, ...], flow_control: bool) -> Stac
     return stack
 
 
-def run_overhead_bench(requests: int = 200, long_only: bool = False, flow: bool = False) -> int:
+def run_overhead_bench(
+    requests: int = 200, long_only: bool = False, flow: bool = False, otlp: bool = False
+) -> int:
     print("starting Envoy + gorgo and Envoy alone in front of 3 zero-delay engines...")
-    stack, urls = paired_stack()
+    otlp_port = free_ports(1)[0] if otlp else 0
+    stack, urls = paired_stack(otlp_endpoint=f"127.0.0.1:{otlp_port}" if otlp else "")
     stacks = [stack]
+    sink = None
     try:
         if flow:  # a second router, flow control on, in front of its own engines
             print("starting Envoy + gorgo with flow control on...")
             flow_stack = _stack("round_robin", (), flow_control=True)
             stacks.append(flow_stack)
             flow_stack.start()
+        # after every process is forked (OtlpSink's docstring); the router's exporter
+        # connects when it first exports
+        sink = OtlpSink(otlp_port) if otlp else None
         if long_only:
             lines = [HEADER, *long_prompts(urls, max(64, requests // 2))]
         else:
@@ -188,6 +200,10 @@ def run_overhead_bench(requests: int = 200, long_only: bool = False, flow: bool 
     finally:
         for s in stacks:
             s.stop()
+        if sink is not None:
+            sink.stop()
+    if sink is not None:
+        lines.append(f"(decision spans exported to an OTLP receiver: {sink.spans})")
     print("\n".join(lines))
     return 0
 
