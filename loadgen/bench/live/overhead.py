@@ -208,6 +208,17 @@ def run_overhead_bench(
     return 0
 
 
+def _mean_rates(urls: tuple[str, ...], n: int) -> list[float]:
+    """Requests per second at concurrency 16 (1k-token prompts), each proxy in turn, twice
+    (envoy, gorgo, ..., envoy, gorgo, ...: drift hits all alike); each proxy's mean."""
+    body = chat_body(_prompt(1024), 16)
+    rates: list[list[float]] = [[] for _ in urls]
+    for _ in range(2):
+        for which, url in enumerate(urls):
+            rates[which].append(asyncio.run(_throughput(url, body, n * 2, 16)))
+    return [sum(r) / len(r) for r in rates]
+
+
 def _measure_flow(urls: tuple[str, ...], n: int) -> list[str]:
     """Envoy alone, gorgo, gorgo with flow control on (room everywhere): what the queue's
     check adds, in turn in the same run."""
@@ -226,12 +237,7 @@ def _measure_flow(urls: tuple[str, ...], n: int) -> list[str]:
                 f"{f'TTFT p{q} ms, {tokens // 1024}k-token prompt':<34} {pe:>12.3f} {pg:>12.3f} "
                 f"{pf:>12.3f} {pf - pg:>9.3f}"
             )
-    body = chat_body(_prompt(1024), 16)
-    rates: list[list[float]] = [[], [], []]
-    for _ in range(2):
-        for which, url in enumerate(urls):
-            rates[which].append(asyncio.run(_throughput(url, body, n * 2, 16)))
-    re, rg, rf = (sum(r) / 2 for r in rates)
+    re, rg, rf = _mean_rates(urls, n)
     lines.append(
         f"{'requests/s, concurrency 16':<34} {re:>12.1f} {rg:>12.1f} {rf:>12.1f} "
         f"{f'x{rf / rg:.3f}':>9}"
@@ -265,13 +271,8 @@ def _measure(urls: tuple[str, str], n: int, router_pid: int) -> list[str]:
             )
 
     lines += cpu_lines
-    body = chat_body(_prompt(1024), 16)
     print("  concurrency 16 throughput...", file=sys.stderr)
-    rates: dict[str, list[float]] = {"envoy": [], "gorgo": []}
-    for _ in range(2):  # envoy, gorgo, envoy, gorgo: drift hits both
-        for name, url in zip(("envoy", "gorgo"), urls, strict=True):
-            rates[name].append(asyncio.run(_throughput(url, body, n * 2, 16)))
-    re, rg = sum(rates["envoy"]) / 2, sum(rates["gorgo"]) / 2
+    re, rg = _mean_rates(urls, n)
     lines.append(
         f"{'requests/s, concurrency 16':<34} {re:>12.1f} {rg:>12.1f} {f'x{rg / re:.3f}':>9} {'':>8}"
     )
