@@ -31,10 +31,11 @@ from typing import Any
 import aiohttp
 import pytest
 
-from emulator.stack.settings import Region, StackPorts, StackSettings
+from emulator.stack.settings import Region
 from emulator.stack.stack import Stack
 from loadgen.client.stream import Result, chat_body, send_chat
 from tests.e2e.stack_harness import get_json, router_state, wait_for
+from tests.real.fleet import real_settings
 
 pytestmark = pytest.mark.real
 
@@ -50,17 +51,7 @@ WARM_UP = 50
 
 @pytest.fixture(scope="module")
 def fleet() -> Iterator[Stack]:
-    stack = Stack(
-        StackSettings(
-            policy="gorgo",
-            regions=REGIONS,
-            ports=StackPorts.ephemeral(len(REGIONS)),
-            real_engine=True,
-            probe_interval_s=0.5,
-            metrics_interval_s=0.2,
-            tuner_mode="off",
-        )
-    )
+    stack = Stack(real_settings("gorgo", REGIONS))
     routing = dataclasses.replace(stack.config.routing, ttft_model=MODEL)
     stack.config = dataclasses.replace(stack.config, routing=routing)
     t0 = time.monotonic()

@@ -20,11 +20,12 @@ from typing import Any
 import aiohttp
 import pytest
 
-from emulator.stack.settings import Region, StackPorts, StackSettings
+from emulator.stack.settings import Region
 from emulator.stack.stack import Stack
 from ext_proc.feeds.kv_events import BlockStored, EventBatch, decode_message
 from loadgen.client.stream import Result, chat_body, send_chat
 from tests.e2e.stack_harness import router_state, wait_for
+from tests.real.fleet import real_settings
 
 pytestmark = pytest.mark.real
 
@@ -85,17 +86,7 @@ def collect(stack: Stack, into: Collected) -> threading.Thread:
 
 @pytest.fixture(scope="module")
 def fleet() -> Iterator[tuple[Stack, Collected]]:
-    stack = Stack(
-        StackSettings(
-            policy="round_robin",
-            regions=REGIONS,
-            ports=StackPorts.ephemeral(len(REGIONS)),
-            real_engine=True,
-            probe_interval_s=0.5,
-            metrics_interval_s=0.2,
-            tuner_mode="off",
-        )
-    )
+    stack = Stack(real_settings("round_robin", REGIONS))
     collected = Collected()
     subscriber = collect(stack, collected)  # bound before the engines start publishing
     t0 = time.monotonic()
