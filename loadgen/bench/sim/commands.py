@@ -105,7 +105,7 @@ def add_target(bench: Any, policies: Sequence[str]) -> None:
 def _learn(args: argparse.Namespace) -> int:
     from loadgen.bench.sim.learn import run_learn_bench
 
-    return run_learn_bench(args.trace, args.jobs, args.seeds, args.out)
+    return run_learn_bench(args.trace, args.jobs, args.seeds, args.out, args.ttft_model)
 
 
 def add_learn(bench: Any, policies: Sequence[str]) -> None:
@@ -118,6 +118,7 @@ def add_learn(bench: Any, policies: Sequence[str]) -> None:
     b.add_argument("--jobs", type=int, default=1)
     b.add_argument("--seeds", type=int, nargs="+", default=[0])
     b.add_argument("--out", default="out/bench-learn.md")
+    b.add_argument("--ttft-model", choices=["profile", "replay"], default="profile")
     b.set_defaults(func=_learn)
 
 
@@ -125,7 +126,10 @@ def _fleets(args: argparse.Namespace) -> int:
     from loadgen.bench.sim import fleets
 
     return fleets.run_fleets_bench(
-        args.fleets or fleets.FLEETS, args.time_scales or fleets.TIME_SCALES, args.workers
+        args.fleets or fleets.FLEETS,
+        args.time_scales or fleets.TIME_SCALES,
+        args.workers,
+        args.ttft_model,
     )
 
 
@@ -138,6 +142,7 @@ def add_fleets(bench: Any, policies: Sequence[str]) -> None:
     b.add_argument("--fleets", nargs="+", help="default fast-far slow-near mixed-gpus")
     b.add_argument("--time-scales", nargs="+", type=float, help="default 3 4 6")
     b.add_argument("--workers", type=int, default=2)
+    b.add_argument("--ttft-model", choices=["profile", "replay"], default="profile")
     b.set_defaults(func=_fleets)
 
 

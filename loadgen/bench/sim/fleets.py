@@ -8,7 +8,8 @@ the same engines: the shipped profile as a user configures it with learning off
 and learning off but told each engine's true profile ("true", the reference). Prints a
 markdown table of p95 TTFT and E2E, the ratios learned / true and learned / shipped, and
 the learned router's worst per-backend TTFT MAPE (after the first 20 % of requests).
-Runs in two worker processes; about 12 s a run here.
+Runs in two worker processes; about 12 s a run here. `--ttft-model replay`: the three routers
+use the scheduler replay (learned: its step model fitted online).
 """
 
 from __future__ import annotations
@@ -56,14 +57,17 @@ def _trace(kind: str, at: float) -> list[TraceRequest]:
     return window(load_trace(CONVERSATION_TRACE), at, WINDOW_S, None)
 
 
-def _run(job: tuple[str, str, float, float, str]) -> Cell:
-    fleet_name, kind, at, ts, router = job
+def _run(job: tuple[str, str, float, float, str, str]) -> Cell:
+    fleet_name, kind, at, ts, router, ttft_model = job
     trace = _trace(kind, at)
+    routing: dict[str, Any] = {"ttft_model": ttft_model}
+    if router != "learned":
+        routing["learn_latency"] = False
     settings = SimSettings(
         time_scale=ts,
         fleet=load_fleet(FLEETS_DIR / f"{fleet_name}.yaml", SimSettings().regions),
         router_knows_fleet=router == "true",
-        router={} if router == "learned" else {"routing": {"learn_latency": False}},
+        router={"routing": routing},
     )
     res = simulate(trace, settings)
     s: dict[str, Any] = {**summarize(res.requests), **prediction_summary(res.requests)}
@@ -106,10 +110,13 @@ def table(cells: list[Cell]) -> str:
 
 
 def run_fleets_bench(
-    fleets: Sequence[str] = FLEETS, time_scales: Sequence[float] = TIME_SCALES, workers: int = 2
+    fleets: Sequence[str] = FLEETS,
+    time_scales: Sequence[float] = TIME_SCALES,
+    workers: int = 2,
+    ttft_model: str = "profile",
 ) -> int:
     jobs = [
-        (f, kind, at, ts, r)
+        (f, kind, at, ts, r, ttft_model)
         for f in fleets
         for kind, at in WINDOWS
         for ts in time_scales

@@ -3,10 +3,12 @@ with `routing.learn_latency` on (the default) against off, in every cell of `gor
 target` (uniform fleet, the shipped profile true for every engine), same seed, same run.
 
     gorgo bench learn [--jobs 2] [--seeds 0] [--out out/bench-learn.md]
+                      [--ttft-model profile|replay]
 
 Prints per cell the two p95 TTFTs and E2Es and their ratios (on / off), then how many
 cells are within 1.05x and the worst; `--seeds 0 1 2` repeats every cell to show the
-seed-to-seed spread, by which "within noise" is judged.
+seed-to-seed spread, by which "within noise" is judged. `--ttft-model replay` compares the
+scheduler replay with its step model fitted (on) against the profile's coefficients (off).
 """
 
 from __future__ import annotations
@@ -26,8 +28,9 @@ from loadgen.traces.readers import CONVERSATION_TRACE
 WITHIN = 1.05
 
 
-def _run(cell: Cell, learn: bool, seed: int) -> tuple[float, float]:
-    s = replace(cell.settings("gorgo", seed), router={"routing": {"learn_latency": learn}})
+def _run(cell: Cell, learn: bool, seed: int, ttft_model: str) -> tuple[float, float]:
+    routing = {"learn_latency": learn, "ttft_model": ttft_model}
+    s = replace(cell.settings("gorgo", seed), router={"routing": routing})
     res = simulate(cell.window.requests, s)
     summary = summarize(res.requests, res.itl_ms)
     return summary["ttft_ms"]["p95"], summary["e2e_ms"]["p95"]
@@ -38,6 +41,7 @@ def run_learn_bench(
     jobs: int = 1,
     seeds: Sequence[int] = (0,),
     out_path: str = "out/bench-learn.md",
+    ttft_model: str = "profile",
 ) -> int:
     windows = windows_for([CONVERSATION, SYNTHETIC], trace, None, 1200.0)
     cells = cells_for(windows, ["network", "paper"], ["open", "paper"], None)
@@ -45,7 +49,7 @@ def run_learn_bench(
     print(f"bench learn: {len(cells)} cells, {len(runs)} runs", file=sys.stderr, flush=True)
     out: dict[tuple[str, bool, int], tuple[float, float]] = {}
     with ProcessPoolExecutor(max_workers=max(1, jobs)) as pool:
-        futures = [pool.submit(_run, *r) for r in runs]
+        futures = [pool.submit(_run, *r, ttft_model) for r in runs]
         for i, (r, f) in enumerate(zip(runs, futures, strict=True), 1):
             out[(r[0].key, r[1], r[2])] = f.result()
             print(f"  [{i}/{len(runs)}] {r[0].key} learn={r[1]} seed={r[2]}", file=sys.stderr)
