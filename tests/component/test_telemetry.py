@@ -129,6 +129,12 @@ async def _one_request(svc: Running, rid: str, traceparent: str | None) -> None:
     await channel.close()
 
 
+def _measured(key: str) -> bool:
+    """A field whose value depends on timing (the queue, and the predictions it is in)."""
+    last = key.rpartition(".")[2]
+    return last == "queue_ms" or (last.startswith("predicted_") and last.endswith("_ms"))
+
+
 def _normalize(span: Any) -> dict[str, Any]:
     """A span without ids, times or measured values: what must stay stable."""
     attrs = {}
@@ -136,9 +142,13 @@ def _normalize(span: Any) -> dict[str, Any]:
         v = kv.value
         kind = v.WhichOneof("value")
         value = getattr(v, kind)
-        predicted_ms = "predicted_" in kv.key and kv.key.endswith("_ms")  # queue_ms in them
-        if kv.key in ("gorgo.ttft_ms", "gorgo.e2e_ms") or ".queue_ms" in kv.key or predicted_ms:
+        if kv.key in ("gorgo.ttft_ms", "gorgo.e2e_ms") or _measured(kv.key):
             value = f"<{kind}>"  # measured: present and typed, value varies
+        elif kv.key == "gorgo.candidates":  # a JSON array: the same inside it
+            value = [
+                {k: f"<{type(x).__name__}>" if _measured(k) else x for k, x in c.items()}
+                for c in json.loads(value)
+            ]
         attrs[kv.key] = value
     return {"name": span.name, "kind": span.kind, "attributes": dict(sorted(attrs.items()))}
 

@@ -5,13 +5,16 @@ span when the ext_proc call carries a `traceparent`; the metrics follow each eve
 from __future__ import annotations
 
 import os
+import time
+from dataclasses import dataclass
+from typing import Any
 
-from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
-from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
-from opentelemetry.trace import Span, StatusCode
+from opentelemetry.sdk.trace.sampling import Decision, ParentBased, TraceIdRatioBased
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+from opentelemetry.trace import SpanContext, StatusCode, TraceFlags, get_current_span
 from opentelemetry.trace import Status as SpanStatus
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
@@ -34,31 +37,50 @@ from ext_proc.service.telemetry.spans import (
 from ext_proc.vocab.events import Closed, Dispatched, FirstByte, Listener
 from ext_proc.vocab.types import Status
 
+_PROPAGATOR = TraceContextTextMapPropagator()
+_SCOPE = InstrumentationScope("gorgo")
+
+
+@dataclass(slots=True)
+class _OpenSpan:
+    """A decision span until its request closes: its ids, its parent (Envoy's request
+    span, if the call carried one), its start and its attributes so far."""
+
+    context: SpanContext
+    parent: SpanContext | None
+    start_ns: int
+    attributes: dict[str, Any]
+
 
 class Telemetry(Listener):
     """Spans and metrics for decisions, subscribed to the router's lifecycle. `exporter`:
     injected in tests; otherwise OTLP over gRPC (plaintext or TLS, service/otlp.py) when an
-    endpoint is configured (config or OTEL_EXPORTER_OTLP_ENDPOINT)."""
+    endpoint is configured (config or OTEL_EXPORTER_OTLP_ENDPOINT).
+
+    A span's ids and sampling are decided at the dispatch (the decision log links its
+    trace), and the span is made once, finished, when its request closes: the SDK's live
+    `Span` validated and locked each attribute as it was set, and cost more than the
+    decision. The provider's sampler, id generator and resource are used as they are."""
 
     def __init__(
         self, cfg: TelemetryConfig, router: Router, exporter: SpanExporter | None = None
     ) -> None:
         self.router = router
         self.metrics = Metrics(router)
-        self._spans: dict[str, Span] = {}
+        self._spans: dict[str, _OpenSpan] = {}
         endpoint = cfg.otlp_endpoint or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", "")
         if exporter is None and endpoint:
             exporter = otlp_exporter(cfg, endpoint)
         self.provider: TracerProvider | None = None
-        self._tracer: trace.Tracer | None = None
+        self._batch: BatchSpanProcessor | None = None
         if exporter is not None:
             self.provider = TracerProvider(
                 resource=Resource.create({"service.name": cfg.service_name}),
                 sampler=ParentBased(TraceIdRatioBased(cfg.sample_ratio)),
             )
             # Batched: export never runs on the request path.
-            self.provider.add_span_processor(BatchSpanProcessor(exporter))
-            self._tracer = self.provider.get_tracer("gorgo")
+            self._batch = BatchSpanProcessor(exporter)
+            self.provider.add_span_processor(self._batch)
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -74,23 +96,37 @@ class Telemetry(Listener):
             m.flow_wait.observe(d.waited_ms / 1000)
         m.prompt_tokens.inc(d.input_tokens)
         m.cached_tokens.inc(chosen.cached_tokens)
-        if self._tracer is None:
+        provider = self.provider
+        if provider is None:
             return
-        ctx = TraceContextTextMapPropagator().extract(dict(e.request.trace_context))
-        attributes = {
-            **decision_attributes(d, e.request.session_key, self.router.tuner),
-            **prefix_attributes(e, self.router.backends[e.record.backend]),
-        }
-        span = self._tracer.start_span(SPAN_NAME, context=ctx, attributes=attributes)
-        if span.is_recording():
-            self._spans[d.request_id] = span
-            self.router.recent.set_trace(d.request_id, f"{span.get_span_context().trace_id:032x}")
+        carrier = e.request.trace_context
+        ctx = _PROPAGATOR.extract(dict(carrier)) if carrier else None
+        parent: SpanContext | None = get_current_span(ctx).get_span_context()
+        assert parent is not None
+        if not parent.is_valid:
+            parent = None
+        ids = provider.id_generator
+        trace_id = parent.trace_id if parent is not None else ids.generate_trace_id()
+        sampled = provider.sampler.should_sample(ctx, trace_id, SPAN_NAME)
+        if sampled.decision is not Decision.RECORD_AND_SAMPLE:
+            return
+        context = SpanContext(
+            trace_id,
+            ids.generate_span_id(),
+            is_remote=False,
+            trace_flags=TraceFlags(TraceFlags.SAMPLED),
+            trace_state=sampled.trace_state,
+        )
+        attributes = decision_attributes(d, e.request.session_key, self.router.tuner)
+        attributes.update(prefix_attributes(e, self.router.backends[e.record.backend]))
+        self._spans[d.request_id] = _OpenSpan(context, parent, time.time_ns(), attributes)
+        self.router.recent.set_trace(d.request_id, f"{trace_id:032x}")
 
     def on_first_byte(self, e: FirstByte) -> None:
         self.metrics.ttft.labels(e.backend).observe(e.ttft_ms / 1000)
         span = self._spans.get(e.request_id)
         if span is not None:
-            span.set_attribute(A_TTFT_MS, round(e.ttft_ms, 3))
+            span.attributes[A_TTFT_MS] = round(e.ttft_ms, 3)
 
     def on_close(self, c: Closed) -> None:
         self.metrics.completions.labels(c.backend, c.status).inc()
@@ -103,17 +139,32 @@ class Telemetry(Listener):
         span = self._spans.pop(c.request_id, None)
         if span is None:
             return
+        a = span.attributes
         if err is not None:
-            span.set_attribute(A_ENGINE_CACHED, err.reported_tokens)
-            span.set_attribute(A_PREDICTION_ERROR_TOKENS, err.error_tokens)
-            span.set_attribute(A_PREDICTION_ERROR_RATIO, round(err.error_ratio, 6))
-        span.set_attribute(A_E2E_MS, round(c.e2e_ms, 3))
-        span.set_attribute(A_STATUS, str(c.status))
+            a[A_ENGINE_CACHED] = err.reported_tokens
+            a[A_PREDICTION_ERROR_TOKENS] = err.error_tokens
+            a[A_PREDICTION_ERROR_RATIO] = round(err.error_ratio, 6)
+        a[A_E2E_MS] = round(c.e2e_ms, 3)
         if c.ttft_ms is not None:
-            span.set_attribute(A_TTFT_MS, round(c.ttft_ms, 3))
-        if c.status != Status.OK:
-            span.set_status(SpanStatus(StatusCode.ERROR, str(c.status)))
-        span.end()
+            a[A_TTFT_MS] = round(c.ttft_ms, 3)
+        self._end(span, str(c.status), c.status != Status.OK)
+
+    def _end(self, span: _OpenSpan, status: str, error: bool) -> None:
+        """The span, finished, to the batch exporter."""
+        assert self.provider is not None and self._batch is not None
+        span.attributes[A_STATUS] = status
+        finished = ReadableSpan(
+            SPAN_NAME,
+            context=span.context,
+            parent=span.parent,
+            resource=self.provider.resource,
+            attributes=span.attributes,
+            status=SpanStatus(StatusCode.ERROR, status) if error else SpanStatus(),
+            start_time=span.start_ns,
+            end_time=time.time_ns(),
+            instrumentation_scope=_SCOPE,
+        )
+        self._batch.on_end(finished)
 
     def fallback(self, backend: str) -> None:
         self.metrics.fallback.labels(backend or "unknown").inc()
@@ -121,8 +172,7 @@ class Telemetry(Listener):
     def shutdown(self) -> None:
         """End what is still open and flush the exporter."""
         for span in self._spans.values():
-            span.set_attribute(A_STATUS, "shutdown")
-            span.end()
+            self._end(span, "shutdown", False)
         self._spans.clear()
         if self.provider is not None:
             self.provider.shutdown()

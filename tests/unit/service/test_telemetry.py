@@ -307,9 +307,11 @@ def test_latency_prediction_error_is_exported_and_each_span_has_the_prediction()
         assert a["gorgo.predicted_ttft_ms"] == round(d.chosen.predicted_ttft_ms, 3)
         assert a["gorgo.predicted_e2e_ms"] == round(d.chosen.predicted_e2e_ms, 3)
         assert "gorgo.ttft_ms" in a and "gorgo.e2e_ms" in a  # the measures beside them
+        listed = {c["backend"]: c for c in json.loads(a["gorgo.candidates"])}
+        assert set(listed) == {c.backend_id for c in d.candidates}
         for c in d.candidates:
-            key = f"gorgo.candidate.{c.backend_id}.predicted_ttft_ms"
-            assert a[key] == round(c.predicted_ttft_ms, 3)
+            assert listed[c.backend_id]["predicted_ttft_ms"] == round(c.predicted_ttft_ms, 3)
+            assert listed[c.backend_id]["cost"] == round(d.scores[c.backend_id], 3)
 
 
 def test_models_are_on_the_span_the_decision_counter_and_a_gauge_per_backend() -> None:
@@ -346,3 +348,51 @@ def test_flow_series_exist_from_the_start_with_flow_control_on_and_not_with_it_o
     telemetry = Telemetry(TelemetryConfig(), off, InMemorySpanExporter())
     telemetry.metrics.registry.register(FlowGauges(Director(off)))
     assert "gorgo_flow_waiting" not in telemetry.metrics.render().decode()
+
+
+TRACE = "0af7651916cd43dd8448eb211c80319c"
+
+
+@pytest.mark.parametrize(
+    ("ratio", "traceparent", "exported"),
+    [
+        (1.0, None, True),  # a new trace, kept
+        (0.0, None, False),  # a new trace, sampled out
+        (0.0, f"00-{TRACE}-b7ad6b7169203331-01", True),  # Envoy sampled it: so do we
+        (1.0, f"00-{TRACE}-b7ad6b7169203331-00", False),  # Envoy did not: nor do we
+    ],
+)
+def test_spans_follow_the_sample_ratio_and_envoys_sampling_flag(
+    ratio: float, traceparent: str | None, exported: bool
+) -> None:
+    router, _ = make_router("gorgo", backends=["a", "b"])
+    exporter = InMemorySpanExporter()
+    telemetry = Telemetry(TelemetryConfig(sample_ratio=ratio), router, exporter)
+    router.subscribe(telemetry)
+    request = chat(rid="s1")
+    if traceparent is not None:
+        request = replace(request, trace_context=(("traceparent", traceparent),))
+    d = router.decide(request)
+    router.first_byte(d.request_id)
+    router.close(d.request_id, Status.ERROR, e2e_ms=12.0)
+    telemetry.shutdown()
+    spans = exporter.get_finished_spans()
+    assert len(spans) == (1 if exported else 0)
+    entry = router.recent.find("s1")
+    assert entry is not None
+    trace_id = entry.trace_id
+    if not exported:
+        assert not trace_id  # the decision log links no trace that was never sent
+        return
+    (span,) = spans
+    a = span.attributes or {}
+    assert a["gorgo.status"] == "error" and a["gorgo.e2e_ms"] == 12.0 and "gorgo.ttft_ms" in a
+    assert span.status.status_code.name == "ERROR"
+    assert span.end_time is not None and span.start_time is not None
+    assert span.end_time >= span.start_time
+    assert trace_id == f"{span.context.trace_id:032x}"
+    if traceparent is not None:  # a child of Envoy's request span, in its trace
+        assert span.parent is not None and f"{span.parent.span_id:016x}" == "b7ad6b7169203331"
+        assert trace_id == TRACE
+    else:
+        assert span.parent is None
