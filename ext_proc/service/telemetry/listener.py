@@ -12,7 +12,8 @@ from typing import Any
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
-from opentelemetry.sdk.trace.sampling import Decision, ParentBased, TraceIdRatioBased
+from opentelemetry.sdk.trace.sampling import Decision as SamplingDecision
+from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanContext, StatusCode, TraceFlags, get_current_span
 from opentelemetry.trace import Status as SpanStatus
@@ -22,7 +23,7 @@ from ext_proc.config.schema import TelemetryConfig
 from ext_proc.core.router import Router
 from ext_proc.estimate.prediction import prediction_error
 from ext_proc.service.otlp import otlp_exporter
-from ext_proc.service.telemetry.metrics import Metrics
+from ext_proc.service.telemetry.metrics import Children, Metrics
 from ext_proc.service.telemetry.spans import (
     A_E2E_MS,
     A_ENGINE_CACHED,
@@ -35,7 +36,7 @@ from ext_proc.service.telemetry.spans import (
     prefix_attributes,
 )
 from ext_proc.vocab.events import Closed, Dispatched, FirstByte, Listener
-from ext_proc.vocab.types import Status
+from ext_proc.vocab.types import Decision, Status
 
 _PROPAGATOR = TraceContextTextMapPropagator()
 _SCOPE = InstrumentationScope("gorgo")
@@ -44,11 +45,16 @@ _SCOPE = InstrumentationScope("gorgo")
 @dataclass(slots=True)
 class _OpenSpan:
     """A decision span until its request closes: its ids, its parent (Envoy's request
-    span, if the call carried one), its start and its attributes so far."""
+    span, if the call carried one), its start, its decision and what the attributes
+    read of the state at the dispatch (the rest is built at close, off the request's
+    path)."""
 
     context: SpanContext
     parent: SpanContext | None
     start_ns: int
+    decision: Decision
+    session_key: str | None
+    weights_version: int | None
     attributes: dict[str, Any]
 
 
@@ -66,7 +72,13 @@ class Telemetry(Listener):
         self, cfg: TelemetryConfig, router: Router, exporter: SpanExporter | None = None
     ) -> None:
         self.router = router
-        self.metrics = Metrics(router)
+        self.metrics = m = Metrics(router)
+        self._decisions = Children(m.decisions)
+        self._term = Children(m.term)
+        self._ttft = Children(m.ttft)
+        self._e2e = Children(m.e2e)
+        self._completions = Children(m.completions)
+        self._prediction_error = Children(m.prediction_error)
         self._spans: dict[str, _OpenSpan] = {}
         endpoint = cfg.otlp_endpoint or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", "")
         if exporter is None and endpoint:
@@ -87,11 +99,12 @@ class Telemetry(Listener):
     def on_dispatch(self, e: Dispatched) -> None:
         d = e.decision
         m = self.metrics
-        m.decisions.labels(d.backend, d.policy, d.model or "").inc()
+        self._decisions[(d.backend, d.policy, d.model or "")].inc()
         chosen = d.chosen
+        term = self._term
         for name, value in chosen.terms.items():
-            m.term.labels(name).observe(value)
-        m.term.labels("pace_hold").observe(d.hold_ms)
+            term[(name,)].observe(value)
+        term[("pace_hold",)].observe(d.hold_ms)
         if self.router.cfg.flow_control.enabled:
             m.flow_wait.observe(d.waited_ms / 1000)
         m.prompt_tokens.inc(d.input_tokens)
@@ -108,7 +121,7 @@ class Telemetry(Listener):
         ids = provider.id_generator
         trace_id = parent.trace_id if parent is not None else ids.generate_trace_id()
         sampled = provider.sampler.should_sample(ctx, trace_id, SPAN_NAME)
-        if sampled.decision is not Decision.RECORD_AND_SAMPLE:
+        if sampled.decision is not SamplingDecision.RECORD_AND_SAMPLE:
             return
         context = SpanContext(
             trace_id,
@@ -117,25 +130,32 @@ class Telemetry(Listener):
             trace_flags=TraceFlags(TraceFlags.SAMPLED),
             trace_state=sampled.trace_state,
         )
-        attributes = decision_attributes(d, e.request.session_key, self.router.tuner)
-        attributes.update(prefix_attributes(e, self.router.backends[e.record.backend]))
-        self._spans[d.request_id] = _OpenSpan(context, parent, time.time_ns(), attributes)
+        tuner = self.router.tuner
+        self._spans[d.request_id] = _OpenSpan(
+            context,
+            parent,
+            time.time_ns(),
+            d,
+            e.request.session_key,
+            None if tuner is None else len(tuner.state.history),
+            prefix_attributes(e, self.router.backends[e.record.backend]),
+        )
         self.router.recent.set_trace(d.request_id, f"{trace_id:032x}")
 
     def on_first_byte(self, e: FirstByte) -> None:
-        self.metrics.ttft.labels(e.backend).observe(e.ttft_ms / 1000)
+        self._ttft[(e.backend,)].observe(e.ttft_ms / 1000)
         span = self._spans.get(e.request_id)
         if span is not None:
             span.attributes[A_TTFT_MS] = round(e.ttft_ms, 3)
 
     def on_close(self, c: Closed) -> None:
-        self.metrics.completions.labels(c.backend, c.status).inc()
+        self._completions[(c.backend, str(c.status))].inc()
         if c.status == Status.OK:
-            self.metrics.e2e.labels(c.backend).observe(c.e2e_ms / 1000)
+            self._e2e[(c.backend,)].observe(c.e2e_ms / 1000)
         err = prediction_error(c)
         if err is not None:
             state = str(c.record.prefix_state)
-            self.metrics.prediction_error.labels(c.backend, state).observe(err.error_ratio)
+            self._prediction_error[(c.backend, state)].observe(err.error_ratio)
         span = self._spans.pop(c.request_id, None)
         if span is None:
             return
@@ -152,13 +172,15 @@ class Telemetry(Listener):
     def _end(self, span: _OpenSpan, status: str, error: bool) -> None:
         """The span, finished, to the batch exporter."""
         assert self.provider is not None and self._batch is not None
-        span.attributes[A_STATUS] = status
+        attributes = decision_attributes(span.decision, span.session_key, span.weights_version)
+        attributes.update(span.attributes)
+        attributes[A_STATUS] = status
         finished = ReadableSpan(
             SPAN_NAME,
             context=span.context,
             parent=span.parent,
             resource=self.provider.resource,
-            attributes=span.attributes,
+            attributes=attributes,
             status=SpanStatus(StatusCode.ERROR, status) if error else SpanStatus(),
             start_time=span.start_ns,
             end_time=time.time_ns(),

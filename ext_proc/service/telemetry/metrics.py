@@ -3,6 +3,8 @@ lifecycle, and the live gauges (gauges.py), in one registry (/metrics)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
 from ext_proc.core.router import Router
@@ -14,6 +16,20 @@ TERM_BUCKETS_MS = (0.5, 1, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000
 # Prediction error as a share of the prompt: the target for precise state is a 2 % mean,
 # the simulator's figures are fractions of a percent; a whole prompt wrong is 1.
 ERROR_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)
+
+
+class Children(dict[tuple[str, ...], Any]):
+    """A labelled metric's children by their label values, each looked up once:
+    prometheus_client's `labels()` validates and locks on every call, a dozen times a
+    request."""
+
+    def __init__(self, metric: Counter | Histogram) -> None:
+        super().__init__()
+        self.metric = metric
+
+    def __missing__(self, key: tuple[str, ...]) -> Any:
+        child = self[key] = self.metric.labels(*key)
+        return child
 
 
 class Metrics:

@@ -11,7 +11,6 @@ import orjson
 
 from ext_proc.core.backend import BackendState
 from ext_proc.core.terms.catalog import TERMS
-from ext_proc.learn.tuner import Tuner
 from ext_proc.vocab.events import Dispatched
 from ext_proc.vocab.types import Candidate, Decision
 
@@ -86,8 +85,9 @@ def prefix_attributes(e: Dispatched, b: BackendState) -> dict[str, Any]:
 
 
 def decision_attributes(
-    d: Decision, session_key: str | None, tuner: Tuner | None
+    d: Decision, session_key: str | None, weights_version: int | None
 ) -> dict[str, Any]:
+    """`weights_version`: the tuner's steps at the decision (None: no tuner)."""
     attrs: dict[str, Any] = {
         A_REQUEST_ID: d.request_id,
         A_POLICY: d.policy,
@@ -108,8 +108,8 @@ def decision_attributes(
     if d.weights is not None:
         attrs[A_WEIGHT_RTT] = d.weights.rtt
         attrs[A_WEIGHT_QUEUE] = d.weights.queue
-    if tuner is not None:
-        attrs[A_WEIGHTS_VERSION] = len(tuner.state.history)
+    if weights_version is not None:
+        attrs[A_WEIGHTS_VERSION] = weights_version
         attrs[A_TUNER_ARM] = d.arm or ""
     attrs[A_CANDIDATES] = orjson.dumps([_candidate(d, c) for c in d.candidates]).decode()
     return attrs
