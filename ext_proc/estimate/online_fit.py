@@ -59,8 +59,23 @@ class OnlineFit:
 
     def update(self, x: Sequence[float], y: float) -> float:
         """Learn from one sample; returns its residual before the update (y - predicted)."""
+        if len(self.theta) == 1:
+            return self._update_one(float(x[0]), y)
         v = np.asarray(x, dtype=float)
         residual = y - float(self.theta @ v)
+        pulled = self._pull(residual)
+        pv = self._p @ v
+        gain = pv / (self.forget + float(v @ pv))
+        self.theta = self.theta + gain * pulled
+        self._p = (self._p - np.outer(gain, pv)) / self.forget
+        trace = float(np.trace(self._p))
+        if trace > self.max_covariance:  # no excitation for long: do not wind up
+            self._p *= self.max_covariance / trace
+        self.samples += 1
+        return residual
+
+    def _pull(self, residual: float) -> float:
+        """The residual as it may pull (clipped), the robust scale updated."""
         pulled = residual
         if self.scale is not None and self.scale > 0:
             bound = self.clip_sigmas * MAD_TO_SIGMA * self.scale
@@ -72,12 +87,21 @@ class OnlineFit:
             if self.scale is None
             else self.scale + SCALE_EWMA * (abs(pulled) - self.scale)
         )
-        pv = self._p @ v
-        gain = pv / (self.forget + float(v @ pv))
-        self.theta = self.theta + gain * pulled
-        self._p = (self._p - np.outer(gain, pv)) / self.forget
-        trace = float(np.trace(self._p))
-        if trace > self.max_covariance:  # no excitation for long: do not wind up
-            self._p *= self.max_covariance / trace
+        return pulled
+
+    def _update_one(self, v: float, y: float) -> float:
+        """`update` for one coefficient (the speed factors) in floats: the same operations
+        in the same order, so the same results, without numpy's per-call cost (~15 us of
+        each request's close on 1x1 arrays)."""
+        theta, p = float(self.theta[0]), float(self._p[0, 0])
+        residual = y - theta * v
+        pulled = self._pull(residual)
+        pv = p * v
+        gain = pv / (self.forget + v * pv)
+        self.theta[0] = theta + gain * pulled
+        p = (p - gain * pv) / self.forget
+        if p > self.max_covariance:  # the trace of a 1x1 covariance is itself
+            p *= self.max_covariance / p
+        self._p[0, 0] = p
         self.samples += 1
         return residual

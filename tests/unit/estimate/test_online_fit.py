@@ -4,6 +4,7 @@ samples that are all alike."""
 
 import random
 
+import numpy as np
 import pytest
 
 from ext_proc.estimate.online_fit import OnlineFit
@@ -75,3 +76,20 @@ def test_a_coefficient_held_loosely_moves_sooner() -> None:
     fit.update([1.0, 1.0], 4.0)  # 2 more than predicted, to share between the two
     firm, loose = fit.theta - 1.0
     assert loose > 100 * firm > 0
+
+
+def test_one_coefficient_in_floats_is_the_general_fit_to_the_bit() -> None:
+    """The speed factors' one-coefficient fit runs in floats; it must give exactly what
+    the matrix form gives (the simulator's results depend on it): here the matrix form is
+    a two-coefficient fit whose second feature is always 0, so its first coefficient
+    follows the same recursion, with outliers clipped alike."""
+    rng = np.random.default_rng(7)
+    one = OnlineFit([0.3], 2.0, 0.99, scale=0.3, max_covariance=1e300)
+    two = OnlineFit([0.3, 0.0], 2.0, 0.99, scale=0.3, max_covariance=1e300)
+    for i in range(500):
+        y = float(rng.normal(0.5, 0.2)) + (5.0 if i % 50 == 7 else 0.0)  # some outliers
+        assert one.update([1.0], y) == two.update([1.0, 0.0], y)
+        assert float(one.theta[0]) == float(two.theta[0])
+        assert one.scale == two.scale
+    assert one.samples == two.samples == 500
+    assert abs(float(one.theta[0]) - 0.5) < 0.1  # and it learned
