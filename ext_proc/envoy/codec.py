@@ -135,6 +135,19 @@ def continue_response(
     return resp
 
 
+# A bare CONTINUE per phase, built once (most replies are one): a reply is serialized by
+# gRPC and never changed after, so one message serves every stream.
+_BARE = {phase: continue_response(phase) for phase in PHASES}
+
+
+def bare_continue(phase: str) -> pb.ProcessingResponse:
+    """CONTINUE for `phase`, nothing changed (shared: do not modify it)."""
+    reply = _BARE.get(phase)
+    if reply is None:
+        raise ValueError(f"no response for phase {phase!r}")
+    return reply
+
+
 def override_message_timeout(seconds: float) -> pb.ProcessingResponse:
     """Ask Envoy to wait this long for the reply to the message it sent last (the body
     held in the gateway queue): Envoy ignores the rest of this response, restarts its

@@ -75,7 +75,7 @@ class Session:
 
     def _reply(self, phase: str) -> Reply:
         # Observability mode: Envoy neither waits for nor reads our replies.
-        return None if self.info.observe_only else codec.continue_response(phase)
+        return None if self.info.observe_only else codec.bare_continue(phase)
 
     _handlers: ClassVar[dict[str, Callable[[Any, codec.Phase], Reply]]] = {}
 

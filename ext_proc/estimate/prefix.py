@@ -61,8 +61,10 @@ class PrefixCache:
     def _positions(self, query: Hashes) -> tuple[npt.NDArray[np.intp], npt.NDArray[np.bool_]]:
         if not len(self.keys):
             return np.zeros(len(query), dtype=np.intp), np.zeros(len(query), dtype=bool)
-        pos = np.searchsorted(self.keys, query)
-        pos = np.minimum(pos, len(self.keys) - 1)
+        # the array's own methods: numpy's module functions add a wrapper call each, and
+        # this runs per backend per request
+        pos = self.keys.searchsorted(query)
+        np.minimum(pos, len(self.keys) - 1, out=pos)
         return pos, self.keys[pos] == query
 
     def _keep(self, mask: npt.NDArray[np.bool_]) -> None:
@@ -74,8 +76,9 @@ class PrefixCache:
         if not len(blocks) or not n:
             return 0
         # Most backends do not hold a given prompt at all: one scalar probe settles it.
-        i = int(np.searchsorted(self.keys, blocks[0]))
-        if i < n and self.keys[i] == blocks[0]:
+        first = blocks[0]
+        i = int(self.keys.searchsorted(first))
+        if i < n and self.keys[i] == first:
             return leading_true(self._positions(blocks)[1])
         return 0
 
