@@ -4,6 +4,7 @@ span when the ext_proc call carries a `traceparent`; the metrics follow each eve
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from dataclasses import dataclass
@@ -80,6 +81,9 @@ class Telemetry(Listener):
         self._completions = Children(m.completions)
         self._prediction_error = Children(m.prediction_error)
         self._spans: dict[str, _OpenSpan] = {}
+        # Dispatches not yet recorded (on_dispatch), with when each was made (ns).
+        self._pending: dict[str, tuple[Dispatched, int]] = {}
+        self._flush_scheduled = False
         endpoint = cfg.otlp_endpoint or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", "")
         if exporter is None and endpoint:
             exporter = otlp_exporter(cfg, endpoint)
@@ -97,6 +101,27 @@ class Telemetry(Listener):
     # -- lifecycle ----------------------------------------------------------------------
 
     def on_dispatch(self, e: Dispatched) -> None:
+        """Recorded a moment later, on the event loop's next turn, when the decision's
+        reply is on its way: none of it is on the request's path. Without a running loop
+        (tests, tools), at once."""
+        self._pending[e.decision.request_id] = (e, time.time_ns())
+        if self._flush_scheduled:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self._record_dispatches()
+            return
+        self._flush_scheduled = True
+        loop.call_soon(self._record_dispatches)
+
+    def _record_dispatches(self) -> None:
+        self._flush_scheduled = False
+        pending, self._pending = self._pending, {}
+        for e, start_ns in pending.values():
+            self._dispatched(e, start_ns)
+
+    def _dispatched(self, e: Dispatched, start_ns: int) -> None:
         d = e.decision
         m = self.metrics
         self._decisions[(d.backend, d.policy, d.model or "")].inc()
@@ -134,7 +159,7 @@ class Telemetry(Listener):
         self._spans[d.request_id] = _OpenSpan(
             context,
             parent,
-            time.time_ns(),
+            start_ns,
             d,
             e.request.session_key,
             None if tuner is None else len(tuner.state.history),
@@ -143,12 +168,16 @@ class Telemetry(Listener):
         self.router.recent.set_trace(d.request_id, f"{trace_id:032x}")
 
     def on_first_byte(self, e: FirstByte) -> None:
+        if e.request_id in self._pending:
+            self._record_dispatches()
         self._ttft[(e.backend,)].observe(e.ttft_ms / 1000)
         span = self._spans.get(e.request_id)
         if span is not None:
             span.attributes[A_TTFT_MS] = round(e.ttft_ms, 3)
 
     def on_close(self, c: Closed) -> None:
+        if c.request_id in self._pending:
+            self._record_dispatches()
         self._completions[(c.backend, str(c.status))].inc()
         if c.status == Status.OK:
             self._e2e[(c.backend,)].observe(c.e2e_ms / 1000)
@@ -193,6 +222,7 @@ class Telemetry(Listener):
 
     def shutdown(self) -> None:
         """End what is still open and flush the exporter."""
+        self._record_dispatches()
         for span in self._spans.values():
             self._end(span, "shutdown", False)
         self._spans.clear()

@@ -11,6 +11,7 @@ scrape config: tests/component/test_prometheus_rules.py.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from dataclasses import replace
@@ -396,3 +397,32 @@ def test_spans_follow_the_sample_ratio_and_envoys_sampling_flag(
         assert trace_id == TRACE
     else:
         assert span.parent is None
+
+
+async def test_a_dispatch_is_recorded_on_the_loops_next_turn_and_before_its_close() -> None:
+    router, _ = make_router("gorgo", backends=["a", "b"])
+    exporter = InMemorySpanExporter()
+    telemetry = Telemetry(TelemetryConfig(), router, exporter)
+    router.subscribe(telemetry)
+
+    def decided() -> float:
+        return sum(
+            s.value
+            for metric in telemetry.metrics.decisions.collect()
+            for s in metric.samples
+            if s.name.endswith("_total")
+        )
+
+    first = router.decide(chat(rid="p1"))
+    assert decided() == 0  # not on the request's path
+    router.close(first.request_id, Status.OK, e2e_ms=5.0)  # its close records it first
+    assert decided() == 1
+    router.decide(chat(rid="p2"))
+    await asyncio.sleep(0)  # the next turn of the loop
+    assert decided() == 2
+    telemetry.shutdown()
+    ended = {(s.attributes or {})["gorgo.request_id"]: s for s in exporter.get_finished_spans()}
+    assert (ended["p1"].attributes or {})["gorgo.status"] == "ok"
+    assert (ended["p2"].attributes or {})["gorgo.status"] == "shutdown"
+    assert ended["p1"].start_time is not None and ended["p1"].end_time is not None
+    assert ended["p1"].start_time <= ended["p1"].end_time
