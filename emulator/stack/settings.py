@@ -153,6 +153,9 @@ class StackSettings:
     seed: int = 0
     # More `gorgo serve` flags for the stack's router (e.g. --profile FILE).
     serve_args: Sequence[str] = ()
+    # Another program in the router's place, given `--config PATH` (a benchmark's floor:
+    # loadgen/bench/live/floor.py); empty: `gorgo serve`.
+    router_argv: Sequence[str] = ()
     # The routers' admin token (GORGO_ADMIN_TOKEN in their environment): "" = a random one
     # per stack (Stack.admin_token, printed in the ready line), so that no web page in the
     # operator's browser can change a router's state (docs/reliability.md, Security).

@@ -240,7 +240,11 @@ class Stack(SupervisedChildren):
 
     def spawn_router(self, name: str, config: Path, args: Sequence[str] = ()) -> None:
         """A `gorgo serve` child with the stack's admin token and a last good config."""
-        argv = serve_argv(config, self.workdir / f"{name}.last-good.yaml", args)
+        argv = (
+            [*self.settings.router_argv, "--config", str(config)]
+            if self.settings.router_argv
+            else serve_argv(config, self.workdir / f"{name}.last-good.yaml", args)
+        )
         self._spawn(name, argv, {"GORGO_ADMIN_TOKEN": self.admin_token})
 
     def start_envoy(self, name: str = "envoy", config_text: str | None = None) -> None:

@@ -1,15 +1,21 @@
 """`gorgo bench path`: where one request's time goes in the router.
 
 `gorgo bench overhead`'s stack (Envoy + gorgo in front of zero-delay engines, no WAN
-links) runs twice: once plain, to measure the router process's CPU per request (from
-/proc) and the TTFT Envoy + gorgo adds over Envoy alone; once with `gorgo serve --profile`
-(cProfile, which slows everything alike), to split that CPU by step of the request's
-path. Each step's share of the profiled busy time, times the plain CPU per request, is
-its estimated cost. Prompts of 1k and 32k tokens, one request at a time, streamed.
+links) runs, per prompt size (1k and 32k tokens, one request at a time, streamed):
+- with the floor in the router's place (loadgen/bench/live/floor.py: the least a Python
+  ext_proc service does behind the same Envoy config): the price of the streams the
+  design opens per request, measured the same way;
+- with `gorgo serve`, tracing off and then on (an OTLP endpoint set: its spans exported
+  to a receiver the bench runs, the phase's CPU read once they have all arrived): the
+  router process's CPU per request (from /proc) and the TTFT added over Envoy alone;
+- with `gorgo serve --profile` (cProfile, which slows everything alike; tracing off), to
+  split the tracing-off CPU by step of the request's path: each step's share of the
+  profiled busy time (the event loop's idle wait excluded) times that CPU.
 
 What cProfile cannot see: gRPC's C core (HTTP/2 framing, the completion queue) runs
 outside Python frames, and what it calls back into Python counts under "gRPC and
-asyncio" (everything not in a named step, the event loop's idle wait excluded).
+asyncio" (everything not in a named step); the span exporter's thread is not profiled
+(tracing on minus off is its cost).
 """
 
 from __future__ import annotations
@@ -21,12 +27,14 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from emulator.stack.ports import free_ports
 from loadgen.bench.live import load as bench_load
 from loadgen.bench.live import overhead as bench_overhead
+from loadgen.bench.live.otlp_sink import OtlpSink
 from loadgen.client.stream import chat_body, percentile
 
-# (label, file suffix, function name): the steps, outermost first. A step's time includes
-# what it calls, so nested steps are shown indented beneath and not summed twice.
+# (label, file suffix, function name, depth): the steps, outermost first. A step's time
+# includes what it calls, so nested steps are shown indented beneath and not summed twice.
 STEPS = (
     ("ext_proc stream: a message in, a reply out", "envoy/server.py", "process", 0),
     ("decode a message (protobuf -> phase)", "envoy/codec.py", "decode", 1),
@@ -37,12 +45,20 @@ STEPS = (
     ("decide", "core/router.py", "decide", 3),
     ("prompt -> prefix blocks", "core/features.py", "prompt_blocks", 4),
     ("candidates and their cost terms", "core/features.py", "candidates", 4),
-    ("telemetry: span and metrics", "service/telemetry/listener.py", "on_dispatch", 4),
     ("encode the decision", "envoy/encoders.py", "encode", 2),
     ("first response chunk (TTFT)", "envoy/sessions.py", "on_response_body", 1),
+    # the loop's next turn after the reply (Telemetry.on_dispatch)
+    (
+        "telemetry: the dispatch recorded (metrics, span ids)",
+        "service/telemetry/listener.py",
+        "_record_dispatches",
+        0,
+    ),
     ("access log: completions read", "envoy/access_log.py", "stream_access_logs", 0),
     # called a moment later from the event loop (access_log.COMPLETION_GRACE_S)
     ("close: learners, telemetry", "core/router.py", "close", 0),
+    ("learners (speed, prefix, tuner)", "core/learners.py", "on_close", 1),
+    ("telemetry: metrics, the span built", "service/telemetry/listener.py", "on_close", 1),
     (
         "engine load reports (periodic scrapes)",
         "feeds/engine_metrics.py",
@@ -51,6 +67,7 @@ STEPS = (
     ),
 )
 IDLE = ("select.epoll", "poll")  # the event loop waiting: not the router's work
+FLOOR_ARGV = (sys.executable, "-m", "loadgen.bench.live.floor")
 
 
 @dataclass
@@ -60,17 +77,30 @@ class Plain:
     added_p99_ms: float
 
 
-def plain(tokens: int, requests: int) -> Plain:
-    stack, urls = bench_overhead.paired_stack("gorgo")
+def plain(tokens: int, requests: int, otlp: bool = False, floor: bool = False) -> Plain:
+    """One phase of `requests` at `tokens`: the router's CPU per request (spans exported
+    first with `otlp`) and the TTFT added over Envoy alone; `floor`: the floor routes."""
+    port = free_ports(1)[0] if otlp else 0
+    stack, urls = bench_overhead.paired_stack(
+        "gorgo",
+        otlp_endpoint=f"127.0.0.1:{port}" if otlp else "",
+        router_argv=FLOOR_ARGV if floor else (),
+    )
+    sink = None
     try:
+        sink = OtlpSink(port) if otlp else None  # after the stack's processes forked
         body = chat_body(bench_overhead._prompt(tokens), 1)
         asyncio.run(bench_overhead._alternate(urls, body, 10))
+        bench_overhead.wait_exported(sink, 10)
         pid = stack.procs["gorgo-serve"].pid
         cpu0 = bench_load.proc_cpu_s(pid)
         pair = asyncio.run(bench_overhead._alternate(urls, body, requests))
+        bench_overhead.wait_exported(sink, 10 + requests)
         cpu_ms = (bench_load.proc_cpu_s(pid) - cpu0) * 1e3 / requests
     finally:
         stack.stop()
+        if sink is not None:
+            sink.stop()
     e, g = bench_overhead._ttfts(pair.envoy), bench_overhead._ttfts(pair.gorgo)
     return Plain(
         cpu_ms,
@@ -109,11 +139,23 @@ def split(stats: pstats.Stats) -> tuple[dict[str, float], float]:
     return steps, total - idle
 
 
-def report(tokens: int, p: Plain, steps: dict[str, float], busy_s: float) -> list[str]:
-    lines = [
-        f"{tokens // 1024}k-token prompt: router CPU {p.cpu_ms:.3f} ms per request; TTFT added "
-        f"over Envoy alone p50 {p.added_p50_ms:.2f} ms, p99 {p.added_p99_ms:.2f} ms",
-        f"  {'step':<52} {'share':>6} {'~us/request':>12}",
+def _row(label: str, p: Plain) -> str:
+    return (
+        f"  {label:<44} CPU {p.cpu_ms:6.3f} ms/request; TTFT added p50 "
+        f"{p.added_p50_ms:5.2f} ms, p99 {p.added_p99_ms:5.2f} ms"
+    )
+
+
+def report(
+    tokens: int, runs: dict[str, Plain], steps: dict[str, float], busy_s: float
+) -> list[str]:
+    p = runs["tracing off"]
+    lines = [f"{tokens // 1024}k-token prompt:"]
+    lines += [_row(label, r) for label, r in runs.items()]
+    export = runs["tracing on"].cpu_ms - p.cpu_ms
+    lines += [
+        f"  span export (tracing on minus off): {export:.3f} ms/request",
+        f"  tracing off, by step: {'share':>6} {'~us/request':>12}",
     ]
     top = 0.0
     for label, _, _, depth in STEPS:
@@ -133,11 +175,17 @@ def run_path_bench(requests: int = 300) -> int:
     lines: list[str] = []
     with tempfile.TemporaryDirectory(prefix="gorgo-path-") as tmp:
         for tokens in (1024, 32768):
-            print(f"  {tokens}-token prompts: plain run...", file=sys.stderr)
-            p = plain(tokens, requests)
+            runs: dict[str, Plain] = {}
+            for label, otlp, floor in (
+                ("floor (the same streams, nothing done)", False, True),
+                ("tracing off", False, False),
+                ("tracing on", True, False),
+            ):
+                print(f"  {tokens}-token prompts: {label}...", file=sys.stderr)
+                runs[label] = plain(tokens, requests, otlp, floor)
             print(f"  {tokens}-token prompts: profiled run...", file=sys.stderr)
             stats = profiled(tokens, requests, Path(tmp) / f"router-{tokens}.prof")
             steps, busy = split(stats)
-            lines += report(tokens, p, steps, busy)
+            lines += report(tokens, runs, steps, busy)
     print("\n".join(lines))
     return 0
