@@ -110,8 +110,12 @@ def access_log() -> dict[str, Any]:
                 "log_name": ACCESS_LOG_NAME,
                 "transport_api_version": "V3",
                 "grpc_service": {"envoy_grpc": {"cluster_name": EXT_PROC_CLUSTER}},
-                # Completion feeds the in-flight count: send each entry at once.
-                "buffer_size_bytes": 0,
+                # Entries go in batches: every 50 ms or 16 KB (~30 entries), whichever
+                # comes first. One gRPC message per entry cost the router ~0.3 ms of CPU
+                # per request (gorgo bench overhead); a completion is learned at most
+                # 50 ms late, a few percent of an LLM request's life (the first token,
+                # which the load model waits on, comes over the observing stream).
+                "buffer_size_bytes": 16384,
                 "buffer_flush_interval": "0.05s",
             },
             "additional_response_headers_to_log": [HEADER_BACKEND],
