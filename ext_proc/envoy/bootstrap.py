@@ -34,7 +34,7 @@ from ext_proc.envoy.clusters import (
     socket_address,
     xds_path,
 )
-from ext_proc.envoy.filters import access_log, ext_proc_filters, node_id
+from ext_proc.envoy.filters import access_logs, ext_proc_filters, node_id
 from ext_proc.vocab.params import ConfigError, split_host_port
 
 
@@ -229,7 +229,7 @@ def build_envoy_config(cfg: Config, ext_proc: bool = True) -> dict[str, Any]:
                 },
             }
         ],
-        "access_log": [access_log()] if ext_proc else [],
+        "access_log": access_logs() if ext_proc else [],
         "local_reply_config": _json_local_replies(),
         "route_config": _route(cfg),
         "http_filters": [

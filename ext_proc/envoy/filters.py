@@ -1,5 +1,6 @@
 """The router's own filters in an Envoy HTTP connection manager: the two ext_proc filters
-(routing, observing) and the gRPC access log, all to the router's cluster.
+(routing, observing) and the gRPC access logs (failures at once, the rest batched), all
+to the router's cluster.
 """
 
 from __future__ import annotations
@@ -101,21 +102,37 @@ def ext_proc_filters(cfg: Config) -> list[dict[str, Any]]:
     return [route, observe]
 
 
-def access_log() -> dict[str, Any]:
+def access_logs() -> list[dict[str, Any]]:
+    """Two gRPC access logs to the router, one entry each per request: failures (status
+    400 and up) sent at once, so a failing backend is ejected on its next request;
+    the rest in batches, every 50 ms or 16 KB (~30 entries), whichever comes first: one
+    gRPC message per entry cost the router ~0.3 ms of CPU per request (gorgo bench
+    overhead), and a completion learned at most 50 ms late is a few percent of an LLM
+    request's life (the first token, which the load model waits on, comes over the
+    observing stream)."""
+    return [
+        _access_log(_status("GE", 400, "failures"), buffer_size_bytes=0),
+        _access_log(_status("LE", 399, "others"), buffer_size_bytes=16384),
+    ]
+
+
+def _status(op: str, code: int, name: str) -> dict[str, Any]:
+    """An access-log filter on the response code (`op`: Envoy's GE, LE)."""
+    value = {"default_value": code, "runtime_key": f"gorgo.access_log.{name}"}
+    return {"status_code_filter": {"comparison": {"op": op, "value": value}}}
+
+
+def _access_log(only: dict[str, Any], buffer_size_bytes: int) -> dict[str, Any]:
     return {
         "name": "envoy.access_loggers.http_grpc",
+        "filter": only,
         "typed_config": {
             TYPE: f"{API}.extensions.access_loggers.grpc.v3.HttpGrpcAccessLogConfig",
             "common_config": {
                 "log_name": ACCESS_LOG_NAME,
                 "transport_api_version": "V3",
                 "grpc_service": {"envoy_grpc": {"cluster_name": EXT_PROC_CLUSTER}},
-                # Entries go in batches: every 50 ms or 16 KB (~30 entries), whichever
-                # comes first. One gRPC message per entry cost the router ~0.3 ms of CPU
-                # per request (gorgo bench overhead); a completion is learned at most
-                # 50 ms late, a few percent of an LLM request's life (the first token,
-                # which the load model waits on, comes over the observing stream).
-                "buffer_size_bytes": 16384,
+                "buffer_size_bytes": buffer_size_bytes,
                 "buffer_flush_interval": "0.05s",
             },
             "additional_response_headers_to_log": [HEADER_BACKEND],

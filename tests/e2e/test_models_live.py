@@ -215,9 +215,14 @@ def test_each_model_goes_where_it_is_served_and_the_rest_are_answered() -> None:
         assert (back.status, back.backend) == (200, SEOUL)
 
         # beta's only backend draining (a stream still on it): 503, then removed: 404
+        deadline = time.monotonic() + 5
+        # the last request's completion first (Envoy batches its access-log entries, up
+        # to 50 ms): in flight then means the long stream
+        while router_state(stack)["backends"][SEOUL]["in_flight"] != 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
         long = threading.Thread(target=ask, args=(stack, "beta", 150))  # ~2.3 s of decode
         long.start()
-        deadline = time.monotonic() + 5
         while router_state(stack)["backends"][SEOUL]["in_flight"] == 0:
             assert time.monotonic() < deadline
             time.sleep(0.02)
