@@ -87,6 +87,7 @@ async def serve(config_path: str) -> None:
     server.add_insecure_port(cfg["listen"]["grpc"])
     await server.start()
     app = web.Application()
+
     async def healthz(_: web.Request) -> web.Response:
         return web.Response(text="ok")
 
