@@ -125,31 +125,37 @@ def add_services(
     """`forward`: hands what this router saw of another's request to it (FleetBus)."""
     access_log = AccessLogService(router, on_fallback, forward)
     ext_proc = ExtProcService(router, decision_encoder(router.cfg), tokens, forward)
-    server.add_generic_rpc_handlers(
-        (
-            grpc.method_handlers_generic_handler(
-                EXT_PROC_SERVICE,
-                {
-                    "Process": grpc.stream_stream_rpc_method_handler(
-                        ext_proc.process,
-                        request_deserializer=codec.ProcessingRequest.FromString,
-                        response_serializer=codec.ProcessingResponse.SerializeToString,
-                    )
-                },
-            ),
-            grpc.method_handlers_generic_handler(
-                ACCESS_LOG_SERVICE,
-                {
-                    "StreamAccessLogs": grpc.stream_unary_rpc_method_handler(
-                        access_log.stream_access_logs,
-                        request_deserializer=codec.StreamAccessLogsMessage.FromString,
-                        response_serializer=codec.StreamAccessLogsResponse.SerializeToString,
-                    )
-                },
-            ),
-        )
-    )
+    server.add_generic_rpc_handlers(rpc_handlers(ext_proc.process, access_log.stream_access_logs))
     return ext_proc, access_log
+
+
+def rpc_handlers(
+    process: Callable[..., Any], stream_access_logs: Callable[..., Any]
+) -> tuple[grpc.GenericRpcHandler, ...]:
+    """Envoy's two services, as grpc.aio serves them: ext_proc's `Process` (a stream of
+    requests and replies) and the access log's `StreamAccessLogs`."""
+    return (
+        grpc.method_handlers_generic_handler(
+            EXT_PROC_SERVICE,
+            {
+                "Process": grpc.stream_stream_rpc_method_handler(
+                    process,
+                    request_deserializer=codec.ProcessingRequest.FromString,
+                    response_serializer=codec.ProcessingResponse.SerializeToString,
+                )
+            },
+        ),
+        grpc.method_handlers_generic_handler(
+            ACCESS_LOG_SERVICE,
+            {
+                "StreamAccessLogs": grpc.stream_unary_rpc_method_handler(
+                    stream_access_logs,
+                    request_deserializer=codec.StreamAccessLogsMessage.FromString,
+                    response_serializer=codec.StreamAccessLogsResponse.SerializeToString,
+                )
+            },
+        ),
+    )
 
 
 def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:

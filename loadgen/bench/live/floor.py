@@ -21,8 +21,9 @@ import grpc
 import yaml
 from aiohttp import web
 
-from ext_proc.common.names import ACCESS_LOG_SERVICE, EXT_PROC_SERVICE, HEADER_BACKEND
+from ext_proc.common.names import HEADER_BACKEND
 from ext_proc.envoy import codec
+from ext_proc.envoy.server import rpc_handlers
 from ext_proc.vocab.params import split_host_port
 
 
@@ -60,30 +61,7 @@ async def serve(config_path: str) -> None:
         cfg = yaml.safe_load(f)
     floor = Floor(cfg["backends"][0]["id"])
     server = grpc.aio.server()
-    server.add_generic_rpc_handlers(
-        (
-            grpc.method_handlers_generic_handler(
-                EXT_PROC_SERVICE,
-                {
-                    "Process": grpc.stream_stream_rpc_method_handler(
-                        floor.process,
-                        request_deserializer=codec.ProcessingRequest.FromString,
-                        response_serializer=codec.ProcessingResponse.SerializeToString,
-                    )
-                },
-            ),
-            grpc.method_handlers_generic_handler(
-                ACCESS_LOG_SERVICE,
-                {
-                    "StreamAccessLogs": grpc.stream_unary_rpc_method_handler(
-                        floor.access_logs,
-                        request_deserializer=codec.StreamAccessLogsMessage.FromString,
-                        response_serializer=codec.StreamAccessLogsResponse.SerializeToString,
-                    )
-                },
-            ),
-        )
-    )
+    server.add_generic_rpc_handlers(rpc_handlers(floor.process, floor.access_logs))
     server.add_insecure_port(cfg["listen"]["grpc"])
     await server.start()
     app = web.Application()
