@@ -62,7 +62,8 @@ async def test_the_page_shows_the_fleet_a_decision_and_its_terms_live(
 ) -> None:
     await send(stack, "page-X")
     await browser.goto(f"{stack.admin_url}/ui")
-    await browser.wait_for(ROW.format("page-X"))
+    # the row drawn (its text laid out: under load the first paint can lag the insert)
+    await browser.wait_for(ROW.format("page-X") + "?.innerText.includes('page-X')")
     fleet = await browser.evaluate(
         "[...document.querySelectorAll('#fleet tbody tr')].map(r => r.dataset.backend)"
     )
