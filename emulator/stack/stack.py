@@ -239,7 +239,8 @@ class Stack(SupervisedChildren):
             self.spawn_router(f"{name}-gorgo-serve", path, self.settings.serve_args)
 
     def spawn_router(self, name: str, config: Path, args: Sequence[str] = ()) -> None:
-        """A `gorgo serve` child with the stack's admin token and a last good config."""
+        """A `gorgo serve` child with the stack's admin token and a last good config (or
+        the settings' `router_argv` in its place, given the config)."""
         argv = (
             [*self.settings.router_argv, "--config", str(config)]
             if self.settings.router_argv

@@ -55,9 +55,6 @@ A_PACE_HOLD_MS = "gorgo.pace_hold_ms"
 # it was offered room and found none.
 A_FLOW_WAITED_MS = "gorgo.flow.waited_ms"
 A_FLOW_QUEUED_BEHIND = "gorgo.flow.queued_behind"
-# Each candidate's fields in `gorgo.candidates` besides its backend and cost terms (one
-# field per registered term, `<name>_<unit>`: vocab.terms).
-CANDIDATE_FIELDS = ("cached_tokens", "cost", "predicted_ttft_ms", "predicted_e2e_ms")
 
 
 def session_hash(key: str | None) -> str:

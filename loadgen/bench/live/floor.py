@@ -29,7 +29,7 @@ from ext_proc.vocab.params import split_host_port
 
 class Floor:
     def __init__(self, backend: str) -> None:
-        self.headers = codec.continue_response(codec.REQUEST_HEADERS)
+        self.headers = codec.bare_continue(codec.REQUEST_HEADERS)
         self.body = codec.continue_response(
             codec.REQUEST_BODY, {HEADER_BACKEND: backend}, clear_route_cache=True
         )

@@ -265,25 +265,35 @@ def wait_exported(sink: OtlpSink | None, spans: int) -> None:
         time.sleep(0.05)
 
 
+def cpu_phase(
+    urls: tuple[str, str],
+    body: dict[str, object],
+    n: int,
+    router_pid: int,
+    sink: OtlpSink | None = None,
+    routed: int = 0,
+) -> tuple[Pair, float]:
+    """10 requests to each proxy to warm connections and caches, then `n` each,
+    alternating: their results and the router process's CPU (all its threads) per request
+    over the `n`, read once the sink has their spans (`routed`: spans the router had sent
+    it before; the wait's idle CPU is in it too)."""
+    asyncio.run(_alternate(urls, body, 10))
+    wait_exported(sink, routed + 10)
+    cpu0_s = proc_cpu_s(router_pid)
+    pair = asyncio.run(_alternate(urls, body, n))
+    wait_exported(sink, routed + 10 + n)
+    return pair, (proc_cpu_s(router_pid) - cpu0_s) * 1e3 / n
+
+
 def _measure(
     urls: tuple[str, str], n: int, router_pid: int, sink: OtlpSink | None = None
 ) -> list[str]:
     lines = [HEADER]
     cpu_lines = []
-    routed = 0
-    for tokens in (1024, 32768):
+    for i, tokens in enumerate((1024, 32768)):
         body = chat_body(_prompt(tokens), 1)
-        asyncio.run(_alternate(urls, body, 10))  # warm connections and caches
-        routed += 10
-        wait_exported(sink, routed)
         print(f"  concurrency 1, {tokens}-token prompt, {n} requests each...", file=sys.stderr)
-        cpu0_s = proc_cpu_s(router_pid)
-        pair = asyncio.run(_alternate(urls, body, n))
-        routed += n
-        wait_exported(sink, routed)
-        # the router's process CPU (all its threads) per request routed in the phase, its
-        # spans exported (with --otlp; the wait's idle CPU is in it too)
-        cpu_ms = (proc_cpu_s(router_pid) - cpu0_s) * 1e3 / n
+        pair, cpu_ms = cpu_phase(urls, body, n, router_pid, sink, i * (10 + n))
         tgt = f"<= {TARGET_CPU_MS:g}" if tokens == 1024 else ""
         cpu_lines.append(
             f"{f'router CPU ms/request, {tokens // 1024}k':<34} {'':>12} {cpu_ms:>12.3f} "

@@ -28,7 +28,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from emulator.stack.ports import free_ports
-from loadgen.bench.live import load as bench_load
 from loadgen.bench.live import overhead as bench_overhead
 from loadgen.bench.live.otlp_sink import OtlpSink
 from loadgen.client.stream import chat_body, percentile
@@ -90,13 +89,8 @@ def plain(tokens: int, requests: int, otlp: bool = False, floor: bool = False) -
     try:
         sink = OtlpSink(port) if otlp else None  # after the stack's processes forked
         body = chat_body(bench_overhead._prompt(tokens), 1)
-        asyncio.run(bench_overhead._alternate(urls, body, 10))
-        bench_overhead.wait_exported(sink, 10)
         pid = stack.procs["gorgo-serve"].pid
-        cpu0 = bench_load.proc_cpu_s(pid)
-        pair = asyncio.run(bench_overhead._alternate(urls, body, requests))
-        bench_overhead.wait_exported(sink, 10 + requests)
-        cpu_ms = (bench_load.proc_cpu_s(pid) - cpu0) * 1e3 / requests
+        pair, cpu_ms = bench_overhead.cpu_phase(urls, body, requests, pid, sink)
     finally:
         stack.stop()
         if sink is not None:
