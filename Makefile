@@ -50,8 +50,9 @@ up: venv
 test: venv
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
-# The end-to-end tests of 5 s or more (kills under load, probe phases): ~4 min; CI runs them
-# after `make test`.
+# The end-to-end tests of 5 s or more (kills under load, probe phases): ~4 min, and a wheel
+# from a fresh clone installed without constraints (tests/install/test_clean_clone.py, ~25 s
+# with pip's cache warm); CI runs them after `make test`.
 test-long: venv
 	$(PY) -m pytest -q -m long $(PYTEST_ARGS)
 
