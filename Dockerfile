@@ -10,29 +10,21 @@
 #   docker build --target full -t gorgo-full .          # router + harness
 #   docker run --rm -v $PWD/config/compose/gorgo.yaml:/etc/gorgo/gorgo.yaml:ro gorgo-router
 #
-# The build stages compile the protobuf classes (grpcio-tools is a build tool only) and
-# install into a virtual environment; the final stages copy that environment, so no
-# compiler, pip cache or grpcio-tools ships.
+# The build stages install into a virtual environment; the final stages copy that
+# environment, so no pip cache ships. The protobuf module is committed (make proto), so
+# nothing is compiled.
 
 ARG PYTHON_IMAGE=python:3.11-slim
 
 FROM ${PYTHON_IMAGE} AS build-router
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
-# Versions pinned by constraints.txt, as `make venv` does. The protoc venv layer is reused
-# until the pins change.
-COPY pyproject.toml constraints.txt ./
-RUN python -m venv /opt/protoc \
-    && /opt/protoc/bin/pip install -c constraints.txt grpcio-tools \
-    && python -m venv /opt/gorgo
-COPY README.md LICENSE ./
+# Versions pinned by constraints.txt, as `make venv` does.
+COPY pyproject.toml constraints.txt README.md LICENSE ./
 COPY ext_proc ext_proc
-# Protobuf classes generated at build time, exactly as the Makefile's `proto` target does
-# (the repository holds only our own .proto; the generated files are never committed).
-RUN /opt/protoc/bin/python -m grpc_tools.protoc -Iext_proc/envoy/proto --python_out=ext_proc/envoy/proto \
-        --pyi_out=ext_proc/envoy/proto ext_proc/envoy/proto/envoy_wire.proto \
+RUN python -m venv /opt/gorgo \
     && /opt/gorgo/bin/pip install -c constraints.txt . \
-    && cd / && /opt/gorgo/bin/gorgo serve --help > /dev/null
+    && cd / && /opt/gorgo/bin/gorgo --version && /opt/gorgo/bin/python -c 'import ext_proc.envoy.server'
 
 FROM build-router AS build-full
 COPY emulator emulator

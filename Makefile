@@ -5,7 +5,6 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PROTO_SRC := ext_proc/envoy/proto/envoy_wire.proto
-PROTO_OUT := ext_proc/envoy/proto/envoy_wire_pb2.py
 PYTEST_ARGS ?=
 
 # Python 3.11 or newer, checked before anything is installed (3.10 would fail midway in pip).
@@ -26,7 +25,7 @@ VLLM_VENV ?= .venv-vllm
 
 .PHONY: venv proto demo up test test-long test-all test-real vllm check lint types bench bench-overhead screenshot trace clean
 
-venv: $(STAMP) $(PROTO_OUT)
+venv: $(STAMP)
 
 $(STAMP): pyproject.toml constraints.txt
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
@@ -34,12 +33,13 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[harness,dev]'
 	touch $@
 
-# Our own minimal proto (Envoy's field numbers), compiled at build time.
-$(PROTO_OUT): $(PROTO_SRC) $(STAMP)
+# Our own minimal proto (Envoy's field numbers). Its generated module (envoy_wire_pb2.py,
+# .pyi) is committed, so every install (wheel, sdist, editable, the Docker images) ships the
+# module the tests ran and compiles nothing: after editing the .proto, run `make proto` and
+# commit both (tests/unit/envoy/test_proto_module.py fails until they match it).
+proto: $(STAMP)
 	$(PY) -m grpc_tools.protoc -Iext_proc/envoy/proto --python_out=ext_proc/envoy/proto \
 		--pyi_out=ext_proc/envoy/proto $(PROTO_SRC)
-
-proto: $(PROTO_OUT)
 
 demo: venv
 	$(VENV)/bin/gorgo demo
@@ -50,8 +50,9 @@ up: venv
 test: venv
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
-# The end-to-end tests of 5 s or more (kills under load, probe phases): ~4 min; CI runs them
-# after `make test`.
+# The end-to-end tests of 5 s or more (kills under load, probe phases): ~4 min, and a wheel
+# from a fresh clone installed without constraints (tests/install/test_clean_clone.py, ~25 s
+# with pip's cache warm); CI runs them after `make test`.
 test-long: venv
 	$(PY) -m pytest -q -m long $(PYTEST_ARGS)
 
@@ -95,4 +96,4 @@ $(TRACE):
 	curl -fL --retry 3 -o $@.part $(TRACE_URL) && mv $@.part $@
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) ext_proc/envoy/proto/*_pb2.py ext_proc/envoy/proto/*_pb2.pyi .pytest_cache .mypy_cache
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .mypy_cache

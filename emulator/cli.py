@@ -18,7 +18,7 @@ from ext_proc.cli import Commands
 from ext_proc.vocab.params import ConfigError, split_host_port
 
 TOKENIZER_HELP = (
-    "tiny (the default): the tiny model's byte-level BPE and ChatML template (the real-vLLM "
+    "tiny: the tiny model's byte-level BPE and ChatML template (the real-vLLM "
     "tier's), built once into ~/.cache/gorgo ($GORGO_CACHE_DIR); approx: 4 UTF-8 bytes per "
     "token; or a tokenizer.json, or a model directory holding one"
 )
@@ -285,10 +285,15 @@ def add_commands(commands: Commands) -> None:
         "Qwen3.5-35B-A3B FP8) or a YAML file. Faults can also be changed at run time: "
         "POST /faults with the same names.",
     )
-    s.add_argument("--flavor", choices=["sglang", "vllm"], default="sglang")
+    s.add_argument(
+        "--flavor",
+        choices=["sglang", "vllm"],
+        default="sglang",
+        help="whose twin: its wire format, flags, metrics and errors",
+    )
     s.add_argument("--name", required=True, help="backend id reported by the engine")
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=30000)
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    s.add_argument("--port", type=int, default=30000, help="port to listen on (SGLang's)")
     s.add_argument(
         "--served-model-name",
         nargs="+",
@@ -429,7 +434,7 @@ def add_commands(commands: Commands) -> None:
         type=float,
         default=0.0,
         metavar="P",
-        help="chance per chunk of bytes that a delay spike hits, 0..1 (default 0: none)",
+        help="chance per chunk of bytes that a delay spike hits, 0..1 (0: none)",
     )
     s.add_argument(
         "--spike-ms", type=float, default=0.0, metavar="MS", help="RTT added when a spike hits"
@@ -440,15 +445,23 @@ def add_commands(commands: Commands) -> None:
         default=0,
         metavar="PORT",
         help="serve GET/POST /rtt on 127.0.0.1:PORT to read or change rtt_ms, jitter_ms, "
-        "spike_probability and spike_ms at run time (default 0: off)",
+        "spike_probability and spike_ms at run time (0: off)",
     )
     s.set_defaults(func=_wan)
 
     add_up_command(sub, policies)
 
     bench = commands.bench()
-    b = bench.add_parser("engine-model", help="engine model vs calibration targets, figures")
-    b.add_argument("--profile", default="l40s-qwen3.5-35b-a3b-fp8")
+    b = bench.add_parser(
+        "engine-model",
+        help="engine model vs calibration targets, figures",
+        description="The engine model (emulator/engine) in process at rising arrival "
+        "rates: TTFT and ITL percentiles and the mean batch at each, the figures its "
+        "calibration is judged by (docs/engine-model.md), written to --out.",
+    )
+    b.add_argument(
+        "--profile", default="l40s-qwen3.5-35b-a3b-fp8", help="engine profile: name or YAML"
+    )
     b.add_argument("--requests", type=int, default=600, help="requests per load point")
     b.add_argument("--out", default="docs/img", help="directory for the PNG figures")
     b.set_defaults(func=_bench_engine_model)

@@ -31,10 +31,16 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def add_demo(sub: Any, policies: Sequence[str]) -> None:
-    s = sub.add_parser("demo", help="start the local stack, send requests, print a table")
-    s.add_argument("--requests", type=int, default=100)
-    s.add_argument("--concurrency", type=int, default=8)
-    s.add_argument("--policy", default="gorgo", choices=policies)
+    s = sub.add_parser(
+        "demo",
+        help="start the local stack, send requests, print a table",
+        description="`make demo`: starts the local stack (as gorgo up), sends chat requests "
+        "through its front door, prints where they went and their TTFT and E2E per backend, "
+        "and stops the stack.",
+    )
+    s.add_argument("--requests", type=int, default=100, help="chat requests to send")
+    s.add_argument("--concurrency", type=int, default=8, help="requests in flight at once")
+    s.add_argument("--policy", default="gorgo", choices=policies, help="the router's policy")
     s.set_defaults(func=_demo)
 
 

@@ -51,15 +51,26 @@ def _up(args: argparse.Namespace) -> int:
             engine_profiles=fleet.profiles,
             engine_models=fleet.models,
             engine_loras=fleet.loras,
-            admin_token=args.admin_token,
+            # not the flag's default: --help would print the environment's token
+            admin_token=os.environ.get("GORGO_ADMIN_TOKEN", "")
+            if args.admin_token is None
+            else args.admin_token,
         )
     )
 
 
 def add_up_command(sub: Any, policies: Sequence[str]) -> None:
     """The `up` subcommand on `gorgo`'s subparsers."""
-    s = sub.add_parser("up", help="run the whole local stack (Envoy, gorgo, 3 regions)")
-    s.add_argument("--policy", default="gorgo", choices=policies)
+    s = sub.add_parser(
+        "up",
+        help="run the whole local stack (Envoy, gorgo, 3 regions)",
+        description="The local stack as child processes, no Docker: an Envoy front door, "
+        "the router, an emulated engine (or real vLLM) in each of three regions behind a WAN "
+        "delay link. Its ready line names the front door, the router's admin (with its "
+        "admin token) and the logs' directory; Ctrl-C stops it all. A child that dies is "
+        "restarted with backoff; a crash loop stops the stack.",
+    )
+    s.add_argument("--policy", default="gorgo", choices=policies, help="the router's policy")
     s.add_argument(
         "--rtt-profile",
         default="network",
@@ -70,7 +81,7 @@ def add_up_command(sub: Any, policies: Sequence[str]) -> None:
         "--engine",
         default="emulated",
         choices=["emulated", "vllm"],
-        help="emulated engines (the default), or real vLLM instances serving a tiny local "
+        help="emulated engines, or real vLLM instances serving a tiny local "
         "model on this machine's CPU (installed on first use by `make vllm`)",
     )
     s.add_argument(
@@ -87,7 +98,7 @@ def add_up_command(sub: Any, policies: Sequence[str]) -> None:
         help="an Envoy and a router in each of the first N regions, each reaching every "
         "backend at its own RTTs; the routers share the engines' KV events (implies "
         "--kv-events) and tell each other their dispatches over a NATS server the stack "
-        "starts. Default 1: one front door in us-ashburn (the paper's setup)",
+        "starts. 1: one front door in us-ashburn (the paper's setup)",
     )
     s.add_argument(
         "--routers",
@@ -124,7 +135,7 @@ def add_up_command(sub: Any, policies: Sequence[str]) -> None:
     )
     s.add_argument(
         "--admin-token",
-        default=os.environ.get("GORGO_ADMIN_TOKEN", ""),
+        default=None,
         metavar="TOKEN",
         help="the routers' admin token, for calls that change their state (Authorization: "
         "Bearer TOKEN); default GORGO_ADMIN_TOKEN, else a random one, printed in the ready line",

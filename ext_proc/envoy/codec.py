@@ -8,14 +8,7 @@ from dataclasses import dataclass
 from google.protobuf.duration_pb2 import Duration
 
 from ext_proc.common.names import EXT_PROC_ATTRIBUTES, HEADER_BACKEND, REQUEST_ID_ATTRIBUTE
-
-try:
-    from ext_proc.envoy.proto import envoy_wire_pb2 as pb
-except ImportError as e:  # pragma: no cover - depends on the build step
-    raise ImportError(
-        "ext_proc/envoy/proto/envoy_wire_pb2.py is generated at build time: run `make proto` "
-        "(or `make test`/`make demo`, which run it)"
-    ) from e
+from ext_proc.envoy.proto import envoy_wire_pb2 as pb
 
 REQUEST_HEADERS = "request_headers"
 REQUEST_BODY = "request_body"

@@ -19,10 +19,16 @@ def _results(args: argparse.Namespace) -> int:
 
 
 def add_results(bench: Any, policies: Sequence[str]) -> None:
-    b = bench.add_parser("results", help="the paper's experiment in the simulator")
+    b = bench.add_parser(
+        "results",
+        help="the paper's experiment in the simulator",
+        description="`make bench`: the paper's experiment on the Mooncake conversation trace "
+        "in the simulator, every policy side by side on its tuning and held-out windows, "
+        "written as docs/results.md with its figures.",
+    )
     b.add_argument("--trace", default=CONVERSATION_TRACE, help="Mooncake conversation trace")
-    b.add_argument("--out", default="docs/results.md")
-    b.add_argument("--img", default="docs/img")
+    b.add_argument("--out", default="docs/results.md", help="the report")
+    b.add_argument("--img", default="docs/img", help="directory for its figures")
     b.add_argument("--work", default="out/bench", help="result files of every run")
     b.set_defaults(func=_results)
 

@@ -123,9 +123,16 @@ def add_simulate(sub: Any, policies: Sequence[str]) -> None:
     s.add_argument(
         "--time-scale", action="append", type=float, help="repeatable; 2 = half the rate"
     )
-    s.add_argument("--rtt-profile", default="network", choices=["network", "paper"])
-    s.add_argument("--engine-profile", default=DEFAULT_PROFILE)
-    s.add_argument("--seed", type=int, default=0)
+    s.add_argument(
+        "--rtt-profile",
+        default="network",
+        choices=["network", "paper"],
+        help="WAN delays: network = 1/90/180 ms, paper = 37/279/456 ms (with jitter)",
+    )
+    s.add_argument(
+        "--engine-profile", default=DEFAULT_PROFILE, help="every engine's profile: name or YAML"
+    )
+    s.add_argument("--seed", type=int, default=0, help="seeds the policies and the engines")
     s.add_argument("--start-s", type=float, default=0.0, help="window start (trace time)")
     s.add_argument("--duration-s", type=float, default=None, help="window length")
     s.add_argument("--limit", type=int, default=None, help="at most this many requests")
@@ -164,7 +171,7 @@ def add_simulate(sub: Any, policies: Sequence[str]) -> None:
         metavar="N",
         help="a front door (Envoy + router) in each of the first N regions; sessions come "
         "from every region and enter their own region's door (1: the single proxy, its "
-        "clients spread over the regions; 0, the default: the paper's single proxy with its "
+        "clients spread over the regions; 0: the paper's single proxy with its "
         "clients beside it). Results per region",
     )
     s.add_argument(

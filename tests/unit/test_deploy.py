@@ -590,15 +590,8 @@ def test_dockerfile_builds_like_the_makefile() -> None:
     makefile = (ROOT / "Makefile").read_text()
     assert re.search(r"^FROM \$\{PYTHON_IMAGE\}", dockerfile, re.M)
     assert "ARG PYTHON_IMAGE=python:3.11-slim" in dockerfile
-    # the same protoc invocation as `make proto` (PROTO_SRC spelled out)
-    recipe = re.search(r"-m grpc_tools\.protoc (.+?)\$\(PROTO_SRC\)", makefile, re.S)
-    assert recipe is not None
-    make_args = recipe.group(1).replace("\\\n", " ").split()
-    docker = re.search(
-        r"-m grpc_tools\.protoc (.+?)ext_proc/envoy/proto/envoy_wire\.proto", dockerfile, re.S
-    )
-    assert docker is not None
-    assert docker.group(1).replace("\\\n", " ").split() == make_args
+    # the committed protobuf module is installed as it is: nothing compiles it in the image
+    assert "grpc_tools" not in dockerfile and "grpc_tools.protoc" in makefile
     assert "pip install -c constraints.txt ." in dockerfile
     # The router image holds the router alone; the full one adds the harness.
     stages = dict(re.findall(r"^FROM \S+ AS (\S+)\n(.*?)(?=^FROM |\Z)", dockerfile, re.M | re.S))
@@ -615,10 +608,11 @@ def test_dockerfile_builds_like_the_makefile() -> None:
             assert (ROOT / path).exists(), f"COPY {path}: missing"
     lines = (ROOT / ".dockerignore").read_text().splitlines()
     ignored = [line.strip() for line in lines if line.strip() and not line.startswith("#")]
-    for pattern in (".venv", ".git", "ext_proc/envoy/proto/*_pb2.py"):
+    for pattern in (".venv", ".git"):
         assert pattern in ignored
     for needed in ("README.md", "LICENSE", "pyproject.toml", "constraints.txt", "ext_proc"):
         assert needed not in ignored
+    assert not any("_pb2" in pattern or "proto" in pattern for pattern in ignored)
 
 
 # -- generated Envoy configs -----------------------------------------------------------------

@@ -22,7 +22,13 @@ def _overhead(args: argparse.Namespace) -> int:
 
 
 def add_overhead(bench: Any, policies: Sequence[str]) -> None:
-    b = bench.add_parser("overhead", help="Envoy alone vs Envoy + gorgo ext_proc")
+    b = bench.add_parser(
+        "overhead",
+        help="Envoy alone vs Envoy + gorgo ext_proc",
+        description="What the router adds to a request: the same requests through Envoy "
+        "alone and through Envoy with the router, in turns, on zero-delay engines; the "
+        "added latency and the router's CPU per request (docs/benchmarks.md).",
+    )
     b.add_argument("--requests", type=int, default=500, help="requests per measurement")
     b.add_argument(
         "--long-prompts",
@@ -44,7 +50,7 @@ def add_overhead(bench: Any, policies: Sequence[str]) -> None:
 
 def _slice_flags(b: argparse.ArgumentParser, policies: Sequence[str]) -> None:
     """The trace slice `parity` and `live` replay, and the policies on it."""
-    b.add_argument("--trace", default=CONVERSATION_TRACE)
+    b.add_argument("--trace", default=CONVERSATION_TRACE, help="Mooncake conversation trace")
     b.add_argument("--policy", action="append", choices=policies, help="repeatable")
     b.add_argument("--start-s", type=float, default=600.0, help="slice start (trace time)")
 
@@ -65,10 +71,16 @@ def _parity(args: argparse.Namespace) -> int:
 
 
 def add_parity(bench: Any, policies: Sequence[str]) -> None:
-    b = bench.add_parser("parity", help="live replay vs simulator on one slice")
+    b = bench.add_parser(
+        "parity",
+        help="live replay vs simulator on one slice",
+        description="One slice of the trace replayed live on the local stack and simulated, "
+        "per policy: how far the simulator's percentiles are from the live ones, written "
+        "into docs/results.md.",
+    )
     _slice_flags(b, policies)
     b.add_argument("--duration-s", type=float, default=300.0, help="slice length")
-    b.add_argument("--time-scale", type=float, default=1.0)
+    b.add_argument("--time-scale", type=float, default=1.0, help="2 = half the trace's rate")
     b.add_argument("--results", default="docs/results.md", help="where to write it")
     b.add_argument("--work", default="out/bench", help="result files")
     b.add_argument(
@@ -108,7 +120,13 @@ def _live(args: argparse.Namespace) -> int:
 
 
 def add_live(bench: Any, policies: Sequence[str]) -> None:
-    b = bench.add_parser("live", help="policies side by side on isolated live fleets")
+    b = bench.add_parser(
+        "live",
+        help="policies side by side on isolated live fleets",
+        description="A slice of the trace replayed live, each policy on a local stack of "
+        "its own at the same time; or, with --fleet, one stack on a heterogeneous fleet and "
+        "how well the router predicts each backend's TTFT and E2E.",
+    )
     _slice_flags(b, policies)
     b.add_argument(
         "--duration-s",
@@ -116,7 +134,7 @@ def add_live(bench: Any, policies: Sequence[str]) -> None:
         default=None,
         help="slice length (default 120; with --fleet the rest of the trace, cut by --limit)",
     )
-    b.add_argument("--time-scale", type=float, default=1.0)
+    b.add_argument("--time-scale", type=float, default=1.0, help="2 = half the trace's rate")
     b.add_argument(
         "--fleet",
         metavar="FLEET.yaml",
@@ -150,12 +168,16 @@ def add_prefix_state(bench: Any, policies: Sequence[str]) -> None:
     b = bench.add_parser(
         "prefix-state",
         help="precise vs approximate prefix state live: prediction error, hit rate, p95s",
+        description="The same slice of the trace on two live stacks: one whose router "
+        "follows the engines' KV cache events (precise prefix state), one that tracks its "
+        "own dispatches (approximate); the cached-token prediction error, the hit rate and "
+        "the p95 TTFT and E2E of each (docs/benchmarks.md).",
     )
-    b.add_argument("--trace", default=CONVERSATION_TRACE)
+    b.add_argument("--trace", default=CONVERSATION_TRACE, help="Mooncake conversation trace")
     b.add_argument("--start-s", type=float, default=600.0, help="slice start (trace time)")
     b.add_argument("--duration-s", type=float, default=120.0, help="slice length")
     b.add_argument("--limit", type=int, default=None, help="at most this many requests")
-    b.add_argument("--time-scale", type=float, default=1.0)
+    b.add_argument("--time-scale", type=float, default=1.0, help="2 = half the trace's rate")
     b.add_argument("--out", default="out/bench", help="result files")
     b.add_argument(
         "--front-doors",
@@ -193,9 +215,15 @@ def _load(args: argparse.Namespace) -> int:
 
 
 def add_load(bench: Any, policies: Sequence[str]) -> None:
-    b = bench.add_parser("load", help="concurrent streams through one router: errors, CPU, memory")
-    b.add_argument("--streams", type=int, default=200)
-    b.add_argument("--duration-s", type=float, default=60.0)
+    b = bench.add_parser(
+        "load",
+        help="concurrent streams through one router: errors, CPU, memory",
+        description="Many concurrent streams through Envoy and one router for a while: the "
+        "errors (it exits 1 on any), the router's CPU and memory per request "
+        "(docs/benchmarks.md).",
+    )
+    b.add_argument("--streams", type=int, default=200, help="concurrent streams")
+    b.add_argument("--duration-s", type=float, default=60.0, help="how long they run")
     b.set_defaults(func=_load)
 
 
@@ -207,10 +235,14 @@ def _routers(args: argparse.Namespace) -> int:
 
 def add_routers(bench: Any, policies: Sequence[str]) -> None:
     b = bench.add_parser(
-        "routers", help="requests/s with several router processes behind one Envoy vs one"
+        "routers",
+        help="requests/s with several router processes behind one Envoy vs one",
+        description="Requests per second, and each router process's CPU per 1,000 "
+        "requests, with one router and with N behind one Envoy, in four alternating rounds "
+        "on zero-delay engines.",
     )
-    b.add_argument("--routers", type=int, default=2)
-    b.add_argument("--concurrency", type=int, default=32)
+    b.add_argument("--routers", type=int, default=2, help="router processes, N")
+    b.add_argument("--concurrency", type=int, default=32, help="clients in flight")
     b.add_argument("--duration-s", type=float, default=20.0, help="per round (4 rounds)")
     b.set_defaults(func=_routers)
 
@@ -223,7 +255,11 @@ def _path(args: argparse.Namespace) -> int:
 
 def add_path(bench: Any, policies: Sequence[str]) -> None:
     b = bench.add_parser(
-        "path", help="where a request's time goes in the router: CPU per step (cProfile)"
+        "path",
+        help="where a request's time goes in the router: CPU per step (cProfile)",
+        description="Where a request's CPU goes in the router: the floor (the same gRPC "
+        "streams, nothing done), tracing off and on, and step by step from a cProfile of a "
+        "live gorgo serve --profile, per prompt size.",
     )
     b.add_argument("--requests", type=int, default=300, help="requests per prompt size")
     b.set_defaults(func=_path)
@@ -240,6 +276,9 @@ def add_page(bench: Any, policies: Sequence[str]) -> None:
         "page",
         help="the operator page: render time in headless Chromium, and the router's decide, "
         "overhead and load figures with the page closed and open",
+        description="The operator's page (/ui) of a live stack in headless Chromium: how "
+        "long it takes to render, and the router's decision latency, overhead and load "
+        "figures with the page closed and open.",
     )
     b.add_argument("--streams", type=int, default=200, help="concurrent streams of the load phases")
     b.add_argument("--phase-s", type=float, default=20.0, help="length of each load phase")
@@ -254,10 +293,15 @@ def _engine(args: argparse.Namespace) -> int:
 
 
 def add_engine(bench: Any, policies: Sequence[str]) -> None:
-    b = bench.add_parser("engine", help="live engine: emission lag vs the model, CPU per token")
-    b.add_argument("--streams", type=int, default=64)
-    b.add_argument("--output-tokens", type=int, default=256)
-    b.add_argument("--prompt-tokens", type=int, default=1024)
+    b = bench.add_parser(
+        "engine",
+        help="live engine: emission lag vs the model, CPU per token",
+        description="One emulated engine process under concurrent streams: how late its "
+        "tokens leave against the engine model's schedule, and its CPU per token.",
+    )
+    b.add_argument("--streams", type=int, default=64, help="concurrent streams")
+    b.add_argument("--output-tokens", type=int, default=256, help="tokens each stream asks for")
+    b.add_argument("--prompt-tokens", type=int, default=1024, help="each prompt's length")
     b.set_defaults(func=_engine)
 
 
@@ -272,6 +316,8 @@ def add_screenshot(bench: Any, policies: Sequence[str]) -> None:
         "screenshot",
         help="the operator's page of a fresh local stack after a few hundred chats, as a PNG "
         "(headless Chromium; make screenshot)",
+        description="`make screenshot`: a fresh local stack, a few hundred chats through it, "
+        "then the operator's page (/ui) in headless Chromium, saved as a PNG.",
     )
     b.add_argument("path", nargs="?", help="where to write it (default docs/img/operator-page.png)")
     b.set_defaults(func=_screenshot)

@@ -68,8 +68,18 @@ def add_target(bench: Any, policies: Sequence[str]) -> None:
         help="conversation window start, repeatable (default 0, 1200, 2400)",
     )
     b.add_argument("--duration-s", type=float, default=1200.0, help="conversation window length")
-    b.add_argument("--rtt-profile", action="append", choices=["network", "paper"])
-    b.add_argument("--protocol", action="append", choices=["open", "paper"])
+    b.add_argument(
+        "--rtt-profile",
+        action="append",
+        choices=["network", "paper"],
+        help="WAN delays, repeatable (default both)",
+    )
+    b.add_argument(
+        "--protocol",
+        action="append",
+        choices=["open", "paper"],
+        help="client protocol, repeatable (default both)",
+    )
     b.add_argument(
         "--time-scale",
         action="append",
@@ -85,7 +95,7 @@ def add_target(bench: Any, policies: Sequence[str]) -> None:
         "would be on other engines, e.g. a larger KV pool",
     )
     b.add_argument("--jobs", type=int, default=1, help="simulations in parallel")
-    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--seed", type=int, default=0, help="seed of every simulation")
     b.add_argument("--work", default="out/bench-target", help="result files, one per run")
     b.add_argument("--out", default="out/bench-target/target.md", help="the table ('' : none)")
     b.add_argument(
@@ -113,12 +123,21 @@ def add_learn(bench: Any, policies: Sequence[str]) -> None:
         "learn",
         help="the learned speed on the uniform fleet: gorgo with routing.learn_latency on "
         "vs off in every cell of gorgo bench target",
+        description="gorgo with routing.learn_latency on and off, seed by seed, in every "
+        "cell of gorgo bench target's matrix on the uniform fleet, in the simulator: what "
+        "learning the engines' speed costs or gains where the shipped profile is right "
+        "(docs/results.md).",
     )
-    b.add_argument("--trace", default=CONVERSATION_TRACE)
-    b.add_argument("--jobs", type=int, default=1)
-    b.add_argument("--seeds", type=int, nargs="+", default=[0])
-    b.add_argument("--out", default="out/bench-learn.md")
-    b.add_argument("--ttft-model", choices=["profile", "replay"], default="profile")
+    b.add_argument("--trace", default=CONVERSATION_TRACE, help="Mooncake conversation trace")
+    b.add_argument("--jobs", type=int, default=1, help="simulations in parallel")
+    b.add_argument("--seeds", type=int, nargs="+", default=[0], help="one run per seed")
+    b.add_argument("--out", default="out/bench-learn.md", help="the report")
+    b.add_argument(
+        "--ttft-model",
+        choices=["profile", "replay"],
+        default="profile",
+        help="the router's routing.ttft_model (replay: the step model fitted or not)",
+    )
     b.set_defaults(func=_learn)
 
 
@@ -138,11 +157,19 @@ def add_fleets(bench: Any, policies: Sequence[str]) -> None:
         "fleets",
         help="the learned latency model on heterogeneous fleets (loadgen/data/fleets/), "
         "against the shipped and the true profiles",
+        description="On each heterogeneous fleet of loadgen/data/fleets/, in the simulator: "
+        "gorgo with the shipped profile, with the latency it learns, and with the engines' "
+        "true profiles (the reference), side by side (docs/cost-model.md, docs/results.md).",
     )
     b.add_argument("--fleets", nargs="+", help="default fast-far slow-near mixed-gpus")
     b.add_argument("--time-scales", nargs="+", type=float, help="default 3 4 6")
-    b.add_argument("--workers", type=int, default=2)
-    b.add_argument("--ttft-model", choices=["profile", "replay"], default="profile")
+    b.add_argument("--workers", type=int, default=2, help="simulations in parallel")
+    b.add_argument(
+        "--ttft-model",
+        choices=["profile", "replay"],
+        default="profile",
+        help="the router's routing.ttft_model",
+    )
     b.set_defaults(func=_fleets)
 
 
@@ -165,6 +192,10 @@ def add_models(bench: Any, policies: Sequence[str]) -> None:
         "models",
         help="many models in the simulator (routing by model): the two-models trace on "
         "loadgen/data/fleets/two-models.yaml, gorgo vs every baseline",
+        description="Many models in the simulator: the two-models trace (a model per "
+        "conversation) on the fleet of loadgen/data/fleets/two-models.yaml, where each "
+        "region serves some of the models, gorgo against every baseline (docs/results.md "
+        '"Many models").',
     )
     b.add_argument("--trace", default=CONVERSATION_TRACE, help="Mooncake conversation trace")
     b.add_argument(
@@ -172,9 +203,9 @@ def add_models(bench: Any, policies: Sequence[str]) -> None:
     )
     b.add_argument("--time-scales", nargs="+", type=float, help="default 3 4")
     b.add_argument("--policies", nargs="+", choices=("gorgo", *BASELINES), help="default all")
-    b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--workers", type=int, default=2)
-    b.add_argument("--out", default="out/bench-models.md")
+    b.add_argument("--seed", type=int, default=0, help="seed of every simulation")
+    b.add_argument("--workers", type=int, default=2, help="simulations in parallel")
+    b.add_argument("--out", default="out/bench-models.md", help="the report")
     b.set_defaults(func=_models)
 
 

@@ -24,11 +24,17 @@ def _tuner(args: argparse.Namespace) -> int:
 
 
 def add_tuner(bench: Any, policies: Sequence[str]) -> None:
-    b = bench.add_parser("tuner", help="the tuner through a regime change; false accepts")
+    b = bench.add_parser(
+        "tuner",
+        help="the tuner through a regime change; false accepts",
+        description="The weight tuner in the simulator through a regime change of the "
+        "fleet: how fast it follows, tuned against frozen weights, and its false accepts, "
+        "each target PASS or FAIL per seed (docs/tuner.md).",
+    )
     b.add_argument("--trace", default=CONVERSATION_TRACE, help="Mooncake conversation trace")
-    b.add_argument("--time-scale", type=float, default=6.0)
+    b.add_argument("--time-scale", type=float, default=6.0, help="2 = half the trace's rate")
     b.add_argument("--change-at-s", type=float, default=600.0, help="trace time of the change")
-    b.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
+    b.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4], help="a run each")
     b.add_argument(
         "--convergence",
         action="store_true",
