@@ -279,10 +279,21 @@ class Router:
             return None
         self._features.sees_first_bytes = True
         ttft_ms, rec = seen
-        event = FirstByte(request_id, rec.backend, ttft_ms, now_s)
+        event = FirstByte(request_id, rec.served_by or rec.backend, ttft_ms, now_s)
         for listener in self._listeners:
             listener.on_first_byte(event)
         return event
+
+    def served_by(self, request_id: str, backend: str) -> bool:
+        """Another backend than the chosen one is answering the request (the data plane
+        said so before its first byte: it went on to the next endpoint after a connect
+        failure). Its first byte and end are credited to that backend, and its close counts
+        a failover against the chosen one. Returns whether that changed anything."""
+        rec = self._fleet.state.in_flight.get(request_id)
+        if rec is None or backend == rec.backend or backend not in self._fleet.state.backends:
+            return False
+        rec.served_by = backend
+        return True
 
     def response_ended(self, request_id: str, e2e_ms: float | None) -> bool:
         """Envoy says a streamed response ended (e2e_ms) before its first byte was seen:
@@ -310,11 +321,15 @@ class Router:
         now_s = self.clock()
         state = self._fleet.state
         pending = state.in_flight.get(request_id)
+        if pending is not None and not served_by:  # said before the close (`served_by`)
+            served_by = pending.served_by
+        served_ok = status == Status.OK
         if pending is not None and served_by and served_by != pending.backend:
             status = Status.FAILED_OVER
+            pending.served_by = served_by
         else:
             served_by = None
-        closed = state.close(request_id, now_s, status, e2e_ms, reason)
+        closed = state.close(request_id, now_s, status, e2e_ms, reason, served_ok)
         if closed is None:
             return None
         rec, measured_e2e_ms = closed
@@ -330,6 +345,7 @@ class Router:
             served_by=served_by if served_by in state.backends else None,
             cached_tokens=cached_tokens,
             reason=reason,
+            served_ok=served_ok and served_by in state.backends,
         )
         for listener in self._listeners:
             listener.on_close(event)
