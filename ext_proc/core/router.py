@@ -284,17 +284,6 @@ class Router:
             listener.on_first_byte(event)
         return event
 
-    def served_by(self, request_id: str, backend: str) -> bool:
-        """Another backend than the chosen one is answering the request (the data plane
-        said so before its first byte: it went on to the next endpoint after a connect
-        failure). Its first byte and end are credited to that backend, and its close counts
-        a failover against the chosen one. Returns whether that changed anything."""
-        rec = self._fleet.state.in_flight.get(request_id)
-        if rec is None or backend == rec.backend or backend not in self._fleet.state.backends:
-            return False
-        rec.served_by = backend
-        return True
-
     def response_ended(self, request_id: str, e2e_ms: float | None) -> bool:
         """Envoy says a streamed response ended (e2e_ms) before its first byte was seen:
         the first byte came no later. Returns whether the request waits for that first
@@ -315,20 +304,15 @@ class Router:
         reason: str = "",
     ) -> Closed | None:
         """The one way a request ends, however it ends; idempotent (a second call returns
-        None). served_by: the backend that answered, when known: if it is not the chosen
-        one (Envoy retried a connect failure elsewhere), the request failed over.
+        None). served_by: the backend that answered, if known (or `inputs.served_by`): if
+        not the chosen one (Envoy retried a connect failure elsewhere), it failed over.
         `reason`: what ended it, for the log and /state."""
         now_s = self.clock()
         state = self._fleet.state
-        pending = state.in_flight.get(request_id)
-        if pending is not None and not served_by:  # said before the close (`served_by`)
-            served_by = pending.served_by
         served_ok = status == Status.OK
-        if pending is not None and served_by and served_by != pending.backend:
+        served_by = state.served_elsewhere(request_id, served_by)
+        if served_by is not None:
             status = Status.FAILED_OVER
-            pending.served_by = served_by
-        else:
-            served_by = None
         closed = state.close(request_id, now_s, status, e2e_ms, reason, served_ok)
         if closed is None:
             return None

@@ -84,6 +84,19 @@ class FleetState:
         served.stats.recent_ttft_ms.append(ttft_ms)  # the backend that answered
         return ttft_ms, rec
 
+    def served_elsewhere(self, request_id: str, backend: str | None) -> str | None:
+        """The backend other than the chosen one serving a request in flight: `backend`
+        when given, else the one said before; kept on its record (None: the chosen one,
+        or not known)."""
+        rec = self.in_flight.get(request_id)
+        if rec is None:
+            return None
+        backend = backend or rec.served_by
+        if not backend or backend == rec.backend:
+            return None
+        rec.served_by = backend
+        return backend
+
     def close(
         self,
         request_id: str,

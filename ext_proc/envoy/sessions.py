@@ -35,11 +35,10 @@ from ext_proc.prompt.parse import (
     api_for_path,
     is_error_event,
     parse_body,
-    route_path,
     with_model,
 )
 from ext_proc.vocab.request import LlmRequest
-from ext_proc.vocab.types import BackendLifecycle, Decision, RouteRequest, Status
+from ext_proc.vocab.types import Decision, RouteRequest, Status
 
 log = logging.getLogger("gorgo.server")
 
@@ -53,12 +52,6 @@ Reply = codec.ProcessingResponse | list[codec.ProcessingResponse] | None
 OFF_LOOP_BODY_BYTES = 32 * 1024
 # A client's request id longer than this is shortened (its start and a hash of it).
 MAX_REQUEST_ID_CHARS = 200
-# The OpenAI API's model list, answered by the router for the whole fleet.
-MODELS_PATH = "/v1/models"
-# A request body the router rewrote (a model alias) goes back to a FULL_DUPLEX_STREAMED
-# data plane in chunks of at most this many bytes (some data planes cap a streamed chunk
-# at 64 KiB; a body sent back as it came keeps its own chunks).
-STREAMED_CHUNK_BYTES = 60 * 1024
 
 
 # -- one session type per role, chosen from the stream's first message --------------------
@@ -91,38 +84,6 @@ class Session:
         return None if self.info.observe_only else codec.bare_continue(phase)
 
     _handlers: ClassVar[dict[str, Callable[[Any, codec.Phase], Reply]]] = {}
-
-
-class PassThroughSession(Session):
-    """Not an LLM call (or no request id): Envoy's fallback route serves it; nothing to
-    decide or observe, so the stream ends after the first reply."""
-
-    def handle(self, p: codec.Phase) -> Reply:
-        self.done = True
-        return self._reply(p.name)
-
-
-class ModelsSession(Session):
-    """`GET /v1/models` at the front door: the fleet's models (every name some backend
-    serves), answered here in OpenAI's list shape (a backend whose models are not known
-    adds none); while no backend's models are known, the fallback route takes it to an
-    engine as before."""
-
-    def __init__(self, router: Router, info: codec.StreamInfo) -> None:
-        super().__init__(info)
-        self.router = router
-
-    def handle(self, p: codec.Phase) -> Reply:
-        self.done = True
-        models = self.router.served_models()
-        if models is None:
-            return self._reply(p.name)
-        data = [
-            {"id": name, "object": "model", "owned_by": "gorgo", "parent": parent}
-            for name, parent in models.items()
-        ]
-        body = json.dumps({"object": "list", "data": data}).encode()
-        return codec.immediate_response(200, body, {"content-type": "application/json"})
 
 
 class _FirstByteWatcher(Session):
@@ -396,7 +357,7 @@ class RoutingSession(_FirstByteWatcher):
             return None
         backend = self.encoder.backend_at(endpoint) if endpoint else None
         if backend is not None and backend != self.decision.backend:
-            if self.router.served_by(self.request_id, backend):
+            if self.router.inputs.served_by(self.request_id, backend):
                 log.info(
                     "request %s: served by %s, not %s (the data plane went on)",
                     self.request_id,
@@ -451,156 +412,6 @@ class RoutingSession(_FirstByteWatcher):
     }
 
 
-class StreamedRoutingSession(RoutingSession):
-    """A routing filter whose request body is FULL_DUPLEX_STREAMED (the Gateway API
-    Inference Extension's chart): Envoy sends the headers and each body chunk as they come
-    and waits for nothing; the headers' reply is held until the body is complete (the
-    prompt decides the endpoint), then goes with the routing mutation, followed by every
-    chunk sent back as it came (a body not sent back reaches the engine empty) and the
-    trailers' reply, in that order, as the mode requires."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        # The request's trailers came (the body's last chunk then has no end of stream).
-        self.trailers = False
-        # The request's replies went out (headers, body, trailers).
-        self.released = False
-
-    def _completes_body(self, p: codec.Phase) -> bool:
-        return not self.released and (
-            (p.name == codec.REQUEST_BODY and p.end_of_stream) or p.name == codec.REQUEST_TRAILERS
-        )
-
-    def _complete_body(self, p: codec.Phase) -> bytes:
-        return b"".join([*self.chunks, p.body])
-
-    def on_request_headers(self, p: codec.Phase) -> Reply:
-        self._read_request_headers(p)
-        if p.end_of_stream:  # no body to route on: any endpoint serves it
-            self.released = True
-            return self._fallback()
-        return None  # the reply waits for the body
-
-    def on_request_body(self, p: codec.Phase) -> Reply:
-        self.chunks.append(p.body)
-        self.body_bytes += len(p.body)
-        if not p.end_of_stream:
-            return None
-        return self._route(b"".join(self.chunks))
-
-    def on_request_trailers(self, p: codec.Phase) -> Reply:
-        self.trailers = True
-        if self.released:
-            return codec.bare_continue(codec.REQUEST_TRAILERS)
-        return self._route(b"".join(self.chunks))
-
-    def _routed(self, d: Decision, new_body: bytes | None, renamed: str | None) -> Reply:
-        return self._release(
-            self.encoder.encode(d, new_body, renamed, codec.REQUEST_HEADERS), new_body
-        )
-
-    def _fallback(self) -> Reply:
-        self.done = False  # the response still comes through this stream
-        if isinstance(self.encoder, EndpointPickerEncoder):
-            named = fallback_endpoints(self.router, self.encoder)
-            if named is None:
-                self.done = True
-                return no_endpoint("no active backend")
-            return self._release(named)
-        return self._release(codec.bare_continue(codec.REQUEST_HEADERS))
-
-    def _release(
-        self, headers_reply: codec.ProcessingResponse, new_body: bytes | None = None
-    ) -> list[codec.ProcessingResponse]:
-        """The headers' reply, then the body (as it came, or the new one in chunks), then
-        the trailers' reply."""
-        self.released = True
-        chunks = self.chunks if new_body is None else _split(new_body, STREAMED_CHUNK_BYTES)
-        self.chunks = []
-        out = [headers_reply]
-        last = len(chunks) - 1
-        for i, chunk in enumerate(chunks):
-            out.append(
-                codec.streamed_body(codec.REQUEST_BODY, chunk, i == last and not self.trailers)
-            )
-        if self.trailers:
-            out.append(codec.bare_continue(codec.REQUEST_TRAILERS))
-        return out
-
-    _handlers: ClassVar[dict[str, Callable[[Any, codec.Phase], Reply]]] = {
-        **RoutingSession._handlers,
-        codec.REQUEST_HEADERS: on_request_headers,
-        codec.REQUEST_BODY: on_request_body,
-        codec.REQUEST_TRAILERS: on_request_trailers,
-    }
-
-
-class StreamedPassThroughSession(Session):
-    """A FULL_DUPLEX_STREAMED stream for a request the policy does not route (not an LLM
-    call, no request id): everything goes back as it came; an endpoint picker names an
-    endpoint still (any active backend, the least loaded first), since the pool's Envoy
-    has no route of its own; none: 503."""
-
-    def __init__(self, router: Router, encoder: DecisionEncoder, info: codec.StreamInfo) -> None:
-        super().__init__(info)
-        self.router = router
-        self.encoder = encoder
-
-    def on_request_headers(self, p: codec.Phase) -> Reply:
-        if not isinstance(self.encoder, EndpointPickerEncoder):
-            return codec.bare_continue(codec.REQUEST_HEADERS)
-        named = fallback_endpoints(self.router, self.encoder)
-        if named is None:
-            self.done = True
-            return no_endpoint("no active backend")
-        return named
-
-    def on_request_body(self, p: codec.Phase) -> Reply:
-        if self.info.request_streamed:
-            return codec.streamed_body(codec.REQUEST_BODY, p.body, p.end_of_stream)
-        return self._reply(codec.REQUEST_BODY)
-
-    def on_response_body(self, p: codec.Phase) -> Reply:
-        if p.end_of_stream:
-            self.done = True
-        if self.info.response_streamed:
-            return codec.streamed_body(codec.RESPONSE_BODY, p.body, p.end_of_stream)
-        return self._reply(codec.RESPONSE_BODY)
-
-    def on_response_headers(self, p: codec.Phase) -> Reply:
-        self.done = p.end_of_stream
-        return self._reply(codec.RESPONSE_HEADERS)
-
-    def on_response_trailers(self, p: codec.Phase) -> Reply:
-        self.done = True
-        return self._reply(codec.RESPONSE_TRAILERS)
-
-    _handlers: ClassVar[dict[str, Callable[[Any, codec.Phase], Reply]]] = {
-        codec.REQUEST_HEADERS: on_request_headers,
-        codec.REQUEST_BODY: on_request_body,
-        codec.RESPONSE_HEADERS: on_response_headers,
-        codec.RESPONSE_BODY: on_response_body,
-        codec.RESPONSE_TRAILERS: on_response_trailers,
-    }
-
-
-def fallback_endpoints(
-    router: Router, encoder: EndpointPickerEncoder
-) -> codec.ProcessingResponse | None:
-    """The headers' reply naming endpoints for a request the policy does not decide on:
-    active backends, available ones first, the least loaded first (None: none active)."""
-    now_s = router.clock()
-    state = router.fleet.state
-    active = [b for b in router.backends.values() if b.lifecycle is BackendLifecycle.ACTIVE]
-    if not active:
-        return None
-    ranked = sorted(active, key=lambda b: (not state.available(b, now_s), b.load.in_flight, b.id))
-    endpoints = [encoder.addresses[b.id] for b in ranked if b.id in encoder.addresses]
-    if not endpoints:
-        return None
-    return encoder.name_endpoints(endpoints[: 1 + encoder.connect_retries], codec.REQUEST_HEADERS)
-
-
 def no_endpoint(reason: str) -> codec.ProcessingResponse:
     """The endpoint-picker protocol's answer when no endpoint can take the request."""
     return json_error(503, "service_unavailable", f"no endpoint can take the request: {reason}")
@@ -609,11 +420,6 @@ def no_endpoint(reason: str) -> codec.ProcessingResponse:
 def _status(headers: Mapping[str, str]) -> int:
     raw = headers.get(":status", "")
     return int(raw) if raw.isdigit() else 0
-
-
-def _split(body: bytes, size: int) -> list[bytes]:
-    """`body` in chunks of at most `size` bytes (one empty chunk for an empty body)."""
-    return [body[i : i + size] for i in range(0, len(body), size)] or [b""]
 
 
 def own_request_id(request_id: str, in_flight: Mapping[str, object]) -> str:
@@ -629,44 +435,6 @@ def own_request_id(request_id: str, in_flight: Mapping[str, object]) -> str:
         n += 1
         own = f"{request_id}~{n}"
     return own
-
-
-def open_session(
-    router: Router,
-    encoder: DecisionEncoder,
-    first: codec.ProcessingRequest,
-    phase: codec.Phase,
-    trace_context: tuple[tuple[str, str], ...] = (),
-    tokens: PromptTokenizer | None = None,
-    forward: Forward | None = None,
-    envoy: str = "",
-    director: Director | None = None,
-) -> Session:
-    """The session for a stream, from its first message (`phase`, decoded) (Envoy AI
-    Gateway's processorForPath + passThroughProcessor pattern)."""
-    info = codec.stream_info(first)
-    if info.observe_only:
-        return ObservingSession(router, info, codec.request_id_attribute(first), forward)
-    headers = phase.headers
-    if (
-        phase.name == codec.REQUEST_HEADERS
-        and headers.get(":method") == "GET"
-        and route_path(headers.get(":path", "")) == MODELS_PATH
-        # a streamed stream must send back what it gets: answered here, or passed on
-        and (not info.request_streamed or router.served_models() is not None)
-    ):
-        return ModelsSession(router, info)
-    if (
-        phase.name == codec.REQUEST_HEADERS
-        and api_for_path(headers.get(":path", "")) is not None
-        and headers.get(HEADER_REQUEST_ID)
-    ):
-        director = director if director is not None else Director(router)
-        kind = StreamedRoutingSession if info.request_streamed else RoutingSession
-        return kind(director, encoder, info, trace_context, tokens, envoy)
-    if info.request_streamed:
-        return StreamedPassThroughSession(router, encoder, info)
-    return PassThroughSession(info)
 
 
 def json_error(
