@@ -13,7 +13,7 @@ import pytest
 from ext_proc.config.load import backend_from_dict
 from ext_proc.core.router import Router
 from ext_proc.envoy import codec
-from ext_proc.envoy.duplex import STREAMED_CHUNK_BYTES
+from ext_proc.envoy.duplex import STREAMED_CHUNK_BYTES, StreamedRoutingSession
 from ext_proc.envoy.encoders import decision_encoder
 from ext_proc.envoy.proto import envoy_wire_pb2 as pb
 from ext_proc.envoy.roles import open_session
@@ -378,3 +378,39 @@ def test_a_rewritten_body_goes_back_in_bounded_chunks_with_its_length() -> None:
     sizes = [len(streamed(x, "request_body")[0]) for x in out[1:]]
     assert max(sizes) <= STREAMED_CHUNK_BYTES and len(sizes) == -(-len(new) // STREAMED_CHUNK_BYTES)
     assert [streamed(x, "request_body")[1] for x in out[1:]] == [False] * (len(sizes) - 1) + [True]
+
+
+def test_a_request_held_in_the_gateway_queue_goes_with_its_body_when_released() -> None:
+    """Flow control: the headers' reply waits while the request waits for room (Envoy's
+    timer extended for it), then goes with every chunk; the objective named by the
+    extension's header."""
+    r, clock = picker(
+        policy="gorgo",
+        flow_control={
+            "enabled": True,
+            "objectives": [{"name": "batch", "priority": 0, "max_wait_s": 60}],
+        },
+    )
+    for b in ("near", "mid", "far"):  # 5 s of prefill not yet started everywhere: no room
+        load(r, f"peer-{b}", b, 4000, 10, prefill_ms=5000.0)
+    s = Duplex(r)
+    head = first()
+    head.request_headers.headers.headers.add(
+        key="x-gateway-inference-objective", raw_value=b"batch"
+    )
+    s.handle(head)
+    (wait,) = s.handle(chunk(CHAT, eos=True))
+    assert wait.HasField("override_message_timeout")
+    session = s.session
+    assert isinstance(session, StreamedRoutingSession) and session.held is not None
+    w, held_body, original = session.held
+    assert (w.objective, held_body) == ("batch", CHAT)
+    clock.advance(5.0)
+    session.director.pump()
+    [(done, outcome)] = session.director.released
+    assert done is w
+    out = _as_list(session.answer(outcome, held_body, original))
+    assert [x.WhichOneof("response") for x in out] == ["request_headers", "request_body"]
+    assert "x-gateway-destination-endpoint" in set_headers(out[0], "request_headers")
+    assert streamed(out[1], "request_body") == (CHAT, True)
+    assert r.in_flight["rid-1"].waited_ms == 5000.0
