@@ -1,5 +1,5 @@
 """gorgo as the endpoint picker behind an Envoy configured as the Gateway API Inference
-Extension's standalone chart configures its own (tests/e2e/gateway_envoy.py): both bodies
+Extension's standalone chart configures its own (emulator/stack/gateway_envoy.py): both bodies
 FULL_DUPLEX_STREAMED, an ORIGINAL_DST cluster on `x-gateway-destination-endpoint`, TLS to
 the picker, its gRPC health check. Bodies reach the engine byte for byte, responses
 stream, the subset hint is obeyed, no endpoint is a 503, a served endpoint another than the
@@ -18,13 +18,17 @@ import aiohttp
 import pytest
 
 from emulator.engine.runner import body_digest
+from emulator.stack.gateway_envoy import (
+    SERVED_ROUTE_HEADER,
+    SUBSET_ROUTE_HEADER,
+    gateway_envoy_config,
+)
 from emulator.stack.ports import free_ports
 from emulator.stack.stack import Stack
 from ext_proc.config.transport import ClientTls, ServerTls
 from loadgen.client.stream import CHAT_PATH, Result, chat_body, send_chat
 from tests.certs import Ca
 from tests.e2e.conftest import FAST_ENGINE, FAST_REGIONS, fast_settings
-from tests.e2e.gateway_envoy import SERVED_ROUTE_HEADER, SUBSET_ROUTE_HEADER, gateway_envoy_config
 from tests.e2e.stack_harness import engine_counts, get_json, router_state, wait_for
 
 pytestmark = pytest.mark.e2e

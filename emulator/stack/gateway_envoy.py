@@ -1,6 +1,7 @@
 """An Envoy configured as the Gateway API Inference Extension's standalone chart configures
 its Envoy in front of an endpoint picker (config/charts/standalone, values.yaml, the
-`envoy` preset), for the e2e tests of gorgo as that picker.
+`envoy` preset), for gorgo as that picker: the e2e tests and `gorgo bench overhead
+--picker-stream`.
 
 As the chart: one route to an ORIGINAL_DST cluster that takes the upstream address from
 `x-gateway-destination-endpoint`; an ext_proc filter with every phase sent and both bodies
@@ -24,7 +25,7 @@ kgateway, Istio), needed for the two metadata entries of the protocol:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import yaml
@@ -58,6 +59,18 @@ end
 """
 
 
+# The chart's transport to the picker: TLS, any certificate accepted.
+_TLS_ANY = {
+    "transport_socket": {
+        "name": "envoy.transport_sockets.tls",
+        "typed_config": {
+            TYPE: f"{API}.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
+            "common_tls_context": {"validation_context": {}},
+        },
+    }
+}
+
+
 def _route(
     name: str, match_header: str | None, subset: Sequence[str] | None, served: str
 ) -> dict[str, Any]:
@@ -89,11 +102,14 @@ def gateway_envoy_config(
     listen_port: int,
     admin_port: int,
     picker_port: int,
-    subsets: dict[str, Sequence[str]],
-    served: dict[str, str],
+    subsets: Mapping[str, Sequence[str]] | None = None,
+    served: Mapping[str, str] | None = None,
+    tls: bool = True,
 ) -> str:
     """The YAML: `subsets` maps a value of SUBSET_ROUTE_HEADER to the route's subset list,
     `served` a value of SERVED_ROUTE_HEADER to the endpoint its responses report."""
+    subsets = subsets or {}
+    served = served or {}
     routes = [
         _route(f"subset-{k}", f"{SUBSET_ROUTE_HEADER}={k}", v, "%UPSTREAM_HOST%")
         for k, v in subsets.items()
@@ -223,17 +239,10 @@ def gateway_envoy_config(
                             "healthy_threshold": 2,
                             "reuse_connection": True,
                             "grpc_health_check": {"service_name": EXT_PROC_SERVICE},
-                            "tls_options": {"alpn_protocols": ["h2"]},
+                            **({"tls_options": {"alpn_protocols": ["h2"]}} if tls else {}),
                         }
                     ],
-                    # the chart's: TLS, any certificate accepted
-                    "transport_socket": {
-                        "name": "envoy.transport_sockets.tls",
-                        "typed_config": {
-                            TYPE: f"{API}.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
-                            "common_tls_context": {"validation_context": {}},
-                        },
-                    },
+                    **(_TLS_ANY if tls else {}),
                     "typed_extension_protocol_options": {
                         "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
                             TYPE: f"{API}.extensions.upstreams.http.v3.HttpProtocolOptions",
