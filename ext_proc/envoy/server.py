@@ -10,7 +10,10 @@ two ext_proc filters per request, so the router never sits on the token path:
   first response body chunk = TTFT, the request id as an attribute; the server closes the
   stream, so later chunks never reach Python.
 Completion (E2E, status) arrives through Envoy's gRPC access log. A single filter that does
-both (a mesh's own settings) works too: the stream stays open until the first chunk.
+both (a mesh's own settings) works too: the stream stays open until the first chunk. A
+filter with FULL_DUPLEX_STREAMED bodies (the Gateway API Inference Extension's gateways;
+ext_proc/envoy/duplex.py) gets several replies to one message and every chunk back, and
+its stream's end closes the request.
 """
 
 from __future__ import annotations
