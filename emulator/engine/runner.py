@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import contextlib
+import hashlib
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
@@ -57,6 +58,15 @@ class Histogram:
         return lines
 
 
+# How many request bodies /stats digests (the last ones received).
+RECENT_BODIES = 32
+
+
+def body_digest(raw: bytes) -> str:
+    """The digest /stats reports a request body by (BLAKE2b, 16 bytes, hex)."""
+    return hashlib.blake2b(raw, digest_size=16).hexdigest()
+
+
 @dataclass
 class EngineStats:
     """Counters behind GET /stats, token timing behind /server_info and /metrics. Only
@@ -78,6 +88,15 @@ class EngineStats:
     ttft_s: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS_S))
     itl_s: Histogram = field(default_factory=lambda: Histogram(ITL_BUCKETS_S))
     started_cpu_s: float = field(default_factory=time.process_time)  # for CPU per token
+    # The last generation requests' bodies as received: (bytes, BLAKE2b digest), so a test
+    # can see a proxy passed a body on byte for byte (/stats `recent_bodies`).
+    recent_bodies: deque[tuple[int, str]] = field(
+        default_factory=lambda: deque(maxlen=RECENT_BODIES)
+    )
+
+    def received(self, raw: bytes) -> None:
+        """A generation request's body, as it arrived."""
+        self.recent_bodies.append((len(raw), body_digest(raw)))
 
     def record(self, batch: list[Emission], arrival_s: float, last_s: float) -> float:
         """Account tokens about to be written: lag against the schedule, TTFT or ITL.

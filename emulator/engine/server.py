@@ -156,6 +156,7 @@ class Engine:
         self.stats.requests_by_path[request.path] += 1
         try:
             raw = await request.read()
+            self.stats.received(raw)
             req = await self._off_loop(lambda r, cfg: parse_request(kind, r, cfg), raw, raw)
         except BadRequest as exc:
             self.stats.bad_requests_total += 1

@@ -170,6 +170,8 @@ def stats_body(cfg: EngineConfig, s: EngineStats) -> dict[str, Any]:
         "completed_total": s.completed_total,
         "in_flight": s.in_flight,
         "requests_by_path": dict(s.requests_by_path),
+        # the last request bodies received: [bytes, BLAKE2b-128 hex], oldest first
+        "recent_bodies": [list(b) for b in s.recent_bodies],
     }
 
 

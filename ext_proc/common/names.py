@@ -12,6 +12,16 @@ ROUTING_HEADERS = (HEADER_BACKEND, HEADER_GATEWAY_ENDPOINT)
 
 # Gateway API Inference Extension: the dynamic-metadata namespace override_host reads.
 LB_METADATA_NAMESPACE = "envoy.lb"
+# Its endpoint-picker protocol (docs/proposals/004-endpoint-picker-protocol): the data plane
+# may name the endpoints a request may go to (a list of "ip:port" in the request's
+# metadata, namespace envoy.lb.subset_hint), and tells which endpoint served it (envoy.lb
+# in the response's metadata; a response header of the same name is read too).
+SUBSET_METADATA_NAMESPACE = "envoy.lb.subset_hint"
+SUBSET_METADATA_KEY = "x-gateway-destination-endpoint-subset"
+HEADER_GATEWAY_ENDPOINT_SERVED = "x-gateway-destination-endpoint-served"
+# Its flow-control headers, read beside flow_control.objective_header / tenant_header.
+HEADER_GATEWAY_OBJECTIVE = "x-gateway-inference-objective"
+HEADER_GATEWAY_FAIRNESS_ID = "x-gateway-inference-fairness-id"
 
 HEADER_SESSION = "x-session-id"
 HEADER_REQUEST_ID = "x-request-id"
@@ -26,6 +36,12 @@ EXT_PROC_ATTRIBUTES = "envoy.filters.http.ext_proc"
 # Envoy's gRPC service paths we serve (their wire names, fixed by Envoy).
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 ACCESS_LOG_SERVICE = "envoy.service.accesslog.v3.AccessLogService"
+# The standard gRPC health service's names (grpc.health.v1.Health, on every gRPC port):
+# "" (the whole server), the endpoint-picker protocol's liveness and readiness, the ext_proc
+# service's own name (what its chart's Envoy health-checks) and the extension's.
+HEALTH_LIVENESS = "liveness"
+HEALTH_READINESS = "readiness"
+HEALTH_INFERENCE_EXTENSION = "inference-extension"
 
 # Name of the access log Envoy streams to us; completion records come from it.
 ACCESS_LOG_NAME = "gorgo"

@@ -254,8 +254,11 @@ class Features:
         active = [b for b in serving(state, model) if b.lifecycle is _ACTIVE]
         if request.regions:  # its objective's regions only (flow control checked some serve)
             active = [b for b in active if b.config.region in request.regions]
+        if request.subset is not None:  # the data plane's subset hint: only those
+            active = [b for b in active if b.id in request.subset]
         if not active:
-            raise NoActiveBackend(f"no active backend serves {model!r}")
+            within = "" if request.subset is None else " in the request's subset"
+            raise NoActiveBackend(f"no active backend{within} serves {model!r}")
         # those whose context holds the prompt (admission refused it if none does)
         active = [b for b in active if fits_context(b, request.llm)] or active
         healthy = [b for b in active if state.available(b, now_s)]

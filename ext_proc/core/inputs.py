@@ -1,7 +1,8 @@
-"""What the router hears besides Envoy (`RouterInputs`, the router's `inputs`): the
-engines' KV events, RTT probes, engine load reports, fallback completions, the models each
-engine serves, whether the router's token ids are an engine's, and the other routers'
-dispatches. Each goes into the fleet's records; a backend removed meanwhile ignores it."""
+"""What the router hears besides Envoy's decisions (`RouterInputs`, the router's
+`inputs`): the engines' KV events, RTT probes, engine load reports, fallback completions,
+the endpoint that served a request, the models each engine serves, whether the router's
+token ids are an engine's, and the other routers' dispatches. Each goes into the fleet's
+records; a backend removed meanwhile ignores it."""
 
 from __future__ import annotations
 
@@ -106,6 +107,16 @@ class RouterInputs:
         """What the backend's engine lists on /v1/models now. Returns whether that
         changed."""
         return self._fleet.state.set_discovered(backend, served)
+
+    def served_by(self, request_id: str, backend: str) -> bool:
+        """The data plane says another backend than the chosen one answers a request in
+        flight (it went on to the next endpoint after a connect failure): its first byte
+        and end are credited to that backend, its close counts a failover against the
+        chosen one (Router.close). Returns whether that changed anything."""
+        state = self._fleet.state
+        if backend not in state.backends:
+            return False
+        return state.served_elsewhere(request_id, backend) is not None
 
     def record_fallback(self, backend: str) -> None:
         self._fleet.state.record_fallback(backend)

@@ -279,7 +279,7 @@ class Router:
             return None
         self._features.sees_first_bytes = True
         ttft_ms, rec = seen
-        event = FirstByte(request_id, rec.backend, ttft_ms, now_s)
+        event = FirstByte(request_id, rec.served_by or rec.backend, ttft_ms, now_s)
         for listener in self._listeners:
             listener.on_first_byte(event)
         return event
@@ -304,17 +304,16 @@ class Router:
         reason: str = "",
     ) -> Closed | None:
         """The one way a request ends, however it ends; idempotent (a second call returns
-        None). served_by: the backend that answered, when known: if it is not the chosen
-        one (Envoy retried a connect failure elsewhere), the request failed over.
+        None). served_by: the backend that answered, if known (or `inputs.served_by`): if
+        not the chosen one (Envoy retried a connect failure elsewhere), it failed over.
         `reason`: what ended it, for the log and /state."""
         now_s = self.clock()
         state = self._fleet.state
-        pending = state.in_flight.get(request_id)
-        if pending is not None and served_by and served_by != pending.backend:
+        served_ok = status == Status.OK
+        served_by = state.served_elsewhere(request_id, served_by)
+        if served_by is not None:
             status = Status.FAILED_OVER
-        else:
-            served_by = None
-        closed = state.close(request_id, now_s, status, e2e_ms, reason)
+        closed = state.close(request_id, now_s, status, e2e_ms, reason, served_ok)
         if closed is None:
             return None
         rec, measured_e2e_ms = closed
@@ -330,6 +329,7 @@ class Router:
             served_by=served_by if served_by in state.backends else None,
             cached_tokens=cached_tokens,
             reason=reason,
+            served_ok=served_ok and served_by in state.backends,
         )
         for listener in self._listeners:
             listener.on_close(event)

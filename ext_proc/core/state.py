@@ -79,10 +79,23 @@ class FleetState:
         if rec.ended_e2e_ms is not None:
             ttft_ms = min(ttft_ms, rec.ended_e2e_ms)
         rec.first_byte_s = rec.arrived_s + ttft_ms / 1000.0
-        b = self.backends[rec.backend]
-        b.load.waiting_first_byte -= 1
-        b.stats.recent_ttft_ms.append(ttft_ms)
+        self.backends[rec.backend].load.waiting_first_byte -= 1  # where it is counted
+        served = self.backends.get(rec.served_by or rec.backend, self.backends[rec.backend])
+        served.stats.recent_ttft_ms.append(ttft_ms)  # the backend that answered
         return ttft_ms, rec
+
+    def served_elsewhere(self, request_id: str, backend: str | None) -> str | None:
+        """The backend other than the chosen one serving a request in flight: `backend`
+        when given, else the one said before; kept on its record (None: the chosen one,
+        or not known)."""
+        rec = self.in_flight.get(request_id)
+        if rec is None:
+            return None
+        backend = backend or rec.served_by
+        if not backend or backend == rec.backend:
+            return None
+        rec.served_by = backend
+        return backend
 
     def close(
         self,
@@ -91,9 +104,12 @@ class FleetState:
         status: Status,
         e2e_ms: float | None = None,
         reason: str = "",
+        served_ok: bool = False,
     ) -> tuple[InFlight, float] | None:
         """Close a request's record: the record and its E2E in ms (measured here when the
-        caller has none). None if it was not in flight (already closed)."""
+        caller has none). None if it was not in flight (already closed). `served_ok`: a
+        failed-over request the other backend (`rec.served_by`) answered with success: its
+        E2E is that backend's."""
         rec = self.in_flight.pop(request_id, None)
         if rec is None:
             return None
@@ -104,6 +120,10 @@ class FleetState:
             b.stats.failovers += 1
             b.health.request_failures += 1
             b.health.recent_failures.append(f"failed over: {reason}" if reason else "failed over")
+            served = self.backends.get(rec.served_by or "")
+            if served is not None and served_ok:
+                served.stats.completed += 1
+                served.stats.recent_e2e_ms.append(measured_e2e_ms)
         elif status == Status.OK:
             b.stats.completed += 1
             b.stats.recent_e2e_ms.append(measured_e2e_ms)

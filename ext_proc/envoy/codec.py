@@ -6,8 +6,18 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from google.protobuf.duration_pb2 import Duration
+from google.protobuf.struct_pb2 import Struct
 
-from ext_proc.common.names import EXT_PROC_ATTRIBUTES, HEADER_BACKEND, REQUEST_ID_ATTRIBUTE
+from ext_proc.common.names import (
+    EXT_PROC_ATTRIBUTES,
+    HEADER_BACKEND,
+    HEADER_GATEWAY_ENDPOINT_SERVED,
+    LB_METADATA_NAMESPACE,
+    REQUEST_ID_ATTRIBUTE,
+    SUBSET_METADATA_KEY,
+    SUBSET_METADATA_NAMESPACE,
+)
+
 from ext_proc.envoy.proto import envoy_wire_pb2 as pb
 
 REQUEST_HEADERS = "request_headers"
@@ -33,12 +43,16 @@ StreamAccessLogsResponse = pb.StreamAccessLogsResponse
 
 @dataclass(frozen=True)
 class Phase:
-    """One ext_proc message, decoded: which phase, and its headers or body."""
+    """One ext_proc message, decoded: which phase, its headers or body, and what the
+    endpoint-picker protocol puts in its metadata: the endpoints the request may go to
+    (None: no subset hint) and the endpoint that served it ("": not said)."""
 
     name: str
     headers: dict[str, str]
     body: bytes
     end_of_stream: bool
+    subset: tuple[str, ...] | None = None
+    served: str = ""
 
 
 @dataclass(frozen=True)
@@ -49,11 +63,21 @@ class StreamInfo:
     observe_only: bool
     # The filter will send response body chunks (the stream can time the first token).
     sends_response_body: bool
+    # FULL_DUPLEX_STREAMED bodies (the Gateway API Inference Extension's setting): each
+    # chunk comes as it arrives and must be sent back (streamed_response), or it is lost.
+    request_streamed: bool = False
+    response_streamed: bool = False
 
 
 def stream_info(first: pb.ProcessingRequest) -> StreamInfo:
-    mode = first.protocol_config.response_body_mode
-    return StreamInfo(first.observability_mode, mode != pb.ProcessingMode.NONE)
+    config = first.protocol_config
+    duplex = pb.ProcessingMode.FULL_DUPLEX_STREAMED
+    return StreamInfo(
+        first.observability_mode,
+        config.response_body_mode != pb.ProcessingMode.NONE,
+        config.request_body_mode == duplex,
+        config.response_body_mode == duplex,
+    )
 
 
 def request_id_attribute(req: pb.ProcessingRequest) -> str:
@@ -74,11 +98,46 @@ def _header_map(m: pb.HeaderMap) -> dict[str, str]:
     return out
 
 
+def _subset(hint: Struct) -> tuple[str, ...] | None:
+    """The subset hint's endpoints: a list of "ip:port" (a comma-separated string is read
+    too); None when the key is absent."""
+    value = hint.fields.get(SUBSET_METADATA_KEY)
+    if value is None:
+        return None
+    kind = value.WhichOneof("kind")
+    if kind == "list_value":
+        items = [v.string_value.strip() for v in value.list_value.values]
+    elif kind == "string_value":
+        items = [x.strip() for x in value.string_value.split(",")]
+    else:
+        items = []
+    return tuple(x for x in items if x)
+
+
+def _picker_metadata(req: pb.ProcessingRequest) -> tuple[tuple[str, ...] | None, str]:
+    """The subset hint and the served endpoint in the message's metadata (most messages
+    carry none: one field check)."""
+    if not req.HasField("metadata_context"):
+        return None, ""
+    namespaces = req.metadata_context.filter_metadata
+    hint = namespaces.get(SUBSET_METADATA_NAMESPACE)
+    lb = namespaces.get(LB_METADATA_NAMESPACE)
+    served = lb.fields.get(HEADER_GATEWAY_ENDPOINT_SERVED) if lb is not None else None
+    return (
+        _subset(hint) if hint is not None else None,
+        served.string_value.strip() if served is not None else "",
+    )
+
+
 def decode(req: pb.ProcessingRequest) -> Phase:
     name = req.WhichOneof("request") or ""
     if name in (REQUEST_HEADERS, RESPONSE_HEADERS):
         h = getattr(req, name)
-        return Phase(name, _header_map(h.headers), b"", h.end_of_stream)
+        headers = _header_map(h.headers)
+        subset, served = _picker_metadata(req)
+        # a gateway that reports the served endpoint as a response header
+        served = served or headers.get(HEADER_GATEWAY_ENDPOINT_SERVED, "").strip()
+        return Phase(name, headers, b"", h.end_of_stream, subset, served)
     if name in (REQUEST_BODY, RESPONSE_BODY):
         b = getattr(req, name)
         return Phase(name, {}, b.body, b.end_of_stream)
@@ -139,6 +198,18 @@ def bare_continue(phase: str) -> pb.ProcessingResponse:
     if reply is None:
         raise ValueError(f"no response for phase {phase!r}")
     return reply
+
+
+def streamed_body(phase: str, chunk: bytes, end_of_stream: bool) -> pb.ProcessingResponse:
+    """A body chunk sent back in FULL_DUPLEX_STREAMED mode (`phase`: request_body or
+    response_body): the data plane passes on what comes back this way, nothing else."""
+    if phase not in (REQUEST_BODY, RESPONSE_BODY):
+        raise ValueError(f"no streamed body for phase {phase!r}")
+    resp = pb.ProcessingResponse()
+    streamed = getattr(resp, phase).response.body_mutation.streamed_response
+    streamed.body = chunk
+    streamed.end_of_stream = end_of_stream
+    return resp
 
 
 def override_message_timeout(seconds: float) -> pb.ProcessingResponse:

@@ -1,6 +1,8 @@
 """How a decision reaches Envoy, chosen once at startup: the routing header naming the
 backend's cluster, or (endpoint_picker mode) the Gateway API Inference Extension's
-endpoint header inside one pool cluster.
+endpoint header inside one pool cluster. The reply goes with the request's body
+(BUFFERED), or with its headers once the body is complete (FULL_DUPLEX_STREAMED: the body
+then follows in chunks of its own).
 """
 
 from __future__ import annotations
@@ -26,12 +28,17 @@ class ClusterHeaderEncoder:
     the route's cluster_header picks it up."""
 
     def encode(
-        self, d: Decision, body: bytes | None = None, request_id: str | None = None
+        self,
+        d: Decision,
+        body: bytes | None = None,
+        request_id: str | None = None,
+        phase: str = codec.REQUEST_BODY,
     ) -> codec.ProcessingResponse:
-        """`body`: the request's new body (its model rewritten), with its length;
-        `request_id`: the id the router gave it, when not the client's."""
+        """`body`: the request's new body (its model rewritten), with its length (in a
+        body-phase reply the body itself too); `request_id`: the id the router gave it,
+        when not the client's; `phase`: the message answered."""
         return codec.continue_response(
-            codec.REQUEST_BODY,
+            phase,
             set_headers={
                 HEADER_BACKEND: d.backend,
                 **_length(body),
@@ -39,11 +46,18 @@ class ClusterHeaderEncoder:
                 **_renamed(request_id),
             },
             clear_route_cache=True,
-            body=body,
+            body=body if phase == codec.REQUEST_BODY else None,
         )
 
     def set_backends(self, backends: Iterable[Backend]) -> None:
         """The fleet changed: a cluster name is the backend id, nothing to learn."""
+
+    def backends_at(self, endpoints: Iterable[str]) -> frozenset[str] | None:
+        """Clusters are named, not endpoints: a subset hint does not apply (None)."""
+        return None
+
+    def backend_at(self, endpoint: str) -> str | None:
+        return None
 
 
 class EndpointPickerEncoder:
@@ -59,21 +73,66 @@ class EndpointPickerEncoder:
         self.addresses = {b.id: b.address for b in backends}
 
     def encode(
-        self, d: Decision, body: bytes | None = None, request_id: str | None = None
+        self,
+        d: Decision,
+        body: bytes | None = None,
+        request_id: str | None = None,
+        phase: str = codec.REQUEST_BODY,
     ) -> codec.ProcessingResponse:
         ranked = d.ranked()[: 1 + self.connect_retries]
-        endpoint = ",".join(self.addresses[b] for b in ranked)
-        return codec.continue_response(
-            codec.REQUEST_BODY,
-            set_headers={
-                HEADER_GATEWAY_ENDPOINT: endpoint,
-                **_length(body),
-                **_deadline(d),
-                **_renamed(request_id),
-            },
-            dynamic_metadata={LB_METADATA_NAMESPACE: {HEADER_GATEWAY_ENDPOINT: endpoint}},
-            body=body,
+        return self.name_endpoints(
+            [self.addresses[b] for b in ranked],
+            phase,
+            {**_length(body), **_deadline(d), **_renamed(request_id)},
+            body,
         )
+
+    def name_endpoints(
+        self,
+        endpoints: list[str],
+        phase: str,
+        extra_headers: dict[str, str] | None = None,
+        body: bytes | None = None,
+    ) -> codec.ProcessingResponse:
+        """The endpoints, in order, as the header and the envoy.lb metadata (the protocol
+        wants both to say the same)."""
+        endpoint = ",".join(endpoints)
+        return codec.continue_response(
+            phase,
+            set_headers={HEADER_GATEWAY_ENDPOINT: endpoint, **(extra_headers or {})},
+            # the routing header changed: a route matching on it is chosen again
+            clear_route_cache=phase == codec.REQUEST_HEADERS,
+            dynamic_metadata={LB_METADATA_NAMESPACE: {HEADER_GATEWAY_ENDPOINT: endpoint}},
+            body=body if phase == codec.REQUEST_BODY else None,
+        )
+
+    def backends_at(self, endpoints: Iterable[str]) -> frozenset[str]:
+        """The backends at these endpoints ("ip:port"; an entry without a port names every
+        backend on that host), for a subset hint."""
+        wanted = {_endpoint_key(e) for e in endpoints}
+        hosts = {host for host, port in wanted if port is None}
+        return frozenset(
+            b
+            for b, address in self.addresses.items()
+            if _endpoint_key(address) in wanted or _endpoint_key(address)[0] in hosts
+        )
+
+    def backend_at(self, endpoint: str) -> str | None:
+        """The backend at this "ip:port" (the endpoint that served a request), if any."""
+        key = _endpoint_key(endpoint)
+        return next((b for b, a in self.addresses.items() if _endpoint_key(a) == key), None)
+
+
+def _endpoint_key(endpoint: str) -> tuple[str, int | None]:
+    """("host", port) of an "ip:port" / "[v6]:port" / bare host, for comparing endpoints
+    as the data plane writes them with backends' addresses."""
+    value = endpoint.strip().lower()
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit() or (value.startswith("[") and not host.endswith("]")):
+        return value.strip("[]"), None  # a bare host (or an IPv6 address without port)
+    if not value.startswith("[") and ":" in host:
+        return value, None  # an IPv6 address without brackets: no port to split off
+    return host.strip("[]"), int(port)
 
 
 def _length(body: bytes | None) -> dict[str, str]:

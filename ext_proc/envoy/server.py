@@ -10,7 +10,10 @@ two ext_proc filters per request, so the router never sits on the token path:
   first response body chunk = TTFT, the request id as an attribute; the server closes the
   stream, so later chunks never reach Python.
 Completion (E2E, status) arrives through Envoy's gRPC access log. A single filter that does
-both (a mesh's own settings) works too: the stream stays open until the first chunk.
+both (a mesh's own settings) works too: the stream stays open until the first chunk. A
+filter with FULL_DUPLEX_STREAMED bodies (the Gateway API Inference Extension's gateways;
+ext_proc/envoy/duplex.py) gets several replies to one message and every chunk back, and
+its stream's end closes the request.
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ from ext_proc.envoy import codec
 from ext_proc.envoy.access_log import AccessLogService, Forward
 from ext_proc.envoy.encoders import DecisionEncoder, decision_encoder
 from ext_proc.envoy.holding import Holding
-from ext_proc.envoy.sessions import RoutingSession, Session, open_session
+from ext_proc.envoy.roles import open_session
+from ext_proc.envoy.sessions import Reply, RoutingSession, Session
 from ext_proc.prompt.engine_tokens import PromptTokenizer
 
 # gRPC metadata keys that carry Envoy's trace context.
@@ -96,8 +100,8 @@ class ExtProcService:
                 if isinstance(session, RoutingSession) and session.held is not None:
                     # the gateway queue: Envoy waits longer for this reply, which comes
                     # when the request is released or refused
-                    assert reply is not None
-                    yield reply
+                    for r in replies(reply):
+                        yield r
                     w, body, original_id = session.held
                     outcome = await self.holding.wait(w)
                     session.held = None
@@ -105,14 +109,21 @@ class ExtProcService:
                 if session.hold_s:  # dispatch pacing: Envoy sends the request on later
                     await asyncio.sleep(session.hold_s)
                     session.hold_s = 0.0
-                if reply is not None:
-                    yield reply
+                for r in replies(reply):
+                    yield r
                 if session.done:
                     break
         finally:
             self.active_streams -= 1
             if session is not None:
                 session.finish()
+
+
+def replies(reply: Reply) -> list[codec.ProcessingResponse]:
+    """A session's answer to one message as the replies to send, in order."""
+    if reply is None:
+        return []
+    return reply if isinstance(reply, list) else [reply]
 
 
 def add_services(

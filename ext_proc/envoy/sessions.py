@@ -13,14 +13,20 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
-from ext_proc.common.names import HEADER_FLOW_REASON, HEADER_REQUEST_ID, HEADER_SESSION
+from ext_proc.common.names import (
+    HEADER_BACKEND,
+    HEADER_FLOW_REASON,
+    HEADER_REQUEST_ID,
+    HEADER_SESSION,
+)
 from ext_proc.config.flow import HOLD_SLACK_S
 from ext_proc.config.schema import UnreadableBody
 from ext_proc.core.pipeline import Director, Outcome, Queued, Refused, Unrouted
 from ext_proc.core.router import Router
 from ext_proc.envoy import codec
 from ext_proc.envoy.access_log import Forward, first_chunk_event
-from ext_proc.envoy.encoders import DecisionEncoder
+from ext_proc.envoy.encoders import DecisionEncoder, EndpointPickerEncoder
+from ext_proc.envoy.outcome import VIA_UPSTREAM, outcome_of
 from ext_proc.flow.classify import read_headers
 from ext_proc.flow.queue import Waiting
 from ext_proc.prompt.engine_tokens import PromptTokenizer
@@ -29,7 +35,6 @@ from ext_proc.prompt.parse import (
     api_for_path,
     is_error_event,
     parse_body,
-    route_path,
     with_model,
 )
 from ext_proc.vocab.request import LlmRequest
@@ -38,14 +43,15 @@ from ext_proc.vocab.types import Decision, RouteRequest, Status
 log = logging.getLogger("gorgo.server")
 
 
-Reply = codec.ProcessingResponse | None
+# What a session answers one message with: nothing (observability mode, or a reply held
+# for later), one reply, or several in order (FULL_DUPLEX_STREAMED: the headers' reply, the
+# body's chunks, the trailers' reply).
+Reply = codec.ProcessingResponse | list[codec.ProcessingResponse] | None
 # A request body at least this long is tokenized in a worker thread (~8k tokens of text:
 # a few ms to tokenize cold; shorter ones are cheaper than the thread hop).
 OFF_LOOP_BODY_BYTES = 32 * 1024
 # A client's request id longer than this is shortened (its start and a hash of it).
 MAX_REQUEST_ID_CHARS = 200
-# The OpenAI API's model list, answered by the router for the whole fleet.
-MODELS_PATH = "/v1/models"
 
 
 # -- one session type per role, chosen from the stream's first message --------------------
@@ -80,38 +86,6 @@ class Session:
     _handlers: ClassVar[dict[str, Callable[[Any, codec.Phase], Reply]]] = {}
 
 
-class PassThroughSession(Session):
-    """Not an LLM call (or no request id): Envoy's fallback route serves it; nothing to
-    decide or observe, so the stream ends after the first reply."""
-
-    def handle(self, p: codec.Phase) -> Reply:
-        self.done = True
-        return self._reply(p.name)
-
-
-class ModelsSession(Session):
-    """`GET /v1/models` at the front door: the fleet's models (every name some backend
-    serves), answered here in OpenAI's list shape (a backend whose models are not known
-    adds none); while no backend's models are known, the fallback route takes it to an
-    engine as before."""
-
-    def __init__(self, router: Router, info: codec.StreamInfo) -> None:
-        super().__init__(info)
-        self.router = router
-
-    def handle(self, p: codec.Phase) -> Reply:
-        self.done = True
-        models = self.router.served_models()
-        if models is None:
-            return self._reply(p.name)
-        data = [
-            {"id": name, "object": "model", "owned_by": "gorgo", "parent": parent}
-            for name, parent in models.items()
-        ]
-        body = json.dumps({"object": "list", "data": data}).encode()
-        return codec.immediate_response(200, body, {"content-type": "application/json"})
-
-
 class _FirstByteWatcher(Session):
     """A stream that may see the response: its first byte is the TTFT; a stream that
     watched for it and ends without it means the request ended without a body (client
@@ -134,10 +108,12 @@ class _FirstByteWatcher(Session):
     def on_response_headers(self, p: codec.Phase) -> Reply:
         if p.end_of_stream:  # no body will follow: the headers were the first byte
             self._first_byte()
+            self.done = True
         return self._reply(codec.RESPONSE_HEADERS)
 
     def on_response_body(self, p: codec.Phase) -> Reply:
         self._first_byte(p.body)
+        self.done = True  # the first chunk was all it needed: later ones skip Python
         return self._reply(codec.RESPONSE_BODY)
 
     def _first_byte(self, chunk: bytes = b"") -> None:
@@ -153,7 +129,6 @@ class _FirstByteWatcher(Session):
                 mine = self.router.first_byte(self.request_id) is not None
             if not mine and self.forward is not None:  # another router's, or a repeat
                 self.forward(first_chunk_event(self.request_id, error))
-        self.done = True
 
     def finish(self) -> None:
         # All other requests are closed by their access-log entry (or, if lost, expiry).
@@ -185,7 +160,9 @@ class ObservingSession(_FirstByteWatcher):
 class RoutingSession(_FirstByteWatcher):
     """The routing filter: request headers (path, request id, session), then the body;
     the reply names the backend. A single filter that also sends the response (a mesh's
-    own settings) keeps the stream open until the first chunk."""
+    own settings) keeps the stream open until the first chunk; one that streams the
+    response FULL_DUPLEX (the Gateway API Inference Extension's) gets every chunk back,
+    and the stream's end closes the request."""
 
     def __init__(
         self,
@@ -208,7 +185,9 @@ class RoutingSession(_FirstByteWatcher):
         self.trace_context = trace_context
         self.path = ""
         self.session_header: str | None = None
-        self.body = bytearray()
+        # The request body's chunks as they came (one, when Envoy buffers it).
+        self.chunks: list[bytes] = []
+        self.body_bytes = 0
         self.decision: Decision | None = None
         # The request as parsed and tokenized in a worker thread (a long body).
         self._prepared: LlmRequest | None = None
@@ -216,6 +195,19 @@ class RoutingSession(_FirstByteWatcher):
         # waits in the gateway queue, its ticket, body and the client's request id.
         self.flow: tuple[str, str, float] = ("", "", 0.0)
         self.held: tuple[Waiting, bytes, str] | None = None
+        # The backends the data plane lets it go to (its subset hint; None: any).
+        self.subset: frozenset[str] | None = None
+        # The response as the stream sees it: its status, the backend that answered (when
+        # the data plane says another one did), whether it ended.
+        self.status_code = 0
+        self.served_backend: str | None = None
+        self.ended = False
+
+    def _complete_body(self, p: codec.Phase) -> bytes:
+        """The whole body: the chunks so far and this phase's."""
+        if not self.chunks:
+            return p.body
+        return b"".join([*self.chunks, p.body])
 
     def tokenizes_off_loop(self, p: codec.Phase) -> bool:
         """Whether this phase's body is long enough to tokenize in a worker thread: a
@@ -223,10 +215,12 @@ class RoutingSession(_FirstByteWatcher):
         other request's decision (the tokenizer releases the GIL on long texts)."""
         return (
             self.tokens is not None
-            and p.name == codec.REQUEST_BODY
-            and p.end_of_stream
-            and len(self.body) + len(p.body) >= OFF_LOOP_BODY_BYTES
+            and self._completes_body(p)
+            and self.body_bytes + len(p.body) >= OFF_LOOP_BODY_BYTES
         )
+
+    def _completes_body(self, p: codec.Phase) -> bool:
+        return p.name == codec.REQUEST_BODY and p.end_of_stream
 
     async def tokenize_off_loop(self, p: codec.Phase) -> None:
         """Parse the body here and tokenize it in a thread; `on_request_body` then uses
@@ -235,26 +229,36 @@ class RoutingSession(_FirstByteWatcher):
         api = api_for_path(self.path)
         assert api is not None
         try:
-            llm = parse_body(api, bytes(self.body + p.body) if self.body else p.body)
+            llm = parse_body(api, self._complete_body(p))
         except ParseError:
             return
         self._prepared = await asyncio.to_thread(self.tokens.apply, llm, self.request_id)
 
-    def on_request_headers(self, p: codec.Phase) -> Reply:
+    def _read_request_headers(self, p: codec.Phase) -> None:
         self.path = p.headers.get(":path", "")
         self.request_id = p.headers.get(HEADER_REQUEST_ID, "")
         self.session_header = p.headers.get(HEADER_SESSION)
         self.flow = read_headers(self.router.cfg.flow_control, p.headers)
+        if p.subset is not None:
+            self.subset = self.encoder.backends_at(p.subset)
+
+    def on_request_headers(self, p: codec.Phase) -> Reply:
+        self._read_request_headers(p)
         if p.end_of_stream:
             self.done = True  # no body to route on: the fallback route serves it
         return self._reply(codec.REQUEST_HEADERS)
 
     def on_request_body(self, p: codec.Phase) -> Reply:
         if not p.end_of_stream:  # only if a config streams the body: gather it
-            self.body += p.body
+            self.chunks.append(p.body)
+            self.body_bytes += len(p.body)
             return self._reply(codec.REQUEST_BODY)
-        body = bytes(self.body + p.body) if self.body else p.body
-        self.body = bytearray()
+        body = self._complete_body(p)
+        self.chunks = []
+        return self._route(body)
+
+    def _route(self, body: bytes) -> Reply:
+        """Parse, tokenize and decide on the complete body; the reply for the outcome."""
         api = api_for_path(self.path)
         assert api is not None  # a routing session is opened for LLM paths only
         try:
@@ -267,7 +271,7 @@ class RoutingSession(_FirstByteWatcher):
             # Never break the request on a body we cannot read: the fallback route takes it
             # and the backend gives the client its own error.
             log.info("request %s: unreadable body, fallback route: %s", self.request_id, e)
-            return self._reply(codec.REQUEST_BODY)
+            return self._fallback()
         if self.tokens is not None and self._prepared is None:  # fails open
             llm = self.tokens.apply(llm, self.request_id)  # token ids as the engine's
         original_id = self.request_id
@@ -282,6 +286,7 @@ class RoutingSession(_FirstByteWatcher):
             objective=objective,
             tenant=tenant,
             ttft_slo_ms=slo_ms,
+            subset=self.subset,
         )
         outcome = self.director.handle(request, len(body))
         if isinstance(outcome, Queued):  # the gateway queue: the reply waits for room
@@ -304,9 +309,13 @@ class RoutingSession(_FirstByteWatcher):
             if refused.reason:
                 headers[HEADER_FLOW_REASON] = refused.reason
             return json_error(refused.status, refused.kind, refused.message, headers or None)
-        if isinstance(outcome, Unrouted):  # the fallback route takes it
+        if isinstance(outcome, Unrouted):
+            if isinstance(self.encoder, EndpointPickerEncoder):
+                # the endpoint-picker protocol: no endpoint can take it, say so (503)
+                log.warning("request %s: %s: 503", self.request_id, outcome.reason)
+                return no_endpoint(outcome.reason)
             log.warning("request %s: %s: fallback route", self.request_id, outcome.reason)
-            return self._reply(codec.REQUEST_BODY)
+            return self._fallback()  # the fallback route takes it
         self.decision = outcome.decision
         self.done = not self.info.sends_response_body
         self.hold_s = self.decision.hold_ms / 1000
@@ -314,14 +323,103 @@ class RoutingSession(_FirstByteWatcher):
         served = outcome.served_model
         new_body = with_model(body, served) if served is not None else None
         renamed = self.request_id if self.request_id != original_id else None
-        return self.encoder.encode(self.decision, new_body, renamed)
+        return self._routed(self.decision, new_body, renamed)
+
+    def _routed(self, d: Decision, new_body: bytes | None, renamed: str | None) -> Reply:
+        """The reply that sends the request to the decision's backend."""
+        return self.encoder.encode(d, new_body, renamed)
+
+    def _fallback(self) -> Reply:
+        """No decision: Envoy's fallback route (or the pool's own balancing) takes it."""
+        return self._reply(codec.REQUEST_BODY)
+
+    # -- the response ---------------------------------------------------------------------
+
+    def on_response_headers(self, p: codec.Phase) -> Reply:
+        self.status_code = _status(p.headers)
+        echo = self._note_served(p.served)
+        if p.end_of_stream:  # no body will follow: the headers were the first byte
+            self._first_byte()
+            self.done = True
+            self._end()
+        if self.info.observe_only:
+            return None
+        if echo is None:
+            return codec.bare_continue(codec.RESPONSE_HEADERS)
+        # the pool's Envoy has no per-backend metadata to echo: the picker says who answered
+        return codec.continue_response(codec.RESPONSE_HEADERS, set_headers={HEADER_BACKEND: echo})
+
+    def _note_served(self, endpoint: str) -> str | None:
+        """The endpoint the data plane says served the request: another backend than the
+        chosen one gets its TTFT and E2E, the chosen one a failover. Returns the backend
+        to echo to the client (None: not this session's decision, or no endpoint mode)."""
+        if self.decision is None or not isinstance(self.encoder, EndpointPickerEncoder):
+            return None
+        backend = self.encoder.backend_at(endpoint) if endpoint else None
+        if backend is not None and backend != self.decision.backend:
+            if self.router.inputs.served_by(self.request_id, backend):
+                log.info(
+                    "request %s: served by %s, not %s (the data plane went on)",
+                    self.request_id,
+                    backend,
+                    self.decision.backend,
+                )
+            self.served_backend = backend
+        return self.served_backend or self.decision.backend
+
+    def on_response_body(self, p: codec.Phase) -> Reply:
+        if not self.info.response_streamed:
+            return super().on_response_body(p)
+        # FULL_DUPLEX_STREAMED: every chunk goes back as it came, or the client loses it
+        self._first_byte(p.body)
+        if p.end_of_stream:
+            self._end()
+        return codec.streamed_body(codec.RESPONSE_BODY, p.body, p.end_of_stream)
+
+    def on_response_trailers(self, p: codec.Phase) -> Reply:
+        self._end()
+        return self._reply(codec.RESPONSE_TRAILERS)
+
+    def _end(self) -> None:
+        """The response ended as this stream saw it (a FULL_DUPLEX_STREAMED response, whose
+        data plane need not send an access log): close the request with its status."""
+        if self.ended or not self.info.response_streamed:
+            return
+        self.ended = True
+        self.done = True
+        if self.decision is not None:
+            outcome = outcome_of(self.status_code, frozenset(), VIA_UPSTREAM)
+            self.router.close(
+                self.request_id,
+                outcome.status,
+                served_by=self.served_backend,
+                reason=outcome.reason,
+            )
+
+    def finish(self) -> None:
+        super().finish()
+        if self.info.response_streamed and self.decision is not None and not self.ended:
+            # the stream ended before the response did: the client went away, or the
+            # response was reset (the stream cannot tell which; not held against the backend)
+            self.router.close(self.request_id, Status.CANCELLED, reason="stream ended early")
 
     _handlers: ClassVar[dict[str, Callable[[Any, codec.Phase], Reply]]] = {
         codec.REQUEST_HEADERS: on_request_headers,
         codec.REQUEST_BODY: on_request_body,
-        codec.RESPONSE_HEADERS: _FirstByteWatcher.on_response_headers,
-        codec.RESPONSE_BODY: _FirstByteWatcher.on_response_body,
+        codec.RESPONSE_HEADERS: on_response_headers,
+        codec.RESPONSE_BODY: on_response_body,
+        codec.RESPONSE_TRAILERS: on_response_trailers,
     }
+
+
+def no_endpoint(reason: str) -> codec.ProcessingResponse:
+    """The endpoint-picker protocol's answer when no endpoint can take the request."""
+    return json_error(503, "service_unavailable", f"no endpoint can take the request: {reason}")
+
+
+def _status(headers: Mapping[str, str]) -> int:
+    raw = headers.get(":status", "")
+    return int(raw) if raw.isdigit() else 0
 
 
 def own_request_id(request_id: str, in_flight: Mapping[str, object]) -> str:
@@ -337,39 +435,6 @@ def own_request_id(request_id: str, in_flight: Mapping[str, object]) -> str:
         n += 1
         own = f"{request_id}~{n}"
     return own
-
-
-def open_session(
-    router: Router,
-    encoder: DecisionEncoder,
-    first: codec.ProcessingRequest,
-    phase: codec.Phase,
-    trace_context: tuple[tuple[str, str], ...] = (),
-    tokens: PromptTokenizer | None = None,
-    forward: Forward | None = None,
-    envoy: str = "",
-    director: Director | None = None,
-) -> Session:
-    """The session for a stream, from its first message (`phase`, decoded) (Envoy AI
-    Gateway's processorForPath + passThroughProcessor pattern)."""
-    info = codec.stream_info(first)
-    if info.observe_only:
-        return ObservingSession(router, info, codec.request_id_attribute(first), forward)
-    headers = phase.headers
-    if (
-        phase.name == codec.REQUEST_HEADERS
-        and headers.get(":method") == "GET"
-        and route_path(headers.get(":path", "")) == MODELS_PATH
-    ):
-        return ModelsSession(router, info)
-    if (
-        phase.name == codec.REQUEST_HEADERS
-        and api_for_path(headers.get(":path", "")) is not None
-        and headers.get(HEADER_REQUEST_ID)
-    ):
-        director = director if director is not None else Director(router)
-        return RoutingSession(director, encoder, info, trace_context, tokens, envoy)
-    return PassThroughSession(info)
 
 
 def json_error(

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
+from ext_proc.common.names import HEADER_GATEWAY_FAIRNESS_ID, HEADER_GATEWAY_OBJECTIVE
 from ext_proc.config.flow import FlowControl, Objective
 from ext_proc.vocab.types import RouteRequest
 
@@ -53,9 +54,11 @@ class Objectives:
 
 
 def read_headers(settings: FlowControl, headers: Mapping[str, str]) -> tuple[str, str, float]:
-    """The objective, tenant and SLO (ms; 0 = none) a request's headers name. A malformed
-    or out-of-range SLO is no SLO (the objective's applies), as llm-d treats its
-    x-llm-d-slo-ttft-ms."""
+    """The objective, tenant and SLO (ms; 0 = none) a request's headers name: the
+    configured headers, else the Gateway API Inference Extension's
+    (x-gateway-inference-objective, x-gateway-inference-fairness-id), which its gateways
+    set. A malformed or out-of-range SLO is no SLO (the objective's applies), as llm-d
+    treats its x-llm-d-slo-ttft-ms."""
     raw = headers.get(settings.slo_header, "")
     try:
         slo_ms = float(raw) if raw else 0.0
@@ -63,5 +66,12 @@ def read_headers(settings: FlowControl, headers: Mapping[str, str]) -> tuple[str
         slo_ms = 0.0
     if not 0.0 < slo_ms <= MAX_SLO_MS or not math.isfinite(slo_ms):
         slo_ms = 0.0
-    objective = headers.get(settings.objective_header, "").strip()
-    return objective, headers.get(settings.tenant_header, "").strip()[:200], slo_ms
+    objective = (
+        headers.get(settings.objective_header, "").strip()
+        or headers.get(HEADER_GATEWAY_OBJECTIVE, "").strip()
+    )
+    tenant = (
+        headers.get(settings.tenant_header, "").strip()
+        or headers.get(HEADER_GATEWAY_FAIRNESS_ID, "").strip()
+    )
+    return objective, tenant[:200], slo_ms

@@ -1,6 +1,6 @@
-"""Admin HTTP on loopback: /healthz, /state, POST /tuner, the fleet (GET/POST /backends,
-POST /backends/{id}/drain, DELETE /backends/{id}) and the operator's page (/ui); who may
-use it is admin_guard.py's."""
+"""Admin HTTP on loopback: /healthz (alive), /readyz (can route), /state, POST /tuner, the
+fleet (GET/POST /backends, POST /backends/{id}/drain, DELETE /backends/{id}) and the
+operator's page (/ui); who may use it is admin_guard.py's."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from ext_proc.config.load import backend_from_dict
 from ext_proc.core.fleet import FleetConflict, UnknownBackend
 from ext_proc.core.router import Router
 from ext_proc.service.admin_guard import AdminGuard, Peer
+from ext_proc.service.health import Readiness, router_readiness
 from ext_proc.service.operator_page import add_page_routes
 from ext_proc.service.telemetry.listener import Telemetry
 from ext_proc.vocab.params import ConfigError
@@ -48,11 +49,14 @@ def make_admin_app(
     listen: str = "127.0.0.1:0",
     hosts: tuple[str, ...] = (),
     flow: Callable[[], dict[str, Any]] | None = None,
+    readiness: Callable[[], Readiness] | None = None,
 ) -> web.Application:
     """`settle`: waits until the shell has applied the fleet's changes (FleetShell);
     `listen`, `hosts`, `token`: listen.admin, listen.admin_hosts and the admin token, which
     decide who may use it (admin_guard.py); `flow`: the gateway queue's snapshot, for the
-    operator's page."""
+    operator's page; `readiness`: whether the router can route (/readyz; None: the
+    router's backends alone)."""
+    ready = readiness if readiness is not None else (lambda: router_readiness(router))
 
     guard = AdminGuard(listen, token, hosts)
 
@@ -67,7 +71,15 @@ def make_admin_app(
         return response
 
     async def healthz(_: web.Request) -> web.Response:
+        """Liveness: the process answers."""
         return web.Response(text="ok\n")
+
+    async def readyz(_: web.Request) -> web.Response:
+        """Readiness: 200 while the router can route, else 503; the reason either way."""
+        now = ready()
+        return web.json_response(
+            {"ready": now.ready, "reason": now.reason}, status=200 if now.ready else 503
+        )
 
     async def state(_: web.Request) -> web.Response:
         return web.json_response({**router.snapshot(), **extra_state()})
@@ -152,6 +164,7 @@ def make_admin_app(
 
     app = web.Application(middlewares=[guarded])
     app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/state", state)
     app.router.add_post("/tuner", tuner)

@@ -5,12 +5,13 @@ on in, a refusal (status, message) or None out.
 Three rules, against what a web page in the operator's browser could otherwise do to a
 router on the same machine (docs/reliability.md, Security):
 
-- The Host: every request but /healthz must name this admin: the address it listens on,
-  the local address the connection came in on, `localhost` / `127.0.0.1` / `[::1]` (each
-  with the port) for a connection over loopback, or a name in `listen.admin_hosts`. A page
-  on attacker.example whose name was made to resolve to 127.0.0.1 (DNS rebinding) sends
-  `Host: attacker.example:9180` and reads nothing. /healthz is exempt: it says `ok` and
-  nothing else, and Kubernetes' kubelet probes it by the pod's IP.
+- The Host: every request but /healthz and /readyz must name this admin: the address it
+  listens on, the local address the connection came in on, `localhost` / `127.0.0.1` /
+  `[::1]` (each with the port) for a connection over loopback, or a name in
+  `listen.admin_hosts`. A page on attacker.example whose name was made to resolve to
+  127.0.0.1 (DNS rebinding) sends `Host: attacker.example:9180` and reads nothing.
+  /healthz and /readyz are exempt: they say whether the router lives and can route, in a
+  few words that name no backend, and Kubernetes' kubelet probes them by the pod's IP.
 - With a token (`listen.admin_token`): every state change (any method but GET and HEAD)
   carries `Authorization: Bearer <token>`, which a page elsewhere cannot send without a
   CORS preflight the admin never grants.
@@ -28,8 +29,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 SAFE_METHODS = frozenset({"GET", "HEAD"})
-# Says "ok" and nothing more; probed by IP (kubelet), so the Host rule would only break it.
-HOST_EXEMPT_PATHS = frozenset({"/healthz"})
+# Say whether it lives and can route, nothing more; probed by IP (kubelet), so the Host
+# rule would only break them.
+HOST_EXEMPT_PATHS = frozenset({"/healthz", "/readyz"})
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "[::1]")
 WILDCARDS = frozenset({"", "0.0.0.0", "::", "[::]", "*"})
 

@@ -27,6 +27,7 @@ from ext_proc.prompt.engine_tokens import PromptTokenizer, load_engine_tokenizer
 from ext_proc.service.admin import make_admin_app
 from ext_proc.service.engine_tokenizer import EngineTokenizers
 from ext_proc.service.fleet_shell import FleetShell
+from ext_proc.service.health import HealthService, add_health_service, router_readiness
 from ext_proc.service.last_good import ConfigSource
 from ext_proc.service.loops.catalog import FEEDS
 from ext_proc.service.loops.fleet_bus import FleetBus
@@ -100,6 +101,8 @@ class Running:
     fleet_shell: FleetShell
     # None: started without a config file to reload.
     reloader: ConfigReloader | None = None
+    # The gRPC health service on the gRPC port (attach it to another server with `attach`).
+    health: HealthService | None = None
 
 
 async def _expire_loop(router: Router, prober: Prober) -> None:
@@ -147,6 +150,9 @@ async def running_service(
             server, router, telemetry.fallback, tokens, fleet.forward
         )
         fleet.on_forwarded = access_log.apply_forwarded
+        # grpc.health.v1 on the same port: SERVING while the router can route
+        health = add_health_service(server, lambda: router_readiness(router, ext_proc.draining))
+        router.subscribe(health)
         telemetry.metrics.registry.register(FlowGauges(ext_proc.director))
         # The engine's tokenizer, found when none is configured, and checked against the
         # engines: until then a backend with KV events stays approximate.
@@ -170,6 +176,8 @@ async def running_service(
             raise OSError(f"listen.grpc: cannot bind {cfg.listen.grpc} (port in use?)")
         await server.start()
         stack.push_async_callback(server.stop, STOP_GRACE_S)
+        await health.start()
+        stack.push_async_callback(health.stop)
         # Before the admin answers /healthz: the probes' start reads what each engine
         # serves (a request routed before would go to any backend, whatever its model).
         await prober.start()
@@ -203,6 +211,7 @@ async def running_service(
             cfg.listen.admin,
             cfg.listen.admin_hosts,
             ext_proc.director.snapshot,
+            lambda: router_readiness(router, ext_proc.draining),
         )
         runner = web.AppRunner(admin_app, access_log=None)
         await runner.setup()
@@ -215,7 +224,7 @@ async def running_service(
             raise OSError(f"listen.admin: cannot bind {cfg.listen.admin}: {e.strerror}") from e
         bound_admin = int(runner.addresses[0][1])
         # Stopping: the routed requests drain while the admin API still answers.
-        stack.push_async_callback(_drain, router, ext_proc)
+        stack.push_async_callback(_drain, router, ext_proc, health)
         for part in (tokenizers, kv_events):
             await part.start()
             stack.push_async_callback(part.stop)
@@ -235,13 +244,22 @@ async def running_service(
         gc.freeze()
         gc.set_threshold(GC_GEN0_THRESHOLD)
         yield Running(
-            router, ext_proc, grpc_port, bound_admin, telemetry, fleet, fleet_shell, reloader
+            router,
+            ext_proc,
+            grpc_port,
+            bound_admin,
+            telemetry,
+            fleet,
+            fleet_shell,
+            reloader,
+            health,
         )
 
 
-async def _drain(router: Router, ext_proc: ExtProcService) -> None:
-    """New requests fail open to Envoy's fallback route; the access log stays open so the
-    requests already routed can report their completion, for up to DRAIN_GRACE_S."""
+async def _drain(router: Router, ext_proc: ExtProcService, health: HealthService) -> None:
+    """New requests fail open to Envoy's fallback route (and readiness says NOT_SERVING);
+    the access log stays open so the requests already routed can report their completion,
+    for up to DRAIN_GRACE_S."""
     closed_before = _closed(router)
     log.info(
         "stopping: %d ext_proc streams open, %d requests in flight; draining for up to %.0f s",
@@ -250,6 +268,7 @@ async def _drain(router: Router, ext_proc: ExtProcService) -> None:
         DRAIN_GRACE_S,
     )
     ext_proc.draining = True
+    await health.refresh()
     deadline = time.monotonic() + DRAIN_GRACE_S
     while router.in_flight and time.monotonic() < deadline:
         await asyncio.sleep(0.05)

@@ -62,6 +62,9 @@ class Closed:
     cached_tokens: int | None = None
     # What ended it, as Envoy said it (code, flags, details) or the router's own reason.
     reason: str = ""
+    # FAILED_OVER: the backend that served it (`served_by`) answered with success, so its
+    # E2E is that backend's.
+    served_ok: bool = False
 
 
 @dataclass(frozen=True)

@@ -207,6 +207,9 @@ class RouteRequest:
     ttft_slo_ms: float = 0.0
     # The backends' regions it may go to (its objective's `regions`; empty: any).
     regions: frozenset[str] = frozenset()
+    # The backends it may go to (the data plane's subset hint, endpoint-picker protocol);
+    # None: any. None of them able to take it: no decision (503).
+    subset: frozenset[str] | None = None
 
 
 @dataclass
@@ -260,6 +263,10 @@ class InFlight:
     ended_e2e_ms: float | None = None
     # The Envoy that carries it (RouteRequest.envoy).
     envoy: str = ""
+    # Another backend that served it, known before its close (the endpoint-picker
+    # protocol's served endpoint: Envoy went on to the next endpoint after a connect
+    # failure): its TTFT and E2E are that backend's, the failover the chosen one's.
+    served_by: str | None = None
 
     @property
     def arrived_s(self) -> float:

@@ -47,6 +47,19 @@ class HeaderMap(_message.Message):
     headers: _containers.RepeatedCompositeFieldContainer[HeaderValue]
     def __init__(self, headers: _Optional[_Iterable[_Union[HeaderValue, _Mapping]]] = ...) -> None: ...
 
+class Metadata(_message.Message):
+    __slots__ = ("filter_metadata",)
+    class FilterMetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: _struct_pb2.Struct
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
+    FILTER_METADATA_FIELD_NUMBER: _ClassVar[int]
+    filter_metadata: _containers.MessageMap[str, _struct_pb2.Struct]
+    def __init__(self, filter_metadata: _Optional[_Mapping[str, _struct_pb2.Struct]] = ...) -> None: ...
+
 class ProcessingMode(_message.Message):
     __slots__ = ("request_header_mode", "response_header_mode", "request_body_mode", "response_body_mode", "request_trailer_mode", "response_trailer_mode")
     class HeaderSendMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
@@ -116,7 +129,7 @@ class ProtocolConfiguration(_message.Message):
     def __init__(self, request_body_mode: _Optional[_Union[ProcessingMode.BodySendMode, str]] = ..., response_body_mode: _Optional[_Union[ProcessingMode.BodySendMode, str]] = ..., send_body_without_waiting_for_header_response: _Optional[bool] = ...) -> None: ...
 
 class ProcessingRequest(_message.Message):
-    __slots__ = ("request_headers", "response_headers", "request_body", "response_body", "request_trailers", "response_trailers", "attributes", "observability_mode", "protocol_config")
+    __slots__ = ("request_headers", "response_headers", "request_body", "response_body", "request_trailers", "response_trailers", "metadata_context", "attributes", "observability_mode", "protocol_config")
     class AttributesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -130,6 +143,7 @@ class ProcessingRequest(_message.Message):
     RESPONSE_BODY_FIELD_NUMBER: _ClassVar[int]
     REQUEST_TRAILERS_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_TRAILERS_FIELD_NUMBER: _ClassVar[int]
+    METADATA_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     ATTRIBUTES_FIELD_NUMBER: _ClassVar[int]
     OBSERVABILITY_MODE_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_CONFIG_FIELD_NUMBER: _ClassVar[int]
@@ -139,10 +153,11 @@ class ProcessingRequest(_message.Message):
     response_body: HttpBody
     request_trailers: HttpTrailers
     response_trailers: HttpTrailers
+    metadata_context: Metadata
     attributes: _containers.MessageMap[str, _struct_pb2.Struct]
     observability_mode: bool
     protocol_config: ProtocolConfiguration
-    def __init__(self, request_headers: _Optional[_Union[HttpHeaders, _Mapping]] = ..., response_headers: _Optional[_Union[HttpHeaders, _Mapping]] = ..., request_body: _Optional[_Union[HttpBody, _Mapping]] = ..., response_body: _Optional[_Union[HttpBody, _Mapping]] = ..., request_trailers: _Optional[_Union[HttpTrailers, _Mapping]] = ..., response_trailers: _Optional[_Union[HttpTrailers, _Mapping]] = ..., attributes: _Optional[_Mapping[str, _struct_pb2.Struct]] = ..., observability_mode: _Optional[bool] = ..., protocol_config: _Optional[_Union[ProtocolConfiguration, _Mapping]] = ...) -> None: ...
+    def __init__(self, request_headers: _Optional[_Union[HttpHeaders, _Mapping]] = ..., response_headers: _Optional[_Union[HttpHeaders, _Mapping]] = ..., request_body: _Optional[_Union[HttpBody, _Mapping]] = ..., response_body: _Optional[_Union[HttpBody, _Mapping]] = ..., request_trailers: _Optional[_Union[HttpTrailers, _Mapping]] = ..., response_trailers: _Optional[_Union[HttpTrailers, _Mapping]] = ..., metadata_context: _Optional[_Union[Metadata, _Mapping]] = ..., attributes: _Optional[_Mapping[str, _struct_pb2.Struct]] = ..., observability_mode: _Optional[bool] = ..., protocol_config: _Optional[_Union[ProtocolConfiguration, _Mapping]] = ...) -> None: ...
 
 class HeaderMutation(_message.Message):
     __slots__ = ("set_headers", "remove_headers")
@@ -152,13 +167,23 @@ class HeaderMutation(_message.Message):
     remove_headers: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, set_headers: _Optional[_Iterable[_Union[HeaderValueOption, _Mapping]]] = ..., remove_headers: _Optional[_Iterable[str]] = ...) -> None: ...
 
+class StreamedBodyResponse(_message.Message):
+    __slots__ = ("body", "end_of_stream")
+    BODY_FIELD_NUMBER: _ClassVar[int]
+    END_OF_STREAM_FIELD_NUMBER: _ClassVar[int]
+    body: bytes
+    end_of_stream: bool
+    def __init__(self, body: _Optional[bytes] = ..., end_of_stream: _Optional[bool] = ...) -> None: ...
+
 class BodyMutation(_message.Message):
-    __slots__ = ("body", "clear_body")
+    __slots__ = ("body", "clear_body", "streamed_response")
     BODY_FIELD_NUMBER: _ClassVar[int]
     CLEAR_BODY_FIELD_NUMBER: _ClassVar[int]
+    STREAMED_RESPONSE_FIELD_NUMBER: _ClassVar[int]
     body: bytes
     clear_body: bool
-    def __init__(self, body: _Optional[bytes] = ..., clear_body: _Optional[bool] = ...) -> None: ...
+    streamed_response: StreamedBodyResponse
+    def __init__(self, body: _Optional[bytes] = ..., clear_body: _Optional[bool] = ..., streamed_response: _Optional[_Union[StreamedBodyResponse, _Mapping]] = ...) -> None: ...
 
 class CommonResponse(_message.Message):
     __slots__ = ("status", "header_mutation", "body_mutation", "trailers", "clear_route_cache")

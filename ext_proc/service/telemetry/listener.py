@@ -181,6 +181,8 @@ class Telemetry(Listener):
         self._completions[(c.backend, str(c.status))].inc()
         if c.status == Status.OK:
             self._e2e[(c.backend,)].observe(c.e2e_ms / 1000)
+        elif c.served_ok and c.served_by:  # failed over: the backend that answered
+            self._e2e[(c.served_by,)].observe(c.e2e_ms / 1000)
         err = prediction_error(c)
         if err is not None:
             state = str(c.record.prefix_state)

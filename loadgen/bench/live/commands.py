@@ -14,8 +14,10 @@ from loadgen.traces.readers import CONVERSATION_TRACE
 
 
 def _overhead(args: argparse.Namespace) -> int:
-    from loadgen.bench.live.overhead import run_overhead_bench
+    from loadgen.bench.live.overhead import run_overhead_bench, run_picker_stream_bench
 
+    if args.picker_stream:
+        return run_picker_stream_bench(max(10, args.requests // 10), args.rounds)
     return run_overhead_bench(
         requests=args.requests, long_only=args.long_prompts, flow=args.flow_control, otlp=args.otlp
     )
@@ -45,6 +47,14 @@ def add_overhead(bench: Any, policies: Sequence[str]) -> None:
         action="store_true",
         help="the router exports its decision spans to an OTLP receiver (as a user runs it)",
     )
+    b.add_argument(
+        "--picker-stream",
+        action="store_true",
+        help="instead: the endpoint picker behind the extension's chart-like Envoy (both "
+        "bodies FULL_DUPLEX_STREAMED) against the default front door, router CPU per request "
+        "and inter-token gaps (requests/10 a mode a round, at least 10)",
+    )
+    b.add_argument("--rounds", type=int, default=3, help="--picker-stream's rounds")
     b.set_defaults(func=_overhead)
 
 

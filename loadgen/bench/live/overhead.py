@@ -337,3 +337,138 @@ def _wait_ok(url: str, timeout_s: float = 20.0) -> None:
         except OSError:
             time.sleep(0.05)
     raise RuntimeError(f"{url} not ready after {timeout_s:.0f} s")
+
+
+# -- the endpoint picker's streamed mode against the default ------------------------------
+
+# Engines that decode one token every 8 ms (a real one takes 9-25 ms): each token leaves in
+# a chunk of its own, as it would, and nothing else costs time.
+DECODE_STEP_ENGINE = tuple(
+    arg
+    for setting in (
+        "prefill_base_ms=1",
+        "prefill_tokens_per_s=10000000",
+        "decode_base_ms=8",
+        "decode_batch_ms=0",
+        "decode_per_request_ms=0",
+        "decode_per_1k_context_ms=0",
+    )
+    for arg in ("--set", setting)
+)
+PICKER_STREAM_TOKENS = 64
+# Each round first reads each router's idle CPU (probes, engine metrics, timers) over this
+# long, and takes it out of the CPU per request, which is then the requests' own.
+IDLE_S = 5.0
+
+
+def _mode_stack(mode: str) -> Stack:
+    settings = StackSettings(
+        policy="round_robin",
+        regions=REGIONS,
+        ports=StackPorts.ephemeral(len(REGIONS)),
+        engine_args=DECODE_STEP_ENGINE,
+        wan_links=False,
+        envoy_concurrency=1,
+        envoy_mode=mode,
+        tuner_mode="off",
+    )
+    stack = Stack(settings)
+    # the chart's ORIGINAL_DST cluster takes one address
+    envoy = replace(stack.config.envoy, connect_retries=0)
+    stack.config = replace(stack.config, envoy=envoy)
+    return stack
+
+
+def run_picker_stream_bench(requests: int = 40, rounds: int = 3) -> int:
+    """The router behind the extension's chart-like Envoy (both bodies FULL_DUPLEX_STREAMED:
+    every chunk through the router) against the default front door (BUFFERED routing + the
+    observing filter: the router sees the first chunk only), each with its own router and
+    engines, requests alternating between them at concurrency 1; per round each router's
+    CPU per request and the inter-token gaps the client sees; medians of the rounds."""
+    from emulator.stack.gateway_envoy import gateway_envoy_config
+
+    print("starting the default front door and the chart-like gateway, each with a router...")
+    default, picker = _mode_stack("cluster"), _mode_stack("endpoint_picker")
+    stacks: list[Stack] = []
+    try:
+        for s in (default, picker):
+            stacks.append(s)
+            s.start()
+        front, admin = free_ports(2)
+        grpc_port = int(picker.config.listen.grpc.rsplit(":", 1)[1])
+        # plaintext to the picker as to the default router: the chunks' cost, not TLS's
+        picker.start_envoy("gateway", gateway_envoy_config(front, admin, grpc_port, tls=False))
+        _wait_ok(f"http://127.0.0.1:{admin}/ready")
+        urls = (default.front_door_url, f"http://127.0.0.1:{front}")
+        pids = (default.procs["gorgo-serve"].pid, picker.procs["gorgo-serve"].pid)
+        rows = [_stream_round(urls, pids, requests, r) for r in range(rounds)]
+    finally:
+        for s in stacks:
+            s.stop()
+    print("\n".join(_stream_report(rows, requests)))
+    return 0
+
+
+def _stream_round(
+    urls: tuple[str, str], pids: tuple[int, int], n: int, round_no: int
+) -> dict[str, tuple[float, float]]:
+    """One round: (default, streamed) router CPU ms/request beyond its idle CPU, ITL p50
+    and p99 ms, TTFT p50."""
+    body = chat_body(_prompt(1024), PICKER_STREAM_TOKENS)
+    asyncio.run(_alternate(urls, body, 5))  # warm connections and caches
+    print(f"  round {round_no + 1}: idle {IDLE_S:g} s, then {n} requests each...", file=sys.stderr)
+    idle0, t0 = [proc_cpu_s(p) for p in pids], time.monotonic()
+    time.sleep(IDLE_S)
+    cpu0, t1 = [proc_cpu_s(p) for p in pids], time.monotonic()
+    idle_rate = [(c - i) / (t1 - t0) for c, i in zip(cpu0, idle0, strict=True)]
+    pair = asyncio.run(_alternate(urls, body, n))
+    window_s = time.monotonic() - t1
+    cpu = [
+        (proc_cpu_s(p) - c - rate * window_s) * 1e3 / n
+        for p, c, rate in zip(pids, cpu0, idle_rate, strict=True)
+    ]
+    results = (pair.envoy, pair.gorgo)
+    for rs in results:
+        _ttfts(rs)  # every request answered
+        short = [r for r in rs if r.output_tokens != PICKER_STREAM_TOKENS]
+        if short:
+            raise RuntimeError(f"{len(short)} streams cut short, first: {short[0].error}")
+    gaps = [[g for r in rs for g in r.itl_ms] for rs in results]
+    ttft = [percentile(_ttfts(rs), 50) for rs in results]
+    return {
+        "cpu": (cpu[0], cpu[1]),
+        "itl50": (percentile(gaps[0], 50), percentile(gaps[1], 50)),
+        "itl99": (percentile(gaps[0], 99), percentile(gaps[1], 99)),
+        "ttft50": (ttft[0], ttft[1]),
+    }
+
+
+def _stream_report(rows: list[dict[str, tuple[float, float]]], n: int) -> list[str]:
+    def median(xs: list[float]) -> float:
+        return percentile(xs, 50)
+
+    lines = [
+        f"{PICKER_STREAM_TOKENS} tokens a request (8 ms a token), {n} requests a mode a round, "
+        f"{len(rows)} rounds: medians of the rounds",
+        f"{'measurement':<34} {'default':>10} {'streamed':>10} {'added':>9} {'ratio':>7}",
+    ]
+    names = {
+        "cpu": "router CPU ms/request, net",
+        "ttft50": "TTFT p50 ms",
+        "itl50": "inter-token p50 ms",
+        "itl99": "inter-token p99 ms",
+    }
+    for key, name in names.items():
+        base, streamed = median([r[key][0] for r in rows]), median([r[key][1] for r in rows])
+        lines.append(
+            f"{name:<34} {base:>10.3f} {streamed:>10.3f} {streamed - base:>9.3f} "
+            f"{f'x{streamed / base:.2f}':>7}"
+        )
+    per_round = ", ".join(f"{r['cpu'][0]:.2f} / {r['cpu'][1]:.2f}" for r in rows)
+    lines.append(f"(router CPU ms/request by round, default / streamed: {per_round})")
+    added = median([r["cpu"][1] - r["cpu"][0] for r in rows])
+    lines.append(
+        f"(the streamed mode's added CPU, median of the rounds: {added:.2f} ms a request, "
+        f"{added / PICKER_STREAM_TOKENS * 1e3:.0f} us a response chunk)"
+    )
+    return lines

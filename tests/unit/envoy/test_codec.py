@@ -2,13 +2,16 @@
 
 import dataclasses
 
-from envoy_data_plane.envoy.config.core.v3 import HeaderMap, HeaderValue, Node
+from envoy_data_plane.envoy.config.core.v3 import HeaderMap, HeaderValue, Metadata, Node
 from envoy_data_plane.envoy.data.accesslog.v3 import (
     AccessLogCommon,
     HttpAccessLogEntry,
     HttpRequestProperties,
     HttpResponseProperties,
     ResponseFlags,
+)
+from envoy_data_plane.envoy.extensions.filters.http.ext_proc.v3 import (
+    ProcessingModeBodySendMode,
 )
 from envoy_data_plane.envoy.service.accesslog.v3 import (
     StreamAccessLogsMessage,
@@ -20,8 +23,9 @@ from envoy_data_plane.envoy.service.ext_proc.v3 import (
     HttpHeaders,
     ProcessingRequest,
     ProcessingResponse,
+    ProtocolConfiguration,
 )
-from envoy_data_plane.google.protobuf import Struct, Value
+from envoy_data_plane.google.protobuf import ListValue, Struct, Value
 
 from ext_proc.envoy import codec
 
@@ -159,3 +163,60 @@ def test_request_id_attribute_from_the_observer_first_message() -> None:
     ours = codec.ProcessingRequest.FromString(bytes(theirs))
     assert codec.request_id_attribute(ours) == "abc-1"
     assert codec.request_id_attribute(codec.ProcessingRequest()) == ""
+
+
+def test_the_subset_hint_and_the_served_endpoint_decode_from_envoys_metadata() -> None:
+    """ProcessingRequest.metadata_context (field 8, envoy.config.core.v3.Metadata): the
+    endpoint-picker protocol's subset hint (a list) and served endpoint (a string)."""
+    subset = Value(
+        list_value=ListValue(
+            values=[Value(string_value="10.0.0.1:8000"), Value(string_value=" 10.0.0.2:8000")]
+        )
+    )
+    theirs = ProcessingRequest(
+        request_headers=HttpHeaders(headers=HeaderMap(headers=[])),
+        metadata_context=Metadata(
+            filter_metadata={
+                "envoy.lb.subset_hint": Struct(
+                    fields={"x-gateway-destination-endpoint-subset": subset}
+                ),
+                "envoy.lb": Struct(
+                    fields={
+                        "x-gateway-destination-endpoint-served": Value(string_value="10.0.0.2:8000")
+                    }
+                ),
+            }
+        ),
+        protocol_config=ProtocolConfiguration(
+            request_body_mode=ProcessingModeBodySendMode.FULL_DUPLEX_STREAMED,
+            response_body_mode=ProcessingModeBodySendMode.FULL_DUPLEX_STREAMED,
+        ),
+    )
+    ours = codec.ProcessingRequest.FromString(bytes(theirs))
+    p = codec.decode(ours)
+    assert (p.subset, p.served) == (("10.0.0.1:8000", "10.0.0.2:8000"), "10.0.0.2:8000")
+    info = codec.stream_info(ours)
+    assert (info.request_streamed, info.response_streamed) == (True, True)
+    # no metadata: no hint (None), not an empty one (which allows no endpoint)
+    bare = codec.decode(
+        codec.ProcessingRequest.FromString(
+            bytes(ProcessingRequest(request_headers=HttpHeaders(headers=HeaderMap(headers=[]))))
+        )
+    )
+    assert (bare.subset, bare.served) == (None, "")
+    empty = Struct(fields={"x-gateway-destination-endpoint-subset": Value(list_value=ListValue())})
+    theirs.metadata_context = Metadata(filter_metadata={"envoy.lb.subset_hint": empty})
+    assert codec.decode(codec.ProcessingRequest.FromString(bytes(theirs))).subset == ()
+
+
+def test_streamed_body_chunks_read_back_as_streamed_responses() -> None:
+    for phase in (codec.REQUEST_BODY, codec.RESPONSE_BODY):
+        ours = codec.streamed_body(phase, b"chunk", True)
+        theirs = ProcessingResponse.parse(ours.SerializeToString())
+        streamed = getattr(theirs, phase).response.body_mutation.streamed_response
+        assert (streamed.body, streamed.end_of_stream) == (b"chunk", True)
+    # an empty last chunk still says the end of the stream
+    ours = codec.streamed_body(codec.RESPONSE_BODY, b"", True)
+    theirs = ProcessingResponse.parse(ours.SerializeToString())
+    assert theirs.response_body.response.body_mutation.is_set("streamed_response")
+    assert theirs.response_body.response.body_mutation.streamed_response.end_of_stream

@@ -46,3 +46,14 @@ def test_the_headers_and_a_malformed_slo() -> None:
     assert read_headers(SETTINGS, headers) == ("batch", "acme", 750.0)
     for bad in ("soon", "-5", "0", "nan", "inf", "1e30"):
         assert read_headers(SETTINGS, {"x-gorgo-ttft-slo-ms": bad}) == ("", "", 0.0), bad
+
+
+def test_the_inference_extensions_headers_are_read_beside_ours() -> None:
+    """x-gateway-inference-objective / x-gateway-inference-fairness-id, which the
+    extension's gateways set; the configured headers win when both are there."""
+    theirs = {"x-gateway-inference-objective": "batch", "x-gateway-inference-fairness-id": "t1"}
+    assert read_headers(SETTINGS, theirs) == ("batch", "t1", 0.0)
+    both = {**theirs, "x-gorgo-objective": "interactive", "x-gorgo-tenant": "acme"}
+    assert read_headers(SETTINGS, both) == ("interactive", "acme", 0.0)
+    renamed = FlowControl(objective_header="x-prio", tenant_header="x-who")
+    assert read_headers(renamed, theirs) == ("batch", "t1", 0.0)

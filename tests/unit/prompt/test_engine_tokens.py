@@ -21,7 +21,7 @@ from emulator.vllm.tiny_model import CHAT_TEMPLATE
 from ext_proc.config.load import config_from_dict
 from ext_proc.envoy import codec
 from ext_proc.envoy.encoders import decision_encoder
-from ext_proc.envoy.sessions import open_session
+from ext_proc.envoy.roles import open_session
 from ext_proc.estimate.prefix import as_hashes
 from ext_proc.prompt.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
 from ext_proc.prompt.engine_tokens import (

@@ -25,6 +25,7 @@ import pytest
 from aiohttp import web
 
 from emulator.engine.config import EngineConfig, Faults, zero_delay_profile
+from emulator.engine.runner import body_digest
 from emulator.engine.server import (
     ENGINE_ID_HEADER,
     ENGINE_KEY,
@@ -514,6 +515,7 @@ async def test_stats_count_generation_requests(
             await resp.read()
 
     stats = await get_json(http, f"{server.url}/stats")
+    bodies = stats.pop("recent_bodies")
     assert stats == {
         "name": NAME,
         "requests_total": 4,
@@ -523,6 +525,11 @@ async def test_stats_count_generation_requests(
         "in_flight": 0,
         "requests_by_path": {CHAT: 2, GENERATE: 1, COMPLETIONS: 1},
     }
+    # each generation request's body as received, the bad one too: its length and digest
+    assert bodies[-2:] == [
+        [len(b'{"text": "hi"}'), body_digest(b'{"text": "hi"}')],
+        [4, body_digest(b"nope")],
+    ]
 
 
 def slow_decode_cfg(name: str = NAME) -> EngineConfig:
