@@ -20,6 +20,7 @@ from importlib.metadata import entry_points
 from typing import Any
 
 from ext_proc.config.load import load_config
+from ext_proc.service.check.command import add_check_commands
 from ext_proc.vocab.params import ConfigError
 
 ENTRY_POINT_GROUP = "gorgo.commands"
@@ -158,6 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="print only the router's fragments, to paste into an existing Envoy",
     )
     s.set_defaults(func=_envoy_config)
+    add_check_commands(sub)  # check, config-schema
 
     commands = Commands(sub, sorted(POLICIES))
     for ep in entry_points(group=ENTRY_POINT_GROUP):
