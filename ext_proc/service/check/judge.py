@@ -256,7 +256,7 @@ def judge_backend(look: BackendLook, fleet: Look, cfg: Config, out: Verdict) -> 
         out.problems.append(
             Problem(
                 where,
-                f"no answer from http://{b.address}/v1/models ({look.unreachable})",
+                f"http://{b.address}/v1/models: {look.unreachable}",
                 f"start its engine, or correct {key}.address (its host:port as the router and "
                 "Envoy reach it)",
             )

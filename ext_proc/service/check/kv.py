@@ -4,7 +4,8 @@ is up: a ZMTP handshake completed on a subscriber socket with the router's own o
 `connect` that returns says nothing; a TCP connect alone says little more (a WAN link that
 black-holes traffic, or another service on the port, accepts it). The handshake proves a
 ZMQ publisher is there: a ROUTER (a replay endpoint given as the event endpoint) or a
-non-ZMQ server fails it, and the socket monitor tells those apart from nothing listening.
+non-ZMQ server ends the connection without it, and the socket monitor tells those apart
+from a port that accepts and says nothing, and from nothing listening.
 No event batch is waited for: an idle engine publishes none. A replay endpoint is asked
 for its batches from a sequence number no engine reaches, so that it answers with its end
 marker alone.
@@ -31,7 +32,10 @@ _FAILED = (
     | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 )
 _TCP_UP = zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED
-_WATCHED = _FAILED | _TCP_UP | zmq.EVENT_HANDSHAKE_SUCCEEDED
+# A peer that closes the connection before the handshake refused it: libzmq drops a peer
+# of an incompatible socket type (a ROUTER for a SUB) with no handshake-failed event.
+_REFUSED = _FAILED | zmq.EVENT_DISCONNECTED
+_WATCHED = _REFUSED | _TCP_UP | zmq.EVENT_HANDSHAKE_SUCCEEDED
 # The replay request's first sequence number: far past any engine's, so the answer is the
 # end marker alone (SGLang's and vLLM's replay send each buffered batch from it on, then -1).
 PROBE_SEQ = 1 << 62
@@ -80,10 +84,11 @@ async def handshake(
         monitor.close()
         sock.close()
     within = f"within {timeout_s:g} s"
-    if seen & _FAILED:
+    if seen & _REFUSED:
         return (
-            f"something answers at {address} but not as a ZMQ publisher (the ZMTP handshake "
-            "failed: another socket type, such as the replay endpoint, or not ZMQ)"
+            f"something answers at {address} but not as a ZMQ publisher (it ended the "
+            "connection without a ZMTP handshake: another socket type, such as the replay "
+            "endpoint, or not ZMQ)"
         )
     if seen & _TCP_UP:
         return (
