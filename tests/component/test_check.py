@@ -256,8 +256,7 @@ async def test_an_unreachable_kv_endpoint_is_a_problem_told_apart_from_a_wrong_o
     said = {p.where.removeprefix("backend "): p for p in verdict.problems}
     assert set(said) == {"none", "mute", "router", "replay"}
     assert said["none"].what == (
-        f"KV events: nothing accepts a connection at tcp://127.0.0.1:{nothing} within "
-        f"{TIMEOUT_S:g} s"
+        f"KV events: nothing accepts a connection at tcp://127.0.0.1:{nothing} (refused)"
     )
     assert said["none"].fix == (
         f'start the engine with --kv-events-config \'{{"publisher": "zmq", "endpoint": '

@@ -227,17 +227,7 @@ def _tokens(look: BackendLook, look_all: Look, out: Verdict, where: str) -> Aspe
         out.problems.append(
             Problem(where, f"{t.reason}{found}", TOKENIZER_FIX.format(model=repr(model)))
         )
-    elif has_kv and tokenizer.engine is None:
-        out.problems.append(
-            Problem(
-                where,
-                f"its KV events need the engine's tokens, and no tokenizer is at hand "
-                f"({tokenizer.not_found})",
-                f"set tokenizer.path to {model!r}'s tokenizer.json (and tokenizer.chat_template "
-                "unless its tokenizer_config.json carries the template)",
-            )
-        )
-    elif has_kv:
+    elif has_kv and tokenizer.engine is not None:
         out.problems.append(
             Problem(
                 where,
@@ -380,7 +370,20 @@ def judge(cfg: Config, fleet: Look) -> Verdict:
         out.backends.append(judge_backend(look, fleet, cfg, out))
     _fleet_models(cfg, fleet, out)
     out.models = _per_model(out)
-    if t.engine is None and not any(b.kv_events.endpoint for b in cfg.backends):
+    with_kv = [look for look in fleet.backends if look.backend.kv_events.endpoint]
+    if t.engine is None and any(not look.unreachable for look in with_kv):
+        served = next((look.served[0] for look in with_kv if look.served), "")
+        model = f"the tokenizer.json {served!r} is served with" if served else "its tokenizer.json"
+        out.problems.append(
+            Problem(
+                "tokenizer",
+                f"the KV events of {', '.join(look.backend.id for look in with_kv)} need the "
+                f"engine's tokens, and no tokenizer is at hand ({t.not_found})",
+                f"set tokenizer.path to {model} (and tokenizer.chat_template unless the "
+                "tokenizer_config.json beside it carries the template)",
+            )
+        )
+    if t.engine is None and not with_kv:
         out.notes.append(
             "tokens are approximated (4 bytes per token): set tokenizer.path to the served "
             "model's tokenizer.json for exact counts"

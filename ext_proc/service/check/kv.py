@@ -35,7 +35,7 @@ _TCP_UP = zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED
 # A peer that closes the connection before the handshake refused it: libzmq drops a peer
 # of an incompatible socket type (a ROUTER for a SUB) with no handshake-failed event.
 _REFUSED = _FAILED | zmq.EVENT_DISCONNECTED
-_WATCHED = _REFUSED | _TCP_UP | zmq.EVENT_HANDSHAKE_SUCCEEDED
+_WATCHED = _REFUSED | _TCP_UP | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_CONNECT_RETRIED
 # The replay request's first sequence number: far past any engine's, so the answer is the
 # end marker alone (SGLang's and vLLM's replay send each buffered batch from it on, then -1).
 PROBE_SEQ = 1 << 62
@@ -79,6 +79,8 @@ async def handshake(
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 return ""
             seen |= event
+            if seen & _REFUSED or (event == zmq.EVENT_CONNECT_RETRIED and not seen & _TCP_UP):
+                break  # refused by the peer, or by every address: no need to wait on
     finally:
         sock.disable_monitor()
         monitor.close()
@@ -97,6 +99,8 @@ async def handshake(
         )
     if bind:
         return f"no engine connected to {address} {within}"
+    if seen & zmq.EVENT_CONNECT_RETRIED:
+        return f"nothing accepts a connection at {address} (refused)"
     return f"nothing accepts a connection at {address} {within}"
 
 

@@ -215,7 +215,7 @@ async def check_tokens(
     """The router's tokens against this backend's engine (the running check's calls)."""
     engine = tokenizer.engine
     if engine is None:
-        return TokensLook(False, f"4 bytes per token: {tokenizer.not_found}")
+        return TokensLook(False, "4 bytes per token (no tokenizer)")
     if look.served is None:
         return TokensLook(False, "not checked: the engine did not say what it serves")
     b, model = look.backend, look.served[0]
