@@ -78,7 +78,7 @@ def backend(srv: EngineServer, id: str = "a", **kw: Any) -> dict[str, Any]:
     return {"id": id, "address": f"127.0.0.1:{srv.port}", **kw}
 
 
-def kv_engine(start: Start) -> tuple[Any, dict[str, str]]:
+def kv_engine() -> tuple[KvEventsConfig, dict[str, str]]:
     """An engine's kwargs publishing KV events with replay, and the backend's kv_events."""
     pub, replay = free_port(), free_port()
     events = KvEventsConfig(endpoint=f"tcp://*:{pub}", replay_endpoint=f"tcp://*:{replay}")
@@ -91,7 +91,7 @@ def lines(verdict: Verdict) -> list[str]:
 
 
 async def test_a_fleet_with_everything_precise_is_all_well(engines: Start) -> None:
-    events, kv = kv_engine(engines)
+    events, kv = kv_engine()
     srv = await engines(kv_events=events)
     verdict, look = await check({"backends": [backend(srv, kv_events=kv)]})
     assert lines(verdict) == [] and verdict.exit_code == 0
@@ -129,7 +129,7 @@ def other_tokenizer(into: Path) -> Path:
 
 
 async def test_a_wrong_tokenizer_is_found_with_its_fix(engines: Start, tmp_path: Path) -> None:
-    events, kv = kv_engine(engines)
+    events, kv = kv_engine()
     srv = await engines(kv_events=events)
     wrong = other_tokenizer(tmp_path / "other")
     raw = {"backends": [backend(srv, kv_events=kv)], "tokenizer": {"path": str(wrong)}}
@@ -223,7 +223,7 @@ async def test_an_unreachable_metrics_endpoint_is_a_problem(fakes: Any) -> None:
 async def test_an_unreachable_kv_endpoint_is_a_problem_told_apart_from_a_wrong_one(
     engines: Start,
 ) -> None:
-    events, _ = kv_engine(engines)
+    events, _ = kv_engine()
     srv = await engines(kv_events=events)
     held: list[asyncio.StreamWriter] = []
 
@@ -344,3 +344,24 @@ def test_exit_statuses(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
     assert main(["check", "--config", str(dead), "--timeout-s", "0.5", "--json"]) == 1
     doc = json.loads(capsys.readouterr().out)
     assert doc["exit_code"] == 1 and "connection refused" in doc["problems"][0]["what"]
+
+
+async def test_kv_events_in_bind_mode_wait_for_the_engine_to_connect(engines: Start) -> None:
+    """With mode bind the router binds and the engine connects: the check binds the
+    address as the router would and takes the engine's handshake; an address no engine
+    connects to is a problem whose fix is the engine's endpoint."""
+    port, lonely = free_port(), free_port()
+    srv = await engines(kv_events=KvEventsConfig(endpoint=f"tcp://127.0.0.1:{port}"))
+    bound = {"endpoint": f"tcp://127.0.0.1:{port}", "mode": "bind"}
+    nobody = {"endpoint": f"tcp://127.0.0.1:{lonely}", "mode": "bind"}
+    verdict, _ = await check(
+        {"backends": [backend(srv, "a", kv_events=bound), backend(srv, "b", kv_events=nobody)]}
+    )
+    (problem,) = verdict.problems
+    assert problem.line() == (
+        f"backend b: KV events: no engine connected to tcp://127.0.0.1:{lonely} within "
+        f'{TIMEOUT_S:g} s. Fix: start the engine with --kv-events-config \'{{"publisher": '
+        f'"zmq", "endpoint": "tcp://ROUTER_HOST:{lonely}"}}\' (with mode bind it connects '
+        "to the router), or correct backends[1].kv_events.endpoint"
+    )
+    assert [b.prefix.precise for b in verdict.backends] == [True, False]
