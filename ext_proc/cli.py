@@ -26,6 +26,7 @@ from importlib.metadata import PackageNotFoundError, entry_points, version
 from typing import Any
 
 from ext_proc.config.load import load_config
+from ext_proc.service.check.command import add_check_commands
 from ext_proc.vocab.params import ConfigError
 
 ENTRY_POINT_GROUP = "gorgo.commands"
@@ -190,6 +191,7 @@ def add_envoy_config(commands: Commands) -> None:
         help="print only the router's fragments, to paste into an existing Envoy",
     )
     s.set_defaults(func=_envoy_config)
+    add_check_commands(sub)  # check, config-schema
 
 
 # The router's own commands, in the order of `gorgo --help`: registering one is a line here.

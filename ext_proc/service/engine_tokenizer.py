@@ -1,23 +1,23 @@
 """The engine's tokens, found and checked by the router itself.
 
 A backend's KV events name blocks by the engine's token ids, so its prefix state can be
-precise only when the router tokenizes exactly as that engine does. Without a `tokenizer:`
-key, the router finds the served model (`GET /v1/models`: `root` is the model path vLLM
-and SGLang were started with, `id` the served name) and loads that model's tokenizer.json
-and chat template from the model directory or the Hugging Face cache
-(ext_proc/prompt/tokenizer_files.py). Whether found or configured, the tokenizer is then
-verified against each backend's engine: a probe chat and a plain text are tokenized by the
-engine (vLLM: `POST /tokenize` with `messages` or `prompt`,
+precise only when the router tokenizes exactly as that engine does. Without a
+`tokenizer:` key, the router finds the served model (`GET /v1/models`: `root` is the
+model path vLLM and SGLang were started with, `id` the served name) and loads that
+model's tokenizer.json and chat template from the model directory or the Hugging Face
+cache (ext_proc/prompt/tokenizer_files.py). Whether found or configured, the tokenizer is
+then verified against each backend's engine: a probe chat and a plain text are tokenized
+by the engine (vLLM: `POST /tokenize` with `messages` or `prompt`,
 vllm/entrypoints/serve/tokenize; SGLang: `POST /v1/tokenize` with `prompt`,
 python/sglang/srt/entrypoints/openai/serving_tokenize.py, so the rendered chat is sent as
-text) and by the router, and the ids compared. This runs at start, whenever a backend's
-event stream comes back (a reconnect may be a restarted engine, maybe with another
-model), and, as a spot check, on a live request every `SPOT_CHECK_S`. A mismatch, or no
-tokenizer to be had, keeps that backend approximate with the reason on /state
-(`tokens.reason`), a metric (`gorgo_backend_tokens_ok`) and one log line naming the fix.
-An engine without a tokenize endpoint cannot be checked this way: a configured tokenizer
-is then trusted, a discovered one too (the model directory is the engine's own), and the
-reason says so.
+text) and by the router, and the ids compared (tokenize_client.py). This runs at start,
+whenever a backend's event stream comes back (a reconnect may be a restarted engine,
+maybe with another model), and, as a spot check, on a live request every `SPOT_CHECK_S`.
+A mismatch, or no tokenizer to be had, keeps that backend approximate with the reason on
+/state (`tokens.reason`), a metric (`gorgo_backend_tokens_ok`) and one log line naming
+the fix. An engine without a tokenize endpoint cannot be checked this way: a configured
+tokenizer is then trusted, a discovered one too (the model directory is the engine's
+own), and the reason says so.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping, Sequence
 from typing import Any
 
 import aiohttp
@@ -37,8 +36,8 @@ from ext_proc.envoy.server import ExtProcService
 from ext_proc.prompt.engine_tokens import EngineTokenizer, PromptTokenizer, load_engine_tokenizer
 from ext_proc.prompt.tokenizer_config import TokenizerConfig
 from ext_proc.prompt.tokenizer_files import find_tokenizer
-from ext_proc.vocab.backend import Backend, EngineKind
-from ext_proc.vocab.request import Chat
+from ext_proc.service.tokenize_client import TokenizeUnsupported, served_model, verify_tokens
+from ext_proc.vocab.backend import Backend
 
 log = logging.getLogger("gorgo.tokens")
 
@@ -50,30 +49,7 @@ REQUEST_TIMEOUT_S = 5.0
 # failed its check is checked again this often.
 SPOT_CHECK_S = 30.0
 RETRY_S = 10.0
-# What the probe checks: a chat with the template's usual turns (system, user,
-# assistant, user), digits, spacing and non-ASCII text, and a plain text.
-PROBE_CHAT = Chat(
-    messages=(
-        {"role": "system", "content": "You are a careful assistant. Answer in one line."},
-        {"role": "user", "content": "What is 12 + 30?\n\nShow  the steps: é, 日本."},
-        {"role": "assistant", "content": "12 + 30 = 42."},
-        {"role": "user", "content": "  And 42 * 2?"},
-    )
-)
-PROBE_TEXT = "The quick brown fox: 1234 jumps over\n\n the lazy dog. ünïcödé"
 PENDING = "checking the engine's tokenizer"
-
-
-class TokenizeUnsupported(Exception):
-    """The engine has no tokenize endpoint."""
-
-
-def first_difference(ours: Sequence[int], theirs: Sequence[int]) -> str:
-    """Where two tokenizations part, in words for a log line."""
-    at = next((i for i, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b), None)
-    if at is None:
-        return f"{len(ours)} tokens here, {len(theirs)} from the engine"
-    return f"token {at} differs ({len(ours)} tokens here, {len(theirs)} from the engine)"
 
 
 class EngineTokenizers:
@@ -164,9 +140,9 @@ class EngineTokenizers:
             await self._check(b, spot)
 
     async def _check(self, b: Backend, spot: bool) -> None:
-        base = f"http://{b.address}"
+        assert self._session is not None
         try:
-            model, root = await self._served_model(base)
+            model, root = await served_model(self._session, b.address)
         except (aiohttp.ClientError, TimeoutError, ValueError) as e:
             self.router.inputs.set_token_check(
                 b.id, False, f"engine not reachable for a check: {e}"
@@ -180,7 +156,7 @@ class EngineTokenizers:
             self._fail(b, self._not_found)
             return
         try:
-            verdict = await self._verify(b, base, model, engine, spot)
+            verdict = await self._verify(b, model, engine, spot)
         except TokenizeUnsupported:
             self.router.inputs.set_token_check(
                 b.id, True, f"trusted: {b.engine} has no tokenize endpoint to check against"
@@ -208,18 +184,6 @@ class EngineTokenizers:
             )
         self.router.inputs.set_token_check(b.id, False, reason)
 
-    async def _served_model(self, base: str) -> tuple[str, str]:
-        assert self._session is not None
-        async with self._session.get(f"{base}/v1/models") as resp:
-            resp.raise_for_status()
-            doc = await resp.json(content_type=None)
-        data = doc.get("data") if isinstance(doc, Mapping) else None
-        if not isinstance(data, list) or not data or not isinstance(data[0], Mapping):
-            raise ValueError("/v1/models lists no model")
-        # The base model, not an adapter (vLLM lists LoRA adapters with a parent).
-        first = next((m for m in data if isinstance(m, Mapping) and not m.get("parent")), data[0])
-        return str(first.get("id") or ""), str(first.get("root") or "")
-
     async def _discover(self, b: Backend, model: str, root: str) -> None:
         found = find_tokenizer([root, model], self.cfg.tokenizer.cache_entries)
         if found.config is None:
@@ -231,67 +195,12 @@ class EngineTokenizers:
         log.info("tokenizer of %r found at %s (served by %s)", model, found.where, b.id)
         self._ext_proc.use_tokenizer(PromptTokenizer(engine))
 
-    async def _verify(
-        self, b: Backend, base: str, model: str, engine: EngineTokenizer, spot: bool
-    ) -> str:
+    async def _verify(self, b: Backend, model: str, engine: EngineTokenizer, spot: bool) -> str:
         """ "" when the engine tokenizes as the router does, else what differs."""
+        assert self._session is not None
         tokens = self._ext_proc.tokens  # the sessions' tokenizer: its last request
         sample = tokens.last if spot and tokens is not None else None
-        chat, text, ours_sample = sample if sample is not None else (None, None, ())
-        chats = [(PROBE_CHAT, tuple(await asyncio.to_thread(engine.chat_ids, PROBE_CHAT)))]
-        texts = [(PROBE_TEXT, tuple(engine.text_ids(PROBE_TEXT, special=True)))]
-        if chat is not None:
-            chats.append((chat, ours_sample))
-        elif text is not None:
-            texts.append((text, ours_sample))
-        for c, ours in chats:
-            theirs = await self._tokenize_chat(b, base, model, c, engine)
-            if theirs != ours:
-                what = "a live request" if c is not PROBE_CHAT else "the probe chat"
-                return f"the engine tokenizes {what} differently: {first_difference(ours, theirs)}"
-        for t, ours in texts:
-            theirs = await self._tokenize(b, base, {"model": model, "prompt": t})
-            if theirs != ours:
-                return f"the engine tokenizes text differently: {first_difference(ours, theirs)}"
-        return ""
-
-    async def _tokenize_chat(
-        self, b: Backend, base: str, model: str, chat: Chat, engine: EngineTokenizer
-    ) -> tuple[int, ...]:
-        if b.engine == EngineKind.VLLM:
-            body: dict[str, Any] = {
-                "model": model,
-                "messages": list(chat.messages),
-                "add_generation_prompt": chat.add_generation_prompt,
-                "continue_final_message": chat.continue_final_message,
-            }
-            if chat.tools is not None:
-                body["tools"] = list(chat.tools)
-            if chat.template_kwargs:
-                body["chat_template_kwargs"] = dict(chat.template_kwargs)
-            if chat.template is not None:
-                body["chat_template"] = chat.template
-            return await self._tokenize(b, base, body)
-        # SGLang tokenizes text only: the router's rendering, without special tokens.
-        rendered = await asyncio.to_thread(engine.render, chat)
-        return await self._tokenize(
-            b, base, {"model": model, "prompt": rendered, "add_special_tokens": False}
-        )
-
-    async def _tokenize(self, b: Backend, base: str, body: dict[str, Any]) -> tuple[int, ...]:
-        assert self._session is not None
-        path = "/tokenize" if b.engine == EngineKind.VLLM else "/v1/tokenize"
-        if b.engine != EngineKind.VLLM and "add_special_tokens" not in body:
-            body = {**body, "add_special_tokens": True}  # as vLLM's completions default
-        async with self._session.post(f"{base}{path}", json=body) as resp:
-            if resp.status in (404, 405):
-                raise TokenizeUnsupported(path)
-            resp.raise_for_status()
-            doc = await resp.json(content_type=None)
-        tokens = doc.get("tokens") if isinstance(doc, Mapping) else None
-        if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
-            raise ValueError(f"{path}: no token ids in the answer")
-        return tuple(tokens)
+        return await verify_tokens(self._session, b, model, engine, sample)
 
 
 def _load(cfg: TokenizerConfig) -> EngineTokenizer:

@@ -82,6 +82,33 @@ async def _breathe(started: float) -> float:
     return time.perf_counter()
 
 
+def subscriber_socket(ctx: zmq.asyncio.Context, topic: str) -> zmq.asyncio.Socket:
+    """A SUB socket for an engine's publisher, with the subscriber's options (heartbeats,
+    handshake interval, keepalive, queue), subscribed to `topic`; not yet connected."""
+    sock = ctx.socket(zmq.SUB)
+    options: list[tuple[int, Any]] = [
+        (zmq.LINGER, 0),
+        (zmq.RCVHWM, RCVHWM),
+        (zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS),
+        (zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS),
+        (zmq.HEARTBEAT_TTL, HEARTBEAT_TTL_MS),
+        (zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS),
+        (zmq.TCP_KEEPALIVE, 1),
+        (zmq.TCP_KEEPALIVE_IDLE, TCP_KEEPALIVE_IDLE_S),
+        (zmq.TCP_KEEPALIVE_INTVL, TCP_KEEPALIVE_INTVL_S),
+        (zmq.TCP_KEEPALIVE_CNT, TCP_KEEPALIVE_CNT),
+    ]
+    for option, value in options:
+        sock.setsockopt(option, value)
+    sock.setsockopt_string(zmq.SUBSCRIBE, topic)
+    return sock
+
+
+def replay_request(start_seq: int) -> list[bytes]:
+    """What a DEALER sends an engine's replay ROUTER: its batches from `start_seq` on."""
+    return [b"", start_seq.to_bytes(8, "big", signed=True)]
+
+
 class RankStream:
     """The stream of one DP rank of one backend's engine."""
 
@@ -131,22 +158,7 @@ class RankStream:
 
     async def run(self) -> None:
         """Subscribe and apply until cancelled; raises what it cannot handle."""
-        sock = self._ctx.socket(zmq.SUB)
-        options: list[tuple[int, Any]] = [
-            (zmq.LINGER, 0),
-            (zmq.RCVHWM, RCVHWM),
-            (zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS),
-            (zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS),
-            (zmq.HEARTBEAT_TTL, HEARTBEAT_TTL_MS),
-            (zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS),
-            (zmq.TCP_KEEPALIVE, 1),
-            (zmq.TCP_KEEPALIVE_IDLE, TCP_KEEPALIVE_IDLE_S),
-            (zmq.TCP_KEEPALIVE_INTVL, TCP_KEEPALIVE_INTVL_S),
-            (zmq.TCP_KEEPALIVE_CNT, TCP_KEEPALIVE_CNT),
-        ]
-        for option, value in options:
-            sock.setsockopt(option, value)
-        sock.setsockopt_string(zmq.SUBSCRIBE, self.topic)
+        sock = subscriber_socket(self._ctx, self.topic)
         monitor = sock.get_monitor_socket(_MONITORED)
         watch: asyncio.Task[None] | None = None
         try:
@@ -276,7 +288,7 @@ class RankStream:
         target = self._replay_target(rank)
         try:
             sock.connect(target)
-            await sock.send_multipart([b"", start_seq.to_bytes(8, "big", signed=True)])
+            await sock.send_multipart(replay_request(start_seq))
             while True:
                 reply = await asyncio.wait_for(sock.recv_multipart(), REPLAY_TIMEOUT_S)
                 # SGLang answers [b"", seq, payload] (disaggregation/kv_events.py), vLLM

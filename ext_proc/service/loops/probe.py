@@ -17,9 +17,7 @@ import asyncio
 import contextlib
 import logging
 import statistics
-import time
 from collections import deque
-from types import SimpleNamespace
 
 import aiohttp
 
@@ -27,8 +25,16 @@ from ext_proc.common.aio import cancel_and_wait
 from ext_proc.config.schema import PROBE_PATH, Config
 from ext_proc.core.backend import BackendState
 from ext_proc.core.router import Router
-from ext_proc.feeds.engine_metrics import MetricsError, parse_engine_metrics
-from ext_proc.feeds.served_models import ModelsError, parse_models
+from ext_proc.feeds.engine_metrics import MetricsError
+from ext_proc.service.loops.engine_http import (
+    UNREACHABLE,
+    NoMetricsPage,
+    probe_rtt,
+    probe_session,
+    read_engine_report,
+    read_served_models,
+    read_session,
+)
 from ext_proc.vocab.backend import Backend
 
 log = logging.getLogger("gorgo.probe")
@@ -101,14 +107,8 @@ class Prober:
         self._pokes: dict[str, asyncio.Event] = {}
 
     async def start(self) -> None:
-        trace = aiohttp.TraceConfig()
-        trace.on_connection_create_end.append(self._on_new_connection)
-        # One connection per backend is plenty; keep it alive across probes.
-        connector = aiohttp.TCPConnector(limit_per_host=2, keepalive_timeout=60)
-        self._session = aiohttp.ClientSession(connector=connector, trace_configs=[trace])
-        self._aux = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit_per_host=2, keepalive_timeout=60)
-        )
+        self._session = probe_session()
+        self._aux = read_session()
         backends = self.router.cfg.backends
         if self.cfg.probes.models_interval_s > 0:
             # What each engine serves, read before start returns (the service answers
@@ -167,33 +167,11 @@ class Prober:
             if session is not None:
                 await session.close()
 
-    @staticmethod
-    async def _on_new_connection(
-        session: aiohttp.ClientSession, ctx: SimpleNamespace, params: object
-    ) -> None:
-        # Only probes carry a context to mark; a metrics scrape shares the session.
-        if isinstance(ctx.trace_request_ctx, dict):
-            ctx.trace_request_ctx["new_connection"] = True
-
     async def probe_once(self, b: Backend, path: str | None = None) -> float | None:
-        """One probe: RTT in ms, or None if it failed. A sample that had to open a
-        connection is not an RTT (it includes the handshake): it is retried at once."""
+        """One probe: RTT in ms, or None if it failed (engine_http.probe_rtt)."""
         assert self._session is not None
         url = f"http://{b.address}{path or self.cfg.probe_path(b)}"
-        timeout = aiohttp.ClientTimeout(total=self.timeout_s(b.id))
-        for _ in range(2):
-            ctx: dict[str, bool] = {}
-            start = time.perf_counter()
-            try:
-                async with self._session.get(url, timeout=timeout, trace_request_ctx=ctx) as resp:
-                    await resp.read()
-                    if resp.status >= 500:
-                        return None
-            except (aiohttp.ClientError, TimeoutError, OSError):
-                return None
-            if not ctx.get("new_connection"):
-                return (time.perf_counter() - start) * 1000
-        return None
+        return await probe_rtt(self._session, url, self.timeout_s(b.id))
 
     async def _probe_loop(self, b: Backend) -> None:
         path = self.cfg.probe_path(b)
@@ -251,32 +229,25 @@ class Prober:
 
     async def _metrics_loop(self, b: Backend) -> None:
         assert self._aux is not None
-        url = f"http://{b.address}/metrics"
         pool_said = False  # whether its KV pool (or that it has none) was logged
         while True:
             try:
-                async with self._aux.get(
-                    url, timeout=aiohttp.ClientTimeout(total=self.cfg.probes.timeout_s)
-                ) as resp:
-                    text = await resp.text()
-                    if resp.status == 404 and not pool_said:
-                        # SGLang mounts /metrics only with --enable-metrics (http_server.py)
-                        log.warning(
-                            "backend %s has no /metrics (SGLang: start it with "
-                            "--enable-metrics): no engine load reports, and its KV pool is "
-                            "backends[].kv_capacity_tokens or the engine profile's",
-                            b.id,
-                        )
-                        pool_said = True
-                    if resp.status != 200:
-                        raise MetricsError(f"HTTP {resp.status}")
-                report = parse_engine_metrics(text)
+                report = await read_engine_report(self._aux, b.address, self.cfg.probes.timeout_s)
                 new_pool = self.router.inputs.record_engine_report(b.id, report)
                 state = self.router.backends.get(b.id)
                 if state is not None and (new_pool or not pool_said):
                     log.log(*kv_pool_note(state))
                     pool_said = True
-            except (aiohttp.ClientError, TimeoutError, OSError, MetricsError) as e:
+            except NoMetricsPage:
+                if not pool_said:
+                    log.warning(
+                        "backend %s has no /metrics (SGLang: start it with "
+                        "--enable-metrics): no engine load reports, and its KV pool is "
+                        "backends[].kv_capacity_tokens or the engine profile's",
+                        b.id,
+                    )
+                    pool_said = True
+            except (*UNREACHABLE, MetricsError) as e:
                 # The last report stands until it is stale: then the router's own count.
                 log.debug("metrics of %s: %s", b.id, e)
             await asyncio.sleep(self.cfg.probes.metrics_interval_s)
@@ -303,15 +274,9 @@ class Prober:
         """One read of the engine's models; an answer that cannot be read (or none within
         probes.timeout_s) leaves what was known."""
         assert self._aux is not None
-        url = f"http://{b.address}/v1/models"
         try:
-            async with self._aux.get(
-                url, timeout=aiohttp.ClientTimeout(total=self.cfg.probes.timeout_s)
-            ) as resp:
-                if resp.status != 200:
-                    raise ModelsError(f"HTTP {resp.status}")
-                served = parse_models(await resp.json(content_type=None))
+            served = await read_served_models(self._aux, b.address, self.cfg.probes.timeout_s)
             if self.router.inputs.record_models(b.id, served):
                 log.info("backend %s serves %s", b.id, ", ".join(sorted(served.names)))
-        except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as e:
+        except (*UNREACHABLE, ValueError) as e:
             log.debug("models of %s: %s", b.id, e)
