@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from ext_proc.common.errors import RATE_LIMITED
 from ext_proc.config.schema import Config
 from ext_proc.core import views
 from ext_proc.core.admission import context_refusal, fleet_models, model_refusal, served_name
@@ -201,7 +202,7 @@ class Router:
         least_ms = self._features.least_queue_ms(request)
         if least_ms <= bound_ms:
             return None
-        return Refusal(429, "overloaded", "all backends overloaded, retry later", least_ms / 1000)
+        return Refusal(RATE_LIMITED, "all backends overloaded, retry later", least_ms / 1000)
 
     def decide(self, request: RouteRequest) -> Decision:
         """Choose a backend and record the dispatch."""

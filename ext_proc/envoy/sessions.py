@@ -9,10 +9,10 @@ import asyncio
 import hashlib
 import json
 import logging
-import math
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
+from ext_proc.common.errors import INVALID_BODY, ApiError, retry_headers
 from ext_proc.common.names import HEADER_FLOW_REASON, HEADER_REQUEST_ID, HEADER_SESSION
 from ext_proc.config.flow import HOLD_SLACK_S
 from ext_proc.config.schema import UnreadableBody
@@ -263,7 +263,7 @@ class RoutingSession(_FirstByteWatcher):
             self.done = True
             if self.router.cfg.routing.unreadable_body == UnreadableBody.REJECT:
                 log.info("request %s: unreadable body, rejected: %s", self.request_id, e)
-                return json_error(400, "invalid_request_error", f"invalid request body: {e}")
+                return json_error(INVALID_BODY, f"invalid request body: {e}")
             # Never break the request on a body we cannot read: the fallback route takes it
             # and the backend gives the client its own error.
             log.info("request %s: unreadable body, fallback route: %s", self.request_id, e)
@@ -300,10 +300,10 @@ class RoutingSession(_FirstByteWatcher):
                 "request %s refused %d: %s", self.request_id, refused.status, refused.message
             )
             retry = refused.retry_after_s
-            headers = {"retry-after": str(max(1, math.ceil(retry)))} if retry is not None else {}
+            headers = retry_headers(retry) if retry is not None else {}
             if refused.reason:
                 headers[HEADER_FLOW_REASON] = refused.reason
-            return json_error(refused.status, refused.kind, refused.message, headers or None)
+            return json_error(refused.error, refused.message, headers or None)
         if isinstance(outcome, Unrouted):  # the fallback route takes it
             log.warning("request %s: %s: fallback route", self.request_id, outcome.reason)
             return self._reply(codec.REQUEST_BODY)
@@ -373,9 +373,11 @@ def open_session(
 
 
 def json_error(
-    status: int, kind: str, message: str, headers: dict[str, str] | None = None
+    error: ApiError, message: str, headers: dict[str, str] | None = None
 ) -> codec.ProcessingResponse:
-    """Answer the client directly, in the OpenAI error shape its SDK already parses."""
-    body = json.dumps({"error": {"message": message, "type": kind, "code": status}}).encode()
+    """Answer the client directly, in the OpenAI error shape its SDK already parses
+    (ext_proc/common/errors.py); Envoy logs the code as the response code details."""
     all_headers = {**(headers or {}), "content-type": "application/json"}
-    return codec.immediate_response(status, body, all_headers, details=f"gorgo_{kind}")
+    return codec.immediate_response(
+        error.status, error.body(message), all_headers, details=f"gorgo_{error.code}"
+    )
