@@ -22,6 +22,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 from ext_proc.config.schema import TelemetryConfig
 from ext_proc.core.router import Router
+from ext_proc.core.terms.catalog import TERMS
 from ext_proc.estimate.prediction import prediction_error
 from ext_proc.service.otlp import otlp_exporter
 from ext_proc.service.telemetry.metrics import Children, Metrics
@@ -128,8 +129,10 @@ class Telemetry(Listener):
         chosen = d.chosen
         term = self._term
         for name, value in chosen.terms.items():
-            term[(name,)].observe(value)
-        term[("pace_hold",)].observe(d.hold_ms)
+            info = TERMS.get(name)
+            if info is None or info.unit == "ms":  # in seconds, as the metric is
+                term[(name,)].observe(value / 1000)
+        term[("pace_hold",)].observe(d.hold_ms / 1000)
         if self.router.cfg.flow_control.enabled:
             m.flow_wait.observe(d.waited_ms / 1000)
         m.prompt_tokens.inc(d.input_tokens)

@@ -212,7 +212,7 @@ def test_the_dashboard_covers_what_the_issue_asks(
         "gorgo_decisions_total",
         "gorgo_ttft_seconds_bucket",
         "gorgo_e2e_seconds_bucket",
-        "gorgo_cost_term_ms_sum",
+        "gorgo_cost_term_seconds_sum",
         "gorgo_weight",
         "gorgo_tuner_steps_total",
         "gorgo_prefix_cached_tokens_total",
@@ -294,13 +294,18 @@ def test_latency_prediction_error_is_exported_and_each_span_has_the_prediction()
     for b in served:
         lat = router.backends[b].learned.latency
         assert lat.ttft.mape is not None and lat.e2e.bias_ms is not None
-        assert _sample(telemetry, "gorgo_ttft_prediction_mape", backend=b) == lat.ttft.mape
-        assert _sample(telemetry, "gorgo_ttft_prediction_bias_ms", backend=b) == lat.ttft.bias_ms
-        assert _sample(telemetry, "gorgo_e2e_prediction_mape", backend=b) == lat.e2e.mape
-        assert _sample(telemetry, "gorgo_e2e_prediction_bias_ms", backend=b) == lat.e2e.bias_ms
+        assert lat.ttft.bias_ms is not None and lat.e2e.mape is not None
+        assert _sample(telemetry, "gorgo_ttft_prediction_mape_ratio", backend=b) == lat.ttft.mape
+        assert _sample(telemetry, "gorgo_ttft_prediction_bias_seconds", backend=b) == (
+            pytest.approx(lat.ttft.bias_ms / 1000)
+        )
+        assert _sample(telemetry, "gorgo_e2e_prediction_mape_ratio", backend=b) == lat.e2e.mape
+        assert _sample(telemetry, "gorgo_e2e_prediction_bias_seconds", backend=b) == (
+            pytest.approx(lat.e2e.bias_ms / 1000)
+        )
     text = telemetry.metrics.render().decode()
     for b in set(router.backends) - served:  # nothing measured there: no sample, not a 0
-        assert f'gorgo_ttft_prediction_mape{{backend="{b}"}}' not in text
+        assert f'gorgo_ttft_prediction_mape_ratio{{backend="{b}"}}' not in text
     telemetry.shutdown()
     spans = {s.attributes["gorgo.request_id"]: s.attributes for s in exporter.get_finished_spans()}
     for d in decided:
