@@ -99,7 +99,12 @@ async def _one_request(svc: Running, rid: str, traceparent: str | None) -> None:
     await call.write(req)
     await call.read()
     body = pb.ProcessingRequest()
-    prompt = {"messages": [{"role": "user", "content": SECRET * 40}]}
+    prompt = {
+        "model": "qwen",
+        "messages": [{"role": "user", "content": SECRET * 40}],
+        "max_tokens": 64,
+        "stream": True,
+    }
     body.request_body.body = json.dumps(prompt).encode()
     body.request_body.end_of_stream = True
     await call.write(body)
@@ -163,6 +168,10 @@ async def test_decision_span_continues_envoys_trace(receiver: tuple[Receiver, in
     (span,) = rec.spans()
     assert span.trace_id.hex() == TRACE_ID
     assert span.parent_span_id.hex() == ENVOY_SPAN_ID
+    (resource,) = {rs.resource.SerializeToString(): rs.resource for r in rec.requests
+                   for rs in r.resource_spans}.values()  # fmt: skip
+    said = {kv.key: kv.value.string_value for kv in resource.attributes}
+    assert (said["service.name"], said["service.version"]) == ("gorgo", package_version())
     assert span.end_time_unix_nano > span.start_time_unix_nano
     got = _normalize(span)
     assert SECRET not in json.dumps(got) and "alice" not in json.dumps(got)
