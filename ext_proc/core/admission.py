@@ -14,17 +14,17 @@ import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
 
-from ext_proc.common.errors import (
+from ext_proc.config.schema import ModelAlias
+from ext_proc.core.backend import BackendState
+from ext_proc.core.state import FleetState
+from ext_proc.vocab.backend import EngineKind
+from ext_proc.vocab.errors import (
     CONTEXT_LENGTH,
     MODEL_NOT_FOUND,
     MODEL_REQUIRED,
     PROMPT_PARAM,
     UNAVAILABLE,
 )
-from ext_proc.config.schema import ModelAlias
-from ext_proc.core.backend import BackendState
-from ext_proc.core.state import FleetState
-from ext_proc.vocab.backend import EngineKind
 from ext_proc.vocab.request import LlmRequest
 from ext_proc.vocab.types import BackendLifecycle, Refusal
 

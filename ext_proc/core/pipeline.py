@@ -18,13 +18,13 @@ from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ext_proc.common.errors import RATE_LIMITED, UNAVAILABLE
 from ext_proc.core.admission import serving
 from ext_proc.core.features import NoActiveBackend, output_tokens
 from ext_proc.core.router import NoRoom, Router
 from ext_proc.flow.classify import Objectives
 from ext_proc.flow.queue import FlowQueue, Waiting
 from ext_proc.flow.room import has_room
+from ext_proc.vocab.errors import RATE_LIMITED, UNAVAILABLE
 from ext_proc.vocab.types import BackendLifecycle, Candidate, Decision, Refusal, RouteRequest
 
 # What flow control does with a request (Director.counts, gorgo_flow_outcomes_total).

@@ -18,7 +18,6 @@ from typing import Any
 
 import numpy as np
 
-from ext_proc.common.errors import RATE_LIMITED
 from ext_proc.config.schema import Config
 from ext_proc.core import views
 from ext_proc.core.admission import context_refusal, fleet_models, model_refusal, served_name
@@ -35,6 +34,7 @@ from ext_proc.core.fleet import Fleet
 from ext_proc.core.inputs import RouterInputs
 from ext_proc.estimate.prefix import Hashes
 from ext_proc.learn.tuner import Tuner
+from ext_proc.vocab.errors import RATE_LIMITED
 from ext_proc.vocab.events import BackendChanged, Closed, Dispatched, FirstByte, Listener
 from ext_proc.vocab.policy import Policy
 from ext_proc.vocab.types import (

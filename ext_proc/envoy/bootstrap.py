@@ -11,14 +11,6 @@ from typing import Any
 
 import yaml
 
-from ext_proc.common.errors import (
-    BAD_REQUEST,
-    BODY_TOO_LARGE,
-    UNAVAILABLE,
-    UPSTREAM_ERROR,
-    UPSTREAM_TIMEOUT,
-    ApiError,
-)
 from ext_proc.common.names import (
     HEADER_BACKEND,
     ROUTE_FALLBACK,
@@ -43,6 +35,14 @@ from ext_proc.envoy.clusters import (
     xds_path,
 )
 from ext_proc.envoy.filters import access_logs, ext_proc_filters, node_id
+from ext_proc.vocab.errors import (
+    BAD_REQUEST,
+    BODY_TOO_LARGE,
+    UNAVAILABLE,
+    UPSTREAM_ERROR,
+    UPSTREAM_TIMEOUT,
+    ApiError,
+)
 from ext_proc.vocab.params import ConfigError, split_host_port
 
 
@@ -194,7 +194,7 @@ def _route(cfg: Config) -> dict[str, Any]:
 
 def _json_local_replies() -> dict[str, Any]:
     """Envoy's own error answers in the OpenAI error shape the router's use, so a client's
-    SDK parses every error alike (ext_proc/common/errors.py names each): a body over the
+    SDK parses every error alike (ext_proc/vocab/errors.py names each): a body over the
     buffer limit (413) and those that carry a response flag (no healthy upstream, a
     connect failure or timeout), by status. The router's own answers (ext_proc immediate
     responses) are JSON already and carry no flag; an engine's errors pass as it wrote them.

@@ -12,7 +12,6 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
-from ext_proc.common.errors import INVALID_BODY, ApiError, retry_headers
 from ext_proc.common.names import HEADER_FLOW_REASON, HEADER_REQUEST_ID, HEADER_SESSION
 from ext_proc.config.flow import HOLD_SLACK_S
 from ext_proc.config.schema import UnreadableBody
@@ -32,6 +31,7 @@ from ext_proc.prompt.parse import (
     route_path,
     with_model,
 )
+from ext_proc.vocab.errors import INVALID_BODY, ApiError, retry_headers
 from ext_proc.vocab.request import LlmRequest
 from ext_proc.vocab.types import Decision, RouteRequest, Status
 
@@ -376,7 +376,7 @@ def json_error(
     error: ApiError, message: str, headers: dict[str, str] | None = None
 ) -> codec.ProcessingResponse:
     """Answer the client directly, in the OpenAI error shape its SDK already parses
-    (ext_proc/common/errors.py); Envoy logs the code as the response code details."""
+    (ext_proc/vocab/errors.py); Envoy logs the code as the response code details."""
     all_headers = {**(headers or {}), "content-type": "application/json"}
     return codec.immediate_response(
         error.status, error.body(message), all_headers, details=f"gorgo_{error.code}"

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ext_proc.common.errors import ApiError
+from ext_proc.vocab.errors import ApiError
 from ext_proc.vocab.request import LlmRequest
 from ext_proc.vocab.terms import TERMS
 
@@ -336,7 +336,7 @@ class Decision:
 class Refusal:
     """Admission refused: the router answers the client itself (OpenAI's error shape),
     no engine reached. `error` is the kind of answer (its status, type, code and param:
-    ext_proc/common/errors.py), `retry_after_s` when to retry (Retry-After)."""
+    ext_proc/vocab/errors.py), `retry_after_s` when to retry (Retry-After)."""
 
     error: ApiError
     message: str

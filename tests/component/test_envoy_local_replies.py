@@ -1,6 +1,6 @@
 """Envoy's own error answers in the generated front door, from the real Envoy binary: in
-OpenAI's error shape, with the type, code and param ext_proc/common/errors.py names for
-them (the router's own answers: tests/unit/common/test_errors.py; a body over the buffer
+OpenAI's error shape, with the type, code and param ext_proc/vocab/errors.py names for
+them (the router's own answers: tests/unit/vocab/test_errors.py; a body over the buffer
 limit, 413, which needs the router to buffer it: tests/e2e/test_user_faults.py). No
 router and no engine run: requests fail open to the fallback route, whose backend refuses
 connections (503) or never answers (504, past the route's timeout)."""
@@ -21,9 +21,9 @@ import pytest
 
 from emulator.stack.ports import free_ports
 from emulator.stack.processes import envoy_binary
-from ext_proc.common.errors import UNAVAILABLE, UPSTREAM_TIMEOUT, ApiError
 from ext_proc.config.load import config_from_dict
 from ext_proc.envoy.bootstrap import render_envoy_config
+from ext_proc.vocab.errors import UNAVAILABLE, UPSTREAM_TIMEOUT, ApiError
 
 pytestmark = pytest.mark.component
 

@@ -26,8 +26,8 @@ import aiohttp
 import pytest
 
 from emulator.stack.stack import Stack
-from ext_proc.common.errors import MODEL_NOT_FOUND, MODEL_REQUIRED, UNAVAILABLE, ApiError
 from ext_proc.common.names import HEADER_BACKEND
+from ext_proc.vocab.errors import MODEL_NOT_FOUND, MODEL_REQUIRED, UNAVAILABLE, ApiError
 from loadgen.client.stream import Result, chat_body, send_chat
 from tests.e2e.conftest import FAST_ENGINE, FAST_REGIONS, fast_settings
 from tests.e2e.stack_harness import admin_call, get_json, router_state

@@ -22,7 +22,7 @@ import pytest
 from emulator.stack.settings import Region, StackPorts, StackSettings
 from emulator.stack.stack import Stack
 from emulator.vllm.tiny import ensure_tiny_lora
-from ext_proc.common.errors import MODEL_NOT_FOUND, MODEL_REQUIRED
+from ext_proc.vocab.errors import MODEL_NOT_FOUND, MODEL_REQUIRED
 from loadgen.client.stream import Result, chat_body, send_chat
 from tests.e2e.stack_harness import get_json, router_state, wait_for
 from tests.e2e.test_models_live import ask, assert_router_answered, call

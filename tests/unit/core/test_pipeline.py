@@ -4,9 +4,9 @@ record; what every transport gets back."""
 from collections.abc import Sequence
 from dataclasses import replace
 
-from ext_proc.common.errors import RATE_LIMITED
 from ext_proc.core.pipeline import Director, Queued, Refused, Routed, Unrouted
 from ext_proc.feeds.served_models import ServedModels
+from ext_proc.vocab.errors import RATE_LIMITED
 from tests.builders import BackendSpec, chat, load, make_config, make_router
 from tests.fakes import FakeClock
 

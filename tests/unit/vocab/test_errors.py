@@ -12,9 +12,9 @@ import httpx2
 import openai
 import pytest
 
-from ext_proc.common import errors
-from ext_proc.common.errors import ROUTER_ERRORS, ApiError, retry_headers
 from ext_proc.envoy.sessions import json_error
+from ext_proc.vocab import errors
+from ext_proc.vocab.errors import ROUTER_ERRORS, ApiError, retry_headers
 
 EXCEPTION_BY_STATUS = {
     400: openai.BadRequestError,
