@@ -191,13 +191,13 @@ def add_envoy_config(commands: Commands) -> None:
         help="print only the router's fragments, to paste into an existing Envoy",
     )
     s.set_defaults(func=_envoy_config)
-    add_check_commands(sub)  # check, config-schema
 
 
 # The router's own commands, in the order of `gorgo --help`: registering one is a line here.
 ROUTER_COMMANDS: tuple[AddCommand, ...] = (
     add_serve,
     add_envoy_config,
+    add_check_commands,  # check, config-schema
 )
 
 

@@ -49,6 +49,10 @@ class FlowControl:
     max_queued_bytes: int = bounded(1_000_000_000, **POSITIVE)
     # The default longest wait in the queue (an objective may set its own).
     max_wait_s: float = bounded(60.0, **POSITIVE)
+    # When a refused request should come back (Retry-After, and retry-after-ms exact): a
+    # full band, a wait past the longest. About the time the queue takes to move (SMG
+    # answers 2 s for both); an SLO that cannot be met says its own, when longer.
+    retry_after_s: float = bounded(2.0, **POSITIVE)
     # A request waiting this long is served before higher bands (the starvation bound).
     starvation_s: float = bounded(30.0, **POSITIVE)
     # Fairness between tenants in a band: the tenant with the least service (prompt plus

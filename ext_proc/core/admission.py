@@ -12,11 +12,19 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
 
 from ext_proc.config.schema import ModelAlias
 from ext_proc.core.backend import BackendState
 from ext_proc.core.state import FleetState
 from ext_proc.vocab.backend import EngineKind
+from ext_proc.vocab.errors import (
+    CONTEXT_LENGTH,
+    MODEL_NOT_FOUND,
+    MODEL_REQUIRED,
+    PROMPT_PARAM,
+    UNAVAILABLE,
+)
 from ext_proc.vocab.request import LlmRequest
 from ext_proc.vocab.types import BackendLifecycle, Refusal
 
@@ -72,16 +80,14 @@ def model_refusal(state: FleetState, model: str | None, now_s: float) -> Refusal
         if len(bases) > 1:
             listed = ", ".join(sorted(bases))
             return Refusal(
-                400,
-                "invalid_request_error",
+                MODEL_REQUIRED,
                 f"you must provide a model parameter (this endpoint serves {listed})",
             )
         return None
     candidates = serving(state, model)
     if not candidates:
         return Refusal(
-            404,
-            "model_not_found",
+            MODEL_NOT_FOUND,
             f"Model '{model}' not found. Available models can be listed at /v1/models.",
         )
     active = [b for b in candidates if b.lifecycle is BackendLifecycle.ACTIVE]
@@ -91,8 +97,7 @@ def model_refusal(state: FleetState, model: str | None, now_s: float) -> Refusal
         b.health.ejected_until_s - now_s for b in active if b.health.ejected_until_s is not None
     ]
     return Refusal(
-        503,
-        "service_unavailable",
+        UNAVAILABLE,
         f"model '{model}': every backend serving it is ejected or draining, retry later",
         min(waits) if waits else UNAVAILABLE_RETRY_S,
     )
@@ -126,8 +131,7 @@ def context_refusal(state: FleetState, llm: LlmRequest | None) -> Refusal | None
         return None
     longest = max(b.models.max_model_len or 0 for b in backends if b.models is not None)
     return Refusal(
-        400,
-        "invalid_request_error",
+        replace(CONTEXT_LENGTH, param=PROMPT_PARAM.get(llm.api)),
         f"the prompt ({llm.input_tokens} tokens) is longer than the context of every "
         f"backend that serves {model or 'this request'} (at most {longest} tokens)",
     )

@@ -24,11 +24,9 @@ from ext_proc.core.router import NoRoom, Router
 from ext_proc.flow.classify import Objectives
 from ext_proc.flow.queue import FlowQueue, Waiting
 from ext_proc.flow.room import has_room
+from ext_proc.vocab.errors import RATE_LIMITED, UNAVAILABLE
 from ext_proc.vocab.types import BackendLifecycle, Candidate, Decision, Refusal, RouteRequest
 
-# Retry-After of a refusal for a full queue or a wait too long: about the time the queue
-# takes to move (SMG answers 2 s for both).
-RETRY_AFTER_S = 2.0
 # What flow control does with a request (Director.counts, gorgo_flow_outcomes_total).
 FLOW_OUTCOMES = (
     "straight",
@@ -109,8 +107,7 @@ class Director:
                 self.counts["rejected-no-endpoints"] += 1
                 return Refused(
                     Refusal(
-                        503,
-                        "service_unavailable",
+                        UNAVAILABLE,
                         f"objective {objective.name!r}: no backend in regions "
                         f"{', '.join(sorted(objective.regions))} serves this model",
                         reason="rejected-no-endpoints",
@@ -140,10 +137,9 @@ class Director:
             self.counts["rejected-saturated"] += 1
             return Refused(
                 Refusal(
-                    429,
-                    "rate_limit_error",
+                    RATE_LIMITED,
                     f"the gateway queue of priority {w.priority} is full, retry later",
-                    RETRY_AFTER_S,
+                    self.router.cfg.flow_control.retry_after_s,
                     "rejected-saturated",
                 )
             )
@@ -246,11 +242,10 @@ class Director:
                 self.counts["rejected-slo"] += 1
                 return Refused(
                     Refusal(
-                        429,
-                        "rate_limit_error",
+                        RATE_LIMITED,
                         f"objective {w.objective!r}: its TTFT objective cannot be met now "
                         f"(at best {placed.best_ttft_ms / 1000:.1f} s), retry later",
-                        max(RETRY_AFTER_S, placed.best_ttft_ms / 1000),
+                        max(settings.retry_after_s, placed.best_ttft_ms / 1000),
                         "rejected-slo",
                     )
                 )
@@ -263,11 +258,10 @@ class Director:
         self._served.pop(id(w), None)
         self.counts[reason] += 1
         refusal = Refusal(
-            429,
-            "rate_limit_error",
+            RATE_LIMITED,
             f"no backend had room within the objective {w.objective!r}'s longest wait ({why}), "
             "retry later",
-            RETRY_AFTER_S,
+            self.router.cfg.flow_control.retry_after_s,
             reason,
         )
         self.released.append((w, Refused(refusal)))

@@ -34,6 +34,7 @@ from ext_proc.core.fleet import Fleet
 from ext_proc.core.inputs import RouterInputs
 from ext_proc.estimate.prefix import Hashes
 from ext_proc.learn.tuner import Tuner
+from ext_proc.vocab.errors import RATE_LIMITED
 from ext_proc.vocab.events import BackendChanged, Closed, Dispatched, FirstByte, Listener
 from ext_proc.vocab.policy import Policy
 from ext_proc.vocab.types import (
@@ -201,7 +202,7 @@ class Router:
         least_ms = self._features.least_queue_ms(request)
         if least_ms <= bound_ms:
             return None
-        return Refusal(429, "overloaded", "all backends overloaded, retry later", least_ms / 1000)
+        return Refusal(RATE_LIMITED, "all backends overloaded, retry later", least_ms / 1000)
 
     def decide(self, request: RouteRequest) -> Decision:
         """Choose a backend and record the dispatch."""

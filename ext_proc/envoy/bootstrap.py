@@ -35,6 +35,14 @@ from ext_proc.envoy.clusters import (
     xds_path,
 )
 from ext_proc.envoy.filters import access_logs, ext_proc_filters, node_id
+from ext_proc.vocab.errors import (
+    BAD_REQUEST,
+    BODY_TOO_LARGE,
+    UNAVAILABLE,
+    UPSTREAM_ERROR,
+    UPSTREAM_TIMEOUT,
+    ApiError,
+)
 from ext_proc.vocab.params import ConfigError, split_host_port
 
 
@@ -186,24 +194,35 @@ def _route(cfg: Config) -> dict[str, Any]:
 
 def _json_local_replies() -> dict[str, Any]:
     """Envoy's own error answers in the OpenAI error shape the router's use, so a client's
-    SDK parses every error alike: a body over the buffer limit (413) and those that carry
-    a response flag (no healthy upstream, a connect failure or timeout). The router's own
-    answers (ext_proc immediate responses) are JSON already and carry no flag."""
-    body = {
-        "error": {
-            "message": "%LOCAL_REPLY_BODY%",
-            "type": "%RESPONSE_CODE_DETAILS%",
-            "code": "%RESPONSE_CODE%",
-        }
-    }
-    override = {"json_format": body, "content_type": "application/json"}
-    too_large = {
-        "comparison": {"op": "EQ", "value": {"default_value": 413, "runtime_key": "gorgo.413"}}
-    }
+    SDK parses every error alike (ext_proc/vocab/errors.py names each): a body over the
+    buffer limit (413) and those that carry a response flag (no healthy upstream, a
+    connect failure or timeout), by status. The router's own answers (ext_proc immediate
+    responses) are JSON already and carry no flag; an engine's errors pass as it wrote them.
+    Envoy's own words stay in `message`; what it said in the response code details is in
+    its access log."""
+
+    def status(op: str, code: int) -> dict[str, Any]:
+        # runtime_key: a required field, never set (the value is the default)
+        value = {"default_value": code, "runtime_key": f"gorgo.local_reply.{code}"}
+        return {"status_code_filter": {"comparison": {"op": op, "value": value}}}
+
+    def flagged(*status_filter: dict[str, Any]) -> dict[str, Any]:
+        """Envoy's reply carries a response flag (and its status matches)."""
+        flag: dict[str, Any] = {"response_flag_filter": {}}
+        return {"and_filter": {"filters": [flag, *status_filter]}} if status_filter else flag
+
+    def mapper(filt: dict[str, Any], error: ApiError) -> dict[str, Any]:
+        body = error.as_json("%LOCAL_REPLY_BODY%")
+        override = {"json_format": body, "content_type": "application/json"}
+        return {"filter": filt, "body_format_override": override}
+
     return {
-        "mappers": [
-            {"filter": {"status_code_filter": too_large}, "body_format_override": override},
-            {"filter": {"response_flag_filter": {}}, "body_format_override": override},
+        "mappers": [  # the first that matches answers
+            mapper(status("EQ", BODY_TOO_LARGE.status), BODY_TOO_LARGE),
+            mapper(flagged(status("EQ", UPSTREAM_TIMEOUT.status)), UPSTREAM_TIMEOUT),
+            mapper(flagged(status("EQ", UNAVAILABLE.status)), UNAVAILABLE),
+            mapper(flagged(status("GE", UPSTREAM_ERROR.status)), UPSTREAM_ERROR),
+            mapper(flagged(), BAD_REQUEST),
         ]
     }
 

@@ -17,7 +17,6 @@ from ext_proc.common.names import (
     SUBSET_METADATA_KEY,
     SUBSET_METADATA_NAMESPACE,
 )
-
 from ext_proc.envoy.proto import envoy_wire_pb2 as pb
 
 REQUEST_HEADERS = "request_headers"

@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import logging
-import math
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
@@ -37,6 +35,7 @@ from ext_proc.prompt.parse import (
     parse_body,
     with_model,
 )
+from ext_proc.vocab.errors import INVALID_BODY, UNAVAILABLE, ApiError, retry_headers
 from ext_proc.vocab.request import LlmRequest
 from ext_proc.vocab.types import Decision, RouteRequest, Status
 
@@ -267,7 +266,7 @@ class RoutingSession(_FirstByteWatcher):
             self.done = True
             if self.router.cfg.routing.unreadable_body == UnreadableBody.REJECT:
                 log.info("request %s: unreadable body, rejected: %s", self.request_id, e)
-                return json_error(400, "invalid_request_error", f"invalid request body: {e}")
+                return json_error(INVALID_BODY, f"invalid request body: {e}")
             # Never break the request on a body we cannot read: the fallback route takes it
             # and the backend gives the client its own error.
             log.info("request %s: unreadable body, fallback route: %s", self.request_id, e)
@@ -305,10 +304,10 @@ class RoutingSession(_FirstByteWatcher):
                 "request %s refused %d: %s", self.request_id, refused.status, refused.message
             )
             retry = refused.retry_after_s
-            headers = {"retry-after": str(max(1, math.ceil(retry)))} if retry is not None else {}
+            headers = retry_headers(retry) if retry is not None else {}
             if refused.reason:
                 headers[HEADER_FLOW_REASON] = refused.reason
-            return json_error(refused.status, refused.kind, refused.message, headers or None)
+            return json_error(refused.error, refused.message, headers or None)
         if isinstance(outcome, Unrouted):
             if isinstance(self.encoder, EndpointPickerEncoder):
                 # the endpoint-picker protocol: no endpoint can take it, say so (503)
@@ -414,7 +413,7 @@ class RoutingSession(_FirstByteWatcher):
 
 def no_endpoint(reason: str) -> codec.ProcessingResponse:
     """The endpoint-picker protocol's answer when no endpoint can take the request."""
-    return json_error(503, "service_unavailable", f"no endpoint can take the request: {reason}")
+    return json_error(UNAVAILABLE, f"no endpoint can take the request: {reason}")
 
 
 def _status(headers: Mapping[str, str]) -> int:
@@ -438,9 +437,11 @@ def own_request_id(request_id: str, in_flight: Mapping[str, object]) -> str:
 
 
 def json_error(
-    status: int, kind: str, message: str, headers: dict[str, str] | None = None
+    error: ApiError, message: str, headers: dict[str, str] | None = None
 ) -> codec.ProcessingResponse:
-    """Answer the client directly, in the OpenAI error shape its SDK already parses."""
-    body = json.dumps({"error": {"message": message, "type": kind, "code": status}}).encode()
+    """Answer the client directly, in the OpenAI error shape its SDK already parses
+    (ext_proc/vocab/errors.py); Envoy logs the code as the response code details."""
     all_headers = {**(headers or {}), "content-type": "application/json"}
-    return codec.immediate_response(status, body, all_headers, details=f"gorgo_{kind}")
+    return codec.immediate_response(
+        error.status, error.body(message), all_headers, details=f"gorgo_{error.code}"
+    )

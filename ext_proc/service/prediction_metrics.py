@@ -1,5 +1,5 @@
 """Per-backend gauges read from the router at scrape time: the latency predictions' error
-per measure, the MAPE (a fraction) and the bias (mean predicted - measured, ms) over each
+per measure, the MAPE (a fraction) and the bias (mean predicted - measured, seconds) over each
 backend's last completions (`estimate.latency_error.LATENCY_WINDOW`; a backend without a
 measured completion yet has no sample, not a 0 that reads as exact); and the models each
 backend serves.
@@ -14,8 +14,8 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from ext_proc.core.backend import BackendState
 from ext_proc.estimate.latency_error import ErrorWindow
 
-# (measure, what it measures): the metric names are gorgo_{measure}_prediction_mape and
-# gorgo_{measure}_prediction_bias_ms.
+# (measure, what it measures): the metric names are gorgo_{measure}_prediction_mape_ratio
+# and gorgo_{measure}_prediction_bias_seconds.
 MEASURES = (
     ("ttft", "TTFT (streamed requests, from the decision to the first byte)"),
     ("e2e", "E2E (from the decision to the end of the response)"),
@@ -30,14 +30,14 @@ def latency_prediction_gauges(backends: Iterable[BackendState]) -> Iterable[Metr
     shown = list(backends)
     for measure, what in MEASURES:
         mape = GaugeMetricFamily(
-            f"gorgo_{measure}_prediction_mape",
+            f"gorgo_{measure}_prediction_mape_ratio",
             f"Mean |predicted - measured| / measured {what}, over the backend's last "
             "completions (a fraction)",
             labels=["backend"],
         )
         bias = GaugeMetricFamily(
-            f"gorgo_{measure}_prediction_bias_ms",
-            f"Mean predicted - measured {what}, ms, over the backend's last completions "
+            f"gorgo_{measure}_prediction_bias_seconds",
+            f"Mean predicted - measured {what}, seconds, over the backend's last completions "
             "(> 0: predicted slower than it came)",
             labels=["backend"],
         )
@@ -46,7 +46,7 @@ def latency_prediction_gauges(backends: Iterable[BackendState]) -> Iterable[Metr
             m, bias_ms = w.mape, w.bias_ms
             if m is not None and bias_ms is not None:
                 mape.add_metric([b.id], m)
-                bias.add_metric([b.id], bias_ms)
+                bias.add_metric([b.id], bias_ms / 1000)
         yield from (mape, bias)
 
 

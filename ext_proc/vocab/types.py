@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from ext_proc.vocab.errors import ApiError
 from ext_proc.vocab.request import LlmRequest
 from ext_proc.vocab.terms import TERMS
 
@@ -341,12 +342,16 @@ class Decision:
 @dataclass(frozen=True)
 class Refusal:
     """Admission refused: the router answers the client itself (OpenAI's error shape),
-    no engine reached. `kind` is the error's type, `retry_after_s` the Retry-After."""
+    no engine reached. `error` is the kind of answer (its status, type, code and param:
+    ext_proc/vocab/errors.py), `retry_after_s` when to retry (Retry-After)."""
 
-    status: int
-    kind: str
+    error: ApiError
     message: str
     retry_after_s: float | None = None
     # Flow control's reason, said in a response header (llm-d's values where they agree:
     # rejected-saturated, rejected-ttl-expired, rejected-no-endpoints; ours: rejected-slo).
     reason: str = ""
+
+    @property
+    def status(self) -> int:
+        return self.error.status

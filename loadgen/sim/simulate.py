@@ -471,7 +471,7 @@ class Simulation:
             output_tokens=r.output_tokens,
             # flow control's refusals (they say a reason) apart from admission's
             status="rejected" if refusal.reason else "refused",
-            error=f"HTTP {code} {refusal.kind}: {refusal.message}",
+            error=f"HTTP {code} {refusal.error.code}: {refusal.message}",
             region=origin or None,
             slip_ms=self._slip_ms.pop(r.id, 0.0),
         )

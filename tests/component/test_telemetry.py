@@ -16,12 +16,14 @@ import pytest
 from google.protobuf.duration_pb2 import Duration
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
+from ext_proc.common.build import package_version
 from ext_proc.common.names import ACCESS_LOG_SERVICE, EXT_PROC_SERVICE
 from ext_proc.config.load import config_from_dict
 from ext_proc.envoy.proto import envoy_wire_pb2 as pb
 from ext_proc.prompt.parse import CHAT, parse_body
 from ext_proc.service.app import Running, running_service
 from ext_proc.vocab.types import RouteRequest, Status
+from tests.unit.test_docs_names import documented_metrics
 
 pytestmark = pytest.mark.component
 
@@ -97,7 +99,12 @@ async def _one_request(svc: Running, rid: str, traceparent: str | None) -> None:
     await call.write(req)
     await call.read()
     body = pb.ProcessingRequest()
-    prompt = {"messages": [{"role": "user", "content": SECRET * 40}]}
+    prompt = {
+        "model": "qwen",
+        "messages": [{"role": "user", "content": SECRET * 40}],
+        "max_tokens": 64,
+        "stream": True,
+    }
     body.request_body.body = json.dumps(prompt).encode()
     body.request_body.end_of_stream = True
     await call.write(body)
@@ -161,6 +168,10 @@ async def test_decision_span_continues_envoys_trace(receiver: tuple[Receiver, in
     (span,) = rec.spans()
     assert span.trace_id.hex() == TRACE_ID
     assert span.parent_span_id.hex() == ENVOY_SPAN_ID
+    (resource,) = {rs.resource.SerializeToString(): rs.resource for r in rec.requests
+                   for rs in r.resource_spans}.values()  # fmt: skip
+    said = {kv.key: kv.value.string_value for kv in resource.attributes}
+    assert (said["service.name"], said["service.version"]) == ("gorgo", package_version())
     assert span.end_time_unix_nano > span.start_time_unix_nano
     got = _normalize(span)
     assert SECRET not in json.dumps(got) and "alice" not in json.dumps(got)
@@ -213,18 +224,25 @@ async def test_metrics_count_what_was_routed(receiver: tuple[Receiver, int]) -> 
         url = f"http://127.0.0.1:{svc.admin_port}/metrics"
         async with aiohttp.ClientSession() as s, s.get(url) as r:
             assert r.status == 200 and r.headers["content-type"].startswith("text/plain")
-            m = parse_prometheus(await r.text())
+            text = await r.text()
+            m = parse_prometheus(text)
+    # every family scraped is one docs/operations.md lists (the table holds every one the
+    # router can export: tests/unit/test_docs_names.py)
+    scraped = {line.split()[2] for line in text.splitlines() if line.startswith("# TYPE")}
+    assert {n for n in scraped if not n.endswith("_created")} <= documented_metrics()
+    build = {dict(labels)["version"]: v for (n, labels), v in m.items() if n == "gorgo_build_info"}
+    assert build == {package_version(): 1.0}
     decisions = sum(v for (n, _), v in m.items() if n == "gorgo_decisions_total")
     assert decisions == 3
     assert m[("gorgo_completions_total", (("backend", "us-ashburn"), ("status", "ok")))] == 3
     assert m[("gorgo_ttft_seconds_count", (("backend", "us-ashburn"),))] == 3
     assert m[("gorgo_e2e_seconds_count", (("backend", "us-ashburn"),))] == 3
     assert m[("gorgo_e2e_seconds_sum", (("backend", "us-ashburn"),))] == pytest.approx(0.75)
-    assert m[("gorgo_cost_term_ms_count", (("term", "prefill"),))] == 3
+    assert m[("gorgo_cost_term_seconds_count", (("term", "prefill"),))] == 3
     assert m[("gorgo_prompt_tokens_total", ())] > 0
     assert m[("gorgo_in_flight", (("backend", "us-ashburn"),))] == 0
     assert m[("gorgo_weight", (("name", "rtt"),))] == 1.0
-    assert ("gorgo_rtt_ms", (("backend", "ap-seoul"),)) in m
+    assert m[("gorgo_rtt_seconds", (("backend", "ap-seoul"),))] == 0.18  # its prior, 180 ms
     await asyncio.sleep(0)
 
 

@@ -2,7 +2,8 @@
 beyond the fleet's room waits in the router and drains (/state and the operator page's
 feed show it); an interactive request sent during the burst goes before the batch ones
 ahead of it; a sheddable class past its longest wait gets 429 with Retry-After and the
-reason; a `regions` constraint is obeyed; a router killed with requests held fails none.
+reason; the OpenAI SDK in such a class retries as retry-after-ms says until its calls
+succeed; a `regions` constraint is obeyed; a router killed with requests held fails none.
 
 The engines admit two requests at a time and decode 30 tokens at 20 ms a step (~0.6 s a
 request), and a backend has room for one request waiting for its first token: three
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import os
 import signal
 import time
@@ -19,6 +21,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
+import openai
 import pytest
 
 from emulator.stack.stack import Stack
@@ -37,10 +40,14 @@ SLOW_DECODE = (
 FLOW = FlowControl(
     enabled=True,
     max_waiting_requests=1,
+    # a refused request comes back in 250 ms: Retry-After 1 (whole seconds, rounded up),
+    # retry-after-ms 250
+    retry_after_s=0.25,
     objectives=(
         Objective("interactive", priority=10),
         Objective("batch", priority=0, max_wait_s=60),
         Objective("impatient", priority=0, sheddable=True, max_wait_s=1),
+        Objective("retrying", priority=0, sheddable=True, max_wait_s=0.2),
         Objective("eu", priority=10, regions=(FRANKFURT,)),
     ),
     default_objective="batch",
@@ -131,9 +138,86 @@ def test_a_sheddable_class_past_its_longest_wait_gets_429_with_retry_after(
     assert all(r.ok for _, r in burst)
     print(f"\nimpatient during a burst: {status} after {took_s:.2f} s, {headers}")
     assert status == 429 and int(headers["Retry-After"]) >= 1
+    assert headers["retry-after-ms"] == "250"  # flow_control.retry_after_s, exact
     assert headers[HEADER_FLOW_REASON] == "rejected-ttl-expired"
-    assert payload["error"]["type"] == "rate_limit_error"
+    error = payload["error"]
+    assert (error["type"], error["code"]) == ("rate_limit_error", "rate_limit_exceeded")
     assert 1.0 <= took_s < 3.0  # refused once its longest wait (1 s) passed, not later
+
+
+def test_the_openai_sdk_retries_when_retry_after_ms_says_and_every_call_succeeds(
+    stack: Stack, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Four calls of the OpenAI SDK (its own retries, max 20) in a class that waits at
+    most 0.2 s, sent while a burst fills the queue: refused 429 until the burst drains,
+    each refusal saying 250 ms in retry-after-ms (1 s in Retry-After). The SDK waits what
+    the milliseconds say (its log, and the time each retry came after its refusal), and
+    every call succeeds in the end."""
+    # (when, which call, "request" or the response's status, its retry headers)
+    seen: list[tuple[float, str, str, dict[str, str]]] = []
+
+    async def on_request(request: Any) -> None:
+        seen.append((time.monotonic(), request.headers["x-call"], "request", {}))
+
+    async def on_response(response: Any) -> None:
+        said = {k: response.headers.get(k, "") for k in ("retry-after", "retry-after-ms")}
+        call = response.request.headers["x-call"]
+        seen.append((time.monotonic(), call, str(response.status_code), said))
+
+    async def sdk_calls(_: aiohttp.ClientSession) -> tuple[list[str], float]:
+        client = openai.AsyncOpenAI(
+            base_url=f"{stack.front_door_url}/v1",
+            api_key="unused",
+            max_retries=20,
+            default_headers={"x-gorgo-objective": "retrying"},
+            http_client=openai.DefaultAsyncHttpxClient(
+                event_hooks={"request": [on_request], "response": [on_response]}
+            ),
+        )
+        start_s = time.monotonic()
+        try:
+            answers = await asyncio.gather(
+                *(
+                    client.chat.completions.create(
+                        model="m",
+                        messages=[{"role": "user", "content": f"sdk {i}"}],
+                        max_tokens=3,
+                        extra_headers={"x-call": str(i)},
+                    )
+                    for i in range(4)
+                )
+            )
+        finally:
+            await client.close()
+        return [a.choices[0].message.content or "" for a in answers], time.monotonic() - start_s
+
+    before = flow(stack)["outcomes"].get("rejected-ttl-expired", 0)
+    with caplog.at_level(logging.INFO, logger="openai"):
+        burst, (texts, took_s) = asyncio.run(burst_with(stack, 24, sdk_calls))
+    assert all(r.ok for _, r in burst)
+    assert texts == ["tok tok tok "] * 4  # every call succeeded in the end
+    refused = [(t, call, h) for t, call, what, h in seen if what == "429"]
+    waits = [r.args[0] for r in caplog.records if r.getMessage().startswith("Retrying request")]
+    print(
+        f"\nOpenAI SDK during a burst: 4 calls done in {took_s:.2f} s after "
+        f"{len(refused)} refusals; the SDK's waits {sorted(set(waits))} s"
+    )
+    assert refused, "the burst never made the router refuse"
+    assert {h["retry-after"] for _, _, h in refused} == {"1"}
+    assert {h["retry-after-ms"] for _, _, h in refused} == {"250"}
+    # the SDK waited what retry-after-ms said, once per refusal: not Retry-After's 1 s,
+    # nor its own backoff (0.375-0.5 s for a first retry) ...
+    assert waits == [0.25] * len(refused)
+    # ... and the call came back then: its next request 0.25 s after the refusal (and the
+    # scheduling of a loop that runs the burst's clients too), well before 1 s
+    gaps = [
+        min(r - t for r, c, what, _ in seen if c == call and what == "request" and r > t)
+        for t, call, _ in refused
+    ]
+    print(f"each refused call's next request {min(gaps):.3f}-{max(gaps):.3f} s after the 429")
+    assert min(gaps) >= 0.25 and max(gaps) < 0.6, gaps
+    after = flow(stack)["outcomes"]["rejected-ttl-expired"]
+    assert after - before == len(refused)
 
 
 def test_a_regions_constraint_is_obeyed(stack: Stack) -> None:

@@ -27,6 +27,7 @@ import pytest
 
 from emulator.stack.stack import Stack
 from ext_proc.common.names import HEADER_BACKEND
+from ext_proc.vocab.errors import MODEL_NOT_FOUND, MODEL_REQUIRED, UNAVAILABLE, ApiError
 from loadgen.client.stream import Result, chat_body, send_chat
 from tests.e2e.conftest import FAST_ENGINE, FAST_REGIONS, fast_settings
 from tests.e2e.stack_harness import admin_call, get_json, router_state
@@ -78,9 +79,9 @@ class Answer:
         return self.headers.get(HEADER_BACKEND, "")
 
     @property
-    def error_type(self) -> str:
+    def error(self) -> dict[str, Any]:
         err = self.body.get("error") if isinstance(self.body, dict) else None
-        return str(err.get("type", "")) if isinstance(err, dict) else ""
+        return err if isinstance(err, dict) else {}
 
     @property
     def message(self) -> str:
@@ -134,11 +135,12 @@ def front_door_models(stack: Stack) -> Answer:
     return call(f"{stack.front_door_url}/v1/models")
 
 
-def assert_router_answered(a: Answer, status: int, error_type: str) -> None:
+def assert_router_answered(a: Answer, error: ApiError) -> None:
     """An answer of the router's own (no engine reached): its status and OpenAI error
-    type, and no backend named (Envoy's x-gorgo-backend is set only on a routed request;
-    the engine's errors say NotFoundError, BadRequestError...)."""
-    assert (a.status, a.error_type) == (status, error_type), (a.status, a.body)
+    (type, code, param), and no backend named (Envoy's x-gorgo-backend is set only on a
+    routed request; the engine's errors say NotFoundError, BadRequestError...)."""
+    got = (a.status, a.error.get("type"), a.error.get("code"), a.error.get("param"))
+    assert got == (error.status, error.type, error.code, error.param), (a.status, a.body)
     assert a.backend == "" and "x-engine-id" not in a.headers, a.headers
 
 
@@ -189,10 +191,10 @@ def test_each_model_goes_where_it_is_served_and_the_rest_are_answered() -> None:
         # unknown and missing models: answered by the router, no engine reached
         counts = engine_counts(stack)
         unknown = ask(stack, "gamma")
-        assert_router_answered(unknown, 404, "model_not_found")
+        assert_router_answered(unknown, MODEL_NOT_FOUND)
         assert "'gamma'" in unknown.message and "/v1/models" in unknown.message
         missing = ask(stack, None)
-        assert_router_answered(missing, 400, "invalid_request_error")
+        assert_router_answered(missing, MODEL_REQUIRED)
         assert "alpha, beta" in missing.message
         assert engine_counts(stack) == counts
 
@@ -204,9 +206,12 @@ def test_each_model_goes_where_it_is_served_and_the_rest_are_answered() -> None:
         counts = engine_counts(stack)
         t_ejected = time.monotonic()
         ejected = ask(stack, "beta")
-        assert_router_answered(ejected, 503, "service_unavailable")
+        assert_router_answered(ejected, UNAVAILABLE)
         assert "'beta'" in ejected.message
         assert 1 <= int(ejected.headers["retry-after"]) <= 2  # the ejection's end (eject_s)
+        # the same wait to the millisecond, which the whole seconds round up
+        wait_ms = int(ejected.headers["retry-after-ms"])
+        assert 0 < wait_ms <= 2000 and -(-wait_ms // 1000) == int(ejected.headers["retry-after"])
         assert ask(stack, "alpha").status == 200  # alpha is not held up by it
         assert engine_counts(stack)[SEOUL] == counts[SEOUL]
         # back in rotation when the ejection ends, as Retry-After said
@@ -230,7 +235,7 @@ def test_each_model_goes_where_it_is_served_and_the_rest_are_answered() -> None:
         assert status == 202 and drained["lifecycle"] == "draining"
         counts = engine_counts(stack)
         draining = ask(stack, "beta")
-        assert_router_answered(draining, 503, "service_unavailable")
+        assert_router_answered(draining, UNAVAILABLE)
         assert int(draining.headers["retry-after"]) >= 1
         assert engine_counts(stack)[SEOUL] == counts[SEOUL]
         long.join(timeout=15)
@@ -239,7 +244,7 @@ def test_each_model_goes_where_it_is_served_and_the_rest_are_answered() -> None:
             assert time.monotonic() < deadline, "drained backend not removed"
             time.sleep(0.05)
         # no backend serves beta any more: unknown, and gone from the fleet's list
-        assert_router_answered(ask(stack, "beta"), 404, "model_not_found")
+        assert_router_answered(ask(stack, "beta"), MODEL_NOT_FOUND)
         assert [m["id"] for m in front_door_models(stack).body["data"]] == ["alpha"]
         assert engine_counts(stack)[SEOUL] == counts[SEOUL]
         print(
@@ -331,7 +336,7 @@ def test_an_adapter_loaded_at_run_time_is_routed_to_and_unloaded_is_not() -> Non
     adapter = Clients(stack.front_door_url, "sql", 4)
     figures: dict[str, float] = {}
     try:
-        assert_router_answered(ask(stack, "sql"), 404, "model_not_found")
+        assert_router_answered(ask(stack, "sql"), MODEL_NOT_FOUND)
         base.start()
         time.sleep(1.0)
 
@@ -353,7 +358,7 @@ def test_an_adapter_loaded_at_run_time_is_routed_to_and_unloaded_is_not() -> Non
         figures["load_to_first_routed_s"] = t_routed - t_load
         assert a.backend == ASHBURN
         for p in polls:  # refused by the router meanwhile, never by an engine
-            assert_router_answered(p, 404, "model_not_found")
+            assert_router_answered(p, MODEL_NOT_FOUND)
         assert models_of(stack)[ASHBURN]["adapters"] == {"sql": "alpha"}
         assert {m["id"]: m["parent"] for m in front_door_models(stack).body["data"]} == {
             "alpha": None,
@@ -380,7 +385,7 @@ def test_an_adapter_loaded_at_run_time_is_routed_to_and_unloaded_is_not() -> Non
         base.stop()
         t_end = time.monotonic()
         counts_end = engine_counts(stack)
-        assert_router_answered(ask(stack, "sql"), 404, "model_not_found")
+        assert_router_answered(ask(stack, "sql"), MODEL_NOT_FOUND)
         assert engine_counts(stack) == counts_end
     finally:
         adapter.stop()

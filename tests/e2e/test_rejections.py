@@ -47,7 +47,8 @@ def test_an_unreadable_body_is_rejected_with_a_json_400_naming_the_problem(stack
         status, headers, payload = asyncio.run(post(stack.front_door_url, body))
         assert status == 400 and headers["content-type"] == "application/json"
         error = json.loads(payload)["error"]
-        assert error["type"] == "invalid_request_error" and problem in error["message"]
+        assert problem in error["message"]
+        assert (error["type"], error["code"]) == ("invalid_request_error", "invalid_body")
     # no backend was loaded with them
     assert router_state(stack)["decisions"] == decisions_before
 
@@ -63,6 +64,8 @@ def test_overload_is_shed_with_429_and_retry_after(stack: Stack) -> None:
     assert set(codes) == {200, 429}, codes
     for status, headers, payload in answers:
         if status == 429:
-            assert int(headers["retry-after"]) >= 1
-            assert json.loads(payload)["error"]["type"] == "overloaded"
+            wait_ms = int(headers["retry-after-ms"])  # exact, and the seconds rounded up
+            assert wait_ms > 0 and int(headers["retry-after"]) == -(-wait_ms // 1000)
+            error = json.loads(payload)["error"]
+            assert (error["type"], error["code"]) == ("rate_limit_error", "rate_limit_exceeded")
     print(f"burst of 30: {codes.count(200)} served, {codes.count(429)} shed")

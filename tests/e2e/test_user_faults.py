@@ -117,7 +117,12 @@ def test_a_body_over_the_limit_gets_a_json_413(small_context: Stack) -> None:
     assert status == 413
     assert headers["content-type"].startswith("application/json")
     error = json.loads(answer)["error"]
-    assert error["code"] == 413 and "too large" in error["message"].lower()
+    assert "too large" in error["message"].lower()
+    assert (error["type"], error["param"], error["code"]) == (
+        "invalid_request_error",
+        None,
+        "request_too_large",
+    )
 
 
 def test_a_28_kb_request_id_does_not_swell_the_page_feed(small_context: Stack) -> None:

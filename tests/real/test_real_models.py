@@ -22,6 +22,7 @@ import pytest
 from emulator.stack.settings import Region, StackPorts, StackSettings
 from emulator.stack.stack import Stack
 from emulator.vllm.tiny import ensure_tiny_lora
+from ext_proc.vocab.errors import MODEL_NOT_FOUND, MODEL_REQUIRED
 from loadgen.client.stream import Result, chat_body, send_chat
 from tests.e2e.stack_harness import get_json, router_state, wait_for
 from tests.e2e.test_models_live import ask, assert_router_answered, call
@@ -137,10 +138,10 @@ def test_two_real_models_route_to_their_engines(models_fleet: Stack) -> None:
 
     # an unknown model: the router's 404, a missing one its 400 (two served); no engine
     unknown = ask(stack, "gamma")
-    assert_router_answered(unknown, 404, "model_not_found")
+    assert_router_answered(unknown, MODEL_NOT_FOUND)
     assert "'gamma'" in unknown.message and "/v1/models" in unknown.message
     missing = ask(stack, None)
-    assert_router_answered(missing, 400, "invalid_request_error")
+    assert_router_answered(missing, MODEL_REQUIRED)
     assert chat_calls(stack) == calls
 
     # the front door's /v1/models: the fleet's union, answered by the router

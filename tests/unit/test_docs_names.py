@@ -335,16 +335,21 @@ def test_every_endpoint_the_docs_name_exists() -> None:
 # -- metrics ---------------------------------------------------------------------------------
 
 
-def metric_names() -> set[str]:
+def all_metrics() -> Metrics:
+    """The router's metrics with every feature that adds some on (a tuner, flow control)."""
     backends = [{"id": "a", "address": "127.0.0.1:1"}]
     cfg = config_from_dict(
         {"backends": backends, "tuner": {"mode": "paired"}, "flow_control": {"enabled": True}}
     )
-    names = set()
     router = build_router(cfg, lambda: 0.0, random.Random(0))
     metrics = Metrics(router)
     metrics.registry.register(FlowGauges(Director(router)))  # as the service registers it
-    for family in metrics.registry.collect():
+    return metrics
+
+
+def metric_names() -> set[str]:
+    names = set()
+    for family in all_metrics().registry.collect():
         names.add(family.name)
         suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum")}
         names |= {family.name + s for s in suffixes.get(family.type, ())}
@@ -356,12 +361,81 @@ NOT_METRICS = {*POLICIES, "gorgo_ext_proc", "gorgo_fallback", "gorgo_observe", "
 METRIC = re.compile(r"\bgorgo_[a-z0-9_]+")
 
 
+# Renamed to Prometheus' conventions (base units, counters in _total, fractions in _ratio):
+# the old names are gone, listed only in docs/operations.md's "Renamed metrics" table.
+RENAMED_METRICS = {
+    "gorgo_rtt_ms": "gorgo_rtt_seconds",
+    "gorgo_cost_term_ms": "gorgo_cost_term_seconds",
+    "gorgo_kv_event_gaps": "gorgo_kv_event_gaps_total",
+    "gorgo_kv_event_resets": "gorgo_kv_event_resets_total",
+    "gorgo_kv_event_unknown_parents": "gorgo_kv_event_unknown_parents_total",
+    "gorgo_ttft_prediction_mape": "gorgo_ttft_prediction_mape_ratio",
+    "gorgo_e2e_prediction_mape": "gorgo_e2e_prediction_mape_ratio",
+    "gorgo_ttft_prediction_bias_ms": "gorgo_ttft_prediction_bias_seconds",
+    "gorgo_e2e_prediction_bias_ms": "gorgo_e2e_prediction_bias_seconds",
+}
+HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
+
+
+def _section(doc: str, heading: str) -> str:
+    return DOCS[doc].split(f"{heading}\n", 1)[1].split("\n#", 1)[0]
+
+
+def _column(table: str, n: int = 0) -> list[list[str]]:
+    """The ticked names in each row's n-th cell."""
+    return [
+        TICKED.findall(line.split("|")[n + 1])
+        for line in table.splitlines()
+        if line.startswith("| `")
+    ]
+
+
+def exported() -> dict[str, str]:
+    """Every metric family in the exposition (name as scraped: counters with _total) and
+    its type; prometheus_client's own `_created` series left out."""
+    text = all_metrics().render().decode()
+    types = dict(line.split()[2:4] for line in text.splitlines() if line.startswith("# TYPE"))
+    return {n: t for n, t in types.items() if not n.endswith("_created")}
+
+
 def test_every_metric_the_docs_name_exists() -> None:
     known = metric_names() | NOT_METRICS
+    renamed = _section("docs/operations.md", "### Renamed metrics")
     wrong = [
-        (doc, m) for doc, text in DOCS.items() for m in set(METRIC.findall(text)) if m not in known
+        (doc, m)
+        for doc, text in DOCS.items()
+        for m in set(
+            METRIC.findall(text.replace(renamed, "") if doc.endswith("operations.md") else text)
+        )
+        if m not in known
     ]
     assert not wrong, wrong
+
+
+def documented_metrics() -> set[str]:
+    """The metrics docs/operations.md's table lists (as scraped: counters with _total)."""
+    table = _section("docs/operations.md", "## Metrics (`/metrics`)")
+    return {name for names in _column(table) for name in names}
+
+
+def test_the_metrics_table_lists_every_metric_the_router_exports() -> None:
+    assert documented_metrics() == set(exported())
+
+
+def test_the_renamed_metrics_are_gone_and_their_new_names_exported() -> None:
+    table = _section("docs/operations.md", "### Renamed metrics")
+    listed = {old[0]: new[0] for old, new in zip(_column(table), _column(table, 1), strict=True)}
+    assert listed == RENAMED_METRICS
+    names = exported()
+    text = all_metrics().render().decode()
+    samples = {line.split("{")[0].split()[0] for line in text.splitlines() if line[:1] != "#"}
+    for old, new in RENAMED_METRICS.items():
+        assert new in names
+        gone = {old, *(old + s for s in ("_total", *HISTOGRAM_SUFFIXES))} - {new}
+        assert not gone & (set(names) | samples), old
+    # the counters are counters, in seconds what was in ms
+    assert {names[n] for n in RENAMED_METRICS.values() if n.endswith("_total")} == {"counter"}
+    assert names["gorgo_cost_term_seconds"] == "histogram"
 
 
 @pytest.mark.parametrize("name", sorted(NOT_METRICS - set(POLICIES)))

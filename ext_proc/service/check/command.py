@@ -52,8 +52,9 @@ def _config_schema(args: argparse.Namespace) -> int:
     return OK
 
 
-def add_check_commands(sub: Any) -> None:
-    """Add `check` and `config-schema` to the CLI's subparsers."""
+def add_check_commands(commands: Any) -> None:
+    """Add `check` and `config-schema` to the CLI's subparsers (`commands.sub`)."""
+    sub = commands.sub
     s = sub.add_parser(
         "check",
         help="check a config and its fleet before serve (tokens, models, metrics, KV, RTT)",
@@ -68,8 +69,8 @@ def add_check_commands(sub: Any) -> None:
         "--timeout-s",
         type=float,
         default=DEFAULT_TIMEOUT_S,
-        help="how long each request to an engine may take, in seconds (default: "
-        "%(default)s; backends are looked at concurrently)",
+        help="how long each request to an engine may take, in seconds (backends are looked "
+        "at concurrently)",
     )
     s.add_argument("--json", action="store_true", help="print the findings as JSON")
     s.set_defaults(func=_check)

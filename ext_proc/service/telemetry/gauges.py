@@ -3,12 +3,14 @@ path): each backend's load, RTT, health, lifecycle, prefix state, the tuner's st
 
 from __future__ import annotations
 
+import platform
 import time
 from collections.abc import Iterable
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from ext_proc.common.build import package_version
 from ext_proc.core.features import prefix_state
 from ext_proc.core.pipeline import FLOW_OUTCOMES, Director
 from ext_proc.core.router import Router
@@ -24,7 +26,9 @@ class LiveGauges(Collector):
 
     def collect(self) -> Iterable[Metric]:
         in_flight = GaugeMetricFamily("gorgo_in_flight", "Requests in flight", labels=["backend"])
-        rtt = GaugeMetricFamily("gorgo_rtt_ms", "Smoothed probe RTT (ms)", labels=["backend"])
+        rtt = GaugeMetricFamily(
+            "gorgo_rtt_seconds", "Smoothed probe RTT (seconds)", labels=["backend"]
+        )
         suspect = GaugeMetricFamily("gorgo_suspect", "1 if probes fail", labels=["backend"])
         ejected = GaugeMetricFamily(
             "gorgo_ejected", "1 while ejected for failing requests", labels=["backend"]
@@ -35,7 +39,7 @@ class LiveGauges(Collector):
         now_s = self.router.clock()
         for b in self.router.backends.values():
             in_flight.add_metric([b.id], b.load.in_flight)
-            rtt.add_metric([b.id], b.health.rtt_ms)
+            rtt.add_metric([b.id], b.health.rtt_ms / 1000)
             suspect.add_metric([b.id], 1.0 if b.health.suspect else 0.0)
             # An ejection ends by itself (the state clears it at the next decision).
             ejected.add_metric([b.id], 1.0 if b.health.ejected_at(now_s) else 0.0)
@@ -112,10 +116,11 @@ class LiveGauges(Collector):
         blocks = GaugeMetricFamily(
             "gorgo_kv_event_blocks", "Blocks the engine reports holding", labels=["backend"]
         )
-        gaps = GaugeMetricFamily(
+        # counters (exported with _total): gaps, resets and dropped blocks only grow
+        gaps = CounterMetricFamily(
             "gorgo_kv_event_gaps", "Gaps seen in the engine's event sequence", labels=["backend"]
         )
-        resets = GaugeMetricFamily(
+        resets = CounterMetricFamily(
             "gorgo_kv_event_resets", "Times the engine's state was reset", labels=["backend"]
         )
         lag = GaugeMetricFamily(
@@ -140,7 +145,7 @@ class LiveGauges(Collector):
             "1 while the engine's event stream has a shape the router cannot key",
             labels=["backend"],
         )
-        unknown = GaugeMetricFamily(
+        unknown = CounterMetricFamily(
             "gorgo_kv_event_unknown_parents",
             "Stored blocks dropped because their parent was never seen (the warm-start blind spot)",
             labels=["backend"],
@@ -195,3 +200,22 @@ class FlowGauges(Collector):
         for outcome, n in {**dict.fromkeys(FLOW_OUTCOMES, 0), **state["outcomes"]}.items():
             outcomes.add_metric([outcome], n)
         yield from (waiting, oldest, outcomes)
+
+
+class BuildInfo(Collector):
+    """gorgo_build_info: 1, its labels what runs (the package's and Python's versions, the
+    routing policy in force; a reload that changes the policy changes the label)."""
+
+    def __init__(self, router: Router) -> None:
+        self.router = router
+        self.version = package_version()
+        self.python = platform.python_version()
+
+    def collect(self) -> Iterable[Metric]:
+        info = GaugeMetricFamily(
+            "gorgo_build_info",
+            "1: the router's version, its Python's, and the routing policy in force",
+            labels=["version", "python_version", "policy"],
+        )
+        info.add_metric([self.version, self.python, self.router.cfg.policy], 1)
+        yield info

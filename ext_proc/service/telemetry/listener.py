@@ -20,21 +20,24 @@ from opentelemetry.trace import SpanContext, StatusCode, TraceFlags, get_current
 from opentelemetry.trace import Status as SpanStatus
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from ext_proc.common.build import package_version
 from ext_proc.config.schema import TelemetryConfig
 from ext_proc.core.router import Router
+from ext_proc.core.terms.catalog import TERMS
 from ext_proc.estimate.prediction import prediction_error
 from ext_proc.service.otlp import otlp_exporter
 from ext_proc.service.telemetry.metrics import Children, Metrics
 from ext_proc.service.telemetry.spans import (
     A_E2E_MS,
     A_ENGINE_CACHED,
+    A_ERROR_TYPE,
     A_PREDICTION_ERROR_RATIO,
     A_PREDICTION_ERROR_TOKENS,
     A_STATUS,
     A_TTFT_MS,
     SPAN_NAME,
     decision_attributes,
-    prefix_attributes,
+    dispatch_attributes,
 )
 from ext_proc.vocab.events import Closed, Dispatched, FirstByte, Listener
 from ext_proc.vocab.types import Decision, Status
@@ -91,7 +94,9 @@ class Telemetry(Listener):
         self._batch: BatchSpanProcessor | None = None
         if exporter is not None:
             self.provider = TracerProvider(
-                resource=Resource.create({"service.name": cfg.service_name}),
+                resource=Resource.create(
+                    {"service.name": cfg.service_name, "service.version": package_version()}
+                ),
                 sampler=ParentBased(TraceIdRatioBased(cfg.sample_ratio)),
             )
             # Batched: export never runs on the request path.
@@ -128,8 +133,10 @@ class Telemetry(Listener):
         chosen = d.chosen
         term = self._term
         for name, value in chosen.terms.items():
-            term[(name,)].observe(value)
-        term[("pace_hold",)].observe(d.hold_ms)
+            info = TERMS.get(name)
+            if info is None or info.unit == "ms":  # in seconds, as the metric is
+                term[(name,)].observe(value / 1000)
+        term[("pace_hold",)].observe(d.hold_ms / 1000)
         if self.router.cfg.flow_control.enabled:
             m.flow_wait.observe(d.waited_ms / 1000)
         m.prompt_tokens.inc(d.input_tokens)
@@ -163,7 +170,7 @@ class Telemetry(Listener):
             d,
             e.request.session_key,
             None if tuner is None else len(tuner.state.history),
-            prefix_attributes(e, self.router.backends[e.record.backend]),
+            dispatch_attributes(e, self.router.backends[e.record.backend]),
         )
         self.router.recent.set_trace(d.request_id, f"{trace_id:032x}")
 
@@ -206,6 +213,8 @@ class Telemetry(Listener):
         attributes = decision_attributes(span.decision, span.session_key, span.weights_version)
         attributes.update(span.attributes)
         attributes[A_STATUS] = status
+        if error:
+            attributes[A_ERROR_TYPE] = status  # the conventions' error.type: which end
         finished = ReadableSpan(
             SPAN_NAME,
             context=span.context,

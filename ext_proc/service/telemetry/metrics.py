@@ -8,11 +8,12 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
 from ext_proc.core.router import Router
-from ext_proc.service.telemetry.gauges import LiveGauges
+from ext_proc.service.telemetry.gauges import BuildInfo, LiveGauges
 
-# Buckets (seconds / ms) sized for LLM latencies: TTFT from 10 ms to minutes.
+# Buckets (seconds, as every time the router exports) sized for LLM latencies: TTFT from
+# 10 ms to minutes; a cost term from half a millisecond (an RTT on one host) to 30 s.
 LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
-TERM_BUCKETS_MS = (0.5, 1, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000)
+TERM_BUCKETS_S = (0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 # Prediction error as a share of the prompt: the target for precise state is a 2 % mean,
 # the simulator's figures are fractions of a percent; a whole prompt wrong is 1.
 ERROR_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)
@@ -58,10 +59,10 @@ class Metrics:
             registry=r,
         )
         self.term = Histogram(
-            "gorgo_cost_term_ms",
-            "Cost terms of the chosen backend (ms)",
+            "gorgo_cost_term_seconds",
+            "Cost terms of the chosen backend (those in ms), and the dispatch pacing's hold",
             ["term"],
-            buckets=TERM_BUCKETS_MS,
+            buckets=TERM_BUCKETS_S,
             registry=r,
         )
         self.prompt_tokens = Counter("gorgo_prompt_tokens", "Prompt tokens routed", registry=r)
@@ -97,6 +98,7 @@ class Metrics:
             registry=r,
         )
         r.register(LiveGauges(router))
+        r.register(BuildInfo(router))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

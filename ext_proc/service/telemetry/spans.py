@@ -3,6 +3,7 @@ built from a decision, its dispatch and its close. Pure."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import time
 from typing import Any
@@ -18,8 +19,25 @@ SPAN_NAME = "gorgo.route"
 # Attribute names (docs/operations.md lists them all).
 A_POLICY = "gorgo.policy"
 A_BACKEND = "gorgo.backend"
-A_INPUT_TOKENS = "gorgo.input_tokens"
-A_MODEL = "gorgo.model"
+# OpenTelemetry's GenAI semantic conventions (gen_ai.*, as the installed
+# opentelemetry-semantic-conventions names them: gen_ai.provider.name, which replaced
+# gen_ai.system) and the server's address, where they say what the router knows: the
+# request's operation, model, output budget, stream flag and prompt tokens (the router's
+# count), the engine kind and address of the backend it went to, the cached tokens the
+# engine reported, and error.type for a request that did not end ok. Each attribute costs
+# the exporter ~4 us to encode: only these.
+A_OPERATION = "gen_ai.operation.name"
+A_PROVIDER = "gen_ai.provider.name"
+A_MODEL = "gen_ai.request.model"
+A_MAX_TOKENS = "gen_ai.request.max_tokens"
+A_STREAM = "gen_ai.request.stream"
+A_INPUT_TOKENS = "gen_ai.usage.input_tokens"
+A_SERVER_ADDRESS = "server.address"
+A_SERVER_PORT = "server.port"
+A_ERROR_TYPE = "error.type"
+# gen_ai.operation.name by API (ext_proc/prompt/parse.py's names): a chat, or a text
+# completion (SGLang's native /generate takes a text or token ids and completes them).
+OPERATIONS = {"chat": "chat", "completions": "text_completion", "generate": "text_completion"}
 A_SESSION_HASH = "gorgo.session_hash"
 A_WEIGHT_RTT = "gorgo.weights.rtt"
 A_WEIGHT_QUEUE = "gorgo.weights.queue"
@@ -41,7 +59,7 @@ A_KV_EVENT_GAPS = "gorgo.kv_events.gaps"
 A_KV_EVENT_RESETS = "gorgo.kv_events.resets"
 A_ENGINE_REPORT_AGE_S = "gorgo.engine_report.age_s"
 # At close, when the engine reported its cached tokens: the report and the error.
-A_ENGINE_CACHED = "gorgo.engine_cached_tokens"
+A_ENGINE_CACHED = "gen_ai.usage.cache_read.input_tokens"
 A_PREDICTION_ERROR_TOKENS = "gorgo.prediction_error_tokens"
 A_PREDICTION_ERROR_RATIO = "gorgo.prediction_error_ratio"
 # The chosen backend's predicted TTFT and E2E (beside gorgo.ttft_ms and gorgo.e2e_ms).
@@ -62,14 +80,33 @@ def session_hash(key: str | None) -> str:
     return "" if not key else hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
-def prefix_attributes(e: Dispatched, b: BackendState) -> dict[str, Any]:
-    """The chosen backend's prefix state: where the prediction came from, and how
-    fresh the engine's events and load report were."""
+@functools.lru_cache(maxsize=1024)
+def server_of(address: str) -> tuple[str, int]:
+    """server.address and server.port of a backend's `host:port` (an IPv6 host unbracketed)."""
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def dispatch_attributes(e: Dispatched, b: BackendState) -> dict[str, Any]:
+    """What is known at the dispatch: the request as the GenAI conventions name it, the
+    backend it went to, and that backend's prefix state: where the prediction came from,
+    and how fresh the engine's events and load report were."""
     rec = e.record
+    host, port = server_of(b.config.address)
     attrs: dict[str, Any] = {
+        A_PROVIDER: str(b.config.engine),
+        A_SERVER_ADDRESS: host,
+        A_SERVER_PORT: port,
         A_PREFIX_STATE: str(rec.prefix_state),
         A_PREDICTED_CACHED: rec.cached_tokens,
     }
+    llm = e.request.llm
+    if llm is not None:
+        attrs[A_OPERATION] = OPERATIONS.get(llm.api, llm.api)
+        if llm.max_output_tokens is not None:
+            attrs[A_MAX_TOKENS] = llm.max_output_tokens
+        if llm.stream:  # the conventions: set if and only if the request streams
+            attrs[A_STREAM] = True
     engine = b.engine.blocks
     if engine is not None:
         attrs[A_KV_EVENT_GAPS] = engine.gaps
@@ -90,11 +127,12 @@ def decision_attributes(
         A_POLICY: d.policy,
         A_BACKEND: d.backend,
         A_INPUT_TOKENS: d.input_tokens,
-        A_MODEL: d.model or "",
         A_SESSION_HASH: session_hash(session_key),
         A_PREDICTED_TTFT_MS: round(d.chosen.predicted_ttft_ms, 3),
         A_PREDICTED_E2E_MS: round(d.chosen.predicted_e2e_ms, 3),
     }
+    if d.model:  # the conventions: when the request names one
+        attrs[A_MODEL] = d.model
     if d.draining:
         attrs[A_DRAINING_BACKENDS] = list(d.draining)
     if d.hold_ms:

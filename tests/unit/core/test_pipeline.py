@@ -6,6 +6,7 @@ from dataclasses import replace
 
 from ext_proc.core.pipeline import Director, Queued, Refused, Routed, Unrouted
 from ext_proc.feeds.served_models import ServedModels
+from ext_proc.vocab.errors import RATE_LIMITED
 from tests.builders import BackendSpec, chat, load, make_config, make_router
 from tests.fakes import FakeClock
 
@@ -158,15 +159,15 @@ def test_a_regions_constraint_is_obeyed_and_a_region_with_no_backend_is_503() ->
 
 
 def test_a_full_band_is_refused_429_and_a_client_gone_leaves_the_queue() -> None:
-    router, _ = make_router(
-        "gorgo", backends=["a"], flow_control={"enabled": True, "max_queued_requests": 1}
-    )
+    flow = {"enabled": True, "max_queued_requests": 1, "retry_after_s": 0.25}
+    router, _ = make_router("gorgo", backends=["a"], flow_control=flow)
     director = Director(router)
     busy(director)
     first = director.handle(chat(rid="r1"))
     assert isinstance(first, Queued)
     second = director.handle(chat(rid="r2"))
     assert isinstance(second, Refused) and second.refusal.reason == "rejected-saturated"
+    assert (second.refusal.error, second.refusal.retry_after_s) == (RATE_LIMITED, 0.25)
     director.cancel(first.ticket)
     assert not director.queue and director.counts["cancelled"] == 1
     assert isinstance(director.handle(chat(rid="r3")), Queued)  # its place is free again

@@ -44,7 +44,12 @@ def test_an_unknown_model_is_answered_404_by_the_router() -> None:
     assert resp.WhichOneof("response") == "immediate_response"
     assert resp.immediate_response.status.code == 404
     err = json.loads(resp.immediate_response.body)["error"]
-    assert "gamma" in err["message"] and err["type"] == "model_not_found"
+    assert "gamma" in err["message"]
+    assert (err["type"], err["code"], err["param"]) == (
+        "invalid_request_error",
+        "model_not_found",
+        "model",
+    )
     assert "u1" not in r.in_flight
 
 

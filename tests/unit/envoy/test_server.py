@@ -92,9 +92,15 @@ def test_shed_requests_get_429_with_retry_after() -> None:
     assert resp is not None and resp.WhichOneof("response") == "immediate_response"
     ir = resp.immediate_response
     assert ir.status.code == 429
-    assert json.loads(ir.body)["error"]["type"] == "overloaded"
+    error = json.loads(ir.body)["error"]
+    assert (error["type"], error["code"], error["param"]) == (
+        "rate_limit_error",
+        "rate_limit_exceeded",
+        None,
+    )
     answered = {h.header.key: h.header.raw_value for h in ir.headers.set_headers}
-    assert answered["retry-after"] == b"3"
+    # the least queue estimate, 2.5 s of prefill: in whole seconds rounded up, and exact
+    assert (answered["retry-after"], answered["retry-after-ms"]) == (b"3", b"2500")
     assert "shed-me" not in r.in_flight
 
 
@@ -148,7 +154,8 @@ def test_no_input_breaks_the_stream(path: str, data: bytes, split: bool, reject:
             assert resp.WhichOneof("response") == "immediate_response"
             assert resp.immediate_response.status.code == 400
             error = json.loads(resp.immediate_response.body)["error"]
-            assert error["type"] == "invalid_request_error" and str(e) in error["message"]
+            assert str(e) in error["message"]
+            assert (error["type"], error["code"]) == ("invalid_request_error", "invalid_body")
         else:  # no routing header: the fallback route serves it
             assert not resp.request_body.response.header_mutation.set_headers
     else:

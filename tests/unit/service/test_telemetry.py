@@ -212,7 +212,7 @@ def test_the_dashboard_covers_what_the_issue_asks(
         "gorgo_decisions_total",
         "gorgo_ttft_seconds_bucket",
         "gorgo_e2e_seconds_bucket",
-        "gorgo_cost_term_ms_sum",
+        "gorgo_cost_term_seconds_sum",
         "gorgo_weight",
         "gorgo_tuner_steps_total",
         "gorgo_prefix_cached_tokens_total",
@@ -294,13 +294,18 @@ def test_latency_prediction_error_is_exported_and_each_span_has_the_prediction()
     for b in served:
         lat = router.backends[b].learned.latency
         assert lat.ttft.mape is not None and lat.e2e.bias_ms is not None
-        assert _sample(telemetry, "gorgo_ttft_prediction_mape", backend=b) == lat.ttft.mape
-        assert _sample(telemetry, "gorgo_ttft_prediction_bias_ms", backend=b) == lat.ttft.bias_ms
-        assert _sample(telemetry, "gorgo_e2e_prediction_mape", backend=b) == lat.e2e.mape
-        assert _sample(telemetry, "gorgo_e2e_prediction_bias_ms", backend=b) == lat.e2e.bias_ms
+        assert lat.ttft.bias_ms is not None and lat.e2e.mape is not None
+        assert _sample(telemetry, "gorgo_ttft_prediction_mape_ratio", backend=b) == lat.ttft.mape
+        assert _sample(telemetry, "gorgo_ttft_prediction_bias_seconds", backend=b) == (
+            pytest.approx(lat.ttft.bias_ms / 1000)
+        )
+        assert _sample(telemetry, "gorgo_e2e_prediction_mape_ratio", backend=b) == lat.e2e.mape
+        assert _sample(telemetry, "gorgo_e2e_prediction_bias_seconds", backend=b) == (
+            pytest.approx(lat.e2e.bias_ms / 1000)
+        )
     text = telemetry.metrics.render().decode()
     for b in set(router.backends) - served:  # nothing measured there: no sample, not a 0
-        assert f'gorgo_ttft_prediction_mape{{backend="{b}"}}' not in text
+        assert f'gorgo_ttft_prediction_mape_ratio{{backend="{b}"}}' not in text
     telemetry.shutdown()
     spans = {s.attributes["gorgo.request_id"]: s.attributes for s in exporter.get_finished_spans()}
     for d in decided:
@@ -333,7 +338,73 @@ def test_models_are_on_the_span_the_decision_counter_and_a_gauge_per_backend() -
     router.close(d.request_id, Status.OK)
     telemetry.shutdown()
     (span,) = exporter.get_finished_spans()
-    assert span.attributes is not None and span.attributes["gorgo.model"] == "beta"
+    assert span.attributes is not None and span.attributes["gen_ai.request.model"] == "beta"
+
+
+def test_the_genai_attributes_say_what_the_router_knows_and_no_more() -> None:
+    """A streamed chat with a model and max_tokens, a completion with neither, a failed
+    request: the GenAI conventions' attributes (names as the installed
+    opentelemetry-semantic-conventions has them) and the chosen backend's address."""
+    from opentelemetry.semconv._incubating.attributes import gen_ai_attributes as gen_ai
+    from opentelemetry.semconv.attributes import error_attributes, server_attributes
+
+    from ext_proc.prompt.parse import COMPLETIONS, parse_body
+    from ext_proc.service.telemetry import spans
+    from ext_proc.vocab.types import RouteRequest
+
+    assert (spans.A_OPERATION, spans.A_PROVIDER, spans.A_MODEL) == (
+        gen_ai.GEN_AI_OPERATION_NAME,
+        gen_ai.GEN_AI_PROVIDER_NAME,
+        gen_ai.GEN_AI_REQUEST_MODEL,
+    )
+    assert (spans.A_MAX_TOKENS, spans.A_STREAM, spans.A_INPUT_TOKENS, spans.A_ENGINE_CACHED) == (
+        gen_ai.GEN_AI_REQUEST_MAX_TOKENS,
+        gen_ai.GEN_AI_REQUEST_STREAM,
+        gen_ai.GEN_AI_USAGE_INPUT_TOKENS,
+        gen_ai.GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS,
+    )
+    assert (spans.A_SERVER_ADDRESS, spans.A_SERVER_PORT, spans.A_ERROR_TYPE) == (
+        server_attributes.SERVER_ADDRESS,
+        server_attributes.SERVER_PORT,
+        error_attributes.ERROR_TYPE,
+    )
+    backends = [
+        {"id": "v4", "address": "10.0.0.7:8000", "engine": "vllm"},
+        {"id": "v6", "address": "[fd00::7]:30000", "engine": "sglang"},
+    ]
+    router, _ = make_router("round_robin", backends=backends)
+    exporter = InMemorySpanExporter()
+    telemetry = Telemetry(TelemetryConfig(), router, exporter)
+    router.subscribe(telemetry)
+    body = {"model": "m", "max_tokens": 7, "stream": True, "messages": [{"content": "hi"}]}
+    streamed = router.decide(
+        replace(chat(rid="c1"), llm=parse_body("chat", json.dumps(body).encode()))
+    )
+    completion = router.decide(
+        RouteRequest("c2", parse_body(COMPLETIONS, b'{"prompt": "hello"}'), None)
+    )
+    router.close("c1", Status.OK)
+    router.close("c2", Status.ERROR)
+    telemetry.shutdown()
+    got = {
+        s.attributes["gorgo.request_id"]: dict(s.attributes) for s in exporter.get_finished_spans()
+    }
+    server = {"v4": ("10.0.0.7", 8000, "vllm"), "v6": ("fd00::7", 30000, "sglang")}
+    for d in (streamed, completion):
+        a = got[d.request_id]
+        assert (a["server.address"], a["server.port"], a["gen_ai.provider.name"]) == server[
+            d.backend
+        ]
+        assert a["gen_ai.usage.input_tokens"] == d.input_tokens
+    a = got["c1"]
+    assert (a["gen_ai.operation.name"], a["gen_ai.request.model"]) == ("chat", "m")
+    assert (a["gen_ai.request.max_tokens"], a["gen_ai.request.stream"]) == (7, True)
+    assert "error.type" not in a
+    # a completion naming no model, no budget, not streamed: none of those said; it failed
+    a = got["c2"]
+    assert a["gen_ai.operation.name"] == "text_completion"
+    absent = {"gen_ai.request.model", "gen_ai.request.max_tokens", "gen_ai.request.stream"}
+    assert not absent & set(a) and a["error.type"] == "error" == a["gorgo.status"]
 
 
 def test_flow_series_exist_from_the_start_with_flow_control_on_and_not_with_it_off() -> None:

@@ -71,8 +71,14 @@ def test_a_toy_term_reaches_the_candidates_the_score_and_every_view(toy: str) ->
     attrs = spans["r2"].attributes or {}
     listed = {c["backend"]: c for c in json.loads(str(attrs["gorgo.candidates"]))}
     assert listed[first.backend][f"{toy}_ms"] == 1000.0
-    hist = telemetry.metrics.registry.get_sample_value("gorgo_cost_term_ms_count", {"term": toy})
-    assert hist == 2.0
+    registry = telemetry.metrics.registry
+    assert registry.get_sample_value("gorgo_cost_term_seconds_count", {"term": toy}) == 2.0
+    # in seconds, as every term in ms: the chosen backends' RTTs
+    rtt_s = (first.chosen.terms["rtt"] + second.chosen.terms["rtt"]) / 1000
+    assert registry.get_sample_value("gorgo_cost_term_seconds_sum", {"term": "rtt"}) == (
+        pytest.approx(rtt_s)
+    )
+    assert rtt_s > 0
 
 
 def test_a_term_name_is_registered_once(toy: str) -> None:
