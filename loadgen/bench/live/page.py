@@ -35,7 +35,7 @@ from ext_proc.vocab.types import RouteRequest, Status
 from loadgen.bench.live import load as bench_load
 from loadgen.bench.live import overhead as bench_overhead
 from loadgen.bench.router import decide as bench_decide
-from loadgen.client.browser import Browser
+from loadgen.client.chromium import open_page
 from loadgen.client.stream import chat_body, closed_loop, percentile
 
 TARGET_RENDER_MS = 1000.0
@@ -68,9 +68,9 @@ async def _page(admin_url: str, how: str, cpu: list[float]) -> AsyncIterator[Non
     if how == CLOSED:
         yield
         return
-    async with Browser.launch() as b:
-        await b.goto(f"{admin_url}/ui")
-        await b.wait_for("document.body.dataset.firstDrawMs")
+    async with open_page() as b:
+        await b.page.goto(f"{admin_url}/ui")
+        await b.page.wait_for_function("document.body.dataset.firstDrawMs")
         cpu0 = b.cpu_s()
         yield
         cpu.append(b.cpu_s() - cpu0)
@@ -120,10 +120,12 @@ async def render(backends: int = 64, decisions: int = 1000) -> list[str]:
     try:
         draws = []
         for _ in range(3):
-            async with Browser.launch() as b:
-                await b.goto(f"http://127.0.0.1:{port}/ui")
-                await b.wait_for(ROWS.format(backends=backends, decisions=decisions), 30)
-                draws.append(float(await b.evaluate("document.body.dataset.firstDrawMs")))
+            async with open_page() as b:
+                await b.page.goto(f"http://127.0.0.1:{port}/ui")
+                await b.page.wait_for_function(
+                    ROWS.format(backends=backends, decisions=decisions), timeout=30_000
+                )
+                draws.append(float(await b.page.evaluate("document.body.dataset.firstDrawMs")))
     finally:
         await runner.cleanup()
     return [

@@ -17,7 +17,7 @@ import aiohttp
 
 from emulator.stack.settings import StackSettings
 from emulator.stack.stack import Stack
-from loadgen.client.browser import Browser
+from loadgen.client.chromium import open_page
 from loadgen.client.stream import chat_body, send_chat
 
 OUT = Path(__file__).resolve().parents[3] / "docs" / "img" / "operator-page.png"
@@ -46,20 +46,23 @@ async def _traffic(url: str) -> None:
 
 
 async def _shoot(admin_url: str, out: Path) -> None:
-    async with Browser.launch(width=1400, height=1300) as b:
-        await b.goto(f"{admin_url}/ui")
-        await b.wait_for(f"document.querySelector('.drow[data-request-id=\"{OPENED}\"]')")
-        await b.evaluate(
+    async with open_page(width=1400, height=1300) as b:
+        page = b.page
+        await page.goto(f"{admin_url}/ui")
+        await page.wait_for_function(
+            f"document.querySelector('.drow[data-request-id=\"{OPENED}\"]')"
+        )
+        await page.evaluate(
             f"(() => {{ const s = document.getElementById('search'); s.value = '{OPENED}';"
             " s.dispatchEvent(new Event('input')); })()"
         )
-        await b.wait_for("document.getElementById('detail-id')")
-        await b.evaluate(
+        await page.wait_for_function("document.getElementById('detail-id')")
+        await page.evaluate(
             "(() => { const s = document.getElementById('search'); s.value = '';"
             " s.dispatchEvent(new Event('input')); })()"
         )
         await asyncio.sleep(0.5)
-        await b.screenshot(out, full_page=False)
+        await page.screenshot(path=out, full_page=False)
 
 
 def run_screenshot(out: Path = OUT) -> int:
