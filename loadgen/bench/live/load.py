@@ -19,6 +19,7 @@ from emulator.stack.settings import DEFAULT_REGIONS, Region, StackPorts, StackSe
 from emulator.stack.stack import Stack
 from ext_proc.estimate.profile import load_profile
 from loadgen.client.stream import chat_body, closed_loop
+from loadgen.progress import timed
 
 # Engines that stream for a few seconds per request: 200 streams stay open at once.
 ENGINE_ARGS = tuple(
@@ -122,9 +123,10 @@ def run_load(streams: int = 200, duration_s: float = 60.0) -> LoadReport:
     try:
         pid = stack.procs["gorgo-serve"].pid
         cpu0, rss0 = proc_cpu_s(pid), _proc_rss_mb(pid)
-        requests, errors, timeouts, samples = asyncio.run(
-            _closed_loop(stack.front_door_url, streams, duration_s, pid)
-        )
+        with timed(duration_s, f"{streams} streams"):
+            requests, errors, timeouts, samples = asyncio.run(
+                _closed_loop(stack.front_door_url, streams, duration_s, pid)
+            )
         cpu_s, rss1 = proc_cpu_s(pid) - cpu0, _proc_rss_mb(pid)
         state = _settled_state(stack.admin_url)
     finally:

@@ -37,6 +37,7 @@ from loadgen.bench.live import overhead as bench_overhead
 from loadgen.bench.router import decide as bench_decide
 from loadgen.client.chromium import open_page
 from loadgen.client.stream import chat_body, closed_loop, percentile
+from loadgen.progress import timed
 
 TARGET_RENDER_MS = 1000.0
 ROWS = (
@@ -215,14 +216,16 @@ async def _phases(
         return chat_body(f"client {i} turn {n} " * 200, 200)
 
     loop = asyncio.create_task(closed_loop(url, streams, body_of, lambda: not stop.is_set()))
-    await asyncio.sleep(WARMUP_S)
+    with timed(WARMUP_S, "warm-up"):
+        await asyncio.sleep(WARMUP_S)
     browser_share: list[float] = []
     for how in ORDER:
         _say(f"load, page {how}: {phase_s:.0f} s...")
         cpu: list[float] = []
         async with _page(admin_url, how, cpu):
             t0, cpu0 = time.monotonic(), bench_load.proc_cpu_s(pid)
-            await asyncio.sleep(phase_s)
+            with timed(phase_s, f"page {how}"):
+                await asyncio.sleep(phase_s)
             windows.append((t0, time.monotonic(), how, bench_load.proc_cpu_s(pid) - cpu0))
         browser_share += [c / phase_s for c in cpu]
     stop.set()
