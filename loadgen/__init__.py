@@ -8,6 +8,7 @@ add (`demo`, `replay`, `simulate`, `bench ...`: cli.py collects each room's comm
     sim/          `gorgo simulate`: a trace through the router and the engine model offline
     bench/        `gorgo bench ...`, by kind: sim/, tuner/, live/, router/, and results.py
     results.py    the result-file schema `replay` and `simulate` share (imports nothing here)
+    progress.py   progress bars of the long runs, on a terminal only (imports nothing here)
     demo.py       `make demo`
     data/         a slice of the conversation trace and the fleet files (no code)
 

@@ -16,6 +16,7 @@ from emulator.stack.processes import StackError
 from emulator.stack.settings import StackSettings
 from emulator.stack.stack import Stack
 from loadgen.client.stream import Result, chat_body, percentile, send_chat
+from loadgen.progress import bar
 
 # Prompt sizes (tokens) cycle through short chat turns and long documents.
 PROMPT_TOKENS = (64, 512, 2048, 8192)
@@ -34,20 +35,16 @@ async def _drive(url: str, n: int, concurrency: int, seed: int) -> list[Result]:
         for i in range(n)
     ]
     sem = asyncio.Semaphore(concurrency)
-    done = 0
+    with bar(n, "demo", unit="req") as done:
+        async with aiohttp.ClientSession() as session:
 
-    async with aiohttp.ClientSession() as session:
+            async def one(i: int) -> Result:
+                async with sem:
+                    r = await send_chat(session, url, bodies[i], f"demo-{i}")
+                done.update()
+                return r
 
-        async def one(i: int) -> Result:
-            nonlocal done
-            async with sem:
-                r = await send_chat(session, url, bodies[i], f"demo-{i}")
-            done += 1
-            if done % 20 == 0 or done == n:
-                print(f"  {done}/{n} requests done", file=sys.stderr, flush=True)
-            return r
-
-        return await asyncio.gather(*(one(i) for i in range(n)))
+            return await asyncio.gather(*(one(i) for i in range(n)))
 
 
 def format_table(results: list[Result]) -> str:

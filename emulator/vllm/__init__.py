@@ -12,7 +12,8 @@ tokenizer is the tiny model's) and the local stack starts real engines with `ser
 - ``tiny_model.py``: builds a tiny random-weight Qwen2 model and a locally trained tokenizer
   into a directory; run it by file path with the venv's python.
 - :mod:`emulator.vllm.serve`: starts one engine (command line, environment, time to a healthy
-  ``/health``, memory of the process tree, SIGTERM and the time the tree takes to go); stdlib.
+  ``/health``, memory of the process tree, SIGTERM and the time the tree takes to go); run
+  with the project's python (psutil).
 - ``capture.py``: captures the engine's HTTP, SSE, ``/metrics`` and ZMQ KV-event output into
   ``tests/fixtures/vllm/``; run it by file path with the venv's python.
 - ``paths.py``: where the files above are, for whoever runs them by path.

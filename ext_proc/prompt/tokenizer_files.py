@@ -1,15 +1,18 @@
 """Where a served model's tokenizer files are on this machine: the model directory an
 engine reports (`/v1/models` `root`: vLLM's and SGLang's model path), or the model's
-snapshot in the Hugging Face cache when it reports a hub id. Nothing is downloaded.
+snapshot in the Hugging Face cache when it reports a hub id, looked up with
+huggingface_hub's own cache functions (the cache its settings name: `HF_HUB_CACHE`, else
+`HF_HOME/hub`, else `~/.cache/huggingface/hub`). Nothing is downloaded.
 
 Pure but for reading the file system.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
+
+from huggingface_hub import constants
 
 from ext_proc.prompt.chat_template import TOKENIZER_CONFIG, ChatTemplateError, template_in_config
 from ext_proc.prompt.tokenizer_config import TokenizerConfig
@@ -27,28 +30,36 @@ class Found:
     where: str
 
 
-def hub_caches() -> list[Path]:
-    """The Hugging Face hub caches, in the order huggingface_hub reads its settings."""
-    out = []
-    if os.environ.get("HF_HUB_CACHE"):
-        out.append(Path(os.environ["HF_HUB_CACHE"]))
-    if os.environ.get("HF_HOME"):
-        out.append(Path(os.environ["HF_HOME"]) / "hub")
-    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    out.append(Path(xdg) / "huggingface" / "hub")
-    return out
+def hub_cache() -> Path:
+    """The Hugging Face hub cache huggingface_hub reads (its settings, as at import)."""
+    return Path(constants.HF_HUB_CACHE)
 
 
-def _snapshot(cache: Path, repo_id: str) -> Path | None:
-    """The snapshot of `repo_id` its `main` ref names, else the newest one."""
-    repo = cache / f"models--{repo_id.replace('/', '--')}"
-    ref = repo / "refs" / "main"
-    if ref.is_file():
-        snap = repo / "snapshots" / ref.read_text().strip()
-        if (snap / TOKENIZER_JSON).is_file():
-            return snap
-    snaps = [p for p in (repo / "snapshots").glob("*") if (p / TOKENIZER_JSON).is_file()]
-    return max(snaps, key=lambda p: p.stat().st_mtime) if snaps else None
+def hub_snapshot(repo_id: str) -> Path | None:
+    """The cached snapshot of hub model `repo_id` that holds a tokenizer.json: the one its
+    `main` ref names, else the newest cached revision (a model fetched at a pinned commit
+    has no ref)."""
+    # huggingface_hub's file functions load its HTTP client (~70 ms): only when asked.
+    from huggingface_hub import scan_cache_dir, try_to_load_from_cache
+
+    try:
+        found = try_to_load_from_cache(repo_id, TOKENIZER_JSON, cache_dir=hub_cache())
+    except ValueError:  # not a name the hub takes
+        return None
+    if isinstance(found, str):
+        return Path(found).parent
+    if not hub_cache().is_dir():
+        return None
+    cache = scan_cache_dir(hub_cache())
+    snapshots = [
+        rev
+        for repo in cache.repos
+        if repo.repo_id == repo_id and repo.repo_type == "model"
+        for rev in repo.revisions
+        if (rev.snapshot_path / TOKENIZER_JSON).is_file()
+    ]
+    newest = max(snapshots, key=lambda rev: rev.last_modified, default=None)
+    return None if newest is None else newest.snapshot_path
 
 
 def tokenizer_config_of(directory: Path, cache_entries: int) -> TokenizerConfig | None:
@@ -77,15 +88,14 @@ def find_tokenizer(names: list[str], cache_entries: int) -> Found:
         directory = Path(name).expanduser()
         candidates = [directory] if directory.is_absolute() or directory.is_dir() else []
         if name.count("/") == 1 and not directory.is_absolute():
-            candidates += [s for c in hub_caches() if (s := _snapshot(c, name)) is not None]
+            candidates += [s for s in [hub_snapshot(name)] if s is not None]
         for d in candidates:
             cfg = tokenizer_config_of(d, cache_entries)
             if cfg is not None:
                 return Found(cfg, str(d))
         looked.append(name)
-    caches = ", ".join(str(c) for c in hub_caches())
     return Found(
         None,
         f"no tokenizer.json with a chat template for {' or '.join(map(repr, looked))} "
-        f"(looked in the model directory and the Hugging Face caches {caches})",
+        f"(looked in the model directory and the Hugging Face cache {hub_cache()})",
     )

@@ -63,7 +63,11 @@ def add_replay(sub: Any, policies: Sequence[str]) -> None:
     s.add_argument("--csv", metavar="FILE.csv", help="one row per request")
     s.add_argument("--plot", metavar="FILE.png", help="TTFT CDF and TTFT over time")
     s.add_argument("--timeout-s", type=float, default=600.0, help="per-request timeout")
-    s.add_argument("--quiet", action="store_true", help="no progress line on stderr")
+    s.add_argument(
+        "--quiet",
+        action="store_true",
+        help="no progress on stderr (a bar on a terminal, else a closing line)",
+    )
     s.set_defaults(func=_replay)
 
 

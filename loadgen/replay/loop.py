@@ -3,7 +3,8 @@ on the event loop's clock. Request i is due at its arrival (already windowed and
 while `max_concurrency` requests are in flight the next waits for a free slot, in arrival
 order (`loadgen.client.concurrency.ConcurrencyCap`, the simulator's too), and how late it went out
 (its *slip*) is recorded; TTFT and E2E start when it is sent. Bodies are built ahead
-(`loadgen.replay.requests`) on a worker thread; `Progress` renders the status line."""
+(`loadgen.replay.requests`) on a worker thread; `Progress` keeps the run's status, shown by
+a tqdm bar on a terminal and as one line at the end otherwise."""
 
 from __future__ import annotations
 
@@ -14,12 +15,14 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import TextIO
+from typing import Never, TextIO
 
 import aiohttp
+from tqdm import tqdm
 
 from loadgen.client.concurrency import Admitted, ConcurrencyCap
 from loadgen.client.stream import Result, percentile, send_stream
+from loadgen.progress import bar
 from loadgen.replay.requests import Encoded, build_request, to_result
 from loadgen.results import RequestResult
 from loadgen.traces.prompts import PromptSynth
@@ -49,6 +52,7 @@ DEFAULT_TIMEOUT_S = 600.0
 class Progress:
     total: int
     duration_s: float  # the schedule's last due time
+    label: str = "replay"  # which run: several may run at once
     done: int = 0
     errors: int = 0
     in_flight: int = 0
@@ -67,17 +71,21 @@ class Progress:
         elif ttft_ms is not None:
             self.ttft_ms.append(ttft_ms)
 
-    def line(self, elapsed_s: float) -> str:
+    def figures(self, elapsed_s: float) -> str:
+        """Everything but the count done: the bar's postfix."""
+
         def ms(values: list[float], q: float) -> str:
             return "-" if not values else f"{percentile(values, q):.0f}"
 
         slip_max = f"{max(self.slip_ms):.0f}" if self.slip_ms else "-"
         return (
-            f"replay {self.done}/{self.total} done | {self.in_flight} in flight | "
-            f"{self.errors} errors | TTFT p50 {ms(self.ttft_ms, 50)} p95 {ms(self.ttft_ms, 95)} "
-            f"ms | slip p95 {ms(self.slip_ms, 95)} max {slip_max} ms | "
-            f"{elapsed_s:.0f}/{self.duration_s:.0f} s"
+            f"{self.in_flight} in flight | {self.errors} errors | TTFT p50 "
+            f"{ms(self.ttft_ms, 50)} p95 {ms(self.ttft_ms, 95)} ms | slip p95 "
+            f"{ms(self.slip_ms, 95)} max {slip_max} ms | {elapsed_s:.0f}/{self.duration_s:.0f} s"
         )
+
+    def line(self, elapsed_s: float) -> str:
+        return f"{self.label} {self.done}/{self.total} done | {self.figures(elapsed_s)}"
 
 
 # ---------------------------------------------------------------------------------------
@@ -116,24 +124,31 @@ class ReplayRun:
         return [s.result for s in self.sent]
 
 
-class _Writer:
-    """The progress line: `\\r`-refreshed on stderr, at most every PROGRESS_INTERVAL_S."""
+class _Shown:
+    """The run's progress on `out`: a bar (requests done, the status as its postfix) when
+    `out` is a terminal, else the status line once at the end; None: nothing."""
 
-    def __init__(self, out: TextIO | None) -> None:
+    def __init__(self, out: TextIO | None, status: Progress) -> None:
         self.out = out
-        self._width = 0
+        self.status = status
+        self.bar: tqdm[Never] | None = None
+        if out is not None:
+            self.bar = bar(status.total, status.label, unit="req", file=out)
 
-    def show(self, text: str) -> None:
-        if self.out is None:
+    def show(self, elapsed_s: float) -> None:
+        if self.bar is not None and not self.bar.disable:
+            self.bar.update(self.status.done - self.bar.n)
+            self.bar.set_postfix_str(self.status.figures(elapsed_s), refresh=False)
+
+    def end(self, elapsed_s: float) -> None:
+        if self.bar is None or self.out is None:
             return
-        self.out.write("\r" + text.ljust(self._width))
-        self.out.flush()
-        self._width = len(text)
-
-    def end(self) -> None:
-        if self.out is not None and self._width:
-            self.out.write("\n")
+        if self.bar.disable:  # not a terminal: the outcome in one plain line
+            self.out.write(self.status.line(elapsed_s) + "\n")
             self.out.flush()
+        else:
+            self.show(elapsed_s)
+        self.bar.close()
 
 
 async def _pause(event: asyncio.Event, timeout: float | None) -> None:
@@ -143,8 +158,8 @@ async def _pause(event: asyncio.Event, timeout: float | None) -> None:
 
 class Replay:
     """One live run of `replay()`: its options, the schedule, the results so far and the
-    progress state. `run` schedules and dispatches, `one` sends one request, `show`
-    renders the progress line, `finish` collects the results."""
+    progress state. `run` schedules and dispatches, `one` sends one request, `ticker`
+    refreshes the progress shown, `finish` collects the results."""
 
     def __init__(
         self,
@@ -156,6 +171,7 @@ class Replay:
         timeout_s: float,
         progress: TextIO | None,
         stop: asyncio.Event | None,
+        label: str = "replay",
     ) -> None:
         self.loop = asyncio.get_running_loop()
         self.trace = trace
@@ -167,8 +183,8 @@ class Replay:
         self.due = [r.arrival_s for r in trace]
         self.cap: ConcurrencyCap[int] = ConcurrencyCap(max_concurrency, self.now_s)
         self.arrived = 0  # requests whose due time came (sent, or waiting for a slot)
-        self.status = Progress(len(trace), self.due[-1] if self.due else 0.0)
-        self.writer = _Writer(progress)
+        self.status = Progress(len(trace), self.due[-1] if self.due else 0.0, label)
+        self.shown = _Shown(progress, self.status)
         self.synth = PromptSynth()
         self.sent: list[Sent] = []
         self.tasks: set[asyncio.Task[None]] = set()
@@ -227,8 +243,7 @@ class Replay:
                     tick.cancel()
                     with contextlib.suppress(asyncio.CancelledError):
                         await tick
-                    self.show()
-                    self.writer.end()
+                    self.shown.end(max(0.0, self.now_s()))
         finally:
             stopper.cancel()
             for fut in self.prepared.values():
@@ -286,12 +301,9 @@ class Replay:
         self.sent.append(item)
         self.status.finished(item.result.status == "ok", item.result.ttft_ms)
 
-    def show(self) -> None:
-        self.writer.show(self.status.line(max(0.0, self.now_s())))
-
     async def ticker(self) -> None:
         while True:
-            self.show()
+            self.shown.show(max(0.0, self.now_s()))
             await asyncio.sleep(PROGRESS_INTERVAL_S)
 
     def finish(self, wall0: float) -> ReplayRun:
@@ -315,6 +327,7 @@ async def replay(
     timeout_s: float = DEFAULT_TIMEOUT_S,
     progress: TextIO | None = None,
     stop: asyncio.Event | None = None,
+    label: str = "replay",
 ) -> ReplayRun:
     """Send `trace` (arrivals already windowed and scaled) to `url`, open loop. Setting
     `stop` ends the run early: nothing more is sent, requests in flight are cancelled and
@@ -327,4 +340,5 @@ async def replay(
         timeout_s=timeout_s,
         progress=progress,
         stop=stop,
+        label=label,
     ).run()

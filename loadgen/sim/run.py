@@ -14,6 +14,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from loadgen.progress import bar, counter, say
 from loadgen.results import RequestResult, summarize, table, write_result
 from loadgen.sim.classes import class_summary
 from loadgen.sim.figures import convergence_plot, write_figures
@@ -35,86 +36,86 @@ def run_simulations(
     """Simulate each (policy, time_scale); write the result files; return their summaries."""
     out_dir.mkdir(parents=True, exist_ok=True)
     summaries: dict[tuple[str, float], dict[str, Any]] = {}
-    for ts in time_scales:
-        for policy in policies:
-            settings = replace(base, policy=policy, time_scale=ts)
-            t0 = time.perf_counter()
-            res = simulate(trace, settings)
-            wall_s = time.perf_counter() - t0
-            tuner = res.router.tuner
-            if tuner is not None:
-                convergence_plot(
-                    tuner.state.history,
-                    f"{policy}, {base.tune} mode",
-                    out_dir / f"tuner-{policy}-ts{ts:g}.png",
+    with bar(len(time_scales) * len(policies), label or "simulate", unit="run") as runs:
+        for ts in time_scales:
+            for policy in policies:
+                settings = replace(base, policy=policy, time_scale=ts)
+                t0 = time.perf_counter()
+                with bar(len(trace), f"{policy} ts {ts:g}", unit="req", leave=False) as requests:
+                    res = simulate(trace, settings, progress=counter(requests))
+                wall_s = time.perf_counter() - t0
+                tuner = res.router.tuner
+                if tuner is not None:
+                    convergence_plot(
+                        tuner.state.history,
+                        f"{policy}, {base.tune} mode",
+                        out_dir / f"tuner-{policy}-ts{ts:g}.png",
+                    )
+                meta = {
+                    "mode": "simulate",
+                    "label": label,
+                    "policy": policy,
+                    "time_scale": ts,
+                    "rtt_profile": base.rtt_profile,
+                    "engine_profile": base.engine_profile,
+                    "fleet": base.fleet.path or None,
+                    "router_knows_fleet": base.router_knows_fleet,
+                    "router_overrides": base.router,
+                    "seed": base.seed,
+                    "tune": base.tune,
+                    "prefix_state": base.prefix_state,
+                    "routers": base.routers,
+                    "engine_reports": base.engine_reports,
+                    "front_doors": base.front_doors,
+                    "share_dispatches": base.share_dispatches,
+                    "protocol": base.protocol.meta(),
+                    "dropped": res.dropped,
+                    "refused": {str(k): v for k, v in res.refused.items()},
+                    "final_weights": None
+                    if tuner is None
+                    else {"rtt": tuner.state.parent[0], "queue": tuner.state.parent[1]},
+                    "requests": len(trace),
+                    "wall_s": round(wall_s, 2),
+                }
+                meta["flow_control"] = base.flow_control
+                classed = (
+                    class_summary(res.requests, base.classes)
+                    if base.flow_control or base.classes is not None
+                    else None
                 )
-            meta = {
-                "mode": "simulate",
-                "label": label,
-                "policy": policy,
-                "time_scale": ts,
-                "rtt_profile": base.rtt_profile,
-                "engine_profile": base.engine_profile,
-                "fleet": base.fleet.path or None,
-                "router_knows_fleet": base.router_knows_fleet,
-                "router_overrides": base.router,
-                "seed": base.seed,
-                "tune": base.tune,
-                "prefix_state": base.prefix_state,
-                "routers": base.routers,
-                "engine_reports": base.engine_reports,
-                "front_doors": base.front_doors,
-                "share_dispatches": base.share_dispatches,
-                "protocol": base.protocol.meta(),
-                "dropped": res.dropped,
-                "refused": {str(k): v for k, v in res.refused.items()},
-                "final_weights": None
-                if tuner is None
-                else {"rtt": tuner.state.parent[0], "queue": tuner.state.parent[1]},
-                "requests": len(trace),
-                "wall_s": round(wall_s, 2),
-            }
-            meta["flow_control"] = base.flow_control
-            classed = (
-                class_summary(res.requests, base.classes)
-                if base.flow_control or base.classes is not None
-                else None
-            )
-            doc = write_result(
-                out_dir / f"{policy}-ts{ts:g}.json", res.requests, meta, res.itl_ms, classed
-            )
-            summaries[(policy, ts)] = s = doc["summary"]
-            if base.front_doors:
-                s["regions"] = by_region(res.requests)
-            slip = (
-                ""
-                if base.protocol.max_concurrency is None
-                else f"slip p50/p95 {s['slip_ms']['p50']:.0f}/{s['slip_ms']['p95']:.0f} ms  "
-            )
-            mape, rho = s["ttft_prediction"]["mape"], s["ttft_prediction"]["rho"]
-            refused = ", ".join(f"{n} x {code}" for code, n in s["refused"].items())
-            print(
-                f"  {policy:<16} time_scale {ts:<4g} TTFT p50/p95 {s['ttft_ms']['p50']:.0f}/"
-                f"{s['ttft_ms']['p95']:.0f} ms  E2E p95 {s['e2e_ms']['p95']:.0f} ms  {slip}"
-                f"cache prediction error {prediction_error(res.requests):.2%}  "
-                f"TTFT prediction MAPE {'-' if mape is None else f'{mape:.1%}'}, "
-                f"rank rho {'-' if rho is None else f'{rho:.3f}'}  "
-                f"{f'refused {refused}  ' if refused else ''}({wall_s:.1f} s)",
-                file=sys.stderr,
-                flush=True,
-            )
-            if classed is not None:
-                classes = "  ".join(
-                    f"{name} slo_attained {o['slo_attained']:.3f} ({o['rejected']} rejected)"
-                    for name, o in classed["objectives"].items()
+                doc = write_result(
+                    out_dir / f"{policy}-ts{ts:g}.json", res.requests, meta, res.itl_ms, classed
                 )
-                print(f"    goodput {classed['goodput']:.3f}  {classes}", file=sys.stderr)
-            for region, rs in s.get("regions", {}).items():
-                print(
-                    f"    clients in {region:<13} {rs['requests']:>6} requests  TTFT p95 "
-                    f"{rs['ttft_ms']['p95']:.0f} ms  E2E p95 {rs['e2e_ms']['p95']:.0f} ms",
-                    file=sys.stderr,
+                summaries[(policy, ts)] = s = doc["summary"]
+                if base.front_doors:
+                    s["regions"] = by_region(res.requests)
+                slip = (
+                    ""
+                    if base.protocol.max_concurrency is None
+                    else f"slip p50/p95 {s['slip_ms']['p50']:.0f}/{s['slip_ms']['p95']:.0f} ms  "
                 )
+                mape, rho = s["ttft_prediction"]["mape"], s["ttft_prediction"]["rho"]
+                refused = ", ".join(f"{n} x {code}" for code, n in s["refused"].items())
+                say(
+                    f"  {policy:<16} time_scale {ts:<4g} TTFT p50/p95 {s['ttft_ms']['p50']:.0f}/"
+                    f"{s['ttft_ms']['p95']:.0f} ms  E2E p95 {s['e2e_ms']['p95']:.0f} ms  {slip}"
+                    f"cache prediction error {prediction_error(res.requests):.2%}  "
+                    f"TTFT prediction MAPE {'-' if mape is None else f'{mape:.1%}'}, "
+                    f"rank rho {'-' if rho is None else f'{rho:.3f}'}  "
+                    f"{f'refused {refused}  ' if refused else ''}({wall_s:.1f} s)"
+                )
+                if classed is not None:
+                    classes = "  ".join(
+                        f"{name} slo_attained {o['slo_attained']:.3f} ({o['rejected']} rejected)"
+                        for name, o in classed["objectives"].items()
+                    )
+                    say(f"    goodput {classed['goodput']:.3f}  {classes}")
+                for region, rs in s.get("regions", {}).items():
+                    say(
+                        f"    clients in {region:<13} {rs['requests']:>6} requests  TTFT p95 "
+                        f"{rs['ttft_ms']['p95']:.0f} ms  E2E p95 {rs['e2e_ms']['p95']:.0f} ms"
+                    )
+                runs.update()
     return summaries
 
 

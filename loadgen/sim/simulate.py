@@ -70,6 +70,8 @@ class _Held(NamedTuple):
 
 # Called after each completion with (request result, the router): the tuner's hook.
 CompletionHook = Callable[[RequestResult, Router], None]
+# Called as requests finish (answered or refused) with (finished, requests in the run).
+ProgressHook = Callable[[int, int], None]
 
 
 @dataclass
@@ -97,10 +99,12 @@ class Simulation:
         trace: Sequence[TraceRequest],
         settings: SimSettings,
         hook: CompletionHook | None = None,
+        progress: ProgressHook | None = None,
     ) -> None:
         self.trace, self.dropped = settings.protocol.apply(trace)
         self.s = settings
         self.hook = hook
+        self.progress = progress
         self.now_s = 0.0
         doors = settings.doors
         cfg = settings.config(doors[0])
@@ -252,7 +256,11 @@ class Simulation:
                 for b in self.s.regions:
                     self._push(0.0, _SCRAPE, (door, b))
         self._pending = len(self.trace)
+        told = self._pending
         while self._events and self._pending:
+            if self.progress is not None and self._pending != told:
+                told = self._pending
+                self.progress(len(self.trace) - told, len(self.trace))
             t, _, kind, data = heapq.heappop(self._events)
             self.now_s = t
             if kind == _ARRIVE:
@@ -323,6 +331,8 @@ class Simulation:
                 # A client saw its answer end: its slot goes to the longest waiting.
                 assert self._cap is not None
                 self._dispatch(self._cap.release())
+        if self.progress is not None:
+            self.progress(len(self.trace) - self._pending, len(self.trace))
         # The last closes are still on the bus: deliver them, so every router's books close.
         for t, _, kind, data in sorted(self._events):
             if kind == _PEER:
@@ -520,6 +530,9 @@ class Simulation:
 
 
 def simulate(
-    trace: Sequence[TraceRequest], settings: SimSettings, hook: CompletionHook | None = None
+    trace: Sequence[TraceRequest],
+    settings: SimSettings,
+    hook: CompletionHook | None = None,
+    progress: ProgressHook | None = None,
 ) -> SimResult:
-    return Simulation(trace, settings, hook).run()
+    return Simulation(trace, settings, hook, progress).run()

@@ -1,27 +1,29 @@
-"""The operator's page in a real browser: headless Chromium loads /ui from a running stack
-(real Envoy, `gorgo serve`, emulated engines) and its rendered DOM names every backend,
-a request sent with its own x-request-id, where it went and its candidates' cost terms;
-a later request appears without a reload."""
+"""The operator's page in a real browser: headless Chromium (Playwright driving Debian's
+chromium) loads /ui from a running stack (real Envoy, `gorgo serve`, emulated engines) and
+its rendered DOM names every backend, a request sent with its own x-request-id, where it
+went and its candidates' cost terms; a later request appears without a reload. Every page
+test fails on a page error (an uncaught exception, or a console.error): the `browser`
+fixture raises them at teardown."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import aiohttp
 import pytest
+from playwright.async_api import Page
 
 from emulator.stack.stack import Stack
-from loadgen.client.browser import Browser, find_chromium
+from loadgen.client.chromium import MISSING, PageError, find_chromium, open_page
 from loadgen.client.stream import chat_body, send_chat
 from tests.e2e.conftest import fast_settings
 
 pytestmark = [
     pytest.mark.e2e,
-    pytest.mark.skipif(
-        find_chromium() is None, reason="no chromium on PATH (Debian: apt-get install chromium)"
-    ),
+    pytest.mark.skipif(find_chromium() is None, reason=MISSING),
 ]
 
 
@@ -34,9 +36,35 @@ def stack() -> Iterator[Stack]:
 
 
 @pytest.fixture
-async def browser() -> AsyncIterator[Browser]:
-    async with Browser.launch() as b:
-        yield b
+async def browser() -> AsyncIterator[Page]:
+    """A page in a fresh headless Chromium; the test fails (at teardown) on any error the
+    page raised or logged while it was open."""
+    async with open_page() as chromium:
+        yield chromium.page
+
+
+async def test_a_page_error_fails_the_page_test() -> None:
+    """What the fixture relies on: an exception nobody catches in the page, a rejected
+    promise and a console.error each fail the page on leaving; a clean page does not."""
+    with pytest.raises(PageError, match="3 page error") as caught:
+        async with open_page() as chromium:
+            await chromium.page.set_content("<p>page</p>")
+            await chromium.page.evaluate(
+                "setTimeout(() => { throw new Error('drawn wrong') });"
+                "void Promise.reject(new Error('no feed'));"
+                "console.error('poll failed: HTTP 500')"
+            )
+            async with asyncio.timeout(10):  # the events' way back from the browser
+                while len(chromium.errors) < 3:
+                    await asyncio.sleep(0.01)
+            assert chromium.cpu_s() > 0  # the browser's processes, renderer included
+    for said in ("Error: drawn wrong", "Error: no feed", "console.error: poll failed: HTTP 500"):
+        assert said in str(caught.value)
+    async with open_page() as chromium:
+        await chromium.page.set_content("<p>page</p>")
+        await chromium.page.evaluate("console.log('fine'); console.warn('also fine')")
+        await chromium.page.wait_for_timeout(100)
+    assert chromium.errors == []
 
 
 async def send(stack: Stack, request_id: str) -> None:
@@ -58,12 +86,12 @@ ROW = "document.querySelector('#decision-rows .drow[data-request-id=\"{}\"]')"
 
 
 async def test_the_page_shows_the_fleet_a_decision_and_its_terms_live(
-    stack: Stack, browser: Browser
+    stack: Stack, browser: Page
 ) -> None:
     await send(stack, "page-X")
     await browser.goto(f"{stack.admin_url}/ui")
     # the row drawn (its text laid out: under load the first paint can lag the insert)
-    await browser.wait_for(ROW.format("page-X") + "?.innerText.includes('page-X')")
+    await browser.wait_for_function(ROW.format("page-X") + "?.innerText.includes('page-X')")
     fleet = await browser.evaluate(
         "[...document.querySelectorAll('#fleet tbody tr')].map(r => r.dataset.backend)"
     )
@@ -77,7 +105,7 @@ async def test_the_page_shows_the_fleet_a_decision_and_its_terms_live(
         "(() => { const s = document.getElementById('search'); s.value = 'page-X';"
         " s.dispatchEvent(new Event('input')); })()"
     )
-    await browser.wait_for("document.getElementById('detail-id')")
+    await browser.wait_for_function("document.getElementById('detail-id')")
     assert await browser.evaluate("document.getElementById('detail-backend').textContent") == went
     shown = await browser.evaluate(
         "Object.fromEntries([...document.querySelectorAll('#detail tr[data-candidate]')].map("
@@ -102,6 +130,6 @@ async def test_the_page_shows_the_fleet_a_decision_and_its_terms_live(
     )
     await send(stack, "page-Y")
     sent = time.monotonic()
-    await browser.wait_for(ROW.format("page-Y"), timeout_s=2.0)
+    await browser.wait_for_function(ROW.format("page-Y"), timeout=2000)
     print(f"page-Y on the page {time.monotonic() - sent:.2f} s after its response ended")
     assert await browser.evaluate("window.notReloaded === true")

@@ -42,6 +42,7 @@ async function poll() {
     setLive(true, "live");
   } catch (e) {
     setLive(false, `no answer from the router: ${e.message}`);
+    console.error("gorgo page: the feed failed:", e); // a drawing error too: its stack
   }
   setTimeout(poll, document.hidden ? 5 * POLL_MS : POLL_MS); // a background tab: slower
 }

@@ -7,17 +7,19 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import sys
 import time
 import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
+import psutil
+
 from emulator.stack.settings import DEFAULT_REGIONS, Region, StackPorts, StackSettings
 from emulator.stack.stack import Stack
 from ext_proc.estimate.profile import load_profile
 from loadgen.client.stream import chat_body, closed_loop
+from loadgen.progress import timed
 
 # Engines that stream for a few seconds per request: 200 streams stay open at once.
 ENGINE_ARGS = tuple(
@@ -59,18 +61,13 @@ class LoadReport:
 
 def proc_cpu_s(pid: int) -> float:
     """A process's CPU time so far (user + system, all its threads), in seconds."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    ticks = os.sysconf("SC_CLK_TCK")
-    return (int(fields[11]) + int(fields[12])) / ticks  # utime + stime
+    t = psutil.Process(pid).cpu_times()
+    return t.user + t.system
 
 
 def _proc_rss_mb(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
+    """A process's resident set (its VmRSS), in MiB."""
+    return psutil.Process(pid).memory_info().rss / 2**20
 
 
 async def _closed_loop(
@@ -126,9 +123,10 @@ def run_load(streams: int = 200, duration_s: float = 60.0) -> LoadReport:
     try:
         pid = stack.procs["gorgo-serve"].pid
         cpu0, rss0 = proc_cpu_s(pid), _proc_rss_mb(pid)
-        requests, errors, timeouts, samples = asyncio.run(
-            _closed_loop(stack.front_door_url, streams, duration_s, pid)
-        )
+        with timed(duration_s, f"{streams} streams"):
+            requests, errors, timeouts, samples = asyncio.run(
+                _closed_loop(stack.front_door_url, streams, duration_s, pid)
+            )
         cpu_s, rss1 = proc_cpu_s(pid) - cpu0, _proc_rss_mb(pid)
         state = _settled_state(stack.admin_url)
     finally:

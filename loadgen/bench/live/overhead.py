@@ -26,6 +26,7 @@ from ext_proc.envoy.bootstrap import render_envoy_config
 from loadgen.bench.live.load import proc_cpu_s
 from loadgen.bench.live.otlp_sink import OtlpSink
 from loadgen.client.stream import Result, chat_body, percentile, send_chat
+from loadgen.progress import bar
 from loadgen.traces.prompts import block_text
 
 REGIONS = (Region("us-ashburn", 0.0), Region("eu-frankfurt", 0.0), Region("ap-seoul", 0.0))
@@ -62,11 +63,13 @@ async def _alternate(urls: tuple[str, str], body: dict[str, object], n: int) -> 
 async def _rotate(urls: tuple[str, ...], body: dict[str, object], n: int) -> list[list[Result]]:
     """n requests to each proxy, one at a time, the order rotated each round."""
     out: list[list[Result]] = [[] for _ in urls]
-    async with aiohttp.ClientSession() as s:
-        for i in range(n):
-            for k in range(len(urls)):
-                which = (i + k) % len(urls)
-                out[which].append(await send_chat(s, urls[which], body, f"b{i}"))
+    with bar(n, "rounds", unit="round", leave=False) as rounds:
+        async with aiohttp.ClientSession() as s:
+            for i in range(n):
+                for k in range(len(urls)):
+                    which = (i + k) % len(urls)
+                    out[which].append(await send_chat(s, urls[which], body, f"b{i}"))
+                rounds.update()
     return out
 
 
@@ -75,13 +78,16 @@ async def _concurrent(
 ) -> list[Result]:
     """n requests, at most `concurrency` at once."""
     sem = asyncio.Semaphore(concurrency)
-    async with aiohttp.ClientSession() as s:
+    with bar(n, "requests", unit="req", leave=False) as done:
+        async with aiohttp.ClientSession() as s:
 
-        async def one(i: int) -> Result:
-            async with sem:
-                return await send_chat(s, url, body, f"{tag}{i}")
+            async def one(i: int) -> Result:
+                async with sem:
+                    r = await send_chat(s, url, body, f"{tag}{i}")
+                done.update()
+                return r
 
-        return await asyncio.gather(*(one(i) for i in range(n)))
+            return await asyncio.gather(*(one(i) for i in range(n)))
 
 
 async def _throughput(url: str, body: dict[str, object], n: int, concurrency: int) -> float:

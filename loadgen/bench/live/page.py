@@ -35,8 +35,9 @@ from ext_proc.vocab.types import RouteRequest, Status
 from loadgen.bench.live import load as bench_load
 from loadgen.bench.live import overhead as bench_overhead
 from loadgen.bench.router import decide as bench_decide
-from loadgen.client.browser import Browser
+from loadgen.client.chromium import open_page
 from loadgen.client.stream import chat_body, closed_loop, percentile
+from loadgen.progress import timed
 
 TARGET_RENDER_MS = 1000.0
 ROWS = (
@@ -68,9 +69,9 @@ async def _page(admin_url: str, how: str, cpu: list[float]) -> AsyncIterator[Non
     if how == CLOSED:
         yield
         return
-    async with Browser.launch() as b:
-        await b.goto(f"{admin_url}/ui")
-        await b.wait_for("document.body.dataset.firstDrawMs")
+    async with open_page() as b:
+        await b.page.goto(f"{admin_url}/ui")
+        await b.page.wait_for_function("document.body.dataset.firstDrawMs")
         cpu0 = b.cpu_s()
         yield
         cpu.append(b.cpu_s() - cpu0)
@@ -120,10 +121,12 @@ async def render(backends: int = 64, decisions: int = 1000) -> list[str]:
     try:
         draws = []
         for _ in range(3):
-            async with Browser.launch() as b:
-                await b.goto(f"http://127.0.0.1:{port}/ui")
-                await b.wait_for(ROWS.format(backends=backends, decisions=decisions), 30)
-                draws.append(float(await b.evaluate("document.body.dataset.firstDrawMs")))
+            async with open_page() as b:
+                await b.page.goto(f"http://127.0.0.1:{port}/ui")
+                await b.page.wait_for_function(
+                    ROWS.format(backends=backends, decisions=decisions), timeout=30_000
+                )
+                draws.append(float(await b.page.evaluate("document.body.dataset.firstDrawMs")))
     finally:
         await runner.cleanup()
     return [
@@ -213,14 +216,16 @@ async def _phases(
         return chat_body(f"client {i} turn {n} " * 200, 200)
 
     loop = asyncio.create_task(closed_loop(url, streams, body_of, lambda: not stop.is_set()))
-    await asyncio.sleep(WARMUP_S)
+    with timed(WARMUP_S, "warm-up"):
+        await asyncio.sleep(WARMUP_S)
     browser_share: list[float] = []
     for how in ORDER:
         _say(f"load, page {how}: {phase_s:.0f} s...")
         cpu: list[float] = []
         async with _page(admin_url, how, cpu):
             t0, cpu0 = time.monotonic(), bench_load.proc_cpu_s(pid)
-            await asyncio.sleep(phase_s)
+            with timed(phase_s, f"page {how}"):
+                await asyncio.sleep(phase_s)
             windows.append((t0, time.monotonic(), how, bench_load.proc_cpu_s(pid) - cpu0))
         browser_share += [c / phase_s for c in cpu]
     stop.set()

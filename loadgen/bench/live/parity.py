@@ -68,7 +68,16 @@ def _stack(policy: str, profile: str, seed: int) -> Stack:
 async def _replay_on(stacks: Sequence[Stack], trace: Sequence[TraceRequest]) -> list[Any]:
     return list(
         await asyncio.gather(
-            *(replay(trace, s.front_door_url, max_concurrency=512) for s in stacks)
+            *(
+                replay(
+                    trace,
+                    s.front_door_url,
+                    max_concurrency=512,
+                    progress=sys.stderr,
+                    label=s.settings.policy,
+                )
+                for s in stacks
+            )
         )
     )
 

@@ -7,7 +7,7 @@ links) runs, per prompt size (1k and 32k tokens, one request at a time, streamed
   design opens per request, measured the same way;
 - with `gorgo serve`, tracing off and then on (an OTLP endpoint set: its spans exported
   to a receiver the bench runs, the phase's CPU read once they have all arrived): the
-  router process's CPU per request (from /proc) and the TTFT added over Envoy alone;
+  router process's CPU per request (psutil) and the TTFT added over Envoy alone;
 - with `gorgo serve --profile` (cProfile, which slows everything alike; tracing off), to
   split the tracing-off CPU by step of the request's path: each step's share of the
   profiled busy time (the event loop's idle wait excluded) times that CPU.

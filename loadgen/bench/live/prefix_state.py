@@ -343,26 +343,31 @@ async def _replay_all(
 
     model = VLLM_MODEL if real_engine else None
 
-    async def one(url: str, requests: Sequence[TraceRequest]) -> ReplayRun:
+    async def one(url: str, requests: Sequence[TraceRequest], label: str) -> ReplayRun:
         replay = TaggedReplay(
             requests,
             url,
             api="completions",
             max_concurrency=512,
             timeout_s=600.0,
-            progress=None,
+            progress=sys.stderr,
             stop=None,
+            label=label,
         )
         replay.model = model
         return await replay.run()
 
-    async def fleet(stack: Stack) -> ReplayRun:
+    async def fleet(name: str, stack: Stack) -> ReplayRun:
         urls = _door_urls(stack)
         shares = [
             [r for r in trace if _door_of(r.session, len(urls)) == i] for i in range(len(urls))
         ]
         runs = await asyncio.gather(
-            *(one(u, part) for u, part in zip(urls, shares, strict=True) if part)
+            *(
+                one(u, part, name if len(urls) == 1 else f"{name} door {i}")
+                for i, (u, part) in enumerate(zip(urls, shares, strict=True))
+                if part
+            )
         )
         return replace(
             runs[0],
@@ -371,7 +376,7 @@ async def _replay_all(
             wall_s=max(run.wall_s for run in runs),
         )
 
-    runs = await asyncio.gather(*(fleet(s) for s in stacks.values()))
+    runs = await asyncio.gather(*(fleet(name, s) for name, s in stacks.items()))
     return dict(zip(stacks, runs, strict=True))
 
 

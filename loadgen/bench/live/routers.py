@@ -21,6 +21,7 @@ from emulator.stack.stack import Stack
 from loadgen.bench.live import load as bench_load
 from loadgen.bench.live import overhead as bench_overhead
 from loadgen.client.stream import chat_body, closed_loop
+from loadgen.progress import timed
 
 TARGET_RATIO = 1.3
 
@@ -70,7 +71,8 @@ def one_round(routers: int, concurrency: int, duration_s: float) -> Round:
         cpu0 = [bench_load.proc_cpu_s(p) for p in pids]
         dec0 = [_decisions(a) for a in admins]
         t0 = time.monotonic()
-        done, errors = asyncio.run(_drive(stack.front_door_url, concurrency, duration_s))
+        with timed(duration_s, f"{routers} router(s)"):
+            done, errors = asyncio.run(_drive(stack.front_door_url, concurrency, duration_s))
         elapsed = time.monotonic() - t0
         cpu = [bench_load.proc_cpu_s(p) - c for p, c in zip(pids, cpu0, strict=True)]
         dec = [_decisions(a) - d for a, d in zip(admins, dec0, strict=True)]

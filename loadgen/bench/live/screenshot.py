@@ -17,8 +17,9 @@ import aiohttp
 
 from emulator.stack.settings import StackSettings
 from emulator.stack.stack import Stack
-from loadgen.client.browser import Browser
+from loadgen.client.chromium import open_page
 from loadgen.client.stream import chat_body, send_chat
+from loadgen.progress import bar
 
 OUT = Path(__file__).resolve().parents[3] / "docs" / "img" / "operator-page.png"
 REQUESTS = 300
@@ -32,34 +33,37 @@ async def _traffic(url: str) -> None:
     rng = random.Random(0)
     docs = ["".join(f"{rng.randrange(1000):03d} " for _ in range(1500)) for _ in range(DOCUMENTS)]
     sem = asyncio.Semaphore(CONCURRENCY)
-    async with aiohttp.ClientSession() as s:
+    with bar(REQUESTS, "chats", unit="req") as done:
+        async with aiohttp.ClientSession() as s:
 
-        async def one(i: int) -> None:
-            body = chat_body(f"{docs[rng.randrange(DOCUMENTS)]} question {i}?", 32)
-            rid = f"shot-{i:04d}"
-            async with sem:
-                await send_chat(s, url, body, rid, {"x-request-id": rid})
-            if (i + 1) % 50 == 0:
-                print(f"  {i + 1}/{REQUESTS} requests", file=sys.stderr)
+            async def one(i: int) -> None:
+                body = chat_body(f"{docs[rng.randrange(DOCUMENTS)]} question {i}?", 32)
+                rid = f"shot-{i:04d}"
+                async with sem:
+                    await send_chat(s, url, body, rid, {"x-request-id": rid})
+                done.update()
 
-        await asyncio.gather(*(one(i) for i in range(REQUESTS)))
+            await asyncio.gather(*(one(i) for i in range(REQUESTS)))
 
 
 async def _shoot(admin_url: str, out: Path) -> None:
-    async with Browser.launch(width=1400, height=1300) as b:
-        await b.goto(f"{admin_url}/ui")
-        await b.wait_for(f"document.querySelector('.drow[data-request-id=\"{OPENED}\"]')")
-        await b.evaluate(
+    async with open_page(width=1400, height=1300) as b:
+        page = b.page
+        await page.goto(f"{admin_url}/ui")
+        await page.wait_for_function(
+            f"document.querySelector('.drow[data-request-id=\"{OPENED}\"]')"
+        )
+        await page.evaluate(
             f"(() => {{ const s = document.getElementById('search'); s.value = '{OPENED}';"
             " s.dispatchEvent(new Event('input')); })()"
         )
-        await b.wait_for("document.getElementById('detail-id')")
-        await b.evaluate(
+        await page.wait_for_function("document.getElementById('detail-id')")
+        await page.evaluate(
             "(() => { const s = document.getElementById('search'); s.value = '';"
             " s.dispatchEvent(new Event('input')); })()"
         )
         await asyncio.sleep(0.5)
-        await b.screenshot(out, full_page=False)
+        await page.screenshot(path=out, full_page=False)
 
 
 def run_screenshot(out: Path = OUT) -> int:

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from emulator.stack.fleet import load_fleet
+from loadgen.progress import tracked
 from loadgen.results import prediction_summary, summarize
 from loadgen.sim.settings import SimSettings
 from loadgen.sim.simulate import simulate
@@ -123,11 +124,7 @@ def run_fleets_bench(
         for r in ROUTERS
     ]
     print(f"bench fleets: {len(jobs)} simulations...", file=sys.stderr)
-    cells = []
     with ProcessPoolExecutor(workers) as pool:
-        for i, cell in enumerate(pool.map(_run, jobs), 1):
-            cells.append(cell)
-            if i % 9 == 0:
-                print(f"  {i}/{len(jobs)}", file=sys.stderr)
+        cells = list(tracked(pool.map(_run, jobs), len(jobs), "bench fleets"))
     print(table(cells))
     return 0

@@ -21,6 +21,7 @@ from dataclasses import replace
 import numpy as np
 
 from loadgen.bench.sim.target import CONVERSATION, SYNTHETIC, Cell, cells_for, windows_for
+from loadgen.progress import say, tracked
 from loadgen.results import print_report, summarize
 from loadgen.sim.simulate import simulate
 from loadgen.traces.readers import CONVERSATION_TRACE
@@ -50,9 +51,10 @@ def run_learn_bench(
     out: dict[tuple[str, bool, int], tuple[float, float]] = {}
     with ProcessPoolExecutor(max_workers=max(1, jobs)) as pool:
         futures = [pool.submit(_run, *r, ttft_model) for r in runs]
-        for i, (r, f) in enumerate(zip(runs, futures, strict=True), 1):
+        done = tracked(zip(runs, futures, strict=True), len(runs), "bench learn")
+        for i, (r, f) in enumerate(done, 1):
             out[(r[0].key, r[1], r[2])] = f.result()
-            print(f"  [{i}/{len(runs)}] {r[0].key} learn={r[1]} seed={r[2]}", file=sys.stderr)
+            say(f"  [{i}/{len(runs)}] {r[0].key} learn={r[1]} seed={r[2]}")
     lines = [
         "| cell | seed | p95 TTFT on / off ms | ratio | p95 E2E on / off ms | ratio |",
         "|---|---|---|---|---|---|",

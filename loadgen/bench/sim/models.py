@@ -26,6 +26,7 @@ from pathlib import Path
 
 from emulator.stack.fleet import load_fleet
 from loadgen.bench.sim.policies import BASELINES
+from loadgen.progress import say, tracked
 from loadgen.results import print_report, summarize
 from loadgen.sim.models import served_models
 from loadgen.sim.settings import SimSettings
@@ -133,13 +134,11 @@ def run_models_bench(
     print(f"bench models: {len(jobs)} simulations...", file=sys.stderr, flush=True)
     runs: list[Run] = []
     with ProcessPoolExecutor(max(1, workers)) as pool:
-        for i, run in enumerate(pool.map(_run, jobs), 1):
+        for i, run in enumerate(tracked(pool.map(_run, jobs), len(jobs), "bench models"), 1):
             runs.append(run)
-            print(
+            say(
                 f"  [{i}/{len(jobs)}] {run.window_s:g} ts {run.time_scale:g} {run.policy}: "
-                f"p95 TTFT {run.ttft_p95_ms:,.0f} E2E {run.e2e_p95_ms:,.0f} ms",
-                file=sys.stderr,
-                flush=True,
+                f"p95 TTFT {run.ttft_p95_ms:,.0f} E2E {run.e2e_p95_ms:,.0f} ms"
             )
     text = report(runs)
     print_report(text, out_path)

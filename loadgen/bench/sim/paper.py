@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ext_proc.vocab.types import Weights
+from loadgen.progress import bar, counter
 from loadgen.results import summarize
 from loadgen.sim.figures import convergence_plot
 from loadgen.sim.run import run_simulations
@@ -138,7 +139,9 @@ def paper_study(policies: Sequence[str], work_dir: Path) -> PaperStudy:
         d = work_dir / f"paper-{name}-seed{seed}"
         summaries = run_simulations(trace, policies, [ts], d, base, f"paper {name}")
         if name == "tuning":
-            res = simulate(trace, replace(base, policy="gorgo", time_scale=ts, tune="paired"))
+            online = replace(base, policy="gorgo", time_scale=ts, tune="paired")
+            with bar(len(trace), "gorgo tuning online", unit="req", leave=False) as done:
+                res = simulate(trace, online, progress=counter(done))
             summaries[("gorgo (tuning online)", ts)] = summarize(res.requests, res.itl_ms)
             assert res.router.tuner is not None
             tuned = Weights(*res.router.tuner.state.parent)
@@ -152,7 +155,8 @@ def paper_study(policies: Sequence[str], work_dir: Path) -> PaperStudy:
                     "policies": {"gorgo": {"weights": {"rtt": tuned.rtt, "queue": tuned.queue}}}
                 },
             )
-            res = simulate(trace, frozen)
+            with bar(len(trace), "gorgo tuned, frozen", unit="req", leave=False) as done:
+                res = simulate(trace, frozen, progress=counter(done))
             summaries[("gorgo (tuned, frozen)", ts)] = summarize(res.requests, res.itl_ms)
         windows.append(_window(name, seed, ts, summaries))
     print("paper protocol: Table 3 sweep", file=sys.stderr)

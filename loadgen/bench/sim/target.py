@@ -69,6 +69,7 @@ from loadgen.bench.sim.floors import (
 )
 from loadgen.bench.sim.policies import BASELINES
 from loadgen.client.protocol import PRESETS
+from loadgen.progress import say, tracked
 from loadgen.results import read_result, write_result
 from loadgen.sim.settings import SimSettings
 from loadgen.sim.simulate import simulate
@@ -342,20 +343,18 @@ def run_cells(
 
     def report(i: int, c: Cell, p: str, r: tuple[float, float, float]) -> None:
         p95[c.key][p] = (r[0], r[1])
-        print(
+        say(
             f"  [{i}/{n}] {c.key:<40} {p:<17} p95 TTFT {r[0]:>8.0f} ms  E2E {r[1]:>8.0f} ms"
-            f"  ({r[2]:.1f} s)",
-            file=sys.stderr,
-            flush=True,
+            f"  ({r[2]:.1f} s)"
         )
 
     if jobs <= 1:
-        for i, (c, p, path) in enumerate(todo, 1):
+        for i, (c, p, path) in enumerate(tracked(todo, n, "bench target"), 1):
             report(i, c, p, _run_one(c, p, seed, path))
     else:
         with ProcessPoolExecutor(max_workers=jobs) as pool:
             futures = {pool.submit(_run_one, c, p, seed, path): (c, p) for c, p, path in todo}
-            for i, f in enumerate(as_completed(futures), 1):
+            for i, f in enumerate(tracked(as_completed(futures), n, "bench target"), 1):
                 c, p = futures[f]
                 report(i, c, p, f.result())
     return [

@@ -17,6 +17,7 @@ from ext_proc.core.router import Router
 from ext_proc.learn.settings import PAIRED, TunerSettings
 from loadgen.bench.tuner.study import GridPoint, false_accept_rate
 from loadgen.client.protocol import PAPER
+from loadgen.progress import say, tracked
 from loadgen.results import RequestResult, summarize
 from loadgen.sim.settings import SimSettings
 from loadgen.sim.simulate import simulate
@@ -159,9 +160,9 @@ def regime_runs(
 
     args = [(trace, ts, change, tune, seed, w, venue) for tune, seed, w in runs]
     if jobs <= 1:
-        return [_regime_run(a) for a in args]
+        return [_regime_run(a) for a in tracked(args, len(args), "tuner regime")]
     with ProcessPoolExecutor(max_workers=jobs) as pool:
-        return list(pool.map(_regime_run, args))
+        return list(tracked(pool.map(_regime_run, args), len(args), "tuner regime"))
 
 
 def regime_room(
@@ -187,10 +188,7 @@ def regime_room(
                 float(np.mean([x.e2e_p95_ms for x in mine])),
             )
         )
-        print(
-            f"  regime room rtt {r:g} queue {q:g}: p95 TTFT {out[-1].ttft_p95_ms:.0f}",
-            file=sys.stderr,
-        )
+        say(f"  regime room rtt {r:g} queue {q:g}: p95 TTFT {out[-1].ttft_p95_ms:.0f}")
     return out
 
 

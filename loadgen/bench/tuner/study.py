@@ -16,6 +16,7 @@ import numpy as np
 from ext_proc.core.router import Router
 from ext_proc.learn.settings import PAIRED, TunerSettings
 from ext_proc.vocab.types import Weights
+from loadgen.progress import bar, counter, say, tracked
 from loadgen.results import RequestResult, summarize
 from loadgen.sim.settings import SimSettings
 from loadgen.sim.simulate import simulate
@@ -86,15 +87,18 @@ class StaticScores:
 def grid(scores: StaticScores, seeds: Sequence[int] = GRID_SEEDS) -> list[GridPoint]:
     b = TunerSettings()
     out = []
-    for r in np.geomspace(*b.rtt_bounds, GRID_N):
-        for q in np.geomspace(*b.queue_bounds, GRID_N):
-            p = scores((float(r), float(q)), seeds)
-            out.append(p)
-            print(
-                f"  grid rtt {r:.3f} queue {q:.3f}: p95 TTFT {p.ttft_p95_ms:.0f} "
-                f"(mean of {len(seeds)} seeds)",
-                file=sys.stderr,
-            )
+    weights = [
+        (float(r), float(q))
+        for r in np.geomspace(*b.rtt_bounds, GRID_N)
+        for q in np.geomspace(*b.queue_bounds, GRID_N)
+    ]
+    for r, q in tracked(weights, len(weights), "tuner grid", unit="point"):
+        p = scores((r, q), seeds)
+        out.append(p)
+        say(
+            f"  grid rtt {r:.3f} queue {q:.3f}: p95 TTFT {p.ttft_p95_ms:.0f} "
+            f"(mean of {len(seeds)} seeds)"
+        )
     return out
 
 
@@ -132,11 +136,13 @@ def tune(
     }
     if objective != "ttft":  # tuner.objective (docs/tuner.md); the default leaves it unset
         router["tuner"] = {"mode": mode, "objective": objective}
-    res = simulate(
-        trace,
-        replace(base, policy="gorgo", time_scale=ts, seed=seed, tune=mode, router=router),
-        hook,
-    )
+    with bar(len(trace), f"tuning ({mode}, seed {seed})", unit="req", leave=False) as finished:
+        res = simulate(
+            trace,
+            replace(base, policy="gorgo", time_scale=ts, seed=seed, tune=mode, router=router),
+            hook,
+            counter(finished),
+        )
     assert res.router.tuner is not None
     st = res.router.tuner.state
     return Trajectory(mode, seed, start, at, st.history, st.parent)
@@ -202,7 +208,7 @@ def resolution_study(
     ref = static_ttfts(trace, ts, (best.rtt, best.queue), seed, base)
     ref_p95 = float(np.percentile(list(ref.values()), 95))
     rows: list[ResolutionRow] = []
-    for p in near:
+    for p in tracked(near, len(near), "tuner resolution", unit="point"):
         other = static_ttfts(trace, ts, (p.rtt, p.queue), seed, base)
         ratio = float(np.percentile(list(other.values()), 95)) / ref_p95
         ranked = tuple(misranked(trace, ref, other, n) for n in RESOLUTION_ARMS)
@@ -316,21 +322,21 @@ def tuner_study(
     starts = dict(zip(STARTS, ((1.0, 1.0), (corner.rtt, corner.queue)), strict=True))
     runs: list[Convergence] = []
     figure: Trajectory | None = None
-    for name, start in starts.items():
-        for seed in SEEDS:
-            print(f"tuner: paired mode from the {name}, seed {seed}", file=sys.stderr)
-            t = tune(trace, ts, PAIRED, seed, start, base=base)
-            if name == "defaults" and seed == 0:
-                figure = t
-            at: list[Checkpoint | None] = []
-            for c in CHECKPOINTS:
-                w = t.at.get(c)
-                if w is None:
-                    at.append(None)
-                    continue
-                p95 = scores(w, eval_seeds).ttft_p95_ms
-                at.append(Checkpoint(w, p95 / best_eval.ttft_p95_ms, p95 <= target))
-            runs.append(Convergence(name, seed, tuple(at), t.final))
+    tunings = [(name, start, seed) for name, start in starts.items() for seed in SEEDS]
+    for name, start, seed in tracked(tunings, len(tunings), "tuner runs"):
+        say(f"tuner: paired mode from the {name}, seed {seed}")
+        t = tune(trace, ts, PAIRED, seed, start, base=base)
+        if name == "defaults" and seed == 0:
+            figure = t
+        at: list[Checkpoint | None] = []
+        for c in CHECKPOINTS:
+            w = t.at.get(c)
+            if w is None:
+                at.append(None)
+                continue
+            p95 = scores(w, eval_seeds).ttft_p95_ms
+            at.append(Checkpoint(w, p95 / best_eval.ttft_p95_ms, p95 <= target))
+        runs.append(Convergence(name, seed, tuple(at), t.final))
     assert figure is not None
     return TunerStudy(
         label,

@@ -30,6 +30,7 @@ from ext_proc.vocab.types import Weights
 from loadgen.bench.tuner.regime import PAPER_REGIME_VENUES, RegimeChange, regime_run
 from loadgen.bench.tuner.study import static_run
 from loadgen.client.protocol import PAPER
+from loadgen.progress import tracked
 from loadgen.results import RequestResult, summarize
 from loadgen.sim.settings import SimSettings
 from loadgen.sim.simulate import Simulation
@@ -165,12 +166,13 @@ class Target:
 
 def target_a(pool: ProcessPoolExecutor, seeds: Sequence[int]) -> Target:
     print("tuner targets: (a) from the worst corner", file=sys.stderr)
-    grid = dict(zip(GRID, pool.map(_static_args, [(w, EVAL_SEED) for w in GRID]), strict=True))
+    done = pool.map(_static_args, [(w, EVAL_SEED) for w in GRID])
+    grid = dict(zip(GRID, tracked(done, len(GRID), "(a) grid"), strict=True))
     best = min(grid, key=lambda w: grid[w][0])
     bt, be = grid[best]
-    tuned = list(pool.map(_parent_by, seeds))
+    tuned = list(tracked(pool.map(_parent_by, seeds), len(seeds), "(a) tuned"))
     todo = sorted({p for p, _, _ in tuned} - set(grid))
-    evals = pool.map(_static_args, [(w, EVAL_SEED) for w in todo])
+    evals = tracked(pool.map(_static_args, [(w, EVAL_SEED) for w in todo]), len(todo), "(a) eval")
     scored = {**grid, **dict(zip(todo, evals, strict=True))}
     rows = []
     for seed, (p, ties, acc) in zip(seeds, tuned, strict=True):
@@ -195,7 +197,8 @@ def target_a(pool: ProcessPoolExecutor, seeds: Sequence[int]) -> Target:
 
 def target_b(pool: ProcessPoolExecutor, seeds: Sequence[int]) -> Target:
     print("tuner targets: (b) do no harm", file=sys.stderr)
-    runs = list(pool.map(_whole, [(t, s) for s in seeds for t in ("off", PAIRED)]))
+    todo = [(t, s) for s in seeds for t in ("off", PAIRED)]
+    runs = list(tracked(pool.map(_whole, todo), len(todo), "(b) runs"))
     rows = []
     for i, seed in enumerate(seeds):
         (ft, fe), (tt, te) = runs[2 * i], runs[2 * i + 1]
@@ -236,8 +239,10 @@ def target_b(pool: ProcessPoolExecutor, seeds: Sequence[int]) -> Target:
 def target_c(pool: ProcessPoolExecutor, seeds: Sequence[int]) -> Target:
     print("tuner targets: (c) a regime change with room", file=sys.stderr)
     v = PAPER_REGIME_VENUES[1]
-    runs = list(pool.map(_regime, [(t, s, None) for s in seeds for t in ("off", PAIRED)]))
-    room_runs = list(pool.map(_regime, [("off", s, w) for w in v.room for s in ROOM_SEEDS]))
+    todo = [(t, s, None) for s in seeds for t in ("off", PAIRED)]
+    runs = list(tracked(pool.map(_regime, todo), len(todo), "(c) runs"))
+    statics = [("off", s, w) for w in v.room for s in ROOM_SEEDS]
+    room_runs = list(tracked(pool.map(_regime, statics), len(statics), "(c) room"))
     k = len(ROOM_SEEDS)
     room = {w: sum(r[0] for r in room_runs[i * k : (i + 1) * k]) / k for i, w in enumerate(v.room)}
     best = min(room, key=lambda w: room[w])

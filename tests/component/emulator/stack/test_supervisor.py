@@ -13,6 +13,7 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 
 from emulator.stack.ports import free_ports
@@ -40,11 +41,9 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
 
 def alive(pid: int) -> bool:
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
         return False
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def test_a_killed_child_is_restarted_with_the_same_argv_and_logged(
@@ -59,8 +58,7 @@ def test_a_killed_child_is_restarted_with_the_same_argv_and_logged(
     wait_until(lambda: len(stack.restarts) == 1)
     new = stack.procs["sleeper"].pid
     assert new != old and alive(new) and stack.restarts[0].pid == new
-    with open(f"/proc/{new}/cmdline", "rb") as f:
-        assert f.read().split(b"\0")[:-1] == [a.encode() for a in [*SLEEPER, "--port", "12345"]]
+    assert psutil.Process(new).cmdline() == [*SLEEPER, "--port", "12345"]
     err = capsys.readouterr().err
     assert "gorgo up: sleeper exited (signal 9); restart 1 in 0.05 s" in err
     assert f"gorgo up: sleeper restarted (restart 1, pid {new})" in err

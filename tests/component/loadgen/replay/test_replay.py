@@ -41,7 +41,27 @@ async def test_a_replay_against_nothing_records_every_request_as_an_error() -> N
     assert [s.index for s in run.sent] == [0, 1, 2]
     assert all(r.status == "error" and r.error for r in run.results)
     assert all(s.slip_s >= 0 for s in run.sent) and run.wall_s > 0
-    assert "3/3 done | 0 in flight | 3 errors" in out.getvalue() and out.getvalue()[-1] == "\n"
+    # no terminal: one plain line at the end, no carriage return or escape code
+    assert out.getvalue().startswith("replay 3/3 done | 0 in flight | 3 errors")
+    assert out.getvalue().count("\n") == 1 and out.getvalue()[-1] == "\n"
+    assert "\r" not in out.getvalue() and "\x1b" not in out.getvalue()
+
+
+class Terminal(io.StringIO):
+    """Output that says it is a terminal, as a user's stderr does."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+async def test_on_a_terminal_the_replay_draws_a_bar_of_requests_done() -> None:
+    trace = [TraceRequest(i, i * 0.01, 20, 4, (i,), 512, f"s{i}") for i in range(3)]
+    out = Terminal()
+    await replay(trace, f"http://127.0.0.1:{closed_port()}", progress=out)
+    drawn = out.getvalue().split("\r")
+    assert len(drawn) >= 2 and drawn[-1].endswith("\n")  # redrawn in place, then left
+    last = drawn[-1]
+    assert last.startswith("replay: 100%") and "3/3" in last and "3 errors" in last
 
 
 async def test_a_full_cap_sends_the_next_request_when_a_slot_frees() -> None:

@@ -57,7 +57,7 @@ def test_the_paper_study_sets_the_papers_rows_beside_ours(
 
     frozen: list[Any] = []
 
-    def simulate(trace: Any, settings: SimSettings) -> Any:
+    def simulate(trace: Any, settings: SimSettings, progress: Any = None) -> Any:
         if settings.tune == "off":
             frozen.append(settings.router["policies"]["gorgo"]["weights"])
         tuner = SimpleNamespace(state=SimpleNamespace(parent=(0.3, 0.45), history=[{"n": 1}]))

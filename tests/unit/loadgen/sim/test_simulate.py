@@ -1,9 +1,11 @@
 """The offline simulator: complete, deterministic, and driving the real router."""
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from loadgen.client.protocol import OPEN
 from loadgen.results import RequestResult, summarize
 from loadgen.sim.settings import SimSettings
 from loadgen.sim.simulate import Simulation, simulate
@@ -34,6 +36,19 @@ def test_every_request_completes_with_sane_timings(trace) -> None:  # type: igno
     assert not res.router.in_flight
     assert sum(b.stats.completed for b in res.router.backends.values()) == len(trace)
     assert len(res.itl_ms) == sum(t.output_tokens - 1 for t in trace)
+
+
+def test_progress_counts_finished_requests_up_to_the_runs_total(trace) -> None:  # type: ignore[no-untyped-def]
+    seen: list[tuple[int, int]] = []
+    res = simulate(trace, SimSettings(policy="gorgo"), progress=lambda *a: seen.append(a))
+    done = [d for d, _ in seen]
+    assert {t for _, t in seen} == {len(trace)} and done[-1] == len(trace)
+    assert done == sorted(done) and len(set(done)) > len(trace) // 2  # as they finish
+    # the protocol's drops are not in the run: its total is what is left
+    seen.clear()
+    capped = SimSettings(policy="gorgo", protocol=replace(OPEN, max_input_tokens=20_000))
+    res = simulate(trace, capped, progress=lambda *a: seen.append(a))
+    assert res.dropped > 0 and seen[-1] == (len(trace) - res.dropped,) * 2
 
 
 def test_deterministic_for_a_seed(trace) -> None:  # type: ignore[no-untyped-def]
