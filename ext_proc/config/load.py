@@ -134,8 +134,11 @@ def decode(cls: type[T], raw: Any, prefix: str) -> T:
 
 def _validate(cfg: Config) -> None:
     """Checks across fields (each field's own range is checked where it is decoded)."""
-    if not cfg.backends:
-        raise ConfigError("backends: at least one backend is required")
+    if not cfg.backends and not cfg.discovery.enabled:
+        raise ConfigError(
+            "backends: at least one backend is required (or discovery.kubernetes to find them)"
+        )
+    _validate_discovery(cfg)
     seen: set[str] = set()
     for i, b in enumerate(cfg.backends):
         validate_backend(b, f"backends[{i}].")
@@ -194,10 +197,41 @@ def _validate(cfg: Config) -> None:
         )
 
 
+def _validate_discovery(cfg: Config) -> None:
+    k8s = cfg.discovery.kubernetes
+    key = "discovery.kubernetes"
+    if k8s.pool_name and k8s.endpoint_selector:
+        raise ConfigError(f"{key}: pool_name or endpoint_selector, not both")
+    if k8s.endpoint_selector:
+        parse_selector(k8s.endpoint_selector, f"{key}.endpoint_selector")
+        if not 1 <= len(k8s.target_ports) <= 8:
+            raise ConfigError(f"{key}.target_ports: 1 to 8 ports go with endpoint_selector")
+    elif k8s.target_ports:
+        raise ConfigError(f"{key}.target_ports: only with endpoint_selector (a pool names its own)")
+    for i, port in enumerate(k8s.target_ports):
+        if not 0 < port < 65536:
+            raise ConfigError(f"{key}.target_ports[{i}]: a port 1-65535, got {port}")
+    # The template as a backend would be (a placeholder id and address).
+    validate_backend(cfg.discovery.backend.backend("template", "127.0.0.1:1"), "discovery.backend.")
+
+
+def parse_selector(text: str, key: str) -> dict[str, str]:
+    """`key=value[,key=value]` (the extension's --endpoint-selector) as a label map."""
+    labels: dict[str, str] = {}
+    for part in text.split(","):
+        name, sep, value = part.partition("=")
+        if not sep or not name or any(c.isspace() for c in part):
+            raise ConfigError(f"{key}: expected key=value[,key=value] without spaces, got {text!r}")
+        labels[name] = value
+    return labels
+
+
 def _validate_flow_control(cfg: Config) -> None:
     fc = cfg.flow_control
     names = _unique_names([o.name for o in fc.objectives], "flow_control.objectives")
     regions = {b.region for b in cfg.backends}
+    if cfg.discovery.enabled:  # the backends it will find are in the template's region
+        regions.add(cfg.discovery.backend.region)
     for i, o in enumerate(fc.objectives):
         key = f"flow_control.objectives[{i}]"
         for j, region in enumerate(o.regions):

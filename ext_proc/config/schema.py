@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ext_proc.config.discovery import Discovery
 from ext_proc.config.flow import FlowControl
 from ext_proc.config.transport import EnvoySettings, Listen
 from ext_proc.prompt.tokenizer_config import TokenizerConfig
@@ -240,7 +241,8 @@ class Config:
     `load_config` (ext_proc/config/load.py). Frozen: a reload decodes a new one
     (ext_proc/service/reloader.py says what changes live)."""
 
-    backends: tuple[Backend, ...]
+    # Required unless `discovery` finds them (then these are kept beside the discovered).
+    backends: tuple[Backend, ...] = ()
     policy: str = "gorgo"
     seed: int = 0
     # Each policy's own parameters, decoded by its parameter class (policies.<name>).
@@ -255,6 +257,8 @@ class Config:
     envoy: EnvoySettings = field(default_factory=EnvoySettings)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     fleet: FleetConfig = field(default_factory=FleetConfig)
+    # Backends found at run time (a Kubernetes InferencePool's pods).
+    discovery: Discovery = field(default_factory=Discovery)
     # Public model names mapped to served ones (aliases, version splits).
     models: tuple[ModelAlias, ...] = ()
     # In-flight records whose completion never arrives (lost access log) expire after

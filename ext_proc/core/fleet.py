@@ -150,17 +150,22 @@ class Fleet:
         self._move(b, _ACTIVE, BackendChange.ACTIVATED, reason)
         return True
 
-    def drain(self, backend: str, reason: str = "admin") -> BackendLifecycle:
+    def drain(self, backend: str, reason: str = "admin", keep_one: bool = True) -> BackendLifecycle:
         """No new decisions to `backend`; it is removed once this router's requests in
         flight there have closed (at once if there are none). Returns its lifecycle now.
         Draining a draining backend changes nothing. FleetConflict: it is the last
-        backend active or pending (the router would have nowhere to send requests)."""
+        backend active or pending (the router would have nowhere to send requests), unless
+        not `keep_one` (the backends are discovered: a pool may shrink to none)."""
         b = self._get(backend)
         if b.lifecycle is not _DRAINING:
-            if b.lifecycle in (_ACTIVE, _PENDING) and not any(
-                o.lifecycle in (_ACTIVE, _PENDING)
-                for o in self.state.backends.values()
-                if o is not b
+            if (
+                keep_one
+                and b.lifecycle in (_ACTIVE, _PENDING)
+                and not any(
+                    o.lifecycle in (_ACTIVE, _PENDING)
+                    for o in self.state.backends.values()
+                    if o is not b
+                )
             ):
                 raise FleetConflict(f"backend {backend!r} is the last active or pending one")
             self._move(b, _DRAINING, BackendChange.DRAINING, reason)
@@ -210,11 +215,14 @@ class Fleet:
         self._emit(b, BackendChange.UPDATED, self.clock(), reason, reset)
         return reset
 
-    def reconcile(self, backends: Sequence[Backend], reason: str = "reload") -> FleetChanges:
-        """Make the fleet `backends` (a reloaded config's): new ids are added, draining
-        ones named again come back, changed ones are updated in place, and active ones not
-        named are drained (then removed). Adds come first: a fleet that is replaced whole
-        always has an active backend."""
+    def reconcile(
+        self, backends: Sequence[Backend], reason: str = "reload", keep_one: bool = True
+    ) -> FleetChanges:
+        """Make the fleet `backends` (a reloaded config's, or the discovered pods'): new
+        ids are added, draining ones named again come back, changed ones are updated in
+        place, and active ones not named are drained (then removed). Adds come first: a
+        fleet that is replaced whole always has an active backend. `keep_one` False: the
+        fleet may drain to none (discovery)."""
         wanted = {b.id for b in backends}
         added, back, updated = [], [], []
         for b in backends:
@@ -235,7 +243,7 @@ class Fleet:
             if bid not in wanted and st.lifecycle is not _DRAINING
         ]
         for bid in gone:
-            self.drain(bid, reason)
+            self.drain(bid, reason, keep_one)
         return FleetChanges(tuple(added), tuple(back), tuple(updated), tuple(gone))
 
     def apply_live_keys(self, new: Config) -> list[str]:

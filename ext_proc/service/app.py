@@ -9,7 +9,7 @@ import logging
 import os
 import random
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,11 +32,13 @@ from ext_proc.service.last_good import ConfigSource
 from ext_proc.service.loops.catalog import FEEDS
 from ext_proc.service.loops.fleet_bus import FleetBus
 from ext_proc.service.loops.kv_client import KvEventClients
+from ext_proc.service.loops.pool_watch import PoolWatch
 from ext_proc.service.loops.probe import Prober
 from ext_proc.service.reloader import ConfigReloader
 from ext_proc.service.telemetry.gauges import FlowGauges
 from ext_proc.service.telemetry.listener import Telemetry
 from ext_proc.service.tuner_file import TunerStateFile
+from ext_proc.vocab.backend import Backend
 from ext_proc.vocab.params import split_host_port
 
 log = logging.getLogger("gorgo")
@@ -120,11 +122,13 @@ async def running_service(
     exporter: SpanExporter | None = None,
     config_path: str | Path | None = None,
     source: ConfigSource | None = None,
+    grpc_credentials: grpc.ServerCredentials | None = None,
 ) -> AsyncIterator[Running]:
     """Start the ext_proc gRPC server and admin HTTP; stop them on exit. `config_path`:
     the file `cfg` came from, reloaded on SIGHUP (`Running.reloader.request`) and when it
     changes; `source`: where `cfg` came from (that file, or its last good copy) and where
-    an accepted reload keeps its copy (service/last_good.py). Each piece registers its own
+    an accepted reload keeps its copy (service/last_good.py); `grpc_credentials`: TLS for
+    the gRPC port made elsewhere (gorgo epp's), instead of listen.tls. Each piece registers its own
     stop as it starts (an AsyncExitStack), so the teardown is the start-up in reverse,
     whatever step failed."""
     async with contextlib.AsyncExitStack() as stack:
@@ -163,11 +167,20 @@ async def running_service(
         extra_feeds = [make(cfg, router) for make in FEEDS.values()]
         fleet_shell = FleetShell(router, [prober, kv_events, fleet, *extra_feeds], ext_proc)
         router.subscribe(fleet_shell)
+        # Backends from Kubernetes (an InferencePool's pods), with the configured ones.
+        discovery = PoolWatch(cfg, router) if cfg.discovery.enabled else None
+        discovered: Callable[[], Sequence[Backend]] = (
+            discovery.discovered if discovery is not None else tuple
+        )
         if config_path and source is None:
             source = ConfigSource(str(config_path))
-        reloader = ConfigReloader(config_path, router, telemetry, source) if config_path else None
+        reloader = (
+            ConfigReloader(config_path, router, telemetry, source, discovered)
+            if config_path
+            else None
+        )
         host, port = split_host_port(cfg.listen.grpc, "listen.grpc")
-        credentials = server_credentials(cfg)
+        credentials = grpc_credentials or server_credentials(cfg)
         if credentials is None:
             grpc_port = server.add_insecure_port(f"{host}:{port}")
         else:
@@ -200,6 +213,8 @@ async def running_service(
                 "fleet": fleet.snapshot(),
                 # The backends' shell tasks and Envoy's xDS files.
                 "fleet_shell": fleet_shell.snapshot(),
+                # The pods found in Kubernetes (None: no discovery).
+                "discovery": discovery.snapshot() if discovery is not None else None,
                 # Config reloads (None: no config file to reload).
                 "reload": reloader.snapshot() if reloader is not None else None,
                 # Where the running config came from: its file, or the last good copy
@@ -230,6 +245,9 @@ async def running_service(
             stack.push_async_callback(part.stop)
         fleet_shell.start()
         stack.push_async_callback(fleet_shell.stop)
+        if discovery is not None:
+            await discovery.start()
+            stack.push_async_callback(discovery.stop)
         for feed in (fleet, *extra_feeds):
             await feed.start()
             stack.push_async_callback(feed.stop)

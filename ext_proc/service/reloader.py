@@ -9,6 +9,7 @@ import contextlib
 import hashlib
 import logging
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from ext_proc.core.fleet import FleetConflict
 from ext_proc.core.router import Router
 from ext_proc.service.last_good import LAST_GOOD, ConfigSource
 from ext_proc.service.telemetry.listener import Telemetry
+from ext_proc.vocab.backend import Backend
 from ext_proc.vocab.params import ConfigError
 
 log = logging.getLogger("gorgo")
@@ -44,8 +46,11 @@ class ConfigReloader:
         router: Router,
         telemetry: Telemetry,
         source: ConfigSource | None = None,
+        discovered: Callable[[], Sequence[Backend]] = tuple,
     ) -> None:
         self.path = Path(path)
+        # The backends discovery found (kept beside the file's through a reload).
+        self.discovered = discovered
         self.router = router
         self.telemetry = telemetry
         self.source = source or ConfigSource(str(path))
@@ -109,7 +114,9 @@ class ConfigReloader:
             try:
                 # Off the event loop: a configured tokenizer is loaded to validate it.
                 new, text = await asyncio.to_thread(read_config, self.path)
-                changes = self.router.fleet.reconcile(new.backends, "reload")
+                changes = self.router.fleet.reconcile(
+                    [*new.backends, *self.discovered()], "reload", not new.discovery.enabled
+                )
             except Exception as e:  # ConfigError names the key; anything else: still refused
                 if not isinstance(e, ConfigError | FleetConflict):
                     log.exception("config reload (%s) failed", trigger)
