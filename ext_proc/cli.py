@@ -27,6 +27,7 @@ from typing import Any
 
 from ext_proc.config.load import load_config
 from ext_proc.service.check.command import add_check_commands
+from ext_proc.service.epp_flags import add_epp_command
 from ext_proc.vocab.params import ConfigError
 
 ENTRY_POINT_GROUP = "gorgo.commands"
@@ -198,6 +199,7 @@ ROUTER_COMMANDS: tuple[AddCommand, ...] = (
     add_serve,
     add_envoy_config,
     add_check_commands,  # check, config-schema
+    add_epp_command,
 )
 
 
@@ -242,6 +244,8 @@ class Parser(argparse.ArgumentParser):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("formatter_class", HelpFormatter)
+        # No abbreviated flags: `gorgo epp --v 1` (the extension's chart) is not --verbose.
+        kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
 
 
@@ -309,7 +313,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    # Only `gorgo epp` takes flags it does not know (another version of the extension's
+    # chart may pass them); every other command refuses them as argparse does.
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and not getattr(args, "accepts_unknown", False):
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    args.unknown = unknown
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -105,6 +105,10 @@ class EnvoySettings:
     retry_resets: bool = True
     # How the decision reaches Envoy (see EnvoyMode).
     mode: EnvoyMode = EnvoyMode.CLUSTER
+    # endpoint_picker: choose only among the endpoints of the data plane's subset hint
+    # (metadata envoy.lb.subset_hint); false = ignore it (the extension's
+    # --disable-endpoint-subset-filter).
+    obey_subset_hint: bool = True
     # OTLP/gRPC collector (host:port) for Envoy's own spans; "" = no Envoy tracing.
     tracing_endpoint: str = ""
     # Share of requests Envoy traces (percent).

@@ -85,6 +85,8 @@ def model_refusal(state: FleetState, model: str | None, now_s: float) -> Refusal
             )
         return None
     candidates = serving(state, model)
+    if not state.backends:  # none at all (a discovered pool emptied): nothing is known
+        return Refusal(UNAVAILABLE, "no backend in the fleet, retry later", UNAVAILABLE_RETRY_S)
     if not candidates:
         return Refusal(
             MODEL_NOT_FOUND,

@@ -238,7 +238,7 @@ class RoutingSession(_FirstByteWatcher):
         self.request_id = p.headers.get(HEADER_REQUEST_ID, "")
         self.session_header = p.headers.get(HEADER_SESSION)
         self.flow = read_headers(self.router.cfg.flow_control, p.headers)
-        if p.subset is not None:
+        if p.subset is not None and self.router.cfg.envoy.obey_subset_hint:
             self.subset = self.encoder.backends_at(p.subset)
 
     def on_request_headers(self, p: codec.Phase) -> Reply:

@@ -27,7 +27,12 @@ from ext_proc.prompt.engine_tokens import PromptTokenizer, load_engine_tokenizer
 from ext_proc.service.admin import make_admin_app
 from ext_proc.service.engine_tokenizer import EngineTokenizers
 from ext_proc.service.fleet_shell import FleetShell
-from ext_proc.service.health import HealthService, add_health_service, router_readiness
+from ext_proc.service.health import (
+    HealthService,
+    Readiness,
+    add_health_service,
+    router_readiness,
+)
 from ext_proc.service.last_good import ConfigSource
 from ext_proc.service.loops.catalog import FEEDS
 from ext_proc.service.loops.fleet_bus import FleetBus
@@ -154,8 +159,20 @@ async def running_service(
             server, router, telemetry.fallback, tokens, fleet.forward
         )
         fleet.on_forwarded = access_log.apply_forwarded
+        # Backends from Kubernetes (an InferencePool's pods), with the configured ones.
+        discovery = PoolWatch(cfg, router) if cfg.discovery.enabled else None
+        discovered: Callable[[], Sequence[Backend]] = (
+            discovery.discovered if discovery is not None else tuple
+        )
+
+        def ready() -> Readiness:
+            if discovery is not None and not discovery.synced:  # its backends not known yet
+                why = discovery.error or "listing the pods"
+                return Readiness(False, f"kubernetes discovery has not listed the pods: {why}")
+            return router_readiness(router, ext_proc.draining)
+
         # grpc.health.v1 on the same port: SERVING while the router can route
-        health = add_health_service(server, lambda: router_readiness(router, ext_proc.draining))
+        health = add_health_service(server, ready)
         router.subscribe(health)
         telemetry.metrics.registry.register(FlowGauges(ext_proc.director))
         # The engine's tokenizer, found when none is configured, and checked against the
@@ -167,11 +184,6 @@ async def running_service(
         extra_feeds = [make(cfg, router) for make in FEEDS.values()]
         fleet_shell = FleetShell(router, [prober, kv_events, fleet, *extra_feeds], ext_proc)
         router.subscribe(fleet_shell)
-        # Backends from Kubernetes (an InferencePool's pods), with the configured ones.
-        discovery = PoolWatch(cfg, router) if cfg.discovery.enabled else None
-        discovered: Callable[[], Sequence[Backend]] = (
-            discovery.discovered if discovery is not None else tuple
-        )
         if config_path and source is None:
             source = ConfigSource(str(config_path))
         reloader = (
@@ -226,7 +238,7 @@ async def running_service(
             cfg.listen.admin,
             cfg.listen.admin_hosts,
             ext_proc.director.snapshot,
-            lambda: router_readiness(router, ext_proc.draining),
+            ready,
         )
         runner = web.AppRunner(admin_app, access_log=None)
         await runner.setup()

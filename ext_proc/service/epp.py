@@ -133,14 +133,22 @@ async def _serve(
     cfg: Config, opts: EppOptions, creds: grpc.ServerCredentials | None, tls: str
 ) -> None:
     from ext_proc.service.app import running_service
-    from ext_proc.service.health import serve_health
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     async with running_service(cfg, grpc_credentials=creds) as svc:
-        health_port = await serve_health(svc, f"{opts.address}:{opts.grpc_health_port}")
+        # The chart's probes ask the health service on a port of its own, in plaintext
+        # (Kubernetes' gRPC probes speak no TLS): the same service, a second server.
+        health_server = grpc.aio.server()
+        assert svc.health is not None
+        svc.health.attach(health_server)
+        address = f"{opts.address}:{opts.grpc_health_port}"
+        health_port = health_server.add_insecure_port(address)
+        if opts.grpc_health_port and health_port != opts.grpc_health_port:
+            raise OSError(f"--grpc-health-port: cannot bind {address} (port in use?)")
+        await health_server.start()
         k8s = cfg.discovery.kubernetes
         source = (
             f"InferencePool {k8s.pool_name}"
@@ -154,4 +162,7 @@ async def _serve(
             f"policy {cfg.policy}",
             flush=True,
         )
-        await stop.wait()
+        try:
+            await stop.wait()
+        finally:
+            await health_server.stop(0.5)

@@ -13,10 +13,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from typing import Any
-
-from kubernetes_asyncio import client, config, watch
-from kubernetes_asyncio.client.exceptions import ApiException
+from typing import TYPE_CHECKING, Any
 
 from ext_proc.common.aio import cancel_and_wait
 from ext_proc.config.discovery import KubernetesDiscovery
@@ -25,6 +22,9 @@ from ext_proc.config.schema import Config
 from ext_proc.core.router import Router
 from ext_proc.feeds.pool_pods import PoolPods, PoolSpec, pool_spec
 from ext_proc.vocab.backend import Backend
+
+if TYPE_CHECKING:  # the client is imported when discovery starts (~0.25 s of imports)
+    from kubernetes_asyncio import client
 
 log = logging.getLogger("gorgo.discovery")
 
@@ -48,6 +48,8 @@ def namespace_of(k8s: KubernetesDiscovery) -> str:
 async def api_client(k8s: KubernetesDiscovery) -> client.ApiClient:
     """An API client: the kubeconfig named, else in-cluster (the pod's service account)
     when running in a pod, else $KUBECONFIG or ~/.kube/config."""
+    from kubernetes_asyncio import client, config
+
     conf = client.Configuration()
     if k8s.kubeconfig:
         await config.load_kube_config(config_file=k8s.kubeconfig, client_configuration=conf)
@@ -134,6 +136,8 @@ class PoolWatch:
         if not self.k8s.pool_name:
             key = "discovery.kubernetes.endpoint_selector"
             return PoolSpec(parse_selector(self.k8s.endpoint_selector, key), self.k8s.target_ports)
+        from kubernetes_asyncio import client
+
         pool = await client.CustomObjectsApi(api).get_namespaced_custom_object(
             self.k8s.pool_group, POOL_VERSION, self.namespace, "inferencepools", self.k8s.pool_name
         )
@@ -142,6 +146,8 @@ class PoolWatch:
     async def _round(self, api: client.ApiClient) -> None:
         """List the pods, then follow them until the watch loses its place (410), the pool's
         spec changes, or the watch fails."""
+        from kubernetes_asyncio import client
+
         spec = await self._spec(api)
         core = client.CoreV1Api(api)
         listed = await core.list_namespaced_pod(self.namespace, label_selector=spec.label_selector)
@@ -163,6 +169,9 @@ class PoolWatch:
 
     async def _watch(self, core: client.CoreV1Api, spec: PoolSpec, version: str) -> None:
         """Apply the pods' events until the list must be read again."""
+        from kubernetes_asyncio import watch
+        from kubernetes_asyncio.client.exceptions import ApiException
+
         while True:
             async with watch.Watch() as w:
                 try:

@@ -89,3 +89,19 @@ def test_the_front_doors_model_list_is_the_fleets_with_its_aliases() -> None:
     assert resp is not None and resp.immediate_response.status.code == 200
     listed = {m["id"]: m["parent"] for m in json.loads(resp.immediate_response.body)["data"]}
     assert listed == {"chat": None, "v1": None, "v2": None, "v2-sql": "v2"}
+
+
+def test_a_fleet_with_no_backend_at_all_answers_503_not_404() -> None:
+    """A discovered pool that emptied knows no model: not 'not found', but 'retry'."""
+    r, _ = make_router(
+        "gorgo",
+        backends=[],
+        discovery={"kubernetes": {"pool_name": "p"}},
+        envoy={"mode": "endpoint_picker"},
+    )
+    resp = send(r, "e1", chat_body("v1", "s"))
+    assert resp.immediate_response.status.code == 503
+    err = json.loads(resp.immediate_response.body)["error"]
+    assert err["code"] == "service_unavailable" and "no backend" in err["message"]
+    headers_set = {h.header.key for h in resp.immediate_response.headers.set_headers}
+    assert {"retry-after", "retry-after-ms"} <= headers_set
