@@ -2,12 +2,16 @@
 #   router (default): `gorgo serve` and `gorgo envoy-config` only; the router package and
 #     its runtime dependencies, nothing of the emulator, the load generator or their
 #     plotting.
+#   epp: the router as the Gateway API Inference Extension's endpoint picker: entrypoint
+#     `gorgo epp`, so the extension's inferencepool chart, which passes its picker only
+#     arguments (--pool-name ...), runs it as its own (deploy/k8s/README.md).
 #   full: the same CLI plus the harness subcommands that docker-compose.yml runs for the
 #     emulated engines (`gorgo engine`), WAN links (`gorgo wan`) and the load generator
 #     (`gorgo replay`), with the `harness` extra.
 #
 #   docker build -t gorgo-router .                      # the router
 #   docker build --target full -t gorgo-full .          # router + harness
+#   docker build --target epp -t gorgo-epp .            # the chart's endpoint picker
 #   docker run --rm -v $PWD/config/compose/gorgo.yaml:/etc/gorgo/gorgo.yaml:ro gorgo-router
 #
 # The build stages install into a virtual environment; the final stages copy that
@@ -46,6 +50,15 @@ LABEL org.opencontainers.image.title="gorgo-full" \
       org.opencontainers.image.description="GORGO router with its emulated fleet and load generator" \
       org.opencontainers.image.licenses="Apache-2.0"
 COPY --from=build-full /opt/gorgo /opt/gorgo
+
+FROM runtime AS epp
+LABEL org.opencontainers.image.title="gorgo-epp" \
+      org.opencontainers.image.description="GORGO as a Gateway API Inference Extension endpoint picker" \
+      org.opencontainers.image.licenses="Apache-2.0"
+COPY --from=build-router /opt/gorgo /opt/gorgo
+# The chart's ports: ext_proc (TLS), gRPC health, /metrics.
+EXPOSE 9002 9003 9090
+ENTRYPOINT ["gorgo", "epp"]
 
 # Last, so that a plain `docker build` makes the router image.
 FROM runtime AS router

@@ -199,4 +199,9 @@ def config_schema() -> dict[str, Any]:
     root = builder.object_of(Config)
     # `policy` is a string the loader checks against the registry.
     root["properties"]["policy"]["enum"] = sorted(POLICIES)
+    # Backends listed, or found by discovery (the loader's rule across the two keys).
+    root["anyOf"] = [
+        {"required": ["backends"], "properties": {"backends": {"minItems": 1}}},
+        {"required": ["discovery"]},
+    ]
     return {"$schema": DIALECT, "title": TITLE, **root, "$defs": builder.defs}

@@ -19,12 +19,12 @@ class Block(importlib.abc.MetaPathFinder):
             raise ModuleNotFoundError(f"No module named {{name!r}} (blocked)")
         return None
 sys.meta_path.insert(0, Block())
-import ext_proc.service.app, ext_proc.envoy.server, ext_proc.envoy.bootstrap
+import ext_proc.service.app, ext_proc.envoy.server, ext_proc.envoy.bootstrap, ext_proc.service.epp
 import ext_proc.service.loops.probe, ext_proc.service.check.probes, ext_proc.service.check.judge
 from ext_proc.cli import build_parser, main
 commands = build_parser()._subparsers._group_actions[0].choices
 print(sorted(commands))
-for cmd in ("serve", "envoy-config", "check", "config-schema"):
+for cmd in ("serve", "envoy-config", "check", "config-schema", "epp"):
     try:
         main([cmd, "--help"])
     except SystemExit as e:
@@ -45,6 +45,7 @@ def test_the_router_runs_without_the_harness() -> None:
     )
     assert out.returncode == 0, out.stderr
     # only the router's own subcommands: the harness's entry points could not load
-    assert out.stdout.splitlines()[0] == "['check', 'config-schema', 'envoy-config', 'serve']"
+    router_commands = "['check', 'config-schema', 'envoy-config', 'epp', 'serve']"
+    assert out.stdout.splitlines()[0] == router_commands
     assert "usage: gorgo serve" in out.stdout and "usage: gorgo envoy-config" in out.stdout
     assert "usage: gorgo check" in out.stdout and "usage: gorgo config-schema" in out.stdout

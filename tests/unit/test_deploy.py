@@ -595,11 +595,16 @@ def test_dockerfile_builds_like_the_makefile() -> None:
     assert "pip install -c constraints.txt ." in dockerfile
     # The router image holds the router alone; the full one adds the harness.
     stages = dict(re.findall(r"^FROM \S+ AS (\S+)\n(.*?)(?=^FROM |\Z)", dockerfile, re.M | re.S))
-    assert set(stages) == {"build-router", "build-full", "runtime", "full", "router"}
+    assert set(stages) == {"build-router", "build-full", "runtime", "full", "epp", "router"}
     assert "COPY ext_proc" in stages["build-router"]
     assert "emulator" not in stages["build-router"] and "loadgen" not in stages["build-router"]
     assert "'.[harness]'" in stages["build-full"]
     assert "--from=build-router" in stages["router"] and "--from=build-full" in stages["full"]
+    # the inference extension's chart passes its picker arguments only: the entrypoint is
+    # `gorgo epp`, and the ports are the chart's
+    assert "--from=build-router" in stages["epp"]
+    assert 'ENTRYPOINT ["gorgo", "epp"]' in stages["epp"]
+    assert "EXPOSE 9002 9003 9090" in stages["epp"]
     assert re.findall(r"^FROM \S+ AS (\S+)", dockerfile, re.M)[-1] == "router"  # the default
     assert re.search(r"^USER (?!root|0)\S+", dockerfile, re.M)
     assert 'ENTRYPOINT ["gorgo"]' in dockerfile

@@ -18,7 +18,7 @@ BACKEND = {"id": "a", "address": "127.0.0.1:1"}
 @pytest.mark.parametrize(
     ("raw", "message"),
     [
-        ({}, "backends: required key is missing"),
+        ({}, "backends: at least one backend is required"),
         ({"backends": []}, "backends: at least one backend"),
         ({"backends": [BACKEND], "polcy": "x"}, "polcy: unknown key"),
         ({"backends": [BACKEND], "policy": "nope"}, "policy: unknown policy 'nope'"),

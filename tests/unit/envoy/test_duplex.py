@@ -233,7 +233,7 @@ def test_the_subset_hint_is_obeyed_and_an_empty_one_is_a_503() -> None:
     for subset in ([], ["10.9.9.9:8000"]):  # no endpoint of the pool in it
         (refused,) = Duplex(r).request(CHAT, subset=subset, rid=f"none-{len(subset)}")
         assert refused.immediate_response.status.code == 503
-        assert json.loads(refused.immediate_response.body)["error"]["type"] == "service_unavailable"
+        assert json.loads(refused.immediate_response.body)["error"]["code"] == "service_unavailable"
     assert sorted(r.in_flight) == ["s0", "s1", "s2", "s3"]
 
 
