@@ -11,24 +11,25 @@ from ext_proc.config.schema import Config
 from ext_proc.vocab.backend import Backend
 
 
-def _plain(value: Any) -> Any:
+def plain_value(value: Any) -> Any:
+    """A config value as YAML and JSON write it: enums by value, tuples as lists."""
     if isinstance(value, enum.Enum):
         return value.value
     if isinstance(value, tuple | list):
-        return [_plain(v) for v in value]
+        return [plain_value(v) for v in value]
     if isinstance(value, Mapping):
-        return {k: _plain(v) for k, v in value.items()}
+        return {k: plain_value(v) for k, v in value.items()}
     return value
 
 
 def config_as_dict(cfg: Config) -> dict[str, Any]:
     """The config as plain YAML-able values: `config_from_dict` reads it back."""
-    plain: dict[str, Any] = _plain(dataclasses.asdict(cfg))
+    plain: dict[str, Any] = plain_value(dataclasses.asdict(cfg))
     return plain
 
 
 def backend_as_dict(b: Backend) -> dict[str, Any]:
-    plain: dict[str, Any] = _plain(dataclasses.asdict(b))
+    plain: dict[str, Any] = plain_value(dataclasses.asdict(b))
     return plain
 
 

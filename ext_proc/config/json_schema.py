@@ -20,10 +20,10 @@ import dataclasses
 import enum
 import inspect
 import textwrap
-from collections.abc import Mapping
 from functools import cache
 from typing import Any, get_args, get_origin, get_type_hints
 
+from ext_proc.config.dump import plain_value
 from ext_proc.config.schema import Config
 from ext_proc.policy.catalog import POLICIES
 from ext_proc.vocab.params import Range
@@ -172,24 +172,14 @@ def _enum(typ: type[enum.StrEnum]) -> dict[str, Any]:
     return out
 
 
-def _plain(value: Any) -> Any:
-    if isinstance(value, enum.Enum):
-        return value.value
-    if isinstance(value, tuple | list):
-        return [_plain(v) for v in value]
-    if isinstance(value, Mapping):
-        return {k: _plain(v) for k, v in value.items()}
-    return value
-
-
 def _default(f: dataclasses.Field[Any]) -> Any:
     """The field's default as JSON (a section's default is its fields' own: none here)."""
     if f.default is not dataclasses.MISSING:
-        return _plain(f.default)
+        return plain_value(f.default)
     if f.default_factory is not dataclasses.MISSING:
         made = f.default_factory()
         if not dataclasses.is_dataclass(made):
-            return _plain(made)
+            return plain_value(made)
     return dataclasses.MISSING
 
 
