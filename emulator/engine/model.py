@@ -209,6 +209,10 @@ class ModelStats:
 
 
 SCHEDULERS = ("sglang", "vllm")
+# SGLang measures its generation throughput over every 40 decode steps and reports the last
+# value until the next (server_args.py decode_log_interval 40; scheduler_metrics_mixin.py
+# log_decode_stats: tokens decoded since the last log / seconds since it).
+DECODE_LOG_INTERVAL = 40
 
 
 class EngineModel:
@@ -237,6 +241,11 @@ class EngineModel:
         self.stats = ModelStats()
         # KV reserved by admitted requests beyond what they hold in the cache.
         self._reserved_tokens = 0
+        # Generated tokens/s over the last DECODE_LOG_INTERVAL decode steps (0.0 before).
+        self.gen_throughput = 0.0
+        self._log_steps = 0
+        self._log_tokens = 0
+        self._log_start_s: float | None = None
 
     # -- inputs -------------------------------------------------------------------------
 
@@ -362,6 +371,21 @@ class EngineModel:
     @property
     def used_tokens(self) -> int:
         return self.cache.tokens + self._reserved_tokens
+
+    @property
+    def waiting_uncached_tokens(self) -> int:
+        """Prompt tokens waiting for prefill compute and not served from the cache: the
+        waiting requests' whole prompts (matched only at admission here) and what the
+        admitted ones have left (SGLang scheduler get_num_waiting_uncached_tokens: waiting
+        seqlen - matched prefix, plus the chunked request's remainder)."""
+        waiting = sum(r.input_tokens - r.cached_tokens for r in self.waiting)
+        return waiting + sum(r.input_tokens - r.prefilled_tokens for r in self.prefilling)
+
+    @property
+    def waiting_prompt_tokens(self) -> int:
+        """The waiting (not yet admitted) requests' prompt tokens; SGLang adds them to the
+        used tokens as num_total_tokens (admitted ones hold their KV here already)."""
+        return sum(r.input_tokens for r in self.waiting)
 
     @property
     def cache_hit_rate(self) -> float:
@@ -494,6 +518,19 @@ class EngineModel:
                 self._emit(req, t, out)
         for req in step.decode:
             self._emit(req, t, out)
+        if step.decode:
+            self._log_decode(step, t)
+
+    def _log_decode(self, step: _Step, t: float) -> None:
+        if self._log_start_s is None:
+            self._log_start_s = step.start_s
+        self._log_steps += 1
+        self._log_tokens += len(step.decode)
+        if self._log_steps >= DECODE_LOG_INTERVAL:
+            elapsed_s = t - self._log_start_s
+            if elapsed_s > 0:
+                self.gen_throughput = self._log_tokens / elapsed_s
+            self._log_steps, self._log_tokens, self._log_start_s = 0, 0, t
 
     def _emit(self, req: _Request, t: float, out: list[Emission]) -> None:
         req.generated += 1

@@ -79,6 +79,9 @@ class EngineStats:
     completed_total: int = 0  # responses fully written
     in_flight: int = 0  # valid requests being prefilled or decoded
     requests_by_path: Counter[str] = field(default_factory=Counter)
+    # GET requests by path and query (health, load, model and info probes), answered or
+    # not: what a router in front reads, and how often.
+    gets: Counter[str] = field(default_factory=Counter)
     tokens_written: int = 0
     # Prompt tokens of the generation requests served (SGLang's health probe is sent with
     # log_metrics=False: not in sglang:prompt_tokens_total).

@@ -120,6 +120,9 @@ class Engine:
 
     async def add_engine_header(self, request: web.Request, response: web.StreamResponse) -> None:
         response.headers[ENGINE_ID_HEADER] = self.cfg.name
+        if request.method == "GET":
+            # What routers ask of the engine (/stats `gets`): path and query, answered or not.
+            self.stats.gets[request.path_qs] += 1
 
     async def on_startup(self, app: web.Application) -> None:
         self.started_s = asyncio.get_running_loop().time()
@@ -344,8 +347,22 @@ class Engine:
         return await asyncio.get_running_loop().run_in_executor(TOKENIZE_THREAD, fn, arg, self.cfg)
 
     async def loads(self, request: web.Request) -> web.Response:
-        """SGLang /v1/loads (v1_loads.py)."""
-        return web.json_response(loads_body(self.cfg, self.runner.model))
+        """SGLang /v1/loads?include=...&dp_rank=... (entrypoints/v1_loads.py): a bad
+        section is 400 {"detail"} (its HTTPException), a dp_rank that is not an integer
+        422 (FastAPI's query validation)."""
+        dp_rank: int | None = None
+        raw_rank = request.query.get("dp_rank")
+        if raw_rank is not None:
+            try:
+                dp_rank = int(raw_rank)
+            except ValueError:
+                detail = [{"type": "int_parsing", "loc": ["query", "dp_rank"], "input": raw_rank}]
+                return web.json_response({"detail": detail}, status=422)
+        try:
+            body = loads_body(self.cfg, self.runner.model, request.query.get("include"), dp_rank)
+        except ValueError as e:
+            return web.json_response({"detail": str(e)}, status=400)
+        return web.json_response(body)
 
     async def get_load(self, request: web.Request) -> web.Response:
         """SGLang /get_load: per DP rank, requests and tokens."""
@@ -363,6 +380,8 @@ class Engine:
         return web.json_response(kv_event_sources_body(self.cfg))
 
     async def server_info(self, request: web.Request) -> web.Response:
+        """SGLang /server_info and /get_server_info (emulator/engine/status.py); on the vLLM
+        twin /server_info is the emulator's own (vLLM serves none outside dev mode)."""
         return web.json_response(server_info_body(self.cfg, self.runner.model, self.stats))
 
     async def flush_cache(self, request: web.Request) -> web.Response:

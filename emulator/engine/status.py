@@ -6,7 +6,7 @@ handlers of emulator/engine/server.py answer with them.
 
 from __future__ import annotations
 
-import time
+from datetime import UTC, datetime
 from typing import Any
 
 from emulator.engine.config import SGLANG, VLLM, EngineConfig
@@ -19,30 +19,73 @@ from ext_proc.estimate.profile import EngineProfile
 
 
 def load(cfg: EngineConfig, m: EngineModel) -> dict[str, Any]:
-    """One DP rank's load, as SGLang's /v1/loads reports it."""
+    """One DP rank's core load, as SGLang's /v1/loads reports it (managers/io_struct.py
+    GetLoadsReqOutput; the scheduler's get_loads: num_total_tokens = used + the waiting
+    requests' seqlen), unrounded (`loads_body` rounds as /v1/loads does; the /metrics
+    gauges are not). utilization is not modelled: 0.0, SchedulerStats' default
+    (metrics/collector.py)."""
     cap = cfg.profile.kv_capacity_tokens
     used = m.held_tokens
     return {
         "dp_rank": 0,
         "num_running_reqs": m.num_started,
         "num_waiting_reqs": m.num_queued,
+        "num_waiting_uncached_tokens": m.waiting_uncached_tokens,
         "num_used_tokens": used,
-        "num_total_tokens": used,
+        "num_total_tokens": used + m.waiting_prompt_tokens,
         "max_total_num_tokens": cap,
-        "token_usage": round(used / cap, 6),
-        "cache_hit_rate": round(m.cache_hit_rate, 6),
+        "token_usage": used / cap,
+        "gen_throughput": m.gen_throughput,
+        "cache_hit_rate": m.cache_hit_rate,
+        "utilization": 0.0,
         "max_running_requests": cfg.profile.max_running_requests,
     }
 
 
-def loads_body(cfg: EngineConfig, m: EngineModel) -> dict[str, Any]:
-    """SGLang /v1/loads (v1_loads.py)."""
+# /v1/loads `include` sections (managers/io_struct.py GetLoadsReqInput.VALID_SECTIONS).
+LOADS_SECTIONS = frozenset({"core", "memory", "spec", "lora", "disagg", "queues", "all"})
+
+
+def loads_body(
+    cfg: EngineConfig, m: EngineModel, include: str | None = None, dp_rank: int | None = None
+) -> dict[str, Any]:
+    """SGLang GET /v1/loads?include=...&dp_rank=... (entrypoints/v1_loads.py; the
+    scheduler's get_loads). The core fields always; `include` (comma-separated, default
+    all) adds sections: `queues` {waiting, grammar, paused, retracted} and `disagg`
+    ("disaggregation": mode "null", no PD queues here). `memory` needs the GPU's weight,
+    KV and graph memory, which the twin does not have: left out, as SGLang leaves it out
+    when they are unavailable; `spec` and `lora` (no speculative decoding, LoRA pool
+    slots not modelled) likewise. An unknown section is a ValueError (SGLang: 400)."""
+    sections = {s.strip() for s in include.split(",")} if include else {"all"}
+    bad = sections - LOADS_SECTIONS
+    if bad:
+        raise ValueError(
+            f"Invalid include sections: {sorted(bad)}. Valid options: {sorted(LOADS_SECTIONS)}"
+        )
+    every = "all" in sections
+    rank = load(cfg, m)
+    # get_loads rounds these three (token_usage, cache_hit_rate 4 places, gen_throughput 2).
+    for key, places in (("token_usage", 4), ("cache_hit_rate", 4), ("gen_throughput", 2)):
+        rank[key] = round(rank[key], places)
+    if every or "queues" in sections:
+        rank["queues"] = {"waiting": m.num_queued, "grammar": 0, "paused": 0, "retracted": 0}
+    if every or "disagg" in sections:
+        rank["disaggregation"] = {
+            "mode": "null",
+            "prefill_bootstrap_queue_reqs": 0,
+            "prefill_inflight_queue_reqs": 0,
+            "decode_prealloc_queue_reqs": 0,
+            "decode_transfer_queue_reqs": 0,
+            "decode_retracted_queue_reqs": 0,
+            "kv_transfer_speed_gb_s": 0.0,
+            "kv_transfer_latency_ms": 0.0,
+        }
     return {
-        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "timestamp": datetime.now(UTC).isoformat(),
         "version": "emulated",
         "accelerator": None,
         "num_accelerators": 1,
-        "loads": [load(cfg, m)],
+        "loads": [rank] if dp_rank in (None, 0) else [],
     }
 
 
@@ -78,6 +121,14 @@ def kv_event_sources_body(cfg: EngineConfig) -> dict[str, Any]:
 
 
 def server_info_body(cfg: EngineConfig, m: EngineModel, stats: EngineStats) -> dict[str, Any]:
+    """SGLang /server_info (/get_server_info): its server args, the scheduler's info and
+    `internal_states` per DP rank (entrypoints/http_server.py get_server_info). The args a
+    router reads as SGLang names them (SMG workflow/steps/local/discover_metadata.rs
+    ServerInfo: model_path, served_model_name, tp/dp/pp_size, disaggregation_mode,
+    is_embedding, context_length, max_total_tokens, max_running_requests,
+    weight_version); max_total_tokens is the --max-total-tokens flag, unset (None) as by
+    default, the pool itself is the scheduler's max_total_num_tokens. The rest are the
+    emulator's own settings (no real server args to show)."""
     p = cfg.profile
     return {
         "name": cfg.name,
@@ -94,11 +145,20 @@ def server_info_body(cfg: EngineConfig, m: EngineModel, stats: EngineStats) -> d
         "chunked_prefill_size": p.chunk_tokens,
         "page_size": p.block_tokens,
         "context_length": cfg.context_length,
+        "tp_size": 1,
+        "dp_size": 1,
+        "pp_size": 1,
+        "disaggregation_mode": "null",
+        "is_embedding": False,
+        "max_total_tokens": None,
+        "weight_version": "default",
         "enable_cache_report": cfg.cache_report,
         "enable_metrics": cfg.enable_metrics,
         "kv_events_config": None if cfg.kv_events is None else vars(cfg.kv_events),
         "faults": vars(cfg.faults),
-        "internal_states": [{"load": load(cfg, m)}],
+        "internal_states": [
+            {"last_gen_throughput": round(m.gen_throughput, 2), "load": load(cfg, m)}
+        ],
         "timing": stats.timing(),
         "version": "emulated",
     }
@@ -122,6 +182,9 @@ def metrics_text(
             ("sglang:max_total_num_tokens", now["max_total_num_tokens"]),
             ("sglang:token_usage", now["token_usage"]),
             ("sglang:cache_hit_rate", now["cache_hit_rate"]),
+            # Both as /v1/loads reports them (SMG's /metrics fallback reads them).
+            ("sglang:gen_throughput", now["gen_throughput"]),
+            ("sglang:utilization", now["utilization"]),
         )
         counters = (
             ("sglang:prompt_tokens_total", s.prompt_tokens),
@@ -170,6 +233,7 @@ def stats_body(cfg: EngineConfig, s: EngineStats) -> dict[str, Any]:
         "completed_total": s.completed_total,
         "in_flight": s.in_flight,
         "requests_by_path": dict(s.requests_by_path),
+        "gets": dict(s.gets),
         # the last request bodies received: [bytes, BLAKE2b-128 hex], oldest first
         "recent_bodies": [list(b) for b in s.recent_bodies],
     }
