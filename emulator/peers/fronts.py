@@ -166,6 +166,7 @@ def argv(
     *,
     venv: Path = DEFAULT_VENV,
     host: str = "127.0.0.1",
+    extra_args: Sequence[str] = (),
     **engine_facts: Any,
 ) -> list[str]:
     """The whole command line of ``front`` routing to ``worker_urls`` on ``host:port``, its
@@ -175,7 +176,9 @@ def argv(
     ``model`` is the name clients send. Engine facts: ``served_model`` (the name the
     engines serve; when it differs, SMG gets ``--model-alias model=served_model``, as it
     refuses a name no worker serves) and whatever the front's ``args`` name (e.g.
-    ``default_throughput_tok_s`` for smg:least_load: `default_throughput_tok_s`)."""
+    ``default_throughput_tok_s`` for smg:least_load: `default_throughput_tok_s`).
+    ``extra_args`` go last (a later flag wins in both tools' parsers), for tests and
+    one-off runs, not for the bench's configurations."""
     if not worker_urls:
         raise ValueError(f"peer front {front.name}: no worker URLs")
     for p, what in ((port, "port"), (metrics_port, "metrics_port")):
@@ -204,9 +207,9 @@ def argv(
     if front.tool == SMG:
         served = engine_facts.get("served_model") or model
         alias = ["--model-alias", f"{model}={served}"] if served != model else []
-        return [binary, "launch", *common, *alias, *extra]
+        return [binary, "launch", *common, *alias, *extra, *extra_args]
     if front.tool == VLLM_ROUTER:
-        return [binary, *common, *extra]
+        return [binary, *common, *extra, *extra_args]
     raise ValueError(f"peer front {front.name}: unknown tool {front.tool!r}")
 
 

@@ -119,6 +119,7 @@ async def start_peer(
     ready_timeout_s: float = 60.0,
     venv: Path = DEFAULT_VENV,
     host: str = "127.0.0.1",
+    extra_args: Sequence[str] = (),
     **engine_facts: Any,
 ) -> PeerProcess:
     """Start ``front`` in front of ``worker_urls`` and return once all of them are healthy
@@ -127,7 +128,17 @@ async def start_peer(
     log's tail) if it exits or is not ready within ``ready_timeout_s``; the process is
     stopped then."""
     peer_binary(front.tool, venv)  # a clear error naming `make peers` when missing
-    cmd = argv(front, worker_urls, model, port, metrics_port, venv=venv, host=host, **engine_facts)
+    cmd = argv(
+        front,
+        worker_urls,
+        model,
+        port,
+        metrics_port,
+        venv=venv,
+        host=host,
+        extra_args=extra_args,
+        **engine_facts,
+    )
     full_env = dict(os.environ)
     if front.tool == SMG:
         full_env.update(SMG_ENV)
