@@ -18,6 +18,10 @@ def _overhead(args: argparse.Namespace) -> int:
 
     if args.picker_stream:
         return run_picker_stream_bench(max(10, args.requests // 10), args.rounds)
+    if args.peers:
+        from loadgen.bench.live.peer_cost import run_peer_cost_bench
+
+        return run_peer_cost_bench(args.requests)
     return run_overhead_bench(
         requests=args.requests, long_only=args.long_prompts, flow=args.flow_control, otlp=args.otlp
     )
@@ -55,6 +59,13 @@ def add_overhead(bench: Any, policies: Sequence[str]) -> None:
         "and inter-token gaps (requests/10 a mode a round, at least 10)",
     )
     b.add_argument("--rounds", type=int, default=3, help="--picker-stream's rounds")
+    b.add_argument(
+        "--peers",
+        action="store_true",
+        help="instead: the engines reached directly, Envoy alone, Envoy + gorgo, SMG and "
+        "vllm-router (cache_aware, their defaults; `make peers`) side by side: added TTFT, "
+        "CPU per request, RSS, requests/s at concurrency 16",
+    )
     b.set_defaults(func=_overhead)
 
 
