@@ -66,6 +66,9 @@ class PrefixCache:
         # Eviction candidates (unpinned leaves), oldest first; stale entries are skipped.
         self._lru: list[tuple[float, int, int]] = []
         self._seq = 0
+        # Nodes some request holds (refs > 0), kept as they change: the evictable count
+        # is read at every load poll (a peer router's scrape every 50 ms in the simulator).
+        self._pinned = 0
 
     @property
     def tokens(self) -> int:
@@ -73,7 +76,7 @@ class PrefixCache:
 
     @property
     def evictable_tokens(self) -> int:
-        return sum(1 for n in self.nodes.values() if n.refs == 0) * self.block_tokens
+        return (len(self.nodes) - self._pinned) * self.block_tokens
 
     def match(self, blocks: Sequence[int]) -> int:
         """How many leading blocks are cached."""
@@ -96,6 +99,8 @@ class PrefixCache:
                     self.nodes[parent].children += 1
                 if self.events is not None:
                     self.events.append(("stored", h, parent))
+            if not node.refs:
+                self._pinned += 1
             node.refs += 1
             node.last_used_s = now_s
             parent = h
@@ -106,6 +111,8 @@ class PrefixCache:
             if node is None:
                 continue
             node.refs -= 1
+            if not node.refs:
+                self._pinned -= 1
             node.last_used_s = now_s
             self._maybe_candidate(h, node)
 

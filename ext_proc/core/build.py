@@ -20,6 +20,7 @@ from ext_proc.learn.tuner import Tuner
 from ext_proc.policy.base import PolicyInfo
 from ext_proc.policy.catalog import make_policy, policy_info, policy_params
 from ext_proc.vocab.events import Listener
+from ext_proc.vocab.policy import Policy
 from ext_proc.vocab.types import Weights
 
 
@@ -51,11 +52,15 @@ def build_router(
     tuner_state: TunerState | None = None,
     tuner_sink: StateSink | None = None,
     listeners: Iterable[Listener] = (),
+    policy: Policy | None = None,
 ) -> Router:
-    """The policy and the tuner each get an RNG drawn from `rng`, in that order."""
+    """The policy and the tuner each get an RNG drawn from `rng`, in that order. `policy`:
+    one the caller built, in place of the configured one (the simulator's comparison
+    baselines, loadgen/sim/peers; its RNG is drawn all the same, so the rest stay put)."""
     info = policy_info(cfg.policy)
     params = policy_params(cfg)
-    policy = make_policy(cfg.policy, random.Random(rng.random()), params)
+    built = make_policy(cfg.policy, random.Random(rng.random()), params)
+    policy = built if policy is None else policy
     tuner_rng = random.Random(rng.random())
     weights: Weights | None = params.weights if info.weighted else None
     tuner = None

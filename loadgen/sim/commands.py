@@ -11,6 +11,7 @@ from typing import Any
 
 from ext_proc.vocab.backend import DEFAULT_PROFILE
 from loadgen.client.protocol import add_protocol_flags
+from loadgen.sim.peers import PEER_NAMES
 from loadgen.traces.load import TRACE_HELP
 
 
@@ -119,15 +120,22 @@ def add_simulate(sub: Any, policies: Sequence[str]) -> None:
         "clock: one result file per policy and time_scale, summary.md and figures in --out.",
     )
     s.add_argument("trace", help=TRACE_HELP)
-    s.add_argument("--policy", action="append", choices=policies, help="repeatable")
+    s.add_argument(
+        "--policy",
+        action="append",
+        choices=[*policies, *PEER_NAMES],
+        help="repeatable; the peer routers' rules too (loadgen/sim/peers: smg_*, "
+        "vllm_router_*, llmd_*, dynamo_kv)",
+    )
     s.add_argument(
         "--time-scale", action="append", type=float, help="repeatable; 2 = half the rate"
     )
     s.add_argument(
         "--rtt-profile",
         default="network",
-        choices=["network", "paper"],
-        help="WAN delays: network = 1/90/180 ms, paper = 37/279/456 ms (with jitter)",
+        choices=["network", "paper", "single"],
+        help="WAN delays: network = 1/90/180 ms, paper = 37/279/456 ms, single = every "
+        "backend 1 ms away (with jitter)",
     )
     s.add_argument(
         "--engine-profile", default=DEFAULT_PROFILE, help="every engine's profile: name or YAML"

@@ -17,6 +17,7 @@ from ext_proc.config.schema import Config
 from ext_proc.vocab.backend import DEFAULT_PROFILE
 from loadgen.client.protocol import OPEN, Protocol
 from loadgen.sim.classes import Classes
+from loadgen.sim.peers import is_peer
 
 # The single proxy of the paper's setup (front_doors 0): its RTTs are the RTT profile's.
 PROXY = ""
@@ -135,7 +136,9 @@ class SimSettings:
 
     def config(self, door: str = PROXY) -> Config:
         raw: dict[str, Any] = {
-            "policy": self.policy,
+            # A peer router's rule is no product policy: the router is configured with a
+            # stand-in and handed the peer (loadgen/sim/peers).
+            "policy": "round_robin" if is_peer(self.policy) else self.policy,
             "seed": self.seed,
             "backends": [
                 {

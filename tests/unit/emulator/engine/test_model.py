@@ -268,3 +268,21 @@ def test_vllm_step_budget_is_shared_decodes_first_then_prefill_chunks() -> None:
 def test_an_unknown_scheduler_is_refused() -> None:
     with pytest.raises(ValueError, match="scheduler"):
         EngineModel(PROFILE, random.Random(0), scheduler="trt")
+
+
+def test_the_evictable_count_kept_as_pins_change_matches_a_recount() -> None:
+    rng = random.Random(3)
+    cache = PrefixCache(16)
+    held: list[list[int]] = []
+    for step in range(400):
+        op = rng.random()
+        if op < 0.5:
+            blocks = [hash((rng.randrange(4), j)) for j in range(rng.randrange(1, 5))]
+            cache.acquire(blocks, float(step))
+            held.append(blocks)
+        elif op < 0.85 and held:
+            cache.release(held.pop(rng.randrange(len(held))), float(step))
+        else:
+            cache.evict(rng.randrange(1, 64))
+        recount = sum(1 for n in cache.nodes.values() if n.refs == 0) * 16
+        assert cache.evictable_tokens == recount
