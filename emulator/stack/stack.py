@@ -127,6 +127,10 @@ class Stack(SupervisedChildren):
     def engine_url(self, i: int) -> str:
         return f"http://127.0.0.1:{self.settings.ports.engine(i)}"
 
+    def backend_url(self, i: int) -> str:
+        """Where a router reaches region i's engine: its WAN link (the engine without one)."""
+        return f"http://127.0.0.1:{self.settings.backend_port(i)}"
+
     def set_rtt_ms(self, i: int, rtt_ms: float) -> None:
         """Change region i's WAN delay at run time (needs wan_control)."""
         req = urllib.request.Request(
@@ -260,7 +264,9 @@ class Stack(SupervisedChildren):
         write_xds(self.config)  # before Envoy starts: its bootstrap names these files
         write_atomic(self.workdir / "envoy.yaml", render_envoy_config(self.config))
 
-    def start(self, timeout_s: float = 30.0) -> None:
+    def start(self, timeout_s: float = 30.0, front_door: bool = True) -> None:
+        """Start the stack; `front_door` False: only the engines and their WAN links (another
+        router goes in front of `backend_url`s: the peers bench)."""
         if self.settings.real_engine:
             timeout_s = max(timeout_s, VLLM_START_S)
         elif self.settings.engine_tokenizer == TINY:
@@ -274,6 +280,9 @@ class Stack(SupervisedChildren):
                 self.start_engine(i)
                 if self.settings.wan_links:
                     self.start_wan(i)
+            if not front_door:
+                self.wait_ready(timeout_s, front_door=False)
+                return
             self.start_router()
             self.start_envoy()
             for door in self.doors:
@@ -288,14 +297,15 @@ class Stack(SupervisedChildren):
             self.stop()
             raise
 
-    def wait_ready(self, timeout_s: float) -> None:
+    def wait_ready(self, timeout_s: float, front_door: bool = True) -> None:
         # Each engine's path that does no work (an emulated SGLang's /health generates and
         # takes a second), the same as the router's probes.
         path = PROBE_PATH[EngineKind(self.config.backends[0].engine)]
         urls = [f"{self.engine_url(i)}{path}" for i in range(len(self.settings.regions))]
-        urls.append(f"{self.admin_url}/healthz")
-        urls += [f"http://{cfg.listen.admin}/healthz" for cfg in self.extra_routers]
-        urls.append(f"{self.envoy_admin_url}/ready")
+        if front_door:
+            urls.append(f"{self.admin_url}/healthz")
+            urls += [f"http://{cfg.listen.admin}/healthz" for cfg in self.extra_routers]
+            urls.append(f"{self.envoy_admin_url}/ready")
         deadline = time.monotonic() + timeout_s
         for url in urls:
             while not http_ok(url):

@@ -11,9 +11,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Never, TextIO
 
@@ -27,6 +27,9 @@ from loadgen.replay.requests import Encoded, build_request, to_result
 from loadgen.results import RequestResult
 from loadgen.traces.prompts import PromptSynth
 from loadgen.traces.request import TraceRequest
+
+# Headers a caller adds to a row's request (e.g. a front door's session or class header).
+HeadersFor = Callable[[TraceRequest], Mapping[str, str]]
 
 # The paper's client capped in-flight requests (at 64: `--protocol paper`). Without a cap
 # (the `open` protocol) the replay still holds at most 256 (its connection pool): one
@@ -172,6 +175,7 @@ class Replay:
         progress: TextIO | None,
         stop: asyncio.Event | None,
         label: str = "replay",
+        headers_for: HeadersFor | None = None,
     ) -> None:
         self.loop = asyncio.get_running_loop()
         self.trace = trace
@@ -193,6 +197,7 @@ class Replay:
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="gorgo-replay-prompts")
         self.next_prepare = 0
         self.t0 = 0.0  # the loop's clock when the schedule started
+        self.headers_for = headers_for
 
     def now_s(self) -> float:
         return self.loop.time() - self.t0
@@ -210,7 +215,10 @@ class Replay:
             self.next_prepare += 1
 
     def prepare(self, r: TraceRequest) -> Encoded:
-        return build_request(r, self.api, self.synth).encoded()
+        req = build_request(r, self.api, self.synth)
+        if self.headers_for is not None:
+            req = replace(req, headers={**req.headers, **self.headers_for(r)})
+        return req.encoded()
 
     async def body_for(self, i: int) -> Encoded:
         fut = self.prepared.pop(i, None)
@@ -328,10 +336,11 @@ async def replay(
     progress: TextIO | None = None,
     stop: asyncio.Event | None = None,
     label: str = "replay",
+    headers_for: HeadersFor | None = None,
 ) -> ReplayRun:
     """Send `trace` (arrivals already windowed and scaled) to `url`, open loop. Setting
     `stop` ends the run early: nothing more is sent, requests in flight are cancelled and
-    recorded as errors."""
+    recorded as errors. `headers_for`: more headers for each row's request."""
     return await Replay(
         trace,
         url,
@@ -341,4 +350,5 @@ async def replay(
         progress=progress,
         stop=stop,
         label=label,
+        headers_for=headers_for,
     ).run()

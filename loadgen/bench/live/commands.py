@@ -344,8 +344,57 @@ def add_screenshot(bench: Any, policies: Sequence[str]) -> None:
     b.set_defaults(func=_screenshot)
 
 
+def _peers(args: argparse.Namespace) -> int:
+    from loadgen.bench.live.peers import PeersOptions, run_peers_bench
+
+    return run_peers_bench(
+        PeersOptions(
+            trace=args.trace,
+            start_s=args.start_s,
+            duration_s=args.duration_s,
+            time_scale=args.time_scale,
+            repeat=args.repeat,
+            rtt_profile=args.rtt_profile,
+            fronts=tuple(f.strip() for f in args.fronts.split(",") if f.strip()),
+            out=args.out,
+        )
+    )
+
+
+def add_peers(bench: Any, policies: Sequence[str]) -> None:
+    from emulator.peers.fronts import DEFAULT_FRONTS
+
+    b = bench.add_parser(
+        "peers",
+        help="gorgo against SMG and vllm-router, live on the same emulated fleet (make peers)",
+        description="Each front door in turn (gorgo with shipped defaults, the peer routers "
+        "with the flags of emulator/peers/fronts.py) in front of a fresh emulated fleet behind "
+        "WAN links, the same trace window replayed open loop through each; TTFT, E2E, "
+        "failures, cache hit rate, the router's CPU per request and RSS (docs/results.md, "
+        '"Against the routers users deploy").',
+    )
+    b.add_argument("trace", help="Mooncake or ART-Chat JSONL trace, or paper-synthetic[:SEED]")
+    b.add_argument("--start-s", type=float, default=0.0, help="window start (trace time)")
+    b.add_argument("--duration-s", type=float, default=60.0, help="window length (trace time)")
+    b.add_argument("--time-scale", type=float, default=3.0, help="2 = half the trace's rate")
+    b.add_argument("--repeat", type=int, default=1, help="rounds, order reversed every other")
+    b.add_argument(
+        "--rtt-profile",
+        default="network",
+        help="WAN delays: network, paper, or single (every backend 1 ms away)",
+    )
+    b.add_argument(
+        "--fronts",
+        default=",".join(DEFAULT_FRONTS),
+        help="comma-separated: gorgo and emulator/peers/fronts.py's names",
+    )
+    b.add_argument("--out", help='write {"fronts": {NAME: SUMMARY}} here, a plot beside it')
+    b.set_defaults(func=_peers)
+
+
 PARSERS = (
     add_overhead,
+    add_peers,
     add_parity,
     add_live,
     add_prefix_state,
