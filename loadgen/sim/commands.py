@@ -11,7 +11,7 @@ from typing import Any
 
 from ext_proc.vocab.backend import DEFAULT_PROFILE
 from loadgen.client.protocol import add_protocol_flags
-from loadgen.sim.peers import PEER_NAMES
+from loadgen.sim.peers.names import PEER_NAMES
 from loadgen.traces.load import TRACE_HELP
 
 

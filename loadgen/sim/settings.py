@@ -17,7 +17,7 @@ from ext_proc.config.schema import Config
 from ext_proc.vocab.backend import DEFAULT_PROFILE
 from loadgen.client.protocol import OPEN, Protocol
 from loadgen.sim.classes import Classes
-from loadgen.sim.peers import is_peer
+from loadgen.sim.peers.names import is_peer
 
 # The single proxy of the paper's setup (front_doors 0): its RTTs are the RTT profile's.
 PROXY = ""

@@ -39,9 +39,7 @@ from ext_proc.vocab.types import Refusal, RouteRequest, Status
 from loadgen.client.concurrency import Admitted, ConcurrencyCap
 from loadgen.results import RequestResult
 from loadgen.sim.models import cache_salt, default_model, max_loras, names_models, served_models
-from loadgen.sim.peers import is_peer
-from loadgen.sim.peers.base import PeerPolicy
-from loadgen.sim.peers.feed import LoadReader, SimPeerView
+from loadgen.sim.peers.feed import PeerFeed, peer_for
 from loadgen.sim.settings import PROXY, SimSettings
 from loadgen.traces.request import TraceRequest
 
@@ -52,9 +50,6 @@ _SEND, _SLOT = range(11, 13)
 # Flow control: the gateway queues are offered room again (TICK_S apart while any waits).
 _TICK = 13
 TICK_S = 0.05
-# A peer router's engine-load poll, its answer back, and the engines' KV events reaching it
-# (loadgen/sim/peers).
-_PEER_POLL, _PEER_LOAD, _PEER_KV = range(14, 17)
 # One hop through the fleet's message bus between routers in one place (NATS on a LAN).
 BUS_HOP_S = 0.0005
 
@@ -117,22 +112,11 @@ class Simulation:
         rng = random.Random(settings.seed)
         # A peer router's rule (loadgen/sim/peers) in the router's place: it chooses, and
         # hears the lifecycle as its own books would; its RNG is its own.
-        self.peer: PeerPolicy | None = None
-        if is_peer(settings.policy):
-            from loadgen.sim.peers.catalog import make_peer
-
-            if settings.routers != 1 or settings.front_doors:
-                raise ValueError(f"policy {settings.policy}: one router, no front doors")
-            self.peer = make_peer(settings.policy, random.Random(f"peer:{settings.seed}"))
+        self.peer = peer_for(settings.policy, settings.seed, settings.routers, settings.front_doors)
         # The service's own factory, on the virtual clock (it draws the policy's and the
         # tuner's RNGs from `rng` first).
-        self.router = build_router(
-            cfg,
-            lambda: self.now_s,
-            rng,
-            listeners=() if self.peer is None else (self.peer,),
-            policy=self.peer,
-        )
+        peers = () if self.peer is None else (self.peer,)
+        self.router = build_router(cfg, lambda: self.now_s, rng, listeners=peers, policy=self.peer)
         profiles = {r: load_profile(settings.engine_profile_of(r)) for r in settings.regions}
         fleet = settings.fleet
         self.engines = {
@@ -191,17 +175,7 @@ class Simulation:
                 for router in self.routers:
                     router.inputs.expect_engine_events(r)
         self.router_block_tokens = cfg.routing.block_tokens
-        self.router_profile = load_profile(settings.router_profile_of(settings.regions[0]))
-        # Each request's trace row while the peer may ask for it.
-        self._rows: dict[str, TraceRequest] = {}
-        self._peer_loads = LoadReader(self.peer is not None and self.peer.poll_tokens)
-        if self.peer is not None:
-            if self.peer.kv_events:
-                if len(set(self.engine_block_tokens.values())) > 1:
-                    raise ValueError(f"{settings.policy}: the fleet's block_tokens must agree")
-                for r in settings.regions:
-                    self.engines[r].cache.events = []
-            self.peer.bind(SimPeerView(self))
+        self.feed = None if self.peer is None else PeerFeed(self.peer, self)
         self.probe_interval_s = cfg.probes.interval_s
         self.metrics_interval_s = cfg.probes.metrics_interval_s
         self._events: list[tuple[float, int, int, Any]] = []
@@ -287,9 +261,8 @@ class Simulation:
             for door in self.routers_at:
                 for b in self.s.regions:
                     self._push(0.0, _SCRAPE, (door, b))
-        if self.peer is not None and self.peer.poll_interval_s is not None:
-            for b in self.s.regions:
-                self._push(0.0, _PEER_POLL, b)
+        if self.feed is not None:
+            self.feed.start()
         self._pending = len(self.trace)
         told = self._pending
         while self._events and self._pending:
@@ -356,8 +329,6 @@ class Simulation:
                     self._pump()
             elif kind == _PEER:
                 self._deliver(*data)
-            elif kind in (_PEER_POLL, _PEER_LOAD, _PEER_KV):
-                self._peer_event(kind, data)
             elif kind == _CALL:
                 data()
             elif kind == _SEND:
@@ -394,27 +365,6 @@ class Simulation:
         self._slip_ms[r.id] = sent.slip_s * 1000
         self._push(self.now_s + access_ms / 2000, _ARRIVE, sent.item)
 
-    def _peer_event(self, kind: int, data: Any) -> None:
-        """A peer's poll of an engine (read now, answered a half-trip later), its answer,
-        or the engine's KV events reaching it."""
-        peer = self.peer
-        assert peer is not None
-        if kind == _PEER_POLL:
-            b, interval_s = data, peer.poll_interval_s
-            assert interval_s is not None
-            engine, capacity = self.engines[b], self.kv_capacity_tokens[b]
-            load = self._peer_loads.read(b, engine, capacity, self.now_s)
-            self._push(self.now_s + self._one_way_s(PROXY, b), _PEER_LOAD, (b, load))
-            self._push(self.now_s + interval_s, _PEER_POLL, b)
-        elif kind == _PEER_LOAD:
-            peer.on_poll(*data)
-        else:
-            peer.on_kv_events(*data)
-
-    def trace_row(self, request_id: str) -> TraceRequest:
-        """The trace row of a request being routed (what a peer reads its prompt from)."""
-        return self._rows[request_id]
-
     def engine_keys(self, r: TraceRequest) -> list[int]:
         """The request's prompt blocks as every engine keys them."""
         per_engine = r.block_tokens // self.engine_block_tokens[self.s.regions[0]]
@@ -432,13 +382,10 @@ class Simulation:
         if cache.events:
             if self.s.prefix_state == "precise":
                 for door in self.routers_at:
-                    self._push(
-                        t + self._one_way_s(door, backend),
-                        _KV_EVENTS,
-                        (door, backend, cache.events),
-                    )
-            if self.peer is not None and self.peer.kv_events:
-                self._push(t + self._one_way_s(PROXY, backend), _PEER_KV, (backend, cache.events))
+                    heard_s = t + self._one_way_s(door, backend)
+                    self._push(heard_s, _KV_EVENTS, (door, backend, cache.events))
+            if self.feed is not None:
+                self.feed.kv_events(backend, t, cache.events)
             cache.events = []
 
     def _arrive(self, r: TraceRequest, origin: str, door: str, access_ms: float) -> None:
@@ -458,8 +405,8 @@ class Simulation:
         engine_keys = None
         if self.s.prefix_state == "precise":
             engine_keys = self.engine_keys(r)
-        if self.peer is not None:
-            self._rows[r.id] = r
+        if self.feed is not None:
+            self.feed.rows[r.id] = r
         routers = self.routers_at[door]
         router = routers[zlib.crc32((r.session or r.id).encode()) % len(routers)]
         key = r.session or r.id
@@ -555,7 +502,6 @@ class Simulation:
             slip_ms=self._slip_ms.pop(r.id, 0.0),
         )
         self._door_arrival_s.pop(r.id, None)
-        self._rows.pop(r.id, None)
         if self.s.protocol.max_concurrency is not None:
             self._push(self.now_s + access_ms / 2000, _SLOT, r.id)
         self._pending -= 1
@@ -595,7 +541,6 @@ class Simulation:
         if (conn := self._conn_of.pop(rid, None)) is not None:
             self._conns_busy[conn] -= 1
         self._router_of.pop(rid).close(rid, Status.OK, at_door_ms, cached_tokens=res.cached_tokens)
-        self._rows.pop(rid, None)
         if self.hook is not None:
             self.hook(res, self.router)
 

@@ -1,16 +1,34 @@
-"""What the simulator tells a peer policy (base.PeerView), read off the simulation: the
-request's trace row, the engines' keys and sizes, and an engine's load as a poll reads it."""
+"""The simulator's side of a peer policy: the peer built for the settings, and `PeerFeed`,
+its view of the simulation (base.PeerView: the request's trace row, the engines' keys and
+sizes) and the timing of what it hears: each engine's load read at the peer's poll interval
+and answered a WAN half-trip later, the engines' KV events likewise, on the virtual clock."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+import random
+from collections.abc import Callable, Mapping, Sequence
+from functools import partial
+from typing import Any, Protocol
 
 from emulator.engine.model import EngineModel
-from loadgen.sim.peers.base import EngineLoad, Prompt
+from ext_proc.core.router import Router
+from ext_proc.estimate.profile import load_profile
+from ext_proc.vocab.events import Closed, Listener
+from loadgen.sim.peers.base import EngineLoad, PeerPolicy, Prompt
+from loadgen.sim.peers.names import is_peer
+from loadgen.sim.settings import PROXY, SimSettings
+from loadgen.traces.request import TraceRequest
 
-if TYPE_CHECKING:
-    from loadgen.sim.simulate import Simulation
+
+def peer_for(policy: str, seed: int, routers: int, front_doors: int) -> PeerPolicy | None:
+    """The peer router's rule named `policy` (None: a product policy), with its own RNG."""
+    if not is_peer(policy):
+        return None
+    from loadgen.sim.peers.catalog import make_peer
+
+    if routers != 1 or front_doors:
+        raise ValueError(f"policy {policy}: one router, no front doors")
+    return make_peer(policy, random.Random(f"peer:{seed}"))
 
 
 def waiting_uncached_tokens(m: EngineModel) -> int:
@@ -21,15 +39,83 @@ def waiting_uncached_tokens(m: EngineModel) -> int:
     return waiting + sum(r.input_tokens - r.prefilled_tokens for r in m.prefilling)
 
 
-class LoadReader:
-    """An engine's load as a peer's poll reads it; the generation rate is the tokens the
-    engine emitted since this reader's previous reading, over the time between."""
+class Simulated(Protocol):
+    """What the feed reads of the simulation (loadgen.sim.simulate.Simulation)."""
 
-    def __init__(self, with_tokens: bool) -> None:
-        self.with_tokens = with_tokens
+    @property
+    def now_s(self) -> float: ...
+
+    @property
+    def s(self) -> SimSettings: ...
+
+    @property
+    def router(self) -> Router: ...
+
+    @property
+    def engines(self) -> Mapping[str, EngineModel]: ...
+
+    @property
+    def kv_capacity_tokens(self) -> Mapping[str, int]: ...
+
+    @property
+    def engine_block_tokens(self) -> Mapping[str, int]: ...
+
+    def at(self, t_s: float, change: Callable[[], None]) -> None: ...
+
+    def engine_keys(self, r: TraceRequest) -> list[int]: ...
+
+
+class PeerFeed(Listener):
+    """base.PeerView over a running simulation, and the timing of the peer's polls and KV
+    events (`at`: the simulation's timed calls). It hears the router's closes after the
+    peer, to forget the request's row."""
+
+    def __init__(self, peer: PeerPolicy, sim: Simulated) -> None:
+        self.peer, self._sim = peer, sim
+        self._profile = load_profile(sim.s.router_profile_of(sim.s.regions[0]))
+        self._block_tokens = sim.engine_block_tokens[sim.s.regions[0]]
+        # Each request's trace row while the peer may ask for it.
+        self.rows: dict[str, TraceRequest] = {}
+        # Per engine: (when it was last read, tokens it had emitted then).
         self._last: dict[str, tuple[float, int]] = {}
+        if peer.kv_events:
+            if len(set(sim.engine_block_tokens.values())) > 1:
+                raise ValueError(f"{peer.name}: the fleet's block_tokens must agree")
+            for m in sim.engines.values():
+                m.cache.events = []
+        peer.bind(self)
+        sim.router.subscribe(self)
 
-    def read(self, backend: str, m: EngineModel, capacity_tokens: int, now_s: float) -> EngineLoad:
+    def on_close(self, e: Closed) -> None:
+        self.rows.pop(e.request_id, None)
+
+    def _one_way_s(self, backend: str) -> float:
+        return self._sim.s.rtt_ms(PROXY, backend)[0] / 2000
+
+    # -- timing ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self.peer.poll_interval_s is not None:
+            for b in self._sim.engines:
+                self._sim.at(0.0, partial(self._poll, b))
+
+    def _poll(self, backend: str) -> None:
+        now_s, interval_s = self._sim.now_s, self.peer.poll_interval_s
+        assert interval_s is not None
+        load = self.read(backend, now_s)
+        self._sim.at(now_s + self._one_way_s(backend), lambda: self.peer.on_poll(backend, load))
+        self._sim.at(now_s + interval_s, partial(self._poll, backend))
+
+    def kv_events(self, backend: str, t: float, changes: Sequence[tuple[Any, ...]]) -> None:
+        """The engine's cache changed at t: the peer hears it a half-trip later."""
+        if self.peer.kv_events:
+            heard_s = t + self._one_way_s(backend)
+            self._sim.at(heard_s, lambda: self.peer.on_kv_events(backend, changes))
+
+    def read(self, backend: str, now_s: float) -> EngineLoad:
+        """The engine's load now; its generation rate is the tokens it emitted since the
+        previous reading, over the time between."""
+        m = self._sim.engines[backend]
         emitted = m.stats.tokens_emitted
         then_s, then_emitted = self._last.get(backend, (now_s, emitted))
         self._last[backend] = (now_s, emitted)
@@ -37,39 +123,33 @@ class LoadReader:
         return EngineLoad(
             waiting_reqs=m.num_queued,
             running_reqs=m.num_started,
-            kv_usage=m.held_tokens / capacity_tokens,
+            kv_usage=m.held_tokens / self._sim.kv_capacity_tokens[backend],
             gen_throughput_tok_s=rate,
-            waiting_uncached_tokens=waiting_uncached_tokens(m) if self.with_tokens else 0,
+            waiting_uncached_tokens=waiting_uncached_tokens(m) if self.peer.poll_tokens else 0,
         )
 
-
-class SimPeerView:
-    """base.PeerView over a running Simulation."""
-
-    def __init__(self, sim: Simulation) -> None:
-        self._sim = sim
+    # -- base.PeerView --------------------------------------------------------------------
 
     def now_s(self) -> float:
         return self._sim.now_s
 
     def prompt(self, request_id: str) -> Prompt:
-        r = self._sim.trace_row(request_id)
+        r = self.rows[request_id]
         return Prompt(
             tuple(r.block_ids), r.block_tokens, r.input_tokens, r.output_tokens, r.session
         )
 
     def engine_keys(self, request_id: str) -> Sequence[int]:
-        return self._sim.engine_keys(self._sim.trace_row(request_id))
+        return self._sim.engine_keys(self.rows[request_id])
 
     def engine_block_tokens(self) -> int:
-        return self._sim.engine_block_tokens[self._sim.s.regions[0]]
+        return self._block_tokens
 
     def kv_capacity_tokens(self, backend: str) -> int:
         return self._sim.kv_capacity_tokens[backend]
 
     def decode_throughput_tok_s(self) -> float:
-        profile = self._sim.router_profile
-        batch = int(profile.max_running_requests)
-        # batch requests, each 2048 tokens of context, one token each a decode step
-        step_ms = float(profile.decode_ms(batch, batch * 2048))
+        # the batch at its cap, each request 2048 tokens of context, a token each a step
+        batch = int(self._profile.max_running_requests)
+        step_ms = float(self._profile.decode_ms(batch, batch * 2048))
         return round(batch / step_ms * 1e3, 1)

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from ext_proc.policy.catalog import POLICIES
-from loadgen.sim.peers import PEER_NAMES
 from loadgen.sim.peers.base import EngineLoad
 from loadgen.sim.peers.dynamo import DynamoKv
 from loadgen.sim.peers.llmd import LlmdSticky
+from loadgen.sim.peers.names import PEER_NAMES
 from loadgen.sim.peers.smg import SmgCacheAware
 from loadgen.sim.peers.vllm_router import VllmRouterStickyLeastLoaded
 from loadgen.sim.settings import SimSettings
