@@ -118,7 +118,7 @@ def median_summary(runs: Sequence[FrontRun]) -> dict[str, Any]:
     spread (min, max) beside them; plus the router's cost."""
     sums = [summarize(r.results) for r in runs]
     ranked = sorted(range(len(runs)), key=lambda i: sums[i]["ttft_ms"]["p95"] or 0.0)
-    base = json.loads(json.dumps(sums[ranked[len(ranked) // 2]]))
+    base: dict[str, Any] = json.loads(json.dumps(sums[ranked[len(ranked) // 2]]))
     spread: dict[str, dict[str, list[float]]] = {}
     for metric, q in SPREAD_KEYS:
         values = [s[metric][q] for s in sums if s[metric][q] is not None]
@@ -304,7 +304,7 @@ def run_round(
 
 
 def report(fronts: Mapping[str, Mapping[str, Any]]) -> str:
-    lines = [table(list(fronts.items()))]
+    lines = [table([(name, dict(s)) for name, s in fronts.items()])]
     lines.append("")
     lines.append("| front | runs | failed | router CPU ms/request | router peak RSS MiB |")
     lines.append("|---|---|---|---|---|")

@@ -11,6 +11,7 @@ from functools import partial
 from typing import Any, Protocol
 
 from emulator.engine.model import EngineModel
+from emulator.peers.fronts import default_throughput_tok_s
 from ext_proc.core.router import Router
 from ext_proc.estimate.profile import load_profile
 from ext_proc.vocab.events import Closed, Listener
@@ -149,7 +150,5 @@ class PeerFeed(Listener):
         return self._sim.kv_capacity_tokens[backend]
 
     def decode_throughput_tok_s(self) -> float:
-        # the batch at its cap, each request 2048 tokens of context, a token each a step
-        batch = int(self._profile.max_running_requests)
-        step_ms = float(self._profile.decode_ms(batch, batch * 2048))
-        return round(batch / step_ms * 1e3, 1)
+        # the same figure the live bench gives SMG's --least-load-default-throughput
+        return default_throughput_tok_s(self._profile)

@@ -1,0 +1,101 @@
+"""The pure parts of `gorgo bench peers` (loadgen/bench/live/peers.py): the rounds' order,
+the repeats' median, gorgo's ratio to the best peer, the options' checks, session headers."""
+
+from __future__ import annotations
+
+from emulator.peers.fronts import FRONTS
+from loadgen.bench.live.peers import (
+    FrontRun,
+    PeersOptions,
+    median_summary,
+    order,
+    ratios,
+    session_headers,
+)
+from loadgen.results import RequestResult
+from loadgen.traces.request import TraceRequest
+
+
+def _results(ttfts: list[float], errors: int = 0) -> list[RequestResult]:
+    rows = [
+        RequestResult(
+            id=f"r{i}",
+            backend="b",
+            ttft_ms=t,
+            e2e_ms=2 * t,
+            input_tokens=100,
+            output_tokens=10,
+            cached_tokens=25,
+            status="ok",
+            error="",
+            itl_ms=[],
+        )
+        for i, t in enumerate(ttfts)
+    ]
+    rows += [
+        RequestResult(
+            id=f"e{i}",
+            backend="",
+            ttft_ms=None,
+            e2e_ms=None,
+            input_tokens=0,
+            output_tokens=0,
+            cached_tokens=0,
+            status="error",
+            error="HTTP 503",
+            itl_ms=[],
+        )
+        for i in range(errors)
+    ]
+    return rows
+
+
+def test_rounds_alternate_their_order() -> None:
+    assert order(["gorgo", "a", "b"], 3) == [
+        ["gorgo", "a", "b"],
+        ["b", "a", "gorgo"],
+        ["gorgo", "a", "b"],
+    ]
+
+
+def test_the_summary_takes_the_repeats_median_and_keeps_their_spread() -> None:
+    runs = [
+        FrontRun("gorgo", _results([100.0] * 20), cpu_s=0.2, peak_rss_mb=150, wall_s=1),
+        FrontRun("gorgo", _results([300.0] * 20, errors=1), cpu_s=0.4, peak_rss_mb=170, wall_s=1),
+        FrontRun("gorgo", _results([200.0] * 20), cpu_s=0.3, peak_rss_mb=160, wall_s=1),
+    ]
+    s = median_summary(runs)
+    assert s["ttft_ms"]["p95"] == 200.0
+    assert s["e2e_ms"]["p95"] == 400.0
+    assert s["spread"]["ttft_ms"]["p95"] == [100.0, 300.0]
+    assert (s["runs"], s["errors_total"], s["requests_total"]) == (3, 1, 61)
+    assert s["router_cpu_ms_per_request"] == round(0.9e3 / 61, 3)
+    assert s["router_peak_rss_mb"] == 170
+    assert s["cache_hit_rate"] == 0.25
+
+
+def test_gorgo_is_compared_with_the_lowest_peer_of_each_figure() -> None:
+    fronts = {
+        "gorgo": {"ttft_ms": {"p95": 80.0}, "e2e_ms": {"p95": 300.0}},
+        "smg:cache_aware": {"ttft_ms": {"p95": 100.0}, "e2e_ms": {"p95": 200.0}},
+        "vllm-router:cache_aware": {"ttft_ms": {"p95": 160.0}, "e2e_ms": {"p95": 150.0}},
+    }
+    assert ratios(fronts) == {"ttft_ms_p95_vs_best_peer": 0.8, "e2e_ms_p95_vs_best_peer": 2.0}
+    assert ratios({"gorgo": fronts["gorgo"]}) == {}
+
+
+def test_bad_options_are_named() -> None:
+    bad = PeersOptions("t", fronts=("gorgo", "smg:nope", "gorgo"), rtt_profile="moon", repeat=0)
+    problems = " | ".join(bad.problems())
+    for part in ("smg:nope", "names one twice", "--rtt-profile", "--repeat"):
+        assert part in problems
+    assert PeersOptions("t", rtt_profile="single").problems() == []
+
+
+def test_a_front_gets_its_own_session_header_only_when_the_replay_lacks_it() -> None:
+    row = TraceRequest(1, 0.0, 10, 1, (7,), 512, "s7")
+    hashing = session_headers(FRONTS["smg:consistent_hashing"])
+    assert hashing is not None and dict(hashing(row)) == {"x-smg-routing-key": "s7"}
+    assert session_headers(FRONTS["vllm-router:sticky_least_loaded"]) is None  # x-session-id
+    assert session_headers(FRONTS["smg:cache_aware"]) is None
+    assert session_headers(None) is None
