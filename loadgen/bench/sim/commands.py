@@ -39,6 +39,7 @@ def _target(args: argparse.Namespace) -> int:
         "gorgo " + shlex.join(sys.argv[1:]),
         not args.no_run,
         args.engine_profile,
+        args.against,
     )
 
 
@@ -88,6 +89,13 @@ def add_target(bench: Any, policies: Sequence[str]) -> None:
         "TIME_SCALES)",
     )
     b.add_argument("--extra", action="append", choices=policies, help="another policy's ratios too")
+    b.add_argument(
+        "--against",
+        choices=["paper", "peers"],
+        default="paper",
+        help="the baselines: the paper's (target p95 TTFT <= 0.8 x the best) or the rules of "
+        "SMG, vllm-router, llm-d and Dynamo (loadgen/sim/peers; <= 0.85 x)",
+    )
     b.add_argument(
         "--engine-profile",
         default=DEFAULT_PROFILE,

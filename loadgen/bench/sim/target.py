@@ -145,14 +145,19 @@ class Row:
     # 0: not computed.
     greedy_ms: float = 0.0
     pool_ms: float = 0.0
+    # Where the best baseline is picked from, and the TTFT ratio to meet.
+    baselines: tuple[str, ...] = BASELINES
+    target_ttft: float = TARGET_TTFT
 
     @property
     def best_ttft(self) -> tuple[str, float]:
-        return min(((p, self.p95[p][0]) for p in BASELINES if p in self.p95), key=lambda x: x[1])
+        ps = [(p, self.p95[p][0]) for p in self.baselines if p in self.p95]
+        return min(ps, key=lambda x: x[1])
 
     @property
     def best_e2e(self) -> tuple[str, float]:
-        return min(((p, self.p95[p][1]) for p in BASELINES if p in self.p95), key=lambda x: x[1])
+        ps = [(p, self.p95[p][1]) for p in self.baselines if p in self.p95]
+        return min(ps, key=lambda x: x[1])
 
     def ratios(self, policy: str) -> tuple[float, float]:
         ttft, e2e = self.p95[policy]
@@ -161,30 +166,30 @@ class Row:
     @property
     def meets(self) -> bool:
         t, e = self.ratios(self.subject)
-        return t <= TARGET_TTFT and e <= TARGET_E2E
+        return t <= self.target_ttft and e <= TARGET_E2E
 
     @property
     def headroom(self) -> float:
-        """0.8 x the best baseline's p95 TTFT over the floor: below 1, no policy meets it."""
-        return TARGET_TTFT * self.best_ttft[1] / self.floor_ms
+        """target x the best baseline's p95 TTFT over the floor: below 1, no policy meets it."""
+        return self.target_ttft * self.best_ttft[1] / self.floor_ms
 
     @property
     def burst_headroom(self) -> float:
         """The same over the burst floor (the tighter bound where arrivals come in bursts)."""
         if not self.burst_floor_ms:
             return math.inf
-        return TARGET_TTFT * self.best_ttft[1] / self.burst_floor_ms
+        return self.target_ttft * self.best_ttft[1] / self.burst_floor_ms
 
     @property
     def greedy_headroom(self) -> float:
         """0.8 x the best baseline's p95 TTFT over the clairvoyant greedy scheduler's."""
-        return TARGET_TTFT * self.best_ttft[1] / self.greedy_ms if self.greedy_ms else math.inf
+        return self.target_ttft * self.best_ttft[1] / self.greedy_ms if self.greedy_ms else math.inf
 
     @property
     def pool_headroom(self) -> float:
         """0.8 x the best baseline's p95 TTFT over the best clairvoyant placement's with
         the engines' real pool."""
-        return TARGET_TTFT * self.best_ttft[1] / self.pool_ms if self.pool_ms else math.inf
+        return self.target_ttft * self.best_ttft[1] / self.pool_ms if self.pool_ms else math.inf
 
     @property
     def feasible(self) -> bool:
@@ -313,6 +318,8 @@ def run_cells(
     rerun: Iterable[str] = (),
     subject: str = "gorgo",
     run: bool = True,
+    baselines: tuple[str, ...] = BASELINES,
+    target_ttft: float = TARGET_TTFT,
 ) -> list[Row]:
     """Every policy in every cell (in parallel with jobs > 1), then one Row per cell.
     run=False: only what the result files hold (cells missing a run are left out)."""
@@ -366,6 +373,8 @@ def run_cells(
             subject,
             clairvoyant_greedy_ms(c),
             clairvoyant_pool_ms(c),
+            baselines,
+            target_ttft,
         )
         for c in cells
     ]

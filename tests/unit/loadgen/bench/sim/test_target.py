@@ -14,6 +14,7 @@ from loadgen.bench.sim.floors import (
     clairvoyant_greedy_ttfts_ms,
     floor_ttfts_ms,
 )
+from loadgen.bench.sim.policies import AGAINST
 from loadgen.bench.sim.target import (
     BASELINES,
     Cell,
@@ -235,3 +236,25 @@ def test_the_real_pool_evicts_and_a_sticky_placement_keeps_a_session_home(
     row = Row(_cell([]), {p: (1000.0, 1000.0) for p in BASELINES}, 100.0, pool_ms=1000.0)
     assert row.pool_headroom == pytest.approx(0.8)
     assert blocks([replace(row, p95={**row.p95, "gorgo": (1.0, 1.0)})])[0].below_pool == 1
+
+
+def test_against_the_peers_the_best_is_a_peer_and_the_bar_is_085(tmp_path: Path) -> None:
+    """`--against peers`: the peers' simulated rules run in the cell, the floors still
+    bound every one of them, and meets/headroom use 0.85."""
+    baselines, target = AGAINST["peers"]
+    assert target == 0.85 and "dynamo_kv" in baselines and "least_request" not in baselines
+    reqs = window(read_trace(SLICE), limit=60)
+    (row,) = run_cells(
+        [_cell(reqs, "open", 0.5)],
+        [*baselines, "gorgo"],
+        tmp_path,
+        baselines=baselines,
+        target_ttft=target,
+    )
+    assert row.best_ttft[0] in baselines and row.best_e2e[0] in baselines
+    for p in baselines:
+        assert row.burst_floor_ms <= row.p95[p][0], p
+    assert row.headroom == pytest.approx(0.85 * row.best_ttft[1] / row.floor_ms)
+    t, e = row.ratios("gorgo")
+    assert row.meets == (t <= 0.85 and e <= 1.0)
+    assert "0.85 x best baseline / floor" in markdown([row])
