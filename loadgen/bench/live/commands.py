@@ -357,6 +357,7 @@ def _peers(args: argparse.Namespace) -> int:
             rtt_profile=args.rtt_profile,
             fronts=tuple(f.strip() for f in args.fronts.split(",") if f.strip()),
             out=args.out,
+            classes=args.classes,
         )
     )
 

@@ -38,9 +38,13 @@ from emulator.stack.settings import StackPorts, StackSettings, regions_for_profi
 from emulator.stack.stack import Stack
 from emulator.wan import RTT_PROFILES
 from ext_proc.common.names import HEADER_SESSION
+from ext_proc.config.dump import config_as_dict
+from ext_proc.config.flow import FlowControl
+from ext_proc.config.load import config_from_dict
 from ext_proc.estimate.profile import load_profile
-from loadgen.replay.loop import replay
+from loadgen.replay.loop import HeadersFor, replay
 from loadgen.results import RequestResult, summarize, table
+from loadgen.sim.classes import Classes, class_summary, load_classes
 from loadgen.traces.load import load_trace
 from loadgen.traces.request import TraceRequest
 from loadgen.traces.windows import scaled, window
@@ -70,6 +74,10 @@ class PeersOptions:
     out: str | None = None
     api: str = "chat"
     seed: int = 0
+    # Request classes (loadgen/sim/classes.py's file): gorgo runs with flow control and
+    # these objectives, SMG with its priority scheduler, each told a request's class its
+    # own way (CLASS_HEADERS); the summary adds per-class SLO attainment and goodput.
+    classes: str | None = None
 
     def problems(self) -> list[str]:
         out = []
@@ -89,6 +97,11 @@ class PeersOptions:
             out.append(f"--time-scale must be > 0, got {self.time_scale}")
         if not self.duration_s > 0:
             out.append(f"--duration-s must be > 0, got {self.duration_s}")
+        if self.classes is not None:
+            try:
+                load_classes(self.classes)
+            except ValueError as e:
+                out.append(f"--classes: {e}")
         return out
 
 
@@ -110,6 +123,8 @@ class FrontRun:
     spread: dict[str, int] = field(default_factory=dict)
     # What shows it read the engines' loads, for the report.
     evidence: str = ""
+    # SMG's priority scheduler's non-zero series at the end (with --classes).
+    scheduler: dict[str, float] = field(default_factory=dict)
 
 
 def median_summary(runs: Sequence[FrontRun]) -> dict[str, Any]:
@@ -136,6 +151,16 @@ def median_summary(runs: Sequence[FrontRun]) -> dict[str, Any]:
     base["router_peak_rss_mb"] = round(max(r.peak_rss_mb for r in runs), 1)
     base["ok_total"] = ok
     return base
+
+
+def failures(runs: Sequence[FrontRun], refusals_allowed: bool = False) -> int:
+    """Requests that failed (with `refusals_allowed`, 429s are not counted)."""
+    return sum(
+        1
+        for run in runs
+        for r in run.results
+        if r.status != "ok" and not (refusals_allowed and r.error.startswith("HTTP 429"))
+    )
 
 
 def ratios(fronts: Mapping[str, Mapping[str, Any]], us: str = GORGO) -> dict[str, float]:
@@ -188,8 +213,29 @@ def cpu_s(pids: Sequence[int]) -> float:
 
 
 def _get_json(url: str) -> Any:
+    return json.loads(_get_text(url))
+
+
+def _get_text(url: str) -> str:
     with urllib.request.urlopen(url, timeout=5) as r:
-        return json.loads(r.read())
+        return str(r.read().decode())
+
+
+def scheduler_metrics(text: str) -> dict[str, float]:
+    """SMG's priority scheduler's series (name with labels -> value) that are not zero: what
+    shows the classes took effect there (admitted, queued, preempted per class)."""
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("#") or "sched" not in line.split("{")[0]:
+            continue
+        series, _, value = line.rpartition(" ")
+        try:
+            v = float(value)
+        except ValueError:
+            continue
+        if v:
+            out[series] = v
+    return out
 
 
 def engine_stats(stack: Stack) -> list[dict[str, Any]]:
@@ -206,8 +252,8 @@ def load_polls(stats: Sequence[Mapping[str, Any]]) -> int:
     )
 
 
-def _stack(opts: PeersOptions) -> Stack:
-    return Stack(
+def _stack(opts: PeersOptions, classes: Classes | None) -> Stack:
+    stack = Stack(
         StackSettings(
             regions=regions_for_profile(opts.rtt_profile),
             ports=StackPorts.ephemeral(3),
@@ -216,6 +262,55 @@ def _stack(opts: PeersOptions) -> Stack:
             keep_logs=False,
         )
     )
+    if classes is not None:  # gorgo's gateway queue with the classes' objectives
+        raw = config_as_dict(stack.config)
+        flow = dict(raw.get("flow_control") or {})
+        flow.update(enabled=True, objectives=list(classes.objectives))
+        raw["flow_control"] = flow
+        stack.config = config_from_dict(raw)
+    return stack
+
+
+# SMG's classes (middleware/scheduler: bulk < default < interactive < system); anonymous
+# requests may use up to interactive (--priority-scheduler-default-max-class).
+SMG_CLASSES = ("bulk", "default", "interactive")
+SMG_PRIORITY_ARGS = (
+    "--priority-scheduler-enabled",
+    "--priority-scheduler-default-max-class",
+    "interactive",
+)
+
+
+def smg_class_of(classes: Classes) -> dict[str, str]:
+    """Each objective's SMG class by priority rank: the highest interactive, the lowest
+    bulk, any between default."""
+    ranked = sorted(classes.objectives, key=lambda o: int(o.get("priority", 0)))
+    out = {}
+    for i, o in enumerate(ranked):
+        top, bottom = i == len(ranked) - 1, i == 0
+        out[o["name"]] = "interactive" if top else "bulk" if bottom else "default"
+    return out
+
+
+def class_headers(
+    f: PeerFront | None, classes: Classes
+) -> Callable[[TraceRequest], Mapping[str, str]]:
+    """A request's class as the front reads it: gorgo's objective header, SMG's priority
+    header; vllm-router has no classes (none)."""
+    if f is None:
+        header = FlowControl().objective_header
+        return lambda r: {header: classes.objective_of(r.session)}
+    if f.tool == "smg":
+        smg = smg_class_of(classes)
+        return lambda r: {"x-smg-priority": smg[classes.objective_of(r.session)]}
+    return lambda r: {}
+
+
+def _merge(*fns: Callable[[TraceRequest], Mapping[str, str]] | None) -> HeadersFor | None:
+    got = [fn for fn in fns if fn is not None]
+    if not got:
+        return None
+    return lambda r: {k: v for fn in got for k, v in fn(r).items()}
 
 
 def session_headers(f: PeerFront | None) -> Callable[[TraceRequest], Mapping[str, str]] | None:
@@ -231,7 +326,12 @@ def _served_model(stack: Stack) -> str:
 
 
 async def _run_front(
-    name: str, stack: Stack, trace: Sequence[TraceRequest], opts: PeersOptions, logs: Path
+    name: str,
+    stack: Stack,
+    trace: Sequence[TraceRequest],
+    opts: PeersOptions,
+    logs: Path,
+    classes: Classes | None,
 ) -> FrontRun:
     peer: PeerProcess | None = None
     f = None if name == GORGO else peer_front(name)
@@ -243,6 +343,7 @@ async def _run_front(
         facts: dict[str, Any] = {"served_model": _served_model(stack)}
         if "default_throughput_tok_s" in f.facts():
             facts["default_throughput_tok_s"] = default_throughput_tok_s(load_profile())
+        classed = classes is not None and f.tool == "smg"
         peer = await start_peer(
             f,
             [stack.backend_url(i) for i in range(len(stack.settings.regions))],
@@ -250,6 +351,7 @@ async def _run_front(
             port=port,
             metrics_port=metrics_port,
             log_path=logs / f"{name.replace(':', '-')}.log",
+            extra_args=SMG_PRIORITY_ARGS if classed else (),
             **facts,
         )
         url, pids = peer.url, [peer.pid]
@@ -264,7 +366,9 @@ async def _run_front(
             max_concurrency=MAX_CONCURRENCY,
             progress=sys.stderr,
             label=name,
-            headers_for=session_headers(f),
+            headers_for=_merge(
+                session_headers(f), class_headers(f, classes) if classes is not None else None
+            ),
         )
         cpu1, wall = cpu_s(pids), time.monotonic() - t0
         sampling.cancel()
@@ -281,15 +385,19 @@ async def _run_front(
 
 
 def run_round(
-    names: Sequence[str], trace: Sequence[TraceRequest], opts: PeersOptions, logs: Path
+    names: Sequence[str],
+    trace: Sequence[TraceRequest],
+    opts: PeersOptions,
+    logs: Path,
+    classes: Classes | None = None,
 ) -> list[FrontRun]:
     out = []
     for name in names:
-        stack = _stack(opts)
+        stack = _stack(opts, classes if name == GORGO else None)
         print(f"[peers] {name}: fresh fleet ({opts.rtt_profile} RTTs)...", file=sys.stderr)
         stack.start(front_door=(name == GORGO))
         try:
-            run = asyncio.run(_run_front(name, stack, trace, opts, logs))
+            run = asyncio.run(_run_front(name, stack, trace, opts, logs, classes))
         finally:
             stack.stop()
         s = summarize(run.results)
@@ -320,6 +428,24 @@ def report(fronts: Mapping[str, Mapping[str, Any]]) -> str:
             f"gorgo against the best peer: p95 TTFT x{r['ttft_ms_p95_vs_best_peer']:.2f}, "
             f"p95 E2E x{r['e2e_ms_p95_vs_best_peer']:.2f}"
         )
+    return "\n".join(lines)
+
+
+def class_report(fronts: Mapping[str, Mapping[str, Any]]) -> str:
+    """Per front: each objective's SLO attainment and the goodput (median over repeats)."""
+    lines = [
+        "| front | goodput | " + "objective slo_attained (served / requests) |",
+        "|---|---|---|",
+    ]
+    for name, s in fronts.items():
+        runs = s["classes"]
+        good = statistics.median(c["goodput"] for c in runs)
+        parts = []
+        for obj in sorted(runs[0]["objectives"]):
+            att = statistics.median(c["objectives"][obj]["slo_attained"] for c in runs)
+            o = runs[0]["objectives"][obj]
+            parts.append(f"{obj} {att:.3f} ({o['served']} / {o['requests']})")
+        lines.append(f"| {name} | {good:.3f} | {', '.join(parts)} |")
     return "\n".join(lines)
 
 
@@ -360,15 +486,21 @@ def run_peers_bench(opts: PeersOptions) -> int:
         f"{opts.repeat} round(s); peer logs in {logs}",
         file=sys.stderr,
     )
+    classes = load_classes(opts.classes) if opts.classes else None
     runs: dict[str, list[FrontRun]] = {n: [] for n in opts.fronts}
     for names in order(opts.fronts, opts.repeat):
-        for run in run_round(names, trace, opts, logs):
+        for run in run_round(names, trace, opts, logs, classes):
             runs[run.front].append(run)
     fronts = {n: median_summary(rs) for n, rs in runs.items()}
     for n, rs in runs.items():
         fronts[n]["evidence"] = [r.evidence for r in rs]
         fronts[n]["engines"] = [r.spread for r in rs]
+        if classes is not None:
+            fronts[n]["classes"] = [class_summary(r.results, classes) for r in rs]
+            fronts[n]["smg_scheduler"] = [r.scheduler for r in rs]
     print(report(fronts))
+    if classes is not None:
+        print(class_report(fronts))
     if opts.out:
         out = Path(opts.out)
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -380,13 +512,20 @@ def run_peers_bench(opts: PeersOptions) -> int:
             "rtt_profile": opts.rtt_profile,
             "repeat": opts.repeat,
             "requests": len(trace),
+            "classes": opts.classes,
             "fronts": fronts,
             "gorgo_vs_best_peer": ratios(fronts),
         }
         out.write_text(json.dumps(doc, indent=1))
         plot(fronts, out.with_suffix(".png"))
         print(f"wrote {out} and {out.with_suffix('.png')}")
-    bad = [n for n, s in fronts.items() if s["errors_total"] > 0.01 * s["requests_total"]]
+    # With classes, refusals (429: a sheddable request gorgo's queue or SMG's scheduler
+    # turned away) are the policy at work, not failures.
+    bad = [
+        n
+        for n, rs in runs.items()
+        if failures(rs, classes is not None) > 0.01 * sum(len(r.results) for r in rs)
+    ]
     if bad:
         print(f"gorgo bench peers: over 1 % failed: {', '.join(bad)}", file=sys.stderr)
         return 1

@@ -3,17 +3,27 @@ the repeats' median, gorgo's ratio to the best peer, the options' checks, sessio
 
 from __future__ import annotations
 
+from dataclasses import replace
+from pathlib import Path
+
 from emulator.peers.fronts import FRONTS
 from loadgen.bench.live.peers import (
     FrontRun,
     PeersOptions,
+    class_headers,
+    failures,
     median_summary,
     order,
     ratios,
+    scheduler_metrics,
     session_headers,
+    smg_class_of,
 )
 from loadgen.results import RequestResult
+from loadgen.sim.classes import Classes, classes_from_dict, load_classes
 from loadgen.traces.request import TraceRequest
+
+CLASSES = Path(__file__).resolve().parents[5] / "loadgen/data/classes/interactive-batch.yaml"
 
 
 def _results(ttfts: list[float], errors: int = 0) -> list[RequestResult]:
@@ -99,3 +109,63 @@ def test_a_front_gets_its_own_session_header_only_when_the_replay_lacks_it() -> 
     assert session_headers(FRONTS["vllm-router:sticky_least_loaded"]) is None  # x-session-id
     assert session_headers(FRONTS["smg:cache_aware"]) is None
     assert session_headers(None) is None
+
+
+def _classes() -> Classes:
+    return load_classes(CLASSES)
+
+
+def test_objectives_map_to_smg_classes_by_rank() -> None:
+    assert smg_class_of(_classes()) == {"interactive": "interactive", "batch": "bulk"}
+    three = classes_from_dict(
+        {
+            "objectives": [
+                {"name": "low", "share": 1, "priority": -5},
+                {"name": "mid", "share": 1, "priority": 0},
+                {"name": "high", "share": 1, "priority": 9},
+            ]
+        }
+    )
+    assert smg_class_of(three) == {"low": "bulk", "mid": "default", "high": "interactive"}
+
+
+def test_each_front_is_told_the_class_its_own_way() -> None:
+    c = _classes()
+    rows = [TraceRequest(i, 0.0, 10, 1, (i,), 512, f"s{i}") for i in range(40)]
+    gorgo = class_headers(None, c)
+    smg = class_headers(FRONTS["smg:cache_aware"], c)
+    vllm = class_headers(FRONTS["vllm-router:cache_aware"], c)
+    seen = set()
+    for r in rows:
+        objective = c.objective_of(r.session)
+        seen.add(objective)
+        assert dict(gorgo(r)) == {"x-gorgo-objective": objective}
+        want = "interactive" if objective == "interactive" else "bulk"
+        assert dict(smg(r)) == {"x-smg-priority": want}
+        assert dict(vllm(r)) == {}
+    assert seen == {"interactive", "batch"}
+
+
+def test_scheduler_metrics_keep_the_non_zero_scheduler_series() -> None:
+    text = "\n".join(
+        [
+            "# HELP smg_scheduler_admitted_total admitted",
+            'smg_scheduler_admitted_total{class="interactive"} 12',
+            'smg_scheduler_admitted_total{class="bulk"} 0',
+            'smg_http_requests_total{path="/v1/chat/completions"} 40',
+            "smg_scheduler_queue_depth 3",
+        ]
+    )
+    assert scheduler_metrics(text) == {
+        'smg_scheduler_admitted_total{class="interactive"}': 12.0,
+        "smg_scheduler_queue_depth": 3.0,
+    }
+
+
+def test_refusals_are_not_failures_with_classes() -> None:
+    rows = _results([100.0] * 98)
+    rows.append(replace(rows[0], id="x", status="error", error="HTTP 429: rejected-slo"))
+    rows.append(replace(rows[0], id="y", status="error", error="HTTP 503"))
+    run = FrontRun("gorgo", rows, cpu_s=0, peak_rss_mb=0, wall_s=1)
+    assert failures([run]) == 2
+    assert failures([run], refusals_allowed=True) == 1
