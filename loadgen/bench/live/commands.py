@@ -390,6 +390,12 @@ def add_peers(bench: Any, policies: Sequence[str]) -> None:
         help="comma-separated: gorgo and emulator/peers/fronts.py's names",
     )
     b.add_argument("--out", help='write {"fronts": {NAME: SUMMARY}} here, a plot beside it')
+    b.add_argument(
+        "--classes",
+        help="request classes (gorgo simulate --classes' YAML): gorgo with flow control and "
+        "these objectives, SMG with its priority scheduler (x-smg-priority by rank); per "
+        "class SLO attainment and goodput",
+    )
     b.set_defaults(func=_peers)
 
 
