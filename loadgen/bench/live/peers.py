@@ -24,7 +24,7 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -306,6 +306,14 @@ def class_headers(
     return lambda r: {}
 
 
+def classed(
+    results: Sequence[RequestResult], trace: Sequence[TraceRequest], classes: Classes
+) -> list[RequestResult]:
+    """Each result with its request's class (its session's), for the per-class summary."""
+    of = {r.id: classes.objective_of(r.session) for r in trace}
+    return [replace(x, objective=of.get(x.id)) for x in results]
+
+
 def _merge(*fns: Callable[[TraceRequest], Mapping[str, str]] | None) -> HeadersFor | None:
     got = [fn for fn in fns if fn is not None]
     if not got:
@@ -343,7 +351,7 @@ async def _run_front(
         facts: dict[str, Any] = {"served_model": _served_model(stack)}
         if "default_throughput_tok_s" in f.facts():
             facts["default_throughput_tok_s"] = default_throughput_tok_s(load_profile())
-        classed = classes is not None and f.tool == "smg"
+        smg_classes = classes is not None and f.tool == "smg"
         peer = await start_peer(
             f,
             [stack.backend_url(i) for i in range(len(stack.settings.regions))],
@@ -351,7 +359,7 @@ async def _run_front(
             port=port,
             metrics_port=metrics_port,
             log_path=logs / f"{name.replace(':', '-')}.log",
-            extra_args=SMG_PRIORITY_ARGS if classed else (),
+            extra_args=SMG_PRIORITY_ARGS if smg_classes else (),
             **facts,
         )
         url, pids = peer.url, [peer.pid]
@@ -375,10 +383,17 @@ async def _run_front(
         stats = engine_stats(stack)
         spread = {s["name"]: int(s["completed_total"]) for s in stats}
         evidence = f"engine load polls {load_polls(stats)}"
+        scheduler: dict[str, float] = {}
         if peer is not None and f is not None and f.tool == "smg":
             scored = smg_decisions(peer.log_path)
             evidence += f", SMG decisions scored on engine loads {len(scored)}"
-        return FrontRun(name, run.results, cpu1 - cpu0, sampler.peak_mb, wall, spread, evidence)
+            if classes is not None:
+                scheduler = scheduler_metrics(_get_text(peer.metrics_url))
+                evidence += f", SMG scheduler series {len(scheduler)}"
+        results = run.results if classes is None else classed(run.results, trace, classes)
+        return FrontRun(
+            name, results, cpu1 - cpu0, sampler.peak_mb, wall, spread, evidence, scheduler
+        )
     finally:
         if peer is not None:
             await peer.stop()

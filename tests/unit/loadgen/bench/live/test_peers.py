@@ -11,6 +11,7 @@ from loadgen.bench.live.peers import (
     FrontRun,
     PeersOptions,
     class_headers,
+    classed,
     failures,
     median_summary,
     order,
@@ -20,7 +21,7 @@ from loadgen.bench.live.peers import (
     smg_class_of,
 )
 from loadgen.results import RequestResult
-from loadgen.sim.classes import Classes, classes_from_dict, load_classes
+from loadgen.sim.classes import Classes, class_summary, classes_from_dict, load_classes
 from loadgen.traces.request import TraceRequest
 
 CLASSES = Path(__file__).resolve().parents[5] / "loadgen/data/classes/interactive-batch.yaml"
@@ -169,3 +170,14 @@ def test_refusals_are_not_failures_with_classes() -> None:
     run = FrontRun("gorgo", rows, cpu_s=0, peak_rss_mb=0, wall_s=1)
     assert failures([run]) == 2
     assert failures([run], refusals_allowed=True) == 1
+
+
+def test_results_get_their_sessions_class_for_the_class_summary() -> None:
+    c = _classes()
+    trace = [TraceRequest(i, 0.0, 10, 1, (i,), 512, f"s{i}") for i in range(30)]
+    rows = [replace(_results([100.0])[0], id=r.id) for r in trace]
+    got = classed(rows, trace, c)
+    assert [x.objective for x in got] == [c.objective_of(r.session) for r in trace]
+    summary = class_summary(got, c)
+    assert set(summary["objectives"]) == {"interactive", "batch"}
+    assert summary["goodput"] == 1.0
