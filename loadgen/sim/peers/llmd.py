@@ -91,6 +91,16 @@ class _Epp(PeerPolicy):
     def block_tokens(self) -> int:
         return max(MIN_BLOCK_TOKENS, self.view.engine_block_tokens())
 
+    def lookup(
+        self, request: RouteRequest, candidates: Sequence[Candidate]
+    ) -> tuple[list[str], Prompt, list[int], dict[str, float]]:
+        """The servers, the request's prompt, its blocks' hashes and each server's prefix
+        score: what both of the EPP's configurations start from."""
+        servers = [c.backend_id for c in candidates]
+        prompt = self.view.prompt(request.request_id)
+        hashes = prefix_blocks(prompt, self.block_tokens())
+        return servers, prompt, hashes, self.prefix_scores(hashes, servers)
+
     def prefix_scores(self, hashes: Sequence[int], servers: Sequence[str]) -> dict[str, float]:
         """matched blocks / prompt blocks per server (0 for an empty prompt)."""
         matched = self.index.match(hashes)
@@ -131,10 +141,7 @@ class LlmdWeighted(_Epp):
     def choose(
         self, request: RouteRequest, candidates: Sequence[Candidate], weights: Weights | None
     ) -> Choice:
-        servers = [c.backend_id for c in candidates]
-        prompt = self.view.prompt(request.request_id)
-        hashes = prefix_blocks(prompt, self.block_tokens())
-        prefix = self.prefix_scores(hashes, servers)
+        servers, prompt, hashes, prefix = self.lookup(request, candidates)
         queues = {s: self.metrics[s].waiting_reqs if s in self.metrics else 0 for s in servers}
         lo, hi = min(queues.values()), max(queues.values())
         p = self.p
@@ -174,10 +181,7 @@ class LlmdSticky(_Epp):
     def choose(
         self, request: RouteRequest, candidates: Sequence[Candidate], weights: Weights | None
     ) -> Choice:
-        servers = [c.backend_id for c in candidates]
-        prompt = self.view.prompt(request.request_id)
-        hashes = prefix_blocks(prompt, self.block_tokens())
-        prefix = self.prefix_scores(hashes, servers)
+        _, prompt, hashes, prefix = self.lookup(request, candidates)
         kept = self.affinity(prefix)
         limit = self.p.queue_threshold_tokens
         scores = {s: 1.0 - min(1.0, self.in_flight_tokens.get(s, 0) / limit) for s in kept}
