@@ -23,6 +23,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -149,6 +150,9 @@ def median_summary(runs: Sequence[FrontRun]) -> dict[str, Any]:
         sum(r.cpu_s for r in runs) * 1e3 / max(1, sum(len(r.results) for r in runs)), 3
     )
     base["router_peak_rss_mb"] = round(max(r.peak_rss_mb for r in runs), 1)
+    base["failures"] = dict(
+        Counter(x.error[:120] for r in runs for x in r.results if x.status != "ok")
+    )
     base["ok_total"] = ok
     return base
 
@@ -416,8 +420,11 @@ def run_round(
         finally:
             stack.stop()
         s = summarize(run.results)
+        failed = Counter(x.error[:120] for x in run.results if x.status != "ok")
         print(
-            f"[peers] {name}: {s['ok']}/{s['requests']} ok, TTFT p95 "
+            f"[peers] {name}: {s['ok']}/{s['requests']} ok"
+            + (f" (failed: {dict(failed)})" if failed else "")
+            + ", TTFT p95 "
             f"{s['ttft_ms']['p95']} ms, E2E p95 {s['e2e_ms']['p95']} ms, {run.evidence}, "
             f"engines {run.spread} ({run.wall_s:.0f} s)",
             file=sys.stderr,

@@ -83,6 +83,7 @@ def test_the_summary_takes_the_repeats_median_and_keeps_their_spread() -> None:
     assert s["router_cpu_ms_per_request"] == round(0.9e3 / 61, 3)
     assert s["router_peak_rss_mb"] == 170
     assert s["cache_hit_rate"] == 0.25
+    assert s["failures"] == {"HTTP 503": 1}
 
 
 def test_gorgo_is_compared_with_the_lowest_peer_of_each_figure() -> None:
