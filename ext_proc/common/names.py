@@ -31,6 +31,12 @@ METADATA_ENVOY_NODE = "x-gorgo-envoy"
 # The same id as an Envoy attribute (the observer filter gets no request headers), and the
 # attributes namespace Envoy's ext_proc filter sends them under.
 REQUEST_ID_ATTRIBUTE = "request.id"
+# The response's status and Envoy's word on who produced it (`via_upstream`: the backend),
+# sent with the observer's first chunk: a backend's 5xx counts against it before the
+# client has read it, not when the access-log entry comes (after the client may have
+# sent its next request).
+RESPONSE_CODE_ATTRIBUTE = "response.code"
+RESPONSE_DETAILS_ATTRIBUTE = "response.code_details"
 EXT_PROC_ATTRIBUTES = "envoy.filters.http.ext_proc"
 
 # Envoy's gRPC service paths we serve (their wire names, fixed by Envoy).

@@ -14,6 +14,8 @@ from ext_proc.common.names import (
     HEADER_GATEWAY_ENDPOINT_SERVED,
     LB_METADATA_NAMESPACE,
     REQUEST_ID_ATTRIBUTE,
+    RESPONSE_CODE_ATTRIBUTE,
+    RESPONSE_DETAILS_ATTRIBUTE,
     SUBSET_METADATA_KEY,
     SUBSET_METADATA_NAMESPACE,
 )
@@ -86,6 +88,24 @@ def request_id_attribute(req: pb.ProcessingRequest) -> str:
         return ""
     value = attrs.fields.get(REQUEST_ID_ATTRIBUTE)
     return value.string_value if value is not None else ""
+
+
+def response_status_attributes(req: pb.ProcessingRequest) -> tuple[int, str]:
+    """The response code and code details Envoy sent as attributes ((0, "") if absent).
+    Envoy turns an integer attribute into a number or, in some versions, a string."""
+    attrs = req.attributes.get(EXT_PROC_ATTRIBUTES)
+    if attrs is None:
+        return 0, ""
+    code = attrs.fields.get(RESPONSE_CODE_ATTRIBUTE)
+    details = attrs.fields.get(RESPONSE_DETAILS_ATTRIBUTE)
+    number = 0
+    if code is not None:
+        kind = code.WhichOneof("kind")
+        if kind == "number_value":
+            number = int(code.number_value)
+        elif kind == "string_value" and code.string_value.isdigit():
+            number = int(code.string_value)
+    return number, details.string_value if details is not None else ""
 
 
 def _header_map(m: pb.HeaderMap) -> dict[str, str]:

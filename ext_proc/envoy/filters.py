@@ -13,6 +13,8 @@ from ext_proc.common.names import (
     LB_METADATA_NAMESPACE,
     METADATA_ENVOY_NODE,
     REQUEST_ID_ATTRIBUTE,
+    RESPONSE_CODE_ATTRIBUTE,
+    RESPONSE_DETAILS_ATTRIBUTE,
 )
 from ext_proc.config.flow import max_hold_s
 from ext_proc.config.schema import Config
@@ -85,8 +87,13 @@ def ext_proc_filters(cfg: Config) -> list[dict[str, Any]]:
             "stat_prefix": OBSERVE_STAT_PREFIX,
             # No request phase: the stream opens with the first response chunk, which
             # carries the request id as an attribute, so nothing of this filter competes
-            # with the routing stream while Envoy waits for the decision.
-            "response_attributes": [REQUEST_ID_ATTRIBUTE],
+            # with the routing stream while Envoy waits for the decision; and the status,
+            # so a backend's 5xx counts against it before the client reads it.
+            "response_attributes": [
+                REQUEST_ID_ATTRIBUTE,
+                RESPONSE_CODE_ATTRIBUTE,
+                RESPONSE_DETAILS_ATTRIBUTE,
+            ],
             "processing_mode": {
                 "request_header_mode": "SKIP",
                 "request_body_mode": "NONE",
@@ -104,7 +111,8 @@ def ext_proc_filters(cfg: Config) -> list[dict[str, Any]]:
 
 def access_logs() -> list[dict[str, Any]]:
     """Two gRPC access logs to the router, one entry each per request: failures (status
-    400 and up) sent at once, so a failing backend is ejected on its next request;
+    400 and up) sent at once (a backend's 5xx is counted sooner still, from the observer's
+    first chunk and its response.code attribute);
     the rest in batches, every 50 ms or 16 KB (~30 entries), whichever comes first: one
     gRPC message per entry cost the router ~0.3 ms of CPU per request (gorgo bench
     overhead), and a completion learned at most 50 ms late is a few percent of an LLM

@@ -69,7 +69,13 @@ def open_session(
     Gateway's processorForPath + passThroughProcessor pattern)."""
     info = codec.stream_info(first)
     if info.observe_only:
-        return ObservingSession(router, info, codec.request_id_attribute(first), forward)
+        return ObservingSession(
+            router,
+            info,
+            codec.request_id_attribute(first),
+            forward,
+            codec.response_status_attributes(first),
+        )
     headers = phase.headers
     if (
         phase.name == codec.REQUEST_HEADERS

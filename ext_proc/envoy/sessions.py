@@ -96,6 +96,7 @@ class _FirstByteWatcher(Session):
         info: codec.StreamInfo,
         request_id: str,
         forward: Forward | None = None,
+        response_status: tuple[int, str] = (0, ""),
     ) -> None:
         super().__init__(info)
         self.router = router
@@ -103,6 +104,11 @@ class _FirstByteWatcher(Session):
         self.first_byte_seen = False
         # Several routers behind one Envoy: another router's request goes to it.
         self.forward = forward
+        # The response's code and code details, when Envoy sent them as attributes: a 5xx
+        # the backend answered is its failure, known at the first chunk.
+        code, details = response_status
+        upstream_failed = code >= 500 and details == VIA_UPSTREAM
+        self.upstream_failure = outcome_of(code, frozenset(), details) if upstream_failed else None
 
     def on_response_headers(self, p: codec.Phase) -> Reply:
         if p.end_of_stream:  # no body will follow: the headers were the first byte
@@ -118,12 +124,15 @@ class _FirstByteWatcher(Session):
     def _first_byte(self, chunk: bytes = b"") -> None:
         if not self.first_byte_seen and self.request_id:
             self.first_byte_seen = True
-            error = is_error_event(chunk)
+            failure = self.upstream_failure
+            error = failure is not None or is_error_event(chunk)
             if error:
-                # An error inside a 200 stream: not a first token, and the backend's
-                # failure (the access log's 200 that follows finds it closed).
-                log.info("request %s: error event in the stream", self.request_id)
-                mine = self.router.close(self.request_id, Status.ERROR) is not None
+                # The backend's 5xx, or an error inside a 200 stream: not a first token,
+                # and the backend's failure (the access-log entry that follows finds it
+                # closed).
+                reason = failure.reason if failure is not None else "error event in the stream"
+                log.info("request %s: %s", self.request_id, reason)
+                mine = self.router.close(self.request_id, Status.ERROR, reason=reason) is not None
             else:
                 mine = self.router.first_byte(self.request_id) is not None
             if not mine and self.forward is not None:  # another router's, or a repeat

@@ -2,6 +2,7 @@
 
 import dataclasses
 
+import pytest
 from envoy_data_plane.envoy.config.core.v3 import HeaderMap, HeaderValue, Metadata, Node
 from envoy_data_plane.envoy.data.accesslog.v3 import (
     AccessLogCommon,
@@ -163,6 +164,26 @@ def test_request_id_attribute_from_the_observer_first_message() -> None:
     ours = codec.ProcessingRequest.FromString(bytes(theirs))
     assert codec.request_id_attribute(ours) == "abc-1"
     assert codec.request_id_attribute(codec.ProcessingRequest()) == ""
+    assert codec.response_status_attributes(ours) == (0, "")
+
+
+@pytest.mark.parametrize("code", [Value(number_value=500), Value(string_value="500")])
+def test_the_response_code_attributes_decode_as_a_number_or_a_string(code: Value) -> None:
+    """Envoy 1.3x sends `response.code` as a number (seen from the real Envoy here); a
+    string is read too."""
+    theirs = ProcessingRequest(
+        response_body=HttpBody(body=b"{}", end_of_stream=True),
+        attributes={
+            "envoy.filters.http.ext_proc": Struct(
+                fields={
+                    "response.code": code,
+                    "response.code_details": Value(string_value="via_upstream"),
+                }
+            )
+        },
+    )
+    ours = codec.ProcessingRequest.FromString(bytes(theirs))
+    assert codec.response_status_attributes(ours) == (500, "via_upstream")
 
 
 def test_the_subset_hint_and_the_served_endpoint_decode_from_envoys_metadata() -> None:

@@ -203,13 +203,19 @@ def test_a_ten_megabyte_body_is_routed() -> None:
     assert r.in_flight["big"].input_tokens == 2_500_000
 
 
-def observer_chunk(rid: str, data: bytes) -> codec.ProcessingRequest:
-    """The observing filter's first message: the first response chunk, the request id as
-    an attribute."""
+def observer_chunk(
+    rid: str, data: bytes, code: int = 0, details: str = ""
+) -> codec.ProcessingRequest:
+    """The observing filter's first message: the first response chunk, the request id and
+    (when given) the response code and its details as attributes, as Envoy sends them."""
     req = body(data, response=True, eos=False)
     req.observability_mode = True
     req.protocol_config.response_body_mode = codec.pb.ProcessingMode.STREAMED
-    req.attributes["envoy.filters.http.ext_proc"].fields["request.id"].string_value = rid
+    attrs = req.attributes["envoy.filters.http.ext_proc"].fields
+    attrs["request.id"].string_value = rid
+    if code:
+        attrs["response.code"].number_value = code
+        attrs["response.code_details"].string_value = details
     return req
 
 
@@ -231,6 +237,38 @@ def test_an_error_event_as_the_first_chunk_is_a_failure_not_a_ttft() -> None:
     d = r.decide(chat("fine"))
     Stream(r).handle(observer_chunk(d.request_id, b'data: {"id": "x", "choices": []}\n\n'))
     assert r.backends[d.backend].stats.recent_ttft_ms  # a normal first chunk is timed
+
+
+def test_a_backends_5xx_counts_at_its_first_chunk_and_envoys_own_do_not() -> None:
+    """The observer's first chunk carries the response code: a 5xx the backend answered
+    (via_upstream) closes the request as the backend's failure at once, so two in a row
+    eject it before the client can send its next request (the access-log entry comes
+    only when the exchange ends: a race the long tier lost on CI); Envoy's or the
+    router's own 5xx, or a 4xx, is not held against the backend."""
+    r, clock = make_router("gorgo", backends=REGIONS)
+    engine_500 = b'{"error": {"message": "boom", "type": "InternalServerError"}}'
+    for code, details in (
+        (503, "gorgo_service_unavailable"),
+        (502, "upstream_reset_x"),
+        (404, "via_upstream"),
+    ):
+        d = r.decide(chat(f"{code}"))
+        Stream(r).handle(observer_chunk(d.request_id, engine_500, code, details))
+        assert d.request_id in r.in_flight  # left to the access log's entry
+        assert d.backend == "near"
+        r.close(d.request_id, Status.CANCELLED)
+    for i in range(2):
+        d = r.decide(chat(f"p{i}"))
+        assert d.backend == "near"
+        clock.advance(0.05)
+        Stream(r).handle(observer_chunk(d.request_id, engine_500, 500, "via_upstream"))
+        assert d.request_id not in r.in_flight
+        assert r.close(d.request_id, Status.ERROR) is None  # the access log's entry, later
+    near = r.backends["near"]
+    assert near.stats.errors == 2 and near.health.ejected_until_s is not None
+    assert list(near.health.recent_failures) == ["500 via_upstream"] * 2
+    assert len(near.stats.recent_ttft_ms) == 3  # the first three's; no failure's
+    assert r.decide(chat("next")).backend != "near"
 
 
 def test_a_first_chunk_timed_after_the_response_ended_is_moved_back_to_its_end() -> None:
