@@ -22,6 +22,7 @@ from loadgen.bench.sim import commands as bench_sim
 from loadgen.bench.tuner import commands as bench_tuner
 from loadgen.replay import commands as replay
 from loadgen.sim import commands as sim
+from loadgen.soak import commands as soak
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -49,7 +50,7 @@ def add_demo(sub: Any, policies: Sequence[str]) -> None:
 AddParser = Callable[[Any, Sequence[str]], None]
 
 # `gorgo COMMAND` and `gorgo bench BENCH`, in the order of their --help.
-COMMANDS: tuple[AddParser, ...] = (add_demo, *replay.PARSERS, *sim.PARSERS)
+COMMANDS: tuple[AddParser, ...] = (add_demo, *replay.PARSERS, *sim.PARSERS, *soak.PARSERS)
 BENCHES: tuple[AddParser, ...] = (
     *bench_results.PARSERS,
     *bench_sim.PARSERS,
