@@ -76,26 +76,36 @@ def window_of(r: FaultRecord) -> tuple[float, float]:
 def judge(
     records: Sequence[FaultRecord], outcomes: Sequence[Outcome]
 ) -> tuple[list[FaultRow], list[Outcome]]:
-    """Each fault's row, and the failures no fault window holds (each one a defect)."""
+    """Each fault's row, and the failures no fault window holds (each one a defect).
+
+    A request open at any time in a fault's window counts among its requests; a failure
+    belongs to one fault: among the windows that hold the moment it failed (its end), the
+    fault on its backend, else one of the front door's, else the latest (where it counts as
+    failed elsewhere: a fault's failure must stay on the part it hit)."""
     rows = [FaultRow(r) for r in records]
     unexplained: list[Outcome] = []
     for o in outcomes:
-        held = False
+        holding: list[FaultRow] = []
         for row in rows:
             start, end = window_of(row.record)
             if o.end_s < start or o.sent_s > end:
                 continue
-            held = True
             row.requests += 1
-            if o.ok or o.refused:
-                continue
-            row.failed += 1
-            row.reasons[reason(o.error)] += 1
-            part = row.record.part
-            if part != FRONT_DOOR and o.backend != part:
-                row.failed_elsewhere += 1
-        if not held and not (o.ok or o.refused):
+            if start <= o.end_s <= end:
+                holding.append(row)
+        if o.ok or o.refused:
+            continue
+        if not holding:
             unexplained.append(o)
+            continue
+        row = next(
+            (r for r in holding if r.record.part == o.backend),
+            next((r for r in reversed(holding) if r.record.part == FRONT_DOOR), holding[-1]),
+        )
+        row.failed += 1
+        row.reasons[reason(o.error)] += 1
+        if row.record.part not in (FRONT_DOOR, o.backend):
+            row.failed_elsewhere += 1
     return rows, unexplained
 
 

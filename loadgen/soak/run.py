@@ -343,6 +343,10 @@ class Soak:
         )
 
     def backend_removed(self) -> FaultRecord:
+        open_then = sum(
+            int(_get(f"{url}/state")["backends"][EXTRA.id]["in_flight"])
+            for _, url in self.routers()
+        )
         at = self.now_s()
         for _, url in self.routers():
             _admin(f"{url}/backends/{EXTRA.id}", "DELETE", self.stack.admin_headers)
@@ -357,7 +361,7 @@ class Soak:
             at,
             at,
             self.wait(gone),
-            "DELETE /backends: drained, then removed",
+            f"DELETE /backends with {open_then} in flight on it: drained, then removed",
         )
 
     # -- the run ---------------------------------------------------------------------
@@ -478,6 +482,7 @@ class Soak:
             "failed": failed,
             "refused": refused,
             "unexplained": [asdict(o) for o in unexplained],
+            "failures": [asdict(o) for o in outcomes if not (o.ok or o.refused)],
             "faults": [
                 {
                     **asdict(r.record),

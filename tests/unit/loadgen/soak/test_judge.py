@@ -42,6 +42,17 @@ def test_failures_in_a_faults_window_are_its_own_and_on_its_part_or_not() -> Non
     assert unexplained == [outcomes[4]]
 
 
+def test_a_failure_in_two_windows_belongs_to_the_fault_that_explains_it() -> None:
+    """A stream on another backend cut by an Envoy kill while a stall's window is still
+    open is the Envoy kill's; one on the stalled backend is the stall's."""
+    stall = FaultRecord("engine stall", "ap", at_s=160.0, healed_s=180.0, recovered_s=189.0)
+    envoy = FaultRecord("Envoy kill -9", FRONT_DOOR, at_s=195.0, healed_s=195.0, recovered_s=197.0)
+    rows, _ = judge(
+        [stall, envoy], [failed(185, 195.1, "us"), failed(170, 195.2, "ap"), failed(150, 175, "us")]
+    )
+    assert [(r.failed, r.failed_elsewhere) for r in rows] == [(2, 1), (1, 0)]
+
+
 def test_a_part_that_never_recovered_keeps_its_window_to_its_heal_and_says_so() -> None:
     stall = FaultRecord("engine stall", "ap", at_s=50.0, healed_s=70.0, recovered_s=None)
     rows, unexplained = judge([stall], [failed(75, 79, "ap"), failed(90, 91, "ap")])
