@@ -56,6 +56,11 @@ def _weights_ok(w: Any) -> bool:
     )
 
 
+# The largest request body the admin reads (aiohttp's default): a backend or a tuner
+# change is a few hundred bytes.
+MAX_BODY_BYTES = 1024**2
+
+
 def _unrouted(request: web.Request, e: web.HTTPException) -> web.Response:
     """aiohttp's 404 or 405 (with its Allow header) as the admin's JSON error."""
     if isinstance(e, web.HTTPMethodNotAllowed):
@@ -103,7 +108,10 @@ def make_admin_app(
         refusal = guard.refuse(request.method, request.path, request.headers, peer)
         if refusal is not None:
             return _error(*refusal)
-        response: web.StreamResponse = await handler(request)
+        try:
+            response: web.StreamResponse = await handler(request)
+        except web.HTTPRequestEntityTooLarge as e:  # a body over client_max_size
+            return _error(413, f"body too large: {e.text}")
         return response
 
     async def healthz(_: web.Request) -> web.Response:
@@ -204,7 +212,7 @@ def make_admin_app(
         """This admin's OpenAPI document (with or without its token's rules)."""
         return web.json_response(document)
 
-    app = web.Application(middlewares=[guarded])
+    app = web.Application(middlewares=[guarded], client_max_size=MAX_BODY_BYTES)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)

@@ -30,8 +30,8 @@ PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 REF = "#/components/schemas/"
 # Every path but these must name the admin in Host (admin_guard.HOST_EXEMPT_PATHS).
 HOST_EXEMPT = ("/healthz", "/readyz")
-# admin_guard.py's id rule for a backend (config/load.py _BACKEND_ID) and the address's
-# form (vocab/params.py split_host_port: a host name or a bracketed IPv6 address, a port).
+# The loader's id rule for a backend (config/load.py _BACKEND_ID) and the address's form
+# (vocab/params.py split_host_port: a host name or a bracketed IPv6 address, a port).
 BACKEND_ID_PATTERN = r"^[a-z0-9][a-z0-9_.-]{0,62}$"
 ADDRESS_PATTERN = (
     r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_]([A-Za-z0-9_.-]*[A-Za-z0-9_])?):"
@@ -226,6 +226,10 @@ def _rebased(defs: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+# A body over the admin's limit (admin.py MAX_BODY_BYTES, 1 MiB).
+TOO_LARGE = {"413": _error("The body is over 1 MiB.")}
+
+
 def _id_param() -> dict[str, Any]:
     return {
         "name": "id",
@@ -324,6 +328,7 @@ def _operations(token: bool) -> dict[str, dict[str, Any]]:
                 "responses": {
                     "200": _json(_ref("Tuner"), "The tuner after the change."),
                     "400": _error("Not JSON, an unknown action, or weights not both > 0."),
+                    **TOO_LARGE,
                     "409": _error("No tuner (its policy has none, or tuner.mode is off)."),
                     **change["responses"],
                 },
@@ -349,6 +354,7 @@ def _operations(token: bool) -> dict[str, dict[str, Any]]:
                         "(id, address, kv_events, engine_profile)."
                     ),
                     "409": _error("A backend with that id is in the fleet already."),
+                    **TOO_LARGE,
                     **change["responses"],
                 },
             },

@@ -199,6 +199,14 @@ async def test_feed_since_a_digit_int_refuses_is_400_not_500(open_client: Any) -
     assert r.status == 400
 
 
+async def test_a_body_over_the_limit_is_a_json_413(open_client: Any) -> None:
+    # Before: aiohttp's text/plain 413, which the document could not describe.
+    big = b'{"action": "freeze", "pad": "' + b"x" * (1024**2) + b'"}'
+    for path in ("/tuner", "/backends"):
+        r = await open_client.post(path, data=big, headers=JSON)
+        assert r.status == 413 and "too large" in (await r.json())["error"]
+
+
 def test_an_engine_profile_that_is_no_regular_file_is_refused() -> None:
     for path in ("/dev/zero", "/tmp"):
         with pytest.raises(ValueError, match="not a regular file"):
