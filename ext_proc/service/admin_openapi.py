@@ -1,8 +1,9 @@
 """The admin port's OpenAPI 3.1 document, served at GET /openapi.json: every route of
 admin.py's app (and the operator page's), its parameters, request bodies and answers, the
-bearer token and the errors admin_guard.py answers. Hand-kept beside the handlers; a test
-holds it to the app's routes both ways (tests/unit/service/test_admin_openapi.py) and
-schemathesis holds the app to it (tests/component/test_admin_schemathesis.py).
+bearer token and the errors admin_guard.py answers (the schemas: admin_schemas.py).
+Hand-kept beside the handlers; a test holds it to the app's routes both ways
+(tests/unit/service/test_admin_openapi.py) and schemathesis holds the app to it
+(tests/component/test_admin_schemathesis.py).
 
 The document describes the admin as it is configured: with a token (`listen.admin_token`
 or GORGO_ADMIN_TOKEN) every change needs it (401 without); without one a change is taken
@@ -14,38 +15,17 @@ endpoints, an engine profile file that must exist) answer 400 with its message.
 
 from __future__ import annotations
 
-import copy
 from functools import cache
 from typing import Any
 
-from ext_proc.config.json_schema import SchemaBuilder
-from ext_proc.estimate.profile import profile_names
-from ext_proc.vocab.backend import Backend
-from ext_proc.vocab.types import BackendLifecycle
+from ext_proc.service.admin_schemas import OBJECT, STRING, component_schemas, ref
 
 OPENAPI_VERSION = "3.1.0"
 TITLE = "GORGO router admin API"
 JSON = "application/json"
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
-REF = "#/components/schemas/"
 # Every path but these must name the admin in Host (admin_guard.HOST_EXEMPT_PATHS).
 HOST_EXEMPT = ("/healthz", "/readyz")
-# The loader's id rule for a backend (config/load.py _BACKEND_ID) and the address's form
-# (vocab/params.py split_host_port: a host name or a bracketed IPv6 address, a port).
-BACKEND_ID_PATTERN = r"^[a-z0-9][a-z0-9_.-]{0,62}$"
-ADDRESS_PATTERN = (
-    r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_]([A-Za-z0-9_.-]*[A-Za-z0-9_])?):"
-    r"([0-9]{1,4}|[1-5][0-9]{4}|6[0-4][0-9]{3}|65[0-4][0-9]{2}|655[0-2][0-9]|6553[0-5])$"
-)
-
-# kv_events.endpoint and replay_endpoint (config/kv_endpoints.py split_tcp_endpoint).
-KV_ENDPOINT_PATTERN = (
-    r"^$|^tcp://(\*|\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_]([A-Za-z0-9_.-]*[A-Za-z0-9_])?):[0-9]{1,5}$"
-)
-
-
-def _ref(name: str) -> dict[str, str]:
-    return {"$ref": REF + name}
 
 
 def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
@@ -57,173 +37,7 @@ def _text(media_type: str, description: str) -> dict[str, Any]:
 
 
 def _error(description: str) -> dict[str, Any]:
-    return _json(_ref("Error"), description)
-
-
-NUMBER = {"type": "number"}
-INTEGER = {"type": "integer"}
-COUNT = {"type": "integer", "minimum": 0}
-STRING = {"type": "string"}
-BOOLEAN = {"type": "boolean"}
-OBJECT = {"type": "object"}
-ARRAY = {"type": "array"}
-
-
-def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
-    return {"anyOf": [schema, {"type": "null"}]}
-
-
-def _object(required: dict[str, Any], **optional: Any) -> dict[str, Any]:
-    """An object with these keys always present (more may follow: the router adds
-    figures without a new API version)."""
-    return {"type": "object", "properties": {**required, **optional}, "required": list(required)}
-
-
-WEIGHTS = _object({"rtt": NUMBER, "queue": NUMBER})
-LIFECYCLE = {"type": "string", "enum": [str(v) for v in BackendLifecycle]}
-
-
-def _schemas() -> dict[str, Any]:
-    """components.schemas: the answers' shapes and the Backend body (the config's)."""
-    builder = SchemaBuilder()
-    builder.section(Backend)
-    defs = _rebased(builder.defs)
-    body = defs["Backend"]
-    body["properties"]["id"]["pattern"] = BACKEND_ID_PATTERN
-    body["properties"]["address"]["pattern"] = ADDRESS_PATTERN
-    for key in ("endpoint", "replay_endpoint"):  # "" (none) or tcp://HOST:PORT
-        defs["KvEventsSource"]["properties"][key]["pattern"] = KV_ENDPOINT_PATTERN
-    profile = body["properties"]["engine_profile"]
-    profile["anyOf"] = [
-        {"enum": profile_names()},
-        {"pattern": r"\.ya?ml$", "description": "a profile file on the router's host"},
-    ]
-    backend_state = _object(
-        {
-            "lifecycle": LIFECYCLE,
-            "in_flight": COUNT,
-            "completed": COUNT,
-            "errors": COUNT,
-            "suspect": BOOLEAN,
-            "ejected": BOOLEAN,
-            "rtt_ms": NUMBER,
-            "queue_ms": NUMBER,
-            "lifecycle_age_s": NUMBER,
-        }
-    )
-    return {
-        **defs,
-        "Error": {
-            "type": "object",
-            "description": "Every refusal of the admin port: what was wrong, in a sentence.",
-            "properties": {"error": STRING},
-            "required": ["error"],
-            "additionalProperties": False,
-        },
-        "Readiness": _object({"ready": BOOLEAN, "reason": STRING}),
-        "Tuner": _object(
-            {
-                "mode": STRING,
-                "weights": WEIGHTS,
-                "frozen": BOOLEAN,
-                "samples": COUNT,
-                "recent_steps": ARRAY,
-            }
-        ),
-        "BackendState": backend_state,
-        "State": _object(
-            {
-                "policy": STRING,
-                "weights": _nullable(WEIGHTS),
-                "tuner": _nullable(_ref("Tuner")),
-                "decisions": COUNT,
-                "in_flight": COUNT,
-                "backends": {"type": "object", "additionalProperties": _ref("BackendState")},
-                "removed_backends": ARRAY,
-                "recent_decisions": ARRAY,
-                "active_ext_proc_streams": COUNT,
-                "flow": _object({"enabled": BOOLEAN}),
-            }
-        ),
-        "FleetBackend": _object(
-            {
-                "id": STRING,
-                "lifecycle": LIFECYCLE,
-                "lifecycle_age_s": NUMBER,
-                "in_flight": COUNT,
-                "peer_in_flight": INTEGER,
-                "config": _ref("Backend"),
-            }
-        ),
-        "Fleet": _object(
-            {
-                "backends": {"type": "array", "items": _ref("FleetBackend")},
-                "removed": {"type": "array", "items": OBJECT},
-            }
-        ),
-        # A drained backend's answer: as in the fleet, or {id, lifecycle: removed} once
-        # it is gone (no requests were in flight there).
-        "ChangedBackend": _object({"id": STRING, "lifecycle": LIFECYCLE}),
-        "TunerChange": {
-            "description": 'Freeze or unfreeze the tuner, or "set" its weights (both > 0).',
-            "oneOf": [
-                {
-                    "type": "object",
-                    "properties": {"action": {"type": "string", "enum": ["freeze", "unfreeze"]}},
-                    "required": ["action"],
-                    "additionalProperties": False,
-                },
-                {
-                    "type": "object",
-                    "properties": {
-                        "action": {"const": "set"},
-                        "weights": {
-                            "type": "object",
-                            "properties": {
-                                "rtt": {"type": "number", "exclusiveMinimum": 0},
-                                "queue": {"type": "number", "exclusiveMinimum": 0},
-                            },
-                            "required": ["rtt", "queue"],
-                            "additionalProperties": False,
-                        },
-                    },
-                    "required": ["action", "weights"],
-                    "additionalProperties": False,
-                },
-            ],
-        },
-        "Feed": _object(
-            {
-                "seq": COUNT,
-                "now_s": NUMBER,
-                "policy": STRING,
-                "in_flight": COUNT,
-                "backends": {"type": "array", "items": OBJECT},
-                "decisions": {"type": "array", "items": OBJECT},
-                "terms": {"type": "array", "items": OBJECT},
-            }
-        ),
-        "Decision": _object({"id": STRING, "backend": STRING, "candidates": ARRAY, "terms": ARRAY}),
-    }
-
-
-def _rebased(defs: dict[str, Any]) -> dict[str, Any]:
-    """The config schema's `$defs` as components: each `#/$defs/X` becomes a component ref."""
-
-    def walk(node: Any) -> Any:
-        if isinstance(node, dict):
-            return {
-                k: (REF + v.removeprefix("#/$defs/"))
-                if k == "$ref" and isinstance(v, str)
-                else walk(v)
-                for k, v in node.items()
-            }
-        if isinstance(node, list):
-            return [walk(v) for v in node]
-        return node
-
-    out: dict[str, Any] = walk(copy.deepcopy(defs))
-    return out
+    return _json(ref("Error"), description)
 
 
 # A body over the admin's limit (admin.py MAX_BODY_BYTES, 1 MiB).
@@ -271,7 +85,7 @@ def _operations(token: bool) -> dict[str, dict[str, Any]]:
         },
         **change,
         "responses": {
-            "202": _json(_ref("ChangedBackend"), "Draining (or removed already)."),
+            "202": _json(ref("ChangedBackend"), "Draining (or removed already)."),
             **fleet_404,
             **conflict,
             **change["responses"],
@@ -290,8 +104,8 @@ def _operations(token: bool) -> dict[str, dict[str, Any]]:
                 "tags": ["health"],
                 "summary": "Readiness: whether the router can route now, and why.",
                 "responses": {
-                    "200": _json(_ref("Readiness"), "Ready."),
-                    "503": _json(_ref("Readiness"), "Not ready (the reason says why)."),
+                    "200": _json(ref("Readiness"), "Ready."),
+                    "503": _json(ref("Readiness"), "Not ready (the reason says why)."),
                 },
             }
         },
@@ -306,7 +120,7 @@ def _operations(token: bool) -> dict[str, dict[str, Any]]:
             "get": {
                 "tags": ["state"],
                 "summary": "The router's state: policy, weights, tuner, backends, flow.",
-                "responses": {"200": _json(_ref("State"), "The state.")},
+                "responses": {"200": _json(ref("State"), "The state.")},
             }
         },
         "/openapi.json": {
@@ -322,11 +136,11 @@ def _operations(token: bool) -> dict[str, dict[str, Any]]:
                 "summary": "Freeze, unfreeze or set the tuner's weights.",
                 "requestBody": {
                     "required": True,
-                    "content": {JSON: {"schema": _ref("TunerChange")}},
+                    "content": {JSON: {"schema": ref("TunerChange")}},
                 },
                 **change,
                 "responses": {
-                    "200": _json(_ref("Tuner"), "The tuner after the change."),
+                    "200": _json(ref("Tuner"), "The tuner after the change."),
                     "400": _error("Not JSON, an unknown action, or weights not both > 0."),
                     **TOO_LARGE,
                     "409": _error("No tuner (its policy has none, or tuner.mode is off)."),
@@ -338,17 +152,17 @@ def _operations(token: bool) -> dict[str, dict[str, Any]]:
             "get": {
                 "tags": ["fleet"],
                 "summary": "The fleet: each backend's lifecycle, requests and config.",
-                "responses": {"200": _json(_ref("Fleet"), "The fleet.")},
+                "responses": {"200": _json(ref("Fleet"), "The fleet.")},
             },
             "post": {
                 "tags": ["fleet"],
                 "summary": "Add a backend (one item of the config's `backends:`).",
                 "description": "Answers once the backend is a candidate (Envoy has its "
                 "cluster) or after 6 s with it still pending.",
-                "requestBody": {"required": True, "content": {JSON: {"schema": _ref("Backend")}}},
+                "requestBody": {"required": True, "content": {JSON: {"schema": ref("Backend")}}},
                 **change,
                 "responses": {
-                    "201": _json(_ref("ChangedBackend"), "Added."),
+                    "201": _json(ref("ChangedBackend"), "Added."),
                     "400": _error(
                         "Not one backend object, or refused by the config's checks "
                         "(id, address, kv_events, engine_profile)."
@@ -387,7 +201,7 @@ def _operations(token: bool) -> dict[str, dict[str, Any]]:
                     },
                 ],
                 "responses": {
-                    "200": _json(_ref("Feed"), "The changes."),
+                    "200": _json(ref("Feed"), "The changes."),
                     "400": _error("`since` is not an integer >= 0."),
                 },
             }
@@ -405,7 +219,7 @@ def _operations(token: bool) -> dict[str, dict[str, Any]]:
                     }
                 ],
                 "responses": {
-                    "200": _json(_ref("Decision"), "The decision."),
+                    "200": _json(ref("Decision"), "The decision."),
                     "400": _error("No request_id, or an empty one."),
                     "404": _error("No recent decision for that request id."),
                 },
@@ -481,7 +295,7 @@ def admin_openapi(token: bool) -> dict[str, Any]:
             ),
         },
         "paths": paths,
-        "components": {"schemas": _schemas(), "securitySchemes": security_schemes},
+        "components": {"schemas": component_schemas(), "securitySchemes": security_schemes},
     }
 
 
