@@ -98,10 +98,22 @@ class EngineProfile:
         return ms
 
 
+def profile_names() -> list[str]:
+    """The built-in profiles' names (ext_proc/estimate/profiles/NAME.yaml), sorted."""
+    return sorted(
+        p.name.removesuffix(".yaml")
+        for p in resources.files("ext_proc.estimate.profiles").iterdir()
+        if p.name.endswith(".yaml")
+    )
+
+
 def load_profile(name_or_path: str = DEFAULT_PROFILE) -> EngineProfile:
-    """A built-in profile by name (ext_proc/estimate/profiles/NAME.yaml) or a YAML file path."""
+    """A built-in profile by name (ext_proc/estimate/profiles/NAME.yaml) or a YAML file path
+    (a regular file: a device such as /dev/zero or a FIFO would never end)."""
     path = Path(name_or_path)
     if path.suffix in (".yaml", ".yml") or path.exists():
+        if path.exists() and not path.is_file():
+            raise ValueError(f"engine profile {name_or_path}: not a regular file")
         try:
             text = path.read_text()
         except OSError as e:
@@ -109,12 +121,8 @@ def load_profile(name_or_path: str = DEFAULT_PROFILE) -> EngineProfile:
     else:
         ref = resources.files("ext_proc.estimate.profiles").joinpath(f"{name_or_path}.yaml")
         if not ref.is_file():
-            known = sorted(
-                p.name.removesuffix(".yaml")
-                for p in resources.files("ext_proc.estimate.profiles").iterdir()
-                if p.name.endswith(".yaml")
-            )
-            raise ValueError(f"unknown engine profile {name_or_path!r} (known: {', '.join(known)})")
+            known = ", ".join(profile_names())
+            raise ValueError(f"unknown engine profile {name_or_path!r} (known: {known})")
         text = ref.read_text()
     return profile_from_dict(yaml.safe_load(text), str(name_or_path))
 

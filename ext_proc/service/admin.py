@@ -1,11 +1,13 @@
 """Admin HTTP on loopback: /healthz (alive), /readyz (can route), /state, POST /tuner, the
-fleet (GET/POST /backends, POST /backends/{id}/drain, DELETE /backends/{id}) and the
-operator's page (/ui); who may use it is admin_guard.py's."""
+fleet (GET/POST /backends, POST /backends/{id}/drain, DELETE /backends/{id}), the
+operator's page (/ui) and its OpenAPI document (/openapi.json, admin_openapi.py); who may
+use it is admin_guard.py's."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -15,6 +17,7 @@ from ext_proc.config.load import backend_from_dict
 from ext_proc.core.fleet import FleetConflict, UnknownBackend
 from ext_proc.core.router import Router
 from ext_proc.service.admin_guard import AdminGuard, Peer
+from ext_proc.service.admin_openapi import admin_openapi
 from ext_proc.service.health import Readiness, router_readiness
 from ext_proc.service.operator_page import add_page_routes
 from ext_proc.service.telemetry.listener import Telemetry
@@ -40,6 +43,38 @@ def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": message}, status=status)
 
 
+def _weights_ok(w: Any) -> bool:
+    """{"rtt": x, "queue": y}, both finite numbers > 0 (JSON's NaN and Infinity, which
+    Python's parser takes, are not weights)."""
+    return (
+        isinstance(w, dict)
+        and set(w) == {"rtt", "queue"}
+        and all(
+            isinstance(v, int | float) and not isinstance(v, bool) and 0 < v < math.inf
+            for v in w.values()
+        )
+    )
+
+
+# The largest request body the admin reads (aiohttp's default): a backend or a tuner
+# change is a few hundred bytes.
+MAX_BODY_BYTES = 1024**2
+
+
+def _unrouted(request: web.Request, e: web.HTTPException) -> web.Response:
+    """aiohttp's 404 or 405 (with its Allow header) as the admin's JSON error."""
+    if isinstance(e, web.HTTPMethodNotAllowed):
+        allowed = ", ".join(sorted(e.allowed_methods))
+        response = _error(405, f"{request.method} is not served on {request.path}: {allowed}")
+        response.headers["Allow"] = e.headers["Allow"]
+        return response
+    if e.status == 404:
+        return _error(
+            404, f"no {request.path} on the admin port (GET /openapi.json lists its paths)"
+        )
+    return _error(e.status, e.reason)
+
+
 def make_admin_app(
     router: Router,
     telemetry: Telemetry,
@@ -63,11 +98,20 @@ def make_admin_app(
     @web.middleware
     async def guarded(request: web.Request, handler: Any) -> web.StreamResponse:
         # admin_guard.py: the Host on every request; a token, or JSON with no foreign
-        # Origin from loopback, on every change.
-        refusal = guard.refuse(request.method, request.path, request.headers, _peer(request))
+        # Origin from loopback, on every change. A path or method the admin does not
+        # serve changes nothing: once the Host is this admin's, it is answered 404, or
+        # 405 with Allow, whatever the token (as the document at /openapi.json says).
+        peer = _peer(request)
+        unrouted = request.match_info.http_exception
+        if unrouted is not None and guard.refuse_host(request.path, request.headers, peer) is None:
+            return _unrouted(request, unrouted)
+        refusal = guard.refuse(request.method, request.path, request.headers, peer)
         if refusal is not None:
             return _error(*refusal)
-        response: web.StreamResponse = await handler(request)
+        try:
+            response: web.StreamResponse = await handler(request)
+        except web.HTTPRequestEntityTooLarge as e:  # a body over client_max_size
+            return _error(413, f"body too large: {e.text}")
         return response
 
     async def healthz(_: web.Request) -> web.Response:
@@ -85,7 +129,8 @@ def make_admin_app(
         return web.json_response({**router.snapshot(), **extra_state()})
 
     async def tuner(request: web.Request) -> web.Response:
-        """{"action": "freeze"|"unfreeze"} or {"action": "set", "weights": {"rtt", "queue"}}."""
+        """{"action": "freeze"|"unfreeze"} or {"action": "set", "weights": {"rtt", "queue"}};
+        any other key is refused (a freeze sent with weights sets none: say so)."""
         t = router.tuner
         if t is None:
             return _error(409, f"no tuner: policy {router.policy.name!r} or tuner.mode off")
@@ -96,17 +141,16 @@ def make_admin_app(
         action = body.get("action") if isinstance(body, dict) else None
         if action not in TUNER_ACTIONS:
             return _error(400, f"action: expected one of {', '.join(TUNER_ACTIONS)}")
+        allowed = {"action", "weights"} if action == "set" else {"action"}
+        if extra := sorted(set(body) - allowed):
+            return _error(400, f"{', '.join(extra)}: not a key of action {action!r}")
         if action == "freeze":
             t.freeze()
         elif action == "unfreeze":
             t.unfreeze()
         else:
             w = body.get("weights")
-            ok = isinstance(w, dict) and all(
-                isinstance(w.get(k), int | float) and not isinstance(w.get(k), bool) and w[k] > 0
-                for k in ("rtt", "queue")
-            )
-            if not ok:
+            if not _weights_ok(w):
                 return _error(400, 'weights: expected {"rtt": number > 0, "queue": number > 0}')
             t.set_weights(Weights(float(w["rtt"]), float(w["queue"])))
         return web.json_response(t.snapshot())
@@ -162,7 +206,13 @@ def make_admin_app(
             headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"},
         )
 
-    app = web.Application(middlewares=[guarded])
+    document = admin_openapi(bool(token))
+
+    async def openapi(_: web.Request) -> web.Response:
+        """This admin's OpenAPI document (with or without its token's rules)."""
+        return web.json_response(document)
+
+    app = web.Application(middlewares=[guarded], client_max_size=MAX_BODY_BYTES)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)
@@ -174,5 +224,6 @@ def make_admin_app(
     # The REST spelling of a drain: no new decisions at once, gone once its requests in
     # flight have closed (so none of them fails).
     app.router.add_delete("/backends/{id}", drain_backend)
+    app.router.add_get("/openapi.json", openapi)
     add_page_routes(app, router, router.cfg.telemetry.trace_url, flow)
     return app

@@ -102,10 +102,10 @@ class AdminGuard:
                 return True
         return False
 
-    def refuse(
-        self, method: str, path: str, headers: Mapping[str, str], peer: Peer
+    def refuse_host(
+        self, path: str, headers: Mapping[str, str], peer: Peer
     ) -> tuple[int, str] | None:
-        """Why this request is refused (HTTP status, message), or None to let it through."""
+        """The Host rule alone: (421, why) when the request does not name this admin."""
         host = headers.get("Host")
         if path not in HOST_EXEMPT_PATHS and not self.host_ok(host, peer):
             listen_host = self.listen.rpartition(":")[0]
@@ -120,8 +120,18 @@ class AdminGuard:
                 "elsewhere cannot read it by DNS rebinding. If you reach the admin by this "
                 f"name, add {split_authority(host or '')[0]!r} to listen.admin_hosts"
             )
+        return None
+
+    def refuse(
+        self, method: str, path: str, headers: Mapping[str, str], peer: Peer
+    ) -> tuple[int, str] | None:
+        """Why this request is refused (HTTP status, message), or None to let it through."""
+        refusal = self.refuse_host(path, headers, peer)
+        if refusal is not None:
+            return refusal
         if method in SAFE_METHODS:
             return None
+        host = headers.get("Host")
         if self.token:
             sent = headers.get("Authorization", "")
             if not hmac.compare_digest(sent.encode(), f"Bearer {self.token}".encode()):

@@ -228,12 +228,13 @@ def add_page_routes(
     async def asset(request: web.Request) -> web.Response:
         name = request.match_info["name"]
         if name not in ASSETS:
-            raise web.HTTPNotFound(text=f"no asset {name!r}; the page has {', '.join(ASSETS)}")
+            why = f"no asset {name!r}; the page has {', '.join(ASSETS)}"
+            return web.json_response({"error": why}, status=404)
         return web.Response(body=_asset(name), content_type=ASSETS[name], charset="utf-8")
 
     async def feed_handler(request: web.Request) -> web.Response:
         raw = request.query.get("since", "0")
-        if not raw.isdigit():
+        if not (raw.isascii() and raw.isdigit()):  # "²" is a digit int() refuses
             why = f"since: expected an integer >= 0, got {raw!r}"
             return web.json_response({"error": why}, status=400)
         since = int(raw)
