@@ -97,3 +97,24 @@ def test_in_flight_accounting_stays_consistent(ops: list[tuple[str, int]]) -> No
             recs = [r for r in router.in_flight.values() if r.backend == b.id]
             assert b.load.in_flight == len(recs) >= 0
             assert b.load.waiting_first_byte == sum(r.first_byte_s is None for r in recs)
+
+
+def test_our_dispatch_of_an_id_a_peer_has_in_flight_takes_it_over() -> None:
+    """Found by the state model (issue 51): a request whose id another router's request
+    in flight has (ids are the clients' or Envoy's, not unique across routers) was counted
+    twice on its backend and once in its records, and the peer's close then released our
+    record: counters off by one for good, and our own close failed (KeyError)."""
+    from ext_proc.feeds.peers import PeerEvent, PeerKind
+
+    router, _ = make_router(backends=["a"])
+    router.inputs.apply_peer(PeerEvent(PeerKind.DISPATCHED, "other", "x", "a", input_tokens=7))
+    d = router.decide(chat(rid="x"))
+    a = router.backends["a"]
+    assert "x" not in router.peer_in_flight  # ours now
+    assert (a.load.in_flight, a.load.waiting_first_byte) == (1, 1)
+    assert a.load.in_flight_tokens == d.input_tokens
+    router.inputs.apply_peer(PeerEvent(PeerKind.CLOSED, "other", "x", "a"))  # a no-op now
+    assert set(a.load.records) == {"x"} and a.load.in_flight == 1
+    closed = router.close("x", Status.OK)
+    assert closed is not None and closed.request_id == "x"
+    assert (a.load.in_flight, a.load.waiting_first_byte, a.load.in_flight_tokens) == (0, 0, 0)
