@@ -236,6 +236,12 @@ class Router:
         if room is not None and not room(chosen):
             # late binding: it goes where the policy wants it, once that backend has room
             return NoRoom(min(c.predicted_ttft_ms for c in candidates))
+        if request.request_id in self._fleet.state.in_flight:
+            # A request id still in flight (a client's id sent twice, both held in the
+            # gateway queue before either was placed): the older can no longer be told
+            # apart from the new one, so it closes now, lost, through the one path that
+            # every listener hears (it used to vanish from the books without a close).
+            self.close(request.request_id, Status.LOST, reason="request id reused")
         now_s = self.clock()
         b = self._fleet.state.backends[chosen.backend_id]
         state = prefix_state_for(b, request)

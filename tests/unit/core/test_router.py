@@ -118,3 +118,30 @@ def test_our_dispatch_of_an_id_a_peer_has_in_flight_takes_it_over() -> None:
     closed = router.close("x", Status.OK)
     assert closed is not None and closed.request_id == "x"
     assert (a.load.in_flight, a.load.waiting_first_byte, a.load.in_flight_tokens) == (0, 0, 0)
+
+
+def test_a_request_id_dispatched_again_while_in_flight_closes_the_older_once() -> None:
+    """Found by the state model (issue 51): the older request of a reused id (a client's
+    id twice in the gateway queue) left the books without a close, so no listener (the
+    decision log, the learners) ever heard of its end."""
+    from ext_proc.vocab.events import Closed, Listener
+
+    class Closes(Listener):
+        def __init__(self) -> None:
+            self.events: list[Closed] = []
+
+        def on_close(self, e: Closed) -> None:
+            self.events.append(e)
+
+    closes = Closes()
+    router, _ = make_router(backends=["a", "b"], listeners=[closes])
+    router.decide(chat(rid="x"))
+    router.decide(chat(rid="x"))
+    assert [(e.request_id, e.status, e.reason) for e in closes.events] == [
+        ("x", Status.LOST, "request id reused")
+    ]
+    assert sum(b.load.in_flight for b in router.backends.values()) == 1
+    assert sum(b.stats.lost for b in router.backends.values()) == 1
+    assert router.close("x", Status.OK) is not None  # the newer one closes once, too
+    assert router.close("x", Status.OK) is None
+    assert len(closes.events) == 2
