@@ -29,6 +29,7 @@ import asyncio
 import dataclasses
 import json
 import math
+import random
 from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -47,6 +48,7 @@ from hypothesis.stateful import (
 )
 
 from ext_proc.common.names import ACCESS_LOG_NAME, ACCESS_LOG_STARTS, ROUTE_FALLBACK
+from ext_proc.core.build import build_router
 from ext_proc.core.fleet import FleetConflict
 from ext_proc.core.router import Router
 from ext_proc.core.state import lost_after_s
@@ -59,7 +61,7 @@ from ext_proc.feeds.peers import PeerEvent, PeerKind
 from ext_proc.prompt.parse import CHAT, parse_body
 from ext_proc.vocab.events import Closed, Listener
 from ext_proc.vocab.types import BackendLifecycle, RouteRequest, Status
-from tests.builders import chat, make_config, make_router
+from tests.builders import chat, make_config
 from tests.fakes import FakeClock
 
 BACKENDS = ("a", "b", "c")
@@ -70,6 +72,8 @@ SPECS = (
     {"id": "c", "address": "127.0.0.1:3", "rtt_prior_ms": 90},
 )
 TIMEOUT_S = 120.0
+# The tests' config (make_config's), built once: a restart builds the router again from it.
+CFG = make_config("gorgo", TIMEOUT_S, SPECS)
 ENVOYS = ("edge-1", "edge-2", "")  # "": an Envoy that names itself nowhere (a mesh's)
 # Access-log entries: (response code, Envoy's flags, details) as Envoy logs them.
 ENTRIES = (
@@ -82,6 +86,12 @@ ENTRIES = (
     (504, ("UT",), "upstream_response_timeout"),
     (503, ("UO",), "overflow"),
 )
+
+
+# How a request the router can no longer hear of closes: lost, unless the data plane said
+# another backend answered it (then the chosen one's connect failure counts, however the
+# request ended).
+LOST = (Status.LOST, Status.FAILED_OVER)
 
 
 class Closes(Listener):
@@ -158,14 +168,9 @@ class FleetModel(RuleBasedStateMachine):
         self.closes = Closes()
         # How many times each id must have closed in this router (once per request).
         self.close_count: Counter[str] = Counter()
+        self.checked = 0  # the closes checked so far
         self.router: Router
-        self.router, _ = make_router(
-            "gorgo",
-            TIMEOUT_S,
-            backends=SPECS,
-            clock=self.clock,
-            listeners=[self.closes],
-        )
+        self.router = build_router(CFG, self.clock, random.Random(0), listeners=[self.closes])
         self.svc = AccessLogService(self.router)
         self.seen: dict[str, int] = {}
 
@@ -264,7 +269,7 @@ class FleetModel(RuleBasedStateMachine):
         d = self.router.decide(RouteRequest(rid, chat("word " * words).llm, None))
         self._expect_closes(before, {rid} if old else set())
         if old:
-            assert self.closes.events[-1].status is Status.LOST
+            assert self.closes.events[-1].status in LOST
             self._close_in_model(rid)
         self.peers.pop(rid, None)  # ours now: the peer's record can no longer be told apart
         self.open[rid] = Open(d.backend, "", d.input_tokens)
@@ -279,8 +284,18 @@ class FleetModel(RuleBasedStateMachine):
         """A reload changes its address (another engine): counters and records stay."""
         if backend not in self.lifecycle:
             return
-        spec = make_config(backends=SPECS).backends[BACKENDS.index(backend)]
+        spec = CFG.backends[BACKENDS.index(backend)]
         self.router.fleet.update(dataclasses.replace(spec, address=f"127.0.0.2:{port}"))
+
+    @rule(rid=opened)
+    def response_ended_first(self, rid: str) -> None:
+        """Envoy's entry for a streamed response overtook its first-chunk message: the
+        router notes the end and waits for the first byte (or closes without it)."""
+        o = self.open.get(rid)
+        waits = self.router.response_ended(rid, 5.0)
+        assert waits == (
+            o is not None and not o.first_byte and self.router.in_flight[rid].streaming
+        )
 
     @rule(rid=opened)
     def first_byte(self, rid: str) -> None:
@@ -385,7 +400,7 @@ class FleetModel(RuleBasedStateMachine):
         lost = {rid for rid, o in self.open.items() if o.envoy in gone}
         self._expect_closes(before, lost)
         for e in self.closes.events[before:]:
-            assert e.status is Status.LOST  # not held against the backend
+            assert e.status in LOST  # not held against the backend
         for rid in lost:
             self._close_in_model(rid)
 
@@ -473,7 +488,7 @@ class FleetModel(RuleBasedStateMachine):
     @rule(backend=st.sampled_from(BACKENDS))
     def add_back(self, backend: str) -> None:
         """Removed: added again (as new); draining: back in rotation."""
-        spec = make_config(backends=SPECS).backends[BACKENDS.index(backend)]
+        spec = CFG.backends[BACKENDS.index(backend)]
         lc = self.lifecycle.get(backend)
         if lc is None:
             self.router.fleet.add(spec)
@@ -565,6 +580,15 @@ class FleetModel(RuleBasedStateMachine):
             idle_engine = report is None or not report.waiting
             if not b.load.records and idle_engine:
                 assert self.router.features.queue_estimate_ms(bid, now) == 0, bid
+
+    @invariant()
+    def every_close_is_consistent_and_shown_finite(self) -> None:
+        for e in self.closes.events[self.checked :]:
+            assert e.e2e_ms >= 0
+            if e.ttft_ms is not None:  # the first byte came no later than the end
+                assert 0 <= e.ttft_ms <= e.e2e_ms + 1e-6, (e.request_id, e.ttft_ms, e.e2e_ms)
+        self.checked = len(self.closes.events)
+        json.dumps(self.router.snapshot(), allow_nan=False)  # /state: no NaN, no infinity
 
     @invariant()
     def each_request_closes_exactly_once(self) -> None:
