@@ -338,6 +338,26 @@ class FleetModel(RuleBasedStateMachine):
         (e,) = codec.access_log_entries(msg)
         return e
 
+    @rule(
+        rid=opened,
+        kind=st.sampled_from([PeerKind.FIRST_CHUNK, PeerKind.COMPLETED]),
+        error=st.booleans(),
+    )
+    def forwarded(self, rid: str, kind: PeerKind, error: bool) -> None:
+        """Another router behind the same Envoy saw one of our requests' first chunk (a
+        5xx: `error`) or its access-log entry, and forwarded it over the bus."""
+        o = self.open.get(rid)
+        before = len(self.closes.events)
+        code = 503 if error else 200
+        e = PeerEvent(kind, "other", rid, o.backend if o else "b", error=error, response_code=code)
+        self.svc.apply_forwarded(dataclasses.replace(e, details="via_upstream"))
+        closes = o is not None and (kind is PeerKind.COMPLETED or error)
+        self._expect_closes(before, {rid} if closes else set())
+        if closes:
+            self._close_in_model(rid)
+        elif o is not None:
+            o.first_byte = True
+
     @rule(rid=st.text("xyz0123456789", min_size=1, max_size=6), fallback=st.booleans())
     def entry_for_an_unknown_id(self, rid: str, fallback: bool) -> None:
         """An entry for an id this router never dispatched (a fallback-route request, an
@@ -398,9 +418,13 @@ class FleetModel(RuleBasedStateMachine):
         if s.node not in alive:
             gone = {s.node} if self.streams else {s.node, ""}
         lost = {rid for rid, o in self.open.items() if o.envoy in gone}
+        failures = {b: x.health.request_failures for b, x in self.router.backends.items()}
         self._expect_closes(before, lost)
         for e in self.closes.events[before:]:
             assert e.status in LOST  # not held against the backend
+            b = self.router.backends.get(e.backend)
+            if e.status is Status.LOST and b is not None:
+                assert b.health.request_failures == failures[e.backend]
         for rid in lost:
             self._close_in_model(rid)
 
