@@ -51,6 +51,8 @@ HEALTH_INFERENCE_EXTENSION = "inference-extension"
 
 # Name of the access log Envoy streams to us; completion records come from it.
 ACCESS_LOG_NAME = "gorgo"
+# Name of the access log of requests' starts: not read, its streams say an Envoy is there.
+ACCESS_LOG_STARTS = "gorgo-starts"
 
 # Envoy route names: the access-log service tells policy-routed and fail-open requests
 # apart by them.

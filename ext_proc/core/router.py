@@ -215,10 +215,9 @@ class Router:
         waited_ms: float = 0.0,
         queued_behind: int = 0,
     ) -> Decision | NoRoom:
-        """Choose a backend and record the dispatch if the chosen one has `room` (None:
-        always), else NoRoom (flow control: it waits). `waited_ms`: its wait in the
-        gateway queue, part of the TTFT and E2E reported for it; `queued_behind`: the
-        requests waiting there when it joined."""
+        """Choose a backend and record the dispatch if the chosen one has `room` (None: always),
+        else NoRoom (flow control: it waits). `waited_ms`: its wait in the gateway queue, in
+        its TTFT and E2E; `queued_behind`: the requests waiting there when it joined."""
         blocks = self._features.prompt_blocks(request)
         candidates = self._features.candidates(request, blocks)
         bt = self.cfg.routing.block_tokens
@@ -236,6 +235,8 @@ class Router:
         if room is not None and not room(chosen):
             # late binding: it goes where the policy wants it, once that backend has room
             return NoRoom(min(c.predicted_ttft_ms for c in candidates))
+        if request.request_id in self._fleet.state.in_flight:  # reused: the older is lost
+            self.close(request.request_id, Status.LOST, reason="request id reused")
         now_s = self.clock()
         b = self._fleet.state.backends[chosen.backend_id]
         state = prefix_state_for(b, request)
@@ -357,8 +358,7 @@ class Router:
         """The Envoys named went away (their access-log streams ended): the requests they
         carried will never be reported. Close them as lost, now."""
         gone = [r.request_id for r in self._fleet.state.in_flight.values() if r.envoy in envoys]
-        closed = [c for rid in gone if (c := self.close(rid, Status.LOST, reason="envoy gone"))]
-        return closed
+        return [c for rid in gone if (c := self.close(rid, Status.LOST, reason="envoy gone"))]
 
     def _emit(self, e: BackendChanged) -> None:
         for listener in self._listeners:

@@ -65,6 +65,10 @@ class FleetState:
         old = self.in_flight.pop(rec.request_id, None)
         if old is not None:  # a reused request id: the older record can no longer complete
             self._release(old)
+        # Another router's request with the same id (ids are the clients' or Envoy's, not
+        # unique across routers): the id is ours now, and one record holds it (else the
+        # backend counted it twice, and the peer's close released our record).
+        self.peer_close(rec.request_id)
         self.in_flight[rec.request_id] = rec
         b = self._hold(rec)
         b.load.mean_prefill_ms += PREFILL_EWMA * (rec.prefill_ms - b.load.mean_prefill_ms)

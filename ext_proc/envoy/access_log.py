@@ -10,9 +10,7 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from ext_proc.common.names import (
-    ROUTE_FALLBACK,
-)
+from ext_proc.common.names import ACCESS_LOG_STARTS, ROUTE_FALLBACK
 from ext_proc.core.router import Router
 from ext_proc.envoy import codec
 from ext_proc.envoy.outcome import outcome_of
@@ -67,8 +65,9 @@ class AccessLogService:
     """Receives Envoy's access-log entries: the completion of every request. With several
     routers behind one Envoy, an entry for another router's request is forwarded to it.
 
-    Each Envoy keeps its access-log streams open for as long as it runs (one per worker,
-    named by its node id). When the last stream of an Envoy ends, that Envoy is gone
+    Each Envoy keeps its access-log streams open for as long as it runs (one per worker
+    and log, named by its node id), from its first request on (the log of requests'
+    starts, filters.access_logs). When the last stream of an Envoy ends, that Envoy is gone
     (killed, restarted): the requests it carried will never be reported, and are closed
     as lost at once instead of loading their backends' queues until they expire."""
 
@@ -90,11 +89,15 @@ class AccessLogService:
         self, requests: AsyncIterator[codec.StreamAccessLogsMessage], context: Any
     ) -> codec.StreamAccessLogsResponse:
         node: str | None = None
+        starts = False
         try:
             async for msg in requests:
-                if node is None:  # the first message names the Envoy
+                if node is None:  # the first message names the Envoy and the log
                     node = codec.access_log_node(msg)
+                    starts = codec.access_log_name(msg) == ACCESS_LOG_STARTS
                     self.streams.append(node)
+                if starts:  # requests' starts: the stream itself is what counts
+                    continue
                 for e in codec.access_log_entries(msg):
                     self.observe(e)
         finally:

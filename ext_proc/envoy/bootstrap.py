@@ -34,7 +34,7 @@ from ext_proc.envoy.clusters import (
     socket_address,
     xds_path,
 )
-from ext_proc.envoy.filters import access_logs, ext_proc_filters, node_id
+from ext_proc.envoy.filters import ACCESS_LOG_OPTIONS, access_logs, ext_proc_filters, node_id
 from ext_proc.vocab.errors import (
     BAD_REQUEST,
     BODY_TOO_LARGE,
@@ -249,6 +249,7 @@ def build_envoy_config(cfg: Config, ext_proc: bool = True) -> dict[str, Any]:
             }
         ],
         "access_log": access_logs() if ext_proc else [],
+        **({"access_log_options": ACCESS_LOG_OPTIONS} if ext_proc else {}),
         "local_reply_config": _json_local_replies(),
         "route_config": _route(cfg),
         "http_filters": [
@@ -328,6 +329,7 @@ def build_mesh_snippet(cfg: Config) -> dict[str, Any]:
         "early_header_mutation_extensions": hcm["early_header_mutation_extensions"],
         "http_filters": filters,
         "access_log": hcm["access_log"],
+        "access_log_options": hcm["access_log_options"],
         **({"tracing": hcm["tracing"]} if "tracing" in hcm else {}),
         "routes": vhost["routes"],
         "response_headers_to_add": vhost["response_headers_to_add"],
@@ -341,6 +343,7 @@ _MESH_PLACES = {
     "early_header_mutation_extensions": "your http_connection_manager (strips client copies)",
     "http_filters": "your HCM's http_filters, before the router filter",
     "access_log": "your HCM's access_log (completions to gorgo)",
+    "access_log_options": "your HCM (each start logged: gorgo sees Envoy go)",
     "tracing": "your HCM, unless it traces already (Envoy spans)",
     "routes": "your LLM virtual host's routes (the fallback matches any path)",
     "response_headers_to_add": "that virtual host (echoes the chosen backend)",

@@ -322,6 +322,11 @@ def access_log_node(msg: pb.StreamAccessLogsMessage) -> str:
     return str(msg.identifier.node.id)
 
 
+def access_log_name(msg: pb.StreamAccessLogsMessage) -> str:
+    """The log this stream carries (the access log's `log_name`)."""
+    return str(msg.identifier.log_name)
+
+
 def access_log_entries(msg: pb.StreamAccessLogsMessage) -> list[AccessLogEntry]:
     out: list[AccessLogEntry] = []
     for e in msg.http_logs.log_entry:

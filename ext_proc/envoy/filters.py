@@ -9,6 +9,7 @@ from typing import Any
 
 from ext_proc.common.names import (
     ACCESS_LOG_NAME,
+    ACCESS_LOG_STARTS,
     HEADER_BACKEND,
     LB_METADATA_NAMESPACE,
     METADATA_ENVOY_NODE,
@@ -110,18 +111,33 @@ def ext_proc_filters(cfg: Config) -> list[dict[str, Any]]:
 
 
 def access_logs() -> list[dict[str, Any]]:
-    """Two gRPC access logs to the router, one entry each per request: failures (status
-    400 and up) sent at once (a backend's 5xx is counted sooner still, from the observer's
-    first chunk and its response.code attribute);
-    the rest in batches, every 50 ms or 16 KB (~30 entries), whichever comes first: one
-    gRPC message per entry cost the router ~0.3 ms of CPU per request (gorgo bench
-    overhead), and a completion learned at most 50 ms late is a few percent of an LLM
-    request's life (the first token, which the load model waits on, comes over the
-    observing stream)."""
+    """Three gRPC access logs to the router. The completions, one entry each per request:
+    failures (status 400 and up) sent at once (a backend's 5xx is counted sooner still,
+    from the observer's first chunk and its response.code attribute); the rest in
+    batches, every 50 ms or 16 KB (~30 entries), whichever comes first: one gRPC message
+    per entry cost the router ~0.3 ms of CPU per request (gorgo bench overhead), and a
+    completion learned at most 50 ms late is a few percent of an LLM request's life (the
+    first token, which the load model waits on, comes over the observing stream).
+
+    And each request's start (the HCM's `access_log_options`,
+    ACCESS_LOG_OPTIONS), batched the same way under its own log name, which the router
+    does not read: Envoy opens an access-log stream only when it first has an entry to
+    send, and the router learns that an Envoy went away (killed) from its access-log
+    streams ending. Without the start entries, an Envoy none of whose requests had ended
+    yet had no stream, and its requests stayed counted in flight until they expired."""
     return [
-        _access_log(_status("GE", 400, "failures"), buffer_size_bytes=0),
-        _access_log(_status("LE", 399, "others"), buffer_size_bytes=16384),
+        _access_log(_completed(_status("GE", 400, "failures")), buffer_size_bytes=0),
+        _access_log(_completed(_status("LE", 399, "others")), buffer_size_bytes=16384),
+        _access_log(_STARTS, buffer_size_bytes=16384, name=ACCESS_LOG_STARTS),
     ]
+
+
+# Set on the HTTP connection manager: an access-log entry as each request starts (only
+# the log of starts takes it: `_completed`).
+ACCESS_LOG_OPTIONS = {"flush_access_log_on_new_request": True}
+# Envoy's access-log type of a request's start entry.
+_START_TYPE = "DownstreamStart"
+_STARTS = {"log_type_filter": {"types": [_START_TYPE]}}
 
 
 def _status(op: str, code: int, name: str) -> dict[str, Any]:
@@ -130,14 +146,22 @@ def _status(op: str, code: int, name: str) -> dict[str, Any]:
     return {"status_code_filter": {"comparison": {"op": op, "value": value}}}
 
 
-def _access_log(only: dict[str, Any], buffer_size_bytes: int) -> dict[str, Any]:
+def _completed(only: dict[str, Any]) -> dict[str, Any]:
+    """`only`, and not a request's start entry (a start has no response code yet)."""
+    not_start = {"log_type_filter": {"types": [_START_TYPE], "exclude": True}}
+    return {"and_filter": {"filters": [only, not_start]}}
+
+
+def _access_log(
+    only: dict[str, Any], buffer_size_bytes: int, name: str = ACCESS_LOG_NAME
+) -> dict[str, Any]:
     return {
         "name": "envoy.access_loggers.http_grpc",
         "filter": only,
         "typed_config": {
             TYPE: f"{API}.extensions.access_loggers.grpc.v3.HttpGrpcAccessLogConfig",
             "common_config": {
-                "log_name": ACCESS_LOG_NAME,
+                "log_name": name,
                 "transport_api_version": "V3",
                 "grpc_service": {"envoy_grpc": {"cluster_name": EXT_PROC_CLUSTER}},
                 "buffer_size_bytes": buffer_size_bytes,

@@ -12,7 +12,12 @@ import aiohttp
 import grpc
 from google.protobuf.duration_pb2 import Duration
 
-from ext_proc.common.names import ACCESS_LOG_SERVICE, EXT_PROC_SERVICE, METADATA_ENVOY_NODE
+from ext_proc.common.names import (
+    ACCESS_LOG_NAME,
+    ACCESS_LOG_SERVICE,
+    EXT_PROC_SERVICE,
+    METADATA_ENVOY_NODE,
+)
 from ext_proc.envoy.proto import envoy_wire_pb2 as pb
 from ext_proc.service.app import Running
 from tests.messages import body, headers
@@ -24,9 +29,11 @@ CHAT = json.dumps({"messages": [{"role": "user", "content": "hello"}], "stream":
 NODE = "harness-envoy"
 
 
-def log_message(*entries: pb.HTTPAccessLogEntry, node: str = NODE) -> pb.StreamAccessLogsMessage:
+def log_message(
+    *entries: pb.HTTPAccessLogEntry, node: str = NODE, log_name: str = ACCESS_LOG_NAME
+) -> pb.StreamAccessLogsMessage:
     msg = pb.StreamAccessLogsMessage()
-    msg.identifier.log_name = "gorgo"
+    msg.identifier.log_name = log_name
     msg.identifier.node.id = node
     msg.http_logs.log_entry.extend(entries)
     return msg

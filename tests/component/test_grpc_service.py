@@ -10,7 +10,7 @@ import aiohttp
 import grpc
 import pytest
 
-from ext_proc.common.names import EXT_PROC_SERVICE
+from ext_proc.common.names import ACCESS_LOG_STARTS, EXT_PROC_SERVICE
 from ext_proc.config.load import config_from_dict
 from ext_proc.envoy.proto import envoy_wire_pb2 as pb
 from ext_proc.service.app import running_service
@@ -140,6 +140,36 @@ async def test_the_requests_of_an_envoy_that_went_away_are_lost_at_once(
     await b_stream
     await asyncio.sleep(0.05)
     assert not router.in_flight
+
+
+async def test_an_envoy_that_only_logged_starts_is_seen_going_and_its_starts_close_nothing(
+    harness: Harness,
+) -> None:
+    """An Envoy none of whose requests has ended has only its stream of requests' starts
+    open (issue 51: before it had none, and a kill -9 left its requests in flight until
+    they expired). Start entries close nothing, however they look."""
+    router = harness.svc.router
+    for rid in ("s1", "s2"):
+        await route(harness, rid, "edge-s")
+    starts = harness.log_stream()
+    # a start entry as Envoy sends it carries no response code yet (read as 0)
+    await starts.write(
+        log_message(
+            log_entry("s1", 0, 0),
+            log_entry("s2", 200, 5),
+            node="edge-s",
+            log_name=ACCESS_LOG_STARTS,
+        )
+    )
+    await asyncio.sleep(0.05)
+    assert set(router.in_flight) == {"s1", "s2"}
+    assert all(b.stats.completed == b.stats.lost == 0 for b in router.backends.values())
+    await starts.done_writing()  # the Envoy is killed: its only stream ends
+    await starts
+    await asyncio.sleep(0.05)
+    assert not router.in_flight
+    assert sum(b.stats.lost for b in router.backends.values()) == 2
+    assert sum(b.stats.errors for b in router.backends.values()) == 0
 
 
 async def test_a_client_gone_before_any_response_is_a_cancellation(harness: Harness) -> None:

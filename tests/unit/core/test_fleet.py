@@ -176,17 +176,31 @@ def test_expiry_while_draining_removes_it() -> None:
     assert changes.seen()[-1] == (busy, "removed")
 
 
-def test_a_record_released_without_a_close_still_lets_it_go_at_the_next_expiry_pass() -> None:
-    router, _clock, _changes = fleet()
+def test_a_reused_request_id_closes_the_older_and_lets_its_draining_backend_go() -> None:
+    router, _clock, changes = fleet()
     router.decide(chat(rid="r1"))
     busy = router.in_flight["r1"].backend
     router.fleet.drain(busy)
-    # A reused request id releases the older record without closing it (the new one
-    # goes elsewhere: busy is draining).
+    # A reused request id closes the older record (lost) before the new one counts (the
+    # new one goes elsewhere: busy is draining), so busy's last request has closed.
     assert router.decide(chat(rid="r1")).backend != busy
-    assert router.fleet.state.own_in_flight(busy) == 0 and router.fleet.lifecycle(busy) == DRAINING
-    router.expire()
     assert busy not in router.backends
+    assert changes.seen()[-1] == (busy, "removed")
+
+
+def test_a_record_released_without_a_close_still_lets_it_go_at_the_next_expiry_pass() -> None:
+    router, _clock, _changes = fleet()
+    router.decide(chat(rid="r1"))
+    rec = router.in_flight["r1"]
+    router.fleet.drain(rec.backend)
+    # The fleet's records released by a way other than a close (none is left in the
+    # router; the state's own reuse path): the next expiry pass removes the backend.
+    router.fleet.state.dispatch(rec)
+    router.fleet.state.close("r1", 0.0, Status.LOST)
+    assert router.fleet.state.own_in_flight(rec.backend) == 0
+    assert router.fleet.lifecycle(rec.backend) == DRAINING
+    router.expire()
+    assert rec.backend not in router.backends
 
 
 def test_the_last_active_backend_cannot_be_drained() -> None:

@@ -97,3 +97,51 @@ def test_in_flight_accounting_stays_consistent(ops: list[tuple[str, int]]) -> No
             recs = [r for r in router.in_flight.values() if r.backend == b.id]
             assert b.load.in_flight == len(recs) >= 0
             assert b.load.waiting_first_byte == sum(r.first_byte_s is None for r in recs)
+
+
+def test_our_dispatch_of_an_id_a_peer_has_in_flight_takes_it_over() -> None:
+    """Found by the state model (issue 51): a request whose id another router's request
+    in flight has (ids are the clients' or Envoy's, not unique across routers) was counted
+    twice on its backend and once in its records, and the peer's close then released our
+    record: counters off by one for good, and our own close failed (KeyError)."""
+    from ext_proc.feeds.peers import PeerEvent, PeerKind
+
+    router, _ = make_router(backends=["a"])
+    router.inputs.apply_peer(PeerEvent(PeerKind.DISPATCHED, "other", "x", "a", input_tokens=7))
+    d = router.decide(chat(rid="x"))
+    a = router.backends["a"]
+    assert "x" not in router.peer_in_flight  # ours now
+    assert (a.load.in_flight, a.load.waiting_first_byte) == (1, 1)
+    assert a.load.in_flight_tokens == d.input_tokens
+    router.inputs.apply_peer(PeerEvent(PeerKind.CLOSED, "other", "x", "a"))  # a no-op now
+    assert set(a.load.records) == {"x"} and a.load.in_flight == 1
+    closed = router.close("x", Status.OK)
+    assert closed is not None and closed.request_id == "x"
+    assert (a.load.in_flight, a.load.waiting_first_byte, a.load.in_flight_tokens) == (0, 0, 0)
+
+
+def test_a_request_id_dispatched_again_while_in_flight_closes_the_older_once() -> None:
+    """Found by the state model (issue 51): the older request of a reused id (a client's
+    id twice in the gateway queue) left the books without a close, so no listener (the
+    decision log, the learners) ever heard of its end."""
+    from ext_proc.vocab.events import Closed, Listener
+
+    class Closes(Listener):
+        def __init__(self) -> None:
+            self.events: list[Closed] = []
+
+        def on_close(self, e: Closed) -> None:
+            self.events.append(e)
+
+    closes = Closes()
+    router, _ = make_router(backends=["a", "b"], listeners=[closes])
+    router.decide(chat(rid="x"))
+    router.decide(chat(rid="x"))
+    assert [(e.request_id, e.status, e.reason) for e in closes.events] == [
+        ("x", Status.LOST, "request id reused")
+    ]
+    assert sum(b.load.in_flight for b in router.backends.values()) == 1
+    assert sum(b.stats.lost for b in router.backends.values()) == 1
+    assert router.close("x", Status.OK) is not None  # the newer one closes once, too
+    assert router.close("x", Status.OK) is None
+    assert len(closes.events) == 2
