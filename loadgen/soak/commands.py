@@ -33,7 +33,6 @@ def add_soak(sub: Any, policies: Sequence[str]) -> None:
         "part), the time to recover, and the routers' memory and open files over the run. "
         "Exit 1 if a failure fell outside its fault's part, a part did not recover or the "
         "memory grew. Loopback only; it stops by itself.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     s.add_argument("--minutes", type=float, default=30.0, help="how long the load runs")
     s.add_argument(

@@ -20,7 +20,7 @@ from ext_proc.cli import Commands, build_parser, main, shows_default, typed
 
 ROOT = Path(__file__).resolve().parents[2]
 # Some of what the harness's entry points add (emulator/cli.py, loadgen/cli.py).
-HARNESS = {"engine", "wan", "up", "bench", "demo", "replay", "simulate"}
+HARNESS = {"engine", "wan", "up", "bench", "demo", "replay", "simulate", "soak"}
 
 
 def parsers(p: argparse.ArgumentParser, name: str = "gorgo") -> Iterator[tuple[str, Any]]:
