@@ -28,9 +28,25 @@ MAX_LEN = 4096
 
 
 def findings(name: str) -> list[Path]:
-    """The inputs that once made target `name` crash or hang (tests/fuzz/corpus/NAME/
-    finding-*), which the unit tests replay."""
-    return sorted((CORPORA / name).glob("finding-*"))
+    """The inputs that once made target `name` crash or hang, which the unit tests
+    replay: fuzz inputs as such (tests/fuzz/corpus/NAME/finding-*, seeds too), or the
+    messages a target built of one (tests/fuzz/findings/NAME/*)."""
+    return sorted([*(CORPORA / name).glob("finding-*"), *(HERE / "findings" / name).glob("*")])
+
+
+def write_messages(path: Path, messages: list[bytes]) -> None:
+    """A finding that is a sequence of messages (tests/fuzz/findings/): each one's length
+    (4 bytes, big-endian), then its bytes."""
+    path.write_bytes(b"".join(len(m).to_bytes(4, "big") + m for m in messages))
+
+
+def read_messages(path: Path) -> list[bytes]:
+    data, out = path.read_bytes(), []
+    while data:
+        n = int.from_bytes(data[:4], "big")
+        out.append(data[4 : 4 + n])
+        data = data[4 + n :]
+    return out
 
 
 def libfuzzer_args(name: str, argv: list[str], max_len: int = MAX_LEN) -> list[str]:

@@ -58,7 +58,9 @@ PHASES = (*codec.PHASES, "")
 
 def _headers(fdp: atheris.FuzzedDataProvider, h: pb.HeaderMap) -> None:
     if fdp.ConsumeBool():
-        h.headers.add(key=":path", raw_value=PATHS[fdp.ConsumeIntInRange(0, len(PATHS) - 1)].encode())
+        h.headers.add(
+            key=":path", raw_value=PATHS[fdp.ConsumeIntInRange(0, len(PATHS) - 1)].encode()
+        )
     if fdp.ConsumeBool():
         h.headers.add(key=":method", raw_value=METHODS[fdp.ConsumeIntInRange(0, 2)].encode())
     if fdp.ConsumeBool():
@@ -76,7 +78,9 @@ def _message(fdp: atheris.FuzzedDataProvider, first: bool) -> pb.ProcessingReque
         except DecodeError:
             return None
     req = pb.ProcessingRequest()
-    name = PHASES[fdp.ConsumeIntInRange(0, len(PHASES) - 1)] if not first or fdp.ConsumeBool() else ""
+    name = (
+        PHASES[fdp.ConsumeIntInRange(0, len(PHASES) - 1)] if not first or fdp.ConsumeBool() else ""
+    )
     name = name or (codec.REQUEST_HEADERS if first else "")
     eos = fdp.ConsumeBool()
     if name in (codec.REQUEST_HEADERS, codec.RESPONSE_HEADERS):
