@@ -330,7 +330,9 @@ def decode_parts(
             if done % SKIP_EVENTS == SKIP_EVENTS - 1:
                 yield None
         rank = scan.unpack() if items > 2 else None
-    except (msgpack.UnpackException, ValueError) as e:
+    # TypeError: a map keyed by a list or a map (found by fuzzing: it escaped the
+    # subscriber as no KvEventError).
+    except (msgpack.UnpackException, ValueError, TypeError) as e:
         if isinstance(e, KvEventError):
             raise
         raise KvEventError(f"payload: not a msgpack [timestamp, events, dp_rank]: {e}") from e

@@ -24,6 +24,7 @@ from ext_proc.feeds.kv_events import (
     offset_port,
 )
 from ext_proc.vocab.backend import KvEventsMode
+from tests.fuzz.runner import findings
 
 VLLM = Path(__file__).resolve().parents[2] / "fixtures" / "vllm"
 
@@ -301,3 +302,20 @@ def test_a_sliding_windows_size_and_sglangs_cache_salt_are_decoded() -> None:
     (joined,) = part.events
     assert isinstance(joined, BlockStored) and joined.block_hashes == (5, 6)
     assert (joined.sliding_window, joined.cache_salt) == (128, "tenant-a")
+
+
+@pytest.mark.parametrize("found", findings("kv_events"), ids=lambda p: p.name)
+def test_a_payload_keyed_by_a_list_is_refused_as_no_batch(found: Path) -> None:
+    """Found by fuzzing (tests/fuzz/kv_events.py): a msgpack map keyed by a list in the
+    payload's header raised TypeError out of the subscriber instead of KvEventError. The
+    file is the fuzz input: a shape byte (0: three frames), the sequence number, the
+    payload."""
+    data = found.read_bytes()
+    frames = [b"kv", data[1:9], data[9:]]
+    with pytest.raises(KvEventError, match="payload"):
+        next(decode_parts(frames))
+    with pytest.raises(KvEventError):
+        decode_message(frames)
+    keyed_by_a_list = msgpack.packb([1.0, [], {"x": 1}]).replace(b"\x81\xa1x", b"\x81\x91\x01")
+    with pytest.raises(KvEventError):
+        decode_message([b"kv", bytes(8), keyed_by_a_list])
