@@ -43,19 +43,26 @@ def value(fdp: atheris.FuzzedDataProvider, keys: Sequence[str], depth: int = 4) 
         return fdp.ConsumeUnicodeNoSurrogates(fdp.ConsumeIntInRange(0, 24))
     if kind == 5:
         return [value(fdp, keys, depth - 1) for _ in range(fdp.ConsumeIntInRange(0, 4))]
-    out: dict[str, Any] = {}
+    out: dict[Any, Any] = {}
     for _ in range(fdp.ConsumeIntInRange(0, 6)):
-        if fdp.ConsumeBool() or not keys:
-            key = fdp.ConsumeUnicodeNoSurrogates(8)
-        else:
-            key = keys[fdp.ConsumeIntInRange(0, len(keys) - 1)]
-        out[key] = value(fdp, keys, depth - 1)
+        out[_key(fdp, keys)] = value(fdp, keys, depth - 1)
     return out
 
 
-def obj(fdp: atheris.FuzzedDataProvider, keys: Sequence[str], depth: int = 4) -> dict[str, Any]:
+def _key(fdp: atheris.FuzzedDataProvider, keys: Sequence[str]) -> Any:
+    """A known key mostly, else any text, or (YAML has them; JSON makes them text) a
+    number, a boolean or null."""
+    pick = fdp.ConsumeIntInRange(0, 7)
+    if pick == 0:
+        return (None, True, 1, -1, 0.5)[fdp.ConsumeIntInRange(0, 4)]
+    if pick < 3 or not keys:
+        return fdp.ConsumeUnicodeNoSurrogates(8)
+    return keys[fdp.ConsumeIntInRange(0, len(keys) - 1)]
+
+
+def obj(fdp: atheris.FuzzedDataProvider, keys: Sequence[str], depth: int = 4) -> dict[Any, Any]:
     """An object at the top (what a request body or a config file is)."""
-    out: dict[str, Any] = {}
+    out: dict[Any, Any] = {}
     for _ in range(fdp.ConsumeIntInRange(1, 8)):
-        out[keys[fdp.ConsumeIntInRange(0, len(keys) - 1)]] = value(fdp, keys, depth)
+        out[_key(fdp, keys)] = value(fdp, keys, depth)
     return out
