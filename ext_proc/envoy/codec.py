@@ -35,6 +35,10 @@ PHASES = (
     REQUEST_TRAILERS,
     RESPONSE_TRAILERS,
 )
+# What a stream carries at most once (Envoy's protocol; the bodies come in chunks).
+ONCE_PER_STREAM = frozenset(
+    (REQUEST_HEADERS, RESPONSE_HEADERS, REQUEST_TRAILERS, RESPONSE_TRAILERS)
+)
 
 ProcessingRequest = pb.ProcessingRequest
 ProcessingResponse = pb.ProcessingResponse

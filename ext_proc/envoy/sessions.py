@@ -49,10 +49,6 @@ Reply = codec.ProcessingResponse | list[codec.ProcessingResponse] | None
 # A request body at least this long is tokenized in a worker thread (~8k tokens of text:
 # a few ms to tokenize cold; shorter ones are cheaper than the thread hop).
 OFF_LOOP_BODY_BYTES = 32 * 1024
-# The messages a stream carries at most once (the body ones come in chunks).
-_ONCE = frozenset(
-    (codec.REQUEST_HEADERS, codec.RESPONSE_HEADERS, codec.REQUEST_TRAILERS, codec.RESPONSE_TRAILERS)
-)
 # A client's request id longer than this is shortened (its start and a hash of it).
 MAX_REQUEST_ID_CHARS = 200
 
@@ -75,11 +71,8 @@ class Session:
 
     def handle(self, p: codec.Phase) -> Reply:
         handler = self._handlers.get(p.name)
-        if p.name in _ONCE:
-            # Envoy sends each headers and trailers message once per stream; a second one
-            # (found by fuzzing: a streamed session left it unanswered) ends the stream as
-            # an unknown message does, and Envoy fails open.
-            if p.name in self._seen:
+        if p.name in codec.ONCE_PER_STREAM:  # a second one (fuzzing: left unanswered)
+            if p.name in self._seen:  # ends the stream as an unknown message does
                 raise ValueError(f"unexpected ext_proc message {p.name!r}: a second one")
             self._seen.add(p.name)
         if handler is None:
@@ -272,9 +265,7 @@ class RoutingSession(_FirstByteWatcher):
         return self._reply(codec.REQUEST_HEADERS)
 
     def on_request_body(self, p: codec.Phase) -> Reply:
-        if self.routed:
-            # a body after the one routed on (found by fuzzing: it was routed again, and
-            # the first decision stayed in flight): passed on, never decided on
+        if self.routed:  # a body after the one routed on (fuzzing: it was routed again)
             return self._reply(codec.REQUEST_BODY)
         if not p.end_of_stream:  # only if a config streams the body: gather it
             self.chunks.append(p.body)
