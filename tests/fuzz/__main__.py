@@ -6,9 +6,11 @@ result) and exits non-zero if any crashed or hung; its input is in out/fuzz/TARG
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,14 +48,16 @@ class Run:
 def run_target(target: str, seconds: float, extra: tuple[str, ...] = ()) -> Run:
     """Fuzz `target` for `seconds` (libFuzzer's -max_total_time) in a child process."""
     start = time.monotonic()
-    proc = subprocess.run(
-        [sys.executable, "-m", f"tests.fuzz.{target}", f"-max_total_time={seconds:g}", *extra],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        errors="replace",
-        check=False,
-    )
+    with tempfile.TemporaryDirectory(prefix=f"gorgo-fuzz-{target}-") as work:
+        proc = subprocess.run(
+            [sys.executable, "-m", f"tests.fuzz.{target}", f"-max_total_time={seconds:g}", *extra],
+            cwd=ROOT,
+            env={**os.environ, "FUZZ_WORK": work},  # what the run finds: gone after it
+            capture_output=True,
+            text=True,
+            errors="replace",
+            check=False,
+        )
     found = re.findall(r"^Done (\d+) runs", proc.stderr, re.MULTILINE)
     tail = "\n".join(proc.stderr.splitlines()[-40:])
     return Run(
