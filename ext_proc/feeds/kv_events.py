@@ -169,6 +169,8 @@ def _optional(fields: dict[str, Any], key: str, kind: type) -> Any:
 
 
 def _frozen(value: Any) -> object:
+    if isinstance(value, dict):  # no hash input (found by fuzzing: unhashable in the index)
+        raise KvEventError("extra_keys: a map is no block's hash input")
     return tuple(_frozen(v) for v in value) if isinstance(value, list | tuple) else value
 
 

@@ -53,13 +53,17 @@ def run_target(target: str, seconds: float, extra: tuple[str, ...] = ()) -> Run:
             [sys.executable, "-m", f"tests.fuzz.{target}", f"-max_total_time={seconds:g}", *extra],
             cwd=ROOT,
             env={**os.environ, "FUZZ_WORK": work},  # what the run finds: gone after it
-            capture_output=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,  # libFuzzer's lines and the Python traceback
             text=True,
             errors="replace",
             check=False,
         )
-    found = re.findall(r"^Done (\d+) runs", proc.stderr, re.MULTILINE)
-    tail = "\n".join(proc.stderr.splitlines()[-40:])
+    found = re.findall(r"^Done (\d+) runs", proc.stdout, re.MULTILINE)
+    lines = proc.stdout.splitlines()
+    # the traceback of a crash, else the last lines
+    at = next((i for i, line in enumerate(lines) if "Uncaught Python exception" in line), None)
+    tail = "\n".join(lines[at : at + 40] if at is not None else lines[-40:])
     return Run(
         target, time.monotonic() - start, int(found[-1]) if found else 0, proc.returncode, tail
     )
