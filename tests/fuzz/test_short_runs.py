@@ -14,7 +14,7 @@ pytest.importorskip(
 )
 
 # Seconds of fuzzing per target here (libFuzzer counts whole seconds): with each
-# process's start and instrumentation (~2-5 s) the nine take ~30 s of `make test`.
+# process's start and instrumentation (~2-5 s) the nine take ~35 s of `make test`.
 SHORT_SECONDS = 1
 
 
