@@ -124,6 +124,10 @@ class EventBatch:
     skipped: int = 0
 
 
+# Token ids are packed as int64 for block keys (ext_proc/estimate/chain.py).
+MAX_TOKEN_ID = 2**63 - 1
+
+
 def _hash(value: Any) -> int:
     """A block hash as an int: engines send int64/uint64, some versions raw digest bytes."""
     if isinstance(value, bool):
@@ -158,6 +162,9 @@ def _tokens(value: Any) -> tuple[int, ...]:
         value = [p[0] for p in value]
     if not all(type(t) is int for t in value):
         raise KvEventError("token_ids: expected integers")
+    if value and not 0 <= min(value) <= max(value) <= MAX_TOKEN_ID:
+        # found by fuzzing: an id past int64 raised OverflowError in the block index
+        raise KvEventError("token_ids: an id out of range")
     return tuple(value)
 
 

@@ -341,3 +341,16 @@ def test_a_block_whose_extra_keys_hold_a_map_is_skipped() -> None:
     for part in decode_parts(frames, 3, 0):
         if part is not None:
             r.inputs.apply_kv_events("a", part)
+
+
+def test_a_token_id_past_int64_skips_its_event() -> None:
+    """Found by fuzzing (tests/fuzz/kv_events.py, a one-second run in make test): a token
+    id past int64 (msgpack carries uint64) raised OverflowError where the block index
+    packs the ids; such an event is skipped and counted."""
+    data = (CORPUS / "finding-token-id-past-int64").read_bytes()
+    frames = [b"kv", data[1:9], data[9:]]
+    batch = decode_message(frames)
+    assert (batch.events, batch.skipped) == ((), 1)
+    r, _ = make_router("gorgo", backends=[KV_BACKEND])
+    r.inputs.set_event_stream("a", True)
+    r.inputs.apply_kv_events("a", batch)
