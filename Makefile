@@ -24,7 +24,7 @@ TRACE_URL := https://raw.githubusercontent.com/kvcache-ai/Mooncake/main/FAST25-r
 VLLM_VENV ?= .venv-vllm
 PEERS_VENV ?= .venv-peers
 
-.PHONY: venv proto demo up test test-long test-all test-real vllm peers test-peers check lint types bench bench-overhead screenshot trace clean
+.PHONY: venv proto demo up test test-long test-all test-real vllm peers test-peers fuzz check lint types bench bench-overhead screenshot trace clean
 
 venv: $(STAMP)
 
@@ -77,6 +77,13 @@ peers: venv
 # SMG and vllm-router in front of a small emulated fleet (tests/peers).
 test-peers: peers
 	$(PY) -m pytest -q -m peers tests/peers $(PYTEST_ARGS)
+
+# Every fuzz target (tests/fuzz, atheris) for FUZZ_SECONDS each, one after another: ~27 min
+# at the default 3 min; not in CI (make test runs each for a second). A crash or hang
+# leaves its input in out/fuzz/TARGET/.
+FUZZ_SECONDS ?= 180
+fuzz: venv
+	$(PY) -m tests.fuzz --seconds $(FUZZ_SECONDS)
 
 lint: venv
 	$(VENV)/bin/ruff check .

@@ -110,7 +110,9 @@ def decode(cls: type[T], raw: Any, prefix: str) -> T:
         raise ConfigError(f"{where}: expected a mapping, got {type(raw).__name__}")
     hints = get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-    unknown = sorted(set(raw) - set(fields))
+    # by their text: YAML keys may be numbers or null beside strings (found by fuzzing:
+    # sorting them raised TypeError)
+    unknown = sorted((k for k in raw if k not in fields), key=str)
     if unknown:
         dotted = f"{prefix}.{unknown[0]}" if prefix else str(unknown[0])
         if dotted in MOVED:
@@ -364,6 +366,8 @@ def read_config(path: str | Path) -> tuple[Config, str]:
         text = p.read_text(encoding="utf-8")
     except OSError as e:
         raise ConfigError(f"{p}: cannot read config file: {e.strerror}") from e
+    except UnicodeDecodeError as e:  # found by fuzzing: it escaped as no ConfigError
+        raise ConfigError(f"{p}: not UTF-8 text: byte {e.start} ({e.reason})") from e
     try:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as e:

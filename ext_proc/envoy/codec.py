@@ -35,6 +35,10 @@ PHASES = (
     REQUEST_TRAILERS,
     RESPONSE_TRAILERS,
 )
+# What a stream carries at most once (Envoy's protocol; the bodies come in chunks).
+ONCE_PER_STREAM = frozenset(
+    (REQUEST_HEADERS, RESPONSE_HEADERS, REQUEST_TRAILERS, RESPONSE_TRAILERS)
+)
 
 ProcessingRequest = pb.ProcessingRequest
 ProcessingResponse = pb.ProcessingResponse
@@ -102,10 +106,21 @@ def response_status_attributes(req: pb.ProcessingRequest) -> tuple[int, str]:
     if code is not None:
         kind = code.WhichOneof("kind")
         if kind == "number_value":
-            number = int(code.number_value)
-        elif kind == "string_value" and code.string_value.isdigit():
-            number = int(code.string_value)
+            number = _status_code(code.number_value)
+        elif kind == "string_value" and code.string_value.isascii():
+            number = _status_code(code.string_value)
     return number, details.string_value if details is not None else ""
+
+
+def _status_code(value: float | str) -> int:
+    """An HTTP status code (100-599) from an attribute, or 0 for anything else: a
+    negative, fractional, non-finite or non-numeric value reads as absent (found by
+    fuzzing: NaN and infinity raised, a negative number passed through)."""
+    try:
+        number = float(value)
+    except ValueError:
+        return 0
+    return int(number) if number.is_integer() and 100 <= number <= 599 else 0
 
 
 def _header_map(m: pb.HeaderMap) -> dict[str, str]:

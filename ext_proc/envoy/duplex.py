@@ -54,6 +54,10 @@ class StreamedRoutingSession(RoutingSession):
         return None  # the reply waits for the body
 
     def on_request_body(self, p: codec.Phase) -> Reply:
+        if self.released:
+            # a chunk after the request went on (found by fuzzing: a body after headers
+            # that ended the stream was kept and never sent back): passed on as it came
+            return codec.streamed_body(codec.REQUEST_BODY, p.body, p.end_of_stream)
         self.chunks.append(p.body)
         self.body_bytes += len(p.body)
         if not p.end_of_stream:

@@ -66,9 +66,15 @@ class Session:
         self.done = False
         # Seconds to wait before sending the reply just handled (dispatch pacing).
         self.hold_s = 0.0
+        # The headers and trailers messages handled so far (each comes once).
+        self._seen: set[str] = set()
 
     def handle(self, p: codec.Phase) -> Reply:
         handler = self._handlers.get(p.name)
+        if p.name in codec.ONCE_PER_STREAM:  # a second one (fuzzing: left unanswered)
+            if p.name in self._seen:  # ends the stream as an unknown message does
+                raise ValueError(f"unexpected ext_proc message {p.name!r}: a second one")
+            self._seen.add(p.name)
         if handler is None:
             if p.name not in codec.PHASES:
                 raise ValueError(f"unexpected ext_proc message {p.name!r}")
@@ -197,6 +203,8 @@ class RoutingSession(_FirstByteWatcher):
         self.chunks: list[bytes] = []
         self.body_bytes = 0
         self.decision: Decision | None = None
+        # The complete body came and was routed on (once per stream).
+        self.routed = False
         # The request as parsed and tokenized in a worker thread (a long body).
         self._prepared: LlmRequest | None = None
         # Flow control: the objective, tenant and TTFT SLO its headers name; and while it
@@ -228,7 +236,7 @@ class RoutingSession(_FirstByteWatcher):
         )
 
     def _completes_body(self, p: codec.Phase) -> bool:
-        return p.name == codec.REQUEST_BODY and p.end_of_stream
+        return p.name == codec.REQUEST_BODY and p.end_of_stream and not self.routed
 
     async def tokenize_off_loop(self, p: codec.Phase) -> None:
         """Parse the body here and tokenize it in a thread; `on_request_body` then uses
@@ -257,6 +265,8 @@ class RoutingSession(_FirstByteWatcher):
         return self._reply(codec.REQUEST_HEADERS)
 
     def on_request_body(self, p: codec.Phase) -> Reply:
+        if self.routed:  # a body after the one routed on (fuzzing: it was routed again)
+            return self._reply(codec.REQUEST_BODY)
         if not p.end_of_stream:  # only if a config streams the body: gather it
             self.chunks.append(p.body)
             self.body_bytes += len(p.body)
@@ -267,6 +277,7 @@ class RoutingSession(_FirstByteWatcher):
 
     def _route(self, body: bytes) -> Reply:
         """Parse, tokenize and decide on the complete body; the reply for the outcome."""
+        self.routed = True
         api = api_for_path(self.path)
         assert api is not None  # a routing session is opened for LLM paths only
         try:

@@ -10,6 +10,7 @@ Pure: text in, report out.
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -102,10 +103,17 @@ def parse_engine_metrics(text: str) -> EngineReport:
                     vllm_pools[s.labels.get("engine", "")] = tokens
                 if s.name not in wanted:
                     continue
+                if not (math.isfinite(s.value) and s.value >= 0):
+                    # A count or a share is neither negative nor infinite (found by
+                    # fuzzing: NaN and +Inf came through, and raised as a pool size):
+                    # such a sample says nothing.
+                    continue
                 rank = next((s.labels[k] for k in DP_LABELS if k in s.labels), "")
                 samples.setdefault(s.name, defaultdict(list))[rank].append(float(s.value))
-    except ValueError as e:  # the parser's error for a malformed line
-        raise MetricsError(f"not Prometheus text: {e}") from e
+    # The parser's error for a malformed line: mostly ValueError, not always (found by
+    # fuzzing: IndexError on an empty label name), so any of its errors refuses the page.
+    except Exception as e:
+        raise MetricsError(f"not Prometheus text: {type(e).__name__}: {e}") from e
 
     def read(names: tuple[str, ...], fraction: bool = False) -> float | None:
         for name in names:

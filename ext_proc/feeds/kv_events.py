@@ -124,6 +124,10 @@ class EventBatch:
     skipped: int = 0
 
 
+# Token ids are packed as int64 for block keys (ext_proc/estimate/chain.py).
+MAX_TOKEN_ID = 2**63 - 1
+
+
 def _hash(value: Any) -> int:
     """A block hash as an int: engines send int64/uint64, some versions raw digest bytes."""
     if isinstance(value, bool):
@@ -158,6 +162,9 @@ def _tokens(value: Any) -> tuple[int, ...]:
         value = [p[0] for p in value]
     if not all(type(t) is int for t in value):
         raise KvEventError("token_ids: expected integers")
+    if value and not 0 <= min(value) <= max(value) <= MAX_TOKEN_ID:
+        # found by fuzzing: an id past int64 raised OverflowError in the block index
+        raise KvEventError("token_ids: an id out of range")
     return tuple(value)
 
 
@@ -169,6 +176,8 @@ def _optional(fields: dict[str, Any], key: str, kind: type) -> Any:
 
 
 def _frozen(value: Any) -> object:
+    if isinstance(value, dict):  # no hash input (found by fuzzing: unhashable in the index)
+        raise KvEventError("extra_keys: a map is no block's hash input")
     return tuple(_frozen(v) for v in value) if isinstance(value, list | tuple) else value
 
 
@@ -330,7 +339,9 @@ def decode_parts(
             if done % SKIP_EVENTS == SKIP_EVENTS - 1:
                 yield None
         rank = scan.unpack() if items > 2 else None
-    except (msgpack.UnpackException, ValueError) as e:
+    # TypeError: a map keyed by a list or a map (found by fuzzing: it escaped the
+    # subscriber as no KvEventError).
+    except (msgpack.UnpackException, ValueError, TypeError) as e:
         if isinstance(e, KvEventError):
             raise
         raise KvEventError(f"payload: not a msgpack [timestamp, events, dp_rank]: {e}") from e

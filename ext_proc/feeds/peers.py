@@ -79,23 +79,36 @@ class PeerEvent:
                 router=str(raw["router"]),
                 request_id=str(raw["request_id"]),
                 backend=str(raw["backend"]),
-                input_tokens=int(raw.get("input_tokens", 0)),
-                output_tokens=int(raw.get("output_tokens", 0)),
-                cached_tokens=int(raw.get("cached_tokens", 0)),
+                input_tokens=_count(raw.get("input_tokens", 0), "input_tokens"),
+                output_tokens=_count(raw.get("output_tokens", 0), "output_tokens"),
+                cached_tokens=_count(raw.get("cached_tokens", 0), "cached_tokens"),
                 prefill_ms=float(raw.get("prefill_ms", 0.0)),
                 rtt_ms=float(raw.get("rtt_ms", 0.0)),
                 queue_ms=float(raw.get("queue_ms", 0.0)),
                 streaming=bool(raw.get("streaming", True)),
                 error=bool(raw.get("error", False)),
-                response_code=int(raw.get("response_code", 0)),
+                response_code=_count(raw.get("response_code", 0), "response_code"),
                 e2e_ms=None if raw.get("e2e_ms") is None else float(raw["e2e_ms"]),
-                attempts=int(raw.get("attempts", 1)),
+                attempts=_count(raw.get("attempts", 1), "attempts"),
                 route_name=str(raw.get("route_name", "")),
                 flags=tuple(str(f) for f in raw.get("flags", ())),
                 details=str(raw.get("details", "")),
             )
         except (orjson.JSONDecodeError, KeyError, TypeError) as e:
             raise ValueError(f"peer event: {e}") from e
+
+
+# A count in a peer's message: what a 64-bit counter holds (orjson's integers).
+MAX_COUNT = 2**63 - 1
+
+
+def _count(value: Any, key: str) -> int:
+    """A count from a peer: an integer (or its text) in 0..MAX_COUNT. Found by fuzzing: a
+    98-digit one was taken, and the event then failed to encode."""
+    number = int(value)
+    if not 0 <= number <= MAX_COUNT:
+        raise ValueError(f"peer event: {key}: {number} is out of range")
+    return number
 
 
 class PeerPublisher(Listener):

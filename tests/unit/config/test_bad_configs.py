@@ -9,8 +9,9 @@ from typing import Any
 import pytest
 import yaml
 
-from ext_proc.config.load import config_from_dict
+from ext_proc.config.load import config_from_dict, read_config
 from ext_proc.vocab.params import ConfigError
+from tests.fuzz.runner import findings
 
 OK = {"id": "a", "address": "10.0.0.1:8000"}
 
@@ -194,3 +195,17 @@ def test_kv_events_endpoints_that_load() -> None:
         {"id": "d", "address": "h:1", "kv_events": {"endpoint": "tcp://*:5558", "mode": "bind"}},
     ]
     assert len(config_from_dict({"backends": two}).backends) == 4
+
+
+@pytest.mark.parametrize("found", findings("config"), ids=lambda p: p.name)
+def test_a_file_that_is_no_config_is_refused_with_a_config_error(
+    found: Path, tmp_path: Path
+) -> None:
+    """Found by fuzzing (tests/fuzz/config.py): a file that is not UTF-8 raised
+    UnicodeDecodeError, and keys of mixed types (`1:` beside `zz:`, or null) raised
+    TypeError, where every bad file is a ConfigError naming the file. Each file is the
+    file's text after one byte (a fuzz input of the target's text mode)."""
+    path = tmp_path / "gorgo.yaml"
+    path.write_bytes(found.read_bytes()[1:])
+    with pytest.raises(ConfigError, match=f"^{path}: "):
+        read_config(path)

@@ -1,6 +1,7 @@
 """Our minimal proto against envoy-data-plane's complete Envoy schema, both directions."""
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 from envoy_data_plane.envoy.config.core.v3 import HeaderMap, HeaderValue, Metadata, Node
@@ -29,6 +30,7 @@ from envoy_data_plane.envoy.service.ext_proc.v3 import (
 from envoy_data_plane.google.protobuf import ListValue, Struct, Value
 
 from ext_proc.envoy import codec
+from tests.fuzz.runner import findings
 
 
 def test_envoy_request_headers_decode() -> None:
@@ -241,3 +243,33 @@ def test_streamed_body_chunks_read_back_as_streamed_responses() -> None:
     theirs = ProcessingResponse.parse(ours.SerializeToString())
     assert theirs.response_body.response.body_mutation.is_set("streamed_response")
     assert theirs.response_body.response.body_mutation.streamed_response.end_of_stream
+
+
+@pytest.mark.parametrize("found", findings("codec"), ids=lambda p: p.name)
+def test_a_response_code_attribute_that_is_no_status_code_reads_as_absent(found: Path) -> None:
+    """Found by fuzzing (tests/fuzz/codec.py): a `response.code` of NaN, infinity, a
+    negative number or a non-ASCII digit ("²") raised or came through as a negative code;
+    any value that is no status code (100-599) reads as absent, its details kept."""
+    req = codec.ProcessingRequest.FromString(found.read_bytes())
+    code, details = codec.response_status_attributes(req)
+    assert code == 0
+    assert details == "via_upstream" or found.name == "finding-negative-status-code"
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        (Value(number_value=float("inf")), 0),
+        (Value(number_value=503.5), 0),
+        (Value(number_value=99), 0),
+        (Value(string_value=" 502"), 502),
+        (Value(string_value="\uff15\uff10\uff10"), 0),
+        (Value(number_value=599), 599),
+    ],
+)
+def test_only_a_status_code_reads_as_a_response_code(value: Value, expected: int) -> None:
+    theirs = ProcessingRequest(
+        attributes={"envoy.filters.http.ext_proc": Struct(fields={"response.code": value})}
+    )
+    ours = codec.ProcessingRequest.FromString(bytes(theirs))
+    assert codec.response_status_attributes(ours) == (expected, "")

@@ -4,6 +4,7 @@ hostile input never breaking a stream."""
 import json
 import logging
 import random
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -12,10 +13,12 @@ from hypothesis import strategies as st
 from ext_proc.config.schema import TelemetryConfig
 from ext_proc.envoy import codec
 from ext_proc.envoy.access_log import AccessLogService
+from ext_proc.envoy.server import replies
 from ext_proc.prompt.parse import ParseError, api_for_path, parse_body
 from ext_proc.service.telemetry.listener import Telemetry
 from ext_proc.vocab.types import Status
 from tests.builders import REGIONS, Stream, chat, load, make_router
+from tests.fuzz.runner import findings, read_messages
 from tests.messages import body, headers
 
 
@@ -311,3 +314,30 @@ async def test_an_access_log_entry_that_overtakes_the_first_chunk_waits_for_it()
     d2 = r.decide(chat("gone"))
     log.observe(codec.AccessLogEntry(d2.request_id, d2.backend, "gorgo", 0, 3.0, 1))
     assert d2.request_id not in r.in_flight
+
+
+@pytest.mark.parametrize("found", findings("session"), ids=lambda p: p.name)
+def test_a_message_out_of_envoys_order_is_answered_or_ends_the_stream(found: Path) -> None:
+    """Found by fuzzing (tests/fuzz/session.py), messages Envoy's protocol does not send:
+    a second headers message on a FULL_DUPLEX_STREAMED stream was never answered; a body
+    chunk after headers that ended the stream was kept and never sent back; a second
+    complete body was routed again, leaving the first decision in flight. Now each
+    message is answered or (a second headers) ends the stream with a ValueError, and once
+    the stream's request is closed nothing stays in flight."""
+    r, _ = make_router("gorgo", backends=REGIONS)
+    s = Stream(r)
+    for data in read_messages(found):
+        req = codec.ProcessingRequest.FromString(data)
+        try:
+            reply = s.handle(req)
+        except ValueError as e:
+            assert "a second one" in str(e)
+            break
+        assert replies(reply), f"{found.name}: no reply to {req.WhichOneof('request')}"
+    assert s.session is not None
+    s.session.finish()
+    request_id = getattr(s.session, "request_id", "")
+    if request_id:
+        r.close(request_id, Status.OK)
+    assert not r.in_flight
+    assert all(b.load.in_flight == 0 for b in r.backends.values())

@@ -4,12 +4,20 @@ vLLM's, captured here), with the same code that reads the emulator's."""
 
 import base64
 import json
+import math
 from pathlib import Path
 
 import pytest
 
-from ext_proc.feeds.engine_metrics import WANTED, MetricsError, _wanted_lines, parse_engine_metrics
+from ext_proc.feeds.engine_metrics import (
+    WANTED,
+    EngineReport,
+    MetricsError,
+    _wanted_lines,
+    parse_engine_metrics,
+)
 from ext_proc.feeds.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, decode_message
+from tests.fuzz.runner import findings
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
 VLLM = FIXTURES / "vllm"
@@ -119,3 +127,30 @@ vllm:num_requests_waiting{{engine="0",model_name="m"}} 1.0
     assert report.as_json()["adapters"] == ["chat", "doc", "sql"]
     plain = parse_engine_metrics("vllm:num_requests_waiting 0.0\n")
     assert plain.max_lora is None and "adapters" not in plain.as_json()
+
+
+@pytest.mark.parametrize("found", findings("engine_metrics"), ids=lambda p: p.name)
+def test_a_malformed_page_or_sample_is_refused_or_says_nothing(found: Path) -> None:
+    """Found by fuzzing (tests/fuzz/engine_metrics.py): a label the parser tripped on
+    raised IndexError (not MetricsError) out of the probe; NaN, +Inf and negative gauges
+    came through as the load (and raised as a pool size). Now the page is refused with
+    MetricsError, or such a sample reads as not said."""
+    text = found.read_text(encoding="utf-8", errors="replace")
+    try:
+        report = parse_engine_metrics(text)
+    except MetricsError as e:
+        assert str(e).startswith("not Prometheus text")
+        return
+    for value in (report.waiting, report.running, report.kv_usage, report.kv_capacity_tokens):
+        assert value is None or (math.isfinite(value) and value >= 0)
+
+
+def test_nan_infinite_and_negative_samples_read_as_not_said() -> None:
+    page = (
+        "vllm:num_requests_waiting NaN\n"
+        "vllm:num_requests_running -2\n"
+        "vllm:kv_cache_usage_perc +Inf\n"
+        "sglang:max_total_num_tokens NaN\n"
+    )
+    assert parse_engine_metrics(page) == EngineReport(None, None, None)
+    assert parse_engine_metrics("vllm:num_requests_waiting 3\n").waiting == 3.0

@@ -24,6 +24,11 @@ from ext_proc.feeds.kv_events import (
     offset_port,
 )
 from ext_proc.vocab.backend import KvEventsMode
+from tests.builders import make_router
+from tests.fuzz.runner import CORPORA
+
+CORPUS = CORPORA / "kv_events"
+KV_BACKEND = {"id": "a", "address": "127.0.0.1:1", "kv_events": {"endpoint": "tcp://*:5557"}}
 
 VLLM = Path(__file__).resolve().parents[2] / "fixtures" / "vllm"
 
@@ -301,3 +306,51 @@ def test_a_sliding_windows_size_and_sglangs_cache_salt_are_decoded() -> None:
     (joined,) = part.events
     assert isinstance(joined, BlockStored) and joined.block_hashes == (5, 6)
     assert (joined.sliding_window, joined.cache_salt) == (128, "tenant-a")
+
+
+def test_a_payload_keyed_by_a_list_is_refused_as_no_batch() -> None:
+    """Found by fuzzing (tests/fuzz/kv_events.py): a msgpack map keyed by a list in the
+    payload's header raised TypeError out of the subscriber instead of KvEventError. The
+    file is the fuzz input: a shape byte (0: three frames), the sequence number, the
+    payload."""
+    data = (CORPUS / "finding-unhashable-map-key").read_bytes()
+    frames = [b"kv", data[1:9], data[9:]]
+    with pytest.raises(KvEventError, match="payload"):
+        next(decode_parts(frames))
+    with pytest.raises(KvEventError):
+        decode_message(frames)
+    keyed_by_a_list = msgpack.packb([1.0, [], {"x": 1}]).replace(b"\x81\xa1x", b"\x81\x91\x01")
+    with pytest.raises(KvEventError):
+        decode_message([b"kv", bytes(8), keyed_by_a_list])
+
+
+def test_a_block_whose_extra_keys_hold_a_map_is_skipped() -> None:
+    """Found by fuzzing (tests/fuzz/kv_events.py, the long run): a BlockStored whose
+    extra_keys held a map reached the router's block index, where hashing it raised
+    TypeError out of the subscriber; such an event is skipped (and counted) now, and the
+    index takes the rest of the message."""
+    data = (CORPUS / "finding-map-in-extra-keys").read_bytes()
+    frames = [b"kv", data[1:9], data[9:]]
+    batch = decode_message(frames)
+    assert batch.skipped >= 1
+    for e in batch.events:
+        if isinstance(e, BlockStored) and e.extra_keys is not None:
+            hash(e.extra_keys)  # what the index does with them
+    r, _ = make_router("gorgo", backends=[KV_BACKEND])
+    r.inputs.set_event_stream("a", True)
+    for part in decode_parts(frames, 3, 0):
+        if part is not None:
+            r.inputs.apply_kv_events("a", part)
+
+
+def test_a_token_id_past_int64_skips_its_event() -> None:
+    """Found by fuzzing (tests/fuzz/kv_events.py, a one-second run in make test): a token
+    id past int64 (msgpack carries uint64) raised OverflowError where the block index
+    packs the ids; such an event is skipped and counted."""
+    data = (CORPUS / "finding-token-id-past-int64").read_bytes()
+    frames = [b"kv", data[1:9], data[9:]]
+    batch = decode_message(frames)
+    assert (batch.events, batch.skipped) == ((), 1)
+    r, _ = make_router("gorgo", backends=[KV_BACKEND])
+    r.inputs.set_event_stream("a", True)
+    r.inputs.apply_kv_events("a", batch)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -14,6 +15,7 @@ from ext_proc.vocab.request import LlmRequest
 from ext_proc.vocab.types import RouteRequest, Status
 from tests.builders import make_router
 from tests.fakes import FakeClock
+from tests.fuzz.runner import findings
 
 
 def routers(n: int, share: bool, **raw: object) -> tuple[list[Router], FakeClock]:
@@ -115,3 +117,16 @@ def test_routers_that_share_do_not_herd(share: bool) -> None:
             assert seen == {"near": 2, "far": 1}
         else:
             assert seen == {"near": 1, "far": 0}, f"router {i}"
+
+
+@pytest.mark.parametrize("found", findings("peer_events"), ids=lambda p: p.name)
+def test_a_count_past_64_bits_or_negative_is_refused(found: Path) -> None:
+    """Found by fuzzing (tests/fuzz/peer_events.py): a 98-digit `attempts` was taken, and
+    the event could not be encoded again (orjson's integers are 64-bit); a count a peer
+    sends is 0..2**63-1, else the message is refused with ValueError (the bus drops it)."""
+    with pytest.raises(ValueError, match=r"attempts: .* out of range"):
+        PeerEvent.decode(found.read_bytes())
+    ok = PeerEvent(PeerKind.COMPLETED, "r", "id", "b", input_tokens=2**63 - 1)
+    assert PeerEvent.decode(ok.encode()) == ok
+    with pytest.raises(ValueError, match="input_tokens"):
+        PeerEvent.decode(ok.encode().replace(b'"input_tokens":9', b'"input_tokens":-9'))
