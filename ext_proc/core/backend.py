@@ -22,6 +22,7 @@ from ext_proc.estimate.profile import EngineProfile
 from ext_proc.estimate.replay import StepFit, profile_coefficients
 from ext_proc.feeds.engine_metrics import EngineReport
 from ext_proc.feeds.served_models import ServedModels
+from ext_proc.feeds.server_info import EngineScheduling, PriorityWriting, priority_writing
 from ext_proc.vocab.backend import Backend
 from ext_proc.vocab.types import BackendLifecycle, InFlight
 
@@ -101,6 +102,10 @@ class EngineView:
     blocks: EngineBlocks | None = None
     events_up: bool = False
     tokens: TokenCheck = field(default_factory=TokenCheck)
+    # What its /server_info says of its priority scheduling (SGLang; None: not read, or
+    # unreadable: scheduling_error says why).
+    scheduling: EngineScheduling | None = None
+    scheduling_error: str = ""
 
 
 @dataclass
@@ -187,6 +192,13 @@ class BackendState:
         return self.profile.kv_capacity_tokens, "profile"
 
     @property
+    def priority(self) -> PriorityWriting:
+        """Whether a request's priority is written into its body for this engine, in
+        which order, and why (backends[].priority_scheduling and its /server_info)."""
+        e = self.engine
+        return priority_writing(self.config, e.scheduling, e.scheduling_error)
+
+    @property
     def models(self) -> ServedModels | None:
         """What it may be sent: what its engine lists, only the configured ones of it when
         `backends[].models` is set; the configured ones until the engine has answered;
@@ -243,6 +255,8 @@ class BackendState:
             "ejected_for": list(h.recent_failures) if ejected else [],
             "kv_capacity_tokens": self.kv_capacity[0],
             "kv_capacity_source": self.kv_capacity[1],
+            # Whether requests' priorities are written for its engine's scheduler, and why.
+            "priority": self.priority.as_json(),
             "in_flight": load.in_flight,
             "waiting_first_byte": load.waiting_first_byte,
             "in_flight_tokens": load.in_flight_tokens,

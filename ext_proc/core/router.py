@@ -244,6 +244,7 @@ class Router:
             b.engine.blocks.expect(request.request_id, self._features.precise_cached.get(b.id, 0))
         rec = in_flight_record(request, chosen, b, blocks, state, now_s, bt, self._features)
         self._fleet.state.dispatch(rec)
+        writing = b.priority
         decision = Decision(
             request_id=request.request_id,
             backend=chosen.backend_id,
@@ -261,6 +262,7 @@ class Router:
             first_byte_deadline_ms=first_byte_deadline_ms(
                 self.cfg.routing, chosen, rec.streaming, self.cfg.envoy.route_timeout_s
             ),
+            engine_priority=writing.engine_value(request.priority) if writing.writes else None,
         )
         _stamp(rec, decision, now_s)
         self._decisions += 1
@@ -403,6 +405,7 @@ def in_flight_record(
         matched_last_used_s=None if held is None else b.prefix.last_used_s(held),
         streaming=request.llm.stream if request.llm else True,
         envoy=request.envoy,
+        priority=request.priority,
         replay_features=None if replay is None else replay.features,
         replay_credit_ms=0.0 if replay is None else replay.credit_ms,
     )

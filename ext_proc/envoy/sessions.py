@@ -33,7 +33,7 @@ from ext_proc.prompt.parse import (
     api_for_path,
     is_error_event,
     parse_body,
-    with_model,
+    rewritten,
 )
 from ext_proc.vocab.errors import INVALID_BODY, UNAVAILABLE, ApiError, retry_headers
 from ext_proc.vocab.request import LlmRequest
@@ -210,6 +210,8 @@ class RoutingSession(_FirstByteWatcher):
         self.status_code = 0
         self.served_backend: str | None = None
         self.ended = False
+        # The body's own `priority` (None: none): rewritten only when the engine's differs.
+        self.client_priority: int | None = None
 
     def _complete_body(self, p: codec.Phase) -> bytes:
         """The whole body: the chunks so far and this phase's."""
@@ -283,6 +285,7 @@ class RoutingSession(_FirstByteWatcher):
         if self.tokens is not None and self._prepared is None:  # fails open
             llm = self.tokens.apply(llm, self.request_id)  # token ids as the engine's
         original_id = self.request_id
+        self.client_priority = llm.priority
         self.request_id = own_request_id(original_id, self.router.in_flight)
         objective, tenant, slo_ms = self.flow
         request = RouteRequest(
@@ -327,9 +330,18 @@ class RoutingSession(_FirstByteWatcher):
         self.decision = outcome.decision
         self.done = not self.info.sends_response_body
         self.hold_s = self.decision.hold_ms / 1000
-        # an alias: the body names the engine's model
+        # an alias: the body names the engine's model; an engine that schedules by
+        # priority: the body carries the request's class in its order (the router's class
+        # wins over a client's own `priority`: the class header is the gateway's contract)
         served = outcome.served_model
-        new_body = with_model(body, served) if served is not None else None
+        priority = self.decision.engine_priority
+        if priority == self.client_priority:
+            priority = None  # already so (or neither): nothing to write
+        new_body = (
+            rewritten(body, served, priority)
+            if served is not None or priority is not None
+            else None
+        )
         renamed = self.request_id if self.request_id != original_id else None
         return self._routed(self.decision, new_body, renamed)
 
