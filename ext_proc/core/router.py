@@ -262,7 +262,9 @@ class Router:
             first_byte_deadline_ms=first_byte_deadline_ms(
                 self.cfg.routing, chosen, rec.streaming, self.cfg.envoy.route_timeout_s
             ),
-            engine_priority=writing.engine_value(request.priority) if writing.writes else None,
+            engine_priority=writing.to_write(
+                request.priority, request.llm.priority if request.llm else None
+            ),
         )
         _stamp(rec, decision, now_s)
         self._decisions += 1

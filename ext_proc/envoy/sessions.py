@@ -210,8 +210,6 @@ class RoutingSession(_FirstByteWatcher):
         self.status_code = 0
         self.served_backend: str | None = None
         self.ended = False
-        # The body's own `priority` (None: none): rewritten only when the engine's differs.
-        self.client_priority: int | None = None
 
     def _complete_body(self, p: codec.Phase) -> bytes:
         """The whole body: the chunks so far and this phase's."""
@@ -285,7 +283,6 @@ class RoutingSession(_FirstByteWatcher):
         if self.tokens is not None and self._prepared is None:  # fails open
             llm = self.tokens.apply(llm, self.request_id)  # token ids as the engine's
         original_id = self.request_id
-        self.client_priority = llm.priority
         self.request_id = own_request_id(original_id, self.router.in_flight)
         objective, tenant, slo_ms = self.flow
         request = RouteRequest(
@@ -335,8 +332,6 @@ class RoutingSession(_FirstByteWatcher):
         # wins over a client's own `priority`: the class header is the gateway's contract)
         served = outcome.served_model
         priority = self.decision.engine_priority
-        if priority == self.client_priority:
-            priority = None  # already so (or neither): nothing to write
         new_body = (
             rewritten(body, served, priority)
             if served is not None or priority is not None

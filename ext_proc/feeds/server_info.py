@@ -63,11 +63,25 @@ class PriorityWriting:
     writes: bool
     lower_first: bool
     reason: str
+    # What the engine takes a body without `priority` for (None: not a value; SGLang
+    # serves such a request after every other under priority scheduling, scheduler.py
+    # _set_or_validate_priority); vLLM's field defaults to 0 (openai protocol.py).
+    absent_value: int | None = None
 
     def engine_value(self, priority: int) -> int:
         """The value for the engine of a request whose objective has `priority` (higher
         is more important): the same order as the objectives', in the engine's sign."""
         return -priority if self.lower_first else priority
+
+    def to_write(self, priority: int, client: int | None) -> int | None:
+        """The `priority` to write into a body that has `client` (None: none) for a
+        request of `priority`; None: nothing to write (not written for this engine, or
+        the body already says so)."""
+        if not self.writes:
+            return None
+        value = self.engine_value(priority)
+        said = self.absent_value if client is None else client
+        return None if said == value else value
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -90,7 +104,10 @@ def priority_writing(
     if b.engine is EngineKind.VLLM:
         if setting is PriorityScheduling.ON:
             return PriorityWriting(
-                True, True, "on: vLLM serves lower values first (--scheduling-policy priority)"
+                True,
+                True,
+                "on: vLLM serves lower values first (--scheduling-policy priority)",
+                absent_value=0,
             )
         return PriorityWriting(
             False,

@@ -313,8 +313,8 @@ class Decision:
     waited_ms: float = 0.0
     queued_behind: int = 0
     # The `priority` the transport writes into the body for the chosen backend's engine,
-    # in that engine's order (None: its engine does not schedule by priority, the body
-    # goes as it came: ext_proc/feeds/server_info.py).
+    # in that engine's order (None: nothing to write: its engine does not schedule by
+    # priority, or the body already says so; ext_proc/feeds/server_info.py).
     engine_priority: int | None = None
 
     @property
