@@ -169,6 +169,10 @@ class BackendState:
     # Active, or draining (no new decisions) since `lifecycle_since_s`.
     lifecycle: BackendLifecycle = BackendLifecycle.ACTIVE
     lifecycle_since_s: float = 0.0
+    # `priority` as last made, and what it was made from.
+    _priority: tuple[Backend, EngineScheduling | None, str, PriorityWriting] | None = field(
+        default=None, init=False, repr=False
+    )
 
     def __post_init__(self) -> None:
         self.health = Health(self.rtt_prior_ms)
@@ -194,9 +198,18 @@ class BackendState:
     @property
     def priority(self) -> PriorityWriting:
         """Whether a request's priority is written into its body for this engine, in
-        which order, and why (backends[].priority_scheduling and its /server_info)."""
-        e = self.engine
-        return priority_writing(self.config, e.scheduling, e.scheduling_error)
+        which order, and why (backends[].priority_scheduling and its /server_info).
+        Made again only when one of those changed (it is read per candidate)."""
+        e, cached = self.engine, self._priority
+        if (
+            cached is None
+            or cached[0] is not self.config
+            or cached[1] is not e.scheduling
+            or cached[2] is not e.scheduling_error
+        ):
+            writing = priority_writing(self.config, e.scheduling, e.scheduling_error)
+            cached = self._priority = (self.config, e.scheduling, e.scheduling_error, writing)
+        return cached[3]
 
     @property
     def models(self) -> ServedModels | None:
