@@ -9,15 +9,17 @@ by side in each decision's candidates, on a clock that does not move."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
+from ext_proc.core.pipeline import Director, Queued, Routed
 from ext_proc.core.router import Router
 from ext_proc.estimate.cost import QueueItem, ahead_of
 from ext_proc.feeds.engine_metrics import EngineReport
 from ext_proc.prompt.parse import CHAT, parse_body
 from ext_proc.vocab.types import Candidate, RouteRequest
-from tests.builders import make_router
+from tests.builders import chat, load, make_router
 from tests.fakes import FakeClock
 
 INTERACTIVE, BATCH = 10, 0
@@ -142,3 +144,40 @@ def test_ahead_of_keeps_the_class_and_above_and_the_lower_head() -> None:
     assert ahead_of(items, 10) == [head_low]
     assert ahead_of(items, 0) is items  # nothing below it: all of it, as it was
     assert ahead_of([running_low, higher], 5) == [higher]  # no lower one waiting: no head
+
+
+def test_a_lower_band_may_go_where_only_its_own_prefill_can_delay_a_higher_one() -> None:
+    """Room for the bands above (core.pipeline): a batch request's prefill (~400 ms) behind
+    250 ms of batch work would hold an interactive request (SLO 1 s) past half its SLO on
+    an engine serving in arrival order; one that schedules by priority puts that request
+    first, so only the batch prefill under way can delay it (400 ms <= 500 ms)."""
+    flow = {
+        "enabled": True,
+        "objectives": [
+            {"name": "interactive", "priority": 10, "ttft_slo_ms": 1000},
+            {"name": "batch", "priority": 0},
+        ],
+    }
+    outcomes = {}
+    for setting in ("on", "off"):
+        router, _ = make_router(
+            "gorgo",
+            backends=[
+                {
+                    "id": "a",
+                    "address": "127.0.0.1:1",
+                    "engine": "vllm",
+                    "priority_scheduling": setting,
+                }
+            ],
+            flow_control=flow,
+        )
+        director = Director(router)
+        load(router, "peer", "a", 3000, 10, prefill_ms=250)  # batch work not yet started
+        outcomes[setting] = director.handle(
+            replace(chat("many words " * 1500, rid="m"), objective="batch")
+        )
+    on, off = outcomes["on"], outcomes["off"]
+    assert isinstance(off, Queued)
+    assert isinstance(on, Routed)
+    assert 250 < on.decision.chosen.prefill_ms <= 500 < 250 + on.decision.chosen.prefill_ms
