@@ -216,9 +216,8 @@ class Router:
         queued_behind: int = 0,
     ) -> Decision | NoRoom:
         """Choose a backend and record the dispatch if the chosen one has `room` (None:
-        always), else NoRoom (flow control: it waits). `waited_ms`: its wait in the
-        gateway queue, part of the TTFT and E2E reported for it; `queued_behind`: the
-        requests waiting there when it joined."""
+        always), else NoRoom (flow control: it waits). `waited_ms`: its gateway queue wait,
+        part of its reported TTFT and E2E; `queued_behind`: the requests waiting on arrival."""
         blocks = self._features.prompt_blocks(request)
         candidates = self._features.candidates(request, blocks)
         bt = self.cfg.routing.block_tokens
@@ -244,7 +243,6 @@ class Router:
             b.engine.blocks.expect(request.request_id, self._features.precise_cached.get(b.id, 0))
         rec = in_flight_record(request, chosen, b, blocks, state, now_s, bt, self._features)
         self._fleet.state.dispatch(rec)
-        writing = b.priority
         decision = Decision(
             request_id=request.request_id,
             backend=chosen.backend_id,
@@ -262,9 +260,7 @@ class Router:
             first_byte_deadline_ms=first_byte_deadline_ms(
                 self.cfg.routing, chosen, rec.streaming, self.cfg.envoy.route_timeout_s
             ),
-            engine_priority=writing.to_write(
-                request.priority, request.llm.priority if request.llm else None
-            ),
+            engine_priority=engine_priority(b, request),
         )
         _stamp(rec, decision, now_s)
         self._decisions += 1
@@ -411,6 +407,13 @@ def in_flight_record(
         replay_features=None if replay is None else replay.features,
         replay_credit_ms=0.0 if replay is None else replay.credit_ms,
     )
+
+
+def engine_priority(b: BackendState, request: RouteRequest) -> int | None:
+    """The `priority` to write into the request's body for b's engine (None: nothing to
+    write: feeds.server_info.PriorityWriting.to_write)."""
+    client = request.llm.priority if request.llm else None
+    return b.priority.to_write(request.priority, client)
 
 
 def _stamp(rec: InFlight, decision: Decision, now_s: float) -> None:

@@ -327,16 +327,9 @@ class RoutingSession(_FirstByteWatcher):
         self.decision = outcome.decision
         self.done = not self.info.sends_response_body
         self.hold_s = self.decision.hold_ms / 1000
-        # an alias: the body names the engine's model; an engine that schedules by
-        # priority: the body carries the request's class in its order (the router's class
-        # wins over a client's own `priority`: the class header is the gateway's contract)
-        served = outcome.served_model
-        priority = self.decision.engine_priority
-        new_body = (
-            rewritten(body, served, priority)
-            if served is not None or priority is not None
-            else None
-        )
+        # the body names the engine's model (an alias) and the class (its engine_priority)
+        model, priority = outcome.served_model, self.decision.engine_priority
+        new_body = None if model is None and priority is None else rewritten(body, model, priority)
         renamed = self.request_id if self.request_id != original_id else None
         return self._routed(self.decision, new_body, renamed)
 
