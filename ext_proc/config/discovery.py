@@ -9,7 +9,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ext_proc.vocab.backend import DEFAULT_PROFILE, Backend, EngineKind, KvEventsSource
+from ext_proc.vocab.backend import (
+    DEFAULT_PROFILE,
+    Backend,
+    EngineKind,
+    KvEventsSource,
+    PriorityScheduling,
+)
 from ext_proc.vocab.params import NON_NEGATIVE, bounded
 
 # The InferencePool's API group the extension serves (v1, inference.networking.k8s.io).
@@ -55,6 +61,7 @@ class BackendTemplate:
     # `*` in an endpoint is the pod's IP: tcp://*:5557.
     kv_events: KvEventsSource = field(default_factory=KvEventsSource)
     models: tuple[str, ...] = ()
+    priority_scheduling: PriorityScheduling = PriorityScheduling.AUTO
 
     def backend(self, backend_id: str, address: str) -> Backend:
         return Backend(
@@ -67,6 +74,7 @@ class BackendTemplate:
             kv_capacity_tokens=self.kv_capacity_tokens,
             kv_events=self.kv_events,
             models=self.models,
+            priority_scheduling=self.priority_scheduling,
         )
 
 

@@ -22,6 +22,7 @@ from ext_proc.estimate.profile import EngineProfile
 from ext_proc.estimate.replay import StepFit, profile_coefficients
 from ext_proc.feeds.engine_metrics import EngineReport
 from ext_proc.feeds.served_models import ServedModels
+from ext_proc.feeds.server_info import EngineScheduling, PriorityWriting, priority_writing
 from ext_proc.vocab.backend import Backend
 from ext_proc.vocab.types import BackendLifecycle, InFlight
 
@@ -101,6 +102,10 @@ class EngineView:
     blocks: EngineBlocks | None = None
     events_up: bool = False
     tokens: TokenCheck = field(default_factory=TokenCheck)
+    # What its /server_info says of its priority scheduling (SGLang; None: not read, or
+    # unreadable: scheduling_error says why).
+    scheduling: EngineScheduling | None = None
+    scheduling_error: str = ""
 
 
 @dataclass
@@ -164,6 +169,10 @@ class BackendState:
     # Active, or draining (no new decisions) since `lifecycle_since_s`.
     lifecycle: BackendLifecycle = BackendLifecycle.ACTIVE
     lifecycle_since_s: float = 0.0
+    # `priority` as last made, and what it was made from.
+    _priority: tuple[Backend, EngineScheduling | None, str, PriorityWriting] | None = field(
+        default=None, init=False, repr=False
+    )
 
     def __post_init__(self) -> None:
         self.health = Health(self.rtt_prior_ms)
@@ -185,6 +194,22 @@ class BackendState:
         if self.engine.kv_capacity_tokens:
             return self.engine.kv_capacity_tokens, "engine"
         return self.profile.kv_capacity_tokens, "profile"
+
+    @property
+    def priority(self) -> PriorityWriting:
+        """Whether a request's priority is written into its body for this engine, in
+        which order, and why (backends[].priority_scheduling and its /server_info).
+        Made again only when one of those changed (it is read per candidate)."""
+        e, cached = self.engine, self._priority
+        if (
+            cached is None
+            or cached[0] is not self.config
+            or cached[1] is not e.scheduling
+            or cached[2] is not e.scheduling_error
+        ):
+            writing = priority_writing(self.config, e.scheduling, e.scheduling_error)
+            cached = self._priority = (self.config, e.scheduling, e.scheduling_error, writing)
+        return cached[3]
 
     @property
     def models(self) -> ServedModels | None:
@@ -243,6 +268,8 @@ class BackendState:
             "ejected_for": list(h.recent_failures) if ejected else [],
             "kv_capacity_tokens": self.kv_capacity[0],
             "kv_capacity_source": self.kv_capacity[1],
+            # Whether requests' priorities are written for its engine's scheduler, and why.
+            "priority": self.priority.as_json(),
             "in_flight": load.in_flight,
             "waiting_first_byte": load.waiting_first_byte,
             "in_flight_tokens": load.in_flight_tokens,

@@ -20,7 +20,7 @@ from ext_proc.core.terms.base import TermInputs
 from ext_proc.core.terms.catalog import TERMS
 from ext_proc.core.terms.queue import queue_ms, reported_waiting_ms
 from ext_proc.estimate.chain import chain_keys
-from ext_proc.estimate.cost import QueueItem, unstarted_ms
+from ext_proc.estimate.cost import QueueItem, ahead_of, unstarted_ms
 from ext_proc.estimate.prefix import Hashes, as_hashes, leading_true
 from ext_proc.estimate.replay import Prompt, ReplayEstimate, estimate
 from ext_proc.feeds.engine_metrics import EngineReport
@@ -276,6 +276,10 @@ class Features:
                 per_prompt = [b.prefix.match(prompt) * bt for prompt in blocks]
             cached = _capped(per_prompt, lengths)
             items, step_ms = self._queue_items(b)
+            # An engine that schedules by priority serves this request before the lower
+            # classes there: only its class and above are ahead of it (estimate.cost.ahead_of).
+            by_priority = b.priority.writes
+            ahead = ahead_of(items, request.priority) if by_priority else items
             x = TermInputs(
                 backend=b,
                 request=request,
@@ -288,14 +292,15 @@ class Features:
                 output_tokens=out_tokens,
                 need_kv_tokens=need_kv,
                 speed=b.speed_for(model),
-                items=items,
+                items=ahead,
                 step_ms=step_ms,
                 report=self.fresh_engine_report(b, now_s),
                 capacity_tokens=b.prefix.capacity_blocks * bt,
                 stall_grace_ms=grace_ms,
-                replay=self._replay(b, items, now_s, Prompt(input_tokens - cached, cached))
+                replay=self._replay(b, ahead, now_s, Prompt(input_tokens - cached, cached))
                 if self.replay
                 else None,
+                by_priority=by_priority,
             )
             if x.replay is not None:
                 self.replays[b.id] = x.replay
@@ -316,6 +321,7 @@ class Features:
                     if self.flow_control
                     else 0,
                     unstarted_ms=_unstarted_ms(x) if self.flow_control else 0.0,
+                    by_priority=by_priority,
                     terms=terms,
                 )
             )
@@ -352,6 +358,7 @@ class Features:
                 else None,
                 r.input_tokens - r.cached_tokens,
                 r.cached_tokens,
+                r.priority,
             )
             for r in records
         ]
@@ -404,4 +411,5 @@ def _unstarted_ms(x: TermInputs) -> float:
     own_ms = unstarted_ms(
         x.items, x.now_s, b.health.rtt_ms / 2, x.step_ms, x.capacity_tokens, x.need_kv_tokens
     )
-    return max(own_ms, reported_waiting_ms(b, x.report))
+    below = x.request.priority if x.by_priority else None
+    return max(own_ms, reported_waiting_ms(b, x.report, below))

@@ -15,6 +15,7 @@ from ext_proc.feeds.engine_metrics import EngineReport
 from ext_proc.feeds.kv_events import EventBatch
 from ext_proc.feeds.peers import PeerEvent, PeerKind
 from ext_proc.feeds.served_models import ServedModels
+from ext_proc.feeds.server_info import EngineScheduling
 from ext_proc.vocab.types import InFlight
 
 
@@ -107,6 +108,18 @@ class RouterInputs:
         """What the backend's engine lists on /v1/models now. Returns whether that
         changed."""
         return self._fleet.state.set_discovered(backend, served)
+
+    def record_scheduling(
+        self, backend: str, scheduling: EngineScheduling | None, error: str = ""
+    ) -> bool:
+        """What the backend's engine says of its priority scheduling (/server_info; None:
+        unreadable, `error` says why). Returns whether the router's writing changed."""
+        b = self._fleet.state.backends.get(backend)
+        if b is None:
+            return False
+        before = b.priority
+        b.engine.scheduling, b.engine.scheduling_error = scheduling, error
+        return b.priority.writes != before.writes or b.priority.lower_first != before.lower_first
 
     def served_by(self, request_id: str, backend: str) -> bool:
         """The data plane says another backend than the chosen one answers a request in

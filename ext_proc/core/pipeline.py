@@ -98,9 +98,13 @@ class Director:
         refused = self.router.admit(request)
         if refused is not None:
             return Refused(refused)
+        objective = self.objectives.of(request)
+        if objective.priority != request.priority:
+            # its class, for the engines that schedule by priority (with or without the
+            # gateway queue: Decision.engine_priority)
+            request = replace(request, priority=objective.priority)
         if self.queue is None:
             return self._schedule(request, served)
-        objective = self.objectives.of(request)
         if objective.regions:
             request = replace(request, regions=frozenset(objective.regions))
             if not self._servable(request):
@@ -227,10 +231,13 @@ class Director:
         # A lower band's request leaves a higher band's SLO room: not where its prefill
         # and the work ahead of it would make a higher band's next request wait past half
         # of its SLO (engines start prefills in order), until it waited the starvation bound.
+        # An engine that schedules by priority puts that next request before everything
+        # of this band but a prefill under way: only its own prefill can delay it there.
         protect_ms = w.protected_ms if now_s - w.arrival_s < settings.starvation_s else math.inf
 
         def room(c: Candidate) -> bool:
-            return c.unstarted_ms + c.prefill_ms <= protect_ms and has_room(c, settings)
+            ahead_ms = c.prefill_ms if c.by_priority else c.unstarted_ms + c.prefill_ms
+            return ahead_ms <= protect_ms and has_room(c, settings)
 
         try:
             waited_ms = (now_s - w.arrival_s) * 1000

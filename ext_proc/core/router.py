@@ -262,6 +262,7 @@ class Router:
             first_byte_deadline_ms=first_byte_deadline_ms(
                 self.cfg.routing, chosen, rec.streaming, self.cfg.envoy.route_timeout_s
             ),
+            engine_priority=engine_priority(b, request),
         )
         _stamp(rec, decision, now_s)
         self._decisions += 1
@@ -403,9 +404,17 @@ def in_flight_record(
         matched_last_used_s=None if held is None else b.prefix.last_used_s(held),
         streaming=request.llm.stream if request.llm else True,
         envoy=request.envoy,
+        priority=request.priority,
         replay_features=None if replay is None else replay.features,
         replay_credit_ms=0.0 if replay is None else replay.credit_ms,
     )
+
+
+def engine_priority(b: BackendState, request: RouteRequest) -> int | None:
+    """The `priority` to write into the request's body for b's engine (None: nothing to
+    write: feeds.server_info.PriorityWriting.to_write)."""
+    client = request.llm.priority if request.llm else None
+    return b.priority.to_write(request.priority, client)
 
 
 def _stamp(rec: InFlight, decision: Decision, now_s: float) -> None:

@@ -33,7 +33,7 @@ from ext_proc.prompt.parse import (
     api_for_path,
     is_error_event,
     parse_body,
-    with_model,
+    rewritten,
 )
 from ext_proc.vocab.errors import INVALID_BODY, UNAVAILABLE, ApiError, retry_headers
 from ext_proc.vocab.request import LlmRequest
@@ -338,9 +338,9 @@ class RoutingSession(_FirstByteWatcher):
         self.decision = outcome.decision
         self.done = not self.info.sends_response_body
         self.hold_s = self.decision.hold_ms / 1000
-        # an alias: the body names the engine's model
-        served = outcome.served_model
-        new_body = with_model(body, served) if served is not None else None
+        # the body names the engine's model (an alias) and the class (its engine_priority)
+        model, priority = outcome.served_model, self.decision.engine_priority
+        new_body = None if model is None and priority is None else rewritten(body, model, priority)
         renamed = self.request_id if self.request_id != original_id else None
         return self._routed(self.decision, new_body, renamed)
 

@@ -72,6 +72,8 @@ class QueueItem:
     # Its prompt: tokens to prefill, after those cached (the replay, estimate/replay.py).
     uncached_tokens: int = 0
     cached_tokens: int = 0
+    # Its objective's priority (higher: more important; `ahead_of`).
+    priority: int = 0
 
     def remaining_ms(self, now_s: float, step_ms: float) -> float:
         """Until it finishes and frees its KV."""
@@ -79,6 +81,24 @@ class QueueItem:
             return self.prefill_ms + self.output_tokens * step_ms
         done = (now_s - self.first_byte_s) * 1000 / step_ms if step_ms > 0 else self.output_tokens
         return max(0.0, self.output_tokens - done) * step_ms
+
+
+def ahead_of(items: list[QueueItem], priority: int) -> list[QueueItem]:
+    """What a request of `priority` finds ahead of it on a backend whose engine schedules
+    by priority (ext_proc/feeds/server_info.py), as the queue and KV estimates count it:
+    the requests of its priority and above (sent before it: ties go by arrival), and of
+    those below only the oldest still waiting for its first token, whose prefill the
+    engine is at work on (a running request's chunks go on: vLLM and SGLang reorder their
+    waiting queues, v1/core/sched/scheduler.py, managers/schedule_policy.py). The other
+    requests below it wait until it is served, and those running hold no KV it needs: the
+    engine preempts them when it runs short (vLLM the running request of the lowest
+    priority, latest arrival; SGLang running lower-priority requests past
+    --priority-scheduling-preemption-threshold), so their KV is not waited for."""
+    if all(it.priority >= priority for it in items):
+        return items
+    below = [it for it in items if it.priority < priority and it.first_byte_s is None]
+    head = min(below, key=lambda it: it.dispatched_s) if below else None
+    return [it for it in items if it.priority >= priority or it is head]
 
 
 def estimate_queue_ms(

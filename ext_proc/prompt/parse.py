@@ -133,11 +133,15 @@ def _generate_prompts(body: dict[str, Any]) -> tuple[Prompt, ...]:
     return _prompts(body.get("text"), "text")
 
 
-def with_model(body: bytes, model: str) -> bytes:
-    """The body with its `model` set to `model` (an alias resolved to a served name);
-    everything else as it was, re-serialized."""
+def rewritten(body: bytes, model: str | None = None, priority: int | None = None) -> bytes:
+    """The body with its `model` (an alias resolved to a served name) and its `priority`
+    (the value the engine's scheduler reads) set, those given; everything else as it was,
+    re-serialized (one parse, one dump)."""
     decoded = orjson.loads(body)
-    decoded["model"] = model
+    if model is not None:
+        decoded["model"] = model
+    if priority is not None:
+        decoded["priority"] = priority
     return orjson.dumps(decoded)
 
 
@@ -185,7 +189,14 @@ def parse_body(api: str, body: bytes) -> LlmRequest:
         model=_optional_str(decoded, "model"),
         user=_optional_str(decoded, "user"),
         chat=chat,
+        priority=_client_priority(decoded),
     )
+
+
+def _client_priority(decoded: dict[str, Any]) -> int | None:
+    """The body's own `priority` (vLLM's and SGLang's field), when an integer."""
+    value = decoded.get("priority")
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def is_error_event(chunk: bytes) -> bool:

@@ -21,6 +21,21 @@ class EngineKind(enum.StrEnum):
     VLLM = "vllm"
 
 
+class PriorityScheduling(enum.StrEnum):
+    """`backends[].priority_scheduling`: whether the router writes each request's priority
+    (its flow-control objective's) into the body it sends this backend's engine, in the
+    engine's own order (docs/configuration.md, "Priority in the engine")."""
+
+    # SGLang: what its /server_info says (`enable_priority_scheduling`, and
+    # `schedule_low_priority_values_first` for the order); vLLM reports nothing: off.
+    AUTO = "auto"
+    # Written: the engine runs with priority scheduling (vLLM `--scheduling-policy
+    # priority`: without it a non-zero priority is answered 400; `gorgo check` tries one).
+    ON = "on"
+    # Never written: a client's own `priority` goes through as it came.
+    OFF = "off"
+
+
 class KvEventsMode(enum.StrEnum):
     """`backends[].kv_events.mode`: which side binds the ZMQ socket. The engine binding lets
     any number of routers connect; the router binding allows only one."""
@@ -76,3 +91,6 @@ class Backend:
     # The models (and LoRA adapters) it may be sent: empty = what its engine lists on
     # /v1/models (discovered); set = only these, of what it lists once discovery answers.
     models: tuple[str, ...] = ()
+    # Whether each request's priority is written for its engine's own scheduler: auto
+    # (SGLang: as its /server_info says; vLLM: off, it reports nothing), on, off.
+    priority_scheduling: PriorityScheduling = PriorityScheduling.AUTO

@@ -58,6 +58,9 @@ class LlmRequest:
     # vLLM's cache_salt: the engine keys the prompt's first block with it (a request with
     # another salt shares no cache).
     cache_salt: str | None = None
+    # The client's own `priority` field (None: not sent or not an integer); the router
+    # overwrites it for a backend whose engine it writes priorities for.
+    priority: int | None = None
 
     @property
     def input_tokens(self) -> int:

@@ -113,6 +113,9 @@ class Candidate:
     # engine time owed to those whose prefill has not begun (flow control's room, ms).
     waiting_tokens: int = 0
     unstarted_ms: float = 0.0
+    # Its engine schedules by priority (the router writes the request's class): the work
+    # counted ahead of the request is its class and above (estimate.cost.ahead_of).
+    by_priority: bool = False
     # Each registered cost term's value there, by name, in registration order (ms for
     # the built-in ones: docs/cost-model.md).
     terms: Mapping[str, float] = field(default_factory=dict)
@@ -208,6 +211,9 @@ class RouteRequest:
     ttft_slo_ms: float = 0.0
     # The backends' regions it may go to (its objective's `regions`; empty: any).
     regions: frozenset[str] = frozenset()
+    # Its objective's priority (higher: more important): on a backend whose engine
+    # schedules by priority, only work of this priority and above is ahead of it.
+    priority: int = 0
     # The backends it may go to (the data plane's subset hint, endpoint-picker protocol);
     # None: any. None of them able to take it: no decision (503).
     subset: frozenset[str] | None = None
@@ -247,6 +253,9 @@ class InFlight:
     # How long it waited in the gateway queue before this dispatch (flow control): its
     # reported TTFT and E2E count from its arrival, that wait included.
     waited_ms: float = 0.0
+    # Its objective's priority (RouteRequest.priority): on a backend whose engine schedules
+    # by priority, a later request of a higher one goes ahead of it there.
+    priority: int = 0
     # When its response must have begun (None: no deadline): routing.first_byte_factor.
     first_byte_deadline_s: float | None = None
     # The model it asked for (None: none named): its LoRA adapter's speed learns from it.
@@ -303,6 +312,10 @@ class Decision:
     # how many requests were waiting there when it joined (its position on arrival).
     waited_ms: float = 0.0
     queued_behind: int = 0
+    # The `priority` the transport writes into the body for the chosen backend's engine,
+    # in that engine's order (None: nothing to write: its engine does not schedule by
+    # priority, or the body already says so; ext_proc/feeds/server_info.py).
+    engine_priority: int | None = None
 
     @property
     def chosen(self) -> Candidate:
@@ -336,6 +349,8 @@ class Decision:
         if self.waited_ms:
             out["waited_ms"] = round(self.waited_ms, 3)
             out["queued_behind"] = self.queued_behind
+        if self.engine_priority is not None:
+            out["engine_priority"] = self.engine_priority
         return out
 
 

@@ -34,7 +34,9 @@ class TermInputs:
     need_kv_tokens: int
     # How fast the backend runs the request's model against its profile (learned).
     speed: LatencyModel
-    # Its requests in flight as the queue and KV estimates see them, and its decode step.
+    # Its requests in flight as the queue and KV estimates see them (on an engine that
+    # schedules by priority, those ahead of this request: estimate.cost.ahead_of), and its
+    # decode step.
     items: list[QueueItem]
     step_ms: float
     # The engine's own last load report, unless stale (None).
@@ -45,3 +47,7 @@ class TermInputs:
     stall_grace_ms: float
     # The scheduler's replay there (routing.ttft_model: replay; None: the profile's).
     replay: ReplayEstimate | None = None
+    # Its engine schedules by priority (the router writes the request's class for it):
+    # `items` are those ahead of this request, and the engine's own waiting count loses
+    # the router's requests of lower classes.
+    by_priority: bool = False

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from ext_proc.config.kv_endpoints import split_tcp_endpoint
 from ext_proc.config.schema import PROBE_PATH, Config
 from ext_proc.feeds.engine_metrics import RUNNING, WAITING
+from ext_proc.feeds.server_info import ENABLE_KEY, priority_writing
 from ext_proc.service.check.probes import BackendLook, Look
 from ext_proc.service.loops.probe import SLOWER_FACTOR, SLOWER_MARGIN_MS
 from ext_proc.vocab.backend import EngineKind, KvEventsMode
@@ -54,6 +55,9 @@ class BackendVerdict:
     prefix: Aspect
     tokens: Aspect
     queue: Aspect
+    # Whether requests' priorities are written for its engine's scheduler ("precise":
+    # written), and why.
+    priority: Aspect
 
 
 @dataclass
@@ -239,6 +243,48 @@ def _tokens(look: BackendLook, look_all: Look, out: Verdict, where: str) -> Aspe
     return Aspect(False, t.reason)
 
 
+def _priority(look: BackendLook, out: Verdict, where: str) -> Aspect:
+    """Whether the router will write requests' priorities for this engine; a vLLM that
+    refuses one, or an SGLang told `on` whose scheduler ignores it, is a problem."""
+    b, key = look.backend, f"backends[{look.index}].priority_scheduling"
+    w = priority_writing(b, look.scheduling, look.scheduling_error)
+    order = "lower values first" if w.lower_first else "higher values first"
+    if not w.writes:
+        return Aspect(False, w.reason)
+    trial = look.priority_trial
+    if b.engine is EngineKind.VLLM and trial is not None:
+        status, said = trial
+        if status == 400:
+            out.problems.append(
+                Problem(
+                    where,
+                    f"the engine answers 400 to a request with a priority ({said.strip()}): it "
+                    "does not schedule by priority, so every request of a class other than 0 "
+                    "would fail",
+                    f"start vLLM with --scheduling-policy priority, or set {key}: off",
+                )
+            )
+            return Aspect(False, "written, and refused by the engine (400)")
+        if status == 200:
+            return Aspect(True, f"{order}: the engine took a request with a priority")
+        shown = f"HTTP {status}" if status else said
+        out.notes.append(f"{where}: the request with a priority was not answered ({shown})")
+    if (
+        b.engine is EngineKind.SGLANG
+        and look.scheduling is not None
+        and not look.scheduling.priority
+    ):
+        out.problems.append(
+            Problem(
+                where,
+                f"{key} is on, its /server_info says {ENABLE_KEY} false: the engine ignores "
+                "the priority the router writes",
+                f"start SGLang with --enable-priority-scheduling, or set {key}: auto",
+            )
+        )
+    return Aspect(True, w.reason)
+
+
 def judge_backend(look: BackendLook, fleet: Look, cfg: Config, out: Verdict) -> BackendVerdict:
     b, key = look.backend, f"backends[{look.index}]"
     where = f"backend {b.id}"
@@ -287,6 +333,7 @@ def judge_backend(look: BackendLook, fleet: Look, cfg: Config, out: Verdict) -> 
         _prefix(look, tokens, out, where),
         tokens,
         _queue(look, cfg, out, where),
+        _priority(look, out, where),
     )
 
 

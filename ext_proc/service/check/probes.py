@@ -1,7 +1,10 @@
 """One look at every backend, with the running router's own readers and at once: what its
 engine serves (`/v1/models`, as the probe loop and the token check read it), a few RTT
 probes on the probe path (loops/engine_http.py, as the probe loop takes them), one read of
-its `/metrics` (when the router would scrape it), its KV-event endpoints (kv.py), and then
+its `/metrics` (when the router would scrape it), its KV-event endpoints (kv.py), SGLang's
+`/server_info` (its priority scheduling), for a vLLM backend whose priority is written one
+request with a priority (max_tokens 1: without `--scheduling-policy priority` vLLM answers
+it 400), and then
 whether the router's tokens are the engine's (the token check's own calls,
 service/tokenize_client.py), with the tokenizer the router would use: the configured one,
 else the one it would find from a backend with KV events (prompt/tokenizer_files.py).
@@ -21,6 +24,7 @@ import zmq.asyncio
 from ext_proc.config.schema import PROBE_PATH, Config
 from ext_proc.feeds.engine_metrics import EngineReport, MetricsError
 from ext_proc.feeds.served_models import ServedModels
+from ext_proc.feeds.server_info import EngineScheduling, priority_writing
 from ext_proc.prompt.engine_tokens import EngineTokenizer, load_engine_tokenizer
 from ext_proc.prompt.tokenizer_config import TokenizerConfig
 from ext_proc.prompt.tokenizer_files import find_tokenizer
@@ -31,16 +35,20 @@ from ext_proc.service.loops.engine_http import (
     probe_rtt,
     probe_session,
     read_engine_report,
+    read_scheduling,
     read_served_models,
     read_session,
 )
 from ext_proc.service.tokenize_client import TokenizeUnsupported, served_model, verify_tokens
-from ext_proc.vocab.backend import Backend
+from ext_proc.vocab.backend import Backend, EngineKind, PriorityScheduling
 from ext_proc.vocab.params import ConfigError
 
 # RTT probes per path, one after another on one kept-alive connection (the probe loop's
 # spacing, probes.interval_s, is not waited: the median of a few is what is shown).
 RTT_PROBES = 3
+# The priority the trial request carries: any non-zero value is refused by a vLLM without
+# priority scheduling; 1 is served after the default class by one with it.
+TRIAL_PRIORITY = 1
 
 
 def why(e: BaseException, timeout_s: float) -> str:
@@ -86,6 +94,12 @@ class BackendLook:
     metrics_missing: bool = False  # 404: SGLang without --enable-metrics
     kv: list[KvLook] = field(default_factory=list)
     tokens: TokensLook | None = None
+    # SGLang's /server_info (its priority scheduling; None: not read, error says why).
+    scheduling: EngineScheduling | None = None
+    scheduling_error: str = ""
+    # A vLLM whose priority the router writes: its answer to one request with a priority
+    # (status, and the start of its body; None: not sent).
+    priority_trial: tuple[int, str] | None = None
 
 
 @dataclass
@@ -157,6 +171,45 @@ async def _metrics(look: BackendLook, http: aiohttp.ClientSession, timeout_s: fl
         look.metrics_error = str(e)
 
 
+async def _scheduling(look: BackendLook, http: aiohttp.ClientSession, timeout_s: float) -> None:
+    try:
+        look.scheduling = await read_scheduling(http, look.backend.address, timeout_s)
+    except UNREACHABLE as e:
+        look.scheduling_error = why(e, timeout_s)
+    except ValueError as e:
+        look.scheduling_error = str(e) or type(e).__name__
+
+
+async def priority_trial(
+    http: aiohttp.ClientSession, address: str, model: str, timeout_s: float
+) -> tuple[int, str]:
+    """One completion of one token with a non-zero priority: the engine's status and the
+    start of its answer."""
+    body = {"model": model, "prompt": "gorgo check", "max_tokens": 1, "priority": TRIAL_PRIORITY}
+    async with http.post(
+        f"http://{address}/v1/completions",
+        json=body,
+        timeout=aiohttp.ClientTimeout(total=timeout_s),
+    ) as resp:
+        return resp.status, (await resp.text())[:300]
+
+
+async def _trial(look: BackendLook, http: aiohttp.ClientSession, timeout_s: float) -> None:
+    """A vLLM backend whose priority is written: does the engine take one?"""
+    if look.unreachable or look.served is None:
+        return
+    try:
+        look.priority_trial = await priority_trial(
+            http, look.backend.address, look.served[0], timeout_s
+        )
+    except UNREACHABLE as e:
+        look.priority_trial = (0, why(e, timeout_s))
+
+
+def _writes_for_vllm(b: Backend) -> bool:
+    return b.engine is EngineKind.VLLM and priority_writing(b, None).writes
+
+
 async def _look_at(
     look: BackendLook,
     cfg: Config,
@@ -169,10 +222,16 @@ async def _look_at(
     if cfg.probes.metrics_interval_s > 0:
         parts.append(_metrics(look, http, timeout_s))
 
+    b = look.backend
+    if b.engine is EngineKind.SGLANG and b.priority_scheduling is not PriorityScheduling.OFF:
+        parts.append(_scheduling(look, http, timeout_s))
+
     async def kv() -> None:
         look.kv = await look_at_kv(ctx, look.backend, timeout_s)
 
     await asyncio.gather(*parts, kv())
+    if _writes_for_vllm(b):  # once the engine said what it serves
+        await _trial(look, http, timeout_s)
 
 
 def _load(cfg: TokenizerConfig) -> EngineTokenizer:

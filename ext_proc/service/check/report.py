@@ -14,6 +14,7 @@ LABELS = {
     "prefix": ("precise", "approximate"),
     "tokens": ("exact", "approximate"),
     "queue": ("precise", "estimated"),
+    "priority": ("written", "not written"),
 }
 
 

@@ -1,7 +1,7 @@
 """An engine's HTTP endpoints as the router reads them: one RTT probe, one read of its
-`/metrics` and of its `/v1/models`. The probe loop (probe.py) calls these on its schedule;
-`gorgo check` (ext_proc/service/check/) calls the same ones once, so it judges an engine
-exactly as the running router will read it.
+`/metrics`, of its `/v1/models` and of SGLang's `/server_info`. The probe loop (probe.py)
+calls these on its schedule; `gorgo check` (ext_proc/service/check/) calls the same ones
+once, so it judges an engine exactly as the running router will read it.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import aiohttp
 
 from ext_proc.feeds.engine_metrics import EngineReport, MetricsError, parse_engine_metrics
 from ext_proc.feeds.served_models import ModelsError, ServedModels, parse_models
+from ext_proc.feeds.server_info import EngineScheduling, ServerInfoError, parse_server_info
 
 # Errors of a read that did not get an answer (refused, reset, timed out).
 UNREACHABLE = (aiohttp.ClientError, TimeoutError, OSError)
@@ -95,3 +96,17 @@ async def read_served_models(
         if resp.status != 200:
             raise ModelsError(f"HTTP {resp.status}")
         return parse_models(await resp.json(content_type=None))
+
+
+async def read_scheduling(
+    session: aiohttp.ClientSession, address: str, timeout_s: float
+) -> EngineScheduling:
+    """SGLang's priority scheduling, from its /server_info. Raises ServerInfoError (a
+    status other than 200, an answer that cannot be read), ValueError (not JSON) or one
+    of UNREACHABLE."""
+    async with session.get(
+        f"http://{address}/server_info", timeout=aiohttp.ClientTimeout(total=timeout_s)
+    ) as resp:
+        if resp.status != 200:
+            raise ServerInfoError(f"HTTP {resp.status}")
+        return parse_server_info(await resp.json(content_type=None))

@@ -32,10 +32,11 @@ from ext_proc.service.loops.engine_http import (
     probe_rtt,
     probe_session,
     read_engine_report,
+    read_scheduling,
     read_served_models,
     read_session,
 )
-from ext_proc.vocab.backend import Backend
+from ext_proc.vocab.backend import Backend, EngineKind, PriorityScheduling
 
 log = logging.getLogger("gorgo.probe")
 
@@ -105,6 +106,8 @@ class Prober:
         self.slow_paths: dict[str, str] = {}
         # Set to probe a backend now rather than at its next interval (poke).
         self._pokes: dict[str, asyncio.Event] = {}
+        # Backends whose /server_info has answered (whatever it said) since they were added.
+        self._scheduling_answered: set[str] = set()
 
     async def start(self) -> None:
         self._session = probe_session()
@@ -115,6 +118,8 @@ class Prober:
             # /healthz after it): until then every backend takes every model, and a
             # request for a model one engine serves could go to another, which 404s it.
             await asyncio.gather(*(self._read_models(b) for b in backends))
+        # Which SGLang engines schedule by priority, before the first request is routed.
+        await asyncio.gather(*(self._read_scheduling(b) for b in backends))
         for b in backends:
             self.add(b, models_read=True)
 
@@ -154,6 +159,7 @@ class Prober:
             self._stopping.add(t)  # a reference until it has ended
             t.add_done_callback(self._stopping.discard)
         self.slow_paths.pop(backend, None)
+        self._scheduling_answered.discard(backend)
         return tasks
 
     @property
@@ -185,6 +191,8 @@ class Prober:
                 # an engine that was not up when the router started (or was added) answers:
                 # what it serves is read before it counts as healthy, not an interval later
                 await self._read_models(b)
+            if rtt_ms is not None and b.id not in self._scheduling_answered:
+                await self._read_scheduling(b)
             state = self.router.backends.get(b.id)
             if state is None:  # removed while the probe was out
                 return
@@ -260,6 +268,7 @@ class Prober:
             await asyncio.sleep(self.cfg.probes.models_interval_s)
         while True:
             await self._read_models(b)
+            await self._read_scheduling(b)  # an engine restarted with other flags
             await asyncio.sleep(self.cfg.probes.models_interval_s)
 
     def _models_unread(self, b: Backend) -> bool:
@@ -280,3 +289,24 @@ class Prober:
                 log.info("backend %s serves %s", b.id, ", ".join(sorted(served.names)))
         except (*UNREACHABLE, ValueError) as e:
             log.debug("models of %s: %s", b.id, e)
+
+    async def _read_scheduling(self, b: Backend) -> None:
+        """One read of an SGLang engine's priority scheduling (/server_info), unless the
+        config turns writing off; vLLM reports none. A change is logged."""
+        if b.engine is not EngineKind.SGLANG or b.priority_scheduling is PriorityScheduling.OFF:
+            return
+        assert self._aux is not None
+        try:
+            scheduling = await read_scheduling(self._aux, b.address, self.cfg.probes.timeout_s)
+            error = ""
+            self._scheduling_answered.add(b.id)
+        except UNREACHABLE as e:
+            log.debug("server_info of %s: %s", b.id, e)
+            return  # what was known stands; the next probe that answers reads it again
+        except ValueError as e:  # an answer, not one the router can read
+            self._scheduling_answered.add(b.id)
+            scheduling, error = None, str(e) or type(e).__name__
+        if self.router.inputs.record_scheduling(b.id, scheduling, error):
+            state = self.router.backends.get(b.id)
+            if state is not None:
+                log.info("backend %s: priority %s", b.id, state.priority.reason)
