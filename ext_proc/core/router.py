@@ -215,9 +215,8 @@ class Router:
         waited_ms: float = 0.0,
         queued_behind: int = 0,
     ) -> Decision | NoRoom:
-        """Choose a backend and record the dispatch if the chosen one has `room` (None: always),
-        else NoRoom (flow control: it waits). `waited_ms`: its wait in the gateway queue, in
-        its TTFT and E2E; `queued_behind`: the requests waiting there when it joined."""
+        """Choose a backend; record the dispatch if it has `room` (None: always), else NoRoom
+        (flow control waits). `waited_ms`: its gateway queue wait (in its TTFT and E2E)."""
         blocks = self._features.prompt_blocks(request)
         candidates = self._features.candidates(request, blocks)
         bt = self.cfg.routing.block_tokens

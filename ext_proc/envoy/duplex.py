@@ -13,8 +13,9 @@ from typing import Any, ClassVar
 
 from ext_proc.core.router import Router
 from ext_proc.envoy import codec
+from ext_proc.envoy.answers import no_endpoint
 from ext_proc.envoy.encoders import DecisionEncoder, EndpointPickerEncoder
-from ext_proc.envoy.sessions import Reply, RoutingSession, Session, no_endpoint
+from ext_proc.envoy.sessions import Reply, RoutingSession, Session
 from ext_proc.vocab.types import BackendLifecycle, Decision
 
 # A request body the router rewrote (a model alias) goes back to a FULL_DUPLEX_STREAMED

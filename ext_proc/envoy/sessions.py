@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
@@ -23,6 +22,7 @@ from ext_proc.core.pipeline import Director, Outcome, Queued, Refused, Unrouted
 from ext_proc.core.router import Router
 from ext_proc.envoy import codec
 from ext_proc.envoy.access_log import Forward, first_chunk_event
+from ext_proc.envoy.answers import json_error, no_endpoint, own_request_id
 from ext_proc.envoy.encoders import DecisionEncoder, EndpointPickerEncoder
 from ext_proc.envoy.outcome import VIA_UPSTREAM, outcome_of
 from ext_proc.flow.classify import read_headers
@@ -35,7 +35,7 @@ from ext_proc.prompt.parse import (
     parse_body,
     rewritten,
 )
-from ext_proc.vocab.errors import INVALID_BODY, UNAVAILABLE, ApiError, retry_headers
+from ext_proc.vocab.errors import INVALID_BODY, retry_headers
 from ext_proc.vocab.request import LlmRequest
 from ext_proc.vocab.types import Decision, RouteRequest, Status
 
@@ -49,8 +49,6 @@ Reply = codec.ProcessingResponse | list[codec.ProcessingResponse] | None
 # A request body at least this long is tokenized in a worker thread (~8k tokens of text:
 # a few ms to tokenize cold; shorter ones are cheaper than the thread hop).
 OFF_LOOP_BODY_BYTES = 32 * 1024
-# A client's request id longer than this is shortened (its start and a hash of it).
-MAX_REQUEST_ID_CHARS = 200
 
 
 # -- one session type per role, chosen from the stream's first message --------------------
@@ -431,37 +429,6 @@ class RoutingSession(_FirstByteWatcher):
     }
 
 
-def no_endpoint(reason: str) -> codec.ProcessingResponse:
-    """The endpoint-picker protocol's answer when no endpoint can take the request."""
-    return json_error(UNAVAILABLE, f"no endpoint can take the request: {reason}")
-
-
 def _status(headers: Mapping[str, str]) -> int:
     raw = headers.get(":status", "")
     return int(raw) if raw.isdigit() else 0
-
-
-def own_request_id(request_id: str, in_flight: Mapping[str, object]) -> str:
-    """The id the router tracks a request by, and Envoy then logs it by (the router's reply
-    rewrites x-request-id when it differs): the client's own, unless a request with that
-    id is still in flight (a client reusing one: each must count, and close, apart) or it
-    is absurdly long (kept in the decision log and the page's feed)."""
-    if len(request_id) > MAX_REQUEST_ID_CHARS:
-        digest = hashlib.blake2b(request_id.encode(), digest_size=8).hexdigest()
-        request_id = f"{request_id[:64]}~{digest}"
-    own, n = request_id, 1
-    while own in in_flight:
-        n += 1
-        own = f"{request_id}~{n}"
-    return own
-
-
-def json_error(
-    error: ApiError, message: str, headers: dict[str, str] | None = None
-) -> codec.ProcessingResponse:
-    """Answer the client directly, in the OpenAI error shape its SDK already parses
-    (ext_proc/vocab/errors.py); Envoy logs the code as the response code details."""
-    all_headers = {**(headers or {}), "content-type": "application/json"}
-    return codec.immediate_response(
-        error.status, error.body(message), all_headers, details=f"gorgo_{error.code}"
-    )

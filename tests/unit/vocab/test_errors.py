@@ -12,7 +12,7 @@ import httpx2
 import openai
 import pytest
 
-from ext_proc.envoy.sessions import json_error
+from ext_proc.envoy.answers import json_error
 from ext_proc.vocab import errors
 from ext_proc.vocab.errors import ROUTER_ERRORS, ApiError, retry_headers
 
