@@ -24,6 +24,7 @@ from ext_proc.core.router import NoRoom, Router
 from ext_proc.flow.classify import Objectives
 from ext_proc.flow.queue import FlowQueue, Waiting
 from ext_proc.flow.room import has_room
+from ext_proc.flow.shared import Releases
 from ext_proc.vocab.errors import RATE_LIMITED, UNAVAILABLE
 from ext_proc.vocab.types import BackendLifecycle, Candidate, Decision, Refusal, RouteRequest
 
@@ -80,12 +81,17 @@ Outcome = Routed | Refused | Unrouted
 class Director:
     """Runs one request through the router's steps, in order."""
 
-    def __init__(self, router: Router) -> None:
+    def __init__(self, router: Router, shared: bool | None = None) -> None:
         self.router = router
         settings = router.cfg.flow_control
         self.objectives = Objectives(settings)
         # The gateway queue (None: flow control off, every request bound at once).
         self.queue = FlowQueue(settings) if settings.enabled else None
+        # Several routers over one view (`shared`; default: a fleet bus is configured):
+        # one release per backend until the bus confirms it (flow.shared). None: alone.
+        if shared is None:
+            shared = bool(router.cfg.fleet.nats_url)
+        self.releases = Releases(router.clock) if shared and settings.enabled else None
         # The outcomes of waiting requests decided by a pump, for the transport to take.
         self.released: list[tuple[Waiting, Outcome]] = []
         self._served: dict[int, str | None] = {}
@@ -174,6 +180,11 @@ class Director:
             self.counts["released"] += isinstance(outcome, Routed)
             self.released.append((w, outcome))
 
+    def confirm(self, request_ids: list[str]) -> int:
+        """The fleet bus carried these dispatches to the peers: their backends have room
+        for this router's next release again (the caller pumps). How many were ours."""
+        return self.releases.confirm(request_ids) if self.releases is not None else 0
+
     def cancel(self, w: Waiting) -> None:
         """Its client went away while it waited."""
         if self.queue is not None and not w.done:
@@ -194,6 +205,15 @@ class Director:
             "oldest_wait_s": round(max((now_s - w.arrival_s for w in waiting), default=0.0), 3),
             **self.queue.depth(),
             "outcomes": dict(sorted(self.counts.items())),
+            **self._shared_snapshot(),
+        }
+
+    def _shared_snapshot(self) -> dict[str, Any]:
+        r = self.releases
+        if r is None:
+            return {}
+        return {
+            "releases": {"unconfirmed": len(r), "confirmed": r.confirmed, "timed_out": r.timed_out}
         }
 
     def next_expiry_s(self) -> float:
@@ -229,7 +249,11 @@ class Director:
         # of its SLO (engines start prefills in order), until it waited the starvation bound.
         protect_ms = w.protected_ms if now_s - w.arrival_s < settings.starvation_s else math.inf
 
+        releases = self.releases
+
         def room(c: Candidate) -> bool:
+            if releases is not None and releases.blocked(c.backend_id):
+                return False  # its last release here is not yet heard by the peers
             return c.unstarted_ms + c.prefill_ms <= protect_ms and has_room(c, settings)
 
         try:
@@ -252,6 +276,8 @@ class Director:
             return None
         assert self.queue is not None
         self.queue.charge(w.tenant, w.tokens, now_s)
+        if releases is not None:
+            releases.released(placed.backend, placed.request_id)
         return Routed(placed, served)
 
     def _refuse(self, w: Waiting, reason: str, why: str) -> None:

@@ -32,6 +32,12 @@ class Holding(Listener):
     def on_close(self, e: Closed) -> None:
         self._wake.set()
 
+    def confirm(self, request_ids: list[str]) -> None:
+        """The fleet bus carried these dispatches: room this router left for its peers
+        to hear of them is its own again."""
+        if self.director.confirm(request_ids):
+            self._wake.set()
+
     @property
     def held(self) -> int:
         return len(self._waiters)

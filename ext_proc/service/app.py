@@ -159,6 +159,7 @@ async def running_service(
             server, router, telemetry.fallback, tokens, fleet.forward
         )
         fleet.on_forwarded = access_log.apply_forwarded
+        fleet.on_confirmed = ext_proc.holding.confirm
         # Backends from Kubernetes (an InferencePool's pods), with the configured ones.
         discovery = PoolWatch(cfg, router) if cfg.discovery.enabled else None
         discovered: Callable[[], Sequence[Backend]] = (

@@ -32,7 +32,7 @@ from ext_proc.core.pipeline import Director, Outcome, Queued, Refused, Routed
 from ext_proc.core.router import Router
 from ext_proc.estimate.profile import load_profile
 from ext_proc.feeds.engine_metrics import EngineReport
-from ext_proc.feeds.peers import PeerEvent, PeerPublisher
+from ext_proc.feeds.peers import PeerEvent, PeerKind, PeerPublisher
 from ext_proc.prompt.parse import COMPLETIONS
 from ext_proc.vocab.request import LlmRequest
 from ext_proc.vocab.types import Refusal, RouteRequest, Status
@@ -50,6 +50,9 @@ _SEND, _SLOT = range(11, 13)
 # Flow control: the gateway queues are offered room again (TICK_S apart while any waits).
 _TICK = 13
 TICK_S = 0.05
+# Several routers with flow control: the bus confirms a router's dispatch to it (the
+# server has it: a flush's round trip, ext_proc.flow.shared).
+_CONFIRM = 14
 # One hop through the fleet's message bus between routers in one place (NATS on a LAN).
 BUS_HOP_S = 0.0005
 
@@ -155,7 +158,10 @@ class Simulation:
                 ]
         self.routers = [router for rs in self.routers_at.values() for router in rs]
         # Each router's recipe for a request (the live service's own: core.pipeline).
-        self.directors = {id(router): Director(router) for router in self.routers}
+        # Several routers sharing their dispatches hold one release per backend until the
+        # bus confirms it, as live (ext_proc.flow.shared).
+        shared = settings.share_dispatches and len(self.routers) > 1
+        self.directors = {id(router): Director(router, shared) for router in self.routers}
         for router in self.routers:  # as discovery reads each engine's /v1/models at start
             for r in settings.regions:
                 router.inputs.record_models(r, self.served[r])
@@ -222,6 +228,8 @@ class Simulation:
 
     def _sender(self, door: str, sender: Router) -> Callable[[PeerEvent], None]:
         def send(e: PeerEvent) -> None:
+            if e.kind == PeerKind.DISPATCHED:
+                self._push(self.now_s + 2 * BUS_HOP_S, _CONFIRM, (sender, e.request_id))
             for to in self.routers_at:
                 hop_s = BUS_HOP_S if to == door else region_rtt_ms(door, to) / 2000
                 self._push(self.now_s + hop_s, _PEER, (to, sender, e))
@@ -331,6 +339,10 @@ class Simulation:
                 self._deliver(*data)
             elif kind == _CALL:
                 data()
+            elif kind == _CONFIRM:
+                sender, rid = data
+                if self.directors[id(sender)].confirm([rid]) and self._queued:
+                    self._pump()
             elif kind == _SEND:
                 # The client's due time: a free slot sends it now, else it waits.
                 assert self._cap is not None

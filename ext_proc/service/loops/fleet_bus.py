@@ -32,6 +32,9 @@ log = logging.getLogger("gorgo.fleet")
 # stale dispatches would only mislead the peers.
 QUEUE_EVENTS = 10_000
 RETRY_S = 1.0
+# How long a flush may wait for the server's answer (whole seconds: nats-py's unit); the
+# flow-control releases it confirms time out sooner by themselves (flow.shared).
+FLUSH_TIMEOUT_S = 1
 
 
 def default_router_id() -> str:
@@ -58,6 +61,10 @@ class FleetBus:
         # Applies another router's FIRST_CHUNK or COMPLETED for one of ours (the shell's
         # ExtProcService.apply_forwarded).
         self.on_forwarded: Callable[[PeerEvent], None] | None = None
+        # Told which of our dispatches the NATS server has (published, then a flush's
+        # round trip): every peer's connection has them too (flow control's bound on the
+        # room several routers release together, ext_proc.flow.shared).
+        self.on_confirmed: Callable[[list[str]], None] | None = None
 
     def add(self, backend: Backend) -> None:
         """Nothing per backend: every router's events name their backend."""
@@ -112,10 +119,18 @@ class FleetBus:
         }
 
     def _send(self, e: PeerEvent) -> None:
+        if e.kind == PeerKind.DISPATCHED and not self.connected:
+            # No peer can hear it now: nothing to wait for (fail open). Told after the
+            # release that sent it is recorded.
+            self._confirm_soon([e.request_id])
         try:
             self._queue.put_nowait(e)
         except asyncio.QueueFull:
             self.dropped += 1
+
+    def _confirm_soon(self, request_ids: list[str]) -> None:
+        if self.on_confirmed is not None:
+            asyncio.get_running_loop().call_soon(self.on_confirmed, request_ids)
 
     async def _run(self) -> None:
         servers = self.cfg.fleet.nats_url.split(",")
@@ -139,9 +154,19 @@ class FleetBus:
         await self._nc.subscribe(f"{self.subject}.*", cb=self._on_message)
         own = f"{self.subject}.{self.router_id}"
         while True:
-            event = await self._queue.get()
-            await self._nc.publish(own, event.encode())
-            self.sent += 1
+            batch = [await self._queue.get()]
+            while not self._queue.empty():
+                batch.append(self._queue.get_nowait())
+            for event in batch:
+                await self._nc.publish(own, event.encode())
+                self.sent += 1
+            dispatched = [e.request_id for e in batch if e.kind == PeerKind.DISPATCHED]
+            if dispatched and self.on_confirmed is not None:
+                try:  # the server has them once it answers the PING behind them
+                    await self._nc.flush(timeout=FLUSH_TIMEOUT_S)
+                except Exception as e:  # timed out or disconnected: confirm anyway
+                    log.warning("fleet bus: flush: %s", e)
+                self.on_confirmed(dispatched)
 
     async def _on_message(self, msg: Msg) -> None:
         try:

@@ -5,6 +5,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from ext_proc.core.pipeline import Director, Queued, Refused, Routed, Unrouted
+from ext_proc.feeds.peers import PeerEvent, PeerPublisher
 from ext_proc.feeds.served_models import ServedModels
 from ext_proc.vocab.errors import RATE_LIMITED
 from tests.builders import BackendSpec, chat, load, make_config, make_router
@@ -196,3 +197,103 @@ def test_a_lower_band_does_not_put_a_long_prefill_ahead_of_a_higher_bands_slo() 
     director.pump()
     [(w, out)] = director.released
     assert w is big.ticket and isinstance(out, Routed)
+
+
+# -- several routers over one view (flow.shared) -------------------------------------------
+
+
+class FakeBus:
+    """NATS between routers, with its delay: what a router publishes reaches the others
+    (and is confirmed to it) only when the test calls `deliver`."""
+
+    def __init__(self) -> None:
+        self.pending: list[tuple[Director, PeerEvent]] = []
+        self.directors: list[Director] = []
+
+    def join(self, director: Director, name: str) -> None:
+        self.directors.append(director)
+        director.router.subscribe(PeerPublisher(name, lambda e: self.pending.append((director, e))))
+
+    def deliver(self) -> None:
+        pending, self.pending = self.pending, []
+        for sender, e in pending:
+            for d in self.directors:
+                if d is not sender:
+                    d.router.inputs.apply_peer(e)
+            sender.confirm([e.request_id])
+
+
+# requests waiting for a first token per backend: not a multiple of the routers, so the
+# last round finds room for fewer than all of them
+SHARED_ROOM = 4
+
+
+def shared_routers(n: int, shared: bool) -> tuple[list[Director], FakeBus, FakeClock]:
+    clock = FakeClock()
+    bus = FakeBus()
+    directors = []
+    for i in range(n):
+        router, _ = make_router(
+            "gorgo",
+            backends=["a"],
+            clock=clock,
+            seed=i,
+            # room by count alone: the margin leaves the time rule out of it
+            flow_control={
+                "enabled": True,
+                "max_waiting_requests": SHARED_ROOM,
+                "room_margin_ms": 1e9,
+            },
+        )
+        d = Director(router, shared=shared)
+        bus.join(d, f"router-{i}")
+        directors.append(d)
+    return directors, bus, clock
+
+
+def waiting_at_a(directors: list[Director]) -> int:
+    """What the engine has waiting for a first token: every router's own dispatches."""
+    return sum(1 for d in directors for rec in d.router.in_flight.values() if not rec.first_byte_s)
+
+
+def burst(directors: list[Director], bus: FakeBus, per_router: int) -> int:
+    """Every router takes `per_router` requests at the same instant, then pumps as the bus
+    delivers, round after round: the most ever waiting at the backend."""
+    for i, d in enumerate(directors):
+        for j in range(per_router):
+            d.handle(chat(rid=f"r{i}-{j}"))
+    most = waiting_at_a(directors)
+    for _ in range(per_router + 2):
+        bus.deliver()
+        for d in directors:
+            d.pump()
+        most = max(most, waiting_at_a(directors))
+    return most
+
+
+def test_several_routers_overshoot_the_room_by_at_most_one_request_per_peer() -> None:
+    directors, bus, _ = shared_routers(3, shared=True)
+    most = burst(directors, bus, per_router=6)
+    # each router knows its own exactly; at most one release of each peer unheard (here
+    # the last round: 3 of room 4 heard, each router sends one)
+    assert most == SHARED_ROOM + len(directors) - 1
+    assert waiting_at_a(directors) == most  # the rest still wait in the routers' queues
+    assert sum(len(d.queue or ()) for d in directors) == 3 * 6 - most
+    assert all(d.snapshot()["releases"]["confirmed"] >= 1 for d in directors)
+
+
+def test_without_the_rule_routers_that_see_the_same_room_all_fill_it() -> None:
+    directors, bus, _ = shared_routers(3, shared=False)
+    assert burst(directors, bus, per_router=6) == 3 * SHARED_ROOM
+
+
+def test_one_router_is_not_held_back_by_a_bus() -> None:
+    router, _ = make_router("gorgo", backends=["a"], flow_control={"enabled": True})
+    assert Director(router).releases is None  # no fleet.nats_url: alone
+    shared, _ = make_router(
+        "gorgo",
+        backends=["a"],
+        flow_control={"enabled": True},
+        fleet={"nats_url": "nats://127.0.0.1:4222"},
+    )
+    assert Director(shared).releases is not None
