@@ -24,7 +24,7 @@ from ext_proc.core.router import NoRoom, Router
 from ext_proc.flow.classify import Objectives
 from ext_proc.flow.queue import FlowQueue, Waiting
 from ext_proc.flow.room import has_room
-from ext_proc.flow.shared import Releases
+from ext_proc.flow.shared import Claims, Releases
 from ext_proc.vocab.errors import RATE_LIMITED, UNAVAILABLE
 from ext_proc.vocab.types import BackendLifecycle, Candidate, Decision, Refusal, RouteRequest
 
@@ -88,10 +88,13 @@ class Director:
         # The gateway queue (None: flow control off, every request bound at once).
         self.queue = FlowQueue(settings) if settings.enabled else None
         # Several routers over one view (`shared`; default: a fleet bus is configured):
-        # one release per backend until the bus confirms it (flow.shared). None: alone.
+        # one release per backend until the bus confirms it, and no room taken that a
+        # peer's higher band waits for (flow.shared). None: alone.
         if shared is None:
             shared = bool(router.cfg.fleet.nats_url)
-        self.releases = Releases(router.clock) if shared and settings.enabled else None
+        shared = shared and settings.enabled
+        self.releases = Releases(router.clock) if shared else None
+        self.claims = Claims(router.clock) if shared else None
         # The outcomes of waiting requests decided by a pump, for the transport to take.
         self.released: list[tuple[Waiting, Outcome]] = []
         self._served: dict[int, str | None] = {}
@@ -185,6 +188,22 @@ class Director:
         for this router's next release again (the caller pumps). How many were ours."""
         return self.releases.confirm(request_ids) if self.releases is not None else 0
 
+    def hear_claims(self, router: str, claims: dict[str, int]) -> None:
+        """A peer router's claims: for each backend, the highest band waiting for it."""
+        if self.claims is not None:
+            self.claims.hear(router, claims)
+
+    def claims_to_send(self) -> dict[str, int] | None:
+        """Our claims when they are due to go to the peers (changed, or a refresh), else
+        None: for each backend our waiting requests wait for, the highest band."""
+        if self.claims is None or self.queue is None:
+            return None
+        ours: dict[str, int] = {}
+        for w in self.queue.waiting():
+            if w.wants and w.priority > ours.get(w.wants, -(2**62)):
+                ours[w.wants] = w.priority
+        return ours if self.claims.due(ours) else None
+
     def cancel(self, w: Waiting) -> None:
         """Its client went away while it waited."""
         if self.queue is not None and not w.done:
@@ -209,11 +228,13 @@ class Director:
         }
 
     def _shared_snapshot(self) -> dict[str, Any]:
-        r = self.releases
-        if r is None:
+        r, c = self.releases, self.claims
+        if r is None or c is None:
             return {}
         return {
-            "releases": {"unconfirmed": len(r), "confirmed": r.confirmed, "timed_out": r.timed_out}
+            "releases": {"unconfirmed": len(r), "confirmed": r.confirmed, "timed_out": r.timed_out},
+            "peer_claims": c.snapshot(),
+            "deferred_to_peers": c.deferred,
         }
 
     def next_expiry_s(self) -> float:
@@ -247,13 +268,17 @@ class Director:
         # A lower band's request leaves a higher band's SLO room: not where its prefill
         # and the work ahead of it would make a higher band's next request wait past half
         # of its SLO (engines start prefills in order), until it waited the starvation bound.
-        protect_ms = w.protected_ms if now_s - w.arrival_s < settings.starvation_s else math.inf
+        starved = now_s - w.arrival_s >= settings.starvation_s
+        protect_ms = math.inf if starved else w.protected_ms
+        claims = None if starved else self.claims
 
         releases = self.releases
 
         def room(c: Candidate) -> bool:
             if releases is not None and releases.blocked(c.backend_id):
                 return False  # its last release here is not yet heard by the peers
+            if claims is not None and claims.outranked(c.backend_id, w.priority):
+                return False  # a peer's higher band waits for this room
             return c.unstarted_ms + c.prefill_ms <= protect_ms and has_room(c, settings)
 
         try:
@@ -262,6 +287,7 @@ class Director:
         except NoActiveBackend as e:
             return Unrouted(str(e))
         if isinstance(placed, NoRoom):
+            w.wants = placed.backend_id
             if w.sheddable and now_s + placed.best_ttft_ms / 1000 > w.deadline_s:
                 self.counts["rejected-slo"] += 1
                 return Refused(

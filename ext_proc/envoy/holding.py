@@ -9,8 +9,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+from collections.abc import Callable
 
 from ext_proc.core.pipeline import Director, Outcome
+from ext_proc.feeds.peers import PeerEvent, PeerKind
 from ext_proc.flow.queue import Waiting
 from ext_proc.vocab.events import Closed, FirstByte, Listener
 
@@ -25,12 +27,26 @@ class Holding(Listener):
         self._waiters: dict[int, asyncio.Future[Outcome]] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        # Several routers: tells the peers what our queue waits for (the fleet bus's
+        # FleetBus.tell_claims; None: alone).
+        self.tell: Callable[[dict[str, int]], None] | None = None
 
     def on_first_byte(self, e: FirstByte) -> None:
         self._wake.set()
 
     def on_close(self, e: Closed) -> None:
         self._wake.set()
+
+    def hear(self, e: PeerEvent) -> None:
+        """A peer's event: its claims (what its queue waits for), or a first byte or close
+        of its own that may have made room here too: the queue is offered it now."""
+        if e.kind == PeerKind.WAITING:
+            self.director.hear_claims(e.router, dict(e.claims))
+        self._wake.set()
+
+    def _tell(self) -> None:
+        if self.tell is not None and (claims := self.director.claims_to_send()) is not None:
+            self.tell(claims)
 
     def confirm(self, request_ids: list[str]) -> None:
         """The fleet bus carried these dispatches: room this router left for its peers
@@ -65,10 +81,17 @@ class Holding(Listener):
                 future.set_result(outcome)
 
     async def _run(self) -> None:
+        try:
+            await self._pump_while_waiting()
+        finally:
+            self._tell()  # nothing waits: the peers stop holding room back for us
+
+    async def _pump_while_waiting(self) -> None:
         while self._waiters:
             self._wake.clear()
             self.director.pump()
             self.deliver()
+            self._tell()
             wait_s = min(
                 TICK_S, max(0.0, self.director.next_expiry_s() - self.director.router.clock())
             )

@@ -34,6 +34,9 @@ class PeerKind(enum.StrEnum):
     # (`error`: an error event inside the stream); COMPLETED: the access-log entry.
     FIRST_CHUNK = "first_chunk"
     COMPLETED = "completed"
+    # Flow control: what the sender's gateway queue waits for (`claims`: per backend the
+    # highest priority waiting for it; none: nothing), ext_proc.flow.shared.Claims.
+    WAITING = "waiting"
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,8 @@ class PeerEvent:
     route_name: str = ""
     flags: tuple[str, ...] = ()
     details: str = ""
+    # WAITING only: (backend, highest priority waiting for it), one per backend.
+    claims: tuple[tuple[str, int], ...] = ()
 
     def encode(self) -> bytes:
         return orjson.dumps(asdict(self))
@@ -93,8 +98,9 @@ class PeerEvent:
                 route_name=str(raw.get("route_name", "")),
                 flags=tuple(str(f) for f in raw.get("flags", ())),
                 details=str(raw.get("details", "")),
+                claims=tuple((str(b), int(p)) for b, p in raw.get("claims", ())),
             )
-        except (orjson.JSONDecodeError, KeyError, TypeError) as e:
+        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as e:
             raise ValueError(f"peer event: {e}") from e
 
 
@@ -128,3 +134,11 @@ class PeerPublisher(Listener):
 
     def on_close(self, e: Closed) -> None:
         self.send(PeerEvent(PeerKind.CLOSED, self.router_id, e.request_id, e.backend))
+
+    def claims(self, claims: dict[str, int]) -> None:
+        """What our gateway queue waits for now (flow control, several routers)."""
+        self.send(
+            PeerEvent(
+                PeerKind.WAITING, self.router_id, "", "", claims=tuple(sorted(claims.items()))
+            )
+        )

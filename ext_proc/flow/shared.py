@@ -8,6 +8,15 @@ this router. So at any moment each router has at most one release per backend it
 may not have heard of yet, and a backend receives at most one request per router beyond
 the room every router sees.
 
+Priority across routers (`Claims`): each router tells the others, for each backend its
+waiting requests wait for (the policy's choice at their last try), the highest priority
+waiting for it, when that changes and every CLAIM_REFRESH_S while any waits. A router
+offers a backend's room to a request only when no peer's fresh claim on that backend is
+of a higher priority (unless the request waited the starvation bound): a router holding
+only batch does not take the room another router's interactive request waits for, and
+the room of other backends is not held back. Claims not refreshed within CLAIM_TTL_S are
+forgotten (a router that died holds nothing back for long).
+
 A release not confirmed within CONFIRM_TIMEOUT_S counts as confirmed (fail open: a bus
 that is slow or gone must not stop the queue; the bound then rests on the engines'
 reports, as with one router per view). Pure: the clock is the caller's.
@@ -15,11 +24,65 @@ reports, as with one router per view). Pure: the clock is the caller's.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import math
+from collections.abc import Callable, Iterable, Mapping
 
 # Far above a NATS round trip on one host or a LAN (well under 5 ms), short beside the
 # queue's 50 ms tick: a bus gone quiet costs at most one release per backend this often.
 CONFIRM_TIMEOUT_S = 0.1
+
+
+# A waiting router's claims go out again this often while they stand (5 messages a second
+# per router, not per request), and are forgotten after this long without news: three
+# refreshes missed.
+CLAIM_REFRESH_S = 0.2
+CLAIM_TTL_S = 0.6
+
+
+class Claims:
+    """The peers' claims on backends' room (backend -> the highest priority waiting for
+    it), and when ours are due to be told."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self.clock = clock
+        # router -> (its claims, when heard)
+        self._heard: dict[str, tuple[dict[str, int], float]] = {}
+        self._sent: dict[str, int] = {}
+        self._sent_s = -math.inf
+        # How often a release was held back for a peer's higher band.
+        self.deferred = 0
+
+    def hear(self, router: str, claims: Mapping[str, int]) -> None:
+        """A peer's claims now (empty: it waits for nothing)."""
+        if claims:
+            self._heard[router] = (dict(claims), self.clock())
+        else:
+            self._heard.pop(router, None)
+
+    def outranked(self, backend: str, priority: int) -> bool:
+        """Whether a peer waits for `backend` with a request of a higher band."""
+        now_s = self.clock()
+        for router, (claims, heard_s) in list(self._heard.items()):
+            if now_s - heard_s > CLAIM_TTL_S:
+                del self._heard[router]
+            elif claims.get(backend, priority) > priority:
+                self.deferred += 1
+                return True
+        return False
+
+    def due(self, ours: Mapping[str, int]) -> bool:
+        """Whether `ours` should go out now (changed, or standing for a refresh); if so,
+        they count as sent."""
+        now_s = self.clock()
+        if ours == self._sent and (not ours or now_s - self._sent_s < CLAIM_REFRESH_S):
+            return False
+        self._sent, self._sent_s = dict(ours), now_s
+        return True
+
+    def snapshot(self) -> dict[str, dict[str, int]]:
+        """The peers' claims heard and still standing."""
+        now_s = self.clock()
+        return {r: c for r, (c, at) in sorted(self._heard.items()) if now_s - at <= CLAIM_TTL_S}
 
 
 class Releases:

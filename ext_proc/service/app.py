@@ -160,6 +160,8 @@ async def running_service(
         )
         fleet.on_forwarded = access_log.apply_forwarded
         fleet.on_confirmed = ext_proc.holding.confirm
+        fleet.on_peer = ext_proc.holding.hear
+        ext_proc.holding.tell = fleet.tell_claims
         # Backends from Kubernetes (an InferencePool's pods), with the configured ones.
         discovery = PoolWatch(cfg, router) if cfg.discovery.enabled else None
         discovered: Callable[[], Sequence[Backend]] = (

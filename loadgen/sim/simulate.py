@@ -165,10 +165,14 @@ class Simulation:
         for router in self.routers:  # as discovery reads each engine's /v1/models at start
             for r in settings.regions:
                 router.inputs.record_models(r, self.served[r])
+        # Each router's voice on the bus (shared dispatches), by id(router).
+        self._publishers: dict[int, PeerPublisher] = {}
         if settings.share_dispatches:
             for door, rs in self.routers_at.items():
                 for i, router in enumerate(rs):
-                    router.subscribe(PeerPublisher(f"{door}/{i}", self._sender(door, router)))
+                    pub = PeerPublisher(f"{door}/{i}", self._sender(door, router))
+                    router.subscribe(pub)
+                    self._publishers[id(router)] = pub
         # Per engine: a fleet's profiles may cache at other granularities and pool sizes.
         self.engine_block_tokens = {r: p.block_tokens for r, p in profiles.items()}
         self.kv_capacity_tokens = {r: p.kv_capacity_tokens for r, p in profiles.items()}
@@ -242,8 +246,14 @@ class Simulation:
 
     def _deliver(self, door: str, sender: Router, e: PeerEvent) -> None:
         for router in self.routers_at[door]:
-            if router is not sender:
+            if router is sender:
+                continue
+            if e.kind == PeerKind.WAITING:
+                self.directors[id(router)].hear_claims(e.router, dict(e.claims))
+            else:
                 router.inputs.apply_peer(e)
+        if e.kind == PeerKind.WAITING and self._queued:
+            self._pump()  # a claim withdrawn may free room held back for it
 
     def _one_way_s(self, door: str, backend: str) -> float:
         """The mean half-trip (no draw: the seeded delays of requests stay what they are)."""
@@ -447,6 +457,9 @@ class Simulation:
             released, director.released = director.released, []
             for w, outcome in released:
                 self._bind(self._queued.pop(w.request.request_id), outcome)
+            pub = self._publishers.get(id(director.router))
+            if pub is not None and (claims := director.claims_to_send()) is not None:
+                pub.claims(claims)
         if self._queued and not self._ticking:
             self._ticking = True
             self._push(self.now_s + TICK_S, _TICK, None)

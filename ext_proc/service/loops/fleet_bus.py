@@ -65,6 +65,9 @@ class FleetBus:
         # round trip): every peer's connection has them too (flow control's bound on the
         # room several routers release together, ext_proc.flow.shared).
         self.on_confirmed: Callable[[list[str]], None] | None = None
+        # Told of every peer event applied, and of the peers' flow-control claims (the
+        # gateway queue's Holding.hear: room may have come, or a peer's band waits).
+        self.on_peer: Callable[[PeerEvent], None] | None = None
 
     def add(self, backend: Backend) -> None:
         """Nothing per backend: every router's events name their backend."""
@@ -117,6 +120,15 @@ class FleetBus:
             "forwarded": self.forwarded,
             "forwarded_here": self.forwarded_here,
         }
+
+    def tell_claims(self, claims: dict[str, int]) -> None:
+        """What our gateway queue waits for: per backend, the highest band waiting."""
+        if self.cfg.fleet.nats_url:
+            self._send(
+                PeerEvent(
+                    PeerKind.WAITING, self.router_id, "", "", claims=tuple(sorted(claims.items()))
+                )
+            )
 
     def _send(self, e: PeerEvent) -> None:
         if e.kind == PeerKind.DISPATCHED and not self.connected:
@@ -183,7 +195,10 @@ class FleetBus:
                 self.forwarded_here += 1
                 self.on_forwarded(e)  # ours: the others ignore it
             return
-        self.router.inputs.apply_peer(e)
+        if e.kind != PeerKind.WAITING:
+            self.router.inputs.apply_peer(e)
+        if self.on_peer is not None:
+            self.on_peer(e)
 
     async def _on_error(self, e: Exception) -> None:
         log.warning("fleet bus: %s", e)
