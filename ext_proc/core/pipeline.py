@@ -24,7 +24,7 @@ from ext_proc.core.router import NoRoom, Router
 from ext_proc.flow.classify import Objectives
 from ext_proc.flow.queue import FlowQueue, Waiting
 from ext_proc.flow.room import has_room
-from ext_proc.flow.shared import Claims, Releases
+from ext_proc.flow.shared import ANY_BACKEND, Claims, Releases
 from ext_proc.vocab.errors import RATE_LIMITED, UNAVAILABLE
 from ext_proc.vocab.types import BackendLifecycle, Candidate, Decision, Refusal, RouteRequest
 
@@ -199,9 +199,16 @@ class Director:
         if self.claims is None or self.queue is None:
             return None
         ours: dict[str, int] = {}
+        tried = []
         for w in self.queue.waiting():
-            if w.wants and w.priority > ours.get(w.wants, -(2**62)):
-                ours[w.wants] = w.priority
+            if w.wants:
+                tried.append(w.priority)
+                if w.priority > ours.get(w.wants, -(2**62)):
+                    ours[w.wants] = w.priority
+        if len(tried) >= MAX_TRIES_PER_PUMP:
+            # a pump here stops after this many without room: nothing below the band of
+            # the last of them would be offered room anywhere (flow.shared)
+            ours[ANY_BACKEND] = sorted(tried, reverse=True)[MAX_TRIES_PER_PUMP - 1]
         return ours if self.claims.due(ours) else None
 
     def cancel(self, w: Waiting) -> None:

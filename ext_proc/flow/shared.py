@@ -14,7 +14,11 @@ waiting for it, when that changes and every CLAIM_REFRESH_S while any waits. A r
 offers a backend's room to a request only when no peer's fresh claim on that backend is
 of a higher priority (unless the request waited the starvation bound): a router holding
 only batch does not take the room another router's interactive request waits for, and
-the room of other backends is not held back. Claims not refreshed within CLAIM_TTL_S are
+the room of other backends is not held back. One router offers room to at most a few
+waiting requests a pump (core.pipeline.MAX_TRIES_PER_PUMP) before it stops: when that many
+of a band wait without room, nothing lower is released anywhere. Its claim on ANY_BACKEND
+says the same to its peers (the band of the last request a pump would offer), so N
+routers keep one router's strict bands. Claims not refreshed within CLAIM_TTL_S are
 forgotten (a router that died holds nothing back for long).
 
 A release not confirmed within CONFIRM_TIMEOUT_S counts as confirmed (fail open: a bus
@@ -37,6 +41,8 @@ CONFIRM_TIMEOUT_S = 0.1
 # refreshes missed.
 CLAIM_REFRESH_S = 0.2
 CLAIM_TTL_S = 0.6
+# A claim on every backend's room (no backend id can be "*": config.load).
+ANY_BACKEND = "*"
 
 
 class Claims:
@@ -65,7 +71,7 @@ class Claims:
         for router, (claims, heard_s) in list(self._heard.items()):
             if now_s - heard_s > CLAIM_TTL_S:
                 del self._heard[router]
-            elif claims.get(backend, priority) > priority:
+            elif max(claims.get(backend, priority), claims.get(ANY_BACKEND, priority)) > priority:
                 self.deferred += 1
                 return True
         return False

@@ -135,14 +135,15 @@ def test_two_routers_overshoot_no_backends_room_by_more_than_one_request_each(
     assert all(r.ok for r in results), [r.error for r in results if not r.ok]
     states = [get_json(f"{a}/state") for a in admins(stack)]
     released = [s["flow"]["outcomes"].get("released", 0) for s in states]
-    confirmed = [s["flow"]["releases"]["confirmed"] for s in states]
+    releases = [s["flow"].get("releases", {}) for s in states]
     print(
         f"\n2 routers, burst of 90, room {ROOM} per backend: most waiting in each engine "
-        f"{sampler.most}; released after a wait {released}; releases confirmed by the bus "
-        f"{confirmed}, timed out {[s['flow']['releases']['timed_out'] for s in states]}"
+        f"{sampler.most}; released after a wait {released}; the bus's confirmations "
+        f"{releases}"
     )
     assert min(released) > 0  # both routers held part of the burst
-    assert min(confirmed) > 0  # and the bus confirmed their releases
+    # and the bus confirmed their releases
+    assert min(r.get("confirmed", 0) for r in releases) > 0
     assert max(sampler.most.values()) >= ROOM  # the burst filled the room
     over = {b: n - ROOM for b, n in sampler.most.items()}
     assert max(over.values()) <= ROUTERS, over

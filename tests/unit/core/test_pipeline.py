@@ -5,7 +5,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from ext_proc.core.pipeline import Director, Queued, Refused, Routed, Unrouted
-from ext_proc.feeds.peers import PeerEvent, PeerPublisher
+from ext_proc.feeds.peers import PeerEvent, PeerKind, PeerPublisher
 from ext_proc.feeds.served_models import ServedModels
 from ext_proc.vocab.errors import RATE_LIMITED
 from tests.builders import BackendSpec, chat, load, make_config, make_router
@@ -210,15 +210,29 @@ class FakeBus:
         self.pending: list[tuple[Director, PeerEvent]] = []
         self.directors: list[Director] = []
 
+        self.publishers: dict[int, PeerPublisher] = {}
+
     def join(self, director: Director, name: str) -> None:
         self.directors.append(director)
-        director.router.subscribe(PeerPublisher(name, lambda e: self.pending.append((director, e))))
+        pub = PeerPublisher(name, lambda e: self.pending.append((director, e)))
+        director.router.subscribe(pub)
+        self.publishers[id(director)] = pub
+
+    def tell_claims(self) -> None:
+        """Each router's claims, when due (as the live Holding does after a pump)."""
+        for d in self.directors:
+            if (claims := d.claims_to_send()) is not None:
+                self.publishers[id(d)].claims(claims)
 
     def deliver(self) -> None:
         pending, self.pending = self.pending, []
         for sender, e in pending:
             for d in self.directors:
-                if d is not sender:
+                if d is sender:
+                    continue
+                if e.kind == PeerKind.WAITING:
+                    d.hear_claims(e.router, dict(e.claims))
+                else:
                     d.router.inputs.apply_peer(e)
             sender.confirm([e.request_id])
 
@@ -297,3 +311,41 @@ def test_one_router_is_not_held_back_by_a_bus() -> None:
         fleet={"nats_url": "nats://127.0.0.1:4222"},
     )
     assert Director(shared).releases is not None
+
+
+def test_priority_holds_across_routers_a_peers_interactive_request_takes_the_room_first() -> None:
+    def run(tell: bool) -> list[str]:
+        """Router 0 holds a batch request, router 1 an interactive one, both waiting for
+        backend a; room comes for one, and router 0 pumps first: who gets it."""
+        clock = FakeClock()
+        bus = FakeBus()
+        flow = {**FLOW, "max_waiting_requests": 1, "room_margin_ms": 1e9}
+        directors = []
+        for i in range(2):
+            router, _ = make_router(
+                "gorgo",
+                backends=[{"id": "a", "address": "127.0.0.1:1", "region": "eu"}],
+                clock=clock,
+                seed=i,
+                flow_control=flow,
+            )
+            d = Director(router, shared=True)
+            bus.join(d, f"router-{i}")
+            directors.append(d)
+            load(router, "elsewhere", "a", 1000, 10)  # a third router's: no room
+        low = directors[0].handle(replace(chat(rid="batch"), objective="batch"))
+        high = directors[1].handle(replace(chat(rid="vip"), objective="interactive"))
+        assert isinstance(low, Queued) and isinstance(high, Queued)
+        if tell:
+            bus.tell_claims()
+            bus.deliver()
+        for d in directors:
+            d.router.inputs.apply_peer(PeerEvent(PeerKind.CLOSED, "x", "elsewhere", "a"))
+        for d in directors:  # router 0 first
+            d.pump()
+        return [w.request.request_id for d in directors for w, _ in d.released]
+
+    assert run(tell=True) == ["vip"]  # router 0 left the room to router 1's higher band
+    # without the claims the lower band, pumped first, takes the room (and router 1, not
+    # yet told, goes one over it: the bound)
+    assert run(tell=False) == ["batch", "vip"]

@@ -3,7 +3,13 @@ bus confirms it, and a release the bus never confirms times out (fail open)."""
 
 import pytest
 
-from ext_proc.flow.shared import CONFIRM_TIMEOUT_S, Releases
+from ext_proc.flow.shared import (
+    CLAIM_REFRESH_S,
+    CLAIM_TTL_S,
+    CONFIRM_TIMEOUT_S,
+    Claims,
+    Releases,
+)
 from tests.fakes import FakeClock
 
 
@@ -49,3 +55,40 @@ def test_a_release_the_bus_never_confirms_times_out() -> None:
 def test_a_timeout_must_be_positive() -> None:
     with pytest.raises(ValueError, match="timeout_s"):
         Releases(FakeClock(), 0.0)
+
+
+# -- priority across routers: the peers' claims on backends' room ---------------------------
+
+
+def test_a_peers_higher_band_waiting_for_a_backend_holds_back_a_lower_one_there_only() -> None:
+    c = Claims(FakeClock())
+    c.hear("peer", {"a": 10, "b": 0})
+    assert c.outranked("a", 0) and not c.outranked("a", 10) and not c.outranked("a", 11)
+    assert not c.outranked("b", 0)  # the same band: each router's own order
+    assert not c.outranked("c", -5)  # a backend nobody waits for
+    assert c.deferred == 1
+
+
+def test_a_peer_that_waits_for_nothing_any_more_or_fell_silent_holds_nothing_back() -> None:
+    clock = FakeClock()
+    c = Claims(clock)
+    c.hear("p1", {"a": 10})
+    c.hear("p2", {"a": 10})
+    c.hear("p1", {})  # its queue emptied
+    assert c.snapshot() == {"p2": {"a": 10}}
+    clock.advance(CLAIM_TTL_S + 0.01)  # p2 died: no refresh
+    assert not c.outranked("a", 0) and c.snapshot() == {}
+
+
+def test_ours_go_out_when_they_change_and_as_a_refresh_while_they_stand() -> None:
+    clock = FakeClock()
+    c = Claims(clock)
+    assert not c.due({})  # nothing waits and nothing was said
+    assert c.due({"a": 10})
+    assert not c.due({"a": 10})
+    clock.advance(CLAIM_REFRESH_S)
+    assert c.due({"a": 10})  # standing: refreshed before the peers forget it
+    assert c.due({"a": 10, "b": 0})
+    assert c.due({})  # emptied: said at once
+    clock.advance(CLAIM_REFRESH_S)
+    assert not c.due({})  # and not repeated
