@@ -4,9 +4,17 @@ record; what every transport gets back."""
 from collections.abc import Sequence
 from dataclasses import replace
 
-from ext_proc.core.pipeline import Director, Queued, Refused, Routed, Unrouted
+from ext_proc.core.pipeline import (
+    MAX_TRIES_PER_PUMP,
+    Director,
+    Queued,
+    Refused,
+    Routed,
+    Unrouted,
+)
 from ext_proc.feeds.peers import PeerEvent, PeerKind, PeerPublisher
 from ext_proc.feeds.served_models import ServedModels
+from ext_proc.flow.shared import ANY_BACKEND
 from ext_proc.vocab.errors import RATE_LIMITED
 from tests.builders import BackendSpec, chat, load, make_config, make_router
 from tests.fakes import FakeClock
@@ -349,3 +357,18 @@ def test_priority_holds_across_routers_a_peers_interactive_request_takes_the_roo
     # without the claims the lower band, pumped first, takes the room (and router 1, not
     # yet told, goes one over it: the bound)
     assert run(tell=False) == ["batch", "vip"]
+
+
+def test_a_router_tells_its_peers_what_its_queue_waits_for() -> None:
+    [d, _], _, _ = shared_routers(2, shared=True)
+    assert d.claims_to_send() is None  # nothing waits, nothing to say
+    for i in range(SHARED_ROOM):
+        assert isinstance(d.handle(chat(rid=f"fill-{i}")), Routed)
+        d.confirm([f"fill-{i}"])
+    waiting = [d.handle(chat(rid=f"w{i}")) for i in range(MAX_TRIES_PER_PUMP - 1)]
+    assert all(isinstance(w, Queued) for w in waiting)
+    assert d.claims_to_send() == {"a": 0}  # default band, waiting for backend a
+    assert d.claims_to_send() is None  # said; not again until it changes or is due
+    d.handle(chat(rid="one-more"))
+    # as many wait without room as a pump offers: nothing lower goes anywhere
+    assert d.claims_to_send() == {"a": 0, ANY_BACKEND: 0}

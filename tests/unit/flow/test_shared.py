@@ -4,6 +4,7 @@ bus confirms it, and a release the bus never confirms times out (fail open)."""
 import pytest
 
 from ext_proc.flow.shared import (
+    ANY_BACKEND,
     CLAIM_REFRESH_S,
     CLAIM_TTL_S,
     CONFIRM_TIMEOUT_S,
@@ -92,3 +93,9 @@ def test_ours_go_out_when_they_change_and_as_a_refresh_while_they_stand() -> Non
     assert c.due({})  # emptied: said at once
     clock.advance(CLAIM_REFRESH_S)
     assert not c.due({})  # and not repeated
+
+
+def test_a_claim_on_any_backend_holds_back_lower_bands_everywhere() -> None:
+    c = Claims(FakeClock())
+    c.hear("peer", {ANY_BACKEND: 10, "a": 10})
+    assert c.outranked("b", 0) and c.outranked("z", 9) and not c.outranked("b", 10)
