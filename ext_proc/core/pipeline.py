@@ -21,10 +21,11 @@ from typing import Any
 from ext_proc.core.admission import serving
 from ext_proc.core.features import NoActiveBackend, output_tokens
 from ext_proc.core.router import NoRoom, Router
+from ext_proc.feeds.peers import Head
 from ext_proc.flow.classify import Objectives
 from ext_proc.flow.queue import FlowQueue, Waiting
 from ext_proc.flow.room import has_room
-from ext_proc.flow.shared import ANY_BACKEND, Claims, Releases
+from ext_proc.flow.shared import Claims, Releases
 from ext_proc.vocab.errors import RATE_LIMITED, UNAVAILABLE
 from ext_proc.vocab.types import BackendLifecycle, Candidate, Decision, Refusal, RouteRequest
 
@@ -94,7 +95,7 @@ class Director:
             shared = bool(router.cfg.fleet.nats_url)
         shared = shared and settings.enabled
         self.releases = Releases(router.clock) if shared else None
-        self.claims = Claims(router.clock) if shared else None
+        self.claims = Claims(router.clock, MAX_TRIES_PER_PUMP) if shared else None
         # The outcomes of waiting requests decided by a pump, for the transport to take.
         self.released: list[tuple[Waiting, Outcome]] = []
         self._served: dict[int, str | None] = {}
@@ -188,28 +189,39 @@ class Director:
         for this router's next release again (the caller pumps). How many were ours."""
         return self.releases.confirm(request_ids) if self.releases is not None else 0
 
-    def hear_claims(self, router: str, claims: dict[str, int]) -> None:
-        """A peer router's claims: for each backend, the highest band waiting for it."""
+    def hear_claims(self, router: str, claims: dict[str, Head], heads: list[Head]) -> None:
+        """A peer router's claims: for each backend, the first request waiting for it;
+        the heads of its queue (priority, seconds to deadline or None, seconds waited)."""
         if self.claims is not None:
-            self.claims.hear(router, claims)
+            self.claims.hear(router, claims, heads)
 
-    def claims_to_send(self) -> dict[str, int] | None:
+    def claims_to_send(self) -> tuple[dict[str, Head], list[Head]] | None:
         """Our claims when they are due to go to the peers (changed, or a refresh), else
-        None: for each backend our waiting requests wait for, the highest band."""
+        None: for each backend our waiting requests wait for, the first of them in our
+        order; and per band the first MAX_TRIES_PER_PUMP in that order that found no room
+        (each as priority, seconds to its deadline or None, seconds waited)."""
         if self.claims is None or self.queue is None:
             return None
-        ours: dict[str, int] = {}
-        tried = []
-        for w in self.queue.waiting():
-            if w.wants:
-                tried.append(w.priority)
-                if w.priority > ours.get(w.wants, -(2**62)):
-                    ours[w.wants] = w.priority
-        if len(tried) >= MAX_TRIES_PER_PUMP:
-            # a pump here stops after this many without room: nothing below the band of
-            # the last of them would be offered room anywhere (flow.shared)
-            ours[ANY_BACKEND] = sorted(tried, reverse=True)[MAX_TRIES_PER_PUMP - 1]
-        return ours if self.claims.due(ours) else None
+        first: dict[str, Waiting] = {}
+        tried = sorted(
+            (w for w in self.queue.waiting() if w.wants),  # tried: its backend had no room
+            key=lambda w: (-w.priority, w.key()),
+        )
+        heads: list[Waiting] = []
+        for w in tried:
+            first.setdefault(w.wants, w)
+            if sum(1 for h in heads if h.priority == w.priority) < MAX_TRIES_PER_PUMP:
+                heads.append(w)
+        signature = (tuple((b, w.seq) for b, w in first.items()), tuple(w.seq for w in heads))
+        if not self.claims.due(bool(heads), signature):
+            return None
+        now_s = self.router.clock()
+
+        def told(w: Waiting) -> Head:
+            due_s = None if math.isinf(w.deadline_s) else w.deadline_s - now_s
+            return (w.priority, due_s, now_s - w.arrival_s)
+
+        return {b: told(w) for b, w in first.items()}, [told(w) for w in heads]
 
     def cancel(self, w: Waiting) -> None:
         """Its client went away while it waited."""
@@ -284,7 +296,9 @@ class Director:
         def room(c: Candidate) -> bool:
             if releases is not None and releases.blocked(c.backend_id):
                 return False  # its last release here is not yet heard by the peers
-            if claims is not None and claims.outranked(c.backend_id, w.priority):
+            if claims is not None and claims.outranked(
+                c.backend_id, w.priority, w.deadline_s, w.arrival_s
+            ):
                 return False  # a peer's higher band waits for this room
             return c.unstarted_ms + c.prefill_ms <= protect_ms and has_room(c, settings)
 

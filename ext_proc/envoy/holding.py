@@ -12,7 +12,7 @@ import math
 from collections.abc import Callable
 
 from ext_proc.core.pipeline import Director, Outcome
-from ext_proc.feeds.peers import PeerEvent, PeerKind
+from ext_proc.feeds.peers import Head, PeerEvent, PeerKind
 from ext_proc.flow.queue import Waiting
 from ext_proc.vocab.events import Closed, FirstByte, Listener
 
@@ -29,7 +29,7 @@ class Holding(Listener):
         self._task: asyncio.Task[None] | None = None
         # Several routers: tells the peers what our queue waits for (the fleet bus's
         # FleetBus.tell_claims; None: alone).
-        self.tell: Callable[[dict[str, int]], None] | None = None
+        self.tell: Callable[[dict[str, Head], list[Head]], None] | None = None
 
     def on_first_byte(self, e: FirstByte) -> None:
         self._wake.set()
@@ -41,12 +41,12 @@ class Holding(Listener):
         """A peer's event: its claims (what its queue waits for), or a first byte or close
         of its own that may have made room here too: the queue is offered it now."""
         if e.kind == PeerKind.WAITING:
-            self.director.hear_claims(e.router, dict(e.claims))
+            self.director.hear_claims(e.router, dict(e.claims), list(e.heads))
         self._wake.set()
 
     def _tell(self) -> None:
         if self.tell is not None and (claims := self.director.claims_to_send()) is not None:
-            self.tell(claims)
+            self.tell(*claims)
 
     def confirm(self, request_ids: list[str]) -> None:
         """The fleet bus carried these dispatches: room this router left for its peers

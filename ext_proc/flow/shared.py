@@ -14,12 +14,15 @@ waiting for it, when that changes and every CLAIM_REFRESH_S while any waits. A r
 offers a backend's room to a request only when no peer's fresh claim on that backend is
 of a higher priority (unless the request waited the starvation bound): a router holding
 only batch does not take the room another router's interactive request waits for, and
-the room of other backends is not held back. One router offers room to at most a few
+the room of other backends is not held back. And one router offers room to at most a few
 waiting requests a pump (core.pipeline.MAX_TRIES_PER_PUMP) before it stops: when that many
-of a band wait without room, nothing lower is released anywhere. Its claim on ANY_BACKEND
-says the same to its peers (the band of the last request a pump would offer), so N
-routers keep one router's strict bands. Claims not refreshed within CLAIM_TTL_S are
-forgotten (a router that died holds nothing back for long).
+ahead of a request in its order (higher bands; in its band, earlier deadlines) wait
+without room, that request is not released anywhere. So each router also tells the heads
+of its queue (that many per band, with their deadlines and waits), and a router does not
+release a request while that many ahead of it wait without room in its peers' queues: N
+routers keep one router's order across bands and deadlines (tenant fairness stays each
+router's own). Claims not refreshed within CLAIM_TTL_S are forgotten (a router
+that died holds nothing back for long).
 
 A release not confirmed within CONFIRM_TIMEOUT_S counts as confirmed (fail open: a bus
 that is slow or gone must not stop the queue; the bound then rests on the engines'
@@ -29,7 +32,9 @@ reports, as with one router per view). Pure: the clock is the caller's.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections import Counter
+from collections.abc import Callable, Hashable, Iterable, Mapping
+from typing import Any
 
 # Far above a NATS round trip on one host or a LAN (well under 5 ms), short beside the
 # queue's 50 ms tick: a bus gone quiet costs at most one release per backend this often.
@@ -41,54 +46,101 @@ CONFIRM_TIMEOUT_S = 0.1
 # refreshes missed.
 CLAIM_REFRESH_S = 0.2
 CLAIM_TTL_S = 0.6
-# A claim on every backend's room (no backend id can be "*": config.load).
-ANY_BACKEND = "*"
+
+
+# A request at the head of a peer's queue, as told: (priority, seconds to its deadline or
+# None, seconds it has waited); and as heard: (priority, deadline, arrival) on our clock
+# (inf: no deadline).
+Told = tuple[int, float | None, float]
+Head = tuple[int, float, float]
 
 
 class Claims:
-    """The peers' claims on backends' room (backend -> the highest priority waiting for
-    it), and when ours are due to be told."""
+    """The peers' claims: per backend the highest band waiting for it, and the requests
+    a pump of theirs would offer room first (up to `tries_per_pump` per band, each found
+    none at its last try); and when ours are due to be told."""
 
-    def __init__(self, clock: Callable[[], float]) -> None:
+    def __init__(self, clock: Callable[[], float], tries_per_pump: int) -> None:
         self.clock = clock
-        # router -> (its claims, when heard)
-        self._heard: dict[str, tuple[dict[str, int], float]] = {}
-        self._sent: dict[str, int] = {}
+        # This many ahead of a request in the peers' queues, waiting without room, hold it
+        # back anywhere (one router's pump would stop before reaching it).
+        self.tries_per_pump = tries_per_pump
+        # router -> (its claims per backend, its heads, when heard)
+        self._heard: dict[str, tuple[dict[str, Head], list[Head], float]] = {}
+        self._sent: Hashable = None
         self._sent_s = -math.inf
-        # How often a release was held back for a peer's higher band.
+        self._standing = False  # what we last said was a claim (not "nothing waits")
+        # How often a release was held back for a peer's request.
         self.deferred = 0
 
-    def hear(self, router: str, claims: Mapping[str, int]) -> None:
-        """A peer's claims now (empty: it waits for nothing)."""
-        if claims:
-            self._heard[router] = (dict(claims), self.clock())
+    def hear(
+        self,
+        router: str,
+        claims: Mapping[str, Told],
+        heads: Iterable[Told],
+    ) -> None:
+        """A peer's claims now: per backend the first request waiting for it, and the
+        heads, each as (priority, seconds to its deadline or None, seconds it has waited).
+        Empty: it waits for nothing."""
+        now_s = self.clock()
+
+        def ours(t: Told) -> Head:
+            p, due_s, waited_s = t
+            return (p, math.inf if due_s is None else now_s + due_s, now_s - waited_s)
+
+        if claims or heads:
+            self._heard[router] = (
+                {b: ours(t) for b, t in claims.items()},
+                [ours(t) for t in heads],
+                now_s,
+            )
         else:
             self._heard.pop(router, None)
 
-    def outranked(self, backend: str, priority: int) -> bool:
-        """Whether a peer waits for `backend` with a request of a higher band."""
+    def outranked(self, backend: str, priority: int, deadline_s: float, arrival_s: float) -> bool:
+        """Whether a peer waits for `backend` with a request of a higher band, or as many
+        requests ahead of this one (a higher band; the same band, an earlier deadline or
+        arrival) wait without room in the peers' queues as one pump offers room to."""
         now_s = self.clock()
-        for router, (claims, heard_s) in list(self._heard.items()):
+        ahead = 0
+        key = (-priority, deadline_s, arrival_s)
+        for router, (claims, heads, heard_s) in list(self._heard.items()):
             if now_s - heard_s > CLAIM_TTL_S:
                 del self._heard[router]
-            elif max(claims.get(backend, priority), claims.get(ANY_BACKEND, priority)) > priority:
+                continue
+            ahead += sum(1 for p, d, a in heads if (-p, d, a) < key)
+            first = claims.get(backend)
+            # a higher band waiting for this backend (within a band, each router's order:
+            # a peer's earlier request there may be one its pump does not reach)
+            if (first is not None and first[0] > priority) or ahead >= self.tries_per_pump:
                 self.deferred += 1
                 return True
         return False
 
-    def due(self, ours: Mapping[str, int]) -> bool:
-        """Whether `ours` should go out now (changed, or standing for a refresh); if so,
-        they count as sent."""
+    def due(self, standing: bool, signature: Hashable) -> bool:
+        """Whether ours should go out now: changed (`signature`: what they are), or still
+        `standing` and due for a refresh; if so, they count as sent."""
         now_s = self.clock()
-        if ours == self._sent and (not ours or now_s - self._sent_s < CLAIM_REFRESH_S):
+        if not standing and not self._standing:
+            return False  # nothing stands, and the peers know
+        fresh = now_s - self._sent_s < CLAIM_REFRESH_S
+        if standing and self._standing and signature == self._sent and fresh:
             return False
-        self._sent, self._sent_s = dict(ours), now_s
+        self._sent, self._sent_s, self._standing = signature, now_s, standing
         return True
 
-    def snapshot(self) -> dict[str, dict[str, int]]:
-        """The peers' claims heard and still standing."""
+    def snapshot(self) -> dict[str, dict[str, Any]]:
+        """The peers' claims heard and still standing: per backend the highest band
+        waiting, and how many wait at their heads per band."""
         now_s = self.clock()
-        return {r: c for r, (c, at) in sorted(self._heard.items()) if now_s - at <= CLAIM_TTL_S}
+        return {
+            r: {
+                "backends": {b: p for b, (p, _, _) in c.items()},
+                "heads": dict(Counter(str(p) for p, _, _ in heads)),
+            }
+            for r, (c, heads, at) in sorted(self._heard.items())
+            if now_s - at <= CLAIM_TTL_S
+        }
 
 
 class Releases:

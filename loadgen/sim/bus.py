@@ -66,7 +66,7 @@ class Bus:
             if router is sender:
                 continue
             if e.kind == PeerKind.WAITING:
-                self.directors[id(router)].hear_claims(e.router, dict(e.claims))
+                self.directors[id(router)].hear_claims(e.router, dict(e.claims), list(e.heads))
             else:
                 router.inputs.apply_peer(e)
         if e.kind == PeerKind.WAITING:
@@ -80,4 +80,4 @@ class Bus:
         """The director's claims, when due (after each of its pumps)."""
         pub = self.publishers.get(id(director.router))
         if pub is not None and (claims := director.claims_to_send()) is not None:
-            pub.claims(claims)
+            pub.claims(*claims)

@@ -172,7 +172,8 @@ async def test_flow_control_releases_are_confirmed_and_claims_heard_over_real_na
         assert isinstance(queued, Queued)
         waiting = asyncio.ensure_future(west.ext_proc.holding.wait(queued.ticket))
         await until(lambda: "west" in east.ext_proc.director.snapshot()["peer_claims"])
-        assert east.ext_proc.director.snapshot()["peer_claims"]["west"] == {"a": 0}
+        claims = east.ext_proc.director.snapshot()["peer_claims"]["west"]
+        assert claims == {"backends": {"a": 0}, "heads": {"0": 1}}
         east.router.close("r-1", Status.OK, 10.0)  # room: west's request goes
         assert isinstance(await asyncio.wait_for(waiting, 5), Routed)
         await until(lambda: "west" not in east.ext_proc.director.snapshot()["peer_claims"])

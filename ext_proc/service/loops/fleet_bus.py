@@ -23,7 +23,7 @@ from nats.aio.msg import Msg
 from ext_proc.common.aio import cancel_and_wait
 from ext_proc.config.schema import Config
 from ext_proc.core.router import Router
-from ext_proc.feeds.peers import PeerEvent, PeerKind, PeerPublisher
+from ext_proc.feeds.peers import Head, PeerEvent, PeerKind, PeerPublisher, waiting_event
 from ext_proc.vocab.backend import Backend
 
 log = logging.getLogger("gorgo.fleet")
@@ -121,14 +121,11 @@ class FleetBus:
             "forwarded_here": self.forwarded_here,
         }
 
-    def tell_claims(self, claims: dict[str, int]) -> None:
-        """What our gateway queue waits for: per backend, the highest band waiting."""
+    def tell_claims(self, claims: dict[str, Head], heads: list[Head]) -> None:
+        """What our gateway queue waits for: per backend, the highest band waiting; the
+        heads of the queue that found no room."""
         if self.cfg.fleet.nats_url:
-            self._send(
-                PeerEvent(
-                    PeerKind.WAITING, self.router_id, "", "", claims=tuple(sorted(claims.items()))
-                )
-            )
+            self._send(waiting_event(self.router_id, claims, heads))
 
     def _send(self, e: PeerEvent) -> None:
         if e.kind == PeerKind.DISPATCHED and not self.connected:

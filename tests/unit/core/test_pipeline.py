@@ -14,7 +14,6 @@ from ext_proc.core.pipeline import (
 )
 from ext_proc.feeds.peers import PeerEvent, PeerKind, PeerPublisher
 from ext_proc.feeds.served_models import ServedModels
-from ext_proc.flow.shared import ANY_BACKEND
 from ext_proc.vocab.errors import RATE_LIMITED
 from tests.builders import BackendSpec, chat, load, make_config, make_router
 from tests.fakes import FakeClock
@@ -230,7 +229,7 @@ class FakeBus:
         """Each router's claims, when due (as the live Holding does after a pump)."""
         for d in self.directors:
             if (claims := d.claims_to_send()) is not None:
-                self.publishers[id(d)].claims(claims)
+                self.publishers[id(d)].claims(*claims)
 
     def deliver(self) -> None:
         pending, self.pending = self.pending, []
@@ -239,7 +238,7 @@ class FakeBus:
                 if d is sender:
                     continue
                 if e.kind == PeerKind.WAITING:
-                    d.hear_claims(e.router, dict(e.claims))
+                    d.hear_claims(e.router, dict(e.claims), list(e.heads))
                 else:
                     d.router.inputs.apply_peer(e)
             sender.confirm([e.request_id])
@@ -360,15 +359,20 @@ def test_priority_holds_across_routers_a_peers_interactive_request_takes_the_roo
 
 
 def test_a_router_tells_its_peers_what_its_queue_waits_for() -> None:
-    [d, _], _, _ = shared_routers(2, shared=True)
+    [d, _], _, clock = shared_routers(2, shared=True)
     assert d.claims_to_send() is None  # nothing waits, nothing to say
     for i in range(SHARED_ROOM):
         assert isinstance(d.handle(chat(rid=f"fill-{i}")), Routed)
         d.confirm([f"fill-{i}"])
-    waiting = [d.handle(chat(rid=f"w{i}")) for i in range(MAX_TRIES_PER_PUMP - 1)]
-    assert all(isinstance(w, Queued) for w in waiting)
-    assert d.claims_to_send() == {"a": 0}  # default band, waiting for backend a
+    for i in range(MAX_TRIES_PER_PUMP + 1):
+        assert isinstance(d.handle(chat(rid=f"w{i}")), Queued)
+        clock.advance(1.0)
+    told = d.claims_to_send()
+    assert told is not None
+    claims, heads = told
+    # the first waiting for backend a (default band, no deadline, waited longest), and
+    # the heads a pump would offer room first
+    assert claims == {"a": (0, None, MAX_TRIES_PER_PUMP + 1.0)}
+    assert len(heads) == MAX_TRIES_PER_PUMP
+    assert [waited for _, _, waited in heads] == [5.0, 4.0, 3.0, 2.0]
     assert d.claims_to_send() is None  # said; not again until it changes or is due
-    d.handle(chat(rid="one-more"))
-    # as many wait without room as a pump offers: nothing lower goes anywhere
-    assert d.claims_to_send() == {"a": 0, ANY_BACKEND: 0}

@@ -4,7 +4,6 @@ bus confirms it, and a release the bus never confirms times out (fail open)."""
 import pytest
 
 from ext_proc.flow.shared import (
-    ANY_BACKEND,
     CLAIM_REFRESH_S,
     CLAIM_TTL_S,
     CONFIRM_TIMEOUT_S,
@@ -60,42 +59,51 @@ def test_a_timeout_must_be_positive() -> None:
 
 # -- priority across routers: the peers' claims on backends' room ---------------------------
 
+INF = float("inf")
+
 
 def test_a_peers_higher_band_waiting_for_a_backend_holds_back_a_lower_one_there_only() -> None:
-    c = Claims(FakeClock())
-    c.hear("peer", {"a": 10, "b": 0})
-    assert c.outranked("a", 0) and not c.outranked("a", 10) and not c.outranked("a", 11)
-    assert not c.outranked("b", 0)  # the same band: each router's own order
-    assert not c.outranked("c", -5)  # a backend nobody waits for
+    c = Claims(FakeClock(), tries_per_pump=4)
+    c.hear("peer", {"a": (10, 20.0, 1.0), "b": (0, None, 1.0)}, [])
+    assert c.outranked("a", 0, INF, 0.0) and not c.outranked("a", 10, INF, 0.0)
+    assert not c.outranked("b", 0, INF, 0.0)  # the same band: each router's own order
+    assert not c.outranked("c", -5, INF, 0.0)  # a backend nobody waits for
     assert c.deferred == 1
+
+
+def test_as_many_ahead_without_room_as_a_pump_offers_hold_a_request_back_anywhere() -> None:
+    clock = FakeClock()
+    c = Claims(clock, tries_per_pump=3)
+    # two interactive heads (deadlines 5 and 8 s away) at one peer, one batch at another
+    c.hear("p1", {}, [(10, 5.0, 1.0), (10, 8.0, 1.0)])
+    c.hear("p2", {}, [(0, None, 30.0)])
+    now = clock.now_s
+    assert c.outranked("z", 0, INF, now)  # 2 higher + 1 older of its band: 3 ahead
+    assert not c.outranked("z", 0, INF, now - 60)  # older than the batch head: 2 ahead
+    assert not c.outranked("z", 10, now + 9, now)  # two due sooner: fewer than 3
+    assert not c.outranked("z", 11, INF, now)  # nothing ahead of a higher band
 
 
 def test_a_peer_that_waits_for_nothing_any_more_or_fell_silent_holds_nothing_back() -> None:
     clock = FakeClock()
-    c = Claims(clock)
-    c.hear("p1", {"a": 10})
-    c.hear("p2", {"a": 10})
-    c.hear("p1", {})  # its queue emptied
-    assert c.snapshot() == {"p2": {"a": 10}}
+    c = Claims(clock, tries_per_pump=4)
+    c.hear("p1", {"a": (10, None, 0.0)}, [])
+    c.hear("p2", {"a": (10, None, 0.0)}, [(10, None, 0.0)])
+    c.hear("p1", {}, [])  # its queue emptied
+    assert c.snapshot() == {"p2": {"backends": {"a": 10}, "heads": {"10": 1}}}
     clock.advance(CLAIM_TTL_S + 0.01)  # p2 died: no refresh
-    assert not c.outranked("a", 0) and c.snapshot() == {}
+    assert not c.outranked("a", 0, INF, 0.0) and c.snapshot() == {}
 
 
 def test_ours_go_out_when_they_change_and_as_a_refresh_while_they_stand() -> None:
     clock = FakeClock()
-    c = Claims(clock)
-    assert not c.due({})  # nothing waits and nothing was said
-    assert c.due({"a": 10})
-    assert not c.due({"a": 10})
+    c = Claims(clock, tries_per_pump=4)
+    assert not c.due(False, ((), ()))  # nothing waits and nothing was said
+    assert c.due(True, (("a", 1),))
+    assert not c.due(True, (("a", 1),))
     clock.advance(CLAIM_REFRESH_S)
-    assert c.due({"a": 10})  # standing: refreshed before the peers forget it
-    assert c.due({"a": 10, "b": 0})
-    assert c.due({})  # emptied: said at once
+    assert c.due(True, (("a", 1),))  # standing: refreshed before the peers forget it
+    assert c.due(True, (("a", 1), ("b", 2)))
+    assert c.due(False, ((), ()))  # emptied: said at once
     clock.advance(CLAIM_REFRESH_S)
-    assert not c.due({})  # and not repeated
-
-
-def test_a_claim_on_any_backend_holds_back_lower_bands_everywhere() -> None:
-    c = Claims(FakeClock())
-    c.hear("peer", {ANY_BACKEND: 10, "a": 10})
-    assert c.outranked("b", 0) and c.outranked("z", 9) and not c.outranked("b", 10)
+    assert not c.due(False, ((), ()))  # and not repeated
