@@ -17,6 +17,9 @@ from ext_proc.flow.queue import Waiting
 from ext_proc.vocab.events import Closed, FirstByte, Listener
 
 TICK_S = 0.05
+# Outcomes kept for sessions not yet waiting; past this many, the oldest are dropped (their
+# streams ended before they waited: a bound, not a queue).
+MAX_EARLY = 1024
 
 
 class Holding(Listener):
@@ -27,6 +30,8 @@ class Holding(Listener):
         self._waiters: dict[int, asyncio.Future[Outcome]] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        # Outcomes decided before their session waited for them, by id(waiting).
+        self._early: dict[int, tuple[Waiting, Outcome]] = {}
         # Several routers: tells the peers what our queue waits for (the fleet bus's
         # FleetBus.tell_claims; None: alone).
         self.tell: Callable[[dict[str, Head], list[Head]], None] | None = None
@@ -62,6 +67,9 @@ class Holding(Listener):
         """Until the request is released or refused; its client going away (the stream
         cancelled) takes it out of the queue."""
         future: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
+        early = self._early.pop(id(w), None)
+        if early is not None:
+            return early[1]
         self._waiters[id(w)] = future
         self.deliver()  # a pump before this wait may already have decided it
         if self._task is None or self._task.done():
@@ -77,7 +85,14 @@ class Holding(Listener):
         released, self.director.released = self.director.released, []
         for w, outcome in released:
             future = self._waiters.get(id(w))
-            if future is not None and not future.done():
+            if future is None:
+                # decided before its session waits for it (the session was still sending
+                # Envoy the held reply's timer): kept for its wait, not dropped (it would
+                # hang until Envoy's timeout, dispatched but never sent on)
+                self._early[id(w)] = (w, outcome)
+                while len(self._early) > MAX_EARLY:  # streams gone before they waited
+                    del self._early[next(iter(self._early))]
+            elif not future.done():
                 future.set_result(outcome)
 
     async def _run(self) -> None:

@@ -14,14 +14,11 @@ waiting for it, when that changes and every CLAIM_REFRESH_S while any waits. A r
 offers a backend's room to a request only when no peer's fresh claim on that backend is
 of a higher priority (unless the request waited the starvation bound): a router holding
 only batch does not take the room another router's interactive request waits for, and
-the room of other backends is not held back. And one router offers room to at most a few
-waiting requests a pump (core.pipeline.MAX_TRIES_PER_PUMP) before it stops: when that many
-ahead of a request in its order (higher bands; in its band, earlier deadlines) wait
-without room, that request is not released anywhere. So each router also tells the heads
-of its queue (that many per band, with their deadlines and waits), and a router does not
-release a request while that many ahead of it wait without room in its peers' queues: N
-routers keep one router's order across bands and deadlines (tenant fairness stays each
-router's own). Claims not refreshed within CLAIM_TTL_S are forgotten (a router
+the room of other backends is not held back. Each router also tells the heads of its queue
+(per band, in its order, as many as one pump offers room to), shown on /state; they do not
+gate releases: holding a request back while that many ahead of it waited at the peers
+(one router's pump stops there) measured worse in the simulator (docs/results.md).
+Claims not refreshed within CLAIM_TTL_S are forgotten (a router
 that died holds nothing back for long).
 
 A release not confirmed within CONFIRM_TIMEOUT_S counts as confirmed (fail open: a bus
@@ -98,21 +95,18 @@ class Claims:
             self._heard.pop(router, None)
 
     def outranked(self, backend: str, priority: int, deadline_s: float, arrival_s: float) -> bool:
-        """Whether a peer waits for `backend` with a request of a higher band, or as many
-        requests ahead of this one (a higher band; the same band, an earlier deadline or
-        arrival) wait without room in the peers' queues as one pump offers room to."""
+        """Whether a peer waits for `backend` with a request of a higher band (the
+        request's deadline and arrival are not compared across routers: measured, that
+        held requests back for peers' requests their pumps did not reach)."""
         now_s = self.clock()
-        ahead = 0
-        key = (-priority, deadline_s, arrival_s)
-        for router, (claims, heads, heard_s) in list(self._heard.items()):
+        for router, (claims, _, heard_s) in list(self._heard.items()):
             if now_s - heard_s > CLAIM_TTL_S:
                 del self._heard[router]
                 continue
-            ahead += sum(1 for p, d, a in heads if (-p, d, a) < key)
             first = claims.get(backend)
             # a higher band waiting for this backend (within a band, each router's order:
             # a peer's earlier request there may be one its pump does not reach)
-            if (first is not None and first[0] > priority) or ahead >= self.tries_per_pump:
+            if first is not None and first[0] > priority:
                 self.deferred += 1
                 return True
         return False

@@ -71,19 +71,6 @@ def test_a_peers_higher_band_waiting_for_a_backend_holds_back_a_lower_one_there_
     assert c.deferred == 1
 
 
-def test_as_many_ahead_without_room_as_a_pump_offers_hold_a_request_back_anywhere() -> None:
-    clock = FakeClock()
-    c = Claims(clock, tries_per_pump=3)
-    # two interactive heads (deadlines 5 and 8 s away) at one peer, one batch at another
-    c.hear("p1", {}, [(10, 5.0, 1.0), (10, 8.0, 1.0)])
-    c.hear("p2", {}, [(0, None, 30.0)])
-    now = clock.now_s
-    assert c.outranked("z", 0, INF, now)  # 2 higher + 1 older of its band: 3 ahead
-    assert not c.outranked("z", 0, INF, now - 60)  # older than the batch head: 2 ahead
-    assert not c.outranked("z", 10, now + 9, now)  # two due sooner: fewer than 3
-    assert not c.outranked("z", 11, INF, now)  # nothing ahead of a higher band
-
-
 def test_a_peer_that_waits_for_nothing_any_more_or_fell_silent_holds_nothing_back() -> None:
     clock = FakeClock()
     c = Claims(clock, tries_per_pump=4)
