@@ -81,8 +81,9 @@ class RouterInputs:
             )
         elif e.kind == PeerKind.FIRST_BYTE:
             state.peer_first_byte(e.request_id, self.clock())
-        else:
+        elif e.kind == PeerKind.CLOSED:
             state.peer_close(e.request_id)
+        # (WAITING is the gateway queue's: core.pipeline.Director.hear_claims)
 
     def record_probe(self, backend: str, rtt_ms: float | None) -> None:
         """A probe answered in rtt_ms, or failed (None). One failure is enough to make a

@@ -21,9 +21,11 @@ from typing import Any
 from ext_proc.core.admission import serving
 from ext_proc.core.features import NoActiveBackend, output_tokens
 from ext_proc.core.router import NoRoom, Router
+from ext_proc.feeds.peers import Head
 from ext_proc.flow.classify import Objectives
 from ext_proc.flow.queue import FlowQueue, Waiting
 from ext_proc.flow.room import has_room
+from ext_proc.flow.shared import Claims, Releases
 from ext_proc.vocab.errors import RATE_LIMITED, UNAVAILABLE
 from ext_proc.vocab.types import BackendLifecycle, Candidate, Decision, Refusal, RouteRequest
 
@@ -80,12 +82,20 @@ Outcome = Routed | Refused | Unrouted
 class Director:
     """Runs one request through the router's steps, in order."""
 
-    def __init__(self, router: Router) -> None:
+    def __init__(self, router: Router, shared: bool | None = None) -> None:
         self.router = router
         settings = router.cfg.flow_control
         self.objectives = Objectives(settings)
         # The gateway queue (None: flow control off, every request bound at once).
         self.queue = FlowQueue(settings) if settings.enabled else None
+        # Several routers over one view (`shared`; default: a fleet bus is configured):
+        # one release per backend until the bus confirms it, and no room taken that a
+        # peer's higher band waits for (flow.shared). None: alone.
+        if shared is None:
+            shared = bool(router.cfg.fleet.nats_url)
+        shared = shared and settings.enabled
+        self.releases = Releases(router.clock) if shared else None
+        self.claims = Claims(router.clock, MAX_TRIES_PER_PUMP) if shared else None
         # The outcomes of waiting requests decided by a pump, for the transport to take.
         self.released: list[tuple[Waiting, Outcome]] = []
         self._served: dict[int, str | None] = {}
@@ -178,6 +188,45 @@ class Director:
             self.counts["released"] += isinstance(outcome, Routed)
             self.released.append((w, outcome))
 
+    def confirm(self, request_ids: list[str]) -> int:
+        """The fleet bus carried these dispatches to the peers: their backends have room
+        for this router's next release again (the caller pumps). How many were ours."""
+        return self.releases.confirm(request_ids) if self.releases is not None else 0
+
+    def hear_claims(self, router: str, claims: dict[str, Head], heads: list[Head]) -> None:
+        """A peer router's claims: for each backend, the first request waiting for it;
+        the heads of its queue (priority, seconds to deadline or None, seconds waited)."""
+        if self.claims is not None:
+            self.claims.hear(router, claims, heads)
+
+    def claims_to_send(self) -> tuple[dict[str, Head], list[Head]] | None:
+        """Our claims when they are due to go to the peers (changed, or a refresh), else
+        None: for each backend our waiting requests wait for, the first of them in our
+        order; and per band the first MAX_TRIES_PER_PUMP in that order that found no room
+        (each as priority, seconds to its deadline or None, seconds waited)."""
+        if self.claims is None or self.queue is None:
+            return None
+        first: dict[str, Waiting] = {}
+        tried = sorted(
+            (w for w in self.queue.waiting() if w.wants),  # tried: its backend had no room
+            key=lambda w: (-w.priority, w.key()),
+        )
+        heads: list[Waiting] = []
+        for w in tried:
+            first.setdefault(w.wants, w)
+            if sum(1 for h in heads if h.priority == w.priority) < MAX_TRIES_PER_PUMP:
+                heads.append(w)
+        signature = (tuple((b, w.seq) for b, w in first.items()), tuple(w.seq for w in heads))
+        if not self.claims.due(bool(heads), signature):
+            return None
+        now_s = self.router.clock()
+
+        def told(w: Waiting) -> Head:
+            due_s = None if math.isinf(w.deadline_s) else w.deadline_s - now_s
+            return (w.priority, due_s, now_s - w.arrival_s)
+
+        return {b: told(w) for b, w in first.items()}, [told(w) for w in heads]
+
     def cancel(self, w: Waiting) -> None:
         """Its client went away while it waited."""
         if self.queue is not None and not w.done:
@@ -198,6 +247,17 @@ class Director:
             "oldest_wait_s": round(max((now_s - w.arrival_s for w in waiting), default=0.0), 3),
             **self.queue.depth(),
             "outcomes": dict(sorted(self.counts.items())),
+            **self._shared_snapshot(),
+        }
+
+    def _shared_snapshot(self) -> dict[str, Any]:
+        r, c = self.releases, self.claims
+        if r is None or c is None:
+            return {}
+        return {
+            "releases": {"unconfirmed": len(r), "confirmed": r.confirmed, "timed_out": r.timed_out},
+            "peer_claims": c.snapshot(),
+            "deferred_to_peers": c.deferred,
         }
 
     def next_expiry_s(self) -> float:
@@ -233,9 +293,19 @@ class Director:
         # of its SLO (engines start prefills in order), until it waited the starvation bound.
         # An engine that schedules by priority puts that next request before everything
         # of this band but a prefill under way: only its own prefill can delay it there.
-        protect_ms = w.protected_ms if now_s - w.arrival_s < settings.starvation_s else math.inf
+        starved = now_s - w.arrival_s >= settings.starvation_s
+        protect_ms = math.inf if starved else w.protected_ms
+        claims = None if starved else self.claims
+
+        releases = self.releases
 
         def room(c: Candidate) -> bool:
+            if releases is not None and releases.blocked(c.backend_id):
+                return False  # its last release here is not yet heard by the peers
+            if claims is not None and claims.outranked(
+                c.backend_id, w.priority, w.deadline_s, w.arrival_s
+            ):
+                return False  # a peer's higher band waits for this room
             ahead_ms = c.prefill_ms if c.by_priority else c.unstarted_ms + c.prefill_ms
             return ahead_ms <= protect_ms and has_room(c, settings)
 
@@ -245,6 +315,7 @@ class Director:
         except NoActiveBackend as e:
             return Unrouted(str(e))
         if isinstance(placed, NoRoom):
+            w.wants = placed.backend_id
             if w.sheddable and now_s + placed.best_ttft_ms / 1000 > w.deadline_s:
                 self.counts["rejected-slo"] += 1
                 return Refused(
@@ -259,6 +330,8 @@ class Director:
             return None
         assert self.queue is not None
         self.queue.charge(w.tenant, w.tokens, now_s)
+        if releases is not None:
+            releases.released(placed.backend, placed.request_id)
         return Routed(placed, served)
 
     def _refuse(self, w: Waiting, reason: str, why: str) -> None:

@@ -61,6 +61,8 @@ class NoRoom:
 
     # The least TTFT predicted among the candidates, from now (what it would see at best).
     best_ttft_ms: float
+    # The backend the policy chose: the one it waits for.
+    backend_id: str = ""
 
 
 class Router:
@@ -233,7 +235,7 @@ class Router:
             )
         if room is not None and not room(chosen):
             # late binding: it goes where the policy wants it, once that backend has room
-            return NoRoom(min(c.predicted_ttft_ms for c in candidates))
+            return NoRoom(min(c.predicted_ttft_ms for c in candidates), chosen.backend_id)
         if request.request_id in self._fleet.state.in_flight:  # reused: the older is lost
             self.close(request.request_id, Status.LOST, reason="request id reused")
         now_s = self.clock()

@@ -34,6 +34,9 @@ class PeerKind(enum.StrEnum):
     # (`error`: an error event inside the stream); COMPLETED: the access-log entry.
     FIRST_CHUNK = "first_chunk"
     COMPLETED = "completed"
+    # Flow control: what the sender's gateway queue waits for (`claims`: per backend the
+    # highest priority waiting for it; none: nothing), ext_proc.flow.shared.Claims.
+    WAITING = "waiting"
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,11 @@ class PeerEvent:
     route_name: str = ""
     flags: tuple[str, ...] = ()
     details: str = ""
+    # WAITING only: per backend the first request of its queue waiting for it, and the
+    # heads of its queue that found no room, each as (priority, seconds to its deadline
+    # or None, seconds waited).
+    claims: tuple[tuple[str, tuple[int, float | None, float]], ...] = ()
+    heads: tuple[tuple[int, float | None, float], ...] = ()
 
     def encode(self) -> bytes:
         return orjson.dumps(asdict(self))
@@ -93,8 +101,10 @@ class PeerEvent:
                 route_name=str(raw.get("route_name", "")),
                 flags=tuple(str(f) for f in raw.get("flags", ())),
                 details=str(raw.get("details", "")),
+                claims=tuple((str(b), _head(h)) for b, h in raw.get("claims", ())),
+                heads=tuple(_head(h) for h in raw.get("heads", ())),
             )
-        except (orjson.JSONDecodeError, KeyError, TypeError) as e:
+        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as e:
             raise ValueError(f"peer event: {e}") from e
 
 
@@ -141,3 +151,29 @@ class PeerPublisher(Listener):
 
     def on_close(self, e: Closed) -> None:
         self.send(PeerEvent(PeerKind.CLOSED, self.router_id, e.request_id, e.backend))
+
+    def claims(self, claims: dict[str, Head], heads: list[Head]) -> None:
+        """What our gateway queue waits for now (flow control, several routers)."""
+        self.send(waiting_event(self.router_id, claims, heads))
+
+
+# A head of a router's queue: (priority, seconds to its deadline or None, seconds waited).
+Head = tuple[int, float | None, float]
+
+
+def _head(raw: Any) -> Head:
+    p, due, waited = raw
+    return (int(p), None if due is None else float(due), float(waited))
+
+
+def waiting_event(router_id: str, claims: dict[str, Head], heads: list[Head]) -> PeerEvent:
+    """A WAITING event: per backend the first request waiting for it, and the heads of
+    the queue that found no room."""
+    return PeerEvent(
+        PeerKind.WAITING,
+        router_id,
+        "",
+        "",
+        claims=tuple(sorted(claims.items())),
+        heads=tuple(heads),
+    )

@@ -46,6 +46,9 @@ class Waiting:
     behind: int = 0
     # The most work (ms) it may leave ahead of a higher band's next request (inf: any).
     protected_ms: float = math.inf
+    # The backend the policy chose for it at its last try, which had no room ("": not
+    # tried yet): what it waits for (several routers: flow.shared.Claims).
+    wants: str = ""
 
     def key(self) -> tuple[float, float, int]:
         return (self.deadline_s, self.arrival_s, self.seq)

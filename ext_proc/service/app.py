@@ -159,6 +159,12 @@ async def running_service(
             server, router, telemetry.fallback, tokens, fleet.forward
         )
         fleet.on_forwarded = access_log.apply_forwarded
+        # flow control with several routers: the bus confirms our releases, brings the
+        # peers' claims and events, and carries ours (ext_proc/flow/shared.py)
+        holding = ext_proc.holding
+        fleet.on_confirmed = holding.confirm
+        fleet.on_peer = holding.hear
+        holding.tell = fleet.tell_claims
         # Backends from Kubernetes (an InferencePool's pods), with the configured ones.
         discovery = PoolWatch(cfg, router) if cfg.discovery.enabled else None
         discovered: Callable[[], Sequence[Backend]] = (

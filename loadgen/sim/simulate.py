@@ -32,12 +32,12 @@ from ext_proc.core.pipeline import Director, Outcome, Queued, Refused, Routed
 from ext_proc.core.router import Router
 from ext_proc.estimate.profile import load_profile
 from ext_proc.feeds.engine_metrics import EngineReport
-from ext_proc.feeds.peers import PeerEvent, PeerPublisher
 from ext_proc.prompt.parse import COMPLETIONS
 from ext_proc.vocab.request import LlmRequest
 from ext_proc.vocab.types import Refusal, RouteRequest, Status
 from loadgen.client.concurrency import Admitted, ConcurrencyCap
 from loadgen.results import RequestResult
+from loadgen.sim.bus import Bus
 from loadgen.sim.models import cache_salt, default_model, max_loras, names_models, served_models
 from loadgen.sim.peers.feed import PeerFeed, peer_for
 from loadgen.sim.settings import PROXY, SimSettings
@@ -50,8 +50,9 @@ _SEND, _SLOT = range(11, 13)
 # Flow control: the gateway queues are offered room again (TICK_S apart while any waits).
 _TICK = 13
 TICK_S = 0.05
-# One hop through the fleet's message bus between routers in one place (NATS on a LAN).
-BUS_HOP_S = 0.0005
+# Several routers with flow control: the bus confirms a router's dispatch to it (the
+# server has it: a flush's round trip, ext_proc.flow.shared).
+_CONFIRM = 14
 
 # A request on its way to its front door: (request, origin region, door, access RTT ms).
 _Arrival = tuple[TraceRequest, str, str, float]
@@ -155,14 +156,19 @@ class Simulation:
                 ]
         self.routers = [router for rs in self.routers_at.values() for router in rs]
         # Each router's recipe for a request (the live service's own: core.pipeline).
-        self.directors = {id(router): Director(router) for router in self.routers}
+        # Several routers sharing their dispatches hold one release per backend until the
+        # bus confirms it, as live (ext_proc.flow.shared).
+        shared = settings.share_dispatches and len(self.routers) > 1
+        self.directors = {id(router): Director(router, shared) for router in self.routers}
         for router in self.routers:  # as discovery reads each engine's /v1/models at start
             for r in settings.regions:
                 router.inputs.record_models(r, self.served[r])
+        kinds = (_PEER, _CONFIRM)
+        self.bus = Bus(
+            self.routers_at, self.directors, lambda: self.now_s, self._push, kinds, self._room
+        )
         if settings.share_dispatches:
-            for door, rs in self.routers_at.items():
-                for i, router in enumerate(rs):
-                    router.subscribe(PeerPublisher(f"{door}/{i}", self._sender(door, router)))
+            self.bus.connect()
         # Per engine: a fleet's profiles may cache at other granularities and pool sizes.
         self.engine_block_tokens = {r: p.block_tokens for r, p in profiles.items()}
         self.kv_capacity_tokens = {r: p.kv_capacity_tokens for r, p in profiles.items()}
@@ -220,22 +226,9 @@ class Simulation:
         if t is not None:
             self._push(t, _STEP, (backend, t))
 
-    def _sender(self, door: str, sender: Router) -> Callable[[PeerEvent], None]:
-        def send(e: PeerEvent) -> None:
-            for to in self.routers_at:
-                hop_s = BUS_HOP_S if to == door else region_rtt_ms(door, to) / 2000
-                self._push(self.now_s + hop_s, _PEER, (to, sender, e))
-
-        return send
-
     def at(self, t_s: float, change: Callable[[], None]) -> None:
         """Run `change` at virtual time t_s (a scenario's regime change: a link's delay)."""
         self._push(t_s, _CALL, change)
-
-    def _deliver(self, door: str, sender: Router, e: PeerEvent) -> None:
-        for router in self.routers_at[door]:
-            if router is not sender:
-                router.inputs.apply_peer(e)
 
     def _one_way_s(self, door: str, backend: str) -> float:
         """The mean half-trip (no draw: the seeded delays of requests stay what they are)."""
@@ -328,9 +321,11 @@ class Simulation:
                 if self._queued:
                     self._pump()
             elif kind == _PEER:
-                self._deliver(*data)
+                self.bus.deliver(*data)
             elif kind == _CALL:
                 data()
+            elif kind == _CONFIRM:
+                self.bus.confirm(*data)
             elif kind == _SEND:
                 # The client's due time: a free slot sends it now, else it waits.
                 assert self._cap is not None
@@ -345,7 +340,7 @@ class Simulation:
         for t, _, kind, data in sorted(self._events):
             if kind == _PEER:
                 self.now_s = t
-                self._deliver(*data)
+                self.bus.deliver(*data)
         ordered = [self.results[r.id] for r in self.trace]
         return SimResult(
             self.s,
@@ -427,6 +422,10 @@ class Simulation:
             return
         self._bind(held, outcome)
 
+    def _room(self) -> None:
+        if self._queued:
+            self._pump()
+
     def _pump(self) -> None:
         """Room may have come: each director offers it to its queue; while any request
         waits, again TICK_S later (the estimates fall as time passes), as the service."""
@@ -435,6 +434,7 @@ class Simulation:
             released, director.released = director.released, []
             for w, outcome in released:
                 self._bind(self._queued.pop(w.request.request_id), outcome)
+            self.bus.tell(director)
         if self._queued and not self._ticking:
             self._ticking = True
             self._push(self.now_s + TICK_S, _TICK, None)

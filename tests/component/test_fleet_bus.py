@@ -16,6 +16,7 @@ from emulator.stack.processes import nats_binary
 from emulator.stack.supervision import wait_port
 from ext_proc.config.load import config_from_dict
 from ext_proc.config.schema import Config
+from ext_proc.core.pipeline import Queued, Routed
 from ext_proc.core.router import Router
 from ext_proc.prompt.parse import COMPLETIONS
 from ext_proc.service.app import Running, running_service
@@ -130,3 +131,59 @@ async def reach(sender: Running, peer: Router) -> None:
     for rid in list(sender.router.in_flight):
         sender.router.close(rid, Status.OK, 10.0)
     await until(lambda: not peer.peer_in_flight)
+
+
+def flow_config(name: str, nats_port: int) -> Config:
+    raw = config(name, nats_port)
+    return config_from_dict(
+        {
+            "listen": {"grpc": raw.listen.grpc, "admin": raw.listen.admin},
+            "tuner": {"mode": "off"},
+            "probes": {"interval_s": 60, "metrics_interval_s": 0},
+            "fleet": {"nats_url": f"nats://127.0.0.1:{nats_port}", "router_id": name},
+            "flow_control": {"enabled": True, "max_waiting_requests": 1},
+            "backends": [{"id": "a", "address": "127.0.0.1:1"}],
+        }
+    )
+
+
+async def test_flow_control_releases_are_confirmed_and_claims_heard_over_real_nats(
+    nats_server: Nats,
+) -> None:
+    """A release blocks its backend for this router until NATS has the dispatch (a flush
+    later); what a router's queue waits for reaches the other; with NATS gone a release
+    is confirmed at once (fail open)."""
+    async with (
+        running_service(flow_config("east", nats_server.port)) as east,
+        running_service(flow_config("west", nats_server.port)) as west,
+    ):
+        await reach(east, west.router)
+        director = east.ext_proc.director
+        assert director.releases is not None and west.ext_proc.director.claims is not None
+        out = director.handle(request("r-1"))
+        assert isinstance(out, Routed)
+        assert director.releases.blocked("a")  # not yet confirmed by the bus
+        await until(lambda: director.releases is not None and not director.releases.blocked("a"))
+        assert director.releases.confirmed >= 1 and director.releases.timed_out == 0
+        await until(lambda: "r-1" in west.router.peer_in_flight)
+
+        # west's queue waits for a (east's request has no first byte): east hears it
+        queued = west.ext_proc.director.handle(request("w-1"))
+        assert isinstance(queued, Queued)
+        waiting = asyncio.ensure_future(west.ext_proc.holding.wait(queued.ticket))
+        await until(lambda: "west" in east.ext_proc.director.snapshot()["peer_claims"])
+        claims = east.ext_proc.director.snapshot()["peer_claims"]["west"]
+        assert claims == {"backends": {"a": 0}, "heads": {"0": 1}}
+        east.router.close("r-1", Status.OK, 10.0)  # room: west's request goes
+        assert isinstance(await asyncio.wait_for(waiting, 5), Routed)
+        await until(lambda: "west" not in east.ext_proc.director.snapshot()["peer_claims"])
+        west.router.close("w-1", Status.OK, 10.0)
+        await until(lambda: not east.router.peer_in_flight)  # room for r-2
+
+        nats_server.stop()
+        await until(lambda: not east.fleet.connected)
+        before = director.releases.confirmed
+        assert isinstance(director.handle(request("r-2")), Routed)
+        await until(lambda: director.releases is not None and director.releases.confirmed > before)
+        assert director.releases.timed_out == 0
+        east.router.close("r-2", Status.OK, 10.0)

@@ -23,7 +23,7 @@ from nats.aio.msg import Msg
 from ext_proc.common.aio import cancel_and_wait
 from ext_proc.config.schema import Config
 from ext_proc.core.router import Router
-from ext_proc.feeds.peers import PeerEvent, PeerKind, PeerPublisher
+from ext_proc.feeds.peers import Head, PeerEvent, PeerKind, PeerPublisher, waiting_event
 from ext_proc.vocab.backend import Backend
 
 log = logging.getLogger("gorgo.fleet")
@@ -32,6 +32,9 @@ log = logging.getLogger("gorgo.fleet")
 # stale dispatches would only mislead the peers.
 QUEUE_EVENTS = 10_000
 RETRY_S = 1.0
+# How long a flush may wait for the server's answer (whole seconds: nats-py's unit); the
+# flow-control releases it confirms time out sooner by themselves (flow.shared).
+FLUSH_TIMEOUT_S = 1
 
 
 def default_router_id() -> str:
@@ -58,6 +61,13 @@ class FleetBus:
         # Applies another router's FIRST_CHUNK or COMPLETED for one of ours (the shell's
         # ExtProcService.apply_forwarded).
         self.on_forwarded: Callable[[PeerEvent], None] | None = None
+        # Told which of our dispatches the NATS server has (published, then a flush's
+        # round trip): every peer's connection has them too (flow control's bound on the
+        # room several routers release together, ext_proc.flow.shared).
+        self.on_confirmed: Callable[[list[str]], None] | None = None
+        # Told of every peer event applied, and of the peers' flow-control claims (the
+        # gateway queue's Holding.hear: room may have come, or a peer's band waits).
+        self.on_peer: Callable[[PeerEvent], None] | None = None
 
     def add(self, backend: Backend) -> None:
         """Nothing per backend: every router's events name their backend."""
@@ -111,11 +121,25 @@ class FleetBus:
             "forwarded_here": self.forwarded_here,
         }
 
+    def tell_claims(self, claims: dict[str, Head], heads: list[Head]) -> None:
+        """What our gateway queue waits for: per backend, the highest band waiting; the
+        heads of the queue that found no room."""
+        if self.cfg.fleet.nats_url:
+            self._send(waiting_event(self.router_id, claims, heads))
+
     def _send(self, e: PeerEvent) -> None:
+        if e.kind == PeerKind.DISPATCHED and not self.connected:
+            # No peer can hear it now: nothing to wait for (fail open). Told after the
+            # release that sent it is recorded.
+            self._confirm_soon([e.request_id])
         try:
             self._queue.put_nowait(e)
         except asyncio.QueueFull:
             self.dropped += 1
+
+    def _confirm_soon(self, request_ids: list[str]) -> None:
+        if self.on_confirmed is not None:
+            asyncio.get_running_loop().call_soon(self.on_confirmed, request_ids)
 
     async def _run(self) -> None:
         servers = self.cfg.fleet.nats_url.split(",")
@@ -139,9 +163,19 @@ class FleetBus:
         await self._nc.subscribe(f"{self.subject}.*", cb=self._on_message)
         own = f"{self.subject}.{self.router_id}"
         while True:
-            event = await self._queue.get()
-            await self._nc.publish(own, event.encode())
-            self.sent += 1
+            batch = [await self._queue.get()]
+            while not self._queue.empty():
+                batch.append(self._queue.get_nowait())
+            for event in batch:
+                await self._nc.publish(own, event.encode())
+                self.sent += 1
+            dispatched = [e.request_id for e in batch if e.kind == PeerKind.DISPATCHED]
+            if dispatched and self.on_confirmed is not None:
+                try:  # the server has them once it answers the PING behind them
+                    await self._nc.flush(timeout=FLUSH_TIMEOUT_S)
+                except Exception as e:  # timed out or disconnected: confirm anyway
+                    log.warning("fleet bus: flush: %s", e)
+                self.on_confirmed(dispatched)
 
     async def _on_message(self, msg: Msg) -> None:
         try:
@@ -158,7 +192,10 @@ class FleetBus:
                 self.forwarded_here += 1
                 self.on_forwarded(e)  # ours: the others ignore it
             return
-        self.router.inputs.apply_peer(e)
+        if e.kind != PeerKind.WAITING:
+            self.router.inputs.apply_peer(e)
+        if self.on_peer is not None:
+            self.on_peer(e)
 
     async def _on_error(self, e: Exception) -> None:
         log.warning("fleet bus: %s", e)

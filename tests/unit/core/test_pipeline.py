@@ -4,7 +4,15 @@ record; what every transport gets back."""
 from collections.abc import Sequence
 from dataclasses import replace
 
-from ext_proc.core.pipeline import Director, Queued, Refused, Routed, Unrouted
+from ext_proc.core.pipeline import (
+    MAX_TRIES_PER_PUMP,
+    Director,
+    Queued,
+    Refused,
+    Routed,
+    Unrouted,
+)
+from ext_proc.feeds.peers import PeerEvent, PeerKind, PeerPublisher
 from ext_proc.feeds.served_models import ServedModels
 from ext_proc.vocab.errors import RATE_LIMITED
 from tests.builders import BackendSpec, chat, load, make_config, make_router
@@ -196,3 +204,175 @@ def test_a_lower_band_does_not_put_a_long_prefill_ahead_of_a_higher_bands_slo() 
     director.pump()
     [(w, out)] = director.released
     assert w is big.ticket and isinstance(out, Routed)
+
+
+# -- several routers over one view (flow.shared) -------------------------------------------
+
+
+class FakeBus:
+    """NATS between routers, with its delay: what a router publishes reaches the others
+    (and is confirmed to it) only when the test calls `deliver`."""
+
+    def __init__(self) -> None:
+        self.pending: list[tuple[Director, PeerEvent]] = []
+        self.directors: list[Director] = []
+
+        self.publishers: dict[int, PeerPublisher] = {}
+
+    def join(self, director: Director, name: str) -> None:
+        self.directors.append(director)
+        pub = PeerPublisher(name, lambda e: self.pending.append((director, e)))
+        director.router.subscribe(pub)
+        self.publishers[id(director)] = pub
+
+    def tell_claims(self) -> None:
+        """Each router's claims, when due (as the live Holding does after a pump)."""
+        for d in self.directors:
+            if (claims := d.claims_to_send()) is not None:
+                self.publishers[id(d)].claims(*claims)
+
+    def deliver(self) -> None:
+        pending, self.pending = self.pending, []
+        for sender, e in pending:
+            for d in self.directors:
+                if d is sender:
+                    continue
+                if e.kind == PeerKind.WAITING:
+                    d.hear_claims(e.router, dict(e.claims), list(e.heads))
+                else:
+                    d.router.inputs.apply_peer(e)
+            sender.confirm([e.request_id])
+
+
+# requests waiting for a first token per backend: not a multiple of the routers, so the
+# last round finds room for fewer than all of them
+SHARED_ROOM = 4
+
+
+def shared_routers(n: int, shared: bool) -> tuple[list[Director], FakeBus, FakeClock]:
+    clock = FakeClock()
+    bus = FakeBus()
+    directors = []
+    for i in range(n):
+        router, _ = make_router(
+            "gorgo",
+            backends=["a"],
+            clock=clock,
+            seed=i,
+            # room by count alone: the margin leaves the time rule out of it
+            flow_control={
+                "enabled": True,
+                "max_waiting_requests": SHARED_ROOM,
+                "room_margin_ms": 1e9,
+            },
+        )
+        d = Director(router, shared=shared)
+        bus.join(d, f"router-{i}")
+        directors.append(d)
+    return directors, bus, clock
+
+
+def waiting_at_a(directors: list[Director]) -> int:
+    """What the engine has waiting for a first token: every router's own dispatches."""
+    return sum(1 for d in directors for rec in d.router.in_flight.values() if not rec.first_byte_s)
+
+
+def burst(directors: list[Director], bus: FakeBus, per_router: int) -> int:
+    """Every router takes `per_router` requests at the same instant, then pumps as the bus
+    delivers, round after round: the most ever waiting at the backend."""
+    for i, d in enumerate(directors):
+        for j in range(per_router):
+            d.handle(chat(rid=f"r{i}-{j}"))
+    most = waiting_at_a(directors)
+    for _ in range(per_router + 2):
+        bus.deliver()
+        for d in directors:
+            d.pump()
+        most = max(most, waiting_at_a(directors))
+    return most
+
+
+def test_several_routers_overshoot_the_room_by_at_most_one_request_per_peer() -> None:
+    directors, bus, _ = shared_routers(3, shared=True)
+    most = burst(directors, bus, per_router=6)
+    # each router knows its own exactly; at most one release of each peer unheard (here
+    # the last round: 3 of room 4 heard, each router sends one)
+    assert most == SHARED_ROOM + len(directors) - 1
+    assert waiting_at_a(directors) == most  # the rest still wait in the routers' queues
+    assert sum(len(d.queue or ()) for d in directors) == 3 * 6 - most
+    assert all(d.snapshot()["releases"]["confirmed"] >= 1 for d in directors)
+
+
+def test_without_the_rule_routers_that_see_the_same_room_all_fill_it() -> None:
+    directors, bus, _ = shared_routers(3, shared=False)
+    assert burst(directors, bus, per_router=6) == 3 * SHARED_ROOM
+
+
+def test_one_router_is_not_held_back_by_a_bus() -> None:
+    router, _ = make_router("gorgo", backends=["a"], flow_control={"enabled": True})
+    assert Director(router).releases is None  # no fleet.nats_url: alone
+    shared, _ = make_router(
+        "gorgo",
+        backends=["a"],
+        flow_control={"enabled": True},
+        fleet={"nats_url": "nats://127.0.0.1:4222"},
+    )
+    assert Director(shared).releases is not None
+
+
+def test_priority_holds_across_routers_a_peers_interactive_request_takes_the_room_first() -> None:
+    def run(tell: bool) -> list[str]:
+        """Router 0 holds a batch request, router 1 an interactive one, both waiting for
+        backend a; room comes for one, and router 0 pumps first: who gets it."""
+        clock = FakeClock()
+        bus = FakeBus()
+        flow = {**FLOW, "max_waiting_requests": 1, "room_margin_ms": 1e9}
+        directors = []
+        for i in range(2):
+            router, _ = make_router(
+                "gorgo",
+                backends=[{"id": "a", "address": "127.0.0.1:1", "region": "eu"}],
+                clock=clock,
+                seed=i,
+                flow_control=flow,
+            )
+            d = Director(router, shared=True)
+            bus.join(d, f"router-{i}")
+            directors.append(d)
+            load(router, "elsewhere", "a", 1000, 10)  # a third router's: no room
+        low = directors[0].handle(replace(chat(rid="batch"), objective="batch"))
+        high = directors[1].handle(replace(chat(rid="vip"), objective="interactive"))
+        assert isinstance(low, Queued) and isinstance(high, Queued)
+        if tell:
+            bus.tell_claims()
+            bus.deliver()
+        for d in directors:
+            d.router.inputs.apply_peer(PeerEvent(PeerKind.CLOSED, "x", "elsewhere", "a"))
+        for d in directors:  # router 0 first
+            d.pump()
+        return [w.request.request_id for d in directors for w, _ in d.released]
+
+    assert run(tell=True) == ["vip"]  # router 0 left the room to router 1's higher band
+    # without the claims the lower band, pumped first, takes the room (and router 1, not
+    # yet told, goes one over it: the bound)
+    assert run(tell=False) == ["batch", "vip"]
+
+
+def test_a_router_tells_its_peers_what_its_queue_waits_for() -> None:
+    [d, _], _, clock = shared_routers(2, shared=True)
+    assert d.claims_to_send() is None  # nothing waits, nothing to say
+    for i in range(SHARED_ROOM):
+        assert isinstance(d.handle(chat(rid=f"fill-{i}")), Routed)
+        d.confirm([f"fill-{i}"])
+    for i in range(MAX_TRIES_PER_PUMP + 1):
+        assert isinstance(d.handle(chat(rid=f"w{i}")), Queued)
+        clock.advance(1.0)
+    told = d.claims_to_send()
+    assert told is not None
+    claims, heads = told
+    # the first waiting for backend a (default band, no deadline, waited longest), and
+    # the heads a pump would offer room first
+    assert claims == {"a": (0, None, MAX_TRIES_PER_PUMP + 1.0)}
+    assert len(heads) == MAX_TRIES_PER_PUMP
+    assert [waited for _, _, waited in heads] == [5.0, 4.0, 3.0, 2.0]
+    assert d.claims_to_send() is None  # said; not again until it changes or is due

@@ -63,6 +63,25 @@ def test_event_round_trips_and_bad_messages_are_named() -> None:
         PeerEvent.decode(b'{"kind": "sideways", "router": "r", "request_id": "x", "backend": "b"}')
 
 
+def test_a_queues_claims_round_trip_and_load_nothing() -> None:
+    sent: list[PeerEvent] = []
+    PeerPublisher("r1", sent.append).claims(
+        {"near": (10, 2.5, 0.5), "far": (0, None, 3.0)}, [(10, 2.5, 0.5)]
+    )
+    [e] = sent
+    assert e.kind == PeerKind.WAITING
+    assert e.claims == (("far", (0, None, 3.0)), ("near", (10, 2.5, 0.5)))
+    assert PeerEvent.decode(e.encode()) == e
+    with pytest.raises(ValueError, match="peer event"):
+        PeerEvent.decode(
+            b'{"kind": "waiting", "router": "r", "request_id": "", "backend": "",'
+            b' "heads": [["high", null, 1]]}'
+        )
+    (r,), _ = routers(1, share=False)
+    r.inputs.apply_peer(e)  # not a request: nothing in flight, nothing closed
+    assert not r.peer_in_flight and all(b.load.waiting_first_byte == 0 for b in r.backends.values())
+
+
 def test_peer_dispatches_load_the_queue_and_teach_nothing() -> None:
     (a, b), clock = routers(2, share=True)
     idle_ms = b.features.queue_estimate_ms("near", 0.0)
