@@ -24,6 +24,23 @@ What it models:
   prompt reuses the longest cached prefix; blocks in use by running requests are pinned;
   unpinned leaves are evicted least recently used first.
 - Step times from the profile's formulas, times a seedable lognormal jitter.
+- Priority scheduling, when the engine's flag is on (`PriorityScheduling`; off: FCFS as
+  above, nothing changes): the waiting queue is ordered by each request's `priority`, and
+  running requests are preempted (recomputed: their KV freed, back to the waiting queue,
+  prompt and generated tokens prefilled again) as each engine does it:
+  - "vllm" (--scheduling-policy priority; v1/core/sched/request_queue.py
+    PriorityRequestQueue, v1/core/sched/scheduler.py schedule): lower value first, ties by
+    arrival; KV grows a token per decode (no output reserved at admission) and when a
+    running request's next token finds no room, the running request with the largest
+    (priority, arrival) is preempted, until it fits; no waiting request is admitted in a
+    step that preempted. A waiting request never preempts.
+  - "sglang" (--enable-priority-scheduling; managers/schedule_policy.py
+    _sort_by_priority_and_fcfs, preempt_to_schedule; managers/scheduler.py
+    _set_or_validate_priority): higher value first unless low_values_first, ties by the
+    time it entered the waiting queue; a request with no priority gets the lowest; when
+    the waiting head finds the batch full (slots or KV), decoding requests whose priority
+    is worse by more than `preemption_threshold` are preempted, worst (then latest) first,
+    if they free enough.
 
 The model answers, through `advance`, when each request's first and later tokens are
 emitted and how many of its prompt tokens were cached.
@@ -31,12 +48,14 @@ emitted and how many of its prompt tokens were cached.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 import random
-from collections import deque
+import sys
+from collections import Counter, deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ext_proc.estimate.profile import EngineProfile
@@ -181,6 +200,24 @@ class _Request:
     # The LoRA adapter it runs (None: the base model) and its step-time factor.
     lora: str | None = None
     cost: float = 1.0
+    # The body's priority (None: none given) and the rank the waiting queue orders by
+    # (lower first; PriorityScheduling.rank), when it entered the queue, and a tie-break
+    # in submission order.
+    priority: int | None = None
+    rank: int = 0
+    queued_s: float = 0.0
+    seq: int = 0
+    # Generated tokens to recompute after a preemption (prefilled again with the prompt).
+    resumed_tokens: int = 0
+    # Tokens present when last admitted (cached prefix; tells "prefill not begun").
+    admitted_tokens: int = 0
+    preemptions: int = 0
+
+    @property
+    def prefill_target(self) -> int:
+        """Tokens whose KV a prefill computes: the prompt, plus after a preemption the
+        tokens generated before it."""
+        return self.input_tokens + self.resumed_tokens
 
 
 @dataclass(frozen=True)
@@ -213,6 +250,46 @@ class ModelStats:
     tokens_emitted: int = 0
     prefill_steps: int = 0
     decode_steps: int = 0
+    # Requests submitted and preemptions, by the priority requests carried ("none": none
+    # given); preemptions count each time a running request is sent back to wait.
+    submitted_by_priority: Counter[str] = field(default_factory=Counter)
+    preemptions: int = 0
+    preempted_by_priority: Counter[str] = field(default_factory=Counter)
+
+
+def priority_label(priority: int | None) -> str:
+    return "none" if priority is None else str(priority)
+
+
+# SGLang's default preemption threshold (server_args.py
+# priority_scheduling_preemption_threshold = 10).
+SGLANG_PREEMPTION_THRESHOLD = 10
+
+
+@dataclass(frozen=True)
+class PriorityScheduling:
+    """The engine's priority scheduling (module docstring). `low_values_first`: vLLM
+    always; SGLang with --schedule-low-priority-values-first. `preemption_threshold` and
+    `preemption` (off: --disable-priority-preemption) are SGLang's; vLLM preempts on
+    KV shortage whatever they say."""
+
+    low_values_first: bool = False
+    preemption_threshold: int = SGLANG_PREEMPTION_THRESHOLD
+    preemption: bool = True
+
+    @classmethod
+    def vllm(cls) -> PriorityScheduling:
+        return cls(low_values_first=True)
+
+    def rank(self, priority: int | None, scheduler: str) -> int:
+        """Lower is served first. No priority: vLLM's default 0 (protocol field default);
+        SGLang's lowest (sys.maxsize or -sys.maxsize - 1, _set_or_validate_priority)."""
+        if priority is None:
+            if scheduler == "vllm":
+                priority = 0
+            else:
+                priority = sys.maxsize if self.low_values_first else -sys.maxsize - 1
+        return priority if self.low_values_first else -priority
 
 
 SCHEDULERS = ("sglang", "vllm")
@@ -229,12 +306,21 @@ class EngineModel:
         rng: random.Random,
         max_loras: int | None = None,
         scheduler: str = "sglang",
+        priority: PriorityScheduling | None = None,
     ) -> None:
         if scheduler not in SCHEDULERS:
             raise ValueError(f"scheduler: one of {', '.join(SCHEDULERS)}, got {scheduler!r}")
         self.profile = profile
         # Which engine's step planning it follows (the module's docstring).
         self.scheduler = scheduler
+        # Priority scheduling (None: off, FCFS). vLLM orders lower values first always.
+        if priority is not None and scheduler == "vllm" and not priority.low_values_first:
+            raise ValueError("vLLM's priority scheduling serves lower values first")
+        self.priority = priority
+        # vLLM with priority: KV grows with each decoded token and running requests are
+        # preempted when it runs out (no output reserved at admission).
+        self._grow_kv = priority is not None and scheduler == "vllm"
+        self._submitted = 0
         self.rng = rng
         # At most this many adapters among running requests (None: no limit).
         self.max_loras = max_loras
@@ -265,9 +351,11 @@ class EngineModel:
         now_s: float,
         lora: str | None = None,
         cost: float = 1.0,
+        priority: int | None = None,
     ) -> None:
         """A request arrives. `blocks`: chained hashes of its prompt's full blocks; `lora`:
-        the adapter it runs, whose steps take `cost` times the base model's."""
+        the adapter it runs, whose steps take `cost` times the base model's; `priority`:
+        its body's (None: none given), ignored unless priority scheduling is on."""
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} already in the engine")
         if input_tokens < 1 or output_tokens < 1:
@@ -276,7 +364,10 @@ class EngineModel:
         req = _Request(rid, tuple(blocks[:full_blocks]), input_tokens, output_tokens, now_s)
         req.lora, req.cost = lora, cost
         self.requests[rid] = req
-        self.waiting.append(req)
+        self.stats.submitted_by_priority[priority_label(priority)] += 1
+        req.priority, req.queued_s, req.seq = priority, now_s, self._submitted
+        self._submitted += 1
+        self._enqueue(req)
         if self.step is None or self.step.start_s >= now_s:
             # Idle, or a step that starts this very instant: (re)plan so requests arriving
             # together are scheduled together.
@@ -341,7 +432,7 @@ class EngineModel:
         not_begun = sum(
             1
             for r in self.prefilling
-            if r.prefilled_tokens == r.cached_tokens and r.rid not in in_step
+            if r.prefilled_tokens == r.admitted_tokens and r.rid not in in_step
         )
         return len(self.waiting) + not_begun
 
@@ -360,7 +451,7 @@ class EngineModel:
         in_step = {r.rid for r, _ in step.prefill} if step is not None else set()
         for r in (*self.prefilling, *self.decoding.values()):
             if r.lora is not None:
-                begun = r.state == DECODE or r.prefilled_tokens > r.cached_tokens
+                begun = r.state == DECODE or r.prefilled_tokens > r.admitted_tokens
                 into = running if begun or r.rid in in_step else waiting
                 into[r.lora] = into.get(r.lora, 0) + 1
         for r in self.waiting:
@@ -385,8 +476,8 @@ class EngineModel:
         waiting requests' whole prompts (matched only at admission here) and what the
         admitted ones have left (SGLang scheduler get_num_waiting_uncached_tokens: waiting
         seqlen - matched prefix, plus the chunked request's remainder)."""
-        waiting = sum(r.input_tokens - r.cached_tokens for r in self.waiting)
-        return waiting + sum(r.input_tokens - r.prefilled_tokens for r in self.prefilling)
+        waiting = sum(r.prefill_target for r in self.waiting)
+        return waiting + sum(r.prefill_target - r.prefilled_tokens for r in self.prefilling)
 
     @property
     def waiting_prompt_tokens(self) -> int:
@@ -425,8 +516,13 @@ class EngineModel:
         admitted so far this step are below it (vLLM: a waiting request is scheduled only
         with budget left)."""
         p = self.profile
-        while self.waiting and self.num_running < p.max_running_requests and budget > 0:
+        while self.waiting and budget > 0:
             req = self.waiting[0]
+            if self.num_running >= p.max_running_requests:
+                # SGLang: the batch is full; a waiting request may preempt running ones.
+                if self._preempt_to_schedule(req, 0, now_s):
+                    continue
+                return
             if req.lora is not None and self.max_loras is not None:
                 active = {r.lora for r in (*self.prefilling, *self.decoding.values())}
                 active.discard(None)
@@ -437,24 +533,105 @@ class EngineModel:
             matched = min(self.cache.match(req.blocks), (req.input_tokens - 1) // p.block_tokens)
             # Pin the matched prefix first, so making room cannot evict it.
             self.cache.acquire(req.blocks[:matched], now_s)
-            reserve = req.input_tokens - matched * p.block_tokens + req.output_tokens
+            reserve = req.prefill_target - matched * p.block_tokens
+            if not self._grow_kv:
+                reserve += req.output_tokens - req.resumed_tokens
             need = reserve - (p.kv_capacity_tokens - self.used_tokens)
             # Wait for running requests to free KV; alone on the engine, a request larger
             # than the pool is admitted anyway rather than blocking the queue forever.
             if need > 0 and self.cache.evict(need) < need and self.num_running:
                 self.cache.release(req.blocks[:matched], now_s)
+                if self._preempt_to_schedule(req, need, now_s):
+                    continue
                 return
             self.waiting.popleft()
             req.pinned = matched
-            req.cached_tokens = req.prefilled_tokens = matched * p.block_tokens
+            req.admitted_tokens = req.prefilled_tokens = matched * p.block_tokens
             req.reserved_tokens = reserve
             self._reserved_tokens += reserve
             req.state = PREFILL
             self.prefilling.append(req)
-            budget -= req.input_tokens - req.prefilled_tokens
+            budget -= req.prefill_target - req.prefilled_tokens
+            if req.preemptions:
+                continue  # counted when first admitted; the usage keeps that first count
+            req.cached_tokens = req.admitted_tokens
             self.stats.requests_admitted += 1
             self.stats.prompt_tokens += req.input_tokens
             self.stats.cached_tokens += req.cached_tokens
+
+    def _order(self, req: _Request) -> tuple[int, float, int]:
+        """The waiting queue's order under priority scheduling: rank, then vLLM's arrival
+        (Request.__lt__: priority, arrival_time) or SGLang's entry into the waiting queue
+        (wait_queue_entry_time, reset when a preempted request returns), then submission."""
+        return req.rank, req.queued_s, req.seq
+
+    def _enqueue(self, req: _Request) -> None:
+        if self.priority is None:
+            self.waiting.append(req)
+            return
+        req.rank = self.priority.rank(req.priority, self.scheduler)
+        at = bisect.bisect_right(self.waiting, self._order(req), key=self._order)
+        self.waiting.insert(at, req)
+
+    def _preempt(self, req: _Request, now_s: float) -> None:
+        """Recompute preemption (vLLM scheduler.py _preempt_request, num_computed_tokens
+        0; SGLang release_req): its KV freed, back to the waiting queue, the prompt and
+        what it generated prefilled again when it is admitted next."""
+        if req.state == PREFILL:
+            self.prefilling.remove(req)
+        else:
+            self.decoding.pop(req.rid)
+        self._free(req, now_s)
+        req.state = WAITING
+        req.resumed_tokens = req.generated
+        req.prefilled_tokens = req.admitted_tokens = 0
+        req.preemptions += 1
+        self.stats.preemptions += 1
+        self.stats.preempted_by_priority[priority_label(req.priority)] += 1
+        if self.scheduler == "sglang":
+            req.queued_s = now_s  # _add_request_to_queue stamps the entry time anew
+        self._enqueue(req)
+
+    def _make_room_for_decodes(self, now_s: float) -> bool:
+        """vLLM with priority: each decode writes one more token of KV; when the pool
+        cannot take them (after evicting unused cache), preempt the running request with
+        the largest (priority, arrival) (scheduler.py schedule: max(self.running, key=
+        (priority, arrival_time))) until they fit. One request alone is never preempted
+        (it would only come back). Returns whether any was."""
+        p = self.profile
+        preempted = False
+        while True:
+            short = len(self.decoding) - (p.kv_capacity_tokens - self.used_tokens)
+            if short <= 0 or self.cache.evict(short) >= short or self.num_running <= 1:
+                return preempted
+            running = (*self.prefilling, *self.decoding.values())
+            self._preempt(max(running, key=lambda r: (r.rank, r.arrival_s, r.seq)), now_s)
+            preempted = True
+
+    def _preempt_to_schedule(self, req: _Request, need_tokens: int, now_s: float) -> bool:
+        """SGLang with priority (schedule_policy.py preempt_to_schedule): the waiting head
+        `req` finds the batch full (no slot, or `need_tokens` of KV short). Decoding
+        requests (the running batch), worst priority first and then the latest queued,
+        are preemptible while their priority is worse than req's by more than the
+        threshold; if those taken free a slot and enough KV (what each holds), they are
+        preempted. Returns whether any was."""
+        prio = self.priority
+        if prio is None or self.scheduler != "sglang" or not prio.preemption:
+            return False
+        victims: list[_Request] = []
+        worst_first = sorted(self.decoding.values(), key=lambda r: (-r.rank, -r.queued_s))
+        for r in worst_first:
+            if r.rank - req.rank <= prio.preemption_threshold:
+                break
+            victims.append(r)
+            need_tokens -= r.reserved_tokens + r.pinned * self.profile.block_tokens
+            if need_tokens <= 0:
+                break
+        if not victims or need_tokens > 0:
+            return False
+        for r in victims:
+            self._preempt(r, now_s)
+        return True
 
     def _plan(self, now_s: float) -> None:
         if self.scheduler == "vllm":
@@ -469,8 +646,13 @@ class EngineModel:
         budget = p.chunk_tokens
         decode = list(self.decoding.values())[:budget]
         budget -= len(decode)
-        owed = sum(r.input_tokens - r.prefilled_tokens for r in self.prefilling)
-        self._admit(now_s, budget - owed)
+        if self._grow_kv and self._make_room_for_decodes(now_s):
+            # a step that preempted admits no waiting request (scheduler.py schedule)
+            decode = list(self.decoding.values())[: p.chunk_tokens]
+            budget = p.chunk_tokens - len(decode)
+        else:
+            owed = sum(r.prefill_target - r.prefilled_tokens for r in self.prefilling)
+            self._admit(now_s, budget - owed)
         batch, ms = self._chunks(budget, 0.0)
         if not batch and not decode:
             return
@@ -489,7 +671,7 @@ class EngineModel:
         for req in self.prefilling:
             if budget <= 0:
                 break
-            n = min(budget, req.input_tokens - req.prefilled_tokens)
+            n = min(budget, req.prefill_target - req.prefilled_tokens)
             ms += self.profile.prefill_ms(n, req.prefilled_tokens) * req.cost
             batch.append((req, n))
             budget -= n
@@ -518,7 +700,7 @@ class EngineModel:
         for req, n in step.prefill:
             req.prefilled_tokens += n
             self._cache_computed_blocks(req, t)
-            if req.prefilled_tokens >= req.input_tokens:
+            if req.prefilled_tokens >= req.prefill_target:
                 self.prefilling.remove(req)
                 req.state = DECODE
                 self.decoding[req.rid] = req
@@ -541,6 +723,9 @@ class EngineModel:
 
     def _emit(self, req: _Request, t: float, out: list[Emission]) -> None:
         req.generated += 1
+        if self._grow_kv:  # the token's KV, written by the next step
+            req.reserved_tokens += 1
+            self._reserved_tokens += 1
         finished = req.generated >= req.output_tokens
         out.append(Emission(req.rid, req.generated - 1, t, finished, req.cached_tokens))
         self.stats.tokens_emitted += 1
