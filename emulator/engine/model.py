@@ -24,23 +24,18 @@ What it models:
   prompt reuses the longest cached prefix; blocks in use by running requests are pinned;
   unpinned leaves are evicted least recently used first.
 - Step times from the profile's formulas, times a seedable lognormal jitter.
-- Priority scheduling, when the engine's flag is on (`PriorityScheduling`; off: FCFS as
-  above, nothing changes): the waiting queue is ordered by each request's `priority`, and
-  running requests are preempted (recomputed: their KV freed, back to the waiting queue,
-  prompt and generated tokens prefilled again) as each engine does it:
-  - "vllm" (--scheduling-policy priority; v1/core/sched/request_queue.py
-    PriorityRequestQueue, v1/core/sched/scheduler.py schedule): lower value first, ties by
-    arrival; KV grows a token per decode (no output reserved at admission) and when a
-    running request's next token finds no room, the running request with the largest
-    (priority, arrival) is preempted, until it fits; no waiting request is admitted in a
-    step that preempted. A waiting request never preempts.
-  - "sglang" (--enable-priority-scheduling; managers/schedule_policy.py
-    _sort_by_priority_and_fcfs, preempt_to_schedule; managers/scheduler.py
-    _set_or_validate_priority): higher value first unless low_values_first, ties by the
-    time it entered the waiting queue; a request with no priority gets the lowest; when
-    the waiting head finds the batch full (slots or KV), decoding requests whose priority
-    is worse by more than `preemption_threshold` are preempted, worst (then latest) first,
-    if they free enough.
+- Priority scheduling when the engine's flag is on (emulator/engine/priority.py; off:
+  FCFS as above): the waiting queue ordered by `priority`, running requests preempted by
+  recompute (KV freed, back to wait, prompt and generated tokens prefilled again):
+  - "vllm" (v1/core/sched/request_queue.py, scheduler.py schedule): lower first, ties by
+    arrival; KV grows a token per decode (no output reserved) and when it runs out, the
+    running request with the largest (priority, arrival) is preempted until the decodes
+    fit; a step that preempted admits nobody; a waiting request never preempts.
+  - "sglang" (managers/schedule_policy.py _sort_by_priority_and_fcfs,
+    preempt_to_schedule; scheduler.py _set_or_validate_priority): higher first unless
+    low_values_first, ties by entry into the queue, no priority is the lowest; a waiting
+    head that finds the batch full (slots or KV) preempts decoding requests worse by more
+    than the threshold, worst (then latest) first, if they free enough.
 
 The model answers, through `advance`, when each request's first and later tokens are
 emitted and how many of its prompt tokens were cached.
@@ -49,129 +44,17 @@ emitted and how many of its prompt tokens were cached.
 from __future__ import annotations
 
 import bisect
-import heapq
 import math
 import random
-import sys
 from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
+from emulator.engine.prefix_cache import PrefixCache
+from emulator.engine.priority import PriorityScheduling, priority_label, sglang_victims
 from ext_proc.estimate.profile import EngineProfile
 
-# ---------------------------------------------------------------------------------------
-# Radix prefix cache over chained block hashes.
-
-
-@dataclass
-class _Node:
-    parent: int | None
-    children: int = 0
-    refs: int = 0
-    last_used_s: float = 0.0
-
-
-class PrefixCache:
-    """Blocks keyed by chained hash (a hash names a block *and* its whole prefix), so the
-    dict is a radix tree over blocks: a node's parent is the block before it."""
-
-    def __init__(self, block_tokens: int) -> None:
-        self.block_tokens = block_tokens
-        self.nodes: dict[int, _Node] = {}
-        # When not None, what changes is recorded here in order, for the engine's KV
-        # events: ("stored", hash, parent), ("removed", hash), ("cleared",).
-        self.events: list[tuple[Any, ...]] | None = None
-        # Eviction candidates (unpinned leaves), oldest first; stale entries are skipped.
-        self._lru: list[tuple[float, int, int]] = []
-        self._seq = 0
-        # Nodes some request holds (refs > 0), kept as they change: the evictable count
-        # is read at every load poll (a peer router's scrape every 50 ms in the simulator).
-        self._pinned = 0
-
-    @property
-    def tokens(self) -> int:
-        return len(self.nodes) * self.block_tokens
-
-    @property
-    def evictable_tokens(self) -> int:
-        return (len(self.nodes) - self._pinned) * self.block_tokens
-
-    def match(self, blocks: Sequence[int]) -> int:
-        """How many leading blocks are cached."""
-        n = 0
-        for h in blocks:
-            if h not in self.nodes:
-                break
-            n += 1
-        return n
-
-    def acquire(self, blocks: Sequence[int], now_s: float, parent: int | None = None) -> None:
-        """Insert what is missing and pin the path (a request is using it). `blocks`
-        continue the path after `parent` (None: from the root)."""
-        for h in blocks:
-            node = self.nodes.get(h)
-            if node is None:
-                node = _Node(parent)
-                self.nodes[h] = node
-                if parent is not None:
-                    self.nodes[parent].children += 1
-                if self.events is not None:
-                    self.events.append(("stored", h, parent))
-            if not node.refs:
-                self._pinned += 1
-            node.refs += 1
-            node.last_used_s = now_s
-            parent = h
-
-    def release(self, blocks: Sequence[int], now_s: float) -> None:
-        for h in blocks:
-            node = self.nodes.get(h)
-            if node is None:
-                continue
-            node.refs -= 1
-            if not node.refs:
-                self._pinned -= 1
-            node.last_used_s = now_s
-            self._maybe_candidate(h, node)
-
-    def evict(self, need_tokens: int) -> int:
-        """Evict unpinned leaves, least recently used first, until need_tokens are freed
-        or nothing more can go. Returns tokens freed."""
-        freed = 0
-        while freed < need_tokens and self._lru:
-            last_used_s, _, h = heapq.heappop(self._lru)
-            node = self.nodes.get(h)
-            if node is None or node.refs or node.children or node.last_used_s != last_used_s:
-                continue  # stale entry
-            del self.nodes[h]
-            freed += self.block_tokens
-            if self.events is not None:
-                self.events.append(("removed", h))
-            if node.parent is not None:
-                parent = self.nodes[node.parent]
-                parent.children -= 1
-                self._maybe_candidate(node.parent, parent)
-        return freed
-
-    def clear_unpinned(self) -> int:
-        mark = None if self.events is None else len(self.events)
-        freed = 0
-        while True:
-            got = self.evict(len(self.nodes) * self.block_tokens or 1)
-            freed += got
-            if not got:
-                break
-        if mark is not None and self.events is not None and not self.nodes:
-            del self.events[mark:]  # everything went: one event says so
-            self.events.append(("cleared",))
-        return freed
-
-    def _maybe_candidate(self, h: int, node: _Node) -> None:
-        if node.refs == 0 and node.children == 0:
-            self._seq += 1
-            heapq.heappush(self._lru, (node.last_used_s, self._seq, h))
-
+__all__ = ["Emission", "EngineModel", "ModelStats", "PrefixCache", "PriorityScheduling"]
 
 # ---------------------------------------------------------------------------------------
 # Scheduler.
@@ -250,46 +133,10 @@ class ModelStats:
     tokens_emitted: int = 0
     prefill_steps: int = 0
     decode_steps: int = 0
-    # Requests submitted and preemptions, by the priority requests carried ("none": none
-    # given); preemptions count each time a running request is sent back to wait.
+    # By the priority carried ("none": none); a preemption sends a running request back.
     submitted_by_priority: Counter[str] = field(default_factory=Counter)
     preemptions: int = 0
     preempted_by_priority: Counter[str] = field(default_factory=Counter)
-
-
-def priority_label(priority: int | None) -> str:
-    return "none" if priority is None else str(priority)
-
-
-# SGLang's default preemption threshold (server_args.py
-# priority_scheduling_preemption_threshold = 10).
-SGLANG_PREEMPTION_THRESHOLD = 10
-
-
-@dataclass(frozen=True)
-class PriorityScheduling:
-    """The engine's priority scheduling (module docstring). `low_values_first`: vLLM
-    always; SGLang with --schedule-low-priority-values-first. `preemption_threshold` and
-    `preemption` (off: --disable-priority-preemption) are SGLang's; vLLM preempts on
-    KV shortage whatever they say."""
-
-    low_values_first: bool = False
-    preemption_threshold: int = SGLANG_PREEMPTION_THRESHOLD
-    preemption: bool = True
-
-    @classmethod
-    def vllm(cls) -> PriorityScheduling:
-        return cls(low_values_first=True)
-
-    def rank(self, priority: int | None, scheduler: str) -> int:
-        """Lower is served first. No priority: vLLM's default 0 (protocol field default);
-        SGLang's lowest (sys.maxsize or -sys.maxsize - 1, _set_or_validate_priority)."""
-        if priority is None:
-            if scheduler == "vllm":
-                priority = 0
-            else:
-                priority = sys.maxsize if self.low_values_first else -sys.maxsize - 1
-        return priority if self.low_values_first else -priority
 
 
 SCHEDULERS = ("sglang", "vllm")
@@ -618,20 +465,18 @@ class EngineModel:
         prio = self.priority
         if prio is None or self.scheduler != "sglang" or not prio.preemption:
             return False
-        victims: list[_Request] = []
-        worst_first = sorted(self.decoding.values(), key=lambda r: (-r.rank, -r.queued_s))
-        for r in worst_first:
-            if r.rank - req.rank <= prio.preemption_threshold:
-                break
-            victims.append(r)
-            need_tokens -= r.reserved_tokens + r.pinned * self.profile.block_tokens
-            if need_tokens <= 0:
-                break
-        if not victims or need_tokens > 0:
-            return False
+        bt = self.profile.block_tokens
+        victims = sglang_victims(
+            req.rank,
+            self.decoding.values(),
+            lambda r: (r.rank, r.queued_s),
+            lambda r: r.reserved_tokens + r.pinned * bt,
+            prio.preemption_threshold,
+            need_tokens,
+        )
         for r in victims:
             self._preempt(r, now_s)
-        return True
+        return bool(victims)
 
     def _plan(self, now_s: float) -> None:
         if self.scheduler == "vllm":
