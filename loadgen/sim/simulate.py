@@ -86,6 +86,9 @@ class SimResult:
     # Requests the router answered itself (admission refused: 404 unknown model, 400 none
     # named, 503 none in rotation, 429 shed), by HTTP status.
     refused: dict[int, int] = field(default_factory=dict)
+    # Running requests the engines preempted (their priority scheduling), by the
+    # priority they carried.
+    preempted: dict[str, int] = field(default_factory=dict)
 
 
 def _sub_blocks(ids: Sequence[int], per_block: int, salt: int | tuple[int, int]) -> list[int]:
@@ -120,9 +123,21 @@ class Simulation:
         profiles = {r: load_profile(settings.engine_profile_of(r)) for r in settings.regions}
         fleet = settings.fleet
         self.engines = {
-            r: EngineModel(profiles[r], random.Random(rng.random()), max_loras(fleet, r))
+            r: EngineModel(
+                profiles[r],
+                random.Random(rng.random()),
+                max_loras(fleet, r),
+                priority=settings.engine_priority,
+            )
             for r in settings.regions
         }
+        # What each request's body tells its engine: its class's priority (engine
+        # priority scheduling only).
+        self._class_priority = {
+            o["name"]: int(o.get("priority", 0))
+            for o in (settings.classes.objectives if settings.classes is not None else ())
+        }
+        self._priority_of: dict[str, int] = {}
         # What each engine serves (sim/models.py); with models in the fleet file, its blocks
         # are keyed by the model asked for (an adapter shares no cache with its base).
         self.served = {r: served_models(fleet, r) for r in settings.regions}
@@ -279,7 +294,8 @@ class Simulation:
                 per_engine = r.block_tokens // self.engine_block_tokens[backend]
                 blocks = _sub_blocks(r.block_ids, per_engine, self._engine_salt(r))
                 lora = r.model if r.model in self.served[backend].adapters else None
-                engine.submit(r.id, r.input_tokens, r.output_tokens, blocks, t, lora)
+                priority = self._priority_of.pop(r.id, None)
+                engine.submit(r.id, r.input_tokens, r.output_tokens, blocks, t, lora, 1.0, priority)
                 self._publish_cache_changes(backend, t)
                 self._schedule_step(backend)
             elif kind == _STEP:
@@ -347,6 +363,10 @@ class Simulation:
                 self.now_s = t
                 self._deliver(*data)
         ordered = [self.results[r.id] for r in self.trace]
+        preempted: dict[str, int] = {}
+        for engine in self.engines.values():
+            for label, n in engine.stats.preempted_by_priority.items():
+                preempted[label] = preempted.get(label, 0) + n
         return SimResult(
             self.s,
             ordered,
@@ -354,6 +374,7 @@ class Simulation:
             self.router,
             self.dropped,
             dict(sorted(self.refused.items())),
+            dict(sorted(preempted.items())),
         )
 
     def _dispatch(self, sent: Admitted[_Arrival] | None) -> None:
@@ -478,6 +499,10 @@ class Simulation:
                 self._conns_open[key] = busy + 1
                 delay_s += link.sample_rtt_ms() / 1000  # the handshake
             self._conns_busy[key] = busy + 1
+        engine_priority = self.s.engine_priority
+        if engine_priority is not None and objective in self._class_priority:
+            value = self._class_priority[objective]
+            self._priority_of[r.id] = -value if engine_priority.low_values_first else value
         self._push(self.now_s + delay_s, _AT_ENGINE, (d.backend, r))
 
     def _engine_salt(self, r: TraceRequest) -> int | tuple[int, int]:
