@@ -24,18 +24,9 @@ What it models:
   prompt reuses the longest cached prefix; blocks in use by running requests are pinned;
   unpinned leaves are evicted least recently used first.
 - Step times from the profile's formulas, times a seedable lognormal jitter.
-- Priority scheduling when the engine's flag is on (emulator/engine/priority.py; off:
-  FCFS as above): the waiting queue ordered by `priority`, running requests preempted by
-  recompute (KV freed, back to wait, prompt and generated tokens prefilled again):
-  - "vllm" (v1/core/sched/request_queue.py, scheduler.py schedule): lower first, ties by
-    arrival; KV grows a token per decode (no output reserved) and when it runs out, the
-    running request with the largest (priority, arrival) is preempted until the decodes
-    fit; a step that preempted admits nobody; a waiting request never preempts.
-  - "sglang" (managers/schedule_policy.py _sort_by_priority_and_fcfs,
-    preempt_to_schedule; scheduler.py _set_or_validate_priority): higher first unless
-    low_values_first, ties by entry into the queue, no priority is the lowest; a waiting
-    head that finds the batch full (slots or KV) preempts decoding requests worse by more
-    than the threshold, worst (then latest) first, if they free enough.
+- Priority scheduling when the engine's flag is on (off: FCFS as above): the waiting
+  queue by `priority`, running requests preempted by recompute, as each engine does it
+  (emulator/engine/priority.py says how).
 
 The model answers, through `advance`, when each request's first and later tokens are
 emitted and how many of its prompt tokens were cached.
@@ -421,9 +412,8 @@ class EngineModel:
         self.waiting.insert(at, req)
 
     def _preempt(self, req: _Request, now_s: float) -> None:
-        """Recompute preemption (vLLM scheduler.py _preempt_request, num_computed_tokens
-        0; SGLang release_req): its KV freed, back to the waiting queue, the prompt and
-        what it generated prefilled again when it is admitted next."""
+        """Recompute (vLLM _preempt_request; SGLang release_req): KV freed, back to wait,
+        prompt and generated tokens prefilled again when admitted next."""
         if req.state == PREFILL:
             self.prefilling.remove(req)
         else:
@@ -440,11 +430,9 @@ class EngineModel:
         self._enqueue(req)
 
     def _make_room_for_decodes(self, now_s: float) -> bool:
-        """vLLM with priority: each decode writes one more token of KV; when the pool
-        cannot take them (after evicting unused cache), preempt the running request with
-        the largest (priority, arrival) (scheduler.py schedule: max(self.running, key=
-        (priority, arrival_time))) until they fit. One request alone is never preempted
-        (it would only come back). Returns whether any was."""
+        """vLLM with priority: when the pool cannot take a token per decode (after evicting
+        unused cache), preempt max(running, key=(priority, arrival)) until it can; never
+        a lone request (it would only come back). Returns whether any was."""
         p = self.profile
         preempted = False
         while True:
@@ -456,12 +444,9 @@ class EngineModel:
             preempted = True
 
     def _preempt_to_schedule(self, req: _Request, need_tokens: int, now_s: float) -> bool:
-        """SGLang with priority (schedule_policy.py preempt_to_schedule): the waiting head
-        `req` finds the batch full (no slot, or `need_tokens` of KV short). Decoding
-        requests (the running batch), worst priority first and then the latest queued,
-        are preemptible while their priority is worse than req's by more than the
-        threshold; if those taken free a slot and enough KV (what each holds), they are
-        preempted. Returns whether any was."""
+        """SGLang with priority: the waiting head `req` finds the batch full (no slot, or
+        `need_tokens` of KV short); decoding requests it may preempt (sglang_victims),
+        what each holds counted as freed. Returns whether any was."""
         prio = self.priority
         if prio is None or self.scheduler != "sglang" or not prio.preemption:
             return False
@@ -523,9 +508,15 @@ class EngineModel:
         return batch, ms
 
     def _plan_prefill_first(self, now_s: float) -> None:
-        """SGLang: prefill first (chunked), else one decode step."""
+        """SGLang: prefill first (chunked), else one decode step. With priority, only what
+        the next prefill batch takes leaves the waiting queue (PrefillAdder's chunk
+        budget), so the queue's order decides the prefill order; FCFS admits at once."""
         p = self.profile
-        self._admit(now_s)
+        if self.priority is None:
+            self._admit(now_s)
+        else:
+            owed = sum(r.prefill_target - r.prefilled_tokens for r in self.prefilling)
+            self._admit(now_s, p.chunk_tokens - owed)
         if self.prefilling:
             batch, ms = self._chunks(p.chunk_tokens, p.prefill_base_ms)
             self.step = _Step(now_s, now_s + ms * self._jitter() / 1e3, PREFILL, batch, [])

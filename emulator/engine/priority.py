@@ -2,7 +2,19 @@
 --scheduling-policy priority (lower values first, always) and SGLang's
 --enable-priority-scheduling with --schedule-low-priority-values-first,
 --priority-scheduling-preemption-threshold and --disable-priority-preemption. How the
-engine model schedules by them: emulator/engine/model.py."""
+engine model schedules by them (emulator/engine/model.py): the waiting queue ordered by
+`priority`, running requests preempted by recompute (KV freed, back to wait, prompt and
+generated tokens prefilled again):
+- "vllm" (v1/core/sched/request_queue.py, scheduler.py schedule): lower first, ties by
+  arrival; KV grows a token per decode (no output reserved) and when it runs out, the
+  running request with the largest (priority, arrival) is preempted until the decodes
+  fit; a step that preempted admits nobody; a waiting request never preempts.
+- "sglang" (managers/schedule_policy.py _sort_by_priority_and_fcfs, preempt_to_schedule;
+  scheduler.py _set_or_validate_priority): higher first unless low_values_first, ties by
+  entry into the queue, no priority is the lowest; admission takes one prefill batch (the
+  chunk budget) at a time; a waiting head that finds the batch full (slots or KV)
+  preempts decoding requests worse by more than the threshold, worst (then latest)
+  first, if they free enough."""
 
 from __future__ import annotations
 
