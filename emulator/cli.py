@@ -34,6 +34,10 @@ ENGINE_FLAGS = {
         "enable_metrics": "--enable-metrics",
         "lora_paths": "--lora-paths",
         "max_loras_per_batch": "--max-loras-per-batch",
+        "enable_priority_scheduling": "--enable-priority-scheduling",
+        "schedule_low_priority_values_first": "--schedule-low-priority-values-first",
+        "priority_scheduling_preemption_threshold": "--priority-scheduling-preemption-threshold",
+        "disable_priority_preemption": "--disable-priority-preemption",
     },
     "vllm": {
         "block_size": "--block-size",
@@ -43,6 +47,7 @@ ENGINE_FLAGS = {
         "enable_force_include_usage": "--enable-force-include-usage",
         "lora_modules": "--lora-modules",
         "max_loras": "--max-loras",
+        "scheduling_policy": "--scheduling-policy",
     },
 }
 
@@ -58,6 +63,35 @@ def _flavor_setting(args: argparse.Namespace, sglang: str, vllm: str) -> Any:
             f"{args.flavor}'s is {ENGINE_FLAGS[args.flavor][mine]}"
         )
     return getattr(args, mine)
+
+
+def _priority_setting(args: argparse.Namespace) -> Any:
+    """EngineConfig.priority from the flavor's flags: vLLM --scheduling-policy priority;
+    SGLang --enable-priority-scheduling (+ its sign, threshold and preemption flags, which
+    SGLang takes without it and then ignores)."""
+    from emulator.engine.priority import SGLANG_PREEMPTION_THRESHOLD, PriorityScheduling
+
+    on = _flavor_setting(args, "enable_priority_scheduling", "scheduling_policy")
+    if args.flavor == "vllm":
+        sglang_only = (
+            "schedule_low_priority_values_first",
+            "priority_scheduling_preemption_threshold",
+            "disable_priority_preemption",
+        )
+        for key in sglang_only:
+            if getattr(args, key) not in (None, False):
+                raise ValueError(f"{ENGINE_FLAGS['sglang'][key]} is sglang's flag")
+        return PriorityScheduling.vllm() if on == "priority" else None
+    threshold = args.priority_scheduling_preemption_threshold
+    return (
+        PriorityScheduling(
+            low_values_first=args.schedule_low_priority_values_first,
+            preemption_threshold=SGLANG_PREEMPTION_THRESHOLD if threshold is None else threshold,
+            preemption=not args.disable_priority_preemption,
+        )
+        if on
+        else None
+    )
 
 
 def _engine(args: argparse.Namespace) -> int:
@@ -134,6 +168,7 @@ def _engine(args: argparse.Namespace) -> int:
             kv_events=KvEventsConfig.parse(args.kv_events_config, args.flavor)
             if args.kv_events_config
             else None,
+            priority=_priority_setting(args),
             warmup_s=args.warmup_s,
             health_generation=health_env.lower() not in ("0", "false", "no"),
         )
@@ -349,6 +384,33 @@ def add_commands(commands: Commands) -> None:
     )
     g.add_argument("--max-loras", type=int, help="vllm: adapters per batch (default 1)")
     g.add_argument("--max-loras-per-batch", type=int, help="sglang: adapters per batch (default 8)")
+    g.add_argument(
+        "--scheduling-policy",
+        choices=["fcfs", "priority"],
+        help="vllm: priority serves a lower `priority` first and preempts the largest "
+        "(priority, arrival) when KV runs out (default fcfs: the field is ignored)",
+    )
+    g.add_argument(
+        "--enable-priority-scheduling",
+        action="store_true",
+        help="sglang: serve a higher `priority` first, preempting running requests past "
+        "the threshold (off: the field is ignored)",
+    )
+    g.add_argument(
+        "--schedule-low-priority-values-first",
+        action="store_true",
+        help="sglang: with priority scheduling, lower values first",
+    )
+    g.add_argument(
+        "--priority-scheduling-preemption-threshold",
+        type=int,
+        help="sglang: how much better a waiting request must be to preempt (default 10)",
+    )
+    g.add_argument(
+        "--disable-priority-preemption",
+        action="store_true",
+        help="sglang: priority orders the queue only",
+    )
     trust = "vllm: a request may bring its own chat_template"
     g.add_argument("--trust-request-chat-template", action="store_true", help=trust)
     g.add_argument(

@@ -10,6 +10,7 @@ from typing import Any
 
 from emulator.engine.kv_publisher import KvEventsConfig
 from emulator.engine.lora import DEFAULT_MAX_LORAS, LoraAdapters, LoraModule, check_slowdown
+from emulator.engine.priority import PriorityScheduling
 from ext_proc.estimate.profile import EngineProfile, load_profile
 from ext_proc.prompt.chat_template import ChatTemplate
 from ext_proc.prompt.tokens import APPROX, Tokenizer
@@ -144,6 +145,12 @@ class EngineConfig:
     # VLLM_ALLOW_RUNTIME_LORA_UPDATING=true (serve/lora/api_router.py); None: the twin
     # mounts them whenever LoRA is enabled.
     runtime_lora_updating: bool | None = None
+    # Priority scheduling (emulator/engine/model.py PriorityScheduling; None: off, FCFS):
+    # vLLM --scheduling-policy priority; SGLang --enable-priority-scheduling with
+    # --schedule-low-priority-values-first, --priority-scheduling-preemption-threshold and
+    # --disable-priority-preemption. Off, both engines take a request's priority and
+    # ignore it (vLLM 0.32 as measured here: 200, not 400).
+    priority: PriorityScheduling | None = None
     # The adapters loaded now (run-time loads change it), made from lora_modules.
     adapters: LoraAdapters = field(init=False, repr=False, compare=False)
 
@@ -169,6 +176,8 @@ class EngineConfig:
             raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
         self.lora_slowdown = check_slowdown(self.lora_slowdown, "lora_slowdown")
         self.adapters = LoraAdapters(self.lora_modules, self.lora_slowdown)
+        if self.priority is not None and self.flavor == VLLM and not self.priority.low_values_first:
+            raise ValueError("vLLM's priority scheduling serves lower values first")
         if self.runtime_lora_updating is None:
             self.runtime_lora_updating = self.enable_lora and self.flavor == VLLM
 

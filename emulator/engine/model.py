@@ -24,6 +24,9 @@ What it models:
   prompt reuses the longest cached prefix; blocks in use by running requests are pinned;
   unpinned leaves are evicted least recently used first.
 - Step times from the profile's formulas, times a seedable lognormal jitter.
+- Priority scheduling when the engine's flag is on (off: FCFS as above): the waiting
+  queue by `priority`, running requests preempted by recompute, as each engine does it
+  (emulator/engine/priority.py says how).
 
 The model answers, through `advance`, when each request's first and later tokens are
 emitted and how many of its prompt tokens were cached.
@@ -31,128 +34,18 @@ emitted and how many of its prompt tokens were cached.
 
 from __future__ import annotations
 
-import heapq
+import bisect
 import math
 import random
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
 
+from emulator.engine.prefix_cache import PrefixCache
+from emulator.engine.priority import PriorityScheduling, priority_label, sglang_victims
 from ext_proc.estimate.profile import EngineProfile
 
-# ---------------------------------------------------------------------------------------
-# Radix prefix cache over chained block hashes.
-
-
-@dataclass
-class _Node:
-    parent: int | None
-    children: int = 0
-    refs: int = 0
-    last_used_s: float = 0.0
-
-
-class PrefixCache:
-    """Blocks keyed by chained hash (a hash names a block *and* its whole prefix), so the
-    dict is a radix tree over blocks: a node's parent is the block before it."""
-
-    def __init__(self, block_tokens: int) -> None:
-        self.block_tokens = block_tokens
-        self.nodes: dict[int, _Node] = {}
-        # When not None, what changes is recorded here in order, for the engine's KV
-        # events: ("stored", hash, parent), ("removed", hash), ("cleared",).
-        self.events: list[tuple[Any, ...]] | None = None
-        # Eviction candidates (unpinned leaves), oldest first; stale entries are skipped.
-        self._lru: list[tuple[float, int, int]] = []
-        self._seq = 0
-        # Nodes some request holds (refs > 0), kept as they change: the evictable count
-        # is read at every load poll (a peer router's scrape every 50 ms in the simulator).
-        self._pinned = 0
-
-    @property
-    def tokens(self) -> int:
-        return len(self.nodes) * self.block_tokens
-
-    @property
-    def evictable_tokens(self) -> int:
-        return (len(self.nodes) - self._pinned) * self.block_tokens
-
-    def match(self, blocks: Sequence[int]) -> int:
-        """How many leading blocks are cached."""
-        n = 0
-        for h in blocks:
-            if h not in self.nodes:
-                break
-            n += 1
-        return n
-
-    def acquire(self, blocks: Sequence[int], now_s: float, parent: int | None = None) -> None:
-        """Insert what is missing and pin the path (a request is using it). `blocks`
-        continue the path after `parent` (None: from the root)."""
-        for h in blocks:
-            node = self.nodes.get(h)
-            if node is None:
-                node = _Node(parent)
-                self.nodes[h] = node
-                if parent is not None:
-                    self.nodes[parent].children += 1
-                if self.events is not None:
-                    self.events.append(("stored", h, parent))
-            if not node.refs:
-                self._pinned += 1
-            node.refs += 1
-            node.last_used_s = now_s
-            parent = h
-
-    def release(self, blocks: Sequence[int], now_s: float) -> None:
-        for h in blocks:
-            node = self.nodes.get(h)
-            if node is None:
-                continue
-            node.refs -= 1
-            if not node.refs:
-                self._pinned -= 1
-            node.last_used_s = now_s
-            self._maybe_candidate(h, node)
-
-    def evict(self, need_tokens: int) -> int:
-        """Evict unpinned leaves, least recently used first, until need_tokens are freed
-        or nothing more can go. Returns tokens freed."""
-        freed = 0
-        while freed < need_tokens and self._lru:
-            last_used_s, _, h = heapq.heappop(self._lru)
-            node = self.nodes.get(h)
-            if node is None or node.refs or node.children or node.last_used_s != last_used_s:
-                continue  # stale entry
-            del self.nodes[h]
-            freed += self.block_tokens
-            if self.events is not None:
-                self.events.append(("removed", h))
-            if node.parent is not None:
-                parent = self.nodes[node.parent]
-                parent.children -= 1
-                self._maybe_candidate(node.parent, parent)
-        return freed
-
-    def clear_unpinned(self) -> int:
-        mark = None if self.events is None else len(self.events)
-        freed = 0
-        while True:
-            got = self.evict(len(self.nodes) * self.block_tokens or 1)
-            freed += got
-            if not got:
-                break
-        if mark is not None and self.events is not None and not self.nodes:
-            del self.events[mark:]  # everything went: one event says so
-            self.events.append(("cleared",))
-        return freed
-
-    def _maybe_candidate(self, h: int, node: _Node) -> None:
-        if node.refs == 0 and node.children == 0:
-            self._seq += 1
-            heapq.heappush(self._lru, (node.last_used_s, self._seq, h))
-
+__all__ = ["Emission", "EngineModel", "ModelStats", "PrefixCache", "PriorityScheduling"]
 
 # ---------------------------------------------------------------------------------------
 # Scheduler.
@@ -181,6 +74,24 @@ class _Request:
     # The LoRA adapter it runs (None: the base model) and its step-time factor.
     lora: str | None = None
     cost: float = 1.0
+    # The body's priority (None: none given) and the rank the waiting queue orders by
+    # (lower first; PriorityScheduling.rank), when it entered the queue, and a tie-break
+    # in submission order.
+    priority: int | None = None
+    rank: int = 0
+    queued_s: float = 0.0
+    seq: int = 0
+    # Generated tokens to recompute after a preemption (prefilled again with the prompt).
+    resumed_tokens: int = 0
+    # Tokens present when last admitted (cached prefix; tells "prefill not begun").
+    admitted_tokens: int = 0
+    preemptions: int = 0
+
+    @property
+    def prefill_target(self) -> int:
+        """Tokens whose KV a prefill computes: the prompt, plus after a preemption the
+        tokens generated before it."""
+        return self.input_tokens + self.resumed_tokens
 
 
 @dataclass(frozen=True)
@@ -213,6 +124,10 @@ class ModelStats:
     tokens_emitted: int = 0
     prefill_steps: int = 0
     decode_steps: int = 0
+    # By the priority carried ("none": none); a preemption sends a running request back.
+    submitted_by_priority: Counter[str] = field(default_factory=Counter)
+    preemptions: int = 0
+    preempted_by_priority: Counter[str] = field(default_factory=Counter)
 
 
 SCHEDULERS = ("sglang", "vllm")
@@ -229,12 +144,21 @@ class EngineModel:
         rng: random.Random,
         max_loras: int | None = None,
         scheduler: str = "sglang",
+        priority: PriorityScheduling | None = None,
     ) -> None:
         if scheduler not in SCHEDULERS:
             raise ValueError(f"scheduler: one of {', '.join(SCHEDULERS)}, got {scheduler!r}")
         self.profile = profile
         # Which engine's step planning it follows (the module's docstring).
         self.scheduler = scheduler
+        # Priority scheduling (None: off, FCFS). vLLM orders lower values first always.
+        if priority is not None and scheduler == "vllm" and not priority.low_values_first:
+            raise ValueError("vLLM's priority scheduling serves lower values first")
+        self.priority = priority
+        # vLLM with priority: KV grows with each decoded token and running requests are
+        # preempted when it runs out (no output reserved at admission).
+        self._grow_kv = priority is not None and scheduler == "vllm"
+        self._submitted = 0
         self.rng = rng
         # At most this many adapters among running requests (None: no limit).
         self.max_loras = max_loras
@@ -265,9 +189,11 @@ class EngineModel:
         now_s: float,
         lora: str | None = None,
         cost: float = 1.0,
+        priority: int | None = None,
     ) -> None:
         """A request arrives. `blocks`: chained hashes of its prompt's full blocks; `lora`:
-        the adapter it runs, whose steps take `cost` times the base model's."""
+        the adapter it runs, whose steps take `cost` times the base model's; `priority`:
+        its body's (None: none given), ignored unless priority scheduling is on."""
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} already in the engine")
         if input_tokens < 1 or output_tokens < 1:
@@ -276,7 +202,10 @@ class EngineModel:
         req = _Request(rid, tuple(blocks[:full_blocks]), input_tokens, output_tokens, now_s)
         req.lora, req.cost = lora, cost
         self.requests[rid] = req
-        self.waiting.append(req)
+        self.stats.submitted_by_priority[priority_label(priority)] += 1
+        req.priority, req.queued_s, req.seq = priority, now_s, self._submitted
+        self._submitted += 1
+        self._enqueue(req)
         if self.step is None or self.step.start_s >= now_s:
             # Idle, or a step that starts this very instant: (re)plan so requests arriving
             # together are scheduled together.
@@ -341,7 +270,7 @@ class EngineModel:
         not_begun = sum(
             1
             for r in self.prefilling
-            if r.prefilled_tokens == r.cached_tokens and r.rid not in in_step
+            if r.prefilled_tokens == r.admitted_tokens and r.rid not in in_step
         )
         return len(self.waiting) + not_begun
 
@@ -360,7 +289,7 @@ class EngineModel:
         in_step = {r.rid for r, _ in step.prefill} if step is not None else set()
         for r in (*self.prefilling, *self.decoding.values()):
             if r.lora is not None:
-                begun = r.state == DECODE or r.prefilled_tokens > r.cached_tokens
+                begun = r.state == DECODE or r.prefilled_tokens > r.admitted_tokens
                 into = running if begun or r.rid in in_step else waiting
                 into[r.lora] = into.get(r.lora, 0) + 1
         for r in self.waiting:
@@ -385,8 +314,8 @@ class EngineModel:
         waiting requests' whole prompts (matched only at admission here) and what the
         admitted ones have left (SGLang scheduler get_num_waiting_uncached_tokens: waiting
         seqlen - matched prefix, plus the chunked request's remainder)."""
-        waiting = sum(r.input_tokens - r.cached_tokens for r in self.waiting)
-        return waiting + sum(r.input_tokens - r.prefilled_tokens for r in self.prefilling)
+        waiting = sum(r.prefill_target for r in self.waiting)
+        return waiting + sum(r.prefill_target - r.prefilled_tokens for r in self.prefilling)
 
     @property
     def waiting_prompt_tokens(self) -> int:
@@ -425,8 +354,13 @@ class EngineModel:
         admitted so far this step are below it (vLLM: a waiting request is scheduled only
         with budget left)."""
         p = self.profile
-        while self.waiting and self.num_running < p.max_running_requests and budget > 0:
+        while self.waiting and budget > 0:
             req = self.waiting[0]
+            if self.num_running >= p.max_running_requests:
+                # SGLang: the batch is full; a waiting request may preempt running ones.
+                if self._preempt_to_schedule(req, 0, now_s):
+                    continue
+                return
             if req.lora is not None and self.max_loras is not None:
                 active = {r.lora for r in (*self.prefilling, *self.decoding.values())}
                 active.discard(None)
@@ -437,24 +371,97 @@ class EngineModel:
             matched = min(self.cache.match(req.blocks), (req.input_tokens - 1) // p.block_tokens)
             # Pin the matched prefix first, so making room cannot evict it.
             self.cache.acquire(req.blocks[:matched], now_s)
-            reserve = req.input_tokens - matched * p.block_tokens + req.output_tokens
+            reserve = req.prefill_target - matched * p.block_tokens
+            if not self._grow_kv:
+                reserve += req.output_tokens - req.resumed_tokens
             need = reserve - (p.kv_capacity_tokens - self.used_tokens)
             # Wait for running requests to free KV; alone on the engine, a request larger
             # than the pool is admitted anyway rather than blocking the queue forever.
             if need > 0 and self.cache.evict(need) < need and self.num_running:
                 self.cache.release(req.blocks[:matched], now_s)
+                if self._preempt_to_schedule(req, need, now_s):
+                    continue
                 return
             self.waiting.popleft()
             req.pinned = matched
-            req.cached_tokens = req.prefilled_tokens = matched * p.block_tokens
+            req.admitted_tokens = req.prefilled_tokens = matched * p.block_tokens
             req.reserved_tokens = reserve
             self._reserved_tokens += reserve
             req.state = PREFILL
             self.prefilling.append(req)
-            budget -= req.input_tokens - req.prefilled_tokens
+            budget -= req.prefill_target - req.prefilled_tokens
+            if req.preemptions:
+                continue  # counted when first admitted; the usage keeps that first count
+            req.cached_tokens = req.admitted_tokens
             self.stats.requests_admitted += 1
             self.stats.prompt_tokens += req.input_tokens
             self.stats.cached_tokens += req.cached_tokens
+
+    def _order(self, req: _Request) -> tuple[int, float, int]:
+        """The waiting queue's order under priority scheduling: rank, then vLLM's arrival
+        (Request.__lt__: priority, arrival_time) or SGLang's entry into the waiting queue
+        (wait_queue_entry_time, reset when a preempted request returns), then submission."""
+        return req.rank, req.queued_s, req.seq
+
+    def _enqueue(self, req: _Request) -> None:
+        if self.priority is None:
+            self.waiting.append(req)
+            return
+        req.rank = self.priority.rank(req.priority, self.scheduler)
+        at = bisect.bisect_right(self.waiting, self._order(req), key=self._order)
+        self.waiting.insert(at, req)
+
+    def _preempt(self, req: _Request, now_s: float) -> None:
+        """Recompute (vLLM _preempt_request; SGLang release_req): KV freed, back to wait,
+        prompt and generated tokens prefilled again when admitted next."""
+        if req.state == PREFILL:
+            self.prefilling.remove(req)
+        else:
+            self.decoding.pop(req.rid)
+        self._free(req, now_s)
+        req.state = WAITING
+        req.resumed_tokens = req.generated
+        req.prefilled_tokens = req.admitted_tokens = 0
+        req.preemptions += 1
+        self.stats.preemptions += 1
+        self.stats.preempted_by_priority[priority_label(req.priority)] += 1
+        if self.scheduler == "sglang":
+            req.queued_s = now_s  # _add_request_to_queue stamps the entry time anew
+        self._enqueue(req)
+
+    def _make_room_for_decodes(self, now_s: float) -> bool:
+        """vLLM with priority: when the pool cannot take a token per decode (after evicting
+        unused cache), preempt max(running, key=(priority, arrival)) until it can; never
+        a lone request (it would only come back). Returns whether any was."""
+        p = self.profile
+        preempted = False
+        while True:
+            short = len(self.decoding) - (p.kv_capacity_tokens - self.used_tokens)
+            if short <= 0 or self.cache.evict(short) >= short or self.num_running <= 1:
+                return preempted
+            running = (*self.prefilling, *self.decoding.values())
+            self._preempt(max(running, key=lambda r: (r.rank, r.arrival_s, r.seq)), now_s)
+            preempted = True
+
+    def _preempt_to_schedule(self, req: _Request, need_tokens: int, now_s: float) -> bool:
+        """SGLang with priority: the waiting head `req` finds the batch full (no slot, or
+        `need_tokens` of KV short); decoding requests it may preempt (sglang_victims),
+        what each holds counted as freed. Returns whether any was."""
+        prio = self.priority
+        if prio is None or self.scheduler != "sglang" or not prio.preemption:
+            return False
+        bt = self.profile.block_tokens
+        victims = sglang_victims(
+            req.rank,
+            self.decoding.values(),
+            lambda r: (r.rank, r.queued_s),
+            lambda r: r.reserved_tokens + r.pinned * bt,
+            prio.preemption_threshold,
+            need_tokens,
+        )
+        for r in victims:
+            self._preempt(r, now_s)
+        return bool(victims)
 
     def _plan(self, now_s: float) -> None:
         if self.scheduler == "vllm":
@@ -469,8 +476,13 @@ class EngineModel:
         budget = p.chunk_tokens
         decode = list(self.decoding.values())[:budget]
         budget -= len(decode)
-        owed = sum(r.input_tokens - r.prefilled_tokens for r in self.prefilling)
-        self._admit(now_s, budget - owed)
+        if self._grow_kv and self._make_room_for_decodes(now_s):
+            # a step that preempted admits no waiting request (scheduler.py schedule)
+            decode = list(self.decoding.values())[: p.chunk_tokens]
+            budget = p.chunk_tokens - len(decode)
+        else:
+            owed = sum(r.prefill_target - r.prefilled_tokens for r in self.prefilling)
+            self._admit(now_s, budget - owed)
         batch, ms = self._chunks(budget, 0.0)
         if not batch and not decode:
             return
@@ -489,16 +501,22 @@ class EngineModel:
         for req in self.prefilling:
             if budget <= 0:
                 break
-            n = min(budget, req.input_tokens - req.prefilled_tokens)
+            n = min(budget, req.prefill_target - req.prefilled_tokens)
             ms += self.profile.prefill_ms(n, req.prefilled_tokens) * req.cost
             batch.append((req, n))
             budget -= n
         return batch, ms
 
     def _plan_prefill_first(self, now_s: float) -> None:
-        """SGLang: prefill first (chunked), else one decode step."""
+        """SGLang: prefill first (chunked), else one decode step. With priority, only what
+        the next prefill batch takes leaves the waiting queue (PrefillAdder's chunk
+        budget), so the queue's order decides the prefill order; FCFS admits at once."""
         p = self.profile
-        self._admit(now_s)
+        if self.priority is None:
+            self._admit(now_s)
+        else:
+            owed = sum(r.prefill_target - r.prefilled_tokens for r in self.prefilling)
+            self._admit(now_s, p.chunk_tokens - owed)
         if self.prefilling:
             batch, ms = self._chunks(p.chunk_tokens, p.prefill_base_ms)
             self.step = _Step(now_s, now_s + ms * self._jitter() / 1e3, PREFILL, batch, [])
@@ -518,7 +536,7 @@ class EngineModel:
         for req, n in step.prefill:
             req.prefilled_tokens += n
             self._cache_computed_blocks(req, t)
-            if req.prefilled_tokens >= req.input_tokens:
+            if req.prefilled_tokens >= req.prefill_target:
                 self.prefilling.remove(req)
                 req.state = DECODE
                 self.decoding[req.rid] = req
@@ -541,6 +559,9 @@ class EngineModel:
 
     def _emit(self, req: _Request, t: float, out: list[Emission]) -> None:
         req.generated += 1
+        if self._grow_kv:  # the token's KV, written by the next step
+            req.reserved_tokens += 1
+            self._reserved_tokens += 1
         finished = req.generated >= req.output_tokens
         out.append(Emission(req.rid, req.generated - 1, t, finished, req.cached_tokens))
         self.stats.tokens_emitted += 1

@@ -64,6 +64,9 @@ class GenRequest:
     # The LoRA adapter the request runs (None: the base model); `blocks` are then in the
     # adapter's namespace (emulator/engine/lora.py namespaced_blocks).
     adapter: LoraAdapter | None = None
+    # The body's `priority` (None: none given). Used only when the engine's priority
+    # scheduling is on (EngineConfig.priority); both engines accept it either way.
+    priority: int | None = None
 
 
 Prompt = tuple[int, tuple[int, ...], tuple[int, ...]]  # tokens, block hashes, token ids
@@ -374,10 +377,32 @@ def parse_request(kind: Kind, raw: bytes, cfg: EngineConfig) -> GenRequest:
         # (serving_chat.py create_chat_completion catches ValueError and TypeError), SGLang's
         # too (tokenizer_manager's errors reach serving_base.py as a 400).
         raise BadRequest(str(e)) from None
+    req = replace(req, priority=request_priority(body))
     # the engines check the limit asked for against the context; the twin then caps what
     # it generates (max_tokens_cap)
     req = _check_context(req, cfg)
     return replace(req, output_tokens=min(req.output_tokens, cfg.max_tokens_cap))
+
+
+# vLLM's protocol bounds `priority` to a signed 64-bit integer (chat_completion/protocol.py
+# Field(ge=_INT64_MIN, le=_INT64_MAX)).
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+def request_priority(body: Mapping[str, Any]) -> int | None:
+    """The body's `priority`: vLLM's chat and completions requests (an int, default 0;
+    chat_completion/protocol.py, completion/protocol.py), SGLang's OpenAI requests and
+    /generate (Optional[int]; openai_api/protocol.py, io_struct.py GenerateReqInput). A
+    value that is not an integer is a schema error (400, as measured on vLLM 0.32:
+    int_parsing at body.priority)."""
+    value = body.get("priority")
+    if value is None:
+        return None
+    if not _is_int(value):
+        raise InvalidBody(f"'priority' must be an integer, got {type(value).__name__}", "priority")
+    if not INT64_MIN <= value <= INT64_MAX:
+        raise InvalidBody(f"'priority' must be a 64-bit integer, got {value}", "priority")
+    return int(value)
 
 
 def _check_context(req: GenRequest, cfg: EngineConfig) -> GenRequest:

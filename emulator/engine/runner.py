@@ -79,6 +79,8 @@ class EngineStats:
     completed_total: int = 0  # responses fully written
     in_flight: int = 0  # valid requests being prefilled or decoded
     requests_by_path: Counter[str] = field(default_factory=Counter)
+    # Valid generation requests by the priority they carried ("none": no priority).
+    requests_by_priority: Counter[str] = field(default_factory=Counter)
     # GET requests by path and query (health, load, model and info probes), answered or
     # not: what a router in front reads, and how often.
     gets: Counter[str] = field(default_factory=Counter)
@@ -199,7 +201,14 @@ class ModelRunner:
             self._blocks[rid] = req.blocks
         lora_name, cost = (None, 1.0) if adapter is None else (adapter.name, adapter.slowdown)
         self.model.submit(
-            rid, req.input_tokens, max(1, req.output_tokens), req.blocks, now, lora_name, cost
+            rid,
+            req.input_tokens,
+            max(1, req.output_tokens),
+            req.blocks,
+            now,
+            lora_name,
+            cost,
+            req.priority,
         )
         self._wake.set()
         return channel

@@ -45,6 +45,7 @@ from emulator.engine.model_api import (
     vllm_tokenize,
 )
 from emulator.engine.parse import BadRequest, GenRequest, Kind, decode_json, parse_request
+from emulator.engine.priority import priority_label
 from emulator.engine.runner import EngineStats, ModelRunner, TokenChannel
 from emulator.engine.status import (
     get_load_body,
@@ -79,6 +80,20 @@ OFF_LOOP_BYTES = 32 * 1024
 TOKENIZE_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
 T = TypeVar("T")
 
+# vLLM reads a request's priority from this header before the body's field
+# (entrypoints/generate/base/serving.py PRIORITY_HEADER, _get_priority: an integer
+# header wins, anything else falls back to the body).
+VLLM_PRIORITY_HEADER = "X-Vllm-Priority"
+
+
+def with_priority_header(req: GenRequest, header: str | None) -> GenRequest:
+    if header is None:
+        return req
+    try:
+        return replace(req, priority=int(header))
+    except ValueError:
+        return req
+
 
 class Engine:
     """HTTP shell around the model runner; one instance per emulated backend."""
@@ -94,7 +109,9 @@ class Engine:
         )
         max_loras = cfg.max_loras if cfg.enable_lora else None
         # The twin schedules as the engine it stands in for (model.py: SCHEDULERS).
-        model = EngineModel(cfg.profile, random.Random(cfg.seed), max_loras, cfg.flavor)
+        model = EngineModel(
+            cfg.profile, random.Random(cfg.seed), max_loras, cfg.flavor, cfg.priority
+        )
         self.runner = ModelRunner(model, emitter)
         # vLLM exports vllm:lora_requests_info only with a LoRA config (--enable-lora).
         self.lora_info = (
@@ -164,6 +181,8 @@ class Engine:
         except BadRequest as exc:
             self.stats.bad_requests_total += 1
             return self.error_response(exc.status, exc.message, exc.param, kind, exc.err_type)
+        if self.cfg.flavor == VLLM:
+            req = with_priority_header(req, request.headers.get(VLLM_PRIORITY_HEADER))
         faults = self.cfg.faults
         if faults.error_rate and self.rng.random() < faults.error_rate:
             self.stats.injected_errors_total += 1
@@ -174,6 +193,10 @@ class Engine:
         # SGLang's rid is a uuid4 hex; vLLM's ids carry 16 hex digits (chatcmpl-<16>,
         # tests/fixtures/vllm/sse-chat.txt).
         rid = secrets.token_hex(16 if self.cfg.flavor == SGLANG else 8)
+        self.stats.requests_by_priority[priority_label(req.priority)] += 1
+        if req.priority is not None:
+            # what priority the request arrived with, in the engine's own log
+            log.info("%s: request %s priority %d", self.cfg.name, rid, req.priority)
         self.stats.in_flight += 1
         self.stats.prompt_tokens += req.input_tokens
         arrival_s = asyncio.get_running_loop().time()
@@ -431,7 +454,7 @@ class Engine:
         return web.Response(text=text, content_type="text/plain")
 
     async def stats_handler(self, request: web.Request) -> web.Response:
-        return web.json_response(stats_body(self.cfg, self.stats))
+        return web.json_response(stats_body(self.cfg, self.stats, self.runner.model))
 
 
 FLUSH_TEXT = (

@@ -14,6 +14,7 @@ from emulator.engine.kv_publisher import DEFAULT_BUFFER_STEPS
 from emulator.engine.lora import LoraInfoGauge
 from emulator.engine.model import EngineModel
 from emulator.engine.model_api import model_path
+from emulator.engine.priority import PriorityScheduling
 from emulator.engine.runner import EngineStats
 from ext_proc.estimate.profile import EngineProfile
 
@@ -155,6 +156,7 @@ def server_info_body(cfg: EngineConfig, m: EngineModel, stats: EngineStats) -> d
         "enable_cache_report": cfg.cache_report,
         "enable_metrics": cfg.enable_metrics,
         "kv_events_config": None if cfg.kv_events is None else vars(cfg.kv_events),
+        **priority_args(cfg),
         "faults": vars(cfg.faults),
         "internal_states": [
             {"last_gen_throughput": round(m.gen_throughput, 2), "load": load(cfg, m)}
@@ -206,6 +208,8 @@ def metrics_text(
             ("vllm:prefix_cache_queries_total", m.stats.prompt_tokens),
             ("vllm:prefix_cache_hits_total", m.stats.cached_tokens),
             ("vllm:prompt_tokens_cached_total", m.stats.cached_tokens),
+            # v1/metrics/loggers.py counter_num_preempted_reqs
+            ("vllm:num_preemptions_total", m.stats.preemptions),
         )
         ttft, itl = "vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds"
     lines = []
@@ -223,8 +227,28 @@ def metrics_text(
     return "\n".join(lines) + "\n"
 
 
-def stats_body(cfg: EngineConfig, s: EngineStats) -> dict[str, Any]:
-    """The emulator's own /stats: its request counters."""
+def priority_args(cfg: EngineConfig) -> dict[str, Any]:
+    """The scheduling settings as each engine names them: SGLang's server args
+    (server_args.py: schedule_policy, enable_priority_scheduling,
+    schedule_low_priority_values_first, priority_scheduling_preemption_threshold,
+    disable_priority_preemption; its /server_info shows them), vLLM's
+    --scheduling-policy (SchedulerConfig.policy)."""
+    prio = cfg.priority
+    if cfg.flavor == VLLM:
+        return {"scheduling_policy": "fcfs" if prio is None else "priority"}
+    shown = prio or PriorityScheduling()  # SGLang shows its defaults when it is off
+    return {
+        "schedule_policy": "fcfs",
+        "enable_priority_scheduling": prio is not None,
+        "schedule_low_priority_values_first": shown.low_values_first,
+        "priority_scheduling_preemption_threshold": shown.preemption_threshold,
+        "disable_priority_preemption": not shown.preemption,
+    }
+
+
+def stats_body(cfg: EngineConfig, s: EngineStats, m: EngineModel | None = None) -> dict[str, Any]:
+    """The emulator's own /stats: its request counters; with the model, the requests
+    by the priority they carried ("none": no priority) and the preemptions."""
     return {
         "name": cfg.name,
         "requests_total": s.requests_total,
@@ -236,6 +260,14 @@ def stats_body(cfg: EngineConfig, s: EngineStats) -> dict[str, Any]:
         "gets": dict(s.gets),
         # the last request bodies received: [bytes, BLAKE2b-128 hex], oldest first
         "recent_bodies": [list(b) for b in s.recent_bodies],
+        "priority": None
+        if m is None
+        else {
+            "scheduling": cfg.priority is not None,
+            "requests_by_priority": dict(s.requests_by_priority),
+            "preempted_total": m.stats.preemptions,
+            "preempted_by_priority": dict(m.stats.preempted_by_priority),
+        },
     }
 
 

@@ -20,6 +20,7 @@ from typing import Any
 
 import yaml
 
+from emulator.engine.priority import PriorityScheduling
 from ext_proc.config.flow import Objective
 from loadgen.client.stream import percentile
 from loadgen.results import RequestResult
@@ -42,6 +43,16 @@ class Classes:
     def slo_ms(self) -> dict[str, float]:
         """Each objective's TTFT SLO (0: none)."""
         return {o["name"]: float(o.get("ttft_slo_ms", 0.0)) for o in self.objectives}
+
+
+def engine_priorities(classes: Classes | None, engine: PriorityScheduling | None) -> dict[str, int]:
+    """The priority each objective's requests carry to engines that schedule by it, in
+    the engine's sign (the objective's `priority`, higher more urgent; negated for an
+    engine that serves low values first). None: the engines ignore it, nothing is sent."""
+    if classes is None or engine is None:
+        return {}
+    sign = -1 if engine.low_values_first else 1
+    return {o["name"]: sign * int(o.get("priority", 0)) for o in classes.objectives}
 
 
 def _pick(shares: Sequence[tuple[str, float]], key: str) -> str:

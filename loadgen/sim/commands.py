@@ -54,6 +54,7 @@ def _sim_router(args: argparse.Namespace) -> dict[str, object]:
 def _simulate(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from emulator.engine.priority import PriorityScheduling
     from emulator.stack.fleet import NO_FLEET, load_fleet
     from emulator.stack.settings import DEFAULT_REGIONS
     from loadgen.client.protocol import protocol_for
@@ -93,6 +94,12 @@ def _simulate(args: argparse.Namespace) -> int:
             router_knows_fleet=args.router_knows_fleet,
             flow_control=args.flow_control == "on",
             classes=None if args.classes is None else load_classes(args.classes),
+            engine_priority=None
+            if args.engine_priority == "off"
+            else PriorityScheduling(
+                low_values_first=args.engine_priority == "low-first",
+                preemption_threshold=args.engine_preemption_threshold,
+            ),
         )
         base.config()  # validates the profiles before hours of simulation
     except (TraceError, ValueError) as e:
@@ -246,6 +253,22 @@ def add_simulate(sub: Any, policies: Sequence[str]) -> None:
         metavar="FILE",
         help="request classes: YAML of `objectives` (as in the router config, plus each one's "
         "`share` of the sessions) and optional `tenants` ({name, share}); see docs/results.md",
+    )
+    s.add_argument(
+        "--engine-priority",
+        choices=["off", "on", "low-first"],
+        default="off",
+        help="the engines' own priority scheduling (SGLang --enable-priority-scheduling; "
+        "low-first: with --schedule-low-priority-values-first): each request carries its "
+        "class's priority (--classes), and running requests of a class worse by more than "
+        "the threshold are preempted",
+    )
+    s.add_argument(
+        "--engine-preemption-threshold",
+        type=int,
+        default=10,
+        help="with --engine-priority: SGLang's --priority-scheduling-preemption-threshold "
+        "(default 10, SGLang's)",
     )
     add_protocol_flags(s, "open protocol: no cap")
     s.set_defaults(func=_simulate)

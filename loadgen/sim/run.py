@@ -78,6 +78,11 @@ def run_simulations(
                     "wall_s": round(wall_s, 2),
                 }
                 meta["flow_control"] = base.flow_control
+                if base.engine_priority is not None:  # absent when off: rows as before
+                    meta["engine_priority"] = {
+                        **vars(base.engine_priority),
+                        "preempted_by_priority": res.preempted,
+                    }
                 classed = (
                     class_summary(res.requests, base.classes)
                     if base.flow_control or base.classes is not None

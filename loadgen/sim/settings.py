@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from emulator.engine.priority import PriorityScheduling
 from emulator.stack.fleet import NO_FLEET, Fleet
 from emulator.stack.settings import DEFAULT_REGIONS
 from emulator.wan import NETWORK_JITTER_FRACTION, region_rtt_ms, rtt_profile_ms
@@ -80,6 +81,11 @@ class SimSettings:
     # shared into (None: one default class, no SLO, one tenant).
     flow_control: bool = False
     classes: Classes | None = None
+    # The engines' own priority scheduling (SGLang's --enable-priority-scheduling and its
+    # flags, emulator/engine/priority.py; None: off, FCFS): each request reaches its
+    # engine with its class's `priority` in the engine's sign (higher first unless
+    # low_values_first), a request of no class with none.
+    engine_priority: PriorityScheduling | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.front_doors <= len(self.regions):

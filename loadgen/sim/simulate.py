@@ -17,7 +17,8 @@ from __future__ import annotations
 import heapq
 import random
 import zlib
-from collections.abc import Callable, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -30,7 +31,7 @@ from emulator.wan import (
 from ext_proc.core.build import build_router
 from ext_proc.core.pipeline import Director, Outcome, Queued, Refused, Routed
 from ext_proc.core.router import Router
-from ext_proc.estimate.profile import load_profile
+from ext_proc.estimate.profile import EngineProfile, load_profile
 from ext_proc.feeds.engine_metrics import EngineReport
 from ext_proc.prompt.parse import COMPLETIONS
 from ext_proc.vocab.request import LlmRequest
@@ -38,6 +39,7 @@ from ext_proc.vocab.types import Refusal, RouteRequest, Status
 from loadgen.client.concurrency import Admitted, ConcurrencyCap
 from loadgen.results import RequestResult
 from loadgen.sim.bus import Bus
+from loadgen.sim.classes import engine_priorities
 from loadgen.sim.models import cache_salt, default_model, max_loras, names_models, served_models
 from loadgen.sim.peers.feed import PeerFeed, peer_for
 from loadgen.sim.settings import PROXY, SimSettings
@@ -87,12 +89,39 @@ class SimResult:
     # Requests the router answered itself (admission refused: 404 unknown model, 400 none
     # named, 503 none in rotation, 429 shed), by HTTP status.
     refused: dict[int, int] = field(default_factory=dict)
+    # Running requests the engines preempted (their priority scheduling), by the
+    # priority they carried.
+    preempted: dict[str, int] = field(default_factory=dict)
 
 
 def _sub_blocks(ids: Sequence[int], per_block: int, salt: int | tuple[int, int]) -> list[int]:
     """Finer blocks of a trace's blocks: trace id k names its block and whole prefix, so
     (k, j) names sub-block j likewise. Tuples of ints hash the same in every process."""
     return [hash((k, j, salt)) for k in ids for j in range(per_block)]
+
+
+def _engines(
+    settings: SimSettings, profiles: dict[str, EngineProfile], rng: random.Random
+) -> dict[str, EngineModel]:
+    """One engine model per region (SGLang's scheduler), each with an RNG drawn in turn."""
+    return {
+        r: EngineModel(
+            profiles[r],
+            random.Random(rng.random()),
+            max_loras(settings.fleet, r),
+            "sglang",
+            settings.engine_priority,
+        )
+        for r in settings.regions
+    }
+
+
+def _preempted(engines: Iterable[EngineModel]) -> dict[str, int]:
+    """Preemptions over the engines, by the priority the requests carried."""
+    total: Counter[str] = Counter()
+    for e in engines:
+        total.update(e.stats.preempted_by_priority)
+    return dict(sorted(total.items()))
 
 
 class Simulation:
@@ -120,10 +149,9 @@ class Simulation:
         self.router = build_router(cfg, lambda: self.now_s, rng, listeners=peers, policy=self.peer)
         profiles = {r: load_profile(settings.engine_profile_of(r)) for r in settings.regions}
         fleet = settings.fleet
-        self.engines = {
-            r: EngineModel(profiles[r], random.Random(rng.random()), max_loras(fleet, r))
-            for r in settings.regions
-        }
+        self.engines = _engines(settings, profiles, rng)
+        # The priority each class's requests carry to the engine (its own scheduling).
+        self._class_priority = engine_priorities(settings.classes, settings.engine_priority)
         # What each engine serves (sim/models.py); with models in the fleet file, its blocks
         # are keyed by the model asked for (an adapter shares no cache with its base).
         self.served = {r: served_models(fleet, r) for r in settings.regions}
@@ -267,12 +295,12 @@ class Simulation:
             if kind == _ARRIVE:
                 self._arrive(*data)
             elif kind == _AT_ENGINE:
-                backend, r = data
+                backend, r, priority = data
                 engine = self.engines[backend]
                 per_engine = r.block_tokens // self.engine_block_tokens[backend]
                 blocks = _sub_blocks(r.block_ids, per_engine, self._engine_salt(r))
                 lora = r.model if r.model in self.served[backend].adapters else None
-                engine.submit(r.id, r.input_tokens, r.output_tokens, blocks, t, lora)
+                engine.submit(r.id, r.input_tokens, r.output_tokens, blocks, t, lora, 1.0, priority)
                 self._publish_cache_changes(backend, t)
                 self._schedule_step(backend)
             elif kind == _STEP:
@@ -349,6 +377,7 @@ class Simulation:
             self.router,
             self.dropped,
             dict(sorted(self.refused.items())),
+            _preempted(self.engines.values()),
         )
 
     def _dispatch(self, sent: Admitted[_Arrival] | None) -> None:
@@ -478,7 +507,8 @@ class Simulation:
                 self._conns_open[key] = busy + 1
                 delay_s += link.sample_rtt_ms() / 1000  # the handshake
             self._conns_busy[key] = busy + 1
-        self._push(self.now_s + delay_s, _AT_ENGINE, (d.backend, r))
+        priority = self._class_priority.get(objective)  # in its body
+        self._push(self.now_s + delay_s, _AT_ENGINE, (d.backend, r, priority))
 
     def _engine_salt(self, r: TraceRequest) -> int | tuple[int, int]:
         """What the request's engine blocks are keyed with: its model's namespace when the

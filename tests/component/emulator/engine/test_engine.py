@@ -526,6 +526,13 @@ async def test_stats_count_generation_requests(
         "requests_by_path": {CHAT: 2, GENERATE: 1, COMPLETIONS: 1},
         # the probes, by path and query, apart (the /stats read itself is counted after)
         "gets": {"/health": 1, "/v1/loads": 1, "/metrics": 1, "/server_info": 1},
+        # no body carried a priority (the health probe's generation is not counted)
+        "priority": {
+            "scheduling": False,
+            "requests_by_priority": {"none": 3},
+            "preempted_total": 0,
+            "preempted_by_priority": {},
+        },
     }
     # each generation request's body as received, the bad one too: its length and digest
     assert bodies[-2:] == [
