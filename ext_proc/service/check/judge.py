@@ -266,6 +266,13 @@ def _priority(look: BackendLook, out: Verdict, where: str) -> Aspect:
             )
             return Aspect(False, "written, and refused by the engine (400)")
         if status == 200:
+            # vLLM's v1 engine (0.32 here) takes a priority with or without
+            # --scheduling-policy priority and ignores it without: a 200 proves nothing more.
+            out.notes.append(
+                f"{where}: the engine took a request with a priority; vLLM (v1) also takes "
+                "one when it does not schedule by priority, so make sure it runs with "
+                "--scheduling-policy priority"
+            )
             return Aspect(True, f"{order}: the engine took a request with a priority")
         shown = f"HTTP {status}" if status else said
         out.notes.append(f"{where}: the request with a priority was not answered ({shown})")
