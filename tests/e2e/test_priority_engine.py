@@ -34,7 +34,7 @@ from ext_proc.config.flow import FlowControl, Objective
 from ext_proc.vocab.backend import EngineKind, PriorityScheduling
 from loadgen.client.stream import Result, chat_body, send_chat
 from tests.e2e.conftest import FAST_ENGINE, fast_settings
-from tests.e2e.stack_harness import router_state, wait_for
+from tests.e2e.stack_harness import get_json, router_state, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -252,6 +252,8 @@ def test_interactive_overtakes_the_burst_in_the_twin(flavor: str) -> None:
     s.start()
     try:
         wait_for(lambda: router_state(s)["backends"]["one"]["priority"]["writes"], 10)
+        # the model the engine serves (vLLM's twin answers 404 to any other name)
+        model = get_json(f"{s.front_door_url}/v1/models")["data"][0]["id"]
 
         async def run() -> tuple[float, float, list[tuple[float, Result]]]:
             async with aiohttp.ClientSession() as session:
@@ -261,7 +263,7 @@ def test_interactive_overtakes_the_burst_in_the_twin(flavor: str) -> None:
                     r = await send_chat(
                         session,
                         s.front_door_url,
-                        chat_body(f"{tag} write", 4),
+                        chat_body(f"{tag} write", 4, model=model),
                         f"{tag}-{time.monotonic_ns()}",
                         {"x-gorgo-objective": objective},
                         60,
