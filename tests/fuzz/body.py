@@ -20,7 +20,7 @@ with atheris.instrument_imports(include=["ext_proc"]):
         ParseError,
         is_error_event,
         parse_body,
-        with_model,
+        rewritten,
     )
 
 from tests.fuzz import jsonish
@@ -65,9 +65,9 @@ def one_input(data: bytes) -> None:
     assert all(n >= 0 for n in llm.prompt_tokens)
     assert llm.max_output_tokens is None or llm.max_output_tokens >= 0
     assert (llm.chat is not None) == (api == CHAT)
-    renamed = orjson.loads(with_model(body, "served-name"))
+    renamed = orjson.loads(rewritten(body, "served-name", -10))
     original = orjson.loads(body)
-    assert renamed == {**original, "model": "served-name"}
+    assert renamed == {**original, "model": "served-name", "priority": -10}
 
 
 def main() -> None:
