@@ -57,6 +57,9 @@ class Health:
     # Passive health: its requests that failed in a row, and until when it is out of
     # rotation because of them (None: in rotation).
     request_failures: int = 0
+    # When the newest failed request of that streak was dispatched: a success reported
+    # later but sent before it (a batched access-log entry) does not end the streak.
+    failed_dispatch_s: float = float("-inf")
     ejections: int = 0
     ejected_until_s: float | None = None
     # What ended its last failed requests (newest last), shown with an ejection.

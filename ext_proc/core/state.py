@@ -123,6 +123,7 @@ class FleetState:
         if status == Status.FAILED_OVER:  # only the failure to connect was the chosen one's
             b.stats.failovers += 1
             b.health.request_failures += 1
+            b.health.failed_dispatch_s = max(b.health.failed_dispatch_s, rec.arrived_s)
             b.health.recent_failures.append(f"failed over: {reason}" if reason else "failed over")
             served = self.backends.get(rec.served_by or "")
             if served is not None and served_ok:
@@ -146,8 +147,12 @@ class FleetState:
             rec.first_byte_s = end_s
             _replace_last(b.stats.recent_ttft_ms, late_ms, measured_e2e_ms)
         # A cancelled client or a bad request says nothing about the backend.
-        if status in (Status.OK, Status.ERROR):
-            b.health.request_failures = 0 if status == Status.OK else b.health.request_failures + 1
+        h = b.health
+        if status == Status.ERROR:
+            h.request_failures += 1
+            h.failed_dispatch_s = max(h.failed_dispatch_s, rec.arrived_s)
+        elif status == Status.OK and rec.arrived_s >= h.failed_dispatch_s:
+            h.request_failures = 0
         return rec, measured_e2e_ms
 
     @property

@@ -30,7 +30,7 @@ from ext_proc.common.names import HEADER_BACKEND
 from ext_proc.vocab.errors import MODEL_NOT_FOUND, MODEL_REQUIRED, UNAVAILABLE, ApiError
 from loadgen.client.stream import Result, chat_body, send_chat
 from tests.e2e.conftest import FAST_ENGINE, FAST_REGIONS, fast_settings
-from tests.e2e.stack_harness import admin_call, get_json, router_state
+from tests.e2e.stack_harness import admin_call, get_json, router_state, wait_for
 
 # Long (5 s and more a test): `make test-long`, which CI runs after `make test`.
 pytestmark = [pytest.mark.e2e, pytest.mark.long]
@@ -203,6 +203,11 @@ def test_each_model_goes_where_it_is_served_and_the_rest_are_answered() -> None:
         failing = [ask(stack, "beta") for _ in range(2)]
         assert [(a.status, a.backend) for a in failing] == [(500, SEOUL)] * 2  # the engine's
         call(f"{stack.engine_url(2)}/faults", {"error_rate": 0.0})
+        # The failures' reports (the observer's first chunk, the access log) travel on
+        # streams of their own, sent before the client reads the 500: a client's next
+        # request can still overtake them by a few ms (seen on CI), so the ejection is
+        # waited for, within a second.
+        wait_for(lambda: router_state(stack)["backends"][SEOUL]["ejected"], 1.0)
         counts = engine_counts(stack)
         t_ejected = time.monotonic()
         ejected = ask(stack, "beta")

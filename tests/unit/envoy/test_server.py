@@ -274,6 +274,30 @@ def test_a_backends_5xx_counts_at_its_first_chunk_and_envoys_own_do_not() -> Non
     assert r.decide(chat("next")).backend != "near"
 
 
+def test_a_late_success_of_an_older_request_does_not_end_a_failure_streak() -> None:
+    """Successes come in batched access-log entries (up to 50 ms late), failures at once:
+    an older request's success reported between two newer failures must not reset the
+    streak (seen live: 2 errors in a row, never ejected); a newer success does."""
+    r, clock = make_router("gorgo", backends=REGIONS)
+    older = r.decide(chat("older"))
+    assert older.backend == "near"
+    clock.advance(0.01)
+    first = r.decide(chat("f1"))
+    r.close(first.request_id, Status.ERROR)
+    r.close(older.request_id, Status.OK)  # its entry, batched, after the failure
+    second = r.decide(chat("f2"))
+    r.close(second.request_id, Status.ERROR)
+    near = r.backends["near"]
+    assert near.health.ejected_until_s is not None  # two in a row, by dispatch
+    clock.advance(10.0)  # the ejection over: a newer success ends a streak
+    streak = r.decide(chat("f3"))
+    assert streak.backend == "near"
+    r.close(streak.request_id, Status.ERROR)
+    newer = r.decide(chat("ok"))
+    r.close(newer.request_id, Status.OK)
+    assert near.health.request_failures == 0
+
+
 def test_a_first_chunk_timed_after_the_response_ended_is_moved_back_to_its_end() -> None:
     """The observer's first-chunk message reaches a busy router after Envoy sent the whole
     short response (seen once in the e2e tests: TTFT 22.6 ms against E2E 21.7 ms): the
