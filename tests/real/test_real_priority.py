@@ -82,6 +82,16 @@ async def first_event_s(
     return first_s
 
 
+async def waiting_in_engine(session: aiohttp.ClientSession, stack: Stack) -> float:
+    """vLLM's own count of requests waiting (its /metrics gauge)."""
+    async with session.get(f"{stack.engine_url(0)}/metrics") as resp:
+        text = await resp.text()
+    for line in text.splitlines():
+        if line.startswith("vllm:num_requests_waiting"):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
 async def burst_then_one(stack: Stack, objective: str) -> tuple[float, float, list[float]]:
     """A burst of batch requests, then one of `objective` once the burst is in the
     engine: (when it was sent, its first token, the burst's first tokens), monotonic s."""
@@ -92,7 +102,12 @@ async def burst_then_one(stack: Stack, objective: str) -> tuple[float, float, li
             asyncio.ensure_future(first_event_s(session, url, f"{objective}-b{i}", "batch"))
             for i in range(BURST)
         ]
-        await asyncio.sleep(0.3)  # two running, the rest waiting in the engine
+        # two running, the rest waiting in the engine: read from its own gauge (a fixed
+        # sleep found only 2 waiting once the engine was warm)
+        deadline = time.monotonic() + 20
+        while await waiting_in_engine(session, stack) < BURST - 4:
+            assert time.monotonic() < deadline, "the burst never waited in the engine"
+            await asyncio.sleep(0.02)
         sent_s = time.monotonic()
         first_s = await first_event_s(session, url, f"{objective}-late", objective)
         return sent_s, first_s, list(await asyncio.gather(*tasks))
