@@ -120,22 +120,16 @@ class Soak:
         ]
         return [("gorgo-serve", self.stack.admin_url), *extra]
 
-    def served_by_since(self, backend: str, since_s: float) -> float | None:
-        """When a request sent after since_s was first answered by `backend` with success."""
+    def served_since(self, since_s: float, backend: str | None = None) -> float | None:
+        """When a request sent after since_s was first answered with success (by `backend`,
+        when named)."""
         assert self.replay is not None
         ends = [
             s.sent_s + (s.result.e2e_ms or 0.0) / 1e3
             for s in list(self.replay.sent)
-            if s.sent_s >= since_s and s.result.status == "ok" and s.result.backend == backend
-        ]
-        return min(ends) if ends else None
-
-    def any_served_since(self, since_s: float) -> float | None:
-        assert self.replay is not None
-        ends = [
-            s.sent_s + (s.result.e2e_ms or 0.0) / 1e3
-            for s in list(self.replay.sent)
-            if s.sent_s >= since_s and s.result.status == "ok"
+            if s.sent_s >= since_s
+            and s.result.status == "ok"
+            and backend in (None, s.result.backend)
         ]
         return min(ends) if ends else None
 
@@ -214,7 +208,7 @@ class Soak:
         at = self.now_s()
         self.kill(f"engine-{region}")
         return FaultRecord(
-            "engine kill -9", region, at, at, self.wait(lambda: self.served_by_since(region, at))
+            "engine kill -9", region, at, at, self.wait(lambda: self.served_since(at, region))
         )
 
     def engine_stall(self, i: int, region: str) -> FaultRecord:
@@ -231,7 +225,7 @@ class Soak:
             region,
             at,
             healed,
-            self.wait(lambda: self.served_by_since(region, healed)),
+            self.wait(lambda: self.served_since(healed, region)),
             f"every request held 5 s, for {HOLD_S:.0f} s",
         )
 
@@ -247,7 +241,7 @@ class Soak:
             region,
             at,
             healed,
-            self.wait(lambda: self.served_by_since(region, healed)),
+            self.wait(lambda: self.served_since(healed, region)),
             f"SIGSTOP for {HOLD_S:.0f} s",
         )
 
@@ -259,7 +253,7 @@ class Soak:
             FRONT_DOOR,
             at,
             at,
-            self.wait(lambda: self.any_served_since(at)),
+            self.wait(lambda: self.served_since(at)),
             "the front door itself: its open streams are cut",
         )
 
@@ -277,52 +271,34 @@ class Soak:
             "NATS kill -9", FRONT_DOOR, at, at, self.wait(connected), "both routers reconnected"
         )
 
-    def _reload(self, text: str) -> tuple[int, int]:
-        """Write the main router's config and SIGHUP it; its reload counts before."""
-        before = _get(f"{self.stack.admin_url}/state")["reload"]
+    def _reload(self, text: str, counter: str) -> float | None:
+        """Write the main router's config, SIGHUP it, and wait until its /state `reload`
+        `counter` (reloads, failures) grew: when it did (None: not within the limit)."""
+
+        def count() -> int:
+            return int(_get(f"{self.stack.admin_url}/state")["reload"][counter])
+
+        before = count()
         write_atomic(self.stack.workdir / "gorgo.yaml", text)
         os.kill(self.stack.procs["gorgo-serve"].pid, signal.SIGHUP)
-        return int(before["reloads"]), int(before["failures"])
+        return self.wait(lambda: self.now_s() if count() > before else None)
 
     def reload_good(self) -> FaultRecord:
         raw = _yaml((self.stack.workdir / "gorgo.yaml").read_text())
         routing = raw.setdefault("routing", {})
         routing["eject_s"] = float(routing.get("eject_s", 5.0)) + 1.0
         at = self.now_s()
-        reloads, _ = self._reload(_dump(raw))
-
-        def applied() -> float | None:
-            r = _get(f"{self.stack.admin_url}/state")["reload"]
-            return self.now_s() if int(r["reloads"]) > reloads else None
-
+        applied = self._reload(_dump(raw), "reloads")
         return FaultRecord(
-            "config reload (good)",
-            FRONT_DOOR,
-            at,
-            at,
-            self.wait(applied),
-            "routing.eject_s +1 s, SIGHUP",
+            "config reload (good)", FRONT_DOOR, at, at, applied, "routing.eject_s +1 s, SIGHUP"
         )
 
     def reload_bad(self) -> FaultRecord:
-        path = self.stack.workdir / "gorgo.yaml"
-        good = path.read_text()
+        good = (self.stack.workdir / "gorgo.yaml").read_text()
         at = self.now_s()
-        _, failures = self._reload(BROKEN_CONFIG)
-
-        def refused() -> float | None:
-            r = _get(f"{self.stack.admin_url}/state")["reload"]
-            return self.now_s() if int(r["failures"]) > failures else None
-
-        refused_at = self.wait(refused)
-        reloads, _ = self._reload(good)  # the operator fixes the file
+        refused_at = self._reload(BROKEN_CONFIG, "failures")
         healed = self.now_s()
-
-        def restored() -> float | None:
-            r = _get(f"{self.stack.admin_url}/state")["reload"]
-            return self.now_s() if int(r["reloads"]) > reloads else None
-
-        back = self.wait(restored)
+        back = self._reload(good, "reloads")  # the operator fixes the file
         note = "not YAML, SIGHUP refused" if refused_at is not None else "refusal NOT seen"
         return FaultRecord(
             "config reload (bad)", FRONT_DOOR, at, healed, back, f"{note}; then the file fixed"
@@ -338,7 +314,7 @@ class Soak:
             EXTRA.id,
             at,
             at,
-            self.wait(lambda: self.served_by_since(EXTRA.id, at)),
+            self.wait(lambda: self.served_since(at, EXTRA.id)),
             f"{EXTRA.id}, {EXTRA.rtt_ms:g} ms away, POST /backends to both routers",
         )
 

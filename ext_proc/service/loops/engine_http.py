@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from types import SimpleNamespace
+from typing import Any
 
 import aiohttp
 
@@ -85,17 +86,28 @@ async def read_engine_report(
     return parse_engine_metrics(text)
 
 
+async def _get_json(
+    session: aiohttp.ClientSession,
+    address: str,
+    path: str,
+    timeout_s: float,
+    error: type[Exception],
+) -> Any:
+    """An engine's JSON answer at `path`; `error` for a status other than 200."""
+    async with session.get(
+        f"http://{address}{path}", timeout=aiohttp.ClientTimeout(total=timeout_s)
+    ) as resp:
+        if resp.status != 200:
+            raise error(f"HTTP {resp.status}")
+        return await resp.json(content_type=None)
+
+
 async def read_served_models(
     session: aiohttp.ClientSession, address: str, timeout_s: float
 ) -> ServedModels:
     """What the engine serves, from its /v1/models. Raises ModelsError (a status other
     than 200, an answer that cannot be read), ValueError (not JSON) or one of UNREACHABLE."""
-    async with session.get(
-        f"http://{address}/v1/models", timeout=aiohttp.ClientTimeout(total=timeout_s)
-    ) as resp:
-        if resp.status != 200:
-            raise ModelsError(f"HTTP {resp.status}")
-        return parse_models(await resp.json(content_type=None))
+    return parse_models(await _get_json(session, address, "/v1/models", timeout_s, ModelsError))
 
 
 async def read_scheduling(
@@ -104,9 +116,5 @@ async def read_scheduling(
     """SGLang's priority scheduling, from its /server_info. Raises ServerInfoError (a
     status other than 200, an answer that cannot be read), ValueError (not JSON) or one
     of UNREACHABLE."""
-    async with session.get(
-        f"http://{address}/server_info", timeout=aiohttp.ClientTimeout(total=timeout_s)
-    ) as resp:
-        if resp.status != 200:
-            raise ServerInfoError(f"HTTP {resp.status}")
-        return parse_server_info(await resp.json(content_type=None))
+    info = await _get_json(session, address, "/server_info", timeout_s, ServerInfoError)
+    return parse_server_info(info)
