@@ -16,6 +16,10 @@ def _up(args: argparse.Namespace) -> int:
     from emulator.stack.stack import run_until_signalled
 
     regions = regions_for_profile(args.rtt_profile)
+    if not 1 <= args.regions <= len(regions):
+        print(f"gorgo up: --regions must be 1..{len(regions)}", file=sys.stderr)
+        return 2
+    regions = regions[: args.regions]
     if not 1 <= args.front_doors <= len(regions):
         print(f"gorgo up: --front-doors must be 1..{len(regions)}", file=sys.stderr)
         return 2
@@ -63,7 +67,7 @@ def add_up_command(sub: Any, policies: Sequence[str]) -> None:
     """The `up` subcommand on `gorgo`'s subparsers."""
     s = sub.add_parser(
         "up",
-        help="run the whole local stack (Envoy, gorgo, 3 regions)",
+        help="run the whole local stack (Envoy, gorgo, 3 regions or --regions N)",
         description="The local stack as child processes, no Docker: an Envoy front door, "
         "the router, an emulated engine (or real vLLM) in each of three regions behind a WAN "
         "delay link. Its ready line names the front door, the router's admin (with its "
@@ -83,6 +87,14 @@ def add_up_command(sub: Any, policies: Sequence[str]) -> None:
         choices=["emulated", "vllm"],
         help="emulated engines, or real vLLM instances serving a tiny local "
         "model on this machine's CPU (installed on first use by `make vllm`)",
+    )
+    s.add_argument(
+        "--regions",
+        type=int,
+        default=3,
+        metavar="N",
+        help="start the first N regions only (us-ashburn first): with --engine vllm, 1 "
+        "leaves the second core to the router, Envoy and the client",
     )
     s.add_argument(
         "--flavor",

@@ -288,3 +288,28 @@ def test_gorgo_up_says_where_the_logs_are_kept_when_it_stops(
         assert (Path(kept.group(1)) / "envoy.log").read_text() == "envoy: bad\n"
     finally:
         shutil.rmtree(kept.group(1), ignore_errors=True)
+
+
+def test_up_starts_the_first_n_regions_and_refuses_a_count_out_of_range(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import emulator.stack.stack
+    from ext_proc.cli import build_parser
+
+    started: list[StackSettings] = []
+    monkeypatch.setattr(emulator.stack.stack, "run_until_signalled", started.append)
+    for n in ("1", "2"):
+        args = build_parser().parse_args(["up", "--engine", "vllm", "--regions", n])
+        args.func(args)
+    assert [[r.id for r in s.regions] for s in started] == [
+        ["us-ashburn"],
+        ["us-ashburn", "eu-frankfurt"],
+    ]
+    # the router's config lists only the engines started
+    cfg = started[0].gorgo_config()
+    assert [b.id for b in cfg.backends] == ["us-ashburn"]
+    for bad in ("0", "4"):
+        args = build_parser().parse_args(["up", "--regions", bad])
+        assert args.func(args) == 2
+    assert "--regions must be 1..3" in capsys.readouterr().err
+    assert len(started) == 2
