@@ -27,7 +27,7 @@ from ext_proc.flow.queue import FlowQueue, Waiting
 from ext_proc.flow.room import has_room
 from ext_proc.flow.shared import Claims, Releases
 from ext_proc.vocab.errors import RATE_LIMITED, UNAVAILABLE
-from ext_proc.vocab.events import Closed, Dispatched, FirstByte, Listener
+from ext_proc.vocab.events import Closed, Dispatched, Listener
 from ext_proc.vocab.types import BackendLifecycle, Candidate, Decision, Refusal, RouteRequest
 
 # What flow control does with a request (Director.counts, gorgo_flow_outcomes_total).
@@ -82,7 +82,7 @@ Outcome = Routed | Refused | Unrouted
 
 class _InEngine(Listener):
     """Keeps the queue's count of what each tenant has in the engines: its dispatches
-    (released or straight), their first bytes, their ends."""
+    (released or straight) until they end."""
 
     def __init__(self, queue: FlowQueue) -> None:
         self.queue = queue
@@ -90,9 +90,6 @@ class _InEngine(Listener):
     def on_dispatch(self, e: Dispatched) -> None:
         rec = e.record
         self.queue.sent(e.request.request_id, e.request.tenant, rec.input_tokens, rec.output_tokens)
-
-    def on_first_byte(self, e: FirstByte) -> None:
-        self.queue.started(e.request_id)
 
     def on_close(self, e: Closed) -> None:
         self.queue.finished(e.request_id)

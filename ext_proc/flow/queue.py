@@ -1,6 +1,7 @@
 """The gateway queue's order: priority bands (strict, with a starvation bound), then
 fairness between tenants within a band (the least usage first: the tokens it has in the
-engines, sent and not yet finished, plus its recent service, prompt plus output tokens,
+engines, prompt and output of its requests sent and not yet finished, plus its recent
+service, prompt plus output tokens,
 decaying), then each request's deadline (arrival + its TTFT SLO, earliest first) or its
 arrival. A tenant over its share of the engines waits (`over_share`). Pure: times come
 from the caller.
@@ -78,9 +79,9 @@ class FlowQueue:
         self._seq = itertools.count(1)
         # tenant -> (service in tokens, when it was last decayed)
         self._service: dict[str, tuple[float, float]] = {}
-        # What each tenant has in the engines: request id -> (tenant, prompt tokens owed
-        # until its first byte, output tokens owed until it ends); tenant -> their sum.
-        self._sent: dict[str, tuple[str, int, int]] = {}
+        # What each tenant has in the engines: request id -> (tenant, its prompt plus
+        # output tokens, held until it ends); tenant -> their sum.
+        self._sent: dict[str, tuple[str, int]] = {}
         self._in_engine: dict[str, int] = {}
         # tenant -> when a request of it last arrived (the tenants sharing the engines)
         self._seen: dict[str, float] = {}
@@ -137,26 +138,25 @@ class FlowQueue:
     # -- what each tenant has in the engines ------------------------------------------------
 
     def sent(self, request_id: str, tenant: str, prompt_tokens: int, output_tokens: int) -> None:
-        """A request of `tenant` was dispatched: its prompt and output are owed by the
-        engine until its first byte and its end."""
+        """A request of `tenant` was dispatched: its prompt and output hold the engine's
+        KV memory until it ends (the output counted whole from the start: what the
+        engine must find room for)."""
         self.finished(request_id)  # a reused id: the older one can no longer end
-        self._sent[request_id] = (tenant, prompt_tokens, output_tokens)
-        self._in_engine[tenant] = self._in_engine.get(tenant, 0) + prompt_tokens + output_tokens
-
-    def started(self, request_id: str) -> None:
-        """Its first byte: the prompt is done, the output still owed."""
-        rec = self._sent.get(request_id)
-        if rec is None or not rec[1]:
-            return
-        tenant, prompt, output = rec
-        self._sent[request_id] = (tenant, 0, output)
-        self._owe(tenant, -prompt)
+        tokens = prompt_tokens + output_tokens
+        self._sent[request_id] = (tenant, tokens)
+        self._in_engine[tenant] = self._in_engine.get(tenant, 0) + tokens
 
     def finished(self, request_id: str) -> None:
-        """It ended, however it ended: nothing of it is owed any more."""
+        """It ended, however it ended: nothing of it is in the engine any more."""
         rec = self._sent.pop(request_id, None)
-        if rec is not None:
-            self._owe(rec[0], -(rec[1] + rec[2]))
+        if rec is None:
+            return
+        tenant, tokens = rec
+        left = self._in_engine.get(tenant, 0) - tokens
+        if left > 0:
+            self._in_engine[tenant] = left
+        else:
+            self._in_engine.pop(tenant, None)
 
     def in_engine(self, tenant: str) -> int:
         """Tokens of `tenant` sent to the engines and not yet finished."""
@@ -189,13 +189,6 @@ class FlowQueue:
         with nothing in the engines may always send one, however large)."""
         held = self.in_engine(tenant)
         return held > 0 and held + tokens > share_tokens
-
-    def _owe(self, tenant: str, tokens: int) -> None:
-        left = self._in_engine.get(tenant, 0) + tokens
-        if left > 0:
-            self._in_engine[tenant] = left
-        else:
-            self._in_engine.pop(tenant, None)
 
     # -- order ------------------------------------------------------------------------------
 
