@@ -60,10 +60,11 @@ class FlowControl:
     # halving every this many seconds) goes first.
     fairness_half_life_s: float = bounded(60.0, **POSITIVE)
     # While other tenants are active (a request within tenant_window_s), a tenant may have
-    # at most tenant_share equal shares of the fleet's KV capacity in the engines (prompt
-    # and output owed); past it, its requests wait in the router even when a backend has
-    # room, so a quieter tenant's next request finds engines not filled by it. 1 = an
-    # equal share (llm-d's usage limits, token-weighted); 0 = no limit. One tenant: none.
+    # at most tenant_share equal shares of the fleet's KV capacity in the engines (the
+    # prompt and output tokens of its requests not yet finished); past it, its requests
+    # wait in the router even when a backend has room, so a quieter tenant's next request
+    # finds engines not filled by it. 1 = an equal share (llm-d's usage limits,
+    # token-weighted); 0 = no limit. One tenant: none.
     tenant_share: float = bounded(1.0, **NON_NEGATIVE)
     # A tenant counts as sharing the engines this long after its last request: about the
     # fairness half-life (a tenant quiet for a minute has let its share go).

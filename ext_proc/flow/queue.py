@@ -1,10 +1,9 @@
 """The gateway queue's order: priority bands (strict, with a starvation bound), then
-fairness between tenants within a band (the least usage first: the tokens it has in the
-engines, prompt and output of its requests sent and not yet finished, plus its recent
-service, prompt plus output tokens,
-decaying), then each request's deadline (arrival + its TTFT SLO, earliest first) or its
-arrival. A tenant over its share of the engines waits (`over_share`). Pure: times come
-from the caller.
+fairness between tenants within a band (the least usage first: the prompt and output
+tokens of its requests sent and not yet finished, plus its recent service, decaying),
+then each request's deadline (arrival + its TTFT SLO, earliest first) or its arrival. A
+tenant over its share of the engines waits (`over_share`). Pure: times come from the
+caller.
 
 The bands' order follows llm-d's flow control (pkg/epp/flowcontrol: band, then flow, then
 item), the starvation bound SMG's head-of-queue promotion, the token-weighted,
