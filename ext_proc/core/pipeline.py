@@ -255,16 +255,20 @@ class Director:
 
     def snapshot(self) -> dict[str, Any]:
         """/state's `flow`: whether it is on, what waits (by band and tenant, the oldest
-        wait), and what it did (straight, released, refused by reason, cancelled)."""
+        wait), each tenant's tokens in the engines and a tenant's share (None: no limit),
+        and what it did (straight, released, refused by reason, cancelled)."""
         if self.queue is None:
             return {"enabled": False}
         now_s = self.router.clock()
         waiting = self.queue.waiting()
+        share = self.queue.share(now_s, self._capacity())
         return {
             "enabled": True,
             "waiting": len(waiting),
             "oldest_wait_s": round(max((now_s - w.arrival_s for w in waiting), default=0.0), 3),
             **self.queue.depth(),
+            "in_engine_tokens": self.queue.in_engine_by_tenant(),
+            "tenant_share_tokens": None if math.isinf(share) else round(share),
             "outcomes": dict(sorted(self.counts.items())),
             **self._shared_snapshot(),
         }

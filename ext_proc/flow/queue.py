@@ -161,6 +161,9 @@ class FlowQueue:
         """Tokens of `tenant` sent to the engines and not yet finished."""
         return self._in_engine.get(tenant, 0)
 
+    def in_engine_by_tenant(self) -> dict[str, int]:
+        return dict(sorted(self._in_engine.items()))
+
     def usage(self, tenant: str, now_s: float) -> float:
         """What orders the tenants in a band: in the engines now, plus recent service."""
         return self.in_engine(tenant) + self.service(tenant, now_s)

@@ -406,6 +406,9 @@ def test_a_tenant_over_its_share_of_the_engines_waits_though_a_backend_has_room(
     assert (h1.input_tokens, h1.output_tokens) == (2754, 256)
     assert director.queue is not None and director.queue.in_engine("heavy") == 3010
     assert director.queue.share(0.0, 8000) == (4000 if tenant_share else math.inf)
+    state = director.snapshot()
+    assert state["in_engine_tokens"] == {"heavy": 3010}
+    assert state["tenant_share_tokens"] == (4000 if tenant_share else None)
     h2 = send("h2", "heavy")  # 6,020 tokens would be past its 4,000
     if not tenant_share:
         assert isinstance(h2, Routed)  # no limit: the other backend had room
