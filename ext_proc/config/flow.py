@@ -55,9 +55,20 @@ class FlowControl:
     retry_after_s: float = bounded(2.0, **POSITIVE)
     # A request waiting this long is served before higher bands (the starvation bound).
     starvation_s: float = bounded(30.0, **POSITIVE)
-    # Fairness between tenants in a band: the tenant with the least service (prompt plus
-    # output tokens, halving every this many seconds) goes first.
+    # Fairness between tenants in a band: the tenant with the least usage (its tokens in
+    # the engines, sent and not yet finished, plus its service: prompt plus output tokens,
+    # halving every this many seconds) goes first.
     fairness_half_life_s: float = bounded(60.0, **POSITIVE)
+    # While other tenants are active (a request within tenant_window_s), a tenant may have
+    # at most tenant_share equal shares of the fleet's KV capacity in the engines (the
+    # prompt and output tokens of its requests not yet finished); past it, its requests
+    # wait in the router even when a backend has room, so a quieter tenant's next request
+    # finds engines not filled by it. 1 = an equal share (llm-d's usage limits,
+    # token-weighted); 0 = no limit. One tenant: none.
+    tenant_share: float = bounded(1.0, **NON_NEGATIVE)
+    # A tenant counts as sharing the engines this long after its last request: about the
+    # fairness half-life (a tenant quiet for a minute has let its share go).
+    tenant_window_s: float = bounded(60.0, **POSITIVE)
     # Where a request's objective, tenant and own TTFT SLO come from. The tenant header
     # must be one the front door sets (trusted), not the client's.
     objective_header: str = "x-gorgo-objective"

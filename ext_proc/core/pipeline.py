@@ -27,6 +27,7 @@ from ext_proc.flow.queue import FlowQueue, Waiting
 from ext_proc.flow.room import has_room
 from ext_proc.flow.shared import Claims, Releases
 from ext_proc.vocab.errors import RATE_LIMITED, UNAVAILABLE
+from ext_proc.vocab.events import Closed, Dispatched, Listener
 from ext_proc.vocab.types import BackendLifecycle, Candidate, Decision, Refusal, RouteRequest
 
 # What flow control does with a request (Director.counts, gorgo_flow_outcomes_total).
@@ -79,6 +80,21 @@ class Queued:
 Outcome = Routed | Refused | Unrouted
 
 
+class _InEngine(Listener):
+    """Keeps the queue's count of what each tenant has in the engines: its dispatches
+    (released or straight) until they end."""
+
+    def __init__(self, queue: FlowQueue) -> None:
+        self.queue = queue
+
+    def on_dispatch(self, e: Dispatched) -> None:
+        rec = e.record
+        self.queue.sent(e.request.request_id, e.request.tenant, rec.input_tokens, rec.output_tokens)
+
+    def on_close(self, e: Closed) -> None:
+        self.queue.finished(e.request_id)
+
+
 class Director:
     """Runs one request through the router's steps, in order."""
 
@@ -88,6 +104,8 @@ class Director:
         self.objectives = Objectives(settings)
         # The gateway queue (None: flow control off, every request bound at once).
         self.queue = FlowQueue(settings) if settings.enabled else None
+        if self.queue is not None:
+            router.subscribe(_InEngine(self.queue))
         # Several routers over one view (`shared`; default: a fleet bus is configured):
         # one release per backend until the bus confirms it, and no room taken that a
         # peer's higher band waits for (flow.shared). None: alone.
@@ -128,6 +146,7 @@ class Director:
                     )
                 )
         now_s = self.router.clock()
+        self.queue.seen(request.tenant, now_s)
         max_wait_s = self.objectives.max_wait_s(objective)
         w = Waiting(
             request=request,
@@ -236,16 +255,20 @@ class Director:
 
     def snapshot(self) -> dict[str, Any]:
         """/state's `flow`: whether it is on, what waits (by band and tenant, the oldest
-        wait), and what it did (straight, released, refused by reason, cancelled)."""
+        wait), each tenant's tokens in the engines and a tenant's share (None: no limit),
+        and what it did (straight, released, refused by reason, cancelled)."""
         if self.queue is None:
             return {"enabled": False}
         now_s = self.router.clock()
         waiting = self.queue.waiting()
+        share = self.queue.share(now_s, self._capacity())
         return {
             "enabled": True,
             "waiting": len(waiting),
             "oldest_wait_s": round(max((now_s - w.arrival_s for w in waiting), default=0.0), 3),
             **self.queue.depth(),
+            "in_engine_tokens": self.queue.in_engine_by_tenant(),
+            "tenant_share_tokens": None if math.isinf(share) else round(share),
             "outcomes": dict(sorted(self.counts.items())),
             **self._shared_snapshot(),
         }
@@ -295,6 +318,9 @@ class Director:
         # of this band but a prefill under way: only its own prefill can delay it there.
         starved = now_s - w.arrival_s >= settings.starvation_s
         protect_ms = math.inf if starved else w.protected_ms
+        assert self.queue is not None
+        if self.queue.over_share(w.tenant, w.tokens, self.queue.share(now_s, self._capacity())):
+            return None  # its tenant has its share in the engines: others' requests first
         claims = None if starved else self.claims
 
         releases = self.releases
@@ -328,11 +354,18 @@ class Director:
                     )
                 )
             return None
-        assert self.queue is not None
         self.queue.charge(w.tenant, w.tokens, now_s)
         if releases is not None:
             releases.released(placed.backend, placed.request_id)
         return Routed(placed, served)
+
+    def _capacity(self) -> int:
+        """The fleet's KV capacity in tokens: the active backends' (the tenants' shares)."""
+        return sum(
+            b.kv_capacity[0]
+            for b in self.router.backends.values()
+            if b.lifecycle is BackendLifecycle.ACTIVE
+        )
 
     def _refuse(self, w: Waiting, reason: str, why: str) -> None:
         self._served.pop(id(w), None)

@@ -1,11 +1,15 @@
 """The gateway queue's order: priority bands (strict, with a starvation bound), then
-fairness between tenants within a band (the least recent service first: prompt plus
-output tokens, decaying), then each request's deadline (arrival + its TTFT SLO, earliest
-first) or its arrival. Pure: times come from the caller.
+fairness between tenants within a band (the least usage first: the prompt and output
+tokens of its requests sent and not yet finished, plus its recent service, decaying),
+then each request's deadline (arrival + its TTFT SLO, earliest first) or its arrival. A
+tenant over its share of the engines waits (`over_share`). Pure: times come from the
+caller.
 
 The bands' order follows llm-d's flow control (pkg/epp/flowcontrol: band, then flow, then
-item), the starvation bound SMG's head-of-queue promotion, and the token-weighted,
-decaying service its least-attained-service fairness (in our own words).
+item), the starvation bound SMG's head-of-queue promotion, the token-weighted,
+decaying service its least-attained-service fairness, and the share's ceiling llm-d's
+usage limits (a flow over its limit waits in the queue even when the backends have room;
+in our own words).
 """
 
 from __future__ import annotations
@@ -74,6 +78,12 @@ class FlowQueue:
         self._seq = itertools.count(1)
         # tenant -> (service in tokens, when it was last decayed)
         self._service: dict[str, tuple[float, float]] = {}
+        # What each tenant has in the engines: request id -> (tenant, its prompt plus
+        # output tokens, held until it ends); tenant -> their sum.
+        self._sent: dict[str, tuple[str, int]] = {}
+        self._in_engine: dict[str, int] = {}
+        # tenant -> when a request of it last arrived (the tenants sharing the engines)
+        self._seen: dict[str, float] = {}
 
     def __len__(self) -> int:
         return sum(b.requests for b in self._bands.values())
@@ -124,6 +134,64 @@ class FlowQueue:
                 t: (v, at) for t, (v, at) in self._service.items() if self.service(t, now_s) > 1
             }
 
+    # -- what each tenant has in the engines ------------------------------------------------
+
+    def sent(self, request_id: str, tenant: str, prompt_tokens: int, output_tokens: int) -> None:
+        """A request of `tenant` was dispatched: its prompt and output hold the engine's
+        KV memory until it ends (the output counted whole from the start: what the
+        engine must find room for)."""
+        self.finished(request_id)  # a reused id: the older one can no longer end
+        tokens = prompt_tokens + output_tokens
+        self._sent[request_id] = (tenant, tokens)
+        self._in_engine[tenant] = self._in_engine.get(tenant, 0) + tokens
+
+    def finished(self, request_id: str) -> None:
+        """It ended, however it ended: nothing of it is in the engine any more."""
+        rec = self._sent.pop(request_id, None)
+        if rec is None:
+            return
+        tenant, tokens = rec
+        left = self._in_engine.get(tenant, 0) - tokens
+        if left > 0:
+            self._in_engine[tenant] = left
+        else:
+            self._in_engine.pop(tenant, None)
+
+    def in_engine(self, tenant: str) -> int:
+        """Tokens of `tenant` sent to the engines and not yet finished."""
+        return self._in_engine.get(tenant, 0)
+
+    def in_engine_by_tenant(self) -> dict[str, int]:
+        return dict(sorted(self._in_engine.items()))
+
+    def usage(self, tenant: str, now_s: float) -> float:
+        """What orders the tenants in a band: in the engines now, plus recent service."""
+        return self.in_engine(tenant) + self.service(tenant, now_s)
+
+    def seen(self, tenant: str, now_s: float) -> None:
+        """A request of `tenant` arrived (it shares the engines for tenant_window_s)."""
+        self._seen[tenant] = now_s
+        if len(self._seen) > 4096:  # forget the tenants gone quiet
+            window_s = self.settings.tenant_window_s
+            self._seen = {t: at for t, at in self._seen.items() if now_s - at <= window_s}
+
+    def share(self, now_s: float, capacity_tokens: int) -> float:
+        """A tenant's share of the engines, in tokens: tenant_share x the fleet's KV
+        capacity over the tenants active in the last tenant_window_s (inf: no limit, with
+        one tenant active or tenant_share 0)."""
+        s = self.settings
+        window_s = s.tenant_window_s
+        active = sum(1 for at in self._seen.values() if now_s - at <= window_s)
+        if active <= 1 or not s.tenant_share or capacity_tokens <= 0:
+            return math.inf
+        return s.tenant_share * capacity_tokens / active
+
+    def over_share(self, tenant: str, tokens: int, share_tokens: float) -> bool:
+        """Whether sending `tokens` more of `tenant` would take it past its share (a tenant
+        with nothing in the engines may always send one, however large)."""
+        held = self.in_engine(tenant)
+        return held > 0 and held + tokens > share_tokens
+
     # -- order ------------------------------------------------------------------------------
 
     def order(self, now_s: float) -> Iterator[Waiting]:
@@ -151,7 +219,7 @@ class FlowQueue:
             band = self._bands[priority]
             tenants = sorted(
                 (t for t, heap in band.by_tenant.items() if self._prune(heap)),
-                key=lambda t: self.service(t, now_s),
+                key=lambda t: self.usage(t, now_s),
             )
             for tenant in tenants:
                 heap = band.by_tenant[tenant]

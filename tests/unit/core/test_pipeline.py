@@ -1,8 +1,11 @@
 """The request's recipe (core.pipeline.Director): resolve the model, admit, schedule,
 record; what every transport gets back."""
 
+import math
 from collections.abc import Sequence
 from dataclasses import replace
+
+import pytest
 
 from ext_proc.core.pipeline import (
     MAX_TRIES_PER_PUMP,
@@ -15,6 +18,7 @@ from ext_proc.core.pipeline import (
 from ext_proc.feeds.peers import PeerEvent, PeerKind, PeerPublisher
 from ext_proc.feeds.served_models import ServedModels
 from ext_proc.vocab.errors import RATE_LIMITED
+from ext_proc.vocab.types import Status
 from tests.builders import BackendSpec, chat, load, make_config, make_router
 from tests.fakes import FakeClock
 
@@ -376,3 +380,45 @@ def test_a_router_tells_its_peers_what_its_queue_waits_for() -> None:
     assert len(heads) == MAX_TRIES_PER_PUMP
     assert [waited for _, _, waited in heads] == [5.0, 4.0, 3.0, 2.0]
     assert d.claims_to_send() is None  # said; not again until it changes or is due
+
+
+@pytest.mark.parametrize("tenant_share", [1.0, 0.0])
+def test_a_tenant_over_its_share_of_the_engines_waits_though_a_backend_has_room(
+    tenant_share: float,
+) -> None:
+    # two backends of 4,000 tokens of KV each: two active tenants have 4,000 each
+    backends = [
+        {"id": "a", "address": "127.0.0.1:1", "kv_capacity_tokens": 4000},
+        {"id": "b", "address": "127.0.0.1:2", "kv_capacity_tokens": 4000},
+    ]
+    flow = {"enabled": True, "tenant_share": tenant_share}
+    router, _ = make_router("gorgo", backends=backends, flow_control=flow)
+    director = Director(router)
+    long_prompt = "many words " * 1000  # 2,754 prompt tokens + 256 output
+
+    def send(rid: str, tenant: str, text: str = long_prompt) -> object:
+        return director.handle(replace(chat(text, rid=rid), tenant=tenant))
+
+    assert isinstance(send("l0", "light", "hi"), Routed)
+    router.close("l0", Status.OK)
+    assert isinstance(send("h1", "heavy"), Routed)  # nothing of heavy's in the engines
+    h1 = router.in_flight["h1"]
+    assert (h1.input_tokens, h1.output_tokens) == (2754, 256)
+    assert director.queue is not None and director.queue.in_engine("heavy") == 3010
+    assert director.queue.share(0.0, 8000) == (4000 if tenant_share else math.inf)
+    state = director.snapshot()
+    assert state["in_engine_tokens"] == {"heavy": 3010}
+    assert state["tenant_share_tokens"] == (4000 if tenant_share else None)
+    h2 = send("h2", "heavy")  # 6,020 tokens would be past its 4,000
+    if not tenant_share:
+        assert isinstance(h2, Routed)  # no limit: the other backend had room
+        return
+    assert isinstance(h2, Queued)
+    assert isinstance(send("l1", "light"), Routed)  # the light tenant's goes on
+    director.pump()
+    assert not director.released
+    router.close("h1", Status.OK)
+    director.pump()
+    [(w, out)] = director.released
+    assert w is h2.ticket and isinstance(out, Routed)
+    assert director.queue.in_engine("heavy") == 3010

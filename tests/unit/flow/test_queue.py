@@ -132,3 +132,66 @@ def test_a_pump_that_stops_early_leaves_every_unreleased_request_waiting() -> No
     q.remove(first)  # released; the pump stops after the second finds no room
     order.close()
     assert ids(q, 11) == ["r1", "r2", "r3", "r4"] and second.request.request_id == "r1"
+
+
+# -- what each tenant has in the engines, and its share -----------------------------------
+
+
+def test_a_tenants_tokens_in_the_engines_count_until_its_requests_end() -> None:
+    q = queue()
+    q.sent("h1", "heavy", prompt_tokens=30_000, output_tokens=500)
+    q.sent("h2", "heavy", prompt_tokens=10_000, output_tokens=200)
+    assert q.in_engine("heavy") == 40_700 and q.in_engine("light") == 0
+    q.finished("h1")
+    q.finished("h1")  # ended once
+    assert q.in_engine("heavy") == 10_200
+    q.sent("h2", "heavy", prompt_tokens=1_000, output_tokens=0)  # a reused id replaces
+    assert q.in_engine("heavy") == 1_000
+    q.finished("h2")
+    q.finished("unknown")
+    assert q.in_engine("heavy") == 0
+
+
+def test_tenants_go_in_order_of_what_they_have_in_the_engines_plus_recent_service() -> None:
+    q = queue(waiting("h", 0, tenant="heavy"), waiting("l", 1, tenant="light"))
+    q.charge("light", 5_000, now_s=0.0)
+    assert ids(q, 1.0) == ["h", "l"]  # heavy has less service, nothing in the engines
+    q.sent("h0", "heavy", prompt_tokens=8_000, output_tokens=0)
+    # light's service has decayed for 1 s of its 60 s half-life
+    assert q.usage("heavy", 1.0) == 8_000
+    assert q.usage("light", 1.0) == pytest.approx(5_000 * 0.5 ** (1 / 60))
+    assert ids(q, 1.0) == ["l", "h"]
+    q.finished("h0")
+    assert ids(q, 1.0) == ["h", "l"]
+
+
+@pytest.mark.parametrize(
+    ("case", "seen", "now_s", "settings", "expected"),
+    [
+        ("two tenants active: half each", {"heavy": 0.0, "light": 10.0}, 30.0, {}, 500_000),
+        ("three: a third", {"a": 0.0, "b": 0.0, "c": 0.0}, 1.0, {}, 1_000_000 / 3),
+        ("one tenant: no limit", {"heavy": 0.0}, 1.0, {}, math.inf),
+        ("the other quiet past the window", {"heavy": 70.0, "light": 10.0}, 71.0, {}, math.inf),
+        ("a shorter window", {"heavy": 0.0, "light": 0.0}, 20.0, {"tenant_window_s": 10}, math.inf),
+        ("two equal shares each", {"h": 0.0, "l": 0.0}, 1.0, {"tenant_share": 2}, 1_000_000),
+        ("tenant_share 0: no limit", {"h": 0.0, "l": 0.0}, 1.0, {"tenant_share": 0}, math.inf),
+    ],
+)
+def test_a_tenants_share_of_the_engines(
+    case: str, seen: dict[str, float], now_s: float, settings: dict[str, float], expected: float
+) -> None:
+    q = queue(**settings)
+    for tenant, at_s in seen.items():
+        q.seen(tenant, at_s)
+    assert q.share(now_s, capacity_tokens=1_000_000) == pytest.approx(expected), case
+
+
+def test_a_tenant_over_its_share_waits_but_one_request_always_may_go() -> None:
+    q = queue()
+    assert not q.over_share("heavy", 900_000, share_tokens=500_000)  # nothing of it there
+    q.sent("h1", "heavy", prompt_tokens=450_000, output_tokens=0)
+    assert not q.over_share("heavy", 50_000, share_tokens=500_000)
+    assert q.over_share("heavy", 50_001, share_tokens=500_000)
+    assert not q.over_share("heavy", 10**9, share_tokens=math.inf)
+    q.finished("h1")
+    assert not q.over_share("heavy", 900_000, share_tokens=500_000)
