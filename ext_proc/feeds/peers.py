@@ -11,6 +11,8 @@ the others'. Pure: events in, JSON out, and back.
 
 from __future__ import annotations
 
+import math
+
 import enum
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -90,13 +92,13 @@ class PeerEvent:
                 input_tokens=_count(raw.get("input_tokens", 0), "input_tokens"),
                 output_tokens=_count(raw.get("output_tokens", 0), "output_tokens"),
                 cached_tokens=_count(raw.get("cached_tokens", 0), "cached_tokens"),
-                prefill_ms=float(raw.get("prefill_ms", 0.0)),
-                rtt_ms=float(raw.get("rtt_ms", 0.0)),
-                queue_ms=float(raw.get("queue_ms", 0.0)),
+                prefill_ms=_ms(raw.get("prefill_ms", 0.0), "prefill_ms"),
+                rtt_ms=_ms(raw.get("rtt_ms", 0.0), "rtt_ms"),
+                queue_ms=_ms(raw.get("queue_ms", 0.0), "queue_ms"),
                 streaming=bool(raw.get("streaming", True)),
                 error=bool(raw.get("error", False)),
                 response_code=_count(raw.get("response_code", 0), "response_code"),
-                e2e_ms=None if raw.get("e2e_ms") is None else float(raw["e2e_ms"]),
+                e2e_ms=None if raw.get("e2e_ms") is None else _ms(raw["e2e_ms"], "e2e_ms"),
                 attempts=_count(raw.get("attempts", 1), "attempts"),
                 route_name=str(raw.get("route_name", "")),
                 flags=tuple(str(f) for f in raw.get("flags", ())),
@@ -118,6 +120,15 @@ def _count(value: Any, key: str) -> int:
     number = int(value)
     if not 0 <= number <= MAX_COUNT:
         raise ValueError(f"peer event: {key}: {number} is out of range")
+    return number
+
+
+def _ms(value: Any, key: str) -> float:
+    """A duration from a peer: a finite number. Found by fuzzing: the text "2222e2222..."
+    read as infinity, which JSON cannot carry (it encoded as null: the event changed)."""
+    number = float(value)
+    if not math.isfinite(number):
+        raise ValueError(f"peer event: {key}: {number} is not a finite number")
     return number
 
 
@@ -163,7 +174,7 @@ Head = tuple[int, float | None, float]
 
 def _head(raw: Any) -> Head:
     p, due, waited = raw
-    return (int(p), None if due is None else float(due), float(waited))
+    return (int(p), None if due is None else _ms(due, "due"), _ms(waited, "waited"))
 
 
 def waiting_event(router_id: str, claims: dict[str, Head], heads: list[Head]) -> PeerEvent:
