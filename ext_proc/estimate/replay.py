@@ -163,7 +163,7 @@ def _budgeted(
 #   carrying a small share of each TTFT moves only on much evidence, and two that trade
 #   against each other cannot run away together.
 SPEED_PRIOR_WEIGHT = 2.0
-SHAPE_PRIOR_WEIGHT = 20.0
+SHAPE_PRIOR_WEIGHT = 5.0
 CHANGE_RUN, CHANGE_SIGMAS = 8, 2.0
 # The data's memory (0.99 per completion: ~100 completions).
 FORGET = 0.99
