@@ -199,6 +199,7 @@ class PriorTiedFit:
             self._xty *= self.forget
             self._xtx += w * np.outer(v, v)
             self._xty += w * y * v
-            self.theta = np.linalg.solve(self._lambda + self._xtx, self._lambda_prior + self._xty)
+            solved = np.linalg.solve(self._lambda + self._xtx, self._lambda_prior + self._xty)
+            self.theta = np.asarray(solved, dtype=np.float64)
         self.samples += 1
         return residual

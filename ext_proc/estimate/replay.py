@@ -24,8 +24,10 @@ A step takes  a + b * prefill tokens + e * attention work + c * decodes + d * co
 read by the decodes  (the engine profile's own formulas, estimate/profile.py). The
 replay returns how much of each of those the request's wait and prefill hold (its
 `features`); the time is their dot product with the coefficients. `StepFit` learns one
-multiplier per coefficient per backend from every streamed completion (recursive least
-squares on relative error, estimate/online_fit.py), starting from the profile's.
+multiplier per coefficient per backend from every streamed completion, starting from the
+profile's: a common speed in log space and a shape tied to the profile's by a prior that
+is never forgotten (estimate/online_fit.py), outliers not fitted; and it falls back to the
+profile's coefficients while its recent error is worse than theirs.
 
 Pure: no clock, no I/O.
 """
@@ -279,7 +281,8 @@ class StepFit:
         # the shape, on relative error at the speed just learned
         predicted = self.speed * float(shaped.sum())
         scale = max(predicted, measured_ms)
-        self._shape.update((self.speed * self.prior * features / scale).tolist(), measured_ms / scale)
+        x = self.speed * self.prior * features / scale
+        self._shape.update(x.tolist(), measured_ms / scale)
 
     def _judge(self, fit_ms: float, profile_ms: float, measured_ms: float) -> None:
         self._fit_errors.append(min(MAX_ERROR, abs(fit_ms - measured_ms) / measured_ms))
@@ -301,8 +304,10 @@ class StepFit:
         elif not self.using_fit and fit_mape < profile_mape:
             self.using_fit = True
             self.why = f"back to the fit: {said}"
+        elif not self.using_fit:
+            self.why = f"fell back to the profile: {said}"
         elif n >= MIN_JUDGED:
-            self.why = f"{'fit' if self.using_fit else 'profile'}: {said}"
+            self.why = f"the fit: {said}"
 
 
 @dataclass(frozen=True)
