@@ -159,7 +159,7 @@ def _budgeted(
 #   profile's speed worth SPEED_PRIOR_WEIGHT completions, a residual beyond 3 robust sigmas
 #   counts as 3), except that a shift that persists (CHANGE_RUN completions in a row off by
 #   more than CHANGE_SIGMAS the same way) is a change of engine: the speed's confidence is
-#   reset to the prior's, so it follows within a few completions instead of a hundred;
+#   reset to the prior's, so it follows within a few tens of completions, not hundreds;
 # - the shape is tied to the profile's by a prior worth SHAPE_PRIOR_WEIGHT unit-feature
 #   completions that is never forgotten (`PriorTiedFit`, ridge toward 1): a coefficient
 #   carrying a small share of each TTFT moves only on much evidence, and two that trade
@@ -175,6 +175,7 @@ FORGET = 0.99
 HUBER_SIGMAS, REJECT_SIGMAS = 2.0, 5.0
 # A multiplier stays within these: a coefficient is never negative, nor absurd.
 MIN_MULTIPLIER, MAX_MULTIPLIER = 0.05, 20.0
+LOG_MIN_SPEED, LOG_MAX_SPEED = math.log(MIN_MULTIPLIER), math.log(MAX_MULTIPLIER)
 # The fit and the profile are judged side by side on the same completions, over the last
 # DIVERGENCE_WINDOW: the fit is set aside for the profile when its error is over
 # FALLBACK_RATIO times the profile's plus FALLBACK_MARGIN (and the window holds at least
@@ -270,6 +271,7 @@ class StepFit:
         self._judge(float(self.fitted @ features), float(self.prior @ features), measured_ms)
         # the speed, in log space
         residual = self._speed.update([1.0], math.log(measured_ms / float(shaped.sum())))
+        self._speed.theta = np.clip(self._speed.theta, LOG_MIN_SPEED, LOG_MAX_SPEED)
         sigma = MAD_TO_SIGMA * (self._speed.scale or 0.0)
         off = 0 if abs(residual) <= CHANGE_SIGMAS * sigma else (1 if residual > 0 else -1)
         self._run = self._run + off if off and (self._run * off) >= 0 else off

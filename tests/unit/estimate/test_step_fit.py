@@ -152,3 +152,12 @@ def test_the_prior_holds_a_direction_the_data_does_not_tell() -> None:
         fit.update([s, s], 3.0 * s)  # the sum is 3
     assert fit.theta.sum() == pytest.approx(3.0, rel=0.03)
     assert fit.theta[0] == pytest.approx(fit.theta[1], rel=0.02)
+
+
+def test_an_engine_beyond_the_bounds_is_held_at_them() -> None:
+    fit = StepFit(THETA)
+    feed(fit, samples(400), lambda _, f: 100.0 * float(THETA @ f))
+    assert fit.speed == pytest.approx(MAX_MULTIPLIER)
+    assert (fit.multipliers <= MAX_MULTIPLIER).all()
+    f = samples(1, seed=5)[0]
+    assert fit.ms(f) <= MAX_MULTIPLIER * float(THETA @ f) * 1.0001
