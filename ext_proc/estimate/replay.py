@@ -24,8 +24,10 @@ A step takes  a + b * prefill tokens + e * attention work + c * decodes + d * co
 read by the decodes  (the engine profile's own formulas, estimate/profile.py). The
 replay returns how much of each of those the request's wait and prefill hold (its
 `features`); the time is their dot product with the coefficients. `StepFit` learns one
-multiplier per coefficient per backend from every streamed completion (recursive least
-squares on relative error, estimate/online_fit.py), starting from the profile's.
+multiplier per coefficient per backend from every streamed completion, starting from the
+profile's: a common speed in log space and a shape tied to the profile's by a prior that
+is never forgotten (estimate/online_fit.py), outliers not fitted; and it falls back to the
+profile's coefficients while its recent error is worse than theirs.
 
 Pure: no clock, no I/O.
 """
@@ -33,6 +35,7 @@ Pure: no clock, no I/O.
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -41,7 +44,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ext_proc.estimate.cost import QueueItem
-from ext_proc.estimate.online_fit import OnlineFit
+from ext_proc.estimate.online_fit import MAD_TO_SIGMA, OnlineFit, PriorTiedFit
 from ext_proc.estimate.profile import EngineProfile
 
 SCHEDULERS = ("sglang", "vllm")
@@ -148,39 +151,111 @@ def _budgeted(
     return ahead_f, marks[-1]
 
 
-# How many completions the profile's coefficients are worth, and the memory of the fit
-# (0.99 per sample: ~100 completions).
-PRIOR_WEIGHT = 20.0
+# The step model is the profile's coefficients x a common speed x a shape multiplier per
+# feature (docs/cost-model.md, "Replay"). An engine is most likely the profile's shape at
+# another speed, so:
+# - the speed is learned as the learned speed factors are (estimate/online_fit.py
+#   `OnlineFit` on log(measured / predicted): every completion's ratio counts alike, the
+#   profile's speed worth SPEED_PRIOR_WEIGHT completions, a residual beyond 3 robust sigmas
+#   counts as 3), except that a shift that persists (CHANGE_RUN completions in a row off by
+#   more than CHANGE_SIGMAS the same way) is a change of engine: the speed's confidence is
+#   reset to the prior's, so it follows within a few tens of completions, not hundreds;
+# - the shape is tied to the profile's by a prior worth SHAPE_PRIOR_WEIGHT unit-feature
+#   completions that is never forgotten (`PriorTiedFit`, ridge toward 1): a coefficient
+#   carrying a small share of each TTFT moves only on much evidence, and two that trade
+#   against each other cannot run away together.
+SPEED_PRIOR_WEIGHT = 2.0
+SHAPE_PRIOR_WEIGHT = 5.0
+CHANGE_RUN, CHANGE_SIGMAS = 8, 2.0
+# The data's memory (0.99 per completion: ~100 completions).
 FORGET = 0.99
+# For the shape: a completion off by more than HUBER_SIGMAS robust standard deviations of
+# the relative residual counts less, beyond REJECT_SIGMAS not at all (a stall, a
+# preemption).
+HUBER_SIGMAS, REJECT_SIGMAS = 2.0, 5.0
 # A multiplier stays within these: a coefficient is never negative, nor absurd.
 MIN_MULTIPLIER, MAX_MULTIPLIER = 0.05, 20.0
+LOG_MIN_SPEED, LOG_MAX_SPEED = math.log(MIN_MULTIPLIER), math.log(MAX_MULTIPLIER)
+# The fit and the profile are judged side by side on the same completions, over the last
+# DIVERGENCE_WINDOW: the fit is set aside for the profile when its error is over
+# FALLBACK_RATIO times the profile's plus FALLBACK_MARGIN (and the window holds at least
+# MIN_JUDGED), and taken back once it is below the profile's. Each completion's error is
+# capped at MAX_ERROR so one stall does not decide alone.
+DIVERGENCE_WINDOW = 32
+MIN_JUDGED = 16
+FALLBACK_RATIO, FALLBACK_MARGIN = 1.1, 0.02
+MAX_ERROR = 5.0
 
 
 class StepFit:
-    """One backend's step coefficients: the profile's, times a multiplier per feature
-    learned from completions (relative error: a 100 ms miss on a 200 ms TTFT weighs as
-    much as a 5 s miss on a 10 s one)."""
+    """One backend's step coefficients: the profile's times a multiplier per feature (a
+    common speed times a shape, learned from completions), and whether the router uses
+    them or the profile's, judged by their errors side by side."""
 
     def __init__(self, prior: Features) -> None:
         self.prior = prior
-        self._fit = OnlineFit([1.0] * len(prior), PRIOR_WEIGHT, FORGET, scale=0.1)
+        k = len(prior)
+        self._speed = OnlineFit([0.0], SPEED_PRIOR_WEIGHT, FORGET, scale=0.1)
+        self._shape = PriorTiedFit(
+            [1.0] * k, np.eye(k) * SHAPE_PRIOR_WEIGHT, FORGET, HUBER_SIGMAS, REJECT_SIGMAS, 0.1
+        )
+        self._run = 0  # completions in a row off the same way (+ slower, - faster)
+        self.changes = 0
+        # Each judged completion's relative error: the fit's (before it learned from it)
+        # and the profile's.
+        self._fit_errors: deque[float] = deque(maxlen=DIVERGENCE_WINDOW)
+        self._profile_errors: deque[float] = deque(maxlen=DIVERGENCE_WINDOW)
+        self.using_fit = True
+        self.fallbacks = 0
+        self.why = "no completion judged yet: the fit starts at the profile's coefficients"
 
     @property
     def coefficients(self) -> Features:
+        """The coefficients the replay uses: the fit's, or the profile's after a fallback."""
+        return self.fitted if self.using_fit else self.prior
+
+    @property
+    def fitted(self) -> Features:
         return self.prior * self.multipliers
 
     @property
+    def speed(self) -> float:
+        """The engine's common speed against its profile (> 1 slower)."""
+        return math.exp(float(self._speed.theta[0]))
+
+    @property
     def multipliers(self) -> Features:
-        return np.clip(self._fit.theta, MIN_MULTIPLIER, MAX_MULTIPLIER)
+        return np.clip(self.speed * self._shape.theta, MIN_MULTIPLIER, MAX_MULTIPLIER)
 
     @property
     def samples(self) -> int:
-        return self._fit.samples
+        return self._speed.samples
+
+    @property
+    def fit_mape(self) -> float | None:
+        e = self._fit_errors
+        return sum(e) / len(e) if e else None
+
+    @property
+    def profile_mape(self) -> float | None:
+        e = self._profile_errors
+        return sum(e) / len(e) if e else None
 
     def as_json(self) -> dict[str, Any]:
+        fit_mape, profile_mape = self.fit_mape, self.profile_mape
         return {
+            "using": "fit" if self.using_fit else "profile",
+            "why": self.why,
+            "speed": round(self.speed, 4),
             "multipliers": dict(zip(FEATURES, self.multipliers.round(4).tolist(), strict=True)),
             "samples": self.samples,
+            "changes": self.changes,
+            "outliers_rejected": self._shape.rejected,
+            "outliers_downweighted": self._shape.downweighted,
+            "fit_mape": None if fit_mape is None else round(fit_mape, 4),
+            "profile_mape": None if profile_mape is None else round(profile_mape, 4),
+            "judged": len(self._fit_errors),
+            "fallbacks": self.fallbacks,
         }
 
     def ms(self, features: Features) -> float:
@@ -189,12 +264,52 @@ class StepFit:
     def observe(self, features: Features, measured_ms: float) -> None:
         """A request whose engine time (first token, less the trip and what was credited)
         was `measured_ms`, with the replay's `features` at its dispatch."""
-        predicted = self.ms(features)
+        shaped = self.prior * features * np.clip(self._shape.theta, MIN_MULTIPLIER, None)
+        predicted = self.speed * float(shaped.sum())
         if measured_ms <= 0 or predicted <= 0:
             return
+        self._judge(float(self.fitted @ features), float(self.prior @ features), measured_ms)
+        # the speed, in log space
+        residual = self._speed.update([1.0], math.log(measured_ms / float(shaped.sum())))
+        self._speed.theta = np.clip(self._speed.theta, LOG_MIN_SPEED, LOG_MAX_SPEED)
+        sigma = MAD_TO_SIGMA * (self._speed.scale or 0.0)
+        off = 0 if abs(residual) <= CHANGE_SIGMAS * sigma else (1 if residual > 0 else -1)
+        self._run = self._run + off if off and (self._run * off) >= 0 else off
+        if abs(self._run) >= CHANGE_RUN:
+            # a shift that persists: another engine, or one that changed; not a stall
+            self._speed.reset_confidence(SPEED_PRIOR_WEIGHT)
+            self.changes += 1
+            self._run = 0
+        # the shape, on relative error at the speed just learned
+        predicted = self.speed * float(shaped.sum())
         scale = max(predicted, measured_ms)
-        self._fit.update((self.prior * features / scale).tolist(), measured_ms / scale)
-        self._fit.theta = np.clip(self._fit.theta, MIN_MULTIPLIER, MAX_MULTIPLIER)
+        x = self.speed * self.prior * features / scale
+        self._shape.update(x.tolist(), measured_ms / scale)
+
+    def _judge(self, fit_ms: float, profile_ms: float, measured_ms: float) -> None:
+        self._fit_errors.append(min(MAX_ERROR, abs(fit_ms - measured_ms) / measured_ms))
+        self._profile_errors.append(min(MAX_ERROR, abs(profile_ms - measured_ms) / measured_ms))
+        fit_mape, profile_mape = self.fit_mape or 0.0, self.profile_mape or 0.0
+        n = len(self._fit_errors)
+        said = (
+            f"over the last {n} completions the fit's TTFT error is {fit_mape:.1%}, "
+            f"the profile's {profile_mape:.1%}"
+        )
+        if (
+            self.using_fit
+            and n >= MIN_JUDGED
+            and fit_mape > FALLBACK_RATIO * profile_mape + FALLBACK_MARGIN
+        ):
+            self.using_fit = False
+            self.fallbacks += 1
+            self.why = f"fell back to the profile: {said}"
+        elif not self.using_fit and fit_mape < profile_mape:
+            self.using_fit = True
+            self.why = f"back to the fit: {said}"
+        elif not self.using_fit:
+            self.why = f"fell back to the profile: {said}"
+        elif n >= MIN_JUDGED:
+            self.why = f"the fit: {said}"
 
 
 @dataclass(frozen=True)

@@ -89,6 +89,10 @@ def backend_rows(router: Router, state: dict[str, Any]) -> list[dict[str, Any]]:
                 "prefix_why": prefix_why(b),
                 "ttft_mape": ttft["mape"],
                 "ttft_bias_ms": ttft["bias_ms"],
+                # routing.ttft_model: replay: the step model in use ("fit" or "profile")
+                # and why (None: the replay is not in use there)
+                "step_model": None if b["step_model"] is None else b["step_model"]["using"],
+                "step_model_why": None if b["step_model"] is None else b["step_model"]["why"],
                 "models": None
                 if models is None
                 else [*models["base"], *sorted(models.get("adapters") or {})],

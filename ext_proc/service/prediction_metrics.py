@@ -50,6 +50,22 @@ def latency_prediction_gauges(backends: Iterable[BackendState]) -> Iterable[Metr
         yield from (mape, bias)
 
 
+def step_model_gauges(backends: Iterable[BackendState]) -> Iterable[Metric]:
+    """gorgo_step_model_fit_in_use{backend}: 1 while the replay uses the backend's fitted
+    step model, 0 while it fell back to the profile's coefficients (its fit's recent error
+    worse than the profile's); no sample where the replay is not in use."""
+    in_use = GaugeMetricFamily(
+        "gorgo_step_model_fit_in_use",
+        "1 while the replay uses the backend's fitted step model, 0 while it fell back to "
+        "the profile (routing.ttft_model: replay)",
+        labels=["backend"],
+    )
+    for b in backends:
+        if b.learned.step is not None:
+            in_use.add_metric([b.id], 1 if b.learned.step.using_fit else 0)
+    yield in_use
+
+
 def served_model_gauges(backends: Iterable[BackendState]) -> Iterable[Metric]:
     """gorgo_backend_model{backend, model, kind}: 1 per model a backend may be sent (its
     engine's /v1/models or config), kind "base" or "adapter" (a LoRA adapter)."""

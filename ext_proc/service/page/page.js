@@ -120,13 +120,15 @@ function drawFleet(f) {
       : '<span class="muted">no report</span>';
     const h = hits.get(b.id);
     const bias = b.ttft_bias_ms === null ? "" : ` <span class="muted">bias ${ms(b.ttft_bias_ms)} ms</span>`;
+    const step = b.step_model === null ? ""
+      : `<div class="why" title="${esc(b.step_model_why)}">step model: ${esc(b.step_model)}</div>`;
     return `<tr data-backend="${esc(b.id)}">
       <td><b>${esc(b.id)}</b></td><td>${esc(b.region)}</td><td>${badges.join("")}</td>
       <td class="num">${ms(b.rtt_ms)} ± ${ms(b.rtt_std_ms)}</td><td class="num">${ms(b.queue_ms)}</td>
       <td class="num">${b.in_flight}</td><td>${engine}</td>
       <td><span class="badge b-${esc(b.prefix_state)}">${esc(b.prefix_state)}</span><div class="why">${esc(b.prefix_why)}</div></td>
       <td class="num">${h && h[1] ? pct(h[0] / h[1]) : "–"}</td>
-      <td class="num">${pct(b.ttft_mape)}${bias}</td>
+      <td class="num">${pct(b.ttft_mape)}${bias}${step}</td>
       <td class="why">${b.models === null ? '<span class="muted">unknown</span>' : esc(b.models.join(", "))}</td></tr>`;
   });
   document.querySelector("#fleet tbody").innerHTML = rows.join("");

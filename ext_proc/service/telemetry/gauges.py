@@ -14,7 +14,11 @@ from ext_proc.common.build import package_version
 from ext_proc.core.features import prefix_state
 from ext_proc.core.pipeline import FLOW_OUTCOMES, Director
 from ext_proc.core.router import Router
-from ext_proc.service.prediction_metrics import latency_prediction_gauges, served_model_gauges
+from ext_proc.service.prediction_metrics import (
+    latency_prediction_gauges,
+    served_model_gauges,
+    step_model_gauges,
+)
 from ext_proc.vocab.types import BackendLifecycle, PrefixState
 
 
@@ -61,6 +65,7 @@ class LiveGauges(Collector):
         yield from self._tuner()
         yield from self._prefix_state()
         yield from latency_prediction_gauges(self.router.backends.values())
+        yield from step_model_gauges(self.router.backends.values())
         yield from served_model_gauges(self.router.backends.values())
         yield self._lifecycle()
 

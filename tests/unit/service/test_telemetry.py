@@ -497,3 +497,47 @@ async def test_a_dispatch_is_recorded_on_the_loops_next_turn_and_before_its_clos
     assert (ended["p2"].attributes or {})["gorgo.status"] == "shutdown"
     assert ended["p1"].start_time is not None and ended["p1"].end_time is not None
     assert ended["p1"].start_time <= ended["p1"].end_time
+
+
+def test_the_step_model_in_use_is_exported_on_state_the_gauge_and_the_page() -> None:
+    from ext_proc.estimate.profile import load_profile
+    from ext_proc.estimate.replay import Prompt, profile_coefficients, replay_features
+    from ext_proc.service.operator_page import backend_rows
+
+    router, clock = make_router(
+        "gorgo", backends=["a", "b"], routing={"ttft_model": "replay"}, timeout_s=600
+    )
+    telemetry = Telemetry(TelemetryConfig(), router, InMemorySpanExporter())
+    router.subscribe(telemetry)
+    d = router.decide(chat(rid="r0", text="question"))
+    clock.advance(0.2)
+    router.first_byte(d.request_id)
+    router.close(d.request_id, Status.OK, e2e_ms=900.0)
+    for b in ("a", "b"):  # both replayed as candidates: both fits in use
+        assert _sample(telemetry, "gorgo_step_model_fit_in_use", backend=b) == 1
+        assert router.snapshot()["backends"][b]["step_model"]["using"] == "fit"
+    # backend a: a long stall taken for the engine's speed, then the engine as its profile
+    # again; its fit is far off, the profile right: it falls back by itself
+    theta = profile_coefficients(load_profile())
+    fit = router.backends["a"].step_fit
+    _, f = replay_features("sglang", 4096, [Prompt(3000, 0)], Prompt(2000, 0), 4, 8000)
+    for i in range(140):
+        fit.observe(f, (10.0 if i < 100 else 1.0) * float(theta @ f))
+    assert _sample(telemetry, "gorgo_step_model_fit_in_use", backend="a") == 0
+    assert _sample(telemetry, "gorgo_step_model_fit_in_use", backend="b") == 1
+    state = router.snapshot()
+    shown = state["backends"]["a"]["step_model"]
+    assert shown["using"] == "profile" and shown["fallbacks"] == 1
+    assert shown["why"].startswith("fell back to the profile")
+    assert shown["fit_mape"] > shown["profile_mape"]
+    rows = {r["id"]: r for r in backend_rows(router, state)}
+    assert rows["a"]["step_model"] == "profile" and rows["b"]["step_model"] == "fit"
+    assert rows["a"]["step_model_why"] == shown["why"]
+
+
+def test_without_the_replay_no_step_model_is_shown() -> None:
+    router, _ = make_router("gorgo", backends=["a"])
+    telemetry = Telemetry(TelemetryConfig(), router, InMemorySpanExporter())
+    router.decide(chat(rid="r0", text="question"))
+    assert "gorgo_step_model_fit_in_use{" not in telemetry.metrics.render().decode()
+    assert router.snapshot()["backends"]["a"]["step_model"] is None
