@@ -24,7 +24,7 @@ from ext_proc.core.router import NoRoom, Router
 from ext_proc.feeds.peers import Head
 from ext_proc.flow.classify import Objectives
 from ext_proc.flow.queue import FlowQueue, Waiting
-from ext_proc.flow.room import has_room
+from ext_proc.flow.room import Mix, has_room, within_caps
 from ext_proc.flow.shared import Claims, Releases
 from ext_proc.vocab.errors import RATE_LIMITED, UNAVAILABLE
 from ext_proc.vocab.events import Closed, Dispatched, Listener
@@ -106,6 +106,8 @@ class Director:
         self.queue = FlowQueue(settings) if settings.enabled else None
         if self.queue is not None:
             router.subscribe(_InEngine(self.queue))
+        # The classes arriving: with one alone, holding cannot gain (flow.room.Mix).
+        self.mix = Mix()
         # Several routers over one view (`shared`; default: a fleet bus is configured):
         # one release per backend until the bus confirms it, and no room taken that a
         # peer's higher band waits for (flow.shared). None: alone.
@@ -161,6 +163,7 @@ class Director:
             tokens=(request.llm.input_tokens if request.llm else 0) + output_tokens(request),
             protected_ms=self.objectives.protected_ms(objective),
         )
+        self.mix.seen((w.priority, w.tenant, w.objective, request.ttft_slo_ms), now_s)
         if not self.queue:  # nobody waits: straight through when a backend has room
             outcome = self._try(w, served)
             if outcome is not None:
@@ -324,6 +327,8 @@ class Director:
         claims = None if starved else self.claims
 
         releases = self.releases
+        # One class arriving, not sheddable: waiting can only delay it (flow.room.Mix).
+        gated = w.sheddable or self.mix.mixed(now_s)
 
         def room(c: Candidate) -> bool:
             if releases is not None and releases.blocked(c.backend_id):
@@ -332,6 +337,8 @@ class Director:
                 c.backend_id, w.priority, w.deadline_s, w.arrival_s
             ):
                 return False  # a peer's higher band waits for this room
+            if not gated:
+                return within_caps(c, settings)
             ahead_ms = c.prefill_ms if c.by_priority else c.unstarted_ms + c.prefill_ms
             return ahead_ms <= protect_ms and has_room(c, settings)
 

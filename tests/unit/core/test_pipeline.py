@@ -76,10 +76,20 @@ FLOW = {
 }
 
 
-def flow_router(backends: Sequence[BackendSpec] = ()) -> tuple[Director, FakeClock]:
+def flow_router(
+    backends: Sequence[BackendSpec] = (), mixed: bool = True
+) -> tuple[Director, FakeClock]:
     one: list[BackendSpec] = [{"id": "a", "address": "127.0.0.1:1", "region": "eu"}]
     router, clock = make_router("gorgo", backends=backends or one, flow_control=FLOW)
-    return Director(router), clock
+    director = Director(router)
+    if mixed:
+        another_class(director)
+    return director, clock
+
+
+def another_class(director: Director) -> None:
+    """A request of another class arrived a moment ago: holding can gain (flow.room.Mix)."""
+    director.mix.seen((99, "another tenant", "", 0.0), director.router.clock())
 
 
 def busy(director: Director, backend: str = "a", prefill_ms: float = 5000.0) -> None:
@@ -174,6 +184,7 @@ def test_a_full_band_is_refused_429_and_a_client_gone_leaves_the_queue() -> None
     flow = {"enabled": True, "max_queued_requests": 1, "retry_after_s": 0.25}
     router, _ = make_router("gorgo", backends=["a"], flow_control=flow)
     director = Director(router)
+    another_class(director)
     busy(director)
     first = director.handle(chat(rid="r1"))
     assert isinstance(first, Queued)
@@ -195,6 +206,7 @@ def test_a_lower_band_does_not_put_a_long_prefill_ahead_of_a_higher_bands_slo() 
     }
     router, clock = make_router("gorgo", backends=["a"], flow_control=flow)
     director = Director(router)
+    another_class(director)
     long_prompt = "many words " * 6000
     big = director.handle(replace(chat(long_prompt, rid="big"), objective="batch"))
     # an idle backend, but its prefill (> 500 ms, half the interactive SLO) would hold it
@@ -208,6 +220,40 @@ def test_a_lower_band_does_not_put_a_long_prefill_ahead_of_a_higher_bands_slo() 
     director.pump()
     [(w, out)] = director.released
     assert w is big.ticket and isinstance(out, Routed)
+
+
+def test_one_class_alone_goes_straight_through_without_room_as_without_flow_control() -> None:
+    director, clock = flow_router(mixed=False)
+    busy(director, prefill_ms=120_000)  # two minutes of prefill ahead: no room
+    out = director.handle(replace(chat(rid="r1"), objective="batch"))
+    # one class, not sheddable: waiting could only delay it (its order is arrival order)
+    assert isinstance(out, Routed) and out.decision.waited_ms == 0.0
+    assert director.counts["straight"] == 1 and not director.queue
+    # another class arrives: the queue can put it first, so both wait for room
+    assert isinstance(director.handle(replace(chat(rid="r2"), objective="interactive")), Queued)
+    assert isinstance(director.handle(replace(chat(rid="r3"), objective="batch")), Queued)
+    clock.advance(59.9)  # the interactive class last seen 59.9 s ago: still two classes
+    director.pump()
+    assert [type(o) for _, o in director.released] == [Refused]  # r3: batch waits 20 s
+    director.released.clear()
+    clock.advance(0.1)  # 60 s on: neither class arrived within the window
+    director.pump()
+    director.released.clear()
+    out = director.handle(replace(chat(rid="r4"), objective="batch"))
+    assert isinstance(out, Routed) and out.decision.waited_ms == 0.0
+
+
+def test_one_class_alone_still_sheds_and_keeps_the_caps() -> None:
+    director, _ = flow_router(mixed=False)
+    busy(director)  # 5 s of prefill ahead: its 1 s SLO cannot be met
+    out = director.handle(replace(chat(rid="r1"), objective="cheap"))
+    assert isinstance(out, Refused) and out.refusal.reason == "rejected-slo"  # sheddable
+    router, _ = make_router(
+        "gorgo", backends=["a"], flow_control={"enabled": True, "max_waiting_requests": 1}
+    )
+    capped = Director(router)
+    assert isinstance(capped.handle(chat(rid="c1")), Routed)
+    assert isinstance(capped.handle(chat(rid="c2")), Queued)  # one waits there already
 
 
 # -- several routers over one view (flow.shared) -------------------------------------------

@@ -173,6 +173,8 @@ def test_a_lower_band_may_go_where_only_its_own_prefill_can_delay_a_higher_one()
             flow_control=flow,
         )
         director = Director(router)
+        # an interactive request arrived a moment ago: holding can gain (flow.room.Mix)
+        director.mix.seen((10, "", "interactive", 0.0), router.clock())
         load(router, "peer", "a", 3000, 10, prefill_ms=250)  # batch work not yet started
         outcomes[setting] = director.handle(
             replace(chat("many words " * 1500, rid="m"), objective="batch")

@@ -388,7 +388,17 @@ def test_a_request_held_in_the_gateway_queue_goes_with_its_body_when_released() 
         policy="gorgo",
         flow_control={
             "enabled": True,
-            "objectives": [{"name": "batch", "priority": 0, "max_wait_s": 60}],
+            # sheddable (its SLO met once room comes): held even as the only class
+            # arriving (flow.room.Mix)
+            "objectives": [
+                {
+                    "name": "batch",
+                    "priority": 0,
+                    "max_wait_s": 60,
+                    "ttft_slo_ms": 60_000,
+                    "sheddable": True,
+                }
+            ],
         },
     )
     for b in ("near", "mid", "far"):  # 5 s of prefill not yet started everywhere: no room
