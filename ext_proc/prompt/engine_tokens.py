@@ -53,6 +53,14 @@ EDGE_CHARS = 256
 # At most this many cut points are tried per prompt, from the last back (a chat turn adds
 # a few special tokens; an agent's turn with many tool calls a few dozen).
 MAX_PROBES = 1024
+# The cache's memory, besides its count of entries: a paper-shaped chat's late turns are
+# some 9k tokens, an entry ~180 kB (its text, the ids' tuple and their packing), so 512
+# entries could hold ~90 MB (the engine twin's 180 MB after 4,000 such prompts). 64 MiB
+# keeps the last turn of a few hundred long conversations, what multi-turn reuse needs.
+MAX_CACHE_BYTES = 64 * 2**20
+# An entry's bytes, counted: its text's characters plus, per id, the tuple's pointer and
+# the packing's int64 (the int objects are mostly shared with the entry it grew from).
+BYTES_PER_ID = 16
 
 
 @dataclass(frozen=True)
@@ -87,18 +95,25 @@ class CacheStats:
 
 class PromptCache:
     """Token ids of texts, reusing the ids of an earlier text that is the new one's
-    beginning up to a special token. A bounded LRU of `entries` earlier prompts."""
+    beginning up to a special token. An LRU of earlier prompts bounded twice: at most
+    `entries` of them and `max_bytes` in all (`entry_bytes`; one larger alone is not
+    kept)."""
 
     def __init__(
         self,
         encode: Callable[[str], list[int]],
         boundaries: Boundaries | None,
         entries: int,
+        max_bytes: int = MAX_CACHE_BYTES,
     ) -> None:
+        if max_bytes < 0:
+            raise ValueError(f"prompt cache: max_bytes must be >= 0, got {max_bytes}")
         self._encode = encode
         self._boundaries = boundaries if entries > 0 else None
         self._entries = entries
+        self._max_bytes = max_bytes
         self._lru: OrderedDict[tuple[int, int, int], _Entry] = OrderedDict()
+        self.bytes = 0
         self.stats = CacheStats()
         # A long prompt is tokenized in a worker thread while the loop tokenizes short
         # ones: the look-up and the remembering are locked, the encoding is not.
@@ -106,6 +121,10 @@ class PromptCache:
 
     def __len__(self) -> int:
         return len(self._lru)
+
+    @staticmethod
+    def entry_bytes(text: str, n_ids: int) -> int:
+        return len(text) + BYTES_PER_ID * n_ids
 
     @staticmethod
     def _key(text: str, cut: int) -> tuple[int, int, int]:
@@ -163,10 +182,14 @@ class PromptCache:
         n_ids = len(ids) - next(i for i, t in enumerate(reversed(tail)) if t in b.ids)
         cut = new_cuts[-1]
         key = self._key(text, cut)
+        replaced = self._lru.pop(key, None)
+        if replaced is not None:
+            self.bytes -= self.entry_bytes(replaced.text, len(replaced.ids))
         self._lru[key] = _Entry(text, cut, ids, n_ids)
-        self._lru.move_to_end(key)
-        while len(self._lru) > self._entries:
-            self._lru.popitem(last=False)
+        self.bytes += self.entry_bytes(text, len(ids))
+        while self._lru and (len(self._lru) > self._entries or self.bytes > self._max_bytes):
+            _, old = self._lru.popitem(last=False)
+            self.bytes -= self.entry_bytes(old.text, len(old.ids))
 
 
 # Requests' own chat templates kept compiled (vLLM accepts one per request).

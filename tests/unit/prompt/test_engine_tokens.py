@@ -399,3 +399,34 @@ def test_threads_tokenizing_at_once_get_whole_tokenizations(engine: EngineTokeni
         )
     assert got == [whole(engine, m) for m in turns * 3]
     assert shared.cache.stats.hits > 0
+
+
+def test_the_cache_is_bounded_by_bytes_as_well(engine: EngineTokenizer) -> None:
+    """Long prompts fill the byte bound before the count of entries: the oldest go, the
+    count of bytes stays at or under it, and reuse still finds the last turn."""
+    limit = 40_000
+    cache = PromptCache(engine.tokenizer.ids, engine.tokenizer.boundaries()[0], 512, limit)
+    rng = random.Random(3)
+    texts = []
+    for i in range(40):
+        words = " ".join(f"w{rng.randint(0, 999)}" for _ in range(400))
+        text = engine.template.render([{"role": "user", "content": f"{i} {words}"}])
+        texts.append(text)
+        assert cache.ids(text) == tuple(engine.tokenizer.ids(text))
+        assert 0 < cache.bytes <= limit
+        kept = sum(PromptCache.entry_bytes(e.text, len(e.ids)) for e in cache._lru.values())
+        assert cache.bytes == kept  # the count is the entries' own sum
+    assert 1 <= len(cache) < 40  # the bytes bound, not the 512 entries, took the old ones
+    hits = cache.stats.hits
+    follow = texts[-1] + "<|im_start|>assistant\nyes<|im_end|>\n"
+    assert cache.ids(follow) == tuple(engine.tokenizer.ids(follow))
+    assert cache.stats.hits == hits + 1  # the newest entry is still there to reuse
+
+
+def test_an_entry_larger_than_the_bound_is_not_kept(engine: EngineTokenizer) -> None:
+    cache = PromptCache(engine.tokenizer.ids, engine.tokenizer.boundaries()[0], 8, 100)
+    text = engine.template.render([{"role": "user", "content": "x " * 200}])
+    assert cache.ids(text) == tuple(engine.tokenizer.ids(text))
+    assert (len(cache), cache.bytes) == (0, 0)
+    with pytest.raises(ValueError, match="max_bytes"):
+        PromptCache(engine.tokenizer.ids, None, 8, -1)
