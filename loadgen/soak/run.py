@@ -451,6 +451,12 @@ class Soak:
                 f"(x{flat.fds_ratio:.3f}): {'flat' if flat.flat else 'NOT flat'}",
                 file=self.out,
             )
+        else:  # said, not passed over: a short run cannot judge memory
+            print(
+                f"memory not judged: the run is too short for two {FLAT_WINDOW_S / 60:.0f}-minute "
+                "windows after the warm-up (15 minutes or more judge it)",
+                file=self.out,
+            )
         result = {
             "minutes": self.opts.minutes,
             "time_scale": self.opts.time_scale,
