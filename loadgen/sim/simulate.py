@@ -33,6 +33,7 @@ from ext_proc.core.pipeline import Director, Outcome, Queued, Refused, Routed
 from ext_proc.core.router import Router
 from ext_proc.estimate.profile import EngineProfile, load_profile
 from ext_proc.feeds.engine_metrics import EngineReport
+from ext_proc.feeds.server_info import EngineScheduling
 from ext_proc.prompt.parse import COMPLETIONS
 from ext_proc.vocab.request import LlmRequest
 from ext_proc.vocab.types import Refusal, RouteRequest, Status
@@ -188,9 +189,14 @@ class Simulation:
         # bus confirms it, as live (ext_proc.flow.shared).
         shared = settings.share_dispatches and len(self.routers) > 1
         self.directors = {id(router): Director(router, shared) for router in self.routers}
+        prio = settings.engine_priority
         for router in self.routers:  # as discovery reads each engine's /v1/models at start
             for r in settings.regions:
                 router.inputs.record_models(r, self.served[r])
+                if prio is not None:  # and SGLang's /server_info (priority_scheduling: auto)
+                    router.inputs.record_scheduling(
+                        r, EngineScheduling(True, low_values_first=prio.low_values_first)
+                    )
         kinds = (_PEER, _CONFIRM)
         self.bus = Bus(
             self.routers_at, self.directors, lambda: self.now_s, self._push, kinds, self._room

@@ -72,3 +72,14 @@ def test_low_values_first_turns_the_sign(tmp_path: Path) -> None:
     assert set(sim.engines["ap-seoul"].stats.submitted_by_priority) == {"-10", "0"}
     _, off = run(tmp_path, None)
     assert on["interactive"] < 0.6 * off["interactive"]
+
+
+def test_the_routers_read_the_engines_setting_as_from_server_info(tmp_path: Path) -> None:
+    """With the engines' priority scheduling on, each router knows it as it would from
+    SGLang's /server_info (`priority_scheduling: auto`): it writes the class there and
+    predicts an interactive request's wait from the work of its class and above only."""
+    sim, _ = run(tmp_path, PriorityScheduling(low_values_first=True))
+    writing = sim.router.backends["ap-seoul"].priority
+    assert writing.writes and writing.lower_first
+    off_sim, _ = run(tmp_path, None)
+    assert not off_sim.router.backends["ap-seoul"].priority.writes
