@@ -8,6 +8,7 @@ from collections.abc import Callable, Mapping, Sequence
 from ext_proc.config.schema import Routing
 from ext_proc.core.state import FleetState
 from ext_proc.estimate.latency_model import MIN_DECODE_TOKENS
+from ext_proc.estimate.output_length import keys_for
 from ext_proc.estimate.prediction import prediction_error
 from ext_proc.estimate.profile import EngineProfile
 from ext_proc.learn.settings import EXCESS_TTFT
@@ -96,10 +97,30 @@ class SpeedLearner(Listener):
         speed.observe_ttft(profile_ms, engine_ms)
         if rec.replay_features is not None and speed.learn:
             b.step_fit.observe(rec.replay_features, engine_ms + rec.replay_credit_ms)
-        out = rec.output_tokens
-        if out >= MIN_DECODE_TOKENS:
-            step_ms = (rec.predicted_e2e_ms - rec.predicted_ttft_ms) / out / rec.decode_factor
+        # The mean step predicted (its decode replay over the output it was expected to
+        # generate, in profile ms) against the mean step it had over the output it did
+        # generate (its budget when the count is not known).
+        expected = rec.expected_output_tokens or rec.output_tokens
+        out = rec.output_tokens if e.output_tokens is None else e.output_tokens
+        if out >= MIN_DECODE_TOKENS and expected >= 2:
+            decode_ms = rec.predicted_e2e_ms - rec.predicted_ttft_ms
+            step_ms = decode_ms / (expected - 1) / rec.decode_factor
             speed.observe_decode(step_ms, (e.e2e_ms - e.ttft_ms) / (out - 1))
+
+
+class OutputLearner(Listener):
+    """Learns the output lengths (estimate/output_length.py) from the completions whose
+    generated token count is known, by the request's model, objective and tenant."""
+
+    def __init__(self, state: FleetState) -> None:
+        self.state = state
+
+    def on_close(self, e: Closed) -> None:
+        if e.status != Status.OK or e.output_tokens is None:
+            return
+        rec = e.record
+        keys = keys_for(rec.model, rec.objective, rec.tenant)
+        self.state.output_lengths.observe(keys, e.output_tokens, rec.max_output_tokens)
 
 
 class Ejector(Listener):

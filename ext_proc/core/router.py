@@ -306,11 +306,13 @@ class Router:
         cached_tokens: int | None = None,
         served_by: str | None = None,
         reason: str = "",
+        output_tokens: int | None = None,
     ) -> Closed | None:
         """The one way a request ends, however it ends; idempotent (a second call returns
         None). served_by: the backend that answered, if known (or `inputs.served_by`): if
         not the chosen one (Envoy retried a connect failure elsewhere), it failed over.
-        `reason`: what ended it, for the log and /state."""
+        `reason`: what ended it, for the log and /state. `output_tokens`: the tokens it
+        generated, when the caller knows them."""
         now_s = self.clock()
         state = self._fleet.state
         served_ok = status == Status.OK
@@ -334,6 +336,7 @@ class Router:
             cached_tokens=cached_tokens,
             reason=reason,
             served_ok=served_ok and served_by in state.backends,
+            output_tokens=output_tokens,
         )
         for listener in self._listeners:
             listener.on_close(event)
@@ -398,6 +401,10 @@ def in_flight_record(
         queue_ms=chosen.wait_ms,
         predicted_ttft_ms=chosen.predicted_ttft_ms,
         predicted_e2e_ms=chosen.predicted_e2e_ms,
+        expected_output_tokens=chosen.expected_output_tokens,
+        max_output_tokens=request.llm.max_output_tokens if request.llm else None,
+        objective=request.objective,
+        tenant=request.tenant,
         prefill_factor=speed.prefill_factor,
         decode_factor=speed.decode_factor,
         model=model,

@@ -421,9 +421,8 @@ class Simulation:
                 self._push(free_s, _ARRIVE, (r, origin, door, access_ms))
                 return
             self._door_free_s[door] = self.now_s + self.s.door_spacing_ms / 1000
-        llm = LlmRequest(
-            COMPLETIONS, ("",), (r.input_tokens,), r.output_tokens, True, r.model, None
-        )
+        max_tokens = self.s.protocol.sent_max_tokens(r.output_tokens)
+        llm = LlmRequest(COMPLETIONS, ("",), (r.input_tokens,), max_tokens, True, r.model, None)
         per = max(1, r.block_tokens // self.router_block_tokens)
         blocks = _sub_blocks(r.block_ids, per, 1)[: r.input_tokens // self.router_block_tokens]
         engine_keys = None
@@ -570,7 +569,13 @@ class Simulation:
         del self._link_of[rid], self._last_emit_s[rid]
         if (conn := self._conn_of.pop(rid, None)) is not None:
             self._conns_busy[conn] -= 1
-        self._router_of.pop(rid).close(rid, Status.OK, at_door_ms, cached_tokens=res.cached_tokens)
+        self._router_of.pop(rid).close(
+            rid,
+            Status.OK,
+            at_door_ms,
+            cached_tokens=res.cached_tokens,
+            output_tokens=res.output_tokens,
+        )
         if self.hook is not None:
             self.hook(res, self.router)
 
