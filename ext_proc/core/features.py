@@ -21,6 +21,7 @@ from ext_proc.core.terms.catalog import TERMS
 from ext_proc.core.terms.queue import queue_ms, reported_waiting_ms
 from ext_proc.estimate.chain import chain_keys
 from ext_proc.estimate.cost import QueueItem, ahead_of, unstarted_ms
+from ext_proc.estimate.decode_replay import length_kind
 from ext_proc.estimate.output_length import DEFAULT_OUTPUT_TOKENS, OutputLengths, keys_for
 from ext_proc.estimate.prefix import Hashes, as_hashes, leading_true
 from ext_proc.estimate.replay import Prompt, ReplayEstimate, estimate
@@ -50,7 +51,7 @@ def expected_output_tokens(lengths: OutputLengths, request: RouteRequest) -> flo
     tenant, its max_tokens the cap (estimate/output_length.py)."""
     llm = request.llm
     keys = keys_for(llm.model if llm else None, request.objective, request.tenant)
-    return lengths.expected(keys, llm.max_output_tokens if llm else None)
+    return lengths.expected(keys, llm.max_output_tokens if llm else None, request.session_key)
 
 
 def kv_tokens(request: RouteRequest) -> int:
@@ -257,6 +258,7 @@ class Features:
         need_kv = kv_tokens(request)
         out_tokens = output_tokens(request)
         expected_out = expected_output_tokens(state.output_lengths, request)
+        kind = length_kind(expected_out, request.llm.max_output_tokens if request.llm else None)
         bt = self.fleet.cfg.routing.block_tokens
         model = request.llm.model if request.llm else None
         active = [b for b in serving(state, model) if b.lifecycle is _ACTIVE]
@@ -310,6 +312,7 @@ class Features:
                 else None,
                 by_priority=by_priority,
                 expected_output_tokens=expected_out,
+                decode_calibration=state.decode_calibration.multiplier((b.id, kind)),
             )
             if x.replay is not None:
                 self.replays[b.id] = x.replay
@@ -332,6 +335,7 @@ class Features:
                     unstarted_ms=_unstarted_ms(x) if self.flow_control else 0.0,
                     by_priority=by_priority,
                     expected_output_tokens=expected_out,
+                    decode_calibration=x.decode_calibration,
                     terms=terms,
                 )
             )

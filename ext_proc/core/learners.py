@@ -7,6 +7,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from ext_proc.config.schema import Routing
 from ext_proc.core.state import FleetState
+from ext_proc.estimate.decode_replay import length_kind
 from ext_proc.estimate.latency_model import MIN_DECODE_TOKENS
 from ext_proc.estimate.output_length import keys_for
 from ext_proc.estimate.prediction import prediction_error
@@ -103,24 +104,41 @@ class SpeedLearner(Listener):
         expected = rec.expected_output_tokens or rec.output_tokens
         out = rec.output_tokens if e.output_tokens is None else e.output_tokens
         if out >= MIN_DECODE_TOKENS and expected >= 2:
-            decode_ms = rec.predicted_e2e_ms - rec.predicted_ttft_ms
+            decode_ms = (rec.predicted_e2e_ms - rec.predicted_ttft_ms) / rec.decode_calibration
             step_ms = decode_ms / (expected - 1) / rec.decode_factor
             speed.observe_decode(step_ms, (e.e2e_ms - e.ttft_ms) / (out - 1))
 
 
 class OutputLearner(Listener):
     """Learns the output lengths (estimate/output_length.py) from the completions whose
-    generated token count is known, by the request's model, objective and tenant."""
+    generated token count is known, by the request's model, objective and tenant; and
+    each backend's decode calibration from every completion's E2E
+    (estimate/decode_replay.py DecodeCalibration)."""
 
     def __init__(self, state: FleetState) -> None:
         self.state = state
 
     def on_close(self, e: Closed) -> None:
-        if e.status != Status.OK or e.output_tokens is None:
+        if e.status != Status.OK:
             return
         rec = e.record
+        if (
+            rec.expected_output_tokens is not None
+            and rec.predicted_e2e_ms is not None
+            and rec.predicted_ttft_ms is not None
+        ):
+            kind = length_kind(rec.expected_output_tokens, rec.max_output_tokens)
+            self.state.decode_calibration.observe(
+                (rec.backend, kind),
+                rec.predicted_e2e_ms + rec.waited_ms,
+                rec.predicted_e2e_ms - rec.predicted_ttft_ms,
+                e.e2e_ms,
+            )
+        if e.output_tokens is None:
+            return
         keys = keys_for(rec.model, rec.objective, rec.tenant)
-        self.state.output_lengths.observe(keys, e.output_tokens, rec.max_output_tokens)
+        lengths = self.state.output_lengths
+        lengths.observe(keys, e.output_tokens, rec.max_output_tokens, rec.session)
 
 
 class Ejector(Listener):

@@ -405,6 +405,8 @@ def in_flight_record(
         max_output_tokens=request.llm.max_output_tokens if request.llm else None,
         objective=request.objective,
         tenant=request.tenant,
+        session=request.session_key,
+        decode_calibration=chosen.decode_calibration,
         prefill_factor=speed.prefill_factor,
         decode_factor=speed.decode_factor,
         model=model,

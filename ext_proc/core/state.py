@@ -12,6 +12,7 @@ from collections import OrderedDict, deque
 from collections.abc import Iterator, Mapping
 
 from ext_proc.core.backend import BackendState
+from ext_proc.estimate.decode_replay import DecodeCalibration
 from ext_proc.estimate.output_length import OutputLengths
 from ext_proc.estimate.profile import EngineProfile
 from ext_proc.feeds.engine_metrics import EngineReport
@@ -45,6 +46,8 @@ class FleetState:
         # The output lengths learned from this router's completions (the decode's
         # prediction, estimate/output_length.py).
         self.output_lengths = OutputLengths()
+        # The predicted decode's calibration to the E2E's relative error, per backend.
+        self.decode_calibration = DecodeCalibration()
 
     def is_adapter(self, model: str) -> bool:
         """Whether some backend's engine serves `model` as a LoRA adapter."""

@@ -12,12 +12,19 @@ A request's expected output is then  p_hit * cap + (1 - p_hit) * E[min(X, cap)] 
 E[X]). The most specific key with enough completions answers; none: the cap, or
 `DEFAULT_OUTPUT_TOKENS` (a typical chat answer) without one.
 
+A conversation's turns are alike (on the shared conversation trace successive turns'
+output lengths correlate 0.53): so E[min(X, cap)] is shrunk toward the session's own
+recent outputs, (S + K * E) / (N + K) with S and N its decayed sum and count
+(SESSION_DECAY per turn) and K = SESSION_PRIOR turns; the last MAX_SESSIONS sessions
+are kept.
+
 Pure: no clock.
 """
 
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -38,6 +45,15 @@ N_BUCKETS = 20 * BUCKETS_PER_OCTAVE + 1
 HIT_SHARE = 0.98
 # The prior on "the cap is the length": worth this many completions.
 HIT_PRIOR_WEIGHT = 2.0
+
+# A session's earlier turns count SESSION_DECAY less per turn; the key's mean is worth
+# SESSION_PRIOR turns of its own (both measured on the shared conversation trace: the
+# median relative error of the next turn's length 0.29 against 0.37 for the mean alone).
+SESSION_DECAY = 0.8
+SESSION_PRIOR = 1.0
+# Sessions remembered (least recently ended forgotten first): a few hours of a busy
+# router's conversations, ~100 bytes each.
+MAX_SESSIONS = 50_000
 
 Key = tuple[str, ...]
 
@@ -102,23 +118,36 @@ class OutputLengths:
 
     def __init__(self) -> None:
         self._keys: dict[Key, _Lengths] = {}
+        # session -> (decayed sum, decayed count) of its uncapped outputs
+        self._sessions: OrderedDict[str, tuple[float, float]] = OrderedDict()
 
-    def observe(self, keys: Sequence[Key], tokens: int, cap: int | None) -> None:
+    def observe(
+        self, keys: Sequence[Key], tokens: int, cap: int | None, session: str | None = None
+    ) -> None:
         """A completion of `tokens` output tokens whose request set `cap` (None: none), for
-        every key it belongs to (most specific first, the most general last)."""
+        every key it belongs to (most specific first, the most general last), and its
+        session (None: none known)."""
         if tokens <= 0:
             return
         for key in keys:
             self._keys.setdefault(key, _Lengths()).observe(tokens, cap)
+        if session is not None and not (cap is not None and tokens >= HIT_SHARE * cap):
+            s, n = self._sessions.pop(session, (0.0, 0.0))
+            self._sessions[session] = (s * SESSION_DECAY + tokens, n * SESSION_DECAY + 1)
+            if len(self._sessions) > MAX_SESSIONS:
+                self._sessions.popitem(last=False)
 
-    def expected(self, keys: Sequence[Key], cap: int | None) -> float:
+    def expected(self, keys: Sequence[Key], cap: int | None, session: str | None = None) -> float:
         """The expected output of a request of these keys (most specific first) that set
-        `cap` (None: none): the first key with MIN_WEIGHT of completions answers."""
+        `cap` (None: none), in `session` (None: none known): the first key with MIN_WEIGHT
+        of completions answers."""
         for key in keys:
             k = self._keys.get(key)
             if k is None or k.seen < MIN_WEIGHT:
                 continue
             below = k.mean_below(cap)
+            if below is not None:
+                below = self._in_session(session, below, cap)
             if cap is None:
                 if below is not None:
                     return below
@@ -126,6 +155,14 @@ class OutputLengths:
             p = k.p_hit
             return p * cap + (1 - p) * (below if below is not None else cap)
         return float(cap) if cap is not None else float(DEFAULT_OUTPUT_TOKENS)
+
+    def _in_session(self, session: str | None, mean: float, cap: int | None) -> float:
+        """The key's mean shrunk toward the session's own outputs (module docstring)."""
+        if session is None or (seen := self._sessions.get(session)) is None:
+            return mean
+        s, n = seen
+        own = s / n if cap is None else min(s / n, cap)
+        return (own * n + SESSION_PRIOR * mean) / (n + SESSION_PRIOR)
 
     def as_json(self) -> dict[str, dict[str, float | int | None]]:
         """Per key ("model/objective=x"...): completions, the share that stopped at their

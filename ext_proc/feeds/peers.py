@@ -11,9 +11,8 @@ the others'. Pure: events in, JSON out, and back.
 
 from __future__ import annotations
 
-import math
-
 import enum
+import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any

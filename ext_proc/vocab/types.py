@@ -119,6 +119,9 @@ class Candidate:
     # The output the request is expected to generate (its max_tokens, or learned:
     # estimate/output_length.py): its predicted decode and E2E rest on it.
     expected_output_tokens: float = 0.0
+    # The multiplier its predicted decode carries (estimate/decode_replay.py
+    # DecodeCalibration).
+    decode_calibration: float = 1.0
     # Each registered cost term's value there, by name, in registration order (ms for
     # the built-in ones: docs/cost-model.md).
     terms: Mapping[str, float] = field(default_factory=dict)
@@ -252,6 +255,10 @@ class InFlight:
     max_output_tokens: int | None = None
     objective: str = ""
     tenant: str = ""
+    # Its session key (RouteRequest.session_key; None: none): its turns' lengths are alike.
+    session: str | None = None
+    # The multiplier its predicted decode carried (Candidate.decode_calibration).
+    decode_calibration: float = 1.0
     # The backend's learned speed factors when it was chosen (its estimates carry them).
     prefill_factor: float = 1.0
     decode_factor: float = 1.0

@@ -34,10 +34,10 @@ class Protocol:
     request_max_tokens: str = "output"
 
     def __post_init__(self) -> None:
-        v = self.request_max_tokens
-        if v not in ("output", "none") and not (v.isdigit() and int(v) >= 1):
+        sent = self.request_max_tokens
+        if sent not in ("output", "none") and not (sent.isdigit() and int(sent) >= 1):
             raise ValueError(
-                f"--request-max-tokens must be output, none or a positive integer, got {v!r}"
+                f"--request-max-tokens must be output, none or a positive integer, got {sent!r}"
             )
         for flag, v in (
             ("--max-concurrency", self.max_concurrency),

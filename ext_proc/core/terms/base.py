@@ -54,3 +54,6 @@ class TermInputs:
     # The output it is expected to generate (its max_tokens, or learned:
     # estimate/output_length.py; None: its budget, `output_tokens`).
     expected_output_tokens: float | None = None
+    # The multiplier on its predicted decode there (estimate/decode_replay.py
+    # DecodeCalibration).
+    decode_calibration: float = 1.0

@@ -1,7 +1,8 @@
 """The request's own decode there, predicted: its decode steps replayed in the batch it
 will decode in (estimate/decode_replay.py: those decoding there and those ahead of it,
-each until its expected output is done), with the profile's step time and the backend's
-learned decode speed (docs/cost-model.md, "E2E"). Not in any score: the predicted E2E."""
+each until its expected output is done), with the profile's step time, the backend's
+learned decode speed and its decode calibration (docs/cost-model.md, "E2E"). Not in any
+score: the predicted E2E."""
 
 from __future__ import annotations
 
@@ -48,4 +49,4 @@ def decode_ms(x: TermInputs, terms: Mapping[str, float]) -> float:
     out = x.output_tokens if x.expected_output_tokens is None else x.expected_output_tokens
     others = decoders(x.items, x.now_s, x.step_ms)
     profile_ms = replay_decode_ms(x.backend.profile, x.input_tokens + 1, out - 1, others)
-    return profile_ms * x.speed.decode_factor
+    return profile_ms * x.speed.decode_factor * x.decode_calibration
