@@ -72,9 +72,9 @@ class SpeedLearner(Listener):
     """Teaches each backend's latency model (ext_proc/estimate/latency_model.py) from its
     streamed completions: the engine's part of the TTFT (TTFT - RTT) against what the
     profile predicted for it (queue + prefill, without the model's factor), and the mean
-    decode step against the profile's step for the batch it joined. The output count is
-    the request's budget: exact when clients ask for lengths, an overestimate of the
-    step's count (so a step read too fast) when generation stops early."""
+    decode step against the profile's mean step over its replayed decode. The output count
+    is the one generated when the caller reports it (the simulator), else the one expected
+    (its max_tokens, or learned): a step read off when the expectation was."""
 
     def __init__(self, state: FleetState) -> None:
         self.state = state
@@ -100,9 +100,9 @@ class SpeedLearner(Listener):
             b.step_fit.observe(rec.replay_features, engine_ms + rec.replay_credit_ms)
         # The mean step predicted (its decode replay over the output it was expected to
         # generate, in profile ms) against the mean step it had over the output it did
-        # generate (its budget when the count is not known).
+        # generate (the expected output when the count is not known).
         expected = rec.expected_output_tokens or rec.output_tokens
-        out = rec.output_tokens if e.output_tokens is None else e.output_tokens
+        out = round(expected) if e.output_tokens is None else e.output_tokens
         if out >= MIN_DECODE_TOKENS and expected >= 2:
             decode_ms = (rec.predicted_e2e_ms - rec.predicted_ttft_ms) / rec.decode_calibration
             step_ms = decode_ms / (expected - 1) / rec.decode_factor

@@ -43,7 +43,7 @@ N_BUCKETS = 20 * BUCKETS_PER_OCTAVE + 1
 # A completion "stopped at its max_tokens" when it generated at least this share of it
 # (an engine may stop a token or two short: a stop string, the end of the context).
 HIT_SHARE = 0.98
-# The prior on "the cap is the length": worth this many completions.
+# The prior on "the cap is the length": worth this many completions, forgotten as they are.
 HIT_PRIOR_WEIGHT = 2.0
 
 # A session's earlier turns count SESSION_DECAY less per turn; the key's mean is worth
@@ -70,10 +70,10 @@ class _Lengths:
     weight: list[float] = field(default_factory=lambda: [0.0] * N_BUCKETS)
     total: list[float] = field(default_factory=lambda: [0.0] * N_BUCKETS)
     # the decayed count of completions, of those that set a cap, and of those that
-    # reached it
+    # reached it (the latter two starting at the prior's, forgotten like the data's)
     seen: float = 0.0
-    capped: float = 0.0
-    hit: float = 0.0
+    capped: float = HIT_PRIOR_WEIGHT
+    hit: float = HIT_PRIOR_WEIGHT
     completions: int = 0
 
     @property
@@ -97,8 +97,8 @@ class _Lengths:
 
     @property
     def p_hit(self) -> float:
-        """The share that stopped at their cap, the prior (all did) worth HIT_PRIOR_WEIGHT."""
-        return (self.hit + HIT_PRIOR_WEIGHT) / (self.capped + HIT_PRIOR_WEIGHT)
+        """The share that stopped at their cap (the prior: all did)."""
+        return self.hit / self.capped
 
     def mean_below(self, cap: int | None) -> float | None:
         """E[min(X, cap)] over the uncapped lengths (None: none seen)."""
