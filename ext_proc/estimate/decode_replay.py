@@ -122,13 +122,15 @@ class DecodeCalibration:
         self._log[key] = min(math.log(MAX_CALIBRATION), max(math.log(MIN_CALIBRATION), log))
         self.samples[key] = self.samples.get(key, 0) + 1
 
-    def as_json(self) -> dict[str, dict[str, float | int]]:
+    def backend_json(self, backend: str) -> dict[str, dict[str, float | int]]:
+        """{"known"|"learned": {"multiplier", "samples"}} for the kinds it has seen."""
         return {
-            f"{backend}/{kind}": {
-                "multiplier": round(self.multiplier((backend, kind)), 4),
-                "samples": self.samples.get((backend, kind), 0),
+            kind: {
+                "multiplier": round(self.multiplier((b, kind)), 4),
+                "samples": self.samples.get((b, kind), 0),
             }
-            for backend, kind in self._log
+            for b, kind in self._log
+            if b == backend
         }
 
 

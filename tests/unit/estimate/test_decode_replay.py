@@ -75,6 +75,8 @@ def test_the_calibration_is_bounded() -> None:
     for _ in range(1000):
         cal.observe(("a", "known"), 10.0, 10.0, 20.0)  # always under: up, to the bound
     assert cal.multiplier(("a", "known")) == pytest.approx(5.0)
+    assert cal.backend_json("a") == {"known": {"multiplier": 5.0, "samples": 1000}}
+    assert cal.backend_json("b") == {}
 
 
 @pytest.mark.parametrize(
