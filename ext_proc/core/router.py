@@ -306,13 +306,11 @@ class Router:
         cached_tokens: int | None = None,
         served_by: str | None = None,
         reason: str = "",
-        output_tokens: int | None = None,
     ) -> Closed | None:
         """The one way a request ends, however it ends; idempotent (a second call returns
         None). served_by: the backend that answered, if known (or `inputs.served_by`): if
         not the chosen one (Envoy retried a connect failure elsewhere), it failed over.
-        `reason`: what ended it, for the log and /state. `output_tokens`: the tokens it
-        generated, when the caller knows them."""
+        `reason`: what ended it, for the log and /state."""
         now_s = self.clock()
         state = self._fleet.state
         served_ok = status == Status.OK
@@ -336,7 +334,6 @@ class Router:
             cached_tokens=cached_tokens,
             reason=reason,
             served_ok=served_ok and served_by in state.backends,
-            output_tokens=output_tokens,
         )
         for listener in self._listeners:
             listener.on_close(event)

@@ -65,9 +65,6 @@ class Closed:
     # FAILED_OVER: the backend that served it (`served_by`) answered with success, so its
     # E2E is that backend's.
     served_ok: bool = False
-    # The output tokens it generated, when the caller knows them (the simulator; None:
-    # not known).
-    output_tokens: int | None = None
 
 
 @dataclass(frozen=True)

@@ -242,8 +242,9 @@ def test_the_decode_step_is_judged_over_the_output_expected_and_the_output_gener
         decode_calibration=0.5,
         predicted_ttft_ms=1000.0,
         predicted_e2e_ms=3000.0,
+        generated_tokens=31,
     )
-    SpeedLearner(state).on_close(closed(rec, ttft_ms=1000.0, e2e_ms=2900.0, output_tokens=31))
+    SpeedLearner(state).on_close(closed(rec, ttft_ms=1000.0, e2e_ms=2900.0))
     # known: 1,900 ms over the 30 steps it had (not its budget's)
     (step,) = speed.decode
     assert step == pytest.approx((2000 / 40 / 0.5 / 2.0, 1900 / 30))
@@ -264,8 +265,9 @@ def test_the_output_learner_learns_lengths_and_the_calibration() -> None:
             session="s",
             predicted_ttft_ms=1000.0,
             predicted_e2e_ms=3000.0,
+            generated_tokens=100,
         )
-        learner.on_close(closed(rec, e2e_ms=2000.0, output_tokens=100))
+        learner.on_close(closed(rec, e2e_ms=2000.0))
     keys = [("", "tenant=t"), ("",)]
     assert state.output_lengths.expected(keys, None) == pytest.approx(100)
     # 20 E2Es over-predicted (3,000 against 2,000): the decode's multiplier stepped down
@@ -274,7 +276,7 @@ def test_the_output_learner_learns_lengths_and_the_calibration() -> None:
         math.exp(-20 * 0.03)
     )
     # a failure teaches nothing
-    learner.on_close(closed(rec, Status.ERROR, output_tokens=5))
+    learner.on_close(closed(replace(rec, generated_tokens=5), Status.ERROR))
     assert state.decode_calibration.samples[("a", "learned")] == 20
 
 
