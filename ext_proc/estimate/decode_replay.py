@@ -14,7 +14,7 @@ profile's own formula (`EngineProfile.decode_ms`).
 Not replayed: the requests arriving while it decodes, whose prefills stall it (SGLang
 runs a waiting prefill before the next decode step) and who join its batch. Replaying
 them at the backend's recent arrival rate was measured and made the prediction worse
-(conversation trace, uniform and mixed-gpus fleets, ts 3 and 6: E2E MAPE +0.2 to +2.7
+(conversation trace, uniform and mixed-gpus fleets, ts 3 and 6: E2E MAPE +0.2 to +1.9
 points): their effect is mostly noise at dispatch (which prompts arrive, how long), and
 its mean is what the calibration takes in.
 
