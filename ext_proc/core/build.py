@@ -9,6 +9,7 @@ from dataclasses import replace
 from ext_proc.config.schema import Config, TunerMode
 from ext_proc.core.learners import (
     Ejector,
+    OutputLearner,
     PredictionLearner,
     PrefixLearner,
     SpeedLearner,
@@ -75,11 +76,12 @@ def build_router(
 
 def learners(router: Router, tuner: Tuner | None) -> list[Listener]:
     """What learns from each outcome, in the order it hears: the prefix index, each
-    backend's speed, ejection, the prediction figures, the tuner's arms."""
+    backend's speed, the output lengths, ejection, the prediction figures, the tuner's arms."""
     state, cfg = router.fleet.state, router.cfg
     out: list[Listener] = [
         PrefixLearner(state, cfg.routing.block_tokens),
         SpeedLearner(state),
+        OutputLearner(state),
         Ejector(state, cfg.routing),
         PredictionLearner(state),
     ]

@@ -21,6 +21,8 @@ from ext_proc.core.terms.catalog import TERMS
 from ext_proc.core.terms.queue import queue_ms, reported_waiting_ms
 from ext_proc.estimate.chain import chain_keys
 from ext_proc.estimate.cost import QueueItem, ahead_of, unstarted_ms
+from ext_proc.estimate.decode_replay import length_kind
+from ext_proc.estimate.output_length import DEFAULT_OUTPUT_TOKENS, OutputLengths, keys_for
 from ext_proc.estimate.prefix import Hashes, as_hashes, leading_true
 from ext_proc.estimate.replay import Prompt, ReplayEstimate, estimate
 from ext_proc.feeds.engine_metrics import EngineReport
@@ -30,8 +32,6 @@ from ext_proc.vocab.types import BackendLifecycle, Candidate, InFlight, PrefixSt
 # How long after its first token a request is surely in the engine's next load report: a
 # scrape's own delay, the gauges' update.
 REPORT_SLACK_MS = 250.0
-# Output budget assumed when a request names no max tokens (KV and decode estimates).
-DEFAULT_OUTPUT_TOKENS = 256
 _ACTIVE = BackendLifecycle.ACTIVE
 
 
@@ -44,6 +44,14 @@ def output_tokens(request: RouteRequest) -> int:
     """The request's output budget (its max tokens), else a typical chat answer."""
     llm = request.llm
     return llm.max_output_tokens if llm and llm.max_output_tokens else DEFAULT_OUTPUT_TOKENS
+
+
+def expected_output_tokens(lengths: OutputLengths, request: RouteRequest) -> float:
+    """The output the request is expected to generate: learned by its model, objective and
+    tenant, its max_tokens the cap (estimate/output_length.py)."""
+    llm = request.llm
+    keys = keys_for(llm.model if llm else None, request.objective, request.tenant)
+    return lengths.expected(keys, llm.max_output_tokens if llm else None, request.session_key)
 
 
 def kv_tokens(request: RouteRequest) -> int:
@@ -249,6 +257,8 @@ class Features:
         input_tokens = sum(lengths)
         need_kv = kv_tokens(request)
         out_tokens = output_tokens(request)
+        expected_out = expected_output_tokens(state.output_lengths, request)
+        kind = length_kind(expected_out, request.llm.max_output_tokens if request.llm else None)
         bt = self.fleet.cfg.routing.block_tokens
         model = request.llm.model if request.llm else None
         active = [b for b in serving(state, model) if b.lifecycle is _ACTIVE]
@@ -301,6 +311,8 @@ class Features:
                 if self.replay
                 else None,
                 by_priority=by_priority,
+                expected_output_tokens=expected_out,
+                decode_calibration=state.decode_calibration.multiplier((b.id, kind)),
             )
             if x.replay is not None:
                 self.replays[b.id] = x.replay
@@ -322,6 +334,8 @@ class Features:
                     else 0,
                     unstarted_ms=_unstarted_ms(x) if self.flow_control else 0.0,
                     by_priority=by_priority,
+                    expected_output_tokens=expected_out,
+                    decode_calibration=x.decode_calibration,
                     terms=terms,
                 )
             )
@@ -359,6 +373,7 @@ class Features:
                 r.input_tokens - r.cached_tokens,
                 r.cached_tokens,
                 r.priority,
+                r.expected_output_tokens,
             )
             for r in records
         ]

@@ -7,7 +7,9 @@ from collections.abc import Callable, Mapping, Sequence
 
 from ext_proc.config.schema import Routing
 from ext_proc.core.state import FleetState
+from ext_proc.estimate.decode_replay import length_kind
 from ext_proc.estimate.latency_model import MIN_DECODE_TOKENS
+from ext_proc.estimate.output_length import keys_for
 from ext_proc.estimate.prediction import prediction_error
 from ext_proc.estimate.profile import EngineProfile
 from ext_proc.learn.settings import EXCESS_TTFT
@@ -70,9 +72,9 @@ class SpeedLearner(Listener):
     """Teaches each backend's latency model (ext_proc/estimate/latency_model.py) from its
     streamed completions: the engine's part of the TTFT (TTFT - RTT) against what the
     profile predicted for it (queue + prefill, without the model's factor), and the mean
-    decode step against the profile's step for the batch it joined. The output count is
-    the request's budget: exact when clients ask for lengths, an overestimate of the
-    step's count (so a step read too fast) when generation stops early."""
+    decode step against the profile's mean step over its replayed decode. The output count
+    is the one generated when the caller reports it (the simulator), else the one expected
+    (its max_tokens, or learned): a step read off when the expectation was."""
 
     def __init__(self, state: FleetState) -> None:
         self.state = state
@@ -96,10 +98,47 @@ class SpeedLearner(Listener):
         speed.observe_ttft(profile_ms, engine_ms)
         if rec.replay_features is not None and speed.learn:
             b.step_fit.observe(rec.replay_features, engine_ms + rec.replay_credit_ms)
-        out = rec.output_tokens
-        if out >= MIN_DECODE_TOKENS:
-            step_ms = (rec.predicted_e2e_ms - rec.predicted_ttft_ms) / out / rec.decode_factor
+        # The mean step predicted (its decode replay over the output it was expected to
+        # generate, in profile ms) against the mean step it had over the output it did
+        # generate (the expected output when the count is not known).
+        expected = rec.expected_output_tokens or rec.output_tokens
+        out = round(expected) if e.record.generated_tokens is None else e.record.generated_tokens
+        if out >= MIN_DECODE_TOKENS and expected >= 2:
+            decode_ms = (rec.predicted_e2e_ms - rec.predicted_ttft_ms) / rec.decode_calibration
+            step_ms = decode_ms / (expected - 1) / rec.decode_factor
             speed.observe_decode(step_ms, (e.e2e_ms - e.ttft_ms) / (out - 1))
+
+
+class OutputLearner(Listener):
+    """Learns the output lengths (estimate/output_length.py) from the completions whose
+    generated token count is known, by the request's model, objective and tenant; and
+    each backend's decode calibration from every completion's E2E
+    (estimate/decode_replay.py DecodeCalibration)."""
+
+    def __init__(self, state: FleetState) -> None:
+        self.state = state
+
+    def on_close(self, e: Closed) -> None:
+        if e.status != Status.OK:
+            return
+        rec = e.record
+        if (
+            rec.expected_output_tokens is not None
+            and rec.predicted_e2e_ms is not None
+            and rec.predicted_ttft_ms is not None
+        ):
+            kind = length_kind(rec.expected_output_tokens, rec.max_output_tokens)
+            self.state.decode_calibration.observe(
+                (rec.backend, kind),
+                rec.predicted_e2e_ms + rec.waited_ms,
+                rec.predicted_e2e_ms - rec.predicted_ttft_ms,
+                e.e2e_ms,
+            )
+        if e.record.generated_tokens is None:
+            return
+        keys = keys_for(rec.model, rec.objective, rec.tenant)
+        lengths = self.state.output_lengths
+        lengths.observe(keys, e.record.generated_tokens, rec.max_output_tokens, rec.session)
 
 
 class Ejector(Listener):

@@ -12,6 +12,8 @@ from collections import OrderedDict, deque
 from collections.abc import Iterator, Mapping
 
 from ext_proc.core.backend import BackendState
+from ext_proc.estimate.decode_replay import DecodeCalibration
+from ext_proc.estimate.output_length import OutputLengths
 from ext_proc.estimate.profile import EngineProfile
 from ext_proc.feeds.engine_metrics import EngineReport
 from ext_proc.feeds.served_models import ServedModels
@@ -41,6 +43,11 @@ class FleetState:
         self.peer_in_flight: OrderedDict[str, InFlight] = OrderedDict()
         # Every name some engine serves as a LoRA adapter (their blocks are keyed apart).
         self.adapters: frozenset[str] = frozenset()
+        # The output lengths learned from this router's completions (the decode's
+        # prediction, estimate/output_length.py).
+        self.output_lengths = OutputLengths()
+        # The predicted decode's calibration to the E2E's relative error, per backend.
+        self.decode_calibration = DecodeCalibration()
 
     def is_adapter(self, model: str) -> bool:
         """Whether some backend's engine serves `model` as a LoRA adapter."""

@@ -68,6 +68,8 @@ def snapshot(
             "prefix_prediction": b.learned.prediction.as_json(),
             # How far its TTFT and E2E predictions were from what came (MAPE, bias).
             "latency_prediction": b.learned.latency.as_json(),
+            # The predicted decode's multiplier, by whether the output length was known.
+            "decode_calibration": fleet.state.decode_calibration.backend_json(b.id),
             "lifecycle_age_s": round(now_s - b.lifecycle_since_s, 3),
         }
     return {
@@ -78,5 +80,7 @@ def snapshot(
         "in_flight": len(fleet.state.in_flight),
         "backends": backends,
         "removed_backends": fleet.removed_json(now_s),
+        # The output lengths learned (the predicted decode's, estimate/output_length.py).
+        "output_lengths": fleet.state.output_lengths.as_json(),
         "recent_decisions": None if log is None else log.as_json(STATE_DECISIONS),
     }

@@ -74,6 +74,8 @@ class QueueItem:
     cached_tokens: int = 0
     # Its objective's priority (higher: more important; `ahead_of`).
     priority: int = 0
+    # The output it is expected to generate (None: its budget, `output_tokens`).
+    expected_output_tokens: float | None = None
 
     def remaining_ms(self, now_s: float, step_ms: float) -> float:
         """Until it finishes and frees its KV."""

@@ -116,6 +116,12 @@ class Candidate:
     # Its engine schedules by priority (the router writes the request's class): the work
     # counted ahead of the request is its class and above (estimate.cost.ahead_of).
     by_priority: bool = False
+    # The output the request is expected to generate (its max_tokens, or learned:
+    # estimate/output_length.py): its predicted decode and E2E rest on it.
+    expected_output_tokens: float = 0.0
+    # The multiplier its predicted decode carries (estimate/decode_replay.py
+    # DecodeCalibration).
+    decode_calibration: float = 1.0
     # Each registered cost term's value there, by name, in registration order (ms for
     # the built-in ones: docs/cost-model.md).
     terms: Mapping[str, float] = field(default_factory=dict)
@@ -241,6 +247,21 @@ class InFlight:
     # judged against the measured TTFT and E2E at the close (estimate.latency_error).
     predicted_ttft_ms: float | None = None
     predicted_e2e_ms: float | None = None
+    # The output it was expected to generate when chosen (Candidate.expected_output_tokens;
+    # None: a peer's record, whose budget `output_tokens` stands for it).
+    expected_output_tokens: float | None = None
+    # Its max_tokens (None: it set none), objective and tenant ("": none named): its
+    # output length is learned by them (estimate/output_length.py).
+    max_output_tokens: int | None = None
+    objective: str = ""
+    tenant: str = ""
+    # Its session key (RouteRequest.session_key; None: none): its turns' lengths are alike.
+    session: str | None = None
+    # The output tokens it generated, set before its close by a caller that knows them (the
+    # simulator; None: not known).
+    generated_tokens: int | None = None
+    # The multiplier its predicted decode carried (Candidate.decode_calibration).
+    decode_calibration: float = 1.0
     # The backend's learned speed factors when it was chosen (its estimates carry them).
     prefill_factor: float = 1.0
     decode_factor: float = 1.0

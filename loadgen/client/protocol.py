@@ -6,6 +6,10 @@
   dispatch (when it got its slot), as the GORGO paper's 64 client workers measured them.
 - `max_tokens`: every request's output length is set to N (the paper forced 128).
 - `max_input_tokens`: prompts longer than N tokens are dropped before the run, and counted.
+- `request_max_tokens` (the simulator's): what each request says as its `max_tokens`:
+  `output` its output length (so the router knows it in advance), `none` nothing (the
+  router must learn it), or N (a cap: outputs longer than N end at N, the rest as the
+  trace has them).
 
 `open` (no caps: the trace as it is, open loop) and `paper` (64, 128, 24,000: the GORGO
 paper's client) are the presets; explicit values override a preset's.
@@ -27,8 +31,14 @@ class Protocol:
     max_concurrency: int | None = None
     max_tokens: int | None = None
     max_input_tokens: int | None = None
+    request_max_tokens: str = "output"
 
     def __post_init__(self) -> None:
+        sent = self.request_max_tokens
+        if sent not in ("output", "none") and not (sent.isdigit() and int(sent) >= 1):
+            raise ValueError(
+                f"--request-max-tokens must be output, none or a positive integer, got {sent!r}"
+            )
         for flag, v in (
             ("--max-concurrency", self.max_concurrency),
             ("--max-tokens", self.max_tokens),
@@ -56,6 +66,10 @@ class Protocol:
             parts.append(f"max_tokens {self.max_tokens}")
         if self.max_input_tokens is not None:
             parts.append(f"prompts over {self.max_input_tokens:,} tokens dropped")
+        if self.request_max_tokens == "none":
+            parts.append("no max_tokens in the requests")
+        elif self.request_max_tokens != "output":
+            parts.append(f"max_tokens {self.request_max_tokens} in every request (a cap)")
         return f"protocol `{self.name}`: {', '.join(parts)}"
 
     def meta(self) -> dict[str, Any]:
@@ -64,11 +78,19 @@ class Protocol:
             "max_concurrency": self.max_concurrency,
             "max_tokens": self.max_tokens,
             "max_input_tokens": self.max_input_tokens,
+            "request_max_tokens": self.request_max_tokens,
         }
+
+    def sent_max_tokens(self, output_tokens: int) -> int | None:
+        """The `max_tokens` a request of this output length says (None: none)."""
+        if self.request_max_tokens == "output":
+            return output_tokens
+        return None if self.request_max_tokens == "none" else int(self.request_max_tokens)
 
     def apply(self, trace: Sequence[TraceRequest]) -> tuple[list[TraceRequest], int]:
         """The trace this protocol runs: prompts over max_input_tokens dropped, output
-        lengths set to max_tokens; and how many were dropped. Ids stay the trace's."""
+        lengths set to max_tokens (or capped at request_max_tokens); and how many were
+        dropped. Ids stay the trace's."""
         kept = [
             r
             for r in trace
@@ -76,6 +98,9 @@ class Protocol:
         ]
         if self.max_tokens is not None:
             kept = [replace(r, output_tokens=self.max_tokens) for r in kept]
+        if self.request_max_tokens.isdigit():
+            cap = int(self.request_max_tokens)
+            kept = [replace(r, output_tokens=min(r.output_tokens, cap)) for r in kept]
         return kept, len(trace) - len(kept)
 
 
@@ -92,6 +117,7 @@ def protocol_for(
     max_concurrency: int | None = None,
     max_tokens: int | None = None,
     max_input_tokens: int | None = None,
+    request_max_tokens: str = "output",
 ) -> Protocol:
     """A preset with any explicitly given value overriding its own."""
     if preset not in PRESETS:
@@ -101,6 +127,7 @@ def protocol_for(
         base.max_concurrency if max_concurrency is None else max_concurrency,
         base.max_tokens if max_tokens is None else max_tokens,
         base.max_input_tokens if max_input_tokens is None else max_input_tokens,
+        request_max_tokens,
     )
 
 

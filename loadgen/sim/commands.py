@@ -75,6 +75,7 @@ def _simulate(args: argparse.Namespace) -> int:
             max_concurrency=args.max_concurrency,
             max_tokens=args.max_tokens,
             max_input_tokens=args.max_input_tokens,
+            request_max_tokens=args.request_max_tokens,
         )
         trace = load_trace(args.trace)
         base = SimSettings(
@@ -271,6 +272,14 @@ def add_simulate(sub: Any, policies: Sequence[str]) -> None:
         "(default 10, SGLang's)",
     )
     add_protocol_flags(s, "open protocol: no cap")
+    s.add_argument(
+        "--request-max-tokens",
+        default="output",
+        metavar="output|none|N",
+        help="what each request says as max_tokens: output = its output length (the router "
+        "knows it in advance; default), none = nothing (the router learns output lengths), "
+        "N = a cap (outputs longer end at N)",
+    )
     s.set_defaults(func=_simulate)
 
 

@@ -100,13 +100,15 @@ def run_simulations(
                     else f"slip p50/p95 {s['slip_ms']['p50']:.0f}/{s['slip_ms']['p95']:.0f} ms  "
                 )
                 mape, rho = s["ttft_prediction"]["mape"], s["ttft_prediction"]["rho"]
+                e2e_mape = s["e2e_prediction"]["mape"]
                 refused = ", ".join(f"{n} x {code}" for code, n in s["refused"].items())
                 say(
                     f"  {policy:<16} time_scale {ts:<4g} TTFT p50/p95 {s['ttft_ms']['p50']:.0f}/"
                     f"{s['ttft_ms']['p95']:.0f} ms  E2E p95 {s['e2e_ms']['p95']:.0f} ms  {slip}"
                     f"cache prediction error {prediction_error(res.requests):.2%}  "
                     f"TTFT prediction MAPE {'-' if mape is None else f'{mape:.1%}'}, "
-                    f"rank rho {'-' if rho is None else f'{rho:.3f}'}  "
+                    f"rank rho {'-' if rho is None else f'{rho:.3f}'}, "
+                    f"E2E prediction MAPE {'-' if e2e_mape is None else f'{e2e_mape:.1%}'}  "
                     f"{f'refused {refused}  ' if refused else ''}({wall_s:.1f} s)"
                 )
                 if classed is not None:

@@ -427,9 +427,7 @@ class Simulation:
                 self._push(free_s, _ARRIVE, (r, origin, door, access_ms))
                 return
             self._door_free_s[door] = self.now_s + self.s.door_spacing_ms / 1000
-        llm = LlmRequest(
-            COMPLETIONS, ("",), (r.input_tokens,), r.output_tokens, True, r.model, None
-        )
+        llm = _llm(r, self.s.protocol.sent_max_tokens(r.output_tokens))
         per = max(1, r.block_tokens // self.router_block_tokens)
         blocks = _sub_blocks(r.block_ids, per, 1)[: r.input_tokens // self.router_block_tokens]
         engine_keys = None
@@ -576,9 +574,23 @@ class Simulation:
         del self._link_of[rid], self._last_emit_s[rid]
         if (conn := self._conn_of.pop(rid, None)) is not None:
             self._conns_busy[conn] -= 1
-        self._router_of.pop(rid).close(rid, Status.OK, at_door_ms, cached_tokens=res.cached_tokens)
+        _close_ok(self._router_of.pop(rid), res, at_door_ms)
         if self.hook is not None:
             self.hook(res, self.router)
+
+
+def _llm(r: TraceRequest, max_tokens: int | None) -> LlmRequest:
+    """The trace row's request as the router reads it (its max_tokens as the protocol says)."""
+    return LlmRequest(COMPLETIONS, ("",), (r.input_tokens,), max_tokens, True, r.model, None)
+
+
+def _close_ok(router: Router, res: RequestResult, at_door_ms: float) -> None:
+    """The request completed at its door: its cached and output tokens as its engine had
+    them (the engine reports the first; the count generated is known to the client)."""
+    rec = router.in_flight.get(res.id)
+    if rec is not None:
+        rec.generated_tokens = res.output_tokens
+    router.close(res.id, Status.OK, at_door_ms, cached_tokens=res.cached_tokens)
 
 
 def simulate(

@@ -51,3 +51,9 @@ class TermInputs:
     # `items` are those ahead of this request, and the engine's own waiting count loses
     # the router's requests of lower classes.
     by_priority: bool = False
+    # The output it is expected to generate (its max_tokens, or learned:
+    # estimate/output_length.py; None: its budget, `output_tokens`).
+    expected_output_tokens: float | None = None
+    # The multiplier on its predicted decode there (estimate/decode_replay.py
+    # DecodeCalibration).
+    decode_calibration: float = 1.0

@@ -1,29 +1,39 @@
-"""The request's own decode there, predicted: its output budget x the decode step it comes
-at (every request in flight there and itself in the batch, at most the engine's running
-limit; docs/cost-model.md, "What is predicted"). Not in any score: the predicted E2E."""
+"""The request's own decode there, predicted: its decode steps replayed in the batch it
+will decode in (estimate/decode_replay.py: those decoding there and those ahead of it,
+each until its expected output is done), with the profile's step time, the backend's
+learned decode speed and its decode calibration (docs/cost-model.md, "E2E"). Not in any
+score: the predicted E2E."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
-from ext_proc.core.backend import BackendState
 from ext_proc.core.terms.base import TermInputs
+from ext_proc.estimate.cost import QueueItem
+from ext_proc.estimate.decode_replay import Decoder, replay_decode_ms
 from ext_proc.vocab.terms import register_term
 
 
-def newcomer_step_ms(b: BackendState, input_tokens: int, decode_factor: float) -> float:
-    """The decode step a newcomer's tokens come at there: with every request in flight
-    (those ahead will be decoding by the time it is) and itself in the batch, at most the
-    engine's running limit (the rest wait), their prompts as the context. A dispatch-time
-    estimate: who finishes or arrives while it decodes is not foreseen."""
-    profile = b.profile
-    batch = b.load.in_flight + 1
-    running = min(batch, profile.max_running_requests)
-    context = (b.load.in_flight_tokens + input_tokens) * running // batch
-    return profile.decode_ms(running, context) * decode_factor
+def decoders(items: list[QueueItem], now_s: float, step_ms: float) -> list[Decoder]:
+    """The requests in flight as the decode replay sees them: a decoding one has generated
+    a token a step since its first (at the backend's step now), of its expected output."""
+    out = []
+    for it in items:
+        expected = (
+            it.output_tokens if it.expected_output_tokens is None else it.expected_output_tokens
+        )
+        prompt = it.uncached_tokens + it.cached_tokens
+        if it.first_byte_s is None:
+            out.append(Decoder(prompt, expected))
+            continue
+        done = 1 + max(0.0, now_s - it.first_byte_s) * 1000 / step_ms if step_ms > 0 else expected
+        out.append(Decoder(prompt + done, max(0.0, expected - done)))
+    return out
 
 
 @register_term("decode", cost=False)
 def decode_ms(x: TermInputs, terms: Mapping[str, float]) -> float:
-    step_ms = newcomer_step_ms(x.backend, x.input_tokens, x.speed.decode_factor)
-    return x.output_tokens * step_ms
+    out = x.output_tokens if x.expected_output_tokens is None else x.expected_output_tokens
+    others = decoders(x.items, x.now_s, x.step_ms)
+    profile_ms = replay_decode_ms(x.backend.profile, x.input_tokens + 1, out - 1, others)
+    return profile_ms * x.speed.decode_factor * x.decode_calibration

@@ -13,7 +13,7 @@ import pytest
 
 from ext_proc.config.load import config_from_dict
 from ext_proc.core.router import Router
-from ext_proc.core.terms.decode import newcomer_step_ms
+from ext_proc.estimate.decode_replay import replay_decode_ms
 from ext_proc.prompt.parse import CHAT, parse_body
 from ext_proc.vocab.params import ConfigError
 from ext_proc.vocab.types import RouteRequest
@@ -166,10 +166,11 @@ def test_the_predicted_ttft_is_the_sum_of_the_terms_and_e2e_adds_the_decode() ->
         assert c.as_json()["predicted_ttft_ms"] == round(c.predicted_ttft_ms, 3)
     n = a.cached_tokens + a.uncached_tokens
     profile = router.backends["a"].profile
-    # a's batch: the two in flight there and the newcomer, with their prompts as context
-    assert a.decode_ms == 64 * profile.decode_ms(3, 6000 + n)
-    assert a.decode_ms == 64 * newcomer_step_ms(router.backends["a"], n, 1.0)
-    assert b.decode_ms == 64 * profile.decode_ms(1, n) < a.decode_ms
+    # its 64 tokens (max_tokens, believed before any completion says otherwise): 63
+    # decode steps after its first; alone on b, beside the two in flight on a
+    assert a.expected_output_tokens == b.expected_output_tokens == 64
+    assert b.decode_ms == pytest.approx(replay_decode_ms(profile, n + 1, 63, []))
+    assert a.decode_ms > b.decode_ms
     d = router.decide(request)
     rec = router.in_flight["r"]
     assert (rec.predicted_ttft_ms, rec.predicted_e2e_ms) == (

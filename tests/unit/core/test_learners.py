@@ -3,6 +3,7 @@
 prediction figures (PredictionLearner) and the tuner's arms (TunerLearner)."""
 
 import logging
+import math
 import random
 from dataclasses import replace
 from typing import Any
@@ -14,6 +15,7 @@ from ext_proc.core.backend import BackendState
 from ext_proc.core.learners import (
     SETTLED_S,
     Ejector,
+    OutputLearner,
     PredictionLearner,
     PrefixLearner,
     SpeedLearner,
@@ -215,9 +217,67 @@ def test_the_speed_learns_the_engines_part_against_the_profiles() -> None:
     # engine's part of the TTFT: 1,000 less the 100 ms RTT and the 50 ms hold
     (ttft,) = speed.ttft
     assert ttft == pytest.approx((600.0, 850.0))
-    # the step predicted: (3,000 - 1,000) / 20 tokens / 2.0; seen: (2,900 - 1,000) / 19
+    # the mean step predicted: (3,000 - 1,000) / 19 steps after the first token / 2.0;
+    # seen: (2,900 - 1,000) / 19
     (step,) = speed.decode
-    assert step == pytest.approx((50.0, 100.0))
+    assert step == pytest.approx((2000 / 19 / 2.0, 100.0))
+
+
+def test_the_decode_step_is_judged_over_the_output_expected_and_the_output_generated() -> None:
+    speed = taught(expected_output_tokens=41.0, decode_calibration=0.5, output_tokens=4096)
+    # predicted: 2,000 ms over 40 steps, less the calibration and the factor; seen: over
+    # the 40 steps expected when the count is not known (not its budget's 4,095)
+    assert speed.decode[0] == pytest.approx((2000 / 40 / 0.5 / 2.0, 1900 / 40))
+    state = fleet("a")
+    speed = Recorded()
+    state.backends["a"].learned.speed = speed
+    rec = InFlight(
+        "r",
+        "a",
+        0.0,
+        1000,
+        output_tokens=4096,
+        expected_output_tokens=41.0,
+        decode_factor=2.0,
+        decode_calibration=0.5,
+        predicted_ttft_ms=1000.0,
+        predicted_e2e_ms=3000.0,
+        generated_tokens=31,
+    )
+    SpeedLearner(state).on_close(closed(rec, ttft_ms=1000.0, e2e_ms=2900.0))
+    # known: 1,900 ms over the 30 steps it had (not its budget's)
+    (step,) = speed.decode
+    assert step == pytest.approx((2000 / 40 / 0.5 / 2.0, 1900 / 30))
+
+
+def test_the_output_learner_learns_lengths_and_the_calibration() -> None:
+    state = fleet("a")
+    learner = OutputLearner(state)
+    for i in range(20):
+        rec = InFlight(
+            f"r{i}",
+            "a",
+            0.0,
+            1000,
+            output_tokens=256,
+            expected_output_tokens=256.0,
+            tenant="t",
+            session="s",
+            predicted_ttft_ms=1000.0,
+            predicted_e2e_ms=3000.0,
+            generated_tokens=100,
+        )
+        learner.on_close(closed(rec, e2e_ms=2000.0))
+    keys = [("", "tenant=t"), ("",)]
+    assert state.output_lengths.expected(keys, None) == pytest.approx(100)
+    # 20 E2Es over-predicted (3,000 against 2,000): the decode's multiplier stepped down
+    # 20 times by 0.03 x min(1, 2,000 / 2,000)
+    assert state.decode_calibration.multiplier(("a", "learned")) == pytest.approx(
+        math.exp(-20 * 0.03)
+    )
+    # a failure teaches nothing
+    learner.on_close(closed(replace(rec, generated_tokens=5), Status.ERROR))
+    assert state.decode_calibration.samples[("a", "learned")] == 20
 
 
 @pytest.mark.parametrize(

@@ -29,6 +29,7 @@ def test_presets_and_overrides() -> None:
         "max_concurrency": 64,
         "max_tokens": 128,
         "max_input_tokens": 24_000,
+        "request_max_tokens": "output",
     }
 
 
@@ -85,3 +86,22 @@ def test_simulate_under_the_paper_protocol_records_it(tmp_path: Path) -> None:
     assert doc["summary"]["slip_ms"]["waited"] == 2  # four at once, two slots
     md = (out / "summary.md").read_text()
     assert "protocol `custom`" in md and "slip p95" in md and "1 dropped" in md
+
+
+@pytest.mark.parametrize(
+    ("sent", "output", "max_tokens", "kept_output"),
+    [("output", 700, 700, 700), ("none", 700, None, 700), ("512", 700, 512, 512)],
+)
+def test_what_the_requests_say_as_max_tokens(
+    sent: str, output: int, max_tokens: int | None, kept_output: int
+) -> None:
+    p = Protocol(request_max_tokens=sent)
+    assert p.sent_max_tokens(output) == max_tokens
+    (r,), _ = p.apply([replace(rows(1)[0], output_tokens=output)])
+    assert r.output_tokens == kept_output  # a cap ends a longer output at the cap
+
+
+@pytest.mark.parametrize("bad", ["0", "-5", "many", ""])
+def test_request_max_tokens_must_be_output_none_or_a_count(bad: str) -> None:
+    with pytest.raises(ValueError, match="--request-max-tokens"):
+        Protocol(request_max_tokens=bad)

@@ -427,3 +427,30 @@ def test_each_row_has_the_routers_prediction_and_the_summary_its_error() -> None
     # the router's own per-backend figures agree on what it saw
     seen = {b: st.learned.latency.ttft.requests for b, st in res.router.backends.items()}
     assert sum(seen.values()) == len(trace)
+
+
+def test_without_max_tokens_the_router_learns_the_output_lengths(trace) -> None:  # type: ignore[no-untyped-def]
+    from loadgen.client.protocol import Protocol
+
+    none = Protocol(request_max_tokens="none")
+    res = simulate(trace, SimSettings(policy="gorgo", time_scale=3.0, protocol=none))
+    state = res.router.fleet.state
+    learned = state.output_lengths.as_json()
+    # every completion counted (no model named: the key of any model, "*"); the mean
+    # forgets the oldest a little
+    mean = sum(t.output_tokens for t in trace) / len(trace)
+    assert learned["*"]["completions"] == len(trace)
+    assert learned["*"]["mean_tokens"] == pytest.approx(mean, rel=0.05)
+    assert learned["*"]["stopped_at_max_tokens"] == 1.0  # the prior: no request set a cap
+    # the decode's calibration learned from every completion, as `learned` lengths
+    samples = {
+        b: cal["learned"]["samples"]
+        for b in res.router.backends
+        if (cal := state.decode_calibration.backend_json(b))
+    }
+    assert sum(samples.values()) == len(trace)
+    # with max_tokens = the output length, the lengths are `known`, none learned apart
+    known = simulate(trace, SimSettings(policy="gorgo", time_scale=3.0)).router.fleet.state
+    assert all(
+        set(known.decode_calibration.backend_json(b)) <= {"known"} for b in res.router.backends
+    )
