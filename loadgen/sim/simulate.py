@@ -184,19 +184,17 @@ class Simulation:
                     build_router(door_cfg, lambda: self.now_s, random.Random(rng.random()))
                 ]
         self.routers = [router for rs in self.routers_at.values() for router in rs]
-        # Each router's recipe for a request (the live service's own: core.pipeline).
-        # Several routers sharing their dispatches hold one release per backend until the
-        # bus confirms it, as live (ext_proc.flow.shared).
+        # Each router's recipe for a request (the live service's own: core.pipeline);
+        # sharing dispatches, one release per backend until the bus confirms it.
         shared = settings.share_dispatches and len(self.routers) > 1
         self.directors = {id(router): Director(router, shared) for router in self.routers}
-        prio = settings.engine_priority
+        prio = settings.engine_priority  # as SGLang's /server_info tells it (auto)
+        told = None if prio is None else EngineScheduling(True, prio.low_values_first)
         for router in self.routers:  # as discovery reads each engine's /v1/models at start
             for r in settings.regions:
                 router.inputs.record_models(r, self.served[r])
-                if prio is not None:  # and SGLang's /server_info (priority_scheduling: auto)
-                    router.inputs.record_scheduling(
-                        r, EngineScheduling(True, low_values_first=prio.low_values_first)
-                    )
+                if told is not None:
+                    router.inputs.record_scheduling(r, told)
         kinds = (_PEER, _CONFIRM)
         self.bus = Bus(
             self.routers_at, self.directors, lambda: self.now_s, self._push, kinds, self._room
