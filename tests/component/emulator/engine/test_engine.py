@@ -650,7 +650,10 @@ async def test_stream_timing_is_never_early(http: aiohttp.ClientSession) -> None
     assert s.headers_s >= 0.9 * lone_ttft_s  # jitter sigma is 2%
     assert s.headers_s <= s.ttft_s
     assert s.ttft_s >= 0.9 * lone_ttft_s
-    assert s.end_s - s.ttft_s >= 0.9 * (n_tokens - 1) * min_step_s
+    # the last token no earlier than the prefill and the steps after the first: counted
+    # from the request, not from the first token, whose own arrival a stalled box may
+    # delay until the later ones have come (all read at once: seen in a fresh clone)
+    assert s.end_s >= 0.9 * (lone_ttft_s + (n_tokens - 1) * min_step_s)
     assert s.end_s < lone_ttft_s + n_tokens * min_step_s + 1.5  # generous
     assert len(s.content_chunks) == n_tokens
 
