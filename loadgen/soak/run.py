@@ -501,17 +501,18 @@ def _dump(raw: Any) -> str:
 
 
 def _trace(opts: SoakOptions, total_s: float) -> list[Any]:
-    """A steady load: the paper-shaped window's rate in tiles of TILE_S, each its own users
-    (a seed of its own; ids, blocks and sessions apart), stretched by time_scale; cut at
-    the run's end. One window over the whole run is not steady: its conversations grow,
-    and its prompts with them (3.1k tokens on average in its first 3 minutes, 11.5k in
-    its last: 3.4x the load), so the fleet saturated in the last minutes."""
+    """A steady load: the paper-shaped window at its rate in tiles of TILE_S, each its own
+    users (a seed of its own; ids, blocks and sessions apart), stretched by time_scale (2:
+    half the rate); cut at the run's end. One window over the whole run is not steady:
+    its conversations grow, and its prompts with them (3.1k tokens on average in its first
+    3 minutes, 11.5k in its last: 3.4x the load), so the fleet saturated in the last
+    minutes."""
     tiles = []
     for k in range(math.ceil(total_s / TILE_S)):
         base = paper_synthetic(
             opts.seed * 1000 + k,
             duration_s=TILE_S / opts.time_scale,
-            users=max(1, round(573 * TILE_S / 1800)),
+            users=max(1, round(573 * TILE_S / opts.time_scale / 1800)),  # the window's rate
         )
         tiles += [
             replace(

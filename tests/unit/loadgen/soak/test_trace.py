@@ -17,3 +17,10 @@ def test_the_load_is_steady_and_each_tile_its_own_users() -> None:
         set(b for r in trace if r.arrival_s // TILE_S == k for b in r.block_ids) for k in (0, 1)
     ]
     assert not blocks[0] & blocks[1]  # no prefix shared across tiles by accident
+
+
+def test_the_time_scale_stretches_the_rate() -> None:
+    """--time-scale 2 is half the rate (its help): the users a tile holds, not only the
+    gaps between their turns."""
+    n = {ts: len(_trace(SoakOptions(minutes=10, time_scale=ts), 600.0)) for ts in (1.0, 2.0)}
+    assert 0.4 < n[2.0] / n[1.0] < 0.6, n
