@@ -102,7 +102,7 @@ class SpeedLearner(Listener):
         # generate, in profile ms) against the mean step it had over the output it did
         # generate (the expected output when the count is not known).
         expected = rec.expected_output_tokens or rec.output_tokens
-        out = round(expected) if e.record.generated_tokens is None else e.record.generated_tokens
+        out = round(expected) if rec.generated_tokens is None else rec.generated_tokens
         if out >= MIN_DECODE_TOKENS and expected >= 2:
             decode_ms = (rec.predicted_e2e_ms - rec.predicted_ttft_ms) / rec.decode_calibration
             step_ms = decode_ms / (expected - 1) / rec.decode_factor
@@ -134,11 +134,11 @@ class OutputLearner(Listener):
                 rec.predicted_e2e_ms - rec.predicted_ttft_ms,
                 e.e2e_ms,
             )
-        if e.record.generated_tokens is None:
+        if rec.generated_tokens is None:
             return
         keys = keys_for(rec.model, rec.objective, rec.tenant)
         lengths = self.state.output_lengths
-        lengths.observe(keys, e.record.generated_tokens, rec.max_output_tokens, rec.session)
+        lengths.observe(keys, rec.generated_tokens, rec.max_output_tokens, rec.session)
 
 
 class Ejector(Listener):
