@@ -31,6 +31,7 @@ from ext_proc.prompt.engine_tokens import PromptTokenizer
 from ext_proc.prompt.parse import (
     ParseError,
     api_for_path,
+    ends_event_stream,
     is_error_event,
     parse_body,
     rewritten,
@@ -212,10 +213,12 @@ class RoutingSession(_FirstByteWatcher):
         # The backends the data plane lets it go to (its subset hint; None: any).
         self.subset: frozenset[str] | None = None
         # The response as the stream sees it: its status, the backend that answered (when
-        # the data plane says another one did), whether it ended.
+        # the data plane says another one did), whether it ended, whether its event stream
+        # ended (`data: [DONE]` passed through).
         self.status_code = 0
         self.served_backend: str | None = None
         self.ended = False
+        self.events_ended = False
 
     def _complete_body(self, p: codec.Phase) -> bytes:
         """The whole body: the chunks so far and this phase's."""
@@ -389,6 +392,7 @@ class RoutingSession(_FirstByteWatcher):
             return super().on_response_body(p)
         # FULL_DUPLEX_STREAMED: every chunk goes back as it came, or the client loses it
         self._first_byte(p.body)
+        self.events_ended = self.events_ended or ends_event_stream(p.body)
         if p.end_of_stream:
             self._end()
         return codec.streamed_body(codec.RESPONSE_BODY, p.body, p.end_of_stream)
@@ -416,6 +420,9 @@ class RoutingSession(_FirstByteWatcher):
     def finish(self) -> None:
         super().finish()
         if self.info.response_streamed and self.decision is not None and not self.ended:
+            if self.events_ended:  # served: the client read to `[DONE]` and hung up
+                self._end()
+                return
             # the stream ended before the response did: the client went away, or the
             # response was reset (the stream cannot tell which; not held against the backend)
             self.router.close(self.request_id, Status.CANCELLED, reason="stream ended early")

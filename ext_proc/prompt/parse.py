@@ -199,6 +199,13 @@ def _client_priority(decoded: dict[str, Any]) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
+def ends_event_stream(chunk: bytes) -> bool:
+    """Whether a response body chunk ends with the stream's last event, `data: [DONE]`
+    (vLLM's and SGLang's OpenAI servers end every stream with it): the response is
+    complete, whatever the client does after."""
+    return chunk.rstrip().endswith(b"data: [DONE]")
+
+
 def is_error_event(chunk: bytes) -> bool:
     """Whether a response's first body chunk is an error event inside an HTTP 200 stream
     (SGLang sends `data: {"error": {...}}` then `data: [DONE]` when a request fails after

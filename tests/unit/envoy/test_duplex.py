@@ -222,6 +222,21 @@ def test_a_5xx_from_the_engine_is_its_error_and_a_stream_cut_short_is_cancelled(
     assert "cut" not in r.in_flight and (mid.stats.cancelled, mid.stats.errors) == (1, 0)
 
 
+def test_a_client_that_hangs_up_after_done_was_served() -> None:
+    """The client read to `data: [DONE]` and closed its connection before the stream's
+    last (empty) frame: Envoy ends the ext_proc stream without an end_of_stream chunk.
+    The response was whole: completed, not cancelled (as the access-log path reads it)."""
+    r, _ = picker()
+    s = Duplex(r)
+    s.request(CHAT)
+    s.handle(response_headers(200))
+    s.handle(chunk(b'data: {"a": 1}\n\ndata: [DONE]\n\n', response=True))
+    assert s.session is not None and "rid-1" in r.in_flight
+    s.session.finish()
+    near = r.backends["near"]
+    assert not r.in_flight and (near.stats.completed, near.stats.cancelled) == (1, 0)
+
+
 def test_the_subset_hint_is_obeyed_and_an_empty_one_is_a_503() -> None:
     r, _ = picker()
     for i in range(4):  # round robin would go round; the subset allows far alone
