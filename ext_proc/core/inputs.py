@@ -16,6 +16,7 @@ from ext_proc.feeds.kv_events import EventBatch
 from ext_proc.feeds.peers import PeerEvent, PeerKind
 from ext_proc.feeds.served_models import ServedModels
 from ext_proc.feeds.server_info import EngineScheduling
+from ext_proc.prompt.parse import streamed_tokens
 from ext_proc.vocab.types import InFlight
 
 
@@ -131,6 +132,23 @@ class RouterInputs:
         if backend not in state.backends:
             return False
         return state.served_elsewhere(request_id, backend) is not None
+
+    def stream_sample(self, request_id: str, token_event_bytes: float) -> None:
+        """The size of one token's event in a request's response stream (its second
+        chunk's, prompt/parse.py event_bytes)."""
+        rec = self._fleet.state.in_flight.get(request_id)
+        if rec is not None:
+            rec.token_event_bytes = token_event_bytes
+
+    def response_size(self, request_id: str, body_bytes: int) -> None:
+        """A request's response body, whole, was this big: its generated tokens, counted
+        from the size of its token events, teach the output lengths (a stream whose event
+        size was not measured, or the simulator's known count, are left alone)."""
+        rec = self._fleet.state.in_flight.get(request_id)
+        if rec is None or rec.token_event_bytes is None or rec.generated_tokens is not None:
+            return
+        if body_bytes > 0:
+            rec.generated_tokens = streamed_tokens(body_bytes, rec.token_event_bytes)
 
     def record_fallback(self, backend: str) -> None:
         self._fleet.state.record_fallback(backend)

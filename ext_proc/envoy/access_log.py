@@ -145,6 +145,8 @@ class AccessLogService:
         # open (not the backend's fault): only the first takes several attempts.
         served_by = e.backend if e.attempts > 1 else None
         outcome = outcome_of(e.response_code, e.flags, e.details)
+        if outcome.status == Status.OK:
+            self.router.inputs.response_size(e.request_id, e.response_body_bytes)
         closed = self.router.close(
             e.request_id, outcome.status, e.e2e_ms, served_by=served_by, reason=outcome.reason
         )

@@ -321,6 +321,9 @@ class AccessLogEntry:
     # Envoy's response flags (short codes: UF, DC, ...) and response code details.
     flags: frozenset[str] = frozenset()
     details: str = ""
+    # The response body's size as sent to the client (its generated tokens are counted
+    # from it: prompt/parse.py streamed_tokens).
+    response_body_bytes: int = 0
 
 
 def _ms(d: Duration) -> float:
@@ -358,6 +361,7 @@ def access_log_entries(msg: pb.StreamAccessLogsMessage) -> list[AccessLogEntry]:
                 attempts=c.upstream_request_attempt_count or 1,
                 flags=response_flags(c.response_flags),
                 details=e.response.response_code_details,
+                response_body_bytes=e.response.response_body_bytes,
             )
         )
     return out

@@ -32,6 +32,7 @@ from ext_proc.prompt.parse import (
     ParseError,
     api_for_path,
     ends_event_stream,
+    event_bytes,
     is_error_event,
     parse_body,
     rewritten,
@@ -122,9 +123,21 @@ class _FirstByteWatcher(Session):
         return self._reply(codec.RESPONSE_HEADERS)
 
     def on_response_body(self, p: codec.Phase) -> Reply:
+        second = self.first_byte_seen
         self._first_byte(p.body)
-        self.done = True  # the first chunk was all it needed: later ones skip Python
+        last = p.end_of_stream or ends_event_stream(p.body) or event_bytes(p.body) is None
+        self._sample(p.body, second or last)
+        # the first chunk gives the TTFT, the second (of an event stream) the size of a
+        # token's event; later ones skip Python
+        self.done = second or last
         return self._reply(codec.RESPONSE_BODY)
+
+    def _sample(self, chunk: bytes, sample: bool) -> None:
+        """A stream's second chunk (or its first, when it is the last): the size of one
+        token's event, to count the tokens from the response's size at its end
+        (RouterInputs.response_size)."""
+        if sample and self.request_id and (size := event_bytes(chunk)) is not None:
+            self.router.inputs.stream_sample(self.request_id, size)
 
     def _first_byte(self, chunk: bytes = b"") -> None:
         if not self.first_byte_seen and self.request_id:
@@ -219,6 +232,7 @@ class RoutingSession(_FirstByteWatcher):
         self.served_backend: str | None = None
         self.ended = False
         self.events_ended = False
+        self.response_chunks = self.response_bytes = 0
 
     def _complete_body(self, p: codec.Phase) -> bytes:
         """The whole body: the chunks so far and this phase's."""
@@ -391,8 +405,12 @@ class RoutingSession(_FirstByteWatcher):
         if not self.info.response_streamed:
             return super().on_response_body(p)
         # FULL_DUPLEX_STREAMED: every chunk goes back as it came, or the client loses it
+        self.response_chunks += 1
         self._first_byte(p.body)
         self.events_ended = self.events_ended or ends_event_stream(p.body)
+        ending = p.end_of_stream or self.events_ended
+        self._sample(p.body, self.response_chunks == 2 or (self.response_chunks == 1 and ending))
+        self.response_bytes += len(p.body)
         if p.end_of_stream:
             self._end()
         return codec.streamed_body(codec.RESPONSE_BODY, p.body, p.end_of_stream)
@@ -410,6 +428,7 @@ class RoutingSession(_FirstByteWatcher):
         self.done = True
         if self.decision is not None:
             outcome = outcome_of(self.status_code, frozenset(), VIA_UPSTREAM)
+            self.router.inputs.response_size(self.request_id, self.response_bytes)
             self.router.close(
                 self.request_id,
                 outcome.status,

@@ -199,6 +199,29 @@ def _client_priority(decoded: dict[str, Any]) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
+def event_bytes(chunk: bytes) -> float | None:
+    """The mean size of the server-sent events in a response chunk (None: not an event
+    stream). Measured on a stream's second chunk, it is the size of one token's event as
+    this engine writes it for this request (its id, model name and fields): the first
+    chunk carries the role event too. A closing `data: [DONE]` is not counted."""
+    if not chunk.startswith(b"data:"):
+        return None
+    events = chunk.removesuffix(SSE_DONE)
+    n = events.count(b"data:")
+    return len(events) / n if n else None
+
+
+def streamed_tokens(body_bytes: int, token_event_bytes: float) -> int:
+    """The tokens a streamed chat or completion response generated, counted from its size:
+    vLLM and SGLang send one event per token (stream_interval 1, their default), and
+    around them a role event, a finish or usage event and `[DONE]`, about one token's
+    event more (chat_completion/serving.py, openai/serving_chat.py)."""
+    return max(1, round(body_bytes / token_event_bytes) - 1)
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
 def ends_event_stream(chunk: bytes) -> bool:
     """Whether a response body chunk ends with the stream's last event, `data: [DONE]`
     (vLLM's and SGLang's OpenAI servers end every stream with it): the response is

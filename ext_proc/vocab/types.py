@@ -258,8 +258,11 @@ class InFlight:
     # Its session key (RouteRequest.session_key; None: none): its turns' lengths are alike.
     session: str | None = None
     # The output tokens it generated, set before its close by a caller that knows them (the
-    # simulator; None: not known).
+    # simulator, or the response's size: RouterInputs.response_size; None: not known).
     generated_tokens: int | None = None
+    # The size of one token's event in its response stream (RouterInputs.stream_sample;
+    # None: not measured).
+    token_event_bytes: float | None = None
     # The multiplier its predicted decode carried (Candidate.decode_calibration).
     decode_calibration: float = 1.0
     # The backend's learned speed factors when it was chosen (its estimates carry them).

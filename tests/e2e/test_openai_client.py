@@ -53,3 +53,29 @@ async def test_openai_client_streams_chat_and_completions_through_envoy(stack: S
         assert raw.parse().choices[0].message.content == "tok tok "
     finally:
         await client.close()
+
+
+async def test_the_router_learns_output_lengths_the_client_did_not_give(stack: Stack) -> None:
+    """No max_tokens: the twin, as SGLang and vLLM, generates up to its own default (16
+    here); the router counts each answer's tokens from its size (its second chunk's event
+    and Envoy's access-log body size) and learns the length: it expects 16, not the 256
+    it assumes before it knows anything (estimate/output_length.py)."""
+    from tests.e2e.stack_harness import get_json, wait_for
+
+    before = get_json(f"{stack.admin_url}/state")["output_lengths"].get("m", {})
+    client = openai.AsyncOpenAI(base_url=f"{stack.front_door_url}/v1", api_key="unused")
+    try:
+        for i in range(10):
+            stream = await client.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": f"question {i}"}], stream=True
+            )
+            text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+            assert text == "tok " * 16
+    finally:
+        await client.close()
+
+    def learned() -> dict:
+        return dict(get_json(f"{stack.admin_url}/state")["output_lengths"].get("m", {}))
+
+    wait_for(lambda: learned().get("completions", 0) >= before.get("completions", 0) + 10)
+    assert learned()["mean_tokens"] == pytest.approx(16, abs=2)

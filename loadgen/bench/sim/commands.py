@@ -217,4 +217,38 @@ def add_models(bench: Any, policies: Sequence[str]) -> None:
     b.set_defaults(func=_models)
 
 
-PARSERS = (add_target, add_learn, add_fleets, add_models)
+def _predict(args: argparse.Namespace) -> int:
+    from loadgen.bench.sim import predict
+
+    return predict.run_predict_bench(
+        args.fleets or predict.ALL_FLEETS,
+        args.time_scales or predict.TIME_SCALES,
+        args.workers,
+        args.request_max_tokens,
+        args.json,
+    )
+
+
+def add_predict(bench: Any, policies: Sequence[str]) -> None:
+    b = bench.add_parser(
+        "predict",
+        help="the TTFT models side by side: profile vs scheduler replay, learning on, on "
+        "every fleet and load (which should be the default)",
+        description="gorgo with routing.ttft_model profile and replay, learning on, on the "
+        "uniform fleet and each of loadgen/data/fleets/, per window and time_scale: the "
+        "worst backend's TTFT and E2E MAPE and the p95s' ratios (docs/results.md).",
+    )
+    b.add_argument("--fleets", nargs="+", help="default uniform fast-far slow-near mixed-gpus")
+    b.add_argument("--time-scales", nargs="+", type=float, help="default 2 3 4 6")
+    b.add_argument("--workers", type=int, default=2, help="simulations in parallel")
+    b.add_argument(
+        "--request-max-tokens",
+        default="output",
+        metavar="output|none|N",
+        help="each request's max_tokens: the trace's output length, none (learned), or a cap",
+    )
+    b.add_argument("--json", metavar="FILE", help="every run's figures as JSON")
+    b.set_defaults(func=_predict)
+
+
+PARSERS = (add_target, add_learn, add_fleets, add_models, add_predict)

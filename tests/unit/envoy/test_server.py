@@ -340,6 +340,42 @@ async def test_an_access_log_entry_that_overtakes_the_first_chunk_waits_for_it()
     assert d2.request_id not in r.in_flight
 
 
+def test_the_output_length_is_counted_from_the_response_size_and_learned() -> None:
+    """The observer keeps its stream for the second chunk (one token's event, as this
+    engine writes it for this request) and closes it then; the access log's body size
+    counts the tokens, which teach the output lengths of requests without max_tokens."""
+    r, clock = make_router("gorgo", backends=REGIONS)
+    log = AccessLogService(r, Telemetry(TelemetryConfig(), r).fallback)
+    role = b'data: {"id":"x","choices":[{"delta":{"role":"assistant","content":""}}]}\n\n'
+    token = b'data: {"id":"x","choices":[{"delta":{"content":"abc"}}]}\n\n'
+    for i in range(8):
+        d = r.decide(chat(f"p{i}"))  # no max_tokens
+        s = Stream(r)
+        s.handle(observer_chunk(d.request_id, role + token))
+        assert not s.done  # waits for the second chunk
+        assert s.handle(body(token, response=True, eos=False)) is None  # not waited for
+        assert s.done and r.in_flight[d.request_id].token_event_bytes == len(token)
+        clock.advance(0.5)
+        size = len(role) + 120 * len(token) + len(b"data: [DONE]\n\n")
+        log._close(
+            codec.AccessLogEntry(
+                d.request_id, d.backend, "gorgo", 200, 500.0, 1, response_body_bytes=size
+            )
+        )
+    learned = r.fleet.state.output_lengths.as_json()["*"]  # no model named: any model's
+    assert learned["completions"] == 8 and learned["mean_tokens"] == pytest.approx(120, abs=1)
+    # a response of one chunk (a short answer) is measured on that chunk; a whole JSON
+    # answer is not an event stream: not counted
+    d = r.decide(chat("short"))
+    s = Stream(r)
+    s.handle(observer_chunk(d.request_id, role + token + b"data: [DONE]\n\n"))
+    assert s.done and r.in_flight[d.request_id].token_event_bytes is not None
+    d = r.decide(chat("whole"))
+    s = Stream(r)
+    s.handle(observer_chunk(d.request_id, b'{"choices": []}'))
+    assert s.done and r.in_flight[d.request_id].token_event_bytes is None
+
+
 @pytest.mark.parametrize("found", findings("session"), ids=lambda p: p.name)
 def test_a_message_out_of_envoys_order_is_answered_or_ends_the_stream(found: Path) -> None:
     """Found by fuzzing (tests/fuzz/session.py), messages Envoy's protocol does not send:

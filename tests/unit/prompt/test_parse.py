@@ -1,10 +1,21 @@
 import json
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ext_proc.prompt.parse import CHAT, COMPLETIONS, GENERATE, ParseError, api_for_path, parse_body
+from ext_proc.prompt.parse import (
+    CHAT,
+    COMPLETIONS,
+    GENERATE,
+    ParseError,
+    api_for_path,
+    ends_event_stream,
+    event_bytes,
+    parse_body,
+    streamed_tokens,
+)
 from ext_proc.prompt.tokens import count_tokens, render_chat
 
 
@@ -121,3 +132,46 @@ def test_any_body_parses_or_raises_parse_error(raw: bytes) -> None:
             continue
         counted = [len(p) if isinstance(p, tuple) else count_tokens(p) for p in req.prompts]
         assert req.input_tokens == sum(counted) >= 0 and len(req.prompts) >= 1
+
+
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
+
+
+def sse_events(raw: bytes) -> list[bytes]:
+    return [e + b"\n\n" for e in raw.strip().split(b"\n\n")]
+
+
+def test_a_real_vllm_streams_tokens_are_counted_from_its_size() -> None:
+    """The real vLLM's stream (8 tokens, a role event before them, a usage event after):
+    its second event's size and the whole size give the count within the two events
+    around the tokens (the usage event, asked for here, is the second)."""
+    raw = (FIXTURES / "vllm" / "sse-chat.txt").read_bytes()
+    events = sse_events(raw)
+    usage = json.loads(events[-2][5:])["usage"]["completion_tokens"]
+    size = event_bytes(events[1])
+    assert size == len(events[1])
+    assert usage == 8 and abs(streamed_tokens(len(raw), size) - usage) <= 2
+    # not an event stream: nothing to count by
+    assert event_bytes(b'{"choices": []}') is None
+    # a chunk of several events: their mean; the closing [DONE] not among them
+    two = events[1] + events[2] + b"data: [DONE]\n\n"
+    assert event_bytes(two) == (len(events[1]) + len(events[2])) / 2
+    assert ends_event_stream(two) and not ends_event_stream(events[1])
+
+
+@pytest.mark.parametrize("flavor", ["vllm", "sglang"])
+@pytest.mark.parametrize("tokens", [3, 40, 700])
+def test_the_twins_streams_are_counted_within_two_tokens(flavor: str, tokens: int) -> None:
+    """The engine twin writes each flavor's events (emulator/engine/wire.py): a stream of
+    one chunk per token, without usage, counts within 2 of its length (1 %)."""
+    from emulator.engine.config import EngineConfig
+    from emulator.engine.model import Emission
+    from emulator.engine.parse import GenRequest
+    from emulator.engine.wire import StreamEncoder
+
+    req = GenRequest("chat", 50, tokens, stream=True, include_usage=False, model="m")
+    enc = StreamEncoder(req, "r", EngineConfig("e", flavor=flavor))
+    emissions = [Emission("r", i, 0.0, i == tokens - 1, 0) for i in range(tokens)]
+    chunks = [enc.encode([e])[0] for e in emissions]
+    counted = streamed_tokens(sum(map(len, chunks)), event_bytes(chunks[1]) or 0)
+    assert abs(counted - tokens) <= max(2, tokens // 100), (counted, tokens)
