@@ -48,7 +48,11 @@ def make_config(
     **extra: object,
 ) -> Config:
     """A config of `backends` (an id alone: on 127.0.0.1, one port each in order), static
-    weights unless `extra` asks for a tuner; extra config keys merged in."""
+    weights unless `extra` asks for a tuner; extra config keys merged in. The TTFT model is
+    the profile's unless `extra` names one: the unit tests' sums are done by hand on its
+    formulas (the replay, the default, has tests of its own in tests/unit/estimate/
+    test_replay.py, and every test through `gorgo serve`, the simulator or Envoy runs it)."""
+    routing = {"ttft_model": "profile", **dict(extra.pop("routing", {}))}  # type: ignore[call-overload]
     return config_from_dict(
         {
             "policy": policy,
@@ -58,6 +62,7 @@ def make_config(
                 {"id": b, "address": f"127.0.0.1:{i + 1}"} if isinstance(b, str) else dict(b)
                 for i, b in enumerate(backends)
             ],
+            "routing": routing,
             **extra,
         }
     )

@@ -93,7 +93,7 @@ class Routing:
     learn_latency: bool = True
     # How the wait and the prefill are estimated: "profile" or "replay" (docs/cost-model.md,
     # "Replay").
-    ttft_model: TtftModel = TtftModel.PROFILE
+    ttft_model: TtftModel = TtftModel.REPLAY
     # Passive health: this many failed requests in a row (5xx, reset) eject a backend for
     # eject_s, doubling while it keeps failing when re-admitted (0 = never eject).
     eject_after_errors: int = bounded(2, **NON_NEGATIVE)

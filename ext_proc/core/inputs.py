@@ -16,7 +16,7 @@ from ext_proc.feeds.kv_events import EventBatch
 from ext_proc.feeds.peers import PeerEvent, PeerKind
 from ext_proc.feeds.served_models import ServedModels
 from ext_proc.feeds.server_info import EngineScheduling
-from ext_proc.prompt.parse import streamed_tokens
+from ext_proc.prompt.parse import event_bytes, streamed_tokens
 from ext_proc.vocab.types import InFlight
 
 
@@ -133,12 +133,13 @@ class RouterInputs:
             return False
         return state.served_elsewhere(request_id, backend) is not None
 
-    def stream_sample(self, request_id: str, token_event_bytes: float) -> None:
-        """The size of one token's event in a request's response stream (its second
-        chunk's, prompt/parse.py event_bytes)."""
+    def stream_sample(self, request_id: str, chunk: bytes) -> None:
+        """A chunk of a request's response stream that is one token's event (its second,
+        or its first when it is also its last): its size counts the tokens at the end."""
         rec = self._fleet.state.in_flight.get(request_id)
-        if rec is not None:
-            rec.token_event_bytes = token_event_bytes
+        size = event_bytes(chunk)
+        if rec is not None and size is not None and rec.token_event_bytes is None:
+            rec.token_event_bytes = size
 
     def response_size(self, request_id: str, body_bytes: int) -> None:
         """A request's response body, whole, was this big: its generated tokens, counted

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Mapping
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 from ext_proc.common.names import (
     HEADER_BACKEND,
@@ -123,21 +123,14 @@ class _FirstByteWatcher(Session):
         return self._reply(codec.RESPONSE_HEADERS)
 
     def on_response_body(self, p: codec.Phase) -> Reply:
-        second = self.first_byte_seen
-        self._first_byte(p.body)
-        last = p.end_of_stream or ends_event_stream(p.body) or event_bytes(p.body) is None
-        self._sample(p.body, second or last)
-        # the first chunk gives the TTFT, the second (of an event stream) the size of a
-        # token's event; later ones skip Python
-        self.done = second or last
+        second, body = self.first_byte_seen, p.body
+        self._first_byte(body)
+        # the first chunk is the TTFT, the second (of an event stream) one token's event,
+        # whose size counts the tokens at the end; later chunks skip Python
+        self.done = second or p.end_of_stream or ends_event_stream(body) or not event_bytes(body)
+        if self.done and self.request_id:
+            self.router.inputs.stream_sample(self.request_id, body)
         return self._reply(codec.RESPONSE_BODY)
-
-    def _sample(self, chunk: bytes, sample: bool) -> None:
-        """A stream's second chunk (or its first, when it is the last): the size of one
-        token's event, to count the tokens from the response's size at its end
-        (RouterInputs.response_size)."""
-        if sample and self.request_id and (size := event_bytes(chunk)) is not None:
-            self.router.inputs.stream_sample(self.request_id, size)
 
     def _first_byte(self, chunk: bytes = b"") -> None:
         if not self.first_byte_seen and self.request_id:
@@ -227,11 +220,9 @@ class RoutingSession(_FirstByteWatcher):
         self.subset: frozenset[str] | None = None
         # The response as the stream sees it: its status, the backend that answered (when
         # the data plane says another one did), whether it ended, whether its event stream
-        # ended (`data: [DONE]` passed through).
-        self.status_code = 0
-        self.served_backend: str | None = None
-        self.ended = False
-        self.events_ended = False
+        # ended (`data: [DONE]` passed through), its chunks and bytes so far.
+        self.status_code, self.served_backend = 0, cast(str | None, None)
+        self.ended = self.events_ended = False
         self.response_chunks = self.response_bytes = 0
 
     def _complete_body(self, p: codec.Phase) -> bytes:
@@ -408,8 +399,8 @@ class RoutingSession(_FirstByteWatcher):
         self.response_chunks += 1
         self._first_byte(p.body)
         self.events_ended = self.events_ended or ends_event_stream(p.body)
-        ending = p.end_of_stream or self.events_ended
-        self._sample(p.body, self.response_chunks == 2 or (self.response_chunks == 1 and ending))
+        if self.response_chunks == 2 or (p.end_of_stream or self.events_ended):
+            self.router.inputs.stream_sample(self.request_id, p.body)
         self.response_bytes += len(p.body)
         if p.end_of_stream:
             self._end()
@@ -440,8 +431,7 @@ class RoutingSession(_FirstByteWatcher):
         super().finish()
         if self.info.response_streamed and self.decision is not None and not self.ended:
             if self.events_ended:  # served: the client read to `[DONE]` and hung up
-                self._end()
-                return
+                return self._end()
             # the stream ended before the response did: the client went away, or the
             # response was reset (the stream cannot tell which; not held against the backend)
             self.router.close(self.request_id, Status.CANCELLED, reason="stream ended early")

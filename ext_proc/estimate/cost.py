@@ -132,12 +132,20 @@ def estimate_queue_ms(
         elapsed_ms = max(0.0, (now_s - head.dispatched_s) * 1000 - one_way_ms)
         others_ms = sum(it.prefill_ms for it in pending) - head.prefill_ms
         prefill_wait_ms = others_ms + max(0.0, head.prefill_ms - elapsed_ms)
-        if stall_grace_ms:
-            prefill_wait_ms += max(late_ms(it, now_s, stall_grace_ms) for it in pending)
+        prefill_wait_ms += stall_excess_ms(pending, now_s, stall_grace_ms)
     return max(
         prefill_wait_ms + half_step_ms,
         kv_wait_ms(items, decode_step_ms, now_s, kv_capacity_tokens, need_kv_tokens),
     )
+
+
+def stall_excess_ms(items: list[QueueItem], now_s: float, stall_grace_ms: float) -> float:
+    """The most a request waiting for its first token there is late by, past max(the
+    grace, its own estimate): what everything behind it waits again (0 grace: off)."""
+    if not stall_grace_ms:
+        return 0.0
+    pending = [it for it in items if it.first_byte_s is None]
+    return max((late_ms(it, now_s, stall_grace_ms) for it in pending), default=0.0)
 
 
 def unstarted_ms(

@@ -73,6 +73,9 @@ class GorgoParams(WeightedParams):
     decode_stall_weight: float = bounded(0.3, ge=0.0)
     # The wait within the KV margin is a wait like the queue's.
     kv_weight: float = bounded(1.0, ge=0.0)
+    # ms of score per ms of the newcomer's own predicted decode (its E2E after the first
+    # token): where backends decode at different speeds.
+    decode_weight: float = bounded(0.0, ge=0.0)
     # Near-ties, then the fewest in flight. Only exact ties: the decode-stall term already
     # steers a long prompt off a crowded backend (what gorgo_time3's 20 % band was for),
     # and a band gives TTFT away (0.2 instead of 0: p95 TTFT +3 %, docs/cost-model.md).
@@ -205,6 +208,7 @@ class Gorgo(_Weighted[GorgoParams]):
             **_own_ttft(w),
             "decode_stall": self._p.decode_stall_weight,
             "kv": self._p.kv_weight,
+            "decode": self._p.decode_weight,
         }
 
 

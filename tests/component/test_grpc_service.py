@@ -56,7 +56,9 @@ async def observe_first_chunk(h: Harness, rid: str) -> None:
     first.protocol_config.response_body_mode = pb.ProcessingMode.STREAMED
     first.attributes["envoy.filters.http.ext_proc"].update({"request.id": rid})
     await call.write(first)
-    # no replies; the server closed after the first chunk, so later chunks skip Python
+    # the second chunk: one token's event (its size counts the output at the end)
+    await call.write(body(b'data: {"token": 1}\n\n', response=True))
+    # no replies; the server closed after the second chunk, so later chunks skip Python
     assert await call.read() == grpc.aio.EOF
     assert await call.code() == grpc.StatusCode.OK
 
@@ -81,17 +83,22 @@ async def test_route_observe_complete(harness: Harness) -> None:
     assert state["in_flight"] == 0
 
 
-async def test_one_filter_doing_both_keeps_the_stream_until_the_first_chunk(
+async def test_one_filter_doing_both_keeps_the_stream_until_the_second_chunk(
     harness: Harness,
 ) -> None:
+    """The first chunk is the TTFT, the second one token's event (its size counts the
+    output tokens at the end); then the stream ends."""
     call = harness.process()
     await call.write(headers("/v1/chat/completions", "r5", watch=True))
     await call.read()
     await call.write(body(CHAT))
     assert (await call.read()).request_body.response.header_mutation.set_headers
-    await call.write(body(b"data: {}\n\n", response=True))
+    await call.write(body(b"data: {}\n\n", response=True, eos=False))
+    assert (await call.read()).WhichOneof("response") == "response_body"
+    await call.write(body(b'data: {"a": 1}\n\n', response=True, eos=False))
     assert (await call.read()).WhichOneof("response") == "response_body"
     assert await call.read() == grpc.aio.EOF
+    assert harness.svc.router.in_flight["r5"].token_event_bytes == len(b'data: {"a": 1}\n\n')
     assert len(harness.svc.router.backends["us-ashburn"].stats.recent_ttft_ms) == 1
     await harness.access_log(log_entry("r5", 200, 9))
 

@@ -119,6 +119,8 @@ async def _one_request(svc: Running, rid: str, traceparent: str | None) -> None:
     chunk = pb.ProcessingRequest()
     chunk.response_body.body = b"data: {}\n\n"
     await obs.write(chunk)
+    chunk.response_body.body = b'data: {"token": 1}\n\n'  # the second: one token's event
+    await obs.write(chunk)
     await obs.read()
     # completion through the access log
     msg = pb.StreamAccessLogsMessage()

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 
 from ext_proc.core.backend import BackendState
 from ext_proc.core.terms.base import TermInputs
-from ext_proc.estimate.cost import QueueItem, estimate_queue_ms, kv_wait_ms
+from ext_proc.estimate.cost import QueueItem, estimate_queue_ms, kv_wait_ms, stall_excess_ms
 from ext_proc.feeds.engine_metrics import EngineReport
 from ext_proc.vocab.terms import register_term
 
@@ -62,7 +62,9 @@ def queue_term_ms(x: TermInputs, terms: Mapping[str, float]) -> float:
     if x.replay is not None:  # the replayed wait; the KV wait and the engine's count stay
         kv_ms = kv_wait_ms(x.items, x.step_ms, x.now_s, x.capacity_tokens, x.need_kv_tokens)
         below = x.request.priority if x.by_priority else None
-        return max(x.replay.wait_ms, kv_ms, reported_waiting_ms(x.backend, x.report, below))
+        # a stalled engine: the replay counts steps it is not taking (the stall term)
+        wait_ms = x.replay.wait_ms + stall_excess_ms(x.items, x.now_s, x.stall_grace_ms)
+        return max(wait_ms, kv_ms, reported_waiting_ms(x.backend, x.report, below))
     return queue_ms(
         x.backend,
         x.now_s,

@@ -5,6 +5,7 @@ builds all parsers, and the benches import the simulator and numpy."""
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -226,15 +227,18 @@ def _predict(args: argparse.Namespace) -> int:
         args.workers,
         args.request_max_tokens,
         args.json,
+        json.loads(args.default) if args.default else None,
+        args.arms or predict.ARMS,
     )
 
 
 def add_predict(bench: Any, policies: Sequence[str]) -> None:
     b = bench.add_parser(
         "predict",
-        help="the TTFT models side by side: profile vs scheduler replay, learning on, on "
-        "every fleet and load (which should be the default)",
-        description="gorgo with routing.ttft_model profile and replay, learning on, on the "
+        help="the default prediction and routing against the ones before the replay "
+        "(profile, decode not priced), learning on, on every fleet and load",
+        description="gorgo as configured by default against routing.ttft_model: profile "
+        "without the decode priced (the defaults until 2026-12-05), learning on, on the "
         "uniform fleet and each of loadgen/data/fleets/, per window and time_scale: the "
         "worst backend's TTFT and E2E MAPE and the p95s' ratios (docs/results.md).",
     )
@@ -248,6 +252,13 @@ def add_predict(bench: Any, policies: Sequence[str]) -> None:
         help="each request's max_tokens: the trace's output length, none (learned), or a cap",
     )
     b.add_argument("--json", metavar="FILE", help="every run's figures as JSON")
+    b.add_argument(
+        "--default",
+        metavar="JSON",
+        help='router overrides for the default arm, e.g. \'{"policies": {"gorgo": '
+        '{"decode_weight": 0.5}}}\'',
+    )
+    b.add_argument("--arms", nargs="+", choices=["before", "default"], help="default both")
     b.set_defaults(func=_predict)
 
 

@@ -445,7 +445,7 @@ def test_live_keys_apply_and_the_rest_are_left() -> None:
     new = config_from_dict(
         {
             "backends": [{"id": "a", "address": "h:1"}],
-            "routing": {"shed_queue_ms": 250, "block_tokens": 64},
+            "routing": {"shed_queue_ms": 250, "block_tokens": 64, "ttft_model": "profile"},
         }
     )
     assert router.fleet.apply_live_keys(new) == ["routing.shed_queue_ms"]

@@ -17,8 +17,9 @@ from ext_proc.vocab.types import RouteRequest, Status, Weights
 from tests.builders import REGIONS, chat, load, make_config, make_router
 
 
-def test_a_stalled_backend_is_avoided_while_it_answers_probes() -> None:
-    r, clock = make_router("gorgo", backends=REGIONS)
+@pytest.mark.parametrize("ttft_model", ["replay", "profile"])
+def test_a_stalled_backend_is_avoided_while_it_answers_probes(ttft_model: str) -> None:
+    r, clock = make_router("gorgo", backends=REGIONS, routing={"ttft_model": ttft_model})
     warm = r.decide(chat("warm-up"))
     r.first_byte(warm.request_id)  # first bytes are observed: lateness means something
     r.close(warm.request_id, Status.OK)
@@ -258,7 +259,7 @@ def test_gorgo_time3_is_the_three_term_form_and_reproduces_the_old_gorgo() -> No
     trace = synthetic(
         sessions=40, turns=5, rate_rps=12.0, turn_tokens=3000, output_tokens=200, seed=3
     )
-    unpaced = {"routing": {"pace_sigmas": 0}}
+    unpaced = {"routing": {"pace_sigmas": 0, "ttft_model": "profile"}}
     res = simulate(trace, SimSettings(policy="gorgo_time3", router=unpaced))
     choices = ",".join(q.backend for q in res.requests)
     assert zlib.crc32(choices.encode()) == 394211401

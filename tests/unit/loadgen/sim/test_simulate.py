@@ -379,11 +379,12 @@ def test_faster_far_engines_draw_the_router_when_it_knows_or_learns_them(trace) 
 
     fleet = load_fleet(FLEETS / "fast-far.yaml", SimSettings().regions)
     far = {"eu-frankfurt", "ap-seoul"}
-    static = {"routing": {"learn_latency": False}}
+    # the profile's speed factors (the replay's step fit: tests/unit/estimate/test_replay.py)
+    static = {"routing": {"learn_latency": False, "ttft_model": "profile"}}
     shares = {}
     for name, knows, router in (
         ("shipped", False, static),
-        ("learned", False, {}),
+        ("learned", False, {"routing": {"ttft_model": "profile"}}),
         ("true", True, static),
     ):
         settings = SimSettings(time_scale=3.0, fleet=fleet, router_knows_fleet=knows, router=router)
