@@ -199,6 +199,10 @@ def _client_priority(decoded: dict[str, Any]) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
+# A server-sent event stream's last event (vLLM's and SGLang's OpenAI servers).
+SSE_DONE = b"data: [DONE]\n\n"
+
+
 def event_bytes(chunk: bytes) -> float | None:
     """The mean size of the server-sent events in a response chunk (None: not an event
     stream). Measured on a stream's second chunk, it is the size of one token's event as
@@ -219,14 +223,11 @@ def streamed_tokens(body_bytes: int, token_event_bytes: float) -> int:
     return max(1, round(body_bytes / token_event_bytes) - 1)
 
 
-SSE_DONE = b"data: [DONE]\n\n"
-
-
 def ends_event_stream(chunk: bytes) -> bool:
     """Whether a response body chunk ends with the stream's last event, `data: [DONE]`
     (vLLM's and SGLang's OpenAI servers end every stream with it): the response is
     complete, whatever the client does after."""
-    return chunk.rstrip().endswith(b"data: [DONE]")
+    return chunk.rstrip().endswith(SSE_DONE.rstrip())
 
 
 def is_error_event(chunk: bytes) -> bool:
