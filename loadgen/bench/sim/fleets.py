@@ -52,7 +52,8 @@ class Cell:
     worst_mape: float | None
 
 
-def _trace(kind: str, at: float) -> list[TraceRequest]:
+def window_requests(kind: str, at: float) -> list[TraceRequest]:
+    """One of WINDOWS' requests: a paper-shaped window's seed, or the trace from `at` s."""
     if kind == "paper":
         return list(paper_synthetic(int(at)))
     return window(load_trace(CONVERSATION_TRACE), at, WINDOW_S, None)
@@ -60,7 +61,7 @@ def _trace(kind: str, at: float) -> list[TraceRequest]:
 
 def _run(job: tuple[str, str, float, float, str, str]) -> Cell:
     fleet_name, kind, at, ts, router, ttft_model = job
-    trace = _trace(kind, at)
+    trace = window_requests(kind, at)
     routing: dict[str, Any] = {"ttft_model": ttft_model}
     if router != "learned":
         routing["learn_latency"] = False
@@ -72,8 +73,6 @@ def _run(job: tuple[str, str, float, float, str, str]) -> Cell:
     )
     res = simulate(trace, settings)
     s: dict[str, Any] = {**summarize(res.requests), **prediction_summary(res.requests)}
-    by_backend = s.get("ttft_prediction_by_backend") or {}
-    mapes = [v["mape"] for v in by_backend.values() if v.get("mape") is not None]
     label = f"{kind} {at:g}"
     return Cell(
         fleet_name,
@@ -82,8 +81,14 @@ def _run(job: tuple[str, str, float, float, str, str]) -> Cell:
         router,
         s["ttft_ms"]["p95"],
         s["e2e_ms"]["p95"],
-        max(mapes) if mapes else None,
+        worst_mape(s.get("ttft_prediction_by_backend") or {}),
     )
+
+
+def worst_mape(by_backend: dict[str, Any]) -> float | None:
+    """The worst backend's MAPE in a summary's `*_prediction_by_backend` (None: none)."""
+    mapes = [v["mape"] for v in by_backend.values() if v.get("mape") is not None]
+    return max(mapes) if mapes else None
 
 
 def table(cells: list[Cell]) -> str:

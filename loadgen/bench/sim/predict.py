@@ -16,15 +16,15 @@ output lengths. `--json` keeps every cell for docs/results.md.
 from __future__ import annotations
 
 import json
-import math
 import sys
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, replace
+from statistics import geometric_mean
 from typing import Any
 
 from emulator.stack.fleet import NO_FLEET, load_fleet
-from loadgen.bench.sim.fleets import FLEETS, FLEETS_DIR, WINDOWS, _trace
+from loadgen.bench.sim.fleets import FLEETS, FLEETS_DIR, WINDOWS, window_requests, worst_mape
 from loadgen.client.protocol import OPEN
 from loadgen.progress import say, tracked
 from loadgen.results import prediction_summary, summarize
@@ -55,11 +55,6 @@ class Run:
     e2e_worst_mape: float | None
 
 
-def _worst(by_backend: dict[str, Any]) -> float | None:
-    mapes = [v["mape"] for v in by_backend.values() if v.get("mape") is not None]
-    return max(mapes) if mapes else None
-
-
 def _run(job: tuple[str, str, float, float, str, dict[str, Any], str]) -> Run:
     fleet_name, kind, at, ts, arm, router, max_tokens = job
     fleet = NO_FLEET
@@ -71,7 +66,7 @@ def _run(job: tuple[str, str, float, float, str, dict[str, Any], str]) -> Run:
         router=router,
         protocol=replace(OPEN, request_max_tokens=max_tokens),
     )
-    res = simulate(_trace(kind, at), settings)
+    res = simulate(window_requests(kind, at), settings)
     s: dict[str, Any] = {**summarize(res.requests), **prediction_summary(res.requests)}
     return Run(
         fleet_name,
@@ -80,8 +75,8 @@ def _run(job: tuple[str, str, float, float, str, dict[str, Any], str]) -> Run:
         arm,
         s["ttft_ms"]["p95"],
         s["e2e_ms"]["p95"],
-        _worst(s.get("ttft_prediction_by_backend") or {}),
-        _worst(s.get("e2e_prediction_by_backend") or {}),
+        worst_mape(s.get("ttft_prediction_by_backend") or {}),
+        worst_mape(s.get("e2e_prediction_by_backend") or {}),
     )
 
 
@@ -114,8 +109,8 @@ def table(runs: Sequence[Run]) -> str:
             worst_t = max((r.ttft_worst_mape or 0.0 for r in mine), default=0.0)
             worst_e = max((r.e2e_worst_mape or 0.0 for r in mine), default=0.0)
             lines.append(f"\n{arm}: worst backend TTFT MAPE {worst_t:.1%}, E2E {worst_e:.1%}")
-        gt = math.exp(sum(math.log(t) for t, _ in ratios) / len(ratios))
-        ge = math.exp(sum(math.log(e) for _, e in ratios) / len(ratios))
+        gt = geometric_mean(t for t, _ in ratios)
+        ge = geometric_mean(e for _, e in ratios)
         lines.append(
             f"default / before over {len(ratios)} cells: p95 TTFT geomean {gt:.3f} "
             f"(worst {max(t for t, _ in ratios):.3f}), p95 E2E geomean {ge:.3f} "
