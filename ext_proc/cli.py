@@ -27,7 +27,7 @@ from typing import Any
 
 from ext_proc.config.load import load_config
 from ext_proc.service.check.command import add_check_commands
-from ext_proc.service.epp_command import add_epp_command
+from ext_proc.service.epp.command import add_epp_command
 from ext_proc.vocab.params import ConfigError
 
 ENTRY_POINT_GROUP = "gorgo.commands"

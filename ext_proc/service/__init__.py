@@ -1,6 +1,10 @@
-"""The assembled service: the composition root (`app`), the loops that feed the router
-(`loops/`), the fleet shell that starts and stops them per backend and tells Envoy of
-backend changes, the config reloader, the tuner state file, the admin HTTP API, the
-operator's page and telemetry (spans, metrics). May import: common, vocab, config,
-prompt, estimate, feeds, learn, policy, core, envoy, flow.
+"""The assembled service, a room per what it serves: the composition root (`app`) and at
+the top what serves it all (the fleet shell that starts and stops the feeds per backend
+and tells Envoy of backend changes, readiness and the gRPC health service, the config
+reloader and the last good config, the tuner state file, the collector's schedule, the
+engine's tokenizer found and checked); the loops that feed the router (`loops/`), the
+admin HTTP API and the operator's page (`admin/`), telemetry (`telemetry/`: spans,
+metrics, the OTLP exporter), the endpoint picker (`epp/`: `gorgo epp`) and `gorgo check`
+(`check/`). May import: common, vocab, config, prompt, estimate, feeds, learn, policy,
+core, envoy, flow.
 """

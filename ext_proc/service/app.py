@@ -24,7 +24,7 @@ from ext_proc.envoy.server import ExtProcService, add_services, grpc_options
 from ext_proc.envoy.xds import write_xds
 from ext_proc.policy.catalog import policy_info
 from ext_proc.prompt.engine_tokens import PromptTokenizer, load_engine_tokenizer
-from ext_proc.service.admin import make_admin_app
+from ext_proc.service.admin.api import make_admin_app
 from ext_proc.service.collector import Collector
 from ext_proc.service.engine_tokenizer import EngineTokenizers
 from ext_proc.service.fleet_shell import FleetShell

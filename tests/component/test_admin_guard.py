@@ -2,7 +2,7 @@
 point 3), through the real aiohttp admin app of a running service: without a token a
 change must be JSON from no foreign Origin, every read names this admin in Host (DNS
 rebinding), and a configured token is still required. The rules themselves:
-ext_proc/service/admin_guard.py (unit tests: tests/unit/service/test_admin.py)."""
+ext_proc/service/admin/guard.py (unit tests: tests/unit/service/admin/test_api.py)."""
 
 from __future__ import annotations
 

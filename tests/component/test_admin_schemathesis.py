@@ -24,7 +24,7 @@ import jsonschema
 import pytest
 
 from ext_proc.config.load import config_from_dict
-from ext_proc.service.admin_openapi import admin_openapi
+from ext_proc.service.admin.openapi import admin_openapi
 from ext_proc.service.app import Running, running_service
 from ext_proc.vocab.types import Status
 from tests.builders import chat

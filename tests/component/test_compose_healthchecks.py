@@ -26,7 +26,7 @@ from aiohttp import web
 from emulator.engine.config import EngineConfig
 from emulator.stack.ports import free_ports
 from emulator.stack.processes import envoy_binary
-from ext_proc.service.admin import make_admin_app
+from ext_proc.service.admin.api import make_admin_app
 from tests.component.engine_harness import FAST, NAME, running
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -25,7 +25,8 @@ import yaml
 from aiohttp import web
 
 from ext_proc.config.load import config_from_dict
-from ext_proc.service import admin, fleet_shell
+from ext_proc.service import fleet_shell
+from ext_proc.service.admin import api as admin
 from ext_proc.service.app import Running, running_service
 from ext_proc.vocab.types import Status
 from tests.component.grpc_harness import Harness, log_entry, route

@@ -1,6 +1,6 @@
 """Decision spans to a TLS collector: a real gRPC OTLP receiver on a TLS-only port, with
 certificates made here (tests/certs.py), and the router's own exporter (ext_proc/service/
-otlp.py) reaching it with telemetry.otlp_tls, its CA file and, for mTLS, a client
+telemetry/otlp.py) reaching it with telemetry.otlp_tls, its CA file and, for mTLS, a client
 certificate; with the wrong CA nothing arrives and the exporter says so."""
 
 from __future__ import annotations

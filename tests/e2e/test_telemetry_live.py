@@ -1,6 +1,6 @@
 """A real Envoy, run from `gorgo envoy-config`'s bootstrap, and a real `gorgo serve` export
 every metric the dashboard and the alerts name, with the labels they match on
-(tests/monitoring.py reads the selectors; tests/unit/service/test_telemetry.py checks them
+(tests/monitoring.py reads the selectors; tests/unit/service/telemetry/test_telemetry.py checks them
 against the router's rendered metrics)."""
 
 from __future__ import annotations

@@ -34,8 +34,8 @@ from ext_proc.envoy.bootstrap import (
     render_mesh_snippet,
 )
 from ext_proc.envoy.clusters import EXT_PROC_CLUSTER
-from ext_proc.service.admin import make_admin_app
-from ext_proc.service.admin_guard import AdminGuard, Peer
+from ext_proc.service.admin.api import make_admin_app
+from ext_proc.service.admin.guard import AdminGuard, Peer
 from ext_proc.vocab.backend import EngineKind, KvEventsMode
 from ext_proc.vocab.params import split_host_port
 

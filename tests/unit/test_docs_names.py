@@ -25,8 +25,8 @@ from ext_proc.config.schema import Config
 from ext_proc.core.build import build_router
 from ext_proc.core.pipeline import Director
 from ext_proc.policy.catalog import POLICIES
-from ext_proc.service.admin import make_admin_app
-from ext_proc.service.operator_page import add_page_routes
+from ext_proc.service.admin.api import make_admin_app
+from ext_proc.service.admin.operator_page import add_page_routes
 from ext_proc.service.telemetry.gauges import FlowGauges
 from ext_proc.service.telemetry.metrics import Metrics
 

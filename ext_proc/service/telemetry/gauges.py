@@ -14,7 +14,7 @@ from ext_proc.common.build import package_version
 from ext_proc.core.features import prefix_state
 from ext_proc.core.pipeline import FLOW_OUTCOMES, Director
 from ext_proc.core.router import Router
-from ext_proc.service.prediction_metrics import (
+from ext_proc.service.telemetry.prediction_metrics import (
     latency_prediction_gauges,
     served_model_gauges,
     step_model_gauges,

@@ -25,8 +25,8 @@ from ext_proc.config.schema import TelemetryConfig
 from ext_proc.core.router import Router
 from ext_proc.core.terms.catalog import TERMS
 from ext_proc.estimate.prediction import prediction_error
-from ext_proc.service.otlp import otlp_exporter
 from ext_proc.service.telemetry.metrics import Children, Metrics
+from ext_proc.service.telemetry.otlp import otlp_exporter
 from ext_proc.service.telemetry.spans import (
     A_E2E_MS,
     A_ENGINE_CACHED,
@@ -64,7 +64,7 @@ class _OpenSpan:
 
 class Telemetry(Listener):
     """Spans and metrics for decisions, subscribed to the router's lifecycle. `exporter`:
-    injected in tests; otherwise OTLP over gRPC (plaintext or TLS, service/otlp.py) when an
+    injected in tests; otherwise OTLP over gRPC (plaintext or TLS, otlp.py) when an
     endpoint is configured (config or OTEL_EXPORTER_OTLP_ENDPOINT).
 
     A span's ids and sampling are decided at the dispatch (the decision log links its

@@ -29,8 +29,8 @@ from aiohttp import web
 
 from emulator.stack.ports import free_ports
 from ext_proc.prompt.parse import CHAT, parse_body
-from ext_proc.service.admin import make_admin_app
-from ext_proc.service.operator_page import feed
+from ext_proc.service.admin.api import make_admin_app
+from ext_proc.service.admin.operator_page import feed
 from ext_proc.vocab.types import RouteRequest, Status
 from loadgen.bench.live import load as bench_load
 from loadgen.bench.live import overhead as bench_overhead

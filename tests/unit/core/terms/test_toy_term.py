@@ -11,7 +11,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from ext_proc.config.schema import TelemetryConfig
 from ext_proc.core.terms.base import TermInputs
 from ext_proc.core.terms.catalog import BUILT_IN, TERMS
-from ext_proc.service.operator_page import entry_row, terms_json
+from ext_proc.service.admin.operator_page import entry_row, terms_json
 from ext_proc.service.telemetry.listener import Telemetry
 from ext_proc.vocab.terms import register_term, unregister_term
 from ext_proc.vocab.types import Status

@@ -1,5 +1,5 @@
 """`gorgo epp`: the router as a Gateway API Inference Extension endpoint picker, started as
-the extension's `inferencepool` chart starts its own (ext_proc_flags.py reads its flags):
+the extension's `inferencepool` chart starts its own (flags.py reads its flags):
 ext_proc over TLS on 9002 (a self-signed certificate unless --cert-path, as the chart's
 Envoy expects: it does not verify the picker), the standard gRPC health service on 9003
 (what the chart's probes ask), Prometheus /metrics (and the admin API) on 9090, and the
@@ -22,7 +22,7 @@ import orjson
 
 from ext_proc.config.load import config_from_dict
 from ext_proc.config.schema import Config
-from ext_proc.service.epp_flags import EppOptions, config_dict
+from ext_proc.service.epp.flags import EppOptions, config_dict
 from ext_proc.vocab.params import ConfigError
 
 log = logging.getLogger("gorgo.epp")

@@ -1,12 +1,12 @@
-"""`gorgo epp` in the CLI: its parser (the extension's flags, ext_proc/service/epp_flags.py)
-and its run, imported when the command runs (ext_proc/service/epp.py)."""
+"""`gorgo epp` in the CLI: its parser (the extension's flags, ext_proc/service/epp/flags.py)
+and its run, imported when the command runs (ext_proc/service/epp/run.py)."""
 
 from __future__ import annotations
 
 import argparse
 from typing import Any
 
-from ext_proc.service.epp_flags import add_epp_arguments, epp_options
+from ext_proc.service.epp.flags import add_epp_arguments, epp_options
 
 
 def add_epp_command(commands: Any) -> None:
@@ -28,6 +28,6 @@ def add_epp_command(commands: Any) -> None:
 
 
 def _run_epp(args: argparse.Namespace) -> int:
-    from ext_proc.service.epp import run
+    from ext_proc.service.epp.run import run
 
     return run(epp_options(args, getattr(args, "unknown", ())))

@@ -1,4 +1,4 @@
-"""The admin API's component schemas (admin_openapi.py's document): the answers' shapes,
+"""The admin API's component schemas (openapi.py's document): the answers' shapes,
 and the POST /backends body, which is the config schema's own backend item
 (config/json_schema.py) with the loader's forms for its id, address and endpoints."""
 

@@ -11,7 +11,7 @@ import pytest
 
 from ext_proc.config.load import config_from_dict
 from ext_proc.config.transport import EnvoyMode
-from ext_proc.service.epp_flags import EppOptions, add_epp_arguments, config_dict, epp_options
+from ext_proc.service.epp.flags import EppOptions, add_epp_arguments, config_dict, epp_options
 from ext_proc.vocab.backend import EngineKind
 from ext_proc.vocab.params import ConfigError
 

@@ -13,8 +13,8 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from ext_proc.core.router import Router
-from ext_proc.service.admin import make_admin_app
-from ext_proc.service.operator_page import FEED_CANDIDATES, prefix_why
+from ext_proc.service.admin.api import make_admin_app
+from ext_proc.service.admin.operator_page import FEED_CANDIDATES, prefix_why
 from ext_proc.vocab.types import Status
 from tests.builders import FakeClock, chat, make_router
 

@@ -1,5 +1,5 @@
 """The operator's page on the admin port: GET /ui (HTML, CSS and JavaScript shipped in
-ext_proc/service/page/, nothing fetched from elsewhere) and the compact JSON it polls.
+ext_proc/service/admin/page/, nothing fetched from elsewhere) and the compact JSON it polls.
 
 GET /ui/feed?since=SEQ&steps=KEY answers what changed since the page's last poll: the
 fleet (a row per backend, ~64 rows at most in practice), the decisions made or closed
@@ -42,7 +42,7 @@ ASSETS = {
 
 @functools.cache
 def _asset(name: str) -> bytes:
-    return resources.files("ext_proc.service").joinpath("page", name).read_bytes()
+    return resources.files("ext_proc.service.admin").joinpath("page", name).read_bytes()
 
 
 def prefix_why(b: dict[str, Any]) -> str:

@@ -1,8 +1,8 @@
 """The admin port's OpenAPI 3.1 document, served at GET /openapi.json: every route of
-admin.py's app (and the operator page's), its parameters, request bodies and answers, the
-bearer token and the errors admin_guard.py answers (the schemas: admin_schemas.py).
+api.py's app (and the operator page's), its parameters, request bodies and answers, the
+bearer token and the errors guard.py answers (the schemas: schemas.py).
 Hand-kept beside the handlers; a test holds it to the app's routes both ways
-(tests/unit/service/test_admin_openapi.py) and schemathesis holds the app to it
+(tests/unit/service/admin/test_openapi.py) and schemathesis holds the app to it
 (tests/component/test_admin_schemathesis.py).
 
 The document describes the admin as it is configured: with a token (`listen.admin_token`
@@ -18,7 +18,7 @@ from __future__ import annotations
 from functools import cache
 from typing import Any
 
-from ext_proc.service.admin_schemas import OBJECT, STRING, component_schemas, ref
+from ext_proc.service.admin.schemas import OBJECT, STRING, component_schemas, ref
 
 OPENAPI_VERSION = "3.1.0"
 TITLE = "GORGO router admin API"
@@ -40,7 +40,7 @@ def _error(description: str) -> dict[str, Any]:
     return _json(ref("Error"), description)
 
 
-# A body over the admin's limit (admin.py MAX_BODY_BYTES, 1 MiB).
+# A body over the admin's limit (api.py MAX_BODY_BYTES, 1 MiB).
 TOO_LARGE = {"413": _error("The body is over 1 MiB.")}
 
 

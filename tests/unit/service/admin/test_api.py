@@ -1,4 +1,4 @@
-"""Who may use the admin (ext_proc/service/admin_guard.py): changes need a token from
+"""Who may use the admin (ext_proc/service/admin/guard.py): changes need a token from
 another host (an open admin on the network could route prompts anywhere through POST
 /backends); without a token they must be JSON with no foreign Origin (a page elsewhere
 posts text/plain without a preflight); every request but /healthz names this admin in
@@ -13,8 +13,8 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
 
-from ext_proc.service.admin import make_admin_app
-from ext_proc.service.admin_guard import AdminGuard, Peer, split_authority
+from ext_proc.service.admin.api import make_admin_app
+from ext_proc.service.admin.guard import AdminGuard, Peer, split_authority
 
 JSON = {"Content-Type": "application/json"}
 

@@ -1,4 +1,4 @@
-"""Who may use the admin port, decided per request before any handler runs (admin.py's
+"""Who may use the admin port, decided per request before any handler runs (api.py's
 middleware applies it). Pure: the request's method, path, headers and the socket it came
 on in, a refusal (status, message) or None out.
 

@@ -41,7 +41,7 @@ from tests.monitoring import (
     selectors_of,
 )
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[4]
 DATASOURCES = ROOT / "deploy/grafana/provisioning/datasources/prometheus.yml"
 OPERATIONS = ROOT / "docs/operations.md"
 
@@ -502,7 +502,7 @@ async def test_a_dispatch_is_recorded_on_the_loops_next_turn_and_before_its_clos
 def test_the_step_model_in_use_is_exported_on_state_the_gauge_and_the_page() -> None:
     from ext_proc.estimate.profile import load_profile
     from ext_proc.estimate.replay import Prompt, profile_coefficients, replay_features
-    from ext_proc.service.operator_page import backend_rows
+    from ext_proc.service.admin.operator_page import backend_rows
 
     router, clock = make_router(
         "gorgo", backends=["a", "b"], routing={"ttft_model": "replay"}, timeout_s=600

@@ -1,4 +1,4 @@
-"""The admin port's OpenAPI document (ext_proc/service/admin_openapi.py) against the app:
+"""The admin port's OpenAPI document (ext_proc/service/admin/openapi.py) against the app:
 every route of the app is in it and every operation of it is a route (it cannot drift),
 its schemas are valid JSON Schema whose refs resolve, the configs we ship validate
 against its backend body; and the findings of the schemathesis runs
@@ -21,12 +21,12 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from ext_proc.config.load import config_from_dict
 from ext_proc.estimate.profile import load_profile
-from ext_proc.service.admin import make_admin_app
-from ext_proc.service.admin_openapi import admin_openapi, documented_routes
+from ext_proc.service.admin.api import make_admin_app
+from ext_proc.service.admin.openapi import admin_openapi, documented_routes
 from ext_proc.service.app import make_router
 from ext_proc.service.telemetry.listener import Telemetry
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[4]
 TOKEN = "t0ken"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 JSON = {"Content-Type": "application/json"}

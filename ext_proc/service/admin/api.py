@@ -1,7 +1,7 @@
 """Admin HTTP on loopback: /healthz (alive), /readyz (can route), /state, POST /tuner, the
 fleet (GET/POST /backends, POST /backends/{id}/drain, DELETE /backends/{id}), the
-operator's page (/ui) and its OpenAPI document (/openapi.json, admin_openapi.py); who may
-use it is admin_guard.py's."""
+operator's page (/ui) and its OpenAPI document (/openapi.json, openapi.py); who may
+use it is guard.py's."""
 
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ from aiohttp import web
 from ext_proc.config.load import backend_from_dict
 from ext_proc.core.fleet import FleetConflict, UnknownBackend
 from ext_proc.core.router import Router
-from ext_proc.service.admin_guard import AdminGuard, Peer
-from ext_proc.service.admin_openapi import admin_openapi
+from ext_proc.service.admin.guard import AdminGuard, Peer
+from ext_proc.service.admin.openapi import admin_openapi
+from ext_proc.service.admin.operator_page import add_page_routes
 from ext_proc.service.health import Readiness, router_readiness
-from ext_proc.service.operator_page import add_page_routes
 from ext_proc.service.telemetry.listener import Telemetry
 from ext_proc.vocab.params import ConfigError
 from ext_proc.vocab.types import Weights
@@ -88,7 +88,7 @@ def make_admin_app(
 ) -> web.Application:
     """`settle`: waits until the shell has applied the fleet's changes (FleetShell);
     `listen`, `hosts`, `token`: listen.admin, listen.admin_hosts and the admin token, which
-    decide who may use it (admin_guard.py); `flow`: the gateway queue's snapshot, for the
+    decide who may use it (guard.py); `flow`: the gateway queue's snapshot, for the
     operator's page; `readiness`: whether the router can route (/readyz; None: the
     router's backends alone)."""
     ready = readiness if readiness is not None else (lambda: router_readiness(router))
@@ -97,7 +97,7 @@ def make_admin_app(
 
     @web.middleware
     async def guarded(request: web.Request, handler: Any) -> web.StreamResponse:
-        # admin_guard.py: the Host on every request; a token, or JSON with no foreign
+        # guard.py: the Host on every request; a token, or JSON with no foreign
         # Origin from loopback, on every change. A path or method the admin does not
         # serve changes nothing: once the Host is this admin's, it is answered 404, or
         # 405 with Allow, whatever the token (as the document at /openapi.json says).
