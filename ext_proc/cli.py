@@ -93,7 +93,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _envoy_config(args: argparse.Namespace) -> int:
-    from ext_proc.envoy.bootstrap import render_envoy_config, render_mesh_snippet
+    from ext_proc.envoy_config.bootstrap import render_envoy_config, render_mesh_snippet
 
     try:
         cfg = load_config(args.config)
@@ -106,7 +106,7 @@ def _envoy_config(args: argparse.Namespace) -> int:
     if cfg.envoy.xds_dir:
         # The bootstrap reads its backend clusters from these files: write them first, so
         # Envoy can start before the router (which rewrites them as the fleet changes).
-        from ext_proc.envoy.xds import write_xds
+        from ext_proc.envoy_config.xds import write_xds
 
         try:
             write_xds(cfg)

@@ -17,8 +17,8 @@ from ext_proc.common.files import write_atomic
 from ext_proc.config.dump import config_as_dict
 from ext_proc.config.load import config_from_dict
 from ext_proc.config.schema import Config
-from ext_proc.envoy.bootstrap import render_envoy_config
-from ext_proc.envoy.xds import write_xds
+from ext_proc.envoy_config.bootstrap import render_envoy_config
+from ext_proc.envoy_config.xds import write_xds
 
 
 class DoorHost(Protocol):

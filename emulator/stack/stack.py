@@ -37,8 +37,8 @@ from emulator.stack.settings import Region, StackSettings, config_yaml
 from emulator.stack.supervision import SupervisedChildren, http_ok, wait_port
 from ext_proc.common.files import write_atomic
 from ext_proc.config.schema import PROBE_PATH, Config
-from ext_proc.envoy.bootstrap import render_envoy_config
-from ext_proc.envoy.xds import write_xds
+from ext_proc.envoy_config.bootstrap import render_envoy_config
+from ext_proc.envoy_config.xds import write_xds
 from ext_proc.vocab.backend import EngineKind
 
 # A real vLLM takes ~30 s to a healthy /health here, ~35 s with another starting beside it

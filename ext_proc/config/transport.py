@@ -68,9 +68,10 @@ class Listen:
 
 @dataclass(frozen=True)
 class EnvoySettings:
-    """The `envoy:` section: what the generated Envoy config says (ext_proc/envoy/bootstrap.py):
-    its listener and admin, how it reaches the ext_proc, its body limit, timeouts and
-    retries, its tracing, and where its backend clusters come from."""
+    """The `envoy:` section: what the generated Envoy config says
+    (ext_proc/envoy_config/bootstrap.py): its listener and admin, how it reaches the
+    ext_proc, its body limit, timeouts and retries, its tracing, and where its backend
+    clusters come from."""
 
     listen: str = "127.0.0.1:10000"
     admin: str = "127.0.0.1:9901"

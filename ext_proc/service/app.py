@@ -21,7 +21,7 @@ from ext_proc.config.schema import Config, TunerMode
 from ext_proc.core.build import build_router, tuner_settings
 from ext_proc.core.router import Router
 from ext_proc.envoy.server import ExtProcService, add_services, grpc_options
-from ext_proc.envoy.xds import write_xds
+from ext_proc.envoy_config.xds import write_xds
 from ext_proc.policy.catalog import policy_info
 from ext_proc.prompt.engine_tokens import PromptTokenizer, load_engine_tokenizer
 from ext_proc.service.admin.api import make_admin_app

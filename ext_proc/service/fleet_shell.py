@@ -14,7 +14,7 @@ from typing import Any
 from ext_proc.common.aio import cancel_and_wait
 from ext_proc.core.router import Router
 from ext_proc.envoy.server import ExtProcService
-from ext_proc.envoy.xds import wait_envoy, write_xds
+from ext_proc.envoy_config.xds import wait_envoy, write_xds
 from ext_proc.vocab.events import BackendChanged, Listener
 from ext_proc.vocab.feeds import Feed
 from ext_proc.vocab.types import BackendChange, BackendLifecycle

@@ -71,7 +71,7 @@ UNAVAILABLE = ApiError(503, SERVER_ERROR, "service_unavailable")
 # The request field that holds the prompt, by API (ext_proc/prompt/parse.py's names).
 PROMPT_PARAM = {"chat": "messages", "completions": "prompt", "generate": "text"}
 
-# -- Envoy's own local replies (ext_proc/envoy/bootstrap.py's local_reply_config) --------
+# -- Envoy's own local replies (ext_proc/envoy_config/bootstrap.py's local_reply_config) --------
 
 # A body over the front door's buffer limit.
 BODY_TOO_LARGE = ApiError(413, INVALID_REQUEST, "request_too_large")

@@ -20,7 +20,7 @@ class Block(importlib.abc.MetaPathFinder):
         return None
 sys.meta_path.insert(0, Block())
 import ext_proc.service.app, ext_proc.service.epp.run
-import ext_proc.envoy.server, ext_proc.envoy.bootstrap
+import ext_proc.envoy.server, ext_proc.envoy_config.bootstrap
 import ext_proc.service.loops.probe, ext_proc.service.check.probes, ext_proc.service.check.judge
 from ext_proc.cli import build_parser, main
 commands = build_parser()._subparsers._group_actions[0].choices

@@ -22,7 +22,7 @@ import pytest
 from emulator.stack.ports import free_ports
 from emulator.stack.processes import envoy_binary
 from ext_proc.config.load import config_from_dict
-from ext_proc.envoy.bootstrap import render_envoy_config
+from ext_proc.envoy_config.bootstrap import render_envoy_config
 from ext_proc.vocab.errors import UNAVAILABLE, UPSTREAM_TIMEOUT, ApiError
 
 pytestmark = pytest.mark.component

@@ -20,7 +20,7 @@ from emulator.stack.processes import envoy_binary
 from ext_proc.cli import main
 from ext_proc.config.load import load_config
 from ext_proc.config.schema import TunerMode
-from ext_proc.envoy.bootstrap import render_envoy_config
+from ext_proc.envoy_config.bootstrap import render_envoy_config
 from ext_proc.vocab.backend import EngineKind
 from tests.certs import Ca
 from tests.xds_configs import BACKENDS, cfg_of

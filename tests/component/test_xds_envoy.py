@@ -1,8 +1,9 @@
 """envoy.xds_dir against the real Envoy binary: the generated bootstrap takes its backend
-clusters from the files ext_proc/envoy/xds.py writes, and Envoy follows each rewrite without a
-restart, without failing a request in flight and (EDS) without dropping the connections
-of the backends that stay. No router runs: requests fail open to `gorgo_fallback`. Last,
-wait_envoy with static clusters, against a stand-in for Envoy's admin."""
+clusters from the files ext_proc/envoy_config/xds.py writes, and Envoy follows each
+rewrite without a restart, without failing a request in flight and (EDS) without dropping
+the connections of the backends that stay. No router runs: requests fail open to
+`gorgo_fallback`. Last, wait_envoy with static clusters, against a stand-in for Envoy's
+admin."""
 
 from __future__ import annotations
 
@@ -23,8 +24,8 @@ from emulator.stack.ports import free_ports
 from emulator.stack.processes import envoy_binary
 from ext_proc.config.load import config_from_dict
 from ext_proc.config.schema import Config
-from ext_proc.envoy.bootstrap import render_envoy_config
-from ext_proc.envoy.xds import missing_in, wait_envoy, write_xds
+from ext_proc.envoy_config.bootstrap import render_envoy_config
+from ext_proc.envoy_config.xds import missing_in, wait_envoy, write_xds
 from tests.xds_configs import BACKENDS, cfg_of
 
 pytestmark = pytest.mark.component
@@ -245,7 +246,7 @@ async def test_static_clusters_are_confirmed_when_envoys_admin_answers() -> None
     missing (pending: no 503s), and an admin out of reach confirms nothing at once."""
     from aiohttp import web
 
-    from ext_proc.envoy.xds import wait_envoy
+    from ext_proc.envoy_config.xds import wait_envoy
 
     (port,) = free_ports(1)
     cfg = cfg_of("", admin=f"127.0.0.1:{port}")

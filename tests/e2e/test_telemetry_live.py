@@ -22,7 +22,7 @@ from emulator.stack.ports import free_ports
 from emulator.stack.processes import envoy_binary
 from ext_proc.config.load import config_from_dict
 from ext_proc.config.schema import Config
-from ext_proc.envoy.bootstrap import render_envoy_config
+from ext_proc.envoy_config.bootstrap import render_envoy_config
 from ext_proc.service.app import running_service
 from tests.monitoring import all_selectors, check_selectors, exported
 

@@ -14,7 +14,7 @@ from emulator.stack.ports import free_ports
 from emulator.stack.stack import Stack
 from ext_proc.config.schema import Config
 from ext_proc.config.transport import ClientTls, ServerTls
-from ext_proc.envoy.bootstrap import render_envoy_config
+from ext_proc.envoy_config.bootstrap import render_envoy_config
 from loadgen.client.stream import chat_body
 from tests.certs import Ca
 from tests.e2e.conftest import FAST_REGIONS, fast_settings

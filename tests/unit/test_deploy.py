@@ -27,13 +27,13 @@ from ext_proc.common.names import HEADER_BACKEND
 from ext_proc.config.kv_endpoints import split_tcp_endpoint
 from ext_proc.config.load import load_config
 from ext_proc.config.schema import Config
-from ext_proc.envoy.bootstrap import (
+from ext_proc.envoy_config.bootstrap import (
     build_envoy_config,
     build_mesh_snippet,
     render_envoy_config,
     render_mesh_snippet,
 )
-from ext_proc.envoy.clusters import EXT_PROC_CLUSTER
+from ext_proc.envoy_config.clusters import EXT_PROC_CLUSTER
 from ext_proc.service.admin.api import make_admin_app
 from ext_proc.service.admin.guard import AdminGuard, Peer
 from ext_proc.vocab.backend import EngineKind, KvEventsMode

@@ -440,7 +440,7 @@ def test_the_renamed_metrics_are_gone_and_their_new_names_exported() -> None:
 
 @pytest.mark.parametrize("name", sorted(NOT_METRICS - set(POLICIES)))
 def test_the_non_metric_names_are_envoy_config_names(name: str) -> None:
-    source = (ROOT / "ext_proc/envoy/clusters.py").read_text()
+    source = (ROOT / "ext_proc/envoy_config/clusters.py").read_text()
     assert f'"{name}"' in source
 
 

@@ -68,7 +68,7 @@ def test_each_stage_of_the_overhead_table_is_a_function_there(
     assert defined, f"{label!r}: no def {func} in a file ending {suffix}"
 
 
-# A dotted name of ours, e.g. ext_proc.envoy.xds.write_xds: its module part must import.
+# A dotted name of ours, e.g. ext_proc.envoy_config.xds.write_xds: its module part must import.
 DOTTED = re.compile(r"(?<![\w.])((?:ext_proc|emulator|loadgen)(?:\.[a-z_]\w*)+)")
 
 

@@ -22,7 +22,7 @@ import aiohttp
 from emulator.stack.ports import free_ports
 from emulator.stack.settings import Region, StackPorts, StackSettings
 from emulator.stack.stack import Stack
-from ext_proc.envoy.bootstrap import render_envoy_config
+from ext_proc.envoy_config.bootstrap import render_envoy_config
 from loadgen.bench.live.load import proc_cpu_s
 from loadgen.bench.live.otlp_sink import OtlpSink
 from loadgen.client.stream import Result, chat_body, percentile, send_chat

@@ -7,7 +7,7 @@ from emulator.stack.settings import StackSettings
 from ext_proc.config.dump import config_as_dict
 from ext_proc.config.load import config_from_dict, load_config
 from ext_proc.config.transport import EnvoyMode
-from ext_proc.envoy.bootstrap import build_envoy_config, render_envoy_config
+from ext_proc.envoy_config.bootstrap import build_envoy_config, render_envoy_config
 from ext_proc.policy.catalog import policy_params
 from ext_proc.vocab.params import ConfigError
 

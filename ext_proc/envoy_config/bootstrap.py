@@ -18,7 +18,7 @@ from ext_proc.common.names import (
     ROUTING_HEADERS,
 )
 from ext_proc.config.schema import Config
-from ext_proc.envoy.clusters import (
+from ext_proc.envoy_config.clusters import (
     API,
     CDS_FILE,
     EXT_PROC_CLUSTER,
@@ -34,7 +34,7 @@ from ext_proc.envoy.clusters import (
     socket_address,
     xds_path,
 )
-from ext_proc.envoy.filters import ACCESS_LOG_OPTIONS, access_logs, ext_proc_filters, node_id
+from ext_proc.envoy_config.filters import ACCESS_LOG_OPTIONS, access_logs, ext_proc_filters, node_id
 from ext_proc.vocab.errors import (
     BAD_REQUEST,
     BODY_TOO_LARGE,
@@ -232,7 +232,7 @@ def build_envoy_config(cfg: Config, ext_proc: bool = True) -> dict[str, Any]:
     request takes the fallback route): the baseline of the overhead benchmark.
 
     With `envoy.xds_dir` set, the backend clusters are not in it: Envoy reads them from
-    the CDS file there (write them first with ext_proc.envoy.xds.write_xds)."""
+    the CDS file there (write them first with ext_proc.envoy_config.xds.write_xds)."""
     hcm = {
         TYPE: f"{API}.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
         "stat_prefix": "front_door",

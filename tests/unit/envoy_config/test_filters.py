@@ -4,8 +4,8 @@ each request's start goes to a log of its own, which no completion reaches."""
 
 from typing import Any
 
-from ext_proc.envoy.bootstrap import build_envoy_config
-from ext_proc.envoy.filters import access_logs
+from ext_proc.envoy_config.bootstrap import build_envoy_config
+from ext_proc.envoy_config.filters import access_logs
 from tests.builders import make_config
 
 START, END = "DownstreamStart", "DownstreamEnd"

@@ -1,6 +1,6 @@
 """Envoy's clusters for the fleet: one per backend (EDS files with envoy.xds_dir), the
 endpoint-picker pool, the router's own gRPC cluster; the names and helpers the bootstrap
-(`envoy.bootstrap`) builds on.
+(bootstrap.py) builds on.
 """
 
 from __future__ import annotations
@@ -191,7 +191,7 @@ def backend_clusters(cfg: Config, draining: Collection[str] = ()) -> list[dict[s
 
 
 # envoy.xds_dir: the CDS file Envoy's bootstrap names; each EDS cluster's endpoints are
-# in eds-<cluster>.yaml beside it (ext_proc/envoy/xds.py writes them).
+# in eds-<cluster>.yaml beside it (ext_proc/envoy_config/xds.py writes them).
 CDS_FILE = "cds.yaml"
 
 
@@ -206,5 +206,5 @@ def xds_path(cfg: Config, file: str) -> str:
 
 def file_config_source(path: str) -> dict[str, Any]:
     """A filesystem xDS subscription: Envoy reads `path` and reloads it whenever a file is
-    moved onto it (the atomic rename of ext_proc/envoy/xds.py); a write in place is not seen."""
+    moved onto it (the atomic rename of xds.py); a write in place is not seen."""
     return {"resource_api_version": "V3", "path_config_source": {"path": path}}

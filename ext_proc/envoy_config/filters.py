@@ -19,7 +19,7 @@ from ext_proc.common.names import (
 )
 from ext_proc.config.flow import max_hold_s
 from ext_proc.config.schema import Config
-from ext_proc.envoy.clusters import API, EXT_PROC_CLUSTER, OBSERVE_STAT_PREFIX, TYPE
+from ext_proc.envoy_config.clusters import API, EXT_PROC_CLUSTER, OBSERVE_STAT_PREFIX, TYPE
 
 
 def node_id(cfg: Config) -> str:

@@ -1,6 +1,6 @@
 """The backend clusters as filesystem xDS, so Envoy follows fleet changes without a restart.
 
-With `envoy.xds_dir` set, the generated bootstrap (ext_proc/envoy/bootstrap.py) names
+With `envoy.xds_dir` set, the generated bootstrap (ext_proc/envoy_config/bootstrap.py) names
 `<xds_dir>/cds.yaml`, and `write_xds` keeps it and each cluster's endpoint file
 (`eds-<cluster>.yaml`) equal to the router's backend list. Every file is replaced by a
 rename (Envoy reloads a path when a file is moved onto it; it would not see a write in
@@ -30,7 +30,7 @@ import yaml
 
 from ext_proc.common.files import write_atomic
 from ext_proc.config.schema import Config
-from ext_proc.envoy.clusters import (
+from ext_proc.envoy_config.clusters import (
     CDS_FILE,
     POOL_CLUSTER,
     backend_clusters,

@@ -13,8 +13,8 @@ import pytest
 import yaml
 
 from ext_proc.config.load import config_from_dict
-from ext_proc.envoy.bootstrap import build_envoy_config, build_mesh_snippet
-from ext_proc.envoy.xds import missing_in, write_xds, xds_files
+from ext_proc.envoy_config.bootstrap import build_envoy_config, build_mesh_snippet
+from ext_proc.envoy_config.xds import missing_in, write_xds, xds_files
 from ext_proc.vocab.params import ConfigError
 from tests.xds_configs import BACKENDS, cfg_of
 
