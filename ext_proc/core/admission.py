@@ -5,7 +5,8 @@ serves several (400), a model whose every backend is out of rotation (503), a pr
 than every such backend's context (400); and, with shedding on, every queue past its
 bound (429). The answers are those of the vLLM
 production-stack router (src/vllm_router/services/request_service/request.py) and
-OpenAI's API. Pure.
+OpenAI's API. And where a request the policy does not route may go (`fallback_order`).
+Pure.
 """
 
 from __future__ import annotations
@@ -163,3 +164,12 @@ def fleet_models(
         if any(s.model in out for s in alias.served):
             out.setdefault(alias.name, None)
     return dict(sorted(out.items()))
+
+
+def fallback_order(state: FleetState, now_s: float) -> list[str]:
+    """The backends a request without a decision (the policy does not route it) may go to,
+    best first: the active ones, available first, then the least loaded (by id on a tie).
+    An endpoint picker names them, since the pool's Envoy has no route of its own."""
+    active = [b for b in state.backends.values() if b.lifecycle is BackendLifecycle.ACTIVE]
+    ranked = sorted(active, key=lambda b: (not state.available(b, now_s), b.load.in_flight, b.id))
+    return [b.id for b in ranked]

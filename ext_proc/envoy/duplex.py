@@ -11,12 +11,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, ClassVar
 
+from ext_proc.core.admission import fallback_order
 from ext_proc.core.router import Router
 from ext_proc.envoy import codec
 from ext_proc.envoy.answers import no_endpoint
-from ext_proc.envoy.encoders import DecisionEncoder, EndpointPickerEncoder
+from ext_proc.envoy.encoders import DecisionEncoder
 from ext_proc.envoy.sessions import Reply, RoutingSession, Session
-from ext_proc.vocab.types import BackendLifecycle, Decision
+from ext_proc.vocab.types import Decision
 
 # A request body the router rewrote (a model alias) goes back to a FULL_DUPLEX_STREAMED
 # data plane in chunks of at most this many bytes (some data planes cap a streamed chunk
@@ -78,13 +79,11 @@ class StreamedRoutingSession(RoutingSession):
 
     def _fallback(self) -> Reply:
         self.done = False  # the response still comes through this stream
-        if isinstance(self.encoder, EndpointPickerEncoder):
-            named = fallback_endpoints(self.router, self.encoder)
-            if named is None:
-                self.done = True
-                return no_endpoint("no active backend")
-            return self._release(named)
-        return self._release(codec.bare_continue(codec.REQUEST_HEADERS))
+        named = self.encoder.undecided(lambda: _fallback_order(self.router))
+        if named is None:
+            self.done = True
+            return no_endpoint("no active backend")
+        return self._release(named)
 
     def _release(
         self, headers_reply: codec.ProcessingResponse, new_body: bytes | None = None
@@ -124,9 +123,7 @@ class StreamedPassThroughSession(Session):
         self.encoder = encoder
 
     def on_request_headers(self, p: codec.Phase) -> Reply:
-        if not isinstance(self.encoder, EndpointPickerEncoder):
-            return codec.bare_continue(codec.REQUEST_HEADERS)
-        named = fallback_endpoints(self.router, self.encoder)
+        named = self.encoder.undecided(lambda: _fallback_order(self.router))
         if named is None:
             self.done = True
             return no_endpoint("no active backend")
@@ -161,21 +158,9 @@ class StreamedPassThroughSession(Session):
     }
 
 
-def fallback_endpoints(
-    router: Router, encoder: EndpointPickerEncoder
-) -> codec.ProcessingResponse | None:
-    """The headers' reply naming endpoints for a request the policy does not decide on:
-    active backends, available ones first, the least loaded first (None: none active)."""
-    now_s = router.clock()
-    state = router.fleet.state
-    active = [b for b in router.backends.values() if b.lifecycle is BackendLifecycle.ACTIVE]
-    if not active:
-        return None
-    ranked = sorted(active, key=lambda b: (not state.available(b, now_s), b.load.in_flight, b.id))
-    endpoints = [encoder.addresses[b.id] for b in ranked if b.id in encoder.addresses]
-    if not endpoints:
-        return None
-    return encoder.name_endpoints(endpoints[: 1 + encoder.connect_retries], codec.REQUEST_HEADERS)
+def _fallback_order(router: Router) -> list[str]:
+    """The backends a request the policy does not decide on may go to, best first."""
+    return fallback_order(router.fleet.state, router.clock())
 
 
 def _split(body: bytes, size: int) -> list[bytes]:

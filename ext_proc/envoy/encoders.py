@@ -2,12 +2,15 @@
 backend's cluster, or (endpoint_picker mode) the Gateway API Inference Extension's
 endpoint header inside one pool cluster. The reply goes with the request's body
 (BUFFERED), or with its headers once the body is complete (FULL_DUPLEX_STREAMED: the body
-then follows in chunks of its own).
+then follows in chunks of its own). Each encoder also answers what differs between the
+two modes for a request without a decision, and for the endpoint that served one, so a
+session never asks which encoder it holds.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
+from typing import Protocol
 
 from ext_proc.common.names import (
     HEADER_BACKEND,
@@ -19,8 +22,48 @@ from ext_proc.common.names import (
 from ext_proc.config.schema import Config
 from ext_proc.config.transport import EnvoyMode
 from ext_proc.envoy import codec
+from ext_proc.envoy.answers import no_endpoint
 from ext_proc.vocab.backend import Backend
 from ext_proc.vocab.types import Decision
+
+
+class DecisionEncoder(Protocol):
+    """Turns the router's decisions into Envoy's language, in one of the two modes."""
+
+    def encode(
+        self,
+        d: Decision,
+        body: bytes | None = None,
+        request_id: str | None = None,
+        phase: str = codec.REQUEST_BODY,
+    ) -> codec.ProcessingResponse:
+        """The reply sending the request to the decision's backend."""
+        ...
+
+    def set_backends(self, backends: Iterable[Backend]) -> None:
+        """The fleet changed."""
+        ...
+
+    def backends_at(self, endpoints: Iterable[str]) -> frozenset[str] | None:
+        """The backends at the endpoints of a subset hint (None: the hint does not apply)."""
+        ...
+
+    def unrouted(self, reason: str) -> codec.ProcessingResponse | None:
+        """The reply for a request no backend can take now (None: Envoy's fallback route
+        takes it)."""
+        ...
+
+    def undecided(self, ranked: Callable[[], Sequence[str]]) -> codec.ProcessingResponse | None:
+        """The request headers' reply on a streamed stream for a request the policy does
+        not decide on; `ranked`: the backends to name, best first, asked only when the
+        encoder names any (None: no backend to name, no endpoint can take it)."""
+        ...
+
+    def served(self, endpoint: str, chosen: str) -> str | None:
+        """The backend that served a request sent to `chosen`, as the endpoint the data
+        plane reports (empty: none reported) says; None: this mode does not say, and the
+        picker echoes nothing."""
+        ...
 
 
 class ClusterHeaderEncoder:
@@ -56,7 +99,16 @@ class ClusterHeaderEncoder:
         """Clusters are named, not endpoints: a subset hint does not apply (None)."""
         return None
 
-    def backend_at(self, endpoint: str) -> str | None:
+    def unrouted(self, reason: str) -> codec.ProcessingResponse | None:
+        """Envoy's fallback route takes what the router cannot route (None)."""
+        return None
+
+    def undecided(self, ranked: Callable[[], Sequence[str]]) -> codec.ProcessingResponse | None:
+        """Envoy's own route takes it: the headers go on as they came."""
+        return codec.bare_continue(codec.REQUEST_HEADERS)
+
+    def served(self, endpoint: str, chosen: str) -> str | None:
+        """Envoy knows the cluster it sent the request to: nothing to learn or echo."""
         return None
 
 
@@ -122,6 +174,22 @@ class EndpointPickerEncoder:
         key = _endpoint_key(endpoint)
         return next((b for b, a in self.addresses.items() if _endpoint_key(a) == key), None)
 
+    def unrouted(self, reason: str) -> codec.ProcessingResponse | None:
+        """The endpoint-picker protocol: no endpoint can take it, say so (503)."""
+        return no_endpoint(reason)
+
+    def undecided(self, ranked: Callable[[], Sequence[str]]) -> codec.ProcessingResponse | None:
+        """The pool's Envoy has no route of its own: the endpoints of the backends ranked,
+        as many as a decision names (None: none)."""
+        endpoints = [self.addresses[b] for b in ranked() if b in self.addresses]
+        if not endpoints:
+            return None
+        return self.name_endpoints(endpoints[: 1 + self.connect_retries], codec.REQUEST_HEADERS)
+
+    def served(self, endpoint: str, chosen: str) -> str | None:
+        """The backend at the endpoint the data plane reports, else the chosen one."""
+        return (self.backend_at(endpoint) if endpoint else None) or chosen
+
 
 def _endpoint_key(endpoint: str) -> tuple[str, int | None]:
     """("host", port) of an "ip:port" / "[v6]:port" / bare host, for comparing endpoints
@@ -150,9 +218,6 @@ def _deadline(d: Decision) -> dict[str, str]:
 def _renamed(request_id: str | None) -> dict[str, str]:
     # Envoy logs and observes the request by its x-request-id from here on.
     return {} if request_id is None else {HEADER_REQUEST_ID: request_id}
-
-
-DecisionEncoder = ClusterHeaderEncoder | EndpointPickerEncoder
 
 
 def decision_encoder(cfg: Config) -> DecisionEncoder:

@@ -22,8 +22,8 @@ from ext_proc.core.pipeline import Director, Outcome, Queued, Refused, Unrouted
 from ext_proc.core.router import Router
 from ext_proc.envoy import codec
 from ext_proc.envoy.access_log import Forward, first_chunk_event
-from ext_proc.envoy.answers import json_error, no_endpoint, own_request_id
-from ext_proc.envoy.encoders import DecisionEncoder, EndpointPickerEncoder
+from ext_proc.envoy.answers import json_error, own_request_id
+from ext_proc.envoy.encoders import DecisionEncoder
 from ext_proc.envoy.outcome import VIA_UPSTREAM, outcome_of
 from ext_proc.flow.classify import read_headers
 from ext_proc.flow.queue import Waiting
@@ -335,10 +335,10 @@ class RoutingSession(_FirstByteWatcher):
                 headers[HEADER_FLOW_REASON] = refused.reason
             return json_error(refused.error, refused.message, headers or None)
         if isinstance(outcome, Unrouted):
-            if isinstance(self.encoder, EndpointPickerEncoder):
+            if (unrouted := self.encoder.unrouted(outcome.reason)) is not None:
                 # the endpoint-picker protocol: no endpoint can take it, say so (503)
                 log.warning("request %s: %s: 503", self.request_id, outcome.reason)
-                return no_endpoint(outcome.reason)
+                return unrouted
             log.warning("request %s: %s: fallback route", self.request_id, outcome.reason)
             return self._fallback()  # the fallback route takes it
         self.decision = outcome.decision
@@ -378,10 +378,10 @@ class RoutingSession(_FirstByteWatcher):
         """The endpoint the data plane says served the request: another backend than the
         chosen one gets its TTFT and E2E, the chosen one a failover. Returns the backend
         to echo to the client (None: not this session's decision, or no endpoint mode)."""
-        if self.decision is None or not isinstance(self.encoder, EndpointPickerEncoder):
+        backend = self.encoder.served(endpoint, self.decision.backend) if self.decision else None
+        if self.decision is None or backend is None:
             return None
-        backend = self.encoder.backend_at(endpoint) if endpoint else None
-        if backend is not None and backend != self.decision.backend:
+        if backend != self.decision.backend:
             if self.router.inputs.served_by(self.request_id, backend):
                 log.info(
                     "request %s: served by %s, not %s (the data plane went on)",

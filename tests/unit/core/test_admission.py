@@ -5,6 +5,7 @@ prompt longer than every context (400)."""
 
 import json
 
+from ext_proc.core.admission import fallback_order
 from ext_proc.core.router import Router
 from ext_proc.feeds.served_models import ServedModels
 from ext_proc.prompt.parse import COMPLETIONS, parse_body
@@ -211,3 +212,19 @@ def test_an_approximate_count_is_refused_only_well_past_the_context() -> None:
     assert r.admit(text(4 * 6000)) is None  # ~6,000 counted: may well fit
     refused = r.admit(text(4 * 9000))  # ~9,000 counted: over 2 x 4,096
     assert refused is not None and refused.status == 400
+
+
+def test_a_request_without_a_decision_goes_to_active_backends_available_first_least_loaded() -> (
+    None
+):
+    r, clock = fleet(eject_after_errors=1, eject_s=4.0)
+    assert fallback_order(r.fleet.state, clock()) == ["a", "b", "c"]
+    r.decide(chat(model="alpha"))  # one in flight on a or b
+    busy = next(b for b in ("a", "b") if r.backends[b].load.in_flight)
+    idle = "b" if busy == "a" else "a"
+    assert fallback_order(r.fleet.state, clock()) == [idle, "c", busy]
+    d = r.decide(chat(model="beta"))
+    r.close(d.request_id, Status.ERROR)  # c ejected: last
+    assert fallback_order(r.fleet.state, clock()) == [idle, busy, "c"]
+    r.fleet.drain(idle)  # not active: not named
+    assert fallback_order(r.fleet.state, clock()) == [busy, "c"]
