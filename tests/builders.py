@@ -19,7 +19,7 @@ from ext_proc.core.terms.catalog import TERMS
 from ext_proc.envoy import codec
 from ext_proc.envoy.encoders import decision_encoder
 from ext_proc.envoy.roles import open_session
-from ext_proc.envoy.sessions import Session
+from ext_proc.envoy.session_base import Session
 from ext_proc.estimate.cost import PrefillModel
 from ext_proc.estimate.latency_model import LatencyModel
 from ext_proc.estimate.profile import EngineProfile

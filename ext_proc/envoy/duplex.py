@@ -16,7 +16,8 @@ from ext_proc.core.router import Router
 from ext_proc.envoy import codec
 from ext_proc.envoy.answers import no_endpoint
 from ext_proc.envoy.encoders import DecisionEncoder
-from ext_proc.envoy.sessions import Reply, RoutingSession, Session
+from ext_proc.envoy.session_base import Reply, Session
+from ext_proc.envoy.sessions import RoutingSession
 from ext_proc.vocab.types import Decision
 
 # A request body the router rewrote (a model alias) goes back to a FULL_DUPLEX_STREAMED

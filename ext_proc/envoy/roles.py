@@ -14,7 +14,8 @@ from ext_proc.envoy import codec
 from ext_proc.envoy.access_log import Forward
 from ext_proc.envoy.duplex import StreamedPassThroughSession, StreamedRoutingSession
 from ext_proc.envoy.encoders import DecisionEncoder
-from ext_proc.envoy.sessions import ObservingSession, Reply, RoutingSession, Session
+from ext_proc.envoy.session_base import ObservingSession, Reply, Session
+from ext_proc.envoy.sessions import RoutingSession
 from ext_proc.prompt.engine_tokens import PromptTokenizer
 from ext_proc.prompt.parse import api_for_path, route_path
 

@@ -32,7 +32,8 @@ from ext_proc.envoy.access_log import AccessLogService, Forward
 from ext_proc.envoy.encoders import DecisionEncoder, decision_encoder
 from ext_proc.envoy.holding import Holding
 from ext_proc.envoy.roles import open_session
-from ext_proc.envoy.sessions import Reply, RoutingSession, Session
+from ext_proc.envoy.session_base import Reply, Session
+from ext_proc.envoy.sessions import RoutingSession
 from ext_proc.prompt.engine_tokens import PromptTokenizer
 
 # gRPC metadata keys that carry Envoy's trace context.

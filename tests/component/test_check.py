@@ -25,9 +25,10 @@ from emulator.engine.server import EngineServer
 from emulator.engine.tokenizer import load_twin_tokenizer
 from ext_proc.cli import main
 from ext_proc.config.load import config_from_dict
-from ext_proc.service.check.judge import Verdict, judge
+from ext_proc.service.check.judge import judge
 from ext_proc.service.check.probes import Look, look_at_fleet
 from ext_proc.service.check.report import as_json, render_text
+from ext_proc.service.check.verdict import Verdict
 from tests.component.engine_harness import FAST
 
 TIMEOUT_S = 0.5

@@ -15,9 +15,10 @@ import pytest
 from aiohttp import web
 
 from ext_proc.config.load import config_from_dict
-from ext_proc.service.check.judge import Verdict, judge
+from ext_proc.service.check.judge import judge
 from ext_proc.service.check.probes import TRIAL_PRIORITY, look_at_fleet
 from ext_proc.service.check.report import render_text
+from ext_proc.service.check.verdict import Verdict
 
 TIMEOUT_S = 1.0
 

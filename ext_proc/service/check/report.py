@@ -6,8 +6,8 @@ import dataclasses
 import json
 from typing import Any
 
-from ext_proc.service.check.judge import Aspect, Verdict
 from ext_proc.service.check.probes import Look
+from ext_proc.service.check.verdict import Aspect, Verdict
 
 # The words for an aspect that is precise, and one that is not.
 LABELS = {

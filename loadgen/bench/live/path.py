@@ -45,7 +45,7 @@ STEPS = (
     ("prompt -> prefix blocks", "core/features.py", "prompt_blocks", 4),
     ("candidates and their cost terms", "core/features.py", "candidates", 4),
     ("encode the decision", "envoy/encoders.py", "encode", 2),
-    ("first response chunk (TTFT)", "envoy/sessions.py", "on_response_body", 1),
+    ("first response chunk (TTFT)", "envoy/session_base.py", "on_response_body", 1),
     # the loop's next turn after the reply (Telemetry.on_dispatch)
     (
         "telemetry: the dispatch recorded (metrics, span ids)",

@@ -218,7 +218,7 @@ def measure_tokenized(
 def cold_turn_hold_ms(engine: EngineTokenizer, body: bytes, off_loop: bool) -> float:
     """The longest the event loop was held (ms) while a cold turn (nothing cached) was
     tokenized: on the loop itself, or in a worker thread as the shell does for a long
-    body (ext_proc/envoy/server.py OFF_LOOP_BODY_BYTES). A ticker that wakes every 1 ms
+    body (ext_proc/envoy/sessions.py OFF_LOOP_BODY_BYTES). A ticker that wakes every 1 ms
     stands in for other requests' decisions."""
     boundaries, _ = engine.tokenizer.boundaries()
     engine.cache = PromptCache(engine.tokenizer.ids, boundaries, TokenizerConfig().cache_entries)

@@ -17,7 +17,7 @@ from ext_proc.envoy.duplex import STREAMED_CHUNK_BYTES, StreamedRoutingSession
 from ext_proc.envoy.encoders import decision_encoder
 from ext_proc.envoy.proto import envoy_wire_pb2 as pb
 from ext_proc.envoy.roles import open_session
-from ext_proc.envoy.sessions import Reply, Session
+from ext_proc.envoy.session_base import Reply, Session
 from ext_proc.feeds.served_models import ServedModels
 from ext_proc.vocab.types import BackendLifecycle
 from tests.builders import REGIONS, load, make_router
