@@ -72,7 +72,7 @@ test-real: vllm
 # The peer routers (smg 1.13.0, vllm-router 0.1.17: Rust wheels, ~10 s) in their own
 # virtual environment; never in the router's dependencies.
 peers: venv
-	$(PY) -m emulator.peers.install $(PEERS_VENV)
+	$(PY) -m emulator.rivals.install $(PEERS_VENV)
 
 # SMG and vllm-router in front of a small emulated fleet (tests/peers).
 test-peers: peers

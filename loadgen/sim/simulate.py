@@ -42,7 +42,7 @@ from loadgen.results import RequestResult
 from loadgen.sim.bus import Bus
 from loadgen.sim.classes import engine_priorities
 from loadgen.sim.models import cache_salt, default_model, max_loras, names_models, served_models
-from loadgen.sim.peers.feed import PeerFeed, peer_for
+from loadgen.sim.rivals.feed import RivalFeed, rival_for
 from loadgen.sim.settings import PROXY, SimSettings
 from loadgen.traces.request import TraceRequest
 
@@ -141,13 +141,17 @@ class Simulation:
         doors = settings.doors
         cfg = settings.config(doors[0])
         rng = random.Random(settings.seed)
-        # A peer router's rule (loadgen/sim/peers) in the router's place: it chooses, and
+        # A rival router's rule (loadgen/sim/rivals) in the router's place: it chooses, and
         # hears the lifecycle as its own books would; its RNG is its own.
-        self.peer = peer_for(settings.policy, settings.seed, settings.routers, settings.front_doors)
+        self.rival = rival_for(
+            settings.policy, settings.seed, settings.routers, settings.front_doors
+        )
         # The service's own factory, on the virtual clock (it draws the policy's and the
         # tuner's RNGs from `rng` first).
-        peers = () if self.peer is None else (self.peer,)
-        self.router = build_router(cfg, lambda: self.now_s, rng, listeners=peers, policy=self.peer)
+        rivals = () if self.rival is None else (self.rival,)
+        self.router = build_router(
+            cfg, lambda: self.now_s, rng, listeners=rivals, policy=self.rival
+        )
         profiles = {r: load_profile(settings.engine_profile_of(r)) for r in settings.regions}
         fleet = settings.fleet
         self.engines = _engines(settings, profiles, rng)
@@ -213,7 +217,7 @@ class Simulation:
                 for router in self.routers:
                     router.inputs.expect_engine_events(r)
         self.router_block_tokens = cfg.routing.block_tokens
-        self.feed = None if self.peer is None else PeerFeed(self.peer, self)
+        self.feed = None if self.rival is None else RivalFeed(self.rival, self)
         self.probe_interval_s = cfg.probes.interval_s
         self.metrics_interval_s = cfg.probes.metrics_interval_s
         self._events: list[tuple[float, int, int, Any]] = []

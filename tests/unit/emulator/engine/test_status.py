@@ -1,4 +1,4 @@
-"""The twin's load and info bodies hold what current SGLang serves and what the peer routers
+"""The twin's load and info bodies hold what current SGLang serves and what the rival routers
 parse: /v1/loads (SGLang entrypoints/v1_loads.py, the scheduler's get_loads), the
 sglang:gen_throughput gauge, /server_info's fields that SMG reads (discover_metadata.rs
 ServerInfo)."""
