@@ -215,7 +215,7 @@ class StackSettings:
                 "listen": {"grpc": f"127.0.0.1:{p.grpc}", "admin": f"127.0.0.1:{p.admin}"},
                 "tuner": {"mode": self.tuner_mode},
                 **(
-                    {"fleet": {"nats_url": url, "router_id": "main"}}
+                    {"bus": {"nats_url": url, "router_id": "main"}}
                     if (url := self.nats_url)
                     else {}
                 ),

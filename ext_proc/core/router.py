@@ -349,7 +349,7 @@ class Router:
             log.warning(
                 "backend %s suspect: no first byte of %s by its deadline", r.backend, r.request_id
             )
-        state.expire_peers(now_s, self.cfg.fleet.peer_ttl_s)
+        state.expire_peers(now_s, self.cfg.bus.peer_ttl_s)
         overdue = state.overdue(now_s, self.cfg.request_timeout_s)
         closed = [c for rid in overdue if (c := self.close(rid, Status.EXPIRED)) is not None]
         for backend in self._fleet.draining:  # any left by a record that went without a close

@@ -1,4 +1,4 @@
-"""The fleet's message bus between the simulated routers (NATS live: ext_proc.feeds.peers
+"""The message bus between the simulated routers (NATS live: ext_proc.feeds.peers
 and ext_proc.service.loops.fleet_bus), on the simulator's clock: each router's lifecycle
 events reach the others one hop later (in one place: BUS_HOP_S; between front doors: half
 their RTT), its dispatches are confirmed to it a round trip to the server later (flow

@@ -201,7 +201,7 @@ def add_simulate(sub: Any, policies: Sequence[str]) -> None:
     s.add_argument(
         "--share-dispatches",
         action="store_true",
-        help="the routers tell each other their dispatches (live: over NATS, fleet.nats_url)",
+        help="the routers tell each other their dispatches (live: over NATS, bus.nats_url)",
     )
     s.add_argument(
         "--origin-shares",
