@@ -208,7 +208,7 @@ def _validate(cfg: Config) -> None:
         )
     if cfg.tokenizer.path or cfg.tokenizer.chat_template:
         load_engine_tokenizer(cfg.tokenizer)  # the files exist, parse and have a template
-    # A decision held longer than Envoy waits for it would take the fallback route.
+    # A decision paced longer than Envoy waits for it would take the fallback route.
     if cfg.routing.pace_max_ms * 2 > cfg.envoy.message_timeout_ms:
         raise ConfigError(
             f"routing.pace_max_ms: at most half of envoy.message_timeout_ms "

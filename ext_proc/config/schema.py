@@ -111,7 +111,7 @@ class Routing:
     # With KV events: a prompt dispatched this recently counts as cached where it went,
     # until the engine's own events say what it stored (they follow within a step).
     optimistic_ttl_s: float = bounded(10.0, **NON_NEGATIVE)
-    # Dispatch pacing (docs/cost-model.md): hold a request until this many probe-RTT
+    # Dispatch pacing (docs/cost-model.md): keep a request until this many probe-RTT
     # standard deviations after the previous one sent to its backend, so that the WAN's
     # jitter does not reorder them at the engine; never longer than the queue it is
     # predicted to meet there on arrival, nor than pace_max_ms (Envoy awaits the decision

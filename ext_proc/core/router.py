@@ -257,7 +257,7 @@ class Router:
             arm=arm,
             draining=self._fleet.draining,
             model=rec.model,
-            hold_ms=pace_ms(self.cfg.routing, b, chosen, now_s),
+            pace_ms=pace_ms(self.cfg.routing, b, chosen, now_s),
             waited_ms=waited_ms,
             queued_behind=queued_behind,
             first_byte_deadline_ms=first_byte_deadline_ms(
@@ -425,11 +425,11 @@ def engine_priority(b: BackendState, request: RouteRequest) -> int | None:
 
 
 def _stamp(rec: InFlight, decision: Decision, now_s: float) -> None:
-    """What the in-flight record keeps of its decision: the pacing hold, the wait in the
+    """What the in-flight record keeps of its decision: its pacing, the wait in the
     gateway queue, and when its first byte is due."""
-    rec.hold_ms = decision.hold_ms
+    rec.pace_ms = decision.pace_ms
     rec.waited_ms = decision.waited_ms
     if decision.first_byte_deadline_ms is not None:
         rec.first_byte_deadline_s = (
-            now_s + (decision.hold_ms + decision.first_byte_deadline_ms) / 1000
+            now_s + (decision.pace_ms + decision.first_byte_deadline_ms) / 1000
         )

@@ -71,13 +71,13 @@ class FleetState:
     def dispatch(self, rec: InFlight) -> None:
         old = self.in_flight.pop(rec.request_id, None)
         if old is not None:  # a reused request id: the older record can no longer complete
-            self._release(old)
+            self._drop_load(old)
         # Another router's request with the same id (ids are the clients' or Envoy's, not
         # unique across routers): the id is ours now, and one record holds it (else the
         # backend counted it twice, and the peer's close released our record).
         self.peer_close(rec.request_id)
         self.in_flight[rec.request_id] = rec
-        b = self._hold(rec)
+        b = self._add_load(rec)
         b.load.mean_prefill_ms += PREFILL_EWMA * (rec.prefill_ms - b.load.mean_prefill_ms)
 
     def first_byte(self, request_id: str, now_s: float) -> tuple[float, InFlight] | None:
@@ -124,7 +124,7 @@ class FleetState:
         rec = self.in_flight.pop(request_id, None)
         if rec is None:
             return None
-        self._release(rec)
+        self._drop_load(rec)
         b = self.backends[rec.backend]
         measured_e2e_ms = e2e_ms if e2e_ms is not None else (now_s - rec.arrived_s) * 1000.0
         if status == Status.FAILED_OVER:  # only the failure to connect was the chosen one's
@@ -193,7 +193,7 @@ class FleetState:
             return  # our own (a bus echo), or a backend this router does not route to
         self.peer_close(rec.request_id)
         self.peer_in_flight[rec.request_id] = rec
-        self._hold(rec)
+        self._add_load(rec)
 
     def peer_first_byte(self, request_id: str, now_s: float) -> None:
         rec = self.peer_in_flight.get(request_id)
@@ -204,7 +204,7 @@ class FleetState:
     def peer_close(self, request_id: str) -> None:
         rec = self.peer_in_flight.pop(request_id, None)
         if rec is not None:
-            self._release(rec)
+            self._drop_load(rec)
 
     def expire_peers(self, now_s: float, timeout_s: float) -> int:
         """Forget peers' requests in flight for timeout_s (their close was lost)."""
@@ -294,7 +294,7 @@ class FleetState:
             if r.first_byte_s is None
             and r.streaming
             and r.predicted_ttft_ms is not None
-            and now_s - r.dispatched_s > (r.hold_ms + r.predicted_ttft_ms + grace_ms) / 1e3
+            and now_s - r.dispatched_s > (r.pace_ms + r.predicted_ttft_ms + grace_ms) / 1e3
         }
 
     def missed_first_byte(self, now_s: float) -> list[InFlight]:
@@ -313,8 +313,8 @@ class FleetState:
             self.backends[r.backend].health.suspect = True
         return missed
 
-    def _hold(self, rec: InFlight) -> BackendState:
-        """Count a request in flight on its backend (undone by _release)."""
+    def _add_load(self, rec: InFlight) -> BackendState:
+        """Count a request in flight on its backend (undone by _drop_load)."""
         b = self.backends[rec.backend]
         b.load.records[rec.request_id] = rec
         b.load.in_flight += 1
@@ -322,7 +322,7 @@ class FleetState:
         b.load.in_flight_tokens += rec.input_tokens
         return b
 
-    def _release(self, rec: InFlight) -> None:
+    def _drop_load(self, rec: InFlight) -> None:
         b = self.backends[rec.backend]
         del b.load.records[rec.request_id]
         b.load.in_flight -= 1

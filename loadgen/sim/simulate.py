@@ -503,8 +503,8 @@ class Simulation:
         self.results[r.id].predicted_e2e_ms = d.chosen.predicted_e2e_ms + before_ms
         self._access_ms[r.id] = access_ms
         link = self._link_of[r.id] = self.links[(door, d.backend)]
-        # Dispatch pacing: the router holds the request before Envoy sends it on.
-        delay_s = d.hold_ms / 1000 + link.one_way_delay_s()
+        # Dispatch pacing: the router keeps the request before Envoy sends it on.
+        delay_s = d.pace_ms / 1000 + link.one_way_delay_s()
         if self.s.envoy_workers:
             worker = self._worker_rng.randrange(self.s.envoy_workers)
             key = self._conn_of[r.id] = (door, d.backend, worker)
