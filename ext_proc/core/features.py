@@ -188,10 +188,8 @@ class Features:
         self.precise_cached: dict[str, int] = {}
         # Flow control is on: each candidate's work not yet started is measured (its room).
         self.flow_control = fleet.cfg.flow_control.enabled
-        # routing.ttft_model: replay: the scheduler's replay per candidate of the last
-        # `candidates` call (its dispatch keeps the chosen one's, to learn from).
+        # routing.ttft_model: replay: each candidate carries the scheduler's replay there.
         self.replay = fleet.cfg.routing.ttft_model == "replay"
-        self.replays: dict[str, ReplayEstimate] = {}
 
     def prompt_blocks(self, request: RouteRequest) -> list[Hashes]:
         """Each prompt's prefix-block hashes (one list per prompt of a batch), in the
@@ -276,7 +274,6 @@ class Features:
         grace_ms = self.grace_ms
         keys_of = _keys_by_block_size(request)
         self.precise_cached.clear()
-        self.replays.clear()
         out = []
         for b in healthy or active:  # all suspect: try them all (never a draining one)
             if precise_for(b, request):
@@ -314,8 +311,6 @@ class Features:
                 expected_output_tokens=expected_out,
                 decode_calibration=state.decode_calibration.multiplier((b.id, kind)),
             )
-            if x.replay is not None:
-                self.replays[b.id] = x.replay
             terms: dict[str, float] = {}
             for term in TERMS.values():  # in order: a term may read those before it
                 terms[term.name] = term.compute(x, terms)
@@ -337,6 +332,8 @@ class Features:
                     expected_output_tokens=expected_out,
                     decode_calibration=x.decode_calibration,
                     terms=terms,
+                    replay_features=None if x.replay is None else x.replay.features,
+                    replay_credit_ms=0.0 if x.replay is None else x.replay.credit_ms,
                 )
             )
         return tuple(out)

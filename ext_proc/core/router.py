@@ -244,7 +244,7 @@ class Router:
         if state is PrefixState.WARMING and b.engine.blocks is not None:
             # judged at its close: would a precise prediction have been right?
             b.engine.blocks.expect(request.request_id, self._features.precise_cached.get(b.id, 0))
-        rec = in_flight_record(request, chosen, b, blocks, state, now_s, bt, self._features)
+        rec = in_flight_record(request, chosen, b, blocks, state, now_s, bt)
         self._fleet.state.dispatch(rec)
         decision = Decision(
             request_id=request.request_id,
@@ -375,11 +375,9 @@ def in_flight_record(
     state: PrefixState,
     now_s: float,
     block_tokens: int,
-    features: Features | None = None,
 ) -> InFlight:
-    """What the router keeps of a request it sends to `chosen` (to learn from its end);
-    `features`: the candidates' computer, whose replay there it keeps (ttft_model)."""
-    replay = features.replays.get(b.id) if features is not None else None
+    """What the router keeps of a request it sends to `chosen` (to learn from its end),
+    the scheduler's replay there with it (ttft_model: replay)."""
     # The engine reports one cached count per request: it says which blocks it lost only
     # for a single prompt.
     held = blocks[0][: chosen.cached_tokens // block_tokens] if len(blocks) == 1 else None
@@ -412,8 +410,8 @@ def in_flight_record(
         streaming=request.llm.stream if request.llm else True,
         envoy=request.envoy,
         priority=request.priority,
-        replay_features=None if replay is None else replay.features,
-        replay_credit_ms=0.0 if replay is None else replay.credit_ms,
+        replay_features=chosen.replay_features,
+        replay_credit_ms=chosen.replay_credit_ms,
     )
 
 

@@ -125,6 +125,11 @@ class Candidate:
     # Each registered cost term's value there, by name, in registration order (ms for
     # the built-in ones: docs/cost-model.md).
     terms: Mapping[str, float] = field(default_factory=dict)
+    # The scheduler's replay there (routing.ttft_model: replay; None: not replayed): its
+    # features and the engine time it credited to the work ahead. The chosen candidate's
+    # travel with the dispatch (InFlight), to fit the step model from its TTFT.
+    replay_features: npt.NDArray[np.float64] | None = field(default=None, compare=False, repr=False)
+    replay_credit_ms: float = 0.0
 
     def term(self, name: str) -> float:
         return self.terms.get(name, 0.0)
