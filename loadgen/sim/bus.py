@@ -15,7 +15,7 @@ from ext_proc.core.pipeline import Director
 from ext_proc.core.router import Router
 from ext_proc.feeds.peers import PeerEvent, PeerKind, PeerPublisher
 
-# One hop through the routers' message bus in one place (NATS on a LAN).
+# One hop through the message bus between routers in one place (NATS on a LAN).
 BUS_HOP_S = 0.0005
 
 # Schedules (time, event kind, data) on the simulation's event queue.
