@@ -1,4 +1,4 @@
-"""The engine model's radix prefix cache over chained block hashes (emulator/engine/model.py
+"""The engine model's radix prefix cache over chained block hashes (emulator/engine/model/
 uses it; the engine's KV events are what it records)."""
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from emulator.engine.model import EngineModel
+from emulator.engine.model.scheduler import EngineModel
 from emulator.wan import (
     DelayModel,
     DelaySettings,

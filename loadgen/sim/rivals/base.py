@@ -106,7 +106,7 @@ class RivalPolicy(Listener):
 
     def on_kv_events(self, backend: str, changes: Sequence[tuple[Any, ...]]) -> None:
         """The engine's KV events arrived: ("stored", key, parent), ("removed", key),
-        ("cleared",) in order (emulator/engine/model.py PrefixCache.events)."""
+        ("cleared",) in order (emulator/engine/model/scheduler.py PrefixCache.events)."""
 
     def choose(
         self, request: RouteRequest, candidates: Sequence[Candidate], weights: Weights | None

@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import Any, Protocol
 
-from emulator.engine.model import EngineModel
+from emulator.engine.model.scheduler import EngineModel
 from emulator.rivals.fronts import default_throughput_tok_s
 from ext_proc.core.router import Router
 from ext_proc.estimate.profile import load_profile

@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 
 from emulator.engine.config import EngineConfig
-from emulator.engine.model import DECODE_LOG_INTERVAL, EngineModel
+from emulator.engine.model.scheduler import DECODE_LOG_INTERVAL, EngineModel
 from emulator.engine.runner import EngineStats
 from emulator.engine.status import load, loads_body, metrics_text, server_info_body
 from ext_proc.estimate.profile import load_profile

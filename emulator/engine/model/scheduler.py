@@ -37,107 +37,42 @@ from __future__ import annotations
 import bisect
 import math
 import random
-from collections import Counter, deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
+from emulator.engine.model.queues import (
+    DECODE,
+    DECODE_LOG_INTERVAL,
+    DONE,
+    PREFILL,
+    WAITING,
+    Emission,
+    EngineQueues,
+    ModelRequest,
+    ModelStats,
+    ModelStep,
+)
 from emulator.engine.prefix_cache import PrefixCache
 from emulator.engine.priority import PriorityScheduling, priority_label, sglang_victims
 from ext_proc.estimate.profile import EngineProfile
 
-__all__ = ["Emission", "EngineModel", "ModelStats", "PrefixCache", "PriorityScheduling"]
-
-# ---------------------------------------------------------------------------------------
-# Scheduler.
-
-WAITING, PREFILL, DECODE, DONE = "waiting", "prefill", "decode", "done"
-
-
-@dataclass
-class _Request:
-    rid: str
-    blocks: tuple[int, ...]
-    input_tokens: int
-    output_tokens: int
-    arrival_s: float
-    state: str = WAITING
-    cached_tokens: int = 0
-    # Prompt tokens whose KV exists (cached + prefilled so far).
-    prefilled_tokens: int = 0
-    generated: int = 0
-    # Leading blocks pinned in the cache: the matched prefix, then each block as its
-    # prefill completes (only computed KV is shared).
-    pinned: int = 0
-    # KV reserved at admission and not yet in the cache: uncomputed full blocks, the
-    # prompt's partial tail and the whole output.
-    reserved_tokens: int = 0
-    # The LoRA adapter it runs (None: the base model) and its step-time factor.
-    lora: str | None = None
-    cost: float = 1.0
-    # The body's priority (None: none given) and the rank the waiting queue orders by
-    # (lower first; PriorityScheduling.rank), when it entered the queue, and a tie-break
-    # in submission order.
-    priority: int | None = None
-    rank: int = 0
-    queued_s: float = 0.0
-    seq: int = 0
-    # Generated tokens to recompute after a preemption (prefilled again with the prompt).
-    resumed_tokens: int = 0
-    # Tokens present when last admitted (cached prefix; tells "prefill not begun").
-    admitted_tokens: int = 0
-    preemptions: int = 0
-
-    @property
-    def prefill_target(self) -> int:
-        """Tokens whose KV a prefill computes: the prompt, plus after a preemption the
-        tokens generated before it."""
-        return self.input_tokens + self.resumed_tokens
-
-
-@dataclass(frozen=True)
-class Emission:
-    """Token `index` (0 = first) of request `rid` is emitted at `time_s`."""
-
-    rid: str
-    index: int
-    time_s: float
-    finished: bool
-    # Prompt tokens served from the prefix cache (known from the first token on).
-    cached_tokens: int
-
-
-@dataclass
-class _Step:
-    start_s: float
-    end_s: float
-    kind: str  # PREFILL or DECODE
-    # PREFILL: (request, tokens prefilled by this step); DECODE: requests decoded.
-    prefill: list[tuple[_Request, int]]
-    decode: list[_Request]
-
-
-@dataclass
-class ModelStats:
-    requests_admitted: int = 0
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    tokens_emitted: int = 0
-    prefill_steps: int = 0
-    decode_steps: int = 0
-    # By the priority carried ("none": none); a preemption sends a running request back.
-    submitted_by_priority: Counter[str] = field(default_factory=Counter)
-    preemptions: int = 0
-    preempted_by_priority: Counter[str] = field(default_factory=Counter)
+__all__ = [
+    "DECODE_LOG_INTERVAL",
+    "Emission",
+    "EngineModel",
+    "ModelStats",
+    "PrefixCache",
+    "PriorityScheduling",
+]
 
 
 SCHEDULERS = ("sglang", "vllm")
-# SGLang measures its generation throughput over every 40 decode steps and reports the last
-# value until the next (server_args.py decode_log_interval 40; scheduler_metrics_mixin.py
-# log_decode_stats: tokens decoded since the last log / seconds since it).
-DECODE_LOG_INTERVAL = 40
 
 
-class EngineModel:
+class EngineModel(EngineQueues):
+    """The scheduler: requests submitted, cancelled, admitted, prefilled in chunks,
+    decoded and preempted as the engine named by `scheduler` does it; `advance` runs the
+    steps due and returns their emissions. Its queues and readings are `EngineQueues`'."""
+
     def __init__(
         self,
         profile: EngineProfile,
@@ -148,7 +83,7 @@ class EngineModel:
     ) -> None:
         if scheduler not in SCHEDULERS:
             raise ValueError(f"scheduler: one of {', '.join(SCHEDULERS)}, got {scheduler!r}")
-        self.profile = profile
+        super().__init__(profile)
         # Which engine's step planning it follows (the module's docstring).
         self.scheduler = scheduler
         # Priority scheduling (None: off, FCFS). vLLM orders lower values first always.
@@ -162,21 +97,6 @@ class EngineModel:
         self.rng = rng
         # At most this many adapters among running requests (None: no limit).
         self.max_loras = max_loras
-        self.cache = PrefixCache(profile.block_tokens)
-        self.waiting: deque[_Request] = deque()
-        # Admitted requests still prefilling, in admission order (FCFS within chunks).
-        self.prefilling: deque[_Request] = deque()
-        self.decoding: dict[str, _Request] = {}
-        self.requests: dict[str, _Request] = {}
-        self.step: _Step | None = None
-        self.stats = ModelStats()
-        # KV reserved by admitted requests beyond what they hold in the cache.
-        self._reserved_tokens = 0
-        # Generated tokens/s over the last DECODE_LOG_INTERVAL decode steps (0.0 before).
-        self.gen_throughput = 0.0
-        self._log_steps = 0
-        self._log_tokens = 0
-        self._log_start_s: float | None = None
 
     # -- inputs -------------------------------------------------------------------------
 
@@ -199,7 +119,7 @@ class EngineModel:
         if input_tokens < 1 or output_tokens < 1:
             raise ValueError("a request needs at least one input and one output token")
         full_blocks = input_tokens // self.profile.block_tokens
-        req = _Request(rid, tuple(blocks[:full_blocks]), input_tokens, output_tokens, now_s)
+        req = ModelRequest(rid, tuple(blocks[:full_blocks]), input_tokens, output_tokens, now_s)
         req.lora, req.cost = lora, cost
         self.requests[rid] = req
         self.stats.submitted_by_priority[priority_label(priority)] += 1
@@ -250,88 +170,6 @@ class EngineModel:
 
     # -- metrics --------------------------------------------------------------------------
 
-    @property
-    def num_running(self) -> int:
-        return len(self.prefilling) + len(self.decoding)
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self.waiting)
-
-    @property
-    def num_queued(self) -> int:
-        """Requests whose prefill has not begun: what the engines report as waiting (SGLang
-        `num_queue_reqs` = len(waiting_queue), managers/scheduler_metrics_mixin.py; vLLM
-        `num_requests_waiting`, v1/core/sched/scheduler.py: a request leaves `waiting` when
-        its first chunk is scheduled). Here admission to the chunked-prefill queue comes
-        first (it reserves KV), so admitted requests no step has reached yet count too."""
-        step = self.step
-        in_step = {r.rid for r, _ in step.prefill} if step is not None else set()
-        not_begun = sum(
-            1
-            for r in self.prefilling
-            if r.prefilled_tokens == r.admitted_tokens and r.rid not in in_step
-        )
-        return len(self.waiting) + not_begun
-
-    @property
-    def num_started(self) -> int:
-        """Requests prefilling or decoding: what the engines report as running."""
-        return self.num_running + self.num_waiting - self.num_queued
-
-    def lora_counts(self) -> tuple[dict[str, int], dict[str, int]]:
-        """Requests per adapter, running and waiting (split as num_started and num_queued),
-        each in the order the scheduler meets them (vLLM v1/core/sched/scheduler.py
-        make_stats: running_lora_adapters, waiting_lora_adapters)."""
-        running: dict[str, int] = {}
-        waiting: dict[str, int] = {}
-        step = self.step
-        in_step = {r.rid for r, _ in step.prefill} if step is not None else set()
-        for r in (*self.prefilling, *self.decoding.values()):
-            if r.lora is not None:
-                begun = r.state == DECODE or r.prefilled_tokens > r.admitted_tokens
-                into = running if begun or r.rid in in_step else waiting
-                into[r.lora] = into.get(r.lora, 0) + 1
-        for r in self.waiting:
-            if r.lora is not None:
-                waiting[r.lora] = waiting.get(r.lora, 0) + 1
-        return running, waiting
-
-    @property
-    def held_tokens(self) -> int:
-        """KV held by requests: cached blocks nobody holds are free to reuse and do not
-        count (SGLang: used = total - (available + evictable),
-        scheduler_runtime_checker_mixin.py; vLLM's kv_cache_usage_perc likewise)."""
-        return self.used_tokens - self.cache.evictable_tokens
-
-    @property
-    def used_tokens(self) -> int:
-        return self.cache.tokens + self._reserved_tokens
-
-    @property
-    def waiting_uncached_tokens(self) -> int:
-        """Prompt tokens waiting for prefill compute and not served from the cache: the
-        waiting requests' whole prompts (matched only at admission here) and what the
-        admitted ones have left (SGLang scheduler get_num_waiting_uncached_tokens: waiting
-        seqlen - matched prefix, plus the chunked request's remainder)."""
-        waiting = sum(r.prefill_target for r in self.waiting)
-        return waiting + sum(r.prefill_target - r.prefilled_tokens for r in self.prefilling)
-
-    @property
-    def waiting_prompt_tokens(self) -> int:
-        """The waiting (not yet admitted) requests' prompt tokens; SGLang adds them to the
-        used tokens as num_total_tokens (admitted ones hold their KV here already)."""
-        return sum(r.input_tokens for r in self.waiting)
-
-    @property
-    def cache_hit_rate(self) -> float:
-        s = self.stats
-        return s.cached_tokens / s.prompt_tokens if s.prompt_tokens else 0.0
-
-    def flush_cache(self) -> int:
-        """Drop every unpinned cached block (SGLang's /flush_cache). Returns tokens freed."""
-        return self.cache.clear_unpinned()
-
     # -- internals ------------------------------------------------------------------------
 
     def _jitter(self) -> float:
@@ -343,13 +181,15 @@ class EngineModel:
         for an adapter that would make more than max_loras among the running is passed
         over (it keeps its place), as vLLM's scheduler skips it (v1/core/sched/scheduler.py
         schedule: "Scheduling would exceed max_loras, skip")."""
-        skipped: list[_Request] = []
+        skipped: list[ModelRequest] = []
         try:
             self._admit_fcfs(now_s, skipped, budget)
         finally:
             self.waiting.extendleft(reversed(skipped))
 
-    def _admit_fcfs(self, now_s: float, skipped: list[_Request], budget: float = math.inf) -> None:
+    def _admit_fcfs(
+        self, now_s: float, skipped: list[ModelRequest], budget: float = math.inf
+    ) -> None:
         """`budget`: admit only while the prompt tokens still to prefill of the requests
         admitted so far this step are below it (vLLM: a waiting request is scheduled only
         with budget left)."""
@@ -397,13 +237,13 @@ class EngineModel:
             self.stats.prompt_tokens += req.input_tokens
             self.stats.cached_tokens += req.cached_tokens
 
-    def _order(self, req: _Request) -> tuple[int, float, int]:
+    def _order(self, req: ModelRequest) -> tuple[int, float, int]:
         """The waiting queue's order under priority scheduling: rank, then vLLM's arrival
         (Request.__lt__: priority, arrival_time) or SGLang's entry into the waiting queue
         (wait_queue_entry_time, reset when a preempted request returns), then submission."""
         return req.rank, req.queued_s, req.seq
 
-    def _enqueue(self, req: _Request) -> None:
+    def _enqueue(self, req: ModelRequest) -> None:
         if self.priority is None:
             self.waiting.append(req)
             return
@@ -411,7 +251,7 @@ class EngineModel:
         at = bisect.bisect_right(self.waiting, self._order(req), key=self._order)
         self.waiting.insert(at, req)
 
-    def _preempt(self, req: _Request, now_s: float) -> None:
+    def _preempt(self, req: ModelRequest, now_s: float) -> None:
         """Recompute (vLLM _preempt_request; SGLang release_req): KV freed, back to wait,
         prompt and generated tokens prefilled again when admitted next."""
         if req.state == PREFILL:
@@ -443,7 +283,7 @@ class EngineModel:
             self._preempt(max(running, key=lambda r: (r.rank, r.arrival_s, r.seq)), now_s)
             preempted = True
 
-    def _preempt_to_schedule(self, req: _Request, need_tokens: int, now_s: float) -> bool:
+    def _preempt_to_schedule(self, req: ModelRequest, need_tokens: int, now_s: float) -> bool:
         """SGLang with priority: the waiting head `req` finds the batch full (no slot, or
         `need_tokens` of KV short); decoding requests it may preempt (sglang_victims),
         what each holds counted as freed. Returns whether any was."""
@@ -492,12 +332,12 @@ class EngineModel:
         else:
             ms += p.prefill_base_ms
         kind = PREFILL if batch else DECODE
-        self.step = _Step(now_s, now_s + ms * self._jitter() / 1e3, kind, batch, decode)
+        self.step = ModelStep(now_s, now_s + ms * self._jitter() / 1e3, kind, batch, decode)
 
-    def _chunks(self, budget: int, ms: float) -> tuple[list[tuple[_Request, int]], float]:
+    def _chunks(self, budget: int, ms: float) -> tuple[list[tuple[ModelRequest, int]], float]:
         """The admitted prompts' next chunks in order within `budget` tokens, and `ms`
         plus their prefill time."""
-        batch: list[tuple[_Request, int]] = []
+        batch: list[tuple[ModelRequest, int]] = []
         for req in self.prefilling:
             if budget <= 0:
                 break
@@ -519,15 +359,15 @@ class EngineModel:
             self._admit(now_s, p.chunk_tokens - owed)
         if self.prefilling:
             batch, ms = self._chunks(p.chunk_tokens, p.prefill_base_ms)
-            self.step = _Step(now_s, now_s + ms * self._jitter() / 1e3, PREFILL, batch, [])
+            self.step = ModelStep(now_s, now_s + ms * self._jitter() / 1e3, PREFILL, batch, [])
         elif self.decoding:
             reqs = list(self.decoding.values())
             context = sum(r.input_tokens + r.generated for r in reqs)
             # An adapter's kernels run over the whole batch: the costliest one sets it.
             ms = p.decode_ms(len(reqs), context) * max(r.cost for r in reqs)
-            self.step = _Step(now_s, now_s + ms * self._jitter() / 1e3, DECODE, [], reqs)
+            self.step = ModelStep(now_s, now_s + ms * self._jitter() / 1e3, DECODE, [], reqs)
 
-    def _complete(self, step: _Step, out: list[Emission]) -> None:
+    def _complete(self, step: ModelStep, out: list[Emission]) -> None:
         t = step.end_s
         if step.kind == PREFILL:
             self.stats.prefill_steps += 1
@@ -546,18 +386,7 @@ class EngineModel:
         if step.decode:
             self._log_decode(step, t)
 
-    def _log_decode(self, step: _Step, t: float) -> None:
-        if self._log_start_s is None:
-            self._log_start_s = step.start_s
-        self._log_steps += 1
-        self._log_tokens += len(step.decode)
-        if self._log_steps >= DECODE_LOG_INTERVAL:
-            elapsed_s = t - self._log_start_s
-            if elapsed_s > 0:
-                self.gen_throughput = self._log_tokens / elapsed_s
-            self._log_steps, self._log_tokens, self._log_start_s = 0, 0, t
-
-    def _emit(self, req: _Request, t: float, out: list[Emission]) -> None:
+    def _emit(self, req: ModelRequest, t: float, out: list[Emission]) -> None:
         req.generated += 1
         if self._grow_kv:  # the token's KV, written by the next step
             req.reserved_tokens += 1
@@ -570,20 +399,3 @@ class EngineModel:
             self.requests.pop(req.rid, None)
             req.state = DONE
             self._free(req, t)
-
-    def _cache_computed_blocks(self, req: _Request, now_s: float) -> None:
-        """Share the full blocks this request's prefill has computed so far."""
-        done = min(len(req.blocks), req.prefilled_tokens // self.profile.block_tokens)
-        if done > req.pinned:
-            parent = req.blocks[req.pinned - 1] if req.pinned else None
-            self.cache.acquire(req.blocks[req.pinned : done], now_s, parent)
-            moved = (done - req.pinned) * self.profile.block_tokens
-            req.reserved_tokens -= moved
-            self._reserved_tokens -= moved
-            req.pinned = done
-
-    def _free(self, req: _Request, now_s: float) -> None:
-        self._reserved_tokens -= req.reserved_tokens
-        req.reserved_tokens = 0
-        self.cache.release(req.blocks[: req.pinned], now_s)
-        req.pinned = 0
