@@ -69,10 +69,10 @@ vllm: venv
 test-real: vllm
 	$(PY) -m pytest -q -s -m real tests/real $(PYTEST_ARGS)
 
-# The peer routers (smg 1.13.0, vllm-router 0.1.17: Rust wheels, ~10 s) in their own
+# The rival routers (smg 1.13.0, vllm-router 0.1.17: Rust wheels, ~10 s) in their own
 # virtual environment; never in the router's dependencies.
 peers: venv
-	$(PY) -m emulator.peers.install $(PEERS_VENV)
+	$(PY) -m emulator.rivals.install $(PEERS_VENV)
 
 # SMG and vllm-router in front of a small emulated fleet (tests/peers).
 test-peers: peers

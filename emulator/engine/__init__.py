@@ -10,8 +10,9 @@
     tokenizer.py    the twin's tokenizer: the tiny model's, built once into a cache
     lora.py         LoRA adapters: names, loads, cache namespaces, lora_requests_info
     kv_publisher.py KV events as the engines publish them (ZMQ PUB, replay ROUTER)
-    model.py        the engine model: FCFS, chunked prefill, batching, radix cache (pure;
-                    the simulator runs it too)
+    model/          the engine model: FCFS, chunked prefill, batching (scheduler.py) on
+                    its queues and KV books (queues.py); pure, the simulator runs it too
+    prefix_cache.py the model's radix prefix cache; priority.py its priority scheduling
     runner.py       drives the model in real time; counters and histograms
     calibrate.py    `gorgo bench engine-model`: the model against its calibration targets
 

@@ -12,7 +12,7 @@ import statistics
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from emulator.engine.model import EngineModel
+from emulator.engine.model.scheduler import EngineModel
 from ext_proc.estimate.profile import EngineProfile, load_profile
 
 # Workload shaped like the Mooncake conversation trace: input tokens lognormal with

@@ -145,7 +145,7 @@ class EngineConfig:
     # VLLM_ALLOW_RUNTIME_LORA_UPDATING=true (serve/lora/api_router.py); None: the twin
     # mounts them whenever LoRA is enabled.
     runtime_lora_updating: bool | None = None
-    # Priority scheduling (emulator/engine/model.py PriorityScheduling; None: off, FCFS):
+    # Priority scheduling (emulator/engine/model/scheduler.py PriorityScheduling; None: off, FCFS):
     # vLLM --scheduling-policy priority; SGLang --enable-priority-scheduling with
     # --schedule-low-priority-values-first, --priority-scheduling-preemption-threshold and
     # --disable-priority-preemption. Off, both engines take a request's priority and

@@ -1,4 +1,4 @@
-"""The engine model's radix prefix cache over chained block hashes (emulator/engine/model.py
+"""The engine model's radix prefix cache over chained block hashes (emulator/engine/model/
 uses it; the engine's KV events are what it records)."""
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ class PrefixCache:
         self._lru: list[tuple[float, int, int]] = []
         self._seq = 0
         # Nodes some request holds (refs > 0), kept as they change: the evictable count
-        # is read at every load poll (a peer router's scrape every 50 ms in the simulator).
+        # is read at every load poll (a rival router's scrape every 50 ms in the simulator).
         self._pinned = 0
 
     @property

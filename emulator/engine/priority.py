@@ -2,7 +2,7 @@
 --scheduling-policy priority (lower values first, always) and SGLang's
 --enable-priority-scheduling with --schedule-low-priority-values-first,
 --priority-scheduling-preemption-threshold and --disable-priority-preemption. How the
-engine model schedules by them (emulator/engine/model.py): the waiting queue ordered by
+engine model schedules by them (emulator/engine/model/scheduler.py): the waiting queue ordered by
 `priority`, running requests preempted by recompute (KV freed, back to wait, prompt and
 generated tokens prefilled again):
 - "vllm" (v1/core/sched/request_queue.py, scheduler.py schedule): lower first, ties by

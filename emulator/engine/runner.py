@@ -1,7 +1,7 @@
-"""The model runner: drives the pure `emulator.engine.model.EngineModel` in real time on the event
-loop's clock and hands each emitted token to its request's `TokenChannel`; `EngineStats`
-holds the counters, emission lag and TTFT / ITL histograms behind /stats, /server_info and
-/metrics."""
+"""The model runner: drives the pure `emulator.engine.model.scheduler.EngineModel` in real
+time on the event loop's clock and hands each emitted token to its request's
+`TokenChannel`; `EngineStats` holds the counters, emission lag and TTFT / ITL histograms
+behind /stats, /server_info and /metrics."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from emulator.engine.kv_publisher import KvEventEmitter
-from emulator.engine.model import Emission, EngineModel
+from emulator.engine.model.scheduler import Emission, EngineModel
 from emulator.engine.parse import GenRequest
 
 # The event loop's timers wake up to 1 ms late (epoll's millisecond timeout is rounded up):

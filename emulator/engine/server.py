@@ -4,7 +4,7 @@
 source file (or the measurement on the real vLLM) it comes from.
 
 Three layers under it:
-- `emulator.engine.model.EngineModel`: pure scheduler (continuous batching, chunked
+- `emulator.engine.model.scheduler.EngineModel`: pure scheduler (continuous batching, chunked
   prefill, radix prefix cache), shared with the offline simulator;
 - `emulator.engine.parse` and `emulator.engine.wire`: pure request parsing and response
   formatting (OpenAI and SGLang);
@@ -34,7 +34,7 @@ from aiohttp import web
 from emulator.engine.config import SGLANG, VLLM, VLLM_VERSION, EngineConfig
 from emulator.engine.kv_publisher import KvEventEmitter, KvEventPublisher
 from emulator.engine.lora import LoraError, LoraInfoGauge
-from emulator.engine.model import EngineModel
+from emulator.engine.model.scheduler import EngineModel
 from emulator.engine.model_api import (
     TOKENIZE_PATHS,
     load_lora,

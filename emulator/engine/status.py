@@ -12,7 +12,7 @@ from typing import Any
 from emulator.engine.config import SGLANG, VLLM, EngineConfig
 from emulator.engine.kv_publisher import DEFAULT_BUFFER_STEPS
 from emulator.engine.lora import LoraInfoGauge
-from emulator.engine.model import EngineModel
+from emulator.engine.model.scheduler import EngineModel
 from emulator.engine.model_api import model_path
 from emulator.engine.priority import PriorityScheduling
 from emulator.engine.runner import EngineStats

@@ -16,7 +16,7 @@ from http import HTTPStatus
 from typing import Any
 
 from emulator.engine.config import SGLANG, VLLM_VERSION, EngineConfig
-from emulator.engine.model import Emission
+from emulator.engine.model.scheduler import Emission
 
 # parse_chat and parse_request stay importable from here (the module was one before).
 from emulator.engine.parse import GenRequest, InvalidBody, Kind, parse_chat, parse_request  # noqa: F401

@@ -61,7 +61,7 @@ class FrontDoor:
         )
         raw["envoy"]["ext_proc_address"] = ""
         raw["envoy"]["xds_dir"] = str(stack.workdir / f"door-{region}-xds")
-        raw["fleet"]["router_id"] = f"door-{region}"
+        raw["bus"]["router_id"] = f"door-{region}"
         for b, r, link in zip(raw["backends"], regions, self.links, strict=True):
             b["address"] = f"127.0.0.1:{link}"
             b["rtt_prior_ms"] = region_rtt_ms(region, r.id)

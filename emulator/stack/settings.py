@@ -112,7 +112,7 @@ class StackSettings:
     # the first front door is the stack's own (its regions' RTTs).
     front_door_regions: Sequence[str] = ()
     # With front doors, the routers share their dispatches through a NATS server the stack
-    # starts (ext_proc.peers); False: each decides from its own view and the engines'.
+    # starts (ext_proc.feeds.peers); False: each decides from its own view and the engines'.
     share_dispatches: bool = True
     nats_port: int = 0
     # Router processes behind the (first) front door's Envoy: its ext_proc cluster lists
@@ -215,7 +215,7 @@ class StackSettings:
                 "listen": {"grpc": f"127.0.0.1:{p.grpc}", "admin": f"127.0.0.1:{p.admin}"},
                 "tuner": {"mode": self.tuner_mode},
                 **(
-                    {"fleet": {"nats_url": url, "router_id": "main"}}
+                    {"bus": {"nats_url": url, "router_id": "main"}}
                     if (url := self.nats_url)
                     else {}
                 ),

@@ -96,7 +96,7 @@ class Stack(SupervisedChildren):
             listen=replace(
                 c.listen, grpc=f"127.0.0.1:{grpc_port}", admin=f"127.0.0.1:{admin_port}"
             ),
-            fleet=replace(c.fleet, router_id=f"router-{n}"),
+            bus=replace(c.bus, router_id=f"router-{n}"),
             envoy=replace(c.envoy, xds_dir=str(self.workdir / f"router-{n}-xds")),
         )
 
@@ -160,7 +160,7 @@ class Stack(SupervisedChildren):
                 f" | front door {d.region} {d.url} (admin {d.admin_url}/state)" for d in self.doors
             )
             + "".join(
-                f" | router {c.fleet.router_id} http://{c.listen.admin}/state"
+                f" | router {c.bus.router_id} http://{c.listen.admin}/state"
                 for c in self.extra_routers
             )
             + (f" | routers share dispatches on {url}" if (url := self.settings.nats_url) else "")
@@ -237,7 +237,7 @@ class Stack(SupervisedChildren):
     def start_router(self) -> None:
         self.spawn_router("gorgo-serve", self.workdir / "gorgo.yaml", self.settings.serve_args)
         for cfg in self.extra_routers:
-            name = cfg.fleet.router_id
+            name = cfg.bus.router_id
             path = self.workdir / f"{name}-gorgo.yaml"
             write_atomic(path, config_yaml(cfg))
             self.spawn_router(f"{name}-gorgo-serve", path, self.settings.serve_args)

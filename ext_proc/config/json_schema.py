@@ -6,7 +6,8 @@ loader's types: integer, number, string, boolean, a list, an enum's values, a ne
 section), each field's range (`bounded(...)`) as minimum / exclusiveMinimum / maximum, its
 default, the keys without a default as `required`, and `additionalProperties: false`, as
 the loader refuses unknown keys. `policies.<name>` takes each registered policy's own
-parameter class; `policy` the registered names. Descriptions are the code's own: a
+parameter class; `policy` the registered names. A section renamed (`bus`, once `fleet`)
+takes its old name too, marked `deprecated`, never both. Descriptions are the code's own: a
 section's docstring, and the comment lines right above a field (an enum's members'
 comments are appended to the field's). The checks across fields (`load._validate`: host:port
 forms, backend ids, files that must exist, ...) are the loader's alone: the schema holds the
@@ -96,6 +97,7 @@ class SchemaBuilder:
         comments = field_comments(cls)
         properties: dict[str, Any] = {}
         required: list[str] = []
+        renamed: list[tuple[str, str]] = []
         for f in dataclasses.fields(cls):
             if f.metadata.get("decode") == "policies":
                 prop = self.policies()
@@ -115,12 +117,18 @@ class SchemaBuilder:
             if described:
                 prop["description"] = described
             properties[f.name] = prop
+            if old := f.metadata.get("renamed_from"):  # the loader still takes the old name
+                renamed.append((f.name, old))
+                said = f"Renamed `{f.name}`: write `{f.name}:` instead (this name still loads)."
+                properties[old] = {**prop, "description": said, "deprecated": True}
         out: dict[str, Any] = {"type": "object"}
         if doc := _doc(cls):
             out["description"] = doc
         out["properties"] = properties
         if required:
             out["required"] = required
+        if renamed:  # a section under both its names is refused
+            out["not"] = {"anyOf": [{"required": [new, old]} for new, old in renamed]}
         out["additionalProperties"] = False
         return out
 

@@ -1,7 +1,9 @@
 """Load and check the config: decode the YAML strictly (unknown keys, wrong types, values
 outside a field's declared range and keys that moved raise `ConfigError` naming the key,
 e.g. `envoy.max_body_bytes`), then the checks across fields (`_validate`). Policy-only
-knobs under `policies.<name>:` are decoded by the policy's own parameter class.
+knobs under `policies.<name>:` are decoded by the policy's own parameter class. A section
+renamed (its field's `renamed_from`, as `bus:` once `fleet:`) still loads under its old
+name, with a warning naming the new one; both names at once is an error.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import enum
+import logging
 import re
 import types
 from collections.abc import Mapping
@@ -30,6 +33,8 @@ _BACKEND_ID = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
 
 # An admin_hosts entry: a name or IP as a Host header writes it, with or without a port.
 _ADMIN_HOST = re.compile(r"^([A-Za-z0-9_.-]+|\[[0-9A-Fa-f:.]+\])(:\d{1,5})?$")
+
+log = logging.getLogger("gorgo.config")
 
 # Keys that moved: an old config fails with the new key's name instead of a bare
 # "unknown key".
@@ -110,9 +115,12 @@ def decode(cls: type[T], raw: Any, prefix: str) -> T:
         raise ConfigError(f"{where}: expected a mapping, got {type(raw).__name__}")
     hints = get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    old_names = {
+        f.metadata["renamed_from"] for f in fields.values() if "renamed_from" in f.metadata
+    }
     # by their text: YAML keys may be numbers or null beside strings (found by fuzzing:
     # sorting them raised TypeError)
-    unknown = sorted((k for k in raw if k not in fields), key=str)
+    unknown = sorted((k for k in raw if k not in fields and k not in old_names), key=str)
     if unknown:
         dotted = f"{prefix}.{unknown[0]}" if prefix else str(unknown[0])
         if dotted in MOVED:
@@ -123,15 +131,33 @@ def decode(cls: type[T], raw: Any, prefix: str) -> T:
     kwargs: dict[str, Any] = {}
     for name, f in fields.items():
         key = f"{prefix}.{name}" if prefix else name
-        if name in raw:
+        written = _written_as(f, raw, prefix)
+        if written in raw:
             decoder = _DECODERS.get(f.metadata.get("decode", ""), _convert)
-            kwargs[name] = decoder(raw[name], hints[name], key)
+            key = f"{prefix}.{written}" if prefix else written  # errors name what was written
+            kwargs[name] = decoder(raw[written], hints[name], key)
             limits = f.metadata.get("range")
             if limits is not None:
                 limits.check(kwargs[name], key)
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             raise ConfigError(f"{key}: required key is missing")
     return cls(**kwargs)
+
+
+def _written_as(f: dataclasses.Field[Any], raw: Mapping[Any, Any], prefix: str) -> str:
+    """The key a field is written under in `raw`: its name, or the old name it was renamed
+    from (a warning says to write the new one); both at once is an error naming both."""
+    old = f.metadata.get("renamed_from")
+    if old is None or old not in raw:
+        return f.name
+    new_key, old_key = (f"{prefix}.{n}" if prefix else n for n in (f.name, old))
+    if f.name in raw:
+        raise ConfigError(
+            f"{new_key}: given twice, as {new_key} and as {old_key} (its old name): keep "
+            f"{new_key} only"
+        )
+    log.warning("config: %s is deprecated, renamed %s: write %s: instead", old_key, new_key, f.name)
+    return str(old)
 
 
 def _validate(cfg: Config) -> None:
@@ -165,24 +191,24 @@ def _validate(cfg: Config) -> None:
         split_host_port(cfg.envoy.tracing_endpoint, "envoy.tracing_endpoint")
     _validate_tls(cfg)
     _validate_otlp(cfg.telemetry)
-    nats = cfg.fleet.nats_url
+    nats = cfg.bus.nats_url
     if nats and not re.match(
         r"^(nats|tls)://[^/\s]+:\d{1,5}(,(nats|tls)://[^/\s]+:\d{1,5})*$", nats
     ):
-        raise ConfigError(f"fleet.nats_url: expected nats://HOST:PORT[,nats://...], got {nats!r}")
-    if not re.match(r"^[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*$", cfg.fleet.subject):
+        raise ConfigError(f"bus.nats_url: expected nats://HOST:PORT[,nats://...], got {nats!r}")
+    if not re.match(r"^[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*$", cfg.bus.subject):
         raise ConfigError(
-            f"fleet.subject: NATS subject tokens (letters, digits, '_', '-', dot-separated), "
-            f"got {cfg.fleet.subject!r}"
+            f"bus.subject: NATS subject tokens (letters, digits, '_', '-', dot-separated), "
+            f"got {cfg.bus.subject!r}"
         )
-    if cfg.fleet.router_id and not re.match(r"^[A-Za-z0-9_-]+$", cfg.fleet.router_id):
+    if cfg.bus.router_id and not re.match(r"^[A-Za-z0-9_-]+$", cfg.bus.router_id):
         raise ConfigError(
-            f"fleet.router_id: letters, digits, '_' or '-' (one subject token), "
-            f"got {cfg.fleet.router_id!r}"
+            f"bus.router_id: letters, digits, '_' or '-' (one subject token), "
+            f"got {cfg.bus.router_id!r}"
         )
     if cfg.tokenizer.path or cfg.tokenizer.chat_template:
         load_engine_tokenizer(cfg.tokenizer)  # the files exist, parse and have a template
-    # A decision held longer than Envoy waits for it would take the fallback route.
+    # A decision paced longer than Envoy waits for it would take the fallback route.
     if cfg.routing.pace_max_ms * 2 > cfg.envoy.message_timeout_ms:
         raise ConfigError(
             f"routing.pace_max_ms: at most half of envoy.message_timeout_ms "

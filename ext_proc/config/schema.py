@@ -111,7 +111,7 @@ class Routing:
     # With KV events: a prompt dispatched this recently counts as cached where it went,
     # until the engine's own events say what it stored (they follow within a step).
     optimistic_ttl_s: float = bounded(10.0, **NON_NEGATIVE)
-    # Dispatch pacing (docs/cost-model.md): hold a request until this many probe-RTT
+    # Dispatch pacing (docs/cost-model.md): keep a request until this many probe-RTT
     # standard deviations after the previous one sent to its backend, so that the WAN's
     # jitter does not reorder them at the engine; never longer than the queue it is
     # predicted to meet there on arrival, nor than pace_max_ms (Envoy awaits the decision
@@ -201,9 +201,10 @@ class TelemetryConfig:
 
 
 @dataclass(frozen=True)
-class FleetConfig:
-    """Several routers, one view: each publishes its dispatches to the others over NATS
-    (ext_proc.peers). Off (empty nats_url) for a single router."""
+class BusConfig:
+    """The `bus:` section (once `fleet:`): several routers, one view: each publishes its
+    dispatches to its peers (the other routers) over NATS (ext_proc.feeds.peers). Off
+    (empty nats_url) for a single router."""
 
     # nats://host:port of the NATS server (or cluster) the routers share.
     nats_url: str = ""
@@ -256,7 +257,9 @@ class Config:
     listen: Listen = field(default_factory=Listen)
     envoy: EnvoySettings = field(default_factory=EnvoySettings)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
-    fleet: FleetConfig = field(default_factory=FleetConfig)
+    # The routers' shared bus. Its old name, `fleet:` (the backends are the fleet), still
+    # loads, with a warning (load.py, `renamed_from`).
+    bus: BusConfig = field(default_factory=BusConfig, metadata={"renamed_from": "fleet"})
     # Backends found at run time (a Kubernetes InferencePool's pods).
     discovery: Discovery = field(default_factory=Discovery)
     # Public model names mapped to served ones (aliases, version splits).

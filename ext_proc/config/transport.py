@@ -79,7 +79,7 @@ class EnvoySettings:
     ext_proc_address: str = ""
     # Several router processes behind this Envoy (each one's listen.grpc; replaces
     # ext_proc_address): Envoy spreads the ext_proc and access-log streams over them.
-    # They must share their dispatches (fleet.nats_url), which also carries what one saw
+    # They must share their dispatches (bus.nats_url), which also carries what one saw
     # of another's request (its first chunk, its completion) to the one that decided it.
     ext_proc_addresses: tuple[str, ...] = ()
     ext_proc_tls: ClientTls = field(default_factory=ClientTls)

@@ -256,7 +256,7 @@ class BackendState:
         return {
             "lifecycle": str(self.lifecycle),
             "rtt_ms": round(h.rtt_ms, 3),
-            # The probes' jitter: dispatch pacing holds requests a multiple of it apart.
+            # The probes' jitter: dispatch pacing sends requests a multiple of it apart.
             "rtt_std_ms": round(math.sqrt(h.rtt_var_ms2), 3),
             "rtt_samples": h.rtt_samples,
             "suspect": h.suspect,

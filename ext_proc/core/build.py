@@ -57,7 +57,7 @@ def build_router(
 ) -> Router:
     """The policy and the tuner each get an RNG drawn from `rng`, in that order. `policy`:
     one the caller built, in place of the configured one (the simulator's comparison
-    baselines, loadgen/sim/peers; its RNG is drawn all the same, so the rest stay put)."""
+    baselines, loadgen/sim/rivals; its RNG is drawn all the same, so the rest stay put)."""
     info = policy_info(cfg.policy)
     params = policy_params(cfg)
     built = make_policy(cfg.policy, random.Random(rng.random()), params)

@@ -129,28 +129,28 @@ def first_byte_deadline_ms(
 
 
 def pace_ms(r: Routing, b: BackendState, chosen: Candidate, now_s: float) -> float:
-    """Dispatch pacing: how long to hold a request before it is sent on (ms).
+    """Dispatch pacing: how long to keep a request before it is sent on (ms).
 
     Requests sent to one backend within the WAN's jitter of each other reach the
     engine in an order the jitter picks, while the queue estimate (and so every
     decision made since) counts each one behind those routed before it; under bursts
     that unpredicted overtaking made most of the TTFT tail (docs/cost-model.md). So a
-    request is held until `routing.pace_sigmas` probe-RTT standard deviations after
+    request is paced until `routing.pace_sigmas` probe-RTT standard deviations after
     the previous one sent there; never longer than the queue it is predicted to meet on
-    arrival (a held request loses nothing it would not have waited: on arrival-spread
-    traffic a cap at the queue owed now held requests past it and cost p95 E2E), nor
+    arrival (a paced request loses nothing it would not have waited: on arrival-spread
+    traffic a cap at the queue owed now paced requests past it and cost p95 E2E), nor
     than `routing.pace_max_ms` (Envoy waits for the decision within its message
     timeout).
     """
-    hold_ms = 0.0
+    paced_ms = 0.0
     if r.pace_sigmas:
         due_ms = (b.load.sent_s - now_s) * 1000 + r.pace_sigmas * math.sqrt(b.health.rtt_var_ms2)
         # The queue it meets on arrival: what is owed there now, less what the engine
         # gets through while the request travels.
         wait_ms = chosen.queue_ms - b.health.rtt_ms / 2
-        hold_ms = min(max(0.0, due_ms), max(0.0, wait_ms), r.pace_max_ms)
-    b.load.sent_s = now_s + hold_ms / 1000
-    return hold_ms
+        paced_ms = min(max(0.0, due_ms), max(0.0, wait_ms), r.pace_max_ms)
+    b.load.sent_s = now_s + paced_ms / 1000
+    return paced_ms
 
 
 def credible_records(b: BackendState, report: EngineReport | None) -> list[InFlight]:
@@ -188,10 +188,8 @@ class Features:
         self.precise_cached: dict[str, int] = {}
         # Flow control is on: each candidate's work not yet started is measured (its room).
         self.flow_control = fleet.cfg.flow_control.enabled
-        # routing.ttft_model: replay: the scheduler's replay per candidate of the last
-        # `candidates` call (its dispatch keeps the chosen one's, to learn from).
+        # routing.ttft_model: replay: each candidate carries the scheduler's replay there.
         self.replay = fleet.cfg.routing.ttft_model == "replay"
-        self.replays: dict[str, ReplayEstimate] = {}
 
     def prompt_blocks(self, request: RouteRequest) -> list[Hashes]:
         """Each prompt's prefix-block hashes (one list per prompt of a batch), in the
@@ -276,7 +274,6 @@ class Features:
         grace_ms = self.grace_ms
         keys_of = _keys_by_block_size(request)
         self.precise_cached.clear()
-        self.replays.clear()
         out = []
         for b in healthy or active:  # all suspect: try them all (never a draining one)
             if precise_for(b, request):
@@ -314,8 +311,6 @@ class Features:
                 expected_output_tokens=expected_out,
                 decode_calibration=state.decode_calibration.multiplier((b.id, kind)),
             )
-            if x.replay is not None:
-                self.replays[b.id] = x.replay
             terms: dict[str, float] = {}
             for term in TERMS.values():  # in order: a term may read those before it
                 terms[term.name] = term.compute(x, terms)
@@ -337,6 +332,8 @@ class Features:
                     expected_output_tokens=expected_out,
                     decode_calibration=x.decode_calibration,
                     terms=terms,
+                    replay_features=None if x.replay is None else x.replay.features,
+                    replay_credit_ms=0.0 if x.replay is None else x.replay.credit_ms,
                 )
             )
         return tuple(out)

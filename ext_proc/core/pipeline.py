@@ -112,7 +112,7 @@ class Director:
         # one release per backend until the bus confirms it, and no room taken that a
         # peer's higher band waits for (flow.shared). None: alone.
         if shared is None:
-            shared = bool(router.cfg.fleet.nats_url)
+            shared = bool(router.cfg.bus.nats_url)
         shared = shared and settings.enabled
         self.releases = Releases(router.clock) if shared else None
         self.claims = Claims(router.clock, MAX_TRIES_PER_PUMP) if shared else None

@@ -1,16 +1,16 @@
-"""The routing core: let the policy choose among the candidates with the router's weights,
-record the dispatch, and close every request through one path.
+"""The routing core: let the policy choose among the candidates with the router's weights
+and record the dispatch; every request then closes through one path (its base,
+core.lifecycle.RequestLifecycle).
 
 Pure and synchronous with an injected clock: the live service and the offline simulator
 build it with the same factory (`core.build.build_router`) and drive the very same
 object. Its surface is its public methods and properties: the fleet's records are read
-through `backends` (read-only) and changed only by the methods here. What learns from
-outcomes subscribes to the lifecycle events (`core.events`).
+through `backends` (read-only) and changed only by the methods here and in its base. What
+learns from outcomes subscribes to the lifecycle events (`vocab.events`).
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -32,10 +32,11 @@ from ext_proc.core.features import (
 )
 from ext_proc.core.fleet import Fleet
 from ext_proc.core.inputs import RouterInputs
+from ext_proc.core.lifecycle import RequestLifecycle
 from ext_proc.estimate.prefix import Hashes
 from ext_proc.learn.tuner import Tuner
 from ext_proc.vocab.errors import RATE_LIMITED
-from ext_proc.vocab.events import BackendChanged, Closed, Dispatched, FirstByte, Listener
+from ext_proc.vocab.events import Dispatched
 from ext_proc.vocab.policy import Policy
 from ext_proc.vocab.types import (
     Candidate,
@@ -47,9 +48,6 @@ from ext_proc.vocab.types import (
     Status,
     Weights,
 )
-
-log = logging.getLogger("gorgo.router")
-
 
 # Whether a candidate backend has room for the request (flow control: flow.room).
 RoomCheck = Callable[[Candidate], bool]
@@ -65,23 +63,12 @@ class NoRoom:
     backend_id: str = ""
 
 
-class Router:
-    """Decides where each request goes and closes it, whatever ends it (the request's
-    lifecycle); its fleet (`fleet`: backends added, drained, removed) and what it hears
-    from outside (`inputs`) are objects of their own."""
+class Router(RequestLifecycle):
+    """Decides where each request goes; closes it, whatever ends it, as a
+    `RequestLifecycle`; its fleet (`fleet`: backends added, drained, removed) and what it
+    hears from outside (`inputs`) are objects of their own."""
 
-    __slots__ = (
-        "_decisions",
-        "_features",
-        "_fleet",
-        "_listeners",
-        "_log",
-        "_policy",
-        "_tuner",
-        "_weights",
-        "clock",
-        "inputs",
-    )
+    __slots__ = ("_decisions", "_log", "_policy", "_tuner", "_weights", "inputs")
 
     def __init__(
         self,
@@ -95,28 +82,16 @@ class Router:
         others); `tuner`: moves them online (only with weights)."""
         if tuner is not None and weights is None:
             raise ValueError(f"policy {policy.name!r} has no weights to tune")
-        self.clock = clock
+        super().__init__(cfg, clock)
         self._policy = policy
         self._tuner = tuner
         self._weights = weights
-        self._fleet = Fleet(cfg, clock, self._emit)
         self.inputs = RouterInputs(self._fleet, clock)
-        self._features = Features(self._fleet, clock)
         self._decisions = 0
         self._log = DecisionLog(cfg.telemetry.recent_decisions)
-        # Who hears each event, in order: its own decision log, then what subscribes (the
-        # learners first: core.build.build_router).
-        self._listeners: list[Listener] = [self._log]
-
-    def subscribe(self, listener: Listener) -> None:
-        self._listeners.append(listener)
+        self.subscribe(self._log)  # it hears each event first
 
     # -- what it shows ------------------------------------------------------------------
-
-    @property
-    def cfg(self) -> Config:
-        """The config in force (its backends and live keys change at run time)."""
-        return self._fleet.cfg
 
     @property
     def fleet(self) -> Fleet:
@@ -156,16 +131,6 @@ class Router:
     def backends(self) -> Mapping[str, BackendState]:
         """Every backend's record (pending, active, draining), read-only."""
         return MappingProxyType(self._fleet.state.backends)
-
-    @property
-    def in_flight(self) -> Mapping[str, InFlight]:
-        """This router's requests in flight, in dispatch order, read-only."""
-        return MappingProxyType(self._fleet.state.in_flight)
-
-    @property
-    def peer_in_flight(self) -> Mapping[str, InFlight]:
-        """Other routers' requests in flight, as their dispatches told us."""
-        return MappingProxyType(self._fleet.state.peer_in_flight)
 
     def snapshot(self, decisions: bool = True) -> dict[str, Any]:
         """/state; `decisions=False` leaves out the recent decisions (the page's poll)."""
@@ -244,7 +209,7 @@ class Router:
         if state is PrefixState.WARMING and b.engine.blocks is not None:
             # judged at its close: would a precise prediction have been right?
             b.engine.blocks.expect(request.request_id, self._features.precise_cached.get(b.id, 0))
-        rec = in_flight_record(request, chosen, b, blocks, state, now_s, bt, self._features)
+        rec = in_flight_record(request, chosen, b, blocks, state, now_s, bt)
         self._fleet.state.dispatch(rec)
         decision = Decision(
             request_id=request.request_id,
@@ -257,7 +222,7 @@ class Router:
             arm=arm,
             draining=self._fleet.draining,
             model=rec.model,
-            hold_ms=pace_ms(self.cfg.routing, b, chosen, now_s),
+            pace_ms=pace_ms(self.cfg.routing, b, chosen, now_s),
             waited_ms=waited_ms,
             queued_behind=queued_behind,
             first_byte_deadline_ms=first_byte_deadline_ms(
@@ -273,99 +238,6 @@ class Router:
             listener.on_dispatch(event)
         return decision
 
-    # -- a request's lifecycle ------------------------------------------------------------
-
-    def first_byte(self, request_id: str) -> FirstByte | None:
-        """The first response byte reached the proxy (None: not in flight, or seen)."""
-        now_s = self.clock()
-        seen = self._fleet.state.first_byte(request_id, now_s)
-        if seen is None:
-            return None
-        self._features.sees_first_bytes = True
-        ttft_ms, rec = seen
-        event = FirstByte(request_id, rec.served_by or rec.backend, ttft_ms, now_s)
-        for listener in self._listeners:
-            listener.on_first_byte(event)
-        return event
-
-    def response_ended(self, request_id: str, e2e_ms: float | None) -> bool:
-        """Envoy says a streamed response ended (e2e_ms) before its first byte was seen:
-        the first byte came no later. Returns whether the request waits for that first
-        byte (True: close it a moment later), False if there is nothing to wait for."""
-        rec = self._fleet.state.in_flight.get(request_id)
-        if rec is None or not rec.streaming or rec.first_byte_s is not None:
-            return False
-        rec.ended_e2e_ms = e2e_ms
-        return True
-
-    def close(
-        self,
-        request_id: str,
-        status: Status,
-        e2e_ms: float | None = None,
-        cached_tokens: int | None = None,
-        served_by: str | None = None,
-        reason: str = "",
-    ) -> Closed | None:
-        """The one way a request ends, however it ends; idempotent (a second call returns
-        None). served_by: the backend that answered, if known (or `inputs.served_by`): if
-        not the chosen one (Envoy retried a connect failure elsewhere), it failed over.
-        `reason`: what ended it, for the log and /state."""
-        now_s = self.clock()
-        state = self._fleet.state
-        served_ok = status == Status.OK
-        served_by = state.served_elsewhere(request_id, served_by)
-        if served_by is not None:
-            status = Status.FAILED_OVER
-        closed = state.close(request_id, now_s, status, e2e_ms, reason, served_ok)
-        if closed is None:
-            return None
-        rec, measured_e2e_ms = closed
-        ttft_ms = None if rec.first_byte_s is None else (rec.first_byte_s - rec.arrived_s) * 1e3
-        event = Closed(
-            request_id=request_id,
-            backend=rec.backend,
-            status=status,
-            ttft_ms=ttft_ms,
-            e2e_ms=measured_e2e_ms,
-            record=rec,
-            now_s=now_s,
-            served_by=served_by if served_by in state.backends else None,
-            cached_tokens=cached_tokens,
-            reason=reason,
-            served_ok=served_ok and served_by in state.backends,
-        )
-        for listener in self._listeners:
-            listener.on_close(event)
-        self._fleet.remove_if_drained(rec.backend)  # draining: its last request may have closed
-        return event
-
-    def expire(self) -> list[Closed]:
-        """Close the requests whose completion never arrived by their deadline
-        (core.state.lost_after_s)."""
-        now_s = self.clock()
-        state = self._fleet.state
-        for r in state.missed_first_byte(now_s):
-            log.warning(
-                "backend %s suspect: no first byte of %s by its deadline", r.backend, r.request_id
-            )
-        state.expire_peers(now_s, self.cfg.fleet.peer_ttl_s)
-        overdue = state.overdue(now_s, self.cfg.request_timeout_s)
-        closed = [c for rid in overdue if (c := self.close(rid, Status.EXPIRED)) is not None]
-        for backend in self._fleet.draining:  # any left by a record that went without a close
-            self._fleet.remove_if_drained(backend)
-        return closed
-
-    def lose(self, envoys: set[str]) -> list[Closed]:
-        """The Envoys named went away (their access-log streams ended): the requests they
-        carried will never be reported. Close them as lost, now."""
-        gone = [r.request_id for r in self._fleet.state.in_flight.values() if r.envoy in envoys]
-        return [c for rid in gone if (c := self.close(rid, Status.LOST, reason="envoy gone"))]
-
-    def _emit(self, e: BackendChanged) -> None:
-        for listener in self._listeners:
-            listener.on_backend(e)
-
 
 def in_flight_record(
     request: RouteRequest,
@@ -375,11 +247,9 @@ def in_flight_record(
     state: PrefixState,
     now_s: float,
     block_tokens: int,
-    features: Features | None = None,
 ) -> InFlight:
-    """What the router keeps of a request it sends to `chosen` (to learn from its end);
-    `features`: the candidates' computer, whose replay there it keeps (ttft_model)."""
-    replay = features.replays.get(b.id) if features is not None else None
+    """What the router keeps of a request it sends to `chosen` (to learn from its end),
+    the scheduler's replay there with it (ttft_model: replay)."""
     # The engine reports one cached count per request: it says which blocks it lost only
     # for a single prompt.
     held = blocks[0][: chosen.cached_tokens // block_tokens] if len(blocks) == 1 else None
@@ -412,8 +282,8 @@ def in_flight_record(
         streaming=request.llm.stream if request.llm else True,
         envoy=request.envoy,
         priority=request.priority,
-        replay_features=None if replay is None else replay.features,
-        replay_credit_ms=0.0 if replay is None else replay.credit_ms,
+        replay_features=chosen.replay_features,
+        replay_credit_ms=chosen.replay_credit_ms,
     )
 
 
@@ -425,11 +295,11 @@ def engine_priority(b: BackendState, request: RouteRequest) -> int | None:
 
 
 def _stamp(rec: InFlight, decision: Decision, now_s: float) -> None:
-    """What the in-flight record keeps of its decision: the pacing hold, the wait in the
+    """What the in-flight record keeps of its decision: its pacing, the wait in the
     gateway queue, and when its first byte is due."""
-    rec.hold_ms = decision.hold_ms
+    rec.pace_ms = decision.pace_ms
     rec.waited_ms = decision.waited_ms
     if decision.first_byte_deadline_ms is not None:
         rec.first_byte_deadline_s = (
-            now_s + (decision.hold_ms + decision.first_byte_deadline_ms) / 1000
+            now_s + (decision.pace_ms + decision.first_byte_deadline_ms) / 1000
         )

@@ -1,6 +1,7 @@
-"""Fleet state as the router sees it: one record per backend (`core.backend.BackendState`)
-and the in-flight table. Adding or removing a backend is one insert
-or one delete here.
+"""Fleet state as the router sees it: one record per backend (`core.backend.BackendState`,
+kept and updated from outside by its base, core.records.BackendRecords) and the in-flight
+tables, this router's and its peers'. Adding or removing a backend is one insert or one
+delete here.
 
 Pure and synchronous; every time comes from the caller (seconds on one monotonic clock).
 """
@@ -9,14 +10,11 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict, deque
-from collections.abc import Iterator, Mapping
 
 from ext_proc.core.backend import BackendState
+from ext_proc.core.records import BackendRecords
 from ext_proc.estimate.decode_replay import DecodeCalibration
 from ext_proc.estimate.output_length import OutputLengths
-from ext_proc.estimate.profile import EngineProfile
-from ext_proc.feeds.engine_metrics import EngineReport
-from ext_proc.feeds.served_models import ServedModels
 from ext_proc.vocab.types import InFlight, Status
 
 # Weight of a new dispatch in a backend's mean prefill estimate (prices engine-reported
@@ -31,53 +29,32 @@ LOST_AFTER_E2E_FACTOR = 10.0
 LOST_AFTER_FLOOR_S = 60.0
 
 
-class FleetState:
-    """Per-backend counters plus the in-flight table, kept consistent with each other."""
+class FleetState(BackendRecords):
+    """Per-backend counters plus the in-flight tables, kept consistent with each other."""
 
     def __init__(self) -> None:
-        self.backends: dict[str, BackendState] = {}
+        super().__init__()
         # Insertion order = dispatch order, so the oldest records expire first.
         self.in_flight: OrderedDict[str, InFlight] = OrderedDict()
-        # What other routers dispatched (shared through the fleet's message bus): it loads
+        # What other routers dispatched (shared over the routers' bus): it loads
         # the backends' counters and queues like our own, and nothing learns from it.
         self.peer_in_flight: OrderedDict[str, InFlight] = OrderedDict()
-        # Every name some engine serves as a LoRA adapter (their blocks are keyed apart).
-        self.adapters: frozenset[str] = frozenset()
         # The output lengths learned from this router's completions (the decode's
         # prediction, estimate/output_length.py).
         self.output_lengths = OutputLengths()
         # The predicted decode's calibration to the E2E's relative error, per backend.
         self.decode_calibration = DecodeCalibration()
 
-    def is_adapter(self, model: str) -> bool:
-        """Whether some backend's engine serves `model` as a LoRA adapter."""
-        return model in self.adapters
-
-    def set_discovered(self, backend: str, served: ServedModels | None) -> bool:
-        """What the backend's engine lists now (None: not known); returns whether that
-        changed."""
-        b = self.backends.get(backend)
-        if b is None or b.engine.discovered == served:
-            return False
-        b.engine.discovered = served
-        self.adapters = frozenset(
-            a
-            for x in self.backends.values()
-            if x.engine.discovered
-            for a in x.engine.discovered.adapters
-        )
-        return True
-
     def dispatch(self, rec: InFlight) -> None:
         old = self.in_flight.pop(rec.request_id, None)
         if old is not None:  # a reused request id: the older record can no longer complete
-            self._release(old)
+            self._drop_load(old)
         # Another router's request with the same id (ids are the clients' or Envoy's, not
         # unique across routers): the id is ours now, and one record holds it (else the
         # backend counted it twice, and the peer's close released our record).
         self.peer_close(rec.request_id)
         self.in_flight[rec.request_id] = rec
-        b = self._hold(rec)
+        b = self._add_load(rec)
         b.load.mean_prefill_ms += PREFILL_EWMA * (rec.prefill_ms - b.load.mean_prefill_ms)
 
     def first_byte(self, request_id: str, now_s: float) -> tuple[float, InFlight] | None:
@@ -124,7 +101,7 @@ class FleetState:
         rec = self.in_flight.pop(request_id, None)
         if rec is None:
             return None
-        self._release(rec)
+        self._drop_load(rec)
         b = self.backends[rec.backend]
         measured_e2e_ms = e2e_ms if e2e_ms is not None else (now_s - rec.arrived_s) * 1000.0
         if status == Status.FAILED_OVER:  # only the failure to connect was the chosen one's
@@ -162,18 +139,6 @@ class FleetState:
             h.request_failures = 0
         return rec, measured_e2e_ms
 
-    @property
-    def profiles(self) -> Mapping[str, EngineProfile]:
-        """Every backend's engine profile, a live view."""
-        return _Profiles(self.backends)
-
-    def add(self, b: BackendState) -> BackendState:
-        """A new backend's record (ValueError if the id is known)."""
-        if b.id in self.backends:
-            raise ValueError(f"backend {b.id!r} exists")
-        self.backends[b.id] = b
-        return b
-
     def own_in_flight(self, backend: str) -> int:
         """This router's requests in flight on the backend (its peers' not counted)."""
         return sum(1 for rid in self.backends[backend].load.records if rid in self.in_flight)
@@ -193,7 +158,7 @@ class FleetState:
             return  # our own (a bus echo), or a backend this router does not route to
         self.peer_close(rec.request_id)
         self.peer_in_flight[rec.request_id] = rec
-        self._hold(rec)
+        self._add_load(rec)
 
     def peer_first_byte(self, request_id: str, now_s: float) -> None:
         rec = self.peer_in_flight.get(request_id)
@@ -204,7 +169,7 @@ class FleetState:
     def peer_close(self, request_id: str) -> None:
         rec = self.peer_in_flight.pop(request_id, None)
         if rec is not None:
-            self._release(rec)
+            self._drop_load(rec)
 
     def expire_peers(self, now_s: float, timeout_s: float) -> int:
         """Forget peers' requests in flight for timeout_s (their close was lost)."""
@@ -216,65 +181,6 @@ class FleetState:
         for request_id in old:
             self.peer_close(request_id)
         return len(old)
-
-    def available(self, b: BackendState, now_s: float) -> bool:
-        """In rotation: probes answer, and not ejected for failing requests. An ejection
-        ends by itself; the next request there then tests the backend (half-open)."""
-        if not b.health.ejected_at(now_s):
-            b.health.ejected_until_s = None
-        return not b.health.suspect and b.health.ejected_until_s is None
-
-    def eject_failing(self, backend: str, now_s: float, after: int, base_s: float) -> bool:
-        """Eject a backend whose last `after` requests failed, for base_s doubling with
-        each ejection in a row (at most 16x). Returns True if it was ejected now."""
-        b = self.backends[backend]
-        if b.health.request_failures < after or b.health.ejected_until_s is not None:
-            return False
-        b.health.ejections += 1
-        b.health.ejected_until_s = now_s + base_s * 2 ** min(b.health.ejections - 1, 4)
-        b.health.request_failures = 0
-        return True
-
-    def record_fallback(self, backend: str) -> None:
-        if backend in self.backends:
-            self.backends[backend].stats.fallback_completed += 1
-
-    def record_probe(
-        self, backend: str, rtt_ms: float | None, alpha: float, suspect_after: int
-    ) -> None:
-        """An RTT probe answered in rtt_ms, or failed (None). A backend removed while its
-        probe was out is ignored."""
-        b = self.backends.get(backend)
-        if b is None:
-            return
-        if rtt_ms is None:
-            b.health.probe_failures += 1
-            b.health.suspect = b.health.probe_failures >= suspect_after
-            return
-        b.health.probe_failures = 0
-        b.health.suspect = False
-        # The first sample replaces the configured prior; later ones are smoothed.
-        if b.health.rtt_samples == 0:
-            b.health.rtt_ms = rtt_ms
-        else:
-            d = rtt_ms - b.health.rtt_ms
-            b.health.rtt_ms += alpha * d
-            b.health.rtt_var_ms2 = (1 - alpha) * (b.health.rtt_var_ms2 + alpha * d * d)
-        b.health.rtt_samples += 1
-
-    def record_engine_report(self, backend: str, report: EngineReport, now_s: float) -> bool:
-        """Returns whether the engine's KV pool is new (first reported, or changed): the
-        prefix index is resized to it unless the config sets the backend's."""
-        b = self.backends.get(backend)
-        if b is None:  # removed while the scrape was out
-            return False
-        b.engine.report, b.engine.report_at_s = report, now_s
-        pool = report.kv_capacity_tokens
-        if not pool or pool == b.engine.kv_capacity_tokens:
-            return False
-        b.engine.kv_capacity_tokens = pool
-        b.prefix.set_capacity(b.kv_capacity[0])
-        return True
 
     def overdue(self, now_s: float, timeout_s: float) -> list[str]:
         """Requests in flight past their deadline (their completion was lost): several
@@ -294,7 +200,7 @@ class FleetState:
             if r.first_byte_s is None
             and r.streaming
             and r.predicted_ttft_ms is not None
-            and now_s - r.dispatched_s > (r.hold_ms + r.predicted_ttft_ms + grace_ms) / 1e3
+            and now_s - r.dispatched_s > (r.pace_ms + r.predicted_ttft_ms + grace_ms) / 1e3
         }
 
     def missed_first_byte(self, now_s: float) -> list[InFlight]:
@@ -313,8 +219,8 @@ class FleetState:
             self.backends[r.backend].health.suspect = True
         return missed
 
-    def _hold(self, rec: InFlight) -> BackendState:
-        """Count a request in flight on its backend (undone by _release)."""
+    def _add_load(self, rec: InFlight) -> BackendState:
+        """Count a request in flight on its backend (undone by _drop_load)."""
         b = self.backends[rec.backend]
         b.load.records[rec.request_id] = rec
         b.load.in_flight += 1
@@ -322,7 +228,7 @@ class FleetState:
         b.load.in_flight_tokens += rec.input_tokens
         return b
 
-    def _release(self, rec: InFlight) -> None:
+    def _drop_load(self, rec: InFlight) -> None:
         b = self.backends[rec.backend]
         del b.load.records[rec.request_id]
         b.load.in_flight -= 1
@@ -346,20 +252,6 @@ def lost_after_s(rec: InFlight, timeout_s: float) -> float:
     if rec.predicted_e2e_ms is None:
         return timeout_s
     return min(timeout_s, LOST_AFTER_E2E_FACTOR * rec.predicted_e2e_ms / 1e3 + LOST_AFTER_FLOOR_S)
-
-
-class _Profiles(Mapping[str, EngineProfile]):
-    def __init__(self, backends: dict[str, BackendState]) -> None:
-        self._backends = backends
-
-    def __getitem__(self, backend: str) -> EngineProfile:
-        return self._backends[backend].profile
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._backends)
-
-    def __len__(self) -> int:
-        return len(self._backends)
 
 
 def _replace_last(values: deque[float], old: float, new: float) -> None:

@@ -38,11 +38,11 @@ class StreamedRoutingSession(RoutingSession):
         super().__init__(*args, **kwargs)
         # The request's trailers came (the body's last chunk then has no end of stream).
         self.trailers = False
-        # The request's replies went out (headers, body, trailers).
-        self.released = False
+        # The request went on: its replies went out (headers, body, trailers).
+        self.sent_on = False
 
     def _completes_body(self, p: codec.Phase) -> bool:
-        return not self.released and (
+        return not self.sent_on and (
             (p.name == codec.REQUEST_BODY and p.end_of_stream) or p.name == codec.REQUEST_TRAILERS
         )
 
@@ -52,12 +52,12 @@ class StreamedRoutingSession(RoutingSession):
     def on_request_headers(self, p: codec.Phase) -> Reply:
         self._read_request_headers(p)
         if p.end_of_stream:  # no body to route on: any endpoint serves it
-            self.released = True
+            self.sent_on = True
             return self._fallback()
         return None  # the reply waits for the body
 
     def on_request_body(self, p: codec.Phase) -> Reply:
-        if self.released:
+        if self.sent_on:
             # a chunk after the request went on (found by fuzzing: a body after headers
             # that ended the stream was kept and never sent back): passed on as it came
             return codec.streamed_body(codec.REQUEST_BODY, p.body, p.end_of_stream)
@@ -69,12 +69,12 @@ class StreamedRoutingSession(RoutingSession):
 
     def on_request_trailers(self, p: codec.Phase) -> Reply:
         self.trailers = True
-        if self.released:
+        if self.sent_on:
             return codec.bare_continue(codec.REQUEST_TRAILERS)
         return self._route(b"".join(self.chunks))
 
     def _routed(self, d: Decision, new_body: bytes | None, renamed: str | None) -> Reply:
-        return self._release(
+        return self._send_on(
             self.encoder.encode(d, new_body, renamed, codec.REQUEST_HEADERS), new_body
         )
 
@@ -84,14 +84,14 @@ class StreamedRoutingSession(RoutingSession):
         if named is None:
             self.done = True
             return no_endpoint("no active backend")
-        return self._release(named)
+        return self._send_on(named)
 
-    def _release(
+    def _send_on(
         self, headers_reply: codec.ProcessingResponse, new_body: bytes | None = None
     ) -> list[codec.ProcessingResponse]:
         """The headers' reply, then the body (as it came, or the new one in chunks), then
         the trailers' reply."""
-        self.released = True
+        self.sent_on = True
         chunks = self.chunks if new_body is None else _split(new_body, STREAMED_CHUNK_BYTES)
         self.chunks = []
         out = [headers_reply]

@@ -107,9 +107,9 @@ class ExtProcService:
                     outcome = await self.holding.wait(w)
                     session.held = None
                     reply = session.answer(outcome, body, original_id)
-                if session.hold_s:  # dispatch pacing: Envoy sends the request on later
-                    await asyncio.sleep(session.hold_s)
-                    session.hold_s = 0.0
+                if session.pace_s:  # dispatch pacing: Envoy sends the request on later
+                    await asyncio.sleep(session.pace_s)
+                    session.pace_s = 0.0
                 for r in replies(reply):
                     yield r
                 if session.done:

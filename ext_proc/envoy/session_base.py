@@ -37,7 +37,7 @@ class Session:
         # True once nothing more is needed from this stream: the server then closes it.
         self.done = False
         # Seconds to wait before sending the reply just handled (dispatch pacing).
-        self.hold_s = 0.0
+        self.pace_s = 0.0
         # The headers and trailers messages handled so far (each comes once).
         self._seen: set[str] = set()
 

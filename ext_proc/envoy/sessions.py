@@ -216,7 +216,7 @@ class RoutingSession(FirstByteWatcher):
             return self._fallback()  # the fallback route takes it
         self.decision = outcome.decision
         self.done = not self.info.sends_response_body
-        self.hold_s = self.decision.hold_ms / 1000
+        self.pace_s = self.decision.pace_ms / 1000
         # the body names the engine's model (an alias) and the class (its engine_priority)
         model, priority = outcome.served_model, self.decision.engine_priority
         new_body = None if model is None and priority is None else rewritten(body, model, priority)

@@ -266,10 +266,10 @@ def build_envoy_config(cfg: Config, ext_proc: bool = True) -> dict[str, Any]:
     clusters = [] if dynamic else backend_clusters(cfg)
     first, *more = cfg.ext_proc_addresses
     key = "envoy.ext_proc_addresses" if more else "envoy.ext_proc_address"
-    if more and not cfg.fleet.nats_url:
+    if more and not cfg.bus.nats_url:
         raise ConfigError(
             f"{key}: {len(more) + 1} routers behind one Envoy must share their dispatches "
-            "and completions: set fleet.nats_url"
+            "and completions: set bus.nats_url"
         )
     ext_proc_cluster = grpc_cluster(EXT_PROC_CLUSTER, first, key, *more)
     if cfg.envoy.ext_proc_tls.ca_file:

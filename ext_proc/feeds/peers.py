@@ -5,7 +5,7 @@ The cache state needs no sharing (every router subscribes to every engine's KV e
 and the engines' load reports come every probes.metrics_interval_s; between two reports a
 router would not see what the others just sent, and N routers that agree on the best
 backend herd onto it. Each router therefore publishes its lifecycle events on a NATS
-subject (`fleet.nats_url`, `fleet.subject`; the shell is `ext_proc.fleet_bus`) and applies
+subject (`bus.nats_url`, `bus.subject`; the shell is `ext_proc.service.loops.fleet_bus`) and applies
 the others'. Pure: events in, JSON out, and back.
 """
 

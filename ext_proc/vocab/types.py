@@ -125,6 +125,11 @@ class Candidate:
     # Each registered cost term's value there, by name, in registration order (ms for
     # the built-in ones: docs/cost-model.md).
     terms: Mapping[str, float] = field(default_factory=dict)
+    # The scheduler's replay there (routing.ttft_model: replay; None: not replayed): its
+    # features and the engine time it credited to the work ahead. The chosen candidate's
+    # travel with the dispatch (InFlight), to fit the step model from its TTFT.
+    replay_features: npt.NDArray[np.float64] | None = field(default=None, compare=False, repr=False)
+    replay_credit_ms: float = 0.0
 
     def term(self, name: str) -> float:
         return self.terms.get(name, 0.0)
@@ -272,8 +277,8 @@ class InFlight:
     # the engine time credited to the work ahead, to fit the step model from its TTFT.
     replay_features: npt.NDArray[np.float64] | None = None
     replay_credit_ms: float = 0.0
-    # How long dispatch pacing held it before it was sent on (its TTFT includes that).
-    hold_ms: float = 0.0
+    # How long dispatch pacing kept it before it was sent on (its TTFT includes that).
+    pace_ms: float = 0.0
     # How long it waited in the gateway queue before this dispatch (flow control): its
     # reported TTFT and E2E count from its arrival, that wait included.
     waited_ms: float = 0.0
@@ -311,8 +316,8 @@ class InFlight:
 @dataclass(frozen=True)
 class Decision:
     """Where the router sent a request and why: the chosen backend, every candidate with
-    its terms and score, the weights and tuner arm used, and how it is sent on: held for
-    `hold_ms` (pacing), then given `first_byte_deadline_ms` to begin its response."""
+    its terms and score, the weights and tuner arm used, and how it is sent on: paced by
+    `pace_ms`, then given `first_byte_deadline_ms` to begin its response."""
 
     request_id: str
     backend: str
@@ -327,8 +332,8 @@ class Decision:
     draining: tuple[str, ...] = ()
     # The model the request asked for (None: none named).
     model: str | None = None
-    # How long to hold the dispatch before sending it on (dispatch pacing).
-    hold_ms: float = 0.0
+    # How long dispatch pacing keeps the dispatch before sending it on.
+    pace_ms: float = 0.0
     # How long after it is sent on the backend must begin its response (Envoy's per-try
     # timeout; None: no deadline).
     first_byte_deadline_ms: float | None = None
@@ -368,8 +373,8 @@ class Decision:
         }
         if self.draining:
             out["draining"] = list(self.draining)
-        if self.hold_ms:
-            out["hold_ms"] = round(self.hold_ms, 3)
+        if self.pace_ms:  # /state's name for it (docs/cost-model.md), kept
+            out["hold_ms"] = round(self.pace_ms, 3)
         if self.waited_ms:
             out["waited_ms"] = round(self.waited_ms, 3)
             out["queued_behind"] = self.queued_behind

@@ -1,4 +1,4 @@
-"""The fleet's message bus between the simulated routers (NATS live: ext_proc.feeds.peers
+"""The message bus between the simulated routers (NATS live: ext_proc.feeds.peers
 and ext_proc.service.loops.fleet_bus), on the simulator's clock: each router's lifecycle
 events reach the others one hop later (in one place: BUS_HOP_S; between front doors: half
 their RTT), its dispatches are confirmed to it a round trip to the server later (flow
@@ -15,7 +15,7 @@ from ext_proc.core.pipeline import Director
 from ext_proc.core.router import Router
 from ext_proc.feeds.peers import PeerEvent, PeerKind, PeerPublisher
 
-# One hop through the fleet's message bus between routers in one place (NATS on a LAN).
+# One hop through the message bus between routers in one place (NATS on a LAN).
 BUS_HOP_S = 0.0005
 
 # Schedules (time, event kind, data) on the simulation's event queue.

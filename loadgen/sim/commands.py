@@ -11,7 +11,7 @@ from typing import Any
 
 from ext_proc.vocab.backend import DEFAULT_PROFILE
 from loadgen.client.protocol import add_protocol_flags
-from loadgen.sim.peers.names import PEER_NAMES
+from loadgen.sim.rivals.names import RIVAL_NAMES
 from loadgen.traces.load import TRACE_HELP
 
 
@@ -131,8 +131,8 @@ def add_simulate(sub: Any, policies: Sequence[str]) -> None:
     s.add_argument(
         "--policy",
         action="append",
-        choices=[*policies, *PEER_NAMES],
-        help="repeatable; the peer routers' rules too (loadgen/sim/peers: smg_*, "
+        choices=[*policies, *RIVAL_NAMES],
+        help="repeatable; the rival routers' rules too (loadgen/sim/rivals: smg_*, "
         "vllm_router_*, llmd_*, dynamo_kv)",
     )
     s.add_argument(
@@ -201,7 +201,7 @@ def add_simulate(sub: Any, policies: Sequence[str]) -> None:
     s.add_argument(
         "--share-dispatches",
         action="store_true",
-        help="the routers tell each other their dispatches (live: over NATS, fleet.nats_url)",
+        help="the routers tell each other their dispatches (live: over NATS, bus.nats_url)",
     )
     s.add_argument(
         "--origin-shares",

@@ -18,7 +18,7 @@ from ext_proc.config.schema import Config
 from ext_proc.vocab.backend import DEFAULT_PROFILE
 from loadgen.client.protocol import OPEN, Protocol
 from loadgen.sim.classes import Classes
-from loadgen.sim.peers.names import is_peer
+from loadgen.sim.rivals.names import is_rival
 
 # The single proxy of the paper's setup (front_doors 0): its RTTs are the RTT profile's.
 PROXY = ""
@@ -56,7 +56,7 @@ class SimSettings:
     # access leg. --front-doors 1 is the single proxy with clients spread over the regions.
     front_doors: int = 0
     origin_shares: Sequence[float] = ()
-    # The routers publish their dispatches to each other (ext_proc.peers, over NATS live):
+    # The routers publish their dispatches to each other (ext_proc.feeds.peers, over NATS live):
     # one bus hop later, or the half-trip between two front doors' regions.
     share_dispatches: bool = False
     # The client protocol (loadgen.client.protocol): a concurrency cap with slip, output lengths
@@ -142,9 +142,9 @@ class SimSettings:
 
     def config(self, door: str = PROXY) -> Config:
         raw: dict[str, Any] = {
-            # A peer router's rule is no product policy: the router is configured with a
-            # stand-in and handed the peer (loadgen/sim/peers).
-            "policy": "round_robin" if is_peer(self.policy) else self.policy,
+            # A rival router's rule is no product policy: the router is configured with a
+            # stand-in and handed the rival (loadgen/sim/rivals).
+            "policy": "round_robin" if is_rival(self.policy) else self.policy,
             "seed": self.seed,
             "backends": [
                 {

@@ -5,7 +5,8 @@ as the live emulated fleet, with the WAN's RTT profile. Deterministic for a give
 Per request: it arrives at the proxy at its (scaled) trace time; the router decides; it
 reaches the engine one WAN half-trip later; the engine model schedules it; each token
 travels back one half-trip. The router sees the first token (TTFT) and the completion
-(E2E, and the engine's cached-token count) when they reach the proxy, as live.
+(E2E, and the engine's cached-token count) when they reach the proxy, as live. What it runs
+on (the routers, the engines, the links) is built by its base, world.py's `SimWorld`.
 
 Under a client protocol with a concurrency cap (loadgen.client.protocol), a request whose
 arrival finds every slot taken waits, first come first served, for the first client to
@@ -17,33 +18,22 @@ from __future__ import annotations
 import heapq
 import random
 import zlib
-from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from emulator.engine.model import EngineModel
-from emulator.wan import (
-    DelayModel,
-    DelaySettings,
-    region_rtt_ms,
-)
-from ext_proc.core.build import build_router
-from ext_proc.core.pipeline import Director, Outcome, Queued, Refused, Routed
+from emulator.wan import DelayModel, region_rtt_ms
+from ext_proc.core.pipeline import Outcome, Queued, Refused, Routed
 from ext_proc.core.router import Router
-from ext_proc.estimate.profile import EngineProfile, load_profile
-from ext_proc.feeds.engine_metrics import EngineReport
-from ext_proc.feeds.server_info import EngineScheduling
 from ext_proc.prompt.parse import COMPLETIONS
 from ext_proc.vocab.request import LlmRequest
 from ext_proc.vocab.types import Refusal, RouteRequest, Status
 from loadgen.client.concurrency import Admitted, ConcurrencyCap
 from loadgen.results import RequestResult
 from loadgen.sim.bus import Bus
-from loadgen.sim.classes import engine_priorities
-from loadgen.sim.models import cache_salt, default_model, max_loras, names_models, served_models
-from loadgen.sim.peers.feed import PeerFeed, peer_for
+from loadgen.sim.rivals.feed import RivalFeed
 from loadgen.sim.settings import PROXY, SimSettings
+from loadgen.sim.world import SimWorld, preempted, sub_blocks
 from loadgen.traces.request import TraceRequest
 
 _ARRIVE, _AT_ENGINE, _STEP, _FIRST_BYTE, _DONE, _PROBE, _KV_EVENTS = range(7)
@@ -95,37 +85,10 @@ class SimResult:
     preempted: dict[str, int] = field(default_factory=dict)
 
 
-def _sub_blocks(ids: Sequence[int], per_block: int, salt: int | tuple[int, int]) -> list[int]:
-    """Finer blocks of a trace's blocks: trace id k names its block and whole prefix, so
-    (k, j) names sub-block j likewise. Tuples of ints hash the same in every process."""
-    return [hash((k, j, salt)) for k in ids for j in range(per_block)]
+class Simulation(SimWorld):
+    """A trace's requests through the world its settings make (`SimWorld`: routers,
+    engines, links), event by event on the virtual clock, and the results they leave."""
 
-
-def _engines(
-    settings: SimSettings, profiles: dict[str, EngineProfile], rng: random.Random
-) -> dict[str, EngineModel]:
-    """One engine model per region (SGLang's scheduler), each with an RNG drawn in turn."""
-    return {
-        r: EngineModel(
-            profiles[r],
-            random.Random(rng.random()),
-            max_loras(settings.fleet, r),
-            "sglang",
-            settings.engine_priority,
-        )
-        for r in settings.regions
-    }
-
-
-def _preempted(engines: Iterable[EngineModel]) -> dict[str, int]:
-    """Preemptions over the engines, by the priority the requests carried."""
-    total: Counter[str] = Counter()
-    for e in engines:
-        total.update(e.stats.preempted_by_priority)
-    return dict(sorted(total.items()))
-
-
-class Simulation:
     def __init__(
         self,
         trace: Sequence[TraceRequest],
@@ -134,88 +97,17 @@ class Simulation:
         progress: ProgressHook | None = None,
     ) -> None:
         self.trace, self.dropped = settings.protocol.apply(trace)
-        self.s = settings
         self.hook = hook
         self.progress = progress
-        self.now_s = 0.0
-        doors = settings.doors
-        cfg = settings.config(doors[0])
-        rng = random.Random(settings.seed)
-        # A peer router's rule (loadgen/sim/peers) in the router's place: it chooses, and
-        # hears the lifecycle as its own books would; its RNG is its own.
-        self.peer = peer_for(settings.policy, settings.seed, settings.routers, settings.front_doors)
-        # The service's own factory, on the virtual clock (it draws the policy's and the
-        # tuner's RNGs from `rng` first).
-        peers = () if self.peer is None else (self.peer,)
-        self.router = build_router(cfg, lambda: self.now_s, rng, listeners=peers, policy=self.peer)
-        profiles = {r: load_profile(settings.engine_profile_of(r)) for r in settings.regions}
-        fleet = settings.fleet
-        self.engines = _engines(settings, profiles, rng)
-        # The priority each class's requests carry to the engine (its own scheduling).
-        self._class_priority = engine_priorities(settings.classes, settings.engine_priority)
-        # What each engine serves (sim/models.py); with models in the fleet file, its blocks
-        # are keyed by the model asked for (an adapter shares no cache with its base).
-        self.served = {r: served_models(fleet, r) for r in settings.regions}
-        self.by_model = names_models(fleet)
-        self.default_model = default_model(list(self.served.values()))
+        super().__init__(settings)
         self.refused: dict[int, int] = {}
-        self.links: dict[tuple[str, str], DelayModel] = {}
-        self.routers_at: dict[str, list[Router]] = {}
-        for door in doors:
-            self.links.update(
-                (
-                    (door, r),
-                    DelayModel(
-                        DelaySettings(*settings.rtt_ms(door, r)), random.Random(rng.random())
-                    ),
-                )
-                for r in settings.regions
-            )
-            # Later routers draw their RNGs after the engines', so one router runs as before.
-            if door == doors[0]:
-                extra = [
-                    build_router(cfg, lambda: self.now_s, random.Random(rng.random()))
-                    for _ in range(settings.routers - 1)
-                ]
-                self.routers_at[door] = [self.router, *extra]
-            else:
-                door_cfg = settings.config(door)
-                self.routers_at[door] = [
-                    build_router(door_cfg, lambda: self.now_s, random.Random(rng.random()))
-                ]
-        self.routers = [router for rs in self.routers_at.values() for router in rs]
-        # Each router's recipe for a request (the live service's own: core.pipeline);
-        # sharing dispatches, one release per backend until the bus confirms it.
-        shared = settings.share_dispatches and len(self.routers) > 1
-        self.directors = {id(router): Director(router, shared) for router in self.routers}
-        prio = settings.engine_priority  # as SGLang's /server_info tells it (auto)
-        told = None if prio is None else EngineScheduling(True, prio.low_values_first)
-        for router in self.routers:  # as discovery reads each engine's /v1/models at start
-            for r in settings.regions:
-                router.inputs.record_models(r, self.served[r])
-                if told is not None:
-                    router.inputs.record_scheduling(r, told)
         kinds = (_PEER, _CONFIRM)
         self.bus = Bus(
             self.routers_at, self.directors, lambda: self.now_s, self._push, kinds, self._room
         )
         if settings.share_dispatches:
             self.bus.connect()
-        # Per engine: a fleet's profiles may cache at other granularities and pool sizes.
-        self.engine_block_tokens = {r: p.block_tokens for r, p in profiles.items()}
-        self.kv_capacity_tokens = {r: p.kv_capacity_tokens for r, p in profiles.items()}
-        if settings.prefix_state == "precise":
-            # One request's engine keys serve every candidate (RouteRequest.engine_keys).
-            if len(set(self.engine_block_tokens.values())) > 1:
-                raise ValueError("prefix_state precise: the fleet's block_tokens must agree")
-            for r in settings.regions:
-                self.engines[r].cache.events = []
-                for router in self.routers:
-                    router.inputs.expect_engine_events(r)
-        self.router_block_tokens = cfg.routing.block_tokens
-        self.feed = None if self.peer is None else PeerFeed(self.peer, self)
-        self.probe_interval_s = cfg.probes.interval_s
-        self.metrics_interval_s = cfg.probes.metrics_interval_s
+        self.feed = None if self.rival is None else RivalFeed(self.rival, self)
         self._events: list[tuple[float, int, int, Any]] = []
         self._seq = 0
         self.results: dict[str, RequestResult] = {}
@@ -262,10 +154,6 @@ class Simulation:
         """Run `change` at virtual time t_s (a scenario's regime change: a link's delay)."""
         self._push(t_s, _CALL, change)
 
-    def _one_way_s(self, door: str, backend: str) -> float:
-        """The mean half-trip (no draw: the seeded delays of requests stay what they are)."""
-        return self.s.rtt_ms(door, backend)[0] / 2000
-
     def run(self) -> SimResult:
         for r in self.trace:
             if self.s.front_doors:
@@ -302,7 +190,7 @@ class Simulation:
                 backend, r, priority = data
                 engine = self.engines[backend]
                 per_engine = r.block_tokens // self.engine_block_tokens[backend]
-                blocks = _sub_blocks(r.block_ids, per_engine, self._engine_salt(r))
+                blocks = sub_blocks(r.block_ids, per_engine, self.engine_salt(r))
                 lora = r.model if r.model in self.served[backend].adapters else None
                 engine.submit(r.id, r.input_tokens, r.output_tokens, blocks, t, lora, 1.0, priority)
                 self._publish_cache_changes(backend, t)
@@ -344,7 +232,7 @@ class Simulation:
                 # code path would need the engine server here) reaches
                 # the door a half-trip later.
                 door, b = data
-                self._push(t + self._one_way_s(door, b), _REPORT, (door, b, self._report(b)))
+                self._push(t + self.one_way_s(door, b), _REPORT, (door, b, self.report(b)))
                 self._push(t + self.metrics_interval_s, _SCRAPE, data)
             elif kind == _REPORT:
                 door, b, report = data
@@ -381,7 +269,7 @@ class Simulation:
             self.router,
             self.dropped,
             dict(sorted(self.refused.items())),
-            _preempted(self.engines.values()),
+            preempted(self.engines.values()),
         )
 
     def _dispatch(self, sent: Admitted[_Arrival] | None) -> None:
@@ -393,16 +281,6 @@ class Simulation:
         self._slip_ms[r.id] = sent.slip_s * 1000
         self._push(self.now_s + access_ms / 2000, _ARRIVE, sent.item)
 
-    def engine_keys(self, r: TraceRequest) -> list[int]:
-        """The request's prompt blocks as every engine keys them."""
-        per_engine = r.block_tokens // self.engine_block_tokens[self.s.regions[0]]
-        return _sub_blocks(r.block_ids, per_engine, self._engine_salt(r))
-
-    def _report(self, backend: str) -> EngineReport:
-        m = self.engines[backend]
-        kv_use = m.held_tokens / self.kv_capacity_tokens[backend]
-        return EngineReport(m.num_queued, m.num_started, kv_use)
-
     def _publish_cache_changes(self, backend: str, t: float) -> None:
         """Precise mode: the engine's cache changes reach each front door's routers a
         half-trip later."""
@@ -410,7 +288,7 @@ class Simulation:
         if cache.events:
             if self.s.prefix_state == "precise":
                 for door in self.routers_at:
-                    heard_s = t + self._one_way_s(door, backend)
+                    heard_s = t + self.one_way_s(door, backend)
                     self._push(heard_s, _KV_EVENTS, (door, backend, cache.events))
             if self.feed is not None:
                 self.feed.kv_events(backend, t, cache.events)
@@ -427,7 +305,7 @@ class Simulation:
             self._door_free_s[door] = self.now_s + self.s.door_spacing_ms / 1000
         llm = _llm(r, self.s.protocol.sent_max_tokens(r.output_tokens))
         per = max(1, r.block_tokens // self.router_block_tokens)
-        blocks = _sub_blocks(r.block_ids, per, 1)[: r.input_tokens // self.router_block_tokens]
+        blocks = sub_blocks(r.block_ids, per, 1)[: r.input_tokens // self.router_block_tokens]
         engine_keys = None
         if self.s.prefix_state == "precise":
             engine_keys = self.engine_keys(r)
@@ -499,8 +377,8 @@ class Simulation:
         self.results[r.id].predicted_e2e_ms = d.chosen.predicted_e2e_ms + before_ms
         self._access_ms[r.id] = access_ms
         link = self._link_of[r.id] = self.links[(door, d.backend)]
-        # Dispatch pacing: the router holds the request before Envoy sends it on.
-        delay_s = d.hold_ms / 1000 + link.one_way_delay_s()
+        # Dispatch pacing: the router keeps the request before Envoy sends it on.
+        delay_s = d.pace_ms / 1000 + link.one_way_delay_s()
         if self.s.envoy_workers:
             worker = self._worker_rng.randrange(self.s.envoy_workers)
             key = self._conn_of[r.id] = (door, d.backend, worker)
@@ -509,13 +387,8 @@ class Simulation:
                 self._conns_open[key] = busy + 1
                 delay_s += link.sample_rtt_ms() / 1000  # the handshake
             self._conns_busy[key] = busy + 1
-        priority = self._class_priority.get(objective)  # in its body
+        priority = self.class_priority.get(objective)  # in its body
         self._push(self.now_s + delay_s, _AT_ENGINE, (d.backend, r, priority))
-
-    def _engine_salt(self, r: TraceRequest) -> int | tuple[int, int]:
-        """What the request's engine blocks are keyed with: its model's namespace when the
-        fleet names models (one salt for every engine: precise mode's keys serve all)."""
-        return (0, cache_salt(r.model or self.default_model)) if self.by_model else 0
 
     def _refuse(self, r: TraceRequest, origin: str, access_ms: float, refusal: Refusal) -> None:
         """The router answered the request itself, no engine reached: counted, not timed

@@ -119,7 +119,7 @@ class Soak:
     def routers(self) -> list[tuple[str, str]]:
         """(process name, admin URL) of each router."""
         extra = [
-            (f"{c.fleet.router_id}-gorgo-serve", f"http://{c.listen.admin}")
+            (f"{c.bus.router_id}-gorgo-serve", f"http://{c.listen.admin}")
             for c in self.stack.extra_routers
         ]
         return [("gorgo-serve", self.stack.admin_url), *extra]

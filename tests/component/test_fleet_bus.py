@@ -63,7 +63,7 @@ def config(name: str, nats_port: int) -> Config:
             "listen": {"grpc": f"127.0.0.1:{grpc}", "admin": f"127.0.0.1:{admin}"},
             "tuner": {"mode": "off"},
             "probes": {"interval_s": 60, "metrics_interval_s": 0},
-            "fleet": {"nats_url": f"nats://127.0.0.1:{nats_port}", "router_id": name},
+            "bus": {"nats_url": f"nats://127.0.0.1:{nats_port}", "router_id": name},
             "backends": [{"id": "a", "address": "127.0.0.1:1"}],
         }
     )
@@ -140,7 +140,7 @@ def flow_config(name: str, nats_port: int) -> Config:
             "listen": {"grpc": raw.listen.grpc, "admin": raw.listen.admin},
             "tuner": {"mode": "off"},
             "probes": {"interval_s": 60, "metrics_interval_s": 0},
-            "fleet": {"nats_url": f"nats://127.0.0.1:{nats_port}", "router_id": name},
+            "bus": {"nats_url": f"nats://127.0.0.1:{nats_port}", "router_id": name},
             "flow_control": {"enabled": True, "max_waiting_requests": 1},
             "backends": [{"id": "a", "address": "127.0.0.1:1"}],
         }

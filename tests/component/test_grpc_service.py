@@ -294,9 +294,9 @@ async def test_admin_token_guards_state_changes_only() -> None:
             assert r.status == 200 and (await r.json())["frozen"]
 
 
-async def test_a_paced_decision_is_sent_after_its_hold() -> None:
-    """Dispatch pacing in the shell: the reply that carries a held decision leaves the
-    service no earlier than the hold (Envoy sends the request on when it reads it)."""
+async def test_a_paced_decision_is_sent_after_its_pace() -> None:
+    """Dispatch pacing in the shell: the reply that carries a paced decision leaves the
+    service no earlier than its pace (Envoy sends the request on when it reads it)."""
     cfg = config_from_dict(
         {
             "policy": "gorgo",
@@ -326,6 +326,6 @@ async def test_a_paced_decision_is_sent_after_its_hold() -> None:
             waited_s.append(asyncio.get_running_loop().time() - t0)
         await channel.close()
         first, second = svc.router.recent.decisions[-2:]
-        assert first.hold_ms == 0.0
-        assert 100 < second.hold_ms <= 250
-        assert waited_s[1] >= second.hold_ms / 1000
+        assert first.pace_ms == 0.0
+        assert 100 < second.pace_ms <= 250
+        assert waited_s[1] >= second.pace_ms / 1000

@@ -134,7 +134,7 @@ def one_input(data: bytes) -> None:
             waited += waits
             answered += len(replies(reply))
             # FULL_DUPLEX_STREAMED: the replies wait for the whole body, then all go out
-            if not session.info.request_streamed or getattr(session, "released", True):
+            if not session.info.request_streamed or getattr(session, "sent_on", True):
                 assert answered >= waited, f"no reply to {req.WhichOneof('request')}"
             assert getattr(session, "held", None) is None  # no gateway queue configured
             if session.done:

@@ -10,25 +10,25 @@ from pathlib import Path
 
 import pytest
 
-from emulator.peers.install import DEFAULT_VENV, is_installed
-from loadgen.bench.live.peers import PeersOptions, run_peers_bench
+from emulator.rivals.install import DEFAULT_VENV, is_installed
+from loadgen.bench.live.rivals import RivalsOptions, run_rivals_bench
 
 pytestmark = [
     pytest.mark.peers,
-    pytest.mark.skipif(not is_installed(DEFAULT_VENV), reason="peers not installed: make peers"),
+    pytest.mark.skipif(not is_installed(DEFAULT_VENV), reason="rivals not installed: make peers"),
 ]
 
 
-def test_bench_peers_runs_gorgo_and_smg_on_the_same_window(tmp_path: Path) -> None:
-    out = tmp_path / "peers.json"
-    opts = PeersOptions(
+def test_bench_rivals_runs_gorgo_and_smg_on_the_same_window(tmp_path: Path) -> None:
+    out = tmp_path / "rivals.json"
+    opts = RivalsOptions(
         "paper-synthetic",
         duration_s=3.0,
         time_scale=1.0,
         fronts=("gorgo", "smg:cache_aware"),
         out=str(out),
     )
-    assert run_peers_bench(opts) == 0
+    assert run_rivals_bench(opts) == 0
     doc = json.loads(out.read_text())
     assert set(doc["fronts"]) == {"gorgo", "smg:cache_aware"}
     assert doc["requests"] > 5

@@ -1,4 +1,4 @@
-"""The peer routers users deploy instead of gorgo (SMG 1.13, vllm-router 0.1.17) in front of
+"""The rival routers users deploy instead of gorgo (SMG 1.13, vllm-router 0.1.17) in front of
 the emulated fleet: each routes streamed chats to it, and reads what the twin serves
 (its loads, its server info), as it would read a real SGLang's. `make test-peers`
 installs them (.venv-peers) and runs this tier; not in `make test`.
@@ -26,21 +26,21 @@ import pytest
 from emulator.engine.config import EngineConfig
 from emulator.engine.server import EngineServer
 from emulator.engine.tokenizer import load_twin_tokenizer
-from emulator.peers.fronts import FRONTS, PeerFront, argv
-from emulator.peers.install import DEFAULT_VENV, is_installed, peer_binary
-from emulator.peers.process import (
-    PeerProcess,
+from emulator.rivals.fronts import FRONTS, RivalFront, argv
+from emulator.rivals.install import DEFAULT_VENV, is_installed, rival_binary
+from emulator.rivals.process import (
+    RivalProcess,
     smg_decisions,
     smg_engine_loads,
     smg_load_polls,
-    start_peer,
+    start_rival,
 )
 from emulator.stack.ports import free_ports
 from ext_proc.estimate.profile import load_profile
 
 pytestmark = [
     pytest.mark.peers,
-    pytest.mark.skipif(not is_installed(DEFAULT_VENV), reason="peers not installed: make peers"),
+    pytest.mark.skipif(not is_installed(DEFAULT_VENV), reason="rivals not installed: make peers"),
 ]
 
 MODEL = "alpha"
@@ -82,11 +82,11 @@ async def fleet(cfgs: Sequence[EngineConfig]) -> AsyncIterator[list[EngineServer
 
 
 @contextlib.asynccontextmanager
-async def peer(
-    front: PeerFront, servers: Sequence[EngineServer], tmp: Path, **kw: Any
-) -> AsyncIterator[PeerProcess]:
+async def rival(
+    front: RivalFront, servers: Sequence[EngineServer], tmp: Path, **kw: Any
+) -> AsyncIterator[RivalProcess]:
     port, metrics_port = free_ports(2)
-    p = await start_peer(
+    p = await start_rival(
         front,
         [s.url for s in servers],
         MODEL,
@@ -125,7 +125,7 @@ async def stream_chat(
     return r.status, headers, content
 
 
-async def metrics_of(http: aiohttp.ClientSession, p: PeerProcess) -> str:
+async def metrics_of(http: aiohttp.ClientSession, p: RivalProcess) -> str:
     async with http.get(p.metrics_url) as r:
         assert r.status == 200
         return await r.text()
@@ -148,10 +148,10 @@ def test_every_flag_is_in_the_pinned_tools_help() -> None:
     that tool's --help."""
     helps = {
         "smg": subprocess.run(
-            [str(peer_binary("smg")), "launch", "--help"], capture_output=True, text=True
+            [str(rival_binary("smg")), "launch", "--help"], capture_output=True, text=True
         ).stdout,
         "vllm-router": subprocess.run(
-            [str(peer_binary("vllm-router")), "--help"], capture_output=True, text=True
+            [str(rival_binary("vllm-router")), "--help"], capture_output=True, text=True
         ).stdout,
     }
     for f in FRONTS.values():
@@ -176,7 +176,7 @@ async def test_smg_cache_aware_routes_on_the_engines_loads(
         tput = {s.url: (await twin_load(http, s))["gen_throughput"] for s in servers}
         assert all(t > 0 for t in tput.values()), tput
         # A 1 s poll instead of the default 10 s, so the test need not wait for one.
-        async with peer(
+        async with rival(
             FRONTS["smg:cache_aware"],
             servers,
             tmp_path,
@@ -243,7 +243,7 @@ async def test_smg_least_load_routes_away_from_a_long_queue(
             queued = await twin_load(http, busy)
             assert queued["num_waiting_reqs"] >= 2 and queued["num_waiting_uncached_tokens"] > 0
             front = FRONTS["smg:least_load"]
-            async with peer(front, servers, tmp_path, default_throughput_tok_s=1000.0) as p:
+            async with rival(front, servers, tmp_path, default_throughput_tok_s=1000.0) as p:
                 for _ in range(60):  # its 2 s poll
                     seen = smg_engine_loads(await metrics_of(http, p))
                     if seen.get(busy.url, {}).get("num_waiting_reqs", 0) >= 2:
@@ -267,7 +267,7 @@ async def test_vllm_router_cache_aware_routes_to_the_twins(
     http: aiohttp.ClientSession, tmp_path: Path
 ) -> None:
     async with fleet([engine_cfg(f"e{i}") for i in range(3)]) as servers:
-        async with peer(FRONTS["vllm-router:cache_aware"], servers, tmp_path) as p:
+        async with rival(FRONTS["vllm-router:cache_aware"], servers, tmp_path) as p:
             results = [await stream_chat(http, p.url, chat(TOPICS[i % 3], 4)) for i in range(6)]
         names = {s.cfg.name for s in servers}
         for status, headers, content in results:

@@ -153,7 +153,7 @@ def entry_row(
         "tokens": d.input_tokens,
         "backend": d.backend,
         "policy": d.policy,
-        "hold_ms": round(d.hold_ms, 2),
+        "hold_ms": round(d.pace_ms, 2),
         "candidates": [_candidate(entry, c, names) for c in shown],
         "of": len(d.candidates),
         "predicted": [round(chosen.predicted_ttft_ms, 2), round(chosen.predicted_e2e_ms, 2)],

@@ -1,5 +1,5 @@
-"""The shell of ext_proc.peers: this router's lifecycle events go out on NATS, and the
-other routers' come in, on `<fleet.subject>.<router id>` (core NATS publish/subscribe; no
+"""The shell of ext_proc.feeds.peers: this router's lifecycle events go out on NATS, and the
+other routers' come in, on `<bus.subject>.<router id>` (core NATS publish/subscribe; no
 echo of our own). Fail open: while NATS is unreachable the router decides from its own
 view and the engines' reports, and reconnects by itself (nats-py's reconnect loop, and a
 retry loop for the first connection).
@@ -51,8 +51,8 @@ class FleetBus:
     def __init__(self, cfg: Config, router: Router) -> None:
         self.cfg = cfg
         self.router = router
-        self.router_id = cfg.fleet.router_id or default_router_id()
-        self.subject = cfg.fleet.subject
+        self.router_id = cfg.bus.router_id or default_router_id()
+        self.subject = cfg.bus.subject
         self._queue: asyncio.Queue[PeerEvent] = asyncio.Queue(QUEUE_EVENTS)
         self._nc: Client | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -84,7 +84,7 @@ class FleetBus:
         return self._nc is not None and self._nc.is_connected
 
     async def start(self) -> None:
-        if not self.cfg.fleet.nats_url:
+        if not self.cfg.bus.nats_url:
             return
         self.router.subscribe(PeerPublisher(self.router_id, self._send))
         self._tasks.append(asyncio.create_task(self._run()))
@@ -98,14 +98,14 @@ class FleetBus:
     @property
     def forward(self) -> Callable[[PeerEvent], None] | None:
         """How the shell hands another router's request to it (None: a single router)."""
-        return self._forward if self.cfg.fleet.nats_url else None
+        return self._forward if self.cfg.bus.nats_url else None
 
     def _forward(self, e: PeerEvent) -> None:
         self.forwarded += 1
         self._send(replace(e, router=self.router_id))
 
     def snapshot(self) -> dict[str, Any] | None:
-        if not self.cfg.fleet.nats_url:
+        if not self.cfg.bus.nats_url:
             return None
         return {
             "router_id": self.router_id,
@@ -124,7 +124,7 @@ class FleetBus:
     def tell_claims(self, claims: dict[str, Head], heads: list[Head]) -> None:
         """What our gateway queue waits for: per backend, the highest band waiting; the
         heads of the queue that found no room."""
-        if self.cfg.fleet.nats_url:
+        if self.cfg.bus.nats_url:
             self._send(waiting_event(self.router_id, claims, heads))
 
     def _send(self, e: PeerEvent) -> None:
@@ -142,7 +142,7 @@ class FleetBus:
             asyncio.get_running_loop().call_soon(self.on_confirmed, request_ids)
 
     async def _run(self) -> None:
-        servers = self.cfg.fleet.nats_url.split(",")
+        servers = self.cfg.bus.nats_url.split(",")
         while self._nc is None:
             try:
                 self._nc = await nats.connect(

@@ -136,7 +136,7 @@ class Telemetry(Listener):
             info = TERMS.get(name)
             if info is None or info.unit == "ms":  # in seconds, as the metric is
                 term[(name,)].observe(value / 1000)
-        term[("pace_hold",)].observe(d.hold_ms / 1000)
+        term[("pace_hold",)].observe(d.pace_ms / 1000)
         if self.router.cfg.flow_control.enabled:
             m.flow_wait.observe(d.waited_ms / 1000)
         m.prompt_tokens.inc(d.input_tokens)

@@ -67,7 +67,7 @@ A_PREDICTED_TTFT_MS = "gorgo.predicted_ttft_ms"
 A_PREDICTED_E2E_MS = "gorgo.predicted_e2e_ms"
 # Backends left out of the decision because they are draining (only when there are some).
 A_DRAINING_BACKENDS = "gorgo.draining_backends"
-# How long dispatch pacing held the request before it was sent on (only when it did).
+# How long dispatch pacing kept the request before it was sent on (only when it did).
 A_PACE_HOLD_MS = "gorgo.pace_hold_ms"
 # Its wait in the gateway queue before this decision (flow control), and how many times
 # it was offered room and found none.
@@ -135,8 +135,8 @@ def decision_attributes(
         attrs[A_MODEL] = d.model
     if d.draining:
         attrs[A_DRAINING_BACKENDS] = list(d.draining)
-    if d.hold_ms:
-        attrs[A_PACE_HOLD_MS] = round(d.hold_ms, 3)
+    if d.pace_ms:
+        attrs[A_PACE_HOLD_MS] = round(d.pace_ms, 3)
     if d.waited_ms:
         attrs[A_FLOW_WAITED_MS] = round(d.waited_ms, 3)
         attrs[A_FLOW_QUEUED_BEHIND] = d.queued_behind

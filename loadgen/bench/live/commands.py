@@ -19,9 +19,9 @@ def _overhead(args: argparse.Namespace) -> int:
     if args.picker_stream:
         return run_picker_stream_bench(max(10, args.requests // 10), args.rounds)
     if args.peers:
-        from loadgen.bench.live.peer_cost import run_peer_cost_bench
+        from loadgen.bench.live.rival_cost import run_rival_cost_bench
 
-        return run_peer_cost_bench(args.requests)
+        return run_rival_cost_bench(args.requests)
     return run_overhead_bench(
         requests=args.requests, long_only=args.long_prompts, flow=args.flow_control, otlp=args.otlp
     )
@@ -345,10 +345,10 @@ def add_screenshot(bench: Any, policies: Sequence[str]) -> None:
 
 
 def _peers(args: argparse.Namespace) -> int:
-    from loadgen.bench.live.peers import PeersOptions, run_peers_bench
+    from loadgen.bench.live.rivals import RivalsOptions, run_rivals_bench
 
-    return run_peers_bench(
-        PeersOptions(
+    return run_rivals_bench(
+        RivalsOptions(
             trace=args.trace,
             start_s=args.start_s,
             duration_s=args.duration_s,
@@ -363,13 +363,13 @@ def _peers(args: argparse.Namespace) -> int:
 
 
 def add_peers(bench: Any, policies: Sequence[str]) -> None:
-    from emulator.peers.fronts import DEFAULT_FRONTS
+    from emulator.rivals.fronts import DEFAULT_FRONTS
 
     b = bench.add_parser(
         "peers",
         help="gorgo against SMG and vllm-router, live on the same emulated fleet (make peers)",
-        description="Each front door in turn (gorgo with shipped defaults, the peer routers "
-        "with the flags of emulator/peers/fronts.py) in front of a fresh emulated fleet behind "
+        description="Each front door in turn (gorgo with shipped defaults, the rival routers "
+        "with the flags of emulator/rivals/fronts.py) in front of a fresh emulated fleet behind "
         "WAN links, the same trace window replayed open loop through each; TTFT, E2E, "
         "failures, cache hit rate, the router's CPU per request and RSS (docs/results.md, "
         '"Against the routers users deploy").',
@@ -387,7 +387,7 @@ def add_peers(bench: Any, policies: Sequence[str]) -> None:
     b.add_argument(
         "--fronts",
         default=",".join(DEFAULT_FRONTS),
-        help="comma-separated: gorgo and emulator/peers/fronts.py's names",
+        help="comma-separated: gorgo and emulator/rivals/fronts.py's names",
     )
     b.add_argument("--out", help='write {"fronts": {NAME: SUMMARY}} here, a plot beside it')
     b.add_argument(

@@ -55,7 +55,7 @@ STEPS = (
     ),
     ("access log: completions read", "envoy/access_log.py", "stream_access_logs", 0),
     # called a moment later from the event loop (access_log.COMPLETION_GRACE_S)
-    ("close: learners, telemetry", "core/router.py", "close", 0),
+    ("close: learners, telemetry", "core/lifecycle.py", "close", 0),
     ("learners (speed, prefix, tuner)", "core/learners.py", "on_close", 1),
     ("telemetry: metrics, the span built", "service/telemetry/listener.py", "on_close", 1),
     (

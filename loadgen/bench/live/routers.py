@@ -64,7 +64,7 @@ def one_round(routers: int, concurrency: int, duration_s: float) -> Round:
     )
     stack.start()
     try:
-        names = ["gorgo-serve", *(f"{c.fleet.router_id}-gorgo-serve" for c in stack.extra_routers)]
+        names = ["gorgo-serve", *(f"{c.bus.router_id}-gorgo-serve" for c in stack.extra_routers)]
         admins = [stack.admin_url, *(f"http://{c.listen.admin}" for c in stack.extra_routers)]
         asyncio.run(_drive(stack.front_door_url, concurrency, 2.0))  # warm
         pids = [stack.procs[n].pid for n in names]

@@ -95,7 +95,7 @@ def add_target(bench: Any, policies: Sequence[str]) -> None:
         choices=["paper", "peers"],
         default="paper",
         help="the baselines: the paper's (target p95 TTFT <= 0.8 x the best) or the rules of "
-        "SMG, vllm-router, llm-d and Dynamo (loadgen/sim/peers; <= 0.85 x)",
+        "SMG, vllm-router, llm-d and Dynamo (loadgen/sim/rivals; <= 0.85 x)",
     )
     b.add_argument(
         "--engine-profile",

@@ -12,14 +12,14 @@ import numpy as np
 
 from ext_proc.estimate.profile import EngineProfile, load_profile
 from loadgen.sim.settings import SimSettings
-from loadgen.sim.simulate import _sub_blocks
+from loadgen.sim.world import sub_blocks
 from loadgen.traces.request import TraceRequest
 
 
 def _engine_keys(r: TraceRequest, engine_block_tokens: int) -> list[int]:
     """The engine's keys for a request's full blocks (as the simulator submits them)."""
     per = max(1, r.block_tokens // engine_block_tokens)
-    keys = _sub_blocks(r.block_ids, per, 0)
+    keys = sub_blocks(r.block_ids, per, 0)
     return keys[: r.input_tokens // engine_block_tokens]
 
 

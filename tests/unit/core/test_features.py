@@ -1,4 +1,4 @@
-"""Dispatch pacing: a request routed right after another to the same backend is held for
+"""Dispatch pacing: a request routed right after another to the same backend is paced for
 the WAN's jitter, so the two reach the engine in the order the queue estimate assumed;
 never longer than the queue it would meet there on arrival, nor than routing.pace_max_ms.
 And each candidate's predicted TTFT (the sum of its terms) and E2E (plus its decode)."""
@@ -59,45 +59,45 @@ def test_a_second_dispatch_at_once_is_held_for_the_jitter() -> None:
     sigma = jitter(router)
     first = router.decide(chat("r1"))
     second = router.decide(chat("r2"))
-    assert first.hold_ms == 0.0
+    assert first.pace_ms == 0.0
     # 2 sigma (the default), below the queue r1 puts ahead of r2 and below the cap
     assert second.chosen.queue_ms > 2 * sigma
-    assert second.hold_ms == pytest.approx(2 * sigma)
+    assert second.pace_ms == pytest.approx(2 * sigma)
     assert second.as_json()["hold_ms"] == pytest.approx(2 * sigma, abs=1e-3)
-    # a third is held until 2 sigma after the second is sent
+    # a third is paced until 2 sigma after the second is sent
     third = router.decide(chat("r3"))
-    assert third.hold_ms == pytest.approx(4 * sigma)
+    assert third.pace_ms == pytest.approx(4 * sigma)
     # once the gap has passed, nothing is held
     clock.advance(1.0)
-    assert router.decide(chat("r4")).hold_ms == 0.0
+    assert router.decide(chat("r4")).pace_ms == 0.0
 
 
-def test_the_hold_is_capped_by_the_queue_and_by_pace_max_ms() -> None:
+def test_the_pace_is_capped_by_the_queue_and_by_pace_max_ms() -> None:
     router, _ = one_backend({"pace_max_ms": 10})
     jitter(router)
     router.decide(chat("r1"))
-    assert router.decide(chat("r2")).hold_ms == 10.0
+    assert router.decide(chat("r2")).pace_ms == 10.0
     # a jitter of hundreds of ms: the queue the newcomer meets on arrival (what is owed
-    # there now, less the half-trip it travels) bounds its hold
-    for words, held_at_all in ((1000, False), (2000, True)):
+    # there now, less the half-trip it travels) bounds its pace
+    for words, paced_at_all in ((1000, False), (2000, True)):
         router, _ = one_backend()
         jitter(router, (100, 1000, 100, 1000, 100))
         router.decide(chat("s1", words=words))
-        held = router.decide(chat("s2", words=2))
-        on_arrival_ms = held.chosen.queue_ms - router.backends["a"].health.rtt_ms / 2
-        assert (on_arrival_ms > 0) is held_at_all
-        assert held.hold_ms == pytest.approx(max(0.0, on_arrival_ms))
-        assert held.hold_ms < 250
+        paced = router.decide(chat("s2", words=2))
+        on_arrival_ms = paced.chosen.queue_ms - router.backends["a"].health.rtt_ms / 2
+        assert (on_arrival_ms > 0) is paced_at_all
+        assert paced.pace_ms == pytest.approx(max(0.0, on_arrival_ms))
+        assert paced.pace_ms < 250
 
 
-def test_pacing_off_holds_nothing() -> None:
+def test_pacing_off_paces_nothing() -> None:
     router, _ = one_backend({"pace_sigmas": 0})
     jitter(router)
     router.decide(chat("r1"))
-    assert router.decide(chat("r2")).hold_ms == 0.0
+    assert router.decide(chat("r2")).pace_ms == 0.0
 
 
-def test_a_hold_past_half_the_envoy_deadline_is_refused() -> None:
+def test_a_pace_past_half_the_envoy_deadline_is_refused() -> None:
     with pytest.raises(ConfigError, match=r"routing.pace_max_ms: at most half of envoy"):
         config_from_dict(
             {
@@ -141,7 +141,7 @@ def _overtaken_pairs(pace_sigmas: float) -> int:
 
 def test_pacing_keeps_the_order_the_queue_estimate_assumed() -> None:
     # What is left paced: the first burst (before any probe sample measured the jitter)
-    # and holds cut by pace_max_ms (2 sigma of ap-seoul's 138 ms is 276 ms). What pacing
+    # and paces cut by pace_max_ms (2 sigma of ap-seoul's 138 ms is 276 ms). What pacing
     # does to the tail is measured in `gorgo bench target` (docs/cost-model.md).
     unpaced = _overtaken_pairs(0.0)
     assert unpaced > 100

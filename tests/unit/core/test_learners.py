@@ -200,7 +200,7 @@ def taught(status: Status = Status.OK, **kw: Any) -> Recorded:
         "queue_ms": 300.0,
         "prefill_ms": 600.0,
         "rtt_ms": 100.0,
-        "hold_ms": 50.0,
+        "pace_ms": 50.0,
         "prefill_factor": 1.5,
         "decode_factor": 2.0,
         "predicted_ttft_ms": 1000.0,

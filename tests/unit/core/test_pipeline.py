@@ -360,12 +360,12 @@ def test_without_the_rule_routers_that_see_the_same_room_all_fill_it() -> None:
 
 def test_one_router_is_not_held_back_by_a_bus() -> None:
     router, _ = make_router("gorgo", backends=["a"], flow_control={"enabled": True})
-    assert Director(router).releases is None  # no fleet.nats_url: alone
+    assert Director(router).releases is None  # no bus.nats_url: alone
     shared, _ = make_router(
         "gorgo",
         backends=["a"],
         flow_control={"enabled": True},
-        fleet={"nats_url": "nats://127.0.0.1:4222"},
+        bus={"nats_url": "nats://127.0.0.1:4222"},
     )
     assert Director(shared).releases is not None
 

@@ -536,7 +536,7 @@ class FleetModel(RuleBasedStateMachine):
             for rid, rec in self.router.in_flight.items()
             if now - rec.dispatched_s >= lost_after_s(rec, TIMEOUT_S)
         }
-        ttl = self.router.cfg.fleet.peer_ttl_s
+        ttl = self.router.cfg.bus.peer_ttl_s
         before = len(self.closes.events)
         self.router.expire()
         self._expect_closes(before, overdue)

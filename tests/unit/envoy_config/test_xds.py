@@ -185,9 +185,9 @@ def test_the_mesh_snippet_keeps_the_clusters_in_full(tmp_path: Path) -> None:
 def test_several_routers_are_one_ext_proc_cluster_and_need_nats() -> None:
     two = ["127.0.0.1:50051", "127.0.0.1:50052"]
     raw = {"backends": BACKENDS, "envoy": {"ext_proc_addresses": two}}
-    with pytest.raises(ConfigError, match=r"envoy.ext_proc_addresses: 2 routers .* fleet.nats_url"):
+    with pytest.raises(ConfigError, match=r"envoy.ext_proc_addresses: 2 routers .* bus.nats_url"):
         build_envoy_config(config_from_dict(raw))
-    cfg = config_from_dict({**raw, "fleet": {"nats_url": "nats://127.0.0.1:4222"}})
+    cfg = config_from_dict({**raw, "bus": {"nats_url": "nats://127.0.0.1:4222"}})
     (cluster,) = [
         c
         for c in build_envoy_config(cfg)["static_resources"]["clusters"]

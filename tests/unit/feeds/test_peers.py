@@ -107,7 +107,7 @@ def test_an_echo_of_our_own_dispatch_is_ignored() -> None:
 
 
 def test_a_dead_peers_requests_stop_counting_after_the_ttl() -> None:
-    (a, b), clock = routers(2, share=True, fleet={"peer_ttl_s": 30})
+    (a, b), clock = routers(2, share=True, bus={"peer_ttl_s": 30})
     a.decide(request("r-1"))
     clock.now_s = 29.0
     b.expire()

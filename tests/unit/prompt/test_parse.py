@@ -165,7 +165,7 @@ def test_the_twins_streams_are_counted_within_two_tokens(flavor: str, tokens: in
     """The engine twin writes each flavor's events (emulator/engine/wire.py): a stream of
     one chunk per token, without usage, counts within 2 of its length (1 %)."""
     from emulator.engine.config import EngineConfig
-    from emulator.engine.model import Emission
+    from emulator.engine.model.scheduler import Emission
     from emulator.engine.parse import GenRequest
     from emulator.engine.wire import StreamEncoder
 

@@ -1,10 +1,10 @@
 """The emulated engine over real HTTP on 127.0.0.1 (no mocks), in its default flavor, the
 twin of SGLang; tests/component/emulator/engine/test_flavors.py sets the two flavors side by side.
 
-Timing comes from `emulator.engine.model.EngineModel`. Tests where timing is not the point run a
-fast profile (1 ms steps); tests about timing run the real default profile and only check
-orderings and generous lower bounds: a token may leave late on a loaded machine, but never
-before the model's schedule.
+Timing comes from `emulator.engine.model.scheduler.EngineModel`. Tests where timing is not
+the point run a fast profile (1 ms steps); tests about timing run the real default profile
+and only check orderings and generous lower bounds: a token may leave late on a loaded
+machine, but never before the model's schedule.
 """
 
 from __future__ import annotations

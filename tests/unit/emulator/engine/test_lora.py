@@ -21,7 +21,7 @@ from emulator.engine.lora import (
     go_float,
     parse_lora_module,
 )
-from emulator.engine.model import EngineModel
+from emulator.engine.model.scheduler import EngineModel
 from emulator.engine.model_api import load_lora, models_body, unload_lora
 from emulator.engine.parse import BadRequest, UnknownModel, parse_request, request_target
 from ext_proc.estimate.chain import chain_keys

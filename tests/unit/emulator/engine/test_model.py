@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from emulator.engine.model import Emission, EngineModel, PrefixCache
+from emulator.engine.model.scheduler import Emission, EngineModel, PrefixCache
 from ext_proc.estimate.profile import EngineProfile, load_profile
 
 PROFILE = replace(load_profile(), jitter_sigma=0.0)

@@ -1,4 +1,4 @@
-"""Priority scheduling in the engine model (emulator/engine/model.py PriorityScheduling),
+"""Priority scheduling in the engine model (emulator/engine/model/scheduler.py PriorityScheduling),
 on the model's virtual clock: the waiting queue's order and the preemption of running
 requests, as vLLM (--scheduling-policy priority) and SGLang (--enable-priority-scheduling)
 do them."""
@@ -9,7 +9,7 @@ from itertools import pairwise
 
 import pytest
 
-from emulator.engine.model import Emission, EngineModel, PriorityScheduling
+from emulator.engine.model.scheduler import Emission, EngineModel, PriorityScheduling
 from ext_proc.estimate.profile import load_profile
 
 BASE = replace(load_profile(), jitter_sigma=0.0)

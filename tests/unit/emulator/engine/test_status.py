@@ -1,4 +1,4 @@
-"""The twin's load and info bodies hold what current SGLang serves and what the peer routers
+"""The twin's load and info bodies hold what current SGLang serves and what the rival routers
 parse: /v1/loads (SGLang entrypoints/v1_loads.py, the scheduler's get_loads), the
 sglang:gen_throughput gauge, /server_info's fields that SMG reads (discover_metadata.rs
 ServerInfo)."""
@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 
 from emulator.engine.config import EngineConfig
-from emulator.engine.model import DECODE_LOG_INTERVAL, EngineModel
+from emulator.engine.model.scheduler import DECODE_LOG_INTERVAL, EngineModel
 from emulator.engine.runner import EngineStats
 from emulator.engine.status import load, loads_body, metrics_text, server_info_body
 from ext_proc.estimate.profile import load_profile

@@ -238,8 +238,8 @@ def test_the_real_pool_evicts_and_a_sticky_placement_keeps_a_session_home(
     assert blocks([replace(row, p95={**row.p95, "gorgo": (1.0, 1.0)})])[0].below_pool == 1
 
 
-def test_against_the_peers_the_best_is_a_peer_and_the_bar_is_085(tmp_path: Path) -> None:
-    """`--against peers`: the peers' simulated rules run in the cell, the floors still
+def test_against_peers_the_best_is_a_rival_and_the_bar_is_085(tmp_path: Path) -> None:
+    """`--against peers`: the rivals' simulated rules run in the cell, the floors still
     bound every one of them, and meets/headroom use 0.85."""
     baselines, target = AGAINST["peers"]
     assert target == 0.85 and "dynamo_kv" in baselines and "least_request" not in baselines

@@ -1,0 +1,554 @@
+"""`gorgo bench peers`: gorgo against the routers users deploy instead, live, on the same
+emulated fleet.
+
+For each front door in turn (gorgo: Envoy + the router with shipped defaults; the rivals:
+SMG or vllm-router with the flags of emulator/rivals/fronts.py) a fresh fleet starts (three
+emulated SGLang engines behind their WAN links: cold caches for all), the same trace window
+is replayed through it open loop (loadgen/replay), and the fleet stops. `--repeat N` runs
+the set N times, the order reversed every other round so drift hits all alike. Per front:
+TTFT and E2E p50/p95/p99, failures, the engines' cache hit rate (the usage reports), the
+CPU its processes spent per request (gorgo's: the router and its Envoy) and their peak
+RSS, and what shows that it routed on the engines' loads (SMG's polls of /v1/loads and its
+decisions scored on them; vllm-router's policies read none). `--out` writes
+`{"fronts": {NAME: SUMMARY}}` (the shared result schema, the repeats' median, their
+spread), and a plot beside it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+import urllib.request
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from emulator.rivals.fronts import DEFAULT_FRONTS, GORGO, RivalFront, default_throughput_tok_s
+from emulator.rivals.fronts import front as rival_front
+from emulator.rivals.process import RivalProcess, smg_decisions, start_rival
+from emulator.stack.ports import free_ports
+from emulator.stack.settings import StackPorts, StackSettings, regions_for_profile
+from emulator.stack.stack import Stack
+from emulator.wan import RTT_PROFILES
+from ext_proc.common.names import HEADER_SESSION
+from ext_proc.config.dump import config_as_dict
+from ext_proc.config.flow import FlowControl
+from ext_proc.config.load import config_from_dict
+from ext_proc.estimate.profile import load_profile
+from loadgen.replay.loop import HeadersFor, replay
+from loadgen.results import RequestResult, summarize, table
+from loadgen.sim.classes import Classes, class_summary, load_classes
+from loadgen.traces.load import load_trace
+from loadgen.traces.request import TraceRequest
+from loadgen.traces.windows import scaled, window
+
+# The same cap as `gorgo replay`'s open protocol would allow: the window's arrivals decide.
+MAX_CONCURRENCY = 512
+# Figures of a SUMMARY whose repeats are reduced to a median and a spread.
+SPREAD_KEYS = (
+    ("ttft_ms", "p50"),
+    ("ttft_ms", "p95"),
+    ("ttft_ms", "p99"),
+    ("e2e_ms", "p50"),
+    ("e2e_ms", "p95"),
+    ("e2e_ms", "p99"),
+)
+
+
+@dataclass(frozen=True)
+class RivalsOptions:
+    trace: str
+    start_s: float = 0.0
+    duration_s: float = 60.0
+    time_scale: float = 3.0
+    repeat: int = 1
+    rtt_profile: str = "network"
+    fronts: tuple[str, ...] = DEFAULT_FRONTS
+    out: str | None = None
+    api: str = "chat"
+    seed: int = 0
+    # Request classes (loadgen/sim/classes.py's file): gorgo runs with flow control and
+    # these objectives, SMG with its priority scheduler, each told a request's class its
+    # own way (CLASS_HEADERS); the summary adds per-class SLO attainment and goodput.
+    classes: str | None = None
+
+    def problems(self) -> list[str]:
+        out = []
+        for name in self.fronts:
+            if name != GORGO:
+                try:
+                    rival_front(name)
+                except ValueError as e:
+                    out.append(f"--fronts: {e}")
+        if len(set(self.fronts)) != len(self.fronts):
+            out.append(f"--fronts names one twice: {','.join(self.fronts)}")
+        if self.rtt_profile not in RTT_PROFILES:
+            out.append(f"--rtt-profile must be one of {', '.join(RTT_PROFILES)}")
+        if self.repeat < 1:
+            out.append(f"--repeat must be >= 1, got {self.repeat}")
+        if not self.time_scale > 0:
+            out.append(f"--time-scale must be > 0, got {self.time_scale}")
+        if not self.duration_s > 0:
+            out.append(f"--duration-s must be > 0, got {self.duration_s}")
+        if self.classes is not None:
+            try:
+                load_classes(self.classes)
+            except ValueError as e:
+                out.append(f"--classes: {e}")
+        return out
+
+
+def order(fronts: Sequence[str], repeat: int) -> list[list[str]]:
+    """The fronts of each round: as given, then reversed, and so on (drift hits all)."""
+    return [list(fronts) if r % 2 == 0 else list(reversed(fronts)) for r in range(repeat)]
+
+
+@dataclass
+class FrontRun:
+    """One front door's run of the window: its results and what its processes cost."""
+
+    front: str
+    results: list[RequestResult]
+    cpu_s: float
+    peak_rss_mb: float
+    wall_s: float
+    # Requests each engine completed (which backends it used).
+    spread: dict[str, int] = field(default_factory=dict)
+    # What shows it read the engines' loads, for the report.
+    evidence: str = ""
+    # SMG's priority scheduler's non-zero series at the end (with --classes).
+    scheduler: dict[str, float] = field(default_factory=dict)
+
+
+def median_summary(runs: Sequence[FrontRun]) -> dict[str, Any]:
+    """The shared result schema's SUMMARY over a front's repeats: the run with the median
+    p95 TTFT as the base, its percentiles replaced by the repeats' medians, and their
+    spread (min, max) beside them; plus the router's cost."""
+    sums = [summarize(r.results) for r in runs]
+    ranked = sorted(range(len(runs)), key=lambda i: sums[i]["ttft_ms"]["p95"] or 0.0)
+    base: dict[str, Any] = json.loads(json.dumps(sums[ranked[len(ranked) // 2]]))
+    spread: dict[str, dict[str, list[float]]] = {}
+    for metric, q in SPREAD_KEYS:
+        values = [s[metric][q] for s in sums if s[metric][q] is not None]
+        if values:
+            base[metric][q] = round(statistics.median(values), 3)
+            spread.setdefault(metric, {})[q] = [min(values), max(values)]
+    ok = sum(s["ok"] for s in sums)
+    base["spread"] = spread
+    base["runs"] = len(runs)
+    base["errors_total"] = sum(s["errors"] for s in sums)
+    base["requests_total"] = sum(s["requests"] for s in sums)
+    base["router_cpu_ms_per_request"] = round(
+        sum(r.cpu_s for r in runs) * 1e3 / max(1, sum(len(r.results) for r in runs)), 3
+    )
+    base["router_peak_rss_mb"] = round(max(r.peak_rss_mb for r in runs), 1)
+    base["failures"] = dict(
+        Counter(x.error[:120] for r in runs for x in r.results if x.status != "ok")
+    )
+    base["ok_total"] = ok
+    return base
+
+
+def failures(runs: Sequence[FrontRun], refusals_allowed: bool = False) -> int:
+    """Requests that failed (with `refusals_allowed`, 429s are not counted)."""
+    return sum(
+        1
+        for run in runs
+        for r in run.results
+        if r.status != "ok" and not (refusals_allowed and r.error.startswith("HTTP 429"))
+    )
+
+
+def ratios(fronts: Mapping[str, Mapping[str, Any]], us: str = GORGO) -> dict[str, float]:
+    """gorgo's p95 TTFT and E2E over the best rival's (the lowest of each)."""
+    rivals = {k: v for k, v in fronts.items() if k != us}
+    if us not in fronts or not rivals:
+        return {}
+    out = {}
+    for metric in ("ttft_ms", "e2e_ms"):
+        best = min(v[metric]["p95"] for v in rivals.values())
+        out[f"{metric}_p95_vs_best_peer"] = round(fronts[us][metric]["p95"] / best, 3)
+    return out
+
+
+class Sampler:
+    """Samples the RSS of a set of processes (and their children) every `every_s`."""
+
+    def __init__(self, pids: Callable[[], Sequence[int]], every_s: float = 1.0) -> None:
+        self.pids = pids
+        self.every_s = every_s
+        self.peak_mb = 0.0
+
+    def rss_mb(self) -> float:
+        total = 0
+        for pid in self.pids():
+            try:
+                p = psutil.Process(pid)
+                total += p.memory_info().rss + sum(
+                    c.memory_info().rss for c in p.children(recursive=True)
+                )
+            except psutil.Error:
+                continue
+        return total / 2**20
+
+    async def run(self) -> None:
+        while True:
+            self.peak_mb = max(self.peak_mb, self.rss_mb())
+            await asyncio.sleep(self.every_s)
+
+
+def cpu_s(pids: Sequence[int]) -> float:
+    total = 0.0
+    for pid in pids:
+        try:
+            t = psutil.Process(pid).cpu_times()
+            total += t.user + t.system + t.children_user + t.children_system
+        except psutil.Error:
+            continue
+    return total
+
+
+def _get_json(url: str) -> Any:
+    return json.loads(_get_text(url))
+
+
+def _get_text(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=5) as r:
+        return str(r.read().decode())
+
+
+def scheduler_metrics(text: str) -> dict[str, float]:
+    """SMG's priority scheduler's series (name with labels -> value) that are not zero: what
+    shows the classes took effect there (admitted, queued, preempted per class)."""
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("#") or "sched" not in line.split("{")[0]:
+            continue
+        series, _, value = line.rpartition(" ")
+        try:
+            v = float(value)
+        except ValueError:
+            continue
+        if v:
+            out[series] = v
+    return out
+
+
+def engine_stats(stack: Stack) -> list[dict[str, Any]]:
+    return [_get_json(f"{stack.engine_url(i)}/stats") for i in range(len(stack.settings.regions))]
+
+
+def load_polls(stats: Sequence[Mapping[str, Any]]) -> int:
+    """GETs of an engine's load report (SGLang /v1/loads, /get_load, /metrics) over the fleet."""
+    return sum(
+        n
+        for s in stats
+        for path, n in s.get("gets", {}).items()
+        if path.split("?")[0] in ("/v1/loads", "/get_load", "/metrics")
+    )
+
+
+def _stack(opts: RivalsOptions, classes: Classes | None) -> Stack:
+    stack = Stack(
+        StackSettings(
+            regions=regions_for_profile(opts.rtt_profile),
+            ports=StackPorts.ephemeral(3),
+            rtt_profile=opts.rtt_profile,
+            seed=opts.seed,
+            keep_logs=False,
+        )
+    )
+    if classes is not None:  # gorgo's gateway queue with the classes' objectives
+        raw = config_as_dict(stack.config)
+        flow = dict(raw.get("flow_control") or {})
+        flow.update(enabled=True, objectives=list(classes.objectives))
+        raw["flow_control"] = flow
+        stack.config = config_from_dict(raw)
+    return stack
+
+
+# SMG's classes (middleware/scheduler: bulk < default < interactive < system); anonymous
+# requests may use up to interactive (--priority-scheduler-default-max-class).
+SMG_CLASSES = ("bulk", "default", "interactive")
+SMG_PRIORITY_ARGS = (
+    "--priority-scheduler-enabled",
+    "--priority-scheduler-default-max-class",
+    "interactive",
+)
+
+
+def smg_class_of(classes: Classes) -> dict[str, str]:
+    """Each objective's SMG class by priority rank: the highest interactive, the lowest
+    bulk, any between default."""
+    ranked = sorted(classes.objectives, key=lambda o: int(o.get("priority", 0)))
+    out = {}
+    for i, o in enumerate(ranked):
+        top, bottom = i == len(ranked) - 1, i == 0
+        out[o["name"]] = "interactive" if top else "bulk" if bottom else "default"
+    return out
+
+
+def class_headers(
+    f: RivalFront | None, classes: Classes
+) -> Callable[[TraceRequest], Mapping[str, str]]:
+    """A request's class as the front reads it: gorgo's objective header, SMG's priority
+    header; vllm-router has no classes (none)."""
+    if f is None:
+        header = FlowControl().objective_header
+        return lambda r: {header: classes.objective_of(r.session)}
+    if f.tool == "smg":
+        smg = smg_class_of(classes)
+        return lambda r: {"x-smg-priority": smg[classes.objective_of(r.session)]}
+    return lambda r: {}
+
+
+def classed(
+    results: Sequence[RequestResult], trace: Sequence[TraceRequest], classes: Classes
+) -> list[RequestResult]:
+    """Each result with its request's class (its session's), for the per-class summary."""
+    of = {r.id: classes.objective_of(r.session) for r in trace}
+    return [replace(x, objective=of.get(x.id)) for x in results]
+
+
+def _merge(*fns: Callable[[TraceRequest], Mapping[str, str]] | None) -> HeadersFor | None:
+    got = [fn for fn in fns if fn is not None]
+    if not got:
+        return None
+    return lambda r: {k: v for fn in got for k, v in fn(r).items()}
+
+
+def session_headers(f: RivalFront | None) -> Callable[[TraceRequest], Mapping[str, str]] | None:
+    """The front's session header, when it reads one the replay does not send."""
+    if f is None or f.session_header in (None, HEADER_SESSION):
+        return None
+    name = f.session_header
+    return lambda r: {name: r.session}
+
+
+def _served_model(stack: Stack) -> str:
+    return str(_get_json(f"{stack.engine_url(0)}/v1/models")["data"][0]["id"])
+
+
+async def _run_front(
+    name: str,
+    stack: Stack,
+    trace: Sequence[TraceRequest],
+    opts: RivalsOptions,
+    logs: Path,
+    classes: Classes | None,
+) -> FrontRun:
+    rival: RivalProcess | None = None
+    f = None if name == GORGO else rival_front(name)
+    if f is None:
+        url = stack.front_door_url
+        pids = [stack.procs[n].pid for n in ("gorgo-serve", "envoy")]
+    else:
+        port, metrics_port = free_ports(2)
+        facts: dict[str, Any] = {"served_model": _served_model(stack)}
+        if "default_throughput_tok_s" in f.facts():
+            facts["default_throughput_tok_s"] = default_throughput_tok_s(load_profile())
+        smg_classes = classes is not None and f.tool == "smg"
+        rival = await start_rival(
+            f,
+            [stack.backend_url(i) for i in range(len(stack.settings.regions))],
+            "default",
+            port=port,
+            metrics_port=metrics_port,
+            log_path=logs / f"{name.replace(':', '-')}.log",
+            extra_args=SMG_PRIORITY_ARGS if smg_classes else (),
+            **facts,
+        )
+        url, pids = rival.url, [rival.pid]
+    try:
+        sampler = Sampler(lambda: pids)
+        sampling = asyncio.ensure_future(sampler.run())
+        cpu0, t0 = cpu_s(pids), time.monotonic()
+        run = await replay(
+            trace,
+            url,
+            api=opts.api,
+            max_concurrency=MAX_CONCURRENCY,
+            progress=sys.stderr,
+            label=name,
+            headers_for=_merge(
+                session_headers(f), class_headers(f, classes) if classes is not None else None
+            ),
+        )
+        cpu1, wall = cpu_s(pids), time.monotonic() - t0
+        sampling.cancel()
+        stats = engine_stats(stack)
+        spread = {s["name"]: int(s["completed_total"]) for s in stats}
+        evidence = f"engine load polls {load_polls(stats)}"
+        scheduler: dict[str, float] = {}
+        if rival is not None and f is not None and f.tool == "smg":
+            scored = smg_decisions(rival.log_path)
+            evidence += f", SMG decisions scored on engine loads {len(scored)}"
+            if classes is not None:
+                scheduler = scheduler_metrics(_get_text(rival.metrics_url))
+                evidence += f", SMG scheduler series {len(scheduler)}"
+        results = run.results if classes is None else classed(run.results, trace, classes)
+        return FrontRun(
+            name, results, cpu1 - cpu0, sampler.peak_mb, wall, spread, evidence, scheduler
+        )
+    finally:
+        if rival is not None:
+            await rival.stop()
+
+
+def run_round(
+    names: Sequence[str],
+    trace: Sequence[TraceRequest],
+    opts: RivalsOptions,
+    logs: Path,
+    classes: Classes | None = None,
+) -> list[FrontRun]:
+    out = []
+    for name in names:
+        stack = _stack(opts, classes if name == GORGO else None)
+        print(f"[peers] {name}: fresh fleet ({opts.rtt_profile} RTTs)...", file=sys.stderr)
+        stack.start(front_door=(name == GORGO))
+        try:
+            run = asyncio.run(_run_front(name, stack, trace, opts, logs, classes))
+        finally:
+            stack.stop()
+        s = summarize(run.results)
+        failed = Counter(x.error[:120] for x in run.results if x.status != "ok")
+        print(
+            f"[peers] {name}: {s['ok']}/{s['requests']} ok"
+            + (f" (failed: {dict(failed)})" if failed else "")
+            + ", TTFT p95 "
+            f"{s['ttft_ms']['p95']} ms, E2E p95 {s['e2e_ms']['p95']} ms, {run.evidence}, "
+            f"engines {run.spread} ({run.wall_s:.0f} s)",
+            file=sys.stderr,
+        )
+        out.append(run)
+    return out
+
+
+def report(fronts: Mapping[str, Mapping[str, Any]]) -> str:
+    lines = [table([(name, dict(s)) for name, s in fronts.items()])]
+    lines.append("")
+    lines.append("| front | runs | failed | router CPU ms/request | router peak RSS MiB |")
+    lines.append("|---|---|---|---|---|")
+    for name, s in fronts.items():
+        lines.append(
+            f"| {name} | {s['runs']} | {s['errors_total']} / {s['requests_total']} | "
+            f"{s['router_cpu_ms_per_request']:.2f} | {s['router_peak_rss_mb']:.0f} |"
+        )
+    r = ratios(fronts)
+    if r:
+        lines.append("")
+        lines.append(
+            f"gorgo against the best peer: p95 TTFT x{r['ttft_ms_p95_vs_best_peer']:.2f}, "
+            f"p95 E2E x{r['e2e_ms_p95_vs_best_peer']:.2f}"
+        )
+    return "\n".join(lines)
+
+
+def class_report(fronts: Mapping[str, Mapping[str, Any]]) -> str:
+    """Per front: each objective's SLO attainment and the goodput (median over repeats)."""
+    lines = [
+        "| front | goodput | " + "objective slo_attained (served / requests) |",
+        "|---|---|---|",
+    ]
+    for name, s in fronts.items():
+        runs = s["classes"]
+        good = statistics.median(c["goodput"] for c in runs)
+        parts = []
+        for obj in sorted(runs[0]["objectives"]):
+            att = statistics.median(c["objectives"][obj]["slo_attained"] for c in runs)
+            o = runs[0]["objectives"][obj]
+            parts.append(f"{obj} {att:.3f} ({o['served']} / {o['requests']})")
+        lines.append(f"| {name} | {good:.3f} | {', '.join(parts)} |")
+    return "\n".join(lines)
+
+
+def plot(fronts: Mapping[str, Mapping[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(fronts)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, metric, title in ((axes[0], "ttft_ms", "TTFT"), (axes[1], "e2e_ms", "E2E")):
+        for k, q in enumerate(("p50", "p95", "p99")):
+            values = [fronts[n][metric][q] / 1e3 for n in names]
+            ax.bar([i + (k - 1) * 0.27 for i in range(len(names))], values, 0.27, label=q)
+        ax.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=8)
+        ax.set_ylabel(f"{title} (s)")
+        ax.set_title(f"{title} per front door")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run_rivals_bench(opts: RivalsOptions) -> int:
+    problems = opts.problems()
+    if problems:
+        print(f"gorgo bench peers: {'; '.join(problems)}", file=sys.stderr)
+        return 2
+    trace = scaled(window(load_trace(opts.trace), opts.start_s, opts.duration_s), opts.time_scale)
+    if not trace:
+        print(f"gorgo bench peers: {opts.trace}: no requests in the window", file=sys.stderr)
+        return 2
+    logs = Path(tempfile.mkdtemp(prefix="gorgo-bench-peers-"))
+    print(
+        f"[peers] {len(trace)} requests ({opts.trace}, {opts.start_s:g} s + {opts.duration_s:g} s "
+        f"at time_scale {opts.time_scale:g}), fronts {', '.join(opts.fronts)}, "
+        f"{opts.repeat} round(s); peer logs in {logs}",
+        file=sys.stderr,
+    )
+    classes = load_classes(opts.classes) if opts.classes else None
+    runs: dict[str, list[FrontRun]] = {n: [] for n in opts.fronts}
+    for names in order(opts.fronts, opts.repeat):
+        for run in run_round(names, trace, opts, logs, classes):
+            runs[run.front].append(run)
+    fronts = {n: median_summary(rs) for n, rs in runs.items()}
+    for n, rs in runs.items():
+        fronts[n]["evidence"] = [r.evidence for r in rs]
+        fronts[n]["engines"] = [r.spread for r in rs]
+        if classes is not None:
+            fronts[n]["classes"] = [class_summary(r.results, classes) for r in rs]
+            fronts[n]["smg_scheduler"] = [r.scheduler for r in rs]
+    print(report(fronts))
+    if classes is not None:
+        print(class_report(fronts))
+    if opts.out:
+        out = Path(opts.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        doc = {
+            "trace": opts.trace,
+            "start_s": opts.start_s,
+            "duration_s": opts.duration_s,
+            "time_scale": opts.time_scale,
+            "rtt_profile": opts.rtt_profile,
+            "repeat": opts.repeat,
+            "requests": len(trace),
+            "classes": opts.classes,
+            "fronts": fronts,
+            "gorgo_vs_best_peer": ratios(fronts),
+        }
+        out.write_text(json.dumps(doc, indent=1))
+        plot(fronts, out.with_suffix(".png"))
+        print(f"wrote {out} and {out.with_suffix('.png')}")
+    # With classes, refusals (429: a sheddable request gorgo's queue or SMG's scheduler
+    # turned away) are the policy at work, not failures.
+    bad = [
+        n
+        for n, rs in runs.items()
+        if failures(rs, classes is not None) > 0.01 * sum(len(r.results) for r in rs)
+    ]
+    if bad:
+        print(f"gorgo bench peers: over 1 % failed: {', '.join(bad)}", file=sys.stderr)
+        return 1
+    return 0
