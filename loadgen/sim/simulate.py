@@ -29,8 +29,9 @@ from emulator.wan import (
     region_rtt_ms,
 )
 from ext_proc.core.build import build_router
-from ext_proc.core.pipeline import Director, Outcome, Queued, Refused, Routed
 from ext_proc.core.router import Router
+from ext_proc.director.outcomes import Outcome, Queued, Refused, Routed
+from ext_proc.director.recipe import Director
 from ext_proc.estimate.profile import EngineProfile, load_profile
 from ext_proc.feeds.engine_metrics import EngineReport
 from ext_proc.feeds.server_info import EngineScheduling
@@ -184,7 +185,7 @@ class Simulation:
                     build_router(door_cfg, lambda: self.now_s, random.Random(rng.random()))
                 ]
         self.routers = [router for rs in self.routers_at.values() for router in rs]
-        # Each router's recipe for a request (the live service's own: core.pipeline);
+        # Each router's recipe for a request (the live service's own: director.recipe);
         # sharing dispatches, one release per backend until the bus confirms it.
         shared = settings.share_dispatches and len(self.routers) > 1
         self.directors = {id(router): Director(router, shared) for router in self.routers}
@@ -458,12 +459,11 @@ class Simulation:
             self._pump()
 
     def _pump(self) -> None:
-        """Room may have come: each director offers it to its queue; while any request
-        waits, again TICK_S later (the estimates fall as time passes), as the service."""
+        """Room may have come: each director's admission offers it to its queue (the
+        waits it settles bound); while any request waits, again TICK_S later (the
+        estimates fall as time passes), as the service."""
         for director in self.directors.values():
-            director.pump()
-            released, director.released = director.released, []
-            for w, outcome in released:
+            for w, outcome in director.admission.pump():
                 self._bind(self._queued.pop(w.request.request_id), outcome)
             self.bus.tell(director)
         if self._queued and not self._ticking:
