@@ -20,13 +20,7 @@ import numpy as np
 
 from ext_proc.config.schema import Config
 from ext_proc.core import views
-from ext_proc.core.admission import (
-    context_refusal,
-    fleet_models,
-    model_refusal,
-    served_name,
-    serving,
-)
+from ext_proc.core.admission import context_refusal, fleet_models, model_refusal, served_name
 from ext_proc.core.backend import BackendState
 from ext_proc.core.decision_log import DecisionLog
 from ext_proc.core.features import (
@@ -189,10 +183,6 @@ class Router:
     def served_models(self) -> dict[str, str | None] | None:
         """The fleet's models, name -> parent (core.admission.fleet_models)."""
         return fleet_models(self._fleet.state, self.cfg.models)
-
-    def serving(self, model: str | None) -> list[BackendState]:
-        """The backends (any lifecycle) a request for `model` may go to (core.admission)."""
-        return serving(self._fleet.state, model)
 
     def served_name(self, model: str | None, key: str) -> str | None:
         """The served name a request for `model` goes as (an alias resolved by `key`)."""

@@ -327,5 +327,5 @@ class FlowController:
         model = request.llm.model if request.llm else None
         return any(
             b.config.region in request.regions and b.lifecycle is BackendLifecycle.ACTIVE
-            for b in self.router.serving(model)
+            for b in self.router.fleet.serving(model)
         )

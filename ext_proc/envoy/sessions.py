@@ -1,7 +1,6 @@
 """One ext_proc stream as a session: its type chosen from the stream's first message
 (routing, observing, pass-through, the fleet's model list), one method per phase
-(Envoy AI Gateway's processorForPath + passThroughProcessor pattern).
-"""
+(Envoy AI Gateway's processorForPath + passThroughProcessor pattern)."""
 
 from __future__ import annotations
 
