@@ -7,8 +7,11 @@ HEADER_GATEWAY_ENDPOINT = "x-gateway-destination-endpoint"
 # Envoy's per-try timeout, set by the router on each request it routes: the first-byte
 # deadline (Envoy honours it from a filter; it stops once response headers arrive).
 HEADER_PER_TRY_TIMEOUT = "x-envoy-upstream-rq-per-try-timeout-ms"
+# A disaggregated request's prefill engine (the backend id), set by the ext_proc on the
+# request bound for the decode engine (x-gorgo-backend) and echoed to the client.
+HEADER_PREFILL_BACKEND = "x-gorgo-prefill-backend"
 # Client-sent copies of these are removed before routing.
-ROUTING_HEADERS = (HEADER_BACKEND, HEADER_GATEWAY_ENDPOINT)
+ROUTING_HEADERS = (HEADER_BACKEND, HEADER_GATEWAY_ENDPOINT, HEADER_PREFILL_BACKEND)
 
 # Gateway API Inference Extension: the dynamic-metadata namespace override_host reads.
 LB_METADATA_NAMESPACE = "envoy.lb"
