@@ -64,7 +64,7 @@ class ExtProcService:
         self.tokens = tokens
         self.forward = forward
         # A disaggregated decision's prefill leg, which the router sends itself.
-        self.prefill = PrefillSender(
+        self.prefill_legs = PrefillSender(
             lambda b: r.config if (r := router.backends.get(b)) is not None else None,
             router.cfg.routing.prefill_timeout_s,
         )
@@ -120,7 +120,7 @@ class ExtProcService:
                     # Envoy waits (longer: the override just sent), then the decode leg goes
                     for r in replies(reply):
                         yield r
-                    reply = await send_prefill(session, self.prefill)
+                    reply = await send_prefill(session, self.prefill_legs)
                 if session.pace_s:  # dispatch pacing: Envoy sends the request on later
                     await asyncio.sleep(session.pace_s)
                     session.pace_s = 0.0

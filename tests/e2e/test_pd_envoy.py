@@ -148,7 +148,7 @@ async def pd_front(
             proc.terminate()
             await asyncio.to_thread(proc.wait, 10)
             await server.stop(0.5)
-            await ext_proc.prefill.close()
+            await ext_proc.prefill_legs.close()
 
 
 async def _ready(url: str) -> None:
