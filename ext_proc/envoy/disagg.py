@@ -3,8 +3,9 @@ the prefill leg (ext_proc/envoy/prefill.py) while Envoy waits for the routing re
 answers with the decode engine named as for any decision (x-gorgo-backend, or the
 endpoint picker's endpoint) and the decode leg's body, plus the prefill engine named in
 x-gorgo-prefill-backend (echoed to the client). A failed prefill leg is answered here
-(503 naming the prefill engine, 504 when it ran out of time) and the request closed as an
-error: the decode engine never gets a body with dangling bootstrap or KV parameters.
+(503 naming the prefill engine, 504 when it ran out of time) and the request closed at
+once, not against the decode engine (a gateway error, its reason naming the prefill
+engine): the decode engine never gets a body with dangling bootstrap or KV parameters.
 The same for the plain (BUFFERED) and the endpoint-picker (FULL_DUPLEX_STREAMED) sessions:
 the session's own `_routed` builds the reply.
 """
@@ -55,8 +56,13 @@ async def send_prefill(session: PrefillingSession, sender: PrefillSender) -> Rep
     if isinstance(result, PrefillFailed):
         session.done = True
         log.warning("request %s: prefill leg failed: %s", session.request_id, result.reason)
+        # The request's record is the decode engine's, which did nothing wrong: closed as
+        # not its doing (an ERROR, or a failover to the prefill engine, would count
+        # against the decode engine and eject it); the reason names the prefill engine.
         session.router.close(
-            session.request_id, Status.ERROR, reason=f"prefill on {prefill}: {result.reason}"
+            session.request_id,
+            Status.GATEWAY_ERROR,
+            reason=f"prefill on {prefill} failed: {result.reason}",
         )
         error = UPSTREAM_TIMEOUT if result.timed_out else UNAVAILABLE
         return json_error(error, result.reason, {HEADER_PREFILL_BACKEND: prefill})

@@ -231,7 +231,7 @@ async def test_vllm_decode_leg_carries_the_prefills_kv_transfer_params(
         await settled(f.router)
 
 
-async def assert_failed(f: Front, status: int, words: str) -> None:
+async def assert_failed(f: Front, status: int, words: str, n: int = 1) -> None:
     code, headers, body = await chat(f.url)
     assert code == status, body
     assert headers.get("x-gorgo-prefill-backend") == "pre"
@@ -239,7 +239,10 @@ async def assert_failed(f: Front, status: int, words: str) -> None:
     assert "prefill engine pre" in message and words in message, message
     assert f.decode.bodies == []  # never a decode leg with dangling parameters
     await settled(f.router)
-    assert f.router.backends["dec"].stats.errors == 1
+    # closed at once, and not against the decode engine (no error, no ejection)
+    dec = f.router.backends["dec"]
+    assert (dec.stats.errors, dec.stats.gateway_errors) == (0, n)
+    assert dec.health.ejected_until_s is None
 
 
 @pytest.mark.parametrize("engine", ["sglang", "vllm"])
@@ -252,6 +255,7 @@ async def test_a_vllm_prefill_5xx_is_a_503_naming_it(tmp_path: Path) -> None:
     async with pd_front(tmp_path, "vllm", picker=True) as f:
         f.prefill.fail_status = 500
         await assert_failed(f, 503, "answered 500")
+        await assert_failed(f, 503, "answered 500", n=2)  # the decode engine is not ejected
 
 
 async def test_a_vllm_prefill_past_its_timeout_is_a_504(tmp_path: Path) -> None:
