@@ -13,9 +13,16 @@ before it, whether jitter or a lowered RTT would let it. The two halves of a rou
 drawn independently, so a measured round trip has the configured mean and a std of about
 jitter_ms / sqrt(2).
 
+Bandwidth: `gbps` (Gbit/s; 0 = unlimited, the default) paces each direction as one wire:
+a chunk leaves when the bytes ahead of it have left, taking len * 8 * byte_scale / rate,
+and arrives half an RTT sample later (`DelayModel.schedule`). `byte_scale` (default 1) is
+what one byte stands for: twins that send their KV scaled down by S (emulator/engine/
+disagg/kv.py) need a link with byte_scale S, so its bytes take their real time.
+
 Run-time change: `WanLink.settings` / `set_rtt_ms`, or the optional HTTP control endpoint
-on 127.0.0.1:`control_port` (`GET /rtt`, `POST /rtt` with a JSON object of settings).
-Changes apply to bytes read from then on; data already queued keeps its due time.
+on 127.0.0.1:`control_port` (`GET /rtt`, `POST /rtt` with a JSON object of settings, the
+bandwidth's included). Changes apply to bytes read from then on; queued data keeps its due
+time.
 
 `RTT_PROFILES` holds the named region RTTs (`network`, `paper`; docs/engine-model.md).
 
@@ -142,11 +149,17 @@ class DelaySettings:
     jitter_ms: float = 0.0
     spike_probability: float = 0.0
     spike_ms: float = 0.0
+    # Bandwidth per direction, Gbit/s (0: unlimited), and the bytes each byte stands for.
+    gbps: float = 0.0
+    byte_scale: float = 1.0
 
     def __post_init__(self) -> None:
         _check_non_negative("rtt_ms", self.rtt_ms)
         _check_non_negative("jitter_ms", self.jitter_ms)
         _check_non_negative("spike_ms", self.spike_ms)
+        _check_non_negative("gbps", self.gbps)
+        if not (math.isfinite(self.byte_scale) and self.byte_scale >= 1):
+            raise SettingError("byte_scale", f"must be finite and >= 1, got {self.byte_scale!r}")
         if not 0.0 <= self.spike_probability <= 1.0:  # also rejects NaN
             raise SettingError(
                 "spike_probability", f"must be in [0, 1], got {self.spike_probability!r}"
@@ -215,6 +228,28 @@ class DelayModel:
         same direction (previous_due_s), so order holds whatever the samples."""
         return max(previous_due_s, read_s + self.one_way_delay_s())
 
+    def transmit_s(self, nbytes: int) -> float:
+        """How long nbytes take to leave at the link's bandwidth (0: unlimited)."""
+        s = self._settings
+        return nbytes * 8 * s.byte_scale / (s.gbps * 1e9) if s.gbps > 0 else 0.0
+
+    def schedule(self, pacing: Pacing, read_s: float, nbytes: int) -> float:
+        """The due time of a chunk of nbytes read at read_s in `pacing`'s direction: it
+        leaves once the bytes ahead of it have (at the bandwidth), then takes half an RTT
+        sample, and never arrives before the chunk ahead of it."""
+        pacing.sent_s = max(read_s, pacing.sent_s) + self.transmit_s(nbytes)
+        pacing.due_s = self.due_s(pacing.sent_s, pacing.due_s)
+        return pacing.due_s
+
+
+@dataclasses.dataclass(slots=True)
+class Pacing:
+    """One direction's state: when its last chunk is due, and when the wire has sent every
+    byte read so far."""
+
+    due_s: float = -math.inf
+    sent_s: float = -math.inf
+
 
 class _DelayQueue:
     """FIFO of (due_s, data) for one direction, bounded by bytes. `data=None` means EOF."""
@@ -265,6 +300,8 @@ class WanLink:
         handshake: bool = True,
         max_buffered_bytes: int = DEFAULT_MAX_BUFFERED_BYTES,
         connect_timeout_s: float = CONNECT_TIMEOUT_S,
+        gbps: float = 0.0,
+        byte_scale: float = 1.0,
     ) -> None:
         if max_buffered_bytes < 1:
             raise ValueError(f"max_buffered_bytes must be >= 1, got {max_buffered_bytes}")
@@ -272,9 +309,8 @@ class WanLink:
         self.listen_port = listen_port
         self.target_host = target_host
         self.target_port = target_port
-        self._model = DelayModel(
-            DelaySettings(rtt_ms, jitter_ms, spike_probability, spike_ms), random.Random(seed)
-        )
+        settings = DelaySettings(rtt_ms, jitter_ms, spike_probability, spike_ms, gbps, byte_scale)
+        self._model = DelayModel(settings, random.Random(seed))
         self.control_port = control_port or None
         self.handshake = handshake
         self.max_buffered_bytes = max_buffered_bytes
@@ -417,10 +453,10 @@ class WanLink:
         self, reader: asyncio.StreamReader, queue: _DelayQueue, may_send_s: float
     ) -> None:
         loop = asyncio.get_running_loop()
-        due_s = -math.inf
+        pacing = Pacing()
         while True:
             data = await reader.read(READ_CHUNK_BYTES)
-            due_s = self._model.due_s(max(loop.time(), may_send_s), due_s)
+            due_s = self._model.schedule(pacing, max(loop.time(), may_send_s), len(data))
             await queue.put(due_s, data or None)
             if not data:
                 return
@@ -449,8 +485,8 @@ class WanLink:
 
 def make_control_app(link: WanLink) -> web.Application:
     """`GET /rtt` -> the link's settings as JSON; `POST /rtt` with a JSON object of any of
-    rtt_ms, jitter_ms, spike_probability, spike_ms -> applies them all or none and returns
-    the new settings; 400 with {"error", "key"} naming the bad key otherwise."""
+    rtt_ms, jitter_ms, spike_probability, spike_ms, gbps, byte_scale -> applies them all or
+    none and returns the new settings; 400 with {"error", "key"} naming the bad key."""
     from aiohttp import web
 
     def bad_request(error: str, key: str | None = None) -> web.Response:
@@ -506,6 +542,8 @@ async def serve_wan(
     spike_ms: float = 0.0,
     control_port: int | None = None,
     handshake: bool = True,
+    gbps: float = 0.0,
+    byte_scale: float = 1.0,
 ) -> None:
     """Run one WAN link until cancelled; `ready` is set once it accepts connections (and
     the control endpoint, if control_port is set, is up)."""
@@ -521,12 +559,15 @@ async def serve_wan(
         seed=seed,
         control_port=control_port,
         handshake=handshake,
+        gbps=gbps,
+        byte_scale=byte_scale,
     )
     await link.start()
     try:
         s = link.settings
         log.info(
-            "wan link %s:%d -> %s:%d rtt %g ms, jitter %g ms, spikes %g ms at p=%g%s",
+            "wan link %s:%d -> %s:%d rtt %g ms, jitter %g ms, spikes %g ms at p=%g, "
+            "%g Gbit/s (0: unlimited) x%g%s",
             listen_host,
             link.port,
             target_host,
@@ -535,6 +576,8 @@ async def serve_wan(
             s.jitter_ms,
             s.spike_ms,
             s.spike_probability,
+            s.gbps,
+            s.byte_scale,
             f", control http://{CONTROL_HOST}:{control_port}/rtt" if control_port else "",
         )
         if ready is not None:
