@@ -104,6 +104,7 @@ def _engine(args: argparse.Namespace) -> int:
         Faults,
         zero_delay_profile,
     )
+    from emulator.engine.disagg.cli import disagg_settings
     from emulator.engine.kv_publisher import KvEventsConfig
     from emulator.engine.server import serve_engine
     from emulator.engine.tokenizer import load_twin_tokenizer
@@ -171,6 +172,7 @@ def _engine(args: argparse.Namespace) -> int:
             priority=_priority_setting(args),
             warmup_s=args.warmup_s,
             health_generation=health_env.lower() not in ("0", "false", "no"),
+            disagg=disagg_settings(args),
         )
     except ValueError as e:  # ConfigError is one
         print(f"gorgo engine: {e}", file=sys.stderr)
@@ -310,6 +312,8 @@ def _bench_engine_model(args: argparse.Namespace) -> int:
 
 
 def add_commands(commands: Commands) -> None:
+    from emulator.engine.disagg.cli import add_disagg_flags
+
     sub = commands.sub
     policies = commands.policies
     s = sub.add_parser(
@@ -425,6 +429,7 @@ def add_commands(commands: Commands) -> None:
         '(vllm also needs "enable_kv_cache_events": true; sglang: "encoding": "array" for '
         "the tagged-array events of releases before 2026)",
     )
+    add_disagg_flags(g)
     s.add_argument(
         "--warmup-s",
         type=float,
