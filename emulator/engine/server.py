@@ -485,7 +485,7 @@ def make_app(cfg: EngineConfig) -> web.Application:
     app.on_cleanup.append(engine.on_cleanup)
     if engine.disagg is not None:
         app.on_startup.append(engine.disagg.on_startup)
-        app.on_cleanup.append(engine.disagg.on_cleanup)
+        app.on_shutdown.append(engine.disagg.on_shutdown)
     app.router.add_post(CHAT_PATH, engine.chat)
     app.router.add_post(COMPLETIONS_PATH, engine.completions)
     app.router.add_get("/health", engine.health)

@@ -63,9 +63,11 @@ class Held:
     on_drop: Callable[[], None] | None = None
 
     def give_up(self, reason: str) -> None:
-        """This side failed: the other side learns it wherever it waits."""
+        """This side failed: the other side learns it wherever it waits (a prefill still
+        waiting for its decode wakes up to the failure)."""
         if self.failed is None:
             self.failed = reason
+        self.decode_arrived.set()
         if not self.offer.done():
             self.offer.set_exception(TransferAborted(reason))
             self.offer.exception()  # retrieved: nobody may ever await it

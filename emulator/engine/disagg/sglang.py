@@ -50,6 +50,8 @@ from emulator.engine.disagg.held import KvOffer, TransferAborted
 from emulator.engine.disagg.kv import kv_bytes, wire_bytes
 from emulator.engine.disagg.respond import TransferFailed, TwinParts, answer, fail
 from emulator.engine.disagg.sides import (
+    KV_ABORT_PATH,
+    KV_DONE_PATH,
     KV_PATH,
     ROUTE_QUERY,
     PullBroken,
@@ -90,6 +92,9 @@ class SglangPD:
         self.prefill_info: dict[str, Any] = {}
         self.heartbeats: dict[str, asyncio.Task[None]] = {}
         self.watchers: dict[str, set[asyncio.Future[str]]] = {}
+        # Prefill side: when each room's KV began to leave.
+        self.started: dict[str, float] = {}
+        self.notices: set[asyncio.Task[None]] = set()  # abort notifications on their way
 
     # -- entry --------------------------------------------------------------------------
 
@@ -111,7 +116,12 @@ class SglangPD:
         return None
 
     async def stop(self) -> None:
-        tasks = list(self.heartbeats.values())
+        """The engine stops: transfers waiting on a prefill's fate fail now."""
+        for watchers in self.watchers.values():
+            for fut in watchers:
+                if not fut.done():
+                    fut.set_result("the decode engine stopped")
+        tasks = [*self.heartbeats.values(), *self.notices]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -190,20 +200,36 @@ class SglangPD:
         except TransferAborted as exc:
             return refuse(500, exc.reason)
         except asyncio.CancelledError:
-            held.fail(key, ABORTED)
+            held.fail(key, DECODE_GONE)
             raise
-        loop = asyncio.get_running_loop()
-        start = loop.time()
+        self.started[key] = asyncio.get_running_loop().time()
         try:
             resp = await send_kv(request, offer)
         except (ConnectionError, asyncio.CancelledError):
             held.fail(key, DECODE_GONE)
             raise
-        if not entry.sent.done():
-            entry.sent.set_result(None)
-        # The prefill observes the transfer (prefill.py process_disagg_prefill_inflight_queue).
-        self.twin.model.disagg.transferred(offer.engine_bytes, loop.time() - start)
+        # The decode confirms the arrival (done_handler); without it the room fails.
+        held.expire_in(key, self.d.bootstrap_timeout_s, lambda: entry.give_up(DECODE_GONE))
         return resp
+
+    async def abort_handler(self, request: web.Request) -> web.Response:
+        """The decode gave the room up (common/conn.py _send_abort_notification)."""
+        self.twin.held.fail(request.query.get("room", ""), DECODE_GONE)
+        return web.Response(text="OK")
+
+    async def done_handler(self, request: web.Request) -> web.Response:
+        """The decode has the room's KV: the transfer succeeded."""
+        key = request.query.get("room", "")
+        entry = self.twin.held.get(key)
+        if entry is None or entry.sent.done():
+            return refuse(404, f"no transfer under way for room {key}")
+        entry.sent.set_result(None)
+        # The prefill observes the transfer (prefill.py process_disagg_prefill_inflight_queue).
+        start = self.started.pop(key, None)
+        if start is not None and entry.offer.done():
+            seconds = asyncio.get_running_loop().time() - start
+            self.twin.model.disagg.transferred(entry.offer.result().engine_bytes, seconds)
+        return web.Response(text="OK")
 
     # -- decode -------------------------------------------------------------------------
 
@@ -283,9 +309,7 @@ class SglangPD:
         loop = asyncio.get_running_loop()
         lost: asyncio.Future[str] = loop.create_future()
         self.watchers.setdefault(addr, set()).add(lost)
-        pull = asyncio.create_task(
-            pull_kv(self.twin.session, f"http://{addr}{KV_PATH}?room={room}")
-        )
+        pull = asyncio.create_task(self._fetch(addr, room))
         reason = ""
         try:
             racing: set[asyncio.Future[Any]] = {pull, lost}
@@ -313,15 +337,46 @@ class SglangPD:
                         f"Request {room} timed out after {elapsed:.1f}s in KVPoll.WaitingForInput"
                     )
         finally:
-            pull.cancel()  # the prefill learns the decode gave up
+            pull.cancel()
             with contextlib.suppress(BaseException):
                 await pull
-            self.watchers[addr].discard(lost)
+            if not pull.done() or pull.cancelled() or pull.exception() is not None:
+                self._notify_abort(addr, room)
+            self.watchers.get(addr, set()).discard(lost)
             if not lost.done():
                 lost.cancel()
         self.twin.model.disagg.transfer_failed += 1
         msg = failure("Decode transfer", rid, room, reason)
         raise TransferFailed(500, msg, "500")
+
+    async def _fetch(self, addr: str, room: int) -> Pulled:
+        """The room's KV, then the prefill's word that it is complete: Mooncake's sender
+        learns its writes landed and sends the decode KVPoll.Success (common/conn.py), one
+        more round trip after the last byte; the twin's decode asks for it."""
+        pulled = await pull_kv(self.twin.session, f"http://{addr}{KV_PATH}?room={room}")
+        url = f"http://{addr}{KV_DONE_PATH}?room={room}"
+        try:
+            async with self.twin.session.post(url) as resp:
+                if resp.status >= 400:
+                    raise PullRefused(resp.status, await resp.text())
+                await resp.read()
+        except (aiohttp.ClientError, ConnectionError) as e:
+            raise PullBroken(repr(e)) from e
+        return pulled
+
+    def _notify_abort(self, addr: str, room: int) -> None:
+        """Best effort, as the engine's (common/conn.py _send_abort_notification)."""
+
+        async def notify() -> None:
+            url = f"http://{addr}{KV_ABORT_PATH}?room={room}"
+            with contextlib.suppress(Exception):
+                limit = aiohttp.ClientTimeout(total=self.d.heartbeat_interval_s)
+                async with self.twin.session.post(url, timeout=limit) as resp:
+                    await resp.read()
+
+        task = asyncio.create_task(notify())
+        self.notices.add(task)
+        task.add_done_callback(self.notices.discard)
 
     async def _heartbeat(self, addr: str) -> None:
         """common/conn.py CommonKVManager heartbeat: GET /health on the prefill's bootstrap

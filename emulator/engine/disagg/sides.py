@@ -17,8 +17,11 @@ serves it as HTTP, `GET /gorgo/nixl/meta` -> {engine_id, tp_size, block_size}.
 The data plane is the twin's own (the engines write KV with RDMA: Mooncake's transfer
 engine, NIXL over UCX), on the same port, so a link placed in front of that port carries
 the KV: SGLang `GET /gorgo/kv?room=R` (the decode's KV indices for the room; the answer is
-the KV once the prefill has it), vLLM `GET /gorgo/nixl/kv/<remote_request_id>` (the read;
-done, it frees the prefill's blocks as NIXL's notification does). A KV answer carries
+the KV once the prefill has it; `POST /gorgo/kv/done?room=R` tells the prefill it
+arrived, as Mooncake's status message does, and only then does the prefill answer;
+`POST /gorgo/kv/abort?room=R` is the decode's abort notification), vLLM
+`GET /gorgo/nixl/kv/<remote_request_id>` (the read; done, it frees the prefill's blocks as
+NIXL's notification does). A KV answer carries
 Content-Length (its wire bytes) and x-gorgo-engine-bytes and x-gorgo-cached-tokens
 headers; a refusal is a JSON {"error": reason} with a 4xx/5xx status.
 """
@@ -42,6 +45,8 @@ log = logging.getLogger(__name__)
 ENGINE_BYTES_HEADER = "x-gorgo-engine-bytes"
 CACHED_TOKENS_HEADER = "x-gorgo-cached-tokens"
 KV_PATH = "/gorgo/kv"
+KV_DONE_PATH = "/gorgo/kv/done"
+KV_ABORT_PATH = "/gorgo/kv/abort"
 NIXL_META_PATH = "/gorgo/nixl/meta"
 NIXL_KV_PATH = "/gorgo/nixl/kv/{request_id}"
 ROUTE_QUERY = ("prefill_dp_rank", "prefill_cp_rank", "target_tp_rank", "target_pp_rank")
@@ -55,6 +60,9 @@ class SideServer:
         self.app, self.host, self._port = app, host, port
         self._runner: web.AppRunner | None = None
 
+    # A stopping engine cuts its transfers (they do not outlive the engine's process).
+    SHUTDOWN_TIMEOUT_S = 0.1
+
     @property
     def port(self) -> int:
         if self._runner is None or not self._runner.addresses:
@@ -62,7 +70,12 @@ class SideServer:
         return int(self._runner.addresses[0][1])
 
     async def start(self) -> None:
-        runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
+        runner = web.AppRunner(
+            self.app,
+            handler_cancellation=True,
+            access_log=None,
+            shutdown_timeout=self.SHUTDOWN_TIMEOUT_S,
+        )
         await runner.setup()
         try:
             await web.TCPSite(runner, self.host, self._port).start()
@@ -98,8 +111,10 @@ async def send_kv(request: web.Request, offer: KvOffer) -> web.StreamResponse:
     return resp
 
 
-def bootstrap_app(host: str, page_size: int, kv_handler: Any) -> web.Application:
-    """SGLang's bootstrap server (module docstring), `kv_handler` serving KV_PATH."""
+def bootstrap_app(
+    host: str, page_size: int, kv_handler: Any, done_handler: Any, abort_handler: Any
+) -> web.Application:
+    """SGLang's bootstrap server (module docstring), with the twin's KV routes."""
     rooms: dict[int, int] = {}
     rank = {"rank_ip": host, "rank_port": 0}
 
@@ -164,6 +179,8 @@ def bootstrap_app(host: str, page_size: int, kv_handler: Any) -> web.Application
     app.router.add_post("/query_dp_ranks", query_dp_ranks)
     app.router.add_get("/health", health)
     app.router.add_get(KV_PATH, kv_handler)
+    app.router.add_post(KV_DONE_PATH, done_handler)
+    app.router.add_post(KV_ABORT_PATH, abort_handler)
     return app
 
 

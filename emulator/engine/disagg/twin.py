@@ -88,7 +88,9 @@ class DisaggTwin:
         if isinstance(self.protocol, SglangPD):
             if d.mode == PREFILL:  # only a prefill server runs the bootstrap server
                 page = self.engine.cfg.profile.block_tokens
-                app_ = bootstrap_app(d.host, page, self.protocol.kv_handler)
+                pd = self.protocol
+                handlers = (pd.kv_handler, pd.done_handler, pd.abort_handler)
+                app_ = bootstrap_app(d.host, page, *handlers)
                 self.side = SideServer(app_, d.host, d.bootstrap_port)
         elif d.active:  # the NIXL handshake listener runs on every role
             self.side = SideServer(
@@ -110,7 +112,9 @@ class DisaggTwin:
                 self.side.port,
             )
 
-    async def on_cleanup(self, app: web.Application) -> None:
+    async def on_shutdown(self, app: web.Application) -> None:
+        """The engine stops (before its own requests are awaited): the side server and
+        the transfers go first, so no request waits on them."""
         if isinstance(self.protocol, SglangPD):
             await self.protocol.stop()
         if self.side is not None:
