@@ -15,9 +15,12 @@ jitter_ms / sqrt(2).
 
 Bandwidth: `gbps` (Gbit/s; 0 = unlimited, the default) paces each direction as one wire:
 a chunk leaves when the bytes ahead of it have left, taking len * 8 * byte_scale / rate,
-and arrives half an RTT sample later (`DelayModel.schedule`). `byte_scale` (default 1) is
-what one byte stands for: twins that send their KV scaled down by S (emulator/engine/
-disagg/kv.py) need a link with byte_scale S, so its bytes take their real time.
+and arrives half an RTT sample later (`DelayModel.schedule`). The link reads from the
+target only as fast as the wire takes bytes (SEND_AHEAD_S ahead, with a small receive
+buffer: emulator/wan_socket.py), so bytes not yet sent stay in the target's socket: a
+target that resets mid-transfer has sent only what the wire took. `byte_scale` (default
+1) is what one byte stands for: twins that send their KV scaled down by S (emulator/
+engine/disagg/kv.py) need a link with byte_scale S, so its bytes take their real time.
 
 Run-time change: `WanLink.settings` / `set_rtt_ms`, or the optional HTTP control endpoint
 on 127.0.0.1:`control_port` (`GET /rtt`, `POST /rtt` with a JSON object of settings, the
@@ -52,12 +55,17 @@ from collections import deque
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
+from emulator.wan_socket import open_target
+
 if TYPE_CHECKING:
     from aiohttp import web
 
 log = logging.getLogger(__name__)
 
 READ_CHUNK_BYTES = 64 * 1024
+# With a bandwidth, how far ahead of the wire the link reads (module docstring): enough
+# to keep the wire busy through event-loop delays, small beside any transfer it paces.
+SEND_AHEAD_S = 0.02
 DEFAULT_MAX_BUFFERED_BYTES = 4 * 1024 * 1024  # see module docstring: bandwidth-delay product
 # A blackholed target should not hold a client forever; a real SYN gives up after ~2 min,
 # tests and the local stack want a clear failure much sooner.
@@ -232,6 +240,14 @@ class DelayModel:
         """How long nbytes take to leave at the link's bandwidth (0: unlimited)."""
         s = self._settings
         return nbytes * 8 * s.byte_scale / (s.gbps * 1e9) if s.gbps > 0 else 0.0
+
+    def read_bytes(self) -> int:
+        """How much to read at once: with a bandwidth, what the wire sends in SEND_AHEAD_S
+        (at least 256 bytes), so a sender's unsent bytes stay with it."""
+        s = self._settings
+        if s.gbps <= 0:
+            return READ_CHUNK_BYTES
+        return max(256, min(READ_CHUNK_BYTES, int(s.gbps * 1e9 / 8 / s.byte_scale * SEND_AHEAD_S)))
 
     def schedule(self, pacing: Pacing, read_s: float, nbytes: int) -> float:
         """The due time of a chunk of nbytes read at read_s in `pacing`'s direction: it
@@ -415,7 +431,7 @@ class WanLink:
         try:
             try:
                 target_reader, connected = await asyncio.wait_for(
-                    asyncio.open_connection(self.target_host, self.target_port),
+                    open_target(self.target_host, self.target_port, self.settings.gbps > 0),
                     self.connect_timeout_s,
                 )
             except (OSError, TimeoutError) as exc:
@@ -455,7 +471,9 @@ class WanLink:
         loop = asyncio.get_running_loop()
         pacing = Pacing()
         while True:
-            data = await reader.read(READ_CHUNK_BYTES)
+            if (ahead_s := pacing.sent_s - loop.time()) > SEND_AHEAD_S:
+                await asyncio.sleep(ahead_s - SEND_AHEAD_S)  # the wire is busy
+            data = await reader.read(self._model.read_bytes())
             due_s = self._model.schedule(pacing, max(loop.time(), may_send_s), len(data))
             await queue.put(due_s, data or None)
             if not data:
@@ -565,21 +583,11 @@ async def serve_wan(
     await link.start()
     try:
         s = link.settings
+        control = f", control http://{CONTROL_HOST}:{control_port}/rtt" if control_port else ""
         log.info(
-            "wan link %s:%d -> %s:%d rtt %g ms, jitter %g ms, spikes %g ms at p=%g, "
-            "%g Gbit/s (0: unlimited) x%g%s",
-            listen_host,
-            link.port,
-            target_host,
-            target_port,
-            s.rtt_ms,
-            s.jitter_ms,
-            s.spike_ms,
-            s.spike_probability,
-            s.gbps,
-            s.byte_scale,
-            f", control http://{CONTROL_HOST}:{control_port}/rtt" if control_port else "",
-        )
+            "wan link %s:%d -> %s:%d: %s%s", listen_host, link.port, target_host, target_port,
+            s.as_dict(), control,
+        )  # fmt: skip
         if ready is not None:
             ready.set()
         await asyncio.Event().wait()  # until cancelled

@@ -181,16 +181,20 @@ class PrebuiltModel(EngineModel):
         return out + super().advance(now_s)
 
     @property
+    def kv_coming(self) -> int:
+        """Requests whose KV is still to come, counted as waiting where the engine does:
+        vLLM's waiting queue holds them (waiting for blocks, then RequestStatus.
+        WAITING_FOR_REMOTE_KVS); SGLang keeps them in its P/D queues, reported apart."""
+        d = self.disagg
+        return d.decode_prealloc + d.decode_transfer if self.scheduler == "vllm" else 0
+
+    @property
     def num_waiting(self) -> int:
-        return super().num_waiting + len(self._slot_waiting)
+        return super().num_waiting + len(self._slot_waiting) + self.kv_coming
 
     @property
     def num_queued(self) -> int:
-        """Waiting as the engines count it: vLLM's waiting queue also holds requests whose
-        KV is still loading (RequestStatus.WAITING_FOR_REMOTE_KVS); SGLang keeps those in
-        its P/D queues, reported apart (DisaggStats)."""
-        loading = self.disagg.decode_transfer if self.scheduler == "vllm" else 0
-        return super().num_queued + len(self._slot_waiting) + loading
+        return super().num_queued + len(self._slot_waiting) + self.kv_coming
 
 
 class DisaggRunner(ModelRunner):

@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
+import struct
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -60,9 +62,6 @@ class SideServer:
         self.app, self.host, self._port = app, host, port
         self._runner: web.AppRunner | None = None
 
-    # A stopping engine cuts its transfers (they do not outlive the engine's process).
-    SHUTDOWN_TIMEOUT_S = 0.1
-
     @property
     def port(self) -> int:
         if self._runner is None or not self._runner.addresses:
@@ -70,12 +69,7 @@ class SideServer:
         return int(self._runner.addresses[0][1])
 
     async def start(self) -> None:
-        runner = web.AppRunner(
-            self.app,
-            handler_cancellation=True,
-            access_log=None,
-            shutdown_timeout=self.SHUTDOWN_TIMEOUT_S,
-        )
+        runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
         await runner.setup()
         try:
             await web.TCPSite(runner, self.host, self._port).start()
@@ -85,8 +79,20 @@ class SideServer:
         self._runner = runner
 
     async def stop(self) -> None:
+        """Stop, cutting every connection with a reset: a transfer dies with its engine
+        (RDMA queue pairs do) and bytes not yet sent are dropped, not flushed as a plain
+        close would flush them."""
         runner, self._runner = self._runner, None
         if runner is not None:
+            for handler in runner.server.connections if runner.server is not None else ():
+                transport = handler.transport
+                if transport is not None:
+                    sock = transport.get_extra_info("socket")
+                    if sock is not None:
+                        sock.setsockopt(
+                            socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0)
+                        )
+                    transport.abort()
             await runner.cleanup()
 
 

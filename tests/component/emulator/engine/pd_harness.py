@@ -48,6 +48,7 @@ async def pd_pair(
     decode: dict[str, Any] | None = None,
     profile: Any = PD_PROFILE,
     decode_profile: Any = None,
+    decode_kv_transfer_config: str = NIXL_BOTH,
 ) -> AsyncIterator[Pair]:
     """A prefill twin and a decode twin of `flavor`, the link between them (rtt_ms, gbps,
     byte_scale = the twins' kv_byte_scale). `prefill` / `decode`: DisaggConfig settings."""
@@ -57,7 +58,7 @@ async def pd_pair(
         model = "emulated"
     else:
         p_cfg = DisaggConfig.vllm(NIXL_BOTH, side_channel_port=0, **(prefill or {}))
-        d_cfg = DisaggConfig.vllm(NIXL_BOTH, side_channel_port=0, **(decode or {}))
+        d_cfg = DisaggConfig.vllm(decode_kv_transfer_config, side_channel_port=0, **(decode or {}))
         model = "tiny"
     common: dict[str, Any] = {"flavor": flavor, "model": model, "enable_metrics": True}
     p = EngineServer(EngineConfig("prefill", profile=profile, disagg=p_cfg, **common))
