@@ -524,7 +524,7 @@ def add_commands(commands: Commands) -> None:
         default=1.0,
         metavar="S",
         help="each byte stands for S bytes at --gbps: set it to the engines' --kv-byte-scale "
-        "on a link that carries their scaled-down KV (default 1)",
+        "on a link that carries their scaled-down KV",
     )
     s.add_argument(
         "--control-port",

@@ -100,9 +100,12 @@ class DisaggTwin:
             )
         if self.side is not None:
             await self.side.start()
-            if d.flavor != SGLANG and d.side_channel_port == 0:
-                # kv_transfer_params name the port the channel really listens on.
-                self.disagg = d.with_ports(d.bootstrap_port, self.side.port)
+            if d.bootstrap_port == 0 or d.side_channel_port == 0:
+                # Port 0 took a free one: what the twin reports (and, for vLLM, what its
+                # kv_transfer_params name) is the one it listens on.
+                bootstrap = self.side.port if d.flavor == SGLANG else d.bootstrap_port
+                channel = self.side.port if d.flavor != SGLANG else d.side_channel_port
+                self.disagg = self.engine.cfg.disagg = d.with_ports(bootstrap, channel)
                 self.protocol.d = self.disagg
             log.info(
                 "%s: P/D %s, side server on %s:%d",
