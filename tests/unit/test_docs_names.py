@@ -13,7 +13,7 @@ import typing
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-from unittest.mock import MagicMock
+from unittest.mock import AsyncMock, MagicMock
 
 import pytest
 
@@ -313,8 +313,8 @@ def known_paths() -> set[str]:
     for flavor in ("sglang", "vllm"):
         paths |= _routes(make_app(EngineConfig(name="x", flavor=flavor, enable_lora=True)))
     # A P/D twin's side servers: SGLang's bootstrap server, vLLM's NIXL side channel.
-    paths |= _routes(bootstrap_app("127.0.0.1", 1, *[MagicMock()] * 3))
-    paths |= _routes(side_channel_app({}, MagicMock()))
+    paths |= _routes(bootstrap_app("127.0.0.1", 1, *[AsyncMock()] * 3))
+    paths |= _routes(side_channel_app({}, AsyncMock()))
     return paths | {"/rtt"} | ENVOY | ENGINES_ONLY
 
 

@@ -17,8 +17,9 @@ How a transferred request starts, as each engine starts it:
 Both count against the batch slots (max_running_requests / max_num_seqs) like any running
 request; a prebuilt request that finds them full waits (counted as waiting).
 
-This subclass reaches into EngineModel's internals (_Request, _reserved_tokens, requests,
-prefilling, decoding, _plan, _free): keep it in step with emulator/engine/model.py.
+This subclass reaches into EngineModel's internals (ModelRequest, _reserved_tokens, requests,
+prefilling, decoding, _plan, _emit, _free): keep it in step with emulator/engine/model/
+(queues.py holds the books, scheduler.py the planning).
 """
 
 from __future__ import annotations
@@ -29,14 +30,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from emulator.engine.kv_publisher import KvEventEmitter
-from emulator.engine.model import (
-    DECODE,
-    PREFILL,
-    Emission,
-    EngineModel,
-    PriorityScheduling,
-    _Request,
-)
+from emulator.engine.model.queues import DECODE, PREFILL, Emission, ModelRequest
+from emulator.engine.model.scheduler import EngineModel, PriorityScheduling
 from emulator.engine.parse import GenRequest
 from emulator.engine.runner import Histogram, ModelRunner, TokenChannel
 from ext_proc.estimate.profile import EngineProfile
@@ -98,7 +93,7 @@ class PrebuiltModel(EngineModel):
         # First tokens due now (SGLang's prebuilt batch), returned by the next advance.
         self._pending: list[Emission] = []
         # Prebuilt requests waiting for a batch slot, with whether token 0 is known.
-        self._slot_waiting: deque[tuple[_Request, bool]] = deque()
+        self._slot_waiting: deque[tuple[ModelRequest, bool]] = deque()
 
     # -- reservations -----------------------------------------------------------------
 
@@ -131,7 +126,7 @@ class PrebuiltModel(EngineModel):
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} already in the engine")
         self.release(rid)
-        req = _Request(rid, (), input_tokens, max(1, output_tokens), now_s)
+        req = ModelRequest(rid, (), input_tokens, max(1, output_tokens), now_s)
         req.cached_tokens = cached_tokens
         req.reserved_tokens = input_tokens + req.output_tokens
         self._reserved_tokens += req.reserved_tokens

@@ -26,7 +26,7 @@ from emulator.engine.config import VLLM, EngineConfig
 from emulator.engine.disagg.config import DisaggConfig
 from emulator.engine.disagg.held import HeldKv
 from emulator.engine.disagg.prebuilt import DisaggRunner, PrebuiltModel
-from emulator.engine.model import Emission
+from emulator.engine.model.queues import Emission
 from emulator.engine.parse import GenRequest, Kind
 from emulator.engine.runner import EngineStats, ModelRunner, TokenChannel
 from emulator.engine.wire import StreamEncoder, dumps, response_body

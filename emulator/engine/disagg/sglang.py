@@ -62,7 +62,7 @@ from emulator.engine.disagg.sides import (
     refuse,
     send_kv,
 )
-from emulator.engine.model import Emission
+from emulator.engine.model.queues import Emission
 from emulator.engine.parse import GenRequest
 
 log = logging.getLogger(__name__)

@@ -29,7 +29,7 @@ from typing import Any
 
 from emulator.engine.disagg.config import NULL, SGLANG, DisaggConfig
 from emulator.engine.disagg.prebuilt import PrebuiltModel
-from emulator.engine.model import EngineModel
+from emulator.engine.model.scheduler import EngineModel
 
 
 def engine_type(disagg: DisaggConfig | None) -> str:
