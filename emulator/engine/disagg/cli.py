@@ -15,6 +15,7 @@ from emulator.engine.disagg.config import (
     SGLANG_MODES,
     TRANSFER_BACKENDS,
     DisaggConfig,
+    parse_routes,
 )
 
 SGLANG_FLAGS = {
@@ -62,6 +63,23 @@ def add_disagg_flags(g: argparse._ArgumentGroup) -> None:
         help="P/D twins send their KV scaled down by S (a link between them needs "
         "`gorgo wan --byte-scale S`; docs/engine-model.md)",
     )
+    g.add_argument(
+        "--kv-advertise",
+        default="",
+        metavar="HOST:PORT",
+        help="P/D prefill: the address it names for its side server (SGLang's /route "
+        "rank_ip and rank_port, vLLM's remote_host and remote_port), e.g. a link in front of "
+        "it; default where it listens (vLLM: VLLM_NIXL_SIDE_CHANNEL_HOST and _PORT)",
+    )
+    g.add_argument(
+        "--kv-route",
+        action="append",
+        default=[],
+        metavar="ADDR=VIA",
+        help="P/D decode: dial VIA (HOST:PORT) for a transfer naming ADDR (a prefill's "
+        "bootstrap address or remote_host:remote_port), e.g. the link from this decode's "
+        "region to the prefill's; repeatable",
+    )
 
 
 def _env_float(env: Mapping[str, str], name: str, default: float) -> float:
@@ -77,7 +95,12 @@ def disagg_settings(
     """EngineConfig.disagg from the flavor's flags and environment (None: no P/D)."""
     env = os.environ if env is None else env
     sglang_given = [flag for key, flag in SGLANG_FLAGS.items() if getattr(args, key) is not None]
-    common: dict[str, Any] = {"host": args.host, "kv_byte_scale": args.kv_byte_scale}
+    common: dict[str, Any] = {
+        "host": args.host,
+        "kv_byte_scale": args.kv_byte_scale,
+        "advertise": args.kv_advertise,
+        "routes": parse_routes(args.kv_route),
+    }
     if args.flavor == "vllm":
         if sglang_given:
             raise ValueError(f"{sglang_given[0]} is sglang's flag; vllm's is --kv-transfer-config")

@@ -19,9 +19,14 @@ listens; VLLM_NIXL_ABORT_REQUEST_TIMEOUT (480 s): the producer frees KV no decod
 by then. The decode's handshake waits 5 s for an answer (nixl/worker.py _nixl_handshake,
 zmq RCVTIMEO 5000 ms). The twin speaks NixlConnector only.
 
-The twin's own: `host` (where its side server listens: the engine's --host) and
-`kv_byte_scale` (emulator/engine/disagg/kv.py). Tests shorten the timeouts; the CLI reads
-the environment variables as the engines do.
+The twin's own: `host` (where its side server listens: the engine's --host),
+`kv_byte_scale` (emulator/engine/disagg/kv.py), and the two that place twins on an emulated
+WAN (the local stack's `gorgo up --pd`, docs/engine-model.md): `advertise`, the HOST:PORT a
+prefill names for its side server (SGLang's /route rank_ip and rank_port, vLLM's
+remote_host and remote_port; "" = where it listens), and a decode's `routes`: a transfer
+naming ADDR is dialled at VIA, the link that carries it from the decode's region (the
+network's routing, which loopback lacks). Tests shorten the timeouts; the CLI reads the
+environment variables as the engines do.
 """
 
 from __future__ import annotations
@@ -74,8 +79,16 @@ class DisaggConfig:
     side_channel_port: int = DEFAULT_SIDE_CHANNEL_PORT
     abort_request_timeout_s: float = 480.0
     handshake_timeout_s: float = 5.0
+    # The WAN placement (module docstring): HOST:PORT advertised, ADDR -> VIA dialled.
+    advertise: str = ""
+    routes: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if self.advertise:
+            host_port(self.advertise, "--kv-advertise")
+        for addr, via in self.routes.items():
+            host_port(addr, "--kv-route")
+            host_port(via, "--kv-route")
         if self.flavor == SGLANG and self.mode not in SGLANG_MODES:
             raise ValueError(
                 f"--disaggregation-mode must be one of {', '.join(SGLANG_MODES)}, got {self.mode!r}"
@@ -133,8 +146,41 @@ class DisaggConfig:
     def with_ports(self, bootstrap_port: int, side_channel_port: int) -> DisaggConfig:
         return replace(self, bootstrap_port=bootstrap_port, side_channel_port=side_channel_port)
 
+    def advertised(self) -> tuple[str, int]:
+        """The (host, port) this twin names for its side server: `advertise`, else where
+        it listens (SGLang: its host and bootstrap port; vLLM: VLLM_NIXL_SIDE_CHANNEL_HOST
+        and _PORT)."""
+        if self.advertise:
+            return host_port(self.advertise, "--kv-advertise")
+        if self.flavor == SGLANG:
+            return self.host, self.bootstrap_port
+        return self.side_channel_host, self.side_channel_port
+
+    def via(self, addr: str) -> str:
+        """Where to dial for a transfer naming `addr` (HOST:PORT): its route, else itself."""
+        return self.routes.get(addr, addr)
+
 
 ROLE_MODES = {"kv_producer": PREFILL, "kv_consumer": DECODE, "kv_both": BOTH}
+
+
+def host_port(value: str, flag: str) -> tuple[str, int]:
+    """HOST:PORT (a port 1-65535); ValueError names the flag."""
+    host, sep, port = value.rpartition(":")
+    if not (sep and host and port.isdigit() and 0 < int(port) <= 65535):
+        raise ValueError(f"{flag}: expected HOST:PORT, got {value!r}")
+    return host, int(port)
+
+
+def parse_routes(items: list[str]) -> dict[str, str]:
+    """--kv-route ADDR=VIA items as a dict (each side HOST:PORT)."""
+    routes: dict[str, str] = {}
+    for item in items:
+        addr, sep, via = item.partition("=")
+        if not sep:
+            raise ValueError(f"--kv-route: expected ADDR=VIA, got {item!r}")
+        routes[addr] = via
+    return routes
 
 
 def parse_kv_transfer_config(value: str | dict[str, Any]) -> dict[str, Any]:

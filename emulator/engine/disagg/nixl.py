@@ -11,7 +11,8 @@ serving.py and completion/serving.py put final_res.kv_transfer_params in the bod
 stream carries none): do_remote_prefill true, do_remote_decode false, remote_block_ids
 (per KV cache group, the prompt's blocks), remote_engine_id (--kv-transfer-config's
 engine_id), remote_request_id, remote_host and remote_port (VLLM_NIXL_SIDE_CHANNEL_HOST
-and _PORT: where the twin's side channel listens), tp_size. Held blocks nobody reads go
+and _PORT: where the twin's side channel listens; the twin's --kv-advertise instead when
+given), tp_size. Held blocks nobody reads go
 after VLLM_NIXL_ABORT_REQUEST_TIMEOUT (vllm:nixl_num_kv_expired_reqs).
 
 Decode leg: the original request with those kv_transfer_params. With do_remote_prefill and
@@ -24,8 +25,9 @@ computes the last prompt token again and decodes (prebuilt.py). A failed handsha
 read fails the request: 500 "Internal server error" (kv_load_failure_policy fail, the
 default), or with policy recompute the decode prefills the prompt itself.
 
-Where the twin differs: a read of KV the prefill no longer holds (expired, or never held)
-is refused and fails; real NIXL would read whatever the freed blocks then hold.
+The decode dials remote_host:remote_port through its --kv-route for that address, if any
+(config.py). Where the twin differs: a read of KV the prefill no longer holds (expired, or
+never held) is refused and fails; real NIXL would read whatever the freed blocks then hold.
 """
 
 from __future__ import annotations
@@ -133,6 +135,8 @@ class NixlPD:
 
             twin.held.expire_in(request_id, self.d.abort_request_timeout_s, expired)
 
+        host, port = self.d.advertised()
+
         def patch(body: dict[str, Any]) -> None:
             body["kv_transfer_params"] = {
                 "do_remote_prefill": True,
@@ -140,8 +144,8 @@ class NixlPD:
                 "remote_block_ids": [block_ids],
                 "remote_engine_id": self.d.engine_id,
                 "remote_request_id": request_id,
-                "remote_host": self.d.side_channel_host,
-                "remote_port": self.d.side_channel_port,
+                "remote_host": host,
+                "remote_port": port,
                 "tp_size": 1,
             }
 
@@ -175,7 +179,8 @@ class NixlPD:
         resp = open_stream(twin.engine) if req.stream else None
         if resp is not None:
             await resp.prepare(request)  # vLLM's StreamingResponse: headers at once
-        base = f"http://{params['remote_host']}:{params['remote_port']}"
+        named = f"{params['remote_host']}:{params['remote_port']}"
+        base = f"http://{self.d.via(named)}"  # through the route to it, if any
         stage, submitted = "prealloc", False
         stats.decode_prealloc += 1
         try:

@@ -31,7 +31,9 @@ no KV (fake/conn.py), as SGLang's own warmup and health requests do.
 Messages follow the engine's ("... for request rank=0 req.rid='<rid>'
 req.bootstrap_room=<room> with exception KVTransferError(bootstrap_room=<room>): <reason>");
 reasons the engines do not spell (the decode abandoning a room) are the twin's own.
-A request without bootstrap_room is served as on a non-disaggregated engine.
+A request without bootstrap_room is served as on a non-disaggregated engine. The decode
+dials the bootstrap address through its --kv-route for it, if any (config.py); messages
+name the address the request gave.
 """
 
 from __future__ import annotations
@@ -281,7 +283,7 @@ class SglangPD:
         _ensure_prefill_info); starts that prefill's heartbeat."""
         if addr in self.prefill_info:
             return
-        url = f"http://{addr}/route?" + "&".join(f"{k}=-1" for k in ROUTE_QUERY)
+        url = f"http://{self.d.via(addr)}/route?" + "&".join(f"{k}=-1" for k in ROUTE_QUERY)
         for attempt in range(1, self.d.ensure_retries + 1):
             try:
                 self.prefill_info[addr] = await get_json(
@@ -353,8 +355,9 @@ class SglangPD:
         """The room's KV, then the prefill's word that it is complete: Mooncake's sender
         learns its writes landed and sends the decode KVPoll.Success (common/conn.py), one
         more round trip after the last byte; the twin's decode asks for it."""
-        pulled = await pull_kv(self.twin.session, f"http://{addr}{KV_PATH}?room={room}")
-        url = f"http://{addr}{KV_DONE_PATH}?room={room}"
+        base = f"http://{self.d.via(addr)}"
+        pulled = await pull_kv(self.twin.session, f"{base}{KV_PATH}?room={room}")
+        url = f"{base}{KV_DONE_PATH}?room={room}"
         try:
             async with self.twin.session.post(url) as resp:
                 if resp.status >= 400:
@@ -368,7 +371,7 @@ class SglangPD:
         """Best effort, as the engine's (common/conn.py _send_abort_notification)."""
 
         async def notify() -> None:
-            url = f"http://{addr}{KV_ABORT_PATH}?room={room}"
+            url = f"http://{self.d.via(addr)}{KV_ABORT_PATH}?room={room}"
             with contextlib.suppress(Exception):
                 limit = aiohttp.ClientTimeout(total=self.d.heartbeat_interval_s)
                 async with self.twin.session.post(url, timeout=limit) as resp:
@@ -385,7 +388,7 @@ class SglangPD:
         timeout_s = min(self.d.heartbeat_interval_s, 3.0)  # requests' timeout=(2, 3)
         while True:
             await asyncio.sleep(self.d.heartbeat_interval_s)
-            url = f"http://{addr}/health"
+            url = f"http://{self.d.via(addr)}/health"
             try:
                 limit = aiohttp.ClientTimeout(total=timeout_s)
                 async with self.twin.session.get(url, timeout=limit) as resp:

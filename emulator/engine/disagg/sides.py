@@ -118,11 +118,17 @@ async def send_kv(request: web.Request, offer: KvOffer) -> web.StreamResponse:
 
 
 def bootstrap_app(
-    host: str, page_size: int, kv_handler: Any, done_handler: Any, abort_handler: Any
+    host: str,
+    page_size: int,
+    kv_handler: Any,
+    done_handler: Any,
+    abort_handler: Any,
+    advertised_port: int = 0,
 ) -> web.Application:
-    """SGLang's bootstrap server (module docstring), with the twin's KV routes."""
+    """SGLang's bootstrap server (module docstring), with the twin's KV routes; its rank
+    is at `host` and `advertised_port` (0: the port a request came in on)."""
     rooms: dict[int, int] = {}
-    rank = {"rank_ip": host, "rank_port": 0}
+    rank = {"rank_ip": host, "rank_port": advertised_port}
 
     async def health(request: web.Request) -> web.Response:
         return web.Response(text="OK")
@@ -166,7 +172,8 @@ def bootstrap_app(
                 status=404,
             )
         # The twin's one rank answers on this very port (module docstring).
-        rank["rank_port"] = int(request.transport.get_extra_info("sockname")[1])  # type: ignore[union-attr]
+        if not advertised_port:
+            rank["rank_port"] = int(request.transport.get_extra_info("sockname")[1])  # type: ignore[union-attr]
         return web.json_response(rank)
 
     async def register_dp_rank(request: web.Request) -> web.Response:

@@ -90,7 +90,8 @@ class DisaggTwin:
                 page = self.engine.cfg.profile.block_tokens
                 pd = self.protocol
                 handlers = (pd.kv_handler, pd.done_handler, pd.abort_handler)
-                app_ = bootstrap_app(d.host, page, *handlers)
+                host, port = d.advertised() if d.advertise else (d.host, 0)
+                app_ = bootstrap_app(host, page, *handlers, advertised_port=port)
                 self.side = SideServer(app_, d.host, d.bootstrap_port)
         elif d.active:  # the NIXL handshake listener runs on every role
             self.side = SideServer(

@@ -65,6 +65,9 @@ def test_kv_transfer_config_is_checked_and_filled_as_vllm_does() -> None:
             parse_kv_transfer_config(bad)
 
 
+NIXL = '{"kv_connector":"NixlConnector","kv_role":"kv_both"}'
+
+
 def parse(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--flavor", default="sglang")
@@ -102,6 +105,39 @@ def test_the_flags_take_each_engines_names_and_environment() -> None:
         disagg_settings(parse("--flavor", "vllm", "--disaggregation-mode", "decode"), {})
     with pytest.raises(ValueError, match="--kv-transfer-config is vllm's flag"):
         disagg_settings(parse("--kv-transfer-config", "{}"), {})
+
+
+def test_a_twin_placed_on_a_wan_advertises_an_address_and_routes_others() -> None:
+    p = disagg_settings(
+        parse("--disaggregation-mode", "prefill", "--kv-advertise", "127.0.0.1:21000"), {}
+    )
+    assert p is not None and p.advertised() == ("127.0.0.1", 21000)
+    # without --kv-advertise: where it listens (vLLM: the side channel's variables)
+    plain = disagg_settings(parse("--disaggregation-mode", "prefill"), {})
+    assert plain is not None and plain.advertised() == ("127.0.0.1", 8998)
+    v = disagg_settings(
+        parse("--flavor", "vllm", "--kv-transfer-config", NIXL),
+        {"VLLM_NIXL_SIDE_CHANNEL_HOST": "10.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": "5601"},
+    )
+    assert v is not None and v.advertised() == ("10.0.0.1", 5601)
+    d = disagg_settings(
+        parse(
+            "--disaggregation-mode", "decode",
+            "--kv-route", "127.0.0.1:21000=127.0.0.1:21001",
+            "--kv-route", "127.0.0.1:22000=127.0.0.1:22001",
+        ),
+        {},
+    )  # fmt: skip
+    assert d is not None
+    assert d.via("127.0.0.1:21000") == "127.0.0.1:21001"
+    assert d.via("127.0.0.1:23000") == "127.0.0.1:23000"  # no route: the address itself
+    for bad, flag in (
+        (("--kv-advertise", "nohost"), "--kv-advertise"),
+        (("--kv-route", "127.0.0.1:1"), "--kv-route"),
+        (("--kv-route", "127.0.0.1:1=x:0"), "--kv-route"),
+    ):
+        with pytest.raises(ValueError, match=flag):
+            disagg_settings(parse("--disaggregation-mode", "decode", *bad), {})
 
 
 def test_a_twin_speaks_its_own_engines_protocol() -> None:
