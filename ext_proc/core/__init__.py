@@ -1,6 +1,5 @@
 """The routing core, pure and synchronous on an injected clock: the fleet's per-backend
-records, the per-candidate features and cost terms, the request's recipe (the Director),
-the router that decides and closes, the learners that hear every outcome, the fleet
-changes at run time, and the views for /state. May import: vocab, config, prompt,
-estimate, feeds, learn, policy, flow.
+records, the per-candidate features and cost terms, the router that decides and closes,
+the learners that hear every outcome, the fleet changes at run time, and the views for
+/state. May import: vocab, config, prompt, estimate, feeds, learn, policy.
 """

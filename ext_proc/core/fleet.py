@@ -18,6 +18,7 @@ from typing import Any
 
 from ext_proc.config.dump import backend_as_dict
 from ext_proc.config.schema import Config
+from ext_proc.core.admission import serving
 from ext_proc.core.backend import BackendState, EngineView, Learned
 from ext_proc.core.state import FleetState
 from ext_proc.estimate.cost import PrefillModel
@@ -127,6 +128,10 @@ class Fleet:
 
     def lifecycle(self, backend: str) -> BackendLifecycle:
         return self._get(backend).lifecycle
+
+    def serving(self, model: str | None) -> list[BackendState]:
+        """The backends (any lifecycle) a request for `model` may go to (core.admission)."""
+        return serving(self.state, model)
 
     def add(self, b: Backend, reason: str = "admin") -> BackendLifecycle:
         """A new backend: active at once, or pending until the shell activates it

@@ -84,7 +84,7 @@ class RouterInputs:
             state.peer_first_byte(e.request_id, self.clock())
         elif e.kind == PeerKind.CLOSED:
             state.peer_close(e.request_id)
-        # (WAITING is the gateway queue's: core.pipeline.Director.hear_claims)
+        # (WAITING is the gateway queue's: director.flow_control.FlowController.hear_claims)
 
     def record_probe(self, backend: str, rtt_ms: float | None) -> None:
         """A probe answered in rtt_ms, or failed (None). One failure is enough to make a

@@ -8,8 +8,8 @@ from __future__ import annotations
 import json
 
 from ext_proc.common.names import HEADER_REQUEST_ID
-from ext_proc.core.pipeline import Director
 from ext_proc.core.router import Router
+from ext_proc.director.recipe import Director
 from ext_proc.envoy import codec
 from ext_proc.envoy.access_log import Forward
 from ext_proc.envoy.duplex import StreamedPassThroughSession, StreamedRoutingSession

@@ -25,8 +25,8 @@ from typing import Any
 import grpc
 
 from ext_proc.common.names import ACCESS_LOG_SERVICE, EXT_PROC_SERVICE, METADATA_ENVOY_NODE
-from ext_proc.core.pipeline import Director
 from ext_proc.core.router import Router
+from ext_proc.director.recipe import Director
 from ext_proc.envoy import codec
 from ext_proc.envoy.access_log import AccessLogService, Forward
 from ext_proc.envoy.encoders import DecisionEncoder, decision_encoder
@@ -56,7 +56,7 @@ class ExtProcService:
         # The request's recipe, shared by every routing session, and where the requests
         # waiting in its gateway queue are held.
         self.director = Director(router)
-        self.holding = Holding(self.director)
+        self.holding = Holding(self.director.admission, router.clock)
         router.subscribe(self.holding)
         self.encoder = encoder
         self.tokens = tokens
@@ -101,10 +101,11 @@ class ExtProcService:
                 if isinstance(session, RoutingSession) and session.held is not None:
                     # the gateway queue: Envoy waits longer for this reply, which comes
                     # when the request is released or refused
-                    for r in replies(reply):
-                        yield r
                     w, body, original_id = session.held
-                    outcome = await self.holding.wait(w)
+                    with self.holding.hold(w) as settled:  # before the first await
+                        for r in replies(reply):
+                            yield r
+                        outcome = await settled
                     session.held = None
                     reply = session.answer(outcome, body, original_id)
                 if session.pace_s:  # dispatch pacing: Envoy sends the request on later

@@ -21,7 +21,8 @@ from ext_proc.common.names import (
 )
 from ext_proc.config.flow import HOLD_SLACK_S
 from ext_proc.config.schema import UnreadableBody
-from ext_proc.core.pipeline import Director, Outcome, Queued, Refused, Unrouted
+from ext_proc.director.outcomes import Outcome, Queued, Refused, Unrouted
+from ext_proc.director.recipe import Director
 from ext_proc.envoy import codec
 from ext_proc.envoy.answers import json_error, own_request_id
 from ext_proc.envoy.encoders import DecisionEncoder

@@ -20,6 +20,7 @@ import math
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from ext_proc.config.flow import FlowControl
 from ext_proc.vocab.types import RouteRequest
@@ -66,6 +67,17 @@ class _Band:
     by_arrival: deque[Waiting] = field(default_factory=deque)
     requests: int = 0
     body_bytes: int = 0
+
+
+class QueueView(Protocol):
+    """The gateway queue as read from outside: only its controller changes it
+    (director.flow_control)."""
+
+    def __len__(self) -> int: ...
+
+    def in_engine(self, tenant: str) -> int: ...
+
+    def share(self, now_s: float, capacity_tokens: int) -> float: ...
 
 
 class FlowQueue:

@@ -33,6 +33,8 @@ from collections import Counter
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from typing import Any
 
+from ext_proc.flow.queue import Waiting
+
 # Far above a NATS round trip on one host or a LAN (well under 5 ms), short beside the
 # queue's 50 ms tick: a bus gone quiet costs at most one release per backend this often.
 CONFIRM_TIMEOUT_S = 0.1
@@ -122,6 +124,32 @@ class Claims:
             return False
         self._sent, self._sent_s, self._standing = signature, now_s, standing
         return True
+
+    def to_send(self, waiting: Iterable[Waiting]) -> tuple[dict[str, Told], list[Told]] | None:
+        """Ours when they are due to go to the peers (changed, or a refresh), else None:
+        for each backend our `waiting` requests wait for, the first of them in our order;
+        and per band the first `tries_per_pump` in that order that found no room (each as
+        priority, seconds to its deadline or None, seconds waited)."""
+        first: dict[str, Waiting] = {}
+        tried = sorted(
+            (w for w in waiting if w.wants),  # tried: its backend had no room
+            key=lambda w: (-w.priority, w.key()),
+        )
+        heads: list[Waiting] = []
+        for w in tried:
+            first.setdefault(w.wants, w)
+            if sum(1 for h in heads if h.priority == w.priority) < self.tries_per_pump:
+                heads.append(w)
+        signature = (tuple((b, w.seq) for b, w in first.items()), tuple(w.seq for w in heads))
+        if not self.due(bool(heads), signature):
+            return None
+        now_s = self.clock()
+
+        def told(w: Waiting) -> Told:
+            due_s = None if math.isinf(w.deadline_s) else w.deadline_s - now_s
+            return (w.priority, due_s, now_s - w.arrival_s)
+
+        return {b: told(w) for b, w in first.items()}, [told(w) for w in heads]
 
     def snapshot(self) -> dict[str, dict[str, Any]]:
         """The peers' claims heard and still standing: per backend the highest band

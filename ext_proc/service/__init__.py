@@ -6,5 +6,5 @@ engine's tokenizer found and checked); the loops that feed the router (`loops/`)
 admin HTTP API and the operator's page (`admin/`), telemetry (`telemetry/`: spans,
 metrics, the OTLP exporter), the endpoint picker (`epp/`: `gorgo epp`) and `gorgo check`
 (`check/`). May import: common, vocab, config, prompt, estimate, feeds, learn, policy,
-core, envoy, envoy_config, flow.
+core, envoy, envoy_config, flow, director.
 """

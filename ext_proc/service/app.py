@@ -222,7 +222,7 @@ async def running_service(
             lambda: {
                 "active_ext_proc_streams": ext_proc.active_streams,
                 # The gateway queue (flow control): what waits, what it did.
-                "flow": ext_proc.director.snapshot(),
+                "flow": ext_proc.director.admission.snapshot(),
                 # How prompts are tokenized: the engine's tokenizer and its cache, or the
                 # approximation (None); where it came from and its checks.
                 "tokenizer": ext_proc.tokens.snapshot() if ext_proc.tokens else None,
@@ -245,7 +245,7 @@ async def running_service(
             fleet_shell.settle,
             cfg.listen.admin,
             cfg.listen.admin_hosts,
-            ext_proc.director.snapshot,
+            ext_proc.director.admission.snapshot,
             ready,
         )
         runner = web.AppRunner(admin_app, access_log=None)

@@ -36,6 +36,18 @@ class PriorityScheduling(enum.StrEnum):
     OFF = "off"
 
 
+class BackendRole(enum.StrEnum):
+    """`backends[].role`: what of a request its engine does. A disaggregated fleet pairs a
+    prefill engine with a decode engine, the prompt's KV moving between them (SGLang
+    `--disaggregation-mode prefill|decode`, vLLM's NIXL connector); the protocol is its
+    engine's (`engine`)."""
+
+    # Prefill and decode in one engine (an aggregated engine, today's default).
+    BOTH = "both"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
 class KvEventsMode(enum.StrEnum):
     """`backends[].kv_events.mode`: which side binds the ZMQ socket. The engine binding lets
     any number of routers connect; the router binding allows only one."""
@@ -94,3 +106,8 @@ class Backend:
     # Whether each request's priority is written for its engine's own scheduler: auto
     # (SGLang: as its /server_info says; vLLM: off, it reports nothing), on, off.
     priority_scheduling: PriorityScheduling = PriorityScheduling.AUTO
+    # Prefill, decode or both (docs/configuration.md, "Prefill and decode apart").
+    role: BackendRole = BackendRole.BOTH
+    # SGLang prefill engines: the port of its bootstrap server
+    # (`--disaggregation-bootstrap-port`, SGLang's default 8998) on the host of `address`.
+    bootstrap_port: int = bounded(8998, ge=1, le=65535)

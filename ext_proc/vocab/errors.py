@@ -48,7 +48,7 @@ class ApiError:
         return {"error": error}
 
 
-# -- the router's answers (ext_proc/core/admission.py, ext_proc/core/pipeline.py,
+# -- the router's answers (ext_proc/core/admission.py, ext_proc/director/flow_control.py,
 # ext_proc/envoy/sessions.py) ---------------------------------------------------------------
 
 # A body the router cannot read, with routing.unreadable_body: reject.

@@ -314,6 +314,25 @@ class InFlight:
 
 
 @dataclass(frozen=True)
+class PrefillLeg:
+    """The prefill half of a disaggregated decision: the engine that prefills the prompt,
+    whose KV then moves over the link to the decode engine (`Decision.backend`)."""
+
+    backend: str
+    # The prompt's KV in bytes, and its predicted transfer over the link (RTT + bytes /
+    # bandwidth), in ms.
+    kv_bytes: int = 0
+    transfer_ms: float = 0.0
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "backend": self.backend,
+            "kv_bytes": self.kv_bytes,
+            "transfer_ms": round(self.transfer_ms, 3),
+        }
+
+
+@dataclass(frozen=True)
 class Decision:
     """Where the router sent a request and why: the chosen backend, every candidate with
     its terms and score, the weights and tuner arm used, and how it is sent on: paced by
@@ -345,6 +364,8 @@ class Decision:
     # in that engine's order (None: nothing to write: its engine does not schedule by
     # priority, or the body already says so; ext_proc/feeds/server_info.py).
     engine_priority: int | None = None
+    # Prefilled on another engine, then decoded on `backend` (None: `backend` does both).
+    prefill: PrefillLeg | None = None
 
     @property
     def chosen(self) -> Candidate:
@@ -380,6 +401,8 @@ class Decision:
             out["queued_behind"] = self.queued_behind
         if self.engine_priority is not None:
             out["engine_priority"] = self.engine_priority
+        if self.prefill is not None:
+            out["prefill"] = self.prefill.as_json()
         return out
 
 

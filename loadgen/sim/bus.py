@@ -11,8 +11,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from emulator.wan import region_rtt_ms
-from ext_proc.core.pipeline import Director
 from ext_proc.core.router import Router
+from ext_proc.director.recipe import Director
 from ext_proc.feeds.peers import PeerEvent, PeerKind, PeerPublisher
 
 # One hop through the message bus between routers in one place (NATS on a LAN).
@@ -66,18 +66,20 @@ class Bus:
             if router is sender:
                 continue
             if e.kind == PeerKind.WAITING:
-                self.directors[id(router)].hear_claims(e.router, dict(e.claims), list(e.heads))
+                self.directors[id(router)].admission.hear_claims(
+                    e.router, dict(e.claims), list(e.heads)
+                )
             else:
                 router.inputs.apply_peer(e)
         if e.kind == PeerKind.WAITING:
             self.on_room()  # a claim withdrawn may free room held back for it
 
     def confirm(self, sender: Router, request_id: str) -> None:
-        if self.directors[id(sender)].confirm([request_id]):
+        if self.directors[id(sender)].admission.confirm([request_id]):
             self.on_room()
 
     def tell(self, director: Director) -> None:
         """The director's claims, when due (after each of its pumps)."""
         pub = self.publishers.get(id(director.router))
-        if pub is not None and (claims := director.claims_to_send()) is not None:
+        if pub is not None and (claims := director.admission.claims_to_send()) is not None:
             pub.claims(*claims)

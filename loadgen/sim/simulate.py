@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from emulator.wan import DelayModel, region_rtt_ms
-from ext_proc.core.pipeline import Outcome, Queued, Refused, Routed
 from ext_proc.core.router import Router
+from ext_proc.director.outcomes import Outcome, Queued, Refused, Routed
 from ext_proc.prompt.parse import COMPLETIONS
 from ext_proc.vocab.request import LlmRequest
 from ext_proc.vocab.types import Refusal, RouteRequest, Status
@@ -336,12 +336,11 @@ class Simulation(SimWorld):
             self._pump()
 
     def _pump(self) -> None:
-        """Room may have come: each director offers it to its queue; while any request
-        waits, again TICK_S later (the estimates fall as time passes), as the service."""
+        """Room may have come: each director's admission offers it to its queue (the
+        waits it settles bound); while any request waits, again TICK_S later (the
+        estimates fall as time passes), as the service."""
         for director in self.directors.values():
-            director.pump()
-            released, director.released = director.released, []
-            for w, outcome in released:
+            for w, outcome in director.admission.pump():
                 self._bind(self._queued.pop(w.request.request_id), outcome)
             self.bus.tell(director)
         if self._queued and not self._ticking:

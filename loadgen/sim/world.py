@@ -15,8 +15,8 @@ from collections.abc import Iterable, Sequence
 from emulator.engine.model.scheduler import EngineModel
 from emulator.wan import DelayModel, DelaySettings
 from ext_proc.core.build import build_router
-from ext_proc.core.pipeline import Director
 from ext_proc.core.router import Router
+from ext_proc.director.recipe import Director
 from ext_proc.estimate.profile import EngineProfile, load_profile
 from ext_proc.feeds.engine_metrics import EngineReport
 from ext_proc.feeds.server_info import EngineScheduling
@@ -113,7 +113,7 @@ class SimWorld:
                     build_router(door_cfg, lambda: self.now_s, random.Random(rng.random()))
                 ]
         self.routers = [router for rs in self.routers_at.values() for router in rs]
-        # Each router's recipe for a request (the live service's own: core.pipeline);
+        # Each router's recipe for a request (the live service's own: director.recipe);
         # sharing dispatches, one release per backend until the bus confirms it.
         shared = settings.share_dispatches and len(self.routers) > 1
         self.directors = {id(router): Director(router, shared) for router in self.routers}

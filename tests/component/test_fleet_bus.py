@@ -16,8 +16,8 @@ from emulator.stack.processes import nats_binary
 from emulator.stack.supervision import wait_port
 from ext_proc.config.load import config_from_dict
 from ext_proc.config.schema import Config
-from ext_proc.core.pipeline import Queued, Routed
 from ext_proc.core.router import Router
+from ext_proc.director.outcomes import Queued, Routed
 from ext_proc.prompt.parse import COMPLETIONS
 from ext_proc.service.app import Running, running_service
 from ext_proc.vocab.request import LlmRequest
@@ -158,32 +158,32 @@ async def test_flow_control_releases_are_confirmed_and_claims_heard_over_real_na
         running_service(flow_config("west", nats_server.port)) as west,
     ):
         await reach(east, west.router)
-        director = east.ext_proc.director
-        assert director.releases is not None and west.ext_proc.director.claims is not None
-        out = director.handle(request("r-1"))
+        flow = east.ext_proc.director.admission
+        assert flow.releases is not None and west.ext_proc.director.admission.claims is not None
+        out = east.ext_proc.director.handle(request("r-1"))
         assert isinstance(out, Routed)
-        assert director.releases.blocked("a")  # not yet confirmed by the bus
-        await until(lambda: director.releases is not None and not director.releases.blocked("a"))
-        assert director.releases.confirmed >= 1 and director.releases.timed_out == 0
+        assert flow.releases.blocked("a")  # not yet confirmed by the bus
+        await until(lambda: flow.releases is not None and not flow.releases.blocked("a"))
+        assert flow.releases.confirmed >= 1 and flow.releases.timed_out == 0
         await until(lambda: "r-1" in west.router.peer_in_flight)
 
         # west's queue waits for a (east's request has no first byte): east hears it
         queued = west.ext_proc.director.handle(request("w-1"))
         assert isinstance(queued, Queued)
-        waiting = asyncio.ensure_future(west.ext_proc.holding.wait(queued.ticket))
-        await until(lambda: "west" in east.ext_proc.director.snapshot()["peer_claims"])
-        claims = east.ext_proc.director.snapshot()["peer_claims"]["west"]
-        assert claims == {"backends": {"a": 0}, "heads": {"0": 1}}
-        east.router.close("r-1", Status.OK, 10.0)  # room: west's request goes
-        assert isinstance(await asyncio.wait_for(waiting, 5), Routed)
-        await until(lambda: "west" not in east.ext_proc.director.snapshot()["peer_claims"])
+        with west.ext_proc.holding.hold(queued.ticket) as waiting:
+            await until(lambda: "west" in flow.snapshot()["peer_claims"])
+            claims = flow.snapshot()["peer_claims"]["west"]
+            assert claims == {"backends": {"a": 0}, "heads": {"0": 1}}
+            east.router.close("r-1", Status.OK, 10.0)  # room: west's request goes
+            assert isinstance(await asyncio.wait_for(waiting, 5), Routed)
+        await until(lambda: "west" not in flow.snapshot()["peer_claims"])
         west.router.close("w-1", Status.OK, 10.0)
         await until(lambda: not east.router.peer_in_flight)  # room for r-2
 
         nats_server.stop()
         await until(lambda: not east.fleet.connected)
-        before = director.releases.confirmed
-        assert isinstance(director.handle(request("r-2")), Routed)
-        await until(lambda: director.releases is not None and director.releases.confirmed > before)
-        assert director.releases.timed_out == 0
+        before = flow.releases.confirmed
+        assert isinstance(east.ext_proc.director.handle(request("r-2")), Routed)
+        await until(lambda: flow.releases is not None and flow.releases.confirmed > before)
+        assert flow.releases.timed_out == 0
         east.router.close("r-2", Status.OK, 10.0)

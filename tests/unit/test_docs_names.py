@@ -24,7 +24,7 @@ from ext_proc.cli import build_parser
 from ext_proc.config.load import MOVED, config_from_dict
 from ext_proc.config.schema import Config
 from ext_proc.core.build import build_router
-from ext_proc.core.pipeline import Director
+from ext_proc.director.recipe import Director
 from ext_proc.policy.catalog import POLICIES
 from ext_proc.service.admin.api import make_admin_app
 from ext_proc.service.admin.operator_page import add_page_routes

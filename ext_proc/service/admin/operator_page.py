@@ -185,7 +185,7 @@ def feed(
     flow: Callable[[], dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """The page's poll; `decisions=False` leaves their rows for the caller to build;
-    `flow`: the gateway queue's snapshot (Director.snapshot)."""
+    `flow`: the gateway queue's snapshot (director.admission: Admission.snapshot)."""
     state = router.snapshot(decisions=False)
     log = router.recent
     tuner = router.tuner

@@ -12,8 +12,9 @@ from prometheus_client.registry import Collector
 
 from ext_proc.common.build import package_version
 from ext_proc.core.features import prefix_state
-from ext_proc.core.pipeline import FLOW_OUTCOMES, Director
 from ext_proc.core.router import Router
+from ext_proc.director.flow_control import FLOW_OUTCOMES
+from ext_proc.director.recipe import Director
 from ext_proc.service.telemetry.prediction_metrics import (
     latency_prediction_gauges,
     served_model_gauges,
@@ -193,7 +194,7 @@ class FlowGauges(Collector):
             "Requests through flow control: straight, released, cancelled, or refused by reason",
             labels=["outcome"],
         )
-        state = self.director.snapshot()
+        state = self.director.admission.snapshot()
         if not state["enabled"]:
             return
         # Every configured band and every outcome, 0 included: a series exists from the

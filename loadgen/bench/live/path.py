@@ -40,7 +40,7 @@ STEPS = (
     ("request headers", "envoy/sessions.py", "on_request_headers", 1),
     ("request body: read, decide, reply", "envoy/sessions.py", "on_request_body", 1),
     ("JSON body -> request", "prompt/parse.py", "parse_body", 2),
-    ("the recipe: resolve, admit, schedule", "core/pipeline.py", "handle", 2),
+    ("the recipe: resolve, admit, schedule", "director/recipe.py", "handle", 2),
     ("decide", "core/router.py", "decide", 3),
     ("prompt -> prefix blocks", "core/features.py", "prompt_blocks", 4),
     ("candidates and their cost terms", "core/features.py", "candidates", 4),

@@ -13,8 +13,9 @@ from dataclasses import replace
 
 import pytest
 
-from ext_proc.core.pipeline import Director, Queued, Routed
 from ext_proc.core.router import Router
+from ext_proc.director.outcomes import Queued, Routed
+from ext_proc.director.recipe import Director
 from ext_proc.estimate.cost import QueueItem, ahead_of
 from ext_proc.feeds.engine_metrics import EngineReport
 from ext_proc.prompt.parse import CHAT, parse_body
@@ -147,7 +148,7 @@ def test_ahead_of_keeps_the_class_and_above_and_the_lower_head() -> None:
 
 
 def test_a_lower_band_may_go_where_only_its_own_prefill_can_delay_a_higher_one() -> None:
-    """Room for the bands above (core.pipeline): a batch request's prefill (~400 ms) behind
+    """Room for the bands above (director.flow_control): a batch request's prefill (~400 ms) behind
     250 ms of batch work would hold an interactive request (SLO 1 s) past half its SLO on
     an engine serving in arrival order; one that schedules by priority puts that request
     first, so only the batch prefill under way can delay it (400 ms <= 500 ms)."""
@@ -174,7 +175,7 @@ def test_a_lower_band_may_go_where_only_its_own_prefill_can_delay_a_higher_one()
         )
         director = Director(router)
         # an interactive request arrived a moment ago: holding can gain (flow.room.Mix)
-        director.mix.seen((10, "", "interactive", 0.0), router.clock())
+        director.admission.mix.seen((10, "", "interactive", 0.0), router.clock())
         load(router, "peer", "a", 3000, 10, prefill_ms=250)  # batch work not yet started
         outcomes[setting] = director.handle(
             replace(chat("many words " * 1500, rid="m"), objective="batch")

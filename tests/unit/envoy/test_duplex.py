@@ -431,8 +431,7 @@ def test_a_request_held_in_the_gateway_queue_goes_with_its_body_when_released() 
     w, held_body, original = session.held
     assert (w.objective, held_body) == ("batch", CHAT)
     clock.advance(5.0)
-    session.director.pump()
-    [(done, outcome)] = session.director.released
+    [(done, outcome)] = session.director.admission.pump()
     assert done is w
     out = _as_list(session.answer(outcome, held_body, original))
     assert [x.WhichOneof("response") for x in out] == ["request_headers", "request_body"]

@@ -167,12 +167,12 @@ def test_why_a_prefix_state_is_what_it_is() -> None:
 
 
 async def test_the_page_shows_the_gateway_queue_when_flow_control_is_on() -> None:
-    from tests.unit.core.test_pipeline import busy, flow_router
+    from tests.unit.director.test_flow_control import busy, flow_router
 
     director, _ = flow_router()
     busy(director)
     director.handle(replace(chat(rid="held"), objective="batch", tenant="acme"))
-    app = make_admin_app(director.router, MagicMock(), dict, flow=director.snapshot)
+    app = make_admin_app(director.router, MagicMock(), dict, flow=director.admission.snapshot)
     async with TestClient(TestServer(app)) as c:
         q = (await feed(c))["flow"]
     assert q["enabled"] and q["waiting"] == 1 and q["bands"] == {"0": 1}

@@ -85,7 +85,7 @@ def drive_router() -> tuple[Router, Telemetry]:
 def drive_flow_control() -> Telemetry:
     """A router with flow control: one request released after a wait, one still waiting,
     one refused for waiting too long."""
-    from tests.unit.core.test_pipeline import busy, flow_router
+    from tests.unit.director.test_flow_control import busy, flow_router
 
     director, clock = flow_router()
     telemetry = Telemetry(TelemetryConfig(), director.router, InMemorySpanExporter())
@@ -95,11 +95,14 @@ def drive_flow_control() -> Telemetry:
     for rid, objective in (("late", "batch"), ("first", "interactive")):
         director.handle(replace(chat(rid=rid), objective=objective))
     clock.advance(20.5)  # "late" waited past batch's 20 s; the prefill ahead is done
-    director.pump()
-    assert director.counts["released"] == 1 and director.counts["rejected-ttl-expired"] == 1
+    director.admission.pump()
+    assert (
+        director.admission.counts["released"] == 1
+        and director.admission.counts["rejected-ttl-expired"] == 1
+    )
     busy(director)
     director.handle(replace(chat(rid="waits"), objective="interactive"))
-    assert len(director.snapshot()["bands"]) == 1
+    assert len(director.admission.snapshot()["bands"]) == 1
     return telemetry
 
 
@@ -408,8 +411,8 @@ def test_the_genai_attributes_say_what_the_router_knows_and_no_more() -> None:
 
 
 def test_flow_series_exist_from_the_start_with_flow_control_on_and_not_with_it_off() -> None:
-    from ext_proc.core.pipeline import Director
-    from tests.unit.core.test_pipeline import flow_router
+    from ext_proc.director.recipe import Director
+    from tests.unit.director.test_flow_control import flow_router
 
     director, _ = flow_router()
     telemetry = Telemetry(TelemetryConfig(), director.router, InMemorySpanExporter())

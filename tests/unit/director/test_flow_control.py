@@ -1,5 +1,6 @@
-"""The request's recipe (core.pipeline.Director): resolve the model, admit, schedule,
-record; what every transport gets back."""
+"""Flow control behind the admission seam (director.flow_control.FlowController): the
+gateway queue between admission and scheduling, the room rule, several routers over one
+view; what every transport gets back."""
 
 import math
 from collections.abc import Sequence
@@ -7,61 +8,14 @@ from dataclasses import replace
 
 import pytest
 
-from ext_proc.core.pipeline import (
-    MAX_TRIES_PER_PUMP,
-    Director,
-    Queued,
-    Refused,
-    Routed,
-    Unrouted,
-)
+from ext_proc.director.flow_control import MAX_TRIES_PER_PUMP
+from ext_proc.director.outcomes import Queued, Refused, Routed
+from ext_proc.director.recipe import Director
 from ext_proc.feeds.peers import PeerEvent, PeerKind, PeerPublisher
-from ext_proc.feeds.served_models import ServedModels
 from ext_proc.vocab.errors import RATE_LIMITED
 from ext_proc.vocab.types import Status
-from tests.builders import BackendSpec, chat, load, make_config, make_router
+from tests.builders import BackendSpec, chat, load, make_router
 from tests.fakes import FakeClock
-
-
-def test_a_request_is_routed_and_recorded() -> None:
-    router, _ = make_router("gorgo", backends=["a", "b"])
-    out = Director(router).handle(chat(rid="r1"))
-    assert isinstance(out, Routed) and out.served_model is None
-    assert router.in_flight["r1"].backend == out.decision.backend
-
-
-def test_an_alias_goes_as_the_served_name_it_resolves_to() -> None:
-    router, _ = make_router(
-        "gorgo",
-        backends=["a"],
-        models=[{"name": "chat", "served": [{"model": "qwen-v2"}]}],
-    )
-    router.inputs.record_models("a", ServedModels(frozenset({"qwen-v2"})))
-    out = Director(router).handle(chat(rid="r1", model="chat"))
-    assert isinstance(out, Routed) and out.served_model == "qwen-v2"
-    assert out.decision.model == "qwen-v2"
-
-
-def test_a_model_no_backend_serves_is_refused_and_nothing_is_recorded() -> None:
-    # vLLM answers a name it does not serve 404 (SGLang takes any): so does the router
-    router, _ = make_router(
-        "gorgo", backends=[{"id": "a", "address": "127.0.0.1:1", "engine": "vllm"}]
-    )
-    router.inputs.record_models("a", ServedModels(frozenset({"alpha"})))
-    out = Director(router).handle(chat(rid="r1", model="beta"))
-    assert isinstance(out, Refused) and out.refusal.status == 404
-    assert not router.in_flight
-
-
-def test_no_active_backend_leaves_it_to_envoys_fallback_route() -> None:
-    router, _ = make_router("gorgo", backends=["a"])
-    router.fleet.confirm_new_backends = True
-    new = make_config("gorgo", backends=["b"]).backends[0]
-    router.fleet.add(new, "test")  # pending until Envoy has its cluster
-    router.fleet.drain("a", "test")  # the only active one goes
-    out = Director(router).handle(chat(rid="r1"))
-    assert isinstance(out, Unrouted) and not router.in_flight
-
 
 # -- flow control: the gateway queue between admission and scheduling ----------------------
 
@@ -89,7 +43,7 @@ def flow_router(
 
 def another_class(director: Director) -> None:
     """A request of another class arrived a moment ago: holding can gain (flow.room.Mix)."""
-    director.mix.seen((99, "another tenant", "", 0.0), director.router.clock())
+    director.admission.mix.seen((99, "another tenant", "", 0.0), director.router.clock())
 
 
 def busy(director: Director, backend: str = "a", prefill_ms: float = 5000.0) -> None:
@@ -101,7 +55,7 @@ def test_with_room_a_request_passes_straight_through() -> None:
     director, _ = flow_router()
     out = director.handle(chat(rid="r1"))
     assert isinstance(out, Routed) and out.decision.waited_ms == 0.0
-    assert director.counts["straight"] == 1 and not director.queue
+    assert director.admission.counts["straight"] == 1 and not director.admission.queue
 
 
 def test_without_room_it_waits_and_goes_when_room_comes_its_wait_in_its_ttft() -> None:
@@ -110,11 +64,9 @@ def test_without_room_it_waits_and_goes_when_room_comes_its_wait_in_its_ttft() -
     out = director.handle(replace(chat(rid="r1"), objective="batch"))
     assert isinstance(out, Queued) and not director.router.in_flight.get("r1")
     clock.advance(2.0)
-    director.pump()
-    assert not director.released  # 5 s of work still ahead of it there, less 2 s done
+    assert not director.admission.pump()  # 5 s of work still ahead of it there, less 2 s done
     clock.advance(3.0)
-    director.pump()
-    [(w, released)] = director.released
+    [(w, released)] = director.admission.pump()
     assert w is out.ticket and isinstance(released, Routed)
     assert released.decision.waited_ms == 5000.0
     rec = director.router.in_flight["r1"]
@@ -131,9 +83,8 @@ def test_a_higher_band_is_released_first() -> None:
     high = director.handle(replace(chat(rid="high"), objective="interactive"))
     assert isinstance(low, Queued) and isinstance(high, Queued)
     clock.advance(5.0)
-    director.pump()
     # room for one: after the first goes, its prefill is work ahead of the next
-    w, first = director.released[0]
+    w, first = director.admission.pump()[0]
     assert w.request.request_id == "high"
     # one was waiting when it joined: its position on arrival, on its decision and span
     assert isinstance(first, Routed) and first.decision.queued_behind == 1
@@ -146,14 +97,12 @@ def test_a_wait_past_its_objectives_longest_is_refused_429_with_the_reason() -> 
     out = director.handle(replace(chat(rid="r1"), objective="batch"))
     assert isinstance(out, Queued)
     clock.advance(19.9)
-    director.pump()
-    assert not director.released
+    assert not director.admission.pump()
     clock.advance(0.1)
-    director.pump()
-    [(_, refused)] = director.released
+    [(_, refused)] = director.admission.pump()
     assert isinstance(refused, Refused)
     assert (refused.refusal.status, refused.refusal.reason) == (429, "rejected-ttl-expired")
-    assert refused.refusal.retry_after_s == 2.0 and not director.queue
+    assert refused.refusal.retry_after_s == 2.0 and not director.admission.queue
 
 
 def test_a_sheddable_request_whose_slo_cannot_be_met_is_refused_at_once() -> None:
@@ -191,8 +140,8 @@ def test_a_full_band_is_refused_429_and_a_client_gone_leaves_the_queue() -> None
     second = director.handle(chat(rid="r2"))
     assert isinstance(second, Refused) and second.refusal.reason == "rejected-saturated"
     assert (second.refusal.error, second.refusal.retry_after_s) == (RATE_LIMITED, 0.25)
-    director.cancel(first.ticket)
-    assert not director.queue and director.counts["cancelled"] == 1
+    director.admission.cancel(first.ticket)
+    assert not director.admission.queue and director.admission.counts["cancelled"] == 1
     assert isinstance(director.handle(chat(rid="r3")), Queued)  # its place is free again
 
 
@@ -217,8 +166,7 @@ def test_a_lower_band_does_not_put_a_long_prefill_ahead_of_a_higher_bands_slo() 
     vip = director.handle(replace(chat(long_prompt, rid="vip"), objective="interactive"))
     assert isinstance(vip, Routed)  # the top band protects no one above it
     clock.advance(31.0)  # past the starvation bound it goes
-    director.pump()
-    [(w, out)] = director.released
+    [(w, out)] = director.admission.pump()
     assert w is big.ticket and isinstance(out, Routed)
 
 
@@ -228,17 +176,14 @@ def test_one_class_alone_goes_straight_through_without_room_as_without_flow_cont
     out = director.handle(replace(chat(rid="r1"), objective="batch"))
     # one class, not sheddable: waiting could only delay it (its order is arrival order)
     assert isinstance(out, Routed) and out.decision.waited_ms == 0.0
-    assert director.counts["straight"] == 1 and not director.queue
+    assert director.admission.counts["straight"] == 1 and not director.admission.queue
     # another class arrives: the queue can put it first, so both wait for room
     assert isinstance(director.handle(replace(chat(rid="r2"), objective="interactive")), Queued)
     assert isinstance(director.handle(replace(chat(rid="r3"), objective="batch")), Queued)
     clock.advance(59.9)  # the interactive class last seen 59.9 s ago: still two classes
-    director.pump()
-    assert [type(o) for _, o in director.released] == [Refused]  # r3: batch waits 20 s
-    director.released.clear()
+    assert [type(o) for _, o in director.admission.pump()] == [Refused]  # r3: batch waits 20 s
     clock.advance(0.1)  # 60 s on: neither class arrived within the window
-    director.pump()
-    director.released.clear()
+    director.admission.pump()
     out = director.handle(replace(chat(rid="r4"), objective="batch"))
     assert isinstance(out, Routed) and out.decision.waited_ms == 0.0
 
@@ -278,7 +223,7 @@ class FakeBus:
     def tell_claims(self) -> None:
         """Each router's claims, when due (as the live Holding does after a pump)."""
         for d in self.directors:
-            if (claims := d.claims_to_send()) is not None:
+            if (claims := d.admission.claims_to_send()) is not None:
                 self.publishers[id(d)].claims(*claims)
 
     def deliver(self) -> None:
@@ -288,10 +233,10 @@ class FakeBus:
                 if d is sender:
                     continue
                 if e.kind == PeerKind.WAITING:
-                    d.hear_claims(e.router, dict(e.claims), list(e.heads))
+                    d.admission.hear_claims(e.router, dict(e.claims), list(e.heads))
                 else:
                     d.router.inputs.apply_peer(e)
-            sender.confirm([e.request_id])
+            sender.admission.confirm([e.request_id])
 
 
 # requests waiting for a first token per backend: not a multiple of the routers, so the
@@ -337,7 +282,7 @@ def burst(directors: list[Director], bus: FakeBus, per_router: int) -> int:
     for _ in range(per_router + 2):
         bus.deliver()
         for d in directors:
-            d.pump()
+            d.admission.pump()
         most = max(most, waiting_at_a(directors))
     return most
 
@@ -349,8 +294,8 @@ def test_several_routers_overshoot_the_room_by_at_most_one_request_per_peer() ->
     # the last round: 3 of room 4 heard, each router sends one)
     assert most == SHARED_ROOM + len(directors) - 1
     assert waiting_at_a(directors) == most  # the rest still wait in the routers' queues
-    assert sum(len(d.queue or ()) for d in directors) == 3 * 6 - most
-    assert all(d.snapshot()["releases"]["confirmed"] >= 1 for d in directors)
+    assert sum(len(d.admission.queue or ()) for d in directors) == 3 * 6 - most
+    assert all(d.admission.snapshot()["releases"]["confirmed"] >= 1 for d in directors)
 
 
 def test_without_the_rule_routers_that_see_the_same_room_all_fill_it() -> None:
@@ -360,14 +305,14 @@ def test_without_the_rule_routers_that_see_the_same_room_all_fill_it() -> None:
 
 def test_one_router_is_not_held_back_by_a_bus() -> None:
     router, _ = make_router("gorgo", backends=["a"], flow_control={"enabled": True})
-    assert Director(router).releases is None  # no bus.nats_url: alone
+    assert Director(router).admission.releases is None  # no bus.nats_url: alone
     shared, _ = make_router(
         "gorgo",
         backends=["a"],
         flow_control={"enabled": True},
         bus={"nats_url": "nats://127.0.0.1:4222"},
     )
-    assert Director(shared).releases is not None
+    assert Director(shared).admission.releases is not None
 
 
 def test_priority_holds_across_routers_a_peers_interactive_request_takes_the_room_first() -> None:
@@ -398,9 +343,8 @@ def test_priority_holds_across_routers_a_peers_interactive_request_takes_the_roo
             bus.deliver()
         for d in directors:
             d.router.inputs.apply_peer(PeerEvent(PeerKind.CLOSED, "x", "elsewhere", "a"))
-        for d in directors:  # router 0 first
-            d.pump()
-        return [w.request.request_id for d in directors for w, _ in d.released]
+        settled = [s for d in directors for s in d.admission.pump()]  # router 0 first
+        return [w.request.request_id for w, _ in settled]
 
     assert run(tell=True) == ["vip"]  # router 0 left the room to router 1's higher band
     # without the claims the lower band, pumped first, takes the room (and router 1, not
@@ -410,14 +354,14 @@ def test_priority_holds_across_routers_a_peers_interactive_request_takes_the_roo
 
 def test_a_router_tells_its_peers_what_its_queue_waits_for() -> None:
     [d, _], _, clock = shared_routers(2, shared=True)
-    assert d.claims_to_send() is None  # nothing waits, nothing to say
+    assert d.admission.claims_to_send() is None  # nothing waits, nothing to say
     for i in range(SHARED_ROOM):
         assert isinstance(d.handle(chat(rid=f"fill-{i}")), Routed)
-        d.confirm([f"fill-{i}"])
+        d.admission.confirm([f"fill-{i}"])
     for i in range(MAX_TRIES_PER_PUMP + 1):
         assert isinstance(d.handle(chat(rid=f"w{i}")), Queued)
         clock.advance(1.0)
-    told = d.claims_to_send()
+    told = d.admission.claims_to_send()
     assert told is not None
     claims, heads = told
     # the first waiting for backend a (default band, no deadline, waited longest), and
@@ -425,7 +369,7 @@ def test_a_router_tells_its_peers_what_its_queue_waits_for() -> None:
     assert claims == {"a": (0, None, MAX_TRIES_PER_PUMP + 1.0)}
     assert len(heads) == MAX_TRIES_PER_PUMP
     assert [waited for _, _, waited in heads] == [5.0, 4.0, 3.0, 2.0]
-    assert d.claims_to_send() is None  # said; not again until it changes or is due
+    assert d.admission.claims_to_send() is None  # said; not again until it changes or is due
 
 
 @pytest.mark.parametrize("tenant_share", [1.0, 0.0])
@@ -450,9 +394,11 @@ def test_a_tenant_over_its_share_of_the_engines_waits_though_a_backend_has_room(
     assert isinstance(send("h1", "heavy"), Routed)  # nothing of heavy's in the engines
     h1 = router.in_flight["h1"]
     assert (h1.input_tokens, h1.output_tokens) == (2754, 256)
-    assert director.queue is not None and director.queue.in_engine("heavy") == 3010
-    assert director.queue.share(0.0, 8000) == (4000 if tenant_share else math.inf)
-    state = director.snapshot()
+    assert (
+        director.admission.queue is not None and director.admission.queue.in_engine("heavy") == 3010
+    )
+    assert director.admission.queue.share(0.0, 8000) == (4000 if tenant_share else math.inf)
+    state = director.admission.snapshot()
     assert state["in_engine_tokens"] == {"heavy": 3010}
     assert state["tenant_share_tokens"] == (4000 if tenant_share else None)
     h2 = send("h2", "heavy")  # 6,020 tokens would be past its 4,000
@@ -461,10 +407,8 @@ def test_a_tenant_over_its_share_of_the_engines_waits_though_a_backend_has_room(
         return
     assert isinstance(h2, Queued)
     assert isinstance(send("l1", "light"), Routed)  # the light tenant's goes on
-    director.pump()
-    assert not director.released
+    assert not director.admission.pump()
     router.close("h1", Status.OK)
-    director.pump()
-    [(w, out)] = director.released
+    [(w, out)] = director.admission.pump()
     assert w is h2.ticket and isinstance(out, Routed)
-    assert director.queue.in_engine("heavy") == 3010
+    assert director.admission.queue.in_engine("heavy") == 3010
