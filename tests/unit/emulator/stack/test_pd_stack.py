@@ -170,7 +170,7 @@ def test_the_stack_starts_twins_links_and_says_where(
     assert [(b["id"], b["address"]) for b in raw["backends"]] == [
         (r.id, f"127.0.0.1:{s.ports.wan(i)}") for i, r in enumerate(TWO)
     ]
-    assert "role" not in json.dumps(raw["backends"])
+    assert {b["role"] for b in raw["backends"]} == {"both"}  # as engines, for now
     line = stack.ready_line()
     pd = s.pd_layout()
     assert "P/D twins (sglang protocol, decodes routed)" in line
@@ -199,3 +199,10 @@ def test_roles_reach_the_router_config_only_behind_the_flag() -> None:
     assert [b["role"] for b in vllm] == ["decode", "decode", "prefill", "prefill"]
     assert not any("bootstrap_port" in b for b in vllm)  # NIXL: the prefill's answer says
     assert all("role" not in b for b in pd_settings().router_backends())
+    # the router's schema takes them (backends[].role, bootstrap_port on the address's host)
+    parsed = pd_settings(pd={"route_roles": True}).gorgo_config().backends
+    assert [(b.id, b.role.value) for b in parsed][1:3] == [
+        ("eu-frankfurt", "decode"),
+        ("us-ashburn-prefill", "prefill"),
+    ]
+    assert parsed[2].bootstrap_port == pd.kv_link(0, 0)
