@@ -45,7 +45,7 @@ OPTIONAL_KEYS = (
 )
 # Read only by the emulated engine (emulator/) and the simulator (loadgen/), never by the
 # router: its cache granularity is routing.block_tokens.
-EMULATOR_KEYS = ("block_tokens", "jitter_sigma")
+EMULATOR_KEYS = ("block_tokens", "jitter_sigma", "kv_bytes_per_token")
 
 
 @dataclass(frozen=True)
@@ -73,6 +73,10 @@ class EngineProfile:
     # lognormal jitter on every step.
     block_tokens: int = 64
     jitter_sigma: float = 0.02
+    # KV bytes per token: 2 (K and V) x attention layers x KV heads x head dim x bytes per
+    # element. It sizes a prefill/decode KV transfer (emulator/engine/disagg/kv.py). The
+    # default is Llama-3.1-8B's in fp16: 2 x 32 x 8 x 128 x 2 = 131072.
+    kv_bytes_per_token: int = 131072
 
     def prefill_ms(self, uncached_tokens: float, cached_tokens: float) -> float:
         """One request's share of a prefill step (without the step's base cost)."""
