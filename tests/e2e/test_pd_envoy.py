@@ -8,9 +8,10 @@ error naming the prefill engine, the decode engine never gets a body, and nothin
 in flight.
 
 Until the core's P/D decision lands, a stub stands in for it: a test policy that picks the
-decode backend, and the Director's outcome given `prefill` (the prefill backend). Until
-the P/D twins land (emulator/engine/disagg/), the engines are stubs speaking the
-protocols' minimum (tests/pd_engines.py); the twins' own test is skipped without them.
+decode backend, and the Director's outcome given `prefill` (the prefill backend). Stub
+engines speaking the protocols' minimum (tests/pd_engines.py) test every path, failures
+included; the P/D twins (emulator/engine/disagg/; the test is skipped, saying so, where
+they are missing) show the real protocols end to end, the KV over a link between them.
 """
 
 from __future__ import annotations
@@ -47,6 +48,10 @@ from ext_proc.vocab.types import Candidate, PrefillLeg, RouteRequest, Weights
 from tests.pd_engines import TOKENS, StubEngine, stub_engines
 
 pytestmark = pytest.mark.e2e
+
+# The P/D twins (emulator/engine/disagg/, merged from s59-twin2).
+TWINS = importlib.util.find_spec("emulator.engine.disagg") is not None
+NO_TWINS = "the P/D twins (emulator/engine/disagg/) are not on this branch"
 
 PD_STUB = "pd_stub_decode"
 CHAT = json.dumps(
@@ -90,65 +95,82 @@ async def pd_front(
     """The stub engines, the router in this process, and a real Envoy in front: the
     generated front door, or (picker) the inference-gateway chart's Envoy."""
     async with stub_engines(engine) as (pre, dec):
-        grpc_port, listen, admin, dead = free_ports(4)
-        cfg = config_from_dict(
-            {
-                "policy": PD_STUB,
-                "listen": {"grpc": f"127.0.0.1:{grpc_port}"},
-                "envoy": {
-                    "listen": f"127.0.0.1:{listen}",
-                    "admin": f"127.0.0.1:{admin}",
-                    "mode": "endpoint_picker" if picker else "cluster",
-                    "connect_retries": 0,
+        (dead,) = free_ports(1)
+        addresses = (f"127.0.0.1:{dead}" if dead_prefill else pre.address, dec.address)
+        async with front(tmp, engine, addresses, 9999, picker, prefill_timeout_s) as (url, r):
+            yield Front(url, r, pre, dec)
+
+
+@asynccontextmanager
+async def front(
+    tmp: Path,
+    engine: str,
+    addresses: tuple[str, str],
+    bootstrap_port: int,
+    picker: bool = False,
+    prefill_timeout_s: float = 5.0,
+) -> AsyncIterator[tuple[str, Router]]:
+    """The router in this process (its fleet: `pre`, a prefill engine, and `dec`, a decode
+    engine, at `addresses`), and a real Envoy in front; the front door's URL."""
+    grpc_port, listen, admin = free_ports(3)
+    cfg = config_from_dict(
+        {
+            "policy": PD_STUB,
+            "listen": {"grpc": f"127.0.0.1:{grpc_port}"},
+            "envoy": {
+                "listen": f"127.0.0.1:{listen}",
+                "admin": f"127.0.0.1:{admin}",
+                "mode": "endpoint_picker" if picker else "cluster",
+                "connect_retries": 0,
+            },
+            "routing": {"prefill_timeout_s": prefill_timeout_s},
+            "backends": [
+                {
+                    "id": "pre",
+                    "address": addresses[0],
+                    "engine": engine,
+                    "role": "prefill",
+                    "bootstrap_port": bootstrap_port,
                 },
-                "routing": {"prefill_timeout_s": prefill_timeout_s},
-                "backends": [
-                    {
-                        "id": "pre",
-                        "address": f"127.0.0.1:{dead}" if dead_prefill else pre.address,
-                        "engine": engine,
-                        "role": "prefill",
-                        "bootstrap_port": 9999,
-                    },
-                    {"id": "dec", "address": dec.address, "engine": engine, "role": "decode"},
-                ],
-            }
-        )
-        router = build_router(cfg, time.monotonic, random.Random(0))
-        server = grpc.aio.server(options=grpc_options(cfg.envoy.max_body_bytes))
-        ext_proc, _ = add_services(server, router)
-        handle = ext_proc.director.handle
+                {"id": "dec", "address": addresses[1], "engine": engine, "role": "decode"},
+            ],
+        }
+    )
+    router = build_router(cfg, time.monotonic, random.Random(0))
+    server = grpc.aio.server(options=grpc_options(cfg.envoy.max_body_bytes))
+    ext_proc, _ = add_services(server, router)
+    handle = ext_proc.director.handle
 
-        def with_prefill(request: RouteRequest, body_bytes: int) -> Any:
-            outcome = handle(request, body_bytes)  # the core's pair decision stands in
-            if isinstance(outcome, Routed):
-                d = dataclasses.replace(outcome.decision, prefill=PrefillLeg("pre", 1024, 5.0))
-                return dataclasses.replace(outcome, decision=d)
-            return outcome
+    def with_prefill(request: RouteRequest, body_bytes: int) -> Any:
+        outcome = handle(request, body_bytes)  # the core's pair decision stands in
+        if isinstance(outcome, Routed):
+            d = dataclasses.replace(outcome.decision, prefill=PrefillLeg("pre", 1024, 5.0))
+            return dataclasses.replace(outcome, decision=d)
+        return outcome
 
-        ext_proc.director.handle = with_prefill  # type: ignore[method-assign]
-        server.add_insecure_port(f"127.0.0.1:{grpc_port}")
-        await server.start()
-        config = (
-            gateway_envoy_config(listen, admin, grpc_port, tls=False)
-            if picker
-            else render_envoy_config(cfg)
-        )
-        path = tmp / "envoy.yaml"
-        path.write_text(config)
-        proc = subprocess.Popen(
-            [envoy_binary(), "-c", str(path), "--disable-hot-restart", "-l", "error"],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        try:
-            await _ready(f"http://127.0.0.1:{admin}/ready")
-            yield Front(f"http://127.0.0.1:{listen}", router, pre, dec)
-        finally:
-            proc.terminate()
-            await asyncio.to_thread(proc.wait, 10)
-            await server.stop(0.5)
-            await ext_proc.prefill_legs.close()
+    ext_proc.director.handle = with_prefill  # type: ignore[method-assign]
+    server.add_insecure_port(f"127.0.0.1:{grpc_port}")
+    await server.start()
+    config = (
+        gateway_envoy_config(listen, admin, grpc_port, tls=False)
+        if picker
+        else render_envoy_config(cfg)
+    )
+    path = tmp / "envoy.yaml"
+    path.write_text(config)
+    proc = subprocess.Popen(
+        [envoy_binary(), "-c", str(path), "--disable-hot-restart", "-l", "error"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        await _ready(f"http://127.0.0.1:{admin}/ready")
+        yield f"http://127.0.0.1:{listen}", router
+    finally:
+        proc.terminate()
+        await asyncio.to_thread(proc.wait, 10)
+        await server.stop(0.5)
+        await ext_proc.prefill_legs.close()
 
 
 async def _ready(url: str) -> None:
@@ -165,12 +187,12 @@ async def _ready(url: str) -> None:
             await asyncio.sleep(0.05)
 
 
-async def chat(url: str) -> tuple[int, dict[str, str], bytes]:
+async def chat(url: str, body: bytes = CHAT) -> tuple[int, dict[str, str], bytes]:
     async with (
         aiohttp.ClientSession() as s,
         s.post(
             f"{url}/v1/chat/completions",
-            data=CHAT,
+            data=body,
             headers={"content-type": "application/json", "x-gorgo-prefill-backend": "forged"},
             timeout=aiohttp.ClientTimeout(total=20),
         ) as r,
@@ -264,9 +286,60 @@ async def test_a_vllm_prefill_past_its_timeout_is_a_504(tmp_path: Path) -> None:
         await assert_failed(f, 504, "no answer in 0.5 s")
 
 
-@pytest.mark.skipif(
-    importlib.util.find_spec("emulator.engine.disagg") is None,
-    reason="the P/D twins (emulator/engine/disagg/, branch s59-twin2) are not on this branch",
+@pytest.mark.skipif(not TWINS, reason=NO_TWINS)
+@pytest.mark.parametrize(
+    ("engine", "picker"),
+    [("sglang", False), ("vllm", False), ("sglang", True), ("vllm", True)],
+    ids=["sglang-ext_proc", "vllm-ext_proc", "sglang-endpoint_picker", "vllm-endpoint_picker"],
 )
-def test_through_the_pd_twins() -> None:
-    pytest.skip("to write once the twins land: the same tests against gorgo engine twins")
+async def test_through_the_pd_twins(tmp_path: Path, engine: str, picker: bool) -> None:
+    """The P/D twins (emulator/engine/disagg/): prefilled on one, the KV over the link
+    between them, decoded and streamed by the other; both idle after."""
+    from tests.component.emulator.engine.pd_harness import assert_idle, pd_pair
+
+    async with pd_pair(engine) as pair:
+        addresses = (_address(pair.prefill.url), _address(pair.decode.url))
+        async with front(tmp_path, engine, addresses, pair.side_port, picker) as (url, router):
+            model = "emulated" if engine == "sglang" else "tiny"
+            body = {
+                "model": model,
+                "messages": [{"role": "user", "content": "tell me about the link " * 20}],
+                "max_tokens": 6,
+                "stream": True,
+            }
+            status, headers, answer = await chat(url, json.dumps(body).encode())
+            assert status == 200, answer
+            assert (headers.get("x-gorgo-backend"), headers.get("x-gorgo-prefill-backend")) == (
+                "dec",
+                "pre",
+            )
+            events = [
+                line[6:] for line in answer.decode().splitlines() if line.startswith("data: ")
+            ]
+            assert events[-1] == "[DONE]" and not any('"error"' in e for e in events), events
+            contents = [
+                json.loads(e)["choices"][0]["delta"].get("content")
+                for e in events[:-1]
+                if json.loads(e).get("choices")
+            ]
+            assert any(contents), events
+            await settled(router)
+        await _idle(pair, assert_idle)
+
+
+def _address(url: str) -> str:
+    return url.removeprefix("http://").rstrip("/")
+
+
+async def _idle(pair: Any, assert_idle: Any, timeout_s: float = 5.0) -> None:
+    """Both twins idle again (the prefill's leg ends once its KV went)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            assert_idle(pair.prefill)
+            assert_idle(pair.decode)
+            return
+        except AssertionError:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.05)
