@@ -5,10 +5,11 @@ bodies it got:
 - SGLang (python/sglang/srt/disaggregation/): the prefill holds its answer until the
   decode of the same `bootstrap_room` has taken the KV; the decode waits (up to
   ROOM_WAIT_S) for a prefill of its room, else answers 500 as a failed transfer, then
-  streams.
+  streams; a body without a room it serves whole.
 - vLLM NIXL: the prefill wants `kv_transfer_params: {"do_remote_decode": true}`,
   `max_tokens: 1`, no stream, and answers JSON with `kv_transfer_params`; the decode wants
-  those params (a known `remote_request_id`), else 500, then streams.
+  those params (a known `remote_request_id`), else 500, then streams; a body without them
+  it serves whole.
 """
 
 from __future__ import annotations
@@ -86,8 +87,10 @@ class StubEngine:
         self, request: web.Request, body: dict[str, Any]
     ) -> web.StreamResponse:
         room = body.get("bootstrap_room")
+        if room is None:  # served whole, as by an engine that is not disaggregated
+            return await _stream(request)
         if not isinstance(room, int):
-            return web.json_response({"error": "no bootstrap_room"}, status=400)
+            return web.json_response({"error": "bootstrap_room not an int"}, status=400)
         arrived = self.kv.rooms.setdefault(room, asyncio.Event())
         try:
             await asyncio.wait_for(arrived.wait(), ROOM_WAIT_S)
@@ -119,7 +122,9 @@ class StubEngine:
         return web.json_response({"id": rid, "choices": [], "kv_transfer_params": params})
 
     async def _vllm_decode(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
-        params = body.get("kv_transfer_params") or {}
+        params = body.get("kv_transfer_params")
+        if params is None:  # served whole, as by an engine that is not disaggregated
+            return await _stream(request)
         if params.get("remote_request_id") not in self.kv.remote_ids:
             return web.json_response({"error": "unknown remote_request_id"}, status=500)
         return await _stream(request)

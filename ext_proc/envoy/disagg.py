@@ -2,10 +2,12 @@
 the prefill leg (ext_proc/envoy/prefill.py) while Envoy waits for the routing reply, then
 answers with the decode engine named as for any decision (x-gorgo-backend, or the
 endpoint picker's endpoint) and the decode leg's body, plus the prefill engine named in
-x-gorgo-prefill-backend (echoed to the client). A failed prefill leg is answered here
-(503 naming the prefill engine, 504 when it ran out of time) and the request closed at
-once, not against the decode engine (a gateway error, its reason naming the prefill
-engine): the decode engine never gets a body with dangling bootstrap or KV parameters.
+x-gorgo-prefill-backend (echoed to the client). A failed prefill leg: a decode engine
+whose role is `both` serves the request whole (the client's body, nothing of the pair in
+it); else it is answered here (503 naming the prefill engine, 504 when it ran out of
+time) and the request closed at once, not against the decode engine (a gateway error,
+its reason naming the prefill engine). Never a decode body with dangling bootstrap or KV
+parameters.
 The same for the plain (BUFFERED) and the endpoint-picker (FULL_DUPLEX_STREAMED) sessions:
 the session's own `_routed` builds the reply.
 """
@@ -23,6 +25,7 @@ from ext_proc.envoy import codec
 from ext_proc.envoy.answers import json_error
 from ext_proc.envoy.prefill import PrefillFailed, PrefillSender
 from ext_proc.envoy.session_base import Reply
+from ext_proc.vocab.backend import BackendRole
 from ext_proc.vocab.errors import UNAVAILABLE, UPSTREAM_TIMEOUT
 from ext_proc.vocab.types import Decision, Status
 
@@ -53,6 +56,16 @@ async def send_prefill(session: PrefillingSession, sender: PrefillSender) -> Rep
     session.pending_prefill = None
     d, prefill = pending.decision, pending.decision.prefill.backend
     result = await sender.send(prefill, session.path, pending.body, session.request_id)
+    if isinstance(result, PrefillFailed) and _whole(session.router, d.backend):
+        # the decode engine can serve the request whole: sent there as an aggregated
+        # request (the body without bootstrap or KV parameters)
+        log.warning(
+            "request %s: prefill leg failed, served whole on %s: %s",
+            session.request_id,
+            d.backend,
+            result.reason,
+        )
+        return session.routed_reply(d, pending.body, pending.renamed)
     if isinstance(result, PrefillFailed):
         session.done = True
         log.warning("request %s: prefill leg failed: %s", session.request_id, result.reason)
@@ -66,6 +79,7 @@ async def send_prefill(session: PrefillingSession, sender: PrefillSender) -> Rep
         )
         error = UPSTREAM_TIMEOUT if result.timed_out else UNAVAILABLE
         return json_error(error, result.reason, {HEADER_PREFILL_BACKEND: prefill})
+    session.prefilled_by = prefill
     reply = session.routed_reply(d, result.decode_body, pending.renamed)
     first = reply[0] if isinstance(reply, list) else reply
     if first is not None:
@@ -84,7 +98,14 @@ class PrefillingSession(Protocol):
     request_id: str
     done: bool
     pending_prefill: PendingPrefill | None
+    prefilled_by: str | None
 
     def routed_reply(self, d: Decision, new_body: bytes | None, renamed: str | None) -> Reply:
         """The reply that sends the request to the decision's backend."""
         ...
+
+
+def _whole(router: Router, backend: str) -> bool:
+    """Whether the decode engine may serve a request whole (its role is `both`)."""
+    state = router.backends.get(backend)
+    return state is not None and state.config.role == BackendRole.BOTH

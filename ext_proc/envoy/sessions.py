@@ -96,6 +96,8 @@ class RoutingSession(FirstByteWatcher):
         # a disaggregated decision whose prefill leg the router is yet to send.
         self.reply_extended = False
         self.pending_prefill: PendingPrefill | None = None
+        # The engine that prefilled it, once its leg went (echoed with the decode engine).
+        self.prefilled_by: str | None = None
         # The backends the data plane lets it go to (its subset hint; None: any).
         self.subset: frozenset[str] | None = None
         # The response as the stream sees it: its status, the backend that answered (when
@@ -266,10 +268,9 @@ class RoutingSession(FirstByteWatcher):
             return codec.bare_continue(codec.RESPONSE_HEADERS)
         # the pool's Envoy has no per-backend metadata to echo: the picker says who answered
         # (and, for a disaggregated decision, which engine prefilled it)
-        prefill = self.decision.prefill if self.decision is not None else None
         names = {HEADER_BACKEND: echo}
-        if prefill is not None:
-            names[HEADER_PREFILL_BACKEND] = prefill.backend
+        if self.prefilled_by is not None:
+            names[HEADER_PREFILL_BACKEND] = self.prefilled_by
         return codec.continue_response(codec.RESPONSE_HEADERS, set_headers=names)
 
     def _note_served(self, endpoint: str) -> str | None:

@@ -91,13 +91,17 @@ async def pd_front(
     picker: bool = False,
     prefill_timeout_s: float = 5.0,
     dead_prefill: bool = False,
+    decode_role: str = "decode",
 ) -> AsyncIterator[Front]:
     """The stub engines, the router in this process, and a real Envoy in front: the
     generated front door, or (picker) the inference-gateway chart's Envoy."""
     async with stub_engines(engine) as (pre, dec):
         (dead,) = free_ports(1)
         addresses = (f"127.0.0.1:{dead}" if dead_prefill else pre.address, dec.address)
-        async with front(tmp, engine, addresses, 9999, picker, prefill_timeout_s) as (url, r):
+        async with front(tmp, engine, addresses, 9999, picker, prefill_timeout_s, decode_role) as (
+            url,
+            r,
+        ):
             yield Front(url, r, pre, dec)
 
 
@@ -109,6 +113,7 @@ async def front(
     bootstrap_port: int,
     picker: bool = False,
     prefill_timeout_s: float = 5.0,
+    decode_role: str = "decode",
 ) -> AsyncIterator[tuple[str, Router]]:
     """The router in this process (its fleet: `pre`, a prefill engine, and `dec`, a decode
     engine, at `addresses`), and a real Envoy in front; the front door's URL."""
@@ -132,7 +137,7 @@ async def front(
                     "role": "prefill",
                     "bootstrap_port": bootstrap_port,
                 },
-                {"id": "dec", "address": addresses[1], "engine": engine, "role": "decode"},
+                {"id": "dec", "address": addresses[1], "engine": engine, "role": decode_role},
             ],
         }
     )
@@ -284,6 +289,21 @@ async def test_a_vllm_prefill_past_its_timeout_is_a_504(tmp_path: Path) -> None:
     async with pd_front(tmp_path, "vllm", prefill_timeout_s=0.5) as f:
         f.prefill.stall_s = 3.0
         await assert_failed(f, 504, "no answer in 0.5 s")
+
+
+@pytest.mark.parametrize("picker", [False, True], ids=["ext_proc", "endpoint_picker"])
+async def test_a_decode_engine_of_role_both_serves_it_whole_when_the_prefill_fails(
+    tmp_path: Path, picker: bool
+) -> None:
+    async with pd_front(tmp_path, "sglang", picker, dead_prefill=True, decode_role="both") as f:
+        status, headers, body = await chat(f.url)
+        assert status == 200, body
+        assert headers.get("x-gorgo-backend") == "dec"
+        assert "x-gorgo-prefill-backend" not in headers  # not prefilled apart (nor forged)
+        (whole,) = f.decode.bodies
+        assert not {"bootstrap_host", "bootstrap_port", "bootstrap_room"} & set(whole)
+        await settled(f.router)
+        assert f.router.backends["dec"].stats.completed == 1
 
 
 @pytest.mark.skipif(not TWINS, reason=NO_TWINS)

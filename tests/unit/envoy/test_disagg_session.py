@@ -33,8 +33,11 @@ class FakeLegs:
         return self.result
 
 
-def session_with_decision(extended: bool = False) -> tuple[RoutingSession, str]:
-    r, _ = make_router("round_robin", backends=REGIONS, routing={"prefill_timeout_s": 7})
+def session_with_decision(
+    extended: bool = False, decode_role: str = "decode"
+) -> tuple[RoutingSession, str]:
+    backends = [{**b, "role": decode_role} for b in REGIONS]
+    r, _ = make_router("round_robin", backends=backends, routing={"prefill_timeout_s": 7})
     d = r.decide(chat("hi"))
     s = Stream(r)
     s.handle(headers("/v1/chat/completions", d.request_id))
@@ -83,3 +86,15 @@ async def test_a_failed_prefill_leg_is_answered_and_closed_not_against_the_decod
         assert session.done and not session.router.in_flight
         stats = session.router.backends[decode].stats
         assert (stats.errors, stats.gateway_errors) == (0, 1)
+
+
+async def test_a_decode_engine_that_serves_whole_requests_takes_it_whole() -> None:
+    session, decode = session_with_decision(decode_role="both")
+    reply = await send_prefill(session, FakeLegs(PrefillFailed("refused")))  # type: ignore[arg-type]
+    assert isinstance(reply, codec.ProcessingResponse)
+    common = reply.request_body.response
+    set_headers = {h.header.key: h.header.raw_value for h in common.header_mutation.set_headers}
+    assert set_headers["x-gorgo-backend"] == decode.encode()
+    assert "x-gorgo-prefill-backend" not in set_headers  # not prefilled apart
+    assert common.body_mutation.body == BODY  # the client's, nothing of the pair in it
+    assert session.router.in_flight  # served on: the access log closes it
