@@ -128,10 +128,11 @@ class Routing:
     first_byte_slack_ms: float = bounded(5000.0, **NON_NEGATIVE)
     # A disaggregated request's prefill leg, sent by the router (docs/envoy.md, "Prefill
     # and decode apart"): vLLM's one-token prefill is awaited this long, SGLang's leg this
-    # long to go out (its answer, which follows the KV transfer, this long again in the
-    # background); past it the client gets a 504 naming the prefill engine. 30 s: a long
-    # prompt's prefill behind a queue, and Envoy holds the routing reply this long
-    # (the routing filter's max_message_timeout covers it).
+    # long to go out, and its answer (which follows the KV transfer, drained in the
+    # background) no later than this after it was sent; past it the client gets a 504
+    # naming the prefill engine (SGLang: the decode's transfer fails). 30 s: a long
+    # prompt's prefill behind a queue, and Envoy holds the routing reply this long (the
+    # routing filter's max_message_timeout covers it).
     prefill_timeout_s: float = bounded(30.0, gt=0.0, le=600.0)
 
 

@@ -7,7 +7,8 @@ carries as any routed request, or why the leg failed.
 - SGLang: the body with the bootstrap fields goes to the prefill engine and is not waited
   for (its answer comes only once the decode engine has pulled the KV): the decode leg goes
   on once the prefill's request is on the wire (a refused connection is a failure); its
-  answer is drained in the background, cut off after the timeout.
+  answer is drained in the background, cut off at the timeout (counted from the leg's
+  start: the decode's transfer then fails).
 - vLLM (NIXL): the one-token prefill is awaited (at most the timeout); its
   `kv_transfer_params` go into the decode leg's body.
 """
