@@ -77,8 +77,9 @@ class Holding(Listener):
             yield future
         finally:
             self._waiters.pop(id(ticket), None)
-            if not future.done():
-                self.admission.cancel(ticket)
+            # not `future.done()`: a task cancelled while it awaited the future cancels
+            # the future too; the ticket says whether it was settled
+            self.admission.cancel(ticket)
 
     def _deliver(self, settled: list[Settled]) -> None:
         for w, outcome in settled:

@@ -46,3 +46,26 @@ async def test_a_stream_gone_before_its_request_is_settled_takes_it_out_of_the_q
     assert director.admission.snapshot()["outcomes"] == {"cancelled": 1}
     await holding.stop()
     assert director.admission.pump() == [] and "r1" not in router.in_flight
+
+
+async def test_a_stream_cancelled_while_it_awaits_takes_its_request_out_of_the_queue() -> None:
+    router, _ = make_router("gorgo", backends=["a"], flow_control=FLOW)
+    director = Director(router)
+    holding = Holding(director.admission, router.clock)
+    load(router, "peer", "a", 1000, 10)  # no room
+    queued = director.handle(chat(rid="r1"))
+    assert isinstance(queued, Queued)
+
+    async def held() -> None:
+        with holding.hold(queued.ticket) as settled:
+            await settled  # as the server's stream task awaits it
+
+    task = asyncio.create_task(held())
+    await asyncio.sleep(0)
+    task.cancel()  # gRPC cancels the stream's task: the awaited future is cancelled too
+    await asyncio.gather(task, return_exceptions=True)
+    assert queued.ticket.done and holding.held == 0
+    assert director.admission.snapshot()["outcomes"] == {"cancelled": 1}
+    router.inputs.apply_peer(PeerEvent(PeerKind.CLOSED, "x", "peer", "a"))  # room comes
+    assert director.admission.pump() == [] and "r1" not in router.in_flight
+    await holding.stop()
