@@ -42,6 +42,7 @@ OPTIONAL_KEYS = (
     "decode_batch_fraction",
     "no_cuda_graph_batch",
     "no_cuda_graph_ms",
+    "kv_bytes_per_token",
 )
 # Read only by the emulated engine (emulator/) and the simulator (loadgen/), never by the
 # router: its cache granularity is routing.block_tokens.
@@ -69,6 +70,10 @@ class EngineProfile:
     decode_batch_fraction: float = 0.03125
     no_cuda_graph_batch: int = 0
     no_cuda_graph_ms: float = 0.0
+    # The model's KV per prompt token, in bytes: 2 (K and V) x layers x KV heads x head
+    # dim x bytes per element (Llama-3.1-8B in fp16: 2 x 32 x 8 x 128 x 2 = 128 KiB). What a
+    # disaggregated prefill moves to its decode engine; 0 = unknown (routing.kv_bytes_per_token).
+    kv_bytes_per_token: int = 0
     # Emulator-only (EMULATOR_KEYS): the emulated cache's block, and a multiplicative
     # lognormal jitter on every step.
     block_tokens: int = 64
