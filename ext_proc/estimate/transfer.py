@@ -100,7 +100,8 @@ class TransferFactors:
         return self._factor.get(self._key(a, b), 1.0)
 
     def observe(self, a: str, b: str, predicted_ms: float, observed_ms: float) -> None:
-        """One transfer: its predicted bandwidth part and what was observed for it."""
+        """One transfer: its predicted bandwidth part (with the factor then) and what was
+        observed for it."""
         if predicted_ms <= 0 or observed_ms <= 0:
             return
         key = self._key(a, b)
