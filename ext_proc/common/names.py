@@ -7,6 +7,10 @@ HEADER_GATEWAY_ENDPOINT = "x-gateway-destination-endpoint"
 # Envoy's per-try timeout, set by the router on each request it routes: the first-byte
 # deadline (Envoy honours it from a filter; it stops once response headers arrive).
 HEADER_PER_TRY_TIMEOUT = "x-envoy-upstream-rq-per-try-timeout-ms"
+# The decision span's attributes of a disaggregated decision (Decision.prefill): the
+# engine that prefills, and the KV's predicted transfer to the decode engine (ms).
+SPAN_PREFILL_BACKEND = "gorgo.prefill_backend"
+SPAN_KV_TRANSFER_MS = "gorgo.kv_transfer_ms"
 # Client-sent copies of these are removed before routing.
 ROUTING_HEADERS = (HEADER_BACKEND, HEADER_GATEWAY_ENDPOINT)
 
