@@ -75,7 +75,7 @@ class FleetState(BackendRecords):
         """The prefill engine is done with the request (its KV sent, or the request
         ended): its load there is dropped, once (None: no leg, or already released)."""
         leg = self.legs.pop(request_id, None)
-        if leg is not None:
+        if leg is not None and leg.backend in self.backends:
             self._drop_load(leg)
         return leg
 

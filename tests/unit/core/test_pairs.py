@@ -261,3 +261,14 @@ def test_an_observed_slow_transfer_raises_the_links_factor() -> None:
     clock.advance((rec.predicted_ttft_ms + 2 * rec.transfer_bandwidth_ms) / 1000)
     router.first_byte("r")
     assert router.snapshot()["kv_transfer_factors"]["a|a"] > 1.0
+
+
+def test_a_draining_prefill_engine_goes_once_its_last_leg_is_released() -> None:
+    router, clock = pd_router()
+    p, _, _ = dispatched(router)
+    router.fleet.drain(p, keep_one=False)
+    assert p in router.backends  # its leg is still prefilling
+    clock.advance(1.0)
+    router.first_byte("r")
+    router.close("r", Status.OK)
+    assert p not in router.backends
