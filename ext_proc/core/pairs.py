@@ -160,6 +160,7 @@ def pair_leg(rec: InFlight, pair: PairPrice, paired: PairedCandidates) -> InFlig
     rec.prefill_ms = pair.first_step_ms
     rec.queue_ms = pair.total_ms - pair.rtt_ms - pair.rtt_back_ms - pair.first_step_ms
     rec.replay_features = None  # the decode engine's replay priced a prefill it won't run
+    rec.matched_last_used_s = None  # the decode engine's report says nothing of P's cache
     return InFlight(
         request_id=rec.request_id,
         backend=pair.prefill,

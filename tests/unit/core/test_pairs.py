@@ -272,3 +272,14 @@ def test_a_draining_prefill_engine_goes_once_its_last_leg_is_released() -> None:
     router.first_byte("r")
     router.close("r", Status.OK)
     assert p not in router.backends
+
+
+def test_both_engines_of_a_pair_hold_the_prompt_afterwards() -> None:
+    router, _ = pd_router()
+    _, d, n = dispatched(router)
+    router.close("r", Status.OK)
+    again = router.decide(chat(LONG, rid="r2"))
+    assert again.prefill is not None
+    # D holds it but the last partial block: only that is sent (100 Gbps within a)
+    assert router.in_flight["r2"].transfer_ms < 256 * KV * 8 / 100e9 * 1e3
+    assert {c.backend_id: c.cached_tokens for c in again.candidates}[d] > n // 2
