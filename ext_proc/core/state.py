@@ -82,18 +82,19 @@ class FleetState(BackendRecords):
     def _learn_transfer(self, rec: InFlight, now_s: float) -> None:
         """The decode's first byte came: what the transfer took is the time from the
         dispatch less every other part of the prediction (its queues, prefill, first step
-        and trips), set against the predicted bandwidth part."""
-        if rec.prefill_backend is None or rec.predicted_ttft_ms is None:
-            return
-        if rec.transfer_bandwidth_ms < 1.0 or not rec.streaming:  # too small to tell
-            return
-        p, d = self.backends.get(rec.prefill_backend), self.backends.get(rec.backend)
-        if p is None or d is None:
+        and trips); its bandwidth part, set against the predicted one, moves the link's
+        factor."""
+        if rec.prefill_backend is None or rec.predicted_ttft_ms is None or not rec.streaming:
             return
         elapsed_ms = (now_s - rec.dispatched_s) * 1000.0 - rec.pace_ms
-        observed_ms = elapsed_ms - (rec.predicted_ttft_ms - rec.transfer_bandwidth_ms)
+        observed_ms = max(0.0, elapsed_ms - (rec.predicted_ttft_ms - rec.transfer_ms))
+        rec.observed_transfer_ms = observed_ms
+        p, d = self.backends.get(rec.prefill_backend), self.backends.get(rec.backend)
+        if p is None or d is None or rec.transfer_bandwidth_ms < 1.0:  # too small to tell
+            return
+        link_rtt_ms = rec.transfer_ms - rec.transfer_bandwidth_ms
         self.transfer.observe(
-            p.config.region, d.config.region, rec.transfer_bandwidth_ms, observed_ms
+            p.config.region, d.config.region, rec.transfer_bandwidth_ms, observed_ms - link_rtt_ms
         )
 
     def first_byte(self, request_id: str, now_s: float) -> tuple[float, InFlight] | None:

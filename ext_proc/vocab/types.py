@@ -312,6 +312,9 @@ class InFlight:
     prefill_backend: str | None = None
     transfer_ms: float = 0.0
     transfer_bandwidth_ms: float = 0.0
+    # What the transfer took as observed at the decode's first byte (the time since the
+    # dispatch less the rest of the prediction; None: not observed).
+    observed_transfer_ms: float | None = None
 
     @property
     def arrived_s(self) -> float:

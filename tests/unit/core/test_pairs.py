@@ -261,6 +261,9 @@ def test_an_observed_slow_transfer_raises_the_links_factor() -> None:
     clock.advance((rec.predicted_ttft_ms + 2 * rec.transfer_bandwidth_ms) / 1000)
     router.first_byte("r")
     assert router.snapshot()["kv_transfer_factors"]["a|a"] > 1.0
+    router.close("r", Status.OK)
+    observed = router.snapshot()["recent_decisions"][0]["observed"]
+    assert observed["kv_transfer_ms"] == pytest.approx(3 * rec.transfer_ms, abs=1e-3)
 
 
 def test_a_draining_prefill_engine_goes_once_its_last_leg_is_released() -> None:
