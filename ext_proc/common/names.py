@@ -11,6 +11,8 @@ HEADER_PER_TRY_TIMEOUT = "x-envoy-upstream-rq-per-try-timeout-ms"
 # engine that prefills, and the KV's predicted transfer to the decode engine (ms).
 SPAN_PREFILL_BACKEND = "gorgo.prefill_backend"
 SPAN_KV_TRANSFER_MS = "gorgo.kv_transfer_ms"
+# At its close: the transfer as observed at the decode's first byte (ms).
+SPAN_KV_TRANSFER_OBSERVED_MS = "gorgo.kv_transfer_observed_ms"
 # Client-sent copies of these are removed before routing.
 ROUTING_HEADERS = (HEADER_BACKEND, HEADER_GATEWAY_ENDPOINT)
 

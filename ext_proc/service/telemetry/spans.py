@@ -10,7 +10,11 @@ from typing import Any
 
 import orjson
 
-from ext_proc.common.names import SPAN_KV_TRANSFER_MS, SPAN_PREFILL_BACKEND
+from ext_proc.common.names import (
+    SPAN_KV_TRANSFER_MS,
+    SPAN_KV_TRANSFER_OBSERVED_MS,
+    SPAN_PREFILL_BACKEND,
+)
 from ext_proc.core.backend import BackendState
 from ext_proc.core.terms.catalog import TERMS
 from ext_proc.vocab.events import Dispatched
@@ -77,6 +81,7 @@ A_FLOW_QUEUED_BEHIND = "gorgo.flow.queued_behind"
 # A disaggregated decision (only then): its prefill engine and the KV's predicted transfer.
 A_PREFILL_BACKEND = SPAN_PREFILL_BACKEND
 A_KV_TRANSFER_MS = SPAN_KV_TRANSFER_MS
+A_KV_TRANSFER_OBSERVED_MS = SPAN_KV_TRANSFER_OBSERVED_MS
 
 
 def session_hash(key: str | None) -> str:
