@@ -1,6 +1,7 @@
 """The pair's price and a disaggregated fleet's decisions (core.pairs)."""
 
 import dataclasses
+import random
 
 import pytest
 
@@ -286,3 +287,33 @@ def test_both_engines_of_a_pair_hold_the_prompt_afterwards() -> None:
     # D holds it but the last partial block: only that is sent (100 Gbps within a)
     assert router.in_flight["r2"].transfer_ms < 256 * KV * 8 / 100e9 * 1e3
     assert {c.backend_id: c.cached_tokens for c in again.candidates}[d] > n // 2
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_any_order_of_ends_leaves_nothing_counted(seed: int) -> None:
+    rng = random.Random(seed)
+    fleet = (*FLEET, {"id": "both", "address": "127.0.0.1:4", "region": "b", "rtt_prior_ms": 60})
+    router, clock = pd_router(gbps=100.0, fleet=fleet)
+    live: list[str] = []
+    for i in range(60):
+        clock.advance(rng.random())
+        op = rng.random()
+        if op < 0.45 or not live:
+            rid = f"r{rng.randrange(40)}"  # ids reused now and then
+            text = LONG if rng.random() < 0.5 else "short question"
+            router.decide(dataclasses.replace(chat(text, rid=rid), envoy=f"e{i % 3}"))
+            live.append(rid)
+        elif op < 0.65:
+            router.first_byte(rng.choice(live))
+        elif op < 0.9:
+            router.close(rng.choice(live), rng.choice(list(Status)))
+        elif op < 0.95:
+            router.lose({"e1"})
+        else:
+            router.expire()
+        state_legs = sum(1 for b in router.backends.values() for r in b.load.records)
+        assert state_legs == sum(b.load.in_flight for b in router.backends.values())
+    for rid in set(live):
+        router.close(rid, Status.OK)
+    assert all(counts(router, b) == (0, 0, 0) for b in router.backends)
+    assert not router.snapshot().get("prefilling")
