@@ -104,6 +104,7 @@ def _engine(args: argparse.Namespace) -> int:
         Faults,
         zero_delay_profile,
     )
+    from emulator.engine.disagg.cli import disagg_settings
     from emulator.engine.kv_publisher import KvEventsConfig
     from emulator.engine.server import serve_engine
     from emulator.engine.tokenizer import load_twin_tokenizer
@@ -171,6 +172,7 @@ def _engine(args: argparse.Namespace) -> int:
             priority=_priority_setting(args),
             warmup_s=args.warmup_s,
             health_generation=health_env.lower() not in ("0", "false", "no"),
+            disagg=disagg_settings(args),
         )
     except ValueError as e:  # ConfigError is one
         print(f"gorgo engine: {e}", file=sys.stderr)
@@ -259,7 +261,9 @@ def _wan(args: argparse.Namespace) -> int:
             return usage_error("--region goes with --profile, not --rtt-ms")
         rtt_ms, jitter_ms = args.rtt_ms, args.jitter_ms or 0.0
     try:
-        DelaySettings(rtt_ms, jitter_ms, args.spike_probability, args.spike_ms)
+        DelaySettings(
+            rtt_ms, jitter_ms, args.spike_probability, args.spike_ms, args.gbps, args.byte_scale
+        )
     except SettingError as e:
         return usage_error(f"--{e.key.replace('_', '-')} {e.problem}")
     if not 0 <= args.control_port <= 65535:
@@ -276,6 +280,8 @@ def _wan(args: argparse.Namespace) -> int:
             spike_probability=args.spike_probability,
             spike_ms=args.spike_ms,
             control_port=args.control_port,
+            gbps=args.gbps,
+            byte_scale=args.byte_scale,
         )
     )
 
@@ -306,6 +312,8 @@ def _bench_engine_model(args: argparse.Namespace) -> int:
 
 
 def add_commands(commands: Commands) -> None:
+    from emulator.engine.disagg.cli import add_disagg_flags
+
     sub = commands.sub
     policies = commands.policies
     s = sub.add_parser(
@@ -421,6 +429,7 @@ def add_commands(commands: Commands) -> None:
         '(vllm also needs "enable_kv_cache_events": true; sglang: "encoding": "array" for '
         "the tagged-array events of releases before 2026)",
     )
+    add_disagg_flags(g)
     s.add_argument(
         "--warmup-s",
         type=float,
@@ -502,12 +511,28 @@ def add_commands(commands: Commands) -> None:
         "--spike-ms", type=float, default=0.0, metavar="MS", help="RTT added when a spike hits"
     )
     s.add_argument(
+        "--gbps",
+        type=float,
+        default=0.0,
+        metavar="G",
+        help="bandwidth of each direction in Gbit/s: bytes leave one after another at it "
+        "(0: unlimited)",
+    )
+    s.add_argument(
+        "--byte-scale",
+        type=float,
+        default=1.0,
+        metavar="S",
+        help="each byte stands for S bytes at --gbps: set it to the engines' --kv-byte-scale "
+        "on a link that carries their scaled-down KV",
+    )
+    s.add_argument(
         "--control-port",
         type=int,
         default=0,
         metavar="PORT",
         help="serve GET/POST /rtt on 127.0.0.1:PORT to read or change rtt_ms, jitter_ms, "
-        "spike_probability and spike_ms at run time (0: off)",
+        "spike_probability, spike_ms, gbps and byte_scale at run time (0: off)",
     )
     s.set_defaults(func=_wan)
 

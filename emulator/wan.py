@@ -13,9 +13,19 @@ before it, whether jitter or a lowered RTT would let it. The two halves of a rou
 drawn independently, so a measured round trip has the configured mean and a std of about
 jitter_ms / sqrt(2).
 
+Bandwidth: `gbps` (Gbit/s; 0 = unlimited, the default) paces each direction as one wire:
+a chunk leaves when the bytes ahead of it have left, taking len * 8 * byte_scale / rate,
+and arrives half an RTT sample later (`DelayModel.schedule`). The link reads from the
+target only as fast as the wire takes bytes (SEND_AHEAD_S ahead, with a small receive
+buffer: emulator/wan_socket.py), so bytes not yet sent stay in the target's socket: a
+target that resets mid-transfer has sent only what the wire took. `byte_scale` (default
+1) is what one byte stands for: twins that send their KV scaled down by S (emulator/
+engine/disagg/kv.py) need a link with byte_scale S, so its bytes take their real time.
+
 Run-time change: `WanLink.settings` / `set_rtt_ms`, or the optional HTTP control endpoint
-on 127.0.0.1:`control_port` (`GET /rtt`, `POST /rtt` with a JSON object of settings).
-Changes apply to bytes read from then on; data already queued keeps its due time.
+on 127.0.0.1:`control_port` (`GET /rtt`, `POST /rtt` with a JSON object of settings, the
+bandwidth's included). Changes apply to bytes read from then on; queued data keeps its due
+time.
 
 `RTT_PROFILES` holds the named region RTTs (`network`, `paper`; docs/engine-model.md).
 
@@ -45,12 +55,17 @@ from collections import deque
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
+from emulator.wan_socket import open_target
+
 if TYPE_CHECKING:
     from aiohttp import web
 
 log = logging.getLogger(__name__)
 
 READ_CHUNK_BYTES = 64 * 1024
+# With a bandwidth, how far ahead of the wire the link reads (module docstring): enough
+# to keep the wire busy through event-loop delays, small beside any transfer it paces.
+SEND_AHEAD_S = 0.02
 DEFAULT_MAX_BUFFERED_BYTES = 4 * 1024 * 1024  # see module docstring: bandwidth-delay product
 # A blackholed target should not hold a client forever; a real SYN gives up after ~2 min,
 # tests and the local stack want a clear failure much sooner.
@@ -142,11 +157,17 @@ class DelaySettings:
     jitter_ms: float = 0.0
     spike_probability: float = 0.0
     spike_ms: float = 0.0
+    # Bandwidth per direction, Gbit/s (0: unlimited), and the bytes each byte stands for.
+    gbps: float = 0.0
+    byte_scale: float = 1.0
 
     def __post_init__(self) -> None:
         _check_non_negative("rtt_ms", self.rtt_ms)
         _check_non_negative("jitter_ms", self.jitter_ms)
         _check_non_negative("spike_ms", self.spike_ms)
+        _check_non_negative("gbps", self.gbps)
+        if not (math.isfinite(self.byte_scale) and self.byte_scale >= 1):
+            raise SettingError("byte_scale", f"must be finite and >= 1, got {self.byte_scale!r}")
         if not 0.0 <= self.spike_probability <= 1.0:  # also rejects NaN
             raise SettingError(
                 "spike_probability", f"must be in [0, 1], got {self.spike_probability!r}"
@@ -215,6 +236,36 @@ class DelayModel:
         same direction (previous_due_s), so order holds whatever the samples."""
         return max(previous_due_s, read_s + self.one_way_delay_s())
 
+    def transmit_s(self, nbytes: int) -> float:
+        """How long nbytes take to leave at the link's bandwidth (0: unlimited)."""
+        s = self._settings
+        return nbytes * 8 * s.byte_scale / (s.gbps * 1e9) if s.gbps > 0 else 0.0
+
+    def read_bytes(self) -> int:
+        """How much to read at once: with a bandwidth, what the wire sends in SEND_AHEAD_S
+        (at least 256 bytes), so a sender's unsent bytes stay with it."""
+        s = self._settings
+        if s.gbps <= 0:
+            return READ_CHUNK_BYTES
+        return max(256, min(READ_CHUNK_BYTES, int(s.gbps * 1e9 / 8 / s.byte_scale * SEND_AHEAD_S)))
+
+    def schedule(self, pacing: Pacing, read_s: float, nbytes: int) -> float:
+        """The due time of a chunk of nbytes read at read_s in `pacing`'s direction: it
+        leaves once the bytes ahead of it have (at the bandwidth), then takes half an RTT
+        sample, and never arrives before the chunk ahead of it."""
+        pacing.sent_s = max(read_s, pacing.sent_s) + self.transmit_s(nbytes)
+        pacing.due_s = self.due_s(pacing.sent_s, pacing.due_s)
+        return pacing.due_s
+
+
+@dataclasses.dataclass(slots=True)
+class Pacing:
+    """One direction's state: when its last chunk is due, and when the wire has sent every
+    byte read so far."""
+
+    due_s: float = -math.inf
+    sent_s: float = -math.inf
+
 
 class _DelayQueue:
     """FIFO of (due_s, data) for one direction, bounded by bytes. `data=None` means EOF."""
@@ -265,6 +316,8 @@ class WanLink:
         handshake: bool = True,
         max_buffered_bytes: int = DEFAULT_MAX_BUFFERED_BYTES,
         connect_timeout_s: float = CONNECT_TIMEOUT_S,
+        gbps: float = 0.0,
+        byte_scale: float = 1.0,
     ) -> None:
         if max_buffered_bytes < 1:
             raise ValueError(f"max_buffered_bytes must be >= 1, got {max_buffered_bytes}")
@@ -272,9 +325,8 @@ class WanLink:
         self.listen_port = listen_port
         self.target_host = target_host
         self.target_port = target_port
-        self._model = DelayModel(
-            DelaySettings(rtt_ms, jitter_ms, spike_probability, spike_ms), random.Random(seed)
-        )
+        settings = DelaySettings(rtt_ms, jitter_ms, spike_probability, spike_ms, gbps, byte_scale)
+        self._model = DelayModel(settings, random.Random(seed))
         self.control_port = control_port or None
         self.handshake = handshake
         self.max_buffered_bytes = max_buffered_bytes
@@ -379,7 +431,7 @@ class WanLink:
         try:
             try:
                 target_reader, connected = await asyncio.wait_for(
-                    asyncio.open_connection(self.target_host, self.target_port),
+                    open_target(self.target_host, self.target_port, self.settings.gbps > 0),
                     self.connect_timeout_s,
                 )
             except (OSError, TimeoutError) as exc:
@@ -417,10 +469,12 @@ class WanLink:
         self, reader: asyncio.StreamReader, queue: _DelayQueue, may_send_s: float
     ) -> None:
         loop = asyncio.get_running_loop()
-        due_s = -math.inf
+        pacing = Pacing()
         while True:
-            data = await reader.read(READ_CHUNK_BYTES)
-            due_s = self._model.due_s(max(loop.time(), may_send_s), due_s)
+            if (ahead_s := pacing.sent_s - loop.time()) > SEND_AHEAD_S:
+                await asyncio.sleep(ahead_s - SEND_AHEAD_S)  # the wire is busy
+            data = await reader.read(self._model.read_bytes())
+            due_s = self._model.schedule(pacing, max(loop.time(), may_send_s), len(data))
             await queue.put(due_s, data or None)
             if not data:
                 return
@@ -449,8 +503,8 @@ class WanLink:
 
 def make_control_app(link: WanLink) -> web.Application:
     """`GET /rtt` -> the link's settings as JSON; `POST /rtt` with a JSON object of any of
-    rtt_ms, jitter_ms, spike_probability, spike_ms -> applies them all or none and returns
-    the new settings; 400 with {"error", "key"} naming the bad key otherwise."""
+    rtt_ms, jitter_ms, spike_probability, spike_ms, gbps, byte_scale -> applies them all or
+    none and returns the new settings; 400 with {"error", "key"} naming the bad key."""
     from aiohttp import web
 
     def bad_request(error: str, key: str | None = None) -> web.Response:
@@ -506,6 +560,8 @@ async def serve_wan(
     spike_ms: float = 0.0,
     control_port: int | None = None,
     handshake: bool = True,
+    gbps: float = 0.0,
+    byte_scale: float = 1.0,
 ) -> None:
     """Run one WAN link until cancelled; `ready` is set once it accepts connections (and
     the control endpoint, if control_port is set, is up)."""
@@ -521,22 +577,17 @@ async def serve_wan(
         seed=seed,
         control_port=control_port,
         handshake=handshake,
+        gbps=gbps,
+        byte_scale=byte_scale,
     )
     await link.start()
     try:
         s = link.settings
+        control = f", control http://{CONTROL_HOST}:{control_port}/rtt" if control_port else ""
         log.info(
-            "wan link %s:%d -> %s:%d rtt %g ms, jitter %g ms, spikes %g ms at p=%g%s",
-            listen_host,
-            link.port,
-            target_host,
-            target_port,
-            s.rtt_ms,
-            s.jitter_ms,
-            s.spike_ms,
-            s.spike_probability,
-            f", control http://{CONTROL_HOST}:{control_port}/rtt" if control_port else "",
-        )
+            "wan link %s:%d -> %s:%d: %s%s", listen_host, link.port, target_host, target_port,
+            s.as_dict(), control,
+        )  # fmt: skip
         if ready is not None:
             ready.set()
         await asyncio.Event().wait()  # until cancelled

@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from emulator.engine.disagg.config import DisaggConfig
 from emulator.engine.kv_publisher import KvEventsConfig
 from emulator.engine.lora import DEFAULT_MAX_LORAS, LoraAdapters, LoraModule, check_slowdown
 from emulator.engine.priority import PriorityScheduling
@@ -151,6 +152,9 @@ class EngineConfig:
     # --disable-priority-preemption. Off, both engines take a request's priority and
     # ignore it (vLLM 0.32 as measured here: 200, not 400).
     priority: PriorityScheduling | None = None
+    # Prefill/decode disaggregation (emulator/engine/disagg/; None: off): SGLang's
+    # --disaggregation-mode, vLLM's --kv-transfer-config.
+    disagg: DisaggConfig | None = None
     # The adapters loaded now (run-time loads change it), made from lora_modules.
     adapters: LoraAdapters = field(init=False, repr=False, compare=False)
 

@@ -32,6 +32,8 @@ from typing import Any, TypeVar
 from aiohttp import web
 
 from emulator.engine.config import SGLANG, VLLM, VLLM_VERSION, EngineConfig
+from emulator.engine.disagg.prebuilt import DisaggRunner, PrebuiltModel
+from emulator.engine.disagg.twin import DisaggTwin
 from emulator.engine.kv_publisher import KvEventEmitter, KvEventPublisher
 from emulator.engine.lora import LoraError, LoraInfoGauge
 from emulator.engine.model.scheduler import EngineModel
@@ -108,11 +110,13 @@ class Engine:
             else None
         )
         max_loras = cfg.max_loras if cfg.enable_lora else None
-        # The twin schedules as the engine it stands in for (model.py: SCHEDULERS).
-        model = EngineModel(
+        # The twin schedules as the engine it stands in for (model.py: SCHEDULERS); a P/D
+        # twin's model also takes KV in transit (emulator/engine/disagg/).
+        model = (PrebuiltModel if cfg.disagg else EngineModel)(
             cfg.profile, random.Random(cfg.seed), max_loras, cfg.flavor, cfg.priority
         )
-        self.runner = ModelRunner(model, emitter)
+        self.runner = (DisaggRunner if cfg.disagg else ModelRunner)(model, emitter)
+        self.disagg = DisaggTwin(self) if cfg.disagg else None
         # vLLM exports vllm:lora_requests_info only with a LoRA config (--enable-lora).
         self.lora_info = (
             LoraInfoGauge(cfg.max_loras or 1) if cfg.enable_lora and cfg.flavor == VLLM else None
@@ -203,6 +207,10 @@ class Engine:
         # finally: a client that disconnects (handler cancelled, or a write that fails)
         # leaves the scheduler at once and is not counted in flight.
         try:
+            if self.disagg is not None:  # a P/D transfer's request: the twin answers
+                answer = await self.disagg.serve(request, req, raw, rid, arrival_s)
+                if answer is not None:
+                    return answer
             channel = self.runner.submit(rid, req)
             if not req.stream:
                 return await self._respond_whole(req, rid, channel, arrival_s)
@@ -475,6 +483,9 @@ def make_app(cfg: EngineConfig) -> web.Application:
     app.on_response_prepare.append(engine.add_engine_header)
     app.on_startup.append(engine.on_startup)
     app.on_cleanup.append(engine.on_cleanup)
+    if engine.disagg is not None:
+        app.on_startup.append(engine.disagg.on_startup)
+        app.on_shutdown.append(engine.disagg.on_shutdown)
     app.router.add_post(CHAT_PATH, engine.chat)
     app.router.add_post(COMPLETIONS_PATH, engine.completions)
     app.router.add_get("/health", engine.health)

@@ -10,6 +10,12 @@ from datetime import UTC, datetime
 from typing import Any
 
 from emulator.engine.config import SGLANG, VLLM, EngineConfig
+from emulator.engine.disagg.status import (
+    engine_type,
+    loads_section,
+    metrics_lines,
+    server_info_args,
+)
 from emulator.engine.kv_publisher import DEFAULT_BUFFER_STEPS
 from emulator.engine.lora import LoraInfoGauge
 from emulator.engine.model.scheduler import EngineModel
@@ -53,10 +59,11 @@ def loads_body(
     """SGLang GET /v1/loads?include=...&dp_rank=... (entrypoints/v1_loads.py; the
     scheduler's get_loads). The core fields always; `include` (comma-separated, default
     all) adds sections: `queues` {waiting, grammar, paused, retracted} and `disagg`
-    ("disaggregation": mode "null", no PD queues here). `memory` needs the GPU's weight,
-    KV and graph memory, which the twin does not have: left out, as SGLang leaves it out
-    when they are unavailable; `spec` and `lora` (no speculative decoding, LoRA pool
-    slots not modelled) likewise. An unknown section is a ValueError (SGLang: 400)."""
+    ("disaggregation": the P/D mode and queues, emulator/engine/disagg/status.py).
+    `memory` needs the GPU's weight, KV and graph memory, which the twin does not have:
+    left out, as SGLang leaves it out when they are unavailable; `spec` and `lora` (no
+    speculative decoding, LoRA pool slots not modelled) likewise. An unknown section is
+    a ValueError (SGLang: 400)."""
     sections = {s.strip() for s in include.split(",")} if include else {"all"}
     bad = sections - LOADS_SECTIONS
     if bad:
@@ -71,16 +78,7 @@ def loads_body(
     if every or "queues" in sections:
         rank["queues"] = {"waiting": m.num_queued, "grammar": 0, "paused": 0, "retracted": 0}
     if every or "disagg" in sections:
-        rank["disaggregation"] = {
-            "mode": "null",
-            "prefill_bootstrap_queue_reqs": 0,
-            "prefill_inflight_queue_reqs": 0,
-            "decode_prealloc_queue_reqs": 0,
-            "decode_transfer_queue_reqs": 0,
-            "decode_retracted_queue_reqs": 0,
-            "kv_transfer_speed_gb_s": 0.0,
-            "kv_transfer_latency_ms": 0.0,
-        }
+        rank["disaggregation"] = loads_section(cfg.disagg, m)  # emulator/engine/disagg
     return {
         "timestamp": datetime.now(UTC).isoformat(),
         "version": "emulated",
@@ -149,7 +147,7 @@ def server_info_body(cfg: EngineConfig, m: EngineModel, stats: EngineStats) -> d
         "tp_size": 1,
         "dp_size": 1,
         "pp_size": 1,
-        "disaggregation_mode": "null",
+        **server_info_args(cfg.disagg, cfg.flavor),  # disaggregation_mode, ...
         "is_embedding": False,
         "max_total_tokens": None,
         "weight_version": "default",
@@ -176,7 +174,8 @@ def metrics_text(
     gauges: tuple[tuple[str, Any], ...]
     counters: tuple[tuple[str, int], ...]
     if cfg.flavor == SGLANG:
-        labels = f'model_name="{cfg.model}",engine_type="unified",tp_rank="0",pp_rank="0"'
+        kind = engine_type(cfg.disagg)  # "unified" unless P/D
+        labels = f'model_name="{cfg.model}",engine_type="{kind}",tp_rank="0",pp_rank="0"'
         gauges = (
             ("sglang:num_running_reqs", now["num_running_reqs"]),
             ("sglang:num_queue_reqs", now["num_waiting_reqs"]),
@@ -222,6 +221,7 @@ def metrics_text(
     lines += s.itl_s.prometheus(itl, labels)
     if lora_info is not None:
         lines += lora_info.lines(*m.lora_counts())
+    lines += metrics_lines(cfg.disagg, m, labels)
     if cfg.flavor == VLLM:
         lines += vllm_cache_config_info(cfg.profile)
     return "\n".join(lines) + "\n"

@@ -66,13 +66,19 @@ def serve_argv(config: Path, last_good: Path, args: Sequence[str] = ()) -> list[
     return gorgo_argv("serve", "--config", str(config), "--last-good-config", str(last_good), *args)
 
 
-def engine_argv(settings: StackSettings, i: int, name: str, port: int, seed: int) -> list[str]:
-    """An emulated engine; `i` is the region whose KV event ports it publishes on."""
+def engine_argv(
+    settings: StackSettings, i: int, name: str, port: int, seed: int, region: str = ""
+) -> list[str]:
+    """An emulated engine; `i` is the index whose KV event ports it publishes on
+    (settings.kv_event_ports), `region` the one whose profile, model and adapters it has
+    (default: `name`, a region's engine)."""
+    region = region or name
     return gorgo_argv(
         "engine", "--name", name, "--port", str(port), "--seed", str(seed),
-        *(["--profile", p] if (p := settings.engine_profile_of(name)) else []),
+        *(["--profile", p] if (p := settings.engine_profile_of(region)) else []),
         "--tokenizer", settings.engine_tokenizer,
-        *flavor_flags(settings, i, name), *model_flags(settings, name), *settings.engine_args,
+        *flavor_flags(settings, i, region), *model_flags(settings, region),
+        *settings.engine_args,
     )  # fmt: skip
 
 

@@ -8,9 +8,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import yaml
 
+from emulator.stack.pd import PdLayout, PdSettings, layout_of
 from emulator.stack.ports import free_ports
 from ext_proc.config.dump import config_as_dict
 from ext_proc.config.load import config_from_dict
@@ -163,18 +165,28 @@ class StackSettings:
     # Keep the logs (and the configs written) in the temporary work directory when the
     # stack stops, and say where; False removes it (tests that start many stacks).
     keep_logs: bool = True
+    # P/D disaggregation (`gorgo up --pd`, emulator/stack/pd.py): each region a prefill and
+    # a decode twin of `flavor` (the protocol's) in place of its engine, and KV links.
+    pd: PdSettings | None = None
+
+    def pd_layout(self) -> PdLayout:
+        """The P/D twins' ports and links (ValueError without P/D)."""
+        if self.pd is None:
+            raise ValueError("the stack runs no P/D twins")
+        return layout_of(self.pd, [r.id for r in self.regions])
 
     def engine_profile_of(self, region: str) -> str | None:
         """The profile region's emulated engine runs (None: the engine's default)."""
         return self.engine_profiles.get(region, self.engine_profile)
 
     def kv_event_ports(self, i: int) -> tuple[int, int]:
-        """Where region i's engine publishes (events, replay): free ports, chosen once."""
+        """Where region i's engine publishes (events, replay): free ports, chosen once.
+        With P/D, i is region i's decode; n + i its prefill (n regions)."""
         if not self.kv_ports:
-            self.kv_ports = free_ports(2 * len(self.regions))
+            self.kv_ports = free_ports(2 * len(self.regions) * (2 if self.pd else 1))
         return self.kv_ports[2 * i], self.kv_ports[2 * i + 1]
 
-    def _kv_events_of(self, i: int) -> dict[str, object]:
+    def _kv_events_of(self, i: int) -> dict[str, Any]:
         """Backend i's `kv_events`: the engine's own publisher and replay endpoint, emulated
         or real. The engine binds both (`tcp://*:P`) and every router connects (mode
         connect, the default) to the engine's port itself, not to the WAN link (address)."""
@@ -239,20 +251,53 @@ class StackSettings:
                         else {}
                     ),
                 },
-                "backends": [
-                    {
-                        "id": r.id,
-                        "region": r.id,
-                        "address": f"127.0.0.1:{self.backend_port(i)}",
-                        **self._kv_events_of(i),
-                        "engine": "vllm" if self.real_engine else self.flavor,
-                        "rtt_prior_ms": r.rtt_ms,
-                        **({"engine_profile": self.engine_profile} if self.engine_profile else {}),
-                    }
-                    for i, r in enumerate(self.regions)
-                ],
+                "backends": self.router_backends(),
             }
         )
+
+    def router_backends(self) -> list[dict[str, Any]]:
+        """The router config's `backends:`, one per region's engine. With P/D (`pd`) they
+        are the decode twins, each taking a request whole as an engine does (role both);
+        the prefill twins are not routed, unless `pd.route_roles` (off until the router
+        reads roles) lists them too, each backend with its role: the decodes' `decode`, the
+        prefills' `prefill` (id {region}-prefill, behind a front-door link of their own;
+        SGLang's with the bootstrap_port a P/D router names, their advertised one)."""
+        engine = "vllm" if self.real_engine else self.flavor
+        profile = {"engine_profile": self.engine_profile} if self.engine_profile else {}
+        out = [
+            {
+                "id": r.id,
+                "region": r.id,
+                "address": f"127.0.0.1:{self.backend_port(i)}",
+                **self._kv_events_of(i),
+                "engine": engine,
+                "rtt_prior_ms": r.rtt_ms,
+                **profile,
+            }
+            for i, r in enumerate(self.regions)
+        ]
+        if self.pd is None or not self.pd.route_roles:
+            return out
+        pd, n = self.pd_layout(), len(self.regions)
+        for b in out:
+            b["role"] = "decode"
+        for i, r in enumerate(self.regions):
+            port = pd.prefill_door(i) if self.wan_links else pd.prefill(i)
+            bootstrap = pd.kv_link(i, i) if engine == "sglang" else None
+            out.append(
+                {
+                    "id": f"{r.id}-prefill",
+                    "region": r.id,
+                    "address": f"127.0.0.1:{port}",
+                    **self._kv_events_of(n + i),
+                    "engine": engine,
+                    "rtt_prior_ms": r.rtt_ms,
+                    **profile,
+                    "role": "prefill",
+                    **({"bootstrap_port": bootstrap} if bootstrap else {}),
+                }
+            )
+        return out
 
 
 def regions_for_profile(profile: str) -> tuple[Region, ...]:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from emulator.engine.tokenizer import TINY, tiny_tokenizer_dir
 from emulator.stack.front_door import FrontDoor
+from emulator.stack.pd_twins import pd_summary, ready_ports, start_kv_links, start_twins
 from emulator.stack.ports import free_ports, port_taken
 from emulator.stack.processes import (
     StackError,
@@ -76,6 +77,13 @@ class Stack(SupervisedChildren):
         self.workdir.mkdir(parents=True, exist_ok=True)
         # Every router's (docs/reliability.md, Security: no web page may post to them).
         self.admin_token = settings.admin_token or secrets.token_urlsafe(24)
+        if settings.pd is not None:
+            try:  # its ports drawn, and every pair of regions with an RTT, before the config
+                settings.pd_layout()
+            except ValueError as e:
+                raise StackError(f"--pd: {e}") from None
+            if settings.real_engine or (settings.pd.route_roles and settings.front_door_regions):
+                raise StackError("--pd: emulated engines, and one front door with routed roles")
         # Envoy takes the backend clusters from files the router rewrites (envoy.xds_dir),
         # so backends can be added, drained and removed while the stack runs.
         config = settings.gorgo_config()
@@ -151,6 +159,8 @@ class Stack(SupervisedChildren):
             else f" | engines: emulated {self.settings.flavor} "
             f"(tokenizer {self.settings.engine_tokenizer})"
         )
+        if self.settings.pd is not None:
+            fleet += f" | {pd_summary(self.settings, self.settings.pd_layout())}"
         return (
             f"gorgo up: ready. front door {self.front_door_url} | envoy admin "
             f"{self.envoy_admin_url} | ext_proc gRPC 127.0.0.1:{p.grpc} | gorgo admin "
@@ -173,6 +183,9 @@ class Stack(SupervisedChildren):
     def start_engine(self, i: int) -> None:
         if self.settings.real_engine:
             self.start_vllm(i)
+            return
+        if self.settings.pd is not None:
+            start_twins(self, i)  # a prefill and a decode twin (emulator/stack/pd.py)
             return
         r = self.settings.regions[i]
         port = self.settings.ports.engine(i)
@@ -215,15 +228,18 @@ class Stack(SupervisedChildren):
         name = f"engine-{self.settings.regions[i].id}"
         self._spawn(name, spec.argv(), spec.env_overrides(), group=True)
 
+    def door_delay(self, i: int) -> list[str]:
+        """The delay flags of the front door's link to region i: the RTT profile's for the
+        region (with jitter), else its constant rtt_ms."""
+        r, profile = self.settings.regions[i], self.settings.rtt_profile
+        if profile:
+            return ["--profile", profile, "--region", r.id, "--seed", str(self.settings.seed + i)]
+        return ["--rtt-ms", str(r.rtt_ms)]
+
     def start_wan(self, i: int) -> None:
         r = self.settings.regions[i]
         p = self.settings.ports
-        profile = self.settings.rtt_profile
-        delay = (
-            ["--profile", profile, "--region", r.id, "--seed", str(self.settings.seed + i)]
-            if profile
-            else ["--rtt-ms", str(r.rtt_ms)]
-        )
+        delay = self.door_delay(i)
         if self.wan_control_ports:
             delay += ["--control-port", str(self.wan_control_ports[i])]
         self._spawn(f"wan-{r.id}", wan_argv(p.wan(i), p.engine(i), delay))
@@ -280,6 +296,8 @@ class Stack(SupervisedChildren):
                 self.start_engine(i)
                 if self.settings.wan_links:
                     self.start_wan(i)
+            if self.settings.pd is not None:
+                start_kv_links(self)
             if not front_door:
                 self.wait_ready(timeout_s, front_door=False)
                 return
@@ -302,6 +320,11 @@ class Stack(SupervisedChildren):
         # takes a second), the same as the router's probes.
         path = PROBE_PATH[EngineKind(self.config.backends[0].engine)]
         urls = [f"{self.engine_url(i)}{path}" for i in range(len(self.settings.regions))]
+        ports = [self.settings.backend_port(i) for i in range(len(self.settings.regions))]
+        if self.settings.pd is not None:  # the prefill twins, the KV links
+            pd = self.settings.pd_layout()
+            urls += [f"http://127.0.0.1:{pd.prefill(i)}{path}" for i in range(pd.n)]
+            ports += ready_ports(self.settings)
         if front_door:
             urls.append(f"{self.admin_url}/healthz")
             urls += [f"http://{cfg.listen.admin}/healthz" for cfg in self.extra_routers]
@@ -315,8 +338,8 @@ class Stack(SupervisedChildren):
                         f"not ready after {timeout_s:.0f} s: {url} (logs in {self.workdir})"
                     )
                 time.sleep(0.05)
-        for i in range(len(self.settings.regions)):
-            wait_port(self.settings.backend_port(i), deadline)
+        for port in ports:
+            wait_port(port, deadline)
         for port in self.wan_control_ports:
             wait_port(port, deadline)
 
@@ -329,8 +352,8 @@ class Stack(SupervisedChildren):
         POST /backends takes). The stack's own front door reaches it; other front doors
         and KV events are not wired for it. Call it from the thread that owns the stack:
         a child gets SIGTERM when the thread that started it ends (PR_SET_PDEATHSIG)."""
-        if self.settings.real_engine or self.settings.kv_events:
-            raise StackError("add_engine: emulated engines without KV events only")
+        if self.settings.real_engine or self.settings.kv_events or self.settings.pd:
+            raise StackError("add_engine: emulated engines without KV events or P/D only")
         engine, wan = free_ports(2)
         seed = self.settings.seed + len(self.settings.regions) + len(self.added)
         # KV events are off (above), so region 0's ports are never asked for

@@ -12,6 +12,7 @@ from typing import Any
 
 def _up(args: argparse.Namespace) -> int:
     from emulator.stack.fleet import NO_FLEET, load_fleet
+    from emulator.stack.pd import DEFAULT_KV_LINK_GBPS, PdSettings
     from emulator.stack.settings import StackSettings, regions_for_profile
     from emulator.stack.stack import run_until_signalled
 
@@ -40,12 +41,35 @@ def _up(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    pd = None
+    if args.pd:
+        protocol = args.pd_protocol or args.flavor or "sglang"
+        if args.flavor not in (None, protocol):
+            print(
+                f"gorgo up: the P/D twins are {protocol}'s (--pd-protocol), not --flavor "
+                f"{args.flavor}'s",
+                file=sys.stderr,
+            )
+            return 2
+        if args.engine == "vllm":
+            print("gorgo up: --pd runs emulated twins, not real vLLM", file=sys.stderr)
+            return 2
+        gbps = DEFAULT_KV_LINK_GBPS if args.kv_link_gbps is None else args.kv_link_gbps
+        try:
+            pd = PdSettings(protocol=protocol, kv_link_gbps=gbps)
+        except ValueError as e:
+            print(f"gorgo up: {e}", file=sys.stderr)
+            return 2
+    elif args.pd_protocol is not None or args.kv_link_gbps is not None:
+        print("gorgo up: --pd-protocol and --kv-link-gbps go with --pd", file=sys.stderr)
+        return 2
     return run_until_signalled(
         StackSettings(
             policy=args.policy,
             regions=regions,
             rtt_profile=args.rtt_profile,
-            flavor=args.flavor,
+            flavor=pd.protocol if pd else args.flavor or "sglang",
+            pd=pd,
             real_engine=args.engine == "vllm",
             engine_tokenizer=args.tokenizer,
             kv_events=args.kv_events or args.front_doors > 1 or args.routers > 1,
@@ -98,9 +122,31 @@ def add_up_command(sub: Any, policies: Sequence[str]) -> None:
     )
     s.add_argument(
         "--flavor",
-        default="sglang",
+        default=None,
         choices=["sglang", "vllm"],
-        help="which engine the emulated backends are the twin of",
+        help="which engine the emulated backends are the twin of (default sglang)",
+    )
+    s.add_argument(
+        "--pd",
+        action="store_true",
+        help="P/D disaggregation: each region runs a prefill twin and a decode twin in its "
+        "engine's place (the decodes are the routed backends), the KV moving from any "
+        "region's prefill to any region's decode over a WAN link of that pair's RTT "
+        "(docs/engine-model.md)",
+    )
+    s.add_argument(
+        "--pd-protocol",
+        choices=["sglang", "vllm"],
+        default=None,
+        help="with --pd: the twins' P/D protocol and flavor, SGLang's bootstrap protocol "
+        "or vLLM's NixlConnector (default --flavor's: sglang)",
+    )
+    s.add_argument(
+        "--kv-link-gbps",
+        type=float,
+        default=None,
+        metavar="G",
+        help="with --pd: each KV link's bandwidth in Gbit/s, 0 unlimited (default 10)",
     )
     s.add_argument(
         "--front-doors",

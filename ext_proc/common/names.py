@@ -13,8 +13,11 @@ SPAN_PREFILL_BACKEND = "gorgo.prefill_backend"
 SPAN_KV_TRANSFER_MS = "gorgo.kv_transfer_ms"
 # At its close: the transfer as observed at the decode's first byte (ms).
 SPAN_KV_TRANSFER_OBSERVED_MS = "gorgo.kv_transfer_observed_ms"
+# A disaggregated request's prefill engine (the backend id), set by the ext_proc on the
+# request bound for the decode engine (x-gorgo-backend) and echoed to the client.
+HEADER_PREFILL_BACKEND = "x-gorgo-prefill-backend"
 # Client-sent copies of these are removed before routing.
-ROUTING_HEADERS = (HEADER_BACKEND, HEADER_GATEWAY_ENDPOINT)
+ROUTING_HEADERS = (HEADER_BACKEND, HEADER_GATEWAY_ENDPOINT, HEADER_PREFILL_BACKEND)
 
 # Gateway API Inference Extension: the dynamic-metadata namespace override_host reads.
 LB_METADATA_NAMESPACE = "envoy.lb"

@@ -61,14 +61,19 @@ def _shares_a_model(a: Backend, b: Backend) -> bool:
 
 
 def validate_roles(backends: Sequence[Backend]) -> None:
-    """A prefill engine needs a decode engine serving one of its models, and a decode
-    engine a prefill engine: a half of a pair alone serves nothing."""
-    pairs = ((BackendRole.PREFILL, BackendRole.DECODE), (BackendRole.DECODE, BackendRole.PREFILL))
-    for role, other in pairs:
+    """A prefill engine needs a decode engine serving one of its models (or an aggregated
+    one, which the Envoy path sends a decode leg to: docs/envoy.md), and a decode engine a
+    prefill engine: a half of a pair alone serves nothing."""
+    partners = {
+        BackendRole.PREFILL: (BackendRole.DECODE, BackendRole.BOTH),
+        BackendRole.DECODE: (BackendRole.PREFILL,),
+    }
+    for role, others in partners.items():
+        other = others[0]
         for i, b in enumerate(backends):
             if b.role is not role:
                 continue
-            if not any(o.role is other and _shares_a_model(b, o) for o in backends):
+            if not any(o.role in others and _shares_a_model(b, o) for o in backends):
                 models = f" for {list(b.models)!r}" if b.models else ""
                 raise ConfigError(
                     f"backends[{i}].role: {role.value} engine {b.id!r} has no {other.value} "

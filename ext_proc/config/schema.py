@@ -129,10 +129,18 @@ class Routing:
     first_byte_slack_ms: float = bounded(5000.0, **NON_NEGATIVE)
     # A disaggregated fleet (backends[].role prefill/decode): the links the prompt's KV
     # crosses between two engines' regions, and the KV bytes per prompt token when the
-    # engine profile does not say (its kv_bytes_per_token; 0 = unknown: no transfer
-    # priced). docs/cost-model.md, "The pair's price".
+    # engine profile's (its kv_bytes_per_token) is not the model served (0: the
+    # profile's). docs/cost-model.md, "The pair's price".
     kv_link: KvLinks = field(default_factory=KvLinks)
     kv_bytes_per_token: int = bounded(0, **NON_NEGATIVE)
+    # A disaggregated request's prefill leg, sent by the router (docs/envoy.md, "Prefill
+    # and decode apart"): vLLM's one-token prefill is awaited this long, SGLang's leg this
+    # long to go out, and its answer (which follows the KV transfer, drained in the
+    # background) no later than this after it was sent; past it the client gets a 504
+    # naming the prefill engine (SGLang: the decode's transfer fails). 30 s: a long
+    # prompt's prefill behind a queue, and Envoy holds the routing reply this long (the
+    # routing filter's max_message_timeout covers it).
+    prefill_timeout_s: float = bounded(30.0, gt=0.0, le=600.0)
 
 
 @dataclass(frozen=True)

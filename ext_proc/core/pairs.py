@@ -54,8 +54,9 @@ def disaggregated(backends: Mapping[str, BackendState], candidates: Sequence[Can
 
 
 def kv_bytes_per_token(b: BackendState, routing: Routing) -> int:
-    """The model's KV per token: the engine profile's, else the config's (0: unknown)."""
-    return b.profile.kv_bytes_per_token or routing.kv_bytes_per_token
+    """The model's KV per token: the config's when it says (the model served), else the
+    engine profile's."""
+    return routing.kv_bytes_per_token or b.profile.kv_bytes_per_token
 
 
 def price(

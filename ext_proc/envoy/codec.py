@@ -221,6 +221,16 @@ def continue_response(
     return resp
 
 
+def add_headers(
+    resp: pb.ProcessingResponse, phase: str, set_headers: Mapping[str, str]
+) -> pb.ProcessingResponse:
+    """`resp` (a CONTINUE for a headers or body phase, built here) with these headers set
+    too."""
+    mutation = getattr(resp, phase).response.header_mutation
+    mutation.set_headers.extend(_mutation(set_headers, ()).set_headers)
+    return resp
+
+
 # A bare CONTINUE per phase, built once (most replies are one): a reply is serialized by
 # gRPC and never changed after, so one message serves every stream.
 _BARE = {phase: continue_response(phase) for phase in PHASES}

@@ -29,8 +29,10 @@ from ext_proc.core.router import Router
 from ext_proc.director.recipe import Director
 from ext_proc.envoy import codec
 from ext_proc.envoy.access_log import AccessLogService, Forward
+from ext_proc.envoy.disagg import send_prefill
 from ext_proc.envoy.encoders import DecisionEncoder, decision_encoder
 from ext_proc.envoy.holding import Holding
+from ext_proc.envoy.prefill import PrefillSender
 from ext_proc.envoy.roles import open_session
 from ext_proc.envoy.session_base import Reply, Session
 from ext_proc.envoy.sessions import RoutingSession
@@ -61,6 +63,11 @@ class ExtProcService:
         self.encoder = encoder
         self.tokens = tokens
         self.forward = forward
+        # A disaggregated decision's prefill leg, which the router sends itself.
+        self.prefill_legs = PrefillSender(
+            lambda b: r.config if (r := router.backends.get(b)) is not None else None,
+            router.cfg.routing.prefill_timeout_s,
+        )
         self.active_streams = 0
         # Shutting down: new streams are closed at once, and Envoy takes the fallback.
         self.draining = False
@@ -108,6 +115,12 @@ class ExtProcService:
                         outcome = await settled
                     session.held = None
                     reply = session.answer(outcome, body, original_id)
+                if isinstance(session, RoutingSession) and session.pending_prefill is not None:
+                    # a disaggregated decision: the router sends the prefill leg while
+                    # Envoy waits (longer: the override just sent), then the decode leg goes
+                    for r in replies(reply):
+                        yield r
+                    reply = await send_prefill(session, self.prefill_legs)
                 if session.pace_s:  # dispatch pacing: Envoy sends the request on later
                     await asyncio.sleep(session.pace_s)
                     session.pace_s = 0.0

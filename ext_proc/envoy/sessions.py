@@ -16,6 +16,7 @@ from typing import Any, ClassVar, cast
 from ext_proc.common.names import (
     HEADER_BACKEND,
     HEADER_FLOW_REASON,
+    HEADER_PREFILL_BACKEND,
     HEADER_REQUEST_ID,
     HEADER_SESSION,
 )
@@ -25,6 +26,7 @@ from ext_proc.director.outcomes import Outcome, Queued, Refused, Unrouted
 from ext_proc.director.recipe import Director
 from ext_proc.envoy import codec
 from ext_proc.envoy.answers import json_error, own_request_id
+from ext_proc.envoy.disagg import PendingPrefill, hold_for_prefill_s
 from ext_proc.envoy.encoders import DecisionEncoder
 from ext_proc.envoy.outcome import VIA_UPSTREAM, outcome_of
 from ext_proc.envoy.session_base import FirstByteWatcher, Reply
@@ -90,6 +92,12 @@ class RoutingSession(FirstByteWatcher):
         # waits in the gateway queue, its ticket, body and the client's request id.
         self.flow: tuple[str, str, float] = ("", "", 0.0)
         self.held: tuple[Waiting, bytes, str] | None = None
+        # Envoy was asked to wait longer for this stream's routing reply (once per message);
+        # a disaggregated decision whose prefill leg the router is yet to send.
+        self.reply_extended = False
+        self.pending_prefill: PendingPrefill | None = None
+        # The engine that prefilled it, once its leg went (echoed with the decode engine).
+        self.prefilled_by: str | None = None
         # The backends the data plane lets it go to (its subset hint; None: any).
         self.subset: frozenset[str] | None = None
         # The response as the stream sees it: its status, the backend that answered (when
@@ -192,6 +200,7 @@ class RoutingSession(FirstByteWatcher):
             w = outcome.ticket
             self.held = (w, body, original_id)
             hold_s = w.expires_s - w.arrival_s + HOLD_SLACK_S
+            self.reply_extended = True
             return codec.override_message_timeout(hold_s)
         return self.answer(outcome, body, original_id)
 
@@ -222,7 +231,19 @@ class RoutingSession(FirstByteWatcher):
         model, priority = outcome.served_model, self.decision.engine_priority
         new_body = None if model is None and priority is None else rewritten(body, model, priority)
         renamed = self.request_id if self.request_id != original_id else None
+        if self.decision.prefill is not None:  # the server sends its prefill leg first
+            self.pending_prefill = PendingPrefill(self.decision, new_body or body, renamed)
+            if self.reply_extended:
+                return None
+            self.reply_extended = True
+            hold_s = hold_for_prefill_s(self.router.cfg.routing.prefill_timeout_s)
+            return codec.override_message_timeout(hold_s)
         return self._routed(self.decision, new_body, renamed)
+
+    def routed_reply(self, d: Decision, new_body: bytes | None, renamed: str | None) -> Reply:
+        """The reply that sends the request to the decision's backend (as `answer` does;
+        a disaggregated decision's, once its prefill leg went)."""
+        return self._routed(d, new_body, renamed)
 
     def _routed(self, d: Decision, new_body: bytes | None, renamed: str | None) -> Reply:
         """The reply that sends the request to the decision's backend."""
@@ -246,7 +267,11 @@ class RoutingSession(FirstByteWatcher):
         if echo is None:
             return codec.bare_continue(codec.RESPONSE_HEADERS)
         # the pool's Envoy has no per-backend metadata to echo: the picker says who answered
-        return codec.continue_response(codec.RESPONSE_HEADERS, set_headers={HEADER_BACKEND: echo})
+        # (and, for a disaggregated decision, which engine prefilled it)
+        names = {HEADER_BACKEND: echo}
+        if self.prefilled_by is not None:
+            names[HEADER_PREFILL_BACKEND] = self.prefilled_by
+        return codec.continue_response(codec.RESPONSE_HEADERS, set_headers=names)
 
     def _note_served(self, endpoint: str) -> str | None:
         """The endpoint the data plane says served the request: another backend than the

@@ -13,6 +13,7 @@ import yaml
 
 from ext_proc.common.names import (
     HEADER_BACKEND,
+    HEADER_PREFILL_BACKEND,
     ROUTE_FALLBACK,
     ROUTE_GORGO,
     ROUTING_HEADERS,
@@ -185,7 +186,16 @@ def _route(cfg: Config) -> dict[str, Any]:
                             "value": f"%UPSTREAM_METADATA({METADATA_NAMESPACE}:backend)%",
                         },
                         "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
-                    }
+                    },
+                    {
+                        # a disaggregated request: its prefill engine, as the router named
+                        # it on the request (empty, so left out, for any other request)
+                        "header": {
+                            "key": HEADER_PREFILL_BACKEND,
+                            "value": f"%REQ({HEADER_PREFILL_BACKEND})%",
+                        },
+                        "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
+                    },
                 ],
             }
         ],

@@ -17,15 +17,25 @@ from ext_proc.common.names import (
     RESPONSE_CODE_ATTRIBUTE,
     RESPONSE_DETAILS_ATTRIBUTE,
 )
-from ext_proc.config.flow import max_hold_s
+from ext_proc.config.flow import HOLD_SLACK_S, max_hold_s
 from ext_proc.config.schema import Config
 from ext_proc.envoy_config.clusters import API, EXT_PROC_CLUSTER, OBSERVE_STAT_PREFIX, TYPE
+from ext_proc.vocab.backend import BackendRole
 
 
 def node_id(cfg: Config) -> str:
     """The front door's node id: one per listen address, so that several front doors
     sharing a router are told apart."""
     return f"gorgo-front-door@{cfg.envoy.listen}"
+
+
+def max_reply_hold_s(cfg: Config) -> float:
+    """The longest the router may hold a routing reply: a request in the gateway queue,
+    or (a fleet with prefill engines) one whose prefill leg the router sends first."""
+    hold_s = max_hold_s(cfg.flow_control)
+    if any(b.role == BackendRole.PREFILL for b in cfg.backends):
+        hold_s = max(hold_s, cfg.routing.prefill_timeout_s + HOLD_SLACK_S)
+    return hold_s
 
 
 def ext_proc_filters(cfg: Config) -> list[dict[str, Any]]:
@@ -48,9 +58,10 @@ def ext_proc_filters(cfg: Config) -> list[dict[str, Any]]:
             "failure_mode_allow": True,
             "message_timeout": f"{cfg.envoy.message_timeout_ms / 1000}s",
             # A request held in the gateway queue (flow control): the router extends the
-            # timer for that one reply (override_message_timeout), up to this; a hung
-            # router still fails open after message_timeout.
-            "max_message_timeout": f"{max_hold_s(cfg.flow_control):g}s",
+            # timer for that one reply (override_message_timeout), up to this, as for a
+            # disaggregated request's prefill leg; a hung router still fails open after
+            # message_timeout.
+            "max_message_timeout": f"{max_reply_hold_s(cfg):g}s",
             # The first-byte deadline is Envoy's per-try timeout header, an x-envoy-*
             # header, which ext_proc may set only when allowed (silently dropped else).
             "mutation_rules": {"allow_envoy": True},

@@ -70,14 +70,15 @@ class EngineProfile:
     decode_batch_fraction: float = 0.03125
     no_cuda_graph_batch: int = 0
     no_cuda_graph_ms: float = 0.0
-    # The model's KV per prompt token, in bytes: 2 (K and V) x layers x KV heads x head
-    # dim x bytes per element (Llama-3.1-8B in fp16: 2 x 32 x 8 x 128 x 2 = 128 KiB). What a
-    # disaggregated prefill moves to its decode engine; 0 = unknown (routing.kv_bytes_per_token).
-    kv_bytes_per_token: int = 0
     # Emulator-only (EMULATOR_KEYS): the emulated cache's block, and a multiplicative
     # lognormal jitter on every step.
     block_tokens: int = 64
     jitter_sigma: float = 0.02
+    # KV bytes per token: 2 (K and V) x attention layers x KV heads x head dim x bytes per
+    # element. It sizes a prefill/decode KV transfer (emulator/engine/disagg/kv.py), and
+    # the router prices it (core/pairs.py) unless routing.kv_bytes_per_token says. The
+    # default is Llama-3.1-8B's in fp16: 2 x 32 x 8 x 128 x 2 = 131072.
+    kv_bytes_per_token: int = 131072
 
     def prefill_ms(self, uncached_tokens: float, cached_tokens: float) -> float:
         """One request's share of a prefill step (without the step's base cost)."""

@@ -258,7 +258,9 @@ async def running_service(
         except OSError as e:
             raise OSError(f"listen.admin: cannot bind {cfg.listen.admin}: {e.strerror}") from e
         bound_admin = int(runner.addresses[0][1])
-        # Stopping: the routed requests drain while the admin API still answers.
+        # Stopping: the routed requests drain while the admin API still answers; then
+        # the prefill legs the router sent itself end.
+        stack.push_async_callback(ext_proc.prefill_legs.close)
         stack.push_async_callback(_drain, router, ext_proc, health)
         for part in (tokenizers, kv_events):
             await part.start()

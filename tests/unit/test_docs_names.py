@@ -13,11 +13,12 @@ import typing
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-from unittest.mock import MagicMock
+from unittest.mock import AsyncMock, MagicMock
 
 import pytest
 
 from emulator.engine.config import EngineConfig
+from emulator.engine.disagg.sides import bootstrap_app, side_channel_app
 from emulator.engine.server import make_app
 from ext_proc.cli import build_parser
 from ext_proc.config.load import MOVED, config_from_dict
@@ -311,6 +312,9 @@ def known_paths() -> set[str]:
     paths = _routes(admin)
     for flavor in ("sglang", "vllm"):
         paths |= _routes(make_app(EngineConfig(name="x", flavor=flavor, enable_lora=True)))
+    # A P/D twin's side servers: SGLang's bootstrap server, vLLM's NIXL side channel.
+    paths |= _routes(bootstrap_app("127.0.0.1", 1, *[AsyncMock()] * 3))
+    paths |= _routes(side_channel_app({}, AsyncMock()))
     return paths | {"/rtt"} | ENVOY | ENGINES_ONLY
 
 

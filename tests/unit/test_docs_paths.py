@@ -72,7 +72,12 @@ def test_each_stage_of_the_overhead_table_is_a_function_there(
 DOTTED = re.compile(r"(?<![\w.])((?:ext_proc|emulator|loadgen)(?:\.[a-z_]\w*)+)")
 
 
-SERVICE_OBJECT = ("ext_proc.tokens", "ext_proc.director", "ext_proc.active_streams")
+SERVICE_OBJECT = (
+    "ext_proc.tokens",
+    "ext_proc.director",
+    "ext_proc.active_streams",
+    "ext_proc.prefill_legs",
+)
 
 
 def names_a_module(dotted: str) -> bool:

@@ -414,6 +414,8 @@ def test_merged_applies_numbers() -> None:
         "jitter_ms": 4.5,
         "spike_probability": 0.0,
         "spike_ms": 0.0,
+        "gbps": 0.0,
+        "byte_scale": 1.0,
     }
 
 
@@ -509,6 +511,8 @@ async def test_control_endpoint_changes_rtt_of_an_open_connection(
             "jitter_ms": 0.0,
             "spike_probability": 0.0,
             "spike_ms": 0.0,
+            "gbps": 0.0,
+            "byte_scale": 1.0,
         }
     reader, writer = await asyncio.open_connection("127.0.0.1", controlled.port)
     try:
@@ -526,6 +530,8 @@ async def test_control_endpoint_changes_rtt_of_an_open_connection(
                 "jitter_ms": 0.0,
                 "spike_probability": 0.0,
                 "spike_ms": 300.0,
+                "gbps": 0.0,
+                "byte_scale": 1.0,
             }
         async with http.get(control_url(controlled)) as resp:
             assert (await resp.json())["spike_ms"] == 300.0
@@ -612,6 +618,8 @@ async def test_serve_wan_takes_jitter_seed_spikes_and_control(
                 "jitter_ms": 2.0,
                 "spike_probability": 0.5,
                 "spike_ms": 10.0,
+                "gbps": 0.0,
+                "byte_scale": 1.0,
             }
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         await round_trip_s(reader, writer)

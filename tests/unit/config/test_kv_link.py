@@ -33,7 +33,11 @@ def test_a_pd_fleet_and_its_links_load() -> None:
 @pytest.mark.parametrize(
     ("backends", "message"),
     [
-        ([{"id": "x"}, {"id": "p", "role": "prefill"}], r"backends\[1\]\.role: prefill .*'p'"),
+        (
+            [{"id": "x", "models": ["b"]}, {"id": "p", "role": "prefill", "models": ["a"]}],
+            r"backends\[1\]\.role: prefill .*'p'",
+        ),
+        ([{"id": "p", "role": "prefill"}], r"backends\[0\]\.role: prefill engine 'p' has no"),
         ([{"id": "d", "role": "decode"}], r"backends\[0\]\.role: decode engine 'd' has no"),
         (
             [
@@ -70,4 +74,5 @@ def test_a_bad_link_is_refused_naming_the_key(links: list[dict[str, object]], me
 def test_the_profile_may_say_the_kv_bytes_per_token() -> None:
     raw = {**load_profile().__dict__, "kv_bytes_per_token": 131072}
     assert profile_from_dict(raw).kv_bytes_per_token == 131072
-    assert load_profile().kv_bytes_per_token == 0  # unknown unless said
+    raw.pop("kv_bytes_per_token")
+    assert profile_from_dict(raw).kv_bytes_per_token == 131072  # Llama-3.1-8B fp16 unless said

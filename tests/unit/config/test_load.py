@@ -190,7 +190,11 @@ def test_envoy_config_has_one_cluster_per_backend_and_fails_open() -> None:
     stripped = {
         m["remove"] for m in hcm["early_header_mutation_extensions"][0]["typed_config"]["mutations"]
     }
-    assert stripped == {"x-gorgo-backend", "x-gateway-destination-endpoint"}
+    assert stripped == {
+        "x-gorgo-backend",
+        "x-gateway-destination-endpoint",
+        "x-gorgo-prefill-backend",
+    }
 
 
 def test_connect_retries_zero_means_no_retry_policy() -> None:

@@ -58,3 +58,30 @@ def test_the_front_door_logs_each_request_as_it_starts() -> None:
     assert (
         "access_log_options" not in hcm["typed_config"] and hcm["typed_config"]["access_log"] == []
     )
+
+
+def test_a_fleet_with_prefill_engines_lets_the_router_hold_its_reply_for_the_prefill_leg() -> None:
+    from ext_proc.envoy_config.filters import ext_proc_filters
+
+    def hold_s(**extra: Any) -> float:
+        routing = ext_proc_filters(make_config("round_robin", **extra))[0]
+        return float(routing["typed_config"]["max_message_timeout"].rstrip("s"))
+
+    aggregated = hold_s(backends=["a", "b"])
+    pd = [
+        {"id": "p", "address": "127.0.0.1:8001", "role": "prefill"},
+        {"id": "d", "address": "127.0.0.1:8002", "role": "decode"},
+    ]
+    assert hold_s(backends=pd, routing={"prefill_timeout_s": 120}) == 125.0
+    assert hold_s(backends=pd, routing={"prefill_timeout_s": 1}) == aggregated  # the queue's
+    assert hold_s(backends=["a", "b"], routing={"prefill_timeout_s": 120}) == aggregated
+
+
+def test_the_prefill_engine_is_echoed_and_a_clients_copy_stripped() -> None:
+    cfg = build_envoy_config(make_config("round_robin", backends=["a"]))
+    hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+    vhost = hcm["typed_config"]["route_config"]["virtual_hosts"][0]
+    echoed = {h["header"]["key"]: h["header"]["value"] for h in vhost["response_headers_to_add"]}
+    assert echoed["x-gorgo-prefill-backend"] == "%REQ(x-gorgo-prefill-backend)%"
+    early = hcm["typed_config"]["early_header_mutation_extensions"][0]["typed_config"]
+    assert {"remove": "x-gorgo-prefill-backend"} in early["mutations"]

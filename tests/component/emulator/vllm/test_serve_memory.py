@@ -21,7 +21,7 @@ HOLDER = (
     "os.fork()\n"
     "block = bytearray(32 * 2**20)\n"
     "block[::4096] = b'x' * len(block[::4096])\n"
-    "print('up', flush=True)\n"
+    "os.write(1, b'up\\n')\n"  # one write each: the two lines never interleave
     "time.sleep(60)\n"
 )
 
