@@ -7,6 +7,12 @@ HEADER_GATEWAY_ENDPOINT = "x-gateway-destination-endpoint"
 # Envoy's per-try timeout, set by the router on each request it routes: the first-byte
 # deadline (Envoy honours it from a filter; it stops once response headers arrive).
 HEADER_PER_TRY_TIMEOUT = "x-envoy-upstream-rq-per-try-timeout-ms"
+# The decision span's attributes of a disaggregated decision (Decision.prefill): the
+# engine that prefills, and the KV's predicted transfer to the decode engine (ms).
+SPAN_PREFILL_BACKEND = "gorgo.prefill_backend"
+SPAN_KV_TRANSFER_MS = "gorgo.kv_transfer_ms"
+# At its close: the transfer as observed at the decode's first byte (ms).
+SPAN_KV_TRANSFER_OBSERVED_MS = "gorgo.kv_transfer_observed_ms"
 # A disaggregated request's prefill engine (the backend id), set by the ext_proc on the
 # request bound for the decode engine (x-gorgo-backend) and echoed to the client.
 HEADER_PREFILL_BACKEND = "x-gorgo-prefill-backend"

@@ -21,6 +21,7 @@ from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
 import yaml
 
 from ext_proc.config.kv_endpoints import validate_distinct_binds, validate_kv_events
+from ext_proc.config.kv_link import validate_kv_links, validate_roles
 from ext_proc.config.schema import Config, TelemetryConfig
 from ext_proc.estimate.profile import load_profile
 from ext_proc.policy.catalog import POLICIES
@@ -174,6 +175,8 @@ def _validate(cfg: Config) -> None:
             raise ConfigError(f"backends[{i}].id: duplicate backend id {b.id!r}")
         seen.add(b.id)
     validate_distinct_binds(cfg.backends)
+    validate_roles(cfg.backends)
+    validate_kv_links(cfg.routing.kv_link)
     split_host_port(cfg.listen.grpc, "listen.grpc")
     split_host_port(cfg.listen.admin, "listen.admin")
     for i, host in enumerate(cfg.listen.admin_hosts):

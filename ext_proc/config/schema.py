@@ -13,6 +13,7 @@ from typing import Any
 
 from ext_proc.config.discovery import Discovery
 from ext_proc.config.flow import FlowControl
+from ext_proc.config.kv_link import KvLinks
 from ext_proc.config.transport import EnvoySettings, Listen
 from ext_proc.prompt.tokenizer_config import TokenizerConfig
 from ext_proc.vocab.backend import Backend, EngineKind
@@ -126,6 +127,12 @@ class Routing:
     # token). 0 and 0 = off.
     first_byte_factor: float = bounded(4.0, **NON_NEGATIVE)
     first_byte_slack_ms: float = bounded(5000.0, **NON_NEGATIVE)
+    # A disaggregated fleet (backends[].role prefill/decode): the links the prompt's KV
+    # crosses between two engines' regions, and the KV bytes per prompt token when the
+    # engine profile's (its kv_bytes_per_token) is not the model served (0: the
+    # profile's). docs/cost-model.md, "The pair's price".
+    kv_link: KvLinks = field(default_factory=KvLinks)
+    kv_bytes_per_token: int = bounded(0, **NON_NEGATIVE)
     # A disaggregated request's prefill leg, sent by the router (docs/envoy.md, "Prefill
     # and decode apart"): vLLM's one-token prefill is awaited this long, SGLang's leg this
     # long to go out, and its answer (which follows the KV transfer, drained in the

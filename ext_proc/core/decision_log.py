@@ -82,6 +82,9 @@ class DecisionLog(Listener):
             "ttft_ms": round(e.ttft_ms, 3) if streamed and e.ttft_ms is not None else None,
             "e2e_ms": round(e.e2e_ms, 3),
         }
+        if e.record.prefill_backend is not None:  # the KV's transfer, as observed
+            seen = e.record.observed_transfer_ms
+            entry.observed["kv_transfer_ms"] = None if seen is None else round(seen, 3)
         self.seq += 1
         entry.seq = self.seq
 

@@ -39,6 +39,10 @@ class PrefixLearner(Listener):
     def on_dispatch(self, e: Dispatched) -> None:
         if e.record.blocks is not None:
             self.state.backends[e.record.backend].prefix.insert(e.record.blocks, e.now_s)
+            if e.record.prefill_backend in self.state.backends:  # it computes them
+                self.state.backends[e.record.prefill_backend].prefix.insert(
+                    e.record.blocks, e.now_s
+                )
 
     def on_close(self, e: Closed) -> None:
         rec = e.record
@@ -91,6 +95,9 @@ class SpeedLearner(Listener):
             or rec.predicted_e2e_ms is None
         ):
             return
+        if rec.prefill_backend is not None:  # its TTFT is two engines' and a link's
+            self._learn_decode(e)
+            return
         profile_ms = (rec.queue_ms + rec.prefill_ms) / rec.prefill_factor
         speed = b.speed_for(rec.model)
         # its prediction counts from the dispatch: not its wait in the gateway queue
@@ -98,6 +105,13 @@ class SpeedLearner(Listener):
         speed.observe_ttft(profile_ms, engine_ms)
         if rec.replay_features is not None and speed.learn:
             b.step_fit.observe(rec.replay_features, engine_ms + rec.replay_credit_ms)
+        self._learn_decode(e)
+
+    def _learn_decode(self, e: Closed) -> None:
+        rec = e.record
+        assert rec.predicted_ttft_ms is not None and rec.predicted_e2e_ms is not None
+        assert e.ttft_ms is not None
+        speed = self.state.backends[rec.backend].speed_for(rec.model)
         # The mean step predicted (its decode replay over the output it was expected to
         # generate, in profile ms) against the mean step it had over the output it did
         # generate (the expected output when the count is not known).

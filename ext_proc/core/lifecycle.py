@@ -116,6 +116,8 @@ class RequestLifecycle:
         for listener in self._listeners:
             listener.on_close(event)
         self._fleet.remove_if_drained(rec.backend)  # draining: its last request may have closed
+        if rec.prefill_backend is not None:  # and its prefill engine's
+            self._fleet.remove_if_drained(rec.prefill_backend)
         return event
 
     def expire(self) -> list[Closed]:

@@ -33,7 +33,15 @@ from ext_proc.core.features import (
 from ext_proc.core.fleet import Fleet
 from ext_proc.core.inputs import RouterInputs
 from ext_proc.core.lifecycle import RequestLifecycle
+from ext_proc.core.pairs import (
+    PairedCandidates,
+    disaggregated,
+    pair_leg,
+    paired_candidates,
+    prefill_leg,
+)
 from ext_proc.estimate.prefix import Hashes
+from ext_proc.estimate.transfer import PairKnobs
 from ext_proc.learn.tuner import Tuner
 from ext_proc.vocab.errors import RATE_LIMITED
 from ext_proc.vocab.events import Dispatched
@@ -145,6 +153,29 @@ class Router(RequestLifecycle):
 
     # -- deciding -----------------------------------------------------------------------
 
+    @property
+    def _pair_knobs(self) -> PairKnobs:
+        """The policy's knobs for a disaggregated fleet (gorgo's parameters), else none."""
+        knobs = getattr(self._policy, "pair_knobs", None)
+        return knobs if isinstance(knobs, PairKnobs) else PairKnobs()
+
+    def _paired(
+        self, request: RouteRequest, candidates: tuple[Candidate, ...]
+    ) -> PairedCandidates | None:
+        """A disaggregated fleet's candidates (core.pairs); None: no prefill or decode
+        engine among them (decided exactly as an aggregated fleet)."""
+        backends = self._fleet.state.backends
+        if not disaggregated(backends, candidates):
+            return None
+        return paired_candidates(
+            candidates,
+            backends,
+            self.cfg.routing,
+            self._pair_knobs,
+            self._fleet.state.transfer,
+            sum(request.llm.prompt_tokens) if request.llm else 0,
+        )
+
     def served_models(self) -> dict[str, str | None] | None:
         """The fleet's models, name -> parent (core.admission.fleet_models)."""
         return fleet_models(self._fleet.state, self.cfg.models)
@@ -186,6 +217,9 @@ class Router(RequestLifecycle):
         (flow control waits). `waited_ms`: its gateway queue wait (in its TTFT and E2E)."""
         blocks = self._features.prompt_blocks(request)
         candidates = self._features.candidates(request, blocks)
+        paired = self._paired(request, candidates)
+        if paired is not None:  # a disaggregated fleet: decode engines with their pairs
+            candidates = paired.candidates
         bt = self.cfg.routing.block_tokens
         arm = None
         weights = self._weights
@@ -193,6 +227,8 @@ class Router(RequestLifecycle):
             arm = self._tuner.arm_for(request.request_id, request.session_key)
             weights = self._tuner.weights_for(request.request_id, request.session_key)
         choice = self._policy.choose(request, candidates, weights)
+        if paired is not None:  # a remote prefill must win by the policy's margin
+            choice = paired.with_margin(choice, self._pair_knobs.remote_margin_ms)
         chosen = next((c for c in candidates if c.backend_id == choice.backend_id), None)
         if chosen is None:
             raise ValueError(
@@ -210,7 +246,9 @@ class Router(RequestLifecycle):
             # judged at its close: would a precise prediction have been right?
             b.engine.blocks.expect(request.request_id, self._features.precise_cached.get(b.id, 0))
         rec = in_flight_record(request, chosen, b, blocks, state, now_s, bt)
-        self._fleet.state.dispatch(rec)
+        pair = paired.pairs.get(chosen.backend_id) if paired is not None else None
+        leg = None if pair is None or paired is None else pair_leg(rec, pair, paired)
+        self._fleet.state.dispatch(rec, leg)
         decision = Decision(
             request_id=request.request_id,
             backend=chosen.backend_id,
@@ -229,6 +267,7 @@ class Router(RequestLifecycle):
                 self.cfg.routing, chosen, rec.streaming, self.cfg.envoy.route_timeout_s
             ),
             engine_priority=engine_priority(b, request),
+            prefill=None if pair is None else prefill_leg(pair),
         )
         _stamp(rec, decision, now_s)
         self._decisions += 1

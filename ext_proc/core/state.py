@@ -15,6 +15,7 @@ from ext_proc.core.backend import BackendState
 from ext_proc.core.records import BackendRecords
 from ext_proc.estimate.decode_replay import DecodeCalibration
 from ext_proc.estimate.output_length import OutputLengths
+from ext_proc.estimate.transfer import TransferFactors
 from ext_proc.vocab.types import InFlight, Status
 
 # Weight of a new dispatch in a backend's mean prefill estimate (prices engine-reported
@@ -44,11 +45,20 @@ class FleetState(BackendRecords):
         self.output_lengths = OutputLengths()
         # The predicted decode's calibration to the E2E's relative error, per backend.
         self.decode_calibration = DecodeCalibration()
+        # The prefill legs of disaggregated requests in flight (by request id): each loads
+        # its prefill engine from the dispatch until the decode's first byte (its KV has
+        # been sent then), or the request's close, whichever comes first.
+        self.legs: dict[str, InFlight] = {}
+        # The links' transfers as observed against their prediction (per pair of regions).
+        self.transfer = TransferFactors()
 
-    def dispatch(self, rec: InFlight) -> None:
+    def dispatch(self, rec: InFlight, leg: InFlight | None = None) -> None:
+        """Count a request in flight; `leg`: its prefill on another engine (counted there
+        until `release_leg`)."""
         old = self.in_flight.pop(rec.request_id, None)
         if old is not None:  # a reused request id: the older record can no longer complete
             self._drop_load(old)
+            self.release_leg(rec.request_id)
         # Another router's request with the same id (ids are the clients' or Envoy's, not
         # unique across routers): the id is ours now, and one record holds it (else the
         # backend counted it twice, and the peer's close released our record).
@@ -56,6 +66,36 @@ class FleetState(BackendRecords):
         self.in_flight[rec.request_id] = rec
         b = self._add_load(rec)
         b.load.mean_prefill_ms += PREFILL_EWMA * (rec.prefill_ms - b.load.mean_prefill_ms)
+        if leg is not None:
+            self.legs[rec.request_id] = leg
+            p = self._add_load(leg)
+            p.load.mean_prefill_ms += PREFILL_EWMA * (leg.prefill_ms - p.load.mean_prefill_ms)
+
+    def release_leg(self, request_id: str) -> InFlight | None:
+        """The prefill engine is done with the request (its KV sent, or the request
+        ended): its load there is dropped, once (None: no leg, or already released)."""
+        leg = self.legs.pop(request_id, None)
+        if leg is not None and leg.backend in self.backends:
+            self._drop_load(leg)
+        return leg
+
+    def _learn_transfer(self, rec: InFlight, now_s: float) -> None:
+        """The decode's first byte came: what the transfer took is the time from the
+        dispatch less every other part of the prediction (its queues, prefill, first step
+        and trips); its bandwidth part, set against the predicted one, moves the link's
+        factor."""
+        if rec.prefill_backend is None or rec.predicted_ttft_ms is None or not rec.streaming:
+            return
+        elapsed_ms = (now_s - rec.dispatched_s) * 1000.0 - rec.pace_ms
+        observed_ms = max(0.0, elapsed_ms - (rec.predicted_ttft_ms - rec.transfer_ms))
+        rec.observed_transfer_ms = observed_ms
+        p, d = self.backends.get(rec.prefill_backend), self.backends.get(rec.backend)
+        if p is None or d is None or rec.transfer_bandwidth_ms < 1.0:  # too small to tell
+            return
+        link_rtt_ms = rec.transfer_ms - rec.transfer_bandwidth_ms
+        self.transfer.observe(
+            p.config.region, d.config.region, rec.transfer_bandwidth_ms, observed_ms - link_rtt_ms
+        )
 
     def first_byte(self, request_id: str, now_s: float) -> tuple[float, InFlight] | None:
         """Mark the first response byte: TTFT in ms and the record (None if unknown or
@@ -68,6 +108,8 @@ class FleetState(BackendRecords):
             ttft_ms = min(ttft_ms, rec.ended_e2e_ms)
         rec.first_byte_s = rec.arrived_s + ttft_ms / 1000.0
         self.backends[rec.backend].load.waiting_first_byte -= 1  # where it is counted
+        if self.release_leg(request_id) is not None:  # the decode began: the KV came
+            self._learn_transfer(rec, now_s)
         served = self.backends.get(rec.served_by or rec.backend, self.backends[rec.backend])
         served.stats.recent_ttft_ms.append(ttft_ms)  # the backend that answered
         return ttft_ms, rec
@@ -102,6 +144,7 @@ class FleetState(BackendRecords):
         if rec is None:
             return None
         self._drop_load(rec)
+        self.release_leg(request_id)  # ended before its decode's first byte
         b = self.backends[rec.backend]
         measured_e2e_ms = e2e_ms if e2e_ms is not None else (now_s - rec.arrived_s) * 1000.0
         if status == Status.FAILED_OVER:  # only the failure to connect was the chosen one's

@@ -10,6 +10,7 @@ from typing import Any
 from ext_proc.core.backend import BackendState
 from ext_proc.core.decision_log import DecisionLog
 from ext_proc.core.features import Features, prefix_state
+from ext_proc.core.state import FleetState
 from ext_proc.learn.tuner import Tuner
 from ext_proc.vocab.types import Weights
 
@@ -78,9 +79,31 @@ def snapshot(
         "tuner": None if tuner is None else tuner.snapshot(),
         "decisions": decisions,
         "in_flight": len(fleet.state.in_flight),
+        **_pairs_json(fleet.state),
         "backends": backends,
         "removed_backends": fleet.removed_json(now_s),
         # The output lengths learned (the predicted decode's, estimate/output_length.py).
         "output_lengths": fleet.state.output_lengths.as_json(),
         "recent_decisions": None if log is None else log.as_json(STATE_DECISIONS),
     }
+
+
+def _pairs_json(state: FleetState) -> dict[str, Any]:
+    """A disaggregated fleet's: each request in flight still on its prefill engine (by
+    request id: that engine, the decode engine, the predicted transfer), and each link's
+    learned transfer factor; nothing for an aggregated fleet."""
+    out: dict[str, Any] = {}
+    if state.legs:
+        out["prefilling"] = {
+            rid: {
+                "prefill": leg.backend,
+                "decode": state.in_flight[rid].backend,
+                "transfer_ms": round(state.in_flight[rid].transfer_ms, 3),
+            }
+            for rid, leg in state.legs.items()
+            if rid in state.in_flight
+        }
+    factors = state.transfer.as_json()
+    if factors:
+        out["kv_transfer_factors"] = factors
+    return out

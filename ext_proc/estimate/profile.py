@@ -42,10 +42,11 @@ OPTIONAL_KEYS = (
     "decode_batch_fraction",
     "no_cuda_graph_batch",
     "no_cuda_graph_ms",
+    "kv_bytes_per_token",
 )
 # Read only by the emulated engine (emulator/) and the simulator (loadgen/), never by the
 # router: its cache granularity is routing.block_tokens.
-EMULATOR_KEYS = ("block_tokens", "jitter_sigma", "kv_bytes_per_token")
+EMULATOR_KEYS = ("block_tokens", "jitter_sigma")
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,8 @@ class EngineProfile:
     block_tokens: int = 64
     jitter_sigma: float = 0.02
     # KV bytes per token: 2 (K and V) x attention layers x KV heads x head dim x bytes per
-    # element. It sizes a prefill/decode KV transfer (emulator/engine/disagg/kv.py). The
+    # element. It sizes a prefill/decode KV transfer (emulator/engine/disagg/kv.py), and
+    # the router prices it (core/pairs.py) unless routing.kv_bytes_per_token says. The
     # default is Llama-3.1-8B's in fp16: 2 x 32 x 8 x 128 x 2 = 131072.
     kv_bytes_per_token: int = 131072
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Generic, Protocol, TypeVar
 
 from ext_proc.estimate.cost import token_cost
+from ext_proc.estimate.transfer import PairKnobs
 from ext_proc.policy.base import WeightedParams, near_ties, pick_min, register
 from ext_proc.vocab.params import bounded
 from ext_proc.vocab.policy import Choice
@@ -81,6 +82,13 @@ class GorgoParams(WeightedParams):
     # and a band gives TTFT away (0.2 instead of 0: p95 TTFT +3 %, docs/cost-model.md).
     tie_ms: float = bounded(1.0, ge=0.0)
     tie_fraction: float = bounded(0.0, ge=0.0)
+    # A disaggregated fleet (docs/cost-model.md, "The pair's price"): what the model cannot
+    # know, the tuner's to own later. A prompt with fewer uncached tokens than this is
+    # prefilled in its decode engine's region (or on an aggregated engine); a prefill in
+    # another region must beat the best local choice by remote_margin_ms. 0 and 0: the
+    # price alone decides.
+    local_threshold_tokens: int = bounded(0, ge=0)
+    remote_margin_ms: float = bounded(0.0, ge=0.0)
 
 
 @dataclass(frozen=True)
@@ -202,6 +210,11 @@ class Gorgo(_Weighted[GorgoParams]):
     (the module's docstring); near-ties go to the fewest in flight."""
 
     name = "gorgo"
+
+    @property
+    def pair_knobs(self) -> PairKnobs:
+        """Its knobs for choosing a (prefill, decode) pair (core.pairs)."""
+        return PairKnobs(self._p.local_threshold_tokens, self._p.remote_margin_ms)
 
     def term_weights(self, w: Weights) -> dict[str, float]:
         return {

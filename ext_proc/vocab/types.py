@@ -306,6 +306,15 @@ class InFlight:
     # protocol's served endpoint: Envoy went on to the next endpoint after a connect
     # failure): its TTFT and E2E are that backend's, the failover the chosen one's.
     served_by: str | None = None
+    # Prefilled on another engine (Decision.prefill; None: `backend` does both): that
+    # engine, and the predicted transfer of the KV to `backend` (ms) and its bandwidth
+    # part (without the link's RTT): what the observed transfer corrects.
+    prefill_backend: str | None = None
+    transfer_ms: float = 0.0
+    transfer_bandwidth_ms: float = 0.0
+    # What the transfer took as observed at the decode's first byte (the time since the
+    # dispatch less the rest of the prediction; None: not observed).
+    observed_transfer_ms: float | None = None
 
     @property
     def arrived_s(self) -> float:

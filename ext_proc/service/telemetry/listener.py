@@ -31,6 +31,7 @@ from ext_proc.service.telemetry.spans import (
     A_E2E_MS,
     A_ENGINE_CACHED,
     A_ERROR_TYPE,
+    A_KV_TRANSFER_OBSERVED_MS,
     A_PREDICTION_ERROR_RATIO,
     A_PREDICTION_ERROR_TOKENS,
     A_STATUS,
@@ -205,6 +206,8 @@ class Telemetry(Listener):
         a[A_E2E_MS] = round(c.e2e_ms, 3)
         if c.ttft_ms is not None:
             a[A_TTFT_MS] = round(c.ttft_ms, 3)
+        if c.record.observed_transfer_ms is not None:
+            a[A_KV_TRANSFER_OBSERVED_MS] = round(c.record.observed_transfer_ms, 3)
         self._end(span, str(c.status), c.status != Status.OK)
 
     def _end(self, span: _OpenSpan, status: str, error: bool) -> None:

@@ -10,6 +10,11 @@ from typing import Any
 
 import orjson
 
+from ext_proc.common.names import (
+    SPAN_KV_TRANSFER_MS,
+    SPAN_KV_TRANSFER_OBSERVED_MS,
+    SPAN_PREFILL_BACKEND,
+)
 from ext_proc.core.backend import BackendState
 from ext_proc.core.terms.catalog import TERMS
 from ext_proc.vocab.events import Dispatched
@@ -73,6 +78,10 @@ A_PACE_HOLD_MS = "gorgo.pace_hold_ms"
 # it was offered room and found none.
 A_FLOW_WAITED_MS = "gorgo.flow.waited_ms"
 A_FLOW_QUEUED_BEHIND = "gorgo.flow.queued_behind"
+# A disaggregated decision (only then): its prefill engine and the KV's predicted transfer.
+A_PREFILL_BACKEND = SPAN_PREFILL_BACKEND
+A_KV_TRANSFER_MS = SPAN_KV_TRANSFER_MS
+A_KV_TRANSFER_OBSERVED_MS = SPAN_KV_TRANSFER_OBSERVED_MS
 
 
 def session_hash(key: str | None) -> str:
@@ -140,6 +149,9 @@ def decision_attributes(
     if d.waited_ms:
         attrs[A_FLOW_WAITED_MS] = round(d.waited_ms, 3)
         attrs[A_FLOW_QUEUED_BEHIND] = d.queued_behind
+    if d.prefill is not None:
+        attrs[A_PREFILL_BACKEND] = d.prefill.backend
+        attrs[A_KV_TRANSFER_MS] = round(d.prefill.transfer_ms, 3)
     if d.weights is not None:
         attrs[A_WEIGHT_RTT] = d.weights.rtt
         attrs[A_WEIGHT_QUEUE] = d.weights.queue

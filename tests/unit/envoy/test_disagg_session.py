@@ -36,7 +36,11 @@ class FakeLegs:
 def session_with_decision(
     extended: bool = False, decode_role: str = "decode"
 ) -> tuple[RoutingSession, str]:
-    backends = [{**b, "role": decode_role} for b in REGIONS]
+    # `far` prefills when the others decode (a decode engine needs a prefill engine)
+    backends = [
+        {**b, "role": "prefill" if b["id"] == "far" and decode_role == "decode" else decode_role}
+        for b in REGIONS
+    ]
     r, _ = make_router("round_robin", backends=backends, routing={"prefill_timeout_s": 7})
     d = r.decide(chat("hi"))
     s = Stream(r)
