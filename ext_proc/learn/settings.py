@@ -179,10 +179,20 @@ def score(settings: TunerSettings, samples: np.ndarray) -> Any:
     return tail_mean(samples, settings.tail_fraction)  # "tail" (checked at construction)
 
 
+# The largest exponent taken: exp(709.8) overflows a float. A weight's bounds lie far
+# below exp(700), so a step capped there is clipped to them as before; a sigma grown
+# without bound (the paper's mode has no cap) no longer raises OverflowError.
+MAX_EXPONENT = 700.0
+
+
+def _exp(x: float) -> float:
+    return math.exp(min(x, MAX_EXPONENT))
+
+
 def _reflect(x: float, lo: float, hi: float) -> float:
     """exp(x), with x mirrored once at log(lo) or log(hi) when it lies beyond it."""
     a, b = math.log(lo), math.log(hi)
-    return math.exp(2 * a - x if x < a else 2 * b - x if x > b else x)
+    return _exp(2 * a - x if x < a else 2 * b - x if x > b else x)
 
 
 class TunerCore:
@@ -278,8 +288,8 @@ class TunerCore:
         if not self.s.ties:  # clipped
             return self.s.clip(
                 (
-                    math.exp(math.log(w[0]) + sigma * self.rng.gauss(0, 1)),
-                    math.exp(math.log(w[1]) + sigma * self.rng.gauss(0, 1)),
+                    _exp(math.log(w[0]) + sigma * self.rng.gauss(0, 1)),
+                    _exp(math.log(w[1]) + sigma * self.rng.gauss(0, 1)),
                 )
             )
         (rlo, rhi), (qlo, qhi) = self.s.rtt_bounds, self.s.queue_bounds

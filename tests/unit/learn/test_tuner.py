@@ -180,3 +180,16 @@ def test_arm_key_is_a_strict_config_key_wired_into_the_router() -> None:
         config_from_dict({"backends": [backend], "tuner": {"arm_key": "user"}})
     router = build_router(cfg, lambda: 0.0, random.Random(0))
     assert router.tuner is not None and router.tuner.s.arm_key == TunerArmKey.SESSION
+
+
+@pytest.mark.parametrize("ties", [False, True])
+def test_a_huge_sigma_steps_to_a_bound_without_overflow(ties: bool) -> None:
+    """Hypothesis found it: in the paper's mode sigma has no cap, and exp() of a step far
+    past the bounds raised OverflowError (clipped after) instead of landing on a bound."""
+    t = Tuner(replace(PAIRED_S, ties=ties), Weights(1.0, 1.0), random.Random(3))
+    t.state.sigma = 1e6
+    s = t.s
+    for _ in range(20):
+        w = t.mutate((1.0, 1.0))
+        assert s.rtt_bounds[0] <= w[0] <= s.rtt_bounds[1]
+        assert s.queue_bounds[0] <= w[1] <= s.queue_bounds[1]
