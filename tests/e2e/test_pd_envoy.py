@@ -23,7 +23,7 @@ import json
 import random
 import subprocess
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,21 +59,29 @@ CHAT = json.dumps(
 ).encode()
 
 
-if PD_STUB not in POLICIES:
+class PickDecode:
+    """Test only: the backend named `dec` (the core's pair choice stands in)."""
 
-    @register(PD_STUB)
-    class PickDecode:
-        """Test only: the backend named `dec` (the core's pair choice stands in)."""
+    name = PD_STUB
 
-        name = PD_STUB
+    def __init__(self, rng: random.Random, params: NoParams) -> None:
+        pass
 
-        def __init__(self, rng: random.Random, params: NoParams) -> None:
-            pass
+    def choose(
+        self, request: RouteRequest, candidates: Sequence[Candidate], weights: Weights | None
+    ) -> Choice:
+        return Choice("dec", {})
 
-        def choose(
-            self, request: RouteRequest, candidates: Sequence[Candidate], weights: Weights | None
-        ) -> Choice:
-            return Choice("dec", {})
+
+@pytest.fixture(autouse=True)
+def _pd_stub_policy() -> Iterator[None]:
+    """Registered while this module's tests run, not at import: the tests that run every
+    registered policy (tests/unit/core/test_fleet.py) are collected before it runs."""
+    register(PD_STUB)(PickDecode)
+    try:
+        yield
+    finally:
+        POLICIES.pop(PD_STUB, None)
 
 
 @dataclass
