@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,8 +42,20 @@ POSITIVE = {"gt": 0.0}
 NON_NEGATIVE = {"ge": 0.0}
 
 
-# A DNS name (labels of letters, digits, '-' and '_'), an IPv4 address, or [IPv6].
-_HOST = re.compile(r"\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_](?:[A-Za-z0-9_.-]*[A-Za-z0-9_])?")
+# A DNS name or IPv4 address: dot-separated labels of 1-63 letters, digits, '-' and '_'
+# (an empty label, as in "a..b", fails name resolution: IDNA rejects it).
+_LABEL = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?")
+
+
+def _is_host(host: str) -> bool:
+    """A DNS name, an IPv4 address, or [IPv6] (an address `ipaddress` reads)."""
+    if host.startswith("[") and host.endswith("]"):
+        try:
+            return ipaddress.ip_address(host[1:-1]).version == 6
+        except ValueError:
+            return False
+    name = host.removesuffix(".")  # a fully qualified name may end in a dot
+    return len(name) <= 253 and all(_LABEL.fullmatch(label) for label in name.split("."))
 
 
 def split_host_port(value: str, key: str) -> tuple[str, int]:
@@ -60,6 +73,6 @@ def split_host_port(value: str, key: str) -> tuple[str, int]:
         raise ConfigError(f"{key}: expected host:port, got {value!r}")
     if not 0 <= int(port) <= 65535:
         raise ConfigError(f"{key}: port {port} is out of range (0-65535), got {value!r}")
-    if not _HOST.fullmatch(host):
+    if not _is_host(host):
         raise ConfigError(f"{key}: {host!r} is not a host name or IP address, got {value!r}")
     return host, int(port)

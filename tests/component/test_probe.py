@@ -108,3 +108,13 @@ async def test_a_probe_into_a_silent_link_fails_after_a_few_rtts_not_the_whole_t
         server.close()
         for w in silent:
             w.close()
+
+
+async def test_a_probe_of_a_name_the_resolver_refuses_fails_and_the_loop_lives_on() -> None:
+    """The admin API's fuzzer once added `[.:.2b720faf3c.8.]:65079`: the resolver's IDNA step
+    raised UnicodeError out of the probe loop, and the service's stop re-raised it. Such a
+    name is refused by the address check now; a probe that meets one anyway just fails."""
+    from ext_proc.service.loops.engine_http import probe_rtt, probe_session
+
+    async with probe_session() as session:
+        assert await probe_rtt(session, "http://a..b:8000/health", 1.0) is None

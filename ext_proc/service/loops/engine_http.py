@@ -16,8 +16,9 @@ from ext_proc.feeds.engine_metrics import EngineReport, MetricsError, parse_engi
 from ext_proc.feeds.served_models import ModelsError, ServedModels, parse_models
 from ext_proc.feeds.server_info import EngineScheduling, ServerInfoError, parse_server_info
 
-# Errors of a read that did not get an answer (refused, reset, timed out).
-UNREACHABLE = (aiohttp.ClientError, TimeoutError, OSError)
+# Errors of a read that did not get an answer (refused, reset, timed out, or a host name
+# the resolver refuses: UnicodeError from IDNA, which the address check should have caught).
+UNREACHABLE = (aiohttp.ClientError, TimeoutError, OSError, UnicodeError)
 
 
 class NoMetricsPage(MetricsError):

@@ -39,6 +39,14 @@ CASES = [
         with_backend(address="bad/host:8000"),
         r"backends\[0\].address: 'bad/host' is not a host name",
     ),
+    # what the admin API's fuzzer sent: each passed a pattern, then failed name resolution
+    # (IDNA: an empty label) inside the probe loop
+    (
+        with_backend(address="[.:.2b720faf3c.8.]:65079"),
+        r"backends\[0\].address: '\[.:.2b720faf3c.8.\]' is not a host name",
+    ),
+    (with_backend(address="a..b:8000"), r"backends\[0\].address: 'a..b' is not a host name"),
+    (with_backend(address=f"{'x' * 64}.io:8000"), r"backends\[0\].address: 'x+.io' is not a"),
     (
         with_key("envoy", tracing_endpoint="http://otel:4317"),
         r"envoy.tracing_endpoint: .*'otel:4317'",
