@@ -87,6 +87,21 @@ def chats(stack: Stack, models: list[str]) -> list[Result]:
     return asyncio.run(run())
 
 
+# Envoy's ways of sending a request elsewhere than the router chose: failed open (the
+# router did not answer in time, or at all), or retried on another backend
+ENVOY_COUNTS = re.compile(
+    r"^(http\.\w+\.ext_proc\.(?:failure_mode_allowed|message_timeouts|streams_failed)"
+    r"|cluster\.[\w-]+\.upstream_rq_retry): (\d+)$",
+    re.M,
+)
+
+
+def envoy_counts(stack: Stack) -> dict[str, int]:
+    with urllib.request.urlopen(f"{stack.envoy_admin_url}/stats", timeout=10) as resp:
+        text = resp.read().decode()
+    return {k: int(v) for k, v in ENVOY_COUNTS.findall(text) if int(v)}
+
+
 def chat_calls(stack: Stack) -> dict[str, float]:
     """Chat completions each engine's API server answered, any status (its
     http_requests_total): an engine's own 404 or 400 counts, the router's does not."""
@@ -120,7 +135,11 @@ def test_two_real_models_route_to_their_engines(models_fleet: Stack) -> None:
     before, calls = served_counts(stack), chat_calls(stack)
     asked = ["alpha", "beta", ADAPTER, "beta"] * 4  # 4 alpha, 8 beta, 4 alpha-lora, at once
     results = chats(stack, asked)
-    assert all(r.ok and r.output_tokens == 8 for r in results), [r.error for r in results]
+    print(f"Envoy's say: {envoy_counts(stack)}")
+    assert all(r.ok and r.output_tokens == 8 for r in results), (
+        [(r.id, r.backend, r.error[:60]) for r in results if not r.ok or r.output_tokens != 8],
+        envoy_counts(stack),  # a request that failed open, or was retried on another engine
+    )
     went = {m: dict(Counter(r.backend for r in results if r.id.startswith(f"{m}#"))) for m in asked}
     print(f"routed per model: {went}")
     assert went == {"alpha": {ALPHA: 4}, ADAPTER: {ALPHA: 4}, "beta": {BETA: 8}}
