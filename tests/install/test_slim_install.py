@@ -11,6 +11,8 @@ import tomllib
 import urllib.request
 from pathlib import Path
 
+import pytest
+
 from tests.install.installs import (
     ROOT,
     committed_files,
@@ -25,6 +27,7 @@ PROJECT_FILES = ("pyproject.toml", "constraints.txt", "README.md", "LICENSE", "e
 VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
 
 
+@pytest.mark.long  # a venv and a pip install (~40 s): `make test-long`
 def test_router_installs_and_runs_without_the_harness(tmp_path: Path) -> None:
     src = tmp_path / "src"
     files = committed_files(ROOT, PROJECT_FILES)

@@ -135,12 +135,30 @@ BODIES = (
 )
 
 
-@settings(max_examples=10_000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# `make test` runs 1,000 generated bodies (~8 s here), the long tier 10,000 (~80 s).
+QUICK = settings(max_examples=1_000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+LONG = settings(QUICK, max_examples=10_000)
+
+
+@QUICK
 @given(PATHS, BODIES, st.booleans(), st.booleans())
 def test_no_input_breaks_the_stream(path: str, data: bytes, split: bool, reject: bool) -> None:
-    """10,000 generated bodies: every message gets a reply, never an exception; an
-    unreadable body falls back (routing.unreadable_body: route) or is answered 400 with a
-    JSON error naming the problem (reject); nothing stays in flight once closed."""
+    """Generated bodies: every message gets a reply, never an exception; an unreadable
+    body falls back (routing.unreadable_body: route) or is answered 400 with a JSON error
+    naming the problem (reject); nothing stays in flight once closed."""
+    no_input_breaks_the_stream(path, data, split, reject)
+
+
+@pytest.mark.long  # `make test-long`
+@LONG
+@given(PATHS, BODIES, st.booleans(), st.booleans())
+def test_no_input_of_ten_thousand_breaks_the_stream(
+    path: str, data: bytes, split: bool, reject: bool
+) -> None:
+    no_input_breaks_the_stream(path, data, split, reject)
+
+
+def no_input_breaks_the_stream(path: str, data: bytes, split: bool, reject: bool) -> None:
     r, _ = REJECTING if reject else ROUTER
     s = Stream(r)
     assert s.handle(headers(path, "fuzz")) is not None
