@@ -14,6 +14,7 @@ import time
 import urllib.request
 from collections import Counter
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import aiohttp
@@ -56,6 +57,11 @@ def models_fleet() -> Iterator[Stack]:
     settings.engine_loras = {ALPHA: [f"{ADAPTER}={adapter}"]}
     stack = Stack(settings)
     assert all(not b.models for b in stack.config.backends)  # discovered, not configured
+    # Two vLLM engines that spin on these two cores starve the router: 16 decisions at once
+    # (a real tokenizer and chat template each) may pass Envoy's 1 s for a reply, and a
+    # request that failed open reaches either engine. This test is about where the router
+    # sends each model; envoy_counts says if one failed open anyway.
+    stack.config = replace(stack.config, envoy=replace(stack.config.envoy, message_timeout_ms=5000))
     t0 = time.monotonic()
     stack.start()
     print(f"two vLLM engines (alpha + {ADAPTER}, beta), Envoy and gorgo serve ready in "
