@@ -100,6 +100,8 @@ def test_a_link_whose_rtt_grows_is_followed_within_10_s(stack: Stack) -> None:
     assert time.monotonic() - start < 10
 
 
+# a 2 s bound on a restart: met alone, missed by 0.7 s with the other test worker busy
+@pytest.mark.long  # `make test-long`, retried once in CI
 def test_router_killed_during_load_fails_no_request_and_resumes_within_2_s(stack: Stack) -> None:
     url = stack.front_door_url
     results: list[object] = []

@@ -170,3 +170,20 @@ def test_a_port_is_handed_out_once_per_process(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(ports_module, "port_taken", lambda _port: False)  # nothing listens
     assert free_ports(1) == [21000]
     assert free_ports(1) == [21001]  # 21000 is drawn twice more and passed over
+
+
+def test_processes_drawing_at_once_draw_from_slices_of_their_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two test workers start stacks at once: each draws from its own slice of the range
+    (GORGO_PORT_SLICE, set by tests/conftest.py), so one port never goes to both."""
+    from emulator.stack.ports import PORT_RANGE, PORT_SLICE_ENV, port_range
+
+    first, second = port_range("0/2"), port_range("1/2")
+    assert first[0] == PORT_RANGE[0] and first[1] < second[0] and second[1] <= PORT_RANGE[1]
+    assert port_range("") == PORT_RANGE
+    for bad in ("2/2", "a/2", "1"):
+        with pytest.raises(ValueError, match=PORT_SLICE_ENV):
+            port_range(bad)
+    monkeypatch.setenv(PORT_SLICE_ENV, "1/2")
+    assert all(second[0] <= p <= second[1] for p in free_ports(20))
