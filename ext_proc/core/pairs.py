@@ -12,7 +12,7 @@ from ext_proc.config.schema import Routing
 from ext_proc.core.backend import BackendState
 from ext_proc.estimate.transfer import PairKnobs, PairPrice, TransferFactors, best_pair, transfer_ms
 from ext_proc.vocab.backend import BackendRole
-from ext_proc.vocab.policy import Choice
+from ext_proc.vocab.policy import Choice, PairPick
 from ext_proc.vocab.types import Candidate, InFlight, PrefillLeg
 
 # The display-only term a pair's candidate carries (no weight: already in its prefill).
@@ -28,6 +28,9 @@ class PairedCandidates:
     pairs: Mapping[str, PairPrice]
     # Each paired decode engine's prefill partner, as a candidate of its own.
     partners: Mapping[str, Candidate]
+    # The decode engine a PairPolicy picked (its one candidate), else None: the policy
+    # chooses among the candidates.
+    picked: str | None = None
 
     def with_margin(self, choice: Choice, margin_ms: float) -> Choice:
         """A remote pair chosen must score `margin_ms` below every candidate prefilled in
@@ -51,6 +54,17 @@ class PairedCandidates:
 def disaggregated(backends: Mapping[str, BackendState], candidates: Sequence[Candidate]) -> bool:
     """Whether any candidate is a prefill or a decode engine."""
     return any(backends[c.backend_id].config.role is not BackendRole.BOTH for c in candidates)
+
+
+def legs(
+    backends: Mapping[str, BackendState], candidates: Sequence[Candidate]
+) -> tuple[list[Candidate], list[Candidate]]:
+    """The decode engines and the prefill engines among the candidates (a PairPolicy's
+    choice; aggregated engines are neither)."""
+    role = {c.backend_id: backends[c.backend_id].config.role for c in candidates}
+    decodes = [c for c in candidates if role[c.backend_id] is BackendRole.DECODE]
+    prefills = [c for c in candidates if role[c.backend_id] is BackendRole.PREFILL]
+    return decodes, prefills
 
 
 def kv_bytes_per_token(b: BackendState, routing: Routing) -> int:
@@ -142,6 +156,31 @@ def paired_candidates(
     if not out:  # no pair at all (no prefill engine healthy): the decode engines whole
         return PairedCandidates(tuple(candidates), {}, {})
     return PairedCandidates(tuple(out), pairs, partners)
+
+
+def picked_pair(
+    candidates: Sequence[Candidate],
+    backends: Mapping[str, BackendState],
+    routing: Routing,
+    factors: TransferFactors,
+    input_tokens: int,
+    pick: PairPick,
+) -> PairedCandidates:
+    """The pair a PairPolicy picked, priced as gorgo prices any pair (for its records and
+    its span); without a prefill engine, the decode engine whole."""
+    by_id = {c.backend_id: c for c in candidates}
+    d = by_id.get(pick.decode)
+    p = by_id.get(pick.prefill) if pick.prefill is not None else None
+    if d is None or (pick.prefill is not None and p is None):
+        raise ValueError(f"pair {pick} names a backend that is not a candidate")
+    if p is None:
+        return PairedCandidates((d,), {}, {}, d.backend_id)
+    pair = price(
+        p, d, backends[p.backend_id], backends[d.backend_id], routing, factors, input_tokens
+    )
+    return PairedCandidates(
+        (as_candidate(d, p, pair),), {d.backend_id: pair}, {d.backend_id: p}, d.backend_id
+    )
 
 
 def prefill_leg(pair: PairPrice) -> PrefillLeg:

@@ -36,8 +36,10 @@ from ext_proc.core.lifecycle import RequestLifecycle
 from ext_proc.core.pairs import (
     PairedCandidates,
     disaggregated,
+    legs,
     pair_leg,
     paired_candidates,
+    picked_pair,
     prefill_leg,
 )
 from ext_proc.estimate.prefix import Hashes
@@ -45,7 +47,7 @@ from ext_proc.estimate.transfer import PairKnobs
 from ext_proc.learn.tuner import Tuner
 from ext_proc.vocab.errors import RATE_LIMITED
 from ext_proc.vocab.events import Dispatched
-from ext_proc.vocab.policy import Policy
+from ext_proc.vocab.policy import Choice, Policy
 from ext_proc.vocab.types import (
     Candidate,
     Decision,
@@ -167,13 +169,18 @@ class Router(RequestLifecycle):
         backends = self._fleet.state.backends
         if not disaggregated(backends, candidates):
             return None
+        state, routing = self._fleet.state, self.cfg.routing
+        input_tokens = sum(request.llm.prompt_tokens) if request.llm else 0
+        choose_pair = getattr(self._policy, "choose_pair", None)
+        if choose_pair is not None:  # a PairPolicy: each leg by its own rule
+            decodes, prefills = legs(backends, candidates)
+            if decodes:
+                pick = choose_pair(request, decodes, prefills)
+                return picked_pair(
+                    candidates, backends, routing, state.transfer, input_tokens, pick
+                )
         return paired_candidates(
-            candidates,
-            backends,
-            self.cfg.routing,
-            self._pair_knobs,
-            self._fleet.state.transfer,
-            sum(request.llm.prompt_tokens) if request.llm else 0,
+            candidates, backends, routing, self._pair_knobs, state.transfer, input_tokens
         )
 
     def served_models(self) -> dict[str, str | None] | None:
@@ -226,7 +233,10 @@ class Router(RequestLifecycle):
         if self._tuner is not None:  # the tuner's arm for this request sets the weights
             arm = self._tuner.arm_for(request.request_id, request.session_key)
             weights = self._tuner.weights_for(request.request_id, request.session_key)
-        choice = self._policy.choose(request, candidates, weights)
+        if paired is not None and paired.picked is not None:  # the PairPolicy's pick
+            choice = Choice(paired.picked, {})
+        else:
+            choice = self._policy.choose(request, candidates, weights)
         if paired is not None:  # a remote prefill must win by the policy's margin
             choice = paired.with_margin(choice, self._pair_knobs.remote_margin_ms)
         chosen = next((c for c in candidates if c.backend_id == choice.backend_id), None)

@@ -20,6 +20,15 @@ class Choice:
     scores: dict[str, float]
 
 
+@dataclass(frozen=True)
+class PairPick:
+    """A disaggregated fleet's pair, picked by a `PairPolicy`: the decode engine, and the
+    prefill engine (None: the decode engine prefills the prompt itself)."""
+
+    decode: str
+    prefill: str | None
+
+
 class Policy(Protocol):
     """A routing policy: picks one of the candidates the framework built (registered with
     `policy.base.register`)."""
@@ -31,4 +40,20 @@ class Policy(Protocol):
     ) -> Choice:
         """Pick one of `candidates` (never empty). `weights`: the router's current cost
         weights for a weighted policy, None for the others."""
+        ...
+
+
+class PairPolicy(Policy, Protocol):
+    """A policy that picks a disaggregated fleet's pair itself, each leg by its own rule
+    (the P/D routers gorgo is measured against). Without `choose_pair`, the router offers
+    each decode engine with its best-priced prefill partner (core.pairs) to `choose`."""
+
+    def choose_pair(
+        self,
+        request: RouteRequest,
+        decodes: Sequence[Candidate],
+        prefills: Sequence[Candidate],
+    ) -> PairPick:
+        """Pick one of `decodes` (never empty) and one of `prefills` (may be empty) or
+        None."""
         ...

@@ -22,6 +22,8 @@ from loadgen.sim.rivals.names import is_rival
 
 # The single proxy of the paper's setup (front_doors 0): its RTTs are the RTT profile's.
 PROXY = ""
+# A region's prefill engine's backend id: the region's id with this after it (pd).
+PREFILL_SUFFIX = "-prefill"
 
 
 @dataclass
@@ -86,8 +88,30 @@ class SimSettings:
     # engine with its class's `priority` in the engine's sign (higher first unless
     # low_values_first), a request of no class with none.
     engine_priority: PriorityScheduling | None = None
+    # Prefill and decode apart (issue 59): each region a prefill engine ({region}-prefill)
+    # and a decode engine ({region}), the prompt's KV moving between them over a link of
+    # kv_link_gbps (each pair of regions one wire, transfers in turn) and the regions' RTT;
+    # a decode engine starts a request as `pd_protocol`'s engine does
+    # (emulator/engine/disagg/prebuilt.py). `pd_aggregated`: the same engines, two per
+    # region, each taking requests whole (the baseline without P/D).
+    pd: bool = False
+    pd_aggregated: bool = False
+    kv_link_gbps: float = 10.0
+    pd_protocol: str = "sglang"
+    # The link between two engines of one region (its own fabric: RDMA, NVLink between
+    # hosts), Gbit/s.
+    local_kv_link_gbps: float = 100.0
 
     def __post_init__(self) -> None:
+        if self.pd and self.pd_aggregated:
+            raise ValueError("pd and pd_aggregated: one layout or the other")
+        if (self.pd or self.pd_aggregated) and self.rtt_profile != "network":
+            raise ValueError("pd: the links between regions are the `network` profile's RTTs")
+        for key in ("kv_link_gbps", "local_kv_link_gbps"):
+            if not getattr(self, key) > 0:
+                raise ValueError(f"{key}: must be > 0, got {getattr(self, key)}")
+        if self.pd_protocol not in ("sglang", "vllm"):
+            raise ValueError(f"pd_protocol: sglang or vllm, got {self.pd_protocol!r}")
         if not 0 <= self.front_doors <= len(self.regions):
             raise ValueError(
                 f"front_doors: 0..{len(self.regions)} (one per region), got {self.front_doors}"
@@ -111,8 +135,20 @@ class SimSettings:
         """The front doors' regions ([PROXY]: the single proxy of the paper's setup)."""
         return list(self.regions[: self.front_doors]) or [PROXY]
 
+    @property
+    def backends(self) -> dict[str, str]:
+        """Each engine's backend id -> its region: one per region, or two with `pd`
+        (a decode engine under the region's id, its prefill engine beside it) or
+        `pd_aggregated` ({region}-2 beside it)."""
+        out = {r: r for r in self.regions}
+        second = PREFILL_SUFFIX if self.pd else "-2" if self.pd_aggregated else ""
+        if second:
+            out.update({f"{r}{second}": r for r in self.regions})
+        return out
+
     def rtt_ms(self, door: str, backend: str) -> tuple[float, float]:
         """(mean, std) of the round trip from a front door to a backend."""
+        backend = self.backends.get(backend, backend)  # its region's
         if door == PROXY:
             return rtt_profile_ms(self.rtt_profile, backend)
         mean_ms = region_rtt_ms(door, backend)
@@ -127,6 +163,14 @@ class SimSettings:
             if x < 0:
                 return region
         return self.regions[-1]
+
+    def kv_gbps(self, a: str, b: str) -> float:
+        """The bandwidth of the KV link between regions a and b."""
+        return self.local_kv_link_gbps if a == b else self.kv_link_gbps
+
+    def role_of(self, backend: str) -> str:
+        """A P/D fleet's backend role: its prefill engines', else decode."""
+        return "prefill" if backend.endswith(PREFILL_SUFFIX) else "decode"
 
     def door_of(self, origin: str) -> str:
         doors = self.doors
@@ -148,17 +192,27 @@ class SimSettings:
             "seed": self.seed,
             "backends": [
                 {
-                    "id": r,
+                    "id": b,
                     "address": f"127.0.0.1:{18101 + i}",
                     "region": r,
-                    "rtt_prior_ms": self.rtt_ms(door, r)[0],
+                    "rtt_prior_ms": self.rtt_ms(door, b)[0],
                     "engine_profile": self.router_profile_of(r),
+                    **({"role": self.role_of(b)} if self.pd else {}),
                 }
-                for i, r in enumerate(self.regions)
+                for i, (b, r) in enumerate(self.backends.items())
             ],
         }
+        if self.pd:  # the links as the user would write them: the bandwidth, each RTT
+            links = [
+                {"regions": [a, b], "gbps": self.kv_gbps(a, b), "rtt_ms": region_rtt_ms(a, b)}
+                for i, a in enumerate(self.regions)
+                for b in self.regions[i:]
+            ]
+            raw["routing"] = {"kv_link": {"gbps": self.kv_link_gbps, "links": links}}
         raw["tuner"] = {"mode": self.tune}
-        raw.update(self.router)
+        for key, value in self.router.items():  # the overrides, a section's keys merged
+            merge = isinstance(value, dict) and isinstance(raw.get(key), dict)
+            raw[key] = {**raw[key], **value} if merge else value
         if self.flow_control or self.classes is not None:
             flow = dict(raw.get("flow_control", {}))
             flow["enabled"] = self.flow_control

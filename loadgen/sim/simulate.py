@@ -31,6 +31,7 @@ from ext_proc.vocab.types import Refusal, RouteRequest, Status
 from loadgen.client.concurrency import Admitted, ConcurrencyCap
 from loadgen.results import RequestResult
 from loadgen.sim.bus import Bus
+from loadgen.sim.kv_link import KvMover, KvStats
 from loadgen.sim.rivals.feed import RivalFeed
 from loadgen.sim.settings import PROXY, SimSettings
 from loadgen.sim.world import SimWorld, preempted, sub_blocks
@@ -46,6 +47,8 @@ TICK_S = 0.05
 # Several routers with flow control: the bus confirms a router's dispatch to it (the
 # server has it: a flush's round trip, ext_proc.flow.shared).
 _CONFIRM = 14
+# Prefill and decode apart: a prompt's KV has reached its decode engine.
+_KV_ARRIVED = 15
 
 # A request on its way to its front door: (request, origin region, door, access RTT ms).
 _Arrival = tuple[TraceRequest, str, str, float]
@@ -83,6 +86,8 @@ class SimResult:
     # Running requests the engines preempted (their priority scheduling), by the
     # priority they carried.
     preempted: dict[str, int] = field(default_factory=dict)
+    # Prefill and decode apart (settings.pd): what the links between the engines carried.
+    kv: KvStats | None = None
 
 
 class Simulation(SimWorld):
@@ -108,6 +113,13 @@ class Simulation(SimWorld):
         if settings.share_dispatches:
             self.bus.connect()
         self.feed = None if self.rival is None else RivalFeed(self.rival, self)
+        self.kv = KvMover(
+            self.engines,
+            settings.backends,
+            {b: e.profile.kv_bytes_per_token for b, e in self.engines.items()},
+            settings.kv_gbps,
+            settings.pd_protocol == "sglang",
+        )
         self._events: list[tuple[float, int, int, Any]] = []
         self._seq = 0
         self.results: dict[str, RequestResult] = {}
@@ -168,11 +180,11 @@ class Simulation(SimWorld):
             else:
                 self._push(sent_s, _SEND, (r, origin, door, access_ms))
         for door in self.routers_at:
-            for b in self.s.regions:
+            for b in self.engines:
                 self._push(0.0, _PROBE, (door, b))
         if self.s.engine_reports:
             for door in self.routers_at:
-                for b in self.s.regions:
+                for b in self.engines:
                     self._push(0.0, _SCRAPE, (door, b))
         if self.feed is not None:
             self.feed.start()
@@ -192,8 +204,13 @@ class Simulation(SimWorld):
                 per_engine = r.block_tokens // self.engine_block_tokens[backend]
                 blocks = sub_blocks(r.block_ids, per_engine, self.engine_salt(r))
                 lora = r.model if r.model in self.served[backend].adapters else None
-                engine.submit(r.id, r.input_tokens, r.output_tokens, blocks, t, lora, 1.0, priority)
+                # a prefill leg generates the first token only (its decode does the rest)
+                out = 1 if self.kv.prefill_of.get(r.id) == backend else r.output_tokens
+                engine.submit(r.id, r.input_tokens, out, blocks, t, lora, 1.0, priority)
                 self._publish_cache_changes(backend, t)
+                self._schedule_step(backend)
+            elif kind == _KV_ARRIVED:
+                backend = self.kv.arrived(data, t)
                 self._schedule_step(backend)
             elif kind == _STEP:
                 backend, due = data
@@ -270,6 +287,7 @@ class Simulation(SimWorld):
             self.dropped,
             dict(sorted(self.refused.items())),
             preempted(self.engines.values()),
+            self.kv.stats if self.s.pd else None,
         )
 
     def _dispatch(self, sent: Admitted[_Arrival] | None) -> None:
@@ -387,6 +405,12 @@ class Simulation(SimWorld):
                 delay_s += link.sample_rtt_ms() / 1000  # the handshake
             self._conns_busy[key] = busy + 1
         priority = self.class_priority.get(objective)  # in its body
+        if d.prefill is not None:  # prefill and decode apart: the prefill leg goes first
+            p = d.prefill.backend
+            self.kv.send(r, p, d.backend)
+            delay_s = d.pace_ms / 1000 + self.links[(door, p)].one_way_delay_s()
+            self._push(self.now_s + delay_s, _AT_ENGINE, (p, r, priority))
+            return
         self._push(self.now_s + delay_s, _AT_ENGINE, (d.backend, r, priority))
 
     def _refuse(self, r: TraceRequest, origin: str, access_ms: float, refusal: Refusal) -> None:
@@ -413,6 +437,9 @@ class Simulation(SimWorld):
     def _step(self, backend: str, t: float) -> None:
         # TTFT and E2E as the client sees them: at its front door, plus its access leg.
         for e in self.engines[backend].advance(t):
+            if self.kv.prefill_of.get(e.rid) == backend:  # a prefill leg: its KV goes on
+                self._push(self.kv.prefilled(e.rid, e.cached_tokens, t), _KV_ARRIVED, e.rid)
+                continue
             res = self.results[e.rid]
             link = self._link_of[e.rid]
             if e.index == 0:

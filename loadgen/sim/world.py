@@ -1,9 +1,9 @@
 """What a simulation runs on, as its settings make it (loadgen.sim.simulate.Simulation runs
 the events over it): each front door's routers, built by the service's own factory on the
 virtual clock, and their directors; a rival router's rule in the router's place; one
-engine model per region; the WAN links between the doors and the regions; what each
-engine serves and how it keys its blocks. Everything random is drawn from the settings'
-seed in one order, so one seed makes one world.
+engine model per backend (one per region, two with P/D); the WAN links between the doors
+and the backends; what each engine serves and how it keys its blocks. Everything random
+is drawn from the settings' seed in one order, so one seed makes one world.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import random
 from collections import Counter
 from collections.abc import Iterable, Sequence
 
+from emulator.engine.disagg.prebuilt import PrebuiltModel
 from emulator.engine.model.scheduler import EngineModel
 from emulator.wan import DelayModel, DelaySettings
 from ext_proc.core.build import build_router
@@ -36,16 +37,17 @@ def sub_blocks(ids: Sequence[int], per_block: int, salt: int | tuple[int, int]) 
 def _engines(
     settings: SimSettings, profiles: dict[str, EngineProfile], rng: random.Random
 ) -> dict[str, EngineModel]:
-    """One engine model per region (SGLang's scheduler), each with an RNG drawn in turn."""
+    """One engine model per backend (SGLang's scheduler), each with an RNG drawn in turn;
+    a P/D fleet's decode engines start requests on KV that arrived (PrebuiltModel)."""
     return {
-        r: EngineModel(
-            profiles[r],
+        b: (PrebuiltModel if settings.pd and settings.role_of(b) == "decode" else EngineModel)(
+            profiles[b],
             random.Random(rng.random()),
             max_loras(settings.fleet, r),
             "sglang",
             settings.engine_priority,
         )
-        for r in settings.regions
+        for b, r in settings.backends.items()
     }
 
 
@@ -78,14 +80,15 @@ class SimWorld:
         self.router = build_router(
             cfg, lambda: self.now_s, rng, listeners=rivals, policy=self.rival
         )
-        profiles = {r: load_profile(settings.engine_profile_of(r)) for r in settings.regions}
+        backends = settings.backends
+        profiles = {b: load_profile(settings.engine_profile_of(r)) for b, r in backends.items()}
         fleet = settings.fleet
         self.engines = _engines(settings, profiles, rng)
         # The priority each class's requests carry to the engine (its own scheduling).
         self.class_priority = engine_priorities(settings.classes, settings.engine_priority)
         # What each engine serves (sim/models.py); with models in the fleet file, its blocks
         # are keyed by the model asked for (an adapter shares no cache with its base).
-        self.served = {r: served_models(fleet, r) for r in settings.regions}
+        self.served = {b: served_models(fleet, r) for b, r in backends.items()}
         self.by_model = names_models(fleet)
         self.default_model = default_model(list(self.served.values()))
         self.links: dict[tuple[str, str], DelayModel] = {}
@@ -93,12 +96,12 @@ class SimWorld:
         for door in doors:
             self.links.update(
                 (
-                    (door, r),
+                    (door, b),
                     DelayModel(
-                        DelaySettings(*settings.rtt_ms(door, r)), random.Random(rng.random())
+                        DelaySettings(*settings.rtt_ms(door, b)), random.Random(rng.random())
                     ),
                 )
-                for r in settings.regions
+                for b in backends
             )
             # Later routers draw their RNGs after the engines', so one router runs as before.
             if door == doors[0]:
@@ -120,10 +123,10 @@ class SimWorld:
         prio = settings.engine_priority  # as SGLang's /server_info tells it (auto)
         told = None if prio is None else EngineScheduling(True, prio.low_values_first)
         for router in self.routers:  # as discovery reads each engine's /v1/models at start
-            for r in settings.regions:
-                router.inputs.record_models(r, self.served[r])
+            for b in backends:
+                router.inputs.record_models(b, self.served[b])
                 if told is not None:
-                    router.inputs.record_scheduling(r, told)
+                    router.inputs.record_scheduling(b, told)
         # Per engine: a fleet's profiles may cache at other granularities and pool sizes.
         self.engine_block_tokens = {r: p.block_tokens for r, p in profiles.items()}
         self.kv_capacity_tokens = {r: p.kv_capacity_tokens for r, p in profiles.items()}
@@ -131,10 +134,10 @@ class SimWorld:
             # One request's engine keys serve every candidate (RouteRequest.engine_keys).
             if len(set(self.engine_block_tokens.values())) > 1:
                 raise ValueError("prefix_state precise: the fleet's block_tokens must agree")
-            for r in settings.regions:
-                self.engines[r].cache.events = []
+            for b in backends:
+                self.engines[b].cache.events = []
                 for router in self.routers:
-                    router.inputs.expect_engine_events(r)
+                    router.inputs.expect_engine_events(b)
         self.router_block_tokens = cfg.routing.block_tokens
         self.probe_interval_s = cfg.probes.interval_s
         self.metrics_interval_s = cfg.probes.metrics_interval_s

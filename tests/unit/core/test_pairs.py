@@ -5,10 +5,12 @@ import random
 
 import pytest
 
+from ext_proc.core.build import build_router
 from ext_proc.core.pairs import KV_TRANSFER, paired_candidates, price
 from ext_proc.core.router import Router
 from ext_proc.estimate.transfer import PairKnobs, TransferFactors
 from ext_proc.vocab.backend import BackendRole
+from ext_proc.vocab.policy import PairPick
 from ext_proc.vocab.types import Candidate, Status
 from tests.builders import candidate, chat, load, make_router
 from tests.fakes import FakeClock
@@ -317,3 +319,45 @@ def test_any_order_of_ends_leaves_nothing_counted(seed: int) -> None:
         router.close(rid, Status.OK)
     assert all(counts(router, b) == (0, 0, 0) for b in router.backends)
     assert not router.snapshot().get("prefilling")
+
+
+class LegByLeg:
+    """A PairPolicy (the P/D routers' shape): each leg picked by its own rule, here the
+    last prefill engine listed, or none."""
+
+    name = "leg_by_leg"
+
+    def __init__(self, prefill: bool = True) -> None:
+        self.prefill = prefill
+        self.asked: list[tuple[list[str], list[str]]] = []
+
+    def choose(self, request: object, candidates: object, weights: object) -> object:
+        raise AssertionError("a PairPolicy picks the pair: choose is not asked")
+
+    def choose_pair(
+        self, request: object, decodes: list[Candidate], prefills: list[Candidate]
+    ) -> PairPick:
+        self.asked.append(([c.backend_id for c in decodes], [c.backend_id for c in prefills]))
+        return PairPick(decodes[0].backend_id, prefills[-1].backend_id if self.prefill else None)
+
+
+@pytest.mark.parametrize("with_prefill", [True, False])
+def test_a_pair_policy_picks_each_leg_and_the_router_prices_and_books_its_pick(
+    with_prefill: bool,
+) -> None:
+    fleet = (*FLEET, {"id": "both", "address": "127.0.0.1:4", "region": "b", "rtt_prior_ms": 4})
+    cfg = pd_router(fleet=fleet)[0].cfg
+    policy = LegByLeg(with_prefill)
+    router = build_router(cfg, FakeClock(), random.Random(0), policy=policy)  # type: ignore[arg-type]
+    d = router.decide(chat(LONG, rid="r"))
+    assert policy.asked == [(["da"], ["pa", "pb"])]  # the aggregated engine is neither leg
+    assert d.backend == "da"
+    if with_prefill:  # the remote prefill it picked, priced over the a-b link
+        assert d.prefill is not None and d.prefill.backend == "pb"
+        assert d.prefill.transfer_ms == pytest.approx(35 + d.input_tokens * KV * 8 / 10e9 * 1e3)
+        assert counts(router, "pb")[0] == 1
+    else:  # the decode engine prefills it itself
+        assert d.prefill is None and counts(router, "pb")[0] == 0
+    router.first_byte("r")
+    router.close("r", Status.OK)
+    assert not router.in_flight and not router.fleet.state.legs

@@ -1,0 +1,79 @@
+"""Prefill and decode apart in the simulator (loadgen/sim/kv_link.py, settings.pd): each
+request's prefill leg on a prefill engine, its KV over the link between the two regions,
+its decode on a decode engine; the router's books close both sides."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from emulator.engine.disagg.prebuilt import PrebuiltModel
+from loadgen.sim.settings import SimSettings
+from loadgen.sim.simulate import SimResult, Simulation
+from loadgen.traces.readers import read_trace
+from loadgen.traces.request import TraceRequest
+from loadgen.traces.windows import window
+
+SLICE = Path(__file__).resolve().parents[4] / "loadgen/data/mooncake-conversation-head400.jsonl"
+REGIONS = ("us-ashburn", "eu-frankfurt", "ap-seoul")
+
+
+@pytest.fixture(scope="module")
+def trace() -> list[TraceRequest]:
+    return window(read_trace(SLICE), limit=120)
+
+
+def run(trace: list[TraceRequest], **kw: Any) -> tuple[Simulation, SimResult]:
+    sim = Simulation(trace, SimSettings(policy="gorgo", time_scale=3.0, pd=True, **kw))
+    return sim, sim.run()
+
+
+@pytest.mark.parametrize("protocol", ["sglang", "vllm"])
+def test_each_request_is_prefilled_on_one_engine_and_decoded_on_another(
+    trace: list[TraceRequest], protocol: str
+) -> None:
+    sim, res = run(trace, pd_protocol=protocol)
+    assert res.kv is not None
+    assert set(sim.engines) == {*REGIONS, *(f"{r}-prefill" for r in REGIONS)}
+    for r in res.requests:  # the client's answer comes from a decode engine, whole
+        assert r.status == "ok" and r.backend in REGIONS
+        assert r.ttft_ms is not None and r.e2e_ms is not None and 0 < r.ttft_ms <= r.e2e_ms
+    prefills = {b: e for b, e in sim.engines.items() if b.endswith("-prefill")}
+    decodes = {b: e for b, e in sim.engines.items() if b in REGIONS}
+    assert all(isinstance(e, PrebuiltModel) for e in decodes.values())
+    # every prompt prefilled once on a prefill engine, one token generated there...
+    assert sum(e.stats.prompt_tokens for e in prefills.values()) == sum(
+        t.input_tokens for t in trace
+    )
+    assert sum(e.stats.requests_admitted for e in prefills.values()) == len(trace)
+    # ...and its KV moved to a decode engine, which started it on that KV
+    assert sum(e.stats.requests_admitted for e in decodes.values()) == len(trace)
+    assert res.kv.prefills == len(trace) and len(res.kv.transfer_ms) == len(trace)
+    # the router's books: nothing in flight on either side, no leg left
+    assert not res.router.in_flight and not res.router.fleet.state.legs
+    assert all(b.load.in_flight == 0 for b in res.router.backends.values())
+    assert sum(b.stats.completed for b in res.router.backends.values()) == len(trace)
+
+
+def test_a_slower_link_sends_fewer_prefills_to_other_regions(
+    trace: list[TraceRequest],
+) -> None:
+    fast, slow = (run(trace, kv_link_gbps=gbps)[1].kv for gbps in (100.0, 1.0))
+    assert fast is not None and slow is not None
+    assert fast.remote > 0 and slow.remote < fast.remote
+    if slow.remote:  # what went remote anyway took longer
+        assert slow.as_json()["remote_transfer_ms_p50"] > fast.as_json()["remote_transfer_ms_p50"]
+    print(f"remote prefills: {fast.remote} at 100 Gbps, {slow.remote} at 1 Gbps")
+
+
+def test_p_d_settings_are_checked() -> None:
+    for bad, error in [
+        ({"pd": True, "pd_aggregated": True}, "one layout"),
+        ({"pd": True, "kv_link_gbps": 0.0}, "kv_link_gbps"),
+        ({"pd": True, "pd_protocol": "nixl"}, "pd_protocol"),
+        ({"pd": True, "rtt_profile": "paper"}, "network"),
+    ]:
+        with pytest.raises(ValueError, match=error):
+            SimSettings(**bad)  # type: ignore[arg-type]
