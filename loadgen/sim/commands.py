@@ -101,6 +101,11 @@ def _simulate(args: argparse.Namespace) -> int:
                 low_values_first=args.engine_priority == "low-first",
                 preemption_threshold=args.engine_preemption_threshold,
             ),
+            pd=args.pd,
+            pd_aggregated=args.pd_aggregated,
+            kv_link_gbps=args.kv_link_gbps,
+            local_kv_link_gbps=args.local_kv_link_gbps,
+            pd_protocol=args.pd_protocol,
         )
         base.config()  # validates the profiles before hours of simulation
     except (TraceError, ValueError) as e:
@@ -270,6 +275,38 @@ def add_simulate(sub: Any, policies: Sequence[str]) -> None:
         default=10,
         help="with --engine-priority: SGLang's --priority-scheduling-preemption-threshold "
         "(default 10, SGLang's)",
+    )
+    pd = s.add_mutually_exclusive_group()
+    pd.add_argument(
+        "--pd",
+        action="store_true",
+        help="prefill and decode apart: each region a prefill engine ({region}-prefill) and "
+        "a decode engine, the prompt's KV between them over --kv-link-gbps (docs/results.md)",
+    )
+    pd.add_argument(
+        "--pd-aggregated",
+        action="store_true",
+        help="the same engines as --pd, two per region, each taking requests whole (the "
+        "baseline without P/D)",
+    )
+    s.add_argument(
+        "--kv-link-gbps",
+        type=float,
+        default=10.0,
+        help="with --pd: the KV link's bandwidth between two regions, Gbit/s (default 10)",
+    )
+    s.add_argument(
+        "--local-kv-link-gbps",
+        type=float,
+        default=100.0,
+        help="with --pd: the KV link's bandwidth within a region, Gbit/s (default 100)",
+    )
+    s.add_argument(
+        "--pd-protocol",
+        choices=["sglang", "vllm"],
+        default="sglang",
+        help="with --pd: how a decode engine starts on the KV that arrived (SGLang: the "
+        "prefill's first token at once; vLLM: the last prompt token computed again)",
     )
     add_protocol_flags(s, "open protocol: no cap")
     s.add_argument(

@@ -78,6 +78,14 @@ def run_simulations(
                     "wall_s": round(wall_s, 2),
                 }
                 meta["flow_control"] = base.flow_control
+                if base.pd or base.pd_aggregated:  # absent without P/D: rows as before
+                    meta["pd"] = {
+                        "layout": "pd" if base.pd else "aggregated",
+                        "kv_link_gbps": base.kv_link_gbps,
+                        "local_kv_link_gbps": base.local_kv_link_gbps,
+                        "protocol": base.pd_protocol,
+                        **(res.kv.as_json() if res.kv is not None else {}),
+                    }
                 if base.engine_priority is not None:  # absent when off: rows as before
                     meta["engine_priority"] = {
                         **vars(base.engine_priority),

@@ -51,3 +51,21 @@ def test_bad_flags_fail_with_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     args = _args("--fleet", str(FLEETS / "nope.yaml"))
     assert args.func(args) == 2
     assert "fleet " in (err := capsys.readouterr().err) and "nope.yaml" in err
+
+
+def test_pd_flags_reach_the_simulation_and_its_result_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import json
+
+    head = FLEETS.parent / "mooncake-conversation-head400.jsonl"
+    argv = ["--limit", "40", "--time-scale", "3", "--out", str(tmp_path), "--pd"]
+    args = build_parser().parse_args(["simulate", str(head), *argv, "--kv-link-gbps", "25"])
+    assert args.func(args) == 0
+    pd = json.loads((tmp_path / "gorgo-ts3.json").read_text())["meta"]["pd"]
+    assert pd["layout"] == "pd" and pd["kv_link_gbps"] == 25.0 and pd["prefills_apart"] == 40
+    args = build_parser().parse_args(["simulate", str(head), *argv, "--kv-link-gbps", "0"])
+    assert args.func(args) == 2
+    assert "kv_link_gbps: must be > 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # one layout or the other
+        build_parser().parse_args(["simulate", str(head), "--pd", "--pd-aggregated"])
