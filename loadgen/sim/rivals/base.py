@@ -72,6 +72,10 @@ class RivalView(Protocol):
 
     def kv_capacity_tokens(self, backend: str) -> int: ...
 
+    def region_of(self, backend: str) -> str:
+        """The region a backend's engine is in (what a P/D router's topology knows)."""
+        ...
+
     def decode_throughput_tok_s(self) -> float:
         """An engine's generated tokens/s at its full batch, from the engine profile the
         user configures (what SMG's --least-load-default-throughput is set to)."""

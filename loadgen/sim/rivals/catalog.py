@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from loadgen.sim.rivals import dynamo, llmd, smg, vllm_router  # noqa: F401
+from loadgen.sim.rivals import dynamo, llmd, pd, smg, vllm_router  # noqa: F401
 from loadgen.sim.rivals.base import RIVALS, RivalPolicy
 from loadgen.sim.rivals.names import RIVAL_NAMES
 

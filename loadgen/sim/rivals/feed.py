@@ -149,6 +149,9 @@ class RivalFeed(Listener):
     def kv_capacity_tokens(self, backend: str) -> int:
         return self._sim.kv_capacity_tokens[backend]
 
+    def region_of(self, backend: str) -> str:
+        return self._sim.s.backends.get(backend, backend)
+
     def decode_throughput_tok_s(self) -> float:
         # the same figure the live bench gives SMG's --least-load-default-throughput
         return default_throughput_tok_s(self._profile)

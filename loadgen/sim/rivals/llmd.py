@@ -137,6 +137,9 @@ class LlmdWeighted(_Epp):
     """The EPP's own default: 3 prefix : 2 queue : 2 KV utilisation, max-score picker."""
 
     name = "llmd_weighted"
+    # Another scorer's weighted score per server, for this request (the P/D prefill
+    # profile's topology-affinity scorer: loadgen/sim/rivals/pd.py); none by default.
+    extra: dict[str, float] = {}
 
     def choose(
         self, request: RouteRequest, candidates: Sequence[Candidate], weights: Weights | None
@@ -150,6 +153,7 @@ class LlmdWeighted(_Epp):
             queue = 1.0 if hi == lo else (hi - queues[s]) / (hi - lo)
             kv = 1.0 - (self.metrics[s].kv_usage if s in self.metrics else 0.0)
             scores[s] = p.prefix_weight * prefix[s] + p.queue_weight * queue + p.kv_weight * kv
+            scores[s] += self.extra.get(s, 0.0)
         chosen = argmax_random(scores, self.rng)
         self.dispatch(request, chosen, prompt, hashes, prefix[chosen])
         return Choice(chosen, {s: -v for s, v in scores.items()})

@@ -11,6 +11,11 @@ RIVAL_NAMES = (
     "llmd_weighted",
     "llmd_sticky",
     "dynamo_kv",
+    # prefill and decode apart (loadgen/sim/rivals/pd.py)
+    "smg_pd",
+    "vllm_router_pd",
+    "llmd_pd",
+    "dynamo_pd",
 )
 
 

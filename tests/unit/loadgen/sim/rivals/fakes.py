@@ -45,6 +45,10 @@ class FakeView:
     def decode_throughput_tok_s(self) -> float:
         return self.throughput
 
+    def region_of(self, backend: str) -> str:
+        """A P/D fleet's names: `{region}-prefill` and `{region}-decode`, else the id."""
+        return backend.removesuffix("-prefill").removesuffix("-decode")
+
     def request(
         self,
         rid: str,
