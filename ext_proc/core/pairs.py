@@ -1,7 +1,8 @@
 """A disaggregated fleet's candidates: each decode engine offered with its best prefill
-engine (estimate.transfer.best_pair), priced as one TTFT, beside the aggregated engines
-whole; the policy then chooses among them as among any candidates (docs/cost-model.md,
-"The pair's price"). A fleet without prefill or decode engines never comes here."""
+engine (estimate.transfer.best_pair), priced as one TTFT, or whole where it prefills the
+prompt itself sooner (vLLM's: `prefills_itself`), beside the aggregated engines whole;
+the policy then chooses among them as among any candidates (docs/cost-model.md, "The
+pair's price"). A fleet without prefill or decode engines never comes here."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from dataclasses import dataclass, replace
 from ext_proc.config.schema import Routing
 from ext_proc.core.backend import BackendState
 from ext_proc.estimate.transfer import PairKnobs, PairPrice, TransferFactors, best_pair, transfer_ms
-from ext_proc.vocab.backend import BackendRole
+from ext_proc.vocab.backend import BackendRole, EngineKind
 from ext_proc.vocab.policy import Choice, PairPick
 from ext_proc.vocab.types import Candidate, InFlight, PrefillLeg
 
@@ -65,6 +66,14 @@ def legs(
     decodes = [c for c in candidates if role[c.backend_id] is BackendRole.DECODE]
     prefills = [c for c in candidates if role[c.backend_id] is BackendRole.PREFILL]
     return decodes, prefills
+
+
+def prefills_itself(b: BackendState) -> bool:
+    """Whether a decode engine serves a request whole, prefill included: vLLM's does for a
+    request without kv_transfer_params (the NIXL connector transfers nothing then:
+    kv_connector/v1/nixl update_state_after_alloc; emulator/engine/disagg/nixl.py), while
+    SGLang's decode mode takes only requests with a bootstrap room."""
+    return b.config.engine is EngineKind.VLLM
 
 
 def kv_bytes_per_token(b: BackendState, routing: Routing) -> int:
@@ -147,12 +156,18 @@ def paired_candidates(
             for p in prefills
         ]
         best = best_pair(prices, knobs)
-        if best is None:
+        partner = (
+            None if best is None else next(p for p in prefills if p.backend_id == best.prefill)
+        )
+        pair = None if best is None or partner is None else as_candidate(d, partner, best)
+        if prefills_itself(db) and (pair is None or _whole_ms(d) <= _whole_ms(pair)):
+            out.append(d)  # whole: it prefills the prompt itself, for less than any pair
             continue
-        partner = next(p for p in prefills if p.backend_id == best.prefill)
+        if best is None or partner is None or pair is None:
+            continue
         pairs[d.backend_id] = best
         partners[d.backend_id] = partner
-        out.append(as_candidate(d, partner, best))
+        out.append(pair)
     if not out:  # no pair at all (no prefill engine healthy): the decode engines whole
         return PairedCandidates(tuple(candidates), {}, {})
     return PairedCandidates(tuple(out), pairs, partners)
@@ -181,6 +196,13 @@ def picked_pair(
     return PairedCandidates(
         (as_candidate(d, p, pair),), {d.backend_id: pair}, {d.backend_id: p}, d.backend_id
     )
+
+
+def _whole_ms(c: Candidate) -> float:
+    """What a decode engine's candidate costs whole or paired: its TTFT, plus the stall its
+    prefill there inflicts on the requests decoding there (none when paired: the prefill
+    runs elsewhere), which is what taking prefill off the decode engines saves."""
+    return c.predicted_ttft_ms + c.term("decode_stall")
 
 
 def prefill_leg(pair: PairPrice) -> PrefillLeg:

@@ -70,11 +70,14 @@ class KvMover:
         # When each wire (from region, to region) has sent all it was given.
         self._wire_free_s: dict[tuple[str, str], float] = {}
         self.stats = KvStats()
+        # The requests sent apart (their ids), for what reads the run afterwards.
+        self.sent: set[str] = set()
 
     def send(self, r: TraceRequest, prefill: str, decode: str) -> None:
         """The router sent r's prefill leg to `prefill`, its decode to `decode`."""
         self.prefill_of[r.id] = prefill
         self._decode_of[r.id] = (decode, r)
+        self.sent.add(r.id)
         self.stats.prefills += 1
         self.stats.remote += self._regions[prefill] != self._regions[decode]
 

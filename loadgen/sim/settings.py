@@ -197,7 +197,7 @@ class SimSettings:
                     "region": r,
                     "rtt_prior_ms": self.rtt_ms(door, b)[0],
                     "engine_profile": self.router_profile_of(r),
-                    **({"role": self.role_of(b)} if self.pd else {}),
+                    **({"role": self.role_of(b), "engine": self.pd_protocol} if self.pd else {}),
                 }
                 for i, (b, r) in enumerate(self.backends.items())
             ],

@@ -44,7 +44,7 @@ def _engines(
             profiles[b],
             random.Random(rng.random()),
             max_loras(settings.fleet, r),
-            "sglang",
+            settings.pd_protocol if settings.pd else "sglang",
             settings.engine_priority,
         )
         for b, r in settings.backends.items()

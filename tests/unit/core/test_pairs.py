@@ -361,3 +361,30 @@ def test_a_pair_policy_picks_each_leg_and_the_router_prices_and_books_its_pick(
     router.first_byte("r")
     router.close("r", Status.OK)
     assert not router.in_flight and not router.fleet.state.legs
+
+
+def vllm(fleet: tuple[dict[str, object], ...]) -> tuple[dict[str, object], ...]:
+    return tuple({**b, "engine": "vllm"} for b in fleet)
+
+
+def test_a_vllm_decode_engine_prefills_itself_when_every_pair_would_wait_longer() -> None:
+    """vLLM's decode engine serves a request without kv_transfer_params whole; SGLang's
+    takes only requests with their KV. Both prefill engines busy: the vLLM one goes whole."""
+    for engine, whole in (("vllm", True), ("sglang", False)):
+        fleet = vllm(FLEET) if engine == "vllm" else FLEET
+        router, _ = pd_router(gbps=100.0, fleet=fleet)
+        for i in range(6):
+            for p in ("pa", "pb"):
+                load(router, f"busy-{p}{i}", p, 8000, prefill_ms=3000)
+        d = router.decide(chat(LONG, rid="r"))
+        assert d.backend == "da"
+        assert (d.prefill is None) is whole, engine
+        if whole:  # priced as itself: its own prefill, no transfer
+            assert KV_TRANSFER not in d.chosen.terms and d.chosen.prefill_ms > 0
+
+
+def test_an_idle_fleet_still_pairs_a_vllm_decode_engine_when_the_pair_is_sooner() -> None:
+    router, _ = pd_router(gbps=100.0, fleet=vllm(FLEET))
+    load(router, "decoding", "da", 8000, output_tokens=500, decoding=True)  # a busy decode
+    d = router.decide(chat(LONG, rid="r"))
+    assert d.backend == "da" and d.prefill is not None

@@ -43,14 +43,19 @@ def test_each_request_is_prefilled_on_one_engine_and_decoded_on_another(
     prefills = {b: e for b, e in sim.engines.items() if b.endswith("-prefill")}
     decodes = {b: e for b, e in sim.engines.items() if b in REGIONS}
     assert all(isinstance(e, PrebuiltModel) for e in decodes.values())
-    # every prompt prefilled once on a prefill engine, one token generated there...
+    apart = [r for r in res.requests if r.id in sim.kv.sent]
+    if protocol == "sglang":  # SGLang's decode engines take only requests with their KV
+        assert len(apart) == len(trace)
+    else:  # vLLM's prefill what comes without kv_transfer_params: the router chose some
+        assert 0 < len(apart) < len(trace)
+    # each prompt sent apart prefilled once on a prefill engine (one token there)...
     assert sum(e.stats.prompt_tokens for e in prefills.values()) == sum(
-        t.input_tokens for t in trace
+        r.input_tokens for r in apart
     )
-    assert sum(e.stats.requests_admitted for e in prefills.values()) == len(trace)
-    # ...and its KV moved to a decode engine, which started it on that KV
+    assert sum(e.stats.requests_admitted for e in prefills.values()) == len(apart)
+    # ...its KV moved to a decode engine, which started it on that KV; the rest whole there
     assert sum(e.stats.requests_admitted for e in decodes.values()) == len(trace)
-    assert res.kv.prefills == len(trace) and len(res.kv.transfer_ms) == len(trace)
+    assert res.kv.prefills == len(apart) and len(res.kv.transfer_ms) == len(apart)
     # the router's books: nothing in flight on either side, no leg left
     assert not res.router.in_flight and not res.router.fleet.state.legs
     assert all(b.load.in_flight == 0 for b in res.router.backends.values())
