@@ -38,9 +38,15 @@ def _weights(text: str) -> tuple[float, float]:
 def _sim_router(args: argparse.Namespace) -> dict[str, object]:
     """The router config the simulate flags add (merged into the generated one)."""
     router: dict[str, object] = {}
+    gorgo: dict[str, object] = {}
     if args.weights is not None:
         rtt, queue = args.weights
-        router["policies"] = {"gorgo": {"weights": {"rtt": rtt, "queue": queue}}}
+        gorgo["weights"] = {"rtt": rtt, "queue": queue}
+    for key in ("local_threshold_tokens", "remote_margin_ms"):  # its P/D knobs
+        if getattr(args, key, None) is not None:
+            gorgo[key] = getattr(args, key)
+    if gorgo:
+        router["policies"] = {"gorgo": gorgo}
     routing: dict[str, object] = {}
     if args.no_learn:
         routing["learn_latency"] = False
@@ -138,7 +144,7 @@ def add_simulate(sub: Any, policies: Sequence[str]) -> None:
         action="append",
         choices=[*policies, *RIVAL_NAMES],
         help="repeatable; the rival routers' rules too (loadgen/sim/rivals: smg_*, "
-        "vllm_router_*, llmd_*, dynamo_kv)",
+        "vllm_router_*, llmd_*, dynamo_kv; with --pd their P/D modes: *_pd)",
     )
     s.add_argument(
         "--time-scale", action="append", type=float, help="repeatable; 2 = half the rate"
@@ -300,6 +306,19 @@ def add_simulate(sub: Any, policies: Sequence[str]) -> None:
         type=float,
         default=100.0,
         help="with --pd: the KV link's bandwidth within a region, Gbit/s (default 100)",
+    )
+    s.add_argument(
+        "--local-threshold-tokens",
+        type=int,
+        help="with --pd: gorgo's policies.gorgo.local_threshold_tokens (a prompt with fewer "
+        "uncached tokens is prefilled in its decode's region; default 0; a huge value: never "
+        "in another region)",
+    )
+    s.add_argument(
+        "--remote-margin-ms",
+        type=float,
+        help="with --pd: gorgo's policies.gorgo.remote_margin_ms (a remote prefill must win "
+        "by this much; default 0)",
     )
     s.add_argument(
         "--pd-protocol",

@@ -69,3 +69,14 @@ def test_pd_flags_reach_the_simulation_and_its_result_file(
     assert "kv_link_gbps: must be > 0" in capsys.readouterr().err
     with pytest.raises(SystemExit):  # one layout or the other
         build_parser().parse_args(["simulate", str(head), "--pd", "--pd-aggregated"])
+
+
+def test_gorgos_p_d_knobs_become_its_policy_config() -> None:
+    router = _sim_router(_args("--local-threshold-tokens", "4096", "--remote-margin-ms", "25"))
+    assert router == {
+        "policies": {"gorgo": {"local_threshold_tokens": 4096, "remote_margin_ms": 25.0}}
+    }
+    both = _sim_router(_args("--weights", "2,1", "--remote-margin-ms", "5"))
+    assert both["policies"] == {
+        "gorgo": {"weights": {"rtt": 2.0, "queue": 1.0}, "remote_margin_ms": 5.0}
+    }
