@@ -155,15 +155,16 @@ def paired_candidates(
             price(p, d, backends[p.backend_id], db, routing, factors, input_tokens)
             for p in prefills
         ]
+        whole = prefills_itself(db)
         best = best_pair(prices, knobs)
-        partner = (
-            None if best is None else next(p for p in prefills if p.backend_id == best.prefill)
-        )
-        pair = None if best is None or partner is None else as_candidate(d, partner, best)
-        if prefills_itself(db) and (pair is None or _whole_ms(d) <= _whole_ms(pair)):
-            out.append(d)  # whole: it prefills the prompt itself, for less than any pair
+        if best is None:  # no prefill engine: whole if it can be
+            if whole:
+                out.append(d)
             continue
-        if best is None or partner is None or pair is None:
+        partner = next(p for p in prefills if p.backend_id == best.prefill)
+        pair = as_candidate(d, partner, best)
+        if whole and _whole_ms(d) <= _whole_ms(pair):
+            out.append(d)  # it prefills the prompt itself, for less than the pair
             continue
         pairs[d.backend_id] = best
         partners[d.backend_id] = partner
