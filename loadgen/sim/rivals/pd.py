@@ -13,8 +13,8 @@ defaults and the coupling each router's P/D mode has (the sources, read for issu
   cache_aware on both legs, independent. Both legs `vllm_router_cache_aware`.
 - `llmd_pd`: llm-d's disagg profile handler, decode first (pkg/epp/framework/plugins/
   scheduling/profilehandler/disagg/disagg_profile_handler.go `pickDecodeFirst`): the decode
-  pod by its profile (deploy/config/pd-epp-config.yaml: prefix-cache 2 + queue 1, max-score
-  picker); then `prefix-based-pd-decider` (prefix_based_pd_decider.go `disaggregate`)
+  pod by its profile (llm-d-router deploy/config, pd-epp-config: prefix-cache 2 + queue 1,
+  max-score picker); then `prefix-based-pd-decider` (prefix_based_pd_decider.go `disaggregate`)
   sends the prompt to a prefill pod only if its tokens not cached on that decode pod are
   at least nonCachedTokens (16 in the shipped configs), else the decode pod prefills it; the
   prefill pod by prefix-cache 2 + queue 1 + topology-affinity 1 (pd-topology-epp-config.
@@ -47,7 +47,7 @@ from loadgen.sim.rivals.llmd import LlmdParams, LlmdWeighted
 from loadgen.sim.rivals.smg import SmgCacheAware
 from loadgen.sim.rivals.vllm_router import VllmRouterCacheAware
 
-# llm-d's P/D profiles (deploy/config/pd-epp-config.yaml): prefix-cache 2 + queue 1.
+# llm-d's P/D profiles (llm-d-router deploy/config, pd-epp-config): prefix-cache 2 + queue 1.
 LLMD_PD = LlmdParams(prefix_weight=2.0, queue_weight=1.0, kv_weight=0.0)
 # prefix_based_pd_decider.go nonCachedTokens, as the shipped P/D configs set it.
 LLMD_NON_CACHED_TOKENS = 16
