@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-RIVAL_NAMES = (
+# Their rules for engines that take requests whole.
+AGGREGATED_RIVALS = (
     "smg_cache_aware",
     "smg_least_load",
     "smg_prefix_hash",
@@ -11,12 +12,10 @@ RIVAL_NAMES = (
     "llmd_weighted",
     "llmd_sticky",
     "dynamo_kv",
-    # prefill and decode apart (loadgen/sim/rivals/pd.py)
-    "smg_pd",
-    "vllm_router_pd",
-    "llmd_pd",
-    "dynamo_pd",
 )
+# Their P/D modes, for prefill and decode engines apart (loadgen/sim/rivals/pd.py).
+PD_RIVALS = ("smg_pd", "vllm_router_pd", "llmd_pd", "dynamo_pd")
+RIVAL_NAMES = AGGREGATED_RIVALS + PD_RIVALS
 
 
 def is_rival(policy: str) -> bool:
