@@ -9,7 +9,13 @@ estimate/transfer.py). The bytes are the prompt's tokens times the decode engine
 profile's KV bytes per token: the decode engine keeps no prefix of its own (SGLang's
 decode side takes the whole prompt's KV, disaggregation/decode.py). It then starts the
 request as its engine does (emulator/engine/disagg/prebuilt.py: SGLang emits the first
-token the prefill sent at once; vLLM computes the last prompt token again)."""
+token the prefill sent at once; vLLM computes the last prompt token again).
+
+The trips, as each protocol makes them through the router: SGLang's proxy sends both legs
+at once, so the KV leaves at the prefill's end (the decode request is there by then);
+vLLM's is two steps (emulator/engine/disagg/nixl.py): the prefill's answer goes back to
+the router, which then sends the decode request, and only then does the decode engine
+pull the KV, a half trip from P to the door and one from the door to D later."""
 
 from __future__ import annotations
 
@@ -67,16 +73,19 @@ class KvMover:
         self._decode_of: dict[str, tuple[str, TraceRequest]] = {}
         self._cached: dict[str, int] = {}
         self._sent_s: dict[str, float] = {}
+        self._relay_s: dict[str, float] = {}
         # When each wire (from region, to region) has sent all it was given.
         self._wire_free_s: dict[tuple[str, str], float] = {}
         self.stats = KvStats()
         # The requests sent apart (their ids), for what reads the run afterwards.
         self.sent: set[str] = set()
 
-    def send(self, r: TraceRequest, prefill: str, decode: str) -> None:
-        """The router sent r's prefill leg to `prefill`, its decode to `decode`."""
+    def send(self, r: TraceRequest, prefill: str, decode: str, relay_s: float = 0.0) -> None:
+        """The router sent r's prefill leg to `prefill`, its decode to `decode`; `relay_s`:
+        the trips between the prefill's end and the transfer's start (vLLM's two steps)."""
         self.prefill_of[r.id] = prefill
         self._decode_of[r.id] = (decode, r)
+        self._relay_s[r.id] = relay_s
         self.sent.add(r.id)
         self.stats.prefills += 1
         self.stats.remote += self._regions[prefill] != self._regions[decode]
@@ -87,7 +96,7 @@ class KvMover:
         a, (decode, r) = self._regions[self.prefill_of[rid]], self._decode_of[rid]
         b = self._regions[decode]
         nbytes = r.input_tokens * self._kv_bytes_per_token[decode]
-        start_s = max(now_s, self._wire_free_s.get((a, b), 0.0))
+        start_s = max(now_s + self._relay_s.pop(rid), self._wire_free_s.get((a, b), 0.0))
         self._wire_free_s[(a, b)] = start_s + nbytes * 8 / (self._gbps(a, b) * 1e9)
         arrive_s = self._wire_free_s[(a, b)] + region_rtt_ms(a, b) / 1000
         self._cached[rid], self._sent_s[rid] = cached_tokens, now_s

@@ -407,7 +407,11 @@ class Simulation(SimWorld):
         priority = self.class_priority.get(objective)  # in its body
         if d.prefill is not None:  # prefill and decode apart: the prefill leg goes first
             p = d.prefill.backend
-            self.kv.send(r, p, d.backend)
+            two_steps = self.s.pd_protocol == "vllm"  # vLLM's: the answer, then the decode
+            relay_s = (
+                self.one_way_s(door, p) + self.one_way_s(door, d.backend) if two_steps else 0.0
+            )
+            self.kv.send(r, p, d.backend, relay_s)
             delay_s = d.pace_ms / 1000 + self.links[(door, p)].one_way_delay_s()
             self._push(self.now_s + delay_s, _AT_ENGINE, (p, r, priority))
             return

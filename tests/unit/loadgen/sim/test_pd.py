@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from emulator.engine.disagg.prebuilt import PrebuiltModel
+from loadgen.sim.kv_link import KvMover
 from loadgen.sim.settings import SimSettings
 from loadgen.sim.simulate import SimResult, Simulation
 from loadgen.traces.readers import read_trace
@@ -82,3 +83,20 @@ def test_p_d_settings_are_checked() -> None:
     ]:
         with pytest.raises(ValueError, match=error):
             SimSettings(**bad)  # type: ignore[arg-type]
+
+
+def test_a_transfer_waits_for_its_wire_and_vllms_two_steps() -> None:
+    """Bytes / bandwidth, one transfer after another on a wire, plus the link's RTT once;
+    vLLM's transfer starts only after the relay through the router."""
+    regions = {"a-prefill": "us-ashburn", "a": "us-ashburn", "b": "eu-frankfurt"}
+    mover = KvMover({}, regions, {"a": 1000, "b": 1000}, lambda a, b: 8e-6, False)  # 1 kB/s
+    first, second, far = (TraceRequest(i, 0.0, 1000, 1, (), 512, f"s{i}") for i in range(3))
+    mover.send(first, "a-prefill", "a")
+    mover.send(second, "a-prefill", "a")
+    mover.send(far, "a-prefill", "b", relay_s=0.5)
+    # 1,000 tokens x 1,000 bytes at 1 kB/s: 1,000 s on the wire; the region's RTT 1 ms
+    assert mover.prefilled("t0", 0, 10.0) == pytest.approx(10.0 + 1000 + 0.001)
+    assert mover.prefilled("t1", 0, 10.0) == pytest.approx(10.0 + 2000 + 0.001)  # in turn
+    # another wire (us -> eu), after the relay, then 90 ms of RTT
+    assert mover.prefilled("t2", 0, 10.0) == pytest.approx(10.5 + 1000 + 0.090)
+    assert (mover.stats.prefills, mover.stats.remote) == (3, 1)
