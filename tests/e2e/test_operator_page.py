@@ -133,3 +133,34 @@ async def test_the_page_shows_the_fleet_a_decision_and_its_terms_live(
     await browser.wait_for_function(ROW.format("page-Y"), timeout=2000)
     print(f"page-Y on the page {time.monotonic() - sent:.2f} s after its response ended")
     assert await browser.evaluate("window.notReloaded === true")
+
+
+async def test_a_disaggregated_decision_shows_its_prefill_engine_and_transfer(
+    browser: Page,
+) -> None:
+    """The page over a router deciding for a P/D fleet (no stack needed: its admin app
+    in-process): the detail names the prefill engine beside the decode one, with the KV
+    and the transfer predicted."""
+    from unittest.mock import MagicMock
+
+    from aiohttp.test_utils import TestServer
+
+    from ext_proc.service.admin.api import make_admin_app
+    from tests.builders import chat
+    from tests.unit.core.test_pairs import LONG, pd_router
+
+    router, _ = pd_router()
+    d = router.decide(chat(LONG, rid="pd-1"))
+    assert d.prefill is not None
+    async with TestServer(make_admin_app(router, MagicMock(), dict)) as server:
+        await browser.goto(str(server.make_url("/ui")))
+        await browser.wait_for_function(ROW.format("pd-1"))
+        await browser.evaluate(
+            "(() => { const s = document.getElementById('search'); s.value = 'pd-1';"
+            " s.dispatchEvent(new Event('input')); })()"
+        )
+        await browser.wait_for_function("document.getElementById('detail-prefill')")
+        shown = await browser.evaluate("document.getElementById('detail').innerText")
+    assert await browser.evaluate("document.getElementById('detail-backend').textContent") == "da"
+    assert f"prefilled on {d.prefill.backend}" in shown
+    assert f"KV {d.prefill.kv_bytes / 1e6:.1f} MB" in shown and "transfer" in shown

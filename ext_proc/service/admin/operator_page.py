@@ -154,6 +154,8 @@ def entry_row(
         "backend": d.backend,
         "policy": d.policy,
         "hold_ms": round(d.pace_ms, 2),
+        # a disaggregated decision's prefill engine, its KV and the predicted transfer
+        "prefill": None if d.prefill is None else d.prefill.as_json(),
         "candidates": [_candidate(entry, c, names) for c in shown],
         "of": len(d.candidates),
         "predicted": [round(chosen.predicted_ttft_ms, 2), round(chosen.predicted_e2e_ms, 2)],

@@ -248,6 +248,16 @@ function traceCell(d) {
   return url ? `<a href="${esc(url.replace("{trace_id}", d.trace_id))}" target="_blank" rel="noopener">${short}</a>` : short;
 }
 
+// A disaggregated decision: its prefill engine, the KV it sends, the transfer predicted /
+// observed (the decode's first byte tells it).
+function prefilled(d) {
+  const p = d.prefill;
+  if (!p) return "";
+  const seen = d.observed && d.observed.kv_transfer_ms != null ? ms(d.observed.kv_transfer_ms) : "–";
+  return `, prefilled on <b id="detail-prefill">${esc(p.backend)}</b> ` +
+    `(KV ${(p.kv_bytes / 1e6).toFixed(1)} MB, transfer ${ms(p.transfer_ms)} / ${seen} ms predicted / came)`;
+}
+
 function came(d, i) {
   const o = d.observed;
   const predicted = ms(d.predicted[i]);
@@ -344,7 +354,7 @@ async function showDetail(requestId) {
     <td>${esc(c[C.backend])}</td>${TERMS.map((k) => `<td class="num" data-term="${k}">${ms(terms(c)[k])}</td>`).join("")}
     <td class="num">${c[C.cached]} / ${c[C.uncached]}</td><td class="num">${c[C.score] === null ? "–" : ms(c[C.score])}</td><td>${bar(c, scale, tw)}</td></tr>`);
   el.innerHTML = `<div>Request <b id="detail-id">${esc(d.id)}</b> (${esc(d.model ?? "no model")}, ${d.tokens} tokens, policy ${esc(d.policy)})
-    went to <b id="detail-backend">${esc(d.backend)}</b>${d.hold_ms ? `, held ${ms(d.hold_ms)} ms by pacing` : ""}.
+    went to <b id="detail-backend">${esc(d.backend)}</b>${prefilled(d)}${d.hold_ms ? `, held ${ms(d.hold_ms)} ms by pacing` : ""}.
     TTFT ${came(d, 0)} ms, E2E ${came(d, 1)} ms (predicted / came). Trace: ${traceCell(d)}</div>
     <div class="muted">${tw ? `score = ${TERMS.map((k, i) => `${tw[i]} x ${TERM_NAMES[k]}`).join(" + ")}; the bars draw each term at its weight` : "the bars draw the raw terms: this policy's score is not their sum"}</div>
     <table><thead><tr><th>candidate</th>${TERMS.map((k) => `<th>${TERM_NAMES[k]} ms</th>`).join("")}

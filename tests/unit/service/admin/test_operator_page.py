@@ -180,3 +180,21 @@ async def test_the_page_shows_the_gateway_queue_when_flow_control_is_on() -> Non
     # off: the page hides the section
     async with TestClient(TestServer(make_admin_app(director.router, MagicMock(), dict))) as c:
         assert (await feed(c))["flow"] == {"enabled": False}
+
+
+async def test_a_disaggregated_decision_names_its_prefill_engine_and_the_transfer() -> None:
+    from tests.unit.core.test_pairs import LONG, pd_router
+
+    router, _ = pd_router()
+    d = router.decide(chat(LONG, rid="pd"))
+    assert d.prefill is not None
+    async with TestClient(TestServer(make_admin_app(router, MagicMock(), dict))) as c:
+        body = await (await c.get("/ui/decision", params={"request_id": "pd"})).json()
+        shown = (await feed(c))["decisions"][0]["prefill"]
+    assert body["prefill"] == shown == d.prefill.as_json()
+    assert body["prefill"]["backend"] == "pa" and body["prefill"]["transfer_ms"] > 0
+    # an aggregated decision has none
+    plain, _ = make_router("gorgo")
+    plain.decide(chat(rid="whole"))
+    async with TestClient(TestServer(make_admin_app(plain, MagicMock(), dict))) as c:
+        assert (await feed(c))["decisions"][0]["prefill"] is None
