@@ -66,6 +66,12 @@ class RequestLifecycle:
             listener.on_first_byte(event)
         return event
 
+    def prefill_done(self, request_id: str, kv_sent: bool = False) -> None:
+        """A disaggregated request's prefill leg answered: vLLM's one-token prefill as its
+        prefill ends, SGLang's leg once its KV is sent (`kv_sent`). Frees the prefill
+        engine and teaches its speed (core.state.FleetState.prefill_done)."""
+        self._fleet.state.prefill_done(request_id, self.clock(), kv_sent)
+
     def response_ended(self, request_id: str, e2e_ms: float | None) -> bool:
         """Envoy says a streamed response ended (e2e_ms) before its first byte was seen:
         the first byte came no later. Returns whether the request waits for that first

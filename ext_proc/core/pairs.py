@@ -238,4 +238,7 @@ def pair_leg(rec: InFlight, pair: PairPrice, paired: PairedCandidates) -> InFlig
         model=rec.model,
         priority=rec.priority,
         envoy=rec.envoy,
+        # the prefill engine's replay of its queue and prefill (what its end teaches)
+        replay_features=p.replay_features,
+        replay_credit_ms=p.replay_credit_ms,
     )

@@ -258,6 +258,9 @@ class Router(RequestLifecycle):
         rec = in_flight_record(request, chosen, b, blocks, state, now_s, bt)
         pair = paired.pairs.get(chosen.backend_id) if paired is not None else None
         leg = None if pair is None or paired is None else pair_leg(rec, pair, paired)
+        if leg is not None:  # the prefill engine's factor in its terms (what its end teaches)
+            p = self._fleet.state.backends[leg.backend]
+            leg.prefill_factor = p.speed_for(rec.model).prefill_factor
         self._fleet.state.dispatch(rec, leg)
         decision = Decision(
             request_id=request.request_id,

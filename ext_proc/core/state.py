@@ -49,6 +49,9 @@ class FleetState(BackendRecords):
         # its prefill engine from the dispatch until the decode's first byte (its KV has
         # been sent then), or the request's close, whichever comes first.
         self.legs: dict[str, InFlight] = {}
+        # Each leg until its own answer reaches the router (`prefill_done`) or the request
+        # closes: what that answer teaches of the prefill engine's speed.
+        self.leg_of: dict[str, InFlight] = {}
         # The links' transfers as observed against their prediction (per pair of regions).
         self.transfer = TransferFactors()
 
@@ -59,6 +62,7 @@ class FleetState(BackendRecords):
         if old is not None:  # a reused request id: the older record can no longer complete
             self._drop_load(old)
             self.release_leg(rec.request_id)
+            self.leg_of.pop(rec.request_id, None)
         # Another router's request with the same id (ids are the clients' or Envoy's, not
         # unique across routers): the id is ours now, and one record holds it (else the
         # backend counted it twice, and the peer's close released our record).
@@ -67,7 +71,7 @@ class FleetState(BackendRecords):
         b = self._add_load(rec)
         b.load.mean_prefill_ms += PREFILL_EWMA * (rec.prefill_ms - b.load.mean_prefill_ms)
         if leg is not None:
-            self.legs[rec.request_id] = leg
+            self.legs[rec.request_id] = self.leg_of[rec.request_id] = leg
             p = self._add_load(leg)
             p.load.mean_prefill_ms += PREFILL_EWMA * (leg.prefill_ms - p.load.mean_prefill_ms)
 
@@ -78,6 +82,29 @@ class FleetState(BackendRecords):
         if leg is not None and leg.backend in self.backends:
             self._drop_load(leg)
         return leg
+
+    def prefill_done(self, request_id: str, now_s: float, kv_sent: bool) -> None:
+        """The request's prefill leg answered the router: its prefill engine is done with
+        it (its load there dropped, if the decode's first byte has not dropped it yet), and
+        the leg's engine time (from the dispatch, less the trip, the pacing and, when the
+        answer followed the KV (`kv_sent`), the transfer as predicted) against the
+        profile's queue and prefill (and its replay's, ttft_model: replay) teaches that
+        engine's prefill speed, as a TTFT teaches an aggregated engine's
+        (core.learners.SpeedLearner)."""
+        leg = self.leg_of.pop(request_id, None)
+        rec = self.in_flight.get(request_id)
+        self.release_leg(request_id)
+        b = None if leg is None else self.backends.get(leg.backend)
+        if leg is None or rec is None or b is None:
+            return
+        engine_ms = (now_s - leg.dispatched_s) * 1000.0 - leg.rtt_ms - rec.pace_ms
+        if kv_sent:
+            engine_ms -= rec.transfer_ms
+        engine_ms = max(0.0, engine_ms)
+        speed = b.speed_for(leg.model)
+        speed.observe_ttft((leg.queue_ms + leg.prefill_ms) / leg.prefill_factor, engine_ms)
+        if leg.replay_features is not None and speed.learn:  # ttft_model: replay
+            b.step_fit.observe(leg.replay_features, engine_ms + leg.replay_credit_ms)
 
     def _learn_transfer(self, rec: InFlight, now_s: float) -> None:
         """The decode's first byte came: what the transfer took is the time from the
@@ -108,8 +135,8 @@ class FleetState(BackendRecords):
             ttft_ms = min(ttft_ms, rec.ended_e2e_ms)
         rec.first_byte_s = rec.arrived_s + ttft_ms / 1000.0
         self.backends[rec.backend].load.waiting_first_byte -= 1  # where it is counted
-        if self.release_leg(request_id) is not None:  # the decode began: the KV came
-            self._learn_transfer(rec, now_s)
+        self.release_leg(request_id)  # the decode began: the KV came
+        self._learn_transfer(rec, now_s)
         served = self.backends.get(rec.served_by or rec.backend, self.backends[rec.backend])
         served.stats.recent_ttft_ms.append(ttft_ms)  # the backend that answered
         return ttft_ms, rec
@@ -145,6 +172,7 @@ class FleetState(BackendRecords):
             return None
         self._drop_load(rec)
         self.release_leg(request_id)  # ended before its decode's first byte
+        self.leg_of.pop(request_id, None)
         b = self.backends[rec.backend]
         measured_e2e_ms = e2e_ms if e2e_ms is not None else (now_s - rec.arrived_s) * 1000.0
         if status == Status.FAILED_OVER:  # only the failure to connect was the chosen one's

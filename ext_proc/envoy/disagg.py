@@ -80,6 +80,8 @@ async def send_prefill(session: PrefillingSession, sender: PrefillSender) -> Rep
         error = UPSTREAM_TIMEOUT if result.timed_out else UNAVAILABLE
         return json_error(error, result.reason, {HEADER_PREFILL_BACKEND: prefill})
     session.prefilled_by = prefill
+    if result.answered:  # vLLM's one-token prefill answered: the prefill engine is done
+        session.router.prefill_done(session.request_id)
     reply = session.routed_reply(d, result.decode_body, pending.renamed)
     first = reply[0] if isinstance(reply, list) else reply
     if first is not None:

@@ -34,9 +34,11 @@ log = logging.getLogger("gorgo.prefill")
 
 @dataclass(frozen=True)
 class PrefillSent:
-    """The prefill leg went out (SGLang) or answered (vLLM): the decode engine's body."""
+    """The prefill leg went out (SGLang) or answered (vLLM: `answered`): the decode
+    engine's body."""
 
     decode_body: bytes
+    answered: bool = False
 
 
 @dataclass(frozen=True)
@@ -59,9 +61,12 @@ class PrefillSender:
         find: Callable[[str], Backend | None],
         timeout_s: float,
         rng: random.Random | None = None,
+        on_kv_sent: Callable[[str], None] | None = None,
     ) -> None:
         # The backend of an id as the fleet has it now (None: not in it).
         self.find = find
+        # Told an SGLang leg's answer by its request id (the prefill engine sent the KV).
+        self.on_kv_sent = on_kv_sent
         self.timeout_s = timeout_s
         self.rng = rng or random.SystemRandom()
         self._client: aiohttp.ClientSession | None = None
@@ -96,7 +101,7 @@ class PrefillSender:
             params = disagg.kv_transfer_params(answer)
         except disagg.PrefillAnswerError as e:
             return PrefillFailed(f"prefill engine {b.id}: {e}")
-        return PrefillSent(disagg.vllm_decode_body(body, params))
+        return PrefillSent(disagg.vllm_decode_body(body, params), answered=True)
 
     async def _sglang(self, b: Backend, path: str, body: bytes, request_id: str) -> PrefillResult:
         room = disagg.bootstrap_room(self.rng)
@@ -120,7 +125,8 @@ class PrefillSender:
                 f"prefill engine {b.id}: not reached in {self.timeout_s:g} s", True
             )
         else:
-            self._background.add(drain := asyncio.create_task(_log_end(task, b.id, request_id)))
+            end = _log_end(task, b.id, request_id, self.on_kv_sent)
+            self._background.add(drain := asyncio.create_task(end))
             drain.add_done_callback(self._background.discard)
         return PrefillSent(both)
 
@@ -180,12 +186,20 @@ async def _on_sent(session: aiohttp.ClientSession, ctx: Any, params: Any) -> Non
         sent.set()
 
 
-async def _log_end(task: asyncio.Task[PrefillFailed | None], backend: str, request_id: str) -> None:
+async def _log_end(
+    task: asyncio.Task[PrefillFailed | None],
+    backend: str,
+    request_id: str,
+    on_kv_sent: Callable[[str], None] | None,
+) -> None:
     """An SGLang prefill leg's end, awaited after the decode leg went on: a failure then is
-    the decode engine's to report (its transfer fails), logged here."""
+    the decode engine's to report (its transfer fails), logged here; an answer says the KV
+    was sent (`on_kv_sent`)."""
     failure = await task
     if failure is not None:
         log.warning("request %s: prefill leg on %s failed: %s", request_id, backend, failure.reason)
+    elif on_kv_sent is not None:
+        on_kv_sent(request_id)
 
 
 def _describe(e: BaseException) -> str:

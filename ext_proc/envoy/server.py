@@ -67,6 +67,7 @@ class ExtProcService:
         self.prefill_legs = PrefillSender(
             lambda b: r.config if (r := router.backends.get(b)) is not None else None,
             router.cfg.routing.prefill_timeout_s,
+            on_kv_sent=lambda rid: router.prefill_done(rid, kv_sent=True),
         )
         self.active_streams = 0
         # Shutting down: new streams are closed at once, and Envoy takes the fallback.

@@ -47,8 +47,9 @@ TICK_S = 0.05
 # Several routers with flow control: the bus confirms a router's dispatch to it (the
 # server has it: a flush's round trip, ext_proc.flow.shared).
 _CONFIRM = 14
-# Prefill and decode apart: a prompt's KV has reached its decode engine.
-_KV_ARRIVED = 15
+# Prefill and decode apart: a prompt's KV has reached its decode engine; a prefill leg's
+# answer has reached its router.
+_KV_ARRIVED, _PREFILL_DONE = 15, 16
 
 # A request on its way to its front door: (request, origin region, door, access RTT ms).
 _Arrival = tuple[TraceRequest, str, str, float]
@@ -138,6 +139,8 @@ class Simulation(SimWorld):
             None if cap is None else ConcurrencyCap(cap, lambda: self.now_s)
         )
         self._slip_ms: dict[str, float] = {}
+        # P/D: each prefill leg's answer's half trip back to its door.
+        self._leg_back_s: dict[str, float] = {}
         # Flow control: the requests waiting in a router's gateway queue, with where they
         # came from (as _bind takes them), and whether a tick is due.
         self._queued: dict[str, _Held] = {}
@@ -212,6 +215,9 @@ class Simulation(SimWorld):
             elif kind == _KV_ARRIVED:
                 backend = self.kv.arrived(data, t)
                 self._schedule_step(backend)
+            elif kind == _PREFILL_DONE:
+                if (router := self._router_of.get(data)) is not None:
+                    router.prefill_done(data, kv_sent=self.s.pd_protocol == "sglang")
             elif kind == _STEP:
                 backend, due = data
                 if self.engines[backend].next_event_s() != due:
@@ -412,6 +418,7 @@ class Simulation(SimWorld):
                 self.one_way_s(door, p) + self.one_way_s(door, d.backend) if two_steps else 0.0
             )
             self.kv.send(r, p, d.backend, relay_s)
+            self._leg_back_s[r.id] = self.one_way_s(door, p)  # its answer's trip back
             delay_s = d.pace_ms / 1000 + self.links[(door, p)].one_way_delay_s()
             self._push(self.now_s + delay_s, _AT_ENGINE, (p, r, priority))
             return
@@ -442,7 +449,11 @@ class Simulation(SimWorld):
         # TTFT and E2E as the client sees them: at its front door, plus its access leg.
         for e in self.engines[backend].advance(t):
             if self.kv.prefill_of.get(e.rid) == backend:  # a prefill leg: its KV goes on
-                self._push(self.kv.prefilled(e.rid, e.cached_tokens, t), _KV_ARRIVED, e.rid)
+                arrive_s = self.kv.prefilled(e.rid, e.cached_tokens, t)
+                self._push(arrive_s, _KV_ARRIVED, e.rid)
+                # the leg answers its router: vLLM's at once, SGLang's once the KV is sent
+                answered_s = t if self.s.pd_protocol == "vllm" else arrive_s
+                self._push(answered_s + self._leg_back_s.pop(e.rid), _PREFILL_DONE, e.rid)
                 continue
             res = self.results[e.rid]
             link = self._link_of[e.rid]

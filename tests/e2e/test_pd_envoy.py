@@ -138,14 +138,23 @@ async def front(
             },
             "routing": {"prefill_timeout_s": prefill_timeout_s},
             "backends": [
+                # local engines: RTT priors of 1 ms (no probes here), so a leg's engine
+                # time (its answer less the trip) is what the engine took
                 {
                     "id": "pre",
                     "address": addresses[0],
                     "engine": engine,
                     "role": "prefill",
                     "bootstrap_port": bootstrap_port,
+                    "rtt_prior_ms": 1,
                 },
-                {"id": "dec", "address": addresses[1], "engine": engine, "role": decode_role},
+                {
+                    "id": "dec",
+                    "address": addresses[1],
+                    "engine": engine,
+                    "role": decode_role,
+                    "rtt_prior_ms": 1,
+                },
             ],
         }
     )
@@ -320,7 +329,9 @@ async def test_a_decode_engine_of_role_both_serves_it_whole_when_the_prefill_fai
     [("sglang", False), ("vllm", False), ("sglang", True), ("vllm", True)],
     ids=["sglang-ext_proc", "vllm-ext_proc", "sglang-endpoint_picker", "vllm-endpoint_picker"],
 )
-async def test_through_the_pd_twins(tmp_path: Path, engine: str, picker: bool) -> None:
+async def test_through_the_pd_twins(
+    tmp_path: Path, engine: str, picker: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The P/D twins (emulator/engine/disagg/): prefilled on one, the KV over the link
     between them, decoded and streamed by the other; both idle after."""
     from tests.component.emulator.engine.pd_harness import assert_idle, pd_pair
@@ -328,6 +339,14 @@ async def test_through_the_pd_twins(tmp_path: Path, engine: str, picker: bool) -
     async with pd_pair(engine) as pair:
         addresses = (_address(pair.prefill.url), _address(pair.decode.url))
         async with front(tmp_path, engine, addresses, pair.side_port, picker) as (url, router):
+            answered: list[bool] = []  # each prefill_done's kv_sent
+            done = Router.prefill_done
+
+            def spy(self: Router, request_id: str, kv_sent: bool = False) -> None:
+                answered.append(kv_sent)
+                done(self, request_id, kv_sent)
+
+            monkeypatch.setattr(Router, "prefill_done", spy)
             model = "emulated" if engine == "sglang" else "tiny"
             body = {
                 "model": model,
@@ -352,6 +371,16 @@ async def test_through_the_pd_twins(tmp_path: Path, engine: str, picker: bool) -
             ]
             assert any(contents), events
             await settled(router)
+            # the leg's own answer reached the router: vLLM's one-token prefill, SGLang's
+            # once its KV went (in the background, after the decode's stream began)
+            deadline = time.monotonic() + 5.0
+            while not answered and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            assert answered == [engine == "sglang"]
+            assert not router.fleet.state.leg_of
+            if engine == "sglang":  # the router's own pair (an idle vLLM decode engine is
+                # chosen whole, and the stub adds the leg): its answer taught the speed
+                assert router.backends["pre"].learned.speed.samples[0] == 1
         await _idle(pair, assert_idle)
 
 

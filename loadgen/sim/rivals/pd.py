@@ -28,8 +28,9 @@ defaults and the coupling each router's P/D mode has (the sources, read for issu
 
 Each leg's rule keeps its own books, as each router keeps one policy instance per leg;
 the loads they read (`Candidate.in_flight`) are the router's, where a prefill leg counts
-on its engine until the decode's first byte (SMG holds it to the stream's end, vllm-router
-to the prefill's answer: a difference of books, not of rule).
+on its engine until its answer reached the router or the decode's first byte came (SMG
+holds it to the stream's end, vllm-router to the prefill's answer: a difference of books,
+not of rule).
 """
 
 from __future__ import annotations

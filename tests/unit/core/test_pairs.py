@@ -388,3 +388,29 @@ def test_an_idle_fleet_still_pairs_a_vllm_decode_engine_when_the_pair_is_sooner(
     load(router, "decoding", "da", 8000, output_tokens=500, decoding=True)  # a busy decode
     d = router.decide(chat(LONG, rid="r"))
     assert d.backend == "da" and d.prefill is not None
+
+
+def test_the_prefill_legs_answer_frees_its_engine_and_teaches_its_speed() -> None:
+    """prefill_done: vLLM's one-token answer as the prefill ends, SGLang's once the KV
+    went (its transfer, as predicted, taken off). The prefill engine's load drops there
+    and then, and what the leg took against its profile teaches that engine's speed."""
+    factors = {}
+    for kv_sent in (False, True):
+        router, clock = pd_router()
+        d = router.decide(chat(LONG, rid="r"))
+        assert d.prefill is not None and counts(router, "pa")[0] == 1
+        leg = router.fleet.state.leg_of["r"]
+        predicted_s = (leg.queue_ms + leg.prefill_ms + leg.rtt_ms + d.prefill.transfer_ms) / 1e3
+        clock.advance(1.3 * predicted_s)  # the engine took longer than its profile says
+        router.prefill_done("r", kv_sent=kv_sent)
+        assert counts(router, "pa") == (0, 0, 0) and not router.fleet.state.leg_of
+        speed = router.backends["pa"].learned.speed
+        assert speed.samples[0] == 1 and speed.prefill_factor > 1.0
+        factors[kv_sent] = speed.prefill_factor
+        router.prefill_done("r")  # a second answer teaches nothing more
+        assert speed.samples[0] == 1
+        router.first_byte("r")  # the decode's first byte still tells the transfer
+        assert router.in_flight["r"].observed_transfer_ms is not None
+        router.close("r", Status.OK)
+        assert not router.in_flight and not router.fleet.state.legs
+    assert factors[True] < factors[False]  # the transfer is not the engine's time
