@@ -72,7 +72,6 @@ class KvMover:
         self.prefill_of: dict[str, str] = {}
         self._decode_of: dict[str, tuple[str, TraceRequest]] = {}
         self._cached: dict[str, int] = {}
-        self._sent_s: dict[str, float] = {}
         self._relay_s: dict[str, float] = {}
         # When each wire (from region, to region) has sent all it was given.
         self._wire_free_s: dict[tuple[str, str], float] = {}
@@ -99,7 +98,7 @@ class KvMover:
         start_s = max(now_s + self._relay_s.pop(rid), self._wire_free_s.get((a, b), 0.0))
         self._wire_free_s[(a, b)] = start_s + nbytes * 8 / (self._gbps(a, b) * 1e9)
         arrive_s = self._wire_free_s[(a, b)] + region_rtt_ms(a, b) / 1000
-        self._cached[rid], self._sent_s[rid] = cached_tokens, now_s
+        self._cached[rid] = cached_tokens
         self.stats.transfer_ms.append((arrive_s - now_s) * 1000)
         if a != b:
             self.stats.remote_transfer_ms.append(self.stats.transfer_ms[-1])
@@ -107,7 +106,7 @@ class KvMover:
 
     def arrived(self, rid: str, now_s: float) -> str:
         """The KV is at the decode engine: the request starts there. Returns that engine."""
-        del self.prefill_of[rid], self._sent_s[rid]
+        del self.prefill_of[rid]
         decode, r = self._decode_of.pop(rid)
         engine = self._engines[decode]
         assert isinstance(engine, PrebuiltModel), decode
