@@ -250,6 +250,15 @@ class BackendState:
             learned.adapter_speed[model] = speed
         return speed
 
+    def learn_prefill(self, rec: InFlight, engine_ms: float) -> None:
+        """What a request's queue and prefill took on this engine (`engine_ms`, its trips
+        taken off) against what was predicted for it at its dispatch: its speed's
+        prefill factor and, when it was priced by the replay, the step model."""
+        speed = self.speed_for(rec.model)
+        speed.observe_ttft((rec.queue_ms + rec.prefill_ms) / rec.prefill_factor, engine_ms)
+        if rec.replay_features is not None and speed.learn:
+            self.step_fit.observe(rec.replay_features, engine_ms + rec.replay_credit_ms)
+
     def as_json(self, now_s: float) -> dict[str, Any]:
         h, load, e, learned, st = self.health, self.load, self.engine, self.learned, self.stats
         ejected = h.ejected_at(now_s)

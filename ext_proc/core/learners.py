@@ -98,13 +98,8 @@ class SpeedLearner(Listener):
         if rec.prefill_backend is not None:  # its TTFT is two engines' and a link's
             self._learn_decode(e)
             return
-        profile_ms = (rec.queue_ms + rec.prefill_ms) / rec.prefill_factor
-        speed = b.speed_for(rec.model)
         # its prediction counts from the dispatch: not its wait in the gateway queue
-        engine_ms = e.ttft_ms - rec.waited_ms - rec.rtt_ms - rec.pace_ms
-        speed.observe_ttft(profile_ms, engine_ms)
-        if rec.replay_features is not None and speed.learn:
-            b.step_fit.observe(rec.replay_features, engine_ms + rec.replay_credit_ms)
+        b.learn_prefill(rec, e.ttft_ms - rec.waited_ms - rec.rtt_ms - rec.pace_ms)
         self._learn_decode(e)
 
     def _learn_decode(self, e: Closed) -> None:

@@ -46,8 +46,9 @@ class FleetState(BackendRecords):
         # The predicted decode's calibration to the E2E's relative error, per backend.
         self.decode_calibration = DecodeCalibration()
         # The prefill legs of disaggregated requests in flight (by request id): each loads
-        # its prefill engine from the dispatch until the decode's first byte (its KV has
-        # been sent then), or the request's close, whichever comes first.
+        # its prefill engine from the dispatch until its own answer (`prefill_done`), the
+        # decode's first byte (its KV has been sent then) or the request's close,
+        # whichever comes first.
         self.legs: dict[str, InFlight] = {}
         # Each leg until its own answer reaches the router (`prefill_done`) or the request
         # closes: what that answer teaches of the prefill engine's speed.
@@ -61,8 +62,7 @@ class FleetState(BackendRecords):
         old = self.in_flight.pop(rec.request_id, None)
         if old is not None:  # a reused request id: the older record can no longer complete
             self._drop_load(old)
-            self.release_leg(rec.request_id)
-            self.leg_of.pop(rec.request_id, None)
+            self._end_leg(rec.request_id)
         # Another router's request with the same id (ids are the clients' or Envoy's, not
         # unique across routers): the id is ours now, and one record holds it (else the
         # backend counted it twice, and the peer's close released our record).
@@ -91,20 +91,21 @@ class FleetState(BackendRecords):
         profile's queue and prefill (and its replay's, ttft_model: replay) teaches that
         engine's prefill speed, as a TTFT teaches an aggregated engine's
         (core.learners.SpeedLearner)."""
-        leg = self.leg_of.pop(request_id, None)
+        leg = self._end_leg(request_id)
         rec = self.in_flight.get(request_id)
-        self.release_leg(request_id)
         b = None if leg is None else self.backends.get(leg.backend)
         if leg is None or rec is None or b is None:
             return
         engine_ms = (now_s - leg.dispatched_s) * 1000.0 - leg.rtt_ms - rec.pace_ms
         if kv_sent:
             engine_ms -= rec.transfer_ms
-        engine_ms = max(0.0, engine_ms)
-        speed = b.speed_for(leg.model)
-        speed.observe_ttft((leg.queue_ms + leg.prefill_ms) / leg.prefill_factor, engine_ms)
-        if leg.replay_features is not None and speed.learn:  # ttft_model: replay
-            b.step_fit.observe(leg.replay_features, engine_ms + leg.replay_credit_ms)
+        b.learn_prefill(leg, max(0.0, engine_ms))
+
+    def _end_leg(self, request_id: str) -> InFlight | None:
+        """The request is done with its prefill leg: its load dropped (if still counted)
+        and its record forgotten; the record (None: none)."""
+        self.release_leg(request_id)
+        return self.leg_of.pop(request_id, None)
 
     def _learn_transfer(self, rec: InFlight, now_s: float) -> None:
         """The decode's first byte came: what the transfer took is the time from the
@@ -171,8 +172,7 @@ class FleetState(BackendRecords):
         if rec is None:
             return None
         self._drop_load(rec)
-        self.release_leg(request_id)  # ended before its decode's first byte
-        self.leg_of.pop(request_id, None)
+        self._end_leg(request_id)  # ended, maybe before its decode's first byte
         b = self.backends[rec.backend]
         measured_e2e_ms = e2e_ms if e2e_ms is not None else (now_s - rec.arrived_s) * 1000.0
         if status == Status.FAILED_OVER:  # only the failure to connect was the chosen one's
