@@ -5,6 +5,7 @@ and never sent on; a stream gone before it waited takes its request out of the q
 
 import asyncio
 
+from ext_proc.core.router import Router
 from ext_proc.director.outcomes import Queued, Routed
 from ext_proc.director.recipe import Director
 from ext_proc.envoy.holding import Holding
@@ -14,14 +15,23 @@ from tests.builders import chat, load, make_router
 FLOW = {"enabled": True, "max_waiting_requests": 1, "room_margin_ms": 1e9}
 
 
-async def test_an_outcome_decided_before_its_session_waits_is_kept_for_it() -> None:
+def queued_r1(subscribed: bool = False) -> tuple[Router, Director, Holding, Queued]:
+    """A one-backend router with flow control, its Director and the server's Holding
+    (hearing the router's events if `subscribed`); another router's request leaves no
+    room, so the request r1 is queued."""
     router, _ = make_router("gorgo", backends=["a"], flow_control=FLOW)
     director = Director(router)
     holding = Holding(director.admission, router.clock)
-    router.subscribe(holding)
+    if subscribed:
+        router.subscribe(holding)
     load(router, "peer", "a", 1000, 10)  # another router's request: no room
     queued = director.handle(chat(rid="r1"))
     assert isinstance(queued, Queued)
+    return router, director, holding, queued
+
+
+async def test_an_outcome_decided_before_its_session_waits_is_kept_for_it() -> None:
+    router, _, holding, queued = queued_r1(subscribed=True)
     with holding.hold(queued.ticket) as settled:  # as the server holds it, at once
         router.inputs.apply_peer(PeerEvent(PeerKind.CLOSED, "x", "peer", "a"))  # room comes ...
         for _ in range(3):
@@ -33,12 +43,7 @@ async def test_an_outcome_decided_before_its_session_waits_is_kept_for_it() -> N
 
 
 async def test_a_stream_gone_before_its_request_is_settled_takes_it_out_of_the_queue() -> None:
-    router, _ = make_router("gorgo", backends=["a"], flow_control=FLOW)
-    director = Director(router)
-    holding = Holding(director.admission, router.clock)
-    load(router, "peer", "a", 1000, 10)  # no room
-    queued = director.handle(chat(rid="r1"))
-    assert isinstance(queued, Queued)
+    router, director, holding, queued = queued_r1()
     with holding.hold(queued.ticket):
         assert holding.held == 1
     # left unsettled (the server's generator closed while it sent the timer reply)
@@ -49,12 +54,7 @@ async def test_a_stream_gone_before_its_request_is_settled_takes_it_out_of_the_q
 
 
 async def test_a_stream_cancelled_while_it_awaits_takes_its_request_out_of_the_queue() -> None:
-    router, _ = make_router("gorgo", backends=["a"], flow_control=FLOW)
-    director = Director(router)
-    holding = Holding(director.admission, router.clock)
-    load(router, "peer", "a", 1000, 10)  # no room
-    queued = director.handle(chat(rid="r1"))
-    assert isinstance(queued, Queued)
+    router, director, holding, queued = queued_r1()
 
     async def held() -> None:
         with holding.hold(queued.ticket) as settled:
