@@ -16,7 +16,8 @@ from ext_proc.core.learners import (
     TunerLearner,
 )
 from ext_proc.core.router import Router
-from ext_proc.learn.settings import StateSink, TunerSettings, TunerState
+from ext_proc.estimate.transfer import KNOB_BOUNDS, PairKnobs
+from ext_proc.learn.settings import PAIRED, StateSink, TunerSettings, TunerState
 from ext_proc.learn.tuner import Tuner
 from ext_proc.policy.base import PolicyInfo
 from ext_proc.policy.catalog import make_policy, policy_info, policy_params
@@ -46,6 +47,23 @@ def tuner_settings(cfg: Config, info: PolicyInfo) -> TunerSettings:
     )
 
 
+def pair_tuner_settings(cfg: Config) -> TunerSettings:
+    """The paired tuner of a disaggregated fleet's two knobs (estimate.transfer.PairKnobs):
+    the weights' round sizes and objective, the knobs' bounds, and arms of its own (a salt),
+    so each tuner's two arms meet the other's alike."""
+    return TunerSettings(
+        mode=PAIRED,
+        rtt_bounds=KNOB_BOUNDS[0],
+        queue_bounds=KNOB_BOUNDS[1],
+        arm_size=cfg.tuner.arm_size,
+        objective=cfg.tuner.objective,
+        arm_key=cfg.tuner.arm_key,
+        label="knobs",
+        names=("local_threshold_tokens", "remote_margin_ms"),
+        arm_salt="pair-knobs:",
+    )
+
+
 def build_router(
     cfg: Config,
     clock: Callable[[], float],
@@ -68,7 +86,14 @@ def build_router(
     if weights is not None and cfg.tuner.mode != TunerMode.OFF:
         settings = tuner_settings(cfg, info)
         tuner = Tuner(settings, weights, tuner_rng, tuner_state, tuner_sink)
-    router = Router(cfg, clock, policy, weights, tuner)
+    knobs = getattr(policy, "pair_knobs", None)
+    pair_tuner = None
+    if cfg.tuner.mode == PAIRED and isinstance(knobs, PairKnobs):
+        # Its own RNG, seeded from the weights tuner's state without drawing from it (so
+        # every other draw stays as it was); its state is not persisted (docs/tuner.md).
+        knob_rng = random.Random(repr(("pair knobs", tuner_rng.getstate())))
+        pair_tuner = Tuner(pair_tuner_settings(cfg), knobs.values(), knob_rng)
+    router = Router(cfg, clock, policy, weights, tuner, pair_tuner)
     for listener in (*learners(router, tuner), *listeners):
         router.subscribe(listener)
     return router
@@ -85,8 +110,10 @@ def learners(router: Router, tuner: Tuner | None) -> list[Listener]:
         Ejector(state, cfg.routing),
         PredictionLearner(state),
     ]
+    failure_ms = cfg.request_timeout_s * 1000
     if tuner is not None:
-        failure_ms = cfg.request_timeout_s * 1000
         would_pick = getattr(router.policy, "would_pick", None)
         out.append(TunerLearner(tuner, failure_ms, state.profiles, would_pick))
+    if router.pair_tuner is not None:  # it hears only the requests it set knobs for
+        out.append(TunerLearner(router.pair_tuner, failure_ms, state.profiles))
     return out

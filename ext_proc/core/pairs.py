@@ -32,10 +32,13 @@ class PairedCandidates:
     # The decode engine a PairPolicy picked (its one candidate), else None: the policy
     # chooses among the candidates.
     picked: str | None = None
+    # What a remote pair chosen must win by (PairKnobs.remote_margin_ms).
+    margin_ms: float = 0.0
 
-    def with_margin(self, choice: Choice, margin_ms: float) -> Choice:
+    def with_margin(self, choice: Choice) -> Choice:
         """A remote pair chosen must score `margin_ms` below every candidate prefilled in
         its decode's region or whole, else the best of those is taken instead."""
+        margin_ms = self.margin_ms
         pair = self.pairs.get(choice.backend_id)
         if pair is None or not pair.remote or margin_ms <= 0:
             return choice
@@ -171,7 +174,7 @@ def paired_candidates(
         out.append(pair)
     if not out:  # no pair at all (no prefill engine healthy): the decode engines whole
         return PairedCandidates(tuple(candidates), {}, {})
-    return PairedCandidates(tuple(out), pairs, partners)
+    return PairedCandidates(tuple(out), pairs, partners, margin_ms=knobs.remote_margin_ms)
 
 
 def picked_pair(

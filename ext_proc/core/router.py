@@ -78,7 +78,7 @@ class Router(RequestLifecycle):
     `RequestLifecycle`; its fleet (`fleet`: backends added, drained, removed) and what it
     hears from outside (`inputs`) are objects of their own."""
 
-    __slots__ = ("_decisions", "_log", "_policy", "_tuner", "_weights", "inputs")
+    __slots__ = ("_decisions", "_log", "_pair_tuner", "_policy", "_tuner", "_weights", "inputs")
 
     def __init__(
         self,
@@ -87,14 +87,17 @@ class Router(RequestLifecycle):
         policy: Policy,
         weights: Weights | None = None,
         tuner: Tuner | None = None,
+        pair_tuner: Tuner | None = None,
     ) -> None:
         """`weights`: the starting cost weights of a weighted policy (None for the
-        others); `tuner`: moves them online (only with weights)."""
+        others); `tuner`: moves them online (only with weights); `pair_tuner`: moves the
+        policy's pair knobs online, for the requests of a disaggregated fleet."""
         if tuner is not None and weights is None:
             raise ValueError(f"policy {policy.name!r} has no weights to tune")
         super().__init__(cfg, clock)
         self._policy = policy
         self._tuner = tuner
+        self._pair_tuner = pair_tuner
         self._weights = weights
         self.inputs = RouterInputs(self._fleet, clock)
         self._decisions = 0
@@ -124,6 +127,10 @@ class Router(RequestLifecycle):
         return self._tuner
 
     @property
+    def pair_tuner(self) -> Tuner | None:
+        return self._pair_tuner
+
+    @property
     def weights(self) -> Weights | None:
         """The weights serving traffic now (the tuner's parent when tuning)."""
         return self._tuner.weights if self._tuner is not None else self._weights
@@ -151,13 +158,17 @@ class Router(RequestLifecycle):
             self._tuner,
             self._decisions,
             self._log if decisions else None,
+            self._pair_tuner,
         )
 
     # -- deciding -----------------------------------------------------------------------
 
-    @property
-    def _pair_knobs(self) -> PairKnobs:
-        """The policy's knobs for a disaggregated fleet (gorgo's parameters), else none."""
+    def _pair_knobs(self, request: RouteRequest) -> PairKnobs:
+        """The knobs for a request on a disaggregated fleet: its arm's, when tuned, else
+        the policy's (gorgo's parameters), else none."""
+        if self._pair_tuner is not None:
+            tuned = self._pair_tuner.values_for(request.request_id, request.session_key)
+            return PairKnobs.of(tuned)
         knobs = getattr(self._policy, "pair_knobs", None)
         return knobs if isinstance(knobs, PairKnobs) else PairKnobs()
 
@@ -180,7 +191,7 @@ class Router(RequestLifecycle):
                     candidates, backends, routing, state.transfer, input_tokens, pick
                 )
         return paired_candidates(
-            candidates, backends, routing, self._pair_knobs, state.transfer, input_tokens
+            candidates, backends, routing, self._pair_knobs(request), state.transfer, input_tokens
         )
 
     def served_models(self) -> dict[str, str | None] | None:
@@ -238,7 +249,7 @@ class Router(RequestLifecycle):
         else:
             choice = self._policy.choose(request, candidates, weights)
         if paired is not None:  # a remote prefill must win by the policy's margin
-            choice = paired.with_margin(choice, self._pair_knobs.remote_margin_ms)
+            choice = paired.with_margin(choice)
         chosen = next((c for c in candidates if c.backend_id == choice.backend_id), None)
         if chosen is None:
             raise ValueError(

@@ -49,6 +49,7 @@ def snapshot(
     tuner: Tuner | None,
     decisions: int,
     log: DecisionLog | None,
+    pair_tuner: Tuner | None = None,
 ) -> dict[str, Any]:
     fleet = features.fleet
     now_s = features.clock()
@@ -77,6 +78,7 @@ def snapshot(
         "policy": policy,
         "weights": None if weights is None else {"rtt": weights.rtt, "queue": weights.queue},
         "tuner": None if tuner is None else tuner.snapshot(),
+        "pair_tuner": None if pair_tuner is None else pair_tuner.snapshot(),
         "decisions": decisions,
         "in_flight": len(fleet.state.in_flight),
         **_pairs_json(fleet.state),

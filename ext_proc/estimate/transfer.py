@@ -13,15 +13,30 @@ TRANSFER_EWMA = 0.1
 FACTOR_BOUNDS = (0.25, 8.0)
 
 
+# The knobs' bounds when the tuner moves them (log space, so neither reaches 0): from
+# where each stops mattering (16 tokens, llm-d's nonCachedTokens default; 1 ms) to where
+# it forbids remote prefills outright (a 32k-token prompt; 10 s, over most TTFTs).
+KNOB_BOUNDS = ((16.0, 32768.0), (1.0, 10_000.0))
+
+
 @dataclass(frozen=True)
 class PairKnobs:
-    """What the model cannot know (the gorgo policy's parameters, the tuner's later):
-    below `local_threshold_tokens` uncached tokens a prompt is prefilled in its decode
-    engine's own region (or on an aggregated engine); a remote prefill must beat the best
-    local one by `remote_margin_ms`."""
+    """What the model cannot know (the gorgo policy's parameters; with tuning on, the
+    tuner's: learn.tuner with `pair_tuner_settings`): below `local_threshold_tokens`
+    uncached tokens a prompt is prefilled in its decode engine's own region (or on an
+    aggregated engine); a remote prefill must beat the best local one by
+    `remote_margin_ms`."""
 
     local_threshold_tokens: int = 0
     remote_margin_ms: float = 0.0
+
+    @staticmethod
+    def of(values: tuple[float, float]) -> PairKnobs:
+        """The knobs from the tuner's two values (threshold, margin)."""
+        return PairKnobs(round(values[0]), values[1])
+
+    def values(self) -> tuple[float, float]:
+        return (float(self.local_threshold_tokens), self.remote_margin_ms)
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ bootstrap says it is better with `confidence` and its E2E is not worse than `e2e
 
 from __future__ import annotations
 
+import hashlib
 import zlib
 
 import numpy as np
@@ -44,7 +45,14 @@ class PairedRounds:
         if self.t.state.frozen:
             return PARENT
         # A hash, not alternation: arrivals correlated with the order cannot bias an arm.
-        if self.t.s.arm_key == TunerArmKey.SESSION and session_key:
+        by_session = self.t.s.arm_key == TunerArmKey.SESSION and session_key
+        salt = self.t.s.arm_salt
+        if salt:  # a second tuner's arms: a hash unrelated to crc32's (CRC is affine, so
+            # any bit of crc32(salt + key) is one of crc32(key)'s, flipped by its length)
+            key = (session_key if by_session else request_id) or ""
+            digest = hashlib.blake2b(f"{salt}{key}".encode(), digest_size=1).digest()
+            return CHILD if digest[0] & 1 else PARENT
+        if by_session:
             # Salted: the simulator shards sessions by crc32(key) % routers.
             return CHILD if zlib.crc32(f"arm:{session_key}".encode()) & 1 else PARENT
         return CHILD if zlib.crc32(request_id.encode()) & 1 else PARENT

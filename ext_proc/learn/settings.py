@@ -90,6 +90,13 @@ class TunerSettings:
     tie_decisions: int = 16
     tie_share: float = 0.1
     tie_sigma_max: float = 1.0
+    # What the two values are called (/state, the history) and the label of the pair:
+    # the cost weights, or the P/D pair's knobs (PAIR_KNOBS_TUNER).
+    label: str = "weights"
+    names: tuple[str, str] = ("rtt", "queue")
+    # Hashed before a request's key to pick its arm: two tuners with different salts split
+    # the same traffic independently (each one's arms see the other's alike).
+    arm_salt: str = ""
 
     @staticmethod
     def paper() -> TunerSettings:

@@ -83,12 +83,13 @@ class Tuner(TunerCore):
     def __init__(
         self,
         settings: TunerSettings,
-        initial: Weights,
+        initial: Weights | tuple[float, float],
         rng: random.Random,
         restored: TunerState | None = None,
         sink: StateSink | None = None,
     ) -> None:
-        init = settings.clip((initial.rtt, initial.queue))
+        values = (initial.rtt, initial.queue) if isinstance(initial, Weights) else initial
+        init = settings.clip(values)
         super().__init__(settings, restored or TunerState(init, init, settings.sigma0), rng, sink)
         if settings.mode not in STRATEGIES:
             raise ValueError(f"tuner mode {settings.mode!r} has no strategy")
@@ -107,10 +108,14 @@ class Tuner(TunerCore):
         return self._strategy.arm_for(request_id, session_key)
 
     def weights_for(self, request_id: str, session_key: str | None = None) -> Weights:
+        return Weights(*self.values_for(request_id, session_key))
+
+    def values_for(self, request_id: str, session_key: str | None = None) -> tuple[float, float]:
+        """The two values this request's arm serves (remembered until it closes)."""
         arm = self.arm_for(request_id, session_key)
         w = self._arm_weights(arm)
         self._arm[request_id] = _Tag(arm, w)
-        return Weights(*w)
+        return w
 
     def _arm_weights(self, arm: str) -> tuple[float, float]:
         return self.state.child if arm == CHILD else self.state.parent
@@ -190,12 +195,12 @@ class Tuner(TunerCore):
         self.save()
 
     def snapshot(self) -> dict[str, Any]:
-        st = self.state
+        st, names = self.state, self.s.names
         return {
             "mode": self.s.mode,
             "objective": self.s.objective,
-            "weights": {"rtt": st.parent[0], "queue": st.parent[1]},
-            "child": {"rtt": st.child[0], "queue": st.child[1]},
+            self.s.label: dict(zip(names, st.parent, strict=True)),
+            "child": dict(zip(names, st.child, strict=True)),
             "sigma": st.sigma,
             "samples": st.samples,
             "frozen": st.frozen,

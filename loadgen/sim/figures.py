@@ -70,8 +70,14 @@ def write_figures(out_dir: Path, summaries: dict[tuple[str, float], dict[str, An
     return paths
 
 
-def convergence_plot(h: Sequence[dict[str, Any]], title: str, path: Path) -> None:
-    """Weights, sigma and the windowed p95 against completed requests."""
+def convergence_plot(
+    h: Sequence[dict[str, Any]],
+    title: str,
+    path: Path,
+    names: tuple[str, str] = ("w_rtt", "w_queue"),
+) -> None:
+    """The tuned values (the weights, or a P/D fleet's knobs), sigma and the windowed p95
+    against completed requests."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -79,11 +85,11 @@ def convergence_plot(h: Sequence[dict[str, Any]], title: str, path: Path) -> Non
 
     xs = [s["samples"] for s in h]
     fig, (a1, a2) = plt.subplots(2, 1, figsize=(7, 5), sharex=True)
-    a1.plot(xs, [s["parent"][0] for s in h], label="w_rtt")
-    a1.plot(xs, [s["parent"][1] for s in h], label="w_queue")
+    a1.plot(xs, [s["parent"][0] for s in h], label=names[0])
+    a1.plot(xs, [s["parent"][1] for s in h], label=names[1])
     a1.plot(xs, [s["sigma"] for s in h], label="sigma", linestyle=":")
     a1.set_yscale("log")
-    a1.set_ylabel("weight / sigma")
+    a1.set_ylabel("value / sigma")
     a1.legend(fontsize=8)
     a1.grid(alpha=0.3)
     a2.plot(xs, [(s["parent_p95_ms"] or np.nan) / 1000 for s in h], label="parent p95 TTFT")

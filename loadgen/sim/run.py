@@ -44,12 +44,19 @@ def run_simulations(
                 with bar(len(trace), f"{policy} ts {ts:g}", unit="req", leave=False) as requests:
                     res = simulate(trace, settings, progress=counter(requests))
                 wall_s = time.perf_counter() - t0
-                tuner = res.router.tuner
+                tuner, knobs = res.router.tuner, res.router.pair_tuner
                 if tuner is not None:
                     convergence_plot(
                         tuner.state.history,
                         f"{policy}, {base.tune} mode",
                         out_dir / f"tuner-{policy}-ts{ts:g}.png",
+                    )
+                if knobs is not None and knobs.state.history:
+                    convergence_plot(
+                        knobs.state.history,
+                        f"{policy}, the P/D knobs",
+                        out_dir / f"knobs-{policy}-ts{ts:g}.png",
+                        knobs.s.names,
                     )
                 meta = {
                     "mode": "simulate",
@@ -78,6 +85,8 @@ def run_simulations(
                     "wall_s": round(wall_s, 2),
                 }
                 meta["flow_control"] = base.flow_control
+                if knobs is not None and base.pd:  # absent without P/D: rows as before
+                    meta["final_knobs"] = dict(zip(knobs.s.names, knobs.state.parent, strict=True))
                 if base.pd or base.pd_aggregated:  # absent without P/D: rows as before
                     meta["pd"] = {
                         "layout": "pd" if base.pd else "aggregated",

@@ -101,6 +101,15 @@ def component_schemas() -> dict[str, Any]:
                 "recent_steps": ARRAY,
             }
         ),
+        # The tuner of a disaggregated fleet's pair knobs (docs/tuner.md, "The P/D knobs").
+        "PairTuner": _object(
+            {
+                "mode": STRING,
+                "knobs": _object({"local_threshold_tokens": NUMBER, "remote_margin_ms": NUMBER}),
+                "samples": COUNT,
+                "recent_steps": ARRAY,
+            }
+        ),
         "BackendState": backend_state,
         "State": _object(
             {
@@ -108,6 +117,7 @@ def component_schemas() -> dict[str, Any]:
                 "weights": _nullable(WEIGHTS),
                 "tuner": _nullable(ref("Tuner")),
                 "decisions": COUNT,
+                "pair_tuner": _nullable(ref("PairTuner")),
                 "in_flight": COUNT,
                 "backends": {"type": "object", "additionalProperties": ref("BackendState")},
                 "removed_backends": ARRAY,

@@ -27,7 +27,10 @@ FLEET = (
 
 
 def pd_router(
-    gbps: float = 10.0, fleet: tuple[dict[str, object], ...] = FLEET, **gorgo: object
+    gbps: float = 10.0,
+    fleet: tuple[dict[str, object], ...] = FLEET,
+    tuner: str = "off",
+    **gorgo: object,
 ) -> tuple[Router, FakeClock]:
     return make_router(
         "gorgo",
@@ -41,6 +44,7 @@ def pd_router(
             },
         },
         policies={"gorgo": gorgo},
+        tuner={"mode": tuner},
     )
 
 
@@ -414,3 +418,48 @@ def test_the_prefill_legs_answer_frees_its_engine_and_teaches_its_speed() -> Non
         router.close("r", Status.OK)
         assert not router.in_flight and not router.fleet.state.legs
     assert factors[True] < factors[False]  # the transfer is not the engine's time
+
+
+# -- the tuner owns the two knobs (docs/tuner.md, "The P/D knobs") ----------------------
+
+
+def test_the_pair_tuner_sets_a_requests_knobs_by_its_arm_and_learns_from_it() -> None:
+    """With tuning on, each request's knobs are its arm's: here the parent's margin lets a
+    remote prefill win, the child's keeps it on the aggregated engine."""
+    fleet = (*FLEET, {"id": "both", "address": "127.0.0.1:4", "region": "a", "rtt_prior_ms": 5})
+
+    def decided(rid: str) -> tuple[str, object]:
+        assert pd_router()[0].pair_tuner is None  # tuning off: the policy's knobs
+        router, clock = pd_router(gbps=100.0, fleet=fleet, tuner="paired")
+        t = router.pair_tuner
+        assert t is not None and t.snapshot()["knobs"] == {
+            "local_threshold_tokens": 16.0,  # the policy's 0 and 0, at the knobs' bounds
+            "remote_margin_ms": 1.0,
+        }
+        t.state.parent, t.state.child = (16.0, 1.0), (16.0, 1e4)
+        for i in range(6):  # both busy, `both` for less than the child's margin
+            load(router, f"busy{i}", "pa", 8000, prefill_ms=3000)
+            load(router, f"both{i}", "both", 8000, prefill_ms=1000)
+        d = router.decide(chat(LONG, rid=rid))
+        clock.advance(1.0)
+        router.first_byte(rid)
+        router.close(rid, Status.OK)
+        assert t.snapshot()["requests_in_flight"] == 0 and t.state.samples == 1
+        return t.arm_for(rid), d.prefill
+
+    arms = {rid: decided(rid) for rid in ("r1", "r2", "r3", "r4")}
+    assert {arm for arm, _ in arms.values()} == {"parent", "child"}
+    for arm, prefill in arms.values():
+        assert (prefill is None) == (arm == "child"), arms
+
+
+def test_an_aggregated_fleet_gives_the_pair_tuner_nothing() -> None:
+    router, clock = make_router("gorgo", backends=("a", "b"), tuner={"mode": "paired"})
+    t = router.pair_tuner
+    assert t is not None
+    router.decide(chat(LONG, rid="r"))
+    clock.advance(1.0)
+    router.first_byte("r")
+    router.close("r", Status.OK)
+    assert (t.state.samples, t.snapshot()["requests_in_flight"]) == (0, 0)
+    assert router.snapshot()["pair_tuner"]["knobs"]["remote_margin_ms"] == 1.0

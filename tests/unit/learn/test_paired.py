@@ -281,3 +281,15 @@ def test_a_round_with_few_differing_decisions_is_a_tie_not_a_failure() -> None:
         i += 1
     (step,) = u.state.history
     assert not step["tie"] and u.state.outcomes == [False]
+
+
+def test_a_salted_tuner_splits_the_same_traffic_independently() -> None:
+    """Two tuners on one request stream (the weights' and the P/D knobs'): with a salt, each
+    one's arms meet the other's about equally, so neither's comparison is confounded."""
+    plain = tuner(PAIRED_S)
+    salted = tuner(replace(PAIRED_S, arm_salt="pair-knobs:"))
+    ids = [f"req-{i}" for i in range(4000)]
+    agree = sum(plain.arm_for(r) == salted.arm_for(r) for r in ids) / len(ids)
+    assert 0.47 < agree < 0.53
+    # unsalted, the same stream splits alike
+    assert all(plain.arm_for(r) == tuner(PAIRED_S).arm_for(r) for r in ids[:200])
