@@ -1,11 +1,13 @@
-"""More front doors for the local stack: each an Envoy and a router of its own in another
-region, reaching the stack's engines over WAN links at that region's RTTs
+"""More front doors for the local stack: each an Envoy and routers of its own in another
+region (as many as the stack's door has: `--routers M`, all in its Envoy's ext_proc
+cluster), reaching the stack's engines over WAN links at that region's RTTs
 (emulator/wan.py REGION_RTT_MS).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Protocol
 
@@ -44,28 +46,54 @@ class DoorHost(Protocol):
 
 
 class FrontDoor:
-    """One more front door: an Envoy and a router in `region`, reaching every backend over
-    WAN links of its own at that region's RTTs; the engines (and their KV events) are the
-    stack's."""
+    """One more front door: an Envoy and `stack.settings.routers` routers in `region`,
+    reaching every backend over WAN links of its own at that region's RTTs; the engines
+    (and their KV events) are the stack's."""
 
     def __init__(self, region: str, stack: DoorHost) -> None:
         self.region = region
         regions = stack.settings.regions
-        ports = free_ports(4 + len(regions))
-        self.front_door, self.envoy_admin, self.grpc, self.admin = ports[:4]
-        self.links = ports[4:]
+        n_routers = max(1, stack.settings.routers)
+        ports = free_ports(2 + 2 * n_routers + len(regions))
+        self.front_door, self.envoy_admin = ports[:2]
+        mine = ports[2 : 2 + 2 * n_routers]  # (grpc, admin) per router
+        router_ports = list(zip(mine[0::2], mine[1::2], strict=True))
+        (self.grpc, self.admin), extra = router_ports[0], router_ports[1:]
+        self.links = ports[2 + 2 * n_routers :]
         raw = config_as_dict(stack.config)
         raw["listen"].update(grpc=f"127.0.0.1:{self.grpc}", admin=f"127.0.0.1:{self.admin}")
         raw["envoy"].update(
             listen=f"127.0.0.1:{self.front_door}", admin=f"127.0.0.1:{self.envoy_admin}"
         )
+        # Its Envoy reaches its own routers, never the stack's door's (the copied list).
         raw["envoy"]["ext_proc_address"] = ""
+        raw["envoy"]["ext_proc_addresses"] = (
+            [f"127.0.0.1:{g}" for g, _ in router_ports] if n_routers > 1 else []
+        )
         raw["envoy"]["xds_dir"] = str(stack.workdir / f"door-{region}-xds")
         raw["bus"]["router_id"] = f"door-{region}"
         for b, r, link in zip(raw["backends"], regions, self.links, strict=True):
             b["address"] = f"127.0.0.1:{link}"
             b["rtt_prior_ms"] = region_rtt_ms(region, r.id)
         self.config = config_from_dict(raw)
+        # The door's other routers: its config on their own ports, bus ids and (unread)
+        # xDS directories; only the first writes its Envoy's files.
+        self.extra_routers = [
+            replace(
+                self.config,
+                listen=replace(self.config.listen, grpc=f"127.0.0.1:{g}", admin=f"127.0.0.1:{a}"),
+                bus=replace(self.config.bus, router_id=f"door-{region}-{k + 2}"),
+                envoy=replace(
+                    self.config.envoy, xds_dir=str(stack.workdir / f"door-{region}-{k + 2}-xds")
+                ),
+            )
+            for k, (g, a) in enumerate(extra)
+        ]
+
+    @property
+    def admin_urls(self) -> list[str]:
+        """Every router's admin URL behind this door, the first's first."""
+        return [self.admin_url, *(f"http://{c.listen.admin}" for c in self.extra_routers)]
 
     @property
     def url(self) -> str:
@@ -88,5 +116,9 @@ class FrontDoor:
         cfg_path = stack.workdir / f"{name}-gorgo.yaml"
         write_atomic(cfg_path, config_yaml(self.config))
         stack.spawn_router(f"{name}-gorgo-serve", cfg_path)
+        for k, cfg in enumerate(self.extra_routers):
+            path = stack.workdir / f"{name}-{k + 2}-gorgo.yaml"
+            write_atomic(path, config_yaml(cfg))
+            stack.spawn_router(f"{name}-{k + 2}-gorgo-serve", path)
         write_xds(self.config)
         stack.start_envoy(f"{name}-envoy", render_envoy_config(self.config))

@@ -307,7 +307,8 @@ class Stack(SupervisedChildren):
                 door.start(self)
             self.wait_ready(timeout_s)
             for door in self.doors:
-                for url in (f"{door.admin_url}/healthz", f"{door.envoy_admin_url}/ready"):
+                urls = [f"{u}/healthz" for u in door.admin_urls]
+                for url in (*urls, f"{door.envoy_admin_url}/ready"):
                     while not http_ok(url):
                         self._check_alive()
                         time.sleep(0.05)

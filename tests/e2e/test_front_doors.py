@@ -107,3 +107,35 @@ def router_state_at(admin_url: str) -> dict:
 
     with urllib.request.urlopen(f"{admin_url}/state", timeout=5) as resp:
         return dict(json.loads(resp.read()))
+
+
+def test_three_doors_with_two_routers_each_decide_behind_their_own_envoy() -> None:
+    """`gorgo up --front-doors 3 --routers 2` (issue 60): each door's Envoy reaches its own
+    two routers, and both of them decide (they pointed at the first door's routers)."""
+    stack = Stack(
+        fast_settings(
+            "gorgo",
+            regions=DEFAULT_REGIONS,
+            routers=2,
+            front_door_regions=("eu-frankfurt", "ap-seoul"),
+            tuner_mode="off",
+        )
+    )
+    stack.start()
+    try:
+        doors = [
+            (
+                stack.front_door_url,
+                [stack.admin_url, *(f"http://{c.listen.admin}" for c in stack.extra_routers)],
+            ),
+            *((d.url, d.admin_urls) for d in stack.doors),
+        ]
+        for k, (url, _) in enumerate(doors):
+            for i in range(8):
+                hi = [{"role": "user", "content": f"door {k} request {i}"}]
+                assert ask(url, hi, f"d{k}-{i}").ok
+        for url, admins in doors:
+            made = [router_state_at(a)["decisions"] for a in admins]
+            assert all(n > 0 for n in made) and sum(made) >= 8, (url, made)
+    finally:
+        stack.stop()

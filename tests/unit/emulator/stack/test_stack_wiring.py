@@ -205,7 +205,12 @@ def test_each_stack_gives_every_router_its_own_admin_token_and_a_last_good_confi
     stack.start_router()
     stack.doors[0].start(stack)
     routers = sorted(n for n in spawned if n.endswith("gorgo-serve"))
-    assert routers == ["door-ap-seoul-gorgo-serve", "gorgo-serve", "router-2-gorgo-serve"]
+    assert routers == [
+        "door-ap-seoul-2-gorgo-serve",
+        "door-ap-seoul-gorgo-serve",
+        "gorgo-serve",
+        "router-2-gorgo-serve",
+    ]
     token = stack.admin_token
     assert len(token) >= 32
     for name in routers:
@@ -313,3 +318,33 @@ def test_up_starts_the_first_n_regions_and_refuses_a_count_out_of_range(
         assert args.func(args) == 2
     assert "--regions must be 1..3" in capsys.readouterr().err
     assert len(started) == 2
+
+
+def test_each_front_door_has_as_many_routers_as_the_first_and_reaches_only_its_own(
+    tmp_path: Path,
+) -> None:
+    """`gorgo up --front-doors 3 --routers 2`: each door's Envoy lists its own two routers
+    (it listed the first door's, so its own decided nothing); each router has its own
+    ports and bus id."""
+    ports = StackPorts.ephemeral(len(DEFAULT_REGIONS))
+    stack = Stack(
+        StackSettings(
+            ports=ports,
+            workdir=tmp_path,
+            routers=2,
+            front_door_regions=["eu-frankfurt", "ap-seoul"],
+        )
+    )
+    main = stack.config.envoy.ext_proc_addresses
+    assert len(main) == 2
+    seen = set(main)
+    for door in stack.doors:
+        mine = door.config.envoy.ext_proc_addresses
+        assert mine == (door.config.listen.grpc, door.extra_routers[0].listen.grpc)
+        assert not seen & set(mine)
+        seen |= set(mine)
+        ids = {door.config.bus.router_id, *(c.bus.router_id for c in door.extra_routers)}
+        assert ids == {f"door-{door.region}", f"door-{door.region}-2"}
+        assert len(door.admin_urls) == 2
+    one = Stack(StackSettings(ports=ports, workdir=tmp_path / "b", front_door_regions=["ap-seoul"]))
+    assert one.doors[0].extra_routers == [] and not one.doors[0].config.envoy.ext_proc_addresses
