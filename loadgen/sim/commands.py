@@ -183,7 +183,8 @@ def add_simulate(sub: Any, policies: Sequence[str]) -> None:
         default=1,
         metavar="N",
         help="routers deciding side by side, each session through one of them (with "
-        "--prefix-state precise they share the engines' view; else each knows its own)",
+        "--front-doors, N behind each door; with --prefix-state precise they share the "
+        "engines' view; else each knows its own)",
     )
     s.add_argument(
         "--engine-reports",

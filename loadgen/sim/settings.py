@@ -41,8 +41,9 @@ class SimSettings:
     # "approximate": the router's own estimate of what each engine caches; "precise": the
     # engines' own cache changes reach it (as KV events would, one WAN half-trip later).
     prefix_state: str = "approximate"
-    # Routers deciding side by side (replicas, or one per region's front door), each with
-    # its own state; a session always goes through the same one (crc32 of its key). With
+    # Routers deciding side by side (replicas; with front doors, this many behind each
+    # door), each with its own state; a session always goes through the same one of its
+    # door's (crc32 of its key). With
     # precise state they all see every engine's cache changes; approximate, each knows only
     # what it dispatched.
     routers: int = 1
@@ -116,8 +117,6 @@ class SimSettings:
             raise ValueError(
                 f"front_doors: 0..{len(self.regions)} (one per region), got {self.front_doors}"
             )
-        if self.front_doors and self.routers != 1:
-            raise ValueError("front_doors: each door has one router; leave routers at 1")
         if self.front_doors and self.rtt_profile != "network":
             raise ValueError("front_doors: the inter-region RTTs are the `network` profile's")
         if self.origin_shares and (

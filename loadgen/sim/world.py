@@ -114,6 +114,7 @@ class SimWorld:
                 door_cfg = settings.config(door)
                 self.routers_at[door] = [
                     build_router(door_cfg, lambda: self.now_s, random.Random(rng.random()))
+                    for _ in range(settings.routers)
                 ]
         self.routers = [router for rs in self.routers_at.values() for router in rs]
         # Each router's recipe for a request (the live service's own: director.recipe);

@@ -195,11 +195,23 @@ def test_front_doors_give_each_region_its_door_and_access_leg(trace) -> None:  #
     assert seoul.backends["eu-frankfurt"].rtt_prior_ms == 250.0
 
 
+def test_each_front_door_has_its_own_routers(trace) -> None:  # type: ignore[no-untyped-def]
+    """--front-doors 3 --routers 2: two routers behind each door, a session through one
+    of its door's, every router deciding."""
+    world = Simulation(trace, SimSettings(policy="gorgo", time_scale=3.0, front_doors=3, routers=2))
+    world.run()
+    assert {d: len(rs) for d, rs in world.routers_at.items()} == {
+        "us-ashburn": 2,
+        "eu-frankfurt": 2,
+        "ap-seoul": 2,
+    }
+    assert all(router.decisions > 0 for router in world.routers)
+    assert sum(router.decisions for router in world.routers) == len(trace)
+
+
 def test_front_door_settings_are_checked() -> None:
     with pytest.raises(ValueError, match=r"front_doors: 0\.\.3"):
         SimSettings(front_doors=4)
-    with pytest.raises(ValueError, match="leave routers at 1"):
-        SimSettings(front_doors=2, routers=2)
     with pytest.raises(ValueError, match="origin_shares"):
         SimSettings(front_doors=3, origin_shares=(1.0, 1.0))
     with pytest.raises(ValueError, match="network"):
