@@ -72,6 +72,8 @@ class FrontDoor:
         )
         raw["envoy"]["xds_dir"] = str(stack.workdir / f"door-{region}-xds")
         raw["bus"]["router_id"] = f"door-{region}"
+        door = 1 + list(stack.settings.front_door_regions).index(region)
+        raw["bus"]["nats_url"] = stack.settings.nats_url_for(door)  # its own server first
         for b, r, link in zip(raw["backends"], regions, self.links, strict=True):
             b["address"] = f"127.0.0.1:{link}"
             b["rtt_prior_ms"] = region_rtt_ms(region, r.id)

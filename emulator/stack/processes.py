@@ -141,8 +141,14 @@ def envoy_argv(config_path: Path, concurrency: int) -> list[str]:
     ]  # fmt: skip
 
 
-def nats_argv(port: int) -> list[str]:
-    return [nats_binary(), "-a", "127.0.0.1", "-p", str(port)]
+def nats_argv(port: int, cluster_port: int = 0, routes: Sequence[int] = ()) -> list[str]:
+    """A NATS server on `port`; with `cluster_port`, a member of the cluster `gorgo`
+    whose other members listen on `routes` (cluster ports)."""
+    argv = [nats_binary(), "-a", "127.0.0.1", "-p", str(port)]
+    if cluster_port:
+        argv += ["--cluster_name", "gorgo", "--cluster", f"nats://127.0.0.1:{cluster_port}"]
+        argv += ["--routes", ",".join(f"nats://127.0.0.1:{r}" for r in routes)]
+    return argv
 
 
 # -- spawning and stopping ---------------------------------------------------------------

@@ -113,10 +113,14 @@ class StackSettings:
     # WAN links to every backend at that region's RTTs, emulator/wan.py REGION_RTT_MS);
     # the first front door is the stack's own (its regions' RTTs).
     front_door_regions: Sequence[str] = ()
-    # With front doors, the routers share their dispatches through a NATS server the stack
-    # starts (ext_proc.feeds.peers); False: each decides from its own view and the engines'.
+    # With front doors, the routers share their dispatches through NATS (ext_proc.feeds.
+    # peers): a server per door, joined as one cluster, each door's routers connecting to
+    # their own first (`nats_url_for`); False: each decides from its own view and the
+    # engines'.
     share_dispatches: bool = True
-    nats_port: int = 0
+    # The servers' client ports and cluster ports, one each per door (drawn once).
+    nats_ports: list[int] = field(default_factory=list)
+    nats_cluster_ports: list[int] = field(default_factory=list)
     # Router processes behind the (first) front door's Envoy: its ext_proc cluster lists
     # them all (envoy.ext_proc_addresses); more than 1 share dispatches over NATS.
     routers: int = 1
@@ -201,13 +205,29 @@ class StackSettings:
         }
 
     @property
-    def nats_url(self) -> str:
-        """The NATS server of several routers ("" for one router, or no sharing)."""
+    def nats_servers(self) -> int:
+        """NATS servers to start: one per front door (a cluster when several), none for one
+        router or without sharing."""
         if not ((self.front_door_regions or self.routers > 1) and self.share_dispatches):
+            return 0
+        return 1 + len(self.front_door_regions)
+
+    def nats_url_for(self, door: int) -> str:
+        """What door `door`'s routers connect to (0: the stack's own door): its own server
+        first, then the cluster's others, tried in that order ("" without NATS)."""
+        n = self.nats_servers
+        if not n:
             return ""
-        if not self.nats_port:
-            self.nats_port = free_ports(1)[0]
-        return f"nats://127.0.0.1:{self.nats_port}"
+        if len(self.nats_ports) != n:
+            self.nats_ports = free_ports(n)
+            self.nats_cluster_ports = free_ports(n) if n > 1 else []
+        order = [door, *(k for k in range(n) if k != door)]
+        return ",".join(f"nats://127.0.0.1:{self.nats_ports[k]}" for k in order)
+
+    @property
+    def nats_url(self) -> str:
+        """The first door's routers' NATS servers ("" for one router, or no sharing)."""
+        return self.nats_url_for(0)
 
     def extra_router_ports(self) -> list[tuple[int, int]]:
         if len(self.router_ports) < self.routers - 1:

@@ -245,10 +245,17 @@ class Stack(SupervisedChildren):
         self._spawn(f"wan-{r.id}", wan_argv(p.wan(i), p.engine(i), delay))
 
     def start_nats(self) -> None:
-        """The message bus the routers share their dispatches on (loopback only)."""
-        port = self.settings.nats_port  # chosen with the config (nats_url)
-        self._spawn("nats", nats_argv(port))
-        wait_port(port, time.monotonic() + 10)
+        """The message bus the routers share their dispatches on (loopback only): a server
+        per front door, the stack's own `nats`, each other door's `nats-{region}`, joined
+        as one cluster when there are several."""
+        s = self.settings
+        names = ["nats", *(f"nats-{r}" for r in s.front_door_regions)]
+        cluster = s.nats_cluster_ports  # drawn with the config (nats_url)
+        for k, port in enumerate(s.nats_ports):
+            routes = [c for j, c in enumerate(cluster) if j != k]
+            self._spawn(names[k], nats_argv(port, cluster[k] if cluster else 0, routes))
+        for port in s.nats_ports:
+            wait_port(port, time.monotonic() + 10)
 
     def start_router(self) -> None:
         self.spawn_router("gorgo-serve", self.workdir / "gorgo.yaml", self.settings.serve_args)

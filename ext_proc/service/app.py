@@ -41,7 +41,7 @@ from ext_proc.service.loops.kv_client import KvEventClients
 from ext_proc.service.loops.pool_watch import PoolWatch
 from ext_proc.service.loops.probe import Prober
 from ext_proc.service.reloader import ConfigReloader
-from ext_proc.service.telemetry.gauges import FlowGauges
+from ext_proc.service.telemetry.gauges import BusGauges, FlowGauges
 from ext_proc.service.telemetry.listener import Telemetry
 from ext_proc.service.tuner_file import TunerStateFile
 from ext_proc.vocab.backend import Backend
@@ -183,6 +183,7 @@ async def running_service(
         health = add_health_service(server, ready)
         router.subscribe(health)
         telemetry.metrics.registry.register(FlowGauges(ext_proc.director))
+        telemetry.metrics.registry.register(BusGauges(fleet.snapshot))
         # The engine's tokenizer, found when none is configured, and checked against the
         # engines: until then a backend with KV events stays approximate.
         tokenizers = EngineTokenizers(cfg, router, ext_proc)

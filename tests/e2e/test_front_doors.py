@@ -139,3 +139,58 @@ def test_three_doors_with_two_routers_each_decide_behind_their_own_envoy() -> No
             assert all(n > 0 for n in made) and sum(made) >= 8, (url, made)
     finally:
         stack.stop()
+
+
+def test_a_regions_nats_frozen_fails_no_request_and_its_door_rejoins_the_cluster() -> None:
+    """Issue 60: a NATS server per door, one cluster. Seoul's server frozen (SIGSTOP):
+    no request fails; Seoul's router leaves it within seconds for another member, and
+    hears the other doors' dispatches again while it is still frozen."""
+    import os
+    import signal
+    import time
+
+    stack = Stack(
+        fast_settings(
+            "gorgo",
+            regions=DEFAULT_REGIONS,
+            front_door_regions=("eu-frankfurt", "ap-seoul"),
+            tuner_mode="off",
+        )
+    )
+    stack.start()
+    seoul = stack.doors[1]
+    nats = stack.procs["nats-ap-seoul"].pid
+    urls = [stack.front_door_url, *(d.url for d in stack.doors)]
+
+    def bus() -> dict:
+        return router_state_at(seoul.admin_url)["fleet"]
+
+    def load(rounds: int, tag: str) -> None:
+        for i in range(rounds):
+            for k, url in enumerate(urls):
+                hi = [{"role": "user", "content": f"{tag} {i} through door {k}"}]
+                got = ask(url, hi, f"{tag}-{k}-{i}")
+                assert got.ok, got.error
+
+    try:
+        assert len(stack.settings.nats_ports) == 3
+        assert seoul.config.bus.nats_url.split(",")[0].endswith(str(stack.settings.nats_ports[2]))
+        wait_for(lambda: bus()["connected"], 10)
+        load(2, "before")
+        wait_for(lambda: bus()["received"] > 0, 5)
+        os.kill(nats, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            own = f"127.0.0.1:{stack.settings.nats_ports[2]}"
+            assert bus()["server"] == own
+            # its pings went unanswered, and another member of the cluster took it
+            wait_for(lambda: bus()["disconnects"] >= 1 and bus()["server"] not in (own, None), 15)
+            heard = bus()["received"]
+            load(2, "frozen")  # no request fails, whatever the bus does
+            wait_for(lambda: bus()["received"] > heard, 5)
+            assert time.monotonic() - t0 < 25
+        finally:
+            os.kill(nats, signal.SIGCONT)
+        load(1, "after")
+    finally:
+        stack.stop()

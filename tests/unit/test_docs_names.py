@@ -28,7 +28,7 @@ from ext_proc.director.recipe import Director
 from ext_proc.policy.catalog import POLICIES
 from ext_proc.service.admin.api import make_admin_app
 from ext_proc.service.admin.operator_page import add_page_routes
-from ext_proc.service.telemetry.gauges import FlowGauges
+from ext_proc.service.telemetry.gauges import BusGauges, FlowGauges
 from ext_proc.service.telemetry.metrics import Metrics
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -348,6 +348,8 @@ def all_metrics() -> Metrics:
     router = build_router(cfg, lambda: 0.0, random.Random(0))
     metrics = Metrics(router)
     metrics.registry.register(FlowGauges(Director(router)))  # as the service registers it
+    bus = {"connected": True, "sent": 0, "received": 0, "dropped": 0, "malformed": 0}
+    metrics.registry.register(BusGauges(lambda: bus))  # a router with bus.nats_url
     return metrics
 
 

@@ -1,8 +1,11 @@
 """The shell of ext_proc.feeds.peers: this router's lifecycle events go out on NATS, and the
 other routers' come in, on `<bus.subject>.<router id>` (core NATS publish/subscribe; no
-echo of our own). Fail open: while NATS is unreachable the router decides from its own
-view and the engines' reports, and reconnects by itself (nats-py's reconnect loop, and a
-retry loop for the first connection).
+echo of our own). `bus.nats_url` may list several servers of one NATS cluster (one per
+region): they are tried in the order given, the region's own first, and a server that
+stops answering pings is left for the next within a few seconds. Fail open: while no
+server is reachable the router decides from its own view and the engines' reports
+(/state `fleet.connected` false, `gorgo_bus_connected` 0), and reconnects by itself
+(nats-py's reconnect loop, and a retry loop for the first connection).
 """
 
 from __future__ import annotations
@@ -32,6 +35,10 @@ log = logging.getLogger("gorgo.fleet")
 # stale dispatches would only mislead the peers.
 QUEUE_EVENTS = 10_000
 RETRY_S = 1.0
+# A server that stops answering (frozen, partitioned) is noticed after this many pings a
+# second unanswered (nats-py's default pings every 2 minutes), and the next one is tried.
+PING_S = 1
+MAX_PINGS_OUT = 3
 # How long a flush may wait for the server's answer (whole seconds: nats-py's unit); the
 # flow-control releases it confirms time out sooner by themselves (flow.shared).
 FLUSH_TIMEOUT_S = 1
@@ -57,6 +64,7 @@ class FleetBus:
         self._nc: Client | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self.sent = self.received = self.dropped = self.bad = 0
+        self.disconnects = 0
         self.forwarded = self.forwarded_here = 0
         # Applies another router's FIRST_CHUNK or COMPLETED for one of ours (the shell's
         # ExtProcService.apply_forwarded).
@@ -110,6 +118,8 @@ class FleetBus:
         return {
             "router_id": self.router_id,
             "connected": self.connected,
+            "server": self.server,
+            "disconnects": self.disconnects,
             "peer_requests_in_flight": len(self.router.peer_in_flight),
             "sent": self.sent,
             "received": self.received,
@@ -147,6 +157,10 @@ class FleetBus:
             try:
                 self._nc = await nats.connect(
                     servers=servers,
+                    # In the order given: the nearest (the region's own) first.
+                    dont_randomize=True,
+                    ping_interval=PING_S,
+                    max_outstanding_pings=MAX_PINGS_OUT,
                     name=f"gorgo-{self.router_id}",
                     no_echo=True,
                     max_reconnect_attempts=-1,
@@ -201,7 +215,14 @@ class FleetBus:
         log.warning("fleet bus: %s", e)
 
     async def _on_disconnected(self) -> None:
+        self.disconnects += 1
         log.warning("fleet bus: disconnected; deciding from this router's own view")
 
     async def _on_reconnected(self) -> None:
-        log.info("fleet bus: reconnected")
+        log.info("fleet bus: reconnected to %s", self.server)
+
+    @property
+    def server(self) -> str | None:
+        """The NATS server this router is connected to (host:port), if any."""
+        url = self._nc.connected_url if self._nc is not None and self.connected else None
+        return url.netloc if url is not None else None

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import platform
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -206,6 +207,33 @@ class FlowGauges(Collector):
         for outcome, n in {**dict.fromkeys(FLOW_OUTCOMES, 0), **state["outcomes"]}.items():
             outcomes.add_metric([outcome], n)
         yield from (waiting, oldest, outcomes)
+
+
+class BusGauges(Collector):
+    """The fleet bus (several routers over NATS): whether this router hears the others
+    (0: it decides on its own view alone), and its events by direction. Nothing without
+    a bus. `snapshot` is the bus shell's (service.loops.fleet_bus)."""
+
+    def __init__(self, snapshot: Callable[[], dict[str, Any] | None]) -> None:
+        self.snapshot = snapshot
+
+    def collect(self) -> Iterable[Metric]:
+        state = self.snapshot()
+        if state is None:
+            return
+        connected = GaugeMetricFamily(
+            "gorgo_bus_connected",
+            "1 while this router is connected to the routers' NATS bus; 0: it runs alone",
+        )
+        connected.add_metric([], 1.0 if state["connected"] else 0.0)
+        events = CounterMetricFamily(
+            "gorgo_bus_events",
+            "The routers' shared events: sent, received, dropped (queue full) or malformed",
+            labels=["direction"],
+        )
+        for direction in ("sent", "received", "dropped", "malformed"):
+            events.add_metric([direction], state[direction])
+        yield from (connected, events)
 
 
 class BuildInfo(Collector):

@@ -425,6 +425,23 @@ def test_flow_series_exist_from_the_start_with_flow_control_on_and_not_with_it_o
     assert "gorgo_flow_waiting" not in telemetry.metrics.render().decode()
 
 
+
+def test_the_bus_series_say_whether_the_router_runs_alone() -> None:
+    from ext_proc.service.telemetry.gauges import BusGauges
+
+    router, _ = make_router("gorgo")
+    state = {"connected": True, "sent": 3, "received": 5, "dropped": 0, "malformed": 1}
+    telemetry = Telemetry(TelemetryConfig(), router, InMemorySpanExporter())
+    telemetry.metrics.registry.register(BusGauges(lambda: state))
+    assert _sample(telemetry, "gorgo_bus_connected") == 1
+    assert _sample(telemetry, "gorgo_bus_events_total", direction="received") == 5
+    state["connected"] = False
+    assert _sample(telemetry, "gorgo_bus_connected") == 0
+    alone = Telemetry(TelemetryConfig(), router, InMemorySpanExporter())
+    alone.metrics.registry.register(BusGauges(lambda: None))  # no bus.nats_url
+    assert "gorgo_bus" not in alone.metrics.render().decode()
+
+
 TRACE = "0af7651916cd43dd8448eb211c80319c"
 
 
