@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -38,6 +38,11 @@ class PeerKind(enum.StrEnum):
     # Flow control: what the sender's gateway queue waits for (`claims`: per backend the
     # highest priority waiting for it; none: nothing), ext_proc.flow.shared.Claims.
     WAITING = "waiting"
+    # After a router (re)joins the bus: the requests the sender has in flight, all of them
+    # (`request_ids`), so a receiver forgets the sender's requests it still counts but
+    # whose close it missed while one of them was cut off; `ask`: every receiver answers
+    # with its own (core NATS keeps nothing for a subscriber that was away).
+    SYNC = "sync"
 
 
 @dataclass(frozen=True)
@@ -72,6 +77,9 @@ class PeerEvent:
     # or None, seconds waited).
     claims: tuple[tuple[str, tuple[int, float | None, float]], ...] = ()
     heads: tuple[tuple[int, float | None, float], ...] = ()
+    # SYNC only: the sender's requests in flight, and whether it asks for the others'.
+    request_ids: tuple[str, ...] = ()
+    ask: bool = False
 
     def encode(self) -> bytes:
         return orjson.dumps(asdict(self))
@@ -104,6 +112,8 @@ class PeerEvent:
                 details=str(raw.get("details", "")),
                 claims=tuple((str(b), _head(h)) for b, h in raw.get("claims", ())),
                 heads=tuple(_head(h) for h in raw.get("heads", ())),
+                request_ids=tuple(str(r) for r in raw.get("request_ids", ())),
+                ask=bool(raw.get("ask", False)),
             )
         except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as e:
             raise ValueError(f"peer event: {e}") from e
@@ -187,3 +197,8 @@ def waiting_event(router_id: str, claims: dict[str, Head], heads: list[Head]) ->
         claims=tuple(sorted(claims.items())),
         heads=tuple(heads),
     )
+
+
+def sync_event(router_id: str, in_flight: Iterable[str], ask: bool) -> PeerEvent:
+    """A SYNC event: every request the sender has in flight (PeerKind.SYNC)."""
+    return PeerEvent(PeerKind.SYNC, router_id, "", "", request_ids=tuple(in_flight), ask=ask)

@@ -187,3 +187,39 @@ async def test_flow_control_releases_are_confirmed_and_claims_heard_over_real_na
         await until(lambda: flow.releases is not None and flow.releases.confirmed > before)
         assert flow.releases.timed_out == 0
         east.router.close("r-2", Status.OK, 10.0)
+
+
+async def test_a_router_back_on_the_bus_forgets_the_peer_requests_whose_close_it_missed(
+    nats_server: Nats,
+) -> None:
+    """Core NATS keeps nothing for a subscriber that was away: a close published while
+    west was cut off never reaches it. After a reconnect each router says what it has in
+    flight (SYNC), and west forgets east's request it still counted."""
+    from types import SimpleNamespace
+
+    from ext_proc.feeds.peers import PeerEvent, PeerKind
+
+    async with (
+        running_service(config("east", nats_server.port)) as east,
+        running_service(config("west", nats_server.port)) as west,
+    ):
+        peer = west.router
+        await reach(east, peer)
+        east.router.decide(request("r-live"))
+        await until(lambda: "r-live" in peer.peer_in_flight)
+        nats_server.stop()
+        await until(lambda: not west.fleet.connected and not east.fleet.connected)
+        # east's request that closed while west was away: west heard its dispatch only
+        ghost = PeerEvent(PeerKind.DISPATCHED, "east", "r-ghost", "a", input_tokens=800)
+        await west.fleet._on_message(
+            SimpleNamespace(subject="gorgo.fleet.east", data=ghost.encode())
+        )
+        assert {"r-live", "r-ghost"} <= set(peer.peer_in_flight)
+        assert peer.backends["a"].load.in_flight == 2
+        nats_server.start()
+        await until(lambda: "r-ghost" not in peer.peer_in_flight, 15.0)
+        assert "r-live" in peer.peer_in_flight  # still in flight at east: still counted
+        assert peer.backends["a"].load.in_flight == 1
+        assert west.fleet.snapshot()["forgotten"] == 1  # type: ignore[index]
+        east.router.close("r-live", Status.OK, 10.0)
+        await until(lambda: not peer.peer_in_flight)

@@ -26,7 +26,14 @@ from nats.aio.msg import Msg
 from ext_proc.common.aio import cancel_and_wait
 from ext_proc.config.schema import Config
 from ext_proc.core.router import Router
-from ext_proc.feeds.peers import Head, PeerEvent, PeerKind, PeerPublisher, waiting_event
+from ext_proc.feeds.peers import (
+    Head,
+    PeerEvent,
+    PeerKind,
+    PeerPublisher,
+    sync_event,
+    waiting_event,
+)
 from ext_proc.vocab.backend import Backend
 
 log = logging.getLogger("gorgo.fleet")
@@ -64,7 +71,10 @@ class FleetBus:
         self._nc: Client | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self.sent = self.received = self.dropped = self.bad = 0
-        self.disconnects = 0
+        self.disconnects = self.forgotten = 0
+        # Which router each peer request we count came from: a SYNC from it forgets those
+        # it no longer has (their close was missed).
+        self._peer_of: dict[str, str] = {}
         self.forwarded = self.forwarded_here = 0
         # Applies another router's FIRST_CHUNK or COMPLETED for one of ours (the shell's
         # ExtProcService.apply_forwarded).
@@ -120,6 +130,8 @@ class FleetBus:
             "connected": self.connected,
             "server": self.server,
             "disconnects": self.disconnects,
+            # Peer requests forgotten because their router's SYNC no longer listed them.
+            "forgotten": self.forgotten,
             "peer_requests_in_flight": len(self.router.peer_in_flight),
             "sent": self.sent,
             "received": self.received,
@@ -175,6 +187,7 @@ class FleetBus:
                 await asyncio.sleep(RETRY_S)
         log.info("fleet bus: %s on %s as %s", servers, self.subject, self.router_id)
         await self._nc.subscribe(f"{self.subject}.*", cb=self._on_message)
+        self._sync(ask=True)  # an earlier run of ours may still be counted: say what is
         own = f"{self.subject}.{self.router_id}"
         while True:
             batch = [await self._queue.get()]
@@ -206,10 +219,35 @@ class FleetBus:
                 self.forwarded_here += 1
                 self.on_forwarded(e)  # ours: the others ignore it
             return
+        if e.kind == PeerKind.SYNC:
+            self._synced(e)
+            return
+        if e.kind == PeerKind.DISPATCHED:
+            self._peer_of[e.request_id] = e.router
+        elif e.kind == PeerKind.CLOSED:
+            self._peer_of.pop(e.request_id, None)
         if e.kind != PeerKind.WAITING:
             self.router.inputs.apply_peer(e)
         if self.on_peer is not None:
             self.on_peer(e)
+
+    def _sync(self, ask: bool) -> None:
+        self._send(sync_event(self.router_id, list(self.router.in_flight), ask))
+
+    def _synced(self, e: PeerEvent) -> None:
+        """A peer's whole list of requests in flight: forget its others (and any request
+        no longer counted at all: expired); answer with ours if it asks."""
+        counted = self.router.peer_in_flight
+        has = set(e.request_ids)
+        for rid, router in list(self._peer_of.items()):
+            if rid not in counted:
+                del self._peer_of[rid]
+            elif router == e.router and rid not in has:
+                self.forgotten += 1
+                self.router.inputs.apply_peer(PeerEvent(PeerKind.CLOSED, router, rid, ""))
+                del self._peer_of[rid]
+        if e.ask:
+            self._sync(ask=False)
 
     async def _on_error(self, e: Exception) -> None:
         log.warning("fleet bus: %s", e)
@@ -220,6 +258,7 @@ class FleetBus:
 
     async def _on_reconnected(self) -> None:
         log.info("fleet bus: reconnected to %s", self.server)
+        self._sync(ask=True)  # what we missed meanwhile: the others say what they have
 
     @property
     def server(self) -> str | None:

@@ -63,6 +63,14 @@ def test_event_round_trips_and_bad_messages_are_named() -> None:
         PeerEvent.decode(b'{"kind": "sideways", "router": "r", "request_id": "x", "backend": "b"}')
 
 
+def test_a_sync_round_trips_with_the_senders_requests_in_flight() -> None:
+    from ext_proc.feeds.peers import sync_event
+
+    e = sync_event("r1", ["req-1", "req-2"], ask=True)
+    assert (e.kind, e.request_ids, e.ask) == (PeerKind.SYNC, ("req-1", "req-2"), True)
+    assert PeerEvent.decode(e.encode()) == e
+
+
 def test_a_queues_claims_round_trip_and_load_nothing() -> None:
     sent: list[PeerEvent] = []
     PeerPublisher("r1", sent.append).claims(
