@@ -17,6 +17,9 @@ from aiohttp import web
 
 POOL_PATH = "/apis/inference.networking.k8s.io/v1/namespaces/{ns}/inferencepools/{name}"
 PODS_PATH = "/api/v1/namespaces/{ns}/pods"
+LEASE_API = "coordination.k8s.io/v1"
+LEASES_PATH = "/apis/coordination.k8s.io/v1/namespaces/{ns}/leases"
+LEASE_PATH = LEASES_PATH + "/{name}"
 
 
 def _matches(labels: Mapping[str, str], selector: str) -> bool:
@@ -74,6 +77,9 @@ class FakeKubeApi:
         self.version = 100
         self.pods: dict[tuple[str, str], dict[str, Any]] = {}
         self.pools: dict[tuple[str, str], dict[str, Any]] = {}
+        # coordination.k8s.io/v1 Leases (leader election): create, read, replace, with the
+        # API server's optimistic concurrency (a stale resourceVersion is a 409).
+        self.leases: dict[tuple[str, str], dict[str, Any]] = {}
         # (resource version, event type, object) of every pod change; older ones compacted
         self.log: list[tuple[int, str, dict[str, Any]]] = []
         self.compacted_below = 0
@@ -128,6 +134,9 @@ class FakeKubeApi:
         app = web.Application()
         app.router.add_get(POOL_PATH, self._get_pool)
         app.router.add_get(PODS_PATH, self._pods)
+        app.router.add_get(LEASE_PATH, self._get_lease)
+        app.router.add_put(LEASE_PATH, self._put_lease)
+        app.router.add_post(LEASES_PATH, self._post_lease)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", port)
@@ -141,6 +150,37 @@ class FakeKubeApi:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+
+    def holder(self, name: str, namespace: str = "default") -> str | None:
+        lease = self.leases.get((namespace, name))
+        return None if lease is None else lease.get("spec", {}).get("holderIdentity")
+
+    async def _get_lease(self, request: web.Request) -> web.Response:
+        lease = self.leases.get((request.match_info["ns"], request.match_info["name"]))
+        if lease is None:
+            return _status(404, "NotFound", f'leases "{request.match_info["name"]}" not found')
+        return web.json_response(lease)
+
+    async def _post_lease(self, request: web.Request) -> web.Response:
+        obj = await request.json()
+        obj.setdefault("metadata", {})["namespace"] = request.match_info["ns"]
+        key = (request.match_info["ns"], obj["metadata"]["name"])
+        if key in self.leases:
+            return _status(409, "AlreadyExists", f'leases "{key[1]}" already exists')
+        self.leases[key] = self._bump({**obj, "apiVersion": LEASE_API, "kind": "Lease"})
+        return web.json_response(self.leases[key], status=201)
+
+    async def _put_lease(self, request: web.Request) -> web.Response:
+        key = (request.match_info["ns"], request.match_info["name"])
+        obj = await request.json()
+        held = self.leases.get(key)
+        if held is None:
+            return _status(404, "NotFound", f'leases "{key[1]}" not found')
+        if obj.get("metadata", {}).get("resourceVersion") != held["metadata"]["resourceVersion"]:
+            return _status(409, "Conflict", "the object has been modified")
+        obj["metadata"]["namespace"] = key[0]
+        self.leases[key] = self._bump({**obj, "apiVersion": LEASE_API, "kind": "Lease"})
+        return web.json_response(self.leases[key])
 
     def kubeconfig(self, path: Path) -> Path:
         doc = {
@@ -216,3 +256,10 @@ class FakeKubeApi:
                     return resp
         finally:
             self.watches_open -= 1
+
+
+def _status(code: int, reason: str, message: str) -> web.Response:
+    """The API server's error answer (a metav1.Status)."""
+    body = {"kind": "Status", "apiVersion": "v1", "status": "Failure", "message": message,
+            "reason": reason, "code": code}  # fmt: skip
+    return web.json_response(body, status=code)

@@ -16,10 +16,26 @@ from ext_proc.vocab.backend import (
     KvEventsSource,
     PriorityScheduling,
 )
-from ext_proc.vocab.params import NON_NEGATIVE, bounded
+from ext_proc.vocab.params import NON_NEGATIVE, POSITIVE, bounded
 
 # The InferencePool's API group the extension serves (v1, inference.networking.k8s.io).
 POOL_GROUP = "inference.networking.k8s.io"
+
+
+@dataclass(frozen=True)
+class LeaderElection:
+    """The Lease the replicas contend for (service.loops.leader): controller-runtime's
+    default timings, which the extension's own picker uses."""
+
+    enabled: bool = False
+    # The Lease's name in the pods' namespace; "" = gorgo-epp-<pool name or "pods">.
+    lease_name: str = ""
+    # A holder that stops renewing loses the Lease this long after its last renewal; it
+    # gives up leading when it could not renew for renew_deadline_s; candidates try
+    # every retry_period_s (the library wants lease > renew > 1.2 x retry, each >= 1).
+    lease_duration_s: int = bounded(15, **POSITIVE)  # the Lease's leaseDurationSeconds
+    renew_deadline_s: float = bounded(10.0, **POSITIVE)
+    retry_period_s: float = bounded(2.0, **POSITIVE)
 
 
 @dataclass(frozen=True)
@@ -40,6 +56,10 @@ class KubernetesDiscovery:
     # A kubeconfig file; "" = in-cluster (the service account) when running in a pod,
     # else $KUBECONFIG or ~/.kube/config.
     kubeconfig: str = ""
+    # Active-passive replicas (`gorgo epp --ha-enable-leader-election`): the replicas
+    # hold a coordination.k8s.io Lease, and only its holder is ready (serves); off, every
+    # replica serves (active-active, sharing dispatches over `bus.nats_url`).
+    leader_election: LeaderElection = field(default_factory=lambda: LeaderElection())
 
     @property
     def enabled(self) -> bool:

@@ -242,6 +242,16 @@ def _validate_discovery(cfg: Config) -> None:
     for i, port in enumerate(k8s.target_ports):
         if not 0 < port < 65536:
             raise ConfigError(f"{key}.target_ports[{i}]: a port 1-65535, got {port}")
+    le = k8s.leader_election
+    if le.enabled and not k8s.enabled:
+        raise ConfigError(f"{key}.leader_election: needs pool_name or endpoint_selector")
+    # kubernetes_asyncio's election refuses anything else (leaderelection/electionconfig.py)
+    if not (le.lease_duration_s > le.renew_deadline_s > 1.2 * le.retry_period_s >= 1.2):
+        raise ConfigError(
+            f"{key}.leader_election: need lease_duration_s > renew_deadline_s > "
+            f"1.2 x retry_period_s, retry_period_s >= 1; got {le.lease_duration_s}, "
+            f"{le.renew_deadline_s}, {le.retry_period_s}"
+        )
     # The template as a backend would be (a placeholder id and address).
     validate_backend(cfg.discovery.backend.backend("template", "127.0.0.1:1"), "discovery.backend.")
 

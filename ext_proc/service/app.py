@@ -38,6 +38,7 @@ from ext_proc.service.last_good import ConfigSource
 from ext_proc.service.loops.catalog import FEEDS
 from ext_proc.service.loops.fleet_bus import FleetBus
 from ext_proc.service.loops.kv_client import KvEventClients
+from ext_proc.service.loops.leader import LeaderLease
 from ext_proc.service.loops.pool_watch import PoolWatch
 from ext_proc.service.loops.probe import Prober
 from ext_proc.service.reloader import ConfigReloader
@@ -173,15 +174,23 @@ async def running_service(
             discovery.discovered if discovery is not None else tuple
         )
 
+        # Active-passive replicas: only the Lease's holder is ready (loops/leader.py).
+        leader = LeaderLease(cfg)
+
         def ready() -> Readiness:
             if discovery is not None and not discovery.synced:  # its backends not known yet
                 why = discovery.error or "listing the pods"
                 return Readiness(False, f"kubernetes discovery has not listed the pods: {why}")
+            if not leader.leading:
+                return Readiness(
+                    False, f"a standby replica: another holds {leader.snapshot()['lease']}"
+                )
             return router_readiness(router, ext_proc.draining)
 
         # grpc.health.v1 on the same port: SERVING while the router can route
         health = add_health_service(server, ready)
         router.subscribe(health)
+        leader.on_change = health.poke
         telemetry.metrics.registry.register(FlowGauges(ext_proc.director))
         telemetry.metrics.registry.register(BusGauges(fleet.snapshot))
         # The engine's tokenizer, found when none is configured, and checked against the
@@ -236,6 +245,8 @@ async def running_service(
                 "fleet_shell": fleet_shell.snapshot(),
                 # The pods found in Kubernetes (None: no discovery).
                 "discovery": discovery.snapshot() if discovery is not None else None,
+                # Active-passive replicas: the Lease and whether this one holds it.
+                "leader_election": leader.snapshot() if leader.le.enabled else None,
                 # Config reloads (None: no config file to reload).
                 "reload": reloader.snapshot() if reloader is not None else None,
                 # Where the running config came from: its file, or the last good copy
@@ -271,6 +282,8 @@ async def running_service(
         if discovery is not None:
             await discovery.start()
             stack.push_async_callback(discovery.stop)
+        await leader.start()
+        stack.push_async_callback(leader.stop)
         for feed in (fleet, *extra_feeds):
             await feed.start()
             stack.push_async_callback(feed.stop)

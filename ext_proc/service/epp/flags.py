@@ -30,7 +30,6 @@ METRICS_PORT = 9090
 
 # The extension's flags that have no meaning here: accepted (with a warning when given).
 IGNORED = (
-    "ha-enable-leader-election",
     "model-server-metrics-scheme",
     "model-server-metrics-path",
     "model-server-metrics-port",
@@ -95,6 +94,8 @@ class EppOptions:
     cert_path: str = ""
     tracing: bool = True
     disable_endpoint_subset_filter: bool = False
+    # Active-passive replicas: only the holder of a Lease is ready (loops/leader.py).
+    leader_election: bool = False
     verbosity: int = 1
     zap_encoder: str = "console"
     engine: EngineKind | None = None
@@ -136,6 +137,12 @@ def add_epp_arguments(p: argparse.ArgumentParser) -> None:
     )
     _bool_flag(p, "tracing", True, "export decision spans (OTEL_EXPORTER_OTLP_ENDPOINT)")
     _bool_flag(p, "disable-endpoint-subset-filter", False, "ignore the subset hint")
+    _bool_flag(
+        p,
+        "ha-enable-leader-election",
+        False,
+        "active-passive replicas: only the holder of a Lease (gorgo-epp-<pool>) is ready",
+    )
     _flag(p, "v", type=int, default=1, help="log verbosity (3 and up: debug)")
     _flag(p, "zap-encoder", default="console", choices=("console", "json"), help="log format")
     for name in ENGINE_HINTS:
@@ -172,6 +179,7 @@ def epp_options(args: argparse.Namespace, unknown: Sequence[str] = ()) -> EppOpt
         cert_path=args.cert_path,
         tracing=args.tracing,
         disable_endpoint_subset_filter=args.disable_endpoint_subset_filter,
+        leader_election=args.ha_enable_leader_election,
         verbosity=args.v,
         zap_encoder=args.zap_encoder,
         engine=engine,
@@ -227,6 +235,8 @@ def config_dict(opts: EppOptions) -> dict[str, Any]:
         kube["namespace"] = opts.pool_namespace
     if opts.kubeconfig:
         kube["kubeconfig"] = opts.kubeconfig
+    if opts.leader_election:
+        kube["leader_election"] = {**(kube.get("leader_election") or {}), "enabled": True}
     discovery["kubernetes"] = kube
     template = dict(discovery.get("backend") or {})
     if opts.engine is not None:

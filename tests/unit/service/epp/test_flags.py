@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -76,7 +77,10 @@ def test_go_flag_spellings_one_dash_equals_and_bare_booleans() -> None:
     assert o.endpoint_selector == "app=vllm,env=prod"
     assert o.endpoint_target_ports == (8000, 8001)
     assert not o.secure_serving and o.disable_endpoint_subset_filter
-    assert o.ignored == ["--ha-enable-leader-election", "--some-future-flag=3"]
+    assert o.ignored == ["--some-future-flag=3"]
+    assert o.leader_election  # a bare boolean: the chart's spelling
+    kube = config_dict(replace(o, pool_name="p", endpoint_selector=""))["discovery"]["kubernetes"]
+    assert kube["leader_election"] == {"enabled": True}
 
 
 def test_a_bad_boolean_is_an_error_naming_it(capsys: pytest.CaptureFixture[str]) -> None:
