@@ -15,6 +15,7 @@ from emulator.engine.disagg.status import (
     loads_section,
     metrics_lines,
     server_info_args,
+    stats_section,
 )
 from emulator.engine.kv_publisher import DEFAULT_BUFFER_STEPS
 from emulator.engine.lora import LoraInfoGauge
@@ -260,6 +261,7 @@ def stats_body(cfg: EngineConfig, s: EngineStats, m: EngineModel | None = None) 
         "gets": dict(s.gets),
         # the last request bodies received: [bytes, BLAKE2b-128 hex], oldest first
         "recent_bodies": [list(b) for b in s.recent_bodies],
+        **stats_section(m),  # a P/D twin's (emulator/engine/disagg/status.py)
         "priority": None
         if m is None
         else {

@@ -36,7 +36,9 @@ class RivalFront:
     ``args`` are the flags beyond the common ones `argv` adds; a ``{name}`` in them is an
     engine fact `argv` fills from its keyword arguments (e.g. ``{default_throughput_tok_s}``).
     ``session_header`` is the header the client must send the session id in (None: the
-    policy reads none); ``reason`` says in one line why these flags, for docs."""
+    policy reads none); ``reason`` says in one line why these flags, for docs. A P/D front
+    (``pd_protocol``) is given prefill and decode workers (`PdWorkers`) instead of worker
+    URLs; its ``policy`` is each leg's."""
 
     name: str
     tool: str
@@ -44,6 +46,14 @@ class RivalFront:
     args: tuple[str, ...]
     session_header: str | None
     reason: str
+    # The P/D protocols a disaggregated front speaks, its usual one first ("sglang": the
+    # bootstrap fields in both bodies; "vllm": NIXL's two steps); () for an aggregated one.
+    pd_protocols: tuple[str, ...] = ()
+
+    @property
+    def pd_protocol(self) -> str | None:
+        """Its usual P/D protocol (None: an aggregated front)."""
+        return self.pd_protocols[0] if self.pd_protocols else None
 
     def facts(self) -> tuple[str, ...]:
         """The engine facts ``args`` needs, in order of first use."""
@@ -126,7 +136,53 @@ _ALL = (
         "no top-level load on SGLang).",
     ),
 )
-FRONTS: dict[str, RivalFront] = {f.name: f for f in _ALL}
+
+# The P/D fronts: each tool in its P/D mode on the protocol it speaks, each leg picked by
+# its own policy instance with no regard to the other (../shared/peer-routers.md section 6;
+# /work/pd-rules.md: SMG's pd_router.rs select_pd_pair, vllm-router's vllm_pd_router.rs).
+PD_POLICY = "cache_aware"  # both tools' default --policy, which an unset leg falls back to
+_PD = (
+    RivalFront(
+        "smg:pd",
+        SMG,
+        PD_POLICY,
+        (
+            "--pd-disaggregation",
+            "--prefill-policy",
+            PD_POLICY,
+            "--decode-policy",
+            PD_POLICY,
+        ),
+        None,
+        "SMG's P/D router as it ships: cache_aware on each leg, picked independently (no "
+        "transfer cost, no topology), SGLang's bootstrap fields in both bodies at once "
+        "(its vLLM path hands no KV over to --prefill/--decode URLs).",
+        # SMG 1.13 runs vLLM workers' legs in sequence but adds kv_transfer_params only
+        # for a worker whose metadata names its connector (routers/common/kv_transfer.rs
+        # kv_connector_mode: from the smg.ai/kv-connector pod annotation); a --prefill URL
+        # has none, so the decode recomputes the prompt (seen live on the vLLM twins).
+        ("sglang",),
+    ),
+    RivalFront(
+        "vllm-router:pd",
+        VLLM_ROUTER,
+        PD_POLICY,
+        (
+            "--vllm-pd-disaggregation",
+            "--prefill-policy",
+            PD_POLICY,
+            "--decode-policy",
+            PD_POLICY,
+        ),
+        None,
+        "vllm-router's vLLM P/D mode as it ships: cache_aware on each leg over the whole "
+        "serialized body, picked independently, then NIXL's two steps (the one-token "
+        "prefill, its kv_transfer_params into the decode).",
+        ("vllm",),
+    ),
+)
+FRONTS: dict[str, RivalFront] = {f.name: f for f in (*_ALL, *_PD)}
+PD_FRONTS: tuple[str, ...] = tuple(f.name for f in _PD)
 
 # The bench's default set, gorgo first; each name is its JSON key in the bench's output.
 DEFAULT_FRONTS: tuple[str, ...] = (
@@ -150,6 +206,28 @@ def front(name: str) -> RivalFront:
         ) from None
 
 
+@dataclass(frozen=True)
+class PdWorkers:
+    """A P/D front's workers: each prefill's URL with the bootstrap port a router names
+    in SGLang's protocol (None: none, vLLM's), and each decode's URL."""
+
+    prefills: tuple[tuple[str, int | None], ...]
+    decodes: tuple[str, ...]
+
+    def flags(self) -> list[str]:
+        """``--prefill URL [PORT]`` per prefill, ``--decode URL`` per decode (both tools'
+        syntax)."""
+        out: list[str] = []
+        for url, port in self.prefills:
+            out += ["--prefill", url, *([str(port)] if port is not None else [])]
+        for url in self.decodes:
+            out += ["--decode", url]
+        return out
+
+    def __len__(self) -> int:
+        return len(self.prefills) + len(self.decodes)
+
+
 def _fill(f: RivalFront, engine_facts: Mapping[str, Any]) -> list[str]:
     missing = [k for k in f.facts() if engine_facts.get(k) is None]
     if missing:
@@ -167,9 +245,11 @@ def argv(
     venv: Path = DEFAULT_VENV,
     host: str = "127.0.0.1",
     extra_args: Sequence[str] = (),
+    pd_workers: PdWorkers | None = None,
     **engine_facts: Any,
 ) -> list[str]:
-    """The whole command line of ``front`` routing to ``worker_urls`` on ``host:port``, its
+    """The whole command line of ``front`` routing to ``worker_urls`` (a P/D front: to
+    ``pd_workers``, with ``worker_urls`` empty) on ``host:port``, its
     Prometheus page on ``host:metrics_port`` (both tools default to 30000 and 29000, so
     each needs its own).
 
@@ -179,7 +259,14 @@ def argv(
     ``default_throughput_tok_s`` for smg:least_load: `default_throughput_tok_s`).
     ``extra_args`` go last (a later flag wins in both tools' parsers), for tests and
     one-off runs, not for the bench's configurations."""
-    if not worker_urls:
+    if front.pd_protocol is not None:
+        if pd_workers is None or not pd_workers.prefills or not pd_workers.decodes:
+            raise ValueError(f"rival front {front.name}: prefill and decode workers needed")
+        if worker_urls:
+            raise ValueError(f"rival front {front.name}: P/D workers, not worker URLs")
+    elif pd_workers is not None:
+        raise ValueError(f"rival front {front.name} is not a P/D front: no P/D workers")
+    elif not worker_urls:
         raise ValueError(f"rival front {front.name}: no worker URLs")
     for p, what in ((port, "port"), (metrics_port, "metrics_port")):
         if not 0 < p < 65536:
@@ -193,8 +280,7 @@ def argv(
         host,
         "--port",
         str(port),
-        "--worker-urls",
-        *worker_urls,
+        *(pd_workers.flags() if pd_workers is not None else ["--worker-urls", *worker_urls]),
         "--policy",
         front.policy,
         "--prometheus-host",

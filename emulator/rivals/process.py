@@ -6,6 +6,8 @@ say about the engines' loads it routed on.
 ``GET /readiness`` → ``{"status": "ready", "healthy_workers": H, "total_workers": T}``
 (200 once a worker is healthy); the wait goes on until every worker given is registered and
 healthy (H == T == the number of worker URLs), so the first request finds the whole fleet.
+In its P/D mode vllm-router answers ``{"status": "ready", "prefill": {"healthy": H,
+"total": T}, "decode": {...}}`` instead: the sums count (SMG's P/D keeps the first shape).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import IO, Any
 
 import aiohttp
 
-from emulator.rivals.fronts import SMG, RivalFront, argv
+from emulator.rivals.fronts import SMG, PdWorkers, RivalFront, argv
 from emulator.rivals.install import DEFAULT_VENV, rival_binary
 
 # SMG's routing decisions are logged at debug by its policies (least_load.rs: "<policy>
@@ -100,11 +102,16 @@ async def _ready(session: aiohttp.ClientSession, url: str, workers: int) -> bool
             body = await r.json(content_type=None)
     except (TimeoutError, aiohttp.ClientError, ValueError):
         return False
-    return (
-        isinstance(body, dict)
-        and body.get("healthy_workers") == workers
-        and body.get("total_workers") == workers
-    )
+    if not isinstance(body, dict):
+        return False
+    if "healthy_workers" not in body and isinstance(body.get("prefill"), dict):
+        legs: list[dict[str, Any]] = [
+            leg for leg in (body.get("prefill"), body.get("decode")) if isinstance(leg, dict)
+        ]
+        healthy = sum(int(leg.get("healthy", 0)) for leg in legs)
+        total = sum(int(leg.get("total", 0)) for leg in legs)
+        return len(legs) == 2 and healthy == total == workers
+    return body.get("healthy_workers") == workers and body.get("total_workers") == workers
 
 
 async def start_rival(
@@ -120,13 +127,14 @@ async def start_rival(
     venv: Path = DEFAULT_VENV,
     host: str = "127.0.0.1",
     extra_args: Sequence[str] = (),
+    pd_workers: PdWorkers | None = None,
     **engine_facts: Any,
 ) -> RivalProcess:
-    """Start ``front`` in front of ``worker_urls`` and return once all of them are healthy
-    in it. ``env`` adds to this process's environment (SMG also gets `SMG_ENV`);
-    ``engine_facts`` go to `emulator.rivals.fronts.argv`. Raises RivalStartError (with the
-    log's tail) if it exits or is not ready within ``ready_timeout_s``; the process is
-    stopped then."""
+    """Start ``front`` in front of ``worker_urls`` (a P/D front: ``pd_workers``) and return
+    once all of them are healthy in it. ``env`` adds to this process's environment (SMG
+    also gets `SMG_ENV`); ``engine_facts`` go to `emulator.rivals.fronts.argv`. Raises
+    RivalStartError (with the log's tail) if it exits or is not ready within
+    ``ready_timeout_s``; the process is stopped then."""
     rival_binary(front.tool, venv)  # a clear error naming `make peers` when missing
     cmd = argv(
         front,
@@ -137,8 +145,10 @@ async def start_rival(
         venv=venv,
         host=host,
         extra_args=extra_args,
+        pd_workers=pd_workers,
         **engine_facts,
     )
+    workers = len(pd_workers) if pd_workers is not None else len(worker_urls)
     full_env = dict(os.environ)
     if front.tool == SMG:
         full_env.update(SMG_ENV)
@@ -170,11 +180,11 @@ async def start_rival(
                         f"{front.name} exited with {proc.returncode} before routing; "
                         f"{log_path}:\n{_tail(log_path)}"
                     )
-                if await _ready(session, rival.url, len(worker_urls)):
+                if await _ready(session, rival.url, workers):
                     return rival
                 if time.monotonic() > deadline:
                     raise RivalStartError(
-                        f"{front.name} not routing to all {len(worker_urls)} workers after "
+                        f"{front.name} not routing to all {workers} workers after "
                         f"{ready_timeout_s:g} s; {log_path}:\n{_tail(log_path)}"
                     )
                 await asyncio.sleep(_POLL_S)

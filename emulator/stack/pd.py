@@ -44,9 +44,10 @@ class PdSettings:
     protocol: str = "sglang"
     kv_link_gbps: float = DEFAULT_KV_LINK_GBPS  # 0: unlimited
     kv_byte_scale: float = DEFAULT_KV_BYTE_SCALE
-    # Write each backend's role (and the prefills as backends) into the router's config:
-    # off until the router reads roles; off, the decodes alone are routed, as engines.
-    route_roles: bool = False
+    # Write each backend's role (and the prefills as backends) into the router's config,
+    # so the router picks both legs (ext_proc/core/pairs.py); off, the decodes alone are
+    # routed, each serving a request whole as an engine does.
+    route_roles: bool = True
     # The layout's ports (`ports_for`): drawn once, or given (tests).
     ports: list[int] = field(default_factory=list)
 

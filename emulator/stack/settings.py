@@ -276,12 +276,12 @@ class StackSettings:
         )
 
     def router_backends(self) -> list[dict[str, Any]]:
-        """The router config's `backends:`, one per region's engine. With P/D (`pd`) they
-        are the decode twins, each taking a request whole as an engine does (role both);
-        the prefill twins are not routed, unless `pd.route_roles` (off until the router
-        reads roles) lists them too, each backend with its role: the decodes' `decode`, the
-        prefills' `prefill` (id {region}-prefill, behind a front-door link of their own;
-        SGLang's with the bootstrap_port a P/D router names, their advertised one)."""
+        """The router config's `backends:`, one per region's engine. With P/D (`pd`) and
+        `pd.route_roles` (the default) each backend has its role: the decode twins
+        `decode`, and the prefill twins, listed after them, `prefill` (id {region}-prefill,
+        behind a front-door link of their own; SGLang's with the bootstrap_port a P/D router
+        names, their advertised one). Without route_roles only the decode twins are
+        listed, each taking a request whole as an engine does (role both)."""
         engine = "vllm" if self.real_engine else self.flavor
         profile = {"engine_profile": self.engine_profile} if self.engine_profile else {}
         out = [

@@ -82,8 +82,16 @@ class Stack(SupervisedChildren):
                 settings.pd_layout()
             except ValueError as e:
                 raise StackError(f"--pd: {e}") from None
-            if settings.real_engine or (settings.pd.route_roles and settings.front_door_regions):
-                raise StackError("--pd: emulated engines, and one front door with routed roles")
+            if settings.real_engine:
+                raise StackError("--pd: the twins are emulated engines, not real vLLM")
+            if settings.pd.route_roles and settings.front_door_regions:
+                # An extra front door reaches each backend over a WAN link of its own, one
+                # per region's engine (front_door.py); the prefills' links are not wired.
+                raise StackError(
+                    "--pd with --front-doors > 1: the extra front doors reach the decode "
+                    "twins only, not the prefill twins whose roles the router is given; "
+                    "run --pd with one front door"
+                )
         # Envoy takes the backend clusters from files the router rewrites (envoy.xds_dir),
         # so backends can be added, drained and removed while the stack runs.
         config = settings.gorgo_config()

@@ -54,6 +54,13 @@ def _up(args: argparse.Namespace) -> int:
         if args.engine == "vllm":
             print("gorgo up: --pd runs emulated twins, not real vLLM", file=sys.stderr)
             return 2
+        if args.front_doors > 1:
+            print(
+                "gorgo up: --pd routes the prefill twins too, which only the first front "
+                "door reaches: --front-doors 1 with --pd",
+                file=sys.stderr,
+            )
+            return 2
         gbps = DEFAULT_KV_LINK_GBPS if args.kv_link_gbps is None else args.kv_link_gbps
         try:
             pd = PdSettings(protocol=protocol, kv_link_gbps=gbps)
@@ -130,7 +137,8 @@ def add_up_command(sub: Any, policies: Sequence[str]) -> None:
         "--pd",
         action="store_true",
         help="P/D disaggregation: each region runs a prefill twin and a decode twin in its "
-        "engine's place (the decodes are the routed backends), the KV moving from any "
+        "engine's place (the router picks both legs: the decodes role decode, the prefills "
+        "role prefill, each behind its region's link), the KV moving from any "
         "region's prefill to any region's decode over a WAN link of that pair's RTT "
         "(docs/engine-model.md)",
     )

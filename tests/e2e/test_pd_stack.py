@@ -1,5 +1,5 @@
 """`gorgo up --pd --regions 2` live (emulator/stack/pd.py): the stack's children up, the
-router serving through the decode twins as it would through engines, and, driven as
+router pairing a prefill and a decode twin for a chat through the front door, and, driven as
 SGLang's mini_lb drives a pair, a request prefilled in us-ashburn and decoded in
 eu-frankfurt whose KV crosses the 90 ms link between them, while a pair within a region
 crosses its 1 ms link. The stack's children stop by their pids (Stack.stop)."""
@@ -73,13 +73,13 @@ def test_the_pd_stack_runs_its_twins_and_links_and_serves(pd_stack: Stack) -> No
         *(f"{kind}-{r}" for kind in ("prefill", "decode", "wan") for r in regions),
         *(f"kv-{a}-to-{b}" for a in regions for b in regions),
     }
-    assert "P/D twins (sglang protocol, decodes routed)" in pd_stack.ready_line()
+    assert "P/D twins (sglang protocol, prefills and decodes routed)" in pd_stack.ready_line()
 
     async def through_the_front_door() -> float:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as http:
             return await first_token_s(http, pd_stack.front_door_url, body("door"))
 
-    asyncio.run(through_the_front_door())  # a decode serves it whole, as an engine
+    asyncio.run(through_the_front_door())  # the router pairs a prefill and a decode twin
     # Across regions the decode's handshake (a fresh connection: 2 RTTs) and the KV's
     # round trip cross the 90 ms link; within a region, the 1 ms one.
     cross = asyncio.run(pair(pd_stack, 0, 1, 11))

@@ -26,7 +26,7 @@ import pytest
 from emulator.engine.config import EngineConfig
 from emulator.engine.server import EngineServer
 from emulator.engine.tokenizer import load_twin_tokenizer
-from emulator.rivals.fronts import FRONTS, RivalFront, argv
+from emulator.rivals.fronts import FRONTS, PdWorkers, RivalFront, argv
 from emulator.rivals.install import DEFAULT_VENV, is_installed, rival_binary
 from emulator.rivals.process import (
     RivalProcess,
@@ -154,9 +154,12 @@ def test_every_flag_is_in_the_pinned_tools_help() -> None:
             [str(rival_binary("vllm-router")), "--help"], capture_output=True, text=True
         ).stdout,
     }
+    pd = PdWorkers((("http://127.0.0.1:4", 5),), ("http://127.0.0.1:6",))
     for f in FRONTS.values():
-        cmd = argv(f, ["http://127.0.0.1:1"], MODEL, 2, 3, served_model="x",
-                   default_throughput_tok_s=100.0)  # fmt: skip
+        workers = {"pd_workers": pd} if f.pd_protocol else {}
+        urls = [] if f.pd_protocol else ["http://127.0.0.1:1"]
+        cmd = argv(f, urls, MODEL, 2, 3, served_model="x",
+                   default_throughput_tok_s=100.0, **workers)  # fmt: skip
         flags = [a for a in cmd if a.startswith("--")]
         assert flags, f.name
         for flag in flags:

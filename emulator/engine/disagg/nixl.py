@@ -195,6 +195,7 @@ class NixlPD:
                     pull_kv(twin.session, url), self.d.abort_request_timeout_s
                 )
                 stats.transferred(pulled.engine_bytes, pulled.seconds)
+                stats.received_from[named] += 1
                 # The loaded tokens count as computed, hence cached; the last is computed again.
                 channel = twin.runner.submit_prebuilt(
                     rid, req, req.input_tokens - 1, first_token_known=False

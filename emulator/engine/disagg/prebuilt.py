@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from emulator.engine.kv_publisher import KvEventEmitter
@@ -56,6 +56,9 @@ class DisaggStats:
     transfer_failed: int = 0
     kv_expired: int = 0  # vLLM producer: held KV no decode read in time
     transfers: int = 0
+    # decode: the KV received, by the side-server address the prefill named (SGLang's
+    # bootstrap_host:port, vLLM's remote_host:port): which prefill engine each came from
+    received_from: Counter[str] = field(default_factory=Counter)
     last_speed_gb_s: float = 0.0
     last_latency_ms: float = 0.0
     speed_gb_s: Histogram = field(default_factory=lambda: Histogram(SPEED_BUCKETS_GB_S))

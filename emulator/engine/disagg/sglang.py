@@ -264,6 +264,7 @@ class SglangPD:
             cached = 0
             if not fake:
                 cached = (await self.transfer(addr, room, rid, deadline)).cached_tokens
+                stats.received_from[addr] += 1
             stats.decode_transfer -= 1
             stage = "done"
             channel = twin.runner.submit_prebuilt(rid, req, cached, first_token_known=True)

@@ -21,6 +21,9 @@ vllm:nixl_num_failed_transfers_total, vllm:nixl_num_failed_notifications_total a
 vllm:nixl_num_kv_expired_reqs_total (the latter on the prefill) (kv_connector/v1/nixl
 stats.py NixlPromMetrics). vLLM has no /server_info outside dev mode; the twin's own shows
 the kv_transfer_config and the role.
+
+The twin's own /stats adds, on a decode, the KV it received by the address each prefill
+named for its side server (`kv_received_from`): which prefill engine each pair had.
 """
 
 from __future__ import annotations
@@ -98,3 +101,11 @@ def metrics_lines(disagg: DisaggConfig | None, m: EngineModel, labels: str) -> l
     ):
         lines += [f"# TYPE {name} counter", f"{name}{{{labels}}} {value}"]
     return lines
+
+
+def stats_section(m: EngineModel | None) -> dict[str, Any]:
+    """The twin's own /stats additions: a decode's `kv_received_from` (address -> count);
+    nothing for an engine without P/D."""
+    if not isinstance(m, PrebuiltModel):
+        return {}
+    return {"kv_received_from": dict(m.disagg.received_from)}

@@ -358,6 +358,9 @@ def _peers(args: argparse.Namespace) -> int:
             fronts=tuple(f.strip() for f in args.fronts.split(",") if f.strip()),
             out=args.out,
             classes=args.classes,
+            pd=args.pd,
+            pd_protocol=args.pd_protocol,
+            kv_link_gbps=args.kv_link_gbps,
         )
     )
 
@@ -395,6 +398,28 @@ def add_peers(bench: Any, policies: Sequence[str]) -> None:
         help="request classes (gorgo simulate --classes' YAML): gorgo with flow control and "
         "these objectives, SMG with its priority scheduler (x-smg-priority by rank); per "
         "class SLO attainment and goodput",
+    )
+    b.add_argument(
+        "--pd",
+        action="store_true",
+        help="each front on a fresh P/D fleet (gorgo up --pd's twins and KV links): gorgo "
+        "as its Envoy front door, the rivals in their P/D modes (--fronts gorgo,smg:pd,"
+        "vllm-router:pd), each rival on its protocol's twins; per front, where its "
+        "prefill and decode legs went",
+    )
+    b.add_argument(
+        "--pd-protocol",
+        choices=["sglang", "vllm"],
+        default=None,
+        help="with --pd: every fleet's twins speak this (a rival that does not is an "
+        "error); default: gorgo runs once on each protocol a rival speaks, beside it",
+    )
+    b.add_argument(
+        "--kv-link-gbps",
+        type=float,
+        default=None,
+        metavar="G",
+        help="with --pd: each KV link's bandwidth in Gbit/s, 0 unlimited (default 10)",
     )
     b.set_defaults(func=_peers)
 

@@ -12,6 +12,15 @@ RSS, and what shows that it routed on the engines' loads (SMG's polls of /v1/loa
 decisions scored on them; vllm-router's policies read none). `--out` writes
 `{"fronts": {NAME: SUMMARY}}` (the shared result schema, the repeats' median, their
 spread), and a plot beside it.
+
+`--pd` runs each front on a fresh P/D fleet instead (emulator/stack/pd.py: a prefill and a
+decode twin per region, the router given both roles, KV links between regions): gorgo as
+its Envoy front door, the rivals in their P/D modes (emulator/rivals/fronts.py PD_FRONTS)
+pointed at the same twins, each on the twins of the one protocol it speaks; gorgo runs on
+`--pd-protocol`, or, without it, once on each protocol a rival speaks, so each rival is
+compared with gorgo on its own protocol (docs/results.md, "Against the routers users
+deploy"). The twins' /stats tell where each front's legs went: prefill legs per prefill
+twin, decodes per decode twin, and the pairs (which prefill's KV each decode received).
 """
 
 from __future__ import annotations
@@ -31,9 +40,17 @@ from typing import Any
 
 import psutil
 
-from emulator.rivals.fronts import DEFAULT_FRONTS, GORGO, RivalFront, default_throughput_tok_s
+from emulator.rivals.fronts import (
+    DEFAULT_FRONTS,
+    GORGO,
+    PD_FRONTS,
+    PdWorkers,
+    RivalFront,
+    default_throughput_tok_s,
+)
 from emulator.rivals.fronts import front as rival_front
 from emulator.rivals.process import RivalProcess, smg_decisions, start_rival
+from emulator.stack.pd import DEFAULT_KV_LINK_GBPS, PROTOCOLS, PdSettings
 from emulator.stack.ports import free_ports
 from emulator.stack.settings import StackPorts, StackSettings, regions_for_profile
 from emulator.stack.stack import Stack
@@ -43,6 +60,7 @@ from ext_proc.config.dump import config_as_dict
 from ext_proc.config.flow import FlowControl
 from ext_proc.config.load import config_from_dict
 from ext_proc.estimate.profile import load_profile
+from ext_proc.vocab.backend import BackendRole, EngineKind
 from loadgen.replay.loop import HeadersFor, replay
 from loadgen.results import RequestResult, summarize, table
 from loadgen.sim.classes import Classes, class_summary, load_classes
@@ -52,6 +70,8 @@ from loadgen.traces.windows import scaled, window
 
 # The same cap as `gorgo replay`'s open protocol would allow: the window's arrivals decide.
 MAX_CONCURRENCY = 512
+# The model name the replay's requests carry (loadgen/replay/requests.py).
+REPLAY_MODEL = "default"
 # Figures of a SUMMARY whose repeats are reduced to a median and a spread.
 SPREAD_KEYS = (
     ("ttft_ms", "p50"),
@@ -79,15 +99,31 @@ class RivalsOptions:
     # these objectives, SMG with its priority scheduler, each told a request's class its
     # own way (CLASS_HEADERS); the summary adds per-class SLO attainment and goodput.
     classes: str | None = None
+    # P/D (module docstring): each front on a fresh P/D fleet whose KV links carry
+    # kv_link_gbps (None: the stack's default); gorgo on pd_protocol, or (None) on each
+    # protocol a rival in `fronts` speaks.
+    pd: bool = False
+    pd_protocol: str | None = None
+    kv_link_gbps: float | None = None
 
     def problems(self) -> list[str]:
         out = []
         for name in self.fronts:
             if name != GORGO:
                 try:
-                    rival_front(name)
+                    f = rival_front(name)
                 except ValueError as e:
                     out.append(f"--fronts: {e}")
+                    continue
+                out += self._pd_problems(f)
+        if not self.pd and (self.pd_protocol is not None or self.kv_link_gbps is not None):
+            out.append("--pd-protocol and --kv-link-gbps go with --pd")
+        if self.pd_protocol is not None and self.pd_protocol not in PROTOCOLS:
+            out.append(f"--pd-protocol must be one of {', '.join(PROTOCOLS)}")
+        if self.kv_link_gbps is not None and not self.kv_link_gbps >= 0:
+            out.append(f"--kv-link-gbps must be >= 0, got {self.kv_link_gbps}")
+        if self.pd and self.classes is not None:
+            out.append("--classes goes without --pd (no P/D front has classes here)")
         if len(set(self.fronts)) != len(self.fronts):
             out.append(f"--fronts names one twice: {','.join(self.fronts)}")
         if self.rtt_profile not in RTT_PROFILES:
@@ -104,6 +140,54 @@ class RivalsOptions:
             except ValueError as e:
                 out.append(f"--classes: {e}")
         return out
+
+    def _pd_problems(self, f: RivalFront) -> list[str]:
+        """A rival front against --pd and --pd-protocol: a P/D front needs --pd and runs
+        on its own protocol's twins; an aggregated one does not go with --pd."""
+        if not self.pd:
+            if f.pd_protocol is not None:
+                return [f"--fronts: {f.name} is a P/D front: add --pd"]
+            return []
+        if f.pd_protocol is None:
+            return [
+                f"--fronts: {f.name} routes aggregated engines; with --pd the fronts are "
+                f"{', '.join((GORGO, *PD_FRONTS))}"
+            ]
+        if self.pd_protocol is not None and self.pd_protocol not in f.pd_protocols:
+            return [
+                f"--fronts: {f.name} speaks {' and '.join(f.pd_protocols)}'s P/D protocol "
+                f"only, not --pd-protocol {self.pd_protocol}"
+            ]
+        return []
+
+    def entries(self) -> list[Entry]:
+        """What runs, in --fronts order: each rival once (a P/D one on --pd-protocol, else on
+        its usual protocol), gorgo once, or with --pd and no --pd-protocol once per protocol
+        the rivals run on (named gorgo@PROTOCOL when more than one)."""
+        if not self.pd:
+            return [Entry(n, n, None) for n in self.fronts]
+        theirs = {
+            n: self.pd_protocol or rival_front(n).pd_protocol for n in self.fronts if n != GORGO
+        }
+        spoken = sorted({p for p in theirs.values() if p})
+        ours = [self.pd_protocol] if self.pd_protocol else spoken or [PdSettings().protocol]
+        out: list[Entry] = []
+        for n in self.fronts:
+            if n != GORGO:
+                out.append(Entry(n, n, theirs[n]))
+                continue
+            out += [Entry(n if len(ours) == 1 else f"{n}@{p}", n, p) for p in ours]
+        return out
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One front door's runs: its name in the output, the front (gorgo or a rival's
+    name) and the P/D protocol its fleet's twins speak (None: an aggregated fleet)."""
+
+    key: str
+    front: str
+    protocol: str | None
 
 
 def order(fronts: Sequence[str], repeat: int) -> list[list[str]]:
@@ -126,6 +210,8 @@ class FrontRun:
     evidence: str = ""
     # SMG's priority scheduler's non-zero series at the end (with --classes).
     scheduler: dict[str, float] = field(default_factory=dict)
+    # With --pd: where its legs went (pd_legs).
+    legs: dict[str, Any] = field(default_factory=dict)
 
 
 def median_summary(runs: Sequence[FrontRun]) -> dict[str, Any]:
@@ -165,6 +251,25 @@ def failures(runs: Sequence[FrontRun], refusals_allowed: bool = False) -> int:
         for r in run.results
         if r.status != "ok" and not (refusals_allowed and r.error.startswith("HTTP 429"))
     )
+
+
+def pd_ratios(
+    fronts: Mapping[str, Mapping[str, Any]], protocol: Mapping[str, str | None]
+) -> dict[str, Any]:
+    """With --pd: on each protocol, gorgo's p95 TTFT and E2E over the best rival's there
+    (`ratios`); the headline figures are the largest of them (gorgo against the rival it
+    beats least, each on its own protocol)."""
+    by: dict[str, dict[str, Mapping[str, Any]]] = {}
+    for key, s in fronts.items():
+        p = protocol.get(key)
+        if p is not None:
+            by.setdefault(p, {})[GORGO if key.split("@")[0] == GORGO else key] = s
+    per = {p: r for p, fs in sorted(by.items()) if (r := ratios(fs))}
+    if not per:
+        return {}
+    out: dict[str, Any] = {k: max(r[k] for r in per.values()) for k in next(iter(per.values()))}
+    out["by_protocol"] = per
+    return out
 
 
 def ratios(fronts: Mapping[str, Mapping[str, Any]], us: str = GORGO) -> dict[str, float]:
@@ -243,7 +348,63 @@ def scheduler_metrics(text: str) -> dict[str, float]:
 
 
 def engine_stats(stack: Stack) -> list[dict[str, Any]]:
-    return [_get_json(f"{stack.engine_url(i)}/stats") for i in range(len(stack.settings.regions))]
+    """Each engine's /stats: with P/D, the decode twins' (on the engines' ports) then the
+    prefill twins'."""
+    n = len(stack.settings.regions)
+    urls = [stack.engine_url(i) for i in range(n)]
+    if stack.settings.pd is not None:
+        pd = stack.settings.pd_layout()
+        urls += [f"http://127.0.0.1:{pd.prefill(i)}" for i in range(n)]
+    return [_get_json(f"{url}/stats") for url in urls]
+
+
+def pd_workers(stack: Stack) -> PdWorkers:
+    """A P/D rival's workers: the backends the router is given, by role (the same
+    addresses: the twins behind their front-door links; an SGLang prefill's bootstrap
+    port, which vLLM's have none of)."""
+    prefills, decodes = [], []
+    for b in stack.config.backends:
+        url = f"http://{b.address}"
+        if b.role is BackendRole.PREFILL:
+            sglang = b.engine is EngineKind.SGLANG
+            prefills.append((url, b.bootstrap_port if sglang else None))
+        elif b.role is BackendRole.DECODE:
+            decodes.append(url)
+    return PdWorkers(tuple(prefills), tuple(decodes))
+
+
+def pd_legs(stack: Stack, stats: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Where a P/D front's legs went, from the twins' /stats: the requests each prefill
+    twin completed (prefill legs) and each decode twin (decodes, paired or whole), the
+    pairs (prefill region -> decode region: the KV each decode received, by the address
+    each prefill advertises), how many crossed regions, and the decodes served whole."""
+    pd, regions = stack.settings.pd_layout(), [r.id for r in stack.settings.regions]
+    region_of = {pd.advertised(a): regions[a] for a in range(pd.n)}
+    by_name = {s["name"]: s for s in stats}
+    decodes = {r: int(by_name[r]["completed_total"]) for r in regions}
+    prefills = {f"{r}-prefill": int(by_name[f"{r}-prefill"]["completed_total"]) for r in regions}
+    pairs: Counter[str] = Counter()
+    for b in regions:
+        for addr, n in by_name[b].get("kv_received_from", {}).items():
+            pairs[f"{region_of.get(addr, addr)}->{b}"] += int(n)
+    paired = sum(pairs.values())
+    cross = sum(n for k, n in pairs.items() if len(set(k.split("->"))) == 2)
+    return {
+        "prefill": prefills,
+        "decode": decodes,
+        "pairs": dict(sorted(pairs.items())),
+        "paired": paired,
+        "cross_region": cross,
+        "whole": sum(decodes.values()) - paired,
+    }
+
+
+def legs_line(legs: Mapping[str, Any]) -> str:
+    """pd_legs in a line for the log."""
+    return (
+        f"prefill legs {legs['prefill']}, decodes {legs['decode']}, pairs {legs['pairs']} "
+        f"({legs['cross_region']}/{legs['paired']} across regions, {legs['whole']} whole)"
+    )
 
 
 def load_polls(stats: Sequence[Mapping[str, Any]]) -> int:
@@ -256,14 +417,25 @@ def load_polls(stats: Sequence[Mapping[str, Any]]) -> int:
     )
 
 
-def _stack(opts: RivalsOptions, classes: Classes | None) -> Stack:
+def _stack(opts: RivalsOptions, classes: Classes | None, protocol: str | None = None) -> Stack:
+    """A fresh fleet: three emulated SGLang engines, or (`protocol`) a P/D fleet whose
+    twins speak it. vLLM's twins, as vLLM, refuse a model they do not serve: they serve
+    the name the replay asks for (vllm-router has no alias)."""
+    regions = regions_for_profile(opts.rtt_profile)
+    pd = None
+    if protocol is not None:
+        gbps = DEFAULT_KV_LINK_GBPS if opts.kv_link_gbps is None else opts.kv_link_gbps
+        pd = PdSettings(protocol=protocol, kv_link_gbps=gbps)
     stack = Stack(
         StackSettings(
-            regions=regions_for_profile(opts.rtt_profile),
+            regions=regions,
             ports=StackPorts.ephemeral(3),
             rtt_profile=opts.rtt_profile,
             seed=opts.seed,
             keep_logs=False,
+            flavor=protocol or "sglang",
+            pd=pd,
+            engine_models={r.id: REPLAY_MODEL for r in regions} if protocol == "vllm" else {},
         )
     )
     if classes is not None:  # gorgo's gateway queue with the classes' objectives
@@ -338,7 +510,7 @@ def _served_model(stack: Stack) -> str:
 
 
 async def _run_front(
-    name: str,
+    entry: Entry,
     stack: Stack,
     trace: Sequence[TraceRequest],
     opts: RivalsOptions,
@@ -346,7 +518,8 @@ async def _run_front(
     classes: Classes | None,
 ) -> FrontRun:
     rival: RivalProcess | None = None
-    f = None if name == GORGO else rival_front(name)
+    name = entry.key
+    f = None if entry.front == GORGO else rival_front(entry.front)
     if f is None:
         url = stack.front_door_url
         pids = [stack.procs[n].pid for n in ("gorgo-serve", "envoy")]
@@ -356,14 +529,16 @@ async def _run_front(
         if "default_throughput_tok_s" in f.facts():
             facts["default_throughput_tok_s"] = default_throughput_tok_s(load_profile())
         smg_classes = classes is not None and f.tool == "smg"
+        pd = pd_workers(stack) if f.pd_protocol is not None else None
         rival = await start_rival(
             f,
-            [stack.backend_url(i) for i in range(len(stack.settings.regions))],
-            "default",
+            [] if pd else [stack.backend_url(i) for i in range(len(stack.settings.regions))],
+            REPLAY_MODEL,
             port=port,
             metrics_port=metrics_port,
             log_path=logs / f"{name.replace(':', '-')}.log",
             extra_args=SMG_PRIORITY_ARGS if smg_classes else (),
+            pd_workers=pd,
             **facts,
         )
         url, pids = rival.url, [rival.pid]
@@ -387,6 +562,9 @@ async def _run_front(
         stats = engine_stats(stack)
         spread = {s["name"]: int(s["completed_total"]) for s in stats}
         evidence = f"engine load polls {load_polls(stats)}"
+        legs = pd_legs(stack, stats) if stack.settings.pd is not None else {}
+        if legs:
+            evidence += f", {legs_line(legs)}"
         scheduler: dict[str, float] = {}
         if rival is not None and f is not None and f.tool == "smg":
             scored = smg_decisions(rival.log_path)
@@ -396,7 +574,7 @@ async def _run_front(
                 evidence += f", SMG scheduler series {len(scheduler)}"
         results = run.results if classes is None else classed(run.results, trace, classes)
         return FrontRun(
-            name, results, cpu1 - cpu0, sampler.peak_mb, wall, spread, evidence, scheduler
+            name, results, cpu1 - cpu0, sampler.peak_mb, wall, spread, evidence, scheduler, legs
         )
     finally:
         if rival is not None:
@@ -404,19 +582,23 @@ async def _run_front(
 
 
 def run_round(
-    names: Sequence[str],
+    entries: Sequence[Entry],
     trace: Sequence[TraceRequest],
     opts: RivalsOptions,
     logs: Path,
     classes: Classes | None = None,
 ) -> list[FrontRun]:
     out = []
-    for name in names:
-        stack = _stack(opts, classes if name == GORGO else None)
-        print(f"[peers] {name}: fresh fleet ({opts.rtt_profile} RTTs)...", file=sys.stderr)
-        stack.start(front_door=(name == GORGO))
+    for entry in entries:
+        name, ours = entry.key, entry.front == GORGO
+        stack = _stack(opts, classes if ours else None, entry.protocol)
+        fleet = f"{opts.rtt_profile} RTTs" + (
+            f", P/D {entry.protocol} twins" if entry.protocol else ""
+        )
+        print(f"[peers] {name}: fresh fleet ({fleet})...", file=sys.stderr)
+        stack.start(front_door=ours)
         try:
-            run = asyncio.run(_run_front(name, stack, trace, opts, logs, classes))
+            run = asyncio.run(_run_front(entry, stack, trace, opts, logs, classes))
         finally:
             stack.stop()
         s = summarize(run.results)
@@ -433,7 +615,8 @@ def run_round(
     return out
 
 
-def report(fronts: Mapping[str, Mapping[str, Any]]) -> str:
+def report(fronts: Mapping[str, Mapping[str, Any]], r: Mapping[str, Any] | None = None) -> str:
+    """The tables, and gorgo against the best peer (`r`: those ratios; default `ratios`)."""
     lines = [table([(name, dict(s)) for name, s in fronts.items()])]
     lines.append("")
     lines.append("| front | runs | failed | router CPU ms/request | router peak RSS MiB |")
@@ -443,13 +626,20 @@ def report(fronts: Mapping[str, Mapping[str, Any]]) -> str:
             f"| {name} | {s['runs']} | {s['errors_total']} / {s['requests_total']} | "
             f"{s['router_cpu_ms_per_request']:.2f} | {s['router_peak_rss_mb']:.0f} |"
         )
-    r = ratios(fronts)
-    if r:
+    got: Mapping[str, Any] = ratios(fronts) if r is None else r
+    by: Mapping[str, Any] = got.get("by_protocol") or {}
+    if got:
         lines.append("")
         lines.append(
-            f"gorgo against the best peer: p95 TTFT x{r['ttft_ms_p95_vs_best_peer']:.2f}, "
-            f"p95 E2E x{r['e2e_ms_p95_vs_best_peer']:.2f}"
+            f"gorgo against the best peer: p95 TTFT x{got['ttft_ms_p95_vs_best_peer']:.2f}, "
+            f"p95 E2E x{got['e2e_ms_p95_vs_best_peer']:.2f}"
+            + (" (the larger over the protocols)" if len(by) > 1 else "")
         )
+        for p, pr in by.items():
+            lines.append(
+                f"  on {p}'s twins: p95 TTFT x{pr['ttft_ms_p95_vs_best_peer']:.2f}, "
+                f"p95 E2E x{pr['e2e_ms_p95_vs_best_peer']:.2f}"
+            )
     return "\n".join(lines)
 
 
@@ -509,18 +699,23 @@ def run_rivals_bench(opts: RivalsOptions) -> int:
         file=sys.stderr,
     )
     classes = load_classes(opts.classes) if opts.classes else None
-    runs: dict[str, list[FrontRun]] = {n: [] for n in opts.fronts}
-    for names in order(opts.fronts, opts.repeat):
-        for run in run_round(names, trace, opts, logs, classes):
+    entries = {e.key: e for e in opts.entries()}
+    runs: dict[str, list[FrontRun]] = {k: [] for k in entries}
+    for keys in order(list(entries), opts.repeat):
+        for run in run_round([entries[k] for k in keys], trace, opts, logs, classes):
             runs[run.front].append(run)
     fronts = {n: median_summary(rs) for n, rs in runs.items()}
     for n, rs in runs.items():
         fronts[n]["evidence"] = [r.evidence for r in rs]
         fronts[n]["engines"] = [r.spread for r in rs]
+        if opts.pd:
+            fronts[n]["pd_protocol"] = entries[n].protocol
+            fronts[n]["pd_legs"] = [r.legs for r in rs]
         if classes is not None:
             fronts[n]["classes"] = [class_summary(r.results, classes) for r in rs]
             fronts[n]["smg_scheduler"] = [r.scheduler for r in rs]
-    print(report(fronts))
+    vs = pd_ratios(fronts, {k: e.protocol for k, e in entries.items()}) if opts.pd else None
+    print(report(fronts, vs))
     if classes is not None:
         print(class_report(fronts))
     if opts.out:
@@ -535,8 +730,16 @@ def run_rivals_bench(opts: RivalsOptions) -> int:
             "repeat": opts.repeat,
             "requests": len(trace),
             "classes": opts.classes,
+            "pd": None
+            if not opts.pd
+            else {
+                "protocol": opts.pd_protocol,
+                "kv_link_gbps": DEFAULT_KV_LINK_GBPS
+                if opts.kv_link_gbps is None
+                else opts.kv_link_gbps,
+            },
             "fronts": fronts,
-            "gorgo_vs_best_peer": ratios(fronts),
+            "gorgo_vs_best_peer": ratios(fronts) if vs is None else vs,
         }
         out.write_text(json.dumps(doc, indent=1))
         plot(fronts, out.with_suffix(".png"))

@@ -87,8 +87,12 @@ async def test_a_request_prefilled_on_one_twin_streams_from_the_other(
         assert d_events[-1][1] == "[DONE]"
         # The prefill's: its one token (max_new_tokens 1), after the KV had left.
         assert tokens_of(p_events) == "tok "
-        # Both engines saw one request, and the transfer was observed on the prefill.
+        # Both engines saw one request, and the transfer was observed on the prefill;
+        # the decode's /stats names the bootstrap address its KV came from.
         assert pair.prefill.engine.runner.model.disagg.transfers == 1
+        async with http.get(pair.decode.url + "/stats") as r:
+            received = (await r.json())["kv_received_from"]
+        assert received == {f"{body['bootstrap_host']}:{pair.side_port}": 1}
         prompt = pair.prefill.engine.runner.model.stats.prompt_tokens  # the chat's template
         assert PROMPT < prompt == pair.decode.engine.runner.model.stats.prompt_tokens
         for srv in (pair.prefill, pair.decode):

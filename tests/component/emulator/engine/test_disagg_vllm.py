@@ -94,8 +94,11 @@ async def test_a_request_prefilled_on_one_twin_streams_from_the_other(
         assert events[0][1]["choices"][0]["delta"]["role"] == "assistant"
         assert tokens_of(events) == "tok " * 8
         assert events[-1][1] == "[DONE]"
-        # The read freed the prefill's blocks; the decode observed the transfer.
+        # The read freed the prefill's blocks; the decode observed the transfer, and its
+        # /stats names the side-channel address the KV came from.
         assert pair.decode.engine.runner.model.disagg.transfers == 1
+        async with http.get(pair.decode.url + "/stats") as r:
+            assert (await r.json())["kv_received_from"] == {f"127.0.0.1:{pair.side_port}": 1}
         for srv in (pair.prefill, pair.decode):
             assert_idle(srv)
             assert await running_and_waiting(http, srv) == (0, 0)

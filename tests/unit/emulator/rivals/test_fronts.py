@@ -11,6 +11,8 @@ from emulator.rivals.fronts import (
     DEFAULT_FRONTS,
     FRONTS,
     GORGO,
+    PD_FRONTS,
+    PdWorkers,
     argv,
     default_throughput_tok_s,
     front,
@@ -27,8 +29,10 @@ def test_the_default_set_is_known_and_gorgo_first() -> None:
     for name in DEFAULT_FRONTS[1:]:
         assert FRONTS[name].name == name
     for name, f in FRONTS.items():
-        assert name == f"{f.tool}:{f.policy}"
+        assert name == f"{f.tool}:{'pd' if f.pd_protocol else f.policy}"
         assert f.reason.strip() and "\n" not in f.reason
+    assert set(PD_FRONTS) == {"smg:pd", "vllm-router:pd"}
+    assert not set(PD_FRONTS) & set(DEFAULT_FRONTS)  # the aggregated bench's set as before
 
 
 def test_session_headers() -> None:
@@ -90,3 +94,60 @@ def test_throughput_from_the_profile() -> None:
     assert default_throughput_tok_s(p, batch=1) < tput
     with pytest.raises(ValueError, match="batch"):
         default_throughput_tok_s(p, batch=0)
+
+
+PD = PdWorkers(
+    (("http://127.0.0.1:9101", 9201), ("http://127.0.0.1:9102", 9202)),
+    ("http://127.0.0.1:9001", "http://127.0.0.1:9002"),
+)
+
+
+def test_the_pd_fronts_speak_one_protocol_each_with_cache_aware_on_each_leg() -> None:
+    smg, vllm = FRONTS["smg:pd"], FRONTS["vllm-router:pd"]
+    assert (smg.pd_protocol, vllm.pd_protocol) == ("sglang", "vllm")
+    for f in (smg, vllm):
+        assert f.policy == "cache_aware" and f.session_header is None
+        cmd = argv(f, [], "m", 1, 2, venv=VENV, pd_workers=PD)
+        assert cmd[cmd.index("--prefill-policy") + 1] == "cache_aware"
+        assert cmd[cmd.index("--decode-policy") + 1] == "cache_aware"
+        assert cmd[cmd.index("--policy") + 1] == "cache_aware"
+        assert "--worker-urls" not in cmd
+    assert FRONTS["smg:cache_aware"].pd_protocol is None
+
+
+def test_smg_pd_command_line_names_each_prefill_with_its_bootstrap_port() -> None:
+    cmd = argv(FRONTS["smg:pd"], [], "m", 1, 2, venv=VENV, pd_workers=PD, served_model="q")
+    assert cmd[:3] == ["/v/bin/smg", "launch", "--host"]
+    assert "--pd-disaggregation" in cmd and "--vllm-pd-disaggregation" not in cmd
+    text = " ".join(cmd)
+    assert (
+        "--prefill http://127.0.0.1:9101 9201 --prefill http://127.0.0.1:9102 9202 "
+        "--decode http://127.0.0.1:9001 --decode http://127.0.0.1:9002 --policy cache_aware"
+    ) in text
+    assert cmd[cmd.index("--model-alias") + 1] == "m=q"
+
+
+def test_vllm_router_pd_command_line_names_prefills_without_a_port() -> None:
+    nixl = PdWorkers((("http://127.0.0.1:9101", None),), ("http://127.0.0.1:9001",))
+    cmd = argv(FRONTS["vllm-router:pd"], [], "m", 1, 2, venv=VENV, pd_workers=nixl)
+    assert cmd[0] == "/v/bin/vllm-router" and "launch" not in cmd
+    assert "--vllm-pd-disaggregation" in cmd and "--pd-disaggregation" not in cmd
+    i = cmd.index("--prefill")
+    assert cmd[i : i + 4] == [
+        "--prefill",
+        "http://127.0.0.1:9101",
+        "--decode",
+        "http://127.0.0.1:9001",
+    ]
+    assert len(nixl) == 2 and len(PD) == 4
+
+
+def test_pd_workers_go_to_pd_fronts_only() -> None:
+    with pytest.raises(ValueError, match="prefill and decode workers needed"):
+        argv(FRONTS["smg:pd"], [], "m", 1, 2)
+    with pytest.raises(ValueError, match="prefill and decode workers needed"):
+        argv(FRONTS["smg:pd"], [], "m", 1, 2, pd_workers=PdWorkers(PD.prefills, ()))
+    with pytest.raises(ValueError, match="not worker URLs"):
+        argv(FRONTS["smg:pd"], WORKERS, "m", 1, 2, pd_workers=PD)
+    with pytest.raises(ValueError, match="not a P/D front"):
+        argv(FRONTS["smg:cache_aware"], WORKERS, "m", 1, 2, pd_workers=PD)

@@ -2,7 +2,7 @@
 each region a prefill and a decode twin whose command lines `gorgo engine` reads back, a
 KV link per ordered pair of regions at that pair's RTT, the prefills' advertised address
 and the decodes' routes agreeing so every transfer crosses the link between the two
-twins' regions, and the router told of the decodes alone (roles only behind the flag).
+twins' regions, and the router told of both roles (the decodes alone with route_roles off).
 Nothing binds or starts: the ports are given and the children recorded, not spawned."""
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def test_up_pd_makes_the_settings_and_refuses_what_does_not_go_with_it(
         "sglang",
         "sglang",
         10.0,
-        False,
+        True,
     )
     _, (v,) = up(monkeypatch, "--pd", "--pd-protocol", "vllm", "--kv-link-gbps", "2.5")
     assert v.pd is not None and (v.pd.protocol, v.flavor, v.pd.kv_link_gbps) == (
@@ -72,6 +72,7 @@ def test_up_pd_makes_the_settings_and_refuses_what_does_not_go_with_it(
         ["--pd", "--kv-link-gbps", "-1"],
         ["--pd-protocol", "vllm"],
         ["--kv-link-gbps", "5"],
+        ["--pd", "--front-doors", "2"],
     ):
         assert up(monkeypatch, *bad)[0] == 2, bad
         assert "gorgo up:" in capsys.readouterr().err
@@ -143,7 +144,7 @@ def test_the_stack_starts_twins_links_and_says_where(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """What Stack.start spawns for `--pd --regions 2` (recorded, not started), what the
-    router is told (the decodes, as today's engines), and the ready line."""
+    router is told (both roles, the prefills behind links of their own), and the ready line."""
     s = pd_settings(ports=StackPorts.ephemeral(2), workdir=tmp_path)
     stack = Stack(s)
     spawned: dict[str, tuple[list[str], dict[str, str] | None]] = {}
@@ -161,30 +162,37 @@ def test_the_stack_starts_twins_links_and_says_where(
     names = {"us-ashburn", "eu-frankfurt"}
     assert set(spawned) == {
         *(f"{kind}-{r}" for kind in ("prefill", "decode", "wan") for r in names),
+        *(f"wan-{r}-prefill" for r in names),
         *(f"kv-{a}-to-{b}" for a in names for b in names),
     }
     # the front door's link leads to the decode, as to the engine without --pd
     wan = build_parser().parse_args(spawned["wan-eu-frankfurt"][0][3:])
     assert wan.target == f"127.0.0.1:{s.ports.engine(1)}"
     raw = config_as_dict(stack.config)
-    assert [(b["id"], b["address"]) for b in raw["backends"]] == [
-        (r.id, f"127.0.0.1:{s.ports.wan(i)}") for i, r in enumerate(TWO)
-    ]
-    assert {b["role"] for b in raw["backends"]} == {"both"}  # as engines, for now
-    line = stack.ready_line()
     pd = s.pd_layout()
-    assert "P/D twins (sglang protocol, decodes routed)" in line
+    assert [(b["id"], b["address"], b["role"]) for b in raw["backends"]] == [
+        *((r.id, f"127.0.0.1:{s.ports.wan(i)}", "decode") for i, r in enumerate(TWO)),
+        *(
+            (f"{r.id}-prefill", f"127.0.0.1:{pd.prefill_door(i)}", "prefill")
+            for i, r in enumerate(TWO)
+        ),
+    ]
+    # the prefill's front-door link leads to the prefill twin
+    door = build_parser().parse_args(spawned["wan-eu-frankfurt-prefill"][0][3:])
+    assert door.target == f"127.0.0.1:{pd.prefill(1)}"
+    line = stack.ready_line()
+    assert "P/D twins (sglang protocol, prefills and decodes routed)" in line
     assert f"us-ashburn prefill :{pd.prefill(0)}" in line
     assert f"decode :{s.ports.engine(1)}" in line
     assert f"us-ashburn->eu-frankfurt :{pd.kv_link(0, 1)} 90 ms" in line
     assert "KV links at 10 Gbit/s" in line
 
 
-def test_roles_reach_the_router_config_only_behind_the_flag() -> None:
-    """route_roles (off until the router reads roles): the decodes with role decode, the
+def test_roles_reach_the_router_config_by_default() -> None:
+    """route_roles (on by default): the decodes with role decode, the
     prefills as backends of their own, behind front-door links, SGLang's with the
     bootstrap port a P/D router names (the advertised one)."""
-    s = pd_settings(pd={"route_roles": True})
+    s = pd_settings()
     pd = s.pd_layout()
     backends = s.router_backends()
     assert [(b["id"], b["role"]) for b in backends] == [
@@ -195,12 +203,14 @@ def test_roles_reach_the_router_config_only_behind_the_flag() -> None:
     ]
     assert backends[3]["address"] == f"127.0.0.1:{pd.prefill_door(1)}"
     assert backends[3]["bootstrap_port"] == pd.kv_link(1, 1)
-    vllm = pd_settings("vllm", pd={"route_roles": True}).router_backends()
+    vllm = pd_settings("vllm").router_backends()
     assert [b["role"] for b in vllm] == ["decode", "decode", "prefill", "prefill"]
     assert not any("bootstrap_port" in b for b in vllm)  # NIXL: the prefill's answer says
-    assert all("role" not in b for b in pd_settings().router_backends())
+    off = pd_settings(pd={"route_roles": False}).router_backends()
+    assert [b["id"] for b in off] == ["us-ashburn", "eu-frankfurt"]  # the decodes, whole
+    assert all("role" not in b for b in off)
     # the router's schema takes them (backends[].role, bootstrap_port on the address's host)
-    parsed = pd_settings(pd={"route_roles": True}).gorgo_config().backends
+    parsed = pd_settings().gorgo_config().backends
     assert [(b.id, b.role.value) for b in parsed][1:3] == [
         ("eu-frankfurt", "decode"),
         ("us-ashburn-prefill", "prefill"),

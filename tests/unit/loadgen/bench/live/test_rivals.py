@@ -1,5 +1,7 @@
 """The pure parts of `gorgo bench peers` (loadgen/bench/live/rivals.py): the rounds' order,
-the repeats' median, gorgo's ratio to the best rival, the options' checks, session headers."""
+the repeats' median, gorgo's ratio to the best rival, the options' checks, session headers;
+with --pd, which fronts run on which protocol's twins, the ratios per protocol and where
+the legs went (from the twins' /stats)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ from pathlib import Path
 
 from emulator.rivals.fronts import FRONTS
 from loadgen.bench.live.rivals import (
+    Entry,
     FrontRun,
     RivalsOptions,
     class_headers,
@@ -15,6 +18,8 @@ from loadgen.bench.live.rivals import (
     failures,
     median_summary,
     order,
+    pd_legs,
+    pd_ratios,
     ratios,
     scheduler_metrics,
     session_headers,
@@ -182,3 +187,109 @@ def test_results_get_their_sessions_class_for_the_class_summary() -> None:
     summary = class_summary(got, c)
     assert set(summary["objectives"]) == {"interactive", "batch"}
     assert summary["goodput"] == 1.0
+
+
+def test_pd_options_pair_each_front_with_the_protocol_it_speaks() -> None:
+    fronts = ("gorgo", "smg:pd", "vllm-router:pd")
+    both = RivalsOptions("t", fronts=fronts, pd=True, kv_link_gbps=10.0)
+    assert both.problems() == []
+    # gorgo beside each rival on the rival's protocol
+    assert both.entries() == [
+        Entry("gorgo@sglang", "gorgo", "sglang"),
+        Entry("gorgo@vllm", "gorgo", "vllm"),
+        Entry("smg:pd", "smg:pd", "sglang"),
+        Entry("vllm-router:pd", "vllm-router:pd", "vllm"),
+    ]
+    one = RivalsOptions("t", fronts=("gorgo", "smg:pd"), pd=True, pd_protocol="sglang")
+    assert one.problems() == []
+    assert [(e.key, e.protocol) for e in one.entries()] == [
+        ("gorgo", "sglang"),
+        ("smg:pd", "sglang"),
+    ]
+    on_vllm = RivalsOptions("t", fronts=("gorgo", "vllm-router:pd"), pd=True, pd_protocol="vllm")
+    assert [(e.key, e.protocol) for e in on_vllm.entries()] == [
+        ("gorgo", "vllm"),
+        ("vllm-router:pd", "vllm"),
+    ]
+    alone = RivalsOptions("t", fronts=("gorgo",), pd=True)
+    assert alone.entries() == [Entry("gorgo", "gorgo", "sglang")]  # the stack's default
+    assert RivalsOptions("t", fronts=("gorgo", "smg:cache_aware")).entries()[1].protocol is None
+
+
+def test_pd_option_mismatches_are_named() -> None:
+    def problems(**kw: object) -> str:
+        return " | ".join(RivalsOptions("t", **kw).problems())  # type: ignore[arg-type]
+
+    got = problems(fronts=("gorgo", "smg:pd"), pd=True, pd_protocol="vllm")
+    assert "smg:pd speaks sglang's P/D protocol only, not --pd-protocol vllm" in got
+    got = problems(fronts=("vllm-router:pd",), pd=True, pd_protocol="sglang")
+    assert "vllm-router:pd speaks vllm's P/D protocol only, not --pd-protocol sglang" in got
+    assert "smg:pd is a P/D front: add --pd" in problems(fronts=("gorgo", "smg:pd"))
+    got = problems(fronts=("gorgo", "smg:cache_aware"), pd=True)
+    assert "smg:cache_aware routes aggregated engines" in got and "vllm-router:pd" in got
+    assert "go with --pd" in problems(pd_protocol="vllm")
+    assert "go with --pd" in problems(kv_link_gbps=5.0)
+    assert "--pd-protocol must be one of" in problems(fronts=("gorgo",), pd=True, pd_protocol="x")
+    assert "--kv-link-gbps must be >= 0" in problems(fronts=("gorgo",), pd=True, kv_link_gbps=-1.0)
+    assert "--classes" in problems(fronts=("gorgo",), pd=True, classes=str(CLASSES))
+
+
+def test_pd_ratios_compare_gorgo_with_the_rivals_on_its_own_protocol() -> None:
+    def s(ttft: float, e2e: float) -> dict[str, dict[str, float]]:
+        return {"ttft_ms": {"p95": ttft}, "e2e_ms": {"p95": e2e}}
+
+    fronts = {
+        "gorgo@sglang": s(80.0, 300.0),
+        "gorgo@vllm": s(50.0, 100.0),
+        "smg:pd": s(100.0, 300.0),
+        "vllm-router:pd": s(40.0, 200.0),  # best overall, but on the other protocol
+    }
+    protocol = {"gorgo@sglang": "sglang", "gorgo@vllm": "vllm", "smg:pd": "sglang"}
+    got = pd_ratios(fronts, {**protocol, "vllm-router:pd": "vllm"})
+    assert got["by_protocol"] == {
+        "sglang": {"ttft_ms_p95_vs_best_peer": 0.8, "e2e_ms_p95_vs_best_peer": 1.0},
+        "vllm": {"ttft_ms_p95_vs_best_peer": 1.25, "e2e_ms_p95_vs_best_peer": 0.5},
+    }
+    # the headline: the larger of each figure over the protocols
+    assert (got["ttft_ms_p95_vs_best_peer"], got["e2e_ms_p95_vs_best_peer"]) == (1.25, 1.0)
+    # one protocol: gorgo as plain "gorgo"
+    one = pd_ratios({"gorgo": s(80.0, 300.0), "smg:pd": s(100.0, 300.0)},
+                    {"gorgo": "sglang", "smg:pd": "sglang"})  # fmt: skip
+    assert one["ttft_ms_p95_vs_best_peer"] == 0.8 and list(one["by_protocol"]) == ["sglang"]
+    assert pd_ratios({"gorgo": s(1.0, 1.0)}, {"gorgo": "sglang"}) == {}
+
+
+class _Stack:
+    """What pd_legs reads of a stack: its settings (regions, the P/D layout)."""
+
+    def __init__(self) -> None:
+        from emulator.stack.pd import PdLayout, PdSettings
+        from emulator.stack.settings import DEFAULT_REGIONS, StackSettings
+
+        pd = PdSettings(ports=list(range(23001, 23001 + PdLayout.size(2))))
+        self.settings = StackSettings(regions=DEFAULT_REGIONS[:2], pd=pd)
+
+
+def test_pd_legs_count_each_twins_legs_and_the_pairs_across_regions() -> None:
+    stack = _Stack()
+    pd = stack.settings.pd_layout()
+    ash, fra = pd.advertised(0), pd.advertised(1)
+    stats = [
+        {"name": "us-ashburn", "completed_total": 5, "kv_received_from": {ash: 3, fra: 1}},
+        {"name": "eu-frankfurt", "completed_total": 2, "kv_received_from": {ash: 2}},
+        {"name": "us-ashburn-prefill", "completed_total": 5},
+        {"name": "eu-frankfurt-prefill", "completed_total": 1},
+    ]
+    legs = pd_legs(stack, stats)  # type: ignore[arg-type]
+    assert legs == {
+        "prefill": {"us-ashburn-prefill": 5, "eu-frankfurt-prefill": 1},
+        "decode": {"us-ashburn": 5, "eu-frankfurt": 2},
+        "pairs": {
+            "eu-frankfurt->us-ashburn": 1,
+            "us-ashburn->eu-frankfurt": 2,
+            "us-ashburn->us-ashburn": 3,
+        },
+        "paired": 6,
+        "cross_region": 3,
+        "whole": 1,  # a decode served without a transfer (a vLLM decode engine whole)
+    }
