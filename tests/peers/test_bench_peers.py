@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from emulator.rivals.install import DEFAULT_VENV, is_installed
-from loadgen.bench.live.rivals import RivalsOptions, run_rivals_bench
+from loadgen.bench.peers.run import RivalsOptions, run_rivals_bench
 
 pytestmark = [
     pytest.mark.peers,

@@ -20,7 +20,8 @@ from emulator.rivals.process import start_rival
 from emulator.stack.pd import PdSettings
 from emulator.stack.ports import free_ports
 from emulator.stack.stack import Stack
-from loadgen.bench.live.rivals import REPLAY_MODEL, engine_stats, pd_legs, pd_workers
+from loadgen.bench.peers.pd import pd_legs, pd_workers
+from loadgen.bench.peers.run import REPLAY_MODEL, engine_stats
 from tests.e2e.conftest import FAST_REGIONS, fast_settings
 
 pytestmark = [

@@ -345,7 +345,7 @@ def add_screenshot(bench: Any, policies: Sequence[str]) -> None:
 
 
 def _peers(args: argparse.Namespace) -> int:
-    from loadgen.bench.live.rivals import RivalsOptions, run_rivals_bench
+    from loadgen.bench.peers.run import RivalsOptions, run_rivals_bench
 
     return run_rivals_bench(
         RivalsOptions(

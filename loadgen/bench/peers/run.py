@@ -27,14 +27,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import statistics
 import sys
 import tempfile
 import time
 import urllib.request
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +43,6 @@ from emulator.rivals.fronts import (
     DEFAULT_FRONTS,
     GORGO,
     PD_FRONTS,
-    PdWorkers,
     RivalFront,
     default_throughput_tok_s,
 )
@@ -57,12 +55,19 @@ from emulator.stack.stack import Stack
 from emulator.wan import RTT_PROFILES
 from ext_proc.common.names import HEADER_SESSION
 from ext_proc.config.dump import config_as_dict
-from ext_proc.config.flow import FlowControl
 from ext_proc.config.load import config_from_dict
 from ext_proc.estimate.profile import load_profile
-from ext_proc.vocab.backend import BackendRole, EngineKind
+from loadgen.bench.peers.classes import (
+    SMG_PRIORITY_ARGS,
+    class_headers,
+    class_report,
+    classed,
+    scheduler_metrics,
+)
+from loadgen.bench.peers.pd import legs_line, pd_legs, pd_workers
+from loadgen.bench.peers.summary import FrontRun, failures, median_summary, pd_ratios, ratios
 from loadgen.replay.loop import HeadersFor, replay
-from loadgen.results import RequestResult, summarize, table
+from loadgen.results import summarize, table
 from loadgen.sim.classes import Classes, class_summary, load_classes
 from loadgen.traces.load import load_trace
 from loadgen.traces.request import TraceRequest
@@ -72,15 +77,6 @@ from loadgen.traces.windows import scaled, window
 MAX_CONCURRENCY = 512
 # The model name the replay's requests carry (loadgen/replay/requests.py).
 REPLAY_MODEL = "default"
-# Figures of a SUMMARY whose repeats are reduced to a median and a spread.
-SPREAD_KEYS = (
-    ("ttft_ms", "p50"),
-    ("ttft_ms", "p95"),
-    ("ttft_ms", "p99"),
-    ("e2e_ms", "p50"),
-    ("e2e_ms", "p95"),
-    ("e2e_ms", "p99"),
-)
 
 
 @dataclass(frozen=True)
@@ -195,95 +191,6 @@ def order(fronts: Sequence[str], repeat: int) -> list[list[str]]:
     return [list(fronts) if r % 2 == 0 else list(reversed(fronts)) for r in range(repeat)]
 
 
-@dataclass
-class FrontRun:
-    """One front door's run of the window: its results and what its processes cost."""
-
-    front: str
-    results: list[RequestResult]
-    cpu_s: float
-    peak_rss_mb: float
-    wall_s: float
-    # Requests each engine completed (which backends it used).
-    spread: dict[str, int] = field(default_factory=dict)
-    # What shows it read the engines' loads, for the report.
-    evidence: str = ""
-    # SMG's priority scheduler's non-zero series at the end (with --classes).
-    scheduler: dict[str, float] = field(default_factory=dict)
-    # With --pd: where its legs went (pd_legs).
-    legs: dict[str, Any] = field(default_factory=dict)
-
-
-def median_summary(runs: Sequence[FrontRun]) -> dict[str, Any]:
-    """The shared result schema's SUMMARY over a front's repeats: the run with the median
-    p95 TTFT as the base, its percentiles replaced by the repeats' medians, and their
-    spread (min, max) beside them; plus the router's cost."""
-    sums = [summarize(r.results) for r in runs]
-    ranked = sorted(range(len(runs)), key=lambda i: sums[i]["ttft_ms"]["p95"] or 0.0)
-    base: dict[str, Any] = json.loads(json.dumps(sums[ranked[len(ranked) // 2]]))
-    spread: dict[str, dict[str, list[float]]] = {}
-    for metric, q in SPREAD_KEYS:
-        values = [s[metric][q] for s in sums if s[metric][q] is not None]
-        if values:
-            base[metric][q] = round(statistics.median(values), 3)
-            spread.setdefault(metric, {})[q] = [min(values), max(values)]
-    ok = sum(s["ok"] for s in sums)
-    base["spread"] = spread
-    base["runs"] = len(runs)
-    base["errors_total"] = sum(s["errors"] for s in sums)
-    base["requests_total"] = sum(s["requests"] for s in sums)
-    base["router_cpu_ms_per_request"] = round(
-        sum(r.cpu_s for r in runs) * 1e3 / max(1, sum(len(r.results) for r in runs)), 3
-    )
-    base["router_peak_rss_mb"] = round(max(r.peak_rss_mb for r in runs), 1)
-    base["failures"] = dict(
-        Counter(x.error[:120] for r in runs for x in r.results if x.status != "ok")
-    )
-    base["ok_total"] = ok
-    return base
-
-
-def failures(runs: Sequence[FrontRun], refusals_allowed: bool = False) -> int:
-    """Requests that failed (with `refusals_allowed`, 429s are not counted)."""
-    return sum(
-        1
-        for run in runs
-        for r in run.results
-        if r.status != "ok" and not (refusals_allowed and r.error.startswith("HTTP 429"))
-    )
-
-
-def pd_ratios(
-    fronts: Mapping[str, Mapping[str, Any]], protocol: Mapping[str, str | None]
-) -> dict[str, Any]:
-    """With --pd: on each protocol, gorgo's p95 TTFT and E2E over the best rival's there
-    (`ratios`); the headline figures are the largest of them (gorgo against the rival it
-    beats least, each on its own protocol)."""
-    by: dict[str, dict[str, Mapping[str, Any]]] = {}
-    for key, s in fronts.items():
-        p = protocol.get(key)
-        if p is not None:
-            by.setdefault(p, {})[GORGO if key.split("@")[0] == GORGO else key] = s
-    per = {p: r for p, fs in sorted(by.items()) if (r := ratios(fs))}
-    if not per:
-        return {}
-    out: dict[str, Any] = {k: max(r[k] for r in per.values()) for k in next(iter(per.values()))}
-    out["by_protocol"] = per
-    return out
-
-
-def ratios(fronts: Mapping[str, Mapping[str, Any]], us: str = GORGO) -> dict[str, float]:
-    """gorgo's p95 TTFT and E2E over the best rival's (the lowest of each)."""
-    rivals = {k: v for k, v in fronts.items() if k != us}
-    if us not in fronts or not rivals:
-        return {}
-    out = {}
-    for metric in ("ttft_ms", "e2e_ms"):
-        best = min(v[metric]["p95"] for v in rivals.values())
-        out[f"{metric}_p95_vs_best_peer"] = round(fronts[us][metric]["p95"] / best, 3)
-    return out
-
-
 class Sampler:
     """Samples the RSS of a set of processes (and their children) every `every_s`."""
 
@@ -330,23 +237,6 @@ def _get_text(url: str) -> str:
         return str(r.read().decode())
 
 
-def scheduler_metrics(text: str) -> dict[str, float]:
-    """SMG's priority scheduler's series (name with labels -> value) that are not zero: what
-    shows the classes took effect there (admitted, queued, preempted per class)."""
-    out = {}
-    for line in text.splitlines():
-        if line.startswith("#") or "sched" not in line.split("{")[0]:
-            continue
-        series, _, value = line.rpartition(" ")
-        try:
-            v = float(value)
-        except ValueError:
-            continue
-        if v:
-            out[series] = v
-    return out
-
-
 def engine_stats(stack: Stack) -> list[dict[str, Any]]:
     """Each engine's /stats: with P/D, the decode twins' (on the engines' ports) then the
     prefill twins'."""
@@ -356,55 +246,6 @@ def engine_stats(stack: Stack) -> list[dict[str, Any]]:
         pd = stack.settings.pd_layout()
         urls += [f"http://127.0.0.1:{pd.prefill(i)}" for i in range(n)]
     return [_get_json(f"{url}/stats") for url in urls]
-
-
-def pd_workers(stack: Stack) -> PdWorkers:
-    """A P/D rival's workers: the backends the router is given, by role (the same
-    addresses: the twins behind their front-door links; an SGLang prefill's bootstrap
-    port, which vLLM's have none of)."""
-    prefills, decodes = [], []
-    for b in stack.config.backends:
-        url = f"http://{b.address}"
-        if b.role is BackendRole.PREFILL:
-            sglang = b.engine is EngineKind.SGLANG
-            prefills.append((url, b.bootstrap_port if sglang else None))
-        elif b.role is BackendRole.DECODE:
-            decodes.append(url)
-    return PdWorkers(tuple(prefills), tuple(decodes))
-
-
-def pd_legs(stack: Stack, stats: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """Where a P/D front's legs went, from the twins' /stats: the requests each prefill
-    twin completed (prefill legs) and each decode twin (decodes, paired or whole), the
-    pairs (prefill region -> decode region: the KV each decode received, by the address
-    each prefill advertises), how many crossed regions, and the decodes served whole."""
-    pd, regions = stack.settings.pd_layout(), [r.id for r in stack.settings.regions]
-    region_of = {pd.advertised(a): regions[a] for a in range(pd.n)}
-    by_name = {s["name"]: s for s in stats}
-    decodes = {r: int(by_name[r]["completed_total"]) for r in regions}
-    prefills = {f"{r}-prefill": int(by_name[f"{r}-prefill"]["completed_total"]) for r in regions}
-    pairs: Counter[str] = Counter()
-    for b in regions:
-        for addr, n in by_name[b].get("kv_received_from", {}).items():
-            pairs[f"{region_of.get(addr, addr)}->{b}"] += int(n)
-    paired = sum(pairs.values())
-    cross = sum(n for k, n in pairs.items() if len(set(k.split("->"))) == 2)
-    return {
-        "prefill": prefills,
-        "decode": decodes,
-        "pairs": dict(sorted(pairs.items())),
-        "paired": paired,
-        "cross_region": cross,
-        "whole": sum(decodes.values()) - paired,
-    }
-
-
-def legs_line(legs: Mapping[str, Any]) -> str:
-    """pd_legs in a line for the log."""
-    return (
-        f"prefill legs {legs['prefill']}, decodes {legs['decode']}, pairs {legs['pairs']} "
-        f"({legs['cross_region']}/{legs['paired']} across regions, {legs['whole']} whole)"
-    )
 
 
 def load_polls(stats: Sequence[Mapping[str, Any]]) -> int:
@@ -445,49 +286,6 @@ def _stack(opts: RivalsOptions, classes: Classes | None, protocol: str | None = 
         raw["flow_control"] = flow
         stack.config = config_from_dict(raw)
     return stack
-
-
-# SMG's classes (middleware/scheduler: bulk < default < interactive < system); anonymous
-# requests may use up to interactive (--priority-scheduler-default-max-class).
-SMG_CLASSES = ("bulk", "default", "interactive")
-SMG_PRIORITY_ARGS = (
-    "--priority-scheduler-enabled",
-    "--priority-scheduler-default-max-class",
-    "interactive",
-)
-
-
-def smg_class_of(classes: Classes) -> dict[str, str]:
-    """Each objective's SMG class by priority rank: the highest interactive, the lowest
-    bulk, any between default."""
-    ranked = sorted(classes.objectives, key=lambda o: int(o.get("priority", 0)))
-    out = {}
-    for i, o in enumerate(ranked):
-        top, bottom = i == len(ranked) - 1, i == 0
-        out[o["name"]] = "interactive" if top else "bulk" if bottom else "default"
-    return out
-
-
-def class_headers(
-    f: RivalFront | None, classes: Classes
-) -> Callable[[TraceRequest], Mapping[str, str]]:
-    """A request's class as the front reads it: gorgo's objective header, SMG's priority
-    header; vllm-router has no classes (none)."""
-    if f is None:
-        header = FlowControl().objective_header
-        return lambda r: {header: classes.objective_of(r.session)}
-    if f.tool == "smg":
-        smg = smg_class_of(classes)
-        return lambda r: {"x-smg-priority": smg[classes.objective_of(r.session)]}
-    return lambda r: {}
-
-
-def classed(
-    results: Sequence[RequestResult], trace: Sequence[TraceRequest], classes: Classes
-) -> list[RequestResult]:
-    """Each result with its request's class (its session's), for the per-class summary."""
-    of = {r.id: classes.objective_of(r.session) for r in trace}
-    return [replace(x, objective=of.get(x.id)) for x in results]
 
 
 def _merge(*fns: Callable[[TraceRequest], Mapping[str, str]] | None) -> HeadersFor | None:
@@ -640,24 +438,6 @@ def report(fronts: Mapping[str, Mapping[str, Any]], r: Mapping[str, Any] | None 
                 f"  on {p}'s twins: p95 TTFT x{pr['ttft_ms_p95_vs_best_peer']:.2f}, "
                 f"p95 E2E x{pr['e2e_ms_p95_vs_best_peer']:.2f}"
             )
-    return "\n".join(lines)
-
-
-def class_report(fronts: Mapping[str, Mapping[str, Any]]) -> str:
-    """Per front: each objective's SLO attainment and the goodput (median over repeats)."""
-    lines = [
-        "| front | goodput | " + "objective slo_attained (served / requests) |",
-        "|---|---|---|",
-    ]
-    for name, s in fronts.items():
-        runs = s["classes"]
-        good = statistics.median(c["goodput"] for c in runs)
-        parts = []
-        for obj in sorted(runs[0]["objectives"]):
-            att = statistics.median(c["objectives"][obj]["slo_attained"] for c in runs)
-            o = runs[0]["objectives"][obj]
-            parts.append(f"{obj} {att:.3f} ({o['served']} / {o['requests']})")
-        lines.append(f"| {name} | {good:.3f} | {', '.join(parts)} |")
     return "\n".join(lines)
 
 

@@ -1,4 +1,4 @@
-"""The pure parts of `gorgo bench peers` (loadgen/bench/live/rivals.py): the rounds' order,
+"""The pure parts of `gorgo bench peers` (loadgen/bench/peers/): the rounds' order,
 the repeats' median, gorgo's ratio to the best rival, the options' checks, session headers;
 with --pd, which fronts run on which protocol's twins, the ratios per protocol and where
 the legs went (from the twins' /stats)."""
@@ -9,22 +9,10 @@ from dataclasses import replace
 from pathlib import Path
 
 from emulator.rivals.fronts import FRONTS
-from loadgen.bench.live.rivals import (
-    Entry,
-    FrontRun,
-    RivalsOptions,
-    class_headers,
-    classed,
-    failures,
-    median_summary,
-    order,
-    pd_legs,
-    pd_ratios,
-    ratios,
-    scheduler_metrics,
-    session_headers,
-    smg_class_of,
-)
+from loadgen.bench.peers.classes import class_headers, classed, scheduler_metrics, smg_class_of
+from loadgen.bench.peers.pd import pd_legs
+from loadgen.bench.peers.run import Entry, RivalsOptions, order, session_headers
+from loadgen.bench.peers.summary import FrontRun, failures, median_summary, pd_ratios, ratios
 from loadgen.results import RequestResult
 from loadgen.sim.classes import Classes, class_summary, classes_from_dict, load_classes
 from loadgen.traces.request import TraceRequest
