@@ -20,6 +20,7 @@ from typing import Protocol
 
 from ext_proc.common.names import HEADER_PREFILL_BACKEND
 from ext_proc.config.flow import HOLD_SLACK_S
+from ext_proc.core.pairs import prefills_itself
 from ext_proc.core.router import Router
 from ext_proc.envoy import codec
 from ext_proc.envoy.answers import json_error
@@ -108,6 +109,12 @@ class PrefillingSession(Protocol):
 
 
 def _whole(router: Router, backend: str) -> bool:
-    """Whether the decode engine may serve a request whole (its role is `both`)."""
+    """Whether the decode engine may serve a request whole: its role is `both`, or it is
+    a vLLM decode engine, which prefills a request without kv_transfer_params itself
+    (core.pairs.prefills_itself)."""
     state = router.backends.get(backend)
-    return state is not None and state.config.role == BackendRole.BOTH
+    if state is None:
+        return False
+    return state.config.role == BackendRole.BOTH or (
+        state.config.role == BackendRole.DECODE and prefills_itself(state)
+    )
