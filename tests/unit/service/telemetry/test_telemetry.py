@@ -425,7 +425,6 @@ def test_flow_series_exist_from_the_start_with_flow_control_on_and_not_with_it_o
     assert "gorgo_flow_waiting" not in telemetry.metrics.render().decode()
 
 
-
 def test_the_bus_series_say_whether_the_router_runs_alone() -> None:
     from ext_proc.service.telemetry.gauges import BusGauges
 
