@@ -35,20 +35,24 @@ async def api() -> AsyncIterator[FakeKubeApi]:
     await fake.stop()
 
 
-def config(kubeconfig: Path) -> Config:
+def config(kubeconfig: Path, leader: bool = True, nats_url: str = "", name: str = "") -> Config:
     grpc, admin = free_ports(2)
+    # (replicas are pods with host names of their own; here one process holds both)
+    bus = {"bus": {"nats_url": nats_url, "router_id": name}} if nats_url else {}
     return config_from_dict(
         {
             "listen": {"grpc": f"127.0.0.1:{grpc}", "admin": f"127.0.0.1:{admin}"},
             "envoy": {"mode": "endpoint_picker"},
             "tuner": {"mode": "off"},
+            "probes": {"interval_s": 60, "metrics_interval_s": 0},
             "discovery": {
                 "kubernetes": {
                     "pool_name": "llama",
                     "kubeconfig": str(kubeconfig),
-                    "leader_election": FAST,
+                    "leader_election": FAST if leader else {},
                 }
             },
+            **bus,
         }
     )
 
@@ -60,6 +64,7 @@ async def until(check: Callable[[], bool], timeout_s: float) -> None:
         await asyncio.sleep(0.05)
 
 
+@pytest.mark.long  # waits out a Lease (7 s): `make test-long`, which CI runs
 async def test_one_replica_leads_and_another_takes_over_when_it_dies(
     api: FakeKubeApi, tmp_path: Path
 ) -> None:
@@ -111,3 +116,45 @@ async def test_only_the_leader_is_ready(api: FakeKubeApi, tmp_path: Path) -> Non
             state = (await r.json())["leader_election"]
         assert state["lease"] == "default/gorgo-epp-llama"
         assert state["leading"] == (await ready(a.admin_port))
+
+
+def active(router: object) -> bool:
+    from ext_proc.vocab.types import BackendLifecycle
+
+    b = getattr(router, "backends", {}).get("vllm-0-rank-0")
+    return b is not None and b.lifecycle is BackendLifecycle.ACTIVE
+
+
+@pytest.mark.long  # two services and NATS (10 s)
+async def test_active_active_replicas_each_count_the_others_dispatches(
+    api: FakeKubeApi, tmp_path: Path
+) -> None:
+    """Without leader election both endpoint-picker replicas serve; over the bus each
+    counts the other's requests on the pool's backends (the same ids, from the same pods)."""
+    from ext_proc.service.app import running_service
+    from tests.component.test_fleet_bus import Nats, request, until
+
+    kubeconfig = api.kubeconfig(tmp_path / "kubeconfig")
+    nats = Nats()
+    nats.start()
+    url = f"nats://127.0.0.1:{nats.port}"
+    try:
+        async with (
+            running_service(config(kubeconfig, False, url, "epp-a")) as a,
+            running_service(config(kubeconfig, False, url, "epp-b")) as b,
+        ):
+            for r in (a, b):  # the pool's pod, found and in rotation
+                await until(lambda r=r: active(r.router), 8.0)
+            await until(lambda: a.fleet.connected and b.fleet.connected, 8.0)
+            deadline = time.monotonic() + 8
+            k = 0
+            while not b.router.peer_in_flight:  # a subscription is asynchronous
+                a.router.decide(request(f"a-{k}"))
+                k += 1
+                await asyncio.sleep(0.2)
+                assert time.monotonic() < deadline, "a's dispatches never reached b"
+            b.router.decide(request("b-1"))
+            await until(lambda: "b-1" in a.router.peer_in_flight)
+            assert b.router.backends["vllm-0-rank-0"].load.in_flight >= 2
+    finally:
+        nats.stop()
