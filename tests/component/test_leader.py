@@ -57,6 +57,10 @@ def config(kubeconfig: Path, leader: bool = True, nats_url: str = "", name: str 
     )
 
 
+def leader_cfg(api: FakeKubeApi, tmp_path: Path) -> Config:
+    return config(api.kubeconfig(tmp_path / "kubeconfig"))
+
+
 async def until(check: Callable[[], bool], timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while not check():
@@ -68,7 +72,7 @@ async def until(check: Callable[[], bool], timeout_s: float) -> None:
 async def test_one_replica_leads_and_another_takes_over_when_it_dies(
     api: FakeKubeApi, tmp_path: Path
 ) -> None:
-    cfg = config(api.kubeconfig(tmp_path / "kubeconfig"))
+    cfg = leader_cfg(api, tmp_path)
     replicas = [LeaderLease(cfg, identity=name) for name in ("epp-a", "epp-b")]
     for r in replicas:
         await r.start()
@@ -78,12 +82,24 @@ async def test_one_replica_leads_and_another_takes_over_when_it_dies(
         (leader,) = [r for r in replicas if r.leading]
         (standby,) = [r for r in replicas if not r.leading]
         assert api.holder("gorgo-epp-llama") == leader.identity
-        await leader.stop()  # killed: it neither renews nor releases the Lease
+        for task in leader._tasks:  # killed: it neither renews nor releases the Lease
+            task.cancel()
         died = time.monotonic()
         await until(lambda: standby.leading, 3 + 1 + 2)  # the lease, a retry, slack
         assert api.holder("gorgo-epp-llama") == standby.identity
         assert time.monotonic() - died >= 1.0  # not before the dead one's Lease ran out
         assert standby.elected == 1
+        # a clean stop hands the Lease back: the other takes it at its next try
+        leader.leading = False
+        await leader.stop()
+        await until(lambda: not leader._tasks or all(t.done() for t in leader._tasks), 2)
+        back = LeaderLease(leader_cfg(api, tmp_path), identity="epp-c")
+        await back.start()
+        await standby.stop()
+        stopped = time.monotonic()
+        await until(lambda: back.leading, 3)
+        assert time.monotonic() - stopped < 1.8  # its next try (1 s), not the 3 s Lease
+        await back.stop()
     finally:
         for r in replicas:
             await r.stop()

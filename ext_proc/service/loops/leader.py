@@ -56,13 +56,42 @@ class LeaderLease:
         # Told when `leading` changes (the health service re-checks readiness at once).
         self.on_change: Callable[[], None] | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._api: Any = None
 
     async def start(self) -> None:
         if self.le.enabled:
             self._tasks.append(asyncio.create_task(self._run()))
 
     async def stop(self) -> None:
+        """Stop contending; a leader hands the Lease back (holder cleared), so a standby
+        takes it at its next try instead of after lease_duration_s, as controller-runtime
+        does with LeaderElectionReleaseOnCancel (which the extension's picker sets)."""
+        leading = self.leading and self.le.enabled
         await cancel_and_wait(self._tasks)
+        api, self._api = self._api, None
+        if api is None:
+            return
+        try:
+            if leading:
+                await self._release(api)
+        finally:
+            with contextlib.suppress(Exception):
+                await api.close()
+
+    async def _release(self, api: Any) -> None:
+        from kubernetes_asyncio import client
+
+        name, ns = lease_name(self.k8s), namespace_of(self.k8s)
+        try:
+            coordination = client.CoordinationV1Api(api_client=api)
+            lease = await coordination.read_namespaced_lease(name, ns)
+            if lease.spec is None or lease.spec.holder_identity != self.identity:
+                return  # no longer ours
+            lease.spec.holder_identity = None  # type: ignore[assignment]  # it is optional
+            await coordination.replace_namespaced_lease(name, ns, lease)
+            log.info("leader election: %s released %s", self.identity, name)
+        except Exception as e:  # a stale resourceVersion, the API server gone: it expires
+            log.warning("leader election: could not release %s: %s", name, e)
 
     def snapshot(self) -> dict[str, Any]:
         return {
@@ -78,28 +107,25 @@ class LeaderLease:
         from kubernetes_asyncio.leaderelection import electionconfig, leaderelection
         from kubernetes_asyncio.leaderelection.resourcelock.leaselock import LeaseLock
 
-        api = await self.connect(self.k8s)
-        try:
-            lock = LeaseLock(lease_name(self.k8s), namespace_of(self.k8s), self.identity, api)
-            while True:  # a leader that lost the Lease becomes a candidate again
-                config = electionconfig.Config(
-                    lock,
-                    lease_duration=self.le.lease_duration_s,
-                    renew_deadline=self.le.renew_deadline_s,
-                    retry_period=self.le.retry_period_s,
-                    onstarted_leading=self._lead,
-                    onstopped_leading=self._follow,
-                )
-                try:
-                    await leaderelection.LeaderElection(config).run()
-                except Exception as e:  # the API server gone, a bad answer: try again
-                    self.error = str(e)
-                    log.warning("leader election: %s; again in %.0f s", e, self.le.retry_period_s)
-                self._set(False)
-                await asyncio.sleep(self.le.retry_period_s)
-        finally:
-            with contextlib.suppress(Exception):
-                await api.close()
+        api = self._api = await self.connect(self.k8s)
+        # (the client is closed by stop(), after the Lease is handed back)
+        lock = LeaseLock(lease_name(self.k8s), namespace_of(self.k8s), self.identity, api)
+        while True:  # a leader that lost the Lease becomes a candidate again
+            config = electionconfig.Config(
+                lock,
+                lease_duration=self.le.lease_duration_s,
+                renew_deadline=self.le.renew_deadline_s,
+                retry_period=self.le.retry_period_s,
+                onstarted_leading=self._lead,
+                onstopped_leading=self._follow,
+            )
+            try:
+                await leaderelection.LeaderElection(config).run()
+            except Exception as e:  # the API server gone, a bad answer: try again
+                self.error = str(e)
+                log.warning("leader election: %s; again in %.0f s", e, self.le.retry_period_s)
+            self._set(False)
+            await asyncio.sleep(self.le.retry_period_s)
 
     def _set(self, leading: bool) -> None:
         changed, self.leading = leading != self.leading, leading
