@@ -15,6 +15,8 @@ import contextlib
 import logging
 import os
 import socket
+import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -46,6 +48,19 @@ RETRY_S = 1.0
 # second unanswered (nats-py's default pings every 2 minutes), and the next one is tried.
 PING_S = 1
 MAX_PINGS_OUT = 3
+# What a router sent in this many seconds it sends again, in order, when it rejoins the
+# bus or a peer that rejoined asks (`sync`): core NATS drops what a server swallowed before
+# its loss was noticed (3 pings) and what an absent subscriber missed. Replayed in order,
+# the events are idempotent (a dispatch then its close nets to nothing).
+REPLAY_S = 15.0
+# The lifecycle events worth replaying (the claims are sent afresh anyway).
+REPLAYED = (
+    PeerKind.DISPATCHED,
+    PeerKind.FIRST_BYTE,
+    PeerKind.CLOSED,
+    PeerKind.FIRST_CHUNK,
+    PeerKind.COMPLETED,
+)
 # How long a flush may wait for the server's answer (whole seconds: nats-py's unit); the
 # flow-control releases it confirms time out sooner by themselves (flow.shared).
 FLUSH_TIMEOUT_S = 1
@@ -75,6 +90,9 @@ class FleetBus:
         # Which router each peer request we count came from: a SYNC from it forgets those
         # it no longer has (their close was missed).
         self._peer_of: dict[str, str] = {}
+        # What we sent lately (monotonic time, event), for a replay (REPLAY_S).
+        self._recent: deque[tuple[float, PeerEvent]] = deque()
+        self.replayed = 0
         self.forwarded = self.forwarded_here = 0
         # Applies another router's FIRST_CHUNK or COMPLETED for one of ours (the shell's
         # ExtProcService.apply_forwarded).
@@ -130,8 +148,10 @@ class FleetBus:
             "connected": self.connected,
             "server": self.server,
             "disconnects": self.disconnects,
-            # Peer requests forgotten because their router's SYNC no longer listed them.
+            # Peer requests forgotten because their router's SYNC no longer listed them,
+            # and our events sent again after a rejoin (ours or a peer's).
             "forgotten": self.forgotten,
+            "replayed": self.replayed,
             "peer_requests_in_flight": len(self.router.peer_in_flight),
             "sent": self.sent,
             "received": self.received,
@@ -149,11 +169,16 @@ class FleetBus:
         if self.cfg.bus.nats_url:
             self._send(waiting_event(self.router_id, claims, heads))
 
-    def _send(self, e: PeerEvent) -> None:
-        if e.kind == PeerKind.DISPATCHED and not self.connected:
+    def _send(self, e: PeerEvent, replay: bool = False) -> None:
+        if e.kind == PeerKind.DISPATCHED and not self.connected and not replay:
             # No peer can hear it now: nothing to wait for (fail open). Told after the
             # release that sent it is recorded.
             self._confirm_soon([e.request_id])
+        if e.kind in REPLAYED and not replay:
+            now = time.monotonic()
+            self._recent.append((now, e))
+            while self._recent and self._recent[0][0] < now - REPLAY_S:
+                self._recent.popleft()
         try:
             self._queue.put_nowait(e)
         except asyncio.QueueFull:
@@ -232,6 +257,13 @@ class FleetBus:
             self.on_peer(e)
 
     def _sync(self, ask: bool) -> None:
+        """Our last REPLAY_S of events again, in order, then every request we have in
+        flight (`ask`: the others answer with theirs)."""
+        horizon = time.monotonic() - REPLAY_S
+        for at, e in list(self._recent):
+            if at >= horizon:
+                self.replayed += 1
+                self._send(e, replay=True)
         self._send(sync_event(self.router_id, list(self.router.in_flight), ask))
 
     def _synced(self, e: PeerEvent) -> None:
