@@ -149,7 +149,7 @@ class FleetBus:
             "server": self.server,
             "disconnects": self.disconnects,
             # Peer requests forgotten because their router's SYNC no longer listed them,
-            # and our events sent again after a rejoin (ours or a peer's).
+            # and our events sent again (on our rejoin, or a rejoining peer's ask).
             "forgotten": self.forgotten,
             "replayed": self.replayed,
             "peer_requests_in_flight": len(self.router.peer_in_flight),
