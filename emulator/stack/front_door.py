@@ -7,13 +7,12 @@ cluster), reaching the stack's engines over WAN links at that region's RTTs
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
 from pathlib import Path
 from typing import Protocol
 
 from emulator.stack.ports import free_ports
 from emulator.stack.processes import wan_argv
-from emulator.stack.settings import StackSettings, config_yaml
+from emulator.stack.settings import StackSettings, config_yaml, replica_config
 from emulator.wan import region_rtt_ms
 from ext_proc.common.files import write_atomic
 from ext_proc.config.dump import config_as_dict
@@ -78,18 +77,11 @@ class FrontDoor:
             b["address"] = f"127.0.0.1:{link}"
             b["rtt_prior_ms"] = region_rtt_ms(region, r.id)
         self.config = config_from_dict(raw)
-        # The door's other routers: its config on their own ports, bus ids and (unread)
-        # xDS directories; only the first writes its Envoy's files.
+        # The door's other routers (emulator.stack.settings.replica_config).
+        names = [f"door-{region}-{k + 2}" for k in range(len(extra))]
         self.extra_routers = [
-            replace(
-                self.config,
-                listen=replace(self.config.listen, grpc=f"127.0.0.1:{g}", admin=f"127.0.0.1:{a}"),
-                bus=replace(self.config.bus, router_id=f"door-{region}-{k + 2}"),
-                envoy=replace(
-                    self.config.envoy, xds_dir=str(stack.workdir / f"door-{region}-{k + 2}-xds")
-                ),
-            )
-            for k, (g, a) in enumerate(extra)
+            replica_config(self.config, g, a, name, stack.workdir / f"{name}-xds")
+            for name, (g, a) in zip(names, extra, strict=True)
         ]
 
     @property

@@ -6,7 +6,7 @@ they make.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -330,3 +330,16 @@ def regions_for_profile(profile: str) -> tuple[Region, ...]:
 def config_yaml(cfg: Config) -> str:
     """A router config as the YAML file a `gorgo serve` child reads."""
     return yaml.safe_dump(config_as_dict(cfg), sort_keys=False)
+
+
+def replica_config(
+    c: Config, grpc_port: int, admin_port: int, router_id: str, xds_dir: Path
+) -> Config:
+    """Another router behind the same Envoy: `c` on its own ports and bus id, with its own
+    (unread) xDS directory, as only the first router writes Envoy's files."""
+    return replace(
+        c,
+        listen=replace(c.listen, grpc=f"127.0.0.1:{grpc_port}", admin=f"127.0.0.1:{admin_port}"),
+        bus=replace(c.bus, router_id=router_id),
+        envoy=replace(c.envoy, xds_dir=str(xds_dir)),
+    )

@@ -34,7 +34,7 @@ from emulator.stack.processes import (
     tidy_workdir,
     wan_argv,
 )
-from emulator.stack.settings import Region, StackSettings, config_yaml
+from emulator.stack.settings import Region, StackSettings, config_yaml, replica_config
 from emulator.stack.supervision import SupervisedChildren, http_ok, wait_port
 from ext_proc.common.files import write_atomic
 from ext_proc.config.schema import PROBE_PATH, Config
@@ -106,15 +106,8 @@ class Stack(SupervisedChildren):
         self.extra_routers = [self._extra_router(k + 2, g, a) for k, (g, a) in enumerate(extra)]
 
     def _extra_router(self, n: int, grpc_port: int, admin_port: int) -> Config:
-        c = self.config
-        return replace(
-            c,
-            listen=replace(
-                c.listen, grpc=f"127.0.0.1:{grpc_port}", admin=f"127.0.0.1:{admin_port}"
-            ),
-            bus=replace(c.bus, router_id=f"router-{n}"),
-            envoy=replace(c.envoy, xds_dir=str(self.workdir / f"router-{n}-xds")),
-        )
+        xds = self.workdir / f"router-{n}-xds"
+        return replica_config(self.config, grpc_port, admin_port, f"router-{n}", xds)
 
     # -- URLs ---------------------------------------------------------------------------
 
