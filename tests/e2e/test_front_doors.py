@@ -111,7 +111,10 @@ def router_state_at(admin_url: str) -> dict:
 
 def test_three_doors_with_two_routers_each_decide_behind_their_own_envoy() -> None:
     """`gorgo up --front-doors 3 --routers 2` (issue 60): each door's Envoy reaches its own
-    two routers, and both of them decide (they pointed at the first door's routers)."""
+    two routers (they pointed at the first door's routers, whose own made no decision):
+    every request through a door is decided by that door's routers. (Not necessarily by
+    both: a run saw one door's 8 sequential requests all decided by one of its two; Envoy
+    round-robins the ext_proc streams, and each request opens more than one.)"""
     stack = Stack(
         fast_settings(
             "gorgo",
@@ -136,7 +139,7 @@ def test_three_doors_with_two_routers_each_decide_behind_their_own_envoy() -> No
                 assert ask(url, hi, f"d{k}-{i}").ok
         for url, admins in doors:
             made = [router_state_at(a)["decisions"] for a in admins]
-            assert all(n > 0 for n in made) and sum(made) >= 8, (url, made)
+            assert len(made) == 2 and sum(made) == 8, (url, made)
     finally:
         stack.stop()
 
