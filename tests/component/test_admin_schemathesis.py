@@ -196,6 +196,7 @@ async def check_without_the_token(examples: int, tmp: Path) -> None:
     assert changes.get(405, 0) >= 1, changes  # methods the document does not list
 
 
+@pytest.mark.long  # 10 s; `make test` keeps the token's two runs (its long twin: below)
 async def test_schemathesis_with_no_token_configured(tmp_path: Path) -> None:
     run = await fuzz("", False, SHORT_EXAMPLES, tmp_path)
     changes = statuses(run["entries"], CHANGES)
