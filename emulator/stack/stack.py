@@ -120,6 +120,12 @@ class Stack(SupervisedChildren):
         return f"http://127.0.0.1:{self.settings.ports.admin}"
 
     @property
+    def admin_urls(self) -> list[str]:
+        """Every router's admin URL behind the stack's own front door, the first's first
+        (FrontDoor.admin_urls for the other doors')."""
+        return [self.admin_url, *(f"http://{c.listen.admin}" for c in self.extra_routers)]
+
+    @property
     def envoy_admin_url(self) -> str:
         return f"http://127.0.0.1:{self.settings.ports.envoy_admin}"
 

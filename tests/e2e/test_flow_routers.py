@@ -54,7 +54,7 @@ def stack() -> Iterator[Stack]:
 
 
 def admins(stack: Stack) -> list[str]:
-    return [stack.admin_url, *(f"http://{c.listen.admin}" for c in stack.extra_routers)]
+    return stack.admin_urls
 
 
 def waiting_in_engines(stack: Stack) -> dict[str, int]:

@@ -109,13 +109,9 @@ def router_state_at(admin_url: str) -> dict:
         return dict(json.loads(resp.read()))
 
 
-def test_three_doors_with_two_routers_each_decide_behind_their_own_envoy() -> None:
-    """`gorgo up --front-doors 3 --routers 2` (issue 60): each door's Envoy reaches its own
-    two routers (they pointed at the first door's routers, whose own made no decision):
-    every request through a door is decided by that door's routers. (Not necessarily by
-    both: a run saw one door's 8 sequential requests all decided by one of its two; Envoy
-    round-robins the ext_proc streams, and each request opens more than one.)"""
-    stack = Stack(
+def three_doors_two_routers() -> Stack:
+    """`gorgo up --front-doors 3 --routers 2`'s stack, the e2e tier's fast engines."""
+    return Stack(
         fast_settings(
             "gorgo",
             regions=DEFAULT_REGIONS,
@@ -124,13 +120,19 @@ def test_three_doors_with_two_routers_each_decide_behind_their_own_envoy() -> No
             tuner_mode="off",
         )
     )
+
+
+def test_three_doors_with_two_routers_each_decide_behind_their_own_envoy() -> None:
+    """`gorgo up --front-doors 3 --routers 2` (issue 60): each door's Envoy reaches its own
+    two routers (they pointed at the first door's routers, whose own made no decision):
+    every request through a door is decided by that door's routers. (Not necessarily by
+    both: a run saw one door's 8 sequential requests all decided by one of its two; Envoy
+    round-robins the ext_proc streams, and each request opens more than one.)"""
+    stack = three_doors_two_routers()
     stack.start()
     try:
         doors = [
-            (
-                stack.front_door_url,
-                [stack.admin_url, *(f"http://{c.listen.admin}" for c in stack.extra_routers)],
-            ),
+            (stack.front_door_url, stack.admin_urls),
             *((d.url, d.admin_urls) for d in stack.doors),
         ]
         for k, (url, _) in enumerate(doors):

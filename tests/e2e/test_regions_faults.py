@@ -22,11 +22,9 @@ from dataclasses import dataclass, field
 import aiohttp
 import pytest
 
-from emulator.stack.settings import DEFAULT_REGIONS
-from emulator.stack.stack import Stack
 from loadgen.client.stream import send_chat
-from tests.e2e.conftest import fast_settings
 from tests.e2e.stack_harness import wait_for
+from tests.e2e.test_front_doors import three_doors_two_routers
 
 pytestmark = [pytest.mark.e2e, pytest.mark.long]
 
@@ -75,18 +73,9 @@ def state(admin_url: str) -> dict:
 
 
 def test_a_router_killed_and_nats_frozen_fail_no_request_and_the_views_agree_after() -> None:
-    stack = Stack(
-        fast_settings(
-            "gorgo",
-            regions=DEFAULT_REGIONS,
-            routers=2,
-            front_door_regions=("eu-frankfurt", "ap-seoul"),
-            tuner_mode="off",
-        )
-    )
+    stack = three_doors_two_routers()
     stack.start()
-    admins = [stack.admin_url, *(f"http://{c.listen.admin}" for c in stack.extra_routers)]
-    admins += [u for d in stack.doors for u in d.admin_urls]
+    admins = [*stack.admin_urls, *(u for d in stack.doors for u in d.admin_urls)]
     nats = {name: stack.procs[name].pid for name in stack.procs if name.startswith("nats")}
     load = Load([stack.front_door_url, *(d.url for d in stack.doors)])
     try:
